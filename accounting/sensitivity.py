@@ -1,0 +1,127 @@
+r"""ℓ∞ sensitivity of the aggregated next-token logits.
+
+The one place where the factor between clip norm and sensitivity lives: the generator, the
+accountants and the auditor all take it from here, never from a literal.
+
+With ``B`` private references, clip norm ``C`` and the coordinate-wise projection
+:math:`\mathrm{clip}_C` onto :math:`[-C, C]`:
+
+* difference clipping (InvisibleInk, paper Eq. (2)):
+  :math:`\bar\phi = \phi_{pub} + \frac1B \sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})`;
+* naive clipping (Amin et al. 2024): :math:`\bar\phi = \frac1B \sum_i \mathrm{clip}_C(\phi_i)`.
+
+Adjacency:
+
+* replace-by-null: one reference is replaced by the empty string, whose logits are exactly
+  :math:`\phi_{pub}` (paper §3, Definition of adjacency);
+* zero-out: one reference's logit row is replaced by the zero vector.
+
+Sensitivities (paper Property 1 and Propositions 1–3, Appendix C):
+
+=================  ===============  ==========
+clipping           replace-by-null  zero-out
+=================  ===============  ==========
+difference (DClip)  C/B              2C/B
+naive (Amin 2024)   2C/B             C/B
+=================  ===============  ==========
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+__all__ = [
+    "Adjacency",
+    "Clipping",
+    "linf_sensitivity",
+    "sensitivity_factor",
+    "clip_norm_for_sensitivity",
+]
+
+
+class Adjacency(enum.Enum):
+    """Neighbouring relation between reference datasets."""
+
+    REPLACE_BY_NULL = "replace-by-null"
+    ZERO_OUT = "zero-out"
+
+
+class Clipping(enum.Enum):
+    """How the per-reference logits are clipped before averaging."""
+
+    DIFFERENCE = "difference"
+    NAIVE = "naive"
+
+
+_FACTOR: dict[tuple[Clipping, Adjacency], int] = {
+    # paper Property 1: DClip moves by at most C/B when a row becomes the public row.
+    (Clipping.DIFFERENCE, Adjacency.REPLACE_BY_NULL): 1,
+    # paper Prop. 2: a zero row is clipped to clip_C(-phi_pub), anywhere in [-C, C].
+    (Clipping.DIFFERENCE, Adjacency.ZERO_OUT): 2,
+    # paper Prop. 3: clip_C(phi_i) and clip_C(phi_pub) can be at opposite ends of [-C, C].
+    (Clipping.NAIVE, Adjacency.REPLACE_BY_NULL): 2,
+    # Amin et al. 2024: clip_C(0) = 0, so the row moves by at most C.
+    (Clipping.NAIVE, Adjacency.ZERO_OUT): 1,
+}
+
+
+def _coerce(value, enum_type):
+    if isinstance(value, enum_type):
+        return value
+    try:
+        return enum_type(value)
+    except ValueError as err:
+        choices = ", ".join(repr(m.value) for m in enum_type)
+        raise ValueError(f"{enum_type.__name__.lower()} must be one of {choices}; got {value!r}") from err
+
+
+def _check_positive_finite(name: str, value) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be a positive finite number; got {value!r}") from err
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{name} must be a positive finite number; got {value!r}")
+    return x
+
+
+def _check_batch_size(batch_size) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+    return batch_size
+
+
+def sensitivity_factor(
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+    adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+) -> int:
+    """The integer ``f`` with ℓ∞ sensitivity ``f * C / B`` (table in the module docstring)."""
+    return _FACTOR[(_coerce(clipping, Clipping), _coerce(adjacency, Adjacency))]
+
+
+def linf_sensitivity(
+    clip_norm: float,
+    batch_size: int,
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+    adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+) -> float:
+    r"""ℓ∞ sensitivity :math:`\Delta` of the aggregated logits (paper Property 1, Props. 1–3).
+
+    ``batch_size`` is the number of private references ``B`` per generated text (not ``B + 1``).
+    """
+    c = _check_positive_finite("clip_norm", clip_norm)
+    b = _check_batch_size(batch_size)
+    return sensitivity_factor(clipping, adjacency) * c / b
+
+
+def clip_norm_for_sensitivity(
+    sensitivity: float,
+    batch_size: int,
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+    adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+) -> float:
+    """Inverse of :func:`linf_sensitivity`: the clip norm ``C`` whose sensitivity is ``sensitivity``."""
+    s = _check_positive_finite("sensitivity", sensitivity)
+    b = _check_batch_size(batch_size)
+    return s * b / sensitivity_factor(clipping, adjacency)
