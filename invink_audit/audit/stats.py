@@ -1,0 +1,644 @@
+r"""Statistics of the privacy auditor: divergence estimators, confidence bounds, tests, verdicts.
+
+Torch-free (numpy/scipy only). Everything here works on *privacy-loss samples* produced by the
+white-box auditor (exact per-token log-probabilities) or on *trial outcomes* of the black-box
+auditor, and every bound states its significance level: an interval at ``significance`` β holds
+with probability at least 1 − β (β is a significance level, 1 − β the confidence level).
+
+Estimators (notation of ../shared/AUDITING_NOTES.md):
+
+* plain Monte Carlo Rényi divergence (notes §3): with :math:`x\sim P`, :math:`L(x)=\log P(x)/P'(x)`,
+  :math:`D_\alpha(P\|P') = \frac{1}{\alpha-1}\log \mathbb E_P[e^{(\alpha-1)L}]`;
+* geometric-mixture importance sampling (notes §4): sampling every token from
+  :math:`g_t\propto p_t^\alpha p_t'^{1-\alpha}` gives
+  :math:`e^{(\alpha-1)D_\alpha(P\|P')} = \mathbb E_{G_\alpha}[e^{(\alpha-1)S}]` with
+  :math:`S=\sum_t D_\alpha(p_t\|p'_t)` (the telescoping identity
+  :math:`\prod_t p_t^\alpha p_t'^{1-\alpha} = \prod_t Z_t g_t`), a *bounded* integrand;
+* hockey-stick divergence (notes §5): :math:`\delta(\varepsilon) = \mathbb E_P[(1-e^{\varepsilon-L})_+]`.
+
+Confidence bounds on a mean:
+
+* Anderson (1969) bound from the Dvoretzky–Kiefer–Wolfowitz inequality with Massart's constant
+  (Massart 1990, Ann. Probab. 18(3), Thm. 1): if :math:`\sup_x |F_n(x)-F(x)| \le \eta` then
+  :math:`a + \int_a^b (S_n(x)-\eta)_+\,dx \le \mathbb E X \le a + \int_a^b \min(1, S_n(x)+\eta)\,dx`.
+  The lower bound needs only :math:`X \ge a` (no upper range), which is what makes plain Monte
+  Carlo usable for *detecting* violations; it equals the sample mean with the top η of the mass
+  moved down to ``a``. The upper bound moves the bottom η of the mass up to ``b``.
+* empirical Bernstein (Maurer & Pontil 2009, arXiv:0907.3740, Thm. 4) for :math:`X\in[a,b]`.
+* Clopper–Pearson (1934) exact binomial intervals (black-box audits).
+
+Multiple comparisons: Holm (1979) step-down over all tests of an audit, which controls the
+family-wise error rate at the stated significance level under any dependence.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy import special, stats
+
+__all__ = [
+    "Interval",
+    "Verdict",
+    "TestResult",
+    "dkw_radius",
+    "anderson_mean_bounds",
+    "empirical_bernstein_mean_bounds",
+    "log_mean_bounds",
+    "renyi_monte_carlo",
+    "renyi_importance_sampling",
+    "RenyiEstimate",
+    "hockey_stick_delta",
+    "DeltaCurve",
+    "clopper_pearson",
+    "epsilon_lower_bound",
+    "p_value_from_lower_bound",
+    "holm",
+    "bonferroni",
+    "decide_verdict",
+]
+
+#: smallest significance level the p-value bisection resolves (p-values below it are reported as it)
+MIN_P_VALUE = 1e-300
+
+
+def _check_significance(significance) -> float:
+    try:
+        s = float(significance)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"significance must be in (0, 1); got {significance!r}") from err
+    if not 0.0 < s < 1.0:
+        raise ValueError(f"significance must be in (0, 1); got {significance!r}")
+    return s
+
+
+def _check_alpha(alpha) -> float:
+    try:
+        a = float(alpha)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"alpha (Rényi order) must be a finite number > 1; got {alpha!r}") from err
+    if not (math.isfinite(a) and a > 1.0):
+        raise ValueError(f"alpha (Rényi order) must be a finite number > 1; got {alpha!r}")
+    return a
+
+
+def _as_samples(name: str, values, *, allow_posinf: bool = False) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64).reshape(-1)
+    if arr.size == 0:
+        raise ValueError(f"{name} must contain at least one sample; got an empty array")
+    if np.isnan(arr).any():
+        raise ValueError(f"{name} must not contain NaN")
+    if np.isneginf(arr).any() or (not allow_posinf and np.isposinf(arr).any()):
+        raise ValueError(f"{name} must be finite; got {arr[~np.isfinite(arr)][:3]!r}")
+    return arr
+
+
+class Verdict(enum.Enum):
+    """Outcome of an audit at a stated significance level."""
+
+    PASS = "PASS"
+    VIOLATION = "VIOLATION"
+    INCONCLUSIVE = "INCONCLUSIVE"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with a confidence interval ``[lower, upper]`` at level ``1 - significance``."""
+
+    lower: float
+    estimate: float
+    upper: float
+    significance: float
+    method: str
+
+    def __post_init__(self):
+        _check_significance(self.significance)
+        if math.isnan(self.estimate) or math.isnan(self.lower) or math.isnan(self.upper):
+            raise ValueError(f"interval values must not be NaN; got {self!r}")
+        if not self.lower <= self.upper:
+            raise ValueError(f"lower must be <= upper; got {self.lower!r} > {self.upper!r}")
+
+    def contains(self, value: float) -> bool:
+        return self.lower <= value <= self.upper
+
+
+# ---------------------------------------------------------------------------------------------
+# confidence bounds on means
+
+
+def dkw_radius(n: int, significance: float, *, two_sided: bool = True) -> float:
+    r"""DKW radius η with :math:`P(\sup_x |F_n-F| > \eta) \le \beta` (Massart 1990, Thm. 1).
+
+    Two-sided: :math:`\eta=\sqrt{\log(2/\beta)/(2n)}`. One-sided (Massart's Thm. 1 comment, valid
+    when :math:`\beta \le 1/2`): :math:`\eta=\sqrt{\log(1/\beta)/(2n)}`; for β > 1/2 the two-sided
+    radius is returned (larger, hence still valid).
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n must be an integer >= 1; got {n!r}")
+    beta = _check_significance(significance)
+    if two_sided or beta > 0.5:
+        return math.sqrt(math.log(2.0 / beta) / (2.0 * n))
+    return math.sqrt(math.log(1.0 / beta) / (2.0 * n))
+
+
+def _anderson_log_weights(n: int, eta: float) -> np.ndarray:
+    """Weights of the sorted samples in Anderson's lower bound: 1/n each, top η of mass removed."""
+    # mass of the i-th smallest sample (1-based) is the overlap of [(i-1)/n, i/n] with [0, 1-eta]
+    lo = np.arange(n) / n
+    hi = np.arange(1, n + 1) / n
+    w = np.clip(np.minimum(hi, 1.0 - eta) - lo, 0.0, None)
+    with np.errstate(divide="ignore"):
+        return np.log(w)
+
+
+def anderson_mean_bounds(
+    log_values,
+    significance: float,
+    *,
+    log_lower: float = -math.inf,
+    log_upper: float = math.inf,
+) -> tuple[float, float]:
+    r"""Anderson–DKW bounds on :math:`\log \mathbb E[X]` from samples of :math:`\log X`.
+
+    Samples must lie in ``[exp(log_lower), exp(log_upper)]`` (``log_lower=-inf`` means X ≥ 0). Both
+    bounds hold *simultaneously* with probability ≥ 1 − ``significance`` (two-sided DKW radius).
+    The upper bound is ``+inf`` when ``log_upper`` is infinite: a mean has no upper confidence bound
+    without an upper range. Works in log space, so ranges like :math:`e^{700}` do not overflow.
+
+    Source: Anderson (1969), "Confidence limits for the expected value of an arbitrary bounded
+    random variable with a continuous distribution function"; DKW with Massart's constant.
+    """
+    logs = _as_samples("log_values", log_values, allow_posinf=True)
+    if logs.min() < log_lower - 1e-12 or logs.max() > log_upper + 1e-12:
+        raise ValueError(
+            f"samples must lie in [exp({log_lower!r}), exp({log_upper!r})]; "
+            f"got log-range [{logs.min()!r}, {logs.max()!r}]"
+        )
+    n = logs.size
+    eta = min(dkw_radius(n, significance), 1.0)
+    srt = np.sort(logs)
+    lw = _anderson_log_weights(n, eta)
+    # lower: sorted samples with weights lw (sum 1 - eta) plus mass eta at the lower end of the range
+    with np.errstate(invalid="ignore"):
+        lower_terms = np.where(np.isneginf(lw), -math.inf, srt + lw)
+    lower_terms = np.append(lower_terms, log_lower + math.log(eta) if eta > 0 else -math.inf)
+    lower = float(special.logsumexp(lower_terms)) if np.isfinite(lower_terms).any() else -math.inf
+    if not math.isfinite(log_upper):
+        return lower, math.inf
+    # upper: mass eta at the upper end, bottom eta of the samples removed (mirror of the lower bound)
+    uw = lw[::-1]
+    with np.errstate(invalid="ignore"):
+        upper_terms = np.where(np.isneginf(uw), -math.inf, srt + uw)
+    upper_terms = np.append(upper_terms, log_upper + math.log(eta) if eta > 0 else -math.inf)
+    upper = float(special.logsumexp(upper_terms))
+    return lower, min(upper, log_upper)
+
+
+def empirical_bernstein_mean_bounds(
+    log_values, significance: float, *, log_lower: float, log_upper: float
+) -> tuple[float, float]:
+    r"""Maurer–Pontil empirical-Bernstein bounds on :math:`\log \mathbb E[X]`, X in [a, b].
+
+    arXiv:0907.3740, Thm. 4, applied to :math:`(X-a)/(b-a) \in [0,1]` on each side at β/2, so the
+    pair holds simultaneously with probability ≥ 1 − β:
+    :math:`|\bar X - \mathbb E X| \le \sqrt{2V_n\log(4/\beta)/n} + 7(b-a)\log(4/\beta)/(3(n-1))`,
+    with :math:`V_n` the unbiased sample variance. Needs n ≥ 2 and a finite range.
+    """
+    logs = _as_samples("log_values", log_values, allow_posinf=False)
+    beta = _check_significance(significance)
+    if not (math.isfinite(log_upper) and log_upper >= log_lower):
+        raise ValueError(f"log_upper must be finite and >= log_lower; got {log_upper!r}")
+    n = logs.size
+    if n < 2:
+        return log_lower, log_upper
+    # scale by the upper end so the values are in [0, 1]; a is exp(log_lower - log_upper)
+    scaled = np.exp(logs - log_upper)
+    a = math.exp(log_lower - log_upper) if math.isfinite(log_lower) else 0.0
+    x = (scaled - a) / (1.0 - a) if a < 1.0 else np.zeros_like(scaled)
+    mean = float(x.mean())
+    var = float(x.var(ddof=1))
+    u = math.log(4.0 / beta)
+    half = math.sqrt(2.0 * var * u / n) + 7.0 * u / (3.0 * (n - 1))
+    lo_x, hi_x = max(0.0, mean - half), min(1.0, mean + half)
+
+    def back(v: float) -> float:
+        val = a + (1.0 - a) * v
+        return log_upper + math.log(val) if val > 0 else -math.inf
+
+    return max(back(lo_x), log_lower), back(hi_x)
+
+
+def log_mean_bounds(
+    log_values,
+    significance: float,
+    *,
+    log_lower: float = -math.inf,
+    log_upper: float = math.inf,
+) -> tuple[float, float, str]:
+    """Bounds on ``log E[X]``: the tighter of Anderson–DKW and empirical Bernstein, each at β/2.
+
+    With an infinite ``log_upper`` (no known range) only Anderson's lower bound applies (at β).
+    Returns ``(lower, upper, method)``.
+    """
+    beta = _check_significance(significance)
+    if not math.isfinite(log_upper):
+        lo, hi = anderson_mean_bounds(log_values, beta, log_lower=log_lower, log_upper=log_upper)
+        return lo, hi, "anderson-dkw"
+    lo_a, hi_a = anderson_mean_bounds(
+        log_values, beta / 2, log_lower=log_lower, log_upper=log_upper
+    )
+    lo_b, hi_b = empirical_bernstein_mean_bounds(
+        log_values, beta / 2, log_lower=log_lower, log_upper=log_upper
+    )
+    return max(lo_a, lo_b), min(hi_a, hi_b), "anderson-dkw+empirical-bernstein"
+
+
+def p_value_from_lower_bound(
+    lower_bound_at: Callable[[float], float], null_value: float
+) -> float:
+    r"""One-sided p-value of :math:`H_0: \theta \le` ``null_value`` from a family of lower bounds.
+
+    ``lower_bound_at(beta)`` must be a (1 − β)-lower confidence bound, non-increasing in the
+    confidence 1 − β. The p-value is the smallest β (found by bisection in log β, erring upwards,
+    i.e. conservative) at which the lower bound exceeds ``null_value``; 1 when it never does.
+    """
+    if not lower_bound_at(1.0 - 1e-12) > null_value:
+        return 1.0
+    if lower_bound_at(MIN_P_VALUE) > null_value:
+        return MIN_P_VALUE
+    lo, hi = math.log(MIN_P_VALUE), math.log(1.0 - 1e-12)  # bound(exp(lo)) <= null < bound(exp(hi))
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        if lower_bound_at(math.exp(mid)) > null_value:
+            hi = mid
+        else:
+            lo = mid
+    return min(1.0, math.exp(hi))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rényi divergence
+
+
+@dataclass(frozen=True)
+class RenyiEstimate:
+    r"""An estimate of :math:`D_\alpha(P\|P')` with its interval and the test against a claim."""
+
+    alpha: float
+    estimator: str  # "monte-carlo" or "importance-sampling"
+    num_samples: int
+    interval: Interval
+    claimed: float | None = None
+    p_value: float | None = None  # H0: D_alpha <= claimed, alternative: exceeds
+
+    def __post_init__(self):
+        _check_alpha(self.alpha)
+        if self.estimator not in ("monte-carlo", "importance-sampling"):
+            raise ValueError(f"estimator must be 'monte-carlo' or 'importance-sampling'; got {self.estimator!r}")
+
+
+def _renyi_from_log_mean(log_mean: float, alpha: float) -> float:
+    return log_mean / (alpha - 1.0)
+
+
+def _renyi_estimate(
+    log_y: np.ndarray,
+    alpha: float,
+    significance: float,
+    *,
+    log_lower: float,
+    log_upper: float,
+    estimator: str,
+    claimed: float | None,
+) -> RenyiEstimate:
+    n = log_y.size
+    point = float(special.logsumexp(log_y) - math.log(n))
+    lo, hi, method = log_mean_bounds(
+        log_y, significance, log_lower=log_lower, log_upper=log_upper
+    )
+    # a divergence is >= 0 (and the integrand's mean is >= 1 for these estimators' targets)
+    d_lo = max(0.0, _renyi_from_log_mean(lo, alpha))
+    d_hi = _renyi_from_log_mean(hi, alpha)
+    d_pt = _renyi_from_log_mean(point, alpha)
+    d_hi = max(d_hi, d_lo)
+    interval = Interval(d_lo, d_pt, d_hi, significance, method)
+    p_value = None
+    if claimed is not None:
+        null_log = (alpha - 1.0) * float(claimed)
+
+        def lower_at(beta: float) -> float:
+            return log_mean_bounds(log_y, beta, log_lower=log_lower, log_upper=log_upper)[0]
+
+        p_value = 1.0 if math.isinf(claimed) else p_value_from_lower_bound(lower_at, null_log)
+    return RenyiEstimate(alpha, estimator, n, interval, claimed, p_value)
+
+
+def renyi_monte_carlo(
+    losses,
+    alpha: float,
+    significance: float,
+    *,
+    loss_upper: float = math.inf,
+    claimed: float | None = None,
+) -> RenyiEstimate:
+    r"""Plain Monte Carlo estimate of :math:`D_\alpha(P\|P')` from privacy losses ``L(x), x ~ P``.
+
+    :math:`\hat D = \frac{1}{\alpha-1}\log \frac1n\sum_i e^{(\alpha-1)L_i}` (notes §3; consistent,
+    biased downwards for small n by Jensen). Interval: Anderson–DKW on :math:`Y=e^{(\alpha-1)L}\ge 0`;
+    its lower end needs no assumption, its upper end needs an a-priori bound ``loss_upper`` on L
+    (e.g. :math:`T\varepsilon_0` under the claimed per-token range) and is ``inf`` otherwise; with a
+    finite range the empirical-Bernstein bound is also used (each at β/2). Losses may be ``+inf``
+    (a token impossible under P'), which makes the divergence infinite.
+    ``p_value`` tests :math:`H_0: D_\alpha \le` ``claimed``.
+    """
+    a = _check_alpha(alpha)
+    beta = _check_significance(significance)
+    arr = _as_samples("losses", losses, allow_posinf=True)
+    log_y = (a - 1.0) * arr
+    log_upper = (a - 1.0) * float(loss_upper)
+    if np.isposinf(arr).any():
+        log_upper = math.inf  # the a-priori range was exceeded: only the lower bound stands
+    return _renyi_estimate(
+        log_y, a, beta, log_lower=-math.inf, log_upper=log_upper, estimator="monte-carlo",
+        claimed=claimed,
+    )
+
+
+def renyi_importance_sampling(
+    stepwise_divergence_sums,
+    alpha: float,
+    significance: float,
+    *,
+    sum_upper: float,
+    claimed: float | None = None,
+) -> RenyiEstimate:
+    r"""Geometric-mixture importance-sampling estimate of :math:`D_\alpha(P\|P')` (notes §4).
+
+    Input: for texts sampled token by token from :math:`g_t \propto p_t^\alpha p_t'^{1-\alpha}`, the
+    sums :math:`S = \sum_t D_\alpha(p_t\|p'_t)` of the *exact* per-step divergences along each text.
+    Then :math:`e^{(\alpha-1)D_\alpha(P\|P')} = \mathbb E_{G_\alpha}[e^{(\alpha-1)S}]`, and the
+    integrand lies in :math:`[1, e^{(\alpha-1)s_{\max}}]` with ``sum_upper`` :math:`= s_{\max}` an
+    a-priori bound on S (e.g. :math:`T\alpha\rho_{tok}` under the claim, every per-step term being
+    checked exactly by the auditor). Interval: tighter of Anderson–DKW and empirical Bernstein.
+    ``S = +inf`` (a support mismatch on the path) makes the divergence infinite.
+    """
+    a = _check_alpha(alpha)
+    beta = _check_significance(significance)
+    arr = _as_samples("stepwise_divergence_sums", stepwise_divergence_sums, allow_posinf=True)
+    if (arr < -1e-9).any():
+        raise ValueError(f"stepwise_divergence_sums must be >= 0 (sums of divergences); got min {arr.min()!r}")
+    arr = np.maximum(arr, 0.0)
+    s_up = float(sum_upper)
+    if math.isnan(s_up) or s_up < 0:
+        raise ValueError(f"sum_upper must be >= 0; got {sum_upper!r}")
+    log_y = (a - 1.0) * arr
+    log_upper = (a - 1.0) * s_up
+    if arr.max() > s_up:
+        log_upper = math.inf  # the a-priori range is violated: only the lower bound stands
+    return _renyi_estimate(
+        log_y, a, beta, log_lower=0.0, log_upper=log_upper, estimator="importance-sampling",
+        claimed=claimed,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# hockey-stick divergence δ(ε)
+
+
+@dataclass(frozen=True)
+class DeltaCurve:
+    r"""Estimates of :math:`\delta(\varepsilon)=\mathbb E_P[(1-e^{\varepsilon-L})_+]` on a grid.
+
+    ``pointwise_*``: per-ε bounds (Hoeffding/empirical Bernstein at β/2 each, valid for each ε
+    separately); ``band_*``: DKW band valid simultaneously for all ε at level β (use it for tests
+    over a grid of ε, no multiplicity correction needed).
+    """
+
+    epsilons: tuple[float, ...]
+    estimate: tuple[float, ...]
+    pointwise_lower: tuple[float, ...]
+    pointwise_upper: tuple[float, ...]
+    band_lower: tuple[float, ...]
+    band_upper: tuple[float, ...]
+    significance: float
+    num_samples: int
+
+
+def _delta_terms(losses: np.ndarray, eps: float) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.clip(1.0 - np.exp(eps - losses), 0.0, 1.0)
+
+
+def _delta_band(sorted_losses: np.ndarray, eps: float, eta: float) -> tuple[float, float]:
+    r"""DKW band for δ(ε): :math:`\delta(\varepsilon)=\int_\varepsilon^\infty S(l)e^{\varepsilon-l}dl`.
+
+    With :math:`|S_n-S|\le\eta` uniformly, integrate :math:`(S_n-\eta)_+` and :math:`\min(1,S_n+\eta)`
+    exactly against the density :math:`e^{\varepsilon-l}` on ``[ε, ∞)`` (S_n is a step function).
+    """
+    n = sorted_losses.size
+    # breakpoints above eps
+    idx = np.searchsorted(sorted_losses, eps, side="right")  # S_n(l) = (n - idx)/n on [eps, next)
+    pts = np.concatenate([[eps], sorted_losses[idx:], [math.inf]])
+    # on [pts[m], pts[m+1]) the survival is (n - idx - m)/n
+    surv = (n - idx - np.arange(pts.size - 1)) / n
+    with np.errstate(over="ignore", invalid="ignore"):
+        mass = np.exp(eps - pts[:-1]) - np.exp(eps - pts[1:])  # integral of e^{eps-l} on the piece
+    mass = np.nan_to_num(mass, nan=0.0)
+    lower = float(np.sum(np.clip(surv - eta, 0.0, None) * mass))
+    upper = float(np.sum(np.minimum(1.0, surv + eta) * mass))
+    return lower, min(upper, 1.0)
+
+
+def hockey_stick_delta(losses, epsilons: Sequence[float], significance: float) -> DeltaCurve:
+    """δ(ε) estimates with pointwise and simultaneous (DKW) bounds from privacy losses ``L(x), x~P``.
+
+    Losses may be ``+inf`` (contributing 1). See :class:`DeltaCurve` for the bounds.
+    """
+    beta = _check_significance(significance)
+    arr = _as_samples("losses", losses, allow_posinf=True)
+    eps_arr = np.asarray(epsilons, dtype=np.float64).reshape(-1)
+    if eps_arr.size == 0 or not np.isfinite(eps_arr).all():
+        raise ValueError(f"epsilons must be a non-empty sequence of finite numbers; got {epsilons!r}")
+    n = arr.size
+    srt = np.sort(arr)
+    eta = min(dkw_radius(n, beta), 1.0)
+    est, plo, phi, blo, bhi = [], [], [], [], []
+    for eps in eps_arr:
+        terms = _delta_terms(arr, float(eps))
+        mean = float(terms.mean())
+        # Hoeffding at beta/4 per side and Maurer-Pontil at beta/4 per side: two-sided at beta
+        h = math.sqrt(math.log(4.0 / beta) / (2.0 * n))
+        if n >= 2:
+            u = math.log(8.0 / beta)
+            eb = math.sqrt(2.0 * terms.var(ddof=1) * u / n) + 7.0 * u / (3.0 * (n - 1))
+        else:
+            eb = math.inf
+        half = min(h, eb)
+        est.append(mean)
+        plo.append(max(0.0, mean - half))
+        phi.append(min(1.0, mean + half))
+        lo, hi = _delta_band(srt, float(eps), eta)
+        blo.append(lo)
+        bhi.append(hi)
+    return DeltaCurve(
+        tuple(float(e) for e in eps_arr), tuple(est), tuple(plo), tuple(phi), tuple(blo),
+        tuple(bhi), beta, n,
+    )
+
+
+def delta_band_lower(losses, epsilon: float, significance: float) -> float:
+    """DKW lower bound of δ(ε) (one ε; the band is simultaneous, so reuse over a grid is free)."""
+    arr = np.sort(_as_samples("losses", losses, allow_posinf=True))
+    eta = min(dkw_radius(arr.size, _check_significance(significance)), 1.0)
+    return _delta_band(arr, float(epsilon), eta)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# binomial (black box)
+
+
+def clopper_pearson(successes: int, trials: int, significance: float) -> Interval:
+    """Exact two-sided Clopper–Pearson interval for a binomial proportion (each tail β/2)."""
+    for name, v in (("successes", successes), ("trials", trials)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer; got {v!r}")
+    if trials < 1 or successes > trials:
+        raise ValueError(f"need 0 <= successes <= trials and trials >= 1; got {successes}/{trials}")
+    beta = _check_significance(significance)
+    k, n = int(successes), int(trials)
+    lo = 0.0 if k == 0 else float(stats.beta.ppf(beta / 2, k, n - k + 1))
+    hi = 1.0 if k == n else float(stats.beta.ppf(1 - beta / 2, k + 1, n - k))
+    return Interval(lo, k / n, hi, beta, "clopper-pearson")
+
+
+def epsilon_lower_bound(
+    true_positives: int,
+    positives: int,
+    false_positives: int,
+    negatives: int,
+    *,
+    delta: float,
+    significance: float,
+) -> float:
+    r"""ε lower bound from a distinguishing test (DP-Sniper / Jagielski et al. 2020 style).
+
+    (ε, δ)-DP implies :math:`\mathrm{TPR} \le e^\varepsilon\,\mathrm{FPR} + \delta` and
+    :math:`1-\mathrm{FPR} \le e^\varepsilon (1-\mathrm{TPR}) + \delta` (the complement event), so
+    :math:`\varepsilon \ge \log\frac{\underline{\mathrm{TPR}}-\delta}{\overline{\mathrm{FPR}}}` and
+    its mirror. Both use only the lower limit of TPR and the upper limit of FPR: one-sided
+    Clopper–Pearson limits at β/2 each, so the returned max holds with probability ≥ 1 − β
+    (union bound). Returns 0 when no positive bound is certified.
+    """
+    beta = _check_significance(significance)
+    if not 0.0 <= float(delta) < 1.0:
+        raise ValueError(f"delta must be in [0, 1); got {delta!r}")
+    # a two-sided interval at beta has one-sided limits at beta/2
+    tpr = clopper_pearson(true_positives, positives, beta)
+    fpr = clopper_pearson(false_positives, negatives, beta)
+    best = 0.0
+    num, den = tpr.lower - delta, fpr.upper
+    if num > 0 and den > 0:
+        best = max(best, math.log(num / den))
+    num, den = (1.0 - fpr.upper) - delta, 1.0 - tpr.lower
+    if num > 0 and den > 0:
+        best = max(best, math.log(num / den))
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# multiple comparisons and verdicts
+
+
+@dataclass(frozen=True)
+class TestResult:
+    """One hypothesis test of an audit family: ``H0: quantity <= claimed``."""
+
+    name: str
+    p_value: float
+    estimate: float
+    claimed: float
+    rejected: bool = False
+    details: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not 0.0 <= self.p_value <= 1.0:
+            raise ValueError(f"p_value must be in [0, 1]; got {self.p_value!r}")
+
+
+def holm(p_values: Sequence[float], significance: float) -> list[bool]:
+    """Holm (1979) step-down rejections; family-wise error ≤ ``significance`` under any dependence."""
+    beta = _check_significance(significance)
+    p = np.asarray(p_values, dtype=np.float64).reshape(-1)
+    if np.isnan(p).any() or (p < 0).any() or (p > 1).any():
+        raise ValueError(f"p_values must be in [0, 1]; got {p_values!r}")
+    m = p.size
+    order = np.argsort(p, kind="stable")
+    reject = np.zeros(m, dtype=bool)
+    for rank, i in enumerate(order):
+        if p[i] <= beta / (m - rank):
+            reject[i] = True
+        else:
+            break
+    return reject.tolist()
+
+
+def bonferroni(p_values: Sequence[float], significance: float) -> list[bool]:
+    """Bonferroni rejections (each test at ``significance / m``)."""
+    beta = _check_significance(significance)
+    p = np.asarray(p_values, dtype=np.float64).reshape(-1)
+    return (p <= beta / max(p.size, 1)).tolist()
+
+
+def decide_verdict(
+    *,
+    exact_failures: int,
+    tests: Sequence[TestResult],
+    significance: float,
+    exact_checks_run: bool,
+    min_samples_met: bool = True,
+) -> tuple[Verdict, list[TestResult], str]:
+    """Verdict of an audit (notes "Verdicts"); returns (verdict, tests with Holm decisions, reason).
+
+    * VIOLATION: an exact per-step check failed (a deterministic fact, no statistics), or Holm
+      rejects some ``H0: quantity <= claimed`` at family-wise level ``significance``.
+    * INCONCLUSIVE: no rejection, but the audit cannot support the claim: no exact checks were run
+      (black box: only lower bounds exist), too few samples, or a point estimate exceeds its claim
+      without significance.
+    * PASS otherwise: every exact check held and no estimate exceeds its claim.
+    """
+    beta = _check_significance(significance)
+    rejected = holm([t.p_value for t in tests], beta) if tests else []
+    decided = [
+        TestResult(t.name, t.p_value, t.estimate, t.claimed, bool(r), dict(t.details))
+        for t, r in zip(tests, rejected)
+    ]
+    if exact_failures > 0:
+        return Verdict.VIOLATION, decided, f"{exact_failures} exact per-step check(s) failed"
+    n_rej = sum(t.rejected for t in decided)
+    if n_rej:
+        worst = min((t for t in decided if t.rejected), key=lambda t: t.p_value)
+        return (
+            Verdict.VIOLATION,
+            decided,
+            f"{n_rej} of {len(decided)} claims rejected (Holm, family-wise significance {beta:g}); "
+            f"smallest p = {worst.p_value:.3g} ({worst.name})",
+        )
+    if not exact_checks_run:
+        return Verdict.INCONCLUSIVE, decided, "no violation detected; a black-box audit cannot confirm a claim"
+    if not min_samples_met:
+        return Verdict.INCONCLUSIVE, decided, "no violation detected, but too few samples"
+    above = [t for t in decided if t.estimate > t.claimed]
+    if above:
+        return (
+            Verdict.INCONCLUSIVE,
+            decided,
+            f"{len(above)} point estimate(s) exceed their claim without significance (e.g. {above[0].name})",
+        )
+    return Verdict.PASS, decided, (
+        f"all exact checks held; no claim rejected among {len(decided)} tests "
+        f"(Holm, family-wise significance {beta:g})"
+    )
