@@ -10,7 +10,25 @@ import importlib
 __version__ = "0.1.0"
 
 # public name -> submodule that defines it (filled in as the subpackages land)
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    # the InvisibleInk mechanism, one decoding step (issue 3)
+    **dict.fromkeys(
+        (
+            "ACCUMULATION_DTYPE",
+            "MechanismConfig",
+            "NeighbourLogProbs",
+            "SeededGeneratorWarning",
+            "dclip_aggregate",
+            "make_generator",
+            "naive_clip_aggregate",
+            "neighbour_log_probs",
+            "sample_tokens",
+            "token_log_probs",
+            "topk_plus_mask",
+        ),
+        "invink_audit.mechanism",
+    ),
+}
 
 __all__ = ["__version__", *_LAZY]
 

@@ -1,0 +1,540 @@
+r"""The InvisibleInk mechanism for one decoding step, in torch (paper §4, Algorithm 1).
+
+One step of Algorithm 1, given the next-token logits of the ``B`` private rows
+:math:`\phi_1, \dots, \phi_B` (each computed with one reference in context) and the public row
+:math:`\phi_{pub}` (no reference):
+
+1. DClip aggregate (paper Eq. (3)):
+   :math:`\bar\phi = \phi_{pub} + \frac1B \sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})`;
+2. Top-k+ set (Algorithm 1, ``ExpandedTopVocabulary``):
+   :math:`V_k^+ = \{y : \phi_{pub}(y) \ge \ell_k - 2C/B\}`, :math:`\ell_k` the k-th largest public logit;
+3. exponential mechanism: :math:`x_t \sim \mathrm{softmax}(\bar\phi[V_k^+] / \tau)`.
+
+Every function here is pure: inputs are never modified, results stay on the inputs' device, nothing
+goes through numpy. Shapes follow the convention ``private_logits: (..., B, V)``,
+``public_logits: (..., V)`` where ``...`` is any number of leading (e.g. per-text) dimensions.
+
+**Accumulation dtype.** All arithmetic is done in float64 (:data:`ACCUMULATION_DTYPE`) whatever the
+input dtype (float16, bfloat16, float32 and float64 are upcast exactly), and every tensor result is
+float64. The ℓ∞ bounds, the Top-k+ superset and the per-token privacy loss are then exact up to
+float64 rounding (~1e-15 relative), which the property tests check against exact rational
+arithmetic. The cost is negligible next to a forward pass (one step with ``V = 49152``, ``B = 8`` is
+a few (B, V) elementwise passes).
+
+Privacy: the aggregate's ℓ∞ sensitivity is taken from :func:`accounting.linf_sensitivity` (paper
+Property 1 for DClip, Props. 2–3 for the other cells); the exponential mechanism with sensitivity
+:math:`\Delta` at temperature :math:`\tau` is :math:`\varepsilon_0 = 2\Delta/\tau` bounded-range
+per token and hence :math:`\rho = \Delta^2 / (2\tau^2)`-zCDP (paper Eq. (rho-token); Cesar & Rogers
+2021, Lemma 3.2 via Dong, Durfee & Rogers, ICML 2020). Only the *aggregate* depends on private data:
+the Top-k+ set is a function of the public logits alone, so it costs no privacy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import secrets
+import warnings
+
+import torch
+
+from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
+
+__all__ = [
+    "ACCUMULATION_DTYPE",
+    "MechanismConfig",
+    "NeighbourLogProbs",
+    "SeededGeneratorWarning",
+    "dclip_aggregate",
+    "make_generator",
+    "naive_clip_aggregate",
+    "neighbour_log_probs",
+    "sample_tokens",
+    "token_log_probs",
+    "topk_plus_mask",
+]
+
+#: dtype of every intermediate and of every floating-point result of this module.
+ACCUMULATION_DTYPE = torch.float64
+
+# The Top-k+ threshold is lowered by this many float64 machine epsilons of (|ℓ_k| + band), so that
+# rounding in ``ℓ_k - band`` can never drop a token that the exact-arithmetic superset argument
+# (paper Eq. (topkplus)) puts in the set. The set only grows, and it is public, so it costs no
+# privacy. 4 eps bounds the two roundings (of C/B and of the subtraction) with room to spare.
+_THRESHOLD_SLACK_EPS = 4.0
+
+# Uniform draws are clamped below at this value before the Gumbel transform so that the Gumbel
+# noise is always finite: a token with log-probability -inf then always scores -inf and can never
+# be drawn, and no row can score -inf everywhere. float64 torch.rand draws are multiples of 2**-53,
+# so only an exact 0 (probability 2**-53 per entry) is moved.
+_MIN_UNIFORM = 2.0**-1000
+
+
+class SeededGeneratorWarning(UserWarning):
+    """A fixed seed was used: outputs are reproducible, and therefore carry no privacy guarantee."""
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers
+
+
+def _check_clip_norm(clip_norm) -> float:
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real):
+        raise ValueError(f"clip_norm must be a positive finite number; got {clip_norm!r}")
+    value = float(clip_norm)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"clip_norm must be a positive finite number; got {clip_norm!r}")
+    return value
+
+
+def _check_temperature(temperature) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise ValueError(f"temperature must be a positive finite number; got {temperature!r}")
+    value = float(temperature)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"temperature must be a positive finite number; got {temperature!r}")
+    return value
+
+
+def _check_top_k(top_k) -> int | None:
+    if top_k is None:
+        return None
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1 or None (full vocabulary); got {top_k!r}")
+    return int(top_k)
+
+
+def _check_batch_size(batch_size) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+    return int(batch_size)
+
+
+def _check_clipping(clipping) -> Clipping:
+    if isinstance(clipping, Clipping):
+        return clipping
+    try:
+        return Clipping(clipping)
+    except ValueError as err:
+        choices = ", ".join(repr(m.value) for m in Clipping)
+        raise ValueError(f"clipping must be one of {choices}; got {clipping!r}") from err
+
+
+def _check_tensor(name: str, tensor, *, min_ndim: int) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor; got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name} must have a floating-point dtype; got {tensor.dtype}")
+    if tensor.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s); got shape {tuple(tensor.shape)}")
+    if tensor.shape[-1] < 1:
+        raise ValueError(f"{name} must have a non-empty vocabulary (last) dimension; got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    if not bool(torch.isfinite(tensor).all()):
+        bad = "NaN" if bool(torch.isnan(tensor).any()) else "infinite"
+        raise ValueError(f"{name} must be finite; found {bad} values")
+
+
+def _check_public(public_logits) -> torch.Tensor:
+    public = _check_tensor("public_logits", public_logits, min_ndim=1)
+    _check_finite("public_logits", public)
+    return public
+
+
+def _check_pair(private_logits, public_logits) -> tuple[torch.Tensor, torch.Tensor]:
+    private = _check_tensor("private_logits", private_logits, min_ndim=2)
+    public = _check_tensor("public_logits", public_logits, min_ndim=1)
+    if private.shape[-2] < 1:
+        raise ValueError(
+            f"private_logits must hold at least one reference row (B >= 1); got shape {tuple(private.shape)}"
+        )
+    if private.shape[-1] != public.shape[-1]:
+        raise ValueError(
+            "private_logits and public_logits must have the same vocabulary size; got "
+            f"{private.shape[-1]} and {public.shape[-1]}"
+        )
+    if private.shape[:-2] != public.shape[:-1]:
+        raise ValueError(
+            "private_logits (..., B, V) and public_logits (..., V) must have the same leading shape; got "
+            f"{tuple(private.shape)} and {tuple(public.shape)}"
+        )
+    if private.device != public.device:
+        raise ValueError(
+            f"private_logits and public_logits must be on the same device; got {private.device} and {public.device}"
+        )
+    _check_finite("private_logits", private)
+    _check_finite("public_logits", public)
+    return private, public
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class MechanismConfig:
+    r"""Parameters of one InvisibleInk decoding step, validated at construction.
+
+    ``batch_size`` is ``B``, the number of *private* references per generated text (the model runs
+    ``B + 1`` rows per token: B private and one public). ``top_k=None`` samples from the full
+    vocabulary. ``clipping`` defaults to difference clipping (InvisibleInk); ``Clipping.NAIVE``
+    (Amin et al. 2024, no recentering) is provided for baselines and audits, and only over the full
+    vocabulary (Top-k+ is defined for difference clipping: paper §4).
+
+    The a-priori per-token guarantees follow from the ℓ∞ sensitivity :math:`\Delta` under
+    replace-by-null adjacency (:func:`accounting.linf_sensitivity`; paper Property 1):
+
+    * :attr:`epsilon0` :math:`= 2\Delta/\tau`, the bounded-range parameter of one token
+      (= its pure-DP ε; exponential mechanism, McSherry & Talwar 2007; Dong et al. 2020);
+    * :attr:`rho_token` :math:`= \Delta^2/(2\tau^2)` zCDP (paper Eq. (rho-token), Theorem 1).
+    """
+
+    clip_norm: float
+    temperature: float
+    top_k: int | None
+    batch_size: int
+    clipping: Clipping = Clipping.DIFFERENCE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "clip_norm", _check_clip_norm(self.clip_norm))
+        object.__setattr__(self, "temperature", _check_temperature(self.temperature))
+        object.__setattr__(self, "top_k", _check_top_k(self.top_k))
+        object.__setattr__(self, "batch_size", _check_batch_size(self.batch_size))
+        object.__setattr__(self, "clipping", _check_clipping(self.clipping))
+        if self.clipping is Clipping.NAIVE and self.top_k is not None:
+            raise ValueError(
+                f"top_k must be None with clipping={self.clipping.value!r}: Top-k+ is defined for difference "
+                f"clipping only; got top_k={self.top_k!r}"
+            )
+
+    @property
+    def sensitivity(self) -> float:
+        """ℓ∞ sensitivity of the aggregate under replace-by-null adjacency (``accounting.linf_sensitivity``)."""
+        return linf_sensitivity(self.clip_norm, self.batch_size, self.clipping, Adjacency.REPLACE_BY_NULL)
+
+    @property
+    def epsilon0(self) -> float:
+        r""":math:`\varepsilon_0 = 2\Delta/\tau`: per-token bounded-range (and pure-DP) parameter."""
+        return 2.0 * self.sensitivity / self.temperature
+
+    @property
+    def rho_token(self) -> float:
+        r""":math:`\rho_{tok} = \Delta^2/(2\tau^2)` zCDP per token (paper Eq. (rho-token))."""
+        return self.sensitivity**2 / (2.0 * self.temperature**2)
+
+    def _check_batch(self, private_logits) -> None:
+        if isinstance(private_logits, torch.Tensor) and private_logits.ndim >= 2:
+            if private_logits.shape[-2] != self.batch_size:
+                raise ValueError(
+                    f"private_logits has {private_logits.shape[-2]} reference rows but the config was accounted "
+                    f"for batch_size={self.batch_size}"
+                )
+
+    def token_log_probs(self, private_logits: torch.Tensor, public_logits: torch.Tensor) -> torch.Tensor:
+        """:func:`token_log_probs` with this config; also checks that ``B`` equals ``batch_size``."""
+        self._check_batch(private_logits)
+        return token_log_probs(
+            private_logits,
+            public_logits,
+            clip_norm=self.clip_norm,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            clipping=self.clipping,
+        )
+
+    def neighbour_log_probs(self, private_logits: torch.Tensor, public_logits: torch.Tensor) -> NeighbourLogProbs:
+        """:func:`neighbour_log_probs` with this config; also checks that ``B`` equals ``batch_size``."""
+        self._check_batch(private_logits)
+        return neighbour_log_probs(
+            private_logits,
+            public_logits,
+            clip_norm=self.clip_norm,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            clipping=self.clipping,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class NeighbourLogProbs:
+    """Next-token log-probabilities under ``R`` and under every replace-by-null neighbour ``R'_j``.
+
+    * ``actual``: (..., V) float64, the mechanism's distribution under ``R``;
+    * ``neighbours``: (..., B, V) float64, ``neighbours[..., j, :]`` is the distribution under ``R'_j``
+      (reference ``j`` replaced by the empty string, whose logits are exactly the public row);
+    * ``support``: (..., V) bool, the Top-k+ set shared by all of them (it depends on the public
+      logits only); every log-probability outside it is ``-inf``.
+    """
+
+    actual: torch.Tensor
+    neighbours: torch.Tensor
+    support: torch.Tensor
+
+    def __post_init__(self) -> None:
+        a, n, s = self.actual, self.neighbours, self.support
+        if n.ndim != a.ndim + 1 or n.shape[:-2] != a.shape[:-1] or n.shape[-1] != a.shape[-1]:
+            raise ValueError(
+                f"neighbours must have shape (..., B, V) for actual (..., V); got {tuple(n.shape)} and {tuple(a.shape)}"
+            )
+        if s.shape != a.shape or s.dtype != torch.bool:
+            raise ValueError(f"support must be a bool tensor of shape {tuple(a.shape)}; got {s.dtype} {tuple(s.shape)}")
+
+    @property
+    def batch_size(self) -> int:
+        """``B``, the number of neighbours (one per private reference)."""
+        return self.neighbours.shape[-2]
+
+
+# --------------------------------------------------------------------------------------------
+# aggregation
+
+
+def _clipped_differences(private: torch.Tensor, public64: torch.Tensor, clip_norm: float) -> torch.Tensor:
+    """clip_C(φ_i − φ_pub) for every row, float64, shape (..., B, V) (paper Eq. (2))."""
+    return torch.clamp(private.to(ACCUMULATION_DTYPE) - public64.unsqueeze(-2), min=-clip_norm, max=clip_norm)
+
+
+def _naive_contributions(private: torch.Tensor, clip_norm: float, recenter: bool) -> torch.Tensor:
+    rows = private.to(ACCUMULATION_DTYPE)
+    if recenter:
+        # Amin et al. 2024 (as implemented in the paper's experiments): shift each row so that its
+        # maximum is C, then clip. Logits are shift-invariant, so this only changes what is clipped.
+        rows = rows - rows.amax(dim=-1, keepdim=True) + clip_norm
+    return torch.clamp(rows, min=-clip_norm, max=clip_norm)
+
+
+def dclip_aggregate(private_logits: torch.Tensor, public_logits: torch.Tensor, clip_norm: float) -> torch.Tensor:
+    r"""DClip aggregate :math:`\phi_{pub} + \frac1B \sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})` (paper Eq. (3)).
+
+    ``private_logits`` (..., B, V), ``public_logits`` (..., V) → float64 (..., V). Its ℓ∞ sensitivity
+    is ``C/B`` under replace-by-null and ``2C/B`` under zero-out adjacency (paper Property 1 and
+    Prop. 2; :func:`accounting.linf_sensitivity`).
+    """
+    c = _check_clip_norm(clip_norm)
+    private, public = _check_pair(private_logits, public_logits)
+    public64 = public.to(ACCUMULATION_DTYPE)
+    return public64 + _clipped_differences(private, public64, c).sum(dim=-2) / private.shape[-2]
+
+
+def naive_clip_aggregate(private_logits: torch.Tensor, clip_norm: float, *, recenter: bool = False) -> torch.Tensor:
+    r"""Naive clipping of Amin et al. 2024: :math:`\frac1B \sum_i \mathrm{clip}_C(\phi_i)` (paper Eq. (amin-avg)).
+
+    ``private_logits`` (..., B, V) → float64 (..., V). For baselines and audits. Its ℓ∞ sensitivity
+    is ``2C/B`` under replace-by-null (paper Prop. 3: the paper's experiments give this baseline
+    ``C/B`` on purpose) and ``C/B`` under zero-out.
+
+    ``recenter=True`` first shifts each row so that its maximum is ``C`` (Amin et al.'s recentering,
+    :math:`\mathrm{clip}_C(\phi_i - \max_y \phi_i(y) + C)`). Replace-by-null sensitivity stays
+    ``2C/B``, but under zero-out it becomes ``2C/B`` too (a zero row recentres to the constant ``C``),
+    so the zero-out entry of the accounting table does not apply to the recentred variant.
+    """
+    c = _check_clip_norm(clip_norm)
+    private = _check_tensor("private_logits", private_logits, min_ndim=2)
+    if private.shape[-2] < 1:
+        raise ValueError(
+            f"private_logits must hold at least one reference row (B >= 1); got shape {tuple(private.shape)}"
+        )
+    if not isinstance(recenter, bool):
+        raise ValueError(f"recenter must be a bool; got {recenter!r}")
+    _check_finite("private_logits", private)
+    return _naive_contributions(private, c, recenter).sum(dim=-2) / private.shape[-2]
+
+
+# --------------------------------------------------------------------------------------------
+# Top-k+ truncation
+
+
+def _support(public64: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int) -> torch.Tensor:
+    vocab_size = public64.shape[-1]
+    if top_k is None or top_k >= vocab_size:
+        return torch.ones(public64.shape, dtype=torch.bool, device=public64.device)
+    # ℓ_k: the k-th largest public logit, counted with multiplicity.
+    kth = torch.topk(public64, top_k, dim=-1, largest=True, sorted=True).values[..., -1:]
+    # Each φ_i^clip = φ_pub + clip_C(φ_i − φ_pub)/B lies within C/B of φ_pub (paper §4): the same C/B
+    # as the replace-by-null DClip sensitivity, so it is taken from the sensitivity calculator. The
+    # k-th largest of φ_i^clip is then ≥ ℓ_k − C/B, and a token needs a further C/B to reach it:
+    # band = 2·C/B (paper Eq. (topkplus), Algorithm 1 ExpandedTopVocabulary).
+    deviation = linf_sensitivity(clip_norm, batch_size, Clipping.DIFFERENCE, Adjacency.REPLACE_BY_NULL)
+    band = 2.0 * deviation
+    slack = _THRESHOLD_SLACK_EPS * torch.finfo(ACCUMULATION_DTYPE).eps * (kth.abs() + band)
+    return public64 >= kth - band - slack
+
+
+def topk_plus_mask(public_logits: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int) -> torch.Tensor:
+    r"""The Top-k+ set :math:`\{y : \phi_{pub}(y) \ge \ell_k - 2C/B\}` as a bool mask (..., V).
+
+    Paper §4 and Algorithm 1 (``ExpandedTopVocabulary``). ``batch_size`` is ``B``, the number of
+    private references (not ``B + 1``: the reference package's ``2C/(B+1)`` band breaks the
+    superset guarantee). ``top_k=None`` or ``top_k >= V`` gives the full vocabulary.
+
+    Guarantee (paper Eq. (topkplus)): for every private row ``i``, every top-k set of
+    :math:`\phi_i^{clip} = \phi_{pub} + \mathrm{clip}_C(\phi_i - \phi_{pub})/B` is inside the mask,
+    hence so is their union. The set depends on the public logits only.
+
+    Ties: :math:`\ell_k` is the k-th largest public logit counted with multiplicity, and every token
+    tied with the threshold is included (the comparison is ``>=``), so the set never depends on a
+    tie-breaking order and has at least ``k`` tokens (more when values tie at :math:`\ell_k`, even
+    as ``C → 0``). Rounding: the threshold is computed in float64 and lowered by
+    ``4·eps64·(|ℓ_k| + 2C/B)`` (~1e-15 relative) so that floating-point rounding never excludes a
+    token that exact arithmetic includes.
+    """
+    c = _check_clip_norm(clip_norm)
+    k = _check_top_k(top_k)
+    b = _check_batch_size(batch_size)
+    public = _check_public(public_logits)
+    return _support(public.to(ACCUMULATION_DTYPE), k, c, b)
+
+
+# --------------------------------------------------------------------------------------------
+# the exponential mechanism
+
+
+def _masked_log_softmax(scores: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """log-softmax over the support; exactly -inf elsewhere (log_softmax subtracts the max: stable)."""
+    return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
+
+
+def _validated_step(private_logits, public_logits, clip_norm, temperature, top_k, clipping):
+    c = _check_clip_norm(clip_norm)
+    tau = _check_temperature(temperature)
+    k = _check_top_k(top_k)
+    mode = _check_clipping(clipping)
+    if mode is Clipping.NAIVE and k is not None:
+        raise ValueError(
+            f"top_k must be None with clipping={mode.value!r}: Top-k+ is defined for difference clipping only; "
+            f"got top_k={top_k!r}"
+        )
+    private, public = _check_pair(private_logits, public_logits)
+    return private, public, c, tau, k, mode
+
+
+def _contributions(private, public64, clip_norm, mode):
+    """Per-row contributions to the sum, their base, and the contribution of a null (public) row."""
+    if mode is Clipping.DIFFERENCE:
+        # a null reference has logits exactly φ_pub, so its contribution clip_C(0) is exactly 0.
+        return _clipped_differences(private, public64, clip_norm), public64, None
+    null = torch.clamp(public64, min=-clip_norm, max=clip_norm).unsqueeze(-2)
+    return _naive_contributions(private, clip_norm, False), torch.zeros_like(public64), null
+
+
+def token_log_probs(
+    private_logits: torch.Tensor,
+    public_logits: torch.Tensor,
+    *,
+    clip_norm: float,
+    temperature: float,
+    top_k: int | None,
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+) -> torch.Tensor:
+    r"""Log-probabilities of the next token under InvisibleInk (paper Algorithm 1, lines 3–5).
+
+    :math:`\log \mathrm{softmax}(\bar\phi[V_k^+]/\tau)` with :math:`\bar\phi` = :func:`dclip_aggregate`
+    and :math:`V_k^+` = :func:`topk_plus_mask`; float64 (..., V), exactly ``-inf`` outside the Top-k+
+    set, computed with a max-subtracting log-softmax (stable for any finite logits).
+
+    ``clipping=Clipping.NAIVE`` uses :func:`naive_clip_aggregate` instead (baselines and audits;
+    requires ``top_k=None``).
+    """
+    private, public, c, tau, k, mode = _validated_step(
+        private_logits, public_logits, clip_norm, temperature, top_k, clipping
+    )
+    public64 = public.to(ACCUMULATION_DTYPE)
+    contributions, base, _ = _contributions(private, public64, c, mode)
+    scores = base + contributions.sum(dim=-2) / private.shape[-2]
+    support = _support(public64, k, c, private.shape[-2])
+    return _masked_log_softmax(scores / tau, support)
+
+
+def neighbour_log_probs(
+    private_logits: torch.Tensor,
+    public_logits: torch.Tensor,
+    *,
+    clip_norm: float,
+    temperature: float,
+    top_k: int | None,
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+) -> NeighbourLogProbs:
+    r"""Next-token log-probabilities under ``R`` and under each replace-by-null neighbour ``R'_j``.
+
+    ``R'_j`` replaces reference ``j`` by the empty string, whose logits are exactly the public row
+    (paper §3, replace-by-null adjacency), so its step distribution follows from the same logits
+    without another forward pass. Vectorised over ``j``: with :math:`S = \sum_i c_i` the sum of
+    clipped contributions, the neighbour's aggregate is :math:`\phi_{pub} + (S - c_j)/B` (DClip: a
+    null row contributes exactly 0) or :math:`(S - c_j + \mathrm{clip}_C(\phi_{pub}))/B` (naive).
+    The Top-k+ set is shared (it depends on the public row only).
+
+    ``result.actual`` is bitwise identical to :func:`token_log_probs` on the same input.
+    """
+    private, public, c, tau, k, mode = _validated_step(
+        private_logits, public_logits, clip_norm, temperature, top_k, clipping
+    )
+    batch_size = private.shape[-2]
+    public64 = public.to(ACCUMULATION_DTYPE)
+    contributions, base, null = _contributions(private, public64, c, mode)
+    total = contributions.sum(dim=-2)
+    scores = base + total / batch_size
+    removed = total.unsqueeze(-2) - contributions
+    if null is not None:
+        removed = removed + null
+    neighbour_scores = base.unsqueeze(-2) + removed / batch_size
+    support = _support(public64, k, c, batch_size)
+    return NeighbourLogProbs(
+        actual=_masked_log_softmax(scores / tau, support),
+        neighbours=_masked_log_softmax(neighbour_scores / tau, support.unsqueeze(-2)),
+        support=support,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# sampling
+
+
+def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device``, seeded from the OS (``secrets``) unless ``seed`` is given.
+
+    A fixed ``seed`` makes the output reproducible and therefore *not private*; it is meant for tests
+    and audits, and it emits a :class:`SeededGeneratorWarning` saying so.
+    """
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.manual_seed(secrets.randbits(63))
+    else:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
+        warnings.warn(
+            f"sampling with a fixed seed ({seed}) is reproducible: seeded outputs carry no privacy guarantee",
+            SeededGeneratorWarning,
+            stacklevel=2,
+        )
+        generator.manual_seed(int(seed))
+    return generator
+
+
+def sample_tokens(log_probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    r"""Draw one token per row of ``log_probs`` (..., V) → int64 (...), with the injected ``generator``.
+
+    Gumbel-max sampling: :math:`\arg\max_y (\log p(y) + G_y)`, :math:`G_y = -\log(-\log U_y)`
+    i.i.d. Gumbel, is an exact draw from :math:`p \propto \exp(\log p)` (Gumbel 1954; Maddison et al.
+    2014). ``log_probs`` may be unnormalised log-weights; ``-inf`` entries are never drawn (the noise
+    is always finite). Batched over all leading dimensions in one call; stays on the input's device.
+    ``generator`` must be on the same device (see :func:`make_generator`).
+    """
+    lp = _check_tensor("log_probs", log_probs, min_ndim=1)
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator; got {type(generator).__name__}")
+    if generator.device.type != lp.device.type:
+        raise ValueError(f"generator is on {generator.device} but log_probs is on {lp.device}")
+    if bool(torch.isnan(lp).any()):
+        raise ValueError("log_probs must not contain NaN")
+    if bool(torch.isposinf(lp).any()):
+        raise ValueError("log_probs must not contain +inf")
+    if not bool(torch.isfinite(lp).any(dim=-1).all()):
+        raise ValueError("every row of log_probs must have at least one finite entry (a non-empty support)")
+    lp64 = lp.to(ACCUMULATION_DTYPE)
+    uniform = torch.rand(lp64.shape, dtype=ACCUMULATION_DTYPE, device=lp64.device, generator=generator)
+    gumbel = -torch.log(-torch.log(uniform.clamp(min=_MIN_UNIFORM)))
+    return torch.argmax(lp64 + gumbel, dim=-1)
