@@ -1,5 +1,33 @@
-"""Privacy accounting for InvisibleInk decoding (torch-free: numpy, scipy, dp-accounting)."""
+r"""Privacy accounting for InvisibleInk decoding (torch-free: numpy, scipy, dp-accounting, numba).
 
+Layers: :mod:`~accounting.sensitivity` (ℓ∞ sensitivity of the aggregated logits),
+:mod:`~accounting.conversions` (ρ-zCDP ↔ (ε, δ)), :mod:`~accounting.bounded_range` (optimal adaptive
+composition of ε0-bounded-range mechanisms), :mod:`~accounting.accountants` (named accountants),
+:mod:`~accounting.planner` (every inverse of C, T, B, τ ↔ ε, δ) and :mod:`~accounting.ledger`
+(a persisted privacy odometer).
+"""
+
+from accounting.accountants import (
+    ACCOUNTANTS,
+    DEFAULT_ACCOUNTANT,
+    Accountant,
+    bounded_range_epsilon,
+    composed_delta,
+    composed_epsilon,
+    max_epsilon0,
+)
+from accounting.bounded_range import DeltaBracket, br_adaptive_delta, br_nonadaptive_delta
+from accounting.conversions import ConversionMethod, epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
+from accounting.ledger import BudgetExceededError, BudgetLedger, LedgerError, LedgerStatus, Release
+from accounting.planner import (
+    Plan,
+    PlanningRow,
+    epsilon_for_clip_norm,
+    plan_clip_norm,
+    plan_max_new_tokens,
+    plan_min_batch_size,
+    planning_table,
+)
 from accounting.sensitivity import (
     Adjacency,
     Clipping,
@@ -9,9 +37,35 @@ from accounting.sensitivity import (
 )
 
 __all__ = [
+    "ACCOUNTANTS",
+    "DEFAULT_ACCOUNTANT",
+    "Accountant",
     "Adjacency",
+    "BudgetExceededError",
+    "BudgetLedger",
     "Clipping",
+    "ConversionMethod",
+    "DeltaBracket",
+    "LedgerError",
+    "LedgerStatus",
+    "Plan",
+    "PlanningRow",
+    "Release",
+    "bounded_range_epsilon",
+    "br_adaptive_delta",
+    "br_nonadaptive_delta",
     "clip_norm_for_sensitivity",
+    "composed_delta",
+    "composed_epsilon",
+    "epsilon_for_clip_norm",
+    "epsilon_to_zcdp",
     "linf_sensitivity",
+    "max_epsilon0",
+    "plan_clip_norm",
+    "plan_max_new_tokens",
+    "plan_min_batch_size",
+    "planning_table",
     "sensitivity_factor",
+    "zcdp_to_delta",
+    "zcdp_to_epsilon",
 ]

@@ -1,0 +1,198 @@
+r"""Accountants for exponential-mechanism decoding: ε0-bounded-range tokens composed over T steps.
+
+Per token, InvisibleInk samples from an exponential mechanism on scores with ℓ∞ sensitivity Δ
+(:mod:`accounting.sensitivity`; Δ = C/B for difference clipping under replace-by-null) at temperature
+τ. Its privacy loss ranges over an interval of width
+
+.. math:: \varepsilon_0 = 2\Delta/\tau \quad(= 2C/(B\tau)),
+
+so each token is ε0-bounded-range (Durfee & Rogers 2019, arXiv:1905.04273) and therefore
+:math:`\rho_{tok} = \varepsilon_0^2/8`-zCDP (Cesar & Rogers 2021, arXiv:2004.07223, Lemma 3.2; this
+is the paper's :math:`\rho_{tok} = C^2/(2B^2\tau^2)`, Theorem 1). Decoding composes adaptively over
+at most T tokens (an early EOS is dominated by padding to T).
+
+Accountants (by name):
+
+``br-adaptive`` (default)
+    the certified optimal adaptive composition of ε0-BR mechanisms (DDR 2020, arXiv:1909.13830;
+    :mod:`accounting.bounded_range`), planned on the DP's *upper* bound. Because every ε0-BR step is
+    also ρ_tok-zCDP, the CKS conversion of T·ρ_tok is another valid bound; this accountant reports the
+    smaller of the two δ's, so it is never looser than ``cks``.
+``cks``
+    ρ_seq = T·ρ_tok (zCDP composition, Bun & Steinke 2016, Lemma 2.3) converted with
+    Canonne–Kamath–Steinke 2020 (the paper's and reference code's choice).
+``bun-steinke``, ``rdp``
+    the same ρ_seq with the other conversions of :mod:`accounting.conversions`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import numpy as np
+
+from accounting import bounded_range
+from accounting._validation import check_delta, check_nonnegative, check_positive
+from accounting.conversions import ConversionMethod, zcdp_to_delta, zcdp_to_epsilon
+
+__all__ = [
+    "Accountant",
+    "ACCOUNTANTS",
+    "DEFAULT_ACCOUNTANT",
+    "bounded_range_epsilon",
+    "composed_epsilon",
+    "composed_delta",
+    "max_epsilon0",
+    "fits_budget",
+]
+
+#: Above this many composed steps the br-adaptive DP is skipped and its CKS bound is used instead.
+BR_MAX_STEPS = 20_000
+
+
+class Accountant(enum.Enum):
+    BR_ADAPTIVE = "br-adaptive"
+    CKS = "cks"
+    BUN_STEINKE = "bun-steinke"
+    RDP = "rdp"
+
+    @property
+    def conversion(self) -> ConversionMethod | None:
+        """The zCDP conversion this accountant uses (None for br-adaptive)."""
+        return None if self is Accountant.BR_ADAPTIVE else ConversionMethod(self.value)
+
+
+ACCOUNTANTS: tuple[str, ...] = tuple(a.value for a in Accountant)
+DEFAULT_ACCOUNTANT = Accountant.BR_ADAPTIVE
+
+
+def as_accountant(value) -> Accountant:
+    if isinstance(value, Accountant):
+        return value
+    try:
+        return Accountant(value)
+    except ValueError as err:
+        names = ", ".join(repr(a) for a in ACCOUNTANTS)
+        raise ValueError(f"accountant must be one of {names}; got {value!r}") from err
+
+
+def bounded_range_epsilon(sensitivity: float, temperature: float) -> float:
+    r"""Per-token bounded range ε0 = 2Δ/τ of the exponential mechanism (Durfee & Rogers 2019, §3)."""
+    return 2.0 * check_positive("sensitivity", sensitivity) / check_positive("temperature", temperature)
+
+
+def _steps(epsilon0, num_steps) -> np.ndarray:
+    return bounded_range._epsilon0_array(epsilon0, num_steps)
+
+
+def _rho(epsilon0s: np.ndarray) -> float:
+    # Cesar & Rogers 2021, Lemma 3.2: ε0-BR ⇒ ε0²/8-zCDP; zCDP composes additively.
+    return float(np.sum(epsilon0s**2)) / 8.0
+
+
+def composed_delta(epsilon: float, epsilon0, num_steps: int | None = None, accountant="br-adaptive") -> float:
+    """δ(ε) of composing ε0-BR steps (one ε0 with ``num_steps``, or an array of per-step ε0)."""
+    epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
+    acc = as_accountant(accountant)
+    e0 = _steps(epsilon0, num_steps)
+    if math.isinf(epsilon):
+        return 0.0
+    cks = zcdp_to_delta(_rho(e0), epsilon, "cks")
+    if acc is Accountant.BR_ADAPTIVE:
+        if e0.size > BR_MAX_STEPS:
+            return cks
+        return min(cks, bounded_range.br_adaptive_delta(epsilon, e0).upper)
+    return cks if acc is Accountant.CKS else zcdp_to_delta(_rho(e0), epsilon, acc.conversion)
+
+
+def composed_epsilon(delta: float, epsilon0, num_steps: int | None = None, accountant="br-adaptive") -> float:
+    """Certified ε at ``delta`` of composing ε0-BR steps (errs upwards)."""
+    delta = check_delta("delta", delta)
+    acc = as_accountant(accountant)
+    e0 = _steps(epsilon0, num_steps)
+    rho = _rho(e0)
+    if acc is not Accountant.BR_ADAPTIVE:
+        return zcdp_to_epsilon(rho, delta, acc.conversion)
+    cks = zcdp_to_epsilon(rho, delta, "cks")
+    if e0.size > BR_MAX_STEPS:
+        return cks
+    return min(cks, bounded_range.br_adaptive_epsilon(delta, e0, start=cks))
+
+
+def fits_budget(epsilon: float, delta: float, epsilon0: float, num_steps: int, accountant) -> bool:
+    """Whether ``num_steps`` ε0-BR tokens are (ε, δ)-DP under ``accountant`` (fast path for searches)."""
+    acc = as_accountant(accountant)
+    rho = num_steps * epsilon0 * epsilon0 / 8.0
+    if zcdp_to_delta(rho, epsilon, "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion) <= delta:
+        return True
+    if acc is not Accountant.BR_ADAPTIVE or num_steps > BR_MAX_STEPS:
+        return False
+    return bounded_range._br_upper_fast(epsilon, epsilon0, num_steps, delta) <= delta
+
+
+def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-adaptive", *, rtol: float = 1e-4) -> float:
+    r"""The largest per-token ε0 such that ``num_steps`` ε0-BR tokens are (ε, δ)-DP.
+
+    For the zCDP accountants this is :math:`\sqrt{8\rho_{seq}/T}` with ρ_seq the (lower-end) inverse of
+    the conversion. For ``br-adaptive`` it is found by Brent's method on the certified upper δ,
+    starting from the CKS value (always feasible); the result is the largest ε0 *verified* feasible,
+    within relative ``rtol`` of the boundary: it never overspends.
+    """
+    epsilon = check_positive("epsilon", epsilon)
+    delta = check_delta("delta", delta)
+    acc = as_accountant(accountant)
+    from accounting._validation import check_count
+
+    num_steps = check_count("num_steps", num_steps)
+    conversion = "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion
+    from accounting.conversions import epsilon_to_zcdp
+
+    rho_seq = epsilon_to_zcdp(epsilon, delta, conversion)
+    base = math.sqrt(8.0 * rho_seq / num_steps)
+    # guard the floating-point round trip rho -> epsilon0 -> rho
+    while base > 0 and zcdp_to_epsilon(num_steps * base * base / 8.0, delta, conversion) > epsilon:
+        base *= 1 - 1e-12
+    if acc is not Accountant.BR_ADAPTIVE or num_steps > BR_MAX_STEPS:
+        return base
+
+    # plan against a hair less than ε, so that the ε search of composed_epsilon (which stops within a
+    # relative 1e-10 of the boundary) never reports more than ε for the planned ε0
+    target = epsilon * (1.0 - 1e-8)
+
+    def excess(e0: float) -> float:
+        upper = bounded_range._br_upper_fast(target, e0, num_steps, delta)
+        return math.log(max(upper, 1e-300)) - math.log(delta)
+
+    feasible = base
+    lo, f_lo = base, excess(base)
+    if f_lo > 0:  # the DP alone is looser than CKS here: CKS remains the certified answer
+        return base
+    hi = base * 1.08
+    f_hi = excess(hi)
+    while f_hi <= 0:
+        lo, f_lo = hi, f_hi
+        hi *= 1.08
+        f_hi = excess(hi)
+    feasible = lo
+    # Illinois (regula falsi) on log δ_upper(ε0), a smooth increasing function
+    side = 0
+    for _ in range(60):
+        if hi - lo <= rtol * lo:
+            break
+        mid = hi - f_hi * (hi - lo) / (f_hi - f_lo)
+        if not lo < mid < hi:
+            mid = 0.5 * (lo + hi)
+        f_mid = excess(mid)
+        if f_mid <= 0:
+            lo, f_lo = mid, f_mid
+            feasible = mid
+            if side == -1:
+                f_hi *= 0.5
+            side = -1
+        else:
+            hi, f_hi = mid, f_mid
+            if side == 1:
+                f_lo *= 0.5
+            side = 1
+    return feasible

@@ -1,0 +1,224 @@
+r"""Conversions between ρ-zCDP and (ε, δ)-DP.
+
+Three methods, selectable by name (:class:`ConversionMethod`):
+
+``bun-steinke``
+    Bun & Steinke 2016 (arXiv:1605.02065, Prop. 1.3): a ρ-zCDP mechanism is
+    :math:`(\rho + 2\sqrt{\rho \log(1/\delta)}, \delta)`-DP. Closed form, loose.
+``cks``
+    Canonne, Kamath & Steinke 2020 (arXiv:2004.00010, Prop. 12 applied to the Rényi curve
+    :math:`\varepsilon(\alpha) = \alpha\rho` of ρ-zCDP):
+
+    .. math:: \delta(\varepsilon) = \inf_{\alpha > 1}
+              \frac{e^{(\alpha-1)(\alpha\rho-\varepsilon)}}{\alpha}\Big(1-\frac1\alpha\Big)^{\alpha-1}.
+
+    This is the reference package's and the paper's choice. Any α gives a valid bound, so an
+    approximate minimiser errs on the safe side.
+``rdp``
+    dp-accounting's ``RdpAccountant`` composed with one ``ZCDpEvent(rho)``: the same CKS bound restricted
+    to dp-accounting's finite grid of orders (plus its KL shortcut), an independent implementation.
+
+Never use the Gaussian privacy profile with μ = √(2ρ) (Balle & Wang 2018) as a zCDP conversion: it is
+not valid for a general ρ-zCDP mechanism (ACCOUNTING_NOTES.md).
+
+Rounding: every returned ε and δ is rounded up by one ulp and every returned ρ is the lower end of a
+bisection, so floating-point error never reports less privacy loss than the method proves.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import numpy as np
+from scipy import optimize
+
+from accounting._validation import check_delta, check_nonnegative
+
+__all__ = [
+    "ConversionMethod",
+    "zcdp_to_epsilon",
+    "zcdp_to_delta",
+    "epsilon_to_zcdp",
+]
+
+
+class ConversionMethod(enum.Enum):
+    """How a ρ-zCDP guarantee is turned into (ε, δ)."""
+
+    BUN_STEINKE = "bun-steinke"
+    CKS = "cks"
+    RDP = "rdp"
+
+
+def _method(method) -> ConversionMethod:
+    if isinstance(method, ConversionMethod):
+        return method
+    try:
+        return ConversionMethod(method)
+    except ValueError as err:
+        names = ", ".join(repr(m.value) for m in ConversionMethod)
+        raise ValueError(f"method must be one of {names}; got {method!r}") from err
+
+
+def _up(x: float) -> float:
+    return math.nextafter(x, math.inf) if math.isfinite(x) and x != 0.0 else x
+
+
+# --- Canonne–Kamath–Steinke ------------------------------------------------------------------------
+
+# log-spaced grid of (alpha - 1) used to bracket the minimiser before a bounded Brent refinement
+_CKS_LOG_AM1_GRID = np.linspace(math.log(1e-4), math.log(1e7), 1201)
+
+
+def _cks_log_delta_at(am1: np.ndarray, rho: float, epsilon: float) -> np.ndarray:
+    """log δ(α) of CKS Prop. 12 for ρ-zCDP, with α = 1 + am1 (vectorised)."""
+    alpha = 1.0 + am1
+    return am1 * (alpha * rho - epsilon) - np.log(alpha) + am1 * np.log1p(-1.0 / alpha)
+
+
+def _cks_epsilon_at(am1: np.ndarray, rho: float, log_inv_delta: float) -> np.ndarray:
+    """ε(α) of CKS Prop. 12 for ρ-zCDP, with α = 1 + am1 (vectorised)."""
+    alpha = 1.0 + am1
+    return alpha * rho + np.log1p(-1.0 / alpha) + (log_inv_delta - np.log(alpha)) / am1
+
+
+def _cks_neg_rho_at(am1: np.ndarray, epsilon: float, log_inv_delta: float) -> np.ndarray:
+    """−(ε − c(α))/α where ε(α) = αρ + c(α) is the CKS curve (vectorised, α = 1 + am1)."""
+    alpha = 1.0 + am1
+    c = np.log1p(-1.0 / alpha) + (log_inv_delta - np.log(alpha)) / am1
+    return -(epsilon - c) / alpha
+
+
+def _minimise_over_alpha(fn) -> float:
+    """min over α > 1 of a unimodal-in-practice function of (α − 1); any α is a valid bound."""
+    values = fn(np.exp(_CKS_LOG_AM1_GRID))
+    i = int(np.nanargmin(values))
+    best = float(values[i])
+    lo = _CKS_LOG_AM1_GRID[max(i - 1, 0)]
+    hi = _CKS_LOG_AM1_GRID[min(i + 1, len(_CKS_LOG_AM1_GRID) - 1)]
+    if hi > lo:
+        res = optimize.minimize_scalar(
+            lambda u: float(fn(np.array([math.exp(u)]))[0]),
+            bounds=(lo, hi),
+            method="bounded",
+            options={"xatol": 1e-12},
+        )
+        if math.isfinite(res.fun) and res.fun < best:
+            best = float(res.fun)
+    return best
+
+
+def _cks_epsilon(rho: float, delta: float) -> float:
+    log_inv_delta = -math.log(delta)
+    return max(0.0, _minimise_over_alpha(lambda am1: _cks_epsilon_at(am1, rho, log_inv_delta)))
+
+
+def _cks_delta(rho: float, epsilon: float) -> float:
+    return min(1.0, math.exp(_minimise_over_alpha(lambda am1: _cks_log_delta_at(am1, rho, epsilon))))
+
+
+# --- dp-accounting RDP ---------------------------------------------------------------------------
+
+
+def _rdp_accountant(rho: float):
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    accountant.compose(dp_event.ZCDpEvent(rho))
+    return accountant
+
+
+# --- public API ----------------------------------------------------------------------------------
+
+
+def zcdp_to_epsilon(rho: float, delta: float, method: ConversionMethod | str = "cks") -> float:
+    r"""The ε of an (ε, δ)-DP guarantee implied by ρ-zCDP (module docstring gives the sources).
+
+    ``rho = 0`` gives ε = 0; ``rho = inf`` gives ε = inf. The result errs upwards (safe).
+    """
+    rho = check_nonnegative("rho", rho, allow_inf=True)
+    delta = check_delta("delta", delta)
+    method = _method(method)
+    if rho == 0.0:
+        return 0.0
+    if math.isinf(rho):
+        return math.inf
+    if method is ConversionMethod.BUN_STEINKE:
+        eps = rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
+    elif method is ConversionMethod.CKS:
+        eps = _cks_epsilon(rho, delta)
+    else:
+        eps = float(_rdp_accountant(rho).get_epsilon(delta))
+    return _up(eps)
+
+
+def zcdp_to_delta(rho: float, epsilon: float, method: ConversionMethod | str = "cks") -> float:
+    r"""The δ at which ρ-zCDP implies (ε, δ)-DP (module docstring gives the sources).
+
+    For Bun–Steinke, inverting Prop. 1.3 gives :math:`\delta = \exp(-(\varepsilon-\rho)^2/(4\rho))`
+    for ε > ρ and 1 otherwise. ``rho = 0`` gives δ = 0. The result errs upwards (safe).
+    """
+    rho = check_nonnegative("rho", rho, allow_inf=True)
+    epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
+    method = _method(method)
+    if rho == 0.0 or math.isinf(epsilon):
+        return 0.0
+    if math.isinf(rho):
+        return 1.0
+    if method is ConversionMethod.BUN_STEINKE:
+        delta = math.exp(-((epsilon - rho) ** 2) / (4.0 * rho)) if epsilon > rho else 1.0
+    elif method is ConversionMethod.CKS:
+        delta = _cks_delta(rho, epsilon)
+    else:
+        delta = float(_rdp_accountant(rho).get_delta(epsilon))
+    return min(1.0, _up(delta))
+
+
+def epsilon_to_zcdp(epsilon: float, delta: float, method: ConversionMethod | str = "cks") -> float:
+    r"""The largest ρ whose ``method`` conversion gives at most ``epsilon`` at ``delta``.
+
+    Bun–Steinke inverts in closed form, :math:`\rho = (\sqrt{\log(1/\delta)+\varepsilon} -
+    \sqrt{\log(1/\delta)})^2`; CKS and RDP are inverted by bisection on the monotone map ρ ↦ ε(ρ).
+    The result is the *lower* end (it never spends more than ``epsilon``); ``epsilon = inf`` gives inf.
+    """
+    epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
+    delta = check_delta("delta", delta)
+    method = _method(method)
+    if epsilon == 0.0:
+        return 0.0
+    if math.isinf(epsilon):
+        return math.inf
+
+    def spends(rho: float) -> float:
+        return zcdp_to_epsilon(rho, delta, method)
+
+    log_inv_delta = math.log(1.0 / delta)
+    if method is ConversionMethod.CKS:
+        # ε_cks(ρ) = min_α [αρ + c(α)] is a minimum of lines in ρ, so the largest feasible ρ is
+        # max_α (ε − c(α))/α; every α gives a feasible ρ, the maximiser the exact inverse.
+        rho = max(0.0, -_minimise_over_alpha(lambda am1: _cks_neg_rho_at(am1, epsilon, log_inv_delta)))
+        while rho > 0.0 and zcdp_to_epsilon(rho, delta, method) > epsilon:  # floating-point guard
+            rho *= 1.0 - 1e-12
+        return rho
+    # Bun–Steinke is the loosest of the three, so its ρ is feasible for all and brackets from below.
+    lo = (math.sqrt(log_inv_delta + epsilon) - math.sqrt(log_inv_delta)) ** 2
+    while lo > 0.0 and spends(lo) > epsilon:  # floating point at the closed form's edge
+        lo = math.nextafter(lo, 0.0) if spends(lo * (1 - 1e-12)) <= epsilon else lo * (1 - 1e-9)
+    if method is ConversionMethod.BUN_STEINKE:
+        return lo
+    hi = max(2.0 * lo, 1e-300)
+    while spends(hi) <= epsilon:
+        lo, hi = hi, 2.0 * hi
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid <= lo or mid >= hi:
+            break
+        if spends(mid) <= epsilon:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-13 * hi:
+            break
+    return lo

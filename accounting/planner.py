@@ -1,0 +1,339 @@
+r"""Hyperparameter planning for InvisibleInk: every inverse of (C, T, B, τ) ↔ (ε, δ).
+
+The paper's recipe (§4, "Setting hyperparameters"): given (ε, δ), T and B, pick τ ≈ 1 and set
+:math:`C = B\tau\sqrt{2\rho_{seq}/T}`. Generalised to any accountant of :mod:`accounting.accountants`:
+each accountant gives the largest per-token range ε0* for (ε, δ, T), and
+
+.. math:: \Delta = \varepsilon_0^*\,\tau / 2, \qquad C = \Delta \cdot B / f,
+
+with f the sensitivity factor of :mod:`accounting.sensitivity` (f = 1 for difference clipping under
+replace-by-null). ``B`` is the number of private references per generated text; every token costs
+``B + 1`` forward rows (B private prompts and one public prompt). The reference package's
+``batch_size`` is ``B + 1``.
+
+Every function returns the conservative side: a planned clip norm, token budget or batch size never
+spends more than the budget, and a reported ε is never below what the accountant proves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+from accounting._validation import check_count, check_delta, check_positive
+from accounting.accountants import (
+    DEFAULT_ACCOUNTANT,
+    Accountant,
+    as_accountant,
+    bounded_range_epsilon,
+    composed_delta,
+    composed_epsilon,
+    fits_budget,
+    max_epsilon0,
+)
+from accounting.sensitivity import (
+    Adjacency,
+    Clipping,
+    _coerce,
+    clip_norm_for_sensitivity,
+    linf_sensitivity,
+)
+
+__all__ = [
+    "Plan",
+    "PlanningRow",
+    "plan_clip_norm",
+    "epsilon_for_clip_norm",
+    "plan_max_new_tokens",
+    "plan_min_batch_size",
+    "planning_table",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    r"""An a-priori privacy guarantee for one release: (ε, δ)-DP for texts of at most T tokens.
+
+    ``rho_token`` = ε0²/8 and ``rho_sequence`` = T·ρ_tok are the zCDP guarantees (paper Theorem 1);
+    ``epsilon``/``delta`` are what ``accountant`` certifies for them.
+    """
+
+    clip_norm: float
+    rho_token: float
+    rho_sequence: float
+    epsilon: float
+    delta: float
+    accountant: str
+    max_new_tokens: int
+    batch_size: int
+    temperature: float
+    clipping: Clipping = Clipping.DIFFERENCE
+    adjacency: Adjacency = Adjacency.REPLACE_BY_NULL
+
+    def __post_init__(self) -> None:
+        check_positive("clip_norm", self.clip_norm)
+        check_count("max_new_tokens", self.max_new_tokens)
+        check_count("batch_size", self.batch_size)
+        check_positive("temperature", self.temperature)
+        check_delta("delta", self.delta)
+        as_accountant(self.accountant)
+        object.__setattr__(self, "clipping", _coerce(self.clipping, Clipping))
+        object.__setattr__(self, "adjacency", _coerce(self.adjacency, Adjacency))
+
+    @property
+    def sensitivity(self) -> float:
+        """ℓ∞ sensitivity Δ of the aggregated logits (:func:`accounting.linf_sensitivity`)."""
+        return linf_sensitivity(self.clip_norm, self.batch_size, self.clipping, self.adjacency)
+
+    @property
+    def epsilon0(self) -> float:
+        """Per-token bounded range ε0 = 2Δ/τ."""
+        return bounded_range_epsilon(self.sensitivity, self.temperature)
+
+    @property
+    def forward_rows_per_token(self) -> int:
+        """Each token costs B + 1 forward rows (B private prompts, one public prompt)."""
+        return self.batch_size + 1
+
+    def summary(self) -> dict:
+        """The six headline quantities (the CLI's JSON keys)."""
+        return {
+            "clip_norm": self.clip_norm,
+            "rho_token": self.rho_token,
+            "rho_sequence": self.rho_sequence,
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "accountant": self.accountant,
+        }
+
+
+def _make_plan(clip_norm, epsilon, delta, acc, T, B, tau, clipping, adjacency) -> Plan:
+    sens = linf_sensitivity(clip_norm, B, clipping, adjacency)
+    e0 = bounded_range_epsilon(sens, tau)
+    rho_tok = e0 * e0 / 8.0
+    return Plan(
+        clip_norm=clip_norm,
+        rho_token=rho_tok,
+        rho_sequence=T * rho_tok,
+        epsilon=epsilon,
+        delta=delta,
+        accountant=acc.value,
+        max_new_tokens=T,
+        batch_size=B,
+        temperature=tau,
+        clipping=clipping,
+        adjacency=adjacency,
+    )
+
+
+def _clip_norm_from_epsilon0(e0: float, B: int, tau: float, clipping, adjacency) -> float:
+    return clip_norm_for_sensitivity(e0 * tau / 2.0, B, clipping, adjacency)
+
+
+def _validate(epsilon=None, delta=None, T=None, B=None, tau=None, C=None):
+    out = {}
+    if epsilon is not None:
+        out["epsilon"] = check_positive("epsilon", epsilon)
+    if delta is not None:
+        out["delta"] = check_delta("delta", delta)
+    if T is not None:
+        out["T"] = check_count("max_new_tokens", T)
+    if B is not None:
+        out["B"] = check_count("batch_size", B)
+    if tau is not None:
+        out["tau"] = check_positive("temperature", tau)
+    if C is not None:
+        out["C"] = check_positive("clip_norm", C)
+    return out
+
+
+def plan_clip_norm(
+    *,
+    epsilon: float,
+    delta: float,
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float,
+    accountant: Accountant | str = DEFAULT_ACCOUNTANT,
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+    adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+) -> Plan:
+    """The largest clip norm C for which T tokens with B references at temperature τ are (ε, δ)-DP.
+
+    Errs low: the returned C is verified against the accountant before it is returned.
+    """
+    v = _validate(epsilon, delta, max_new_tokens, batch_size, temperature)
+    acc = as_accountant(accountant)
+    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
+    e0 = max_epsilon0(v["epsilon"], v["delta"], v["T"], acc)
+    C = _clip_norm_from_epsilon0(e0, v["B"], v["tau"], clipping, adjacency)
+    # the round trip e0 -> C -> e0 may gain an ulp; step C down until the recomputed e0 is <= e0
+    while bounded_range_epsilon(linf_sensitivity(C, v["B"], clipping, adjacency), v["tau"]) > e0:
+        C = math.nextafter(C, 0.0)
+    return _make_plan(C, v["epsilon"], v["delta"], acc, v["T"], v["B"], v["tau"], clipping, adjacency)
+
+
+def epsilon_for_clip_norm(
+    *,
+    clip_norm: float,
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float,
+    delta: float,
+    accountant: Accountant | str = DEFAULT_ACCOUNTANT,
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+    adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+) -> Plan:
+    """The certified ε at ``delta`` of a release with clip norm C (errs upwards)."""
+    v = _validate(None, delta, max_new_tokens, batch_size, temperature, clip_norm)
+    acc = as_accountant(accountant)
+    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
+    e0 = bounded_range_epsilon(linf_sensitivity(v["C"], v["B"], clipping, adjacency), v["tau"])
+    eps = composed_epsilon(v["delta"], e0, v["T"], acc)
+    return _make_plan(v["C"], eps, v["delta"], acc, v["T"], v["B"], v["tau"], clipping, adjacency)
+
+
+def plan_max_new_tokens(
+    *,
+    epsilon: float,
+    delta: float,
+    clip_norm: float,
+    batch_size: int,
+    temperature: float,
+    accountant: Accountant | str = DEFAULT_ACCOUNTANT,
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+    adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+) -> Plan:
+    """The largest token budget T for which the release is (ε, δ)-DP.
+
+    Raises ``ValueError`` when not even one token fits the budget. For the zCDP accountants
+    T = ⌊ρ_seq/ρ_tok⌋; for ``br-adaptive`` an exponential then binary search on T, starting from the
+    CKS answer (always feasible), every candidate verified on the certified upper δ.
+    """
+    v = _validate(epsilon, delta, None, batch_size, temperature, clip_norm)
+    acc = as_accountant(accountant)
+    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
+    e0 = bounded_range_epsilon(linf_sensitivity(v["C"], v["B"], clipping, adjacency), v["tau"])
+
+    def fits(T: int) -> bool:
+        return fits_budget(v["epsilon"], v["delta"], e0, T, acc)
+
+    if not fits(1):
+        raise ValueError(
+            f"not even one token fits: a single token at clip_norm={clip_norm!r}, batch_size={batch_size!r}, "
+            f"temperature={temperature!r} already exceeds (epsilon={epsilon!r}, delta={delta!r})"
+        )
+    from accounting.conversions import epsilon_to_zcdp
+
+    conversion = "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion
+    rho_seq = epsilon_to_zcdp(v["epsilon"], v["delta"], conversion)
+    lo = max(1, int(math.floor(rho_seq / (e0 * e0 / 8.0))))
+    while lo > 1 and not fits(lo):  # guard the floor against rounding
+        lo -= 1
+    if not fits(lo + 1):
+        hi = lo + 1
+    else:
+        lo, hi = lo + 1, max(lo + 2, int(lo * 1.2))
+        while fits(hi):
+            lo, hi = hi, int(hi * 1.2) + 1
+    while hi - lo > 1:  # bisection on the monotone predicate
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    eps = v["epsilon"]
+    return _make_plan(v["C"], eps, v["delta"], acc, lo, v["B"], v["tau"], clipping, adjacency)
+
+
+def plan_min_batch_size(
+    *,
+    epsilon: float,
+    delta: float,
+    max_new_tokens: int,
+    temperature: float,
+    clip_norm: float,
+    accountant: Accountant | str = DEFAULT_ACCOUNTANT,
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+    adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+) -> Plan:
+    """The smallest B whose planned clip norm reaches ``clip_norm`` at (ε, δ, T, τ).
+
+    The feasible ε0* does not depend on B, and C grows linearly in B (C = ε0* τ B / (2f)), so
+    B = ⌈2 f C / (τ ε0*)⌉. The returned plan uses exactly the requested ``clip_norm`` (≤ the largest
+    feasible one at that B), so it never overspends.
+    """
+    v = _validate(epsilon, delta, max_new_tokens, None, temperature, clip_norm)
+    acc = as_accountant(accountant)
+    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
+    e0 = max_epsilon0(v["epsilon"], v["delta"], v["T"], acc)
+    per_reference = _clip_norm_from_epsilon0(e0, 1, v["tau"], clipping, adjacency)
+    B = max(1, math.ceil(v["C"] / per_reference))
+    while B > 1 and _clip_norm_from_epsilon0(e0, B - 1, v["tau"], clipping, adjacency) >= v["C"]:
+        B -= 1
+    while _clip_norm_from_epsilon0(e0, B, v["tau"], clipping, adjacency) < v["C"]:
+        B += 1
+    # the requested clip norm at this B spends at most e0 per token; verify against the accountant
+    while bounded_range_epsilon(linf_sensitivity(v["C"], B, clipping, adjacency), v["tau"]) > e0:
+        B += 1
+    return _make_plan(v["C"], v["epsilon"], v["delta"], acc, v["T"], B, v["tau"], clipping, adjacency)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanningRow:
+    """One row of :func:`planning_table`: the plan and its compute cost."""
+
+    plan: Plan
+
+    @property
+    def forward_rows_per_token(self) -> int:
+        return self.plan.batch_size + 1
+
+    @property
+    def forward_rows_per_text(self) -> int:
+        """Worst case (all T tokens): T·(B + 1) forward rows."""
+        return self.plan.max_new_tokens * (self.plan.batch_size + 1)
+
+    def as_dict(self) -> dict:
+        return {
+            "epsilon": self.plan.epsilon,
+            "batch_size": self.plan.batch_size,
+            "clip_norm": self.plan.clip_norm,
+            "rho_sequence": self.plan.rho_sequence,
+            "forward_rows_per_token": self.forward_rows_per_token,
+            "forward_rows_per_text": self.forward_rows_per_text,
+        }
+
+
+def planning_table(
+    *,
+    epsilons: Iterable[float],
+    batch_sizes: Iterable[int],
+    delta: float,
+    max_new_tokens: int,
+    temperature: float,
+    accountant: Accountant | str = DEFAULT_ACCOUNTANT,
+    clipping: Clipping | str = Clipping.DIFFERENCE,
+    adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+) -> list[PlanningRow]:
+    """Clip norms over a grid of ε × B, with the compute each B costs (B + 1 rows per token).
+
+    ε0* depends only on (ε, δ, T), so the accountant runs once per ε.
+    """
+    epsilons = [check_positive("epsilon", e) for e in epsilons]
+    batch_sizes = [check_count("batch_size", b) for b in batch_sizes]
+    if not epsilons or not batch_sizes:
+        raise ValueError("epsilons and batch_sizes must be non-empty")
+    v = _validate(None, delta, max_new_tokens, None, temperature)
+    acc = as_accountant(accountant)
+    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
+    rows = []
+    for eps in epsilons:
+        e0 = max_epsilon0(eps, v["delta"], v["T"], acc)
+        for B in batch_sizes:
+            C = _clip_norm_from_epsilon0(e0, B, v["tau"], clipping, adjacency)
+            while bounded_range_epsilon(linf_sensitivity(C, B, clipping, adjacency), v["tau"]) > e0:
+                C = math.nextafter(C, 0.0)
+            rows.append(PlanningRow(_make_plan(C, eps, v["delta"], acc, v["T"], B, v["tau"], clipping, adjacency)))
+    return rows
