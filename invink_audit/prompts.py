@@ -1,0 +1,282 @@
+r"""Chat prompts with a private form (description + one reference) and a public form (description only).
+
+Paper Appendix D, Table 4 (``tab:prompts``): for each dataset a *private* prompt that embeds one
+reference and a *public* prompt without it; the system prompt is "You are a chatbot". The public
+form is what the model sees for :math:`\phi_{pub}`, and a null (empty) reference must give exactly
+the public prompt (replace-by-null adjacency, paper §3): :meth:`PromptTemplate.messages` returns the
+public messages for ``""``, so the two encodings are the same token ids.
+
+Templates are ``str.format`` strings. The private one contains the ``{reference}`` field; both may
+contain further public fields (e.g. Yelp's business category and review score), whose values come
+from :attr:`PromptTemplate.fields` or are given when rendering. Field values are public: they are the
+same for every reference and never derived from the private data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+__all__ = [
+    "PRESETS",
+    "PromptTemplate",
+    "TextRequest",
+    "encode_messages",
+    "encode_request",
+    "get_preset",
+]
+
+REFERENCE_FIELD = "reference"
+PAPER_SYSTEM_PROMPT = "You are a chatbot"
+
+
+def _field_names(template: str, what: str) -> frozenset[str]:
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:
+        raise ValueError(f"{what} is not a valid format string: {err}; got {template!r}") from err
+    names = set()
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier():
+            raise ValueError(f"{what} may only use named fields like {{reference}}; got field {name!r}")
+        if spec or conversion:
+            raise ValueError(f"{what} field {{{name}}} must not have a format spec or conversion")
+        names.add(name)
+    return frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTemplate:
+    """A private/public prompt pair (paper Table 4), validated at construction.
+
+    * ``private``: user message with one reference; must contain ``{reference}``;
+    * ``public``: user message without the reference; must not contain ``{reference}``;
+    * ``system``: system message (``None`` for none);
+    * ``fields``: values of the other (public) fields, e.g. ``{"category": "Restaurants"}``.
+    """
+
+    name: str
+    private: str
+    public: str
+    system: str | None = PAPER_SYSTEM_PROMPT
+    fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for attr in ("name", "private", "public"):
+            if not isinstance(getattr(self, attr), str) or not getattr(self, attr).strip():
+                raise ValueError(f"{attr} must be a non-empty string; got {getattr(self, attr)!r}")
+        if self.system is not None and not isinstance(self.system, str):
+            raise ValueError(f"system must be a string or None; got {self.system!r}")
+        private_names = _field_names(self.private, "private template")
+        public_names = _field_names(self.public, "public template")
+        if REFERENCE_FIELD not in private_names:
+            raise ValueError(f"private template must contain {{{REFERENCE_FIELD}}}; got {self.private!r}")
+        if REFERENCE_FIELD in public_names:
+            raise ValueError(f"public template must not contain {{{REFERENCE_FIELD}}}; got {self.public!r}")
+        if not isinstance(self.fields, Mapping):
+            raise ValueError(f"fields must be a mapping of field name to string; got {self.fields!r}")
+        fields = dict(self.fields)
+        for key, value in fields.items():
+            if key == REFERENCE_FIELD:
+                raise ValueError(f"fields must not set {{{REFERENCE_FIELD}}}: the reference is given per text")
+            if not isinstance(value, str):
+                raise ValueError(f"prompt field {key!r} must be a string; got {value!r}")
+        object.__setattr__(self, "fields", MappingProxyType(fields))
+
+    @property
+    def field_names(self) -> frozenset[str]:
+        """Public fields used by either template (``reference`` excluded)."""
+        names = _field_names(self.private, "private template") | _field_names(self.public, "public template")
+        return names - {REFERENCE_FIELD}
+
+    def with_fields(self, **fields: str) -> PromptTemplate:
+        """A copy with some public field values set or replaced."""
+        unknown = set(fields) - self.field_names
+        if unknown:
+            raise ValueError(
+                f"prompt {self.name!r} has no field(s) {sorted(unknown)}; its fields are {sorted(self.field_names)}"
+            )
+        return dataclasses.replace(self, fields={**self.fields, **fields})
+
+    def _values(self) -> dict[str, str]:
+        missing = self.field_names - set(self.fields)
+        if missing:
+            raise ValueError(
+                f"prompt {self.name!r} needs values for field(s) {sorted(missing)} (e.g. --prompt-field NAME=VALUE)"
+            )
+        return dict(self.fields)
+
+    def user_message(self, reference: str | None) -> str:
+        """The user message for one reference; ``None`` or ``""`` (a null reference) gives the public one."""
+        if reference is not None and not isinstance(reference, str):
+            raise ValueError(f"reference must be a string or None; got {type(reference).__name__}")
+        values = self._values()
+        if not reference:
+            return self.public.format(**values)
+        return self.private.format(**values, reference=reference)
+
+    def messages(self, reference: str | None) -> list[dict[str, str]]:
+        """Chat messages (system, user) for one reference; a null reference gives the public messages."""
+        user = {"role": "user", "content": self.user_message(reference)}
+        if self.system is None:
+            return [user]
+        return [{"role": "system", "content": self.system}, user]
+
+
+# --------------------------------------------------------------------------------------------
+# presets (paper Appendix D, Table 4) and a generic one
+
+_PRESETS = {
+    "mimic": PromptTemplate(
+        name="mimic",
+        private=(
+            "Here is the text of the discharge summary of a patient discharged from a hospital\n"
+            'Text: "{reference}"\n'
+            "Please give me another text of a fake patient discharge summary for discharge from a hospital. "
+            "Include typical sections like admitting diagnosis, major procedures (if any), discharge medications "
+            "(using fictional drug names and dosages), and general follow-up instructions. Do not include any "
+            "names, dates, or specific medical record numbers. The output text must begin with the exact words "
+            '"Discharge Instructions:".'
+        ),
+        public=(
+            "Please give me text of a fake patient discharge summary for discharge from a hospital. I only need "
+            "fictional and representative examples for a non-medical purpose. Include typical sections like "
+            "admitting diagnosis, major procedures (if any), discharge medications (using fictional drug names "
+            "and dosages), and general follow-up instructions. Do not include any names, dates, or specific "
+            'medical record numbers. The output text must begin with the exact words "Discharge Instructions:".'
+        ),
+    ),
+    "yelp": PromptTemplate(
+        name="yelp",
+        private=(
+            'Here is a text with Business Category : "{category}" and Review Stars : "{stars}" out of 5.0.\n'
+            'Text: "{reference}"\n'
+            "Please output one more similar review of a fictional place with the same score and of the same "
+            "category of business. Poor reviews have lower scores and good reviews have higher scores."
+        ),
+        public=(
+            "Please give me a fake Yelp customer review of a fictional business with Business Category : "
+            '"{category}" and Review Stars : "{stars}" out of 5.0. Poor reviews have lower scores and good '
+            "reviews have higher scores."
+        ),
+        fields={"category": "Restaurants", "stars": "4.0"},
+    ),
+    "tab": PromptTemplate(
+        name="tab",
+        private=(
+            "Here is the text of a case transcript set before the European Court for Human Rights.\n"
+            'Text: "{reference}"\n'
+            "Please output a similar transcript of a fictional case under European Court for Human Rights. "
+            "Begin with the phrase: 'PROCEDURE: The case originated in an application'."
+        ),
+        public=(
+            "Please output a transcript of a fictional case under European Court for Human Rights. "
+            "Begin with the phrase: 'PROCEDURE: The case originated in an application'."
+        ),
+    ),
+    "generic": PromptTemplate(
+        name="generic",
+        private=(
+            "Here is a text from a collection of {description}.\n"
+            'Text: "{reference}"\n'
+            "Please write one more text of the same kind, about fictional people and places. "
+            "Output only the text."
+        ),
+        public=(
+            "Please write one text from a collection of {description}, about fictional people and places. "
+            "Output only the text."
+        ),
+        fields={"description": "short texts"},
+    ),
+}
+
+#: The preset templates by name (read-only).
+PRESETS: Mapping[str, PromptTemplate] = MappingProxyType(_PRESETS)
+
+
+def get_preset(name: str | PromptTemplate, **fields: str) -> PromptTemplate:
+    """A preset by name (``mimic``, ``yelp``, ``tab``, ``generic``), with optional field values."""
+    if isinstance(name, PromptTemplate):
+        template = name
+    elif isinstance(name, str) and name.lower() in _PRESETS:
+        template = _PRESETS[name.lower()]
+    else:
+        raise ValueError(f"prompt must be one of {sorted(_PRESETS)} or a PromptTemplate; got {name!r}")
+    return template.with_fields(**fields) if fields else template
+
+
+# --------------------------------------------------------------------------------------------
+# encoding
+
+
+def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
+    """Token ids of ``messages`` with the tokenizer's chat template and the generation prompt appended.
+
+    A tokenizer without a chat template is rejected: the prompts of the paper are chat prompts, and
+    silently inventing a format would change the model's behaviour without notice.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"the tokenizer of this model has no chat template; use an instruction-tuned (chat) model "
+            f"(tokenizer: {type(tokenizer).__name__})"
+        )
+    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
+    ids = tuple(int(i) for i in ids)
+    if not ids:
+        raise ValueError("the chat template produced an empty prompt")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class TextRequest:
+    """The encoded prompts for one text: the public prompt and one private prompt per reference.
+
+    ``private_ids[i] is None`` marks a null (empty) reference: its row *is* the public row (the engine
+    does not compute it separately), so its logits equal the public logits exactly. ``key`` is an
+    arbitrary label returned with the finished text (e.g. the batch index).
+    """
+
+    public_ids: tuple[int, ...]
+    private_ids: tuple[tuple[int, ...] | None, ...]
+    key: object = None
+
+    def __post_init__(self) -> None:
+        public = tuple(self.public_ids)
+        if not public or any(not isinstance(t, int) or t < 0 for t in public):
+            raise ValueError("public_ids must be a non-empty sequence of non-negative token ids")
+        private = []
+        for i, ids in enumerate(self.private_ids):
+            if ids is None:
+                private.append(None)
+                continue
+            ids = tuple(ids)
+            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError(f"private_ids[{i}] must be None or a non-empty sequence of non-negative token ids")
+            private.append(ids)
+        if not private:
+            raise ValueError("private_ids must hold at least one reference (B >= 1)")
+        object.__setattr__(self, "public_ids", public)
+        object.__setattr__(self, "private_ids", tuple(private))
+
+    @property
+    def batch_size(self) -> int:
+        """``B``: the number of references (null ones included)."""
+        return len(self.private_ids)
+
+
+def encode_request(tokenizer, template: PromptTemplate, references: Sequence[str | None], *, key=None) -> TextRequest:
+    """Encode one batch of references into a :class:`TextRequest` (null references → ``None``)."""
+    if isinstance(references, str) or not isinstance(references, Sequence):
+        raise ValueError(f"references must be a sequence of strings; got {type(references).__name__}")
+    public_ids = encode_messages(tokenizer, template.messages(None))
+    private_ids = []
+    for reference in references:
+        if reference is not None and not isinstance(reference, str):
+            raise ValueError(f"each reference must be a string or None; got {type(reference).__name__}")
+        private_ids.append(None if not reference else encode_messages(tokenizer, template.messages(reference)))
+    return TextRequest(public_ids=public_ids, private_ids=tuple(private_ids), key=key)
