@@ -28,6 +28,16 @@ _LAZY: dict[str, str] = {
         ),
         "invink_audit.mechanism",
     ),
+    # generation backend (issue 4)
+    **dict.fromkeys(("LoadedModel", "build_tiny_model", "load_model"), "invink_audit.models"),
+    **dict.fromkeys(("PRESETS", "PromptTemplate", "TextRequest", "encode_request", "get_preset"), "invink_audit.prompts"),
+    **dict.fromkeys(("Partition", "partition_references", "read_references"), "invink_audit.data"),
+    **dict.fromkeys(("DecodeStep", "Engine", "FinishedText"), "invink_audit.engine"),
+    **dict.fromkeys(
+        ("GeneratedText", "GenerationConfig", "GenerationResult", "Guarantee", "generate", "read_generation_output"),
+        "invink_audit.generation",
+    ),
+    **dict.fromkeys(("BenchResult", "benchmark"), "invink_audit.bench"),
 }
 
 __all__ = ["__version__", *_LAZY]

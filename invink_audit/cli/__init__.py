@@ -20,6 +20,8 @@ from invink_audit import __version__
 _SUBCOMMANDS = (
     "invink_audit.cli._plan",
     "invink_audit.cli._ledger",
+    "invink_audit.cli._generate",
+    "invink_audit.cli._bench",
 )
 
 

@@ -1,0 +1,185 @@
+"""``invink-audit generate``: DP synthetic texts from a file of references, streamed to JSON Lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from invink_audit.cli import CliError, parse_float, parse_int
+
+_B_HELP = (
+    "B: private references per generated text. Each token costs B+1 forward rows (B private prompts + "
+    "1 public prompt); the reference package's batch_size is B+1."
+)
+
+
+def parse_top_k(text: str) -> int | None:
+    """``--top-k``: a positive integer, or ``full`` for the full vocabulary."""
+    if text.strip().lower() in {"full", "none", "all"}:
+        return None
+    value = parse_int("--top-k", text)
+    if value < 1:
+        raise ValueError(f"--top-k must be an integer >= 1 or 'full'; got {text!r}")
+    return value
+
+
+def parse_fields(items: list[str] | None) -> dict[str, str]:
+    fields = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--prompt-field must look like NAME=VALUE; got {item!r}")
+        fields[name.strip()] = value
+    return fields
+
+
+def add_model_arguments(parser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or hub id, or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model directory")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
+    parser.add_argument("--max-batch-rows", default=None, help="rows per forward pass (memory bound)")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate DP synthetic texts from references",
+        description="Partition the references into disjoint batches of B (input order; empty references stay "
+        "as nulls), generate one text per batch with InvisibleInk and stream them to a JSON Lines file. "
+        "Re-running with the same --output resumes. " + _B_HELP,
+    )
+    p.add_argument("--input", required=True, help="references: a .csv (see --column) or .jsonl file")
+    p.add_argument("--column", default=None, help="CSV column or JSONL field holding the text (default: text)")
+    p.add_argument("--output", required=True, help="output .jsonl file (resumed when it exists)")
+    p.add_argument("--epsilon", default=None, help="target epsilon (> 0); the clip norm is planned for it")
+    p.add_argument("--clip-norm", default=None, help="clip norm C instead of --epsilon (epsilon is reported)")
+    p.add_argument("--delta", required=True, help="target delta, in (0, 1)")
+    p.add_argument("--batch-size", required=True, help=_B_HELP)
+    p.add_argument("--max-new-tokens", required=True, help="token budget T per text (>= 1), never derived from data")
+    p.add_argument("--num-texts", default=None, help="texts to generate (default: one per full batch)")
+    p.add_argument("--top-k", default="100", help="k of the Top-k+ set, or 'full' (default 100)")
+    p.add_argument("--temperature", default="1.0", help="sampling temperature tau (> 0; default 1.0)")
+    p.add_argument("--prompt", default="generic", help="prompt preset: generic, yelp, tab, mimic (default generic)")
+    p.add_argument(
+        "--prompt-field",
+        action="append",
+        metavar="NAME=VALUE",
+        help="public prompt field, e.g. description=... (generic) or category=... stars=... (yelp); repeatable",
+    )
+    p.add_argument("--ledger", default=None, help="budget ledger to charge before generating (see `ledger init`)")
+    p.add_argument("--seed", default=None, help="fixed seed: reproducible output, NOT private (tests/audits only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
+    from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
+
+    p.add_argument("--accountant", default=DEFAULT_ACCOUNTANT.value, choices=ACCOUNTANTS)
+    add_model_arguments(p)
+    p.set_defaults(handler=_generate)
+
+
+def load_cli_model(args):
+    from invink_audit.models import load_model
+
+    return load_model(args.model, gguf_file=args.gguf_file, device=args.device)
+
+
+def _generate(args) -> int:
+    from tqdm import tqdm
+
+    from invink_audit.generation import generate
+
+    if args.epsilon is None and args.clip_norm is None:
+        raise CliError("give --epsilon (plan the clip norm) or --clip-norm")
+    if args.epsilon is not None and args.clip_norm is not None:
+        raise CliError("give only one of --epsilon and --clip-norm")
+    seed = None if args.seed is None else parse_int("--seed", args.seed)
+    max_batch_rows = None if args.max_batch_rows is None else parse_int("--max-batch-rows", args.max_batch_rows)
+    kwargs = dict(
+        batch_size=parse_int("--batch-size", args.batch_size),
+        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
+        delta=parse_float("--delta", args.delta),
+        epsilon=None if args.epsilon is None else parse_float("--epsilon", args.epsilon),
+        clip_norm=None if args.clip_norm is None else parse_float("--clip-norm", args.clip_norm),
+        temperature=parse_float("--temperature", args.temperature),
+        top_k=parse_top_k(args.top_k),
+        num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
+        accountant=args.accountant,
+        prompt=args.prompt,
+        prompt_fields=parse_fields(args.prompt_field),
+        column=args.column,
+        output=args.output,
+        ledger=args.ledger,
+        seed=seed,
+        max_batch_rows=max_batch_rows,
+    )
+    model = load_cli_model(args)
+    bar = None
+    if not args.no_progress:
+        bar = tqdm(unit="tok", desc="generating", file=sys.stderr, dynamic_ncols=True)
+
+    texts = [0]
+
+    def on_text(text) -> None:
+        texts[0] += 1
+        if bar is not None:
+            bar.set_postfix(texts=texts[0])
+
+    try:
+        result = generate(
+            args.input,
+            model=model,
+            on_tokens=None if bar is None else bar.update,
+            on_text=on_text,
+            **kwargs,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    summary = summarise(result)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_summary(result))
+    return 0
+
+
+def summarise(result) -> dict:
+    return {
+        "output": result.output,
+        "texts": len(result.texts),
+        "resumed": result.num_resumed,
+        "tokens_generated": result.tokens_generated,
+        "seconds": result.seconds,
+        "tokens_per_second": result.tokens_per_second,
+        "num_references": result.num_references,
+        "num_batches": result.num_batches,
+        "unused_references": result.num_unused_references,
+        "release_id": result.release_id,
+        "model": result.model,
+        "seeded": result.seeded,
+        "guarantee": result.guarantee.to_json(),
+    }
+
+
+def format_summary(result) -> str:
+    g = result.guarantee
+    top_k = "full vocabulary" if g.top_k is None else f"k = {g.top_k}"
+    lines = [
+        f"wrote {len(result.texts)} texts to {result.output} "
+        f"({result.num_resumed} kept from an earlier run, {result.tokens_generated} tokens generated in "
+        f"{result.seconds:.1f} s)",
+        f"  references       {result.num_references} read, {result.num_batches} batches of B = {g.batch_size}, "
+        f"{result.num_unused_references} unused",
+        f"  guarantee        ({g.epsilon:.6g}, {g.delta:g})-DP for texts of at most T = {g.max_new_tokens} tokens "
+        f"({g.accountant}); rho_sequence = {g.rho_sequence:.6g}",
+        f"  mechanism        C = {g.clip_norm:.6g}, tau = {g.temperature:g}, Top-k+ with {top_k}, "
+        f"epsilon0 = {g.epsilon0:.6g} per token",
+        f"  model            {result.model}",
+    ]
+    if result.seeded:
+        lines.append("  WARNING          fixed seed: these texts are reproducible and carry NO privacy guarantee")
+    return "\n".join(lines)
