@@ -1,0 +1,312 @@
+r"""From the measurements of a white-box audit to a report with a verdict.
+
+Hypotheses tested (each :math:`H_0`: the claim holds for that quantity), all in one Holm family at
+the configured significance:
+
+* for every audited neighbour j, direction and α, and each estimator with samples:
+  :math:`D_\alpha \le \alpha\rho_{seq}` (plain Monte Carlo; geometric-mixture importance sampling);
+* for every audited neighbour j and direction: :math:`\delta(\varepsilon_{acc}(\delta)) \le \delta`
+  for every accountant and every δ of the grid, tested at once with the DKW band (simultaneous
+  over ε, so one test per (j, direction)).
+
+Exact per-step failures are facts, not tests: one of them is a VIOLATION.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from invink_audit.audit import stats
+from invink_audit.audit.report import (
+    AccountantComparison,
+    DeltaEstimate,
+    SequenceEstimate,
+    StepCheckSummary,
+    WhiteBoxReport,
+)
+from invink_audit.audit.whitebox import (
+    KIND_ACTUAL,
+    KIND_MIXTURE_FORWARD,
+    KIND_MIXTURE_REVERSE,
+    KIND_NEIGHBOUR,
+    Direction,
+    RecordedAudit,
+)
+
+__all__ = ["analyse", "sequence_losses", "accountant_epsilons"]
+
+
+def sequence_losses(rec: RecordedAudit, neighbour: int, direction: Direction) -> np.ndarray:
+    r"""Exact privacy losses of the Monte Carlo texts: :math:`\log P(x)/P'(x)` with x ~ P.
+
+    Forward: texts sampled from R, :math:`L = \log P_R(x) - \log P_{R'_j}(x)`; reverse: texts
+    sampled from R'_j, :math:`L = \log P_{R'_j}(x) - \log P_R(x)`.
+    """
+    plan = rec.plan
+    if direction is Direction.FORWARD:
+        sel = plan.kind == KIND_ACTUAL
+        lp, lq = rec.log_prob_actual[sel], rec.log_prob_neighbours[sel, neighbour]
+    else:
+        sel = (plan.kind == KIND_NEIGHBOUR) & (plan.neighbour == neighbour)
+        lp, lq = rec.log_prob_neighbours[sel, neighbour], rec.log_prob_actual[sel]
+    with np.errstate(invalid="ignore"):
+        loss = lp - lq  # lq = -inf (impossible under the other) gives +inf
+    if np.isnan(loss).any() or np.isneginf(lp).any():
+        raise RuntimeError("a sampled text has probability 0 under its own sampling distribution")
+    return loss
+
+
+def _is_sums(rec: RecordedAudit, neighbour: int, direction: Direction, alpha_index: int) -> np.ndarray:
+    kind = KIND_MIXTURE_FORWARD if direction is Direction.FORWARD else KIND_MIXTURE_REVERSE
+    sel = (rec.plan.kind == kind) & (rec.plan.neighbour == neighbour) & (rec.plan.alpha_index == alpha_index)
+    return rec.is_sums[sel]
+
+
+_ACCOUNTANT_CACHE: dict = {}
+
+
+def accountant_epsilons(epsilon0: float, max_new_tokens: int, delta: float, accountants) -> dict:
+    """ε(δ) of each named accountant of :mod:`accounting` for T tokens of an ε0-BR mechanism."""
+    from accounting import ACCOUNTANTS, composed_epsilon
+
+    names = tuple(accountants) if accountants is not None else ACCOUNTANTS
+    out = {}
+    for name in names:
+        key = (float(epsilon0), int(max_new_tokens), float(delta), name)
+        if key not in _ACCOUNTANT_CACHE:
+            _ACCOUNTANT_CACHE[key] = float(composed_epsilon(delta, epsilon0, max_new_tokens, name))
+        out[name] = _ACCOUNTANT_CACHE[key]
+    return out
+
+
+def _rdp_to_epsilon(alphas, rdp, delta) -> float:
+    """RDP curve → ε at δ (dp-accounting's conversion, Canonne–Kamath–Steinke 2020 / Balle et al. 2020)."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    rdp = [float(x) for x in rdp]
+    if any(math.isinf(x) or math.isnan(x) for x in rdp) and all(math.isinf(x) or math.isnan(x) for x in rdp):
+        return math.inf
+    orders = [a for a, x in zip(alphas, rdp) if math.isfinite(x)]
+    vals = [x for x in rdp if math.isfinite(x)]
+    eps, _ = rdp_privacy_accountant.compute_epsilon(orders, vals, delta)
+    return float(eps)
+
+
+def _histogram(losses: np.ndarray, neighbour: int) -> dict:
+    finite = losses[np.isfinite(losses)]
+    if finite.size == 0:
+        return {"neighbour": neighbour, "edges": [], "counts": [], "num_infinite": int(losses.size)}
+    lo, hi = float(finite.min()), float(finite.max())
+    if hi - lo < 1e-12:
+        lo, hi = lo - 0.5, hi + 0.5
+    counts, edges = np.histogram(finite, bins=30, range=(lo, hi))
+    return {
+        "neighbour": neighbour,
+        "edges": edges.tolist(),
+        "counts": counts.tolist(),
+        "num_infinite": int((~np.isfinite(losses)).sum()),
+        "mean": float(finite.mean()),
+    }
+
+
+def analyse(
+    rec: RecordedAudit,
+    *,
+    mechanism: str,
+    source: str,
+    canaries: dict | None = None,
+    neighbour_labels: dict | None = None,
+    prefix_decoder=None,
+    exact=None,
+    timings: dict | None = None,
+    settings: dict | None = None,
+    notes: tuple[str, ...] = (),
+    claim_details: dict | None = None,
+) -> WhiteBoxReport:
+    """Turn a :class:`RecordedAudit` into a :class:`WhiteBoxReport` with a verdict.
+
+    ``prefix_decoder(tokens) -> str`` renders the worst prefix (e.g. a tokenizer's decode);
+    ``exact``: an :class:`invink_audit.audit.synthetic.ExactOutputs` to attach exact divergences
+    (self-test and tests only).
+    """
+    t0 = time.perf_counter()
+    cfg, claim = rec.config, rec.claim
+    beta = cfg.significance
+    audited = cfg.audited_neighbours(rec.batch_size)
+    canaries = dict(canaries or {})
+    labels = dict(neighbour_labels or {})
+    labels.update(canaries)
+    alphas = cfg.alphas
+    # a-priori ranges under the claim: per-step loss <= epsilon0 (BR), per-step D_alpha <= alpha rho_tok
+    loss_upper = claim.max_new_tokens * claim.epsilon0
+    tests: list[stats.TestResult] = []
+    rows: list[dict] = []
+    losses_by_key: dict = {}
+    for j in audited:
+        for d in cfg.directions:
+            losses = sequence_losses(rec, j, d)
+            losses_by_key[(j, d)] = losses
+            for ai, a in enumerate(alphas):
+                claimed = claim.renyi(a)
+                ex = None
+                if exact is not None:
+                    ex = exact.renyi(a, j, reverse=d is Direction.REVERSE)
+                if losses.size:
+                    est = stats.renyi_monte_carlo(losses, a, beta, loss_upper=loss_upper, claimed=claimed)
+                    rows.append(dict(j=j, d=d, a=a, est=est, exact=ex))
+                sums = _is_sums(rec, j, d, ai)
+                if sums.size:
+                    est = stats.renyi_importance_sampling(sums, a, beta, sum_upper=claim.max_new_tokens * a * claim.rho_token, claimed=claimed)
+                    rows.append(dict(j=j, d=d, a=a, est=est, exact=ex))
+    for r in rows:
+        est = r["est"]
+        tests.append(
+            stats.TestResult(
+                f"D_{r['a']:g} {r['d'].value} neighbour {r['j']} ({est.estimator})",
+                est.p_value,
+                est.interval.estimate,
+                est.claimed,
+                details={"neighbour": r["j"], "direction": r["d"].value, "alpha": r["a"], "estimator": est.estimator},
+            )
+        )
+    # delta(eps) against every accountant
+    acc_eps = {dl: accountant_epsilons(claim.epsilon0, claim.max_new_tokens, dl, cfg.accountants) for dl in cfg.delta_grid}
+    delta_rows: list[DeltaEstimate] = []
+    for (j, d), losses in losses_by_key.items():
+        if not losses.size:
+            continue
+        points = [(name, dl, eps) for dl, by_acc in acc_eps.items() for name, eps in by_acc.items()]
+        srt = np.sort(losses)
+
+        def lower_at(b, srt=srt, points=points):
+            eta = min(stats.dkw_radius(srt.size, b), 1.0)
+            return max(stats._delta_band(srt, eps, eta)[0] - dl for _, dl, eps in points)
+
+        p_val = stats.p_value_from_lower_bound(lower_at, 0.0)
+        curve = stats.hockey_stick_delta(losses, [eps for _, _, eps in points], beta)
+        worst_gap = max(e - dl for e, (_, dl, _) in zip(curve.estimate, points))
+        tests.append(
+            stats.TestResult(
+                f"delta(eps) {d.value} neighbour {j} (all accountants)",
+                p_val,
+                worst_gap,
+                0.0,
+                details={"neighbour": j, "direction": d.value},
+            )
+        )
+        for k, (name, dl, eps) in enumerate(points):
+            delta_rows.append(
+                DeltaEstimate(j, d.value, name, dl, eps, curve.estimate[k], curve.band_lower[k], curve.band_upper[k])
+            )
+    failures = dict(rec.failures)
+    verdict, decided, reason = stats.decide_verdict(
+        exact_failures=sum(failures.values()),
+        tests=tests,
+        significance=beta,
+        exact_checks_run=rec.num_step_checks > 0,
+        min_samples_met=cfg.num_samples >= cfg.min_samples,
+    )
+    # sequence rows with the Holm decisions
+    seq_rows = []
+    for r, t in zip(rows, decided[: len(rows)]):
+        est = r["est"]
+        iv = est.interval
+        headroom = est.claimed / iv.estimate if iv.estimate > 0 else math.inf
+        seq_rows.append(
+            SequenceEstimate(
+                r["j"], r["d"].value, r["a"], est.estimator, est.num_samples, iv.lower, iv.estimate, iv.upper,
+                est.claimed, est.p_value, t.rejected, headroom, r["exact"],
+            )
+        )
+    # worst neighbour: the largest estimate / claim (IS preferred where present)
+    worst_j, worst_ratio = (audited[0] if audited else -1), -math.inf
+    for j in audited:
+        mine = [s for s in seq_rows if s.neighbour == j]
+        pref = [s for s in mine if s.estimator == "importance-sampling"] or mine
+        if pref:
+            ratio = max(s.estimate / s.claimed for s in pref)
+            if ratio > worst_ratio:
+                worst_j, worst_ratio = j, ratio
+    # accountants vs measured curve (worst over audited neighbours and directions, at each alpha)
+    measured, measured_up = [], []
+    for a in alphas:
+        rows_a = [s for s in seq_rows if s.alpha == a]
+        by_key = {}
+        for s in rows_a:
+            key = (s.neighbour, s.direction)
+            if key not in by_key or s.estimator == "importance-sampling":
+                by_key[key] = s
+        measured.append(max((s.estimate for s in by_key.values()), default=math.nan))
+        measured_up.append(max((s.upper for s in by_key.values()), default=math.nan))
+    comparisons = []
+    for name, eps in accountant_epsilons(claim.epsilon0, claim.max_new_tokens, claim.delta, cfg.accountants).items():
+        e_grid = _rdp_to_epsilon(alphas, [claim.renyi(a) for a in alphas], claim.delta)
+        e_meas = _rdp_to_epsilon(alphas, measured, claim.delta) if measured and not any(map(math.isnan, measured)) else math.nan
+        e_up = _rdp_to_epsilon(alphas, measured_up, claim.delta) if measured_up and not any(map(math.isnan, measured_up)) else math.nan
+        comparisons.append(
+            AccountantComparison(name, claim.delta, eps, e_grid, e_meas, e_up, eps / e_meas if e_meas and e_meas > 0 else math.inf)
+        )
+    # step-check summary
+    per_range = rec.max_loss_range_per_step
+    max_range = float(per_range.max()) if per_range.size else 0.0
+    worst = dict(rec.worst_range)
+    worst_r = dict(rec.worst_renyi)
+    for w in (worst, worst_r):
+        if w.get("text", -1) >= 0 and prefix_decoder is not None:
+            toks = rec.tokens[w["text"], : w["step"]]
+            w["prefix"] = prefix_decoder([int(t) for t in toks if t >= 0])
+        elif w.get("text", -1) >= 0:
+            w["prefix"] = " ".join(str(int(t)) for t in rec.tokens[w["text"], : w["step"]] if t >= 0)
+    summary = StepCheckSummary(
+        num_checks=rec.num_step_checks,
+        failures=failures,
+        epsilon0=claim.epsilon0,
+        max_loss_range=max_range,
+        range_headroom=claim.epsilon0 / max_range if max_range > 0 else math.inf,
+        max_renyi_ratio={float(a): float(rec.max_renyi_ratio_per_step[:, i].max()) if rec.max_renyi_ratio_per_step.size else 0.0 for i, a in enumerate(alphas)},
+        max_delta_excess=float(rec.max_delta_excess_per_step.max()) if rec.max_delta_excess_per_step.size else 0.0,
+        worst_prefix=worst,
+        worst_renyi_prefix=worst_r,
+        max_loss_range_per_step=tuple(float(x) for x in per_range),
+        max_renyi_ratio_per_step=tuple(tuple(float(y) for y in row) for row in rec.max_renyi_ratio_per_step),
+    )
+    hist_losses = losses_by_key.get((worst_j, Direction.FORWARD))
+    if hist_losses is None:
+        hist_losses = next(iter(losses_by_key.values()), np.zeros(0))
+    claim_dict = {
+        "epsilon0": claim.epsilon0,
+        "rho_token": claim.rho_token,
+        "rho_sequence": claim.rho_sequence,
+        "max_new_tokens": claim.max_new_tokens,
+        "batch_size": claim.batch_size,
+        "delta": claim.delta,
+        **{f"epsilon[{a.accountant}]": a.epsilon for a in comparisons},
+        **(claim_details or {}),
+    }
+    timings = dict(timings or {})
+    timings["analysis_seconds"] = time.perf_counter() - t0
+    timings.setdefault("check_seconds", rec.check_seconds)
+    return WhiteBoxReport(
+        kind="white-box",
+        mechanism=mechanism,
+        source=source,
+        verdict=verdict,
+        reason=reason,
+        significance=beta,
+        claim=claim_dict,
+        step_checks=summary,
+        sequence=tuple(seq_rows),
+        delta=tuple(delta_rows),
+        accountants=tuple(comparisons),
+        worst_neighbour={"index": worst_j, "label": labels.get(worst_j, ""), "ratio": worst_ratio},
+        canaries=canaries,
+        tests=tuple(decided),
+        num_texts=rec.plan.num_texts,
+        timings=timings,
+        loss_histogram=_histogram(hist_losses, worst_j),
+        settings=dict(settings or {}),
+        notes=tuple(notes),
+    )

@@ -1,0 +1,456 @@
+"""Typed audit reports and their renderings (JSON, Markdown, PNG plots).
+
+A report keeps the *a-priori* claim (what the accountant promised) and the *after-the-fact*
+measurements in separate, named fields (STYLE.md §4). ``to_dict`` is JSON-ready (``inf`` is written
+as the string ``"inf"``); ``write_report`` writes ``report.json``, ``report.md`` and the plots.
+Plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from invink_audit.audit.stats import TestResult, Verdict
+
+__all__ = [
+    "StepCheckSummary",
+    "SequenceEstimate",
+    "DeltaEstimate",
+    "AccountantComparison",
+    "WhiteBoxReport",
+    "BlackBoxReport",
+    "to_jsonable",
+    "write_report",
+]
+
+
+def to_jsonable(obj):
+    """Recursively convert dataclasses, enums, numpy values and non-finite floats for JSON."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
+    if isinstance(obj, Verdict):
+        return obj.value
+    if hasattr(obj, "value") and type(obj).__module__.startswith(("invink_audit", "accounting")) and hasattr(type(obj), "__members__"):
+        return obj.value
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return [to_jsonable(v) for v in obj.tolist()]
+    if isinstance(obj, (np.floating, float)):
+        x = float(obj)
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCheckSummary:
+    """Exact per-step checks over every visited (text, step, neighbour)."""
+
+    num_checks: int
+    failures: dict  # kind -> count ("support", "range", "renyi", "delta")
+    epsilon0: float
+    max_loss_range: float
+    range_headroom: float  # epsilon0 / max_loss_range (>= 1: within the claim)
+    max_renyi_ratio: dict  # alpha -> max over steps of D_alpha(p_t||p'_t) / (alpha rho_tok)
+    max_delta_excess: float  # max over steps and eps of delta_t(eps) - delta_BR(eps) (<= 0: within)
+    worst_prefix: dict  # {"value", "text", "step", "neighbour", "prefix"}
+    worst_renyi_prefix: dict
+    max_loss_range_per_step: tuple[float, ...]
+    max_renyi_ratio_per_step: tuple[tuple[float, ...], ...]
+
+    @property
+    def total_failures(self) -> int:
+        return int(sum(self.failures.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceEstimate:
+    """One sequence-level Rényi divergence estimate with its test against the claim."""
+
+    neighbour: int
+    direction: str  # "forward" or "reverse"
+    alpha: float
+    estimator: str  # "monte-carlo" or "importance-sampling"
+    num_samples: int
+    lower: float
+    estimate: float
+    upper: float
+    claimed: float
+    p_value: float
+    rejected: bool
+    headroom: float  # claimed / estimate (inf when the estimate is 0)
+    exact: float | None = None  # exact value when enumerable (self-test), else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaEstimate:
+    """δ(ε) of one neighbour and direction at an accountant's ε(δ_target)."""
+
+    neighbour: int
+    direction: str
+    accountant: str
+    target_delta: float
+    epsilon: float
+    delta_estimate: float
+    band_lower: float
+    band_upper: float
+
+
+@dataclasses.dataclass(frozen=True)
+class AccountantComparison:
+    """An accountant's ε at the claim's δ, against the ε certified by the *measured* divergences.
+
+    ``epsilon_measured``: RDP→DP conversion (dp-accounting ``compute_epsilon``; Canonne, Kamath &
+    Steinke 2020 / Balle et al. 2020) of the worst measured curve :math:`\\hat D_\\alpha` on the
+    audit's α grid; ``epsilon_claimed_grid``: the same conversion of the claimed curve
+    :math:`\\alpha\\rho_{seq}` on the same grid (the grid's own coarseness, for a fair ratio).
+    ``headroom`` = epsilon / epsilon_measured.
+    """
+
+    accountant: str
+    delta: float
+    epsilon: float
+    epsilon_claimed_grid: float
+    epsilon_measured: float
+    epsilon_measured_upper: float
+    headroom: float
+
+
+@dataclasses.dataclass(frozen=True)
+class WhiteBoxReport:
+    """Result of a white-box audit (see :func:`invink_audit.audit.analysis.analyse`)."""
+
+    kind: str
+    mechanism: str
+    source: str
+    verdict: Verdict
+    reason: str
+    significance: float
+    # a-priori claim
+    claim: dict  # epsilon0, rho_token, rho_sequence, max_new_tokens, batch_size, delta, ...
+    # after-the-fact measurements
+    step_checks: StepCheckSummary
+    sequence: tuple[SequenceEstimate, ...]
+    delta: tuple[DeltaEstimate, ...]
+    accountants: tuple[AccountantComparison, ...]
+    worst_neighbour: dict  # {"index", "label", "ratio"}
+    canaries: dict  # neighbour index -> label
+    tests: tuple[TestResult, ...]
+    num_texts: int
+    timings: dict
+    loss_histogram: dict  # {"neighbour", "edges", "counts", "num_infinite"}
+    settings: dict = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return to_jsonable(self)
+
+    def headroom_summary(self) -> dict:
+        """The headline ratios: per-step range, sequence Rényi (min over rows), ε per accountant."""
+        seq = [s.headroom for s in self.sequence if s.estimator == "importance-sampling"] or [
+            s.headroom for s in self.sequence
+        ]
+        return {
+            "per_step_range": self.step_checks.range_headroom,
+            "sequence_renyi_min": min(seq) if seq else math.nan,
+            "epsilon": {a.accountant: a.headroom for a in self.accountants},
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class BlackBoxReport:
+    """Result of a black-box canary audit (see :mod:`invink_audit.audit.blackbox`)."""
+
+    kind: str
+    mechanism: str
+    verdict: Verdict
+    reason: str
+    significance: float
+    claimed_epsilon: float
+    claimed_delta: float
+    epsilon_lower_bound: float
+    threshold: float
+    score: str
+    num_trials: dict  # {"selection": {...}, "evaluation": {...}}
+    true_positives: int
+    false_positives: int
+    positives: int
+    negatives: int
+    timings: dict
+    notes: tuple[str, ...] = ()
+    scores_with: tuple[float, ...] = ()
+    scores_without: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict:
+        return to_jsonable(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+
+
+def _fmt(x, digits=4) -> str:
+    if isinstance(x, str):
+        return x
+    if x is None:
+        return "–"
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "∞" if x > 0 else "−∞"
+    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e5):
+        return f"{x:.{digits - 1}e}"
+    return f"{x:.{digits}g}"
+
+
+def _whitebox_markdown(r: WhiteBoxReport) -> str:
+    c = r.claim
+    sc = r.step_checks
+    lines = [
+        f"# White-box privacy audit: {r.mechanism}",
+        "",
+        f"**Verdict: {r.verdict.value}** at family-wise significance {r.significance:g} (Holm over "
+        f"{len(r.tests)} tests; exact checks need no statistics). {r.reason}.",
+        "",
+        f"Source: {r.source}. Texts sampled: {r.num_texts}.",
+        "",
+        "## Claim (a priori)",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+    ]
+    for k in ("epsilon0", "rho_token", "rho_sequence", "max_new_tokens", "batch_size", "delta"):
+        if k in c:
+            lines.append(f"| {k} | {_fmt(c[k], 6)} |")
+    for k, v in c.items():
+        if k not in ("epsilon0", "rho_token", "rho_sequence", "max_new_tokens", "batch_size", "delta"):
+            lines.append(f"| {k} | {_fmt(v, 6) if isinstance(v, (int, float)) else v} |")
+    lines += [
+        "",
+        "## Exact per-step checks",
+        "",
+        f"{sc.num_checks} (text, step, neighbour) checks; failures: "
+        + ", ".join(f"{k} {v}" for k, v in sc.failures.items())
+        + ".",
+        "",
+        f"- max privacy-loss range {_fmt(sc.max_loss_range)} vs ε0 = {_fmt(sc.epsilon0)} "
+        f"(headroom ε0/max = {_fmt(sc.range_headroom)})",
+        "- max per-step D_α / (α ρ_tok): "
+        + ", ".join(f"α={_fmt(float(a))}: {_fmt(v)}" for a, v in sc.max_renyi_ratio.items()),
+        f"- max per-step δ_t(ε) − δ_BR(ε): {_fmt(sc.max_delta_excess)}",
+        f"- worst prefix (loss range): text {sc.worst_prefix.get('text')}, step {sc.worst_prefix.get('step')}, "
+        f"neighbour {sc.worst_prefix.get('neighbour')}, value {_fmt(sc.worst_prefix.get('value'))}"
+        + (f", prefix `{sc.worst_prefix.get('prefix')}`" if sc.worst_prefix.get("prefix") else ""),
+        "",
+        "## Sequence-level Rényi divergences",
+        "",
+        f"Worst neighbour: {r.worst_neighbour.get('index')} ({r.worst_neighbour.get('label', '')}), "
+        f"max estimate/claim {_fmt(r.worst_neighbour.get('ratio'))}.",
+        "",
+        "| neighbour | direction | α | estimator | n | lower | estimate | upper | claimed α·ρ_seq | headroom | p | rejected |"
+        + (" exact |" if any(s.exact is not None for s in r.sequence) else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if any(s.exact is not None for s in r.sequence) else ""),
+    ]
+    for s in r.sequence:
+        row = (
+            f"| {s.neighbour} | {s.direction} | {_fmt(s.alpha)} | {s.estimator} | {s.num_samples} | {_fmt(s.lower)} | "
+            f"{_fmt(s.estimate)} | {_fmt(s.upper)} | {_fmt(s.claimed)} | {_fmt(s.headroom)} | {_fmt(s.p_value, 3)} | "
+            f"{'yes' if s.rejected else 'no'} |"
+        )
+        if any(t.exact is not None for t in r.sequence):
+            row += f" {_fmt(s.exact)} |"
+        lines.append(row)
+    lines += [
+        "",
+        "## Accountants",
+        "",
+        "| accountant | δ | ε (accountant) | ε (claimed curve, α grid) | ε (measured) | ε (measured, upper) | headroom |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a in r.accountants:
+        lines.append(
+            f"| {a.accountant} | {_fmt(a.delta)} | {_fmt(a.epsilon)} | {_fmt(a.epsilon_claimed_grid)} | "
+            f"{_fmt(a.epsilon_measured)} | {_fmt(a.epsilon_measured_upper)} | {_fmt(a.headroom)} |"
+        )
+    if r.delta:
+        lines += [
+            "",
+            "## δ(ε) at the accountants' ε (DKW band, simultaneous over ε)",
+            "",
+            "| neighbour | direction | accountant | target δ | ε | δ̂ | band lower | band upper |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for d in r.delta:
+            lines.append(
+                f"| {d.neighbour} | {d.direction} | {d.accountant} | {_fmt(d.target_delta)} | {_fmt(d.epsilon)} | "
+                f"{_fmt(d.delta_estimate)} | {_fmt(d.band_lower)} | {_fmt(d.band_upper)} |"
+            )
+    if r.canaries:
+        lines += ["", "## Canaries", ""] + [f"- neighbour {k}: {v}" for k, v in r.canaries.items()]
+    lines += ["", "## Timings", ""] + [f"- {k}: {_fmt(v)}" for k, v in r.timings.items()]
+    if r.settings:
+        lines += ["", "## Settings", ""] + [f"- {k}: {v}" for k, v in r.settings.items()]
+    if r.notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]
+    lines += [
+        "",
+        "Plots: `renyi.png` (estimated D_α with intervals against the claimed α·ρ_seq), "
+        "`loss_histogram.png` (sequence privacy losses of the worst neighbour), "
+        "`step_loss_range.png` (per-step maximum loss range against ε0).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _blackbox_markdown(r: BlackBoxReport) -> str:
+    lines = [
+        f"# Black-box canary audit: {r.mechanism}",
+        "",
+        f"**Verdict: {r.verdict.value}** at significance {r.significance:g}. {r.reason}.",
+        "",
+        f"- claimed (ε, δ) = ({_fmt(r.claimed_epsilon)}, {_fmt(r.claimed_delta)})",
+        f"- ε lower bound (Clopper–Pearson, threshold chosen on held-out trials): {_fmt(r.epsilon_lower_bound)}",
+        f"- score: {r.score}; threshold {_fmt(r.threshold)}",
+        f"- evaluation: TP {r.true_positives}/{r.positives}, FP {r.false_positives}/{r.negatives}",
+        f"- trials: {r.num_trials}",
+    ]
+    lines += ["", "## Timings", ""] + [f"- {k}: {_fmt(v)}" for k, v in r.timings.items()]
+    if r.notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    # 1. Rényi estimates with intervals vs the claimed curve
+    fig, ax = plt.subplots(figsize=(6, 4))
+    alphas = sorted({s.alpha for s in r.sequence})
+    if alphas:
+        grid = np.linspace(min(alphas) * 0.9, max(alphas) * 1.05, 100)
+        ax.plot(grid, grid * r.claim["rho_sequence"], "k-", label="claimed α·ρ_seq")
+        markers = {("forward", "importance-sampling"): "o", ("reverse", "importance-sampling"): "s",
+                   ("forward", "monte-carlo"): "^", ("reverse", "monte-carlo"): "v"}
+        worst = r.worst_neighbour.get("index")
+        for key, m in markers.items():
+            rows = [s for s in r.sequence if (s.direction, s.estimator) == key and s.neighbour == worst]
+            if not rows:
+                continue
+            x = np.array([s.alpha for s in rows]) * (1 + 0.01 * list(markers).index(key))
+            y = np.array([min(s.estimate, 1e6) for s in rows])
+            lo = np.array([min(s.lower, 1e6) for s in rows])
+            hi = np.array([min(s.upper, y.max() * 10 + 1e-12 if np.isfinite(s.upper) else y.max() * 10 + 1e-12, 1e6) for s in rows])
+            ax.errorbar(x, y, yerr=[np.maximum(y - lo, 0), np.maximum(hi - y, 0)], fmt=m, capsize=3,
+                        label=f"{key[0]} {key[1]}")
+        exact = [s for s in r.sequence if s.exact is not None and s.neighbour == worst and s.direction == "forward"]
+        if exact:
+            ax.plot([s.alpha for s in exact], [s.exact for s in exact], "rx", label="exact (enumeration)")
+        ax.set_yscale("log")
+    ax.set_xlabel("Rényi order α")
+    ax.set_ylabel("D_α (nats)")
+    ax.set_title(f"{r.mechanism}: neighbour {r.worst_neighbour.get('index')} (worst)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "renyi.png", dpi=110)
+    plt.close(fig)
+    written.append("renyi.png")
+    # 2. privacy-loss histogram
+    h = r.loss_histogram
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if h.get("counts"):
+        edges = np.asarray(h["edges"], dtype=float)
+        ax.stairs(np.asarray(h["counts"], dtype=float), edges, fill=True, alpha=0.6)
+    ax.set_xlabel(f"privacy loss L_j(x), neighbour {h.get('neighbour')} (forward, x ~ P_R)")
+    ax.set_ylabel("texts")
+    if h.get("num_infinite"):
+        ax.set_title(f"{h['num_infinite']} texts with infinite loss not shown")
+    fig.tight_layout()
+    fig.savefig(out / "loss_histogram.png", dpi=110)
+    plt.close(fig)
+    written.append("loss_histogram.png")
+    # 3. per-step maximum loss range vs epsilon0
+    fig, ax = plt.subplots(figsize=(6, 4))
+    per = np.asarray(r.step_checks.max_loss_range_per_step, dtype=float)
+    if per.size:
+        finite = np.where(np.isfinite(per), per, np.nan)
+        ax.plot(np.arange(per.size), finite, ".-", label="max over texts and neighbours")
+        inf_steps = np.nonzero(~np.isfinite(per))[0]
+        if inf_steps.size:
+            ax.plot(inf_steps, np.full(inf_steps.size, r.step_checks.epsilon0 * 1.5), "rx", label="infinite (support mismatch)")
+    ax.axhline(r.step_checks.epsilon0, color="k", ls="--", label="ε0 = 2C/(Bτ)")
+    ax.set_xlabel("decoding step")
+    ax.set_ylabel("privacy-loss range (nats)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "step_loss_range.png", dpi=110)
+    plt.close(fig)
+    written.append("step_loss_range.png")
+    return written
+
+
+def _plots_blackbox(r: BlackBoxReport, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if r.scores_with or r.scores_without:
+        allv = np.asarray(list(r.scores_with) + list(r.scores_without), dtype=float)
+        bins = np.linspace(allv.min(), allv.max() + 1e-9, 30)
+        ax.hist(r.scores_without, bins=bins, alpha=0.6, label="without canary")
+        ax.hist(r.scores_with, bins=bins, alpha=0.6, label="with canary")
+        ax.axvline(r.threshold, color="k", ls="--", label="threshold (held-out)")
+    ax.set_xlabel(f"score ({r.score})")
+    ax.set_ylabel("trials")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "scores.png", dpi=110)
+    plt.close(fig)
+    return ["scores.png"]
+
+
+def write_report(report, output_dir: str | Path, *, plots: bool = True) -> list[Path]:
+    """Write ``report.json``, ``report.md`` and (``plots=True``) PNG plots into ``output_dir``.
+
+    ``report`` is a :class:`WhiteBoxReport`, a :class:`BlackBoxReport`, or a sequence of them (the
+    JSON is then a list and the Markdown a concatenation; plots of the first white-box report).
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    reports: Sequence = report if isinstance(report, (list, tuple)) else [report]
+    payload = [r.to_dict() for r in reports]
+    (out / "report.json").write_text(json.dumps(payload if len(payload) > 1 else payload[0], indent=2) + "\n")
+    md = "\n\n".join(_whitebox_markdown(r) if isinstance(r, WhiteBoxReport) else _blackbox_markdown(r) for r in reports)
+    (out / "report.md").write_text(md)
+    written = [out / "report.json", out / "report.md"]
+    if plots:
+        wb = [r for r in reports if isinstance(r, WhiteBoxReport)]
+        bb = [r for r in reports if isinstance(r, BlackBoxReport)]
+        if wb:
+            written += [out / p for p in _plots_whitebox(wb[0], out)]
+        if bb:
+            written += [out / p for p in _plots_blackbox(bb[0], out)]
+    return written

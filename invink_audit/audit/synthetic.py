@@ -1,0 +1,505 @@
+r"""Synthetic logit sources and audited mechanisms: the white-box auditor without a model.
+
+A *source* gives, for a batch of prefixes, the private logits of ``B`` references and the public
+logits — small-vocabulary functions of the prefix (last token and position), so that audits,
+self-tests and exact enumeration of whole output distributions run in seconds.
+
+* :class:`RandomSource`: random logit tables with a large spread (so that clipping binds, in both
+  directions, for difference and naive clipping) and an EOS token.
+* :class:`HardestCaseSource`: the worst case of ../shared/ACCOUNTING_NOTES.md: one canary reference
+  moves its group of tokens by the full clip norm while every other reference is null (contributes
+  exactly nothing); under the canary's neighbour the up-weighted group has probability
+  :data:`HARDEST_PUBLIC_PROBABILITY` ≈ 0.45, i.e. the per-token privacy-loss pair is
+  :math:`(t, t-\varepsilon_0)` with :math:`t\approx 0.53\,\varepsilon_0` (Dong, Durfee & Rogers 2020).
+
+A *mechanism* maps one step's logits to the next-token log-probabilities under ``R`` and under every
+replace-by-null neighbour ``R'_j`` (:class:`invink_audit.mechanism.NeighbourLogProbs`), decides the
+token budget ``T`` from the references, and states the claim its accountant makes. Besides the
+correct InvisibleInk mechanism, :func:`mutants` builds the four planted bugs of the self-test
+(issue 5): naive clipping accounted as C/B; sampling temperature below the accounted one; a top-k
+set computed from the aggregated private logits; a data-dependent token budget.
+
+The token budget is part of the output: every text ends with EOS or, after ``T`` tokens, with an
+explicit STOP token (index ``V``), so that different budgets under R and R'_j are a support mismatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
+from invink_audit.audit.whitebox import Claim, RecordedAudit, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
+
+__all__ = [
+    "HARDEST_PUBLIC_PROBABILITY",
+    "LogitSource",
+    "RandomSource",
+    "HardestCaseSource",
+    "SyntheticMechanism",
+    "correct_mechanism",
+    "mutants",
+    "auto_token_budget",
+    "run_synthetic_audit",
+    "torch_threads",
+    "enumerate_outputs",
+    "ExactOutputs",
+]
+
+#: public probability of the up-weighted outcome in the worst ε0-BR pair (ACCOUNTING_NOTES.md)
+HARDEST_PUBLIC_PROBABILITY = 0.45
+_DTYPE = torch.float64
+
+
+class LogitSource:
+    """Base class: ``logits(prefixes, step)`` → (private (G, B, V), public (G, V)), float64.
+
+    ``prefixes`` is (G, step) int64 (tokens generated so far). Attributes: ``vocab_size`` (V, EOS
+    included), ``batch_size`` (B), ``eos_token``, ``reference_lengths`` (lengths of the B references
+    in tokens; 0 for a null reference; used only by a data-dependent-budget mutant), ``canaries``
+    ({neighbour index: label}).
+    """
+
+    vocab_size: int
+    batch_size: int
+    eos_token: int
+    reference_lengths: tuple[int, ...]
+    canaries: dict
+    name: str = "source"
+
+    def logits(self, prefixes: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+def _state(prefixes: torch.Tensor, step: int, bos: int) -> torch.Tensor:
+    if step == 0:
+        return torch.full((prefixes.shape[0],), bos, dtype=torch.int64)
+    return prefixes[:, step - 1].to(torch.int64)
+
+
+class RandomSource(LogitSource):
+    r"""Random logits as a function of (last token, position mod ``period``).
+
+    Public logits :math:`\phi_{pub}` are i.i.d. :math:`\mathcal N(0, \text{scale}^2)`; reference ``i``
+    adds :math:`\mathcal N(0, \text{private\_scale}^2)` differences (so ``clip_C`` binds when
+    private_scale ≳ C). The EOS logit is lowered by ``eos_shift`` so texts are not too short.
+    The tables are drawn once from ``seed`` (a data-generation seed: it fixes the *dataset*, not the
+    mechanism's randomness).
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 8,
+        batch_size: int = 4,
+        scale: float = 2.0,
+        private_scale: float = 1.5,
+        period: int = 3,
+        eos_shift: float = 3.0,
+        reference_lengths: Sequence[int] | None = None,
+        seed: int = 0,
+        name: str = "random",
+    ):
+        if vocab_size < 2 or batch_size < 1 or period < 1:
+            raise ValueError(f"need vocab_size >= 2, batch_size >= 1, period >= 1; got {vocab_size}, {batch_size}, {period}")
+        g = torch.Generator().manual_seed(seed)
+        self.vocab_size, self.batch_size, self.period = vocab_size, batch_size, period
+        self.eos_token = vocab_size - 1
+        pub = scale * torch.randn(vocab_size + 1, period, vocab_size, generator=g, dtype=_DTYPE)
+        pub[..., self.eos_token] -= eos_shift
+        diff = private_scale * torch.randn(batch_size, vocab_size + 1, period, vocab_size, generator=g, dtype=_DTYPE)
+        self._public, self._diff = pub, diff
+        if reference_lengths is None:
+            reference_lengths = [int(x) for x in torch.randint(3, 12, (batch_size,), generator=g)]
+        if len(reference_lengths) != batch_size:
+            raise ValueError(f"reference_lengths must have batch_size={batch_size} entries; got {reference_lengths!r}")
+        self.reference_lengths = tuple(int(x) for x in reference_lengths)
+        self.canaries = {}
+        self.name = name
+
+    def logits(self, prefixes, step):
+        s = _state(prefixes, step, self.vocab_size)
+        p = step % self.period
+        public = self._public[s, p]  # (G, V)
+        private = public.unsqueeze(1) + self._diff[:, s, p].permute(1, 0, 2)  # (G, B, V)
+        return private, public
+
+
+class HardestCaseSource(LogitSource):
+    r"""The worst case for one ε0-BR step, repeated at every step (ACCOUNTING_NOTES.md, last §).
+
+    Reference 0 is the canary: at every prefix it pushes the "up" group (every non-EOS token except
+    token 0) up by ``push`` and token 0 down by ``push`` (``push`` ≫ C, so the clipped difference is
+    exactly ±C); references 1..B−1 are null (their logits are the public row). The public logits
+    give the up group total probability ``up_probability`` (default 0.45) under the canary's
+    neighbour (where the aggregate equals the public row), EOS probability ``eos_probability``, and
+    are centred so that they lie outside ±``offset`` (naive clipping then also binds, in opposite
+    directions for the public and the canary rows, which is the factor-2 case of paper Prop. 3).
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 6,
+        batch_size: int = 4,
+        temperature: float = 1.0,
+        up_probability: float = HARDEST_PUBLIC_PROBABILITY,
+        eos_probability: float = 0.02,
+        offset: float = 0.6,
+        push: float = 50.0,
+        canary_length: int = 12,
+        name: str = "hardest-case",
+    ):
+        if vocab_size < 3:
+            raise ValueError(f"vocab_size must be >= 3 (down token, up group, EOS); got {vocab_size}")
+        if not 0 < up_probability < 1 - eos_probability:
+            raise ValueError(f"up_probability must be in (0, 1 - eos_probability); got {up_probability}")
+        self.vocab_size, self.batch_size = vocab_size, batch_size
+        self.eos_token = vocab_size - 1
+        n_up = vocab_size - 2
+        probs = np.empty(vocab_size)
+        probs[0] = 1.0 - up_probability - eos_probability
+        probs[1 : 1 + n_up] = up_probability / n_up
+        probs[self.eos_token] = eos_probability
+        logits = temperature * np.log(probs)
+        # centre the gap between the down token and the up group on 0 (softmax is shift-invariant):
+        # the down token then sits at +gap/2 and the up group at -gap/2
+        gap = logits[0] - logits[1 : 1 + n_up].max()
+        logits = logits - (logits[0] + logits[1 : 1 + n_up].max()) / 2.0
+        if gap / 2.0 < offset:
+            raise ValueError(
+                f"public logits cannot straddle ±{offset}: the down token leads the up group by only {gap:.3f}; "
+                "lower `offset`, raise `temperature` or lower `up_probability`"
+            )
+        self._public = torch.tensor(logits, dtype=_DTYPE)
+        direction = torch.full((vocab_size,), push, dtype=_DTYPE)
+        direction[0] = -push
+        direction[self.eos_token] = 0.0
+        self._canary = self._public + direction
+        self.reference_lengths = (int(canary_length),) + (0,) * (batch_size - 1)
+        self.canaries = {0: "hardest-case canary (up group at public probability %.2f)" % up_probability}
+        self.up_probability = up_probability
+        self.name = name
+
+    def logits(self, prefixes, step):
+        g = prefixes.shape[0]
+        public = self._public.expand(g, -1).clone()
+        private = public.unsqueeze(1).repeat(1, self.batch_size, 1)
+        private[:, 0] = self._canary
+        return private, public
+
+
+# ---------------------------------------------------------------------------------------------
+# mechanisms under audit
+
+
+def auto_token_budget(reference_lengths: Sequence[int], *, default: int = 1) -> int:
+    """The reference package's ``max_toks="auto"``: mean + 2·std of the non-empty references' lengths.
+
+    A data-dependent hyperparameter (BRIEF.md, "behaviour not to repeat"); here only for the mutant.
+    ``default`` when every reference is null.
+    """
+    lengths = [x for x in reference_lengths if x > 0]
+    if not lengths:
+        return default
+    return max(1, int(np.mean(lengths) + 2 * np.std(lengths)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticMechanism:
+    """A mechanism under audit: one step's log-probabilities, its token budget, and its claim.
+
+    ``step(private, public)`` → (actual (G, V), neighbours (G, B, V)) log-probabilities;
+    ``budget(reference_lengths)`` → T for that dataset; ``claimed_epsilon0`` and
+    ``claimed_rho_token``: what its accountant was told per token.
+    """
+
+    name: str
+    description: str
+    step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    budget: Callable[[Sequence[int]], int]
+    claimed_epsilon0: float
+    claimed_rho_token: float
+    expected: str  # "PASS" or "VIOLATION": what a correct auditor must say
+
+    def claim(self, source: LogitSource, *, delta: float = 1e-6) -> Claim:
+        return Claim(
+            self.claimed_epsilon0,
+            self.claimed_rho_token,
+            self.budget(source.reference_lengths),
+            source.batch_size,
+            delta,
+            self.name,
+        )
+
+
+def _config(clip_norm, temperature, top_k, batch_size, clipping=Clipping.DIFFERENCE):
+    from invink_audit.mechanism import MechanismConfig
+
+    return MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size, clipping=clipping)
+
+
+def _as_step(config):
+    def step(private, public):
+        out = config.neighbour_log_probs(private, public)
+        return out.actual, out.neighbours
+
+    return step
+
+
+def correct_mechanism(*, clip_norm: float, temperature: float, top_k: int | None, batch_size: int, max_new_tokens: int) -> SyntheticMechanism:
+    """InvisibleInk as specified (paper Algorithm 1), with a fixed, data-independent budget T."""
+    cfg = _config(clip_norm, temperature, top_k, batch_size)
+    return SyntheticMechanism(
+        "correct",
+        "InvisibleInk: DClip, Top-k+ from public logits, accounted temperature, fixed T",
+        _as_step(cfg),
+        lambda lengths, T=max_new_tokens: T,
+        cfg.epsilon0,
+        cfg.rho_token,
+        "PASS",
+    )
+
+
+def _topk_of_each(log_probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep each distribution's own top-k tokens and renormalise (the mutant's private top-k)."""
+    k = min(top_k, log_probs.shape[-1])
+    kth = torch.topk(log_probs, k, dim=-1).values[..., -1:]
+    kept = torch.where(log_probs >= kth, log_probs, torch.full_like(log_probs, -math.inf))
+    return torch.log_softmax(kept, dim=-1)
+
+
+def mutants(*, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int) -> list[SyntheticMechanism]:
+    """The four planted bugs of issue 5, each with the claim its (wrong) accountant would make."""
+    correct = _config(clip_norm, temperature, top_k, batch_size)
+    out = []
+    # (1) naive clipping (Amin et al. 2024) accounted with sensitivity C/B under replace-by-null, as
+    # the paper's baselines do (Appendix B.3.1): the true sensitivity is 2C/B (paper Prop. 3).
+    naive = _config(clip_norm, temperature, None, batch_size, Clipping.NAIVE)
+    wrong_sens = linf_sensitivity(clip_norm, batch_size, Clipping.NAIVE, Adjacency.ZERO_OUT)  # = C/B
+    out.append(
+        SyntheticMechanism(
+            "naive-clipping",
+            "naive clipping accounted with sensitivity C/B under replace-by-null (true: 2C/B)",
+            _as_step(naive),
+            lambda lengths, T=max_new_tokens: T,
+            2.0 * wrong_sens / temperature,
+            wrong_sens**2 / (2.0 * temperature**2),
+            "VIOLATION",
+        )
+    )
+    # (2) sampling at a lower temperature than the one accounted
+    cold = _config(clip_norm, temperature / 2.0, top_k, batch_size)
+    out.append(
+        SyntheticMechanism(
+            "low-temperature",
+            f"samples at temperature {temperature / 2:g}, accounted at {temperature:g}",
+            _as_step(cold),
+            lambda lengths, T=max_new_tokens: T,
+            correct.epsilon0,
+            correct.rho_token,
+            "VIOLATION",
+        )
+    )
+    # (3) top-k of the aggregated private logits (each dataset's own top-k: a token can jump out)
+    full = _config(clip_norm, temperature, None, batch_size)
+
+    def private_topk(private, public, cfg=full, k=top_k):
+        o = cfg.neighbour_log_probs(private, public)
+        return _topk_of_each(o.actual, k), _topk_of_each(o.neighbours, k)
+
+    out.append(
+        SyntheticMechanism(
+            "private-top-k",
+            f"top-{top_k} set computed from the aggregated private logits",
+            private_topk,
+            lambda lengths, T=max_new_tokens: T,
+            correct.epsilon0,
+            correct.rho_token,
+            "VIOLATION",
+        )
+    )
+    # (4) data-dependent token budget (the reference package's max_toks="auto")
+    out.append(
+        SyntheticMechanism(
+            "data-dependent-budget",
+            "token budget T = mean + 2 std of the non-empty references' lengths",
+            _as_step(correct),
+            auto_token_budget,
+            correct.epsilon0,
+            correct.rho_token,
+            "VIOLATION",
+        )
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding with STOP
+
+
+def _budgets(mechanism: SyntheticMechanism, source: LogitSource) -> tuple[int, list[int]]:
+    lengths = list(source.reference_lengths)
+    t_r = mechanism.budget(lengths)
+    t_j = []
+    for j in range(source.batch_size):
+        nulled = list(lengths)
+        nulled[j] = 0
+        t_j.append(mechanism.budget(nulled))
+    return t_r, t_j
+
+
+def _with_stop(actual, neighbours, step, t_r, t_j):
+    """Append the STOP column: at ``step == T_D`` dataset D stops with probability 1."""
+    g, b, v = neighbours.shape
+    neg = torch.full((), -math.inf, dtype=_DTYPE)
+
+    def extend(lp, stop_now: bool):
+        col = torch.zeros(lp.shape[:-1] + (1,), dtype=_DTYPE) if stop_now else torch.full(lp.shape[:-1] + (1,), -math.inf, dtype=_DTYPE)
+        body = torch.full_like(lp, -math.inf) if stop_now else lp
+        return torch.cat([body, col], dim=-1)
+
+    a = extend(actual.to(_DTYPE), step == t_r)
+    n = torch.cat([extend(neighbours[:, j : j + 1].to(_DTYPE), step == t_j[j]) for j in range(b)], dim=1)
+    del neg
+    return a, n
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int):
+    """Temporarily set torch's intra-op thread count (restored on exit).
+
+    The synthetic audits work on tensors of a few thousand entries, where intra-op parallelism only
+    costs: on a shared 2-core machine, OpenMP spin-waiting made them ~25x slower (measured 46 s vs
+    1.7 s for one self-test audit under load). The real-model auditor does not use this.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def run_synthetic_audit(
+    source: LogitSource,
+    mechanism: SyntheticMechanism,
+    config: WhiteBoxConfig,
+    *,
+    generator: torch.Generator,
+    delta: float = 1e-6,
+    progress: Callable[[int, int], None] | None = None,
+) -> RecordedAudit:
+    """Decode every text of the config's sampling plan through ``mechanism`` on ``source``.
+
+    All texts advance together (one batched step per position); texts end on EOS or STOP.
+    """
+    with torch_threads(1):
+        return _run_synthetic_audit(source, mechanism, config, generator=generator, delta=delta, progress=progress)
+
+
+def _run_synthetic_audit(source, mechanism, config, *, generator, delta, progress):
+    from invink_audit.mechanism import sample_tokens
+
+    claim = mechanism.claim(source, delta=delta)
+    t_r, t_j = _budgets(mechanism, source)
+    max_steps = max([t_r, *t_j]) + 1
+    plan = SamplingPlan.build(config, source.batch_size)
+    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max_steps)
+    n = plan.num_texts
+    prefixes = torch.zeros(n, max_steps, dtype=torch.int64)
+    alive = torch.ones(n, dtype=torch.bool)
+    stop = source.vocab_size
+    for step in range(max_steps):
+        ids = alive.nonzero().reshape(-1)
+        if ids.numel() == 0:
+            break
+        private, public = source.logits(prefixes[ids, :step], step)
+        actual, neighbours = mechanism.step(private, public)
+        actual, neighbours = _with_stop(actual, neighbours, step, t_r, t_j)
+        weights = recorder.sampling_log_weights(ids, actual, neighbours)
+        tokens = sample_tokens(weights, generator)
+        recorder.record(ids, tokens)
+        prefixes[ids, step] = tokens
+        alive[ids] = (tokens != source.eos_token) & (tokens != stop)
+        if progress is not None:
+            progress(step + 1, max_steps)
+    result = recorder.finish()
+    return dataclasses.replace(result, extra={"budget_actual": t_r, "budget_neighbours": t_j, "source": source.name})
+
+
+# ---------------------------------------------------------------------------------------------
+# exact enumeration
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactOutputs:
+    """Every complete output x with :math:`\\log P_R(x)` and :math:`\\log P_{R'_j}(x)` for all j."""
+
+    log_prob_actual: np.ndarray  # (X,)
+    log_prob_neighbours: np.ndarray  # (X, B)
+
+    def renyi(self, alpha: float, neighbour: int, reverse: bool = False) -> float:
+        r""":math:`D_\alpha(P_R\|P_{R'_j})` (or reversed), exactly: a log-sum-exp over all outputs."""
+        lp, lq = self.log_prob_actual, self.log_prob_neighbours[:, neighbour]
+        if reverse:
+            lp, lq = lq, lp
+        keep = np.isfinite(lp)
+        if (keep & ~np.isfinite(lq)).any():
+            return math.inf
+        terms = alpha * lp[keep] + (1 - alpha) * lq[keep]
+        m = terms.max()
+        return float((m + math.log(np.exp(terms - m).sum())) / (alpha - 1))
+
+    def delta(self, epsilon: float, neighbour: int, reverse: bool = False) -> float:
+        """Hockey-stick divergence δ(ε) = Σ_x (P(x) − e^ε P'(x))_+, exactly."""
+        lp, lq = self.log_prob_actual, self.log_prob_neighbours[:, neighbour]
+        if reverse:
+            lp, lq = lq, lp
+        return float(np.clip(np.exp(lp) - math.exp(epsilon) * np.exp(lq), 0, None).sum())
+
+
+def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max_outputs: int = 200_000) -> ExactOutputs:
+    """Enumerate every output of ``mechanism`` on ``source`` (a breadth-first walk over prefixes).
+
+    Uses the same per-step log-probabilities as the auditor but no sampling: it is the exact
+    reference the Monte Carlo intervals must cover. Raises if more than ``max_outputs`` prefixes
+    would be expanded (keep V and T small).
+    """
+    t_r, t_j = _budgets(mechanism, source)
+    max_steps = max([t_r, *t_j]) + 1
+    b = source.batch_size
+    stop = source.vocab_size
+    prefixes = torch.zeros(1, 0, dtype=torch.int64)
+    lp_a = torch.zeros(1, dtype=_DTYPE)
+    lp_n = torch.zeros(1, b, dtype=_DTYPE)
+    done_a, done_n = [], []
+    for step in range(max_steps):
+        if prefixes.shape[0] == 0:
+            break
+        private, public = source.logits(prefixes, step)
+        actual, neighbours = mechanism.step(private, public)
+        actual, neighbours = _with_stop(actual, neighbours, step, t_r, t_j)
+        v = actual.shape[-1]
+        # every (prefix, token) with positive probability under R or under some R'_j
+        possible = torch.isfinite(actual) | torch.isfinite(neighbours).any(1)
+        rows, toks = possible.nonzero(as_tuple=True)
+        if rows.numel() > max_outputs:
+            raise ValueError(f"enumeration would expand {rows.numel()} prefixes (> max_outputs={max_outputs})")
+        new_a = lp_a[rows] + actual[rows, toks]
+        new_n = lp_n[rows] + neighbours[rows, :, toks]
+        ended = (toks == source.eos_token) | (toks == stop)
+        done_a.append(new_a[ended])
+        done_n.append(new_n[ended])
+        keep = ~ended
+        prefixes = torch.cat([prefixes[rows[keep]], toks[keep].unsqueeze(-1)], dim=1)
+        lp_a, lp_n = new_a[keep], new_n[keep]
+        del v
+    if prefixes.shape[0]:
+        raise RuntimeError("enumeration ended with unfinished prefixes (the budget logic is inconsistent)")
+    return ExactOutputs(torch.cat(done_a).numpy(), torch.cat(done_n).numpy())

@@ -1,0 +1,566 @@
+r"""White-box audit: exact per-step checks and sequence-level privacy-loss estimates.
+
+The generator exposes, at every decoding step, the exact next-token distribution under the
+references ``R`` and under every replace-by-null neighbour ``R'_j`` (reference ``j`` replaced by the
+empty string, whose logits are exactly the public row): :func:`invink_audit.mechanism.neighbour_log_probs`
+computes all of them from the same forward pass (../shared/AUDITING_NOTES.md, "Our advantage").
+This module turns that into an audit, independent of where the logits come from (a real model
+through the engine's observer, or the synthetic sources of :mod:`invink_audit.audit.synthetic`):
+
+1. **exact per-step checks** at every visited prefix, for every neighbour, in both directions:
+   equal supports; privacy-loss range :math:`\max_y L_t(y) - \min_y L_t(y) \le \varepsilon_0`
+   (bounded range, Durfee & Rogers 2019, Def. 3.1); :math:`D_\alpha(p_t\|p'_t) \le \alpha\rho_{tok}`
+   on a grid of α (zCDP, Bun & Steinke 2016, Def. 1.1; ε0-BR ⇒ ε0²/8-zCDP, Cesar & Rogers 2021,
+   Lemma 3.2); per-step hockey-stick :math:`\delta_t(\varepsilon) \le \delta_{BR}(\varepsilon)`,
+   the one-step bounded-range curve of the ``br-adaptive`` accountant (Dong, Durfee & Rogers 2020,
+   Lemma 3.2). Any failure beyond :data:`EXACT_TOLERANCE` is a VIOLATION: no statistics needed.
+2. **exact sequence log-probabilities** :math:`\log P_R(x)` and :math:`\log P_{R'_j}(x)` of every text,
+   hence the exact privacy loss :math:`L_j(x)` (notes §2).
+3. **sampling plans**: texts drawn from ``R`` (forward Monte Carlo), from ``R'_j`` (reverse Monte
+   Carlo), and from the geometric mixtures :math:`g_t \propto p_t^\alpha p_t'^{1-\alpha}` (importance
+   sampling, notes §4), all in one batched decode; each text carries its own sampling target.
+
+The *stop* event is part of the output: a mechanism whose token budget differs between ``R`` and
+``R'_j`` (data-dependent T) shows up as a support mismatch on the synthetic sources' STOP token.
+
+All arithmetic is float64 on the logits' device (the mechanism's log-probabilities are float64);
+nothing leaves the device until :meth:`WhiteBoxRecorder.finish`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from invink_audit.audit import stats
+
+__all__ = [
+    "EXACT_TOLERANCE",
+    "Claim",
+    "Direction",
+    "WhiteBoxConfig",
+    "SamplingPlan",
+    "StepQuantities",
+    "step_quantities",
+    "compact_support",
+    "WhiteBoxRecorder",
+    "RecordedAudit",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Absolute tolerance (nats) of the exact checks. The mechanism computes in float64, whose rounding
+#: on logits of magnitude ≤ 1e3 is ≤ 1e-12; a planted bug moves the checked quantities by far more.
+EXACT_TOLERANCE = 1e-9
+
+_DTYPE = torch.float64
+
+
+class Direction(enum.Enum):
+    """Which divergence: forward :math:`D(P_R\\|P_{R'_j})` or reverse :math:`D(P_{R'_j}\\|P_R)`."""
+
+    FORWARD = "forward"
+    REVERSE = "reverse"
+
+
+def _check_positive(name, value) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be a positive finite number; got {value!r}") from err
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be a positive finite number; got {value!r}")
+    return x
+
+
+def _check_count(name, value, minimum=1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Claim:
+    r"""The a-priori guarantee the audited mechanism claims (what its accountant was told).
+
+    ``epsilon0``: per-token bounded range; ``rho_token``: per-token zCDP (for InvisibleInk
+    :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 1); ``max_new_tokens``: the accounted
+    token budget T. The sequence claim is :math:`D_\alpha \le \alpha\rho_{seq}`,
+    :math:`\rho_{seq} = T\rho_{tok}` (Theorem 1, adaptive composition).
+    """
+
+    epsilon0: float
+    rho_token: float
+    max_new_tokens: int
+    batch_size: int
+    delta: float = 1e-6
+    label: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "epsilon0", _check_positive("epsilon0", self.epsilon0))
+        object.__setattr__(self, "rho_token", _check_positive("rho_token", self.rho_token))
+        object.__setattr__(self, "max_new_tokens", _check_count("max_new_tokens", self.max_new_tokens))
+        object.__setattr__(self, "batch_size", _check_count("batch_size", self.batch_size))
+        if not 0.0 < float(self.delta) < 1.0:
+            raise ValueError(f"delta must be in (0, 1); got {self.delta!r}")
+
+    @property
+    def rho_sequence(self) -> float:
+        return self.max_new_tokens * self.rho_token
+
+    def renyi(self, alpha: float) -> float:
+        r""":math:`\alpha\rho_{seq}`, the claimed sequence-level Rényi divergence at order α."""
+        return float(alpha) * self.rho_sequence
+
+    @classmethod
+    def from_mechanism(cls, config, max_new_tokens: int, *, delta: float = 1e-6, label: str = "") -> "Claim":
+        """The claim of a :class:`invink_audit.mechanism.MechanismConfig` run for ``max_new_tokens``."""
+        return cls(config.epsilon0, config.rho_token, max_new_tokens, config.batch_size, delta, label)
+
+
+DEFAULT_ALPHAS = (1.5, 2.0, 4.0, 8.0)
+DEFAULT_DELTA_GRID = (1e-1, 1e-2, 1e-3)
+#: fractions of ε0 at which the per-step hockey-stick divergence is checked
+STEP_EPSILON_FRACTIONS = (0.0, 0.25, 0.5, 0.75)
+
+
+@dataclass(frozen=True)
+class WhiteBoxConfig:
+    """What a white-box audit samples and tests.
+
+    ``num_samples`` texts are drawn from ``R`` (forward Monte Carlo; their losses serve every
+    neighbour at once) and, with the reverse direction, ``num_samples`` texts from each audited
+    ``R'_j``. ``num_is_samples`` texts per (α, neighbour, direction) are drawn from the geometric
+    mixture (0 disables importance sampling). ``neighbours``: the indices audited at sequence level
+    (``None``: all B); the exact per-step checks always cover all B neighbours.
+    """
+
+    alphas: tuple[float, ...] = DEFAULT_ALPHAS
+    num_samples: int = 400
+    num_is_samples: int = 200
+    neighbours: tuple[int, ...] | None = None
+    directions: tuple[Direction, ...] = (Direction.FORWARD, Direction.REVERSE)
+    significance: float = 0.05
+    delta_grid: tuple[float, ...] = DEFAULT_DELTA_GRID
+    accountants: tuple[str, ...] | None = None  # None: every accountant of `accounting`
+    min_samples: int = 50
+
+    def __post_init__(self):
+        alphas = tuple(float(a) for a in self.alphas)
+        if not alphas or any(not (math.isfinite(a) and a > 1) for a in alphas):
+            raise ValueError(f"alphas must be a non-empty sequence of finite numbers > 1; got {self.alphas!r}")
+        object.__setattr__(self, "alphas", tuple(sorted(set(alphas))))
+        _check_count("num_samples", self.num_samples, 1)
+        _check_count("num_is_samples", self.num_is_samples, 0)
+        _check_count("min_samples", self.min_samples, 1)
+        if self.neighbours is not None:
+            nb = tuple(int(j) for j in self.neighbours)
+            if not nb or any(j < 0 for j in nb) or len(set(nb)) != len(nb):
+                raise ValueError(f"neighbours must be distinct non-negative indices; got {self.neighbours!r}")
+            object.__setattr__(self, "neighbours", nb)
+        dirs = tuple(Direction(d) if not isinstance(d, Direction) else d for d in self.directions)
+        if not dirs:
+            raise ValueError("directions must not be empty")
+        object.__setattr__(self, "directions", dirs)
+        stats._check_significance(self.significance)
+        grid = tuple(float(d) for d in self.delta_grid)
+        if any(not 0 < d < 1 for d in grid):
+            raise ValueError(f"delta_grid values must be in (0, 1); got {self.delta_grid!r}")
+        object.__setattr__(self, "delta_grid", grid)
+        if self.accountants is not None:
+            object.__setattr__(self, "accountants", tuple(str(a) for a in self.accountants))
+
+    def audited_neighbours(self, batch_size: int) -> tuple[int, ...]:
+        if self.neighbours is None:
+            return tuple(range(batch_size))
+        bad = [j for j in self.neighbours if j >= batch_size]
+        if bad:
+            raise ValueError(f"neighbours {bad} out of range for batch_size={batch_size}")
+        return self.neighbours
+
+
+# sampling targets
+KIND_ACTUAL, KIND_NEIGHBOUR, KIND_MIXTURE_FORWARD, KIND_MIXTURE_REVERSE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Per-text sampling targets: ``kind`` (0: R, 1: R'_j, 2: forward mixture, 3: reverse mixture),
+    ``neighbour`` j (−1 for kind 0) and ``alpha_index`` into the config's alphas (−1 for MC)."""
+
+    kind: np.ndarray
+    neighbour: np.ndarray
+    alpha_index: np.ndarray
+
+    @property
+    def num_texts(self) -> int:
+        return int(self.kind.size)
+
+    @classmethod
+    def build(cls, config: WhiteBoxConfig, batch_size: int) -> "SamplingPlan":
+        kinds, nbs, ais = [], [], []
+
+        def add(kind, nb, ai, count):
+            kinds.append(np.full(count, kind))
+            nbs.append(np.full(count, nb))
+            ais.append(np.full(count, ai))
+
+        audited = config.audited_neighbours(batch_size)
+        add(KIND_ACTUAL, -1, -1, config.num_samples)
+        if Direction.REVERSE in config.directions:
+            for j in audited:
+                add(KIND_NEIGHBOUR, j, -1, config.num_samples)
+        if config.num_is_samples:
+            for d in config.directions:
+                kind = KIND_MIXTURE_FORWARD if d is Direction.FORWARD else KIND_MIXTURE_REVERSE
+                for j in audited:
+                    for ai in range(len(config.alphas)):
+                        add(kind, j, ai, config.num_is_samples)
+        return cls(
+            np.concatenate(kinds).astype(np.int64),
+            np.concatenate(nbs).astype(np.int64),
+            np.concatenate(ais).astype(np.int64),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# exact per-step quantities
+
+
+@dataclass(frozen=True)
+class StepQuantities:
+    r"""Exact per-step divergences between :math:`p` (under R) and :math:`p'_j` (under R'_j).
+
+    Shapes: ``loss_range`` (G, B); ``renyi_forward``/``renyi_reverse`` (G, B, A) for
+    :math:`D_\alpha(p\|p'_j)` / :math:`D_\alpha(p'_j\|p)`; ``delta_forward``/``delta_reverse``
+    (G, B, E) hockey-stick divergences at the given ε; ``forward_infinite``/``reverse_infinite``
+    (G, B): a token possible under one and impossible under the other (loss ±∞).
+    """
+
+    loss_range: torch.Tensor
+    renyi_forward: torch.Tensor
+    renyi_reverse: torch.Tensor
+    delta_forward: torch.Tensor
+    delta_reverse: torch.Tensor
+    forward_infinite: torch.Tensor
+    reverse_infinite: torch.Tensor
+
+
+def step_quantities(
+    actual: torch.Tensor, neighbours: torch.Tensor, alphas: Sequence[float], epsilons: Sequence[float]
+) -> StepQuantities:
+    r"""Exact per-step divergences from log-probabilities ``actual`` (G, V) and ``neighbours`` (G, B, V).
+
+    With :math:`r = \log p - \log p'` on the common support:
+    :math:`D_\alpha(p\|p') = \frac{1}{\alpha-1}\log\sum_y e^{\log p(y) + (\alpha-1) r(y)}`,
+    :math:`D_\alpha(p'\|p) = \frac{1}{\alpha-1}\log\sum_y e^{\log p'(y) - (\alpha-1) r(y)}`
+    (Rényi 1961; van Erven & Harremoës 2014, Eq. (1)), infinite on a support mismatch;
+    :math:`\delta(\varepsilon) = \sum_y (p(y) - e^\varepsilon p'(y))_+` (hockey stick, Barthe et al.).
+    """
+    if actual.ndim != 2 or neighbours.ndim != 3 or neighbours.shape[0] != actual.shape[0] or neighbours.shape[2] != actual.shape[1]:
+        raise ValueError(
+            f"actual must be (G, V) and neighbours (G, B, V); got {tuple(actual.shape)} and {tuple(neighbours.shape)}"
+        )
+    lp = actual.to(_DTYPE).unsqueeze(-2)  # (G, 1, V)
+    lq = neighbours.to(_DTYPE)  # (G, B, V)
+    fp = torch.isfinite(lp)
+    fq = torch.isfinite(lq)
+    both = fp & fq
+    forward_infinite = (fp & ~fq).any(-1)
+    reverse_infinite = (fq & ~fp).any(-1)
+    r = torch.where(both, lp - lq, torch.zeros((), dtype=_DTYPE, device=lq.device))
+    neg_inf = torch.full((), -math.inf, dtype=_DTYPE, device=lq.device)
+    pos_inf = torch.full((), math.inf, dtype=_DTYPE, device=lq.device)
+    r_max = torch.where(both, r, neg_inf).amax(-1)
+    r_min = torch.where(both, r, pos_inf).amin(-1)
+    loss_range = torch.where(forward_infinite | reverse_infinite, pos_inf, r_max - r_min)
+    lp_b = lp.expand_as(lq)
+    fwd, rev = [], []
+    for a in alphas:
+        am1 = float(a) - 1.0
+        f = torch.logsumexp(torch.where(both, lp_b + am1 * r, neg_inf), -1) / am1
+        b = torch.logsumexp(torch.where(both, lq - am1 * r, neg_inf), -1) / am1
+        fwd.append(torch.where(forward_infinite, pos_inf, f))
+        rev.append(torch.where(reverse_infinite, pos_inf, b))
+    p = torch.exp(lp_b)
+    q = torch.exp(lq)
+    dfw, drv = [], []
+    zero = torch.zeros((), dtype=_DTYPE, device=lq.device)
+    for e in epsilons:
+        ee = math.exp(float(e))
+        dfw.append(torch.clamp(p - ee * q, min=0.0).sum(-1))
+        drv.append(torch.clamp(q - ee * p, min=0.0).sum(-1))
+    del zero
+    return StepQuantities(
+        loss_range=loss_range,
+        renyi_forward=torch.stack(fwd, -1).clamp(min=0.0),
+        renyi_reverse=torch.stack(rev, -1).clamp(min=0.0),
+        delta_forward=torch.stack(dfw, -1),
+        delta_reverse=torch.stack(drv, -1),
+        forward_infinite=forward_infinite,
+        reverse_infinite=reverse_infinite,
+    )
+
+
+def compact_support(actual: torch.Tensor, neighbours: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Restrict (G, V) / (G, B, V) log-probabilities to the union of their supports, per row.
+
+    Exact: a token outside every support is −∞ under all distributions and contributes nothing to
+    any checked quantity. With a Top-k+ set of ~k ≪ V tokens this makes the per-step checks cost
+    O(G·B·k) instead of O(G·B·V). Rows keep ``m`` columns, ``m`` the largest union size (columns
+    beyond a row's own union are −∞ everywhere). Returns the inputs unchanged when ``m > V/2``.
+    """
+    g, b, v = neighbours.shape
+    union = torch.isfinite(actual) | torch.isfinite(neighbours).any(1)
+    m = int(union.sum(-1).max().item()) if g else 0
+    if m == 0 or 2 * m > v:
+        return actual, neighbours
+    idx = torch.topk(union.to(torch.float32), m, dim=-1, sorted=False).indices  # (G, m)
+    return actual.gather(1, idx), neighbours.gather(2, idx.unsqueeze(1).expand(g, b, m))
+
+
+def _step_delta_claims(claim: Claim, epsilons: Sequence[float]) -> list[float]:
+    """One-step δ_BR(ε) of an ε0-BR mechanism, from the ``br-adaptive`` accountant with T = 1."""
+    from accounting import composed_delta
+
+    return [float(composed_delta(float(e), claim.epsilon0, 1, "br-adaptive")) for e in epsilons]
+
+
+# ---------------------------------------------------------------------------------------------
+# the recorder: called once per decoding step by a decode loop (the engine's or a synthetic one)
+
+
+@dataclass(frozen=True)
+class RecordedAudit:
+    """Everything a white-box audit measured, moved to numpy (see :func:`analysis.analyse`)."""
+
+    plan: SamplingPlan
+    claim: Claim
+    config: WhiteBoxConfig
+    batch_size: int
+    log_prob_actual: np.ndarray  # (N,) log P_R(x)
+    log_prob_neighbours: np.ndarray  # (N, B) log P_{R'_j}(x)
+    is_sums: np.ndarray  # (N,) sum_t D_alpha(p_t || p'_t) along IS texts (nan for MC texts)
+    lengths: np.ndarray  # (N,) number of tokens (incl. a final EOS/STOP)
+    tokens: np.ndarray  # (N, max_steps) token ids, -1 after the end
+    step_epsilons: tuple[float, ...]
+    step_delta_claims: tuple[float, ...]
+    num_step_checks: int  # (text, step, neighbour) triples checked
+    failures: dict  # kind -> count
+    max_loss_range_per_step: np.ndarray  # (steps,) max over texts and neighbours
+    max_renyi_ratio_per_step: np.ndarray  # (steps, A) max of D_alpha / (alpha rho_tok), both directions
+    max_delta_excess_per_step: np.ndarray  # (steps,) max of delta_t(eps) - delta_BR(eps)
+    worst_range: dict  # {"value", "text", "step", "neighbour"}
+    worst_renyi: dict
+    check_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class WhiteBoxRecorder:
+    """Accumulates exact checks and sequence log-probabilities while texts are generated.
+
+    Protocol, once per decoding step with the live texts ``text_ids`` (indices into the plan):
+
+    1. ``weights = recorder.sampling_log_weights(text_ids, actual, neighbours)`` — runs the exact
+       checks and returns each text's sampling log-weights (its plan's target);
+    2. draw ``tokens`` from ``weights`` (e.g. :func:`invink_audit.mechanism.sample_tokens`);
+    3. ``recorder.record(text_ids, tokens)``.
+
+    Texts end where the decode loop says (EOS, budget); :meth:`finish` returns a
+    :class:`RecordedAudit`. ``actual`` and ``neighbours`` are the mechanism's log-probabilities under
+    R and under each R'_j (:class:`invink_audit.mechanism.NeighbourLogProbs`).
+    """
+
+    def __init__(
+        self,
+        plan: SamplingPlan,
+        claim: Claim,
+        config: WhiteBoxConfig,
+        *,
+        max_steps: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.plan = plan
+        self.claim = claim
+        self.config = config
+        self.batch_size = claim.batch_size
+        self.max_steps = _check_count("max_steps", max_steps)
+        self.device = torch.device(device)
+        n, b = plan.num_texts, claim.batch_size
+        dev = self.device
+        self._kind = torch.as_tensor(plan.kind, device=dev)
+        self._nb = torch.as_tensor(plan.neighbour, device=dev).clamp(min=0)
+        self._ai = torch.as_tensor(plan.alpha_index, device=dev).clamp(min=0)
+        self._alphas = torch.tensor(config.alphas, dtype=_DTYPE, device=dev)
+        self._lp_actual = torch.zeros(n, dtype=_DTYPE, device=dev)
+        self._lp_neigh = torch.zeros(n, b, dtype=_DTYPE, device=dev)
+        self._is_sum = torch.zeros(n, dtype=_DTYPE, device=dev)
+        self._length = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._tokens = torch.full((n, self.max_steps), -1, dtype=torch.int64, device=dev)
+        self.step_epsilons = tuple(f * claim.epsilon0 for f in STEP_EPSILON_FRACTIONS)
+        self.step_delta_claims = tuple(_step_delta_claims(claim, self.step_epsilons))
+        self._delta_claim_t = torch.tensor(self.step_delta_claims, dtype=_DTYPE, device=dev)
+        self._renyi_claim_t = self._alphas * claim.rho_token  # (A,)
+        self._fail = {k: torch.zeros((), dtype=torch.int64, device=dev) for k in ("support", "range", "renyi", "delta")}
+        self._num_checks = 0
+        # maxima per position in the text (scatter-reduced; no host sync during decoding)
+        a = len(config.alphas)
+        self._pos_range = torch.zeros(self.max_steps, dtype=_DTYPE, device=dev)
+        self._pos_renyi = torch.zeros(self.max_steps, a, dtype=_DTYPE, device=dev)
+        self._pos_delta = torch.full((self.max_steps,), -math.inf, dtype=_DTYPE, device=dev)
+        self._pos_seen = torch.zeros(self.max_steps, dtype=torch.bool, device=dev)
+        # running worst (value, text, position, neighbour)
+        self._worst_range = torch.tensor([-1.0, -1, -1, -1], dtype=_DTYPE, device=dev)
+        self._worst_renyi = torch.tensor([-1.0, -1, -1, -1], dtype=_DTYPE, device=dev)
+        self._pending = None
+        self._step_index = 0
+        self.check_seconds = 0.0
+
+    # -- per step ---------------------------------------------------------------------------
+    def sampling_log_weights(
+        self, text_ids: torch.Tensor, actual: torch.Tensor, neighbours: torch.Tensor
+    ) -> torch.Tensor:
+        import time
+
+        if self._pending is not None:
+            raise RuntimeError("record() must be called after each sampling_log_weights()")
+        start = time.perf_counter()
+        ids = text_ids.to(self.device, torch.int64)
+        actual = actual.to(self.device, _DTYPE)
+        neighbours = neighbours.to(self.device, _DTYPE)
+        if neighbours.shape[1] != self.batch_size:
+            raise ValueError(f"neighbours has {neighbours.shape[1]} rows; the claim is for batch_size={self.batch_size}")
+        ca, cn = compact_support(actual, neighbours)
+        q = step_quantities(ca, cn, self.config.alphas, self.step_epsilons)
+        tol = EXACT_TOLERANCE
+        support_fail = q.forward_infinite | q.reverse_infinite
+        range_fail = q.loss_range > self.claim.epsilon0 + tol
+        renyi_claim = self._renyi_claim_t.view(1, 1, -1)
+        renyi_fail = ((q.renyi_forward > renyi_claim + tol) | (q.renyi_reverse > renyi_claim + tol)).any(-1)
+        dmax = torch.maximum(q.delta_forward, q.delta_reverse)
+        delta_excess = dmax - self._delta_claim_t.view(1, 1, -1)
+        delta_fail = (delta_excess > tol).any(-1)
+        self._fail["support"] += support_fail.sum()
+        self._fail["range"] += range_fail.sum()
+        self._fail["renyi"] += renyi_fail.sum()
+        self._fail["delta"] += delta_fail.sum()
+        g, b = q.loss_range.shape
+        self._num_checks += g * b
+        # maxima per position and the running worst prefix (device tensors, no host sync)
+        pos = self._length[ids]
+        ratio = torch.maximum(q.renyi_forward, q.renyi_reverse) / renyi_claim  # (G, B, A)
+        self._pos_range.scatter_reduce_(0, pos, q.loss_range.amax(-1), "amax")
+        self._pos_renyi.scatter_reduce_(0, pos.unsqueeze(-1).expand(-1, ratio.shape[-1]), ratio.amax(1), "amax")
+        self._pos_delta.scatter_reduce_(0, pos, delta_excess.amax(dim=(1, 2)), "amax")
+        self._pos_seen[pos] = True
+        self._worst_range = _running_worst(self._worst_range, q.loss_range, ids, pos)
+        self._worst_renyi = _running_worst(self._worst_renyi, ratio.amax(-1), ids, pos)
+        # sampling targets of the live texts
+        kind = self._kind[ids]
+        nb = self._nb[ids]
+        alpha = self._alphas[self._ai[ids]].unsqueeze(-1)
+        rows = torch.arange(ids.numel(), device=self.device)
+        lq = neighbours[rows, nb]  # (G, V)
+        weights = torch.where((kind == KIND_NEIGHBOUR).unsqueeze(-1), lq, actual)
+        mix_f = _geometric_mixture(actual, lq, alpha)
+        mix_r = _geometric_mixture(lq, actual, alpha)
+        weights = torch.where((kind == KIND_MIXTURE_FORWARD).unsqueeze(-1), mix_f, weights)
+        weights = torch.where((kind == KIND_MIXTURE_REVERSE).unsqueeze(-1), mix_r, weights)
+        # IS increments: this step's exact D_alpha of the text's pair, in its direction
+        ai = self._ai[ids]
+        d_f = q.renyi_forward[rows, nb, ai]
+        d_r = q.renyi_reverse[rows, nb, ai]
+        inc = torch.where(kind == KIND_MIXTURE_FORWARD, d_f, torch.where(kind == KIND_MIXTURE_REVERSE, d_r, torch.zeros_like(d_f)))
+        self._pending = (ids, actual, neighbours, inc)
+        self.check_seconds += time.perf_counter() - start
+        return weights
+
+    def record(self, text_ids: torch.Tensor, tokens: torch.Tensor) -> None:
+        import time
+
+        if self._pending is None:
+            raise RuntimeError("record() called without a preceding sampling_log_weights()")
+        start = time.perf_counter()
+        ids, actual, neighbours, inc = self._pending
+        if text_ids.numel() != ids.numel():
+            raise ValueError("record() must receive the same texts as sampling_log_weights()")
+        tok = tokens.to(self.device, torch.int64).reshape(-1)
+        rows = torch.arange(ids.numel(), device=self.device)
+        self._lp_actual[ids] += actual[rows, tok]
+        self._lp_neigh[ids] += neighbours[rows, :, tok]
+        self._is_sum[ids] += inc
+        pos = self._length[ids]
+        if bool((pos >= self.max_steps).any()):
+            raise ValueError(f"a text exceeded max_steps={self.max_steps}")
+        self._tokens[ids, pos] = tok
+        self._length[ids] += 1
+        self._pending = None
+        self._step_index += 1
+        self.check_seconds += time.perf_counter() - start
+
+    # -- end --------------------------------------------------------------------------------
+    def finish(self) -> RecordedAudit:
+        if self._pending is not None:
+            raise RuntimeError("finish() called between sampling_log_weights() and record()")
+        mixture = self.plan.kind >= KIND_MIXTURE_FORWARD
+        is_sums = self._is_sum.cpu().numpy().copy()
+        is_sums[~mixture] = np.nan
+
+        seen = int(self._pos_seen.sum().item())
+
+        def worst(state):
+            v = state.cpu().tolist()
+            return {"value": float(v[0]), "text": int(v[1]), "step": int(v[2]), "neighbour": int(v[3])}
+
+        return RecordedAudit(
+            plan=self.plan,
+            claim=self.claim,
+            config=self.config,
+            batch_size=self.batch_size,
+            log_prob_actual=self._lp_actual.cpu().numpy(),
+            log_prob_neighbours=self._lp_neigh.cpu().numpy(),
+            is_sums=is_sums,
+            lengths=self._length.cpu().numpy(),
+            tokens=self._tokens.cpu().numpy(),
+            step_epsilons=self.step_epsilons,
+            step_delta_claims=self.step_delta_claims,
+            num_step_checks=self._num_checks,
+            failures={k: int(v.item()) for k, v in self._fail.items()},
+            max_loss_range_per_step=self._pos_range[:seen].cpu().numpy(),
+            max_renyi_ratio_per_step=self._pos_renyi[:seen].cpu().numpy(),
+            max_delta_excess_per_step=self._pos_delta[:seen].cpu().numpy(),
+            worst_range=worst(self._worst_range),
+            worst_renyi=worst(self._worst_renyi),
+            check_seconds=self.check_seconds,
+        )
+
+
+def _running_worst(state: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Update (value, text, position, neighbour) with the largest entry of ``values`` (G, B)."""
+    b = values.shape[1]
+    flat = values.reshape(-1)
+    idx = torch.argmax(flat)
+    row = idx // b
+    cand = torch.stack([flat[idx], ids[row].to(_DTYPE), pos[row].to(_DTYPE), (idx % b).to(_DTYPE)])
+    return torch.where(cand[0] > state[0], cand, state)
+
+
+def _geometric_mixture(lp: torch.Tensor, lq: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    r"""Unnormalised log-weights of :math:`g \propto p^\alpha q^{1-\alpha}` (notes §4).
+
+    Where ``p > 0 = q`` the mixture is infinite (the divergence is); such rows put all their mass
+    uniformly on those tokens, which is where the infinite loss lives.
+    """
+    fp, fq = torch.isfinite(lp), torch.isfinite(lq)
+    both = fp & fq
+    neg_inf = torch.full((), -math.inf, dtype=lp.dtype, device=lp.device)
+    w = torch.where(both, alpha * torch.where(both, lp, 0.0) + (1.0 - alpha) * torch.where(both, lq, 0.0), neg_inf)
+    infinite = fp & ~fq
+    any_inf = infinite.any(-1, keepdim=True)
+    return torch.where(any_inf, torch.where(infinite, torch.zeros_like(w), neg_inf), w)
