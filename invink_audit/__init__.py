@@ -38,6 +38,8 @@ _LAZY: dict[str, str] = {
         "invink_audit.generation",
     ),
     **dict.fromkeys(("BenchResult", "benchmark"), "invink_audit.bench"),
+    # empirical privacy auditor (issue 5)
+    **dict.fromkeys(("quick_audit", "audit_model", "blackbox_audit", "run_selftest", "load_spec", "run_spec"), "invink_audit.audit"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,6 +1,14 @@
 """The empirical privacy auditor (white-box, black-box, self-test, reports).
 
-Submodules are imported lazily: ``invink_audit.audit.stats`` is torch-free.
+* :func:`audit_model` — white-box audit of a model and one batch of references (exact per-step
+  checks for every neighbour, sequence-level Rényi divergences by Monte Carlo and importance
+  sampling, δ(ε), comparison with every accountant, canaries);
+* :func:`quick_audit` — audit of the texts a ``generate`` call just produced (``make demo``);
+* :func:`blackbox_audit` — canary audit of any generator callable (e.g. the reference package);
+* :func:`run_selftest` — the auditor against the correct mechanism and four planted bugs;
+* :func:`load_spec` / :func:`run_spec` — TOML audit specs (``audits/``), :func:`write_report`.
+
+Submodules are imported lazily: :mod:`invink_audit.audit.stats` is torch-free.
 """
 
 from __future__ import annotations
@@ -9,7 +17,14 @@ import importlib
 
 # public name -> submodule that defines it
 _LAZY: dict[str, str] = {
-    "Verdict": "invink_audit.audit.stats",
+    **dict.fromkeys(("Verdict",), "invink_audit.audit.stats"),
+    **dict.fromkeys(("Claim", "Direction", "WhiteBoxConfig"), "invink_audit.audit.whitebox"),
+    **dict.fromkeys(("WhiteBoxReport", "BlackBoxReport", "write_report"), "invink_audit.audit.report"),
+    **dict.fromkeys(("ModelAuditSettings", "audit_model"), "invink_audit.audit.model_audit"),
+    **dict.fromkeys(("QuickAuditReport", "quick_audit"), "invink_audit.audit.quick"),
+    **dict.fromkeys(("blackbox_audit", "engine_generator", "invink_generator"), "invink_audit.audit.blackbox"),
+    **dict.fromkeys(("SelfTestResult", "SelfTestSettings", "run_selftest"), "invink_audit.audit.selftest"),
+    **dict.fromkeys(("AuditSpec", "load_spec", "run_spec"), "invink_audit.audit.spec"),
 }
 
 __all__ = sorted(_LAZY)

@@ -186,3 +186,51 @@ def run_selftest(
         progress("coverage against exact enumeration")
     coverage = coverage_check(generator=gen, significance=s.significance)
     return SelfTestResult(tuple(entries), coverage, tuple(reports), time.perf_counter() - start)
+
+
+def selftest_markdown(result: SelfTestResult) -> str:
+    """A Markdown summary: one row per mechanism, then the coverage check."""
+    lines = [
+        "# Auditor self-test on planted bugs",
+        "",
+        f"{'PASSED' if result.passed else 'FAILED'}: the correct mechanism must get PASS and every mutant "
+        f"VIOLATION ({result.seconds:.1f} s).",
+        "",
+        "| mechanism | expected | verdict | per source (verdict, max loss range / ε0, rejected tests) | what it does |",
+        "|---|---|---|---|---|",
+    ]
+    for e in result.entries:
+        per = "; ".join(
+            f"{s['source']}: {s['verdict']}, {s['max_loss_range_over_epsilon0']:.3g}, {s['rejected_tests']}/{s['tests']}"
+            for s in e.sources
+        )
+        lines.append(f"| {e.mechanism} | {e.expected} | **{e.verdict}** | {per} | {e.description} |")
+    c = result.coverage
+    lines += [
+        "",
+        f"Coverage against exact enumeration ({c['num_outputs']} outputs): {c['covered']} of {c['intervals']} "
+        f"intervals (each at level {c['level']:g}) contain the exact Rényi divergence; largest importance-sampling "
+        f"error {c['max_abs_error_importance_sampling']:.4f} nats.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) -> list:
+    """Write report.json (the issue's list), report.md, and the per-audit reports and plots."""
+    import json
+    from pathlib import Path
+
+    from invink_audit.audit.report import _whitebox_markdown, write_report
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    md = selftest_markdown(result) + "\n\n" + "\n\n".join(_whitebox_markdown(r) for r in result.reports)
+    (out / "report.md").write_text(md)
+    written = [out / "report.json", out / "report.md"]
+    if plots:
+        for r in result.reports:
+            sub = out / f"{r.mechanism}-{r.source}"
+            written += write_report(r, sub, plots=True)
+    return written

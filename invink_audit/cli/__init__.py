@@ -22,6 +22,7 @@ _SUBCOMMANDS = (
     "invink_audit.cli._ledger",
     "invink_audit.cli._generate",
     "invink_audit.cli._bench",
+    "invink_audit.cli._audit",
 )
 
 

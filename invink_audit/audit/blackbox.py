@@ -1,0 +1,273 @@
+r"""Black-box canary audit of any text generator (a callable: list of references → text).
+
+Trials alternate between the references *with* a canary in one slot and its replace-by-null
+neighbour (the slot emptied). Each output gets a score per scoring function; on the *selection*
+half of the trials the auditor picks the (score, threshold) that maximises the Clopper–Pearson ε
+lower bound, then computes the bound once on the held-out *evaluation* half (choosing the threshold
+on the same trials would inflate the bound: ../shared/AUDITING_NOTES.md, "Common faults").
+
+The bound (DP-Sniper / Jagielski et al. 2020 style, :func:`invink_audit.audit.stats.epsilon_lower_bound`):
+:math:`\varepsilon \ge \log\frac{\underline{TPR}-\delta}{\overline{FPR}}` (and the complement), at the
+stated significance. VIOLATION if it exceeds the claimed ε; otherwise INCONCLUSIVE (a black box can
+refute a claim, never confirm one).
+
+Scores: ``canary-overlap`` (fraction of the canary's distinct words of ≥ 3 letters found in the
+output), ``length`` (number of whitespace-separated words: detects a data-dependent token budget),
+or any callable ``text -> float``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from invink_audit.audit import stats
+from invink_audit.audit.report import BlackBoxReport
+
+__all__ = ["blackbox_audit", "canary_overlap", "word_count", "SCORES", "engine_generator", "invink_generator"]
+
+_WORD = re.compile(r"[A-Za-z0-9]{3,}")
+
+
+def canary_overlap(canary: str) -> Callable[[str], float]:
+    """Score: fraction of the canary's distinct words (≥ 3 alphanumerics, case-folded) in the text."""
+    words = {w.lower() for w in _WORD.findall(canary)}
+    if not words:
+        raise ValueError(f"the canary must contain a word of at least 3 letters or digits; got {canary!r}")
+
+    def score(text: str) -> float:
+        found = {w.lower() for w in _WORD.findall(text)}
+        return len(words & found) / len(words)
+
+    return score
+
+
+def word_count(text: str) -> float:
+    """Score: number of whitespace-separated words."""
+    return float(len(text.split()))
+
+
+SCORES = {"canary-overlap": canary_overlap, "length": lambda canary: word_count}
+
+
+def _best_threshold(with_scores, without_scores, *, delta, significance):
+    """Threshold maximising the CP ε lower bound on these trials (selection split only)."""
+    w = np.asarray(with_scores, dtype=float)
+    o = np.asarray(without_scores, dtype=float)
+    candidates = np.unique(np.concatenate([w, o]))
+    best = (0.0, float(candidates.max()) + 1.0 if candidates.size else 0.0)
+    for thr in candidates:
+        tp, fp = int((w >= thr).sum()), int((o >= thr).sum())
+        lb = stats.epsilon_lower_bound(tp, w.size, fp, o.size, delta=delta, significance=significance)
+        if lb > best[0]:
+            best = (lb, float(thr))
+    return best
+
+
+def blackbox_audit(
+    generate: Callable[[Sequence[str]], str] | None,
+    references: Sequence[str],
+    canary: str,
+    *,
+    claimed_epsilon: float,
+    claimed_delta: float,
+    num_trials: int = 200,
+    canary_slot: int = 0,
+    scores: Sequence[str | Callable[[str], float]] = ("canary-overlap", "length"),
+    significance: float = 0.05,
+    selection_fraction: float = 0.5,
+    generate_many: Callable[[list[list[str]]], list[str]] | None = None,
+    mechanism: str = "black-box generator",
+    progress: Callable[[int, int], None] | None = None,
+    notes: Sequence[str] = (),
+) -> BlackBoxReport:
+    """Run ``num_trials`` canary trials (half with the canary, half without) and bound ε from below.
+
+    ``generate(references) -> text`` is called once per trial (or ``generate_many(list of
+    reference lists) -> texts`` once for all, when given). ``references``: the batch with any text
+    in ``canary_slot`` (it is replaced by the canary, or by ``""`` for the neighbour).
+    """
+    if generate is None and generate_many is None:
+        raise ValueError("give generate or generate_many")
+    refs = list(references)
+    if not 0 <= canary_slot < len(refs):
+        raise ValueError(f"canary_slot must be in [0, {len(refs)}); got {canary_slot!r}")
+    if isinstance(num_trials, bool) or not isinstance(num_trials, int) or num_trials < 8:
+        raise ValueError(f"num_trials must be an integer >= 8; got {num_trials!r}")
+    if not 0.0 < selection_fraction < 1.0:
+        raise ValueError(f"selection_fraction must be in (0, 1); got {selection_fraction!r}")
+    if not (isinstance(claimed_epsilon, (int, float)) and claimed_epsilon >= 0):
+        raise ValueError(f"claimed_epsilon must be >= 0; got {claimed_epsilon!r}")
+    beta = stats._check_significance(significance)
+    score_fns, score_names = [], []
+    for s in scores:
+        if callable(s):
+            score_fns.append(s)
+            score_names.append(getattr(s, "__name__", "custom"))
+        elif s in SCORES:
+            score_fns.append(SCORES[s](canary))
+            score_names.append(s)
+        else:
+            raise ValueError(f"scores must be callables or names in {sorted(SCORES)}; got {s!r}")
+    with_canary = list(refs)
+    with_canary[canary_slot] = canary
+    without = list(refs)
+    without[canary_slot] = ""
+    # trials alternate (with, without, with, ...): no drift between the two arms
+    batches = [with_canary if i % 2 == 0 else without for i in range(num_trials)]
+    labels = np.array([i % 2 == 0 for i in range(num_trials)])
+    start = time.perf_counter()
+    if generate_many is not None:
+        texts = list(generate_many([list(b) for b in batches]))
+        if len(texts) != num_trials:
+            raise ValueError(f"generate_many returned {len(texts)} texts for {num_trials} trials")
+        if progress is not None:
+            progress(num_trials, num_trials)
+    else:
+        texts = []
+        for i, b in enumerate(batches):
+            texts.append(generate(list(b)))
+            if progress is not None:
+                progress(i + 1, num_trials)
+    gen_seconds = time.perf_counter() - start
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ValueError(f"the generator must return a string; trial {i} returned {type(t).__name__}")
+    score_matrix = np.array([[fn(t) for t in texts] for fn in score_fns], dtype=float)  # (S, N)
+    # split: first selection_fraction of the (alternating) trials select, the rest evaluate
+    n_sel = int(round(num_trials * selection_fraction))
+    n_sel -= n_sel % 2
+    sel, ev = np.arange(n_sel), np.arange(n_sel, num_trials)
+    best = (-1.0, 0, math.inf)
+    for k in range(len(score_fns)):
+        lb, thr = _best_threshold(
+            score_matrix[k, sel][labels[sel]], score_matrix[k, sel][~labels[sel]], delta=claimed_delta, significance=beta
+        )
+        if lb > best[0]:
+            best = (lb, k, thr)
+    _, k, thr = best
+    ev_with = score_matrix[k, ev][labels[ev]]
+    ev_without = score_matrix[k, ev][~labels[ev]]
+    tp, fp = int((ev_with >= thr).sum()), int((ev_without >= thr).sum())
+    eps_lb = stats.epsilon_lower_bound(tp, ev_with.size, fp, ev_without.size, delta=claimed_delta, significance=beta)
+    distinct = {"with": len(set(t for t, lab in zip(texts, labels) if lab)), "without": len(set(t for t, lab in zip(texts, labels) if not lab))}
+    all_notes = list(notes)
+    if distinct["with"] == 1 and distinct["without"] == 1:
+        all_notes.append(
+            "every trial of each arm produced the same text: the generator is deterministic (e.g. a fixed seed), "
+            "so its output carries no privacy protection at all"
+            + (" and the two arms differ" if texts[0] != texts[1] else "")
+        )
+    if eps_lb > claimed_epsilon:
+        verdict = stats.Verdict.VIOLATION
+        reason = f"ε lower bound {eps_lb:.3f} > claimed ε {claimed_epsilon:g} (significance {beta:g})"
+    else:
+        verdict = stats.Verdict.INCONCLUSIVE
+        reason = (
+            f"no violation detected: ε lower bound {eps_lb:.3f} ≤ claimed ε {claimed_epsilon:g}; "
+            "a black-box audit cannot confirm a claim"
+        )
+    return BlackBoxReport(
+        kind="black-box",
+        mechanism=mechanism,
+        verdict=verdict,
+        reason=reason,
+        significance=beta,
+        claimed_epsilon=float(claimed_epsilon),
+        claimed_delta=float(claimed_delta),
+        epsilon_lower_bound=float(eps_lb),
+        threshold=float(thr),
+        score=score_names[k],
+        num_trials={"selection": int(sel.size), "evaluation": int(ev.size), "distinct_texts": distinct},
+        true_positives=tp,
+        false_positives=fp,
+        positives=int(ev_with.size),
+        negatives=int(ev_without.size),
+        timings={"generation_seconds": gen_seconds, "seconds_per_trial": gen_seconds / num_trials},
+        notes=tuple(all_notes),
+        scores_with=tuple(float(x) for x in score_matrix[k][labels]),
+        scores_without=tuple(float(x) for x in score_matrix[k][~labels]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# generators to audit
+
+
+def engine_generator(
+    *,
+    model=None,
+    clip_norm: float,
+    temperature: float,
+    top_k: int | None,
+    batch_size: int,
+    max_new_tokens: int,
+    prompt="generic",
+    prompt_fields: dict | None = None,
+    generator=None,
+):
+    """Our own InvisibleInk engine as a black box: returns ``generate_many(batches) -> texts``."""
+    from invink_audit.engine import Engine
+    from invink_audit.mechanism import MechanismConfig, make_generator
+    from invink_audit.models import load_model
+    from invink_audit.prompts import encode_request, get_preset
+
+    loaded = load_model(model)
+    mech = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
+    engine = Engine(loaded, mech)
+    template = get_preset(prompt, **(prompt_fields or {}))
+    gen = generator if generator is not None else make_generator(device=loaded.device)
+
+    def generate_many(batches):
+        requests = [encode_request(loaded.tokenizer, template, b, key=i) for i, b in enumerate(batches)]
+        out = [""] * len(requests)
+        for f in engine.generate(requests, max_new_tokens=max_new_tokens, generator=gen):
+            out[f.request_index] = loaded.tokenizer.decode(list(f.token_ids), skip_special_tokens=True)
+        return out
+
+    return generate_many
+
+
+def invink_generator(model_path: str, *, batch_size: int, dataset_desc: str, epsilon: float, delta: float, **kwargs):
+    """The reference package ``invink`` (PyPI 0.1.0) as a black box: ``generate(references) -> text``.
+
+    ``batch_size`` is our B (private references per text); the package counts the public row in its
+    own batch size, so it receives ``B + 1``, with ``num=1``. ``references`` may hold more than B
+    texts: the package takes the first B non-empty ones (with its default ``drop_empty=True`` an
+    emptied slot is skipped and the next reference moves into the batch, which is how a neighbour
+    dataset really behaves under that package). Every other keyword goes to ``invink.generate``
+    unchanged, so its defaults (``random_seed=42``, ``max_toks="auto"``, ``drop_empty=True``) are
+    audited as shipped unless overridden; ``random_seed=None`` draws a fresh seed per call. Raises
+    ``ImportError`` when the package (or its dependency pandas) is not importable.
+    """
+    import contextlib
+    import io
+    import secrets
+
+    import invink  # noqa: F401  (ImportError is the documented signal)
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+
+    def generate(references):
+        args = dict(kwargs)
+        if "random_seed" in args and args["random_seed"] is None:
+            args["random_seed"] = secrets.randbits(31)
+        with contextlib.redirect_stdout(io.StringIO()):
+            out = invink.generate(
+                txt_list_or_path=list(references),
+                model_name_or_path=model_path,
+                dataset_desc=dataset_desc,
+                epsilon=epsilon,
+                delta=delta,
+                batch_size=batch_size + 1,
+                num=1,
+                **args,
+            )
+        return out.texts[0]
+
+    return generate

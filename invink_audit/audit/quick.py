@@ -1,0 +1,199 @@
+r"""A short audit of texts that were just generated (used by ``make demo``).
+
+Two parts, both white-box:
+
+1. **teacher forcing** of every generated text through the engine: at every prefix of every text
+   the exact per-step checks run for all B neighbours of its batch, and the exact sequence privacy
+   loss :math:`L_j(x) = \log P_R(x)/P_{R'_j}(x)` of the *released* text is computed for every
+   neighbour (the realised privacy loss of what was published, to compare with the a-priori
+   :math:`T\varepsilon_0` and the accountant's ε);
+2. a small sampled audit (:func:`invink_audit.audit.model_audit.audit_model`) of one batch, which
+   gives the statistical verdict.
+
+The verdict is VIOLATION if either part finds one, PASS if both pass, INCONCLUSIVE otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+import torch
+
+from invink_audit.audit.report import WhiteBoxReport, to_jsonable
+from invink_audit.audit.stats import Verdict
+from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
+
+__all__ = ["QuickAuditReport", "quick_audit", "teacher_forced_losses"]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickAuditReport:
+    """Verdict and headline numbers of :func:`quick_audit` (``sampled`` is the full sampled report)."""
+
+    verdict: Verdict
+    reason: str
+    texts_audited: int
+    step_checks: int
+    step_failures: dict
+    max_loss_range_over_epsilon0: float
+    realised_loss_max: float  # max over texts and neighbours of L_j(x), nats
+    realised_loss_mean: float
+    a_priori_loss_bound: float  # T * epsilon0
+    accountant_epsilon: float
+    sampled: WhiteBoxReport | None
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return to_jsonable(self)
+
+    def summary(self) -> str:
+        lines = [
+            f"audit verdict: {self.verdict.value} ({self.reason})",
+            f"  teacher-forced {self.texts_audited} generated texts: {self.step_checks} exact per-step checks, "
+            f"failures {sum(self.step_failures.values())}; max loss range / eps0 = {self.max_loss_range_over_epsilon0:.4f}",
+            f"  realised privacy loss of the released texts: max {self.realised_loss_max:.4f}, mean "
+            f"{self.realised_loss_mean:.4f} nats (a-priori bound T*eps0 = {self.a_priori_loss_bound:.3f}; "
+            f"accountant eps = {self.accountant_epsilon:.3f})",
+        ]
+        if self.sampled is not None:
+            h = self.sampled.headroom_summary()
+            lines.append(
+                f"  sampled audit of batch 0: {self.sampled.verdict.value}; sequence Renyi headroom (claim/estimate) "
+                f"min {h['sequence_renyi_min']:.3g}; eps headroom "
+                + ", ".join(f"{k} {v:.3g}" for k, v in h["epsilon"].items())
+            )
+        lines.append(f"  ({self.seconds:.1f} s)")
+        return "\n".join(lines)
+
+
+def teacher_forced_losses(loaded, mechanism, requests, token_ids, *, claim: Claim, config: WhiteBoxConfig):
+    """Run the engine forcing ``token_ids[i]`` for ``requests[i]``; return the recorder's measurements.
+
+    Every prefix of every text is checked exactly (all B neighbours) and the exact log-probabilities
+    of each text under R and every R'_j are accumulated.
+    """
+    from invink_audit.engine import Engine
+    from invink_audit.mechanism import make_generator
+
+    n = len(requests)
+    plan = SamplingPlan(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64))
+    max_len = max(len(t) for t in token_ids)
+    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max(1, max_len), device=loaded.device)
+    forced = torch.full((n, max(1, max_len)), 0, dtype=torch.long, device=loaded.device)
+    for i, ids in enumerate(token_ids):
+        forced[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+
+    def rule(step):
+        nlp = step.neighbour_log_probs()
+        recorder.sampling_log_weights(step.request_indices, nlp.actual, nlp.neighbours)
+        tok = forced[step.request_indices, step.positions]
+        if not bool(torch.isfinite(nlp.actual.gather(1, tok[:, None])).all()):
+            raise ValueError("a forced token has probability 0 under the mechanism: the texts do not match this configuration")
+        weights = torch.full_like(nlp.actual, -math.inf)
+        weights.scatter_(1, tok[:, None], 0.0)
+        return weights
+
+    def observer(step):
+        recorder.record(step.request_indices, step.tokens)
+
+    engine = Engine(loaded, mechanism)
+    lengths = {i: len(t) for i, t in enumerate(token_ids)}
+    with torch.no_grad():
+        for f in engine.generate(
+            requests, max_new_tokens=claim.max_new_tokens, generator=make_generator(device=loaded.device),
+            observer=observer, sampling_rule=rule,
+        ):
+            if f.num_tokens != lengths[f.request_index]:
+                raise ValueError(
+                    f"text {f.request_index} ended after {f.num_tokens} tokens under teacher forcing, "
+                    f"but has {lengths[f.request_index]}: the texts do not match this configuration"
+                )
+    return recorder.finish()
+
+
+def quick_audit(
+    result,
+    references,
+    *,
+    model=None,
+    prompt=None,
+    prompt_fields: dict | None = None,
+    sampled_batch: int | None = 0,
+    num_samples: int = 24,
+    num_is_samples: int = 8,
+    alphas: tuple[float, ...] = (2.0, 8.0),
+    significance: float = 0.05,
+    generator: torch.Generator | None = None,
+) -> QuickAuditReport:
+    """Audit the texts of a :class:`invink_audit.generation.GenerationResult` (e.g. from the demo).
+
+    ``references``: the same references given to ``generate`` (list or file path); ``model``: the
+    same model (a loaded model is reused); ``prompt``/``prompt_fields``: as given to ``generate``
+    (default: ``result.prompt``). ``sampled_batch``: which batch gets the sampled audit (``None``
+    skips it; its size: ``num_samples`` forward and reverse texts per neighbour plus
+    ``num_is_samples`` per α, neighbour and direction).
+    """
+    from invink_audit.audit.model_audit import ModelAuditSettings, audit_model
+    from invink_audit.data import partition_references, read_references
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.models import load_model
+    from invink_audit.prompts import encode_request, get_preset
+
+    start = time.perf_counter()
+    g = result.guarantee
+    loaded = load_model(model)
+    if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
+        references = read_references(references)
+    partition = partition_references(references, g.batch_size)
+    template = get_preset(prompt or result.prompt, **(prompt_fields or {}))
+    mech = MechanismConfig(clip_norm=g.clip_norm, temperature=g.temperature, top_k=g.top_k, batch_size=g.batch_size)
+    claim = Claim.from_mechanism(mech, g.max_new_tokens, delta=g.delta)
+    config = WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(result.texts)), num_is_samples=0, significance=significance)
+    requests = [encode_request(loaded.tokenizer, template, partition.batches[t.batch_index], key=t.batch_index) for t in result.texts]
+    rec = teacher_forced_losses(loaded, mech, requests, [list(t.token_ids) for t in result.texts], claim=claim, config=config)
+    with np.errstate(invalid="ignore"):
+        losses = rec.log_prob_actual[:, None] - rec.log_prob_neighbours  # (texts, B)
+    failures = dict(rec.failures)
+    max_range = float(rec.max_loss_range_per_step.max()) if rec.max_loss_range_per_step.size else 0.0
+    sampled = None
+    if sampled_batch is not None:
+        batch = partition.batches[sampled_batch]
+        sampled = audit_model(
+            list(batch),
+            ModelAuditSettings(
+                max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, clip_norm=g.clip_norm, delta=g.delta
+            ),
+            WhiteBoxConfig(alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples, significance=significance),
+            model=loaded,
+            prompt=template,
+            generator=generator,
+        )
+    total_failures = sum(failures.values())
+    if total_failures:
+        verdict, reason = Verdict.VIOLATION, f"{total_failures} exact per-step checks failed on the generated texts"
+    elif sampled is not None and sampled.verdict is Verdict.VIOLATION:
+        verdict, reason = Verdict.VIOLATION, f"sampled audit: {sampled.reason}"
+    elif sampled is not None and sampled.verdict is Verdict.PASS:
+        verdict, reason = Verdict.PASS, "exact checks held on every prefix of the generated texts; sampled audit passed"
+    elif sampled is None:
+        verdict, reason = Verdict.PASS, "exact checks held on every prefix of the generated texts (no sampled audit)"
+    else:
+        verdict, reason = Verdict.INCONCLUSIVE, f"sampled audit: {sampled.reason}"
+    finite = losses[np.isfinite(losses)]
+    return QuickAuditReport(
+        verdict=verdict,
+        reason=reason,
+        texts_audited=len(result.texts),
+        step_checks=rec.num_step_checks,
+        step_failures=failures,
+        max_loss_range_over_epsilon0=max_range / claim.epsilon0,
+        realised_loss_max=float(losses.max()) if losses.size else 0.0,
+        realised_loss_mean=float(finite.mean()) if finite.size else 0.0,
+        a_priori_loss_bound=claim.max_new_tokens * claim.epsilon0,
+        accountant_epsilon=float(g.epsilon),
+        sampled=sampled,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,282 @@
+"""Audit specifications (TOML) and running them.
+
+A spec names what to audit and how; ``run_spec`` returns typed reports and ``invink-audit audit
+SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
+
+``selftest``
+    the auditor against the correct mechanism and four planted bugs on synthetic logits
+    (section ``[selftest]``: any field of :class:`~invink_audit.audit.selftest.SelfTestSettings`).
+``white-box``
+    a model audit (:func:`~invink_audit.audit.model_audit.audit_model`). Sections: ``[model]``
+    (``name``: ``"embedded"``, a directory or hub id; ``gguf_file``, ``device``, ``dtype``),
+    ``[prompt]`` (``preset``, ``fields``), ``[data]`` (``yelp = "dev"|"test"`` reads
+    ``$INVINK_YELP_DIR`` or ``../shared/data/yelp`` next to the repository; or ``path`` relative to the
+    spec file; ``column``; ``offset``: index of the first reference used), ``[mechanism]``
+    (``batch_size``, ``max_new_tokens``, ``temperature``, ``top_k``, ``epsilon`` or ``clip_norm``,
+    ``delta``, ``accountant``), ``[canaries]`` (``secret``/``repeat``: slot of the default text
+    canaries; ``hardest_case``: slot of the logit-level hardest-case canary; ``custom``: a list of
+    ``{slot, text, label}``), ``[audit]`` (``alphas``, ``num_samples``, ``num_is_samples``,
+    ``neighbours`` (list or ``"all"``), ``directions``, ``significance``, ``delta_grid``,
+    ``min_samples``).
+``black-box``
+    a canary audit of a generator (``[target] kind = "engine"`` for our engine, or ``"invink"`` for
+    the reference package with ``model_path``); sections ``[mechanism]``, ``[data]``, ``[prompt]``
+    as above and ``[blackbox]`` (``canary``, ``num_trials``, ``scores``, ``significance``,
+    ``invink_kwargs``).
+
+Canary and data slots: the B references are the canaries in their slots and data references (in
+file order from ``offset``, a data-independent choice) everywhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+from invink_audit.audit.whitebox import Direction, WhiteBoxConfig
+
+__all__ = ["AuditSpec", "load_spec", "run_spec", "yelp_dir"]
+
+KINDS = ("selftest", "white-box", "black-box")
+_SECTIONS = {"name", "kind", "description", "model", "prompt", "data", "mechanism", "canaries", "audit", "selftest", "target", "blackbox", "seed"}
+
+
+def yelp_dir() -> Path:
+    """The Yelp data directory: ``$INVINK_YELP_DIR`` or ``../shared/data/yelp`` beside the repository."""
+    env = os.environ.get("INVINK_YELP_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "yelp"
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditSpec:
+    """A parsed, validated audit specification."""
+
+    name: str
+    kind: str
+    raw: dict
+    path: Path | None = None
+
+    def section(self, name: str) -> dict:
+        value = self.raw.get(name, {})
+        if not isinstance(value, dict):
+            raise ValueError(f"[{name}] must be a table; got {value!r}")
+        return value
+
+
+def load_spec(path: str | os.PathLike) -> AuditSpec:
+    """Read and validate a TOML audit spec."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"audit spec not found: {str(p)!r}")
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{str(p)!r} is not valid TOML: {err}") from err
+    return parse_spec(raw, path=p)
+
+
+def parse_spec(raw: dict, *, path: Path | None = None) -> AuditSpec:
+    unknown = set(raw) - _SECTIONS
+    if unknown:
+        raise ValueError(f"unknown keys in audit spec: {sorted(unknown)}; allowed: {sorted(_SECTIONS)}")
+    kind = raw.get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+    name = raw.get("name") or (path.stem if path else kind)
+    return AuditSpec(str(name), kind, raw, path)
+
+
+def _whitebox_config(section: dict, batch_size: int) -> WhiteBoxConfig:
+    allowed = {"alphas", "num_samples", "num_is_samples", "neighbours", "directions", "significance", "delta_grid", "min_samples"}
+    unknown = set(section) - allowed
+    if unknown:
+        raise ValueError(f"unknown keys in [audit]: {sorted(unknown)}; allowed: {sorted(allowed)}")
+    kwargs = dict(section)
+    nb = kwargs.get("neighbours", "all")
+    kwargs["neighbours"] = None if nb == "all" else tuple(int(j) for j in nb)
+    if "directions" in kwargs:
+        kwargs["directions"] = tuple(Direction(d) for d in kwargs["directions"])
+    for key in ("alphas", "delta_grid"):
+        if key in kwargs:
+            kwargs[key] = tuple(float(x) for x in kwargs[key])
+    config = WhiteBoxConfig(**kwargs)
+    config.audited_neighbours(batch_size)
+    return config
+
+
+def _data_references(spec: AuditSpec, needed: int) -> list[str]:
+    from invink_audit.data import read_references
+
+    data = spec.section("data")
+    if needed == 0:
+        return []
+    if "yelp" in data:
+        split = data["yelp"]
+        if split not in ("dev", "test"):
+            raise ValueError(f"[data] yelp must be 'dev' or 'test'; got {split!r}")
+        file = yelp_dir() / f"{split}.csv"
+        if not file.is_file():
+            raise ValueError(f"Yelp data not found at {str(file)!r}; set INVINK_YELP_DIR")
+    elif "path" in data:
+        file = Path(data["path"])
+        if not file.is_absolute() and spec.path is not None:
+            file = spec.path.parent / file
+    else:
+        raise ValueError("[data] needs 'yelp' or 'path' to fill the non-canary slots")
+    refs = read_references(file, column=data.get("column"))
+    offset = int(data.get("offset", 0))
+    if offset < 0 or offset + needed > len(refs):
+        raise ValueError(f"[data] offset={offset} with {needed} references needed exceeds the {len(refs)} in {str(file)!r}")
+    return refs[offset : offset + needed]
+
+
+def _batch(spec: AuditSpec, batch_size: int) -> tuple[list[str | None], dict, int | None]:
+    from invink_audit.audit.model_audit import DEFAULT_CANARIES
+
+    canaries = spec.section("canaries")
+    slots: dict[int, tuple[str | None, str]] = {}
+
+    def claim_slot(slot, text, label):
+        slot = int(slot)
+        if not 0 <= slot < batch_size:
+            raise ValueError(f"canary slot {slot} out of range for batch_size={batch_size}")
+        if slot in slots:
+            raise ValueError(f"two canaries in slot {slot}")
+        slots[slot] = (text, label)
+
+    for key in ("secret", "repeat"):
+        if key in canaries:
+            claim_slot(canaries[key], DEFAULT_CANARIES[key], f"{key} canary: {DEFAULT_CANARIES[key]!r}")
+    for item in canaries.get("custom", []):
+        claim_slot(item["slot"], str(item["text"]), str(item.get("label", f"canary {item['text']!r}")))
+    hardest = canaries.get("hardest_case")
+    if hardest is not None:
+        claim_slot(hardest, None, "hardest-case logit canary")
+    unknown = set(canaries) - {"secret", "repeat", "custom", "hardest_case"}
+    if unknown:
+        raise ValueError(f"unknown keys in [canaries]: {sorted(unknown)}")
+    data = iter(_data_references(spec, batch_size - len(slots)))
+    refs = [slots[j][0] if j in slots else next(data) for j in range(batch_size)]
+    labels = {j: lab for j, (_, lab) in slots.items() if j != hardest}
+    return refs, labels, (int(hardest) if hardest is not None else None)
+
+
+def _generator(spec: AuditSpec, seed: int | None, device="cpu"):
+    import warnings
+
+    from invink_audit.mechanism import SeededGeneratorWarning, make_generator
+
+    seed = seed if seed is not None else spec.raw.get("seed")
+    if seed is None:
+        return make_generator(device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededGeneratorWarning)  # an audit may be reproducible
+        return make_generator(int(seed), device=device)
+
+
+def run_spec(
+    spec: AuditSpec,
+    *,
+    seed: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    status: Callable[[str], None] | None = None,
+):
+    """Run a spec; returns a report (white-box/black-box) or a :class:`SelfTestResult`."""
+    if spec.kind == "selftest":
+        from invink_audit.audit.selftest import SelfTestSettings, run_selftest
+
+        section = spec.section("selftest")
+        if "alphas" in section:
+            section = {**section, "alphas": tuple(float(a) for a in section["alphas"])}
+        settings = SelfTestSettings(**section)
+        return run_selftest(settings, generator=_generator(spec, seed), progress=status)
+    mech = spec.section("mechanism")
+    model_section = spec.section("model")
+    model_name = model_section.get("name", "embedded")
+    prompt = spec.section("prompt")
+    batch_size = int(mech.get("batch_size", 0))
+    if batch_size < 1:
+        raise ValueError(f"[mechanism] batch_size must be an integer >= 1; got {mech.get('batch_size')!r}")
+    if spec.kind == "white-box":
+        from invink_audit.audit.model_audit import ModelAuditSettings, audit_model
+        from invink_audit.models import load_model
+
+        refs, labels, hardest = _batch(spec, batch_size)
+        config = _whitebox_config(spec.section("audit"), batch_size)
+        settings = ModelAuditSettings(
+            max_new_tokens=int(mech["max_new_tokens"]),
+            temperature=float(mech.get("temperature", 1.0)),
+            top_k=mech.get("top_k"),
+            clip_norm=mech.get("clip_norm"),
+            epsilon=mech.get("epsilon"),
+            delta=float(mech.get("delta", 1e-6)),
+            accountant=str(mech.get("accountant", "br-adaptive")),
+        )
+        loaded = load_model(
+            None if model_name == "embedded" else model_name,
+            gguf_file=model_section.get("gguf_file"),
+            device=model_section.get("device"),
+            dtype=model_section.get("dtype"),
+        )
+        return audit_model(
+            refs,
+            settings,
+            config,
+            model=loaded,
+            prompt=prompt.get("preset", "generic"),
+            prompt_fields=prompt.get("fields"),
+            canaries=labels,
+            hardest_case_slot=hardest,
+            generator=_generator(spec, seed, loaded.device),
+            progress=progress,
+            label=spec.name,
+        )
+    # black box
+    from invink_audit.audit.blackbox import blackbox_audit, engine_generator, invink_generator
+
+    target = spec.section("target")
+    bb = spec.section("blackbox")
+    refs, _, _ = _batch(spec, batch_size + int(target.get("spare_references", 0)))
+    canary = str(bb.get("canary", "My name is Zelphine Quorrick and my card number is 4929 7310 5528 1746."))
+    epsilon = mech.get("epsilon")
+    delta = float(mech.get("delta", 1e-6))
+    if target.get("kind", "engine") == "engine":
+        from accounting import epsilon_for_clip_norm, plan_clip_norm
+
+        T, tau = int(mech["max_new_tokens"]), float(mech.get("temperature", 1.0))
+        if mech.get("clip_norm") is not None:
+            clip_norm = float(mech["clip_norm"])
+            epsilon = epsilon_for_clip_norm(clip_norm=clip_norm, max_new_tokens=T, batch_size=batch_size, temperature=tau, delta=delta).epsilon
+        else:
+            clip_norm = plan_clip_norm(epsilon=epsilon, delta=delta, max_new_tokens=T, batch_size=batch_size, temperature=tau).clip_norm
+        many = engine_generator(
+            model=None if model_name == "embedded" else model_name,
+            clip_norm=clip_norm, temperature=tau, top_k=mech.get("top_k"), batch_size=batch_size, max_new_tokens=T,
+            prompt=prompt.get("preset", "generic"), prompt_fields=prompt.get("fields"), generator=_generator(spec, seed),
+        )
+        return blackbox_audit(
+            None, refs, canary, claimed_epsilon=float(epsilon), claimed_delta=delta, generate_many=many,
+            num_trials=int(bb.get("num_trials", 200)), significance=float(bb.get("significance", 0.05)),
+            scores=tuple(bb.get("scores", ("canary-overlap", "length"))), mechanism=f"InvisibleInk engine ({model_name})",
+            progress=progress,
+        )
+    if target.get("kind") == "invink":
+        path = target.get("model_path")
+        if not path:
+            raise ValueError("[target] kind = 'invink' needs model_path (a local model directory)")
+        gen = invink_generator(
+            str(path), batch_size=batch_size, dataset_desc=str(target.get("dataset_desc", "short texts")),
+            epsilon=float(epsilon), delta=delta, **dict(bb.get("invink_kwargs", {})),
+        )
+        return blackbox_audit(
+            gen, refs, canary, claimed_epsilon=float(epsilon), claimed_delta=delta,
+            num_trials=int(bb.get("num_trials", 200)), significance=float(bb.get("significance", 0.05)),
+            scores=tuple(bb.get("scores", ("canary-overlap", "length"))), mechanism="reference package invink 0.1.0",
+            progress=progress,
+        )
+    raise ValueError(f"[target] kind must be 'engine' or 'invink'; got {target.get('kind')!r}")

@@ -1,0 +1,99 @@
+"""``invink-audit audit``: empirical privacy audits (white-box, black-box) and the auditor's self-test.
+
+Exit status: 0 when the verdict is PASS (self-test: every mechanism got its expected verdict),
+1 for VIOLATION (self-test: some mechanism did not), 3 for INCONCLUSIVE, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from invink_audit.cli import CliError, parse_int
+
+_EXIT = {"PASS": 0, "VIOLATION": 1, "INCONCLUSIVE": 3}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "audit",
+        help="audit the realised privacy loss (white-box, black-box) or self-test the auditor",
+        description="Run an audit spec (TOML, see audits/) and write report.json, report.md and PNG plots to "
+        "--output; or, with --selftest, run the auditor against the correct mechanism and four planted bugs. "
+        "Exit status: 0 PASS, 1 VIOLATION, 3 INCONCLUSIVE, 2 bad input.",
+    )
+    p.add_argument("spec", nargs="?", default=None, help="audit spec (TOML)")
+    p.add_argument("--selftest", action="store_true", help="self-test on synthetic logits (< 2 minutes)")
+    p.add_argument("--output", default=None, help="directory for report.json, report.md and plots")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--seed", default=None, help="fixed seed (reproducible audit; default: OS entropy)")
+    p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.set_defaults(handler=_audit)
+
+
+def _progress_bar(desc: str):
+    from tqdm import tqdm
+
+    bar = {"bar": None}
+
+    def update(done: int, total: int) -> None:
+        if bar["bar"] is None:
+            bar["bar"] = tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+        bar["bar"].n = done
+        bar["bar"].refresh()
+
+    def close() -> None:
+        if bar["bar"] is not None:
+            bar["bar"].close()
+
+    return update, close
+
+
+def _audit(args) -> int:
+    from invink_audit.audit.spec import load_spec, parse_spec, run_spec
+
+    if args.selftest == (args.spec is not None):
+        raise CliError("give either a spec file or --selftest")
+    seed = parse_int("--seed", args.seed) if args.seed is not None else None
+    spec = parse_spec({"kind": "selftest", "name": "selftest"}) if args.selftest else load_spec(args.spec)
+    quiet = args.json
+    status = None if quiet else (lambda msg: print(f"  auditing {msg} ...", file=sys.stderr))
+    update, close = _progress_bar(f"audit {spec.name}") if not quiet else (None, lambda: None)
+    try:
+        result = run_spec(spec, seed=seed, progress=update, status=status)
+    finally:
+        close()
+    if spec.kind == "selftest":
+        from invink_audit.audit.selftest import selftest_markdown, write_selftest
+
+        if args.output:
+            write_selftest(result, args.output, plots=not args.no_plots)
+        if args.json:
+            print(json.dumps(result.to_json(), indent=2))
+        else:
+            print(selftest_markdown(result))
+            if args.output:
+                print(f"reports written to {args.output}")
+        return 0 if result.passed else 1
+    from invink_audit.audit.report import write_report
+
+    if args.output:
+        write_report(result, args.output, plots=not args.no_plots)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(f"{spec.name}: {result.verdict.value} — {result.reason}")
+        if hasattr(result, "headroom_summary"):
+            h = result.headroom_summary()
+            print(
+                f"  per-step range headroom ε0/max {h['per_step_range']:.4g}; sequence Rényi headroom (min claim/estimate) "
+                f"{h['sequence_renyi_min']:.4g}; ε headroom " + ", ".join(f"{k} {v:.3g}" for k, v in h["epsilon"].items())
+            )
+            t = result.timings
+            if "audit_overhead_ratio" in t:
+                print(f"  per-step checks cost {t['audit_overhead_ratio']:.1%} of generation time")
+        else:
+            print(f"  ε lower bound {result.epsilon_lower_bound:.4g} (claimed {result.claimed_epsilon:g})")
+        if args.output:
+            print(f"report written to {args.output}")
+    return _EXIT[result.verdict.value]
