@@ -64,11 +64,12 @@ ACCUMULATION_DTYPE = torch.float64
 # privacy. 4 eps bounds the two roundings (of C/B and of the subtraction) with room to spare.
 _THRESHOLD_SLACK_EPS = 4.0
 
-# Uniform draws are clamped below at this value before the Gumbel transform so that the Gumbel
-# noise is always finite: a token with log-probability -inf then always scores -inf and can never
-# be drawn, and no row can score -inf everywhere. float64 torch.rand draws are multiples of 2**-53,
-# so only an exact 0 (probability 2**-53 per entry) is moved.
-_MIN_UNIFORM = 2.0**-1000
+# Uniform draws are clamped into [2**-1000, 1 - 2**-53] before the Gumbel transform, so that the
+# noise -log(-log U) is always finite (within [-6.6, 36.8]): a token with log-probability -inf then
+# always scores -inf and can never be drawn, and no row can score -inf (or NaN) everywhere.
+# float64 torch.rand draws are multiples of 2**-53 in [0, 1), so only an exact 0 (probability
+# 2**-53 per entry) is moved.
+_UNIFORM_RANGE = (2.0**-1000, 1.0 - 2.0**-53)
 
 
 class SeededGeneratorWarning(UserWarning):
@@ -134,9 +135,14 @@ def _check_tensor(name: str, tensor, *, min_ndim: int) -> torch.Tensor:
 
 
 def _check_finite(name: str, tensor: torch.Tensor) -> None:
-    if not bool(torch.isfinite(tensor).all()):
-        bad = "NaN" if bool(torch.isnan(tensor).any()) else "infinite"
-        raise ValueError(f"{name} must be finite; found {bad} values")
+    if tensor.numel() == 0:
+        return
+    # one reduction pass, no dtype conversion: NaN propagates to min and max, ±inf shows in them
+    low, high = torch.aminmax(tensor)
+    if bool(torch.isfinite(low) & torch.isfinite(high)):
+        return
+    kind = "NaN" if bool(torch.isnan(low) | torch.isnan(high)) else "infinite"
+    raise ValueError(f"{name} must be finite; found {kind} values")
 
 
 def _check_public(public_logits) -> torch.Tensor:
@@ -294,17 +300,20 @@ class NeighbourLogProbs:
 
 
 def _clipped_differences(private: torch.Tensor, public64: torch.Tensor, clip_norm: float) -> torch.Tensor:
-    """clip_C(φ_i − φ_pub) for every row, float64, shape (..., B, V) (paper Eq. (2))."""
-    return torch.clamp(private.to(ACCUMULATION_DTYPE) - public64.unsqueeze(-2), min=-clip_norm, max=clip_norm)
+    """clip_C(φ_i − φ_pub) for every row, float64, shape (..., B, V) (paper Eq. (2)).
+
+    A new tensor (type promotion upcasts to float64 in the subtraction), clamped in place.
+    """
+    return torch.sub(private, public64.unsqueeze(-2)).clamp_(min=-clip_norm, max=clip_norm)
 
 
 def _naive_contributions(private: torch.Tensor, clip_norm: float, recenter: bool) -> torch.Tensor:
-    rows = private.to(ACCUMULATION_DTYPE)
+    rows = private.to(ACCUMULATION_DTYPE, copy=True)
     if recenter:
         # Amin et al. 2024 (as implemented in the paper's experiments): shift each row so that its
         # maximum is C, then clip. Logits are shift-invariant, so this only changes what is clipped.
-        rows = rows - rows.amax(dim=-1, keepdim=True) + clip_norm
-    return torch.clamp(rows, min=-clip_norm, max=clip_norm)
+        rows.sub_(rows.amax(dim=-1, keepdim=True)).add_(clip_norm)
+    return rows.clamp_(min=-clip_norm, max=clip_norm)
 
 
 def dclip_aggregate(private_logits: torch.Tensor, public_logits: torch.Tensor, clip_norm: float) -> torch.Tensor:
@@ -393,9 +402,24 @@ def topk_plus_mask(public_logits: torch.Tensor, top_k: int | None, clip_norm: fl
 # the exponential mechanism
 
 
-def _masked_log_softmax(scores: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
-    """log-softmax over the support; exactly -inf elsewhere (log_softmax subtracts the max: stable)."""
-    return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
+def _masked_log_softmax(scores: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+    """log-softmax over the support; exactly -inf where ``outside`` (log_softmax subtracts the max: stable).
+
+    ``scores`` is a temporary of ours and is overwritten.
+    """
+    return torch.log_softmax(scores.masked_fill_(outside, -math.inf), dim=-1)
+
+
+def _scores(public64: torch.Tensor, sums: torch.Tensor, batch_size: int, temperature: float) -> torch.Tensor:
+    r"""Exponential-mechanism scores :math:`\phi_{pub}/\tau + S/(B\tau)` = :math:`\bar\phi/\tau` (Eq. (3)).
+
+    ``sums`` (..., V) or (..., B, V) holds the summed clipped contributions; it is a temporary of
+    ours and is overwritten (one fused pass). ``public64`` is the base (zeros for naive clipping).
+    """
+    base = public64 / temperature
+    if sums.ndim > public64.ndim:
+        base = base.unsqueeze(-2)
+    return torch.add(base, sums, alpha=1.0 / (batch_size * temperature), out=sums)
 
 
 def _validated_step(private_logits, public_logits, clip_norm, temperature, top_k, clipping):
@@ -421,6 +445,51 @@ def _contributions(private, public64, clip_norm, mode):
     return _naive_contributions(private, clip_norm, False), torch.zeros_like(public64), null
 
 
+def _scatter(values: torch.Tensor, index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    out = torch.full((*values.shape[:-1], vocab_size), -math.inf, dtype=values.dtype, device=values.device)
+    return out.scatter_(-1, index, values)
+
+
+def _step(private, public, clip_norm, temperature, top_k, mode, with_neighbours):
+    """Log-probabilities under R (and under every R'_j): the arithmetic of Algorithm 1, lines 3–5.
+
+    Outside the Top-k+ set every log-probability is -inf whatever the logits, so when the set is
+    smaller than the vocabulary the arithmetic runs on its columns only (gathered once: they are
+    the top-m public logits, m the largest set size over the leading dims) and is scattered back.
+    """
+    batch_size, vocab_size = private.shape[-2], private.shape[-1]
+    public64 = public.to(ACCUMULATION_DTYPE)
+    support = _support(public64, top_k, clip_norm, batch_size)
+    width = vocab_size
+    if top_k is not None and top_k < vocab_size and support.numel() > 0:
+        width = int(support.sum(dim=-1).max())
+    index = None
+    if width < vocab_size:
+        index = torch.topk(public64, width, dim=-1, sorted=False).indices  # holds every support token
+        inside = support.gather(-1, index)
+        public64 = public64.gather(-1, index)
+        private = private.gather(-1, index.unsqueeze(-2).expand(*private.shape[:-1], width))
+    else:
+        inside = support
+    contributions, base, null = _contributions(private, public64, clip_norm, mode)
+    total = contributions.sum(dim=-2)
+    removed = None
+    if with_neighbours:
+        # S'_j = S − c_j (+ the null row's contribution for naive clipping), written over c_j in place
+        kept = total if null is None else total + null.squeeze(-2)
+        removed = torch.sub(kept.unsqueeze(-2), contributions, out=contributions)
+    outside = ~inside
+    actual = _masked_log_softmax(_scores(base, total, batch_size, temperature), outside)
+    neighbours = None
+    if removed is not None:
+        neighbours = _masked_log_softmax(_scores(base, removed, batch_size, temperature), outside.unsqueeze(-2))
+    if index is not None:
+        actual = _scatter(actual, index, vocab_size)
+        if neighbours is not None:
+            neighbours = _scatter(neighbours, index.unsqueeze(-2).expand(*neighbours.shape[:-1], width), vocab_size)
+    return actual, neighbours, support
+
+
 def token_log_probs(
     private_logits: torch.Tensor,
     public_logits: torch.Tensor,
@@ -442,11 +511,7 @@ def token_log_probs(
     private, public, c, tau, k, mode = _validated_step(
         private_logits, public_logits, clip_norm, temperature, top_k, clipping
     )
-    public64 = public.to(ACCUMULATION_DTYPE)
-    contributions, base, _ = _contributions(private, public64, c, mode)
-    scores = base + contributions.sum(dim=-2) / private.shape[-2]
-    support = _support(public64, k, c, private.shape[-2])
-    return _masked_log_softmax(scores / tau, support)
+    return _step(private, public, c, tau, k, mode, with_neighbours=False)[0]
 
 
 def neighbour_log_probs(
@@ -472,21 +537,8 @@ def neighbour_log_probs(
     private, public, c, tau, k, mode = _validated_step(
         private_logits, public_logits, clip_norm, temperature, top_k, clipping
     )
-    batch_size = private.shape[-2]
-    public64 = public.to(ACCUMULATION_DTYPE)
-    contributions, base, null = _contributions(private, public64, c, mode)
-    total = contributions.sum(dim=-2)
-    scores = base + total / batch_size
-    removed = total.unsqueeze(-2) - contributions
-    if null is not None:
-        removed = removed + null
-    neighbour_scores = base.unsqueeze(-2) + removed / batch_size
-    support = _support(public64, k, c, batch_size)
-    return NeighbourLogProbs(
-        actual=_masked_log_softmax(scores / tau, support),
-        neighbours=_masked_log_softmax(neighbour_scores / tau, support.unsqueeze(-2)),
-        support=support,
-    )
+    actual, neighbours, support = _step(private, public, c, tau, k, mode, with_neighbours=True)
+    return NeighbourLogProbs(actual=actual, neighbours=neighbours, support=support)
 
 
 # --------------------------------------------------------------------------------------------
@@ -517,24 +569,27 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
 def sample_tokens(log_probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     r"""Draw one token per row of ``log_probs`` (..., V) → int64 (...), with the injected ``generator``.
 
-    Gumbel-max sampling: :math:`\arg\max_y (\log p(y) + G_y)`, :math:`G_y = -\log(-\log U_y)`
-    i.i.d. Gumbel, is an exact draw from :math:`p \propto \exp(\log p)` (Gumbel 1954; Maddison et al.
-    2014). ``log_probs`` may be unnormalised log-weights; ``-inf`` entries are never drawn (the noise
-    is always finite). Batched over all leading dimensions in one call; stays on the input's device.
-    ``generator`` must be on the same device (see :func:`make_generator`).
+    Gumbel-max sampling: :math:`\arg\max_y (\log p(y) + G_y)` with :math:`G_y = -\log(-\log U_y)`
+    i.i.d. standard Gumbel is an exact draw from :math:`p \propto \exp(\log p)` (Gumbel 1954;
+    Maddison et al. 2014). ``log_probs`` may be unnormalised log-weights; ``-inf`` entries are never drawn
+    (the noise is always finite). Batched over all leading dimensions in one call; stays on the
+    input's device. ``generator`` must be on the same device (see :func:`make_generator`).
     """
     lp = _check_tensor("log_probs", log_probs, min_ndim=1)
     if not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator; got {type(generator).__name__}")
     if generator.device.type != lp.device.type:
         raise ValueError(f"generator is on {generator.device} but log_probs is on {lp.device}")
-    if bool(torch.isnan(lp).any()):
-        raise ValueError("log_probs must not contain NaN")
-    if bool(torch.isposinf(lp).any()):
-        raise ValueError("log_probs must not contain +inf")
-    if not bool(torch.isfinite(lp).any(dim=-1).all()):
+    # one reduction pass: the row maximum is NaN if the row has a NaN, +inf if it has +inf, and
+    # -inf if the row has no finite entry (empty support)
+    row_max = lp.amax(dim=-1)
+    if not bool(torch.isfinite(row_max).all()):
+        if bool(torch.isnan(row_max).any()):
+            raise ValueError("log_probs must not contain NaN")
+        if bool(torch.isposinf(row_max).any()):
+            raise ValueError("log_probs must not contain +inf")
         raise ValueError("every row of log_probs must have at least one finite entry (a non-empty support)")
-    lp64 = lp.to(ACCUMULATION_DTYPE)
-    uniform = torch.rand(lp64.shape, dtype=ACCUMULATION_DTYPE, device=lp64.device, generator=generator)
-    gumbel = -torch.log(-torch.log(uniform.clamp(min=_MIN_UNIFORM)))
-    return torch.argmax(lp64 + gumbel, dim=-1)
+    # in place on our own draw: U → log(−log U) = −G, so the score log p − log(−log U) is log p + G
+    noise = torch.rand(lp.shape, dtype=ACCUMULATION_DTYPE, device=lp.device, generator=generator)
+    noise.clamp_(*_UNIFORM_RANGE).log_().neg_().log_()
+    return torch.argmax(torch.sub(lp, noise, out=noise), dim=-1)

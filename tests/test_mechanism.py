@@ -148,6 +148,25 @@ def test_token_log_probs_is_the_float64_computation_for_every_input_dtype(dtype)
     torch.testing.assert_close(total, torch.zeros(3, dtype=torch.float64), rtol=0, atol=EXACT_ATOL)
 
 
+@pytest.mark.parametrize("top_k", [1, 3, 40, None])
+def test_token_log_probs_equal_the_dense_formula(top_k):
+    # the implementation computes on the Top-k+ columns only; compare with the dense formula
+    gen = seeded(12)
+    private, public = torch.randn(4, 3, 64, generator=gen) * 4, torch.randn(4, 64, generator=gen) * 4
+    support = topk_plus_mask(public, top_k, 0.8, 3)
+    dense = torch.log_softmax((dclip_aggregate(private, public, 0.8) / 1.1).masked_fill(~support, -math.inf), dim=-1)
+    out = token_log_probs(private, public, clip_norm=0.8, temperature=1.1, top_k=top_k)
+    assert torch.equal(out > -math.inf, support)
+    torch.testing.assert_close(out[support], dense[support], rtol=0, atol=EXACT_ATOL)
+
+
+def test_empty_leading_dimension():
+    private, public = torch.zeros(0, 3, 7), torch.zeros(0, 7)
+    result = neighbour_log_probs(private, public, clip_norm=1.0, temperature=1.0, top_k=2)
+    assert result.actual.shape == (0, 7) and result.neighbours.shape == (0, 3, 7)
+    assert sample_tokens(result.actual, seeded()).shape == (0,)
+
+
 def test_token_log_probs_stable_for_huge_logits_and_tiny_temperature():
     private = t([[1e4, -1e4, 0.0], [3e4, 3e4, 3e4]], torch.float64)
     public = t([2e4, 1e4, -3e4], torch.float64)
