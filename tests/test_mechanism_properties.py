@@ -23,7 +23,6 @@ from invink_audit.mechanism import (
     MechanismConfig,
     dclip_aggregate,
     naive_clip_aggregate,
-    neighbour_log_probs,
     sample_tokens,
     token_log_probs,
     topk_plus_mask,

@@ -308,7 +308,7 @@ def renyi_divergence(log_p: torch.Tensor, log_q: torch.Tensor, alpha: float) -> 
     r"""Exact Rényi divergence :math:`D_\alpha(p \Vert q)` over the last dimension, float64 (...).
 
     :math:`D_\alpha = \frac{1}{\alpha-1}\log\sum_y p(y)^\alpha q(y)^{1-\alpha}` (paper App. B,
-    Def. 1), summed over the support of ``p``; ``+inf`` when ``p`` puts mass where ``q`` has none.
+    zCDP definition), summed over the support of ``p``; ``+inf`` when ``p`` puts mass where ``q`` has none.
     ``alpha = inf`` gives :math:`D_\infty = \max_y \log p(y)/q(y)`. Inputs are log-probabilities
     (``-inf`` for zero).
     """
@@ -331,8 +331,8 @@ def log_ratio_span(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     r"""Range of the privacy loss :math:`\max_y L(y) - \min_y L(y)`, :math:`L = \log p - \log q`, float64 (...).
 
     Taken over the common support; ``+inf`` if the supports differ (some token has infinite loss).
-    An exponential mechanism is ε-bounded-range iff this is <= ε for all neighbours (Durfee &
-    Rogers 2019, Def. 3).
+    A mechanism is ε-bounded-range iff this is <= ε for every pair of neighbours (Durfee &
+    Rogers 2019, arXiv:1905.04273).
     """
     lp = log_p.to(torch.float64)
     lq = log_q.to(torch.float64)
@@ -373,7 +373,7 @@ def assert_token_privacy(
     * identical supports (otherwise some token has infinite privacy loss);
     * bounded range: the loss span :func:`log_ratio_span` <= ``epsilon0`` (+ ``atol``);
     * zCDP: :math:`D_\alpha(p\Vert p') \le \alpha\rho` and :math:`D_\alpha(p'\Vert p) \le \alpha\rho`
-      (+ ``atol``) for every ``alpha`` (paper App. B, Def. 1), computed exactly by :func:`renyi_divergence`.
+      (+ ``atol``) for every ``alpha`` (paper App. B, zCDP definition), computed exactly by :func:`renyi_divergence`.
     """
     if neighbour_log_probs.ndim != actual_log_probs.ndim + 1 or neighbour_log_probs.shape[-1] != actual_log_probs.shape[-1]:
         raise ValueError(

@@ -1,6 +1,6 @@
 r"""An independent, pure-Python oracle of one InvisibleInk step, for small vocabularies.
 
-Written straight from the paper (Algorithm 1, Eq. (3) and ``ExpandedTopVocabulary``) without torch:
+Written straight from the paper (Algorithm 1, Eq. (aggregated-logits), ``ExpandedTopVocabulary``), without torch:
 the aggregate and the Top-k+ set are computed in exact rational arithmetic (``fractions.Fraction``;
 every float is a rational), the log-softmax with ``math`` and a compensated sum. It shares no code
 with :mod:`invink_audit.mechanism`, so agreement between the two is evidence, not tautology. It is
@@ -32,7 +32,10 @@ def _rows(values) -> list[list[Fraction]]:
 def reference_aggregate(
     private_logits: Sequence[Sequence[float]], public_logits: Sequence[float], clip_norm: float
 ) -> list[Fraction]:
-    r"""Exact :math:`\phi_{pub} + \frac1B\sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})` (paper Eq. (3)) for one step."""
+    r"""Exact :math:`\phi_{pub} + \frac1B\sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})` for one step.
+
+    Paper Eq. (aggregated-logits).
+    """
     pub = [Fraction(float(v)) for v in public_logits]
     rows = _rows(private_logits)
     c = Fraction(float(clip_norm))

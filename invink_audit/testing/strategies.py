@@ -100,7 +100,8 @@ def neighbour_private_logits(
     """A copy of ``private_logits`` (..., B, V) with row ``index`` nulled (inputs are not modified).
 
     Replace-by-null: the row becomes the public row (the empty reference's logits are exactly the
-    public logits; paper Def. 4). Zero-out: the row becomes 0 (paper Def. 5).
+    public logits; paper App. B.1, replace-by-null adjacency). Zero-out: the row becomes 0 (App. B.1,
+    zero-out adjacency).
     """
     adjacency = Adjacency(adjacency)
     batch_size = private_logits.shape[-2]
