@@ -21,6 +21,10 @@ Under adaptive composition the adversary picks ``t`` at every step from the hist
     V_j(x) = \sup_{t\in[0,\varepsilon_0]} p_t V_{j-1}(x-t) + (1-p_t) V_{j-1}(x-t+\varepsilon_0),
     \qquad \delta(\varepsilon_g) = V_T(\varepsilon_g).
 
+Each :math:`V_j` is non-increasing in ``x`` and convex in :math:`y = e^{x}` (true for
+:math:`V_0 = (1-y)_+`, and preserved by the recursion, which rescales ``y`` and takes mixtures and
+suprema). It is *not* convex in ``x``: :math:`(1-e^x)_+` is concave for x < 0.
+
 Exact facts used (both bounds keep them exactly): the loss after ``j`` steps lies in
 ``[−jε0, jε0]``, so :math:`V_j(x) = 0` for :math:`x \ge j\varepsilon_0` and, because
 :math:`E_P[e^{-L}] = 1`, :math:`V_j(x) = 1 - e^{x}` for :math:`x \le -j\varepsilon_0`.
@@ -29,10 +33,10 @@ Certified bracket on a lattice of step ``h = ε0/m`` (shifts by ``t = s·h`` and
 
 * **lower bound**: restrict ``t`` to the lattice. The restricted adversary's value is computed exactly,
   so it is a valid lower bound on the true δ.
-* **upper bound**: for ``t`` in the interval ``[s h, (s+1) h]`` bound :math:`V_{j-1}` between lattice
-  points by its chord (each :math:`V_j` is convex) and :math:`p_t` by its tangent at the interval's
-  midpoint (:math:`p_t` is concave); the resulting quadratic in the interval position is maximised
-  exactly. The upper values are then made non-increasing in ``x`` (a running maximum, which only raises
+* **upper bound**: for ``t`` in the interval ``[s h, (s+1) h]`` parametrise by the position
+  ν ∈ [0, 1] of :math:`y = e^{x-t}` between the two lattice points; bound :math:`V_{j-1}` by its chord
+  in ``y`` (convexity in ``y``) and :math:`p_t`, which is concave in ν, by its tangent at ν = 1/2; the
+  resulting quadratic in ν is maximised exactly. The upper values are then made non-increasing in ``x`` (a running maximum, which only raises
   them) so that :math:`V(x-t) \ge V(x-t+\varepsilon_0)` holds for the bounds too; a relative slack of
   ``_ROUNDING_SLACK`` per step absorbs floating-point error.
 
@@ -132,12 +136,17 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
         p = np.empty(n + 1)
         for s in range(n + 1):
             p[s] = (e_eps0 - math.exp(s * h)) / denom
+        # upper-bound data per interval s: t = (s+1)h at nu = 0 and t = s h at nu = 1, where nu is the
+        # position of y = e^{x - t} between the two lattice points (V is convex in y, not in x).
+        # p as a function of nu is concave; its tangent at nu = 1/2 bounds it from above.
+        ch = math.expm1(h)
         pc = np.empty(n)
         slope = np.empty(n)
         for s in range(n):
-            ec = math.exp((s + 0.5) * h)
-            pc[s] = (e_eps0 - ec) / denom
-            slope[s] = -ec / denom * h
+            K = math.exp((s + 1) * h)
+            q = 1.0 + 0.5 * ch
+            pc[s] = (e_eps0 - K / q) / denom
+            slope[s] = K * ch / (q * q) / denom
         start = max(a_lo - n, W - w)
         stop = min(a_hi + n, W + w)
         for a in range(start, stop + 1):
@@ -158,17 +167,18 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
                     best_lo = val
             best_up = 0.0
             for s in range(n):
-                a0 = up_prev[a - s]
-                a1 = up_prev[a - s - 1]
+                a0 = up_prev[a - s]  # V(x - s h), nu = 1
+                a1 = up_prev[a - s - 1]  # V(x - (s+1) h), nu = 0
                 b0 = up_prev[a - s + n]
                 b1 = up_prev[a - s - 1 + n]
-                d0 = a0 - b0
-                dd = (a1 - b1) - d0
+                d1 = a1 - b1
+                dd = (a0 - b0) - d1
                 sl = slope[s]
-                # f(lam) = b0 + lam (b1 - b0) + (pc + sl (lam - 1/2)) (d0 + lam dd), lam in [0, 1]
+                base = pc[s] - 0.5 * sl
+                # f(nu) = b1 + nu (b0 - b1) + (base + sl nu) (d1 + nu dd), nu in [0, 1]
                 q2 = sl * dd
-                q1 = (b1 - b0) + pc[s] * dd + sl * d0 - 0.5 * sl * dd
-                q0 = b0 + (pc[s] - 0.5 * sl) * d0
+                q1 = (b0 - b1) + base * dd + sl * d1
+                q0 = b1 + base * d1
                 f1 = q0 + q1 + q2
                 m = q0 if q0 > f1 else f1
                 if q2 < 0.0:
@@ -369,8 +379,10 @@ def br_adaptive_epsilon(
             hi = float(eps[0]) + span / 4
             continue
         u0, u1 = float(up[i - 1]), float(up[i])
-        frac = (u0 - delta) / (u0 - u1) if u0 > u1 else 1.0
-        chord = float(eps[i - 1]) + min(max(frac, 0.0), 1.0) * (float(eps[i]) - float(eps[i - 1]))
+        frac = min(max((u0 - delta) / (u0 - u1), 0.0), 1.0) if u0 > u1 else 1.0
+        # V_T is convex in y = e^x: interpolate the upper values linearly in y (a certified bound)
+        y0, y1 = math.exp(float(eps[i - 1])), math.exp(float(eps[i]))
+        chord = min(math.log(y0 + frac * (y1 - y0)), float(eps[i]))
         result = _refine_epsilon(delta, epsilon0s, float(eps[i - 1]), max(chord, 0.0), lattice_steps)
         return math.nextafter(max(result, 0.0), math.inf)
     return hi

@@ -202,15 +202,18 @@ def epsilon_to_zcdp(epsilon: float, delta: float, method: ConversionMethod | str
         while rho > 0.0 and zcdp_to_epsilon(rho, delta, method) > epsilon:  # floating-point guard
             rho *= 1.0 - 1e-12
         return rho
-    # Bun–Steinke is the loosest of the three, so its ρ is feasible for all and brackets from below.
+    # Bun–Steinke closed form: exact up to rounding for that method, a starting bracket for RDP
     lo = (math.sqrt(log_inv_delta + epsilon) - math.sqrt(log_inv_delta)) ** 2
-    while lo > 0.0 and spends(lo) > epsilon:  # floating point at the closed form's edge
-        lo = math.nextafter(lo, 0.0) if spends(lo * (1 - 1e-12)) <= epsilon else lo * (1 - 1e-9)
     if method is ConversionMethod.BUN_STEINKE:
+        while lo > 0.0 and spends(lo) > epsilon:  # floating point at the closed form's edge
+            lo = math.nextafter(lo, 0.0)
         return lo
-    hi = max(2.0 * lo, 1e-300)
-    while spends(hi) <= epsilon:
-        lo, hi = hi, 2.0 * hi
+    if spends(lo) <= epsilon:
+        hi = 2.0 * lo
+        while spends(hi) <= epsilon:
+            lo, hi = hi, 2.0 * hi
+    else:  # dp-accounting's finite grid of orders can be looser than Bun–Steinke (tiny epsilon)
+        lo, hi = 0.0, lo
     for _ in range(200):
         mid = 0.5 * (lo + hi)
         if mid <= lo or mid >= hi:

@@ -127,8 +127,17 @@ def _make_plan(clip_norm, epsilon, delta, acc, T, B, tau, clipping, adjacency) -
     )
 
 
+#: Relative safety margin on planned clip norms: any recomputation of the spend from (C, B, τ, T), in
+#: whatever order of floating-point operations, stays within the budget.
+_CLIP_NORM_MARGIN = 1e-10
+
+
+#: Relative upward rounding of reported spends.
+_EPSILON_MARGIN = 1e-12
+
+
 def _clip_norm_from_epsilon0(e0: float, B: int, tau: float, clipping, adjacency) -> float:
-    return clip_norm_for_sensitivity(e0 * tau / 2.0, B, clipping, adjacency)
+    return clip_norm_for_sensitivity(e0 * tau / 2.0, B, clipping, adjacency) * (1.0 - _CLIP_NORM_MARGIN)
 
 
 def _validate(epsilon=None, delta=None, T=None, B=None, tau=None, C=None):
@@ -190,7 +199,8 @@ def epsilon_for_clip_norm(
     acc = as_accountant(accountant)
     clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
     e0 = bounded_range_epsilon(linf_sensitivity(v["C"], v["B"], clipping, adjacency), v["tau"])
-    eps = composed_epsilon(v["delta"], e0, v["T"], acc)
+    # round the reported spend up (relative 1e-12), so that no recomputation of it comes out larger
+    eps = composed_epsilon(v["delta"], e0, v["T"], acc) * (1.0 + _EPSILON_MARGIN)
     return _make_plan(v["C"], eps, v["delta"], acc, v["T"], v["B"], v["tau"], clipping, adjacency)
 
 
