@@ -1,0 +1,144 @@
+"""Budget ledger: refusal before work, composition rules, idempotence, crash and concurrency safety."""
+
+import json
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from accounting import (
+    BudgetExceededError,
+    BudgetLedger,
+    LedgerError,
+    Release,
+    composed_epsilon,
+    zcdp_to_epsilon,
+)
+
+
+def _release(**kw):
+    base = dict(clip_norm=0.2, batch_size=8, temperature=1.0, max_new_tokens=50)
+    return Release(**{**base, **kw})
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    return BudgetLedger.create(tmp_path / "ledger.json", epsilon=3.0, delta=1e-6, accountant="cks")
+
+
+def test_charge_records_and_composes_sequentially(ledger):
+    r1, r2 = _release(label="first"), _release(label="second", max_new_tokens=30)
+    e1 = ledger.charge(r1)
+    e2 = ledger.charge(r2)
+    rho = (50 + 30) * r1.epsilon0**2 / 8  # zCDP adds across releases (sequential composition)
+    assert e2["epsilon_spent_after"] == pytest.approx(zcdp_to_epsilon(rho, 1e-6, "cks"))
+    assert e1["epsilon_spent_after"] < e2["epsilon_spent_after"]
+    status = ledger.status()
+    assert status.epsilon_spent == pytest.approx(e2["epsilon_spent_after"])
+    assert len(status.releases) == 2 and status.epsilon_remaining == pytest.approx(3.0 - status.epsilon_spent)
+
+
+def test_parallel_batches_cost_once_reuse_costs_again(ledger):
+    many = ledger.preview(_release(num_batches=1000))
+    one = ledger.preview(_release(num_batches=1))
+    twice = ledger.preview(_release(texts_per_batch=2))
+    assert many == one  # disjoint batches compose in parallel (paper Corollary 1)
+    assert twice == pytest.approx(composed_epsilon(1e-6, _release().epsilon0, 100, "cks"))
+    assert twice > one
+
+
+def test_refuses_before_recording(ledger):
+    ledger.charge(_release())
+    before = ledger.path.read_bytes()
+    with pytest.raises(BudgetExceededError, match="over the budget"):
+        ledger.charge(_release(clip_norm=5.0, max_new_tokens=500))
+    assert ledger.path.read_bytes() == before  # nothing recorded
+
+
+def test_idempotent_release_id(ledger):
+    r = _release(release_id="run-42")
+    first = ledger.charge(r)
+    again = ledger.charge(_release(release_id="run-42"))
+    assert again == first
+    assert len(ledger.status().releases) == 1
+    with pytest.raises(LedgerError, match="different parameters"):
+        ledger.charge(_release(release_id="run-42", clip_norm=0.3))
+
+
+def test_br_adaptive_ledger_with_heterogeneous_releases(tmp_path):
+    led = BudgetLedger.create(tmp_path / "l.json", epsilon=5.0, delta=1e-6)  # default br-adaptive
+    a, b = _release(clip_norm=0.2), _release(clip_norm=0.3, max_new_tokens=20)
+    led.charge(a)
+    entry = led.charge(b)
+    steps = np.r_[np.full(50, a.epsilon0), np.full(20, b.epsilon0)]
+    cks = zcdp_to_epsilon(float(np.sum(steps**2)) / 8, 1e-6, "cks")
+    assert entry["epsilon_spent_after"] <= cks
+    assert entry["epsilon_spent_after"] == pytest.approx(composed_epsilon(1e-6, steps), rel=1e-9)
+
+
+def test_crash_during_write_leaves_previous_file(ledger, monkeypatch):
+    ledger.charge(_release(label="kept"))
+    before = ledger.path.read_bytes()
+
+    def boom(*args, **kwargs):
+        raise OSError("simulated crash before rename")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="simulated crash"):
+        ledger.charge(_release(label="lost"))
+    monkeypatch.undo()
+    assert ledger.path.read_bytes() == before
+    assert [p.name for p in ledger.path.parent.iterdir() if p.name.endswith(".tmp")] == []
+    assert [e["release"]["label"] for e in BudgetLedger(ledger.path).status().releases] == ["kept"]
+
+
+def test_corrupt_or_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(LedgerError, match="no ledger"):
+        BudgetLedger(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(LedgerError, match="not valid JSON"):
+        BudgetLedger(bad)
+    bad.write_text(json.dumps({"format_version": 1, "budget": {"epsilon": -1, "delta": 1e-6},
+                               "accountant": "cks", "releases": []}))
+    with pytest.raises(LedgerError, match="corrupt"):
+        BudgetLedger(bad)
+    with pytest.raises(LedgerError, match="already exists"):
+        BudgetLedger.create(bad, epsilon=1.0, delta=1e-6)
+
+
+def _charge_worker(args):
+    path, idx = args
+    try:
+        BudgetLedger(path).charge(_release(label=f"p{idx}", release_id=f"id-{idx}"))
+        return True
+    except BudgetExceededError:
+        return False
+
+
+def test_concurrent_writers_never_overspend(tmp_path):
+    path = tmp_path / "shared.json"
+    one = composed_epsilon(1e-6, _release().epsilon0, 50, "cks")
+    four = composed_epsilon(1e-6, _release().epsilon0, 200, "cks")
+    five = composed_epsilon(1e-6, _release().epsilon0, 250, "cks")
+    budget = (four + five) / 2  # exactly four releases fit
+    assert one < budget
+    BudgetLedger.create(path, epsilon=budget, delta=1e-6, accountant="cks")
+    with mp.get_context("spawn").Pool(4) as pool:
+        results = pool.map(_charge_worker, [(str(path), i) for i in range(10)])
+    assert sum(results) == 4
+    status = BudgetLedger(path).status()
+    assert len(status.releases) == 4 and status.epsilon_spent <= budget
+    assert len({e["release"]["release_id"] for e in status.releases}) == 4
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [({"clip_norm": 0.0}, "clip_norm"), ({"batch_size": 0}, "batch_size"), ({"temperature": -1.0}, "temperature"),
+     ({"max_new_tokens": 0}, "max_new_tokens"), ({"texts_per_batch": 0}, "texts_per_batch"),
+     ({"release_id": " "}, "release_id")],
+)
+def test_bad_release(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _release(**kw)

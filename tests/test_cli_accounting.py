@@ -1,0 +1,105 @@
+"""The planning and ledger commands of the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from accounting import epsilon_for_clip_norm, plan_clip_norm
+from invink_audit.cli import main
+
+PLAN_KEYS = ["clip_norm", "rho_token", "rho_sequence", "epsilon", "delta", "accountant"]
+PLAN_ARGS = ["--epsilon", "3", "--delta", "1e-6", "--max-new-tokens", "200", "--batch-size", "8", "--temperature", "1.1"]
+
+
+def _run(argv, capsys):
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_json_has_exactly_the_documented_keys(capsys):
+    rc, out, _ = _run(["plan", *PLAN_ARGS, "--accountant", "cks", "--json"], capsys)
+    assert rc == 0
+    data = json.loads(out)
+    assert list(data) == PLAN_KEYS
+    expected = plan_clip_norm(epsilon=3, delta=1e-6, max_new_tokens=200, batch_size=8, temperature=1.1,
+                              accountant="cks")
+    assert data["clip_norm"] == expected.clip_norm and data["accountant"] == "cks"
+
+
+def test_plan_text_mentions_forward_rows(capsys):
+    rc, out, _ = _run(["plan", *PLAN_ARGS, "--accountant", "cks"], capsys)
+    assert rc == 0 and "B+1 = 9 forward rows" in out and "clip norm" in out
+
+
+def test_epsilon_command_inverts_plan(capsys):
+    plan = plan_clip_norm(epsilon=2, delta=1e-5, max_new_tokens=100, batch_size=4, temperature=1.0,
+                          accountant="cks")
+    rc, out, _ = _run(["epsilon", "--clip-norm", repr(plan.clip_norm), "--max-new-tokens", "100",
+                       "--batch-size", "4", "--temperature", "1.0", "--delta", "1e-5", "--accountant", "cks",
+                       "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and list(data) == PLAN_KEYS
+    assert data["epsilon"] <= 2.0 and data["epsilon"] == pytest.approx(2.0, rel=1e-6)
+    assert data["epsilon"] == epsilon_for_clip_norm(clip_norm=plan.clip_norm, max_new_tokens=100, batch_size=4,
+                                                    temperature=1.0, delta=1e-5, accountant="cks").epsilon
+
+
+def test_max_tokens_min_batch_and_table(capsys):
+    rc, out, _ = _run(["max-tokens", "--epsilon", "1", "--delta", "1e-6", "--clip-norm", "0.0829",
+                       "--batch-size", "7", "--temperature", "1.2", "--accountant", "cks", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["max_new_tokens"] == 500
+    rc, out, _ = _run(["min-batch-size", "--epsilon", "1", "--delta", "1e-6", "--max-new-tokens", "500",
+                       "--clip-norm", "0.0829", "--temperature", "1.2", "--accountant", "cks", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["batch_size"] == 7
+    rc, out, _ = _run(["table", "--epsilons", "1,3", "--batch-sizes", "4,8", "--accountant", "cks", "--json"], capsys)
+    rows = json.loads(out)
+    assert rc == 0 and len(rows) == 4 and rows[1]["forward_rows_per_token"] == 9
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [("--epsilon", "0", "epsilon"), ("--epsilon", "nan", "epsilon"), ("--delta", "1", "delta"),
+     ("--delta", "0", "delta"), ("--batch-size", "0", "batch_size"), ("--batch-size", "2.5", "--batch-size"),
+     ("--max-new-tokens", "0", "max_new_tokens"), ("--temperature", "-1", "temperature"),
+     ("--temperature", "inf", "temperature"), ("--epsilon", "abc", "--epsilon")],
+)
+def test_bad_input_is_one_line_exit_2(flag, value, needle):
+    args = dict(zip(PLAN_ARGS[::2], PLAN_ARGS[1::2]))
+    args[flag] = value
+    argv = [x for kv in args.items() for x in kv]
+    proc = subprocess.run([sys.executable, "-m", "invink_audit.cli", "plan", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and value in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_plan_command_does_not_import_torch():
+    code = ("import sys; from invink_audit.cli import main; "
+            "rc = main(['plan', '--epsilon', '1', '--delta', '1e-6', '--max-new-tokens', '10', '--batch-size', '2', "
+            "'--accountant', 'cks', '--json']); sys.exit(rc or ('torch' in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_ledger_commands(tmp_path, capsys):
+    path = str(tmp_path / "l.json")
+    assert _run(["ledger", "init", path, "--epsilon", "1.0", "--delta", "1e-6", "--accountant", "cks"], capsys)[0] == 0
+    charge = ["ledger", "charge", path, "--clip-norm", "0.1", "--batch-size", "8", "--max-new-tokens", "100",
+              "--release-id", "r1", "--json"]
+    rc, out, _ = _run(charge, capsys)
+    spent = json.loads(out)["epsilon_spent_after"]
+    assert rc == 0 and 0 < spent < 1
+    assert _run(charge, capsys)[0] == 0  # idempotent
+    rc, out, _ = _run(["ledger", "charge", path, "--clip-norm", "2", "--batch-size", "8", "--max-new-tokens", "500",
+                       "--dry-run"], capsys)
+    assert rc == 1 and "EXCEED" in out
+    rc, _, err = _run(["ledger", "charge", path, "--clip-norm", "2", "--batch-size", "8", "--max-new-tokens", "500"],
+                      capsys)
+    assert rc == 2 and "over the budget" in err
+    rc, out, _ = _run(["ledger", "show", path, "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and len(data["releases"]) == 1 and data["epsilon_spent"] == pytest.approx(spent)
