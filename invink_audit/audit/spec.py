@@ -8,7 +8,8 @@ SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
     (section ``[selftest]``: any field of :class:`~invink_audit.audit.selftest.SelfTestSettings`).
 ``white-box``
     a model audit (:func:`~invink_audit.audit.model_audit.audit_model`). Sections: ``[model]``
-    (``name``: ``"embedded"``, a directory or hub id; ``gguf_file``, ``device``, ``dtype``),
+    (``name``: ``"embedded"``, a directory or hub id; ``gguf_file``, ``device``, ``dtype``,
+    ``max_batch_rows``),
     ``[prompt]`` (``preset``, ``fields``), ``[data]`` (``yelp = "dev"|"test"`` reads
     ``$INVINK_YELP_DIR`` or ``../shared/data/yelp`` next to the repository; or ``path`` relative to the
     spec file; ``column``; ``offset``: index of the first reference used), ``[mechanism]``
@@ -233,6 +234,7 @@ def run_spec(
             canaries=labels,
             hardest_case_slot=hardest,
             generator=_generator(spec, seed, loaded.device),
+            max_batch_rows=model_section.get("max_batch_rows"),
             progress=progress,
             label=spec.name,
         )

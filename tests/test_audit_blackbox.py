@@ -1,0 +1,128 @@
+"""Black-box canary auditor: validity on a mechanism with known epsilon, power on a leaky one,
+held-out threshold selection, the invink adapter (when importable)."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from invink_audit.audit import blackbox
+from invink_audit.audit.stats import Verdict
+
+CANARY = "the zebra named Quorrick lives at 42 Violet Lane"
+
+
+def _randomized_response(epsilon, seed):
+    """Emits the canary with probability e^eps/(1+e^eps) when present, 1/(1+e^eps) when absent: exactly eps-DP."""
+    rng = random.Random(seed)
+    p = math.exp(epsilon) / (1 + math.exp(epsilon))
+
+    def generate(refs):
+        present = any(CANARY == r for r in refs)
+        emit = rng.random() < (p if present else 1 - p)
+        return ("a review mentioning " + CANARY) if emit else "a plain review of a restaurant"
+
+    return generate
+
+
+def test_blackbox_bound_is_valid_for_an_eps_dp_generator():
+    """Over repeated audits of an exactly 1-DP generator, the bound exceeds 1 at most at the stated rate."""
+    beta, reps, over = 0.1, 40, 0
+    bounds = []
+    for seed in range(reps):
+        rep = blackbox.blackbox_audit(
+            _randomized_response(1.0, seed), ["a", "b", "c"], CANARY, claimed_epsilon=1.0, claimed_delta=0.0,
+            num_trials=200, significance=beta,
+        )
+        over += rep.verdict is Verdict.VIOLATION
+        bounds.append(rep.epsilon_lower_bound)
+        assert rep.verdict in (Verdict.VIOLATION, Verdict.INCONCLUSIVE)
+        assert rep.positives + rep.negatives == 100  # the held-out half only
+    assert over <= sps.binom.ppf(1 - 1e-4, reps, beta)
+    assert np.median(bounds) > 0.2  # it has power: the true epsilon is 1
+
+
+def test_blackbox_detects_a_generator_that_leaks_the_canary():
+    leaky = lambda refs: " ".join(r for r in refs if r) or "nothing"  # noqa: E731
+    rep = blackbox.blackbox_audit(leaky, ["x", "y", "z"], CANARY, claimed_epsilon=1.0, claimed_delta=1e-6, num_trials=120)
+    assert rep.verdict is Verdict.VIOLATION
+    # perfect separation on 60 held-out trials: the closed form of the CP bound (one-sided beta/2 limits)
+    t = (0.05 / 2) ** (1 / 30)
+    assert rep.epsilon_lower_bound == pytest.approx(math.log((t - 1e-6) / (1 - t)), rel=1e-6)
+    assert rep.true_positives == 30 and rep.false_positives == 0
+
+
+def test_threshold_is_chosen_on_the_selection_half_only():
+    """A generator whose two halves behave differently: the threshold picked on the first half is
+    evaluated on the second, where it has no power, so no violation is reported."""
+    calls = {"n": 0}
+
+    def generate(refs):
+        calls["n"] += 1
+        first_half = calls["n"] <= 100
+        present = CANARY in refs
+        return (CANARY if present else "nothing") if first_half else "nothing"
+
+    rep = blackbox.blackbox_audit(generate, ["a", "b"], CANARY, claimed_epsilon=0.5, claimed_delta=0.0, num_trials=200)
+    assert rep.verdict is Verdict.INCONCLUSIVE
+    assert rep.true_positives in (0, rep.positives)  # all-or-nothing: the score is constant there
+
+
+def test_deterministic_generator_is_flagged():
+    rep = blackbox.blackbox_audit(lambda refs: "same" if CANARY in refs else "other", ["a"], CANARY,
+                                  claimed_epsilon=10.0, claimed_delta=0.0, num_trials=40)
+    assert any("deterministic" in n for n in rep.notes)
+
+
+def test_scores():
+    s = blackbox.canary_overlap("Violet quasar 7719")
+    assert s("the VIOLET quasar was seen") == pytest.approx(2 / 3)
+    assert blackbox.word_count("a b  c") == 3.0
+    with pytest.raises(ValueError, match="canary"):
+        blackbox.canary_overlap("a b")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_trials=4), "num_trials"),
+        (dict(canary_slot=5), "canary_slot"),
+        (dict(selection_fraction=1.0), "selection_fraction"),
+        (dict(scores=("nope",)), "scores"),
+        (dict(claimed_epsilon=-1.0), "claimed_epsilon"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    args = dict(claimed_epsilon=1.0, claimed_delta=0.0, num_trials=20)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        blackbox.blackbox_audit(lambda r: "x", ["a", "b"], CANARY, **args)
+
+
+def test_engine_generator_black_box_on_tiny_model_finds_no_violation():
+    """Our own engine as a black box: the bound stays below the claim (no false alarm)."""
+    import warnings
+
+    from invink_audit.mechanism import SeededGeneratorWarning, make_generator
+    from invink_audit.models import build_tiny_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededGeneratorWarning)
+        gen = make_generator(7)
+    many = blackbox.engine_generator(
+        model=build_tiny_model(), clip_norm=0.5, temperature=1.0, top_k=20, batch_size=3, max_new_tokens=3, generator=gen
+    )
+    rep = blackbox.blackbox_audit(None, ["The food was great.", "Slow service.", "Nice staff."], CANARY,
+                                  claimed_epsilon=2.0, claimed_delta=1e-6, num_trials=16, generate_many=many)
+    assert rep.verdict is Verdict.INCONCLUSIVE
+    assert rep.epsilon_lower_bound <= 2.0
+
+
+def test_invink_adapter_when_importable():
+    pytest.importorskip("pandas")
+    invink = pytest.importorskip("invink")
+    assert hasattr(invink, "generate")
+    with pytest.raises(ValueError, match="batch_size"):
+        blackbox.invink_generator("/nonexistent", batch_size=0, dataset_desc="x", epsilon=1.0, delta=1e-6)

@@ -1,0 +1,263 @@
+"""White-box auditor: exact per-step quantities against brute force, exact sequence log-probabilities
+against teacher forcing, interval coverage against exact enumeration, and the self-test's verdicts."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats as sps
+
+from invink_audit.audit import analysis, selftest, synthetic
+from invink_audit.audit.stats import Verdict
+from invink_audit.audit.whitebox import (
+    Claim,
+    Direction,
+    SamplingPlan,
+    WhiteBoxConfig,
+    WhiteBoxRecorder,
+    _geometric_mixture,
+    compact_support,
+    step_quantities,
+)
+from invink_audit.mechanism import sample_tokens
+
+TOL = 1e-9
+
+
+def _brute(lp, lq, alphas, epsilons):
+    """Independent float64 numpy computation of the per-step quantities for one pair."""
+    p, q = np.exp(lp), np.exp(lq)
+    sp, sq = p > 0, q > 0
+    both = sp & sq
+    fwd_inf = bool((sp & ~sq).any())
+    rev_inf = bool((sq & ~sp).any())
+    r = np.log(p[both]) - np.log(q[both])
+    rng = math.inf if (fwd_inf or rev_inf) else float(r.max() - r.min())
+    fwd = [math.inf if fwd_inf else max(0.0, math.log(np.sum(p[both] ** a * q[both] ** (1 - a))) / (a - 1)) for a in alphas]
+    rev = [math.inf if rev_inf else max(0.0, math.log(np.sum(q[both] ** a * p[both] ** (1 - a))) / (a - 1)) for a in alphas]
+    dfw = [float(np.clip(p - math.exp(e) * q, 0, None).sum()) for e in epsilons]
+    drv = [float(np.clip(q - math.exp(e) * p, 0, None).sum()) for e in epsilons]
+    return rng, fwd, rev, dfw, drv
+
+
+def _logits(draw, shape):
+    return torch.tensor(draw(st.lists(st.floats(-6, 6), min_size=int(np.prod(shape)), max_size=int(np.prod(shape)))), dtype=torch.float64).reshape(shape)
+
+
+@st.composite
+def _pairs(draw):
+    g, b, v = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(2, 6))
+    actual = torch.log_softmax(_logits(draw, (g, v)), -1)
+    neigh = torch.log_softmax(_logits(draw, (g, b, v)), -1)
+    if draw(st.booleans()):  # shared support (Top-k+-like)
+        mask = torch.tensor(draw(st.lists(st.booleans(), min_size=v, max_size=v)))
+        mask[0] = True
+        actual = torch.log_softmax(actual.masked_fill(~mask, -math.inf), -1)
+        neigh = torch.log_softmax(neigh.masked_fill(~mask, -math.inf), -1)
+    if draw(st.booleans()):  # a token only the neighbour can produce (support mismatch)
+        actual = actual.clone()
+        actual[..., -1] = -math.inf
+        actual = torch.log_softmax(actual, -1)
+    return actual, neigh
+
+
+@given(_pairs())
+@settings(max_examples=60)
+def test_step_quantities_match_brute_force(pair):
+    actual, neigh = pair
+    alphas, eps = (1.5, 2.0, 8.0), (0.0, 0.3)
+    q = step_quantities(actual, neigh, alphas, eps)
+    for g in range(actual.shape[0]):
+        for j in range(neigh.shape[1]):
+            rng, fwd, rev, dfw, drv = _brute(actual[g].numpy(), neigh[g, j].numpy(), alphas, eps)
+            assert q.loss_range[g, j].item() == pytest.approx(rng, abs=1e-9)
+            np.testing.assert_allclose(q.renyi_forward[g, j].numpy(), fwd, atol=1e-9)
+            np.testing.assert_allclose(q.renyi_reverse[g, j].numpy(), rev, atol=1e-9)
+            np.testing.assert_allclose(q.delta_forward[g, j].numpy(), dfw, atol=1e-12)
+            np.testing.assert_allclose(q.delta_reverse[g, j].numpy(), drv, atol=1e-12)
+    # compaction to the union of supports changes nothing
+    ca, cn = compact_support(actual, neigh)
+    qc = step_quantities(ca, cn, alphas, eps)
+    for name in ("loss_range", "renyi_forward", "renyi_reverse", "delta_forward", "delta_reverse"):
+        torch.testing.assert_close(getattr(qc, name), getattr(q, name), atol=1e-12, rtol=0)
+
+
+def test_compaction_keeps_only_the_union_of_supports():
+    v = 1000
+    actual = torch.full((2, v), -math.inf, dtype=torch.float64)
+    actual[:, :5] = torch.log_softmax(torch.randn(2, 5, dtype=torch.float64), -1)
+    neigh = actual.unsqueeze(1).repeat(1, 3, 1)
+    ca, cn = compact_support(actual, neigh)
+    assert ca.shape == (2, 5) and cn.shape == (2, 3, 5)
+
+
+def test_geometric_mixture_is_normalised_power_product():
+    lp = torch.log_softmax(torch.randn(3, 5, dtype=torch.float64), -1)
+    lq = torch.log_softmax(torch.randn(3, 5, dtype=torch.float64), -1)
+    alpha = torch.tensor([[1.5], [2.0], [4.0]], dtype=torch.float64)
+    w = _geometric_mixture(lp, lq, alpha)
+    expected = np.exp(lp.numpy()) ** alpha.numpy() * np.exp(lq.numpy()) ** (1 - alpha.numpy())
+    np.testing.assert_allclose(torch.softmax(w, -1).numpy(), expected / expected.sum(-1, keepdims=True), rtol=1e-10)
+
+
+def _small_setup():
+    source = synthetic.RandomSource(vocab_size=4, batch_size=3, period=2, scale=1.5, private_scale=1.0, eos_shift=1.0, seed=3)
+    mech = synthetic.correct_mechanism(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=3, max_new_tokens=4)
+    return source, mech
+
+
+def test_recorded_sequence_log_probs_equal_teacher_forcing():
+    """log P_R(x) and log P_{R'_j}(x) of every sampled text, recomputed token by token."""
+    source, mech = _small_setup()
+    config = WhiteBoxConfig(alphas=(2.0,), num_samples=30, num_is_samples=5, significance=0.05)
+    rec = synthetic.run_synthetic_audit(source, mech, config, generator=torch.Generator().manual_seed(0))
+    stop = source.vocab_size
+    t_budget = mech.budget(source.reference_lengths)
+    for n in range(rec.plan.num_texts):
+        toks = [int(t) for t in rec.tokens[n, : rec.lengths[n]]]
+        lp_a, lp_n = 0.0, np.zeros(3)
+        for t, tok in enumerate(toks):
+            private, public = source.logits(torch.tensor([toks[:t]], dtype=torch.int64), t)
+            actual, neighbours = mech.step(private, public)
+            if t == t_budget:
+                assert tok == stop
+                continue
+            lp_a += float(actual[0, tok])
+            lp_n += neighbours[0, :, tok].numpy()
+        assert rec.log_prob_actual[n] == pytest.approx(lp_a, abs=1e-9)
+        np.testing.assert_allclose(rec.log_prob_neighbours[n], lp_n, atol=1e-9)
+
+
+def test_intervals_cover_exact_divergences_at_the_stated_rate():
+    """Exact enumeration (V=4, T=4): over repeated audits, every interval covers at rate >= 1 - beta."""
+    source, mech = _small_setup()
+    exact = synthetic.enumerate_outputs(source, mech)
+    assert exact.log_prob_actual.size > 50
+    # the enumeration is a probability distribution under R and under every R'_j
+    assert np.exp(exact.log_prob_actual).sum() == pytest.approx(1.0, abs=1e-12)
+    np.testing.assert_allclose(np.exp(exact.log_prob_neighbours).sum(0), 1.0, atol=1e-12)
+    beta = 0.1
+    config = WhiteBoxConfig(alphas=(1.5, 3.0), num_samples=150, num_is_samples=60, significance=beta, neighbours=(0, 2))
+    gen = torch.Generator().manual_seed(123)
+    misses = total = 0
+    delta_misses = delta_total = 0
+    reps = 12
+    for _ in range(reps):
+        rec = synthetic.run_synthetic_audit(source, mech, config, generator=gen)
+        rep = analysis.analyse(rec, mechanism="correct", source="enumerable", exact=exact)
+        for s in rep.sequence:
+            total += 1
+            misses += not (s.lower - TOL <= s.exact <= s.upper + TOL)
+        for d in rep.delta:
+            ex = exact.delta(d.epsilon, d.neighbour, reverse=d.direction == "reverse")
+            delta_total += 1
+            delta_misses += not (d.band_lower - TOL <= ex <= d.band_upper + TOL)
+        assert rep.verdict is Verdict.PASS
+    # each interval misses with probability <= beta; allow the binomial 1e-4 upper quantile
+    assert misses <= sps.binom.ppf(1 - 1e-4, total, beta), (misses, total)
+    assert delta_misses <= sps.binom.ppf(1 - 1e-4, delta_total, beta)
+    # and the IS point estimates are accurate: the last run's are within 0.05 nats
+    assert max(abs(s.estimate - s.exact) for s in rep.sequence if s.estimator == "importance-sampling") < 0.05
+
+
+def test_hardest_case_source_is_the_worst_bounded_range_pair():
+    """Under the canary's neighbour the up group has probability 0.45, and the loss pair spans eps0."""
+    source = synthetic.HardestCaseSource(vocab_size=6, batch_size=4, temperature=1.0)
+    mech = synthetic.correct_mechanism(clip_norm=0.5, temperature=1.0, top_k=None, batch_size=4, max_new_tokens=5)
+    private, public = source.logits(torch.zeros(1, 0, dtype=torch.int64), 0)
+    actual, neigh = mech.step(private, public)
+    q = neigh[0, 0].exp()
+    assert float(q[1:5].sum()) == pytest.approx(0.45, abs=1e-12)
+    loss = actual[0] - neigh[0, 0]
+    eps0 = 2 * 0.5 / (4 * 1.0)
+    assert float(loss.max() - loss.min()) == pytest.approx(eps0, abs=1e-12)
+    # t (loss of the up group) is about 0.53 eps0 (ACCOUNTING_NOTES.md)
+    assert float(loss[1]) / eps0 == pytest.approx(0.53, abs=0.03)
+    # every other neighbour is null: identical distributions
+    torch.testing.assert_close(neigh[0, 1:], actual.expand(3, -1), atol=1e-12, rtol=0)
+
+
+def test_recorder_protocol_errors():
+    plan = SamplingPlan.build(WhiteBoxConfig(num_samples=2, num_is_samples=0, directions=("forward",)), 2)
+    claim = Claim(0.5, 0.5**2 / 8, 3, 2)
+    rec = WhiteBoxRecorder(plan, claim, WhiteBoxConfig(num_samples=2, num_is_samples=0, directions=("forward",)), max_steps=3)
+    with pytest.raises(RuntimeError, match="without a preceding"):
+        rec.record(torch.tensor([0]), torch.tensor([0]))
+    lp = torch.log_softmax(torch.randn(2, 4, dtype=torch.float64), -1)
+    w = rec.sampling_log_weights(torch.tensor([0, 1]), lp, lp.unsqueeze(1).repeat(1, 2, 1))
+    with pytest.raises(RuntimeError, match="must be called after"):
+        rec.sampling_log_weights(torch.tensor([0, 1]), lp, lp.unsqueeze(1).repeat(1, 2, 1))
+    rec.record(torch.tensor([0, 1]), sample_tokens(w, torch.Generator().manual_seed(0)))
+    out = rec.finish()
+    assert out.failures == {"support": 0, "range": 0, "renyi": 0, "delta": 0}
+    with pytest.raises(ValueError, match="batch_size"):
+        WhiteBoxConfig(neighbours=(5,)).audited_neighbours(3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(alphas=(1.0,)), "alphas"),
+        (dict(num_samples=0), "num_samples"),
+        (dict(neighbours=(1, 1)), "distinct"),
+        (dict(significance=0.0), "significance"),
+        (dict(delta_grid=(1.5,)), "delta_grid"),
+        (dict(directions=()), "directions"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WhiteBoxConfig(**kwargs)
+
+
+def test_claim_validation_and_curve():
+    c = Claim(0.25, 0.25**2 / 8, 10, 4)
+    assert c.rho_sequence == pytest.approx(10 * 0.25**2 / 8)
+    assert c.renyi(3.0) == pytest.approx(3 * c.rho_sequence)
+    for bad in (dict(epsilon0=0.0), dict(max_new_tokens=0), dict(delta=1.0)):
+        args = dict(epsilon0=0.25, rho_token=0.01, max_new_tokens=3, batch_size=2)
+        args.update(bad)
+        with pytest.raises(ValueError):
+            Claim(**args)
+
+
+def test_selftest_pass_on_correct_and_violation_on_every_mutant():
+    settings_ = selftest.SelfTestSettings(num_samples=150, num_is_samples=40)
+    result = selftest.run_selftest(settings_, generator=torch.Generator().manual_seed(2024))
+    verdicts = {e.mechanism: e.verdict for e in result.entries}
+    assert verdicts == {
+        "correct": "PASS",
+        "naive-clipping": "VIOLATION",
+        "low-temperature": "VIOLATION",
+        "private-top-k": "VIOLATION",
+        "data-dependent-budget": "VIOLATION",
+    }
+    assert result.coverage["passed"]
+    by_name = {e.mechanism: e for e in result.entries}
+    # what each mutant breaks, seen by the exact checks (an independent fact, not a statistic)
+    naive = by_name["naive-clipping"].sources[1]  # hardest-case: the factor 2 of paper Prop. 3
+    assert naive["max_loss_range_over_epsilon0"] == pytest.approx(2.0, abs=1e-9)
+    cold = by_name["low-temperature"].sources[1]
+    assert cold["max_loss_range_over_epsilon0"] == pytest.approx(2.0, abs=1e-9)
+    assert by_name["private-top-k"].sources[0]["step_failures"]["support"] > 0
+    assert by_name["data-dependent-budget"].sources[0]["step_failures"]["support"] > 0
+    correct = by_name["correct"].sources[1]
+    assert correct["max_loss_range_over_epsilon0"] == pytest.approx(1.0, abs=1e-9)
+    json_list = result.to_json()
+    assert [d["mechanism"] for d in json_list][0] == "correct" and "coverage" in json_list[0]
+
+
+def test_sequence_losses_direction_conventions():
+    source, mech = _small_setup()
+    config = WhiteBoxConfig(alphas=(2.0,), num_samples=40, num_is_samples=0, significance=0.05)
+    rec = synthetic.run_synthetic_audit(source, mech, config, generator=torch.Generator().manual_seed(1))
+    fwd = analysis.sequence_losses(rec, 1, Direction.FORWARD)
+    rev = analysis.sequence_losses(rec, 1, Direction.REVERSE)
+    assert fwd.size == 40 and rev.size == 40
+    # E_P[exp(-L)] = 1 for the forward losses (P' is a distribution with the same support)
+    exact = synthetic.enumerate_outputs(source, mech)
+    lp, lq = exact.log_prob_actual, exact.log_prob_neighbours[:, 1]
+    assert np.sum(np.exp(lp) * np.exp(-(lp - lq))) == pytest.approx(1.0, abs=1e-12)
