@@ -58,6 +58,8 @@ NEIGHBOUR_ATOL = 1e-12
 SAMPLER_SIGNIFICANCE = 1e-4
 SAMPLER_EXAMPLES = 20
 SAMPLER_DRAWS = 20_000
+#: upper limit on the search for an input attaining a bound (it stops at the first one found)
+ATTAINMENT_SEARCH_EXAMPLES = 1000
 
 ALL_DTYPES = st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64])
 LEADING = st.sampled_from([(), (2,), (1, 3)])
@@ -94,14 +96,17 @@ def test_linf_sensitivity_bound_holds(aggregate, clipping, adjacency):
 @pytest.mark.parametrize(("aggregate", "clipping", "adjacency"), CELLS)
 def test_linf_sensitivity_bound_is_attained(aggregate, clipping, adjacency):
     bound_fn = sensitivity(clipping, adjacency)
-    batch, clip_norm, witness = assert_linf_sensitivity_attained(aggregate, bound_fn, adjacency=adjacency, batches=BATCHES)
+    batch, clip_norm, witness = assert_linf_sensitivity_attained(
+        aggregate, bound_fn, adjacency=adjacency, batches=BATCHES, max_examples=ATTAINMENT_SEARCH_EXAMPLES
+    )
     assert bound_fn(clip_norm, batch.batch_size) - ATTAINMENT_TOLERANCE <= witness.change
 
 
 def test_naive_clipping_has_twice_the_dclip_sensitivity_under_replace_by_null():
     # the paper's factor 2 (Prop. 3): a witness moves naive clipping by 2C/B, twice DClip's C/B
     batch, clip_norm, witness = assert_linf_sensitivity_attained(
-        naive(), sensitivity(Clipping.NAIVE, Adjacency.REPLACE_BY_NULL), batches=BATCHES
+        naive(), sensitivity(Clipping.NAIVE, Adjacency.REPLACE_BY_NULL), batches=BATCHES,
+        max_examples=ATTAINMENT_SEARCH_EXAMPLES,
     )
     dclip_bound = linf_sensitivity(clip_norm, batch.batch_size, Clipping.DIFFERENCE, Adjacency.REPLACE_BY_NULL)
     assert witness.change / dclip_bound == pytest.approx(2.0, abs=ATTAINMENT_TOLERANCE / dclip_bound)
@@ -112,7 +117,9 @@ def test_recentred_naive_clipping_sensitivity_is_2c_over_b_under_both_adjacencie
     # Amin et al.'s recentering: a zero row recentres to the constant C, so zero-out also costs 2C/B
     bound_fn = sensitivity(Clipping.NAIVE, Adjacency.REPLACE_BY_NULL)  # 2C/B
     check_linf_sensitivity(naive(recenter=True), bound_fn, adjacency=adjacency, batches=BATCHES)
-    assert_linf_sensitivity_attained(naive(recenter=True), bound_fn, adjacency=adjacency, batches=BATCHES)
+    assert_linf_sensitivity_attained(
+        naive(recenter=True), bound_fn, adjacency=adjacency, batches=BATCHES, max_examples=ATTAINMENT_SEARCH_EXAMPLES
+    )
 
 
 # ------------------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ from invink_audit.testing import (
 CLOSED_FORM_RTOL = 1e-12
 #: examples for the kit's own strategy tests (cheap, structural)
 STRATEGY_EXAMPLES = 30
+#: upper limit on the search for a counterexample to a broken mechanism; the search stops at the first
+#: one, and is generous so that the tests do not depend on the hypothesis profile (derandomized in CI).
+SEARCH_EXAMPLES = 500
 
 PINNED_PUBLIC = [0.0, -0.875]
 PINNED_PRIVATE = [[-1.0, 0.125], PINNED_PUBLIC]
@@ -105,13 +108,13 @@ def half_temperature_mechanism(private, public, config):
 def test_sensitivity_checker_catches_naive_clipping_claimed_at_c_over_b():
     claimed = functools.partial(linf_sensitivity, clipping=Clipping.DIFFERENCE, adjacency=Adjacency.REPLACE_BY_NULL)
     with pytest.raises(AssertionError, match="sensitivity bound violated"):
-        check_linf_sensitivity(lambda p, q, c: naive_clip_aggregate(p, c), claimed, shrink=False)
+        check_linf_sensitivity(lambda p, q, c: naive_clip_aggregate(p, c), claimed, shrink=False, max_examples=SEARCH_EXAMPLES)
 
 
 def test_sensitivity_checker_catches_dclip_claimed_at_c_over_b_under_zero_out():
     claimed = functools.partial(linf_sensitivity, clipping=Clipping.DIFFERENCE, adjacency=Adjacency.REPLACE_BY_NULL)
     with pytest.raises(AssertionError, match="zero-out"):
-        check_linf_sensitivity(dclip_aggregate, claimed, adjacency=Adjacency.ZERO_OUT, shrink=False)
+        check_linf_sensitivity(dclip_aggregate, claimed, adjacency=Adjacency.ZERO_OUT, shrink=False, max_examples=SEARCH_EXAMPLES)
 
 
 def test_attainment_checker_catches_a_loose_claim():
@@ -133,7 +136,7 @@ def test_superset_checker_catches_the_reference_band_on_the_pinned_counterexampl
 @pytest.mark.parametrize("mask_fn", [reference_band_mask, public_topk_mask], ids=["band-2C/(B+1)", "public-top-k"])
 def test_superset_checker_finds_counterexamples_on_its_own(mask_fn):
     with pytest.raises(AssertionError, match="not a superset"):
-        check_topk_superset(mask_fn, shrink=False)
+        check_topk_superset(mask_fn, shrink=False, max_examples=SEARCH_EXAMPLES)
 
 
 def test_superset_checker_tolerance_ignores_rounding_level_violations():
@@ -155,7 +158,7 @@ def test_superset_checker_tolerance_ignores_rounding_level_violations():
 )
 def test_token_privacy_checker_catches_broken_mechanisms(mechanism, message):
     with pytest.raises(AssertionError, match=message):
-        check_token_privacy(mechanism, shrink=False)
+        check_token_privacy(mechanism, shrink=False, max_examples=SEARCH_EXAMPLES)
 
 
 def test_token_privacy_checker_catches_an_understated_rho():
@@ -165,6 +168,7 @@ def test_token_privacy_checker_catches_an_understated_rho():
             lambda p, q, config: config.token_log_probs(p, q),
             rho_fn=lambda config: config.rho_token / 4,
             shrink=False,
+            max_examples=SEARCH_EXAMPLES,
         )
 
 
