@@ -9,8 +9,8 @@ One run measures, on the same model, prompts, rows and cache lengths:
   (teacher-forced from the private run, so cache lengths match step for step);
 * ``nonprivate_step_seconds``: one step of ordinary sampling of one text (one row, softmax sample).
 
-The two first are measured in alternating repeats and summarised by their medians, so load on the
-machine affects both alike. ``overhead_ratio`` = private / forward is the price of the mechanism
+The three are measured in lockstep (after each private step, one bare forward step and one
+non-private step) and summarised by their medians, so load on the machine affects them alike. ``overhead_ratio`` = private / forward is the price of the mechanism
 itself; ``relative_to_nonprivate`` = (private / G) / non-private is the price of privacy per token.
 
 The reference package (PyPI ``invink`` 0.1.0) can be timed on the same workload when importable
@@ -101,67 +101,82 @@ def _generator(device: torch.device) -> torch.Generator:
         return make_generator(0, device=device)  # benchmarks need no privacy; reproducible tokens
 
 
-def _private_pass(engine: Engine, requests, max_new_tokens: int, device) -> tuple[list[float], list[tuple[int, ...]]]:
-    stamps = []
+class _BareRows:
+    """The forward passes of the same rows without the mechanism, one decoding step at a time."""
+
+    def __init__(self, engine: Engine, requests, max_new_tokens: int, device):
+        from invink_audit.engine import _Live
+
+        lives = [_Live.from_request(i, r) for i, r in enumerate(requests)]
+        self.engine = engine
+        self.device = device
+        with torch.inference_mode():
+            self.shards, _ = engine._prefill([p for live in lives for p in live.prompts], max_new_tokens)
+        # the forward pass costs the same for any token ids: feed a fixed one
+        rows = sum(shard.num_rows for shard in self.shards)
+        self.input_ids = torch.full((rows,), engine.model.eos_token_ids[0], dtype=torch.long, device=device)
+
+    @torch.inference_mode()
+    def step(self) -> float:
+        _sync(self.device)
+        started = time.perf_counter()
+        start_row, updated = 0, []
+        for shard in self.shards:
+            shard, _logits = self.engine._decode(shard, self.input_ids[start_row : start_row + shard.num_rows])
+            start_row += shard.num_rows
+            updated.append(shard)
+        _sync(self.device)
+        self.shards = updated
+        return time.perf_counter() - started
+
+
+class _NonPrivateText:
+    """Ordinary sampling of one text from the public prompt: one row, softmax at ``temperature``."""
+
+    def __init__(self, engine: Engine, request, max_new_tokens: int, temperature: float, device):
+        self.engine = engine
+        self.device = device
+        self.temperature = temperature
+        self.generator = _generator(device)
+        with torch.inference_mode():
+            (self.shard,), self.logits = engine._prefill([request.public_ids], max_new_tokens)
+
+    @torch.inference_mode()
+    def step(self) -> float:
+        _sync(self.device)
+        started = time.perf_counter()
+        probs = torch.softmax(self.logits.float() / self.temperature, dim=-1)
+        token = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        self.shard, self.logits = self.engine._decode(self.shard, token)
+        _sync(self.device)
+        return time.perf_counter() - started
+
+
+def _interleaved_run(engine: Engine, requests, max_new_tokens: int, temperature: float, device):
+    """One private run; after each of its steps, one bare forward step and one non-private step.
+
+    Lockstep alternation makes the three measurements see the same machine load. Returns the
+    per-step seconds of each (the private run's first step, which includes its prefill, is dropped).
+    """
+    bare = _BareRows(engine, requests, max_new_tokens, device)
+    single = _NonPrivateText(engine, requests[0], max_new_tokens, temperature, device)
+    private_steps, forward_steps, single_steps = [], [], []
+    last = [0.0]
 
     def tick(_count: int) -> None:
         _sync(device)
-        stamps.append(time.perf_counter())
+        private_steps.append(time.perf_counter() - last[0])
+        if len(private_steps) < max_new_tokens:  # cache lengths stay in step with the private rows
+            forward_steps.append(bare.step())
+            single_steps.append(single.step())
+        last[0] = time.perf_counter()
 
-    start = time.perf_counter()
-    finished = list(
-        engine.generate(
-            requests, max_new_tokens=max_new_tokens, generator=_generator(device), stop_at_eos=False, progress=tick
-        )
-    )
-    # the first step includes the prefill: it is not a decoding step
-    steps = [b - a for a, b in zip([start, *stamps], stamps)][1:]
-    order = {r.key: i for i, r in enumerate(requests)}
-    tokens = [t.token_ids for t in sorted(finished, key=lambda t: order[t.key])]
-    return steps, tokens
-
-
-@torch.inference_mode()
-def _forward_pass(engine: Engine, requests, tokens: list[tuple[int, ...]], device) -> list[float]:
-    """The same rows' forward passes, fed the tokens of the private pass; returns per-step seconds."""
-    from invink_audit.engine import _Live
-
-    lives = [_Live.from_request(i, r) for i, r in enumerate(requests)]
-    prompts = [p for live in lives for p in live.prompts]
-    row_text = torch.tensor([i for i, live in enumerate(lives) for _ in live.prompts], device=device)
-    token_matrix = torch.tensor(tokens, dtype=torch.long, device=device)
-    shards, _ = engine._prefill(prompts)
-    steps = []
-    for t in range(token_matrix.shape[1] - 1):
-        input_ids = token_matrix[:, t].index_select(0, row_text)
-        _sync(device)
-        started = time.perf_counter()
-        start_row, updated = 0, []
-        for shard in shards:
-            shard, _logits = engine._decode(shard, input_ids[start_row : start_row + shard.num_rows])
-            start_row += shard.num_rows
-            updated.append(shard)
-        _sync(device)
-        steps.append(time.perf_counter() - started)
-        shards = updated
-    return steps
-
-
-@torch.inference_mode()
-def _nonprivate_pass(engine: Engine, request, max_new_tokens: int, temperature: float, device) -> list[float]:
-    """Ordinary sampling of one text from the public prompt: one row, softmax at ``temperature``."""
-    generator = _generator(device)
-    shards, logits = engine._prefill([request.public_ids])
-    (shard,) = shards
-    steps = []
-    for _ in range(max_new_tokens - 1):
-        _sync(device)
-        started = time.perf_counter()
-        token = torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1, generator=generator)[:, 0]
-        shard, logits = engine._decode(shard, token)
-        _sync(device)
-        steps.append(time.perf_counter() - started)
-    return steps
+    last[0] = time.perf_counter()
+    for _ in engine.generate(
+        requests, max_new_tokens=max_new_tokens, generator=_generator(device), stop_at_eos=False, progress=tick
+    ):
+        pass
+    return private_steps[1:], forward_steps, single_steps
 
 
 def benchmark(
@@ -209,16 +224,15 @@ def benchmark(
         )
         for g in range(num_texts)
     ]
-    private_steps, forward_steps = [], []
-    tokens = None
+    private_steps, forward_steps, single_steps = [], [], []
     for _ in range(repeats):
-        steps, tokens = _private_pass(engine, requests, max_new_tokens, loaded.device)
-        private_steps.extend(steps)
-        forward_steps.extend(_forward_pass(engine, requests, tokens, loaded.device))
-    nonprivate = _nonprivate_pass(engine, requests[0], max_new_tokens, temperature, loaded.device)
+        private, forward, single = _interleaved_run(engine, requests, max_new_tokens, temperature, loaded.device)
+        private_steps += private
+        forward_steps += forward
+        single_steps += single
     private = statistics.median(private_steps)
     forward = statistics.median(forward_steps)
-    single = statistics.median(nonprivate)
+    single = statistics.median(single_steps)
     return BenchResult(
         model=loaded.name,
         device=str(loaded.device),
@@ -254,10 +268,11 @@ def time_reference(
     positional format, float32 on CPU, and ``max_toks = T`` explicitly. It stops at end-of-sequence,
     so the cost is normalised per generated token. Raises ``ImportError`` when it is not installed.
     """
+    import importlib
     import importlib.metadata
 
-    import invink  # noqa: F401 - an ImportError here is the caller's signal
-    import invink.generate as reference
+    # ``invink.generate`` the attribute is the function; the module is in sys.modules
+    reference = importlib.import_module("invink.generate")  # ImportError: not installed
 
     template = get_preset(template)
     description = template.fields.get("description", "")

@@ -132,7 +132,7 @@ def _cache_classes():
 def _check_cache(cache) -> None:
     _, dynamic_layer = _cache_classes()
     layers = getattr(cache, "layers", None)
-    if layers is None or any(type(layer) is not dynamic_layer for layer in layers):
+    if layers is None or not layers or any(type(layer) is not dynamic_layer for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in layers or []})
         raise ValueError(
             "the engine supports models whose KV cache is a plain DynamicCache (full attention in every "
@@ -140,25 +140,77 @@ def _check_cache(cache) -> None:
         )
 
 
-def _make_cache(keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """A DynamicCache holding the given per-layer tensors (no copy)."""
-    dynamic_cache, dynamic_layer = _cache_classes()
-    layers = []
-    for k, v in zip(keys, values):
-        layer = dynamic_layer()
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-        layers.append(layer)
+_LAYER_CLASS = None
+
+
+def _preallocated_layer_class():
+    """A ``DynamicLayer`` whose keys/values live in buffers with room for the tokens still to come.
+
+    transformers' ``DynamicLayer.update`` concatenates the whole cache with the new token at every
+    step (a copy of the full KV cache per token: about a quarter of a decoding step on CPU for a few
+    hundred cached tokens). This layer writes the new token into spare capacity in place and exposes
+    views of the filled part, so a step copies nothing; capacity doubles if it ever runs out.
+    """
+    global _LAYER_CLASS
+    if _LAYER_CLASS is None:
+        _, dynamic_layer = _cache_classes()
+
+        class _PreallocatedLayer(dynamic_layer):
+            def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int):
+                super().__init__()
+                self.dtype, self.device = keys.dtype, keys.device
+                self.is_initialized = True
+                self._length = keys.shape[2]
+                self._key_buffer = self._allocate(keys, self._length + reserve)
+                self._value_buffer = self._allocate(values, self._length + reserve)
+                self._expose()
+
+            @staticmethod
+            def _allocate(filled: torch.Tensor, capacity: int) -> torch.Tensor:
+                rows, heads, length, dim = filled.shape
+                buffer = filled.new_empty((rows, heads, max(capacity, length), dim))
+                buffer[:, :, :length].copy_(filled)
+                return buffer
+
+            def _expose(self) -> None:
+                self.keys = self._key_buffer[:, :, : self._length]
+                self.values = self._value_buffer[:, :, : self._length]
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                new = key_states.shape[2]
+                end = self._length + new
+                if end > self._key_buffer.shape[2]:
+                    capacity = max(end, 2 * self._key_buffer.shape[2])
+                    self._key_buffer = self._allocate(self.keys, capacity)
+                    self._value_buffer = self._allocate(self.values, capacity)
+                self._key_buffer[:, :, self._length : end].copy_(key_states)
+                self._value_buffer[:, :, self._length : end].copy_(value_states)
+                self._length = end
+                self._expose()
+                return self.keys, self.values
+
+            def batch_select_indices(self, indices: torch.Tensor) -> None:  # pragma: no cover - unused
+                raise NotImplementedError("the engine selects rows with _Shard.select")
+
+        _LAYER_CLASS = _PreallocatedLayer
+    return _LAYER_CLASS
+
+
+def _make_cache(keys: list[torch.Tensor], values: list[torch.Tensor], reserve: int):
+    """A DynamicCache holding copies of the given per-layer tensors with room for ``reserve`` more tokens."""
+    dynamic_cache, _ = _cache_classes()
+    layer_class = _preallocated_layer_class()
     cache = dynamic_cache()
-    cache.layers = layers
+    cache.layers = [layer_class(k, v, reserve) for k, v in zip(keys, values)]
     return cache
 
 
 class _Shard:
     """A contiguous range of rows with its own KV cache, left-padded attention mask and positions.
 
-    The cache is a transformers ``DynamicCache`` that the forward pass extends in place; its tensors
-    are only rebuilt when rows join or leave (``select``, ``split``, ``concat``).
+    The cache's layers keep spare capacity for ``reserve`` further tokens, which the forward passes
+    fill in place; its tensors are only rebuilt when rows join or leave (``select``, ``split``,
+    ``concat``).
     """
 
     __slots__ = ("cache", "mask", "positions")
@@ -167,6 +219,13 @@ class _Shard:
         self.cache = cache
         self.mask = mask  # (rows, length) int64, 0 on left padding
         self.positions = positions  # (rows,) int64: position id of the next input token
+
+    @classmethod
+    def from_prefill(cls, cache, mask: torch.Tensor, positions: torch.Tensor, reserve: int) -> _Shard:
+        _check_cache(cache)
+        keys = [layer.keys for layer in cache.layers]
+        values = [layer.values for layer in cache.layers]
+        return cls(_make_cache(keys, values, reserve), mask, positions)
 
     @property
     def num_rows(self) -> int:
@@ -179,7 +238,7 @@ class _Shard:
     def _tensors(self):
         return [layer.keys for layer in self.cache.layers], [layer.values for layer in self.cache.layers]
 
-    def select(self, rows: torch.Tensor) -> _Shard:
+    def select(self, rows: torch.Tensor, reserve: int) -> _Shard:
         """Keep ``rows`` (local indices, in order) and drop left columns that are padding for all of them."""
         mask = self.mask.index_select(0, rows)
         live_columns = mask.any(dim=0)
@@ -189,28 +248,29 @@ class _Shard:
             _make_cache(
                 [k.index_select(0, rows)[:, :, start:] for k in keys],
                 [v.index_select(0, rows)[:, :, start:] for v in values],
+                reserve,
             ),
             mask[:, start:],
             self.positions.index_select(0, rows),
         )
 
-    def split(self, count: int) -> tuple[_Shard, _Shard]:
+    def split(self, count: int, reserve: int) -> tuple[_Shard, _Shard]:
         """The first ``count`` rows and the rest."""
         keys, values = self._tensors()
         head = _Shard(
-            _make_cache([k[:count] for k in keys], [v[:count] for v in values]),
+            _make_cache([k[:count] for k in keys], [v[:count] for v in values], reserve),
             self.mask[:count],
             self.positions[:count],
         )
         tail = _Shard(
-            _make_cache([k[count:] for k in keys], [v[count:] for v in values]),
+            _make_cache([k[count:] for k in keys], [v[count:] for v in values], reserve),
             self.mask[count:],
             self.positions[count:],
         )
         return head, tail
 
     @staticmethod
-    def concat(first: _Shard, second: _Shard) -> _Shard:
+    def concat(first: _Shard, second: _Shard, reserve: int) -> _Shard:
         """Rows of ``first`` then ``second``; the shorter one is left-padded (masked columns)."""
         length = max(first.length, second.length)
 
@@ -229,7 +289,11 @@ class _Shard:
         k1, v1, m1 = padded(first)
         k2, v2, m2 = padded(second)
         return _Shard(
-            _make_cache([torch.cat([a, b], dim=0) for a, b in zip(k1, k2)], [torch.cat([a, b], dim=0) for a, b in zip(v1, v2)]),
+            _make_cache(
+                [torch.cat([a, b], dim=0) for a, b in zip(k1, k2)],
+                [torch.cat([a, b], dim=0) for a, b in zip(v1, v2)],
+                reserve,
+            ),
             torch.cat([m1, m2], dim=0),
             torch.cat([first.positions, second.positions], dim=0),
         )
@@ -311,8 +375,9 @@ class Engine:
         )
         return out.logits[:, -1, :], out.past_key_values
 
-    def _prefill(self, prompts: list[tuple[int, ...]]) -> tuple[list[_Shard], torch.Tensor]:
-        """Left-padded prefill of ``prompts`` in row chunks; returns shards and the rows' next-token logits."""
+    def _prefill(self, prompts: list[tuple[int, ...]], reserve: int) -> tuple[list[_Shard], torch.Tensor]:
+        """Left-padded prefill of ``prompts`` in row chunks; returns shards (with room for ``reserve``
+        more tokens) and the rows' next-token logits."""
         device = self.model.device
         length = max(len(p) for p in prompts)
         rows_per_chunk = max(1, min(self.max_batch_rows, self.max_prefill_tokens // length))
@@ -327,8 +392,7 @@ class Engine:
         for start in range(0, len(prompts), rows_per_chunk):
             part = slice(start, start + rows_per_chunk)
             row_logits, cache = self._forward(ids[part], mask[part], positions[part], None)
-            _check_cache(cache)
-            shards.append(_Shard(cache, mask[part], positions[part, -1] + 1))
+            shards.append(_Shard.from_prefill(cache, mask[part], positions[part, -1] + 1, reserve))
             logits.append(row_logits)
         return shards, torch.cat(logits, dim=0)
 
@@ -458,7 +522,7 @@ class _Run:
         if not admitted:
             return None
         prompts = [p for live in admitted for p in live.prompts]
-        new_shards, logits = self.engine._prefill(prompts)
+        new_shards, logits = self.engine._prefill(prompts, self.max_new_tokens)
         self._attach(new_shards)
         count = len(admitted)
         device = self.device
@@ -482,14 +546,14 @@ class _Run:
                     if shard.num_rows <= room:
                         head, shard = shard, None
                     else:
-                        head, shard = shard.split(room)
-                    self.shards[-1] = _Shard.concat(self.shards[-1], head)
+                        head, shard = shard.split(room, self.max_new_tokens)
+                    self.shards[-1] = _Shard.concat(self.shards[-1], head, self.max_new_tokens)
                 else:
                     if shard.num_rows <= capacity:
                         self.shards.append(shard)
                         shard = None
                     else:
-                        head, shard = shard.split(capacity)
+                        head, shard = shard.split(capacity, self.max_new_tokens)
                         self.shards.append(head)
 
     def _evict(self, finished_slots: list[int]) -> None:
@@ -506,7 +570,7 @@ class _Run:
             local = keep_rows_mask[start : start + shard.num_rows].nonzero().flatten()
             start += shard.num_rows
             if local.numel():
-                shards.append(shard.select(local.to(self.device)))
+                shards.append(shard.select(local.to(self.device), self.max_new_tokens))
         self.shards = []
         self._attach(shards)  # also compacts shards that fit together again
         keep = torch.tensor(keep_slots, dtype=torch.long, device=self.device)

@@ -183,11 +183,10 @@ _PRESETS = {
         private=(
             "Here is a text from a collection of {description}.\n"
             'Text: "{reference}"\n'
-            "Please write one more text of the same kind, about fictional people and places. "
-            "Output only the text."
+            "Please write one more text of the same kind, with invented names and details. Output only the text."
         ),
         public=(
-            "Please write one text from a collection of {description}, about fictional people and places. "
+            "Please write one text from a collection of {description}, with invented names and details. "
             "Output only the text."
         ),
         fields={"description": "short texts"},
