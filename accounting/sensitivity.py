@@ -24,6 +24,11 @@ clipping           replace-by-null  zero-out
 difference (DClip)  C/B              2C/B
 naive (Amin 2024)   2C/B             C/B
 =================  ===============  ==========
+
+The naive zero-out entry assumes no recentering. Amin et al.'s optional recentering (shifting each row
+so its maximum is C before clipping) maps a zero row to the constant C, so under zero-out it moves the
+aggregate by up to 2C/B (shown and attained in ``tests/test_mechanism_properties.py``); account for a
+recentered naive mechanism with the replace-by-null factor 2.
 """
 
 from __future__ import annotations
