@@ -120,9 +120,23 @@ def test_engine_generator_black_box_on_tiny_model_finds_no_violation():
     assert rep.epsilon_lower_bound <= 2.0
 
 
-def test_invink_adapter_when_importable():
+def test_invink_adapter_when_importable(tmp_path):
+    """The reference package, when importable (pandas; on Python 3.11 its one-line f-string fix in a
+    temporary copy): one call through the adapter returns a text, and its default seed makes it
+    deterministic."""
     pytest.importorskip("pandas")
-    invink = pytest.importorskip("invink")
-    assert hasattr(invink, "generate")
+    pytest.importorskip("invink")
+    from invink_audit.models import build_tiny_model
+
+    tiny = build_tiny_model()
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    gen = blackbox.invink_generator(
+        str(tmp_path), batch_size=2, dataset_desc="reviews", epsilon=1.0, delta=1e-6,
+        max_toks=3, device_map=-1, dtype="float32", topk=10,
+    )
+    refs = ["Great tacos.", "Cold soup.", "Slow wifi."]
+    first, second = gen(refs), gen(refs)
+    assert isinstance(first, str) and first == second  # random_seed=42 by default: reproducible
     with pytest.raises(ValueError, match="batch_size"):
-        blackbox.invink_generator("/nonexistent", batch_size=0, dataset_desc="x", epsilon=1.0, delta=1e-6)
+        blackbox.invink_generator(str(tmp_path), batch_size=0, dataset_desc="x", epsilon=1.0, delta=1e-6)

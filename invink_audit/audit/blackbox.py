@@ -241,7 +241,8 @@ def invink_generator(model_path: str, *, batch_size: int, dataset_desc: str, eps
     emptied slot is skipped and the next reference moves into the batch, which is how a neighbour
     dataset really behaves under that package). Every other keyword goes to ``invink.generate``
     unchanged, so its defaults (``random_seed=42``, ``max_toks="auto"``, ``drop_empty=True``) are
-    audited as shipped unless overridden; ``random_seed=None`` draws a fresh seed per call. Raises
+    audited as shipped unless overridden; ``random_seed=None`` (or ``"fresh"``) draws a fresh seed per
+    call. Raises
     ``ImportError`` when the package (or its dependency pandas) is not importable.
     """
     import contextlib
@@ -255,9 +256,9 @@ def invink_generator(model_path: str, *, batch_size: int, dataset_desc: str, eps
 
     def generate(references):
         args = dict(kwargs)
-        if "random_seed" in args and args["random_seed"] is None:
+        if "random_seed" in args and args["random_seed"] in (None, "fresh"):
             args["random_seed"] = secrets.randbits(31)
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             out = invink.generate(
                 txt_list_or_path=list(references),
                 model_name_or_path=model_path,

@@ -122,8 +122,9 @@ def quick_audit(
     prompt=None,
     prompt_fields: dict | None = None,
     sampled_batch: int | None = 0,
-    num_samples: int = 24,
-    num_is_samples: int = 8,
+    num_samples: int = 16,
+    num_is_samples: int = 0,
+    directions: tuple[str, ...] = ("forward",),
     alphas: tuple[float, ...] = (2.0, 8.0),
     significance: float = 0.05,
     generator: torch.Generator | None = None,
@@ -133,8 +134,10 @@ def quick_audit(
     ``references``: the same references given to ``generate`` (list or file path); ``model``: the
     same model (a loaded model is reused); ``prompt``/``prompt_fields``: as given to ``generate``
     (default: ``result.prompt``). ``sampled_batch``: which batch gets the sampled audit (``None``
-    skips it; its size: ``num_samples`` forward and reverse texts per neighbour plus
-    ``num_is_samples`` per α, neighbour and direction).
+    skips it). Its size: ``num_samples`` texts from R (and, with ``"reverse"`` in ``directions``, as
+    many from each R'_j) plus ``num_is_samples`` per α, neighbour and direction; the defaults (16
+    forward texts) keep it to about the cost of generating 16 texts. Below 16 samples the sampled
+    verdict is INCONCLUSIVE.
     """
     from invink_audit.audit.model_audit import ModelAuditSettings, audit_model
     from invink_audit.data import partition_references, read_references
@@ -166,7 +169,10 @@ def quick_audit(
             ModelAuditSettings(
                 max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, clip_norm=g.clip_norm, delta=g.delta
             ),
-            WhiteBoxConfig(alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples, significance=significance),
+            WhiteBoxConfig(
+                alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples, significance=significance,
+                directions=tuple(directions), min_samples=16,
+            ),
             model=loaded,
             prompt=template,
             generator=generator,

@@ -9,6 +9,7 @@ Plots use matplotlib's Agg backend (no display needed).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from collections.abc import Sequence
@@ -34,9 +35,7 @@ def to_jsonable(obj):
     """Recursively convert dataclasses, enums, numpy values and non-finite floats for JSON."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
-    if isinstance(obj, Verdict):
-        return obj.value
-    if hasattr(obj, "value") and type(obj).__module__.startswith(("invink_audit", "accounting")) and hasattr(type(obj), "__members__"):
+    if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
@@ -359,9 +358,11 @@ def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
             if not rows:
                 continue
             x = np.array([s.alpha for s in rows]) * (1 + 0.01 * list(markers).index(key))
-            y = np.array([min(s.estimate, 1e6) for s in rows])
-            lo = np.array([min(s.lower, 1e6) for s in rows])
-            hi = np.array([min(s.upper, y.max() * 10 + 1e-12 if np.isfinite(s.upper) else y.max() * 10 + 1e-12, 1e6) for s in rows])
+            y = np.array([s.estimate for s in rows])
+            cap = 10.0 * max(float(y.max()), r.claim["rho_sequence"] * max(alphas))  # keep infinite ends on the plot
+            lo = np.array([s.lower for s in rows])
+            hi = np.minimum(np.array([s.upper for s in rows]), cap)
+            y = np.minimum(y, cap)
             ax.errorbar(x, y, yerr=[np.maximum(y - lo, 0), np.maximum(hi - y, 0)], fmt=m, capsize=3,
                         label=f"{key[0]} {key[1]}")
         exact = [s for s in r.sequence if s.exact is not None and s.neighbour == worst and s.direction == "forward"]

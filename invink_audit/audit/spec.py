@@ -10,7 +10,7 @@ SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
     a model audit (:func:`~invink_audit.audit.model_audit.audit_model`). Sections: ``[model]``
     (``name``: ``"embedded"``, a directory or hub id; ``gguf_file``, ``device``, ``dtype``,
     ``max_batch_rows``),
-    ``[prompt]`` (``preset``, ``fields``), ``[data]`` (``yelp = "dev"|"test"`` reads
+    ``[prompt]`` (``preset``, ``fields``), ``[data]`` (``inline``: a list of references; ``yelp = "dev"|"test"`` reads
     ``$INVINK_YELP_DIR`` or ``../shared/data/yelp`` next to the repository; or ``path`` relative to the
     spec file; ``column``; ``offset``: index of the first reference used), ``[mechanism]``
     (``batch_size``, ``max_new_tokens``, ``temperature``, ``top_k``, ``epsilon`` or ``clip_norm``,
@@ -21,9 +21,12 @@ SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
     ``min_samples``).
 ``black-box``
     a canary audit of a generator (``[target] kind = "engine"`` for our engine, or ``"invink"`` for
-    the reference package with ``model_path``); sections ``[mechanism]``, ``[data]``, ``[prompt]``
-    as above and ``[blackbox]`` (``canary``, ``num_trials``, ``scores``, ``significance``,
-    ``invink_kwargs``).
+    the reference package with ``model_path``: a directory, ``"embedded"`` or ``"tiny"``; and
+    ``spare_references``: extra references after the batch, which the package's ``drop_empty``
+    pulls in when the canary slot is emptied); sections ``[mechanism]``, ``[data]``, ``[prompt]`` as
+    above and ``[blackbox]`` (``canary``, ``num_trials``, ``scores``, ``significance``,
+    ``invink_kwargs``: keywords for ``invink.generate``; ``random_seed = "fresh"`` draws a new seed
+    per call).
 
 Canary and data slots: the B references are the canaries in their slots and data references (in
 file order from ``offset``, a data-independent choice) everywhere else.
@@ -123,12 +126,18 @@ def _data_references(spec: AuditSpec, needed: int) -> list[str]:
         file = yelp_dir() / f"{split}.csv"
         if not file.is_file():
             raise ValueError(f"Yelp data not found at {str(file)!r}; set INVINK_YELP_DIR")
+    elif "inline" in data:
+        refs = [str(r) for r in data["inline"]]
+        offset = int(data.get("offset", 0))
+        if offset < 0 or offset + needed > len(refs):
+            raise ValueError(f"[data] inline holds {len(refs)} references; {needed} needed from offset {offset}")
+        return refs[offset : offset + needed]
     elif "path" in data:
         file = Path(data["path"])
         if not file.is_absolute() and spec.path is not None:
             file = spec.path.parent / file
     else:
-        raise ValueError("[data] needs 'yelp' or 'path' to fill the non-canary slots")
+        raise ValueError("[data] needs 'yelp', 'path' or 'inline' to fill the non-canary slots")
     refs = read_references(file, column=data.get("column"))
     offset = int(data.get("offset", 0))
     if offset < 0 or offset + needed > len(refs):
@@ -178,6 +187,31 @@ def _generator(spec: AuditSpec, seed: int | None, device="cpu"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)  # an audit may be reproducible
         return make_generator(int(seed), device=device)
+
+
+def _invink_model_dir(path) -> str:
+    """A local model directory for the reference package: a path, ``"embedded"`` (the cached
+    safetensors conversion of the embedded SmolLM2) or ``"tiny"`` (the random tiny test model,
+    saved once to a temporary directory)."""
+    if not path:
+        raise ValueError("[target] kind = 'invink' needs model_path (a directory, 'embedded' or 'tiny')")
+    if path == "embedded":
+        from invink_audit.models import _cached_gguf_conversion, embedded_gguf_path
+
+        return str(_cached_gguf_conversion(embedded_gguf_path()))
+    if path == "tiny":
+        import tempfile
+
+        from invink_audit.models import build_tiny_model
+
+        folder = Path(tempfile.mkdtemp(prefix="invink-audit-tiny-"))
+        tiny = build_tiny_model()
+        tiny.model.save_pretrained(folder)
+        tiny.tokenizer.save_pretrained(folder)
+        return str(folder)
+    if not Path(path).is_dir():
+        raise ValueError(f"[target] model_path must be a directory, 'embedded' or 'tiny'; got {path!r}")
+    return str(path)
 
 
 def run_spec(
@@ -268,9 +302,7 @@ def run_spec(
             progress=progress,
         )
     if target.get("kind") == "invink":
-        path = target.get("model_path")
-        if not path:
-            raise ValueError("[target] kind = 'invink' needs model_path (a local model directory)")
+        path = _invink_model_dir(target.get("model_path"))
         gen = invink_generator(
             str(path), batch_size=batch_size, dataset_desc=str(target.get("dataset_desc", "short texts")),
             epsilon=float(epsilon), delta=delta, **dict(bb.get("invink_kwargs", {})),

@@ -356,8 +356,7 @@ def _budgets(mechanism: SyntheticMechanism, source: LogitSource) -> tuple[int, l
 
 def _with_stop(actual, neighbours, step, t_r, t_j):
     """Append the STOP column: at ``step == T_D`` dataset D stops with probability 1."""
-    g, b, v = neighbours.shape
-    neg = torch.full((), -math.inf, dtype=_DTYPE)
+    b = neighbours.shape[1]
 
     def extend(lp, stop_now: bool):
         col = torch.zeros(lp.shape[:-1] + (1,), dtype=_DTYPE) if stop_now else torch.full(lp.shape[:-1] + (1,), -math.inf, dtype=_DTYPE)
@@ -366,7 +365,6 @@ def _with_stop(actual, neighbours, step, t_r, t_j):
 
     a = extend(actual.to(_DTYPE), step == t_r)
     n = torch.cat([extend(neighbours[:, j : j + 1].to(_DTYPE), step == t_j[j]) for j in range(b)], dim=1)
-    del neg
     return a, n
 
 
@@ -485,7 +483,6 @@ def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max
         private, public = source.logits(prefixes, step)
         actual, neighbours = mechanism.step(private, public)
         actual, neighbours = _with_stop(actual, neighbours, step, t_r, t_j)
-        v = actual.shape[-1]
         # every (prefix, token) with positive probability under R or under some R'_j
         possible = torch.isfinite(actual) | torch.isfinite(neighbours).any(1)
         rows, toks = possible.nonzero(as_tuple=True)
@@ -499,7 +496,6 @@ def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max
         keep = ~ended
         prefixes = torch.cat([prefixes[rows[keep]], toks[keep].unsqueeze(-1)], dim=1)
         lp_a, lp_n = new_a[keep], new_n[keep]
-        del v
     if prefixes.shape[0]:
         raise RuntimeError("enumeration ended with unfinished prefixes (the budget logic is inconsistent)")
     return ExactOutputs(torch.cat(done_a).numpy(), torch.cat(done_n).numpy())

@@ -291,12 +291,10 @@ def step_quantities(
     p = torch.exp(lp_b)
     q = torch.exp(lq)
     dfw, drv = [], []
-    zero = torch.zeros((), dtype=_DTYPE, device=lq.device)
     for e in epsilons:
         ee = math.exp(float(e))
         dfw.append(torch.clamp(p - ee * q, min=0.0).sum(-1))
         drv.append(torch.clamp(q - ee * p, min=0.0).sum(-1))
-    del zero
     return StepQuantities(
         loss_range=loss_range,
         renyi_forward=torch.stack(fwd, -1).clamp(min=0.0),
