@@ -287,7 +287,9 @@ def test_verdict_logic():
     assert stats.decide_verdict(exact_failures=1, tests=[ok], significance=0.05, exact_checks_run=True)[0] is V.VIOLATION
     v, decided, _ = stats.decide_verdict(exact_failures=0, tests=[ok, bad], significance=0.05, exact_checks_run=True)
     assert v is V.VIOLATION and [t.rejected for t in decided] == [False, True]
-    assert stats.decide_verdict(exact_failures=0, tests=[ok, above], significance=0.05, exact_checks_run=True)[0] is V.INCONCLUSIVE
+    v, _, reason = stats.decide_verdict(exact_failures=0, tests=[ok, above], significance=0.05, exact_checks_run=True)
+    assert v is V.PASS and "above their claim without significance" in reason
+    assert stats.decide_verdict(exact_failures=0, tests=[ok], significance=0.05, exact_checks_run=True, min_samples_met=False)[0] is V.INCONCLUSIVE
     assert stats.decide_verdict(exact_failures=0, tests=[ok], significance=0.05, exact_checks_run=False)[0] is V.INCONCLUSIVE
 
 

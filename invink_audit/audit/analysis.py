@@ -247,7 +247,7 @@ def analyse(
         e_meas = _rdp_to_epsilon(alphas, measured, claim.delta) if measured and not any(map(math.isnan, measured)) else math.nan
         e_up = _rdp_to_epsilon(alphas, measured_up, claim.delta) if measured_up and not any(map(math.isnan, measured_up)) else math.nan
         comparisons.append(
-            AccountantComparison(name, claim.delta, eps, e_grid, e_meas, e_up, eps / e_meas if e_meas and e_meas > 0 else math.inf)
+            AccountantComparison(name, claim.delta, eps, e_grid, e_meas, e_up, e_grid / e_meas if e_meas and e_meas > 0 else math.inf)
         )
     # step-check summary
     per_range = rec.max_loss_range_per_step

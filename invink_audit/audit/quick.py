@@ -62,8 +62,7 @@ class QuickAuditReport:
             h = self.sampled.headroom_summary()
             lines.append(
                 f"  sampled audit of batch 0: {self.sampled.verdict.value}; sequence Renyi headroom (claim/estimate) "
-                f"min {h['sequence_renyi_min']:.3g}; eps headroom "
-                + ", ".join(f"{k} {v:.3g}" for k, v in h["epsilon"].items())
+                f"min {h['sequence_renyi_min']:.3g}; eps headroom (claimed / measured curve) {h['epsilon']:.3g}"
             )
         lines.append(f"  ({self.seconds:.1f} s)")
         return "\n".join(lines)

@@ -117,9 +117,12 @@ class AccountantComparison:
 
     ``epsilon_measured``: RDP→DP conversion (dp-accounting ``compute_epsilon``; Canonne, Kamath &
     Steinke 2020 / Balle et al. 2020) of the worst measured curve :math:`\\hat D_\\alpha` on the
-    audit's α grid; ``epsilon_claimed_grid``: the same conversion of the claimed curve
-    :math:`\\alpha\\rho_{seq}` on the same grid (the grid's own coarseness, for a fair ratio).
-    ``headroom`` = epsilon / epsilon_measured.
+    audit's α grid (``_upper``: of the upper confidence ends); ``epsilon_claimed_grid``: the same
+    conversion of the claimed curve :math:`\\alpha\\rho_{seq}` on the same grid. ``headroom`` =
+    epsilon_claimed_grid / epsilon_measured compares the two curves through the *same* conversion
+    (how far the realised loss on this data sits below the claim, in ε units); comparing a measured
+    RDP curve with the tight bounded-range accountant directly would mix in the looseness of the RDP
+    conversion itself.
     """
 
     accountant: str
@@ -168,7 +171,8 @@ class WhiteBoxReport:
         return {
             "per_step_range": self.step_checks.range_headroom,
             "sequence_renyi_min": min(seq) if seq else math.nan,
-            "epsilon": {a.accountant: a.headroom for a in self.accountants},
+            "epsilon": self.accountants[0].headroom if self.accountants else math.nan,
+            "accountant_epsilon": {a.accountant: a.epsilon for a in self.accountants},
         }
 
 
@@ -280,7 +284,7 @@ def _whitebox_markdown(r: WhiteBoxReport) -> str:
         "",
         "## Accountants",
         "",
-        "| accountant | δ | ε (accountant) | ε (claimed curve, α grid) | ε (measured) | ε (measured, upper) | headroom |",
+        "| accountant | δ | ε (accountant) | ε (claimed curve, α grid) | ε (measured) | ε (measured, upper) | headroom (claimed grid / measured) |",
         "|---|---|---|---|---|---|---|",
     ]
     for a in r.accountants:

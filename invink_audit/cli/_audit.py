@@ -87,7 +87,8 @@ def _audit(args) -> int:
             h = result.headroom_summary()
             print(
                 f"  per-step range headroom ε0/max {h['per_step_range']:.4g}; sequence Rényi headroom (min claim/estimate) "
-                f"{h['sequence_renyi_min']:.4g}; ε headroom " + ", ".join(f"{k} {v:.3g}" for k, v in h["epsilon"].items())
+                f"{h['sequence_renyi_min']:.4g}; ε headroom (claimed / measured curve) {h['epsilon']:.4g}; accountants' ε "
+                + ", ".join(f"{k} {v:.3g}" for k, v in h["accountant_epsilon"].items())
             )
             t = result.timings
             if "audit_overhead_ratio" in t:
