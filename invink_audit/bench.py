@@ -55,6 +55,7 @@ class ReferenceTiming:
     tokens: int
     seconds: float
     version: str
+    dtype: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,7 @@ class BenchResult:
 
     model: str
     device: str
+    dtype: str
     threads: int
     batch_size: int
     num_texts: int
@@ -192,6 +194,7 @@ def benchmark(
     prompt: str | PromptTemplate = "generic",
     references: Sequence[str] | None = None,
     device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
     max_batch_rows: int | None = None,
 ) -> BenchResult:
     """Measure private decoding against bare forward passes on ``num_texts`` × (``batch_size`` + 1) rows.
@@ -207,7 +210,7 @@ def benchmark(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    loaded = load_model(model, device=device)
+    loaded = load_model(model, device=device, dtype=dtype)
     mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     rows = num_texts * (batch_size + 1)
     engine = Engine(loaded, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
@@ -236,6 +239,7 @@ def benchmark(
     return BenchResult(
         model=loaded.name,
         device=str(loaded.device),
+        dtype=str(loaded.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
         batch_size=batch_size,
         num_texts=num_texts,
@@ -261,11 +265,13 @@ def time_reference(
     template: PromptTemplate | str = "generic",
     temperature: float = 1.0,
     top_k: int = 100,
+    dtype: str = "float32",
 ) -> ReferenceTiming:
     """Time the reference ``invink`` package's ``generate`` on the same workload (model loading excluded).
 
     Its ``batch_size`` is ``B + 1``; it is given our prompt template (same prompt lengths) in its
-    positional format, float32 on CPU, and ``max_toks = T`` explicitly. It stops at end-of-sequence,
+    positional format, ``dtype`` (float32 by default, as ours on CPU; its own default ``"bfloat16"``
+    becomes float16 on a CPU-only machine), and ``max_toks = T`` explicitly. It stops at end-of-sequence,
     so the cost is normalised per generated token. Raises ``ImportError`` when it is not installed.
     """
     import importlib
@@ -309,7 +315,7 @@ def time_reference(
                 max_toks=max_new_tokens,
                 temperature=temperature,
                 topk=top_k,
-                dtype="float32",
+                dtype=dtype,
                 device_map=-1,
                 drop_empty=False,
                 allow_download=False,
@@ -325,6 +331,7 @@ def time_reference(
         tokens=tokens,
         seconds=seconds,
         version=importlib.metadata.version("invink") if _has_metadata("invink") else "unknown",
+        dtype=dtype,
     )
 
 

@@ -378,6 +378,7 @@ def generate(
     ledger=None,
     seed: int | None = None,
     device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
     max_batch_rows: int | None = None,
     on_tokens: Callable[[int], None] | None = None,
     on_text: Callable[[GeneratedText], None] | None = None,
@@ -392,6 +393,7 @@ def generate(
     :class:`~invink_audit.prompts.PromptTemplate`, with ``prompt_fields`` values.
     ``output``: JSON Lines file, written as texts finish and resumed when it exists.
     ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged before any generation.
+    ``device``/``dtype``: see :func:`~invink_audit.models.load_model` (ignored for a loaded model).
     ``seed``: ``None`` (OS entropy, the private default) or a fixed seed, which warns: seeded output
     is reproducible and therefore not private. ``on_tokens(n)`` / ``on_text(text)``: progress hooks.
     """
@@ -429,7 +431,7 @@ def generate(
         raise RuntimeError(
             f"internal inconsistency: mechanism epsilon0={mechanism.epsilon0!r} but plan epsilon0={plan.epsilon0!r}"
         )
-    loaded = load_model(model, device=device)
+    loaded = load_model(model, device=device, dtype=dtype)
     num_batches = len(partition.batches)
     run = {
         "model": loaded.name,

@@ -17,6 +17,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16")
     p.add_argument("--batch-size", default="7", help="B private references per text (default 7)")
     p.add_argument("--max-new-tokens", default="32", help="tokens per text T (>= 3; default 32)")
     p.add_argument("--num-texts", default="1", help="texts decoded together G (default 1)")
@@ -25,6 +26,11 @@ def register(subparsers) -> None:
         "--reference",
         action="store_true",
         help="also time the reference `invink` package on the same workload (must be importable)",
+    )
+    p.add_argument(
+        "--reference-dtype",
+        default="float32",
+        help="dtype for the reference package (default float32, like ours on CPU; its own default is bfloat16)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_bench)
@@ -61,6 +67,7 @@ def _bench(args) -> int:
         num_texts=num_texts,
         repeats=parse_int("--repeats", args.repeats),
         device=args.device,
+        dtype=args.dtype,
     )
     if args.reference:
         try:
@@ -77,13 +84,14 @@ def _bench(args) -> int:
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
             num_texts=num_texts,
+            dtype=args.reference_dtype,
         )
         result = dataclasses.replace(result, reference=reference)
     if args.json:
         print(json.dumps(result.to_json()))
         return 0
     lines = [
-        f"model {result.model} on {result.device} ({result.threads} threads)",
+        f"model {result.model} on {result.device}, {result.dtype} ({result.threads} threads)",
         f"  workload                 G = {result.num_texts} text(s) x (B+1) = {result.batch_size + 1} rows "
         f"= {result.rows_per_step} rows per step, {result.max_new_tokens} tokens, {result.repeats} repeats",
         f"  private step             {result.private_step_seconds * 1e3:.1f} ms (forward + mechanism + sampling)",
@@ -95,8 +103,8 @@ def _bench(args) -> int:
     ]
     if result.reference is not None:
         lines += [
-            f"  reference invink {result.reference.version:<8}{result.reference.token_seconds * 1e3:.1f} ms per token "
-            f"({result.reference.tokens} tokens)",
+            f"  reference invink         {result.reference.token_seconds * 1e3:.1f} ms per token "
+            f"({result.reference.tokens} tokens, {result.reference.dtype}, version {result.reference.version})",
             f"  speedup vs reference     {result.speedup_vs_reference:.1f}x",
         ]
     print("\n".join(lines))

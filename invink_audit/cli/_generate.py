@@ -41,6 +41,11 @@ def add_model_arguments(parser) -> None:
     )
     parser.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model directory")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16",
+    )
     parser.add_argument("--max-batch-rows", default=None, help="rows per forward pass (memory bound)")
 
 
@@ -84,7 +89,7 @@ def register(subparsers) -> None:
 def load_cli_model(args):
     from invink_audit.models import load_model
 
-    return load_model(args.model, gguf_file=args.gguf_file, device=args.device)
+    return load_model(args.model, gguf_file=args.gguf_file, device=args.device, dtype=args.dtype)
 
 
 def _generate(args) -> int:
