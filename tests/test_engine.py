@@ -361,3 +361,19 @@ def test_models_with_sliding_window_caches_are_refused():
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=10, batch_size=3)
     with pytest.raises(ValueError, match="DynamicCache"):
         list(Engine(model, mechanism).generate(_requests(tiny), max_new_tokens=2, generator=_generator(0)))
+
+
+def test_preallocated_cache_layer_matches_concatenation_and_grows():
+    from invink_audit.engine import _preallocated_layer_class
+
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 3, 4, 5, generator=gen), torch.randn(2, 3, 4, 5, generator=gen)
+    layer = _preallocated_layer_class()(keys, values, reserve=1)
+    expected_k, expected_v = keys, values
+    for _ in range(4):  # the second update exceeds the reserve: capacity doubles
+        new_k, new_v = torch.randn(2, 3, 1, 5, generator=gen), torch.randn(2, 3, 1, 5, generator=gen)
+        out_k, out_v = layer.update(new_k, new_v)
+        expected_k, expected_v = torch.cat([expected_k, new_k], dim=2), torch.cat([expected_v, new_v], dim=2)
+        assert torch.equal(out_k, expected_k) and torch.equal(out_v, expected_v)
+        assert layer.get_seq_length() == expected_k.shape[2]
+    assert torch.equal(keys, expected_k[:, :, :4])  # the prefill tensors were copied, not modified
