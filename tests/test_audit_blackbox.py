@@ -70,10 +70,23 @@ def test_threshold_is_chosen_on_the_selection_half_only():
     assert rep.true_positives in (0, rep.positives)  # all-or-nothing: the score is constant there
 
 
-def test_deterministic_generator_is_flagged():
-    rep = blackbox.blackbox_audit(lambda refs: "same" if CANARY in refs else "other", ["a"], CANARY,
-                                  claimed_epsilon=10.0, claimed_delta=0.0, num_trials=40)
+def test_deterministic_generator_is_flagged_and_refuted_by_the_trained_exact_match_score():
+    """A fixed seed makes each arm a point mass: the exact-match score, trained on the selection
+    half, separates the held-out trials perfectly (no canary word in the outputs at all)."""
+    gen = lambda refs: "gibberish xq" if CANARY in refs else "gibberish zv"  # noqa: E731
+    rep = blackbox.blackbox_audit(gen, ["a"], CANARY, claimed_epsilon=1.0, claimed_delta=1e-6, num_trials=100)
     assert any("deterministic" in n for n in rep.notes)
+    assert rep.score == "exact-match" and rep.verdict is Verdict.VIOLATION
+    assert (rep.true_positives, rep.false_positives) == (25, 0)
+    t = 0.025 ** (1 / 25)
+    assert rep.epsilon_lower_bound == pytest.approx(math.log((t - 1e-6) / (1 - t)), rel=1e-6)
+
+
+def test_exact_match_score_is_trained_on_given_texts_only():
+    score = blackbox.exact_match(["a", "a", "b"], ["b", "c"])
+    assert score("a") == pytest.approx(2 / 3)
+    assert score("b") == pytest.approx(1 / 3 - 1 / 2)
+    assert score("unseen") == 0.0
 
 
 def test_scores():

@@ -12,8 +12,9 @@ stated significance. VIOLATION if it exceeds the claimed ε; otherwise INCONCLUS
 refute a claim, never confirm one).
 
 Scores: ``canary-overlap`` (fraction of the canary's distinct words of ≥ 3 letters found in the
-output), ``length`` (number of whitespace-separated words: detects a data-dependent token budget),
-or any callable ``text -> float``.
+output), ``length`` / ``characters`` (words / characters: detect a data-dependent token budget),
+``exact-match`` (trained on the selection split: how much more often this exact text appeared with
+the canary; detects deterministic generators and verbatim leaks), or any callable ``text -> float``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,17 @@ import numpy as np
 from invink_audit.audit import stats
 from invink_audit.audit.report import BlackBoxReport
 
-__all__ = ["blackbox_audit", "canary_overlap", "word_count", "SCORES", "engine_generator", "invink_generator"]
+__all__ = [
+    "DEFAULT_SCORES",
+    "SCORES",
+    "blackbox_audit",
+    "canary_overlap",
+    "char_count",
+    "engine_generator",
+    "exact_match",
+    "invink_generator",
+    "word_count",
+]
 
 _WORD = re.compile(r"[A-Za-z0-9]{3,}")
 
@@ -51,7 +62,33 @@ def word_count(text: str) -> float:
     return float(len(text.split()))
 
 
-SCORES = {"canary-overlap": canary_overlap, "length": lambda canary: word_count}
+def char_count(text: str) -> float:
+    """Score: number of characters (finer than words for a data-dependent token budget)."""
+    return float(len(text))
+
+
+def exact_match(selection_with: Sequence[str], selection_without: Sequence[str]) -> Callable[[str], float]:
+    """Score *trained on the selection split*: how much more often this exact text was produced with
+    the canary than without it. Catches deterministic generators (a fixed seed) and verbatim leaks."""
+    from collections import Counter
+
+    w, o = Counter(selection_with), Counter(selection_without)
+    nw, no = max(len(selection_with), 1), max(len(selection_without), 1)
+
+    def score(text: str) -> float:
+        return w[text] / nw - o[text] / no
+
+    return score
+
+
+#: score name -> factory(canary) (``exact-match`` is trained on the selection split instead)
+SCORES = {
+    "canary-overlap": canary_overlap,
+    "length": lambda canary: word_count,
+    "characters": lambda canary: char_count,
+    "exact-match": None,
+}
+DEFAULT_SCORES = ("canary-overlap", "length", "characters", "exact-match")
 
 
 def _best_threshold(with_scores, without_scores, *, delta, significance):
@@ -77,7 +114,7 @@ def blackbox_audit(
     claimed_delta: float,
     num_trials: int = 200,
     canary_slot: int = 0,
-    scores: Sequence[str | Callable[[str], float]] = ("canary-overlap", "length"),
+    scores: Sequence[str | Callable[[str], float]] = DEFAULT_SCORES,
     significance: float = 0.05,
     selection_fraction: float = 0.5,
     generate_many: Callable[[list[list[str]]], list[str]] | None = None,
@@ -103,15 +140,8 @@ def blackbox_audit(
     if not (isinstance(claimed_epsilon, (int, float)) and claimed_epsilon >= 0):
         raise ValueError(f"claimed_epsilon must be >= 0; got {claimed_epsilon!r}")
     beta = stats._check_significance(significance)
-    score_fns, score_names = [], []
     for s in scores:
-        if callable(s):
-            score_fns.append(s)
-            score_names.append(getattr(s, "__name__", "custom"))
-        elif s in SCORES:
-            score_fns.append(SCORES[s](canary))
-            score_names.append(s)
-        else:
+        if not callable(s) and s not in SCORES:
             raise ValueError(f"scores must be callables or names in {sorted(SCORES)}; got {s!r}")
     with_canary = list(refs)
     with_canary[canary_slot] = canary
@@ -137,11 +167,22 @@ def blackbox_audit(
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise ValueError(f"the generator must return a string; trial {i} returned {type(t).__name__}")
-    score_matrix = np.array([[fn(t) for t in texts] for fn in score_fns], dtype=float)  # (S, N)
     # split: first selection_fraction of the (alternating) trials select, the rest evaluate
     n_sel = int(round(num_trials * selection_fraction))
     n_sel -= n_sel % 2
     sel, ev = np.arange(n_sel), np.arange(n_sel, num_trials)
+    score_fns, score_names = [], []
+    for s in scores:
+        if callable(s):
+            score_fns.append(s)
+            score_names.append(getattr(s, "__name__", "custom"))
+        elif s == "exact-match":  # trained on the selection split only
+            score_fns.append(exact_match([texts[i] for i in sel if labels[i]], [texts[i] for i in sel if not labels[i]]))
+            score_names.append(s)
+        else:
+            score_fns.append(SCORES[s](canary))
+            score_names.append(s)
+    score_matrix = np.array([[fn(t) for t in texts] for fn in score_fns], dtype=float)  # (S, N)
     best = (-1.0, 0, math.inf)
     for k in range(len(score_fns)):
         lb, thr = _best_threshold(

@@ -273,7 +273,7 @@ def run_spec(
             label=spec.name,
         )
     # black box
-    from invink_audit.audit.blackbox import blackbox_audit, engine_generator, invink_generator
+    from invink_audit.audit.blackbox import DEFAULT_SCORES, blackbox_audit, engine_generator, invink_generator
 
     target = spec.section("target")
     bb = spec.section("blackbox")
@@ -298,7 +298,7 @@ def run_spec(
         return blackbox_audit(
             None, refs, canary, claimed_epsilon=float(epsilon), claimed_delta=delta, generate_many=many,
             num_trials=int(bb.get("num_trials", 200)), significance=float(bb.get("significance", 0.05)),
-            scores=tuple(bb.get("scores", ("canary-overlap", "length"))), mechanism=f"InvisibleInk engine ({model_name})",
+            scores=tuple(bb.get("scores", DEFAULT_SCORES)), mechanism=f"InvisibleInk engine ({model_name})",
             progress=progress,
         )
     if target.get("kind") == "invink":
@@ -310,7 +310,7 @@ def run_spec(
         return blackbox_audit(
             gen, refs, canary, claimed_epsilon=float(epsilon), claimed_delta=delta,
             num_trials=int(bb.get("num_trials", 200)), significance=float(bb.get("significance", 0.05)),
-            scores=tuple(bb.get("scores", ("canary-overlap", "length"))), mechanism="reference package invink 0.1.0",
+            scores=tuple(bb.get("scores", DEFAULT_SCORES)), mechanism="reference package invink 0.1.0",
             progress=progress,
         )
     raise ValueError(f"[target] kind must be 'engine' or 'invink'; got {target.get('kind')!r}")
