@@ -63,7 +63,8 @@ def main(
     started = time.perf_counter()
     model = load_model()
     print(f"model: {model.name} on {model.device} (loaded in {time.perf_counter() - started:.1f} s)")
-    print(f"generating {num_texts} texts ({num_texts} disjoint batches x (B+1) = {num_texts * (batch_size + 1)} rows per step) ...")
+    rows = num_texts * (batch_size + 1)
+    print(f"generating {num_texts} texts ({num_texts} disjoint batches x (B+1) = {rows} rows per step) ...")
     result = generate(
         references,
         batch_size=batch_size,

@@ -10,8 +10,9 @@ One run measures, on the same model, prompts, rows and cache lengths:
 * ``nonprivate_step_seconds``: one step of ordinary sampling of one text (one row, softmax sample).
 
 The three are measured in lockstep (after each private step, one bare forward step and one
-non-private step) and summarised by their medians, so load on the machine affects them alike. ``overhead_ratio`` = private / forward is the price of the mechanism
-itself; ``relative_to_nonprivate`` = (private / G) / non-private is the price of privacy per token.
+non-private step) and summarised by their medians, so load on the machine affects them alike.
+``overhead_ratio`` = private / forward is the price of the mechanism itself;
+``relative_to_nonprivate`` = (private / G) / non-private is the price of privacy per token.
 
 The reference package (PyPI ``invink`` 0.1.0) can be timed on the same workload when importable
 (:func:`time_reference`): it calls ``model.generate(max_new_tokens=1)`` once per token and moves the

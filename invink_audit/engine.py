@@ -356,7 +356,9 @@ class Engine:
         if isinstance(prefill, bool) or not isinstance(prefill, int) or prefill < 1:
             raise ValueError(f"max_prefill_tokens must be an integer >= 1; got {max_prefill_tokens!r}")
         if "logits_to_keep" not in inspect.signature(model.model.forward).parameters:
-            raise ValueError(f"model {model.name!r} does not accept logits_to_keep; use a recent transformers causal LM")
+            raise ValueError(
+                f"model {model.name!r} does not accept logits_to_keep; use a recent transformers causal LM"
+            )
         self.model = model
         self.mechanism = mechanism
         self.max_batch_rows = rows

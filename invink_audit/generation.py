@@ -99,7 +99,8 @@ class GenerationConfig:
                 f"give exactly one of epsilon (plan the clip norm) and clip_norm (report epsilon); got "
                 f"epsilon={self.epsilon!r}, clip_norm={self.clip_norm!r}"
             )
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+        top_k = self.top_k
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be an integer >= 1 or None (full vocabulary); got {self.top_k!r}")
         try:
             object.__setattr__(self, "accountant", Accountant(self.accountant).value)

@@ -424,4 +424,5 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     resolved_device = resolve_device(device)
-    return _finish(model, tokenizer, f"tiny-random-llama(seed={seed})", resolved_device, resolve_dtype(dtype, resolved_device))
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    return _finish(model, tokenizer, f"tiny-random-llama(seed={seed})", resolved_device, resolved_dtype)

@@ -18,7 +18,7 @@ from scipy import stats
 from invink_audit.engine import DecodeStep, Engine
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator, token_log_probs
 from invink_audit.models import build_tiny_model
-from invink_audit.prompts import TextRequest, encode_request, get_preset
+from invink_audit.prompts import encode_request, get_preset
 
 # float64 model: batched/padded/cached logits agree with the unbatched ones to ~1e-12.
 FLOAT64_ATOL = 1e-9
@@ -98,7 +98,9 @@ def _forced_run(model, requests, forced, mechanism, **engine_kwargs):
     engine = Engine(model, mechanism, **engine_kwargs)
     max_new_tokens = max(len(f) for f in forced)
     finished = list(
-        engine.generate(requests, max_new_tokens=max_new_tokens, generator=_generator(0), observer=observer, sampling_rule=rule)
+        engine.generate(
+            requests, max_new_tokens=max_new_tokens, generator=_generator(0), observer=observer, sampling_rule=rule
+        )
     )
     return seen, finished
 
@@ -240,7 +242,9 @@ def test_sampling_rule_draws_from_a_neighbour_while_every_row_is_computed(tiny64
         observed_log_probs.append(step.sampling_log_probs[0].clone())
 
     engine = Engine(tiny64, mechanism)
-    (text,) = engine.generate(requests, max_new_tokens=5, generator=_generator(4), observer=observer, sampling_rule=rule, neighbours=True)
+    (text,) = engine.generate(
+        requests, max_new_tokens=5, generator=_generator(4), observer=observer, sampling_rule=rule, neighbours=True
+    )
     assert list(text.token_ids) == [int(t) for t in observed]
 
     # the neighbour's distribution is the mechanism's on the neighbouring dataset, computed independently
@@ -248,7 +252,8 @@ def test_sampling_rule_draws_from_a_neighbour_while_every_row_is_computed(tiny64
     nulled[0][j] = ""
     neighbour_request = _requests(tiny64, nulled)[0]
     sampled = observed_log_probs
-    expected = _oracle_all_steps(tiny64, neighbour_request, list(text.token_ids), mechanism, steps=range(text.num_tokens))
+    steps = range(text.num_tokens)
+    expected = _oracle_all_steps(tiny64, neighbour_request, list(text.token_ids), mechanism, steps=steps)
     for t in range(text.num_tokens):
         finite = torch.isfinite(expected[t])
         assert torch.equal(finite, torch.isfinite(sampled[t]))
@@ -289,7 +294,8 @@ def test_expansion_tokens_count_draws_below_the_kth_public_logit(tiny64):
             token = step.tokens[g]
             below[index] = below.get(index, 0) + int(step.public_logits[g, token] < kth[g])
 
-    texts = list(Engine(tiny64, mechanism).generate(requests, max_new_tokens=30, generator=_generator(7), observer=observer))
+    engine = Engine(tiny64, mechanism)
+    texts = list(engine.generate(requests, max_new_tokens=30, generator=_generator(7), observer=observer))
     assert {int(t.key.removeprefix("text")): t.expansion_tokens for t in texts} == below
     assert sum(below.values()) > 0  # the large band makes expansion draws likely: the count is exercised
 
@@ -307,7 +313,8 @@ def test_seeded_runs_are_reproducible_and_max_new_tokens_is_respected(tiny32):
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=10, batch_size=3)
     runs = []
     for _ in range(2):
-        texts = Engine(tiny32, mechanism, max_batch_rows=7).generate(_requests(tiny32), max_new_tokens=6, generator=_generator(9))
+        engine = Engine(tiny32, mechanism, max_batch_rows=7)
+        texts = engine.generate(_requests(tiny32), max_new_tokens=6, generator=_generator(9))
         runs.append(sorted((t.key, t.token_ids) for t in texts))
     assert runs[0] == runs[1]
     assert all(1 <= len(ids) <= 6 for _, ids in runs[0])
@@ -328,8 +335,11 @@ def test_bad_arguments_are_rejected(tiny32):
         Engine(tiny32, mechanism, max_batch_rows=0)
     with pytest.raises(ValueError, match="LoadedModel"):
         Engine(tiny32.model, mechanism)
+    def truncated(step):
+        return step.log_probs[:, :3]
+
     with pytest.raises(ValueError, match="sampling_rule must return"):
-        list(engine.generate(good, max_new_tokens=2, generator=_generator(0), sampling_rule=lambda step: step.log_probs[:, :3]))
+        list(engine.generate(good, max_new_tokens=2, generator=_generator(0), sampling_rule=truncated))
     assert list(engine.generate([], max_new_tokens=2, generator=_generator(0))) == []
 
 

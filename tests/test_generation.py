@@ -75,7 +75,8 @@ def test_end_to_end_records_and_a_priori_guarantee(tiny, tmp_path):
     assert result.num_resumed == 0 and not result.seeded
     assert result.tokens_generated == sum(t.num_tokens for t in result.texts)
     g = result.guarantee
-    assert (g.epsilon, g.delta, g.clip_norm, g.rho_sequence) == (plan.epsilon, plan.delta, plan.clip_norm, plan.rho_sequence)
+    assert (g.epsilon, g.delta, g.clip_norm) == (plan.epsilon, plan.delta, plan.clip_norm)
+    assert g.rho_sequence == plan.rho_sequence
     assert g.max_new_tokens == T and g.top_k == 8 and g.batch_size == B
 
     records = read_generation_output(output)
@@ -141,7 +142,14 @@ def test_resume_refuses_other_settings_inputs_or_foreign_files(tiny, tmp_path):
         _generate(tiny, output=output, max_new_tokens=T + 1)
     with pytest.raises(ValueError, match="different input"):
         generate(
-            ["changed"] + REFERENCES[1:], batch_size=B, max_new_tokens=T, delta=1e-6, epsilon=5.0, model=tiny, top_k=8, output=output
+            ["changed"] + REFERENCES[1:],
+            batch_size=B,
+            max_new_tokens=T,
+            delta=1e-6,
+            epsilon=5.0,
+            model=tiny,
+            top_k=8,
+            output=output,
         )
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text(json.dumps({"batch_index": 0, "text": "x"}) + "\n")

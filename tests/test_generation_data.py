@@ -117,7 +117,8 @@ def test_presets_follow_the_paper_table():
     assert yelp.user_message("Great stay").startswith(
         'Here is a text with Business Category : "Hotels" and Review Stars : "2.0" out of 5.0.\nText: "Great stay"'
     )
-    assert get_preset("tab").user_message(None).endswith("Begin with the phrase: 'PROCEDURE: The case originated in an application'.")
+    tab = get_preset("tab").user_message(None)
+    assert tab.endswith("Begin with the phrase: 'PROCEDURE: The case originated in an application'.")
     assert get_preset("mimic").user_message(None).endswith('must begin with the exact words "Discharge Instructions:".')
     # braces inside a reference are text, not format fields
     assert "{description}" in get_preset("generic").user_message("literal {description} braces")
