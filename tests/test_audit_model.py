@@ -178,3 +178,19 @@ def test_write_report_renders_whitebox(tmp_path):
     assert rep.headroom_summary()["per_step_range"] == pytest.approx(1.0, abs=1e-9)
     assert all(math.isfinite(a.epsilon) for a in rep.accountants)
     assert np.isfinite(rep.step_checks.max_loss_range)
+
+
+def test_blackbox_engine_spec_runs_end_to_end(tiny, tmp_path):
+    tiny.model.save_pretrained(tmp_path / "m")
+    tiny.tokenizer.save_pretrained(tmp_path / "m")
+    p = tmp_path / "bb.toml"
+    p.write_text(
+        f'kind = "black-box"\nseed = 5\n[model]\nname = "{tmp_path / "m"}"\n[target]\nkind = "engine"\n'
+        '[data]\ninline = ["Great tacos.", "Cold soup.", "Slow wifi."]\n'
+        "[mechanism]\nbatch_size = 3\nmax_new_tokens = 3\nclip_norm = 0.5\ntop_k = 20\ndelta = 1e-6\n"
+        '[blackbox]\nnum_trials = 12\ncanary = "Zelphine Quorrick lives at 42 Violet Lane"\n'
+    )
+    report = spec.run_spec(spec.load_spec(p))
+    assert report.kind == "black-box" and report.verdict is Verdict.INCONCLUSIVE
+    assert report.positives + report.negatives == 6
+    assert math.isfinite(report.claimed_epsilon) and report.claimed_epsilon > 0

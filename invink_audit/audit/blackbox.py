@@ -250,8 +250,13 @@ def engine_generator(
     prompt="generic",
     prompt_fields: dict | None = None,
     generator=None,
+    seed: int | None = None,
 ):
-    """Our own InvisibleInk engine as a black box: returns ``generate_many(batches) -> texts``."""
+    """Our own InvisibleInk engine as a black box: returns ``generate_many(batches) -> texts``.
+
+    Randomness: ``generator`` (on the model's device), else a generator from ``seed`` (a fixed seed
+    warns that seeded output is not private), else OS entropy.
+    """
     from invink_audit.engine import Engine
     from invink_audit.mechanism import MechanismConfig, make_generator
     from invink_audit.models import load_model
@@ -261,7 +266,7 @@ def engine_generator(
     mech = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     engine = Engine(loaded, mech)
     template = get_preset(prompt, **(prompt_fields or {}))
-    gen = generator if generator is not None else make_generator(device=loaded.device)
+    gen = generator if generator is not None else make_generator(seed, device=loaded.device)
 
     def generate_many(batches):
         requests = [encode_request(loaded.tokenizer, template, b, key=i) for i, b in enumerate(batches)]

@@ -176,6 +176,12 @@ def _batch(spec: AuditSpec, batch_size: int) -> tuple[list[str | None], dict, in
     return refs, labels, (int(hardest) if hardest is not None else None)
 
 
+def _device_of(model_section: dict):
+    from invink_audit.models import resolve_device
+
+    return resolve_device(model_section.get("device"))
+
+
 def _generator(spec: AuditSpec, seed: int | None, device="cpu"):
     import warnings
 
@@ -293,7 +299,8 @@ def run_spec(
         many = engine_generator(
             model=None if model_name == "embedded" else model_name,
             clip_norm=clip_norm, temperature=tau, top_k=mech.get("top_k"), batch_size=batch_size, max_new_tokens=T,
-            prompt=prompt.get("preset", "generic"), prompt_fields=prompt.get("fields"), generator=_generator(spec, seed),
+            prompt=prompt.get("preset", "generic"), prompt_fields=prompt.get("fields"),
+            generator=_generator(spec, seed, device=_device_of(model_section)),
         )
         return blackbox_audit(
             None, refs, canary, claimed_epsilon=float(epsilon), claimed_delta=delta, generate_many=many,
