@@ -153,3 +153,19 @@ def test_invink_adapter_when_importable(tmp_path):
     assert isinstance(first, str) and first == second  # random_seed=42 by default: reproducible
     with pytest.raises(ValueError, match="batch_size"):
         blackbox.invink_generator(str(tmp_path), batch_size=0, dataset_desc="x", epsilon=1.0, delta=1e-6)
+
+
+def test_exact_match_does_not_overfit_unique_outputs():
+    """Every output unique (a randomised generator): the trained exact-match score must not be
+    chosen for a perfect separation it only has on its own training split."""
+    counter = {"n": 0}
+
+    def gen(refs):
+        counter["n"] += 1
+        return f"text number {counter['n']}"
+
+    rep = blackbox.blackbox_audit(gen, ["a"], CANARY, claimed_epsilon=0.5, claimed_delta=0.0, num_trials=100,
+                                  scores=("exact-match",))
+    assert rep.epsilon_lower_bound == 0.0 and rep.verdict is Verdict.INCONCLUSIVE
+    loo = blackbox._exact_match_leave_one_out(["x", "x", "y"], np.array([True, True, False]))
+    np.testing.assert_allclose(loo, [1.0, 1.0, 0.0])

@@ -38,6 +38,7 @@ __all__ = [
     "engine_generator",
     "exact_match",
     "invink_generator",
+    "token_count",
     "word_count",
 ]
 
@@ -78,6 +79,31 @@ def exact_match(selection_with: Sequence[str], selection_without: Sequence[str])
     def score(text: str) -> float:
         return w[text] / nw - o[text] / no
 
+    return score
+
+
+def _exact_match_leave_one_out(texts: Sequence[str], labels: np.ndarray) -> np.ndarray:
+    """Selection-split scores of :func:`exact_match` with each text left out of its own training
+    set: otherwise every unique text would look perfectly separable on the split it was trained on."""
+    from collections import Counter
+
+    w = Counter(t for t, lab in zip(texts, labels) if lab)
+    o = Counter(t for t, lab in zip(texts, labels) if not lab)
+    nw, no = int(labels.sum()), int((~labels).sum())
+    out = np.empty(len(texts))
+    for i, (t, lab) in enumerate(zip(texts, labels)):
+        cw, co = w[t] - (1 if lab else 0), o[t] - (0 if lab else 1)
+        out[i] = cw / max(nw - (1 if lab else 0), 1) - co / max(no - (0 if lab else 1), 1)
+    return out
+
+
+def token_count(tokenizer) -> Callable[[str], float]:
+    """Score: number of tokens of the output under a (public) tokenizer."""
+
+    def score(text: str) -> float:
+        return float(len(tokenizer.encode(text, add_special_tokens=False)))
+
+    score.__name__ = "tokens"
     return score
 
 
@@ -183,10 +209,14 @@ def blackbox_audit(
             score_fns.append(SCORES[s](canary))
             score_names.append(s)
     score_matrix = np.array([[fn(t) for t in texts] for fn in score_fns], dtype=float)  # (S, N)
+    selection_matrix = score_matrix[:, sel].copy()
+    for k, name in enumerate(score_names):
+        if name == "exact-match":  # its selection scores must not see the text they score
+            selection_matrix[k] = _exact_match_leave_one_out([texts[i] for i in sel], labels[sel])
     best = (-1.0, 0, math.inf)
     for k in range(len(score_fns)):
         lb, thr = _best_threshold(
-            score_matrix[k, sel][labels[sel]], score_matrix[k, sel][~labels[sel]], delta=claimed_delta, significance=beta
+            selection_matrix[k][labels[sel]], selection_matrix[k][~labels[sel]], delta=claimed_delta, significance=beta
         )
         if lb > best[0]:
             best = (lb, k, thr)

@@ -24,7 +24,8 @@ SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
     the reference package with ``model_path``: a directory, ``"embedded"`` or ``"tiny"``; and
     ``spare_references``: extra references after the batch, which the package's ``drop_empty``
     pulls in when the canary slot is emptied); sections ``[mechanism]``, ``[data]``, ``[prompt]`` as
-    above and ``[blackbox]`` (``canary``, ``num_trials``, ``scores``, ``significance``,
+    above and ``[blackbox]`` (``canary``, ``num_trials``, ``scores`` (names; ``"tokens"`` counts
+    output tokens with the invink target's tokenizer), ``significance``,
     ``invink_kwargs``: keywords for ``invink.generate``; ``random_seed = "fresh"`` draws a new seed
     per call).
 
@@ -310,6 +311,13 @@ def run_spec(
         )
     if target.get("kind") == "invink":
         path = _invink_model_dir(target.get("model_path"))
+        scores = list(bb.get("scores", DEFAULT_SCORES))
+        if "tokens" in scores:  # the public tokenizer of the audited model counts output tokens
+            from transformers import AutoTokenizer
+
+            from invink_audit.audit.blackbox import token_count
+
+            scores[scores.index("tokens")] = token_count(AutoTokenizer.from_pretrained(path))
         gen = invink_generator(
             str(path), batch_size=batch_size, dataset_desc=str(target.get("dataset_desc", "short texts")),
             epsilon=float(epsilon), delta=delta, **dict(bb.get("invink_kwargs", {})),
@@ -317,7 +325,7 @@ def run_spec(
         return blackbox_audit(
             gen, refs, canary, claimed_epsilon=float(epsilon), claimed_delta=delta,
             num_trials=int(bb.get("num_trials", 200)), significance=float(bb.get("significance", 0.05)),
-            scores=tuple(bb.get("scores", DEFAULT_SCORES)), mechanism="reference package invink 0.1.0",
+            scores=tuple(scores), mechanism="reference package invink 0.1.0",
             progress=progress,
         )
     raise ValueError(f"[target] kind must be 'engine' or 'invink'; got {target.get('kind')!r}")
