@@ -194,3 +194,40 @@ def test_blackbox_engine_spec_runs_end_to_end(tiny, tmp_path):
     assert report.kind == "black-box" and report.verdict is Verdict.INCONCLUSIVE
     assert report.positives + report.negatives == 6
     assert math.isfinite(report.claimed_epsilon) and report.claimed_epsilon > 0
+
+
+def test_shared_prefill_engine_decodes_exactly_like_the_engine(tiny):
+    """Teacher-forced through both engines, the same requests give the same per-step distributions."""
+    from invink_audit.audit.model_audit import _shared_prefill_engine_class
+    from invink_audit.engine import Engine
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.prompts import encode_request, get_preset
+
+    mech = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=20, batch_size=3)
+    template = get_preset("generic")
+    a = encode_request(tiny.tokenizer, template, ["The food was great.", None, "Slow."])
+    b = encode_request(tiny.tokenizer, template, ["Another one entirely, longer than the rest.", "x", None])
+    requests = [a, b, a, a, b]  # duplicates within one admission
+    forced = torch.tensor([5, 9, 7, 11], dtype=torch.long)
+    seen = {}
+
+    def run(engine_class, key):
+        store = seen.setdefault(key, {})
+
+        def rule(step):
+            for i, r in enumerate(step.request_indices.tolist()):
+                store[(r, int(step.positions[i]))] = step.log_probs[i].clone()
+            w = torch.full_like(step.log_probs, -math.inf)
+            w[:, forced[step.positions]] = 0.0
+            w = torch.where(torch.isfinite(step.log_probs), w, torch.full_like(w, -math.inf))
+            w[torch.isinf(w).all(-1)] = step.log_probs[torch.isinf(w).all(-1)]
+            return w
+
+        engine = engine_class(tiny, mech, max_batch_rows=6)  # forces several shards
+        list(engine.generate(requests, max_new_tokens=4, generator=_gen(0), sampling_rule=rule, stop_at_eos=False))
+
+    run(Engine, "plain")
+    run(_shared_prefill_engine_class(), "shared")
+    assert seen["plain"].keys() == seen["shared"].keys()
+    for k in seen["plain"]:
+        torch.testing.assert_close(seen["shared"][k], seen["plain"][k], atol=1e-5, rtol=0)
