@@ -39,8 +39,7 @@ def _progress_bar(desc: str):
     def update(done: int, total: int) -> None:
         if bar["bar"] is None:
             bar["bar"] = tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
-        bar["bar"].n = done
-        bar["bar"].refresh()
+        bar["bar"].update(done - bar["bar"].n)
 
     def close() -> None:
         if bar["bar"] is not None:
