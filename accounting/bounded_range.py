@@ -131,11 +131,14 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
         reach += n
         w -= n
         eps0 = n * h
-        e_eps0 = math.exp(eps0)
         denom = math.expm1(eps0)
+        # p_t = (e^eps0 - e^t)/(e^eps0 - 1) = e^t expm1(eps0 - t)/expm1(eps0) and
+        # 1 - p_t = expm1(t)/expm1(eps0): both without cancellation, also for tiny eps0
         p = np.empty(n + 1)
+        pq = np.empty(n + 1)
         for s in range(n + 1):
-            p[s] = (e_eps0 - math.exp(s * h)) / denom
+            p[s] = math.exp(s * h) * math.expm1(eps0 - s * h) / denom
+            pq[s] = math.expm1(s * h) / denom
         # upper-bound data per interval s: t = (s+1)h at nu = 0 and t = s h at nu = 1, where nu is the
         # position of y = e^{x - t} between the two lattice points (V is convex in y, not in x).
         # p as a function of nu is concave; its tangent at nu = 1/2 bounds it from above.
@@ -145,7 +148,9 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
         for s in range(n):
             K = math.exp((s + 1) * h)
             q = 1.0 + 0.5 * ch
-            pc[s] = (e_eps0 - K / q) / denom
+            # p(1/2) = (e^eps0 - u)/expm1(eps0) with log u = (s+1)h - log1p(ch/2): u expm1(eps0 - log u)
+            log_u = (s + 1) * h - math.log1p(0.5 * ch)
+            pc[s] = math.exp(log_u) * math.expm1(eps0 - log_u) / denom
             slope[s] = K * ch / (q * q) / denom
         start = max(a_lo - n, W - w)
         stop = min(a_hi + n, W + w)
@@ -162,7 +167,7 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
                 continue
             best_lo = 0.0
             for s in range(n + 1):
-                val = p[s] * lo_prev[a - s] + (1.0 - p[s]) * lo_prev[a - s + n]
+                val = p[s] * lo_prev[a - s] + pq[s] * lo_prev[a - s + n]
                 if val > best_lo:
                     best_lo = val
             best_up = 0.0

@@ -9,12 +9,20 @@ Composition (paper Theorem 1 and Corollary 1):
 * within one release, disjoint batches compose in **parallel**: n texts from n disjoint batches cost one
   sequence of T tokens (each reference influences one text); ``num_batches`` is recorded, not charged;
 * a batch used for ``texts_per_batch`` texts composes sequentially: T·texts_per_batch token steps;
-* separate releases on the same dataset compose **sequentially**: their token steps are concatenated.
+* separate releases on the same dataset compose **sequentially**, and their parameters may be chosen
+  after seeing earlier outputs (fully adaptive composition), so the ledger is a *privacy filter*.
 
-Every token step is ε0-bounded-range with its release's ε0 = 2Δ/τ, so the whole history is one
-sequence of BR steps, and the ledger's accountant (:mod:`accounting.accountants`) turns it into the
-spent ε at the ledger's δ: ``br-adaptive`` runs the heterogeneous DDR programme (steps rounded up to a
-common lattice), the zCDP accountants add ρ = Σ ε0²/8.
+Every token step is ε0-bounded-range with its release's ε0 = 2Δ/τ and ρ = ε0²/8-zCDP. The spend is:
+
+* **one release**: its T·texts_per_batch steps form a sequence fixed before it runs, so the ledger's
+  accountant applies as for a plan (``br-adaptive`` included);
+* **several releases**: ρ_total = Σ ρ over all steps, converted to ε at the ledger's δ with the ledger's
+  zCDP conversion (CKS for ``br-adaptive``). Summing ρ is a valid filter when each release's
+  parameters are chosen adaptively (Feldman & Zrnic 2021, "Individual Privacy Accounting via a Rényi
+  Filter", arXiv:2008.11193, Thm. 3.1; Whitehouse, Ramdas, Rogers & Wu 2023, "Fully-Adaptive
+  Composition in Differential Privacy", arXiv:2203.05481). The optimal bounded-range composition of a
+  *fixed* sequence is not: an analyst who picks the next release's ε0 from the previous output can
+  exceed it (``tests/test_accounting_review.py`` builds such an interaction).
 
 Durability: the ledger is a JSON file rewritten atomically (temporary file, fsync, ``os.replace``,
 directory fsync), so a crash leaves either the old or the new file, never a torn one. Concurrency: every
@@ -30,12 +38,12 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import math
 import os
 import tempfile
 import uuid
 from pathlib import Path
 
-import numpy as np
 from filelock import FileLock
 
 from accounting._validation import check_count, check_delta, check_positive
@@ -46,6 +54,7 @@ from accounting.accountants import (
     bounded_range_epsilon,
     composed_epsilon,
 )
+from accounting.conversions import ConversionMethod, zcdp_to_epsilon
 from accounting.sensitivity import Adjacency, Clipping, _coerce, linf_sensitivity
 
 __all__ = ["BudgetLedger", "BudgetExceededError", "LedgerError", "Release", "LedgerStatus"]
@@ -139,10 +148,15 @@ class LedgerStatus:
 
 
 def _spent_epsilon(releases: list[Release], delta: float, accountant: Accountant) -> float:
+    """Spend of the recorded releases (module docstring: one release vs a privacy filter over several)."""
     if not releases:
         return 0.0
-    steps = np.concatenate([np.full(r.num_steps, r.epsilon0) for r in releases])
-    return composed_epsilon(delta, steps, accountant=accountant)
+    if len(releases) == 1:
+        r = releases[0]
+        return composed_epsilon(delta, r.epsilon0, r.num_steps, accountant=accountant)
+    rho = math.fsum(r.num_steps * r.epsilon0**2 / 8.0 for r in releases)
+    conversion = ConversionMethod.CKS if accountant is Accountant.BR_ADAPTIVE else accountant.conversion
+    return zcdp_to_epsilon(rho, delta, conversion)
 
 
 def _now() -> str:
