@@ -11,8 +11,8 @@ Nothing here reuses ``accounting.bounded_range``'s kernel. The oracles are:
 * ``_crude_upper``: a first-order certified **upper** bound (ranges rounded up; for t in
   ``[sh, (s+1)h]`` the value is bounded with V non-increasing and p_t ≤ p_{sh}). Loose (O(h)), but
   independent of the library's chord-in-y/tangent argument: it checks the library's *lower* bound.
-* closed forms: one step, :math:`\delta(x) = e^{x}\,\mathrm{expm1}((\varepsilon_0-x)/2)^2/\mathrm{expm1}(\varepsilon_0)`
-  for 0 ≤ x ≤ ε0, written overflow-free as (1 − e^{−(ε0−x)/2})²/(1 − e^{−ε0}) (maximise p_t(1 − e^{x−t}) over t: t* = (x + ε0)/2); the non-adaptive optimum
+* closed forms: one step, δ(x) = (1 − e^{−(ε0−x)/2})² / (1 − e^{−ε0}) for 0 ≤ x ≤ ε0 (maximise
+  p_t (1 − e^{x−t}) over t: t* = (x + ε0)/2; written so that it cannot overflow); the non-adaptive optimum
   (DDR Theorem 3) in log space; the CKS bound (arXiv:2004.00010, Prop. 12) minimised over a dense
   grid of orders in mpmath.
 
