@@ -132,26 +132,31 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
         w -= n
         eps0 = n * h
         denom = math.expm1(eps0)
-        # p_t = (e^eps0 - e^t)/(e^eps0 - 1) = e^t expm1(eps0 - t)/expm1(eps0) and
-        # 1 - p_t = expm1(t)/expm1(eps0): both without cancellation, also for tiny eps0
+        # p_t = (e^eps0 - e^t)/(e^eps0 - 1) = e^(t-eps0) expm1(eps0 - t) / (-expm1(-eps0)) and
+        # 1 - p_t = expm1(t)/expm1(eps0) = e^(t-eps0) (-expm1(-t)) / (-expm1(-eps0)): no cancellation for
+        # tiny eps0 and no overflow for huge eps0 (every exponent is <= 0)
+        nd = -math.expm1(-eps0)
         p = np.empty(n + 1)
         pq = np.empty(n + 1)
         for s in range(n + 1):
-            p[s] = math.exp(s * h) * math.expm1(eps0 - s * h) / denom
-            pq[s] = math.expm1(s * h) / denom
+            t = s * h
+            w_t = math.exp(t - eps0)
+            p[s] = w_t * math.expm1(eps0 - t) / nd
+            pq[s] = w_t * -math.expm1(-t) / nd
         # upper-bound data per interval s: t = (s+1)h at nu = 0 and t = s h at nu = 1, where nu is the
         # position of y = e^{x - t} between the two lattice points (V is convex in y, not in x).
-        # p as a function of nu is concave; its tangent at nu = 1/2 bounds it from above.
-        ch = math.expm1(h)
+        # p(nu) = (e^eps0 - e^{(s+1)h}/(1 + nu (e^h - 1)))/(e^eps0 - 1) is concave in nu; its tangent at
+        # nu = 1/2 bounds it from above. With r = (e^h - 1)/(1 + (e^h - 1)/2) = 2 tanh(h/2):
+        # p(1/2) = e^(log_u - eps0) expm1(eps0 - log_u)/nd, log_u = (s+1)h - log1p((e^h - 1)/2), and
+        # p'(1/2) = e^((s+1)h - eps0) r / (1 + (e^h - 1)/2) / nd.
+        r = 2.0 * math.tanh(0.5 * h)
+        log_q = math.log1p(0.5 * math.expm1(h)) if h < 700.0 else h - math.log(2.0)
         pc = np.empty(n)
         slope = np.empty(n)
         for s in range(n):
-            K = math.exp((s + 1) * h)
-            q = 1.0 + 0.5 * ch
-            # p(1/2) = (e^eps0 - u)/expm1(eps0) with log u = (s+1)h - log1p(ch/2): u expm1(eps0 - log u)
-            log_u = (s + 1) * h - math.log1p(0.5 * ch)
-            pc[s] = math.exp(log_u) * math.expm1(eps0 - log_u) / denom
-            slope[s] = K * ch / (q * q) / denom
+            log_u = (s + 1) * h - log_q
+            pc[s] = math.exp(log_u - eps0) * math.expm1(eps0 - log_u) / nd
+            slope[s] = math.exp((s + 1) * h - eps0 - log_q) * r / nd
         start = max(a_lo - n, W - w)
         stop = min(a_hi + n, W + w)
         for a in range(start, stop + 1):
@@ -386,8 +391,9 @@ def br_adaptive_epsilon(
         u0, u1 = float(up[i - 1]), float(up[i])
         frac = min(max((u0 - delta) / (u0 - u1), 0.0), 1.0) if u0 > u1 else 1.0
         # V_T is convex in y = e^x: interpolate the upper values linearly in y (a certified bound)
-        y0, y1 = math.exp(float(eps[i - 1])), math.exp(float(eps[i]))
-        chord = min(math.log(y0 + frac * (y1 - y0)), float(eps[i]))
+        step = float(eps[i]) - float(eps[i - 1])
+        growth = math.expm1(step) if step < 700.0 else math.inf
+        chord = min(float(eps[i - 1]) + math.log1p(frac * growth), float(eps[i]))
         result = _refine_epsilon(delta, epsilon0s, float(eps[i - 1]), max(chord, 0.0), lattice_steps)
         return math.nextafter(max(result, 0.0), math.inf)
     return hi

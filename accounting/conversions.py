@@ -115,7 +115,8 @@ def _cks_epsilon(rho: float, delta: float) -> float:
 
 
 def _cks_delta(rho: float, epsilon: float) -> float:
-    return min(1.0, math.exp(_minimise_over_alpha(lambda am1: _cks_log_delta_at(am1, rho, epsilon))))
+    # log δ → 0 as α → 1, so δ ≤ 1 always; clamp before exponentiating (huge ρ overflows otherwise)
+    return math.exp(min(0.0, _minimise_over_alpha(lambda am1: _cks_log_delta_at(am1, rho, epsilon))))
 
 
 # --- dp-accounting RDP ---------------------------------------------------------------------------
