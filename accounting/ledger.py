@@ -44,7 +44,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from accounting._validation import check_count, check_delta, check_positive
 from accounting.accountants import (
@@ -265,35 +265,44 @@ class BudgetLedger:
         """
         if not isinstance(release, Release):
             raise ValueError(f"release must be a Release; got {type(release).__name__}")
-        with self._lock:
-            data = self._read()
-            for entry in data["releases"]:
-                if entry["release"]["release_id"] == release.release_id:
-                    recorded = Release.from_json(entry["release"])
-                    if recorded._parameters() != release._parameters():
-                        raise LedgerError(
-                            f"release_id {release.release_id!r} is already recorded with different "
-                            f"parameters ({recorded._parameters()}); use a new release_id"
-                        )
-                    return entry
-            budget = data["budget"]["epsilon"]
-            spent_after = self._projected(data, release)
-            if not spent_after <= budget:
-                raise BudgetExceededError(
-                    f"release {release.label or release.release_id!r} would bring the spend to "
-                    f"epsilon={spent_after:.6g} at delta={data['budget']['delta']:g}, over the budget "
-                    f"epsilon={budget:g} ({data['accountant']}); nothing was recorded"
-                )
-            entry = {
-                "recorded_at": _now(),
-                "release": release.to_json(),
-                "epsilon0": release.epsilon0,
-                "num_steps": release.num_steps,
-                "epsilon_spent_after": spent_after,
-            }
-            data["releases"].append(entry)
-            _atomic_write_json(self.path, data)
-            return entry
+        try:
+            self._lock.acquire()
+        except Timeout as err:
+            raise LedgerError(f"ledger {str(self.path)!r} is locked by another process; try again") from err
+        try:
+            return self._charge_locked(release)
+        finally:
+            self._lock.release()
+
+    def _charge_locked(self, release: Release) -> dict:
+        data = self._read()
+        for entry in data["releases"]:
+            if entry["release"]["release_id"] == release.release_id:
+                recorded = Release.from_json(entry["release"])
+                if recorded._parameters() != release._parameters():
+                    raise LedgerError(
+                        f"release_id {release.release_id!r} is already recorded with different "
+                        f"parameters ({recorded._parameters()}); use a new release_id"
+                    )
+                return entry
+        budget = data["budget"]["epsilon"]
+        spent_after = self._projected(data, release)
+        if not spent_after <= budget:
+            raise BudgetExceededError(
+                f"release {release.label or release.release_id!r} would bring the spend to "
+                f"epsilon={spent_after:.6g} at delta={data['budget']['delta']:g}, over the budget "
+                f"epsilon={budget:g} ({data['accountant']}); nothing was recorded"
+            )
+        entry = {
+            "recorded_at": _now(),
+            "release": release.to_json(),
+            "epsilon0": release.epsilon0,
+            "num_steps": release.num_steps,
+            "epsilon_spent_after": spent_after,
+        }
+        data["releases"].append(entry)
+        _atomic_write_json(self.path, data)
+        return entry
 
 
 def _atomic_write_json(path: Path, data: dict) -> None:

@@ -16,9 +16,9 @@ Nothing here reuses ``accounting.bounded_range``'s kernel. The oracles are:
   (DDR Theorem 3) in log space; the CKS bound (arXiv:2004.00010, Prop. 12) minimised over a dense
   grid of orders in mpmath.
 
-Tests marked ``xfail(strict=True)`` reproduce confirmed defects (see the review report): they fail
-today and will XPASS, i.e. fail loudly, once the defect is fixed, so the marker must then be removed.
-Defects already fixed keep their reproducer as a plain regression test.
+The confirmed defects of the review (huge ε0 reported as free, overflow crashes, cancellation for tiny
+ε0, the ledger as a filter for adaptively chosen releases) were fixed; their reproducers stay here as
+regression tests.
 """
 
 import math
@@ -247,12 +247,6 @@ def test_one_step_upper_tiny_eps0_floating_point(eps0):
         assert _one_step_exact(x, eps0) <= br_adaptive_delta(x, eps0, 1).upper
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review finding: for eps0 > ~709.8 math.exp(eps0) overflows in the kernel, p_t becomes NaN, every "
-    "comparison fails and the 'certified' upper delta is 0.0; composed_epsilon then reports epsilon = 0 "
-    "and the ledger charges nothing (e.g. C = 1, B = 1, temperature = 0.0025 gives eps0 = 800)",
-)
 @pytest.mark.parametrize("eps0", [710.0, 800.0])
 def test_huge_eps0_is_not_reported_as_free(eps0):
     exact = _one_step_exact(1.0, eps0)  # ~ 1: one token at eps0 >= 710 is essentially not private
@@ -263,12 +257,6 @@ def test_huge_eps0_is_not_reported_as_free(eps0):
     assert not fits_budget(0.1, 1e-6, eps0, 1, "br-adaptive")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review finding: math.exp overflows (OverflowError) in br_adaptive_epsilon's chord once the "
-    "epsilon window passes ~709.8, and in the CKS delta once rho is ~1e7; a large spend should be "
-    "reported (or delta = 1), not crash",
-)
 def test_large_spends_are_reported_not_raised():
     # 50 tokens at eps0 = 200 (C = 1, B = 1, temperature = 0.01): at least one token's worth of epsilon
     plan = epsilon_for_clip_norm(clip_norm=1.0, max_new_tokens=50, batch_size=1, temperature=0.01, delta=1e-6)
