@@ -62,7 +62,15 @@ def main() -> int:
     from invink_audit.audit.quick import quick_audit
     from invink_audit.bench import demo_references
 
-    report = quick_audit(result, demo_references(), prompt_fields={"description": demo_generate.DESCRIPTION})
+    # a short audit for the demo: 12 sampled texts per neighbour and direction, 4 importance-sampled
+    # texts per alpha (audits/ holds the full-size specs)
+    report = quick_audit(
+        result,
+        demo_references(),
+        prompt_fields={"description": demo_generate.DESCRIPTION},
+        num_samples=12,
+        num_is_samples=4,
+    )
     print(report.summary())
     print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return 0 if report.verdict.value != "VIOLATION" else 1
