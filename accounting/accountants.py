@@ -165,7 +165,6 @@ def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-ad
         upper = bounded_range._br_upper_fast(target, e0, num_steps, delta)
         return math.log(max(upper, 1e-300)) - math.log(delta)
 
-    feasible = base
     lo, f_lo = base, excess(base)
     if f_lo > 0:  # the DP alone is looser than CKS here: CKS remains the certified answer
         return base
@@ -175,25 +174,5 @@ def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-ad
         lo, f_lo = hi, f_hi
         hi *= 1.08
         f_hi = excess(hi)
-    feasible = lo
-    # Illinois (regula falsi) on log δ_upper(ε0), a smooth increasing function
-    side = 0
-    for _ in range(60):
-        if hi - lo <= rtol * lo:
-            break
-        mid = hi - f_hi * (hi - lo) / (f_hi - f_lo)
-        if not lo < mid < hi:
-            mid = 0.5 * (lo + hi)
-        f_mid = excess(mid)
-        if f_mid <= 0:
-            lo, f_lo = mid, f_mid
-            feasible = mid
-            if side == -1:
-                f_hi *= 0.5
-            side = -1
-        else:
-            hi, f_hi = mid, f_mid
-            if side == 1:
-                f_lo *= 0.5
-            side = 1
-    return feasible
+    # Illinois regula falsi on log δ_upper(ε0), a smooth increasing function; returns a verified point
+    return bounded_range.last_feasible(excess, lo, hi, f_lo, f_hi, rtol=rtol, iterations=60)

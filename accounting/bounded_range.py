@@ -441,25 +441,35 @@ def _refine_epsilon(delta, epsilon0s, infeasible, feasible, lattice_steps, *, rt
         return feasible
     if f_in <= 0:
         return infeasible
+    return last_feasible(excess, infeasible, feasible, f_in, f_fe, rtol=rtol, iterations=iterations)
+
+
+def last_feasible(excess, a, b, f_a, f_b, *, rtol, iterations):
+    """Illinois regula falsi on a monotone ``excess`` with opposite signs at ``a`` and ``b``.
+
+    ``excess(x) <= 0`` means feasible. Returns the feasible end of the final bracket, so the answer
+    is always a point that was *evaluated* feasible (the safe side), within relative ``rtol`` of the
+    boundary unless ``iterations`` run out first.
+    """
     side = 0
     for _ in range(iterations):
-        if feasible - infeasible <= rtol * feasible:
+        if abs(b - a) <= rtol * max(abs(a), abs(b)):
             break
-        mid = feasible - f_fe * (feasible - infeasible) / (f_fe - f_in)
-        if not infeasible < mid < feasible:
-            mid = 0.5 * (infeasible + feasible)
+        mid = b - f_b * (b - a) / (f_b - f_a)
+        if not min(a, b) < mid < max(a, b):
+            mid = 0.5 * (a + b)
         f_mid = excess(mid)
-        if f_mid <= 0:
-            feasible, f_fe = mid, f_mid
+        if (f_mid <= 0) == (f_a <= 0):
+            a, f_a = mid, f_mid
             if side == -1:
-                f_in *= 0.5
+                f_b *= 0.5
             side = -1
         else:
-            infeasible, f_in = mid, f_mid
+            b, f_b = mid, f_mid
             if side == 1:
-                f_fe *= 0.5
+                f_a *= 0.5
             side = 1
-    return feasible
+    return a if f_a <= 0 else b
 
 
 def _epsilon0_array(epsilon0, num_steps) -> np.ndarray:
