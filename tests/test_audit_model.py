@@ -231,3 +231,24 @@ def test_shared_prefill_engine_decodes_exactly_like_the_engine(tiny):
     assert seen["plain"].keys() == seen["shared"].keys()
     for k in seen["plain"]:
         torch.testing.assert_close(seen["shared"][k], seen["plain"][k], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_model_audit_on_the_embedded_model():
+    """End to end on SmolLM2-135M-Instruct: exact checks hold and the hardest-case canary saturates eps0."""
+    from invink_audit.models import embedded_gguf_path
+
+    try:
+        embedded_gguf_path()
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+        pytest.skip(f"embedded model unavailable: {err}")
+    config = WhiteBoxConfig(num_samples=4, num_is_samples=2, neighbours=(1,), alphas=(2.0,), min_samples=4)
+    rep = model_audit.audit_model(
+        ["Great tacos and a friendly waiter named Sam.", None],
+        model_audit.ModelAuditSettings(max_new_tokens=3, epsilon=3.0, delta=1e-6, top_k=50),
+        config, prompt="yelp", hardest_case_slot=1, generator=_gen(1),
+    )
+    assert sum(rep.step_checks.failures.values()) == 0
+    assert rep.step_checks.max_loss_range == pytest.approx(rep.step_checks.epsilon0, rel=1e-9)
+    assert rep.verdict is Verdict.PASS
+    assert rep.step_checks.worst_prefix["prefix"] is not None

@@ -144,7 +144,7 @@ def test_intervals_cover_exact_divergences_at_the_stated_rate():
     gen = torch.Generator().manual_seed(123)
     misses = total = 0
     delta_misses = delta_total = 0
-    reps = 12
+    reps = 40
     for _ in range(reps):
         rec = synthetic.run_synthetic_audit(source, mech, config, generator=gen)
         rep = analysis.analyse(rec, mechanism="correct", source="enumerable", exact=exact)

@@ -329,7 +329,7 @@ def _blackbox_markdown(r: BlackBoxReport) -> str:
         f"**Verdict: {r.verdict.value}** at significance {r.significance:g}. {r.reason}.",
         "",
         f"- claimed (ε, δ) = ({_fmt(r.claimed_epsilon)}, {_fmt(r.claimed_delta)})",
-        f"- ε lower bound (Clopper–Pearson, threshold chosen on held-out trials): {_fmt(r.epsilon_lower_bound)}",
+        f"- ε lower bound (Clopper–Pearson; score and threshold chosen on the selection half, bound computed on the held-out half): {_fmt(r.epsilon_lower_bound)}",
         f"- score: {r.score}; threshold {_fmt(r.threshold)}",
         f"- evaluation: TP {r.true_positives}/{r.positives}, FP {r.false_positives}/{r.negatives}",
         f"- trials: {r.num_trials}",
@@ -427,7 +427,7 @@ def _plots_blackbox(r: BlackBoxReport, out: Path) -> list[str]:
         bins = np.linspace(allv.min(), allv.max() + 1e-9, 30)
         ax.hist(r.scores_without, bins=bins, alpha=0.6, label="without canary")
         ax.hist(r.scores_with, bins=bins, alpha=0.6, label="with canary")
-        ax.axvline(r.threshold, color="k", ls="--", label="threshold (held-out)")
+        ax.axvline(r.threshold, color="k", ls="--", label="threshold (chosen on the selection half)")
     ax.set_xlabel(f"score ({r.score})")
     ax.set_ylabel("trials")
     ax.legend(fontsize=7)
