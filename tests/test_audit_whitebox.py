@@ -79,7 +79,7 @@ def test_step_quantities_match_brute_force(pair):
             np.testing.assert_allclose(q.delta_forward[g, j].numpy(), dfw, atol=1e-12)
             np.testing.assert_allclose(q.delta_reverse[g, j].numpy(), drv, atol=1e-12)
     # compaction to the union of supports changes nothing
-    ca, cn = compact_support(actual, neigh)
+    ca, cn, _ = compact_support(actual, neigh)
     qc = step_quantities(ca, cn, alphas, eps)
     for name in ("loss_range", "renyi_forward", "renyi_reverse", "delta_forward", "delta_reverse"):
         torch.testing.assert_close(getattr(qc, name), getattr(q, name), atol=1e-12, rtol=0)
@@ -90,8 +90,9 @@ def test_compaction_keeps_only_the_union_of_supports():
     actual = torch.full((2, v), -math.inf, dtype=torch.float64)
     actual[:, :5] = torch.log_softmax(torch.randn(2, 5, dtype=torch.float64), -1)
     neigh = actual.unsqueeze(1).repeat(1, 3, 1)
-    ca, cn = compact_support(actual, neigh)
+    ca, cn, kept = compact_support(actual, neigh)
     assert ca.shape == (2, 5) and cn.shape == (2, 3, 5)
+    assert sorted(kept[0].tolist()) == [0, 1, 2, 3, 4]
 
 
 def test_geometric_mixture_is_normalised_power_product():

@@ -26,6 +26,7 @@ __all__ = [
     "AccountantComparison",
     "WhiteBoxReport",
     "BlackBoxReport",
+    "report_from_dict",
     "to_jsonable",
     "write_report",
 ]
@@ -204,6 +205,42 @@ class BlackBoxReport:
         return to_jsonable(self)
 
 
+def _num(x):
+    """Inverse of :func:`to_jsonable` for floats written as strings."""
+    if isinstance(x, str) and x in ("inf", "-inf", "nan"):
+        return float(x)
+    if isinstance(x, list):
+        return [_num(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _num(v) for k, v in x.items()}
+    return x
+
+
+def report_from_dict(data: dict):
+    """Rebuild a :class:`WhiteBoxReport` or :class:`BlackBoxReport` from its ``to_dict()`` (e.g. to
+    re-render a committed ``report.json``)."""
+    d = _num(dict(data))
+    d["verdict"] = Verdict(d["verdict"])
+    if d.get("kind") == "black-box":
+        for k in ("notes", "scores_with", "scores_without"):
+            d[k] = tuple(d.get(k, ()))
+        return BlackBoxReport(**d)
+    if d.get("kind") != "white-box":
+        raise ValueError(f"not an audit report: kind={d.get('kind')!r}")
+    sc = dict(d["step_checks"])
+    sc["max_renyi_ratio"] = {float(k): v for k, v in sc["max_renyi_ratio"].items()}
+    sc["max_loss_range_per_step"] = tuple(sc["max_loss_range_per_step"])
+    sc["max_renyi_ratio_per_step"] = tuple(tuple(row) for row in sc["max_renyi_ratio_per_step"])
+    d["step_checks"] = StepCheckSummary(**sc)
+    d["sequence"] = tuple(SequenceEstimate(**row) for row in d["sequence"])
+    d["delta"] = tuple(DeltaEstimate(**row) for row in d["delta"])
+    d["accountants"] = tuple(AccountantComparison(**row) for row in d["accountants"])
+    d["tests"] = tuple(TestResult(**row) for row in d["tests"])
+    d["canaries"] = {int(k): v for k, v in d["canaries"].items()}
+    d["notes"] = tuple(d.get("notes", ()))
+    return WhiteBoxReport(**d)
+
+
 # ---------------------------------------------------------------------------------------------
 # rendering
 
@@ -375,7 +412,8 @@ def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
         ax.set_yscale("log")
     ax.set_xlabel("Rényi order α")
     ax.set_ylabel("D_α (nats)")
-    ax.set_title(f"{r.mechanism}: neighbour {r.worst_neighbour.get('index')} (worst)")
+    label = str(r.worst_neighbour.get("label") or "")
+    ax.set_title(f"worst neighbour {r.worst_neighbour.get('index')}" + (f": {label[:60]}" if label else ""), fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "renyi.png", dpi=110)
@@ -405,6 +443,9 @@ def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
         if inf_steps.size:
             ax.plot(inf_steps, np.full(inf_steps.size, r.step_checks.epsilon0 * 1.5), "rx", label="infinite (support mismatch)")
     ax.axhline(r.step_checks.epsilon0, color="k", ls="--", label="ε0 = 2C/(Bτ)")
+    finite_max = float(np.nanmax(np.where(np.isfinite(per), per, np.nan))) if per.size and np.isfinite(per).any() else 0.0
+    ax.set_ylim(0.0, 1.6 * max(r.step_checks.epsilon0, finite_max))
+    ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_xlabel("decoding step")
     ax.set_ylabel("privacy-loss range (nats)")
     ax.legend(fontsize=7)

@@ -306,21 +306,25 @@ def step_quantities(
     )
 
 
-def compact_support(actual: torch.Tensor, neighbours: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_support(
+    actual: torch.Tensor, neighbours: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Restrict (G, V) / (G, B, V) log-probabilities to the union of their supports, per row.
 
     Exact: a token outside every support is −∞ under all distributions and contributes nothing to
     any checked quantity. With a Top-k+ set of ~k ≪ V tokens this makes the per-step checks cost
     O(G·B·k) instead of O(G·B·V). Rows keep ``m`` columns, ``m`` the largest union size (columns
-    beyond a row's own union are −∞ everywhere). Returns the inputs unchanged when ``m > V/2``.
+    beyond a row's own union are −∞ everywhere). Returns ``(actual_c, neighbours_c, index)`` with
+    ``index`` (G, m) the kept token ids, or the inputs and ``None`` when ``m > V/2``.
     """
     g, b, v = neighbours.shape
-    union = torch.isfinite(actual) | torch.isfinite(neighbours).any(1)
+    # one reduction over B instead of a (G, B, V) boolean temporary; log-probabilities are never +inf
+    union = (actual > -math.inf) | (neighbours.amax(1) > -math.inf)
     m = int(union.sum(-1).max().item()) if g else 0
     if m == 0 or 2 * m > v:
-        return actual, neighbours
+        return actual, neighbours, None
     idx = torch.topk(union.to(torch.float32), m, dim=-1, sorted=False).indices  # (G, m)
-    return actual.gather(1, idx), neighbours.gather(2, idx.unsqueeze(1).expand(g, b, m))
+    return actual.gather(1, idx), neighbours.gather(2, idx.unsqueeze(1).expand(g, b, m)), idx
 
 
 def _step_delta_claims(claim: Claim, epsilons: Sequence[float]) -> list[float]:
@@ -434,7 +438,7 @@ class WhiteBoxRecorder:
         neighbours = neighbours.to(self.device, _DTYPE)
         if neighbours.shape[1] != self.batch_size:
             raise ValueError(f"neighbours has {neighbours.shape[1]} rows; the claim is for batch_size={self.batch_size}")
-        ca, cn = compact_support(actual, neighbours)
+        ca, cn, kept = compact_support(actual, neighbours)
         q = step_quantities(ca, cn, self.config.alphas, self.step_epsilons)
         tol = EXACT_TOLERANCE
         support_fail = q.forward_infinite | q.reverse_infinite
@@ -464,12 +468,15 @@ class WhiteBoxRecorder:
         nb = self._nb[ids]
         alpha = self._alphas[self._ai[ids]].unsqueeze(-1)
         rows = torch.arange(ids.numel(), device=self.device)
-        lq = neighbours[rows, nb]  # (G, V)
-        weights = torch.where((kind == KIND_NEIGHBOUR).unsqueeze(-1), lq, actual)
-        mix_f = _geometric_mixture(actual, lq, alpha)
-        mix_r = _geometric_mixture(lq, actual, alpha)
+        # sampling weights on the compacted support (exact: −inf elsewhere), scattered back to V
+        lq = cn[rows, nb]  # (G, m)
+        weights = torch.where((kind == KIND_NEIGHBOUR).unsqueeze(-1), lq, ca)
+        mix_f = _geometric_mixture(ca, lq, alpha)
+        mix_r = _geometric_mixture(lq, ca, alpha)
         weights = torch.where((kind == KIND_MIXTURE_FORWARD).unsqueeze(-1), mix_f, weights)
         weights = torch.where((kind == KIND_MIXTURE_REVERSE).unsqueeze(-1), mix_r, weights)
+        if kept is not None:
+            weights = torch.full_like(actual, -math.inf).scatter_(1, kept, weights)
         # IS increments: this step's exact D_alpha of the text's pair, in its direction
         ai = self._ai[ids]
         d_f = q.renyi_forward[rows, nb, ai]
