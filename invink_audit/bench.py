@@ -14,9 +14,12 @@ non-private step) and summarised by their medians, so load on the machine affect
 ``overhead_ratio`` = private / forward is the price of the mechanism itself;
 ``relative_to_nonprivate`` = (private / G) / non-private is the price of privacy per token.
 
-The reference package (PyPI ``invink`` 0.1.0) can be timed on the same workload when importable
-(:func:`time_reference`): it calls ``model.generate(max_new_tokens=1)`` once per token and moves the
-logits through numpy.
+A last, separate run decodes the whole workload as a user would (all G texts, prefill included,
+stopping at end-of-sequence): ``workload_seconds`` / ``workload_tokens`` is our cost per generated
+token. The reference package (PyPI ``invink`` 0.1.0) can be timed on the same workload when importable
+(:func:`time_reference`): the same G texts of the same B references and prompts, one text after another
+as it works, calling ``model.generate(max_new_tokens=1)`` once per token and moving the logits through
+numpy. The speedup is the ratio of the two costs per generated token.
 """
 
 from __future__ import annotations
@@ -50,18 +53,36 @@ def demo_references() -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceTiming:
-    """Wall-clock cost of the reference package's decode loop (model loading excluded)."""
+    """Wall-clock cost of the reference package's decode loop on the benchmark's workload.
+
+    ``seconds`` is its decode loop alone (prompt encoding, prefill and every per-token step of every
+    text); ``setup_seconds`` the rest of its ``generate`` call except model loading. ``token_seconds`` =
+    ``seconds`` / ``tokens`` (it stops at end-of-sequence). ``dtype`` is the dtype its model ran in;
+    ``requested_dtype`` and ``requested_device_map`` are ``None`` where the package chose (its defaults:
+    bfloat16, which it turns into float16 on a machine without CUDA bfloat16, and ``device_map="auto"``,
+    which places the model through accelerate's dispatch hooks).
+    """
 
     token_seconds: float
     tokens: int
     seconds: float
+    setup_seconds: float
     version: str
     dtype: str
+    requested_dtype: str | None
+    requested_device_map: str | int | None
+
+    @property
+    def configuration(self) -> str:
+        """``"shipped"`` when dtype and device map are the package's defaults, else what was forced."""
+        if self.requested_dtype is None and self.requested_device_map is None:
+            return "shipped"
+        return f"dtype={self.requested_dtype or 'default'}, device_map={self.requested_device_map!r}"
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchResult:
-    """Medians over the measured steps (seconds). See the module docstring for definitions."""
+    """Medians over the measured steps (seconds), and the whole-workload run. See the module docstring."""
 
     model: str
     device: str
@@ -78,18 +99,26 @@ class BenchResult:
     tokens_per_second: float
     nonprivate_step_seconds: float
     relative_to_nonprivate: float
-    reference: ReferenceTiming | None = None
+    workload_seconds: float
+    workload_tokens: int
+    references: tuple[ReferenceTiming, ...] = ()
 
     @property
-    def speedup_vs_reference(self) -> float | None:
-        """Reference seconds per token of one text ÷ ours (G texts share a step)."""
-        if self.reference is None:
-            return None
-        return self.reference.token_seconds / (self.private_step_seconds / self.num_texts)
+    def workload_token_seconds(self) -> float:
+        """Seconds per generated token of the whole workload (prefill and end-of-sequence included)."""
+        return self.workload_seconds / self.workload_tokens
+
+    def speedup(self, reference: ReferenceTiming) -> float:
+        """The reference's decode-loop seconds per token ÷ ours, both over the whole same workload."""
+        return reference.token_seconds / self.workload_token_seconds
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
-        out["speedup_vs_reference"] = self.speedup_vs_reference
+        out["workload_token_seconds"] = self.workload_token_seconds
+        out["references"] = [
+            {**dataclasses.asdict(reference), "configuration": reference.configuration, "speedup": self.speedup(reference)}
+            for reference in self.references
+        ]
         return out
 
 
@@ -182,6 +211,19 @@ def _interleaved_run(engine: Engine, requests, max_new_tokens: int, temperature:
     return private_steps[1:], forward_steps, single_steps
 
 
+def _workload_run(engine: Engine, requests, max_new_tokens: int, device) -> tuple[float, int]:
+    """The whole workload as a user runs it: all texts, prefill included, stopping at end-of-sequence.
+
+    Returns (wall seconds, tokens generated)."""
+    tokens = 0
+    _sync(device)
+    started = time.perf_counter()
+    for text in engine.generate(requests, max_new_tokens=max_new_tokens, generator=_generator(device)):
+        tokens += text.num_tokens
+    _sync(device)
+    return time.perf_counter() - started, tokens
+
+
 def benchmark(
     model: str | LoadedModel | None = None,
     *,
@@ -234,6 +276,7 @@ def benchmark(
         private_steps += private
         forward_steps += forward
         single_steps += single
+    workload_seconds, workload_tokens = _workload_run(engine, requests, max_new_tokens, loaded.device)
     private = statistics.median(private_steps)
     forward = statistics.median(forward_steps)
     single = statistics.median(single_steps)
@@ -253,6 +296,8 @@ def benchmark(
         tokens_per_second=num_texts / private,
         nonprivate_step_seconds=single,
         relative_to_nonprivate=(private / num_texts) / single,
+        workload_seconds=workload_seconds,
+        workload_tokens=workload_tokens,
     )
 
 
@@ -266,14 +311,18 @@ def time_reference(
     template: PromptTemplate | str = "generic",
     temperature: float = 1.0,
     top_k: int = 100,
-    dtype: str = "float32",
+    dtype: str | None = None,
+    device_map: str | int | None = None,
 ) -> ReferenceTiming:
-    """Time the reference ``invink`` package's ``generate`` on the same workload (model loading excluded).
+    """Time the reference ``invink`` package's decode loop on the benchmark's workload.
 
-    Its ``batch_size`` is ``B + 1``; it is given our prompt template (same prompt lengths) in its
-    positional format, ``dtype`` (float32 by default, as ours on CPU; its own default ``"bfloat16"``
-    becomes float16 on a CPU-only machine), and ``max_toks = T`` explicitly. It stops at end-of-sequence,
-    so the cost is normalised per generated token. Raises ``ImportError`` when it is not installed.
+    The workload is the one :func:`benchmark` runs: ``num_texts`` texts, each from ``batch_size``
+    references of the same pool (its ``batch_size`` argument is ``B + 1``), our prompt template in its
+    positional format (same prompts), ``max_toks = T`` explicitly. ``dtype=None`` and
+    ``device_map=None`` leave them to the package (its shipped defaults); a value forces one (its
+    ``device_map`` takes ``-1`` for CPU, a CUDA index, or ``"auto"``). The decode loop is timed from its first text
+    to its last (its ``tqdm`` loop); model loading and its other setup are excluded from
+    ``token_seconds``. Raises ``ImportError`` when it is not installed.
     """
     import importlib
     import importlib.metadata
@@ -288,17 +337,29 @@ def time_reference(
     pool = list(references) if references is not None else [r for r in demo_references() if r]
     texts = [pool[i % len(pool)] for i in range(num_texts * batch_size)]
 
-    loading = []
-    original = reference.load_hf_model
+    loading, loop, dtypes = [], [], []
+    original_load, original_tqdm = reference.load_hf_model, reference.tqdm
 
     def timed_load(*args, **kwargs):
         started = time.perf_counter()
         try:
-            return original(*args, **kwargs)
+            model = original_load(*args, **kwargs)
         finally:
             loading.append(time.perf_counter() - started)
+        dtypes.append(str(model.dtype).removeprefix("torch."))
+        return model
 
-    reference.load_hf_model = timed_load
+    def timed_loop(iterable, *args, **kwargs):
+        started = time.perf_counter()
+        yield from iterable
+        loop.append(time.perf_counter() - started)
+
+    reference.load_hf_model, reference.tqdm = timed_load, timed_loop
+    options = {}
+    if dtype is not None:
+        options["dtype"] = dtype
+    if device_map is not None:
+        options["device_map"] = device_map
     started = time.perf_counter()
     try:
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
@@ -316,23 +377,27 @@ def time_reference(
                 max_toks=max_new_tokens,
                 temperature=temperature,
                 topk=top_k,
-                dtype=dtype,
-                device_map=-1,
                 drop_empty=False,
                 allow_download=False,
                 trust_remote_code=False,
                 random_seed=0,
+                **options,
             )
     finally:
-        reference.load_hf_model = original
-    seconds = time.perf_counter() - started - sum(loading)
+        reference.load_hf_model, reference.tqdm = original_load, original_tqdm
+    total = time.perf_counter() - started
+    if len(loop) != 1:
+        raise RuntimeError("could not time the reference package's decode loop (its tqdm loop was not used)")
     tokens = int(sum(out.lens))
     return ReferenceTiming(
-        token_seconds=seconds / tokens,
+        token_seconds=loop[0] / tokens,
         tokens=tokens,
-        seconds=seconds,
+        seconds=loop[0],
+        setup_seconds=total - loop[0] - sum(loading),
         version=importlib.metadata.version("invink") if _has_metadata("invink") else "unknown",
-        dtype=dtype,
+        dtype=dtypes[0] if dtypes else "unknown",
+        requested_dtype=dtype,
+        requested_device_map=device_map,
     )
 
 

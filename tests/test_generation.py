@@ -270,4 +270,6 @@ def test_cli_bench_reports_side_by_side_timings(capsys):
     for key in ("private_step_seconds", "forward_step_seconds", "overhead_ratio", "tokens_per_second"):
         assert report[key] > 0
     assert report["overhead_ratio"] == pytest.approx(report["private_step_seconds"] / report["forward_step_seconds"])
-    assert report["rows_per_step"] == 3 and report["reference"] is None
+    assert report["rows_per_step"] == 3 and report["references"] == []
+    assert 1 <= report["workload_tokens"] <= 4  # one text of 1..T tokens (the workload run stops at EOS)
+    assert report["workload_token_seconds"] == pytest.approx(report["workload_seconds"] / report["workload_tokens"])

@@ -1,0 +1,110 @@
+"""bench: the lockstep measurements, the whole-workload run, and how the reference package is timed.
+
+The reference package itself is not a dependency; a stand-in module with its calling convention checks
+what :func:`invink_audit.bench.time_reference` passes to it and which part of its run it times.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+
+import pytest
+
+from invink_audit.bench import benchmark, time_reference
+from invink_audit.cli import main
+from invink_audit.models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(seed=3)
+
+
+def test_benchmark_measures_lockstep_steps_and_the_whole_workload(tiny):
+    result = benchmark(tiny, batch_size=3, max_new_tokens=5, num_texts=2, repeats=1, top_k=8)
+    assert result.rows_per_step == 2 * 4
+    assert result.overhead_ratio == pytest.approx(result.private_step_seconds / result.forward_step_seconds)
+    assert result.tokens_per_second == pytest.approx(2 / result.private_step_seconds)
+    assert 2 <= result.workload_tokens <= 2 * 5  # two texts of 1..T tokens each (EOS honoured)
+    assert result.workload_token_seconds == pytest.approx(result.workload_seconds / result.workload_tokens)
+    report = result.to_json()
+    assert report["references"] == [] and report["workload_token_seconds"] > 0
+
+
+class _FakeModel:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+def _fake_reference(monkeypatch, *, load_seconds=0.05, setup_seconds=0.05, step_seconds=0.002):
+    """A stand-in for ``invink.generate``: loads a model, does setup, then a tqdm loop over texts."""
+    import torch
+
+    module = types.ModuleType("invink.generate")
+    calls = []
+
+    def load_hf_model(name_or_path, dtype=None, device_map=None, **kwargs):
+        time.sleep(load_seconds)
+        return _FakeModel(torch.float32 if dtype == "float32" else torch.float16)
+
+    def tqdm(iterable):
+        return iter(iterable)
+
+    def generate(texts, *, num, max_toks, batch_size, dtype="bfloat16", device_map="auto", **kwargs):
+        calls.append(dict(texts=list(texts), num=num, max_toks=max_toks, batch_size=batch_size, dtype=dtype,
+                          device_map=device_map, **kwargs))
+        module.load_hf_model(kwargs["model_name_or_path"], dtype=dtype, device_map=device_map)
+        time.sleep(setup_seconds)
+        lens = []
+        for _ in module.tqdm(range(num)):
+            for _step in range(max_toks - 1):  # each text stops one token early (end-of-sequence)
+                time.sleep(step_seconds)
+            lens.append(max_toks - 1)
+        return types.SimpleNamespace(lens=lens)
+
+    module.load_hf_model, module.tqdm, module.generate = load_hf_model, tqdm, generate
+    monkeypatch.setitem(sys.modules, "invink.generate", module)
+    monkeypatch.setitem(sys.modules, "invink", types.ModuleType("invink"))
+    return calls
+
+
+def test_time_reference_times_only_the_decode_loop_of_the_same_workload(monkeypatch):
+    calls = _fake_reference(monkeypatch, load_seconds=0.2, setup_seconds=0.2, step_seconds=0.004)
+    refs = ["alpha", "beta", "gamma"]
+    timing = time_reference("/model", batch_size=2, max_new_tokens=6, num_texts=2, references=refs)
+    (call,) = calls
+    assert call["batch_size"] == 3 and call["num"] == 2 and call["max_toks"] == 6
+    assert call["texts"] == ["alpha", "beta", "gamma", "alpha"]  # G*B references, the pool cycled
+    assert call["drop_empty"] is False and call["allow_download"] is False
+    assert call["dtype"] == "bfloat16" and call["device_map"] == "auto"  # its shipped defaults, untouched
+    assert timing.tokens == 2 * 5 and timing.configuration == "shipped" and timing.dtype == "float16"
+    # the loop slept 10 x 4 ms; loading (0.2 s) and setup (0.2 s) are not in it
+    assert 0.04 <= timing.seconds < 0.2
+    assert timing.token_seconds == pytest.approx(timing.seconds / timing.tokens)
+    assert timing.setup_seconds >= 0.2
+    assert sys.modules["invink.generate"].tqdm.__name__ == "tqdm"  # patches undone
+
+
+def test_time_reference_can_match_our_dtype_and_device(monkeypatch):
+    calls = _fake_reference(monkeypatch)
+    timing = time_reference("/model", batch_size=2, max_new_tokens=3, dtype="float32", device_map=-1)
+    assert calls[0]["dtype"] == "float32" and calls[0]["device_map"] == -1
+    assert timing.dtype == "float32" and timing.configuration == "dtype=float32, device_map=-1"
+
+
+def test_cli_bench_checks_reference_options_before_the_long_run(monkeypatch, capsys):
+    import invink_audit.bench as bench
+
+    def never(*args, **kwargs):
+        raise AssertionError("the benchmark must not start")
+
+    monkeypatch.setattr(bench, "benchmark", never)
+    assert main(["bench", "--reference", "--reference-config", "shipped,fast"]) == 2
+    err = capsys.readouterr().err
+    assert "--reference-config" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setitem(sys.modules, "invink", None)  # not importable
+    assert main(["bench", "--reference"]) == 2
+    err = capsys.readouterr().err
+    assert "not importable" in err and len(err.strip().splitlines()) == 1
