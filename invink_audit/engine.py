@@ -15,6 +15,16 @@ texts are prefilled and join it (continuous batching), so the batch stays full. 
 shards of at most ``max_batch_rows`` rows, each with its own KV cache; normally all rows fit in one
 shard and a step is exactly one forward pass.
 
+Private logits on the Top-k+ set only. Outside :math:`V_k^+` a token's probability is exactly zero
+whatever the private logits are, and :math:`V_k^+` depends on the public row alone (paper §4,
+Algorithm 1), so when no hook needs full private logits the engine runs the model up to its last
+hidden states, applies the output layer to the public rows (G × V), and computes the private rows'
+logits on each text's Top-k+ columns only (G × B × |V_k^+| instead of G × B × V: the output layer is
+a fifth of SmolLM2-135M's forward pass). The mechanism then runs on those columns. This is enabled per
+model only after a probe shows that the model's logits are exactly its output layer applied to its
+last hidden state (no logit scaling or soft-capping); otherwise, and whenever a hook is set, every
+row's full logits are computed.
+
 Hooks, both optional and free when unused:
 
 * ``observer(step)``: called once per step with a :class:`DecodeStep` holding the public and private
@@ -36,7 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from invink_audit.mechanism import MechanismConfig, NeighbourLogProbs, sample_tokens
+from invink_audit.mechanism import MechanismConfig, NeighbourLogProbs, sample_tokens, topk_plus_mask
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest
 
@@ -329,12 +339,62 @@ class _Live:
         return len(self.prompts)
 
 
+@dataclasses.dataclass(frozen=True)
+class _OutputLayerSplit:
+    decoder: torch.nn.Module  # input ids → last hidden states (with the cache)
+    head: torch.nn.Linear  # hidden states → logits
+
+
+# config attributes of models whose logits are not just the output layer (scaled or soft-capped)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _output_layer_split(model: LoadedModel) -> _OutputLayerSplit | None:
+    """The model as (decoder, output layer) when its logits are exactly ``head(decoder(x))``, else None.
+
+    Checked on the model itself: its config has no known logit transform, its output layer is a
+    ``torch.nn.Linear``, and on a probe of two rows the two routes agree to a few units in the last
+    place of the model's dtype (they run the same operations).
+    """
+    network = model.model
+    try:
+        head, decoder = network.get_output_embeddings(), network.get_decoder()
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(head, torch.nn.Linear) or not isinstance(decoder, torch.nn.Module) or decoder is network:
+        return None
+    config = network.config
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value not in (None, 1, 1.0):
+            return None
+    vocab = head.weight.shape[0]
+    ids = (torch.arange(10, dtype=torch.long).view(2, 5) * 7919 + 3) % vocab
+    ids = ids.to(model.device)
+    mask = torch.ones_like(ids)
+    try:
+        with torch.inference_mode():
+            full = network(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1).logits[:, -1, :]
+            split = head(decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1, :])
+    except Exception:  # noqa: BLE001 - any failure of the probe means: do not use the split
+        return None
+    if split.shape != full.shape or split.dtype != full.dtype:
+        return None
+    scale = float(full.abs().max()) + 1.0
+    if float((split - full).abs().max()) > 16 * torch.finfo(full.dtype).eps * scale:
+        return None
+    return _OutputLayerSplit(decoder=decoder, head=head)
+
+
 class Engine:
     """Private decoding of many texts at once with one model and one mechanism configuration.
 
     ``max_batch_rows``: rows per forward pass (memory bound; default :func:`default_max_batch_rows`).
     ``max_prefill_tokens``: bound on rows × prompt length per prefill forward (default
     ``max_batch_rows * 512``).
+    ``support_only``: compute private logits on the Top-k+ columns only when nothing needs the full
+    rows and the model passes the output-layer probe (see the module docstring); ``False`` always
+    computes full logits.
     """
 
     def __init__(
@@ -344,6 +404,7 @@ class Engine:
         *,
         max_batch_rows: int | None = None,
         max_prefill_tokens: int | None = None,
+        support_only: bool = True,
     ):
         if not isinstance(model, LoadedModel):
             raise ValueError(f"model must be a LoadedModel (see invink_audit.load_model); got {type(model).__name__}")
@@ -359,27 +420,37 @@ class Engine:
             raise ValueError(
                 f"model {model.name!r} does not accept logits_to_keep; use a recent transformers causal LM"
             )
+        if not isinstance(support_only, bool):
+            raise ValueError(f"support_only must be a bool; got {support_only!r}")
         self.model = model
         self.mechanism = mechanism
         self.max_batch_rows = rows
         self.max_prefill_tokens = prefill
+        self._split = _output_layer_split(model) if support_only else None
+
+    @property
+    def support_only(self) -> bool:
+        """Whether runs without hooks compute private logits on the Top-k+ columns only."""
+        return self._split is not None
 
     # ---------------------------------------------------------------- forward passes
 
-    def _forward(self, input_ids, mask, positions, cache):
-        out = self.model.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
+    def _forward(self, input_ids, mask, positions, cache, hidden: bool = False):
+        """The rows' next-token logits (or, with ``hidden``, their last hidden states) and the cache."""
+        arguments = dict(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
         )
+        if hidden:
+            out = self._split.decoder(**arguments)
+            return out.last_hidden_state[:, -1, :], out.past_key_values
+        out = self.model.model(**arguments, logits_to_keep=1)
         return out.logits[:, -1, :], out.past_key_values
 
-    def _prefill(self, prompts: list[tuple[int, ...]], reserve: int) -> tuple[list[_Shard], torch.Tensor]:
+    def _prefill(
+        self, prompts: list[tuple[int, ...]], reserve: int, hidden: bool = False
+    ) -> tuple[list[_Shard], torch.Tensor]:
         """Left-padded prefill of ``prompts`` in row chunks; returns shards (with room for ``reserve``
-        more tokens) and the rows' next-token logits."""
+        more tokens) and the rows' next-token logits (their last hidden states with ``hidden``)."""
         device = self.model.device
         length = max(len(p) for p in prompts)
         rows_per_chunk = max(1, min(self.max_batch_rows, self.max_prefill_tokens // length))
@@ -393,14 +464,14 @@ class Engine:
         shards, logits = [], []
         for start in range(0, len(prompts), rows_per_chunk):
             part = slice(start, start + rows_per_chunk)
-            row_logits, cache = self._forward(ids[part], mask[part], positions[part], None)
+            row_logits, cache = self._forward(ids[part], mask[part], positions[part], None, hidden)
             shards.append(_Shard.from_prefill(cache, mask[part], positions[part, -1] + 1, reserve))
             logits.append(row_logits)
         return shards, torch.cat(logits, dim=0)
 
-    def _decode(self, shard: _Shard, input_ids: torch.Tensor) -> tuple[_Shard, torch.Tensor]:
+    def _decode(self, shard: _Shard, input_ids: torch.Tensor, hidden: bool = False) -> tuple[_Shard, torch.Tensor]:
         mask = torch.cat([shard.mask, shard.mask.new_ones(shard.num_rows, 1)], dim=1)
-        logits, cache = self._forward(input_ids[:, None], mask, shard.positions[:, None], shard.cache)
+        logits, cache = self._forward(input_ids[:, None], mask, shard.positions[:, None], shard.cache, hidden)
         return _Shard(cache, mask, shard.positions + 1), logits
 
     # ---------------------------------------------------------------- generation
@@ -474,6 +545,11 @@ class _Run:
         self.eos = torch.tensor(self.model.eos_token_ids, dtype=torch.long, device=device)
         top_k = self.mechanism.top_k
         self.top_k = top_k if top_k is not None and top_k < self.model.vocab_size else None
+        # private logits on the Top-k+ columns only: nothing may need the full rows
+        self.hidden = (
+            engine.support_only and self.top_k is not None and observer is None and sampling_rule is None
+            and not neighbours
+        )
         # per live text (slot) state, on the device
         self.tokens = torch.empty((0, max_new_tokens), dtype=torch.long, device=device)
         self.count = torch.empty(0, dtype=torch.long, device=device)
@@ -524,7 +600,10 @@ class _Run:
         if not admitted:
             return None
         prompts = [p for live in admitted for p in live.prompts]
-        new_shards, logits = self.engine._prefill(prompts, self.max_new_tokens)
+        if self.hidden:
+            new_shards, logits = self.engine._prefill(prompts, self.max_new_tokens, hidden=True)
+        else:
+            new_shards, logits = self.engine._prefill(prompts, self.max_new_tokens)
         self._attach(new_shards)
         count = len(admitted)
         device = self.device
@@ -591,7 +670,7 @@ class _Run:
             input_ids = self.last.index_select(0, self.row_text)
             start, shards = 0, []
             for shard in self.shards:
-                shard, logits = self.engine._decode(shard, input_ids[start : start + shard.num_rows])
+                shard, logits = self.engine._decode(shard, input_ids[start : start + shard.num_rows], self.hidden)
                 start += shard.num_rows
                 shards.append(shard)
                 parts.append(logits)
@@ -603,13 +682,15 @@ class _Run:
         row_logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
         # 2. the mechanism for every live text at once
-        public = row_logits.index_select(0, self.public_row)
-        private = row_logits[self.reference_rows]
         neighbour_result = None
-        if self.neighbours:
+        if self.hidden:
+            public, log_probs = self._support_log_probs(row_logits)
+        elif self.neighbours:
+            public, private = row_logits.index_select(0, self.public_row), row_logits[self.reference_rows]
             neighbour_result = self.mechanism.neighbour_log_probs(private, public)
             log_probs = neighbour_result.actual
         else:
+            public, private = row_logits.index_select(0, self.public_row), row_logits[self.reference_rows]
             log_probs = self.mechanism.token_log_probs(private, public)
         step = None
         if self.observer is not None or self.sampling_rule is not None:
@@ -656,6 +737,30 @@ class _Run:
         if not bool(finished.any()):
             return []
         return self._finish(finished)
+
+    def _support_log_probs(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mechanism from the rows' last hidden states, private logits on the Top-k+ columns only.
+
+        Public logits (G, V) come from the output layer; ``V_k+`` is computed from them exactly as the
+        mechanism does (:func:`~invink_audit.mechanism.topk_plus_mask`), and its tokens are the ``m``
+        largest public logits (``m`` the largest set size over the texts: every member exceeds every
+        non-member). Private logits are the output layer's rows for those ``m`` tokens only; on those
+        columns the mechanism's Top-k+ set is the same (the k-th largest public logit is among them),
+        and every other token has probability exactly zero. Returns (public logits, log-probs (G, V)).
+        """
+        split, mechanism = self.engine._split, self.mechanism
+        public = split.head(states.index_select(0, self.public_row))
+        inside = topk_plus_mask(public, mechanism.top_k, mechanism.clip_norm, mechanism.batch_size)
+        width = int(inside.sum(dim=-1).max())
+        index = torch.topk(public, width, dim=-1, sorted=False).indices  # (G, m)
+        texts, hidden_size = index.shape[0], states.shape[-1]
+        weight = split.head.weight.index_select(0, index.reshape(-1)).view(texts, width, hidden_size)
+        private = torch.bmm(states[self.reference_rows], weight.transpose(1, 2))  # (G, B, m)
+        if split.head.bias is not None:
+            private = private + split.head.bias[index].unsqueeze(-2)
+        compact = self.mechanism.token_log_probs(private, public.gather(-1, index))
+        log_probs = torch.full(public.shape, -math.inf, dtype=compact.dtype, device=compact.device)
+        return public, log_probs.scatter_(-1, index, compact)
 
     def _finish(self, finished: torch.Tensor) -> list[FinishedText]:
         slots = finished.nonzero().flatten()

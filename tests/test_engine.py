@@ -387,3 +387,95 @@ def test_preallocated_cache_layer_matches_concatenation_and_grows():
         assert torch.equal(out_k, expected_k) and torch.equal(out_v, expected_v)
         assert layer.get_seq_length() == expected_k.shape[2]
     assert torch.equal(keys, expected_k[:, :, :4])  # the prefill tensors were copied, not modified
+
+
+# ------------------------------------------------------------------ private logits on Top-k+ columns only
+
+
+def _recorded_run(model, mechanism, requests, monkeypatch, *, support_only, seed, max_batch_rows=None, **hooks):
+    """Run the engine, recording every step's log-probabilities (G, V) as handed to the sampler."""
+    import invink_audit.engine as engine_module
+
+    recorded = []
+    real = engine_module.sample_tokens
+
+    def recording(log_probs, generator):
+        recorded.append(log_probs.clone())
+        return real(log_probs, generator)
+
+    monkeypatch.setattr(engine_module, "sample_tokens", recording)
+    engine = Engine(model, mechanism, support_only=support_only, max_batch_rows=max_batch_rows)
+    texts = list(engine.generate(requests, max_new_tokens=6, generator=_generator(seed), **hooks))
+    monkeypatch.setattr(engine_module, "sample_tokens", real)
+    return engine, texts, recorded
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 40])
+def test_support_only_private_logits_give_the_oracle_distribution(tiny64, monkeypatch, top_k):
+    """Default path (no hooks): private logits on the Top-k+ columns only, checked against the oracle."""
+    mechanism = MechanismConfig(clip_norm=1.3, temperature=0.9, top_k=top_k, batch_size=3)
+    (request,) = _requests(tiny64)[:1]
+    engine, (text,), recorded = _recorded_run(tiny64, mechanism, [request], monkeypatch, support_only=True, seed=11)
+    assert engine.support_only
+    expected = _oracle_all_steps(tiny64, request, list(text.token_ids), mechanism, steps=range(text.num_tokens))
+    assert len(recorded) == text.num_tokens
+    for t in range(text.num_tokens):
+        got = recorded[t][0]
+        finite = torch.isfinite(expected[t])
+        assert torch.equal(finite, torch.isfinite(got))
+        assert torch.allclose(got[finite], expected[t][finite], atol=FLOAT64_ATOL, rtol=0)
+
+
+def test_support_only_and_full_logits_draw_the_same_texts(tiny64, monkeypatch):
+    """Same seed, joins and evictions (5 texts, 2 fit at a time): same distributions, same tokens, same stats."""
+    mechanism = MechanismConfig(clip_norm=2.0, temperature=1.0, top_k=4, batch_size=3)
+    requests = _requests(tiny64)
+    runs = {
+        mode: _recorded_run(tiny64, mechanism, requests, monkeypatch, support_only=mode, seed=12, max_batch_rows=8)
+        for mode in (True, False)
+    }
+    assert runs[True][0].support_only and not runs[False][0].support_only
+    (_, texts_s, steps_s), (_, texts_f, steps_f) = runs[True], runs[False]
+    assert len(steps_s) == len(steps_f)
+    for a, b in zip(steps_s, steps_f):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+        assert torch.allclose(a[torch.isfinite(a)], b[torch.isfinite(b)], atol=FLOAT64_ATOL, rtol=0)
+    key = lambda t: t.request_index  # noqa: E731
+    for a, b in zip(sorted(texts_s, key=key), sorted(texts_f, key=key)):
+        assert a.token_ids == b.token_ids and a.expansion_tokens == b.expansion_tokens
+        assert a.topk_plus_size_mean == b.topk_plus_size_mean and a.topk_plus_size_std == b.topk_plus_size_std
+
+
+def test_hooks_get_full_private_logits_even_when_support_only(tiny32):
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=3, batch_size=3)
+    shapes = []
+    engine = Engine(tiny32, mechanism)
+    assert engine.support_only
+    list(
+        engine.generate(
+            _requests(tiny32)[:2], max_new_tokens=2, generator=_generator(13),
+            observer=lambda step: shapes.append(tuple(step.private_logits.shape)),
+        )
+    )
+    assert shapes and all(shape[-1] == tiny32.vocab_size and shape[-2] == 3 for shape in shapes)
+
+
+def test_models_whose_logits_are_not_the_output_layer_keep_full_logits(monkeypatch):
+    """A logit transform after the output layer (here a scaling hook; or a soft-capping config) disables the split."""
+    scaled = build_tiny_model(seed=4)
+
+    def scale(module, args, kwargs, output):
+        output.logits = output.logits * 1.5
+        return output
+
+    handle = scaled.model.register_forward_hook(scale, with_kwargs=True)
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=3, batch_size=3)
+    try:
+        assert not Engine(scaled, mechanism).support_only
+    finally:
+        handle.remove()
+    assert Engine(scaled, mechanism).support_only
+    monkeypatch.setattr(scaled.model.config, "final_logit_softcapping", 30.0, raising=False)
+    assert not Engine(scaled, mechanism).support_only
+    with pytest.raises(ValueError, match="support_only"):
+        Engine(scaled, mechanism, support_only="yes")

@@ -89,11 +89,11 @@ def _shared_prefill_engine_class():
     from invink_audit.engine import Engine, _Shard
 
     class SharedPrefillEngine(Engine):
-        def _prefill(self, prompts, reserve):
+        def _prefill(self, prompts, reserve, hidden=False):
             unique = list(dict.fromkeys(prompts))
             if len(unique) == len(prompts):
-                return super()._prefill(prompts, reserve)
-            shards, logits = super()._prefill(unique, reserve)
+                return super()._prefill(prompts, reserve, hidden)
+            shards, logits = super()._prefill(unique, reserve, hidden)
             shard = shards[0]
             for other in shards[1:]:
                 shard = _Shard.concat(shard, other, reserve)
