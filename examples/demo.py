@@ -62,13 +62,13 @@ def main() -> int:
     from invink_audit.audit.quick import quick_audit
     from invink_audit.bench import demo_references
 
-    # a short audit for the demo: 12 sampled texts per neighbour and direction, 4 importance-sampled
-    # texts per alpha (audits/ holds the full-size specs)
+    # a short audit for the demo: 16 sampled texts (the fewest for which a sampled audit can PASS),
+    # 4 importance-sampled texts per alpha and neighbour (audits/ holds the full-size specs)
     report = quick_audit(
         result,
         demo_references(),
         prompt_fields={"description": demo_generate.DESCRIPTION},
-        num_samples=12,
+        num_samples=16,
         num_is_samples=4,
     )
     print(report.summary())
