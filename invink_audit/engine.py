@@ -346,15 +346,22 @@ class _OutputLayerSplit:
 
 
 # config attributes of models whose logits are not just the output layer (scaled or soft-capped)
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+)
 
 
 def _output_layer_split(model: LoadedModel) -> _OutputLayerSplit | None:
     """The model as (decoder, output layer) when its logits are exactly ``head(decoder(x))``, else None.
 
-    Checked on the model itself: its config has no known logit transform, its output layer is a
-    ``torch.nn.Linear``, and on a probe of two rows the two routes agree to a few units in the last
-    place of the model's dtype (they run the same operations).
+    Checked on the model itself: its config (and its text config) has no known logit transform, its
+    output layer is a ``torch.nn.Linear``, and on a probe of two rows the two routes agree, logit by
+    logit, to two units in the last place of the model's dtype (they run the same operations).
     """
     network = model.model
     try:
@@ -364,10 +371,15 @@ def _output_layer_split(model: LoadedModel) -> _OutputLayerSplit | None:
     if not isinstance(head, torch.nn.Linear) or not isinstance(decoder, torch.nn.Module) or decoder is network:
         return None
     config = network.config
-    for name in _LOGIT_TRANSFORMS:
-        value = getattr(config, name, None)
-        if value not in (None, 1, 1.0):
-            return None
+    configs = [config]
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text_config is not config:
+        configs.append(text_config)
+    for part in configs:
+        for name in _LOGIT_TRANSFORMS:
+            value = getattr(part, name, None)
+            if value not in (None, 1, 1.0):
+                return None
     vocab = head.weight.shape[0]
     ids = (torch.arange(10, dtype=torch.long).view(2, 5) * 7919 + 3) % vocab
     ids = ids.to(model.device)
@@ -380,8 +392,10 @@ def _output_layer_split(model: LoadedModel) -> _OutputLayerSplit | None:
         return None
     if split.shape != full.shape or split.dtype != full.dtype:
         return None
-    scale = float(full.abs().max()) + 1.0
-    if float((split - full).abs().max()) > 16 * torch.finfo(full.dtype).eps * scale:
+    # element by element: two units in the last place of the model's dtype, plus float32 accumulation
+    # noise (a scaling or soft-capping after the output layer moves every logit by far more)
+    floor = 16 * torch.finfo(torch.float32).eps * (float(full.abs().max()) + 1.0)
+    if not bool(((split - full).abs() <= 2 * torch.finfo(full.dtype).eps * full.abs() + floor).all()):
         return None
     return _OutputLayerSplit(decoder=decoder, head=head)
 
@@ -758,7 +772,13 @@ class _Run:
         private = torch.bmm(states[self.reference_rows], weight.transpose(1, 2))  # (G, B, m)
         if split.head.bias is not None:
             private = private + split.head.bias[index].unsqueeze(-2)
-        compact = self.mechanism.token_log_probs(private, public.gather(-1, index))
+        compact_public = public.gather(-1, index)
+        # a null reference has no row of its own: its row IS the public row, so its logits must be the
+        # public logits exactly (clipped difference exactly 0, sensitivity C/B), not a second GEMM's
+        # rounding of them
+        null = (self.reference_rows == self.public_row.unsqueeze(-1)).unsqueeze(-1)
+        private = torch.where(null, compact_public.unsqueeze(-2), private)
+        compact = self.mechanism.token_log_probs(private, compact_public)
         log_probs = torch.full(public.shape, -math.inf, dtype=compact.dtype, device=compact.device)
         return public, log_probs.scatter_(-1, index, compact)
 

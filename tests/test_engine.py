@@ -479,3 +479,50 @@ def test_models_whose_logits_are_not_the_output_layer_keep_full_logits(monkeypat
     assert not Engine(scaled, mechanism).support_only
     with pytest.raises(ValueError, match="support_only"):
         Engine(scaled, mechanism, support_only="yes")
+
+
+def test_support_only_null_rows_are_the_public_row_bitwise(monkeypatch):
+    """On the Top-k+ columns too, a null reference's logits are exactly the public logits (not a GEMM's rounding)."""
+    model = build_tiny_model(seed=3, hidden_size=64)  # wide enough for two GEMMs to round differently
+    mechanism = MechanismConfig(clip_norm=0.7, temperature=1.0, top_k=5, batch_size=3)
+    seen = []
+    real = MechanismConfig.token_log_probs
+
+    def recording(self, private, public):
+        seen.append((private.clone(), public.clone()))
+        return real(self, private, public)
+
+    monkeypatch.setattr(MechanismConfig, "token_log_probs", recording)
+    engine = Engine(model, mechanism)
+    assert engine.support_only
+    for texts in (REFERENCES[:1], REFERENCES[:2]):  # one live text, then two (one of them all nulls)
+        seen.clear()
+        requests = _requests(model, texts)
+        list(engine.generate(requests, max_new_tokens=4, generator=_generator(14), stop_at_eos=False))
+        assert len(seen) == 4
+        nulls = [[j for j, ref in enumerate(refs) if not ref] for refs in texts]
+        for private, public in seen:
+            assert private.shape[-1] < model.vocab_size  # the compacted columns
+            for g, js in enumerate(nulls):
+                for j in js:
+                    assert torch.equal(private[g, j], public[g])
+
+
+def test_probe_rejects_a_small_logit_scaling_in_bfloat16_and_nested_transforms(monkeypatch):
+    model = build_tiny_model(seed=6, dtype="bfloat16")
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=3, batch_size=3)
+    assert Engine(model, mechanism).support_only
+
+    def scale(module, args, kwargs, output):
+        output.logits = output.logits * 1.1
+        return output
+
+    handle = model.model.register_forward_hook(scale, with_kwargs=True)
+    try:
+        assert not Engine(model, mechanism).support_only
+    finally:
+        handle.remove()
+    text_config = type(model.model.config)(**model.model.config.to_dict())
+    text_config.final_logit_softcapping = 30.0
+    monkeypatch.setattr(type(model.model.config), "get_text_config", lambda self, *a, **k: text_config)
+    assert not Engine(model, mechanism).support_only
