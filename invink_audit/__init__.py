@@ -24,6 +24,7 @@ _LAZY: dict[str, str] = {
             "neighbour_log_probs",
             "sample_tokens",
             "token_log_probs",
+            "topk_plus_columns",
             "topk_plus_mask",
         ),
         "invink_audit.mechanism",

@@ -320,9 +320,9 @@ def time_reference(
     references of the same pool (its ``batch_size`` argument is ``B + 1``), our prompt template in its
     positional format (same prompts), ``max_toks = T`` explicitly. ``dtype=None`` and
     ``device_map=None`` leave them to the package (its shipped defaults); a value forces one (its
-    ``device_map`` takes ``-1`` for CPU, a CUDA index, or ``"auto"``). The decode loop is timed from its first text
-    to its last (its ``tqdm`` loop); model loading and its other setup are excluded from
-    ``token_seconds``. Raises ``ImportError`` when it is not installed.
+    ``device_map`` takes ``-1`` for CPU, a CUDA index, or ``"auto"``). The decode loop is timed from
+    its first text to its last (its ``tqdm`` loop); model loading and its other setup are excluded
+    from ``token_seconds``. Raises ``ImportError`` when it is not installed.
     """
     import importlib
     import importlib.metadata

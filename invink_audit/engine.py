@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from invink_audit.mechanism import MechanismConfig, NeighbourLogProbs, sample_tokens, topk_plus_mask
+from invink_audit.mechanism import MechanismConfig, NeighbourLogProbs, sample_tokens, topk_plus_columns
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest
 
@@ -614,10 +614,7 @@ class _Run:
         if not admitted:
             return None
         prompts = [p for live in admitted for p in live.prompts]
-        if self.hidden:
-            new_shards, logits = self.engine._prefill(prompts, self.max_new_tokens, hidden=True)
-        else:
-            new_shards, logits = self.engine._prefill(prompts, self.max_new_tokens)
+        new_shards, logits = self.engine._prefill(prompts, self.max_new_tokens, self.hidden)
         self._attach(new_shards)
         count = len(admitted)
         device = self.device
@@ -699,13 +696,13 @@ class _Run:
         neighbour_result = None
         if self.hidden:
             public, log_probs = self._support_log_probs(row_logits)
-        elif self.neighbours:
-            public, private = row_logits.index_select(0, self.public_row), row_logits[self.reference_rows]
-            neighbour_result = self.mechanism.neighbour_log_probs(private, public)
-            log_probs = neighbour_result.actual
         else:
             public, private = row_logits.index_select(0, self.public_row), row_logits[self.reference_rows]
-            log_probs = self.mechanism.token_log_probs(private, public)
+            if self.neighbours:
+                neighbour_result = self.mechanism.neighbour_log_probs(private, public)
+                log_probs = neighbour_result.actual
+            else:
+                log_probs = self.mechanism.token_log_probs(private, public)
         step = None
         if self.observer is not None or self.sampling_rule is not None:
             step = DecodeStep(
@@ -755,30 +752,32 @@ class _Run:
     def _support_log_probs(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mechanism from the rows' last hidden states, private logits on the Top-k+ columns only.
 
-        Public logits (G, V) come from the output layer; ``V_k+`` is computed from them exactly as the
-        mechanism does (:func:`~invink_audit.mechanism.topk_plus_mask`), and its tokens are the ``m``
-        largest public logits (``m`` the largest set size over the texts: every member exceeds every
-        non-member). Private logits are the output layer's rows for those ``m`` tokens only; on those
-        columns the mechanism's Top-k+ set is the same (the k-th largest public logit is among them),
-        and every other token has probability exactly zero. Returns (public logits, log-probs (G, V)).
+        Public logits (G, V) come from the output layer; the columns holding every text's ``V_k+``
+        come from :func:`~invink_audit.mechanism.topk_plus_columns`, and the private logits are the
+        output layer's rows for those columns only (when the sets take the whole vocabulary, the full
+        private logits are computed instead). Every other token has probability exactly zero.
+        Returns (public logits, log-probs (G, V)).
         """
         split, mechanism = self.engine._split, self.mechanism
         public = split.head(states.index_select(0, self.public_row))
-        inside = topk_plus_mask(public, mechanism.top_k, mechanism.clip_norm, mechanism.batch_size)
-        width = int(inside.sum(dim=-1).max())
-        index = torch.topk(public, width, dim=-1, sorted=False).indices  # (G, m)
-        texts, hidden_size = index.shape[0], states.shape[-1]
-        weight = split.head.weight.index_select(0, index.reshape(-1)).view(texts, width, hidden_size)
-        private = torch.bmm(states[self.reference_rows], weight.transpose(1, 2))  # (G, B, m)
-        if split.head.bias is not None:
-            private = private + split.head.bias[index].unsqueeze(-2)
-        compact_public = public.gather(-1, index)
+        index = topk_plus_columns(public, mechanism.top_k, mechanism.clip_norm, mechanism.batch_size)
+        if index is None:
+            private, compact_public = split.head(states[self.reference_rows]), public
+        else:
+            texts, width, hidden_size = index.shape[0], index.shape[1], states.shape[-1]
+            weight = split.head.weight.index_select(0, index.reshape(-1)).view(texts, width, hidden_size)
+            private = torch.bmm(states[self.reference_rows], weight.transpose(1, 2))  # (G, B, m)
+            if split.head.bias is not None:
+                private = private + split.head.bias[index].unsqueeze(-2)
+            compact_public = public.gather(-1, index)
         # a null reference has no row of its own: its row IS the public row, so its logits must be the
         # public logits exactly (clipped difference exactly 0, sensitivity C/B), not a second GEMM's
         # rounding of them
         null = (self.reference_rows == self.public_row.unsqueeze(-1)).unsqueeze(-1)
         private = torch.where(null, compact_public.unsqueeze(-2), private)
-        compact = self.mechanism.token_log_probs(private, compact_public)
+        compact = mechanism.token_log_probs(private, compact_public)
+        if index is None:
+            return public, compact
         log_probs = torch.full(public.shape, -math.inf, dtype=compact.dtype, device=compact.device)
         return public, log_probs.scatter_(-1, index, compact)
 

@@ -57,6 +57,7 @@ __all__ = [
     "neighbour_log_probs",
     "sample_tokens",
     "token_log_probs",
+    "topk_plus_columns",
     "topk_plus_mask",
 ]
 
@@ -406,6 +407,43 @@ def topk_plus_mask(public_logits: torch.Tensor, top_k: int | None, clip_norm: fl
     return _support(public.to(ACCUMULATION_DTYPE), k, c, b)
 
 
+def _support_columns(public64: torch.Tensor, support: torch.Tensor, top_k: int | None) -> torch.Tensor | None:
+    """Indices (..., m) of the ``m`` largest public logits, ``m`` the largest Top-k+ set size over the
+    leading dims, or None when that is the whole vocabulary.
+
+    They hold every member of every row's set: a member's public logit is at or above the row's
+    threshold and a non-member's below it, so each row's members are its largest entries (ties
+    included: a token tied with a member is a member). Which tied non-members fill the remaining
+    columns does not matter.
+    """
+    vocab_size = public64.shape[-1]
+    if top_k is None or top_k >= vocab_size or support.numel() == 0:
+        return None
+    width = int(support.sum(dim=-1).max())
+    if width >= vocab_size:
+        return None
+    return torch.topk(public64, width, dim=-1, sorted=False).indices
+
+
+def topk_plus_columns(
+    public_logits: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int
+) -> torch.Tensor | None:
+    r"""Column indices (..., m) that hold every token of every row's Top-k+ set (see :func:`topk_plus_mask`).
+
+    ``m`` is the largest set size over the leading dims; the columns are the ``m`` largest public
+    logits of each row. Returns ``None`` when the sets need the whole vocabulary (``top_k=None``,
+    ``top_k >= V``, or a band wide enough to take every token). Outside the set every probability is
+    exactly zero, so the mechanism restricted to these columns (private and public logits gathered
+    with the same indices) gives the same distribution; it recomputes the same set on them, because
+    the k-th largest public logit is among them.
+    """
+    c = _check_clip_norm(clip_norm)
+    k = _check_top_k(top_k)
+    b = _check_batch_size(batch_size)
+    public64 = _check_public(public_logits).to(ACCUMULATION_DTYPE)
+    return _support_columns(public64, _support(public64, k, c, b), k)
+
+
 # --------------------------------------------------------------------------------------------
 # the exponential mechanism
 
@@ -470,12 +508,9 @@ def _step(private, public, clip_norm, temperature, top_k, mode, with_neighbours)
     batch_size, vocab_size = private.shape[-2], private.shape[-1]
     public64 = public.to(ACCUMULATION_DTYPE)
     support = _support(public64, top_k, clip_norm, batch_size)
-    width = vocab_size
-    if top_k is not None and top_k < vocab_size and support.numel() > 0:
-        width = int(support.sum(dim=-1).max())
-    index = None
-    if width < vocab_size:
-        index = torch.topk(public64, width, dim=-1, sorted=False).indices  # holds every support token
+    index = _support_columns(public64, support, top_k)
+    if index is not None:
+        width = index.shape[-1]
         inside = support.gather(-1, index)
         public64 = public64.gather(-1, index)
         private = private.gather(-1, index.unsqueeze(-2).expand(*private.shape[:-1], width))

@@ -120,6 +120,25 @@ def test_topk_plus_mask_leading_dimensions():
     assert topk_plus_mask(public, 1, 0.25, 1).tolist() == [[[True, False, False]], [[True, True, False]]]
 
 
+def test_topk_plus_columns_hold_every_member_of_every_row_with_ties():
+    # integer logits: many exact ties, including at the k-th value and at the threshold
+    gen = torch.Generator().manual_seed(0)
+    public = torch.randint(-6, 7, (50, 3, 40), generator=gen).to(torch.float64)
+    for top_k, clip_norm, batch_size in ((1, 0.5, 2), (3, 1.0, 2), (5, 3.0, 3), (10, 0.0001, 4)):
+        mask = topk_plus_mask(public, top_k, clip_norm, batch_size)
+        index = mech.topk_plus_columns(public, top_k, clip_norm, batch_size)
+        assert index.shape[-1] == int(mask.sum(dim=-1).max()) < public.shape[-1]
+        assert torch.equal(mask.gather(-1, index).sum(dim=-1), mask.sum(dim=-1))  # no member left out
+
+
+def test_topk_plus_columns_are_none_when_the_sets_take_the_whole_vocabulary():
+    public = t([[0.0, -50.0, 3.0, 1.0], [9.0, 9.0, -9.0, 0.0]])
+    for top_k in (None, 4, 1000):
+        assert mech.topk_plus_columns(public, top_k, 0.01, 3) is None
+    assert mech.topk_plus_columns(public, 1, 100.0, 3) is None  # the band reaches every token
+    assert mech.topk_plus_columns(public, 1, 0.01, 3).shape == (2, 2)  # row 2 ties at the top
+
+
 # ------------------------------------------------------------------------------------------
 # exponential mechanism
 
