@@ -14,8 +14,10 @@ cell or a JSON ``null`` reads as the empty string (a null reference).
 
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -30,54 +32,124 @@ _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 def read_references(source: str | os.PathLike, *, column: str | None = None) -> list[str]:
     """Read references from a ``.csv`` file (``column``, default ``text``) or a ``.jsonl`` file
-    (field ``column``, default ``text``), in file order. Empty values are kept as ``""`` (nulls)."""
-    path = Path(source)
+    (field ``column``, default ``text``), in file order. Empty values are kept as ``""`` (nulls).
+
+    Files are UTF-8, with or without a byte-order mark (Excel's "CSV UTF-8"). Error messages name the
+    file, line numbers, positions and counts, never a cell, a key or a header name read from the file
+    (a file without a header would otherwise print its first record). A ``str`` that names no file is
+    not echoed either: it may be a reference passed where a path was expected.
+    """
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"source must be a file path (str or os.PathLike); got {type(source).__name__}")
     if column is not None and (not isinstance(column, str) or not column):
         raise ValueError(f"column must be a non-empty string; got {column!r}")
     name = column or "text"
-    suffix = path.suffix.lower()
+    path = Path(source)
+    if isinstance(source, str) and not path.exists():
+        # not echoed: a reference passed where a path is expected must not end up in a log
+        raise ValueError(
+            f"input file not found (a string of {len(source)} characters that names no file; the string is not "
+            "shown, as it may be a reference: pass references as a list of strings, a path as a pathlib.Path)"
+        )
+    if path.is_dir():
+        raise ValueError(f"input {str(path)!r} is a directory, not a .csv or .jsonl file")
     if not path.is_file():
         raise ValueError(f"input file not found: {str(path)!r}")
+    suffix = path.suffix.lower()
+    if suffix not in _CSV_SUFFIXES + _JSONL_SUFFIXES:
+        raise ValueError(f"input must be a .csv or .jsonl file; got {str(path)!r}")
+    text = _read_text(path)
     if suffix in _CSV_SUFFIXES:
-        return _read_csv(path, name)
-    if suffix in _JSONL_SUFFIXES:
-        return _read_jsonl(path, name)
-    raise ValueError(f"input must be a .csv or .jsonl file; got {str(path)!r}")
+        return _read_csv(path, text, name)
+    return _read_jsonl(path, text, name)
 
 
-def _read_csv(path: Path, column: str) -> list[str]:
+def _read_text(path: Path) -> str:
+    """The file's text: UTF-8, a leading byte-order mark dropped; a decoding error names the line."""
+    data = path.read_bytes()
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        offset = skip + err.start
+        line = data.count(b"\n", 0, offset) + 1
+        raise ValueError(
+            f"{str(path)!r} is not valid UTF-8: line {line} (byte offset {offset}) holds a byte sequence that is not "
+            "UTF-8 (re-save the file as UTF-8; an encoded lone surrogate is not valid UTF-8 either)"
+        ) from None
+
+
+def _check_unicode(value: str, where: str) -> None:
+    """Refuse strings that are not valid Unicode text (lone surrogates, e.g. from a JSON ``\\ud800``)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{where} holds a lone surrogate at character position {err.start}: not valid Unicode text"
+        ) from None
+
+
+def _read_csv(path: Path, text: str, column: str) -> list[str]:
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long references (e.g. court cases)
-    with path.open(newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle)
-        if reader.fieldnames is None:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader, None)
+        if header is None:
             raise ValueError(f"{str(path)!r} is empty: no CSV header")
-        if column not in reader.fieldnames:
-            raise ValueError(f"column {column!r} not found in {str(path)!r}; columns: {reader.fieldnames}")
-        return [row[column] or "" for row in reader]
-
-
-def _read_jsonl(path: Path, field: str) -> list[str]:
-    references = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue  # blank lines are not records
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{str(path)!r} line {number} is not valid JSON: {err}") from err
-            if not isinstance(record, dict):
-                raise ValueError(f"{str(path)!r} line {number}: expected a JSON object; got {type(record).__name__}")
-            if field not in record:
-                raise ValueError(f"{str(path)!r} line {number}: field {field!r} missing; fields: {sorted(record)}")
-            value = record[field]
-            if value is None:
-                value = ""
-            if not isinstance(value, str):
-                raise ValueError(
-                    f"{str(path)!r} line {number}: field {field!r} must be a string or null; got {type(value).__name__}"
-                )
+        # header names are not echoed: in a file without a header, the "header" is a private record
+        positions = [i for i, field in enumerate(header) if field == column]
+        if not positions:
+            raise ValueError(
+                f"column {column!r} not found in the header (line 1) of {str(path)!r}, which has {len(header)} "
+                f"column(s) (their names are not shown: in a file without a header they would be a record); "
+                "give the column holding the references with --column / column="
+            )
+        if len(positions) > 1:
+            raise ValueError(
+                f"column {column!r} appears {len(positions)} times in the header of {str(path)!r} (columns "
+                f"{', '.join(str(p + 1) for p in positions)}); rename the duplicates so the column is unambiguous"
+            )
+        position = positions[0]
+        references = []
+        for row in reader:
+            if not row:
+                continue  # a blank line is not a record (csv.DictReader skips it too)
+            value = row[position] if position < len(row) else ""
+            _check_unicode(value, f"{str(path)!r} line {reader.line_num}")
             references.append(value)
+    except csv.Error as err:
+        raise ValueError(f"{str(path)!r} line {reader.line_num} is not valid CSV: {err}") from None
+    return references
+
+
+def _read_jsonl(path: Path, text: str, field: str) -> list[str]:
+    references = []
+    # split on "\n" only: a JSON string may hold U+2028 or U+0085, which str.splitlines() would split on
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue  # blank lines are not records
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            # the decoder's message names a position (line/column/char), never the text
+            raise ValueError(f"{str(path)!r} line {number} is not valid JSON: {err.msg} (column {err.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{str(path)!r} line {number}: expected a JSON object; got {type(record).__name__}")
+        if field not in record:
+            # keys are not echoed: they may be data
+            raise ValueError(
+                f"{str(path)!r} line {number}: field {field!r} missing (the record has {len(record)} other field(s); "
+                "their names are not shown); give the field holding the references with --column / column="
+            )
+        value = record[field]
+        if value is None:
+            value = ""
+        if not isinstance(value, str):
+            raise ValueError(
+                f"{str(path)!r} line {number}: field {field!r} must be a string or null; got {type(value).__name__}"
+            )
+        _check_unicode(value, f"{str(path)!r} line {number}")
+        references.append(value)
     return references
 
 
@@ -126,6 +198,7 @@ def partition_references(
             reference = ""
         if not isinstance(reference, str):
             raise ValueError(f"references[{i}] must be a string or None; got {type(reference).__name__}")
+        _check_unicode(reference, f"references[{i}]")
         cleaned.append(reference)
     available = len(cleaned) // batch_size
     if num_texts is None:
