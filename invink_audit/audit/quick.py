@@ -11,6 +11,12 @@ Two parts, both white-box:
    gives the statistical verdict.
 
 The verdict is VIOLATION if either part finds one, PASS if both pass, INCONCLUSIVE otherwise.
+
+The report is **not private**: the realised losses are per-reference functions of the references, the
+worst prefix is chosen by its loss, and the sampled audit draws ``num_samples`` extra texts from batch 0
+outside the ledger (they are not charged to it, and the release's guarantee does not cover them). The
+summary and the JSON say so (``privacy_notice``, ``uncharged_samples``); keep the report with the
+private data, never publish it with the texts.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from invink_audit.audit.report import WhiteBoxReport, to_jsonable
+from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, WhiteBoxReport, to_jsonable
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 
@@ -45,6 +51,9 @@ class QuickAuditReport:
     accountant_epsilon: float
     sampled: WhiteBoxReport | None
     seconds: float
+    # texts the sampled audit drew from the references outside the ledger (not charged, not covered)
+    uncharged_samples: int = 0
+    privacy_notice: str = REPORT_PRIVACY_NOTICE
 
     def to_dict(self) -> dict:
         return to_jsonable(self)
@@ -52,6 +61,7 @@ class QuickAuditReport:
     def summary(self) -> str:
         lines = [
             f"audit verdict: {self.verdict.value} ({self.reason})",
+            f"  {self.privacy_notice}",
             f"  teacher-forced {self.texts_audited} generated texts: {self.step_checks} exact per-step checks, "
             f"failures {sum(self.step_failures.values())}; max loss range / eps0 = {self.max_loss_range_over_epsilon0:.4f}",
             f"  realised privacy loss of the released texts: max {self.realised_loss_max:.4f}, mean "
@@ -61,7 +71,9 @@ class QuickAuditReport:
         if self.sampled is not None:
             h = self.sampled.headroom_summary()
             lines.append(
-                f"  sampled audit of batch 0: {self.sampled.verdict.value}; sequence Renyi headroom (claim/estimate) "
+                f"  sampled audit of batch 0 ({self.uncharged_samples} extra texts drawn outside the ledger: UNCHARGED, "
+                "not covered by the release's guarantee, never to be published): "
+                f"{self.sampled.verdict.value}; sequence Renyi headroom (claim/estimate) "
                 f"min {h['sequence_renyi_min']:.3g}; eps headroom (claimed / measured curve) {h['epsilon']:.3g}"
             )
         lines.append(f"  ({self.seconds:.1f} s)")
@@ -137,6 +149,10 @@ def quick_audit(
     many from each R'_j) plus ``num_is_samples`` per α, neighbour and direction; the defaults (16
     forward texts) keep it to about the cost of generating 16 texts. Below 16 samples the sampled
     verdict is INCONCLUSIVE.
+
+    The sampled texts are drawn outside the ledger: they are not charged and the release's guarantee
+    does not cover them (``uncharged_samples`` counts them). The report is a non-private function of
+    the references (see the module docstring).
     """
     from invink_audit.audit.model_audit import ModelAuditSettings, audit_model
     from invink_audit.data import partition_references, read_references
@@ -201,4 +217,5 @@ def quick_audit(
         accountant_epsilon=float(g.epsilon),
         sampled=sampled,
         seconds=time.perf_counter() - start,
+        uncharged_samples=0 if sampled is None else int(sampled.num_texts),
     )

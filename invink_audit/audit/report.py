@@ -4,6 +4,10 @@ A report keeps the *a-priori* claim (what the accountant promised) and the *afte
 measurements in separate, named fields (STYLE.md §4). ``to_dict`` is JSON-ready (``inf`` is written
 as the string ``"inf"``); ``write_report`` writes ``report.json``, ``report.md`` and the plots.
 Plots use matplotlib's Agg backend (no display needed).
+
+Reports are **not private**: they are computed from the audited references with no privacy
+protection (realised per-reference losses, the worst prefix chosen by its loss and decoded, canary
+scores, texts sampled outside any ledger). Every rendering says so (:data:`REPORT_PRIVACY_NOTICE`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 from invink_audit.audit.stats import TestResult, Verdict
 
 __all__ = [
+    "REPORT_PRIVACY_NOTICE",
     "StepCheckSummary",
     "SequenceEstimate",
     "DeltaEstimate",
@@ -30,6 +35,15 @@ __all__ = [
     "to_jsonable",
     "write_report",
 ]
+
+
+#: Written at the top of every Markdown report and as ``privacy_notice`` in every JSON report.
+REPORT_PRIVACY_NOTICE = (
+    "NOT PRIVATE: this report is computed from the audited references without any privacy protection "
+    "(realised per-reference privacy losses, the worst prefix chosen by its loss and decoded, canary scores, "
+    "texts sampled outside any budget ledger and not charged to it). When the references are private, treat "
+    "this report as private data: do not publish it with the synthetic texts."
+)
 
 
 def to_jsonable(obj):
@@ -162,7 +176,8 @@ class WhiteBoxReport:
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return to_jsonable(self)
+        """JSON-ready, with ``privacy_notice`` first (the report is not private)."""
+        return {"privacy_notice": REPORT_PRIVACY_NOTICE, **to_jsonable(self)}
 
     def headroom_summary(self) -> dict:
         """The headline ratios: per-step range, sequence Rényi (min over rows), ε per accountant."""
@@ -202,7 +217,8 @@ class BlackBoxReport:
     scores_without: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
-        return to_jsonable(self)
+        """JSON-ready, with ``privacy_notice`` first (the report is not private)."""
+        return {"privacy_notice": REPORT_PRIVACY_NOTICE, **to_jsonable(self)}
 
 
 def _num(x):
@@ -220,6 +236,7 @@ def report_from_dict(data: dict):
     """Rebuild a :class:`WhiteBoxReport` or :class:`BlackBoxReport` from its ``to_dict()`` (e.g. to
     re-render a committed ``report.json``)."""
     d = _num(dict(data))
+    d.pop("privacy_notice", None)  # a label, re-added by to_dict
     d["verdict"] = Verdict(d["verdict"])
     if d.get("kind") == "black-box":
         for k in ("notes", "scores_with", "scores_without"):
@@ -265,6 +282,8 @@ def _whitebox_markdown(r: WhiteBoxReport) -> str:
     sc = r.step_checks
     lines = [
         f"# White-box privacy audit: {r.mechanism}",
+        "",
+        f"> **{REPORT_PRIVACY_NOTICE}**",
         "",
         f"**Verdict: {r.verdict.value}** at family-wise significance {r.significance:g} (Holm over "
         f"{len(r.tests)} tests; exact checks need no statistics). {r.reason}.",
@@ -362,6 +381,8 @@ def _whitebox_markdown(r: WhiteBoxReport) -> str:
 def _blackbox_markdown(r: BlackBoxReport) -> str:
     lines = [
         f"# Black-box canary audit: {r.mechanism}",
+        "",
+        f"> **{REPORT_PRIVACY_NOTICE}**",
         "",
         f"**Verdict: {r.verdict.value}** at significance {r.significance:g}. {r.reason}.",
         "",

@@ -1,9 +1,14 @@
-"""``invink-audit generate``: DP synthetic texts from a file of references, streamed to JSON Lines."""
+"""``invink-audit generate``: DP synthetic texts from a file of references, streamed to JSON Lines.
+
+Every argument is checked (one line, exit status 2) before the model is loaded, and everything,
+including that each prompt fits the model's context, before the ledger is charged.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from invink_audit.cli import CliError, parse_float, parse_int
 
@@ -46,7 +51,9 @@ def add_model_arguments(parser) -> None:
         default="auto",
         help="model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16",
     )
-    parser.add_argument("--max-batch-rows", default=None, help="rows per forward pass (memory bound)")
+    parser.add_argument(
+        "--max-batch-rows", default=None, help="rows per forward pass, an integer >= 1 (memory bound; default: by device)"
+    )
 
 
 def register(subparsers) -> None:
@@ -55,19 +62,35 @@ def register(subparsers) -> None:
         help="generate DP synthetic texts from references",
         description="Partition the references into disjoint batches of B (input order; empty references stay "
         "as nulls), generate one text per batch with InvisibleInk and stream them to a JSON Lines file. "
-        "Re-running with the same --output resumes. " + _B_HELP,
+        "Re-running with the same --output resumes (batches already sampled are never drawn again; the output "
+        "is locked while a run writes it). " + _B_HELP,
     )
-    p.add_argument("--input", required=True, help="references: a .csv (see --column) or .jsonl file")
+    p.add_argument(
+        "--input", required=True, help="references: a UTF-8 .csv (see --column) or .jsonl file (a BOM is accepted)"
+    )
     p.add_argument("--column", default=None, help="CSV column or JSONL field holding the text (default: text)")
-    p.add_argument("--output", required=True, help="output .jsonl file (resumed when it exists)")
-    p.add_argument("--epsilon", default=None, help="target epsilon (> 0); the clip norm is planned for it")
-    p.add_argument("--clip-norm", default=None, help="clip norm C instead of --epsilon (epsilon is reported)")
+    p.add_argument(
+        "--output",
+        required=True,
+        help="output .jsonl file: new or empty, or the output of an interrupted run with the same settings (resumed)",
+    )
+    p.add_argument("--epsilon", default=None, help="target epsilon (finite, > 0); the clip norm is planned for it")
+    p.add_argument(
+        "--clip-norm", default=None, help="clip norm C (finite, > 0) instead of --epsilon (epsilon is reported)"
+    )
     p.add_argument("--delta", required=True, help="target delta, in (0, 1)")
-    p.add_argument("--batch-size", required=True, help=_B_HELP)
-    p.add_argument("--max-new-tokens", required=True, help="token budget T per text (>= 1), never derived from data")
-    p.add_argument("--num-texts", default=None, help="texts to generate (default: one per full batch)")
-    p.add_argument("--top-k", default="100", help="k of the Top-k+ set, or 'full' (default 100)")
-    p.add_argument("--temperature", default="1.0", help="sampling temperature tau (> 0; default 1.0)")
+    p.add_argument("--batch-size", required=True, help=_B_HELP + " An integer >= 1.")
+    p.add_argument(
+        "--max-new-tokens",
+        required=True,
+        help="token budget T per text, an integer >= 1 that leaves room for the prompt in the model's context; "
+        "never derived from data",
+    )
+    p.add_argument(
+        "--num-texts", default=None, help="texts to generate, 1 .. full batches (default: one per full batch)"
+    )
+    p.add_argument("--top-k", default="100", help="k of the Top-k+ set, an integer >= 1, or 'full' (default 100)")
+    p.add_argument("--temperature", default="1.0", help="sampling temperature tau (finite, > 0; default 1.0)")
     p.add_argument("--prompt", default="generic", help="prompt preset: generic, yelp, tab, mimic (default generic)")
     p.add_argument(
         "--prompt-field",
@@ -76,7 +99,14 @@ def register(subparsers) -> None:
         help="public prompt field, e.g. description=... (generic) or category=... stars=... (yelp); repeatable",
     )
     p.add_argument("--ledger", default=None, help="budget ledger to charge before generating (see `ledger init`)")
-    p.add_argument("--seed", default=None, help="fixed seed: reproducible output, NOT private (tests/audits only)")
+    p.add_argument(
+        "--seed", default=None, help="fixed seed, an integer >= 0: reproducible output, NOT private (tests/audits only)"
+    )
+    p.add_argument(
+        "--allow-all-null",
+        action="store_true",
+        help="generate even when every reference used is empty (public-only texts, still charged); refused otherwise",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
     from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
@@ -86,15 +116,7 @@ def register(subparsers) -> None:
     p.set_defaults(handler=_generate)
 
 
-def load_cli_model(args):
-    from invink_audit.models import load_model
-
-    return load_model(args.model, gguf_file=args.gguf_file, device=args.device, dtype=args.dtype)
-
-
 def _generate(args) -> int:
-    from tqdm import tqdm
-
     from invink_audit.generation import generate
 
     if args.epsilon is None and args.clip_norm is None:
@@ -103,6 +125,10 @@ def _generate(args) -> int:
         raise CliError("give only one of --epsilon and --clip-norm")
     seed = None if args.seed is None else parse_int("--seed", args.seed)
     max_batch_rows = None if args.max_batch_rows is None else parse_int("--max-batch-rows", args.max_batch_rows)
+    if not args.input.strip():
+        raise CliError("--input must name a .csv or .jsonl file; got an empty path")
+    if not args.output.strip():
+        raise CliError("--output must name a .jsonl file; got an empty path")
     kwargs = dict(
         batch_size=parse_int("--batch-size", args.batch_size),
         max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
@@ -120,36 +146,52 @@ def _generate(args) -> int:
         ledger=args.ledger,
         seed=seed,
         max_batch_rows=max_batch_rows,
+        allow_all_null=args.allow_all_null,
+        # the model is loaded inside generate(), after every argument and the input file were checked
+        model=args.model,
+        gguf_file=args.gguf_file,
+        device=args.device,
+        dtype=args.dtype,
     )
-    model = load_cli_model(args)
-    bar = None
-    if not args.no_progress:
-        bar = tqdm(unit="tok", desc="generating", file=sys.stderr, dynamic_ncols=True)
-
-    texts = [0]
-
-    def on_text(text) -> None:
-        texts[0] += 1
-        if bar is not None:
-            bar.set_postfix(texts=texts[0])
-
+    progress = _Progress(enabled=not args.no_progress)
     try:
-        result = generate(
-            args.input,
-            model=model,
-            on_tokens=None if bar is None else bar.update,
-            on_text=on_text,
-            **kwargs,
-        )
+        # a Path, so that a missing input is named in the error (a str could be a reference and is not echoed)
+        result = generate(Path(args.input), on_tokens=progress.update, on_text=progress.text, **kwargs)
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     summary = summarise(result)
     if args.json:
         print(json.dumps(summary))
     else:
         print(format_summary(result))
     return 0
+
+
+class _Progress:
+    """A tqdm bar created at the first generated token, so that no bar fragment precedes an input error."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.texts = 0
+
+    def update(self, tokens: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit="tok", desc="generating", file=sys.stderr, dynamic_ncols=True)
+        self.bar.update(tokens)
+
+    def text(self, text) -> None:
+        self.texts += 1
+        if self.bar is not None:
+            self.bar.set_postfix(texts=self.texts)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def summarise(result) -> dict:
@@ -166,21 +208,28 @@ def summarise(result) -> dict:
         "release_id": result.release_id,
         "model": result.model,
         "seeded": result.seeded,
-        "guarantee": result.guarantee.to_json(),
+        # a seeded run: "guarantee": null and "guarantee_void_reason" (no epsilon to take at face value)
+        **result.guarantee.record_fields(),
     }
 
 
 def format_summary(result) -> str:
     g = result.guarantee
     top_k = "full vocabulary" if g.top_k is None else f"k = {g.top_k}"
+    if g.holds:
+        guarantee = (
+            f"  guarantee        ({g.epsilon:.6g}, {g.delta:g})-DP for texts of at most T = {g.max_new_tokens} tokens "
+            f"({g.accountant}); rho_sequence = {g.rho_sequence:.6g}"
+        )
+    else:
+        guarantee = f"  guarantee        NONE ({g.void_reason})"
     lines = [
         f"wrote {len(result.texts)} texts to {result.output} "
         f"({result.num_resumed} kept from an earlier run, {result.tokens_generated} tokens generated in "
         f"{result.seconds:.1f} s)",
         f"  references       {result.num_references} read, {result.num_batches} batches of B = {g.batch_size}, "
         f"{result.num_unused_references} unused",
-        f"  guarantee        ({g.epsilon:.6g}, {g.delta:g})-DP for texts of at most T = {g.max_new_tokens} tokens "
-        f"({g.accountant}); rho_sequence = {g.rho_sequence:.6g}",
+        guarantee,
         f"  mechanism        C = {g.clip_norm:.6g}, tau = {g.temperature:g}, Top-k+ with {top_k}, "
         f"epsilon0 = {g.epsilon0:.6g} per token",
         f"  model            {result.model}",
