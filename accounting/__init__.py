@@ -3,8 +3,9 @@ r"""Privacy accounting for InvisibleInk decoding (torch-free: numpy, scipy, dp-a
 Layers: :mod:`~accounting.sensitivity` (ℓ∞ sensitivity of the aggregated logits),
 :mod:`~accounting.conversions` (ρ-zCDP ↔ (ε, δ)), :mod:`~accounting.bounded_range` (optimal adaptive
 composition of ε0-bounded-range mechanisms), :mod:`~accounting.accountants` (named accountants),
-:mod:`~accounting.planner` (every inverse of C, T, B, τ ↔ ε, δ) and :mod:`~accounting.ledger`
-(a persisted privacy odometer).
+:mod:`~accounting.planner` (every inverse of C, T, B, τ ↔ ε, δ), :mod:`~accounting.ledger`
+(a persisted privacy odometer) and :mod:`~accounting.limits` (the documented valid range of every
+parameter, :func:`check_parameter_ranges`).
 """
 
 from accounting.accountants import (
@@ -18,6 +19,7 @@ from accounting.accountants import (
 )
 from accounting.bounded_range import DeltaBracket, br_adaptive_delta, br_nonadaptive_delta
 from accounting.conversions import ConversionMethod, epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
+from accounting.limits import RANGES, check_parameter_ranges
 from accounting.ledger import BudgetExceededError, BudgetLedger, LedgerError, LedgerStatus, Release
 from accounting.planner import (
     Plan,
@@ -50,8 +52,10 @@ __all__ = [
     "LedgerStatus",
     "Plan",
     "PlanningRow",
+    "RANGES",
     "Release",
     "bounded_range_epsilon",
+    "check_parameter_ranges",
     "br_adaptive_delta",
     "br_nonadaptive_delta",
     "clip_norm_for_sensitivity",

@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from accounting import bounded_range
-from accounting._validation import check_delta, check_nonnegative, check_positive
+from accounting._validation import check_count, check_delta, check_nonnegative, check_positive
 from accounting.conversions import ConversionMethod, zcdp_to_delta, zcdp_to_epsilon
 
 __all__ = [
@@ -92,39 +92,67 @@ def _rho(epsilon0s: np.ndarray) -> float:
     return float(np.sum(epsilon0s**2)) / 8.0
 
 
+def _composition(epsilon0, num_steps) -> tuple[float, np.ndarray | None]:
+    """(ρ, per-step array or None): the array only when the br-adaptive programme could use it.
+
+    A single ε0 with ``num_steps`` steps costs ρ = T ε0²/8 in closed form, so no O(T) array is built
+    beyond ``BR_MAX_STEPS`` steps (T = 10^9 would take 8 GB; issue 12, item 10).
+    """
+    if np.ndim(epsilon0) == 0:
+        e0 = check_positive("epsilon0", epsilon0)
+        n = check_count("num_steps", num_steps)
+        rho = n * (e0 * e0) / 8.0  # float product: overflows to inf (reported as ε = inf), never raises
+        return rho, (np.full(n, e0) if n <= BR_MAX_STEPS else None)
+    e0s = _steps(epsilon0, num_steps)
+    return _rho(e0s), e0s
+
+
+def _up(x: float) -> float:
+    return math.nextafter(x, math.inf) if math.isfinite(x) else x
+
+
+def _br_usable(e0s: np.ndarray | None, rho: float) -> bool:
+    return e0s is not None and e0s.size <= BR_MAX_STEPS and math.isfinite(rho) and bounded_range.affordable(e0s)
+
+
 def composed_delta(epsilon: float, epsilon0, num_steps: int | None = None, accountant="br-adaptive") -> float:
     """δ(ε) of composing ε0-BR steps (one ε0 with ``num_steps``, or an array of per-step ε0)."""
     epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
     acc = as_accountant(accountant)
-    e0 = _steps(epsilon0, num_steps)
+    rho, e0 = _composition(epsilon0, num_steps)
     if math.isinf(epsilon):
         return 0.0
-    cks = zcdp_to_delta(_rho(e0), epsilon, "cks")
+    cks = zcdp_to_delta(rho, epsilon, "cks")
     if acc is Accountant.BR_ADAPTIVE:
-        if e0.size > BR_MAX_STEPS or not bounded_range.affordable(e0):
+        if not _br_usable(e0, rho):
             return cks
         return min(cks, bounded_range.br_adaptive_delta(epsilon, e0).upper)
-    return cks if acc is Accountant.CKS else zcdp_to_delta(_rho(e0), epsilon, acc.conversion)
+    return cks if acc is Accountant.CKS else zcdp_to_delta(rho, epsilon, acc.conversion)
 
 
 def composed_epsilon(delta: float, epsilon0, num_steps: int | None = None, accountant="br-adaptive") -> float:
-    """Certified ε at ``delta`` of composing ε0-BR steps (errs upwards)."""
+    """Certified ε at ``delta`` of composing ε0-BR steps (errs upwards; ``inf`` when ρ overflows)."""
     delta = check_delta("delta", delta)
     acc = as_accountant(accountant)
-    e0 = _steps(epsilon0, num_steps)
-    rho = _rho(e0)
+    rho, e0 = _composition(epsilon0, num_steps)
     if acc is not Accountant.BR_ADAPTIVE:
         return zcdp_to_epsilon(rho, delta, acc.conversion)
-    cks = zcdp_to_epsilon(rho, delta, "cks")
-    if e0.size > BR_MAX_STEPS or not bounded_range.affordable(e0):
-        return cks
-    return min(cks, bounded_range.br_adaptive_epsilon(delta, e0, start=cks))
+    # ε0-BR steps are ε0-DP, so Σ ε0 with δ = 0 is valid too (basic composition, Dwork & Roth 2014,
+    # Thm. 3.16); it is the smaller of the two for huge ε0, and it keeps the DP's search window at
+    # O(T) lattice points there (the CKS value alone put it at 1e10 points for ε0 = 2e10)
+    basic = math.fsum(e0) if e0 is not None else math.inf
+    start = min(zcdp_to_epsilon(rho, delta, "cks"), _up(basic))
+    if not math.isfinite(start) or not _br_usable(e0, rho):
+        return start
+    return min(start, bounded_range.br_adaptive_epsilon(delta, e0, start=start))
 
 
 def fits_budget(epsilon: float, delta: float, epsilon0: float, num_steps: int, accountant) -> bool:
     """Whether ``num_steps`` ε0-BR tokens are (ε, δ)-DP under ``accountant`` (fast path for searches)."""
     acc = as_accountant(accountant)
-    rho = num_steps * epsilon0 * epsilon0 / 8.0
+    rho = num_steps * (epsilon0 * epsilon0) / 8.0
+    if not math.isfinite(rho):
+        return False
     if zcdp_to_delta(rho, epsilon, "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion) <= delta:
         return True
     if acc is not Accountant.BR_ADAPTIVE or num_steps > BR_MAX_STEPS:
@@ -143,17 +171,26 @@ def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-ad
     epsilon = check_positive("epsilon", epsilon)
     delta = check_delta("delta", delta)
     acc = as_accountant(accountant)
-    from accounting._validation import check_count
-
     num_steps = check_count("num_steps", num_steps)
     conversion = "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion
     from accounting.conversions import epsilon_to_zcdp
 
     rho_seq = epsilon_to_zcdp(epsilon, delta, conversion)
     base = math.sqrt(8.0 * rho_seq / num_steps)
-    # guard the floating-point round trip rho -> epsilon0 -> rho
-    while base > 0 and zcdp_to_epsilon(num_steps * base * base / 8.0, delta, conversion) > epsilon:
-        base *= 1 - 1e-12
+    if not math.isfinite(base):
+        raise ValueError(f"epsilon={epsilon!r} is too large to plan for (per-token range {base!r})")
+    # guard the floating-point round trip rho -> epsilon0 -> rho; the step grows geometrically, so the
+    # loop ends after a few iterations whatever the error (a fixed 1e-12 step could run for ever)
+    shrink = 1e-12
+    for _ in range(200):
+        if base <= 0 or zcdp_to_epsilon(num_steps * base * base / 8.0, delta, conversion) <= epsilon:
+            break
+        base *= 1.0 - shrink
+        shrink = min(2.0 * shrink, 0.5)
+    else:  # pragma: no cover - 200 halvings reach 0
+        raise RuntimeError(f"internal error: no feasible epsilon0 for epsilon={epsilon!r}")
+    if base <= 0:
+        raise ValueError(f"epsilon={epsilon!r} is too small: the per-token range underflows to 0")
     if acc is not Accountant.BR_ADAPTIVE or num_steps > BR_MAX_STEPS:
         return base
 
@@ -168,11 +205,24 @@ def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-ad
     lo, f_lo = base, excess(base)
     if f_lo > 0:  # the DP alone is looser than CKS here: CKS remains the certified answer
         return base
+    # No ε0 above ``ceiling`` is feasible: one step played at t = ε0 − s (the others at t = 0, loss 0)
+    # has δ(ε) >= p_t (1 − e^(ε − t)) >= (1 − e^(−s))² at ε0 = ε + 2s, and that exceeds δ for
+    # s = −log(1 − √δ) (module docstring of accounting.bounded_range for p_t). A bound that reports
+    # such an ε0 feasible has lost its precision (ε / h beyond ~1e15): fall back to CKS, always valid.
+    ceiling = epsilon + 2.0 * -math.log1p(-math.sqrt(delta))
     hi = base * 1.08
     f_hi = excess(hi)
-    while f_hi <= 0:
+    for _ in range(2000):
+        if not (f_hi <= 0):  # infeasible (NaN counts as infeasible: never plan on it)
+            break
+        if hi > ceiling:
+            return base
         lo, f_lo = hi, f_hi
         hi *= 1.08
         f_hi = excess(hi)
+    else:  # pragma: no cover - 1.08**2000 > 1e66 exceeds any ceiling
+        return base
+    if not math.isfinite(f_hi):  # a NaN upper bound: keep the verified point
+        return lo
     # Illinois regula falsi on log δ_upper(ε0), a smooth increasing function; returns a verified point
     return bounded_range.last_feasible(excess, lo, hi, f_lo, f_hi, rtol=rtol, iterations=60)

@@ -137,23 +137,23 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
         reach += n
         w -= n
         eps0 = n * h
-        denom = math.expm1(eps0)
-        # p_t = (e^eps0 - e^t)/(e^eps0 - 1) = e^(t-eps0) expm1(eps0 - t) / (-expm1(-eps0)) and
+        # p_t = (e^eps0 - e^t)/(e^eps0 - 1) = -expm1(t - eps0) / (-expm1(-eps0)) and
         # 1 - p_t = expm1(t)/expm1(eps0) = e^(t-eps0) (-expm1(-t)) / (-expm1(-eps0)): no cancellation for
-        # tiny eps0 and no overflow for huge eps0 (every exponent is <= 0)
+        # tiny eps0 and no overflow for huge eps0 (every exponent is <= 0). The earlier form
+        # e^(t-eps0) expm1(eps0 - t) was 0 * inf = NaN once eps0 - t > 745, and a NaN candidate is
+        # never the supremum: eps0 >= 12,000 gave delta = 0 (issue 12 review, regression test kept)
         nd = -math.expm1(-eps0)
         p = np.empty(n + 1)
         pq = np.empty(n + 1)
         for s in range(n + 1):
             t = s * h
-            w_t = math.exp(t - eps0)
-            p[s] = w_t * math.expm1(eps0 - t) / nd
-            pq[s] = w_t * -math.expm1(-t) / nd
+            p[s] = -math.expm1(t - eps0) / nd
+            pq[s] = math.exp(t - eps0) * -math.expm1(-t) / nd
         # upper-bound data per interval s: t = (s+1)h at nu = 0 and t = s h at nu = 1, where nu is the
         # position of y = e^{x - t} between the two lattice points (V is convex in y, not in x).
         # p(nu) = (e^eps0 - e^{(s+1)h}/(1 + nu (e^h - 1)))/(e^eps0 - 1) is concave in nu; its tangent at
         # nu = 1/2 bounds it from above. With r = (e^h - 1)/(1 + (e^h - 1)/2) = 2 tanh(h/2):
-        # p(1/2) = e^(log_u - eps0) expm1(eps0 - log_u)/nd, log_u = (s+1)h - log1p((e^h - 1)/2), and
+        # p(1/2) = -expm1(log_u - eps0)/nd, log_u = (s+1)h - log1p((e^h - 1)/2), and
         # p'(1/2) = e^((s+1)h - eps0) r / (1 + (e^h - 1)/2) / nd.
         r = 2.0 * math.tanh(0.5 * h)
         log_q = math.log1p(0.5 * math.expm1(h)) if h < 700.0 else h - math.log(2.0)
@@ -161,7 +161,7 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
         slope = np.empty(n)
         for s in range(n):
             log_u = (s + 1) * h - log_q
-            pc[s] = math.exp(log_u - eps0) * math.expm1(eps0 - log_u) / nd
+            pc[s] = -math.expm1(log_u - eps0) / nd
             slope[s] = math.exp((s + 1) * h - eps0 - log_q) * r / nd
         start = max(a_lo - n, W - w)
         stop = min(a_hi + n, W + w)
@@ -288,13 +288,23 @@ def affordable(epsilon0s: np.ndarray, lattice_steps: int | None = None) -> bool:
     if lattice_steps is None:
         lattice_steps = default_lattice_steps(len(epsilon0s))
     ratio = float(np.max(epsilon0s)) / float(np.min(epsilon0s))
+    if not ratio * lattice_steps < _MAX_LATTICE_WORK:  # also catches inf and NaN (issue 12, item 11)
+        return False
     n_max = math.ceil(ratio * lattice_steps) + 1
     return len(epsilon0s) * n_max * n_max <= _MAX_LATTICE_WORK
 
 
 def _steps_array(epsilon0s: np.ndarray, lattice_steps: int) -> tuple[np.ndarray, float]:
     """Per-step lattice widths n_k (ε0 rounded *up* to the lattice) and the lattice step h."""
+    if not np.all(np.isfinite(epsilon0s)) or not np.all(epsilon0s > 0):
+        raise ValueError(f"every epsilon0 must be finite and > 0; got {epsilon0s!r}")
     h = float(np.min(epsilon0s)) / lattice_steps
+    ratio = float(np.max(epsilon0s)) / h
+    if not ratio < _MAX_LATTICE_WORK:
+        raise ValueError(
+            f"the bounded-range programme for epsilon0 from {np.min(epsilon0s):.3g} to {np.max(epsilon0s):.3g} "
+            f"needs more than {_MAX_LATTICE_WORK:.3g} lattice steps per step; use the cks accountant"
+        )
     n = np.ceil(epsilon0s / h * (1 - 1e-12)).astype(np.int64)
     n = np.maximum(n, 1)
     n += (n * h < epsilon0s).astype(np.int64)  # never round a step's range down
@@ -317,6 +327,8 @@ def _validate_common(epsilon0, num_steps, lattice_steps):
 
 
 def _run(epsilon0s: np.ndarray, lattice_steps: int, x0: float, w_out: int, eta: float):
+    if not math.isfinite(x0):  # the kernel's lattice would be NaN: refuse instead of looping on it
+        raise ValueError(f"epsilon must be finite; got {x0!r}")
     n, h = _steps_array(epsilon0s, lattice_steps)
     # level k of the kernel adds the k-th step counted from the end
     return _dp_kernel(n[::-1].copy(), h, float(x0), int(w_out), float(eta)), h
@@ -366,6 +378,8 @@ def br_adaptive_delta_curve(
     epsilon0s = _epsilon0_array(epsilon0, num_steps)
     lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
     check_nonnegative("half_width", half_width)
+    if not math.isfinite(epsilons_center):
+        raise ValueError(f"epsilons_center must be finite; got {epsilons_center!r}")
     n, h = _steps_array(epsilon0s, lattice_steps)
     w_out = int(math.ceil(half_width / h))
     eta = _RELATIVE_ETA * check_positive("delta_scale", delta_scale) / len(epsilon0s)
@@ -396,6 +410,8 @@ def br_adaptive_epsilon(
     lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
     rho = float(np.sum(epsilon0s**2) / 8.0)
     hi = zcdp_to_epsilon(rho, delta, "cks") if start is None else float(start)
+    if not math.isfinite(hi):  # the CKS bound is already infinite: so is every certified answer
+        return math.inf
     span = max(0.25 * hi, 4 * float(epsilon0s.max()))
     for _ in range(20):
         center = max(hi - span / 2, span / 2)

@@ -91,7 +91,15 @@ def _cks_neg_rho_at(am1: np.ndarray, epsilon: float, log_inv_delta: float) -> np
 
 
 def _minimise_over_alpha(fn) -> float:
-    """min over α > 1 of a unimodal-in-practice function of (α − 1); any α is a valid bound."""
+    """min over α > 1 of a unimodal-in-practice function of (α − 1); any α is a valid bound.
+
+    Orders at which the function overflows evaluate to ±inf and are simply not chosen (no warning).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _minimise_over_alpha_quiet(fn)
+
+
+def _minimise_over_alpha_quiet(fn) -> float:
     values = fn(np.exp(_CKS_LOG_AM1_GRID))
     i = int(np.nanargmin(values))
     best = float(values[i])
@@ -127,7 +135,8 @@ def _rdp_accountant(rho: float):
     from dp_accounting.rdp import rdp_privacy_accountant
 
     accountant = rdp_privacy_accountant.RdpAccountant()
-    accountant.compose(dp_event.ZCDpEvent(rho))
+    with np.errstate(over="ignore", invalid="ignore"):  # huge ρ: orders that overflow are never chosen
+        accountant.compose(dp_event.ZCDpEvent(rho))
     return accountant
 
 
@@ -173,8 +182,31 @@ def zcdp_to_delta(rho: float, epsilon: float, method: ConversionMethod | str = "
     elif method is ConversionMethod.CKS:
         delta = _cks_delta(rho, epsilon)
     else:
-        delta = float(_rdp_accountant(rho).get_delta(epsilon))
+        try:
+            delta = float(_rdp_accountant(rho).get_delta(epsilon))
+        except (ValueError, OverflowError):
+            # dp-accounting takes log1p(-exp(-r)) and fails when a tiny ρ rounds r to 0; CKS is the same
+            # bound minimised over every order (not a finite grid), so it is a valid δ for this ρ
+            delta = _cks_delta(rho, epsilon)
     return min(1.0, _up(delta))
+
+
+def _shrink_until_feasible(rho: float, spends, epsilon: float) -> float:
+    """Lower ``rho`` until ``spends(rho) <= epsilon`` (a floating-point guard on an inverse).
+
+    The relative step starts at one ulp (2^-52) and doubles, so the loop ends after at most ~55 evaluations
+    however far off ``rho`` is (a fixed step never ended for ε near 1e308; issue 12, item 9), and the
+    result is at most a factor (1 + 2·step) below the boundary: the safe side.
+    """
+    if not math.isfinite(rho):
+        raise ValueError(f"epsilon={epsilon!r} is too large for this conversion (rho={rho!r})")
+    shrink = 2.0**-52
+    while rho > 0.0 and spends(rho) > epsilon:
+        rho *= 1.0 - shrink
+        shrink = min(2.0 * shrink, 0.5)
+        if rho < 1e-300:
+            return 0.0
+    return rho
 
 
 def epsilon_to_zcdp(epsilon: float, delta: float, method: ConversionMethod | str = "cks") -> float:
@@ -200,15 +232,11 @@ def epsilon_to_zcdp(epsilon: float, delta: float, method: ConversionMethod | str
         # ε_cks(ρ) = min_α [αρ + c(α)] is a minimum of lines in ρ, so the largest feasible ρ is
         # max_α (ε − c(α))/α; every α gives a feasible ρ, the maximiser the exact inverse.
         rho = max(0.0, -_minimise_over_alpha(lambda am1: _cks_neg_rho_at(am1, epsilon, log_inv_delta)))
-        while rho > 0.0 and zcdp_to_epsilon(rho, delta, method) > epsilon:  # floating-point guard
-            rho *= 1.0 - 1e-12
-        return rho
+        return _shrink_until_feasible(rho, spends, epsilon)
     # Bun–Steinke closed form: exact up to rounding for that method, a starting bracket for RDP
     lo = (math.sqrt(log_inv_delta + epsilon) - math.sqrt(log_inv_delta)) ** 2
     if method is ConversionMethod.BUN_STEINKE:
-        while lo > 0.0 and spends(lo) > epsilon:  # floating point at the closed form's edge
-            lo = math.nextafter(lo, 0.0)
-        return lo
+        return _shrink_until_feasible(lo, spends, epsilon)  # floating point at the closed form's edge
     if spends(lo) <= epsilon:
         hi = 2.0 * lo
         while spends(hi) <= epsilon:

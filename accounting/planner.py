@@ -22,6 +22,14 @@ import math
 from collections.abc import Iterable
 
 from accounting._validation import check_count, check_delta, check_positive
+from accounting.limits import (
+    CLIP_NORM_RANGE,
+    COUNT_RANGE,
+    EPSILON_RANGE,
+    MAX_COUNT,
+    MAX_TABLE_VALUES,
+    check_parameter_ranges,
+)
 from accounting.accountants import (
     DEFAULT_ACCOUNTANT,
     Accountant,
@@ -141,20 +149,34 @@ def _clip_norm_from_epsilon0(e0: float, B: int, tau: float, clipping, adjacency)
 
 
 def _validate(epsilon=None, delta=None, T=None, B=None, tau=None, C=None):
-    out = {}
-    if epsilon is not None:
-        out["epsilon"] = check_positive("epsilon", epsilon)
-    if delta is not None:
-        out["delta"] = check_delta("delta", delta)
-    if T is not None:
-        out["T"] = check_count("max_new_tokens", T)
-    if B is not None:
-        out["B"] = check_count("batch_size", B)
-    if tau is not None:
-        out["tau"] = check_positive("temperature", tau)
-    if C is not None:
-        out["C"] = check_positive("clip_norm", C)
-    return out
+    """Range checks of :mod:`accounting.limits` (one line naming the argument, its value and range)."""
+    v = check_parameter_ranges(
+        epsilon=epsilon, delta=delta, max_new_tokens=T, batch_size=B, temperature=tau, clip_norm=C
+    )
+    names = {"max_new_tokens": "T", "batch_size": "B", "temperature": "tau", "clip_norm": "C"}
+    return {names.get(k, k): x for k, x in v.items()}
+
+
+def _check_planned_clip_norm(C: float, what: str) -> float:
+    """A planned clip norm must itself be a valid input (so the plan can be generated and charged)."""
+    low, high = CLIP_NORM_RANGE.low, CLIP_NORM_RANGE.high
+    if not low <= C <= high:
+        raise ValueError(
+            f"the planned clip norm C = {C:.6g} for {what} is outside the supported range "
+            f"[{low:g}, {high:g}]; change epsilon, max_new_tokens, batch_size or temperature"
+        )
+    return C
+
+
+def _largest_clip_norm(e0: float, B: int, tau: float, clipping, adjacency) -> float:
+    """The clip norm for per-token range ``e0``, stepped down until its recomputed ε0 is <= ``e0``."""
+    C = _clip_norm_from_epsilon0(e0, B, tau, clipping, adjacency)
+    # the round trip e0 -> C -> e0 may gain an ulp or two; a handful of steps always suffices
+    for _ in range(64):
+        if bounded_range_epsilon(linf_sensitivity(C, B, clipping, adjacency), tau) <= e0:
+            return C
+        C = math.nextafter(C, 0.0)
+    raise RuntimeError(f"internal error: no clip norm reproduces epsilon0={e0!r}")  # pragma: no cover
 
 
 def plan_clip_norm(
@@ -176,10 +198,8 @@ def plan_clip_norm(
     acc = as_accountant(accountant)
     clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
     e0 = max_epsilon0(v["epsilon"], v["delta"], v["T"], acc)
-    C = _clip_norm_from_epsilon0(e0, v["B"], v["tau"], clipping, adjacency)
-    # the round trip e0 -> C -> e0 may gain an ulp; step C down until the recomputed e0 is <= e0
-    while bounded_range_epsilon(linf_sensitivity(C, v["B"], clipping, adjacency), v["tau"]) > e0:
-        C = math.nextafter(C, 0.0)
+    C = _largest_clip_norm(e0, v["B"], v["tau"], clipping, adjacency)
+    _check_planned_clip_norm(C, f"epsilon={v['epsilon']:g}")
     return _make_plan(C, v["epsilon"], v["delta"], acc, v["T"], v["B"], v["tau"], clipping, adjacency)
 
 
@@ -217,9 +237,11 @@ def plan_max_new_tokens(
 ) -> Plan:
     """The largest token budget T for which the release is (ε, δ)-DP.
 
-    Raises ``ValueError`` when not even one token fits the budget. For the zCDP accountants
+    Raises ``ValueError`` when not even one token fits the budget. The answer is capped at
+    :data:`accounting.limits.MAX_COUNT` (10^9 tokens, the largest valid T). For the zCDP accountants
     T = ⌊ρ_seq/ρ_tok⌋; for ``br-adaptive`` an exponential then binary search on T, starting from the
-    CKS answer (always feasible), every candidate verified on the certified upper δ.
+    CKS answer (always feasible), every candidate verified on the certified upper δ. Errs low: the
+    returned T is one that was evaluated feasible.
     """
     v = _validate(epsilon, delta, None, batch_size, temperature, clip_norm)
     acc = as_accountant(accountant)
@@ -238,21 +260,26 @@ def plan_max_new_tokens(
 
     conversion = "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion
     rho_seq = epsilon_to_zcdp(v["epsilon"], v["delta"], conversion)
-    lo = max(1, int(math.floor(rho_seq / (e0 * e0 / 8.0))))
-    while lo > 1 and not fits(lo):  # guard the floor against rounding
-        lo -= 1
-    if not fits(lo + 1):
-        hi = lo + 1
-    else:
-        lo, hi = lo + 1, max(lo + 2, int(lo * 1.2))
-        while fits(hi):
-            lo, hi = hi, int(hi * 1.2) + 1
-    while hi - lo > 1:  # bisection on the monotone predicate
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
+    # the zCDP answer as a first guess, clamped to [1, MAX_COUNT] (it can exceed 1e40 for tiny e0)
+    guess = rho_seq / (e0 * e0 / 8.0)
+    guess = MAX_COUNT if not guess < MAX_COUNT else max(1, int(math.floor(guess)))
+    if fits(guess):
+        lo = guess  # feasible; search upwards for the first infeasible T (or the cap)
+        if lo == MAX_COUNT or fits(MAX_COUNT):
+            lo, hi = MAX_COUNT, None
         else:
-            hi = mid
+            hi = min(lo + 1, MAX_COUNT)
+            while fits(hi):
+                lo, hi = hi, min(max(hi + 1, int(hi * 1.2)), MAX_COUNT)
+    else:
+        lo, hi = 1, guess  # fits(1) holds, fits(guess) does not
+    if hi is not None:
+        while hi - lo > 1:  # bisection on the monotone predicate; lo stays feasible, hi infeasible
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
     eps = v["epsilon"]
     return _make_plan(v["C"], eps, v["delta"], acc, lo, v["B"], v["tau"], clipping, adjacency)
 
@@ -279,14 +306,35 @@ def plan_min_batch_size(
     clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
     e0 = max_epsilon0(v["epsilon"], v["delta"], v["T"], acc)
     per_reference = _clip_norm_from_epsilon0(e0, 1, v["tau"], clipping, adjacency)
-    B = max(1, math.ceil(v["C"] / per_reference))
-    while B > 1 and _clip_norm_from_epsilon0(e0, B - 1, v["tau"], clipping, adjacency) >= v["C"]:
-        B -= 1
-    while _clip_norm_from_epsilon0(e0, B, v["tau"], clipping, adjacency) < v["C"]:
-        B += 1
+    estimate = v["C"] / per_reference
+    if not estimate <= MAX_COUNT:
+        raise ValueError(
+            f"clip_norm={clip_norm!r} needs about {estimate:.3g} references per text at (epsilon={epsilon!r}, "
+            f"delta={delta!r}, max_new_tokens={max_new_tokens!r}, temperature={temperature!r}), more than the "
+            f"largest batch_size {MAX_COUNT}"
+        )
+
+    def reaches(B: int) -> bool:
+        return _clip_norm_from_epsilon0(e0, B, v["tau"], clipping, adjacency) >= v["C"]
+
+    B = max(1, math.ceil(estimate))
+    # the estimate is within an ulp-sized error of the answer: a few steps either way settle it
+    for _ in range(64):
+        if B > 1 and reaches(B - 1):
+            B -= 1
+        elif not reaches(B):
+            B += 1
+        else:
+            break
     # the requested clip norm at this B spends at most e0 per token; verify against the accountant
-    while bounded_range_epsilon(linf_sensitivity(v["C"], B, clipping, adjacency), v["tau"]) > e0:
+    for _ in range(64):
+        if bounded_range_epsilon(linf_sensitivity(v["C"], B, clipping, adjacency), v["tau"]) <= e0:
+            break
         B += 1
+    else:  # pragma: no cover - the ratio is exact to a few ulps
+        raise RuntimeError(f"internal error: no batch size found for clip_norm={clip_norm!r}")
+    if B > MAX_COUNT:
+        raise ValueError(f"clip_norm={clip_norm!r} needs batch_size={B}, more than the largest {MAX_COUNT}")
     return _make_plan(v["C"], v["epsilon"], v["delta"], acc, v["T"], B, v["tau"], clipping, adjacency)
 
 
@@ -331,10 +379,13 @@ def planning_table(
 
     ε0* depends only on (ε, δ, T), so the accountant runs once per ε.
     """
-    epsilons = [check_positive("epsilon", e) for e in epsilons]
-    batch_sizes = [check_count("batch_size", b) for b in batch_sizes]
+    epsilons = [EPSILON_RANGE.check("epsilon", e) for e in epsilons]
+    batch_sizes = [COUNT_RANGE.check("batch_size", b) for b in batch_sizes]
     if not epsilons or not batch_sizes:
         raise ValueError("epsilons and batch_sizes must be non-empty")
+    for name, values in (("epsilons", epsilons), ("batch_sizes", batch_sizes)):
+        if len(values) > MAX_TABLE_VALUES:
+            raise ValueError(f"{name} must hold at most {MAX_TABLE_VALUES} values; got {len(values)}")
     v = _validate(None, delta, max_new_tokens, None, temperature)
     acc = as_accountant(accountant)
     clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
@@ -342,8 +393,7 @@ def planning_table(
     for eps in epsilons:
         e0 = max_epsilon0(eps, v["delta"], v["T"], acc)
         for B in batch_sizes:
-            C = _clip_norm_from_epsilon0(e0, B, v["tau"], clipping, adjacency)
-            while bounded_range_epsilon(linf_sensitivity(C, B, clipping, adjacency), v["tau"]) > e0:
-                C = math.nextafter(C, 0.0)
+            C = _largest_clip_norm(e0, B, v["tau"], clipping, adjacency)
+            _check_planned_clip_norm(C, f"epsilon={eps:g}, B={B}")
             rows.append(PlanningRow(_make_plan(C, eps, v["delta"], acc, v["T"], B, v["tau"], clipping, adjacency)))
     return rows

@@ -1,0 +1,117 @@
+r"""The documented valid range of every public parameter of a plan, a release and a ledger.
+
+Each range is wide enough for any real deployment and narrow enough that every quantity the
+accountants derive from it stays a finite double: with the extremes below the per-token range is
+:math:`\varepsilon_0 = 2fC/(B\tau) \in [2\cdot10^{-19}, 4\cdot10^{10}]` and the zCDP cost of a release is
+at most :math:`10^{18}\varepsilon_0^2/8 \approx 2\cdot10^{38}`, far from overflow (``1.8e308``) and
+underflow. Values outside a range are refused at the boundary with one ``ValueError`` naming the
+argument, its value and the range (STYLE.md §5) instead of overflowing, allocating O(T) memory or
+searching forever (issue 12, items 9–11).
+
+================  ======================  =====================================================
+parameter         range                   why this end
+================  ======================  =====================================================
+epsilon           [1e-6, 1e4]             ε = 1e4 is vacuous already (e^ε); below 1e-6 the
+                                          planned clip norm underflows
+delta             [1e-300, 1)             1 carries no guarantee; below 1e-300, 1/δ overflows
+clip_norm         [1e-6, 1e6]             logit differences of real models are < 1e3
+temperature       [1e-4, 1e4]             τ → 0 is greedy decoding and spends ε0 → ∞
+max_new_tokens    integer in [1, 1e9]     no model's context comes near 1e9 tokens
+batch_size        integer in [1, 1e9]
+texts_per_batch   integer in [1, 1e9]
+num_batches       integer in [1, 1e9]
+================  ======================  =====================================================
+
+:func:`check_parameter_ranges` checks any subset of them in microseconds, before a model loads or a
+ledger is read; the planner, :class:`accounting.Release` and the ledger call the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+__all__ = [
+    "ParameterRange",
+    "EPSILON_RANGE",
+    "DELTA_RANGE",
+    "CLIP_NORM_RANGE",
+    "TEMPERATURE_RANGE",
+    "COUNT_RANGE",
+    "MAX_COUNT",
+    "MAX_TABLE_VALUES",
+    "RANGES",
+    "check_parameter_ranges",
+]
+
+#: The largest T, B, texts per batch and number of batches accepted anywhere.
+MAX_COUNT = 10**9
+
+#: The most values in each list of a planning table (ε's and B's): one accountant run per ε.
+MAX_TABLE_VALUES = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterRange:
+    """The interval ``[low, high]`` (``[low, high)`` with ``high_open``), integers only when ``integer``."""
+
+    low: float
+    high: float
+    integer: bool = False
+    high_open: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.low < self.high:
+            raise ValueError(f"invalid range [{self.low!r}, {self.high!r}]")
+
+    def describe(self) -> str:
+        """The range as the error messages and the README write it."""
+        if self.integer:
+            return f"an integer from {int(self.low)} to {int(self.high)}"
+        return f"in [{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+    def check(self, name: str, value):
+        """``value`` as a float (an int for integer ranges); ``ValueError`` naming ``name`` otherwise."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral if self.integer else numbers.Real):
+            raise ValueError(f"{name} must be {self.describe()}; got {value!r}")
+        x = int(value) if self.integer else float(value)
+        inside = self.low <= x < self.high if self.high_open else self.low <= x <= self.high
+        if not inside:  # NaN fails every comparison and lands here too
+            raise ValueError(f"{name} must be {self.describe()}; got {value!r}")
+        return x
+
+
+EPSILON_RANGE = ParameterRange(1e-6, 1e4)
+DELTA_RANGE = ParameterRange(1e-300, 1.0, high_open=True)
+CLIP_NORM_RANGE = ParameterRange(1e-6, 1e6)
+TEMPERATURE_RANGE = ParameterRange(1e-4, 1e4)
+COUNT_RANGE = ParameterRange(1, MAX_COUNT, integer=True)
+
+#: Every named parameter and its range (the README's table is generated from the same values).
+RANGES: dict[str, ParameterRange] = {
+    "epsilon": EPSILON_RANGE,
+    "delta": DELTA_RANGE,
+    "clip_norm": CLIP_NORM_RANGE,
+    "temperature": TEMPERATURE_RANGE,
+    "max_new_tokens": COUNT_RANGE,
+    "batch_size": COUNT_RANGE,
+    "texts_per_batch": COUNT_RANGE,
+    "num_batches": COUNT_RANGE,
+}
+
+
+def check_parameter_ranges(**values) -> dict:
+    """Check any of ``epsilon, delta, clip_norm, temperature, max_new_tokens, batch_size,
+    texts_per_batch, num_batches`` against its documented range (``None`` values are skipped).
+
+    Returns the validated values (floats, or ints for the counts); raises ``ValueError`` with one line
+    naming the first bad argument, its value and its range. It does no accounting, so callers (the
+    ``generate`` command, before loading a model) can run it first and cheaply.
+    """
+    out = {}
+    for name, value in values.items():
+        if name not in RANGES:
+            raise TypeError(f"check_parameter_ranges() got an unexpected parameter {name!r}")
+        if value is not None:
+            out[name] = RANGES[name].check(name, value)
+    return out
