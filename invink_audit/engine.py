@@ -40,17 +40,26 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from invink_audit.mechanism import MechanismConfig, NeighbourLogProbs, sample_tokens, topk_plus_columns
+from invink_audit.mechanism import (
+    ACCUMULATION_DTYPE,
+    MechanismConfig,
+    NeighbourLogProbs,
+    gumbel_argmax,
+    support_log_probs,
+    topk_plus_support,
+)
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest
+from invink_audit.rows import RowKV, packed_attention, pack_kwargs, segments_for
 
-__all__ = ["DecodeStep", "Engine", "FinishedText", "default_max_batch_rows"]
+__all__ = ["DecodeStep", "Engine", "FinishedText", "RowForward", "default_max_batch_rows"]
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -128,217 +137,6 @@ Observer = Callable[[DecodeStep], None]
 SamplingRule = Callable[[DecodeStep], torch.Tensor]
 
 
-# --------------------------------------------------------------------------------------------
-# KV-cache shards
-
-
-def _cache_classes():
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    return DynamicCache, DynamicLayer
-
-
-def _check_cache(cache) -> None:
-    _, dynamic_layer = _cache_classes()
-    layers = getattr(cache, "layers", None)
-    if layers is None or not layers or any(type(layer) is not dynamic_layer for layer in layers):
-        kinds = sorted({type(layer).__name__ for layer in layers or []})
-        raise ValueError(
-            "the engine supports models whose KV cache is a plain DynamicCache (full attention in every "
-            f"layer); this model's cache has layers {kinds}"
-        )
-
-
-_LAYER_CLASS = None
-
-
-def _preallocated_layer_class():
-    """A ``DynamicLayer`` whose keys/values live in buffers with room for the tokens still to come.
-
-    transformers' ``DynamicLayer.update`` concatenates the whole cache with the new token at every
-    step (a copy of the full KV cache per token: about a quarter of a decoding step on CPU for a few
-    hundred cached tokens). This layer writes the new token into spare capacity in place and exposes
-    views of the filled part, so a step copies nothing; capacity doubles if it ever runs out.
-    """
-    global _LAYER_CLASS
-    if _LAYER_CLASS is None:
-        _, dynamic_layer = _cache_classes()
-
-        class _PreallocatedLayer(dynamic_layer):
-            def __init__(self, keys: torch.Tensor, values: torch.Tensor, reserve: int):
-                super().__init__()
-                self.dtype, self.device = keys.dtype, keys.device
-                self.is_initialized = True
-                self._length = keys.shape[2]
-                self._key_buffer = self._allocate(keys, self._length + reserve)
-                self._value_buffer = self._allocate(values, self._length + reserve)
-                self._expose()
-
-            @staticmethod
-            def _allocate(filled: torch.Tensor, capacity: int) -> torch.Tensor:
-                rows, heads, length, dim = filled.shape
-                buffer = filled.new_empty((rows, heads, max(capacity, length), dim))
-                buffer[:, :, :length].copy_(filled)
-                return buffer
-
-            def _expose(self) -> None:
-                self.keys = self._key_buffer[:, :, : self._length]
-                self.values = self._value_buffer[:, :, : self._length]
-
-            def update(self, key_states, value_states, *args, **kwargs):
-                new = key_states.shape[2]
-                end = self._length + new
-                if end > self._key_buffer.shape[2]:
-                    capacity = max(end, 2 * self._key_buffer.shape[2])
-                    self._key_buffer = self._allocate(self.keys, capacity)
-                    self._value_buffer = self._allocate(self.values, capacity)
-                self._key_buffer[:, :, self._length : end].copy_(key_states)
-                self._value_buffer[:, :, self._length : end].copy_(value_states)
-                self._length = end
-                self._expose()
-                return self.keys, self.values
-
-            def batch_select_indices(self, indices: torch.Tensor) -> None:  # pragma: no cover - unused
-                raise NotImplementedError("the engine selects rows with _Shard.select")
-
-        _LAYER_CLASS = _PreallocatedLayer
-    return _LAYER_CLASS
-
-
-def _make_cache(keys: list[torch.Tensor], values: list[torch.Tensor], reserve: int):
-    """A DynamicCache holding copies of the given per-layer tensors with room for ``reserve`` more tokens."""
-    dynamic_cache, _ = _cache_classes()
-    layer_class = _preallocated_layer_class()
-    cache = dynamic_cache()
-    cache.layers = [layer_class(k, v, reserve) for k, v in zip(keys, values)]
-    return cache
-
-
-class _Shard:
-    """A contiguous range of rows with its own KV cache, left-padded attention mask and positions.
-
-    The cache's layers keep spare capacity for ``reserve`` further tokens, which the forward passes
-    fill in place; its tensors are only rebuilt when rows join or leave (``select``, ``split``,
-    ``concat``).
-    """
-
-    __slots__ = ("cache", "mask", "positions")
-
-    def __init__(self, cache, mask: torch.Tensor, positions: torch.Tensor):
-        self.cache = cache
-        self.mask = mask  # (rows, length) int64, 0 on left padding
-        self.positions = positions  # (rows,) int64: position id of the next input token
-
-    @classmethod
-    def from_prefill(cls, cache, mask: torch.Tensor, positions: torch.Tensor, reserve: int) -> _Shard:
-        _check_cache(cache)
-        keys = [layer.keys for layer in cache.layers]
-        values = [layer.values for layer in cache.layers]
-        return cls(_make_cache(keys, values, reserve), mask, positions)
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.mask.shape[0])
-
-    @property
-    def length(self) -> int:
-        return int(self.mask.shape[1])
-
-    def _tensors(self):
-        return [layer.keys for layer in self.cache.layers], [layer.values for layer in self.cache.layers]
-
-    def select(self, rows: torch.Tensor, reserve: int) -> _Shard:
-        """Keep ``rows`` (local indices, in order) and drop left columns that are padding for all of them."""
-        mask = self.mask.index_select(0, rows)
-        live_columns = mask.any(dim=0)
-        start = int(live_columns.int().argmax()) if bool(live_columns.any()) else 0
-        keys, values = self._tensors()
-        return _Shard(
-            _make_cache(
-                [k.index_select(0, rows)[:, :, start:] for k in keys],
-                [v.index_select(0, rows)[:, :, start:] for v in values],
-                reserve,
-            ),
-            mask[:, start:],
-            self.positions.index_select(0, rows),
-        )
-
-    def split(self, count: int, reserve: int) -> tuple[_Shard, _Shard]:
-        """The first ``count`` rows and the rest."""
-        keys, values = self._tensors()
-        head = _Shard(
-            _make_cache([k[:count] for k in keys], [v[:count] for v in values], reserve),
-            self.mask[:count],
-            self.positions[:count],
-        )
-        tail = _Shard(
-            _make_cache([k[count:] for k in keys], [v[count:] for v in values], reserve),
-            self.mask[count:],
-            self.positions[count:],
-        )
-        return head, tail
-
-    @staticmethod
-    def concat(first: _Shard, second: _Shard, reserve: int) -> _Shard:
-        """Rows of ``first`` then ``second``; the shorter one is left-padded (masked columns)."""
-        length = max(first.length, second.length)
-
-        def padded(shard: _Shard):
-            keys, values = shard._tensors()
-            extra = length - shard.length
-            if extra == 0:
-                return keys, values, shard.mask
-
-            def grow(t):
-                return torch.cat([t.new_zeros(t.shape[0], t.shape[1], extra, t.shape[3]), t], dim=2)
-
-            mask = torch.cat([shard.mask.new_zeros(shard.num_rows, extra), shard.mask], dim=1)
-            return [grow(k) for k in keys], [grow(v) for v in values], mask
-
-        k1, v1, m1 = padded(first)
-        k2, v2, m2 = padded(second)
-        return _Shard(
-            _make_cache(
-                [torch.cat([a, b], dim=0) for a, b in zip(k1, k2)],
-                [torch.cat([a, b], dim=0) for a, b in zip(v1, v2)],
-                reserve,
-            ),
-            torch.cat([m1, m2], dim=0),
-            torch.cat([first.positions, second.positions], dim=0),
-        )
-
-
-# --------------------------------------------------------------------------------------------
-# live texts
-
-
-@dataclasses.dataclass(eq=False)
-class _Live:
-    """Host-side bookkeeping for one live text: its rows (public first) and where its references point."""
-
-    request_index: int
-    request: TextRequest
-    prompts: list[tuple[int, ...]]  # distinct rows: [public, non-null private ...]
-    reference_rows: list[int]  # for each reference, index into ``prompts`` (0 = public row for a null)
-
-    @classmethod
-    def from_request(cls, index: int, request: TextRequest) -> _Live:
-        prompts = [request.public_ids]
-        reference_rows = []
-        for ids in request.private_ids:
-            if ids is None:
-                reference_rows.append(0)
-            else:
-                reference_rows.append(len(prompts))
-                prompts.append(ids)
-        return cls(index, request, prompts, reference_rows)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.prompts)
-
-
 @dataclasses.dataclass(frozen=True)
 class _OutputLayerSplit:
     decoder: torch.nn.Module  # input ids → last hidden states (with the cache)
@@ -400,15 +198,89 @@ def _output_layer_split(model: LoadedModel) -> _OutputLayerSplit | None:
     return _OutputLayerSplit(decoder=decoder, head=head)
 
 
+# --------------------------------------------------------------------------------------------
+# per-text state
+
+
+def _stream_seed(master: int, stream: int) -> int:
+    """A 63-bit seed for text ``stream`` of a run keyed by ``master`` (BLAKE2b of the pair)."""
+    digest = hashlib.blake2b(f"{master}:{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class _Text:
+    """One text of a run: its rows' caches, prefill progress, random stream and what it has drawn.
+
+    ``rows[0]`` is the public row and ``rows[1 + i]`` reference ``i``'s row; a null reference has no
+    row (``None``): its logits are the public row's. Rows are prefilled one after the other, in
+    chunks; ``states`` keeps each row's output (last hidden state or logits) at the end of its prompt
+    until the text draws its first token.
+    """
+
+    def __init__(self, request_index: int, request: TextRequest, stream_seed: int, num_layers: int, reserve: int, device):
+        self.request_index = request_index
+        self.request = request
+        prompts = [request.public_ids, *request.private_ids]
+        self.prompts: list[tuple[int, ...] | None] = prompts
+        self.rows: list[RowKV | None] = [None if p is None else RowKV(num_layers, reserve) for p in prompts]
+        self.states: list[torch.Tensor | None] = [None] * len(prompts)
+        self.next_row = 0  # first row whose prefill is not complete
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(stream_seed)
+        self.tokens: list[int] = []
+        self.size_sum = 0.0
+        self.size_sq_sum = 0.0
+        self.expansion = 0
+        self._skip_nulls()
+
+    def _skip_nulls(self) -> None:
+        while self.next_row < len(self.rows) and self.rows[self.next_row] is None:
+            self.next_row += 1
+
+    @property
+    def prefilled(self) -> bool:
+        return self.next_row >= len(self.rows)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether this text's rows take part in the next forward pass (it has drawn a token)."""
+        return bool(self.tokens)
+
+    def row_done(self, state: torch.Tensor) -> None:
+        self.states[self.next_row] = state
+        self.next_row += 1
+        self._skip_nulls()
+
+    def finished_text(self, reason: str) -> FinishedText:
+        n = len(self.tokens)
+        mean = self.size_sum / n
+        variance = max(self.size_sq_sum / n - mean * mean, 0.0)
+        return FinishedText(
+            request_index=self.request_index,
+            key=self.request.key,
+            token_ids=tuple(self.tokens),
+            finish_reason=reason,
+            topk_plus_size_mean=mean,
+            topk_plus_size_std=math.sqrt(variance),
+            expansion_tokens=self.expansion,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# the engine
+
+
 class Engine:
     """Private decoding of many texts at once with one model and one mechanism configuration.
 
-    ``max_batch_rows``: rows per forward pass (memory bound; default :func:`default_max_batch_rows`).
-    ``max_prefill_tokens``: bound on rows × prompt length per prefill forward (default
-    ``max_batch_rows * 512``).
-    ``support_only``: compute private logits on the Top-k+ columns only when nothing needs the full
-    rows and the model passes the output-layer probe (see the module docstring); ``False`` always
-    computes full logits.
+    ``max_batch_rows``: rows per decoding forward pass (default :func:`default_max_batch_rows`); at
+    most ``max(1, max_batch_rows // (B + 1))`` texts are in progress at once. ``max_prefill_tokens``:
+    tokens per prefill forward pass (a longer prompt is prefilled in chunks; default 512); while texts
+    are decoding, at most ``4 * max_prefill_tokens`` prompt tokens are prefilled per step, so a huge
+    reference delays no one. ``support_only``: compute private logits on the Top-k+ columns only when
+    nothing needs the full rows and the model passes the output-layer probe (module docstring);
+    ``False`` always computes full logits. ``share_prefill``: prefill each distinct prompt once per
+    :meth:`generate` call and copy its cache (bitwise the same; for audits, which repeat prompts).
     """
 
     def __init__(
@@ -419,6 +291,7 @@ class Engine:
         max_batch_rows: int | None = None,
         max_prefill_tokens: int | None = None,
         support_only: bool = True,
+        share_prefill: bool = False,
     ):
         if not isinstance(model, LoadedModel):
             raise ValueError(f"model must be a LoadedModel (see invink_audit.load_model); got {type(model).__name__}")
@@ -427,68 +300,35 @@ class Engine:
         rows = default_max_batch_rows(model.device) if max_batch_rows is None else max_batch_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"max_batch_rows must be an integer >= 1; got {max_batch_rows!r}")
-        prefill = rows * 512 if max_prefill_tokens is None else max_prefill_tokens
+        prefill = _DEFAULT_PREFILL_TOKENS if max_prefill_tokens is None else max_prefill_tokens
         if isinstance(prefill, bool) or not isinstance(prefill, int) or prefill < 1:
             raise ValueError(f"max_prefill_tokens must be an integer >= 1; got {max_prefill_tokens!r}")
+        for name, flag in (("support_only", support_only), ("share_prefill", share_prefill)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool; got {flag!r}")
         if "logits_to_keep" not in inspect.signature(model.model.forward).parameters:
             raise ValueError(
                 f"model {model.name!r} does not accept logits_to_keep; use a recent transformers causal LM"
             )
-        if not isinstance(support_only, bool):
-            raise ValueError(f"support_only must be a bool; got {support_only!r}")
         self.model = model
         self.mechanism = mechanism
         self.max_batch_rows = rows
         self.max_prefill_tokens = prefill
+        self.share_prefill = share_prefill
+        self.forward = RowForward(model)
         self._split = _output_layer_split(model) if support_only else None
+        if self._split is not None:
+            self.forward.decoder = self._split.decoder
 
     @property
     def support_only(self) -> bool:
         """Whether runs without hooks compute private logits on the Top-k+ columns only."""
         return self._split is not None
 
-    # ---------------------------------------------------------------- forward passes
-
-    def _forward(self, input_ids, mask, positions, cache, hidden: bool = False):
-        """The rows' next-token logits (or, with ``hidden``, their last hidden states) and the cache."""
-        arguments = dict(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-        )
-        if hidden:
-            out = self._split.decoder(**arguments)
-            return out.last_hidden_state[:, -1, :], out.past_key_values
-        out = self.model.model(**arguments, logits_to_keep=1)
-        return out.logits[:, -1, :], out.past_key_values
-
-    def _prefill(
-        self, prompts: list[tuple[int, ...]], reserve: int, hidden: bool = False
-    ) -> tuple[list[_Shard], torch.Tensor]:
-        """Left-padded prefill of ``prompts`` in row chunks; returns shards (with room for ``reserve``
-        more tokens) and the rows' next-token logits (their last hidden states with ``hidden``)."""
-        device = self.model.device
-        length = max(len(p) for p in prompts)
-        rows_per_chunk = max(1, min(self.max_batch_rows, self.max_prefill_tokens // length))
-        ids = torch.full((len(prompts), length), self.model.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), length), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, length - len(prompt) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        shards, logits = [], []
-        for start in range(0, len(prompts), rows_per_chunk):
-            part = slice(start, start + rows_per_chunk)
-            row_logits, cache = self._forward(ids[part], mask[part], positions[part], None, hidden)
-            shards.append(_Shard.from_prefill(cache, mask[part], positions[part, -1] + 1, reserve))
-            logits.append(row_logits)
-        return shards, torch.cat(logits, dim=0)
-
-    def _decode(self, shard: _Shard, input_ids: torch.Tensor, hidden: bool = False) -> tuple[_Shard, torch.Tensor]:
-        mask = torch.cat([shard.mask, shard.mask.new_ones(shard.num_rows, 1)], dim=1)
-        logits, cache = self._forward(input_ids[:, None], mask, shard.positions[:, None], shard.cache, hidden)
-        return _Shard(cache, mask, shard.positions + 1), logits
-
-    # ---------------------------------------------------------------- generation
+    @property
+    def max_texts(self) -> int:
+        """Texts in progress at once: ``max(1, max_batch_rows // (B + 1))``."""
+        return max(1, self.max_batch_rows // (self.mechanism.batch_size + 1))
 
     def generate(
         self,
@@ -501,23 +341,47 @@ class Engine:
         neighbours: bool = False,
         stop_at_eos: bool = True,
         progress: Callable[[int], None] | None = None,
+        stream_ids: Sequence[int] | None = None,
     ) -> Iterator[FinishedText]:
         """Generate one text per request; yields texts as they finish (not in request order).
 
         ``max_new_tokens`` (T) is given by the caller, never derived from the data. ``generator`` is a
-        ``torch.Generator`` on the model's device (:func:`invink_audit.mechanism.make_generator`).
-        ``neighbours=True`` computes the neighbour log-probabilities every step (use it when the
-        observer or the sampling rule needs them: the mechanism's distribution is then taken from the
-        same computation instead of a second one). ``stop_at_eos=False`` ignores end-of-sequence
-        tokens (benchmarks). ``progress(n)`` is called after each step with the number of tokens drawn.
+        ``torch.Generator`` on the model's device (:func:`invink_audit.mechanism.make_generator`): one
+        key is drawn from it per call, and text ``i`` samples from its own stream keyed by that key and
+        ``stream_ids[i]`` (default: ``i``), so a text's tokens do not depend on which texts share its
+        forward passes. ``neighbours=True`` computes the neighbour log-probabilities every step (use
+        it when the observer or the sampling rule needs them). ``stop_at_eos=False`` ignores
+        end-of-sequence tokens (benchmarks). ``progress(n)`` is called after each step with the number
+        of tokens drawn.
         """
         requests = list(requests)
+        self._check_arguments(requests, max_new_tokens, generator, stream_ids)
+        if not requests:
+            return
+        streams = list(range(len(requests))) if stream_ids is None else [int(s) for s in stream_ids]
+        master = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+        run = _Run(self, requests, [_stream_seed(master, s) for s in streams], max_new_tokens, stop_at_eos)
+        hooks = _Hooks(observer, sampling_rule, neighbours)
+        while not run.done:
+            finished, drawn = run.step(hooks)
+            if progress is not None:
+                progress(drawn)
+            yield from finished
+
+    def _check_arguments(self, requests, max_new_tokens, generator, stream_ids) -> None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
         if not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator; got {type(generator).__name__}")
         if generator.device.type != self.model.device.type:
             raise ValueError(f"generator is on {generator.device} but the model is on {self.model.device}")
+        if stream_ids is not None:
+            ids = list(stream_ids)
+            if len(ids) != len(requests) or len(set(ids)) != len(ids):
+                raise ValueError("stream_ids must give one distinct integer per request")
+            if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in ids):
+                raise ValueError("stream_ids must be non-negative integers")
+        limit = self.forward.max_positions
         for i, request in enumerate(requests):
             if not isinstance(request, TextRequest):
                 raise ValueError(f"requests[{i}] must be a TextRequest; got {type(request).__name__}")
@@ -526,289 +390,371 @@ class Engine:
                     f"requests[{i}] has {request.batch_size} references but the mechanism is configured for "
                     f"batch_size={self.mechanism.batch_size}"
                 )
-        if not requests:
-            return
-        run = _Run(self, requests, max_new_tokens, generator, observer, sampling_rule, neighbours, stop_at_eos)
-        while not run.done:
-            finished = run.step()
-            if progress is not None:
-                progress(run.last_step_tokens)
-            yield from finished
+            longest = max(len(p) for p in (request.public_ids, *request.private_ids) if p is not None)
+            if limit is not None and longest + max_new_tokens > limit:
+                raise ValueError(
+                    f"requests[{i}]: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+                    f"model's {limit} positions"
+                )
+
+
+_DEFAULT_PREFILL_TOKENS = 512
+# while texts are decoding, prefill at most this many chunks per step (keeps steps short)
+_PREFILL_CHUNKS_PER_STEP = 4
+
+
+class RowForward:
+    """The model's forward pass over packed rows (see :mod:`invink_audit.rows`): the extension point
+    for code that needs the engine's forward passes without its mechanism (the benchmark's bare rows).
+
+    ``prefill(row, ids)`` appends a prompt (or a chunk of one) to ``row`` and returns the output at its
+    last token; ``decode(rows, ids)`` appends one token to each row (``None``: a placeholder row) and
+    returns one output per row. Outputs are last hidden states with ``hidden=True`` (requires
+    :attr:`decoder`), else logits.
+    """
+
+    def __init__(self, model: LoadedModel):
+        self.model = model
+        self.network = model.model
+        self.decoder: torch.nn.Module | None = None
+        config = self.network.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_layers = int(text.num_hidden_layers)
+        positions = getattr(text, "max_position_embeddings", None)
+        self.max_positions = int(positions) if isinstance(positions, int) and positions > 0 else None
+
+    def new_row(self, reserve: int) -> RowKV:
+        return RowKV(self.num_layers, reserve)
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[RowKV | None], ids: Sequence[Sequence[int]], *, hidden: bool, last_only: bool):
+        """One packed forward pass: ``ids[i]`` appended to ``rows[i]``. Returns (tokens or rows, features)."""
+        device = self.model.device
+        flat = [t for part in ids for t in part]
+        pack = segments_for(rows, [len(part) for part in ids])
+        positions = [
+            p for row, part in zip(rows, ids) for p in range(row.length if row is not None else 0, (row.length if row is not None else 0) + len(part))
+        ]
+        input_ids = torch.tensor([flat], dtype=torch.long, device=device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+        with packed_attention(self.network):
+            if hidden:
+                out = self.decoder(input_ids=input_ids, position_ids=position_ids, **pack_kwargs(pack, device))
+                features = out.last_hidden_state[0]
+            else:
+                keep = 1 if last_only else 0
+                out = self.network(
+                    input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, **pack_kwargs(pack, device)
+                )
+                features = out.logits[0]
+        pack.commit()
+        return features
+
+    def prefill(self, row: RowKV, ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
+        """Append ``ids`` to ``row``; the output at the last token (1-D)."""
+        return self.run([row], [ids], hidden=hidden, last_only=True)[-1]
+
+    def decode(self, rows: Sequence[RowKV | None], ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
+        """Append ``ids[i]`` to ``rows[i]`` (``None``: placeholder); outputs (rows, features)."""
+        return self.run(rows, [[t] for t in ids], hidden=hidden, last_only=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hooks:
+    observer: Observer | None
+    sampling_rule: SamplingRule | None
+    neighbours: bool
+
+    @property
+    def any(self) -> bool:
+        return self.observer is not None or self.sampling_rule is not None or self.neighbours
 
 
 class _Run:
-    """State of one :meth:`Engine.generate` call."""
+    """State of one :meth:`Engine.generate` call: waiting requests and the texts in progress (slots).
 
-    def __init__(self, engine, requests, max_new_tokens, generator, observer, sampling_rule, neighbours, stop_at_eos):
+    Shapes never depend on private data: a decoding forward pass always has ``B + 1`` rows per text in
+    progress (a text still being prefilled, or a null reference, contributes placeholder rows), and
+    texts enter and leave only when texts finish; so no private reference can change the public rows'
+    arithmetic, and a text's rows never see another row (:mod:`invink_audit.rows`).
+    """
+
+    def __init__(self, engine: Engine, requests, seeds: list[int], max_new_tokens: int, stop_at_eos: bool):
         self.engine = engine
-        self.model = engine.model
-        self.mechanism = engine.mechanism
         self.requests = requests
+        self.seeds = seeds
         self.max_new_tokens = max_new_tokens
-        self.generator = generator
-        self.observer = observer
-        self.sampling_rule = sampling_rule
-        self.neighbours = neighbours
         self.stop_at_eos = stop_at_eos
+        self.device = engine.model.device
         self.pending = collections.deque(range(len(requests)))
-        self.live: list[_Live] = []
-        self.shards: list[_Shard] = []
-        self.last_step_tokens = 0
-        device = self.model.device
-        self.device = device
-        self.eos = torch.tensor(self.model.eos_token_ids, dtype=torch.long, device=device)
-        top_k = self.mechanism.top_k
-        self.top_k = top_k if top_k is not None and top_k < self.model.vocab_size else None
-        # private logits on the Top-k+ columns only: nothing may need the full rows
-        self.hidden = (
-            engine.support_only and self.top_k is not None and observer is None and sampling_rule is None
-            and not neighbours
-        )
-        # per live text (slot) state, on the device
-        self.tokens = torch.empty((0, max_new_tokens), dtype=torch.long, device=device)
-        self.count = torch.empty(0, dtype=torch.long, device=device)
-        self.size_sum = torch.empty(0, dtype=torch.float64, device=device)
-        self.size_sq_sum = torch.empty(0, dtype=torch.float64, device=device)
-        self.expansion = torch.empty(0, dtype=torch.long, device=device)
-        self.last = torch.empty(0, dtype=torch.long, device=device)  # last sampled token per text
-        self._index()
+        self.texts: list[_Text] = []
+        self.shared: dict[tuple[int, ...], tuple[RowKV, torch.Tensor]] = {}
+        self.eos = frozenset(engine.model.eos_token_ids)
+        self.width = None  # columns gathered for the private rows (Top-k+ path), grown on overflow
 
     @property
     def done(self) -> bool:
-        return not self.pending and not self.live
+        return not self.pending and not self.texts
 
-    # ---------------------------------------------------------------- structure
+    # ---------------------------------------------------------------- admission and prefill
 
-    def _index(self) -> None:
-        """Rebuild the row ↔ text index tensors after texts joined or left."""
-        row_text, public_row, reference_rows = [], [], []
-        offset = 0
-        for slot, live in enumerate(self.live):
-            row_text.extend([slot] * live.num_rows)
-            public_row.append(offset)
-            reference_rows.append([offset + r for r in live.reference_rows])
-            offset += live.num_rows
-        device = self.device
-        self.row_text = torch.tensor(row_text, dtype=torch.long, device=device)
-        self.public_row = torch.tensor(public_row, dtype=torch.long, device=device)
-        self.reference_rows = torch.tensor(reference_rows, dtype=torch.long, device=device).reshape(
-            len(self.live), self.mechanism.batch_size
-        )
-        self.request_indices = torch.tensor([lv.request_index for lv in self.live], dtype=torch.long, device=device)
+    def _admit(self) -> None:
+        while self.pending and len(self.texts) < self.engine.max_texts:
+            index = self.pending.popleft()
+            self.texts.append(
+                _Text(index, self.requests[index], self.seeds[index], self.engine.forward.num_layers,
+                      self.max_new_tokens, self.device)
+            )
 
-    def _live_rows(self) -> int:
-        return sum(live.num_rows for live in self.live)
+    def _prefill(self, hidden: bool) -> None:
+        """Prefill waiting rows in chunks: everything when no text is decoding (nobody waits), else at
+        most ``_PREFILL_CHUNKS_PER_STEP`` chunks' worth of tokens, so a huge reference stalls no one."""
+        chunk = self.engine.max_prefill_tokens
+        budget = _PREFILL_CHUNKS_PER_STEP * chunk if any(t.decoding for t in self.texts) else math.inf
+        for text in self.texts:
+            while not text.prefilled and budget > 0:
+                budget -= self._prefill_chunk(text, chunk, hidden)
 
-    def _admit(self) -> torch.Tensor | None:
-        """Prefill waiting texts that fit next to the live ones; returns their rows' logits."""
-        capacity = self.engine.max_batch_rows
-        rows = self._live_rows()
-        admitted: list[_Live] = []
-        while self.pending:
-            live = _Live.from_request(self.pending[0], self.requests[self.pending[0]])
-            if (self.live or admitted) and rows + live.num_rows > capacity:
-                break
-            self.pending.popleft()
-            admitted.append(live)
-            rows += live.num_rows
-        if not admitted:
-            return None
-        prompts = [p for live in admitted for p in live.prompts]
-        new_shards, logits = self.engine._prefill(prompts, self.max_new_tokens, self.hidden)
-        self._attach(new_shards)
-        count = len(admitted)
-        device = self.device
-        self.live.extend(admitted)
-        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(count, self.max_new_tokens)])
-        self.count = torch.cat([self.count, self.count.new_zeros(count)])
-        self.size_sum = torch.cat([self.size_sum, self.size_sum.new_zeros(count)])
-        self.size_sq_sum = torch.cat([self.size_sq_sum, self.size_sq_sum.new_zeros(count)])
-        self.expansion = torch.cat([self.expansion, self.expansion.new_zeros(count)])
-        self.last = torch.cat([self.last, torch.zeros(count, dtype=torch.long, device=device)])
-        self._index()
-        return logits
-
-    def _attach(self, new_shards: list[_Shard]) -> None:
-        """Append shards, merging into the last shard while it has room (rows stay in order)."""
-        capacity = self.engine.max_batch_rows
-        for shard in new_shards:
-            while shard is not None and shard.num_rows:
-                if self.shards and self.shards[-1].num_rows < capacity:
-                    room = capacity - self.shards[-1].num_rows
-                    if shard.num_rows <= room:
-                        head, shard = shard, None
-                    else:
-                        head, shard = shard.split(room, self.max_new_tokens)
-                    self.shards[-1] = _Shard.concat(self.shards[-1], head, self.max_new_tokens)
-                else:
-                    if shard.num_rows <= capacity:
-                        self.shards.append(shard)
-                        shard = None
-                    else:
-                        head, shard = shard.split(capacity, self.max_new_tokens)
-                        self.shards.append(head)
-
-    def _evict(self, finished_slots: list[int]) -> None:
-        gone = set(finished_slots)
-        keep_slots = [s for s in range(len(self.live)) if s not in gone]
-        keep_rows_mask = torch.ones(self._live_rows(), dtype=torch.bool)
-        offset = 0
-        for slot, live in enumerate(self.live):
-            if slot in gone:
-                keep_rows_mask[offset : offset + live.num_rows] = False
-            offset += live.num_rows
-        shards, start = [], 0
-        for shard in self.shards:
-            local = keep_rows_mask[start : start + shard.num_rows].nonzero().flatten()
-            start += shard.num_rows
-            if local.numel():
-                shards.append(shard.select(local.to(self.device), self.max_new_tokens))
-        self.shards = []
-        self._attach(shards)  # also compacts shards that fit together again
-        keep = torch.tensor(keep_slots, dtype=torch.long, device=self.device)
-        self.live = [self.live[s] for s in keep_slots]
-        for name in ("tokens", "count", "size_sum", "size_sq_sum", "expansion", "last"):
-            setattr(self, name, getattr(self, name).index_select(0, keep))
-        self._index()
+    def _prefill_chunk(self, text: _Text, chunk: int, hidden: bool) -> int:
+        index = text.next_row
+        row, prompt = text.rows[index], text.prompts[index]
+        if self.engine.share_prefill and row.length == 0 and prompt in self.shared:
+            cached, state = self.shared[prompt]
+            text.rows[index] = cached.copy(self.max_new_tokens)
+            text.row_done(state)
+            return 0
+        part = prompt[row.length : row.length + chunk]
+        state = self.engine.forward.prefill(row, part, hidden=hidden)
+        if row.length == len(prompt):
+            if self.engine.share_prefill:
+                self.shared[prompt] = (row.copy(0), state)
+            text.row_done(state)
+        return len(part)
 
     # ---------------------------------------------------------------- one step
 
-    @torch.inference_mode()
-    def _compute(self) -> list[FinishedText]:
-        # 1. logits of the live rows: one forward per shard with each text's last token ...
-        parts = []
-        if self.shards:
-            input_ids = self.last.index_select(0, self.row_text)
-            start, shards = 0, []
-            for shard in self.shards:
-                shard, logits = self.engine._decode(shard, input_ids[start : start + shard.num_rows], self.hidden)
-                start += shard.num_rows
-                shards.append(shard)
-                parts.append(logits)
-            self.shards = shards
-        # ... then the prefill of texts that join now (their rows come last)
-        joined = self._admit()
-        if joined is not None:
-            parts.append(joined)
-        row_logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    def step(self, hooks: _Hooks) -> tuple[list[FinishedText], int]:
+        """Admit and prefill, then one token for every text that is ready; returns (finished, drawn)."""
+        mechanism = self.engine.mechanism
+        hidden = self.engine.support_only and not hooks.any and mechanism.top_k is not None
+        hidden = hidden and mechanism.top_k < self.engine.model.vocab_size
+        self._admit()
+        self._prefill(hidden)
+        ready = [s for s, t in enumerate(self.texts) if t.prefilled]
+        if not ready:
+            return [], 0
+        features = self._forward(hidden)
+        rows = _slot_rows(features, self.texts, ready, mechanism.batch_size)
+        tokens, report = _StepMath(self.engine, self, hidden).draw(rows, ready, hooks)
+        return self._record(ready, tokens, report)
 
-        # 2. the mechanism for every live text at once
-        neighbour_result = None
-        if self.hidden:
-            public, log_probs = self._support_log_probs(row_logits)
+    def _forward(self, hidden: bool) -> torch.Tensor | None:
+        """The decoding forward pass over every slot's B + 1 rows (placeholders where a row is not decoding)."""
+        if not any(t.decoding for t in self.texts):
+            return None
+        rows, ids = [], []
+        for text in self.texts:
+            last = text.tokens[-1] if text.decoding else 0
+            for row in text.rows:
+                live = text.decoding and row is not None
+                rows.append(row if live else None)
+                ids.append(last if live else 0)
+        return self.engine.forward.decode(rows, ids, hidden=hidden)
+
+    def _record(self, ready: list[int], tokens: list[int], report: list[list]) -> tuple[list[FinishedText], int]:
+        finished, gone = [], set()
+        for n, slot in enumerate(ready):
+            text = self.texts[slot]
+            size, outside = report[n]
+            text.tokens.append(tokens[n])
+            text.size_sum += size
+            text.size_sq_sum += size * size
+            text.expansion += outside
+            text.states = [None] * len(text.states)
+            eos = self.stop_at_eos and tokens[n] in self.eos
+            if eos or len(text.tokens) >= self.max_new_tokens:
+                finished.append(text.finished_text(FINISH_EOS if eos else FINISH_LENGTH))
+                gone.add(slot)
+        if gone:
+            self.texts = [t for s, t in enumerate(self.texts) if s not in gone]
+        return finished, len(ready)
+
+
+def _slot_rows(features, texts: list[_Text], ready: list[int], batch_size: int) -> torch.Tensor:
+    """(G, B + 1, F): every slot's public row then its B private rows, from this step's outputs
+    (decoding texts) or from their prefill (texts drawing their first token). A null reference's entry
+    is a stand-in (the public row); a slot that is not ready repeats the first ready slot, so the
+    step's arithmetic has one row per slot whatever the texts' prefill progress."""
+    per_slot = batch_size + 1
+    parts = {}
+    for slot in ready:
+        text = texts[slot]
+        if text.decoding:
+            parts[slot] = features[slot * per_slot : (slot + 1) * per_slot]
         else:
-            public, private = row_logits.index_select(0, self.public_row), row_logits[self.reference_rows]
-            if self.neighbours:
-                neighbour_result = self.mechanism.neighbour_log_probs(private, public)
-                log_probs = neighbour_result.actual
-            else:
-                log_probs = self.mechanism.token_log_probs(private, public)
+            public = text.states[0]
+            parts[slot] = torch.stack([public if s is None else s for s in text.states])
+    filler = parts[ready[0]]
+    return torch.stack([parts.get(slot, filler) for slot in range(len(texts))])
+
+
+# --------------------------------------------------------------------------------------------
+# the step's arithmetic: the mechanism and the draw, on the device, one host transfer
+
+_OK, _BAD_PUBLIC, _BAD_PRIVATE, _NAN, _POSINF, _EMPTY = range(6)
+_ERRORS = {
+    _BAD_PUBLIC: "public_logits must be finite",
+    _BAD_PRIVATE: "private_logits must be finite",
+    _NAN: "log_probs must not contain NaN",
+    _POSINF: "log_probs must not contain +inf",
+    _EMPTY: "every row of log_probs must have at least one finite entry (a non-empty support)",
+}
+
+
+def _weights_code(weights: torch.Tensor) -> torch.Tensor:
+    """Per row: _NAN, _POSINF or _EMPTY when the sampling weights cannot be sampled from, else _OK."""
+    row_max = weights.amax(dim=-1)
+    code = torch.where(torch.isneginf(row_max), _EMPTY, _OK)
+    code = torch.where(torch.isposinf(row_max), _POSINF, code)
+    return torch.where(torch.isnan(row_max), _NAN, code)
+
+
+def _support_log_probs(head, mechanism, public, support, private_states, null, index):
+    """The mechanism's log-probabilities on the columns ``index`` (G, m) (all columns when None) and the
+    private logits they came from: the output layer applied to the private rows' hidden states on those
+    columns only, a null reference's row replaced by the public row (bitwise). Returns
+    (log-probs (G, m), private logits (G, B, m))."""
+    if index is None:
+        inside, compact = support, public
+        private = head(private_states)
+    else:
+        inside, compact = support.gather(-1, index), public.gather(-1, index)
+        weight = head.weight.index_select(0, index.reshape(-1)).view(*index.shape, -1)
+        private = torch.bmm(private_states, weight.transpose(1, 2))
+        if head.bias is not None:
+            private = private + head.bias[index].unsqueeze(-2)
+    # a null reference's row IS the public row: its logits are the public logits, bitwise
+    private = torch.where(null.unsqueeze(-1), compact.unsqueeze(-2), private)
+    log_probs = support_log_probs(
+        private, compact.to(ACCUMULATION_DTYPE), inside, clip_norm=mechanism.clip_norm,
+        temperature=mechanism.temperature,
+    )
+    return log_probs, private
+
+
+class _StepMath:
+    """One step's mechanism and draw for the texts in progress (``G`` slots), all on the device.
+
+    The rows of every slot enter the arithmetic (so its shapes do not depend on which texts are
+    ready); only ready texts draw, each from its own stream. Everything the host needs (tokens, set
+    sizes, expansion flags, error codes) comes back in one transfer.
+    """
+
+    def __init__(self, engine: Engine, run: _Run, hidden: bool):
+        self.engine, self.run, self.hidden = engine, run, hidden
+        self.mechanism = engine.mechanism
+        self.vocab_size = engine.model.vocab_size
+
+    def draw(self, rows: torch.Tensor, ready: list[int], hooks: _Hooks):
+        """Tokens and (set size, expansion flag) of the ready slots, in ``ready`` order."""
+        texts = [self.run.texts[s] for s in ready]
+        device = rows.device
+        null = torch.tensor([[p is None for p in t.prompts[1:]] for t in self.run.texts], device=device)
+        uniforms = torch.zeros((len(self.run.texts), self.vocab_size), dtype=ACCUMULATION_DTYPE, device=device)
+        for slot, text in zip(ready, texts):
+            uniforms[slot] = torch.rand(self.vocab_size, dtype=ACCUMULATION_DTYPE, device=device, generator=text.generator)
+        if self.hidden:
+            values = self._draw_support(rows[:, 0], rows[:, 1:], null, uniforms)
+            values = [values[s] for s in ready]
+        else:
+            take = torch.tensor(ready, device=device)
+            values = self._draw_full(rows, null, uniforms, take, texts, hooks)
+        return self._unpack(values, texts)
+
+    # ------------------------------------------------------------ Top-k+ columns only
+
+    def _draw_support(self, public_states, private_states, null, uniforms) -> list[list[int]]:
+        public = self.engine._split.head(public_states)
+        mechanism = self.mechanism
+        support = topk_plus_support(
+            public.to(ACCUMULATION_DTYPE), mechanism.top_k, mechanism.clip_norm, mechanism.batch_size
+        )
+        while True:
+            width = self.run.width or min(self.vocab_size, max(4 * mechanism.top_k, 256))
+            report = self._support_report(public, support, private_states, null, uniforms.clone(), width)
+            values = report.tolist()  # the step's one host synchronisation
+            largest = max(v[1] for v in values)
+            if largest <= width:
+                return values
+            # rare: a Top-k+ set wider than the gathered columns; redo the step with the same uniforms
+            self.run.width = min(self.vocab_size, 1 << (largest - 1).bit_length())
+
+    def _support_report(self, public, support, private_states, null, uniforms, width) -> torch.Tensor:
+        """(G, 4) int64: token, |V_k+|, drawn below the k-th public logit, error code."""
+        public64 = public.to(ACCUMULATION_DTYPE)
+        top = torch.topk(public64, width, dim=-1, sorted=True)
+        kth = top.values[:, self.mechanism.top_k - 1]
+        index = None if width >= self.vocab_size else top.indices
+        log_probs, private = _support_log_probs(self.engine._split.head, self.mechanism, public, support,
+                                                private_states, null, index)
+        choice = gumbel_argmax(log_probs, uniforms if index is None else uniforms.gather(-1, index))
+        tokens = choice if index is None else index.gather(-1, choice[:, None])[:, 0]
+        outside = public64.gather(-1, tokens[:, None])[:, 0] < kth
+        code = torch.where(torch.isfinite(public).all(dim=-1), _OK, _BAD_PUBLIC)
+        code = torch.where(torch.isfinite(private).all(dim=-1).all(dim=-1), code, _BAD_PRIVATE)
+        code = torch.where(code == _OK, _weights_code(log_probs), code)
+        return torch.stack([tokens, support.sum(dim=-1), outside.long(), code], dim=-1)
+
+    # ------------------------------------------------------------ full logits (hooks, or no split)
+
+    def _draw_full(self, rows, null, uniforms, take, texts, hooks: _Hooks) -> list[list[int]]:
+        """Full logits for every slot; the mechanism, hooks and draw for the ready ones (``take``)."""
+        public = rows[:, 0].index_select(0, take)
+        private = torch.where(null.unsqueeze(-1), rows[:, :1], rows[:, 1:]).index_select(0, take)
+        uniforms = uniforms.index_select(0, take)
+        mechanism = self.mechanism
+        neighbour_result = None
+        if hooks.neighbours:
+            neighbour_result = mechanism.neighbour_log_probs(private, public)
+            log_probs = neighbour_result.actual
+        else:
+            log_probs = mechanism.token_log_probs(private, public)
         step = None
-        if self.observer is not None or self.sampling_rule is not None:
+        if hooks.observer is not None or hooks.sampling_rule is not None:
             step = DecodeStep(
-                mechanism=self.mechanism,
-                request_indices=self.request_indices,
-                positions=self.count,
+                mechanism=mechanism,
+                request_indices=torch.tensor([t.request_index for t in texts], device=public.device),
+                positions=torch.tensor([len(t.tokens) for t in texts], device=public.device),
                 public_logits=public,
                 private_logits=private,
                 log_probs=log_probs,
                 neighbours=neighbour_result,
             )
         sampling = log_probs
-        if self.sampling_rule is not None:
-            sampling = self.sampling_rule(step)
+        if hooks.sampling_rule is not None:
+            sampling = hooks.sampling_rule(step)
             if not isinstance(sampling, torch.Tensor) or sampling.shape != log_probs.shape:
                 raise ValueError(
                     f"sampling_rule must return a tensor of shape {tuple(log_probs.shape)}; got "
                     f"{getattr(sampling, 'shape', type(sampling).__name__)}"
                 )
-        tokens = sample_tokens(sampling, self.generator)
+        code = _weights_code(sampling)
+        tokens = gumbel_argmax(sampling.to(ACCUMULATION_DTYPE), uniforms)
         if step is not None:
-            step.sampling_log_probs = sampling
-            step.tokens = tokens
-            if self.observer is not None:
-                self.observer(step)
+            step.sampling_log_probs, step.tokens = sampling, tokens
+            if hooks.observer is not None:
+                hooks.observer(step)
+        sizes = torch.isfinite(log_probs).sum(dim=-1)
+        outside = torch.zeros_like(tokens)
+        top_k = mechanism.top_k
+        if top_k is not None and top_k < self.vocab_size:
+            kth = torch.topk(public, top_k, dim=-1).values[:, -1]
+            outside = (public.gather(1, tokens[:, None])[:, 0] < kth).long()
+        return torch.stack([tokens, sizes, outside, code], dim=-1).tolist()
 
-        # 3. bookkeeping on the device
-        slots = torch.arange(tokens.shape[0], device=self.device)
-        self.tokens[slots, self.count] = tokens
-        self.count = self.count + 1
-        size = torch.isfinite(log_probs).sum(dim=-1).to(torch.float64)
-        self.size_sum = self.size_sum + size
-        self.size_sq_sum = self.size_sq_sum + size * size
-        if self.top_k is not None:
-            kth = torch.topk(public, self.top_k, dim=-1).values[:, -1]
-            outside = public.gather(1, tokens[:, None])[:, 0] < kth
-            self.expansion = self.expansion + outside.long()
-        self.last = tokens
-        self.last_step_tokens = int(tokens.shape[0])
-        finished = self.count >= self.max_new_tokens
-        if self.stop_at_eos:
-            finished = finished | torch.isin(tokens, self.eos)
-        if not bool(finished.any()):
-            return []
-        return self._finish(finished)
-
-    def _support_log_probs(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mechanism from the rows' last hidden states, private logits on the Top-k+ columns only.
-
-        Public logits (G, V) come from the output layer; the columns holding every text's ``V_k+``
-        come from :func:`~invink_audit.mechanism.topk_plus_columns`, and the private logits are the
-        output layer's rows for those columns only (when the sets take the whole vocabulary, the full
-        private logits are computed instead). Every other token has probability exactly zero.
-        Returns (public logits, log-probs (G, V)).
-        """
-        split, mechanism = self.engine._split, self.mechanism
-        public = split.head(states.index_select(0, self.public_row))
-        index = topk_plus_columns(public, mechanism.top_k, mechanism.clip_norm, mechanism.batch_size)
-        if index is None:
-            private, compact_public = split.head(states[self.reference_rows]), public
-        else:
-            texts, width, hidden_size = index.shape[0], index.shape[1], states.shape[-1]
-            weight = split.head.weight.index_select(0, index.reshape(-1)).view(texts, width, hidden_size)
-            private = torch.bmm(states[self.reference_rows], weight.transpose(1, 2))  # (G, B, m)
-            if split.head.bias is not None:
-                private = private + split.head.bias[index].unsqueeze(-2)
-            compact_public = public.gather(-1, index)
-        # a null reference has no row of its own: its row IS the public row, so its logits must be the
-        # public logits exactly (clipped difference exactly 0, sensitivity C/B), not a second GEMM's
-        # rounding of them
-        null = (self.reference_rows == self.public_row.unsqueeze(-1)).unsqueeze(-1)
-        private = torch.where(null, compact_public.unsqueeze(-2), private)
-        compact = mechanism.token_log_probs(private, compact_public)
-        if index is None:
-            return public, compact
-        log_probs = torch.full(public.shape, -math.inf, dtype=compact.dtype, device=compact.device)
-        return public, log_probs.scatter_(-1, index, compact)
-
-    def _finish(self, finished: torch.Tensor) -> list[FinishedText]:
-        slots = finished.nonzero().flatten()
-        counts = self.count[slots].tolist()
-        tokens = self.tokens[slots].tolist()
-        size_sum = self.size_sum[slots].tolist()
-        size_sq = self.size_sq_sum[slots].tolist()
-        expansion = self.expansion[slots].tolist()
-        results = []
-        for i, slot in enumerate(slots.tolist()):
-            live = self.live[slot]
-            n = counts[i]
-            ids = tuple(tokens[i][:n])
-            mean = size_sum[i] / n
-            variance = max(size_sq[i] / n - mean * mean, 0.0)
-            eos = self.stop_at_eos and ids[-1] in self.model.eos_token_ids
-            results.append(
-                FinishedText(
-                    request_index=live.request_index,
-                    key=live.request.key,
-                    token_ids=ids,
-                    finish_reason=FINISH_EOS if eos else FINISH_LENGTH,
-                    topk_plus_size_mean=mean,
-                    topk_plus_size_std=math.sqrt(variance),
-                    expansion_tokens=int(expansion[i]),
-                )
-            )
-        self._evict(slots.tolist())
-        return results
-
-    def step(self) -> list[FinishedText]:
-        return self._compute()
+    @staticmethod
+    def _unpack(values, texts):
+        for v, text in zip(values, texts):
+            if v[3] != _OK:
+                raise ValueError(f"{_ERRORS[v[3]]} (text {text.request_index}, step {len(text.tokens)})")
+        return [v[0] for v in values], [(float(v[1]), int(v[2])) for v in values]

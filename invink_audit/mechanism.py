@@ -52,13 +52,16 @@ __all__ = [
     "NeighbourLogProbs",
     "SeededGeneratorWarning",
     "dclip_aggregate",
+    "gumbel_argmax",
     "make_generator",
     "naive_clip_aggregate",
     "neighbour_log_probs",
     "sample_tokens",
+    "support_log_probs",
     "token_log_probs",
     "topk_plus_columns",
     "topk_plus_mask",
+    "topk_plus_support",
 ]
 
 #: dtype of every intermediate and of every floating-point result of this module.
@@ -535,6 +538,27 @@ def _step(private, public, clip_norm, temperature, top_k, mode, with_neighbours)
     return actual, neighbours, support
 
 
+def support_log_probs(
+    private: torch.Tensor, public64: torch.Tensor, inside: torch.Tensor, *, clip_norm: float, temperature: float
+) -> torch.Tensor:
+    r"""Algorithm 1, lines 3–5, on columns already chosen: the engine's hot path (no checks, no host sync).
+
+    ``private`` (..., B, m) and ``public64`` (..., m, float64) are the logits on ``m`` columns that
+    hold every row's Top-k+ set, ``inside`` (..., m) marks its members (:func:`topk_plus_support` on
+    the same columns); the result is :func:`token_log_probs` on those columns (exactly ``-inf``
+    outside the set), bitwise: the same operations in the same order. Callers validate the
+    configuration once (:class:`MechanismConfig`) and check finiteness on the device.
+    """
+    contributions, base, _ = _contributions(private, public64, clip_norm, Clipping.DIFFERENCE)
+    total = contributions.sum(dim=-2)
+    return _masked_log_softmax(_scores(base, total, private.shape[-2], temperature), ~inside)
+
+
+def topk_plus_support(public64: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int) -> torch.Tensor:
+    """:func:`topk_plus_mask` on float64 public logits without input checks or host syncs (engine hot path)."""
+    return _support(public64, top_k, clip_norm, batch_size)
+
+
 def token_log_probs(
     private_logits: torch.Tensor,
     public_logits: torch.Tensor,
@@ -609,6 +633,16 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
         )
         generator.manual_seed(int(seed))
     return generator
+
+
+def gumbel_argmax(log_probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    r"""The Gumbel-max draw of :func:`sample_tokens` from given uniforms (same shape, float64): no checks.
+
+    ``uniform`` is overwritten (it becomes :math:`-G = \log(-\log U)`). The engine draws each text's
+    uniforms from that text's own stream, so a text's tokens do not depend on which texts share its batch.
+    """
+    uniform.clamp_(*_UNIFORM_RANGE).log_().neg_().log_()
+    return torch.argmax(torch.sub(log_probs, uniform, out=uniform), dim=-1)
 
 
 def sample_tokens(log_probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

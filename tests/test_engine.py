@@ -8,6 +8,7 @@ A float64 tiny model makes the comparison tight (padding/caching change only rou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -228,7 +229,7 @@ def test_sampling_rule_draws_from_a_neighbour_while_every_row_is_computed(tiny64
     mechanism = MechanismConfig(clip_norm=0.9, temperature=1.0, top_k=8, batch_size=3)
     requests = _requests(tiny64)[:1]
     j = 0
-    observed, observed_log_probs = [], []
+    observed, observed_log_probs, differs = [], [], []
 
     def rule(step: DecodeStep) -> torch.Tensor:
         return step.neighbour_log_probs().neighbours[:, j, :]
@@ -237,7 +238,7 @@ def test_sampling_rule_draws_from_a_neighbour_while_every_row_is_computed(tiny64
         neighbours = step.neighbour_log_probs()
         assert torch.equal(step.sampling_log_probs, neighbours.neighbours[:, j, :])
         assert torch.equal(neighbours.actual, step.log_probs)
-        assert not torch.equal(step.sampling_log_probs, step.log_probs)
+        differs.append(not torch.equal(step.sampling_log_probs, step.log_probs))
         observed.append(step.tokens.clone())
         observed_log_probs.append(step.sampling_log_probs[0].clone())
 
@@ -246,6 +247,7 @@ def test_sampling_rule_draws_from_a_neighbour_while_every_row_is_computed(tiny64
         requests, max_new_tokens=5, generator=_generator(4), observer=observer, sampling_rule=rule, neighbours=True
     )
     assert list(text.token_ids) == [int(t) for t in observed]
+    assert any(differs)  # (a step can coincide: clipping saturated on every token of a small support)
 
     # the neighbour's distribution is the mechanism's on the neighbouring dataset, computed independently
     nulled = [list(REFERENCES[0])]
@@ -343,70 +345,92 @@ def test_bad_arguments_are_rejected(tiny32):
     assert list(engine.generate([], max_new_tokens=2, generator=_generator(0))) == []
 
 
-def test_models_with_sliding_window_caches_are_refused():
+def test_sliding_window_models_match_the_oracle(tiny64):
+    """A model with sliding-window attention (Mistral, window 8, prompts of ~20 tokens): each row attends to
+    its last 8 keys, exactly as the model's own (uncached, unpadded) forward pass does."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    tiny = build_tiny_model()
     config = MistralConfig(
-        vocab_size=tiny.vocab_size,
+        vocab_size=tiny64.vocab_size,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         sliding_window=8,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        mistral = MistralForCausalLM(config).eval()
-    model = type(tiny)(
-        model=mistral,
-        tokenizer=tiny.tokenizer,
-        name="tiny-mistral",
-        device=tiny.device,
-        dtype=torch.float32,
-        eos_token_ids=tiny.eos_token_ids,
-        pad_token_id=tiny.pad_token_id,
-    )
+        mistral = MistralForCausalLM(config).to(torch.float64).eval()
+    model = dataclasses.replace(tiny64, model=mistral, name="tiny-mistral")
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=10, batch_size=3)
-    with pytest.raises(ValueError, match="DynamicCache"):
-        list(Engine(model, mechanism).generate(_requests(tiny), max_new_tokens=2, generator=_generator(0)))
+    requests = _requests(model)[:3]
+    forced = _forced_tokens(model, 3, [6, 4, 6])
+    seen, _ = _forced_run(model, requests, forced, mechanism, max_prefill_tokens=5)  # chunked prefill too
+    for index, request in enumerate(requests):
+        steps = range(len(forced[index]))
+        expected = _oracle_all_steps(model, request, forced[index], mechanism, steps=steps)
+        for t in steps:
+            got = seen[(index, t)]
+            finite = torch.isfinite(expected[t])
+            assert torch.equal(finite, torch.isfinite(got))
+            assert torch.allclose(got[finite], expected[t][finite], atol=FLOAT64_ATOL, rtol=0)
 
 
-def test_preallocated_cache_layer_matches_concatenation_and_grows():
-    from invink_audit.engine import _preallocated_layer_class
+def test_row_cache_appends_in_place_and_grows():
+    from invink_audit.rows import RowKV
 
     gen = torch.Generator().manual_seed(0)
-    keys, values = torch.randn(2, 3, 4, 5, generator=gen), torch.randn(2, 3, 4, 5, generator=gen)
-    layer = _preallocated_layer_class()(keys, values, reserve=1)
-    expected_k, expected_v = keys, values
-    for _ in range(4):  # the second update exceeds the reserve: capacity doubles
-        new_k, new_v = torch.randn(2, 3, 1, 5, generator=gen), torch.randn(2, 3, 1, 5, generator=gen)
-        out_k, out_v = layer.update(new_k, new_v)
-        expected_k, expected_v = torch.cat([expected_k, new_k], dim=2), torch.cat([expected_v, new_v], dim=2)
-        assert torch.equal(out_k, expected_k) and torch.equal(out_v, expected_v)
-        assert layer.get_seq_length() == expected_k.shape[2]
-    assert torch.equal(keys, expected_k[:, :, :4])  # the prefill tensors were copied, not modified
+    row = RowKV(num_layers=2, reserve=1)
+    expected_k = torch.empty(1, 3, 0, 5)
+    for count in (4, 1, 1, 1):  # the second append fits the reserve, the third doubles the capacity
+        new_k, new_v = torch.randn(1, 3, count, 5, generator=gen), torch.randn(1, 3, count, 5, generator=gen)
+        out_k, out_v = row.append(1, new_k, new_v)
+        expected_k = torch.cat([expected_k, new_k], dim=2)
+        assert torch.equal(out_k, expected_k) and torch.equal(out_v[:, :, -count:], new_v)
+        row.length += count
+    twin = row.copy(reserve=2)
+    assert torch.equal(twin.keys[1][:, :, : row.length], row.keys[1][:, :, : row.length])
+    assert twin.keys[1].data_ptr() != row.keys[1].data_ptr() and twin.keys[0] is None
 
 
 # ------------------------------------------------------------------ private logits on Top-k+ columns only
 
 
 def _recorded_run(model, mechanism, requests, monkeypatch, *, support_only, seed, max_batch_rows=None, **hooks):
-    """Run the engine, recording every step's log-probabilities (G, V) as handed to the sampler."""
+    """Run the engine, recording every step's log-probabilities (G, V) of the texts that draw."""
     import invink_audit.engine as engine_module
 
     recorded = []
-    real = engine_module.sample_tokens
+    real_support, real_draw = engine_module._support_log_probs, engine_module.gumbel_argmax
+    real_step = engine_module._StepMath._draw_support
+    attempt = []  # the Top-k+ path's last attempt of this step (a step is redone if its columns overflow)
 
-    def recording(log_probs, generator):
-        recorded.append(log_probs.clone())
-        return real(log_probs, generator)
+    def support(head, mech, public, inside, private_states, null, index):
+        log_probs, private = real_support(head, mech, public, inside, private_states, null, index)
+        full = log_probs if index is None else torch.full(
+            public.shape, -math.inf, dtype=log_probs.dtype).scatter_(-1, index, log_probs)
+        attempt[:] = [full]
+        return log_probs, private
 
-    monkeypatch.setattr(engine_module, "sample_tokens", recording)
+    def support_step(self, *args):
+        values = real_step(self, *args)
+        recorded.append(attempt[0])
+        return values
+
+    def draw(log_probs, uniform):
+        if not attempt:
+            recorded.append(log_probs.clone())
+        return real_draw(log_probs, uniform)
+
+    monkeypatch.setattr(engine_module, "_support_log_probs", support)
+    monkeypatch.setattr(engine_module, "gumbel_argmax", draw)
+    monkeypatch.setattr(engine_module._StepMath, "_draw_support", support_step)
     engine = Engine(model, mechanism, support_only=support_only, max_batch_rows=max_batch_rows)
     texts = list(engine.generate(requests, max_new_tokens=6, generator=_generator(seed), **hooks))
-    monkeypatch.setattr(engine_module, "sample_tokens", real)
+    monkeypatch.setattr(engine_module, "_support_log_probs", real_support)
+    monkeypatch.setattr(engine_module, "gumbel_argmax", real_draw)
+    monkeypatch.setattr(engine_module._StepMath, "_draw_support", real_step)
     return engine, texts, recorded
 
 
@@ -484,27 +508,31 @@ def test_models_whose_logits_are_not_the_output_layer_keep_full_logits(monkeypat
 
 def test_support_only_null_rows_are_the_public_row_bitwise(monkeypatch):
     """On the Top-k+ columns too, a null reference's logits are exactly the public logits (not a GEMM's rounding)."""
+    import invink_audit.engine as engine_module
+
     model = build_tiny_model(seed=3, hidden_size=64)  # wide enough for two GEMMs to round differently
     mechanism = MechanismConfig(clip_norm=0.7, temperature=1.0, top_k=5, batch_size=3)
     seen = []
-    real = MechanismConfig.token_log_probs
+    real = engine_module._support_log_probs
 
-    def recording(self, private, public):
-        seen.append((private.clone(), public.clone()))
-        return real(self, private, public)
+    def recording(head, mech, public, support, private_states, null, index):
+        log_probs, private = real(head, mech, public, support, private_states, null, index)
+        seen.append((private.clone(), public.gather(-1, index) if index is not None else public, null.clone()))
+        return log_probs, private
 
-    monkeypatch.setattr(MechanismConfig, "token_log_probs", recording)
+    monkeypatch.setattr(engine_module, "_support_log_probs", recording)
     engine = Engine(model, mechanism)
     assert engine.support_only
-    for texts in (REFERENCES[:1], REFERENCES[:2]):  # one live text, then two (one of them all nulls)
+    for texts in (REFERENCES[:1], REFERENCES[:2]):  # one text in progress, then two (one of them all nulls)
         seen.clear()
         requests = _requests(model, texts)
         list(engine.generate(requests, max_new_tokens=4, generator=_generator(14), stop_at_eos=False))
         assert len(seen) == 4
         nulls = [[j for j, ref in enumerate(refs) if not ref] for refs in texts]
-        for private, public in seen:
+        for private, public, null in seen:
             assert private.shape[-1] < model.vocab_size  # the compacted columns
             for g, js in enumerate(nulls):
+                assert null[g].tolist() == [j in js for j in range(3)]
                 for j in js:
                     assert torch.equal(private[g, j], public[g])
 

@@ -1,0 +1,235 @@
+r"""Rows and their key/value cache, without padding: each row attends to its own tokens only.
+
+A *row* is one prompt (the public prompt, or the prompt with one reference) and the tokens sampled
+after it. The engine runs many rows through the model at once: their new tokens are *packed* into one
+sequence of shape ``(1, N)`` (every row's tokens contiguous, each with its own position id), so the
+model's linear layers see ``N`` real tokens and no padding. Attention is the only operation that mixes
+tokens, and it is done here, row by row: a row's queries attend to that row's cached keys and values
+and to nothing else, through :func:`torch.nn.functional.scaled_dot_product_attention` on tensors whose
+shapes depend on that row's own length only. No row is padded to another row's length, so
+
+* the cost is proportional to real tokens (prefill and KV reads), and
+* a row's attention output is a function of that row's own tokens: changing or removing another row
+  cannot change it, not even in the last bit (no shared padding, no shared reduction).
+
+The attention function is registered with transformers' ``AttentionInterface`` under the name
+:data:`ATTENTION_NAME` and switched on only for the engine's own forward passes
+(:func:`packed_attention`); the pack's layout reaches it through the forward's keyword arguments,
+which transformers passes down to every attention call. Sliding-window layers (``sliding_window`` on
+the module or in the call, e.g. Gemma 3's local layers) attend to the last ``W`` keys of the row.
+
+Every row's keys and values live in per-layer buffers with room for the tokens still to come
+(``reserve``), written in place: a decoding step copies nothing but the new token's keys and values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ATTENTION_NAME", "Pack", "RowKV", "Segment", "packed_attention"]
+
+#: Name of the attention implementation registered with transformers.
+ATTENTION_NAME = "invink_rows"
+_PACK_KWARG = "invink_pack"
+
+
+class RowKV:
+    """The key/value cache of one row: per layer, buffers ``(1, kv_heads, capacity, head_dim)``.
+
+    ``length`` is the number of cached tokens (the same in every layer between forward passes).
+    Buffers are allocated at the first write with room for ``reserve`` more tokens and double when full.
+    """
+
+    __slots__ = ("keys", "values", "length", "reserve")
+
+    def __init__(self, num_layers: int, reserve: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+        self.reserve = reserve
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``keys``/``values`` (1, kv_heads, n, head_dim) after the cached tokens of ``layer``;
+        returns views of the whole cache of that layer (the new tokens included)."""
+        start, count = self.length, keys.shape[2]
+        end = start + count
+        buffer = self.keys[layer]
+        if buffer is None or end > buffer.shape[2]:
+            capacity = end + self.reserve if buffer is None else max(end, 2 * buffer.shape[2])
+            self.keys[layer] = self._grow(buffer, keys, start, capacity)
+            self.values[layer] = self._grow(self.values[layer], values, start, capacity)
+        self.keys[layer][:, :, start:end].copy_(keys)
+        self.values[layer][:, :, start:end].copy_(values)
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    @staticmethod
+    def _grow(buffer: torch.Tensor | None, like: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
+        grown = like.new_zeros((1, like.shape[1], capacity, like.shape[3]))
+        if buffer is not None and filled:
+            grown[:, :, :filled].copy_(buffer[:, :, :filled])
+        return grown
+
+    def copy(self, reserve: int) -> RowKV:
+        """An independent copy of the filled part (bitwise), with room for ``reserve`` more tokens."""
+        twin = RowKV(len(self.keys), reserve)
+        twin.length = self.length
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                twin.keys[layer] = self._grow(k, k, self.length, self.length + reserve)
+                twin.values[layer] = self._grow(v, v, self.length, self.length + reserve)
+        return twin
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """``count`` consecutive tokens of the pack starting at ``start``, all of one row.
+
+    ``row=None`` is a placeholder row (one token, no cache): it keeps the shapes of a forward pass
+    fixed while a text is still being prefilled; its output is discarded.
+    """
+
+    row: RowKV | None
+    start: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pack:
+    """The layout of one packed forward pass: segments in pack order, covering ``0..num_tokens``."""
+
+    segments: tuple[Segment, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.count for s in self.segments)
+
+    def commit(self) -> None:
+        """After the forward pass: every row's cache now holds its new tokens."""
+        for segment in self.segments:
+            if segment.row is not None:
+                segment.row.length += segment.count
+
+
+def _visible(count: int, past: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean mask (count, past + count): query i (position past + i) sees key j iff j <= past + i and,
+    with a sliding window W, j > past + i - W. None when plain causal attention from 0 is exact."""
+    total = past + count
+    if window is None and past == 0:
+        return None
+    query = torch.arange(past, total, device=device)[:, None]
+    key = torch.arange(total, device=device)[None, :]
+    visible = key <= query
+    if window is not None:
+        visible &= key > query - window
+    return visible
+
+
+def rows_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function over a :class:`Pack`: each segment attends to its own row only.
+
+    ``query`` (1, heads, N, head_dim), ``key``/``value`` (1, kv_heads, N, head_dim) hold the pack's
+    new tokens; the segment's keys and values are appended to its row's cache, then its queries attend
+    to that cache (causally, within the sliding window if any). Returns (1, N, heads, head_dim).
+    """
+    pack: Pack | None = kwargs.get(_PACK_KWARG)
+    if pack is None:
+        raise RuntimeError(
+            f"the {ATTENTION_NAME!r} attention needs the engine's packed layout; this forward pass did not pass it"
+        )
+    if getattr(module, "attn_logit_softcapping", None) is not None or kwargs.get("softcap") is not None:
+        raise ValueError("attention logit soft-capping is not supported by the packed rows attention")
+    if dropout:
+        raise ValueError("attention dropout must be off (the model is in evaluation mode)")
+    layer = module.layer_idx
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+    groups = heads // kv_heads
+    output = query.new_empty((1, query.shape[2], heads, head_dim))
+    for segment in pack.segments:
+        first, last = segment.start, segment.start + segment.count
+        new_keys, new_values = key[:, :, first:last], value[:, :, first:last]
+        if segment.row is None:  # placeholder: one token attending to itself
+            output[0, first:last] = new_values.repeat_interleave(groups, dim=1).transpose(1, 2)[0]
+            continue
+        past = segment.row.length
+        keys, values = segment.row.append(layer, new_keys, new_values)
+        if segment.count == 1:
+            # one query: attend to the window's keys; the query heads of a key/value head are the
+            # "queries" of one attention call (no copy of the keys for grouped-query attention)
+            if window is not None and keys.shape[2] > window:
+                keys, values = keys[:, :, -window:], values[:, :, -window:]
+            q = query[:, :, first:last].reshape(1, kv_heads, groups, head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, scale=scaling)
+            output[0, first] = out.reshape(heads, head_dim)
+            continue
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        mask = _visible(segment.count, past, window, query.device)
+        out = F.scaled_dot_product_attention(
+            query[:, :, first:last], keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling
+        )
+        output[0, first:last] = out[0].transpose(0, 1)
+    return output, None
+
+
+_REGISTERED = False
+
+
+def _register() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, rows_attention)
+        _REGISTERED = True
+
+
+@contextlib.contextmanager
+def packed_attention(network: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``network``'s attention is :func:`rows_attention` (restored afterwards)."""
+    _register()
+    config = network.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def pack_kwargs(pack: Pack, device: torch.device) -> dict:
+    """Keyword arguments of a packed forward pass: the layout, no cache object, and a prepared 4-D mask
+    placeholder (transformers returns a 4-D mask as given and builds none; the attention ignores it)."""
+    return {
+        _PACK_KWARG: pack,
+        "use_cache": False,
+        "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
+    }
+
+
+def segments_for(rows: Sequence[RowKV | None], counts: Sequence[int]) -> Pack:
+    """A pack of ``counts[i]`` tokens for ``rows[i]``, in order."""
+    segments, start = [], 0
+    for row, count in zip(rows, counts):
+        segments.append(Segment(row, start, count))
+        start += count
+    return Pack(tuple(segments))
