@@ -601,3 +601,16 @@ def test_a_missing_hub_style_model_names_the_missing_directory(tmp_path, monkeyp
             warnings.simplefilter("error")
             _generate("models/absent", output=tmp_path / "o.jsonl")
     assert not _state(tmp_path / "o.jsonl").exists()
+
+
+def test_cli_generate_over_budget_exits_with_the_over_budget_code_and_leaves_no_state(tiny_dir, tmp_path, capsys):
+    from invink_audit.cli import EXIT_OVER_BUDGET
+
+    ledger = _ledger(tmp_path, epsilon=1.0)
+    args = _cli_args(tmp_path, tiny_dir, **{"--ledger": str(ledger.path), "--epsilon": "5"}) + ["--no-progress"]
+    assert main(args) == EXIT_OVER_BUDGET
+    err = capsys.readouterr().err
+    assert "over budget" in err and len(err.strip().splitlines()) == 1
+    assert not _state(tmp_path / "out.jsonl").exists()
+    # the smaller retry on the same output runs
+    assert main(_cli_args(tmp_path, tiny_dir, **{"--ledger": str(ledger.path), "--epsilon": "0.5"}) + ["--no-progress"]) == 0
