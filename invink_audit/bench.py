@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import statistics
 import time
 import warnings
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from invink_audit.engine import Engine
+from invink_audit.engine import Engine, ForwardStats
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
 from invink_audit.models import LoadedModel, load_model
 from invink_audit.prompts import PromptTemplate, encode_request, get_preset
@@ -101,6 +102,19 @@ class BenchResult:
     relative_to_nonprivate: float
     workload_seconds: float
     workload_tokens: int
+    prefill_seconds: float = math.nan
+    decode_forward_seconds: float = math.nan
+    prompt_tokens: int = 0
+    longest_prompt: int = 0
+    prefill_efficiency: float = math.nan
+    decode_row_efficiency: float = math.nan
+    kv_efficiency: float = math.nan
+    left_padded_prefill_efficiency: float = math.nan
+    left_padded_kv_efficiency: float = math.nan
+    one_at_a_time_seconds: float = math.nan
+    one_at_a_time_tokens: int = 0
+    floor_prefill_seconds: float = math.nan
+    floor_decode_seconds: float = math.nan
     references: tuple[ReferenceTiming, ...] = ()
 
     @property
@@ -108,18 +122,43 @@ class BenchResult:
         """Seconds per generated token of the whole workload (prefill and end-of-sequence included)."""
         return self.workload_seconds / self.workload_tokens
 
+    @property
+    def decode_seconds(self) -> float:
+        """Workload seconds outside prefill (decoding forward passes, mechanism, sampling)."""
+        return self.workload_seconds - self.prefill_seconds
+
+    @property
+    def one_at_a_time_token_seconds(self) -> float:
+        return self.one_at_a_time_seconds / self.one_at_a_time_tokens if self.one_at_a_time_tokens else math.nan
+
+    @property
+    def floor_seconds(self) -> float:
+        """The bare unpadded forward passes of the same workload (same texts, same token counts)."""
+        return self.floor_prefill_seconds + self.floor_decode_seconds
+
+    @property
+    def floor_ratio(self) -> float:
+        """Workload seconds ÷ the floor's: the price of the engine and the mechanism over bare forwards."""
+        return self.workload_seconds / self.floor_seconds
+
+    @property
+    def speedup_over_one_at_a_time(self) -> float:
+        return self.one_at_a_time_token_seconds / self.workload_token_seconds
+
     def speedup(self, reference: ReferenceTiming) -> float:
         """The reference's decode-loop seconds per token ÷ ours, both over the whole same workload."""
         return reference.token_seconds / self.workload_token_seconds
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
-        out["workload_token_seconds"] = self.workload_token_seconds
+        for name in ("workload_token_seconds", "decode_seconds", "one_at_a_time_token_seconds", "floor_seconds",
+                     "floor_ratio", "speedup_over_one_at_a_time"):
+            out[name] = getattr(self, name)
         out["references"] = [
             {**dataclasses.asdict(reference), "configuration": reference.configuration, "speedup": self.speedup(reference)}
             for reference in self.references
         ]
-        return out
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
 def _sync(device: torch.device) -> None:
@@ -133,32 +172,27 @@ def _generator(device: torch.device) -> torch.Generator:
         return make_generator(0, device=device)  # benchmarks need no privacy; reproducible tokens
 
 
+def _prompts(requests) -> list[tuple[int, ...]]:
+    return [p for r in requests for p in (r.public_ids, *r.private_ids) if p is not None]
+
+
 class _BareRows:
-    """The forward passes of the same rows without the mechanism, one decoding step at a time."""
+    """The engine's forward passes over the same rows without the mechanism, one decoding step at a time."""
 
     def __init__(self, engine: Engine, requests, max_new_tokens: int, device):
-        from invink_audit.engine import _Live
-
-        lives = [_Live.from_request(i, r) for i, r in enumerate(requests)]
-        self.engine = engine
-        self.device = device
-        with torch.inference_mode():
-            self.shards, _ = engine._prefill([p for live in lives for p in live.prompts], max_new_tokens)
+        forward = engine.forward
+        self.forward, self.device = forward, device
+        self.rows = [forward.new_row(max_new_tokens) for _ in _prompts(requests)]
+        for row, prompt in zip(self.rows, _prompts(requests)):
+            forward.prefill(row, prompt, hidden=False)
         # the forward pass costs the same for any token ids: feed a fixed one
-        rows = sum(shard.num_rows for shard in self.shards)
-        self.input_ids = torch.full((rows,), engine.model.eos_token_ids[0], dtype=torch.long, device=device)
+        self.ids = [engine.model.eos_token_ids[0]] * len(self.rows)
 
-    @torch.inference_mode()
     def step(self) -> float:
         _sync(self.device)
         started = time.perf_counter()
-        start_row, updated = 0, []
-        for shard in self.shards:
-            shard, _logits = self.engine._decode(shard, self.input_ids[start_row : start_row + shard.num_rows])
-            start_row += shard.num_rows
-            updated.append(shard)
+        self.forward.decode(self.rows, self.ids, hidden=False)
         _sync(self.device)
-        self.shards = updated
         return time.perf_counter() - started
 
 
@@ -166,20 +200,17 @@ class _NonPrivateText:
     """Ordinary sampling of one text from the public prompt: one row, softmax at ``temperature``."""
 
     def __init__(self, engine: Engine, request, max_new_tokens: int, temperature: float, device):
-        self.engine = engine
-        self.device = device
-        self.temperature = temperature
+        self.forward, self.device, self.temperature = engine.forward, device, temperature
         self.generator = _generator(device)
-        with torch.inference_mode():
-            (self.shard,), self.logits = engine._prefill([request.public_ids], max_new_tokens)
+        self.row = self.forward.new_row(max_new_tokens)
+        self.logits = self.forward.prefill(self.row, request.public_ids, hidden=False)[None]
 
-    @torch.inference_mode()
     def step(self) -> float:
         _sync(self.device)
         started = time.perf_counter()
         probs = torch.softmax(self.logits.float() / self.temperature, dim=-1)
-        token = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
-        self.shard, self.logits = self.engine._decode(self.shard, token)
+        token = torch.multinomial(probs, 1, generator=self.generator)[0, 0]
+        self.logits = self.forward.decode([self.row], [token.item()], hidden=False)
         _sync(self.device)
         return time.perf_counter() - started
 
@@ -211,17 +242,107 @@ def _interleaved_run(engine: Engine, requests, max_new_tokens: int, temperature:
     return private_steps[1:], forward_steps, single_steps
 
 
-def _workload_run(engine: Engine, requests, max_new_tokens: int, device) -> tuple[float, int]:
-    """The whole workload as a user runs it: all texts, prefill included, stopping at end-of-sequence.
+@dataclasses.dataclass(frozen=True)
+class _Workload:
+    seconds: float
+    tokens: int
+    text_tokens: tuple[int, ...]  # per request, in request order
+    stats: ForwardStats
 
-    Returns (wall seconds, tokens generated)."""
-    tokens = 0
-    _sync(device)
-    started = time.perf_counter()
-    for text in engine.generate(requests, max_new_tokens=max_new_tokens, generator=_generator(device)):
-        tokens += text.num_tokens
-    _sync(device)
-    return time.perf_counter() - started, tokens
+
+def _workload_run(engine: Engine, requests, max_new_tokens: int, device, *, one_at_a_time: bool = False) -> _Workload:
+    """The whole workload as a user runs it: all texts, prefill included, stopping at end-of-sequence;
+    with ``one_at_a_time``, one :meth:`Engine.generate` call per text (the same streams)."""
+    stats = ForwardStats()
+    engine.forward.stats = stats
+    counts = [0] * len(requests)
+    calls = [[i] for i in range(len(requests))] if one_at_a_time else [list(range(len(requests)))]
+    try:
+        _sync(device)
+        started = time.perf_counter()
+        for call in calls:
+            for text in engine.generate(
+                [requests[i] for i in call], max_new_tokens=max_new_tokens, generator=_generator(device),
+                stream_ids=call,
+            ):
+                counts[call[text.request_index]] = text.num_tokens
+        _sync(device)
+        seconds = time.perf_counter() - started
+    finally:
+        engine.forward.stats = None
+    return _Workload(seconds, sum(counts), tuple(counts), stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Floor:
+    prefill_seconds: float
+    decode_seconds: float
+
+
+def _floor_run(engine: Engine, requests, text_tokens: Sequence[int], device) -> _Floor:
+    """The bare unpadded forward passes the workload needs, with the model's own attention and cache.
+
+    Prefill: each row's prompt alone (batch of one: no padding at all). Decode: for each text the
+    steps it actually took (``text_tokens``), all decoding rows in one batch of *equal* lengths (the
+    mean prompt length: the cost without length variance), last hidden states for every row and the
+    output layer for the public rows only (what any implementation must compute). No mechanism, no
+    sampling. This is the floor an engine is measured against.
+    """
+    network = engine.model.model
+    decoder = engine._split.decoder if engine._split is not None else None
+    prompts = _prompts(requests)
+    rows_per_text = [1 + sum(p is not None for p in r.private_ids) for r in requests]
+    with torch.inference_mode():
+        _sync(device)
+        started = time.perf_counter()
+        for prompt in prompts:
+            network(input_ids=torch.tensor([prompt], device=device), logits_to_keep=1)
+        _sync(device)
+        prefill = time.perf_counter() - started
+        length = max(1, round(sum(len(p) for p in prompts) / len(prompts)))
+        live = [t for t in range(len(requests)) if text_tokens[t] > 1]
+        decode = 0.0
+        if live:
+            rows = sum(rows_per_text[t] for t in live)
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(3, engine.model.vocab_size, (rows, length), generator=gen).to(device)
+            cache = network(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+            for step in range(1, max(text_tokens)):
+                live_now = [t for t in live if text_tokens[t] > step]
+                if not live_now:
+                    break
+                if live_now != live:
+                    keep, offset = [], 0
+                    for t in live:
+                        if t in live_now:
+                            keep.extend(range(offset, offset + rows_per_text[t]))
+                        offset += rows_per_text[t]
+                    cache.batch_select_indices(torch.tensor(keep, device=device))
+                    live = live_now
+                rows = sum(rows_per_text[t] for t in live)
+                token = torch.full((rows, 1), engine.model.eos_token_ids[0], device=device)
+                _sync(device)
+                started = time.perf_counter()
+                if decoder is not None:
+                    states = decoder(input_ids=token, past_key_values=cache, use_cache=True).last_hidden_state
+                    engine._split.head(states[: len(live), -1])  # one row per text: the public row
+                else:
+                    network(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                _sync(device)
+                decode += time.perf_counter() - started
+    return _Floor(prefill, decode)
+
+
+def _left_padded_efficiency(requests, max_batch_rows: int) -> tuple[float, float]:
+    """(prefill, first-step KV) efficiency of the left-padded layout (every row of a shard padded to
+    its longest prompt), for comparison: real tokens / processed tokens."""
+    prompts = _prompts(requests)
+    real = sum(len(p) for p in prompts)
+    processed = 0
+    for start in range(0, len(prompts), max_batch_rows):
+        shard = prompts[start : start + max_batch_rows]
+        processed += len(shard) * max(len(p) for p in shard)
+    return real / processed, real / processed
 
 
 def benchmark(
@@ -239,27 +360,30 @@ def benchmark(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     max_batch_rows: int | None = None,
+    one_at_a_time: bool = True,
+    floor: bool = True,
 ) -> BenchResult:
-    """Measure private decoding against bare forward passes on ``num_texts`` × (``batch_size`` + 1) rows.
+    """Measure private decoding on ``num_texts`` × (``batch_size`` + 1) rows (module docstring).
 
-    The references default to the shipped fictional demo dataset (cycled). The mechanism's parameters
-    do not change the cost; the defaults are typical values.
+    ``references``: the private texts, used in order (``num_texts * batch_size`` of them; cycled when
+    fewer); default the shipped fictional demo dataset. The mechanism's parameters do not change the
+    cost; the defaults are typical values. ``repeats=0`` skips the lockstep step measurements.
     """
     for name, value, minimum in (
         ("batch_size", batch_size, 1),
         ("max_new_tokens", max_new_tokens, 3),
         ("num_texts", num_texts, 1),
-        ("repeats", repeats, 1),
+        ("repeats", repeats, 0),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    pool = list(references) if references is not None else [r for r in demo_references() if r]
+    if not pool or not any(pool):
+        raise ValueError("references must hold at least one non-empty text")
     loaded = load_model(model, device=device, dtype=dtype)
     mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     rows = num_texts * (batch_size + 1)
     engine = Engine(loaded, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
-    pool = list(references) if references is not None else [r for r in demo_references() if r]
-    if not pool:
-        raise ValueError("references must hold at least one non-empty text")
     template = get_preset(prompt)
     requests = [
         encode_request(
@@ -276,10 +400,16 @@ def benchmark(
         private_steps += private
         forward_steps += forward
         single_steps += single
-    workload_seconds, workload_tokens = _workload_run(engine, requests, max_new_tokens, loaded.device)
-    private = statistics.median(private_steps)
-    forward = statistics.median(forward_steps)
-    single = statistics.median(single_steps)
+    workload = _workload_run(engine, requests, max_new_tokens, loaded.device)
+    alone = _workload_run(engine, requests, max_new_tokens, loaded.device, one_at_a_time=True) if one_at_a_time else None
+    bare = _floor_run(engine, requests, workload.text_tokens, loaded.device) if floor else None
+    stats = workload.stats
+    padded_prefill, padded_kv = _left_padded_efficiency(requests, engine.max_batch_rows)
+    median = statistics.median
+    private = median(private_steps) if private_steps else math.nan
+    forward = median(forward_steps) if forward_steps else math.nan
+    single = median(single_steps) if single_steps else math.nan
+    prompt_lengths = [len(p) for p in _prompts(requests)]
     return BenchResult(
         model=loaded.name,
         device=str(loaded.device),
@@ -296,8 +426,21 @@ def benchmark(
         tokens_per_second=num_texts / private,
         nonprivate_step_seconds=single,
         relative_to_nonprivate=(private / num_texts) / single,
-        workload_seconds=workload_seconds,
-        workload_tokens=workload_tokens,
+        workload_seconds=workload.seconds,
+        workload_tokens=workload.tokens,
+        prefill_seconds=stats.prefill_seconds,
+        decode_forward_seconds=stats.decode_seconds,
+        prompt_tokens=sum(prompt_lengths),
+        longest_prompt=max(prompt_lengths),
+        prefill_efficiency=sum(prompt_lengths) / max(stats.prefill_tokens, 1),
+        decode_row_efficiency=stats.decode_rows / max(stats.decode_rows + stats.placeholder_rows, 1),
+        kv_efficiency=1.0,  # every attended key is a real token of its own row (invink_audit.rows)
+        left_padded_prefill_efficiency=padded_prefill,
+        left_padded_kv_efficiency=padded_kv,
+        one_at_a_time_seconds=alone.seconds if alone else math.nan,
+        one_at_a_time_tokens=alone.tokens if alone else 0,
+        floor_prefill_seconds=bare.prefill_seconds if bare else math.nan,
+        floor_decode_seconds=bare.decode_seconds if bare else math.nan,
     )
 
 

@@ -43,6 +43,7 @@ import dataclasses
 import hashlib
 import inspect
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -59,7 +60,7 @@ from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest
 from invink_audit.rows import RowKV, packed_attention, pack_kwargs, segments_for
 
-__all__ = ["DecodeStep", "Engine", "FinishedText", "RowForward", "default_max_batch_rows"]
+__all__ = ["DecodeStep", "Engine", "FinishedText", "ForwardStats", "RowForward", "default_max_batch_rows"]
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -403,6 +404,25 @@ _DEFAULT_PREFILL_TOKENS = 512
 _PREFILL_CHUNKS_PER_STEP = 4
 
 
+@dataclasses.dataclass
+class ForwardStats:
+    """What the forward passes processed, and their wall-clock time (with :attr:`RowForward.stats` set).
+
+    ``*_tokens``/``*_rows`` count real work; ``placeholder_rows`` the rows that only kept a decoding
+    pass's shape; ``kv_tokens`` the cached keys that decoding rows attended to (every one of them a
+    real token of that row: rows are never padded).
+    """
+
+    prefill_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefill_calls: int = 0
+    decode_seconds: float = 0.0
+    decode_rows: int = 0
+    placeholder_rows: int = 0
+    decode_calls: int = 0
+    kv_tokens: int = 0
+
+
 class RowForward:
     """The model's forward pass over packed rows (see :mod:`invink_audit.rows`): the extension point
     for code that needs the engine's forward passes without its mechanism (the benchmark's bare rows).
@@ -410,13 +430,15 @@ class RowForward:
     ``prefill(row, ids)`` appends a prompt (or a chunk of one) to ``row`` and returns the output at its
     last token; ``decode(rows, ids)`` appends one token to each row (``None``: a placeholder row) and
     returns one output per row. Outputs are last hidden states with ``hidden=True`` (requires
-    :attr:`decoder`), else logits.
+    :attr:`decoder`), else logits. Set ``stats`` to a :class:`ForwardStats` to count and time the
+    passes (on CUDA each timed pass synchronises: benchmarks only).
     """
 
     def __init__(self, model: LoadedModel):
         self.model = model
         self.network = model.model
         self.decoder: torch.nn.Module | None = None
+        self.stats: ForwardStats | None = None
         config = self.network.config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
@@ -428,27 +450,53 @@ class RowForward:
 
     @torch.inference_mode()
     def run(self, rows: Sequence[RowKV | None], ids: Sequence[Sequence[int]], *, hidden: bool, last_only: bool):
-        """One packed forward pass: ``ids[i]`` appended to ``rows[i]``. Returns (tokens or rows, features)."""
+        """One packed forward pass, ``ids[i]`` appended to ``rows[i]``; the outputs (last token only
+        with ``last_only``, else one per token)."""
         device = self.model.device
-        flat = [t for part in ids for t in part]
+        started = self._clock()
         pack = segments_for(rows, [len(part) for part in ids])
         positions = [
-            p for row, part in zip(rows, ids) for p in range(row.length if row is not None else 0, (row.length if row is not None else 0) + len(part))
+            p for row, part in zip(rows, ids) for p in range(_length(row), _length(row) + len(part))
         ]
-        input_ids = torch.tensor([flat], dtype=torch.long, device=device)
+        input_ids = torch.tensor([[t for part in ids for t in part]], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         with packed_attention(self.network):
             if hidden:
                 out = self.decoder(input_ids=input_ids, position_ids=position_ids, **pack_kwargs(pack, device))
                 features = out.last_hidden_state[0]
             else:
-                keep = 1 if last_only else 0
                 out = self.network(
-                    input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, **pack_kwargs(pack, device)
+                    input_ids=input_ids, position_ids=position_ids, logits_to_keep=1 if last_only else 0,
+                    **pack_kwargs(pack, device),
                 )
                 features = out.logits[0]
+        self._count(rows, ids, started, last_only)
         pack.commit()
         return features
+
+    def _clock(self) -> float | None:
+        if self.stats is None:
+            return None
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return time.perf_counter()
+
+    def _count(self, rows, ids, started, prefill: bool) -> None:
+        stats = self.stats
+        if stats is None:
+            return
+        elapsed = self._clock() - started
+        real = [row for row in rows if row is not None]
+        if prefill:
+            stats.prefill_seconds += elapsed
+            stats.prefill_calls += 1
+            stats.prefill_tokens += sum(len(part) for part in ids)
+        else:
+            stats.decode_seconds += elapsed
+            stats.decode_calls += 1
+            stats.decode_rows += len(real)
+            stats.placeholder_rows += len(rows) - len(real)
+            stats.kv_tokens += sum(row.length + 1 for row in real)
 
     def prefill(self, row: RowKV, ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
         """Append ``ids`` to ``row``; the output at the last token (1-D)."""
@@ -457,6 +505,10 @@ class RowForward:
     def decode(self, rows: Sequence[RowKV | None], ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
         """Append ``ids[i]`` to ``rows[i]`` (``None``: placeholder); outputs (rows, features)."""
         return self.run(rows, [[t] for t in ids], hidden=hidden, last_only=False)
+
+
+def _length(row: RowKV | None) -> int:
+    return 0 if row is None else row.length
 
 
 @dataclasses.dataclass(frozen=True)

@@ -234,7 +234,7 @@ def test_shared_prefill_engine_decodes_exactly_like_the_engine(tiny):
     run(_shared_prefill_engine_class(), "shared")
     assert seen["plain"].keys() == seen["shared"].keys()
     for k in seen["plain"]:
-        torch.testing.assert_close(seen["shared"][k], seen["plain"][k], atol=1e-5, rtol=0)
+        assert torch.equal(seen["shared"][k], seen["plain"][k])  # copies of the same rows, bitwise
 
 
 @pytest.mark.slow

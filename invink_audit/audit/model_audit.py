@@ -77,37 +77,19 @@ class ModelAuditSettings:
 
 
 def _shared_prefill_engine_class():
-    """An :class:`~invink_audit.engine.Engine` that prefills each *distinct* prompt once.
+    """An :class:`~invink_audit.engine.Engine` that prefills each *distinct* prompt once per run.
 
     An audit decodes the same batch of references hundreds of times, so every admitted text brings
-    the same B + 1 prompts; prefilling them once and copying their KV-cache rows removes almost all
+    the same B + 1 prompts; prefilling them once and copying their rows' caches removes almost all
     of the prefill cost (which dominates on CPU: ~2,400 prompt tokens per text for Yelp at B = 7).
-    The rows' logits and caches are those of the distinct prompts, copied: the mechanism sees the
-    same logits. Built on the engine's shard operations (``_prefill``, ``_Shard.concat``/``select``/
-    ``split``); ``tests/test_audit_model.py`` checks it against the plain engine.
+    The copies are bitwise those of the distinct prompts (``Engine(share_prefill=True)``);
+    ``tests/test_audit_model.py`` checks it against the plain engine.
     """
-    from invink_audit.engine import Engine, _Shard
+    import functools
 
-    class SharedPrefillEngine(Engine):
-        def _prefill(self, prompts, reserve, hidden=False):
-            unique = list(dict.fromkeys(prompts))
-            if len(unique) == len(prompts):
-                return super()._prefill(prompts, reserve, hidden)
-            shards, logits = super()._prefill(unique, reserve, hidden)
-            shard = shards[0]
-            for other in shards[1:]:
-                shard = _Shard.concat(shard, other, reserve)
-            where = {p: i for i, p in enumerate(unique)}
-            index = torch.tensor([where[p] for p in prompts], dtype=torch.long, device=logits.device)
-            rest = shard.select(index, reserve)
-            out = []
-            while rest.num_rows > self.max_batch_rows:
-                head, rest = rest.split(self.max_batch_rows, reserve)
-                out.append(head)
-            out.append(rest)
-            return out, logits.index_select(0, index)
+    from invink_audit.engine import Engine
 
-    return SharedPrefillEngine
+    return functools.partial(Engine, share_prefill=True)
 
 
 def hardest_case_row(

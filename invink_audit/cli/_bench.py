@@ -21,7 +21,23 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", default="7", help="B private references per text (default 7)")
     p.add_argument("--max-new-tokens", default="32", help="tokens per text T (>= 3; default 32)")
     p.add_argument("--num-texts", default="1", help="texts decoded together G (default 1)")
-    p.add_argument("--repeats", default="3", help="alternating private/forward repeats (default 3)")
+    p.add_argument("--repeats", default="3", help="alternating private/forward step repeats (>= 0; default 3)")
+    p.add_argument(
+        "--references",
+        default=None,
+        help="private texts to use (.csv or .jsonl; default: the shipped fictional demo references); the first "
+        "G x B texts (after --where) are used in file order",
+    )
+    p.add_argument("--column", default=None, help="column/field of --references holding the text (default text)")
+    p.add_argument(
+        "--where",
+        default=None,
+        metavar="COLUMN=VALUE",
+        help="use only the rows of --references whose COLUMN equals VALUE (e.g. label1=Business Category: Restaurants)",
+    )
+    p.add_argument("--no-one-at-a-time", action="store_true", help="skip the one-text-at-a-time run")
+    p.add_argument("--no-floor", action="store_true", help="skip the bare unpadded forward (floor) run")
+    p.add_argument("--max-batch-rows", default=None, help="rows per decoding forward pass (default G x (B+1))")
     p.add_argument(
         "--reference",
         action="store_true",
@@ -58,17 +74,31 @@ def _reference_configs(text: str) -> list[str]:
 
 
 def _bench(args) -> int:
+    batch_size = parse_int("--batch-size", args.batch_size)
+    max_new_tokens = parse_int("--max-new-tokens", args.max_new_tokens)
+    num_texts = parse_int("--num-texts", args.num_texts)
+    repeats = parse_int("--repeats", args.repeats)
+    # the same bounds as invink_audit.bench.benchmark, checked before anything is printed or loaded
+    for flag, value, minimum in (
+        ("--batch-size", batch_size, 1),
+        ("--max-new-tokens", max_new_tokens, 3),
+        ("--num-texts", num_texts, 1),
+        ("--repeats", repeats, 0),
+    ):
+        if value < minimum:
+            raise CliError(f"{flag} must be an integer >= {minimum}; got {value}")
+    reference_configs = _reference_configs(args.reference_config)
+    max_batch_rows = None if args.max_batch_rows is None else parse_int("--max-batch-rows", args.max_batch_rows)
+    if max_batch_rows is not None and max_batch_rows < 1:
+        raise CliError(f"--max-batch-rows must be an integer >= 1; got {max_batch_rows}")
+    references = _references(args, num_texts * batch_size)
+
     import dataclasses
 
     import torch
 
     from invink_audit.bench import benchmark, time_reference
 
-    batch_size = parse_int("--batch-size", args.batch_size)
-    max_new_tokens = parse_int("--max-new-tokens", args.max_new_tokens)
-    num_texts = parse_int("--num-texts", args.num_texts)
-    repeats = parse_int("--repeats", args.repeats)
-    reference_configs = _reference_configs(args.reference_config)
     if args.reference:  # checked before the long run, so a missing package costs nothing
         try:
             import invink  # noqa: F401
@@ -90,6 +120,10 @@ def _bench(args) -> int:
         repeats=repeats,
         device=args.device,
         dtype=args.dtype,
+        references=references,
+        max_batch_rows=max_batch_rows,
+        one_at_a_time=not args.no_one_at_a_time,
+        floor=not args.no_floor,
     )
     if args.reference:
         timings = []
@@ -107,6 +141,7 @@ def _bench(args) -> int:
                     batch_size=batch_size,
                     max_new_tokens=max_new_tokens,
                     num_texts=num_texts,
+                    references=references,
                     dtype=dtype,
                     device_map=device_map,
                 )
@@ -115,25 +150,76 @@ def _bench(args) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
         return 0
+    print(format_bench(result))
+    return 0
+
+
+def _references(args, needed: int) -> list[str] | None:
+    """The texts of --references (filtered by --where), in file order; None for the demo references."""
+    from pathlib import Path
+
+    from invink_audit.data import read_references
+
+    if args.references is None:
+        if args.column is not None or args.where is not None:
+            raise CliError("--column and --where need --references")
+        return None
+    try:
+        texts = read_references(Path(args.references), column=args.column)
+        if args.where is not None:
+            column, sep, value = args.where.partition("=")
+            if not sep or not column:
+                raise CliError("--where must be COLUMN=VALUE")
+            keys = read_references(Path(args.references), column=column)
+            texts = [t for t, k in zip(texts, keys) if k == value]
+    except ValueError as err:
+        raise CliError(str(err)) from err
+    texts = [t for t in texts if t]
+    if not texts:
+        raise CliError("--references: no non-empty text is selected")
+    if len(texts) < needed:
+        raise CliError(f"--references: {len(texts)} non-empty texts selected; G x B = {needed} are needed")
+    return texts[:needed]
+
+
+def format_bench(result) -> str:
+    """The benchmark's report: the workload, its split, efficiency, and every ratio against it."""
+    ms = 1e3
     lines = [
         f"model {result.model} on {result.device}, {result.dtype} ({result.threads} threads)",
-        f"  workload                 G = {result.num_texts} text(s) x (B+1) = {result.batch_size + 1} rows "
-        f"= {result.rows_per_step} rows per step, {result.max_new_tokens} tokens, {result.repeats} repeats",
-        f"  private step             {result.private_step_seconds * 1e3:.1f} ms (forward + mechanism + sampling)",
-        f"  bare forward step        {result.forward_step_seconds * 1e3:.1f} ms (same rows and tokens)",
-        f"  overhead_ratio           {result.overhead_ratio:.3f}",
-        f"  tokens_per_second        {result.tokens_per_second:.2f} (private, all texts)",
-        f"  non-private step         {result.nonprivate_step_seconds * 1e3:.1f} ms (one text, one row)",
-        f"  cost vs non-private      {result.relative_to_nonprivate:.2f}x per token of one text",
-        f"  whole workload           {result.workload_token_seconds * 1e3:.1f} ms per token "
+        f"  workload                 G = {result.num_texts} text(s) x (B+1) = {result.batch_size + 1} rows, "
+        f"T = {result.max_new_tokens}; {result.prompt_tokens} prompt tokens, longest prompt {result.longest_prompt}",
+        f"  whole workload           {result.workload_token_seconds * ms:.1f} ms per token "
         f"({result.workload_tokens} tokens in {result.workload_seconds:.1f} s, prefill and EOS included)",
+        f"    prefill / decode       {result.prefill_seconds:.1f} s / {result.decode_seconds:.1f} s",
+        f"  padding efficiency       prefill {result.prefill_efficiency:.2f}, KV {result.kv_efficiency:.2f}, "
+        f"decode rows {result.decode_row_efficiency:.2f} (left-padded layout: prefill "
+        f"{result.left_padded_prefill_efficiency:.2f}, KV {result.left_padded_kv_efficiency:.2f})",
     ]
+    if result.one_at_a_time_tokens:
+        lines.append(
+            f"  one text at a time       {result.one_at_a_time_token_seconds * ms:.1f} ms per token "
+            f"({result.one_at_a_time_tokens} tokens in {result.one_at_a_time_seconds:.1f} s); "
+            f"batched is {result.speedup_over_one_at_a_time:.2f}x faster"
+        )
+    if result.floor_seconds == result.floor_seconds:  # not NaN
+        lines.append(
+            f"  bare unpadded forward    {result.floor_seconds:.1f} s (prefill {result.floor_prefill_seconds:.1f} s, "
+            f"decode {result.floor_decode_seconds:.1f} s); workload / floor = {result.floor_ratio:.2f}"
+        )
+    if result.repeats:
+        lines += [
+            f"  private step             {result.private_step_seconds * ms:.1f} ms (forward + mechanism + sampling)",
+            f"  bare forward step        {result.forward_step_seconds * ms:.1f} ms (same rows and tokens)",
+            f"  overhead_ratio           {result.overhead_ratio:.3f}",
+            f"  non-private step         {result.nonprivate_step_seconds * ms:.1f} ms (one text, one row); "
+            f"private costs {result.relative_to_nonprivate:.2f}x per token of one text",
+        ]
     for reference in result.references:
         lines += [
-            f"  reference invink         {reference.token_seconds * 1e3:.1f} ms per token in its decode loop "
+            f"  reference invink         {reference.token_seconds * ms:.1f} ms per token in its decode loop "
             f"({reference.tokens} tokens; {reference.configuration}: model in {reference.dtype}; "
             f"version {reference.version})",
-            f"    speedup                {result.speedup(reference):.1f}x",
+            f"    speedup                {result.speedup(reference):.2f}x",
         ]
-    print("\n".join(lines))
-    return 0
+    return "\n".join(lines)
