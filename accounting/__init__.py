@@ -20,7 +20,7 @@ from accounting.accountants import (
 from accounting.bounded_range import DeltaBracket, br_adaptive_delta, br_nonadaptive_delta
 from accounting.conversions import ConversionMethod, epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
 from accounting.limits import RANGES, check_parameter_ranges
-from accounting.ledger import BudgetExceededError, BudgetLedger, LedgerError, LedgerStatus, Release
+from accounting.ledger import BudgetExceededError, BudgetLedger, ChargeOutcome, LedgerError, LedgerStatus, Release
 from accounting.planner import (
     Plan,
     PlanningRow,
@@ -45,6 +45,7 @@ __all__ = [
     "Adjacency",
     "BudgetExceededError",
     "BudgetLedger",
+    "ChargeOutcome",
     "Clipping",
     "ConversionMethod",
     "DeltaBracket",

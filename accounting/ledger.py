@@ -25,28 +25,53 @@ Every token step is ε0-bounded-range with its release's ε0 = 2Δ/τ and ρ = �
   exceed it (``tests/test_accounting_review.py`` builds such an interaction).
 
 Durability: the ledger is a JSON file rewritten atomically (temporary file, fsync, ``os.replace``,
-directory fsync), so a crash leaves either the old or the new file, never a torn one. Concurrency: every
-read-check-write holds an exclusive lock on ``<path>.lock`` (``filelock``), so two processes never both
-spend the last of the budget. Idempotence: a release carries a ``release_id``; charging the same id
-again with the same parameters returns the recorded entry without spending twice (a resumed run), and
-with different parameters is an error. A crash after the charge keeps the spend: outputs may already
-have been released, so the budget is never given back.
+directory fsync), so a crash leaves either the old or the new file, never a torn one; the rewrite keeps
+the file's permission bits (a new ledger is created 0600). Concurrency: every read-check-write holds an
+exclusive lock on ``<path>.lock`` (``filelock``), so two processes never both spend the last of the
+budget; reading (``status``, ``preview``) takes no lock, because a reader always sees a whole file, so
+a ledger in a read-only directory can be shown. Links: a symbolic link is resolved before locking and
+replacing, so the link's target is charged and locked, and the link stays a link; a ledger with more
+than one hard link is refused for writing, because ``os.replace`` would give this name a new file
+and leave the other names on the old one, silently splitting the ledger. Idempotence: a release
+carries a ``release_id``; charging the same id again with the same parameters returns the recorded
+entry without spending twice (a resumed run), and with different parameters is an error. A crash after
+the charge keeps the spend: outputs may already have been released, so the budget is never given back.
+
+Integrity (format 2). Every load recomputes every stored figure and refuses a file that does not add
+up: the budget and every release parameter must be in their valid ranges (:mod:`accounting.limits`),
+``releases`` a list without duplicate ids, each entry's ``epsilon0`` and ``num_steps`` must follow from
+its parameters, and each ``epsilon_spent_after`` must be the recomputed spend of the releases up to it
+(so a shrunk clip norm, an edited adjacency or a negative spend is caught). The entries form a SHA-256
+hash chain that starts from the header (budget, δ, accountant, dataset, creation time) and ends in
+``head``: raising the budget, changing the accountant, or editing, reordering or deleting any release
+(first, last or all) breaks the chain unless every later hash and ``head`` are recomputed too.
+
+What it does *not* protect against: the chain has no secret key, so anyone who can write the file and
+run SHA-256 can rewrite the whole ledger consistently (fewer releases, a larger budget) and it will load.
+To detect that, keep ``head`` (``invink-audit ledger show`` prints it) somewhere its writers cannot
+change (a signed commit, a ticket) and compare; use file permissions or append-only storage to prevent
+it. A ledger written in format 1 (before the chain) loads after the same cross-checks of its figures
+and gains a chain at its next charge (migration); ``LedgerStatus.head`` is ``None`` until then. The
+chain covers the file as it was at migration, so an edit made before it is caught only by the figure
+cross-checks, and a format-2 file stripped back to format 1 also loads: compare ``head`` as above.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import functools
+import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
 import uuid
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from accounting._validation import check_count, check_delta, check_positive
 from accounting.accountants import (
     DEFAULT_ACCOUNTANT,
     Accountant,
@@ -55,12 +80,34 @@ from accounting.accountants import (
     composed_epsilon,
 )
 from accounting.conversions import ConversionMethod, zcdp_to_epsilon
+from accounting.limits import RANGES
 from accounting.sensitivity import Adjacency, Clipping, _coerce, linf_sensitivity
 
-__all__ = ["BudgetLedger", "BudgetExceededError", "LedgerError", "Release", "LedgerStatus"]
+__all__ = ["BudgetLedger", "BudgetExceededError", "ChargeOutcome", "LedgerError", "Release", "LedgerStatus"]
 
-_FORMAT_VERSION = 1
+#: Format written by this version (2: hash chain). Format 1 files are read and migrated at the next charge.
+_FORMAT_VERSION = 2
+_READABLE_FORMATS = (1, 2)
 _LOCK_TIMEOUT_SECONDS = 60.0
+#: Relative tolerance between a stored ``epsilon_spent_after`` and its recomputation. The same code
+#: recomputes the same floats, so they agree to the last bit; the tolerance only absorbs a different
+#: scipy minimiser in a later install. An edit that matters (a clip norm, a deleted release) moves the
+#: spend by far more.
+_SPEND_RTOL = 1e-6
+_CHAIN_DOMAIN = b"invink-audit ledger chain v2\n"
+_RELEASE_KEYS = (
+    "release_id",
+    "label",
+    "clip_norm",
+    "batch_size",
+    "temperature",
+    "max_new_tokens",
+    "texts_per_batch",
+    "num_batches",
+    "clipping",
+    "adjacency",
+)
+_ENTRY_KEYS = ("recorded_at", "release", "epsilon0", "num_steps", "epsilon_spent_after")
 
 
 class LedgerError(ValueError):
@@ -73,7 +120,10 @@ class BudgetExceededError(LedgerError):
 
 @dataclasses.dataclass(frozen=True)
 class Release:
-    """The public parameters of one release (never anything derived from the private data)."""
+    """The public parameters of one release (never anything derived from the private data).
+
+    Every parameter must lie in its documented range (:mod:`accounting.limits`).
+    """
 
     clip_norm: float
     batch_size: int
@@ -87,12 +137,8 @@ class Release:
     adjacency: Adjacency = Adjacency.REPLACE_BY_NULL
 
     def __post_init__(self) -> None:
-        check_positive("clip_norm", self.clip_norm)
-        check_count("batch_size", self.batch_size)
-        check_positive("temperature", self.temperature)
-        check_count("max_new_tokens", self.max_new_tokens)
-        check_count("texts_per_batch", self.texts_per_batch)
-        check_count("num_batches", self.num_batches)
+        for name in ("clip_norm", "batch_size", "temperature", "max_new_tokens", "texts_per_batch", "num_batches"):
+            RANGES[name].check(name, getattr(self, name))
         if not isinstance(self.release_id, str) or not self.release_id.strip():
             raise ValueError(f"release_id must be a non-empty string; got {self.release_id!r}")
         if not isinstance(self.label, str):
@@ -134,17 +180,37 @@ class Release:
 
 @dataclasses.dataclass(frozen=True)
 class LedgerStatus:
-    """What the ledger has spent and what remains, at its δ."""
+    """What the ledger has spent and what remains, at its δ.
+
+    ``head`` is the hash-chain value after the last release (``None`` for a format-1 ledger not yet
+    migrated); write it down somewhere safe to detect a consistently rewritten ledger later.
+    """
 
     epsilon_budget: float
     delta: float
     accountant: str
     epsilon_spent: float
     releases: tuple[dict, ...]
+    format_version: int = _FORMAT_VERSION
+    head: str | None = None
 
     @property
     def epsilon_remaining(self) -> float:
         return max(0.0, self.epsilon_budget - self.epsilon_spent)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChargeOutcome:
+    """What :meth:`BudgetLedger.charge_once` did.
+
+    ``already_recorded``: the ``release_id`` was recorded before with the same parameters, so nothing
+    was spent now and ``entry`` is the earlier record. ``epsilon_spent``: the ledger's total spend after
+    the call (for a replay, today's total, which may exceed ``entry["epsilon_spent_after"]``).
+    """
+
+    entry: dict
+    already_recorded: bool
+    epsilon_spent: float
 
 
 def _spent_epsilon(releases: list[Release], delta: float, accountant: Accountant) -> float:
@@ -153,8 +219,20 @@ def _spent_epsilon(releases: list[Release], delta: float, accountant: Accountant
         return 0.0
     if len(releases) == 1:
         r = releases[0]
-        return composed_epsilon(delta, r.epsilon0, r.num_steps, accountant=accountant)
-    rho = math.fsum(r.num_steps * r.epsilon0**2 / 8.0 for r in releases)
+        return _single_release_spend(r.epsilon0, r.num_steps, delta, accountant)
+    # e0 * e0, not e0 ** 2: a float product overflows to inf (then ε = inf), `**` raises OverflowError
+    rho = math.fsum(r.num_steps * (r.epsilon0 * r.epsilon0) / 8.0 for r in releases)
+    return _filter_spend(rho, delta, accountant)
+
+
+@functools.lru_cache(maxsize=256)
+def _single_release_spend(epsilon0: float, num_steps: int, delta: float, accountant: Accountant) -> float:
+    # cached: verifying a ledger recomputes its first release's spend, up to seconds for br-adaptive
+    return composed_epsilon(delta, epsilon0, num_steps, accountant=accountant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _filter_spend(rho: float, delta: float, accountant: Accountant) -> float:
     conversion = ConversionMethod.CKS if accountant is Accountant.BR_ADAPTIVE else accountant.conversion
     return zcdp_to_epsilon(rho, delta, conversion)
 
@@ -163,15 +241,188 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+# -- hash chain ---------------------------------------------------------------------------------------
+
+
+def _canonical(obj) -> bytes:
+    """The bytes hashed for ``obj``: sorted keys, no whitespace, exact float reprs (JSON round-trips them)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode()
+
+
+def _header(data: dict) -> dict:
+    return {
+        "format_version": _FORMAT_VERSION,
+        "dataset": data["dataset"],
+        "created_at": data["created_at"],
+        "budget": data["budget"],
+        "accountant": data["accountant"],
+    }
+
+
+def _genesis(data: dict) -> str:
+    return hashlib.sha256(_CHAIN_DOMAIN + _canonical(_header(data))).hexdigest()
+
+
+def _link(previous: str, entry: dict) -> str:
+    body = {k: v for k, v in entry.items() if k != "chain"}
+    return hashlib.sha256(_CHAIN_DOMAIN + previous.encode() + b"\n" + _canonical(body)).hexdigest()
+
+
+def _with_chain(data: dict) -> dict:
+    """``data`` in the current format with every chain value and ``head`` (re)computed."""
+    out = {**data, "format_version": _FORMAT_VERSION}
+    chain = _genesis(out)
+    entries = []
+    for entry in data["releases"]:
+        chain = _link(chain, entry)
+        entries.append({**{k: v for k, v in entry.items() if k != "chain"}, "chain": chain})
+    out["releases"] = entries
+    out["head"] = chain
+    return out
+
+
+# -- verification on load ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verified:
+    """A ledger file that passed every check, with what the checks computed."""
+
+    data: dict
+    releases: tuple[Release, ...]
+    accountant: Accountant
+    epsilon_spent: float
+
+
+def _verify(data, where: str) -> _Verified:
+    """Recompute and cross-check every stored figure (module docstring, "Integrity"); LedgerError if not."""
+
+    def bad(message: str) -> LedgerError:
+        return LedgerError(f"ledger {where} is corrupt or was edited: {message}; refusing to use it")
+
+    if not isinstance(data, dict):
+        raise LedgerError(f"ledger {where} has an unknown format (not a JSON object)")
+    version = data.get("format_version")
+    if isinstance(version, bool) or version not in _READABLE_FORMATS:
+        raise LedgerError(
+            f"ledger {where} has an unknown format (format_version {version!r}; this version reads "
+            f"{', '.join(map(str, _READABLE_FORMATS))})"
+        )
+    for key, kind in (("budget", dict), ("accountant", str), ("releases", list), ("dataset", str), ("created_at", str)):
+        if not isinstance(data.get(key), kind):
+            raise bad(f"{key!r} must be a {'JSON ' + ('object' if kind is dict else 'array' if kind is list else 'string')}"
+                      f"; got {type(data.get(key)).__name__}")
+    budget = data["budget"]
+    if set(budget) != {"epsilon", "delta"}:
+        raise bad(f"budget must hold exactly 'epsilon' and 'delta'; got keys {sorted(budget)}")
+    try:
+        budget_epsilon = RANGES["epsilon"].check("budget epsilon", budget["epsilon"])
+        delta = RANGES["delta"].check("budget delta", budget["delta"])
+        accountant = as_accountant(data["accountant"])
+    except ValueError as err:
+        raise bad(str(err)) from err
+
+    releases: list[Release] = []
+    seen: set[str] = set()
+    spent_before = 0.0
+    terms: list[float] = []
+    for index, entry in enumerate(data["releases"]):
+        at = f"release #{index + 1}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("release"), dict):
+            raise bad(f"{at} is not an entry with a 'release' object")
+        missing = [k for k in _ENTRY_KEYS if k not in entry] + [k for k in _RELEASE_KEYS if k not in entry["release"]]
+        if missing:
+            raise bad(f"{at} lacks {', '.join(repr(k) for k in missing)}")
+        try:
+            release = Release.from_json(entry["release"])
+        except (TypeError, ValueError) as err:
+            raise bad(f"{at}: {err}") from err
+        at = f"release #{index + 1} ({release.release_id!r})"
+        if release.release_id in seen:
+            raise bad(f"{at} is recorded twice")
+        seen.add(release.release_id)
+        stored_e0, stored_steps = entry["epsilon0"], entry["num_steps"]
+        if not _same_float(stored_e0, release.epsilon0, 1e-12):
+            raise bad(f"{at} stores epsilon0={stored_e0!r} but its parameters give {release.epsilon0!r}")
+        if isinstance(stored_steps, bool) or stored_steps != release.num_steps:
+            raise bad(f"{at} stores num_steps={stored_steps!r} but its parameters give {release.num_steps}")
+        releases.append(release)
+        terms.append(release.num_steps * (release.epsilon0 * release.epsilon0) / 8.0)
+        stored = entry["epsilon_spent_after"]
+        if isinstance(stored, bool) or not isinstance(stored, (int, float)) or not stored >= 0 or math.isinf(stored):
+            raise bad(f"{at} stores epsilon_spent_after={stored!r}, not a finite number >= 0")
+        if len(releases) == 1:
+            recomputed = _single_release_spend(release.epsilon0, release.num_steps, delta, accountant)
+        else:
+            recomputed = _filter_spend(math.fsum(terms), delta, accountant)
+        if not _same_float(stored, recomputed, _SPEND_RTOL):
+            raise bad(
+                f"{at} stores epsilon_spent_after={stored!r} but the releases up to it spend {recomputed!r} "
+                f"({accountant.value}, delta={delta:g})"
+            )
+        if stored < spent_before * (1.0 - _SPEND_RTOL):
+            raise bad(f"{at} stores a total spend below the release before it")
+        if not recomputed <= budget_epsilon * (1.0 + _SPEND_RTOL):
+            raise bad(f"{at} brings the spend to {recomputed:.6g}, over the budget epsilon={budget_epsilon:g}")
+        spent_before = stored
+
+    if version >= 2:
+        chain = _genesis(data)
+        for index, entry in enumerate(data["releases"]):
+            chain = _link(chain, entry)
+            if entry.get("chain") != chain:
+                raise bad(
+                    f"the hash chain breaks at release #{index + 1} ({releases[index].release_id!r}): the header "
+                    "(budget, delta, accountant, dataset) or a release up to this one was changed, or a release "
+                    "before it was removed"
+                )
+        if data.get("head") != chain:
+            raise bad(
+                "'head' does not match the hash chain: releases were removed from the end, or the header was "
+                "changed"
+            )
+    spent = _spent_epsilon(releases, delta, accountant)
+    return _Verified(data=data, releases=tuple(releases), accountant=accountant, epsilon_spent=spent)
+
+
+def _same_float(stored, recomputed: float, rtol: float) -> bool:
+    if isinstance(stored, bool) or not isinstance(stored, (int, float)):
+        return False
+    return abs(stored - recomputed) <= rtol * max(abs(recomputed), abs(stored)) + 1e-300
+
+
+# -- the ledger ----------------------------------------------------------------------------------------
+
+
+def _resolve(path) -> Path:
+    """The file a ledger path names: symbolic links resolved (issue 12, item 3), never a directory."""
+    given = Path(path)
+    resolved = given.resolve()
+    if resolved.is_dir():
+        raise LedgerError(
+            f"{str(given)!r} is a directory, not a ledger file; give a file path such as "
+            f"{str(given / 'ledger.json')!r}"
+        )
+    return resolved
+
+
 class BudgetLedger:
-    """A privacy odometer stored at ``path`` (see the module docstring)."""
+    """A privacy odometer stored at ``path`` (see the module docstring).
+
+    ``path`` may be a symbolic link; :attr:`path` is the file it resolves to, which is what is read,
+    locked and replaced.
+    """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+        self.path = _resolve(path)
         if not self.path.exists():
-            raise LedgerError(f"no ledger at {str(self.path)!r}; create one with BudgetLedger.create")
+            raise LedgerError(
+                f"no ledger at {str(path)!r}; create one first (command line: `invink-audit ledger init`; "
+                "Python: BudgetLedger.create)"
+            )
         self._lock = FileLock(str(self.path) + ".lock", timeout=_LOCK_TIMEOUT_SECONDS)
-        self._read()  # validate now, not at the first charge
+        self._cache: tuple[bytes, _Verified] | None = None
+        self._load()  # validate now, not at the first charge
 
     @classmethod
     def create(
@@ -184,114 +435,116 @@ class BudgetLedger:
         dataset: str = "",
     ) -> BudgetLedger:
         """Create a new ledger with a total budget (ε, δ); refuses to overwrite an existing one."""
-        epsilon = check_positive("epsilon", epsilon)
-        delta = check_delta("delta", delta)
+        epsilon = RANGES["epsilon"].check("epsilon", epsilon)
+        delta = RANGES["delta"].check("delta", delta)
         acc = as_accountant(accountant)
-        path = Path(path)
-        lock = FileLock(str(path) + ".lock", timeout=_LOCK_TIMEOUT_SECONDS)
-        with lock:
-            if path.exists():
+        if not isinstance(dataset, str):
+            raise ValueError(f"dataset must be a string; got {dataset!r}")
+        target = _resolve(path)
+        lock = FileLock(str(target) + ".lock", timeout=_LOCK_TIMEOUT_SECONDS)
+        with _locked(lock, target):
+            if target.exists():
                 raise LedgerError(f"a ledger already exists at {str(path)!r}; refusing to overwrite it")
-            _atomic_write_json(
-                path,
-                {
-                    "format_version": _FORMAT_VERSION,
-                    "dataset": dataset,
-                    "created_at": _now(),
-                    "budget": {"epsilon": epsilon, "delta": delta},
-                    "accountant": acc.value,
-                    "releases": [],
-                },
-            )
-        return cls(path)
+            data = {
+                "format_version": _FORMAT_VERSION,
+                "dataset": dataset,
+                "created_at": _now(),
+                "budget": {"epsilon": epsilon, "delta": delta},
+                "accountant": acc.value,
+                "releases": [],
+            }
+            _atomic_write_json(target, _with_chain(data))
+        return cls(target)
 
-    # -- reading ------------------------------------------------------------------------------------
+    # -- reading (no lock: the file is only ever replaced whole) -------------------------------------
 
-    def _read(self) -> dict:
+    def _load(self) -> _Verified:
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
+            raw = self.path.read_bytes()
         except FileNotFoundError as err:
             raise LedgerError(f"no ledger at {str(self.path)!r}") from err
+        except IsADirectoryError as err:
+            raise LedgerError(f"{str(self.path)!r} is a directory, not a ledger file") from err
+        if self._cache is not None and self._cache[0] == raw:
+            return self._cache[1]
+        try:
+            data = json.loads(raw.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise LedgerError(f"ledger {str(self.path)!r} is not valid JSON: {err}") from err
-        if not isinstance(data, dict) or data.get("format_version") != _FORMAT_VERSION:
-            raise LedgerError(f"ledger {str(self.path)!r} has an unknown format")
-        try:
-            check_positive("budget.epsilon", data["budget"]["epsilon"])
-            check_delta("budget.delta", data["budget"]["delta"])
-            as_accountant(data["accountant"])
-            for entry in data["releases"]:
-                Release.from_json(entry["release"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise LedgerError(f"ledger {str(self.path)!r} is corrupt: {err}") from err
-        return data
+        verified = _verify(data, repr(str(self.path)))
+        self._cache = (raw, verified)
+        return verified
+
+    def _read(self) -> dict:
+        """The verified file contents (a copy-free view; do not mutate)."""
+        return self._load().data
 
     def status(self) -> LedgerStatus:
-        """The spend so far (recomputed from the recorded releases, never from a cached total)."""
-        with self._lock:
-            data = self._read()
-        return self._status(data)
-
-    def _status(self, data: dict) -> LedgerStatus:
-        releases = [Release.from_json(e["release"]) for e in data["releases"]]
-        acc = as_accountant(data["accountant"])
-        spent = _spent_epsilon(releases, data["budget"]["delta"], acc)
+        """The spend so far (recomputed from the recorded releases, never from a stored total)."""
+        v = self._load()
         return LedgerStatus(
-            epsilon_budget=data["budget"]["epsilon"],
-            delta=data["budget"]["delta"],
-            accountant=acc.value,
-            epsilon_spent=spent,
-            releases=tuple(data["releases"]),
+            epsilon_budget=float(v.data["budget"]["epsilon"]),
+            delta=float(v.data["budget"]["delta"]),
+            accountant=v.accountant.value,
+            epsilon_spent=v.epsilon_spent,
+            releases=tuple(v.data["releases"]),
+            format_version=int(v.data["format_version"]),
+            head=v.data.get("head") if v.data["format_version"] >= 2 else None,
         )
+
+    def recorded(self, release_id: str) -> dict | None:
+        """The recorded entry of ``release_id``, or ``None`` when it has not been charged."""
+        for entry in self._load().data["releases"]:
+            if entry["release"]["release_id"] == release_id:
+                return entry
+        return None
 
     # -- charging -----------------------------------------------------------------------------------
 
     def preview(self, release: Release) -> float:
-        """The total ε that would be spent after ``release`` (nothing is recorded)."""
-        with self._lock:
-            data = self._read()
-        return self._projected(data, release)
+        """The total ε spent after charging ``release`` (nothing is recorded).
 
-    def _projected(self, data: dict, release: Release) -> float:
-        releases = [Release.from_json(e["release"]) for e in data["releases"]]
-        acc = as_accountant(data["accountant"])
-        return _spent_epsilon([*releases, release], data["budget"]["delta"], acc)
+        An already recorded ``release_id`` with the same parameters adds nothing (the total stays as it
+        is); with different parameters it raises :class:`LedgerError`, as :meth:`charge` would.
+        """
+        v = self._load()
+        if _replay(v, _check_release(release)) is not None:
+            return v.epsilon_spent
+        return _spent_epsilon([*v.releases, release], v.data["budget"]["delta"], v.accountant)
 
     def charge(self, release: Release) -> dict:
         """Record ``release`` if the total budget allows it; otherwise raise :class:`BudgetExceededError`.
 
         Returns the recorded entry. Charging an already recorded ``release_id`` with the same parameters
-        returns the existing entry and spends nothing more.
+        returns the existing entry and spends nothing more (:meth:`charge_once` says which happened).
         """
-        if not isinstance(release, Release):
-            raise ValueError(f"release must be a Release; got {type(release).__name__}")
-        try:
-            self._lock.acquire()
-        except Timeout as err:
-            raise LedgerError(f"ledger {str(self.path)!r} is locked by another process; try again") from err
-        try:
-            return self._charge_locked(release)
-        finally:
-            self._lock.release()
+        return self.charge_once(release).entry
 
-    def _charge_locked(self, release: Release) -> dict:
-        data = self._read()
-        for entry in data["releases"]:
-            if entry["release"]["release_id"] == release.release_id:
-                recorded = Release.from_json(entry["release"])
-                if recorded._parameters() != release._parameters():
-                    raise LedgerError(
-                        f"release_id {release.release_id!r} is already recorded with different "
-                        f"parameters ({recorded._parameters()}); use a new release_id"
-                    )
-                return entry
-        budget = data["budget"]["epsilon"]
-        spent_after = self._projected(data, release)
+    def charge_once(self, release: Release) -> ChargeOutcome:
+        """:meth:`charge`, saying whether the release was recorded now or had been already."""
+        release = _check_release(release)
+        with _locked(self._lock, self.path):
+            return self._charge_locked(release)
+
+    def _charge_locked(self, release: Release) -> ChargeOutcome:
+        v = self._load()
+        entry = _replay(v, release)
+        if entry is not None:
+            return ChargeOutcome(entry=entry, already_recorded=True, epsilon_spent=v.epsilon_spent)
+        links = os.stat(self.path).st_nlink
+        if links > 1:
+            raise LedgerError(
+                f"ledger {str(self.path)!r} has {links} hard links; an atomic rewrite would leave the other "
+                "names on the old contents and split the ledger. Keep one name (use a symbolic link to share it)"
+            )
+        budget = float(v.data["budget"]["epsilon"])
+        delta = float(v.data["budget"]["delta"])
+        spent_after = _spent_epsilon([*v.releases, release], delta, v.accountant)
         if not spent_after <= budget:
             raise BudgetExceededError(
                 f"release {release.label or release.release_id!r} would bring the spend to "
-                f"epsilon={spent_after:.6g} at delta={data['budget']['delta']:g}, over the budget "
-                f"epsilon={budget:g} ({data['accountant']}); nothing was recorded"
+                f"epsilon={spent_after:.6g} at delta={delta:g}, over the budget "
+                f"epsilon={budget:g} ({v.accountant.value}); nothing was recorded"
             )
         entry = {
             "recorded_at": _now(),
@@ -300,21 +553,72 @@ class BudgetLedger:
             "num_steps": release.num_steps,
             "epsilon_spent_after": spent_after,
         }
-        data["releases"].append(entry)
+        data = {**v.data, "releases": [*v.data["releases"], entry]}
+        data = _with_chain(data)  # also migrates a format-1 ledger
         _atomic_write_json(self.path, data)
-        return entry
+        return ChargeOutcome(entry=data["releases"][-1], already_recorded=False, epsilon_spent=spent_after)
+
+
+def _check_release(release) -> Release:
+    if not isinstance(release, Release):
+        raise ValueError(f"release must be a Release; got {type(release).__name__}")
+    return release
+
+
+def _replay(v: _Verified, release: Release) -> dict | None:
+    """The recorded entry when ``release`` repeats a recorded id with the same parameters (else None)."""
+    for entry, recorded in zip(v.data["releases"], v.releases):
+        if recorded.release_id == release.release_id:
+            if recorded._parameters() != release._parameters():
+                raise LedgerError(
+                    f"release_id {release.release_id!r} is already recorded with different "
+                    f"parameters ({recorded._parameters()}); use a new release_id"
+                )
+            return entry
+    return None
+
+
+class _locked:
+    """Hold ``lock`` (on ``<ledger>.lock``); a timeout or an unwritable directory is a LedgerError."""
+
+    def __init__(self, lock: FileLock, path: Path) -> None:
+        self._lock, self._path = lock, path
+
+    def __enter__(self):
+        try:
+            self._lock.acquire()
+        except Timeout as err:
+            raise LedgerError(f"ledger {str(self._path)!r} is locked by another process; try again") from err
+        except OSError as err:
+            raise LedgerError(
+                f"cannot lock ledger {str(self._path)!r} ({err.strerror or err}): writing needs a writable "
+                f"directory for {self._path.name}.lock"
+            ) from err
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
 
 
 def _atomic_write_json(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file."""
+    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file.
+
+    An existing file's permission bits are kept (issue 12, item 14); a new file is 0600.
+    """
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = None
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=2, sort_keys=True, allow_nan=False)
             handle.write("\n")
             handle.flush()
+            if mode is not None:
+                os.fchmod(handle.fileno(), mode)
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -331,5 +635,3 @@ def _atomic_write_json(path: Path, data: dict) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-

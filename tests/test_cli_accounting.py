@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from accounting import epsilon_for_clip_norm, plan_clip_norm
-from invink_audit.cli import main
+from invink_audit.cli import EXIT_OVER_BUDGET, main
 
 PLAN_KEYS = ["clip_norm", "rho_token", "rho_sequence", "epsilon", "delta", "accountant"]
 PLAN_ARGS = ["--epsilon", "3", "--delta", "1e-6", "--max-new-tokens", "200", "--batch-size", "8", "--temperature", "1.1"]
@@ -96,10 +96,10 @@ def test_ledger_commands(tmp_path, capsys):
     assert _run(charge, capsys)[0] == 0  # idempotent
     rc, out, _ = _run(["ledger", "charge", path, "--clip-norm", "2", "--batch-size", "8", "--max-new-tokens", "500",
                        "--dry-run"], capsys)
-    assert rc == 1 and "EXCEED" in out
+    assert rc == EXIT_OVER_BUDGET and "EXCEED" in out
     rc, _, err = _run(["ledger", "charge", path, "--clip-norm", "2", "--batch-size", "8", "--max-new-tokens", "500"],
                       capsys)
-    assert rc == 2 and "over the budget" in err
+    assert rc == EXIT_OVER_BUDGET and "over the budget" in err
     rc, out, _ = _run(["ledger", "show", path, "--json"], capsys)
     data = json.loads(out)
     assert rc == 0 and len(data["releases"]) == 1 and data["epsilon_spent"] == pytest.approx(spent)

@@ -4,14 +4,25 @@ Each subcommand lives in its own module exposing ``register(subparsers)``; its h
 ``parser.set_defaults(handler=fn)`` and returns an exit status. Modules are imported only to build the
 parser; anything heavy (torch, transformers) is imported inside the handlers.
 
-Errors: a ``ValueError`` or ``CliError`` raised by a handler becomes one readable line on stderr and exit
-status 2, never a traceback.
+Errors become one readable line on stderr, never a traceback. Exit statuses (README, "Valid ranges and
+exit codes"):
+
+* ``EXIT_OK`` (0): success;
+* ``EXIT_FAILURE`` (1): the command ran and its answer is negative (an audit VIOLATION);
+* ``EXIT_BAD_INPUT`` (2): bad input, an argument out of its documented range, a missing or corrupt
+  file (a ``ValueError``, ``CliError`` or ``OSError`` raised by a handler, or an argparse usage error);
+* ``EXIT_INCONCLUSIVE`` (3): an audit that could not decide;
+* ``EXIT_OVER_BUDGET`` (4): a release refused because it would exceed the ledger's budget
+  (``accounting.BudgetExceededError``), by ``ledger charge``, its ``--dry-run`` and ``generate``;
+* 130: interrupted; 141: stdout was closed early (``invink-audit ledger show | head -1``), quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
 
 from invink_audit import __version__
@@ -26,15 +37,34 @@ _SUBCOMMANDS = (
 )
 
 
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+EXIT_INCONCLUSIVE = 3
+EXIT_OVER_BUDGET = 4
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the closed pipe
+
+
 class CliError(Exception):
     """An error the CLI reports as one line, with exit status 2."""
 
 
+# argparse takes "-inf" or "-1e-6" for an option (its own pattern only knows "-1" and "-1.5"), so
+# `--epsilon -inf` failed with "expected one argument" instead of the range check's message
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (exit 2), not a usage dump."""
+    """argparse, but a usage error is one line on stderr (exit 2), not a usage dump, and negative-looking
+    numbers (``-inf``, ``-1e-6``) are values, so that their range check names them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def parse_float(flag: str, text: str) -> float:
@@ -74,16 +104,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from accounting import BudgetExceededError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args) or 0)
+        status = int(args.handler(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at interpreter exit
+        return status
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except BudgetExceededError as err:
+        print(f"invink-audit {args.command}: over budget: {err}", file=sys.stderr)
+        return EXIT_OVER_BUDGET
     except (ValueError, CliError, OSError) as err:
         print(f"invink-audit {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"invink-audit {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail again (Python docs,
+    "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor (captured)
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,10 +1,15 @@
-"""``invink-audit ledger init | show | charge``: the persisted privacy odometer of one dataset."""
+"""``invink-audit ledger init | show | charge``: the persisted privacy odometer of one dataset.
+
+Exit statuses: 0 done (a replayed release id included), 2 bad input or an unusable ledger file,
+4 (``EXIT_OVER_BUDGET``) a release over the budget, also for ``--dry-run``.
+"""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from invink_audit.cli import parse_float, parse_int
+from invink_audit.cli import EXIT_OK, EXIT_OVER_BUDGET, CliError, parse_float, parse_int
 
 
 def register(subparsers) -> None:
@@ -12,34 +17,40 @@ def register(subparsers) -> None:
         "ledger",
         help="privacy budget ledger of a dataset",
         description="A persisted privacy odometer: every release is charged before it starts and refused "
-        "when it would exceed the dataset's total budget.",
+        "(exit status 4) when it would exceed the dataset's total budget.",
     )
     sub = p.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
 
     q = sub.add_parser("init", help="create a ledger with a total budget")
-    q.add_argument("path")
-    q.add_argument("--epsilon", required=True, help="total epsilon budget of the dataset")
-    q.add_argument("--delta", required=True, help="delta of the dataset's guarantee")
+    q.add_argument("path", help="the ledger file to create (a file path, not a directory)")
+    q.add_argument("--epsilon", required=True, help="total epsilon budget of the dataset, in [1e-6, 1e4]")
+    q.add_argument("--delta", required=True, help="delta of the dataset's guarantee, in [1e-300, 1)")
     q.add_argument("--dataset", default="", help="free-text name of the dataset")
     _accountant(q)
     q.set_defaults(handler=_init)
 
-    q = sub.add_parser("show", help="budget, spend and recorded releases")
+    q = sub.add_parser("show", help="budget, spend, recorded releases and the hash-chain head")
     q.add_argument("path")
     q.add_argument("--json", action="store_true")
     q.set_defaults(handler=_show)
 
-    q = sub.add_parser("charge", help="record a release (refused when over budget)")
+    q = sub.add_parser("charge", help="record a release (refused with exit status 4 when over budget)")
     q.add_argument("path")
-    q.add_argument("--clip-norm", required=True)
-    q.add_argument("--batch-size", required=True, help="B private references per text (B+1 rows per token)")
-    q.add_argument("--temperature", default="1.0")
-    q.add_argument("--max-new-tokens", required=True)
-    q.add_argument("--texts-per-batch", default="1", help="texts generated from each batch (default 1)")
-    q.add_argument("--num-batches", default="1", help="disjoint batches in the release (parallel; default 1)")
+    q.add_argument("--clip-norm", required=True, help="clip norm C, in [1e-6, 1e6]")
+    q.add_argument(
+        "--batch-size", required=True, help="B private references per text (B+1 rows per token), 1 .. 1e9"
+    )
+    q.add_argument("--temperature", default="1.0", help="sampling temperature tau, in [1e-4, 1e4] (default 1.0)")
+    q.add_argument("--max-new-tokens", required=True, help="token budget T per text, 1 .. 1e9")
+    q.add_argument("--texts-per-batch", default="1", help="texts generated from each batch, 1 .. 1e9 (default 1)")
+    q.add_argument(
+        "--num-batches", default="1", help="disjoint batches in the release (parallel), 1 .. 1e9 (default 1)"
+    )
     q.add_argument("--label", default="")
     q.add_argument("--release-id", default=None, help="idempotency key (default: a new random id)")
-    q.add_argument("--dry-run", action="store_true", help="report the spend without recording anything")
+    q.add_argument(
+        "--dry-run", action="store_true", help="report the spend without recording anything (exit 4 if over budget)"
+    )
     q.add_argument("--json", action="store_true")
     q.set_defaults(handler=_charge)
 
@@ -50,24 +61,43 @@ def _accountant(parser) -> None:
     parser.add_argument("--accountant", default=DEFAULT_ACCOUNTANT.value, choices=ACCOUNTANTS)
 
 
+def _open(path: str):
+    """The ledger at ``path``, with a command-line hint when there is none."""
+    from accounting import BudgetLedger
+
+    target = Path(path)
+    if target.is_dir():
+        raise CliError(f"{path!r} is a directory, not a ledger file; give a file path such as {str(target / 'ledger.json')!r}")
+    if not target.exists():
+        hint = "a dangling symbolic link" if target.is_symlink() else "no such file"
+        raise CliError(
+            f"no ledger at {path!r} ({hint}); create one with `invink-audit ledger init {path} --epsilon E --delta D`"
+        )
+    return BudgetLedger(path)
+
+
 def _init(args) -> int:
     from accounting import BudgetLedger
 
-    BudgetLedger.create(
-        args.path,
-        epsilon=parse_float("--epsilon", args.epsilon),
-        delta=parse_float("--delta", args.delta),
-        accountant=args.accountant,
-        dataset=args.dataset,
+    target = Path(args.path)
+    if target.is_dir():
+        raise CliError(
+            f"{args.path!r} is a directory, not a ledger file; give a file path such as "
+            f"{str(target / 'ledger.json')!r}"
+        )
+    epsilon = parse_float("--epsilon", args.epsilon)
+    delta = parse_float("--delta", args.delta)
+    ledger = BudgetLedger.create(args.path, epsilon=epsilon, delta=delta, accountant=args.accountant, dataset=args.dataset)
+    status = ledger.status()
+    print(
+        f"created ledger {args.path} (budget epsilon={status.epsilon_budget:g}, delta={status.delta:g}, "
+        f"{status.accountant}); head {status.head}"
     )
-    print(f"created ledger {args.path} (budget epsilon={args.epsilon}, delta={args.delta}, {args.accountant})")
-    return 0
+    return EXIT_OK
 
 
 def _show(args) -> int:
-    from accounting import BudgetLedger
-
-    status = BudgetLedger(args.path).status()
+    status = _open(args.path).status()
     if args.json:
         print(
             json.dumps(
@@ -77,15 +107,21 @@ def _show(args) -> int:
                     "accountant": status.accountant,
                     "epsilon_spent": status.epsilon_spent,
                     "epsilon_remaining": status.epsilon_remaining,
+                    "format_version": status.format_version,
+                    "head": status.head,
                     "releases": list(status.releases),
                 }
             )
         )
-        return 0
+        return EXIT_OK
     print(
         f"ledger {args.path}: spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g} "
         f"at delta={status.delta:g} ({status.accountant}); remaining {status.epsilon_remaining:.6g}"
     )
+    if status.head is None:
+        print(f"  format {status.format_version}: no hash chain yet; the next charge adds one")
+    else:
+        print(f"  head {status.head} (keep it elsewhere to detect a rewritten ledger)")
     for entry in status.releases:
         r = entry["release"]
         print(
@@ -93,11 +129,11 @@ def _show(args) -> int:
             f"tau={r['temperature']:g} T={r['max_new_tokens']} x{r['texts_per_batch']} "
             f"({r['num_batches']} batches) -> total epsilon {entry['epsilon_spent_after']:.6g}"
         )
-    return 0
+    return EXIT_OK
 
 
 def _charge(args) -> int:
-    from accounting import BudgetLedger, Release
+    from accounting import Release
 
     kwargs = dict(
         clip_norm=parse_float("--clip-norm", args.clip_norm),
@@ -110,24 +146,34 @@ def _charge(args) -> int:
     )
     if args.release_id is not None:
         kwargs["release_id"] = args.release_id
-    release = Release(**kwargs)
-    ledger = BudgetLedger(args.path)
+    release = Release(**kwargs)  # every range checked before the ledger is read
+    ledger = _open(args.path)
+    name = release.label or release.release_id
     if args.dry_run:
-        projected = ledger.preview(release)
         status = ledger.status()
+        recorded = ledger.recorded(release.release_id)
+        projected = ledger.preview(release)  # raises when the id is recorded with other parameters
+        already = recorded is not None
         fits = projected <= status.epsilon_budget
         if args.json:
-            print(json.dumps({"epsilon_spent_after": projected, "fits": fits}))
+            print(json.dumps({"epsilon_spent_after": projected, "fits": fits, "already_recorded": already}))
+        elif already:
+            print(
+                f"dry run: release {name!r} is already recorded ({recorded['recorded_at']}); charging it again "
+                f"spends nothing: total epsilon stays {projected:.6g} of {status.epsilon_budget:g}"
+            )
         else:
             verdict = "fits" if fits else "would EXCEED the budget"
             print(f"dry run: total epsilon after this release {projected:.6g} of {status.epsilon_budget:g}: {verdict}")
-        return 0 if fits else 1
-    entry = ledger.charge(release)
+        return EXIT_OK if fits else EXIT_OVER_BUDGET
+    outcome = ledger.charge_once(release)
     if args.json:
-        print(json.dumps(entry))
-    else:
+        print(json.dumps({**outcome.entry, "already_recorded": outcome.already_recorded}))
+    elif outcome.already_recorded:
         print(
-            f"charged {entry['release']['label'] or entry['release']['release_id']}: total epsilon spent "
-            f"{entry['epsilon_spent_after']:.6g}"
+            f"already charged: release {name!r} was recorded at {outcome.entry['recorded_at']}; nothing more spent "
+            f"(total epsilon spent {outcome.epsilon_spent:.6g})"
         )
-    return 0
+    else:
+        print(f"charged {name}: total epsilon spent {outcome.epsilon_spent:.6g}")
+    return EXIT_OK

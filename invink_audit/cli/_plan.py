@@ -1,4 +1,8 @@
-"""``invink-audit plan | epsilon | max-tokens | min-batch-size | table``: budget planning (torch-free)."""
+"""``invink-audit plan | epsilon | max-tokens | min-batch-size | table``: budget planning (torch-free).
+
+Every argument has a documented range (:mod:`accounting.limits`, README "Valid ranges and exit codes");
+a value outside it is one line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,14 @@ import sys
 from invink_audit.cli import parse_float, parse_int, parse_list
 
 _B_HELP = (
-    "B: private references per generated text (the paper's B). Each token costs B+1 forward rows "
+    "B: private references per generated text (the paper's B), 1 .. 1e9. Each token costs B+1 forward rows "
     "(B private prompts + 1 public prompt); the reference package's batch_size is B+1."
 )
+_EPSILON_HELP = "target epsilon, in [1e-6, 1e4]"
+_DELTA_HELP = "delta, in [1e-300, 1)"
+_T_HELP = "token budget T per text, 1 .. 1e9"
+_TAU_HELP = "sampling temperature tau, in [1e-4, 1e4] (default 1.0)"
+_C_HELP = "clip norm C, in [1e-6, 1e6]"
 
 
 def _accountant_arg(parser: argparse.ArgumentParser) -> None:
@@ -32,11 +41,11 @@ def register(subparsers) -> None:
         help="clip norm C for a privacy budget",
         description="The largest clip norm C for which T tokens are (epsilon, delta)-DP. " + _B_HELP,
     )
-    p.add_argument("--epsilon", required=True, help="target epsilon (> 0)")
-    p.add_argument("--delta", required=True, help="target delta, in (0, 1)")
-    p.add_argument("--max-new-tokens", required=True, help="token budget T per text (>= 1)")
+    p.add_argument("--epsilon", required=True, help=_EPSILON_HELP)
+    p.add_argument("--delta", required=True, help=_DELTA_HELP)
+    p.add_argument("--max-new-tokens", required=True, help=_T_HELP)
     p.add_argument("--batch-size", required=True, help=_B_HELP)
-    p.add_argument("--temperature", default="1.0", help="sampling temperature tau (> 0; default 1.0)")
+    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
     _accountant_arg(p)
     p.set_defaults(handler=_plan)
 
@@ -45,37 +54,38 @@ def register(subparsers) -> None:
         help="epsilon spent by a clip norm",
         description="The certified epsilon at delta of texts of at most T tokens with clip norm C. " + _B_HELP,
     )
-    p.add_argument("--clip-norm", required=True, help="clip norm C (> 0)")
-    p.add_argument("--max-new-tokens", required=True, help="token budget T per text (>= 1)")
+    p.add_argument("--clip-norm", required=True, help=_C_HELP)
+    p.add_argument("--max-new-tokens", required=True, help=_T_HELP)
     p.add_argument("--batch-size", required=True, help=_B_HELP)
-    p.add_argument("--temperature", default="1.0", help="sampling temperature tau (> 0; default 1.0)")
-    p.add_argument("--delta", required=True, help="delta, in (0, 1)")
+    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
+    p.add_argument("--delta", required=True, help=_DELTA_HELP)
     _accountant_arg(p)
     p.set_defaults(handler=_epsilon)
 
     p = subparsers.add_parser(
         "max-tokens",
         help="largest token budget T for a budget and clip norm",
-        description="The largest T for which clip norm C stays within (epsilon, delta). " + _B_HELP,
+        description="The largest T (at most 1e9) for which clip norm C stays within (epsilon, delta). " + _B_HELP,
     )
-    p.add_argument("--epsilon", required=True)
-    p.add_argument("--delta", required=True)
-    p.add_argument("--clip-norm", required=True)
+    p.add_argument("--epsilon", required=True, help=_EPSILON_HELP)
+    p.add_argument("--delta", required=True, help=_DELTA_HELP)
+    p.add_argument("--clip-norm", required=True, help=_C_HELP)
     p.add_argument("--batch-size", required=True, help=_B_HELP)
-    p.add_argument("--temperature", default="1.0")
+    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
     _accountant_arg(p)
     p.set_defaults(handler=_max_tokens)
 
     p = subparsers.add_parser(
         "min-batch-size",
         help="smallest B that reaches a target clip norm",
-        description="The smallest number of references B whose planned clip norm reaches C. " + _B_HELP,
+        description="The smallest number of references B (at most 1e9) whose planned clip norm reaches C. "
+        + _B_HELP,
     )
-    p.add_argument("--epsilon", required=True)
-    p.add_argument("--delta", required=True)
-    p.add_argument("--max-new-tokens", required=True)
-    p.add_argument("--clip-norm", required=True, help="target clip norm C")
-    p.add_argument("--temperature", default="1.0")
+    p.add_argument("--epsilon", required=True, help=_EPSILON_HELP)
+    p.add_argument("--delta", required=True, help=_DELTA_HELP)
+    p.add_argument("--max-new-tokens", required=True, help=_T_HELP)
+    p.add_argument("--clip-norm", required=True, help="target " + _C_HELP)
+    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
     _accountant_arg(p)
     p.set_defaults(handler=_min_batch)
 
@@ -85,11 +95,15 @@ def register(subparsers) -> None:
         description="Clip norm for each (epsilon, B) and its compute cost (B+1 forward rows per token). "
         + _B_HELP,
     )
-    p.add_argument("--epsilons", default="1,3,5,10", help="comma-separated epsilons (default 1,3,5,10)")
-    p.add_argument("--batch-sizes", default="4,8,16,32", help="comma-separated B values (default 4,8,16,32)")
-    p.add_argument("--delta", default="1e-6")
-    p.add_argument("--max-new-tokens", default="500")
-    p.add_argument("--temperature", default="1.0")
+    p.add_argument(
+        "--epsilons", default="1,3,5,10", help="comma-separated epsilons, each in [1e-6, 1e4], at most 100 (default 1,3,5,10)"
+    )
+    p.add_argument(
+        "--batch-sizes", default="4,8,16,32", help="comma-separated B values, each 1 .. 1e9, at most 100 (default 4,8,16,32)"
+    )
+    p.add_argument("--delta", default="1e-6", help=_DELTA_HELP + " (default 1e-6)")
+    p.add_argument("--max-new-tokens", default="500", help=_T_HELP + " (default 500)")
+    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
     _accountant_arg(p)
     p.set_defaults(handler=_table)
 
