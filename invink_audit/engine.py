@@ -223,7 +223,9 @@ class _Text:
         self.request = request
         prompts = [request.public_ids, *request.private_ids]
         self.prompts: list[tuple[int, ...] | None] = prompts
-        self.rows: list[RowKV | None] = [None if p is None else RowKV(num_layers, reserve) for p in prompts]
+        self.rows: list[RowKV | None] = [
+            None if p is None else RowKV(num_layers, reserve, capacity=len(p) + reserve) for p in prompts
+        ]
         self.states: list[torch.Tensor | None] = [None] * len(prompts)
         self.next_row = 0  # first row whose prefill is not complete
         self.generator = torch.Generator(device=device)
@@ -588,8 +590,7 @@ class _Run:
     def step(self, hooks: _Hooks) -> tuple[list[FinishedText], int]:
         """Admit and prefill, then one token for every text that is ready; returns (finished, drawn)."""
         mechanism = self.engine.mechanism
-        hidden = self.engine.support_only and not hooks.any and mechanism.top_k is not None
-        hidden = hidden and mechanism.top_k < self.engine.model.vocab_size
+        hidden = self.engine.support_only and not hooks.any
         self._admit()
         self._prefill(hidden)
         ready = [s for s, t in enumerate(self.texts) if t.prefilled]
@@ -674,11 +675,12 @@ def _weights_code(weights: torch.Tensor) -> torch.Tensor:
 def _support_log_probs(head, mechanism, public, support, private_states, null, index):
     """The mechanism's log-probabilities on the columns ``index`` (G, m) (all columns when None) and the
     private logits they came from: the output layer applied to the private rows' hidden states on those
-    columns only, a null reference's row replaced by the public row (bitwise). Returns
+    columns only (``head=None``: the rows are logits already), a null reference's row replaced by the
+    public row (bitwise). Returns
     (log-probs (G, m), private logits (G, B, m))."""
     if index is None:
         inside, compact = support, public
-        private = head(private_states)
+        private = private_states if head is None else head(private_states)
     else:
         inside, compact = support.gather(-1, index), public.gather(-1, index)
         weight = head.weight.index_select(0, index.reshape(-1)).view(*index.shape, -1)
@@ -715,7 +717,7 @@ class _StepMath:
         uniforms = torch.zeros((len(self.run.texts), self.vocab_size), dtype=ACCUMULATION_DTYPE, device=device)
         for slot, text in zip(ready, texts):
             uniforms[slot] = torch.rand(self.vocab_size, dtype=ACCUMULATION_DTYPE, device=device, generator=text.generator)
-        if self.hidden:
+        if not hooks.any:
             values = self._draw_support(rows[:, 0], rows[:, 1:], null, uniforms)
             values = [values[s] for s in ready]
         else:
@@ -726,14 +728,17 @@ class _StepMath:
     # ------------------------------------------------------------ Top-k+ columns only
 
     def _draw_support(self, public_states, private_states, null, uniforms) -> list[list[int]]:
-        public = self.engine._split.head(public_states)
+        """The hot path (no hooks): Top-k+ columns only when the rows are hidden states, else full rows."""
+        head = self.engine._split.head if self.hidden else None
+        public = public_states if head is None else head(public_states)
         mechanism = self.mechanism
         support = topk_plus_support(
             public.to(ACCUMULATION_DTYPE), mechanism.top_k, mechanism.clip_norm, mechanism.batch_size
         )
+        full = head is None or mechanism.top_k is None or mechanism.top_k >= self.vocab_size
         while True:
-            width = self.run.width or min(self.vocab_size, max(4 * mechanism.top_k, 256))
-            report = self._support_report(public, support, private_states, null, uniforms.clone(), width)
+            width = self.vocab_size if full else (self.run.width or min(self.vocab_size, max(4 * mechanism.top_k, 256)))
+            report = self._support_report(head, public, support, private_states, null, uniforms.clone(), width)
             values = report.tolist()  # the step's one host synchronisation
             largest = max(v[1] for v in values)
             if largest <= width:
@@ -741,21 +746,23 @@ class _StepMath:
             # rare: a Top-k+ set wider than the gathered columns; redo the step with the same uniforms
             self.run.width = min(self.vocab_size, 1 << (largest - 1).bit_length())
 
-    def _support_report(self, public, support, private_states, null, uniforms, width) -> torch.Tensor:
+    def _support_report(self, head, public, support, private_states, null, uniforms, width) -> torch.Tensor:
         """(G, 4) int64: token, |V_k+|, drawn below the k-th public logit, error code."""
-        public64 = public.to(ACCUMULATION_DTYPE)
-        top = torch.topk(public64, width, dim=-1, sorted=True)
-        kth = top.values[:, self.mechanism.top_k - 1]
-        index = None if width >= self.vocab_size else top.indices
-        log_probs, private = _support_log_probs(self.engine._split.head, self.mechanism, public, support,
-                                                private_states, null, index)
+        public64, top_k = public.to(ACCUMULATION_DTYPE), self.mechanism.top_k
+        index, kth = None, None
+        if width < self.vocab_size:
+            top = torch.topk(public64, width, dim=-1, sorted=True)
+            index, kth = top.indices, top.values[:, top_k - 1]
+        elif top_k is not None and top_k < self.vocab_size:
+            kth = torch.topk(public64, top_k, dim=-1).values[:, -1]
+        log_probs, private = _support_log_probs(head, self.mechanism, public, support, private_states, null, index)
         choice = gumbel_argmax(log_probs, uniforms if index is None else uniforms.gather(-1, index))
         tokens = choice if index is None else index.gather(-1, choice[:, None])[:, 0]
-        outside = public64.gather(-1, tokens[:, None])[:, 0] < kth
+        outside = torch.zeros_like(tokens) if kth is None else (public64.gather(-1, tokens[:, None])[:, 0] < kth).long()
         code = torch.where(torch.isfinite(public).all(dim=-1), _OK, _BAD_PUBLIC)
         code = torch.where(torch.isfinite(private).all(dim=-1).all(dim=-1), code, _BAD_PRIVATE)
         code = torch.where(code == _OK, _weights_code(log_probs), code)
-        return torch.stack([tokens, support.sum(dim=-1), outside.long(), code], dim=-1)
+        return torch.stack([tokens, support.sum(dim=-1), outside, code], dim=-1)
 
     # ------------------------------------------------------------ full logits (hooks, or no split)
 

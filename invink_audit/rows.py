@@ -42,16 +42,19 @@ class RowKV:
     """The key/value cache of one row: per layer, buffers ``(1, kv_heads, capacity, head_dim)``.
 
     ``length`` is the number of cached tokens (the same in every layer between forward passes).
-    Buffers are allocated at the first write with room for ``reserve`` more tokens and double when full.
+    Buffers are allocated at the first write, for ``capacity`` tokens (the prompt and the tokens to
+    come, when the caller knows them) or the written tokens plus ``reserve``, whichever is larger, and
+    double when full.
     """
 
-    __slots__ = ("keys", "values", "length", "reserve")
+    __slots__ = ("keys", "values", "length", "reserve", "capacity")
 
-    def __init__(self, num_layers: int, reserve: int):
+    def __init__(self, num_layers: int, reserve: int, capacity: int = 0):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0
         self.reserve = reserve
+        self.capacity = capacity
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``keys``/``values`` (1, kv_heads, n, head_dim) after the cached tokens of ``layer``;
@@ -60,7 +63,7 @@ class RowKV:
         end = start + count
         buffer = self.keys[layer]
         if buffer is None or end > buffer.shape[2]:
-            capacity = end + self.reserve if buffer is None else max(end, 2 * buffer.shape[2])
+            capacity = max(end + self.reserve, self.capacity) if buffer is None else max(end, 2 * buffer.shape[2])
             self.keys[layer] = self._grow(buffer, keys, start, capacity)
             self.values[layer] = self._grow(self.values[layer], values, start, capacity)
         self.keys[layer][:, :, start:end].copy_(keys)

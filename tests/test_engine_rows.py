@@ -1,0 +1,284 @@
+"""Rows do not leak into each other, texts do not depend on their schedule, one host sync per step.
+
+* Row independence (issue 9): the public row's logits are bitwise identical whether a private
+  reference (of the same text or another) is changed, made null, or left alone, in the engine's real
+  batching (texts decoded together, texts joining as others finish), on the default Top-k+ path and
+  the full-logits path.
+* Schedule invariance: with a fixed seed a text's tokens are the same whether it runs with others,
+  alone, or with a different ``max_batch_rows`` (each text samples from its own stream).
+* GPU-ready loop: the decoding loop transfers to the host once per step (counted on CPU through the
+  tensor methods that synchronise on CUDA; on CUDA with ``torch.cuda.set_sync_debug_mode``).
+* Long references: prefilled in chunks; the cache holds real tokens only; a prompt beyond the model's
+  positions is refused up front, naming the request.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import invink_audit.engine as engine_module
+from invink_audit.engine import Engine, ForwardStats
+from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
+from invink_audit.models import build_tiny_model
+from invink_audit.prompts import encode_request, get_preset
+
+REFERENCES = [
+    ["The food was great and the service was slow.", "Review stars: 5.0", "Mr Smith was admitted to hospital."],
+    ["Discharge instructions: rest for a week and drink water.", "x", "The court replied on Monday."],
+    ["0123456789", "A much longer reference that makes this row the longest of its text by far, and then some.", "a"],
+]
+
+
+def _generator(seed: int) -> torch.Generator:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededGeneratorWarning)
+        return make_generator(seed)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(seed=5, hidden_size=64)  # float32: wide enough for batch effects to show
+
+
+def _requests(model, references):
+    template = get_preset("generic")
+    return [encode_request(model.tokenizer, template, refs, key=i) for i, refs in enumerate(references)]
+
+
+def _variants():
+    changed = [list(r) for r in REFERENCES]
+    changed[1][0] = "Something else entirely, and a good deal longer than the text it replaces, to change lengths."
+    nulled = [list(r) for r in REFERENCES]
+    nulled[1][2] = ""
+    other = [list(r) for r in REFERENCES]
+    other[0][1] = ""
+    return {"original": REFERENCES, "changed": changed, "nulled": nulled, "other-text-nulled": other}
+
+
+def _public_rows_support_path(model, mechanism, references, monkeypatch, max_batch_rows):
+    """Default (Top-k+) path: every step's public logits per text, and the texts."""
+    real = engine_module._support_log_probs
+    steps = []
+
+    def spy(head, mech, public, support, private_states, null, index):
+        steps.append(public.clone())
+        return real(head, mech, public, support, private_states, null, index)
+
+    monkeypatch.setattr(engine_module, "_support_log_probs", spy)
+    engine = Engine(model, mechanism, max_batch_rows=max_batch_rows)
+    texts = list(engine.generate(_requests(model, references), max_new_tokens=6, generator=_generator(3),
+                                 stop_at_eos=False))
+    monkeypatch.setattr(engine_module, "_support_log_probs", real)
+    return steps, {t.request_index: t.token_ids for t in texts}
+
+
+@pytest.mark.parametrize("max_batch_rows", [64, 8])  # all texts together; two at a time, the third joins
+def test_public_rows_are_bitwise_independent_of_private_references_on_the_default_path(
+    tiny, monkeypatch, max_batch_rows
+):
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
+    runs = {
+        name: _public_rows_support_path(tiny, mechanism, refs, monkeypatch, max_batch_rows)
+        for name, refs in _variants().items()
+    }
+    base_steps, base_tokens = runs["original"]
+    for name, (steps, tokens) in runs.items():
+        # texts whose references did not change draw the same tokens from the same public and private rows
+        untouched = [0, 2] if name in ("changed", "nulled") else [1, 2]
+        for index in untouched:
+            assert tokens[index] == base_tokens[index], name
+        assert len(steps) == len(base_steps)
+        for step, (a, b) in enumerate(zip(steps, base_steps)):
+            # slot order is the admission order (0, 1, 2), whatever the data
+            for slot in range(a.shape[0]):
+                text = slot if max_batch_rows == 64 or step < 6 else 2
+                if text in untouched or step == 0:
+                    assert torch.equal(a[slot], b[slot]), (name, step, slot)
+
+
+def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny):
+    """Full-logits path, every text teacher-forced to the same tokens: every public row at every step is
+    bitwise the same under every variant (the changed text's included)."""
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=3)
+    forced = [[5, 9, 7, 11, 13], [17, 19, 23, 29, 31], [37, 41, 43, 47, 53]]
+
+    def run(references):
+        seen = {}
+
+        def rule(step):
+            weights = torch.full_like(step.log_probs, -math.inf)
+            for g, (i, t) in enumerate(zip(step.request_indices.tolist(), step.positions.tolist())):
+                weights[g, forced[i][t]] = 0.0
+                seen[(i, t)] = step.public_logits[g].clone()
+            return weights
+
+        engine = Engine(tiny, mechanism, max_batch_rows=8)
+        list(engine.generate(_requests(tiny, references), max_new_tokens=5, generator=_generator(0),
+                             sampling_rule=rule))
+        return seen
+
+    runs = {name: run(refs) for name, refs in _variants().items()}
+    for name, seen in runs.items():
+        assert seen.keys() == runs["original"].keys()
+        for key, logits in seen.items():
+            assert torch.equal(logits, runs["original"][key]), (name, key)
+
+
+def test_tokens_do_not_depend_on_the_schedule(tiny):
+    """Same seed: together, one at a time (same stream ids), and with other max_batch_rows, the same texts."""
+    mechanism = MechanismConfig(clip_norm=1.5, temperature=1.0, top_k=6, batch_size=3)
+    requests = _requests(tiny, REFERENCES)
+
+    def run(max_batch_rows, groups):
+        out = {}
+        for group in groups:
+            engine = Engine(tiny, mechanism, max_batch_rows=max_batch_rows, max_prefill_tokens=7)
+            for text in engine.generate([requests[i] for i in group], max_new_tokens=8, generator=_generator(9),
+                                        stream_ids=group):
+                out[group[text.request_index]] = text.token_ids
+        return out
+
+    together = run(64, [[0, 1, 2]])
+    assert run(4, [[0, 1, 2]]) == together  # one text in progress at a time, the others join
+    assert run(8, [[0, 1, 2]]) == together
+    assert run(64, [[0], [1], [2]]) == together  # separate calls
+    assert run(64, [[2, 0], [1]]) == together  # another order
+
+
+def test_stream_ids_are_validated(tiny):
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
+    engine = Engine(tiny, mechanism)
+    requests = _requests(tiny, REFERENCES[:2])
+    for bad in ([0], [1, 1], [0, -1], [0, True]):
+        with pytest.raises(ValueError, match="stream_ids"):
+            list(engine.generate(requests, max_new_tokens=2, generator=_generator(0), stream_ids=bad))
+
+
+class _SyncCounter:
+    """Counts the tensor methods that transfer to the host (each a device synchronisation on CUDA)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(real))
+
+    def _wrap(self, real):
+        def counted(tensor, *args, **kwargs):
+            if not tensor.is_cuda and tensor.device.type != "meta":
+                self.count += 1
+            return real(tensor, *args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("top_k", [6, None])  # Top-k+ path; full-vocabulary path
+def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny, monkeypatch, top_k):
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=top_k, batch_size=3)
+    engine = Engine(tiny, mechanism, max_batch_rows=8)  # two texts at a time: joins and finishes included
+    requests = _requests(tiny, REFERENCES)
+    counter = _SyncCounter(monkeypatch)
+    per_step = []
+    last = [0]
+
+    def progress(_drawn):
+        per_step.append(counter.count - last[0])
+        last[0] = counter.count
+
+    list(engine.generate(requests, max_new_tokens=6, generator=_generator(1), progress=progress))
+    monkeypatch.undo()
+    # the first step also draws the run's key from the caller's generator (one transfer per call)
+    assert per_step[0] == 2 and set(per_step[1:]) == {1}, per_step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_decoding_loop_does_not_synchronise_on_cuda_except_for_the_tokens():
+    model = build_tiny_model(seed=5, hidden_size=64, device="cuda")
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
+    engine = Engine(model, mechanism, max_batch_rows=8)
+    requests = _requests(model, REFERENCES)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    steps = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            list(engine.generate(requests, max_new_tokens=6, generator=generator, progress=steps.append))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) <= len(steps) + 1, [str(w.message) for w in syncs[:5]]
+
+
+def test_a_long_reference_is_prefilled_in_chunks_and_the_cache_holds_real_tokens_only():
+    """One reference of 50,000 characters among short ones: it completes, its prefill is chunked, and the
+    cache of every row is its own length plus the reserve (no row is padded to the longest)."""
+    tiny = build_tiny_model(seed=5, hidden_size=64)
+    tiny.model.config.max_position_embeddings = 65_536  # rotary positions: any length works
+    long_reference = ("The service was slow but the food was worth the wait. " * 1000)[:50_000]
+    references = [["short one", long_reference, ""], ["tiny", "two", "three"]]
+    requests = _requests(tiny, references)
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
+    engine = Engine(tiny, mechanism, max_prefill_tokens=1024)
+    assert len(requests[0].private_ids[1]) > 20 * 1024  # chunks over several steps
+    stats = ForwardStats()
+    engine.forward.stats = stats
+    cached = []
+    real = engine_module._Text.finished_text
+
+    def spy(text, reason):
+        cached.append([(row.length, row.nbytes) for row in text.rows if row is not None])
+        return real(text, reason)
+
+    try:
+        engine_module._Text.finished_text = spy
+        texts = list(engine.generate(requests, max_new_tokens=4, generator=_generator(2), stop_at_eos=False))
+    finally:
+        engine_module._Text.finished_text = real
+    assert sorted(t.request_index for t in texts) == [0, 1] and all(t.num_tokens == 4 for t in texts)
+    prompts = [p for r in requests for p in (r.public_ids, *r.private_ids) if p is not None]
+    assert stats.prefill_tokens == sum(len(p) for p in prompts)  # no padding, nothing twice
+    assert stats.prefill_calls >= len(prompts) + 20
+    config = tiny.model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4
+    for rows in cached:
+        for length, nbytes in rows:
+            # the buffers hold this row's tokens and the reserve, whatever the other rows' lengths
+            assert nbytes <= (length + 4) * per_token
+
+
+def test_a_prompt_beyond_the_models_positions_is_refused_up_front(tiny):
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
+    engine = Engine(tiny, mechanism)
+    positions = tiny.model.config.max_position_embeddings
+    requests = _requests(tiny, [["a", "b", "c"], ["a", "word " * positions, "c"]])
+    with pytest.raises(ValueError, match=r"requests\[1\]: a prompt of \d+ tokens plus max_new_tokens=4 exceeds"):
+        list(engine.generate(requests, max_new_tokens=4, generator=_generator(0)))
+
+
+@pytest.mark.slow
+def test_real_model_public_row_is_bitwise_independent_of_a_null_reference():
+    """The issue's probe on SmolLM2 (float32, B = 2, real reviews): the public row's first-step logits
+    are bitwise the same when a reference is replaced by null (it changed 45,364 of 49,152 logits)."""
+    from invink_audit.models import load_model
+
+    model = load_model(None, device="cpu", dtype="float32")
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=50, batch_size=2)
+    template = get_preset("generic")
+    reviews = ["The pasta was cold, the waiter forgot our drinks and we waited an hour. " * 4, "Great tacos!"]
+    seen = {}
+    for name, refs in (("original", reviews), ("nulled", [reviews[0], None])):
+        requests = [encode_request(model.tokenizer, template, refs), encode_request(model.tokenizer, template, reviews)]
+        engine = Engine(model, mechanism)
+
+        def observer(step, name=name):
+            seen.setdefault(name, step.public_logits.clone())
+
+        list(engine.generate(requests, max_new_tokens=1, generator=_generator(0), observer=observer))
+    assert torch.equal(seen["original"], seen["nulled"])
