@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test install install-gemma clean
+.PHONY: demo test install install-gemma gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,20 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# On a machine with CUDA (and a CUDA build of torch in $(PY)): the CUDA tests, then the real-data
+# benchmark in bfloat16 and float32. YELP: the reviews file (copy it into the checkout on a machine that
+# has no ../shared); INVINK_REFERENCE_PATH: a folder holding the reference `invink` 0.1.0 package
+# (and pandas), put on PYTHONPATH to time it side by side (see README, "Benchmark on real data").
+YELP ?= ../shared/data/yelp/dev.csv
+BENCH_WORKLOAD := --references $(YELP) --where "label1=Business Category: Restaurants" --batch-size 7 \
+	--max-new-tokens 64 --device cuda
+gpu-check: $(STAMP)
+	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check needs a CUDA device')"
+	$(PY) -m pytest -q -m cuda -p no:cacheprovider
+	for dtype in bfloat16 float32; do for g in 1 8 32; do \
+		PYTHONPATH=$(INVINK_REFERENCE_PATH) $(PY) -m invink_audit.cli bench $(BENCH_WORKLOAD) --dtype $$dtype \
+			--num-texts $$g $(if $(INVINK_REFERENCE_PATH),--reference,) || exit 1; done; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

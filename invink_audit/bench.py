@@ -115,6 +115,11 @@ class BenchResult:
     one_at_a_time_tokens: int = 0
     floor_prefill_seconds: float = math.nan
     floor_decode_seconds: float = math.nan
+    support_only: bool = True
+    vocab_size: int = 0
+    full_logits_seconds: float = math.nan
+    full_logits_tokens: int = 0
+    plain_prompts: bool = False
     references: tuple[ReferenceTiming, ...] = ()
 
     @property
@@ -142,6 +147,15 @@ class BenchResult:
         return self.workload_seconds / self.floor_seconds
 
     @property
+    def full_logits_token_seconds(self) -> float:
+        return self.full_logits_seconds / self.full_logits_tokens if self.full_logits_tokens else math.nan
+
+    @property
+    def speedup_over_full_logits(self) -> float:
+        """Full private logits ÷ Top-k+ columns only, per token of the same workload."""
+        return self.full_logits_token_seconds / self.workload_token_seconds
+
+    @property
     def speedup_over_one_at_a_time(self) -> float:
         return self.one_at_a_time_token_seconds / self.workload_token_seconds
 
@@ -152,7 +166,8 @@ class BenchResult:
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         for name in ("workload_token_seconds", "decode_seconds", "one_at_a_time_token_seconds", "floor_seconds",
-                     "floor_ratio", "speedup_over_one_at_a_time"):
+                     "floor_ratio", "speedup_over_one_at_a_time", "full_logits_token_seconds",
+                     "speedup_over_full_logits"):
             out[name] = getattr(self, name)
         out["references"] = [
             {**dataclasses.asdict(reference), "configuration": reference.configuration, "speedup": self.speedup(reference)}
@@ -362,12 +377,16 @@ def benchmark(
     max_batch_rows: int | None = None,
     one_at_a_time: bool = True,
     floor: bool = True,
+    compare_full_logits: bool = False,
 ) -> BenchResult:
     """Measure private decoding on ``num_texts`` × (``batch_size`` + 1) rows (module docstring).
 
     ``references``: the private texts, used in order (``num_texts * batch_size`` of them; cycled when
     fewer); default the shipped fictional demo dataset. The mechanism's parameters do not change the
     cost; the defaults are typical values. ``repeats=0`` skips the lockstep step measurements.
+    ``compare_full_logits`` also runs the workload with full private logits (``Engine(support_only=False)``)
+    to show what the Top-k+ columns save. A model whose tokenizer has no chat template (a base model)
+    gets plain-text prompts (:func:`~invink_audit.prompts.encode_messages` with ``plain=True``).
     """
     for name, value, minimum in (
         ("batch_size", batch_size, 1),
@@ -385,12 +404,14 @@ def benchmark(
     rows = num_texts * (batch_size + 1)
     engine = Engine(loaded, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
     template = get_preset(prompt)
+    plain = getattr(loaded.tokenizer, "chat_template", None) is None
     requests = [
         encode_request(
             loaded.tokenizer,
             template,
             [pool[(g * batch_size + i) % len(pool)] for i in range(batch_size)],
             key=g,
+            plain=plain,
         )
         for g in range(num_texts)
     ]
@@ -403,6 +424,10 @@ def benchmark(
     workload = _workload_run(engine, requests, max_new_tokens, loaded.device)
     alone = _workload_run(engine, requests, max_new_tokens, loaded.device, one_at_a_time=True) if one_at_a_time else None
     bare = _floor_run(engine, requests, workload.text_tokens, loaded.device) if floor else None
+    full = None
+    if compare_full_logits:
+        full_engine = Engine(loaded, mechanism, max_batch_rows=engine.max_batch_rows, support_only=False)
+        full = _workload_run(full_engine, requests, max_new_tokens, loaded.device)
     stats = workload.stats
     padded_prefill, padded_kv = _left_padded_efficiency(requests, engine.max_batch_rows)
     median = statistics.median
@@ -441,6 +466,11 @@ def benchmark(
         one_at_a_time_tokens=alone.tokens if alone else 0,
         floor_prefill_seconds=bare.prefill_seconds if bare else math.nan,
         floor_decode_seconds=bare.decode_seconds if bare else math.nan,
+        support_only=engine.support_only,
+        vocab_size=loaded.vocab_size,
+        full_logits_seconds=full.seconds if full else math.nan,
+        full_logits_tokens=full.tokens if full else 0,
+        plain_prompts=plain,
     )
 
 

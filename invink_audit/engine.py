@@ -1,36 +1,56 @@
-r"""The batched decoding engine: many texts × (B+1) rows, one forward per token, the mechanism on the device.
+r"""The batched decoding engine: many texts × (B+1) rows, one forward pass per token, no padding.
 
-For each text (paper Algorithm 1) the engine keeps ``B + 1`` rows in the model's KV cache: the public
-prompt and one private prompt per reference. A null reference has no row of its own: it *is* the
-public row, so its logits equal the public logits exactly (replace-by-null adjacency, paper §3).
-Every step runs one forward pass over the rows of all live texts (left-padded, each row with its own
-position ids), gathers each text's public row ``(G, V)`` and private rows ``(G, B, V)``, applies
-:func:`invink_audit.mechanism.token_log_probs` to all texts at once, draws one token per text with
-:func:`invink_audit.mechanism.sample_tokens` and the injected generator, and appends that token to
-every row of its text. Everything stays in torch on the model's device; the only host transfers per
-step are one boolean (whether some text finished) and, for finished texts, their token ids.
+For each text (paper Algorithm 1) the engine keeps ``B + 1`` rows: the public prompt and one private
+prompt per reference. A null reference has no row of its own: it *is* the public row, so its logits
+equal the public logits exactly (replace-by-null adjacency, paper §3). The pieces:
 
-Texts that finish (end-of-sequence token, or ``max_new_tokens``) leave the batch at once, and waiting
-texts are prefilled and join it (continuous batching), so the batch stays full. Rows are split into
-shards of at most ``max_batch_rows`` rows, each with its own KV cache; normally all rows fit in one
-shard and a step is exactly one forward pass.
+* :mod:`invink_audit.rows`: each row's key/value cache, and the attention that packs the rows' new
+  tokens into one sequence (no padding) and lets each row attend to its own tokens only;
+* :class:`~invink_audit.forward.RowForward` (:mod:`invink_audit.forward`): the model's forward passes
+  over rows (chunked prefill of one row, one decoding pass over many), the public extension point;
+* ``_Text``: one text's rows, prefill progress, random stream and drawn tokens;
+* ``_Run``: admission, prefill scheduling and the decoding step of one :meth:`Engine.generate` call;
+* ``_StepMath``: the mechanism and the draw of one step, on the device, with one host transfer.
 
-Private logits on the Top-k+ set only. Outside :math:`V_k^+` a token's probability is exactly zero
+**Cost proportional to real tokens.** Prompts are prefilled row by row, in chunks of at most
+``max_prefill_tokens`` (so a huge reference neither blows memory nor, while other texts decode,
+stalls them: at most a few chunks run per step). A decoding step is one forward pass over every row of
+every text in progress, packed without padding; attention reads each row's own cache.
+
+**Rows do not leak into each other.** Every operation that touches a row has shapes that do not
+depend on any private reference: attention is per row; a decoding pass always has ``B + 1`` rows per
+text in progress (a null reference, or a text still being prefilled, contributes a placeholder row);
+texts enter and leave only when texts finish; the step's arithmetic runs over every text in progress.
+So the public row's logits are bitwise the same whatever the private references are
+(``tests/test_engine_rows.py``), and the null row is the public row of the neighbouring dataset, as
+the analysis assumes.
+
+**Randomness per text.** One key is drawn from the caller's generator per :meth:`Engine.generate`
+call; text ``i`` samples from its own stream keyed by that key and its stream id (Gumbel-max over the
+vocabulary, :func:`invink_audit.mechanism.gumbel_argmax`), so a text's tokens do not depend on which
+texts share its forward passes (with a fixed seed: the same tokens together, alone, or with another
+``max_batch_rows``, up to the matrix kernels' batch effects in the last bit).
+
+**One host synchronisation per step.** Tokens, Top-k+ set sizes, expansion flags and error codes
+(non-finite logits, an empty support) come back in one transfer; nothing else waits for the device.
+(With hooks, the mechanism's validated functions run and may synchronise more: audits only.)
+
+**Private logits on the Top-k+ set only.** Outside :math:`V_k^+` a token's probability is exactly zero
 whatever the private logits are, and :math:`V_k^+` depends on the public row alone (paper §4,
 Algorithm 1), so when no hook needs full private logits the engine runs the model up to its last
 hidden states, applies the output layer to the public rows (G × V), and computes the private rows'
-logits on each text's Top-k+ columns only (G × B × |V_k^+| instead of G × B × V: the output layer is
-a fifth of SmolLM2-135M's forward pass). The mechanism then runs on those columns. This is enabled per
-model only after a probe shows that the model's logits are exactly its output layer applied to its
-last hidden state (no logit scaling or soft-capping); otherwise, and whenever a hook is set, every
-row's full logits are computed.
+logits on the top ``m`` public columns only (G × B × m, ``m`` ≥ every text's |V_k^+|; a step whose set
+is wider is redone with more columns and the same uniforms). This is enabled per model only after a
+probe shows that the model's logits are exactly its output layer applied to its last hidden state (no
+logit scaling or soft-capping); otherwise, and whenever a hook is set, every row's full logits are
+computed.
 
 Hooks, both optional and free when unused:
 
 * ``observer(step)``: called once per step with a :class:`DecodeStep` holding the public and private
   logits, the mechanism's log-probabilities, the distribution actually sampled from and the sampled
-  tokens of every live text; :meth:`DecodeStep.neighbour_log_probs` gives the log-probabilities under
-  every replace-by-null neighbour ``R'_j`` (computed once, on demand).
+  tokens of every text drawing; :meth:`DecodeStep.neighbour_log_probs` gives the log-probabilities
+  under every replace-by-null neighbour ``R'_j`` (computed once, on demand).
 * ``sampling_rule(step)``: returns the log-weights ``(G, V)`` to sample from instead of the
   mechanism's (e.g. neighbour ``j``'s distribution for an audit, or a one-hot for teacher forcing);
   the engine still computes every row, so the observer sees the mechanism's distribution as well.
@@ -43,7 +63,6 @@ import dataclasses
 import hashlib
 import inspect
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -56,9 +75,10 @@ from invink_audit.mechanism import (
     support_log_probs,
     topk_plus_support,
 )
+from invink_audit.forward import ForwardStats, RowForward, output_layer_split, to_device
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest
-from invink_audit.rows import RowKV, packed_attention, pack_kwargs, segments_for
+from invink_audit.rows import RowKV
 
 __all__ = ["DecodeStep", "Engine", "FinishedText", "ForwardStats", "RowForward", "default_max_batch_rows"]
 
@@ -136,67 +156,6 @@ class DecodeStep:
 
 Observer = Callable[[DecodeStep], None]
 SamplingRule = Callable[[DecodeStep], torch.Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class _OutputLayerSplit:
-    decoder: torch.nn.Module  # input ids → last hidden states (with the cache)
-    head: torch.nn.Linear  # hidden states → logits
-
-
-# config attributes of models whose logits are not just the output layer (scaled or soft-capped)
-_LOGIT_TRANSFORMS = (
-    "final_logit_softcapping",
-    "logit_scale",
-    "logits_scaling",
-    "output_multiplier_scale",
-    "output_multiplier",
-    "lm_head_multiplier",
-)
-
-
-def _output_layer_split(model: LoadedModel) -> _OutputLayerSplit | None:
-    """The model as (decoder, output layer) when its logits are exactly ``head(decoder(x))``, else None.
-
-    Checked on the model itself: its config (and its text config) has no known logit transform, its
-    output layer is a ``torch.nn.Linear``, and on a probe of two rows the two routes agree, logit by
-    logit, to two units in the last place of the model's dtype (they run the same operations).
-    """
-    network = model.model
-    try:
-        head, decoder = network.get_output_embeddings(), network.get_decoder()
-    except (AttributeError, NotImplementedError):
-        return None
-    if not isinstance(head, torch.nn.Linear) or not isinstance(decoder, torch.nn.Module) or decoder is network:
-        return None
-    config = network.config
-    configs = [config]
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text_config is not config:
-        configs.append(text_config)
-    for part in configs:
-        for name in _LOGIT_TRANSFORMS:
-            value = getattr(part, name, None)
-            if value not in (None, 1, 1.0):
-                return None
-    vocab = head.weight.shape[0]
-    ids = (torch.arange(10, dtype=torch.long).view(2, 5) * 7919 + 3) % vocab
-    ids = ids.to(model.device)
-    mask = torch.ones_like(ids)
-    try:
-        with torch.inference_mode():
-            full = network(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1).logits[:, -1, :]
-            split = head(decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1, :])
-    except Exception:  # noqa: BLE001 - any failure of the probe means: do not use the split
-        return None
-    if split.shape != full.shape or split.dtype != full.dtype:
-        return None
-    # element by element: two units in the last place of the model's dtype, plus float32 accumulation
-    # noise (a scaling or soft-capping after the output layer moves every logit by far more)
-    floor = 16 * torch.finfo(torch.float32).eps * (float(full.abs().max()) + 1.0)
-    if not bool(((split - full).abs() <= 2 * torch.finfo(full.dtype).eps * full.abs() + floor).all()):
-        return None
-    return _OutputLayerSplit(decoder=decoder, head=head)
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,7 +278,7 @@ class Engine:
         self.max_prefill_tokens = prefill
         self.share_prefill = share_prefill
         self.forward = RowForward(model)
-        self._split = _output_layer_split(model) if support_only else None
+        self._split = output_layer_split(model) if support_only else None
         if self._split is not None:
             self.forward.decoder = self._split.decoder
 
@@ -404,113 +363,6 @@ class Engine:
 _DEFAULT_PREFILL_TOKENS = 512
 # while texts are decoding, prefill at most this many chunks per step (keeps steps short)
 _PREFILL_CHUNKS_PER_STEP = 4
-
-
-@dataclasses.dataclass
-class ForwardStats:
-    """What the forward passes processed, and their wall-clock time (with :attr:`RowForward.stats` set).
-
-    ``*_tokens``/``*_rows`` count real work; ``placeholder_rows`` the rows that only kept a decoding
-    pass's shape; ``kv_tokens`` the cached keys that decoding rows attended to (every one of them a
-    real token of that row: rows are never padded).
-    """
-
-    prefill_seconds: float = 0.0
-    prefill_tokens: int = 0
-    prefill_calls: int = 0
-    decode_seconds: float = 0.0
-    decode_rows: int = 0
-    placeholder_rows: int = 0
-    decode_calls: int = 0
-    kv_tokens: int = 0
-
-
-class RowForward:
-    """The model's forward pass over packed rows (see :mod:`invink_audit.rows`): the extension point
-    for code that needs the engine's forward passes without its mechanism (the benchmark's bare rows).
-
-    ``prefill(row, ids)`` appends a prompt (or a chunk of one) to ``row`` and returns the output at its
-    last token; ``decode(rows, ids)`` appends one token to each row (``None``: a placeholder row) and
-    returns one output per row. Outputs are last hidden states with ``hidden=True`` (requires
-    :attr:`decoder`), else logits. Set ``stats`` to a :class:`ForwardStats` to count and time the
-    passes (on CUDA each timed pass synchronises: benchmarks only).
-    """
-
-    def __init__(self, model: LoadedModel):
-        self.model = model
-        self.network = model.model
-        self.decoder: torch.nn.Module | None = None
-        self.stats: ForwardStats | None = None
-        config = self.network.config
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.num_layers = int(text.num_hidden_layers)
-        positions = getattr(text, "max_position_embeddings", None)
-        self.max_positions = int(positions) if isinstance(positions, int) and positions > 0 else None
-
-    def new_row(self, reserve: int) -> RowKV:
-        return RowKV(self.num_layers, reserve)
-
-    @torch.inference_mode()
-    def run(self, rows: Sequence[RowKV | None], ids: Sequence[Sequence[int]], *, hidden: bool, last_only: bool):
-        """One packed forward pass, ``ids[i]`` appended to ``rows[i]``; the outputs (last token only
-        with ``last_only``, else one per token)."""
-        device = self.model.device
-        started = self._clock()
-        pack = segments_for(rows, [len(part) for part in ids])
-        positions = [
-            p for row, part in zip(rows, ids) for p in range(_length(row), _length(row) + len(part))
-        ]
-        input_ids = torch.tensor([[t for part in ids for t in part]], dtype=torch.long, device=device)
-        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-        with packed_attention(self.network):
-            if hidden:
-                out = self.decoder(input_ids=input_ids, position_ids=position_ids, **pack_kwargs(pack, device))
-                features = out.last_hidden_state[0]
-            else:
-                out = self.network(
-                    input_ids=input_ids, position_ids=position_ids, logits_to_keep=1 if last_only else 0,
-                    **pack_kwargs(pack, device),
-                )
-                features = out.logits[0]
-        self._count(rows, ids, started, last_only)
-        pack.commit()
-        return features
-
-    def _clock(self) -> float | None:
-        if self.stats is None:
-            return None
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        return time.perf_counter()
-
-    def _count(self, rows, ids, started, prefill: bool) -> None:
-        stats = self.stats
-        if stats is None:
-            return
-        elapsed = self._clock() - started
-        real = [row for row in rows if row is not None]
-        if prefill:
-            stats.prefill_seconds += elapsed
-            stats.prefill_calls += 1
-            stats.prefill_tokens += sum(len(part) for part in ids)
-        else:
-            stats.decode_seconds += elapsed
-            stats.decode_calls += 1
-            stats.decode_rows += len(real)
-            stats.placeholder_rows += len(rows) - len(real)
-            stats.kv_tokens += sum(row.length + 1 for row in real)
-
-    def prefill(self, row: RowKV, ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
-        """Append ``ids`` to ``row``; the output at the last token (1-D)."""
-        return self.run([row], [ids], hidden=hidden, last_only=True)[-1]
-
-    def decode(self, rows: Sequence[RowKV | None], ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
-        """Append ``ids[i]`` to ``rows[i]`` (``None``: placeholder); outputs (rows, features)."""
-        return self.run(rows, [[t] for t in ids], hidden=hidden, last_only=False)
-
-
-def _length(row: RowKV | None) -> int:
-    return 0 if row is None else row.length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -713,7 +565,7 @@ class _StepMath:
         """Tokens and (set size, expansion flag) of the ready slots, in ``ready`` order."""
         texts = [self.run.texts[s] for s in ready]
         device = rows.device
-        null = torch.tensor([[p is None for p in t.prompts[1:]] for t in self.run.texts], device=device)
+        null = to_device([[p is None for p in t.prompts[1:]] for t in self.run.texts], device, torch.bool)
         uniforms = torch.zeros((len(self.run.texts), self.vocab_size), dtype=ACCUMULATION_DTYPE, device=device)
         for slot, text in zip(ready, texts):
             uniforms[slot] = torch.rand(self.vocab_size, dtype=ACCUMULATION_DTYPE, device=device, generator=text.generator)
@@ -721,7 +573,7 @@ class _StepMath:
             values = self._draw_support(rows[:, 0], rows[:, 1:], null, uniforms)
             values = [values[s] for s in ready]
         else:
-            take = torch.tensor(ready, device=device)
+            take = to_device(ready, device)
             values = self._draw_full(rows, null, uniforms, take, texts, hooks)
         return self._unpack(values, texts)
 

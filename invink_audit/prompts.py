@@ -212,12 +212,20 @@ def get_preset(name: str | PromptTemplate, **fields: str) -> PromptTemplate:
 # encoding
 
 
-def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
+def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]], *, plain: bool = False) -> tuple[int, ...]:
     """Token ids of ``messages`` with the tokenizer's chat template and the generation prompt appended.
 
     A tokenizer without a chat template is rejected: the prompts of the paper are chat prompts, and
-    silently inventing a format would change the model's behaviour without notice.
+    silently inventing a format would change the model's behaviour without notice. ``plain=True`` is
+    that choice made explicitly, for base models: the messages' contents joined by blank lines, as a
+    text to continue (the tokenizer's own special tokens, e.g. BOS, included).
     """
+    if plain:
+        text = "\n\n".join(m["content"] for m in messages if m.get("content")) + "\n\n"
+        ids = tuple(int(i) for i in tokenizer(text)["input_ids"])
+        if not ids:
+            raise ValueError("the plain prompt is empty")
+        return ids
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"the tokenizer of this model has no chat template; use an instruction-tuned (chat) model "
@@ -268,14 +276,19 @@ class TextRequest:
         return len(self.private_ids)
 
 
-def encode_request(tokenizer, template: PromptTemplate, references: Sequence[str | None], *, key=None) -> TextRequest:
-    """Encode one batch of references into a :class:`TextRequest` (null references → ``None``)."""
+def encode_request(
+    tokenizer, template: PromptTemplate, references: Sequence[str | None], *, key=None, plain: bool = False
+) -> TextRequest:
+    """Encode one batch of references into a :class:`TextRequest` (null references → ``None``);
+    ``plain``: see :func:`encode_messages`."""
     if isinstance(references, str) or not isinstance(references, Sequence):
         raise ValueError(f"references must be a sequence of strings; got {type(references).__name__}")
-    public_ids = encode_messages(tokenizer, template.messages(None))
+    public_ids = encode_messages(tokenizer, template.messages(None), plain=plain)
     private_ids = []
     for reference in references:
         if reference is not None and not isinstance(reference, str):
             raise ValueError(f"each reference must be a string or None; got {type(reference).__name__}")
-        private_ids.append(None if not reference else encode_messages(tokenizer, template.messages(reference)))
+        private_ids.append(
+            None if not reference else encode_messages(tokenizer, template.messages(reference), plain=plain)
+        )
     return TextRequest(public_ids=public_ids, private_ids=tuple(private_ids), key=key)

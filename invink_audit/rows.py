@@ -225,7 +225,7 @@ def pack_kwargs(pack: Pack, device: torch.device) -> dict:
     return {
         _PACK_KWARG: pack,
         "use_cache": False,
-        "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
+        "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),  # no copy: filled there
     }
 
 

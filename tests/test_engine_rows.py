@@ -33,10 +33,10 @@ REFERENCES = [
 ]
 
 
-def _generator(seed: int) -> torch.Generator:
+def _generator(seed: int, device="cpu") -> torch.Generator:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)
-        return make_generator(seed)
+        return make_generator(seed, device=device)
 
 
 @pytest.fixture(scope="module")
@@ -70,19 +70,16 @@ def _public_rows_support_path(model, mechanism, references, monkeypatch, max_bat
 
     monkeypatch.setattr(engine_module, "_support_log_probs", spy)
     engine = Engine(model, mechanism, max_batch_rows=max_batch_rows)
-    texts = list(engine.generate(_requests(model, references), max_new_tokens=6, generator=_generator(3),
-                                 stop_at_eos=False))
+    texts = list(engine.generate(_requests(model, references), max_new_tokens=6,
+                                 generator=_generator(3, model.device), stop_at_eos=False))
     monkeypatch.setattr(engine_module, "_support_log_probs", real)
     return steps, {t.request_index: t.token_ids for t in texts}
 
 
-@pytest.mark.parametrize("max_batch_rows", [64, 8])  # all texts together; two at a time, the third joins
-def test_public_rows_are_bitwise_independent_of_private_references_on_the_default_path(
-    tiny, monkeypatch, max_batch_rows
-):
+def _check_public_rows_independent(model, monkeypatch, max_batch_rows):
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
     runs = {
-        name: _public_rows_support_path(tiny, mechanism, refs, monkeypatch, max_batch_rows)
+        name: _public_rows_support_path(model, mechanism, refs, monkeypatch, max_batch_rows)
         for name, refs in _variants().items()
     }
     base_steps, base_tokens = runs["original"]
@@ -98,6 +95,56 @@ def test_public_rows_are_bitwise_independent_of_private_references_on_the_defaul
                 text = slot if max_batch_rows == 64 or step < 6 else 2
                 if text in untouched or step == 0:
                     assert torch.equal(a[slot], b[slot]), (name, step, slot)
+
+
+@pytest.mark.parametrize("max_batch_rows", [64, 8])  # all texts together; two at a time, the third joins
+def test_public_rows_are_bitwise_independent_of_private_references_on_the_default_path(
+    tiny, monkeypatch, max_batch_rows
+):
+    _check_public_rows_independent(tiny, monkeypatch, max_batch_rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_public_rows_are_bitwise_independent_of_private_references_on_cuda(monkeypatch, dtype):
+    model = build_tiny_model(seed=5, hidden_size=64, device="cuda", dtype=dtype)
+    for max_batch_rows in (64, 8):
+        _check_public_rows_independent(model, monkeypatch, max_batch_rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_matches_the_cpu_oracle_with_forced_tokens():
+    """float64 on CUDA, teacher-forced: the engine's distributions equal an unbatched CPU recomputation."""
+    from invink_audit.mechanism import token_log_probs
+
+    cpu = build_tiny_model(seed=1, dtype="float64")
+    cuda = build_tiny_model(seed=1, dtype="float64", device="cuda")
+    mechanism = MechanismConfig(clip_norm=1.3, temperature=0.9, top_k=8, batch_size=3)
+    forced = [[5, 9, 7, 11], [17, 19, 23, 29], [37, 41, 43, 47]]
+    seen = {}
+
+    def rule(step):
+        weights = torch.full_like(step.log_probs, -math.inf)
+        for g, (i, t) in enumerate(zip(step.request_indices.tolist(), step.positions.tolist())):
+            weights[g, forced[i][t]] = 0.0
+            seen[(i, t)] = step.log_probs[g].cpu()
+        return weights
+
+    engine = Engine(cuda, mechanism, max_batch_rows=8)
+    requests = _requests(cuda, REFERENCES)
+    list(engine.generate(requests, max_new_tokens=4, generator=_generator(0, "cuda"), sampling_rule=rule))
+    for i, request in enumerate(requests):
+        rows = [request.public_ids] + [p if p is not None else request.public_ids for p in request.private_ids]
+        with torch.inference_mode():
+            logits = [cpu.model(input_ids=torch.tensor([list(p) + forced[i]])).logits[0, len(p) - 1 : len(p) + 3]
+                      for p in rows]
+        expected = token_log_probs(torch.stack(logits[1:], dim=1), logits[0], clip_norm=1.3, temperature=0.9, top_k=8)
+        for t in range(4):
+            finite = torch.isfinite(expected[t])
+            assert torch.equal(finite, torch.isfinite(seen[(i, t)]))
+            assert torch.allclose(seen[(i, t)][finite], expected[t][finite], atol=1e-9, rtol=0)
 
 
 def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny):
@@ -197,6 +244,7 @@ def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny, monkeypatch
     assert per_step[0] == 2 and set(per_step[1:]) == {1}, per_step
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_decoding_loop_does_not_synchronise_on_cuda_except_for_the_tokens():
     model = build_tiny_model(seed=5, hidden_size=64, device="cuda")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from invink_audit.cli import CliError, parse_int
+from invink_audit.cli import CliError, parse_float, parse_int
 
 
 def register(subparsers) -> None:
@@ -21,6 +21,9 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", default="7", help="B private references per text (default 7)")
     p.add_argument("--max-new-tokens", default="32", help="tokens per text T (>= 3; default 32)")
     p.add_argument("--num-texts", default="1", help="texts decoded together G (default 1)")
+    p.add_argument("--top-k", default="100", help="k of the Top-k+ set, or 'none' for the full vocabulary (default 100)")
+    p.add_argument("--clip-norm", default="0.5", help="clip norm C (sets the Top-k+ band 2C/B; default 0.5)")
+    p.add_argument("--temperature", default="1.0", help="temperature tau (default 1.0)")
     p.add_argument("--repeats", default="3", help="alternating private/forward step repeats (>= 0; default 3)")
     p.add_argument(
         "--references",
@@ -37,6 +40,11 @@ def register(subparsers) -> None:
     )
     p.add_argument("--no-one-at-a-time", action="store_true", help="skip the one-text-at-a-time run")
     p.add_argument("--no-floor", action="store_true", help="skip the bare unpadded forward (floor) run")
+    p.add_argument(
+        "--compare-full-logits",
+        action="store_true",
+        help="also run the workload with full private logits, to show what the Top-k+ columns save",
+    )
     p.add_argument("--max-batch-rows", default=None, help="rows per decoding forward pass (default G x (B+1))")
     p.add_argument(
         "--reference",
@@ -92,6 +100,14 @@ def _bench(args) -> int:
     if max_batch_rows is not None and max_batch_rows < 1:
         raise CliError(f"--max-batch-rows must be an integer >= 1; got {max_batch_rows}")
     references = _references(args, num_texts * batch_size)
+    top_k = None if args.top_k.strip().lower() == "none" else parse_int("--top-k", args.top_k)
+    clip_norm = parse_float("--clip-norm", args.clip_norm)
+    temperature = parse_float("--temperature", args.temperature)
+    if top_k is not None and top_k < 1:
+        raise CliError(f"--top-k must be an integer >= 1 or 'none'; got {top_k}")
+    for flag, value in (("--clip-norm", clip_norm), ("--temperature", temperature)):
+        if not (value > 0 and value < float("inf")):
+            raise CliError(f"{flag} must be a finite number > 0; got {value}")
 
     import dataclasses
 
@@ -121,9 +137,13 @@ def _bench(args) -> int:
         device=args.device,
         dtype=args.dtype,
         references=references,
+        top_k=top_k,
+        clip_norm=clip_norm,
+        temperature=temperature,
         max_batch_rows=max_batch_rows,
         one_at_a_time=not args.no_one_at_a_time,
         floor=not args.no_floor,
+        compare_full_logits=args.compare_full_logits,
     )
     if args.reference:
         timings = []
@@ -142,6 +162,8 @@ def _bench(args) -> int:
                     max_new_tokens=max_new_tokens,
                     num_texts=num_texts,
                     references=references,
+                    temperature=temperature,
+                    top_k=top_k if top_k is not None else 10**9,
                     dtype=dtype,
                     device_map=device_map,
                 )
@@ -188,7 +210,8 @@ def format_bench(result) -> str:
     lines = [
         f"model {result.model} on {result.device}, {result.dtype} ({result.threads} threads)",
         f"  workload                 G = {result.num_texts} text(s) x (B+1) = {result.batch_size + 1} rows, "
-        f"T = {result.max_new_tokens}; {result.prompt_tokens} prompt tokens, longest prompt {result.longest_prompt}",
+        f"T = {result.max_new_tokens}; {result.prompt_tokens} prompt tokens, longest prompt {result.longest_prompt}"
+        + (" (plain-text prompts: no chat template)" if result.plain_prompts else ""),
         f"  whole workload           {result.workload_token_seconds * ms:.1f} ms per token "
         f"({result.workload_tokens} tokens in {result.workload_seconds:.1f} s, prefill and EOS included)",
         f"    prefill / decode       {result.prefill_seconds:.1f} s / {result.decode_seconds:.1f} s",
@@ -206,6 +229,12 @@ def format_bench(result) -> str:
         lines.append(
             f"  bare unpadded forward    {result.floor_seconds:.1f} s (prefill {result.floor_prefill_seconds:.1f} s, "
             f"decode {result.floor_decode_seconds:.1f} s); workload / floor = {result.floor_ratio:.2f}"
+        )
+    if result.full_logits_tokens:
+        lines.append(
+            f"  full private logits      {result.full_logits_token_seconds * ms:.1f} ms per token; the Top-k+ columns "
+            f"only ({'on' if result.support_only else 'off'}, V = {result.vocab_size}) are "
+            f"{result.speedup_over_full_logits:.2f}x faster"
         )
     if result.repeats:
         lines += [

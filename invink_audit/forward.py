@@ -1,0 +1,199 @@
+r"""The model's forward passes over rows: chunked prefill of one row, one decoding pass over many.
+
+:class:`RowForward` runs a loaded model over rows whose new tokens are packed into one sequence
+(:mod:`invink_audit.rows`: no padding, each row attends to its own cache). It is the engine's only way
+to the model and the public extension point for code that needs the same forward passes without the
+mechanism (the benchmark's bare rows). :func:`output_layer_split` is the probe that decides whether a
+model's logits are exactly its output layer applied to its last hidden state (then the engine computes
+private logits on the Top-k+ columns only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+
+from invink_audit.models import LoadedModel
+from invink_audit.rows import RowKV, pack_kwargs, packed_attention, segments_for
+
+__all__ = ["ForwardStats", "OutputLayerSplit", "RowForward", "output_layer_split", "to_device"]
+
+
+def to_device(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """A host list as a tensor on ``device``; on CUDA through pinned memory, without waiting for the device
+    (a copy from pageable memory would synchronise: the decoding loop keeps one sync per step)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputLayerSplit:
+    decoder: torch.nn.Module  # input ids → last hidden states (with the cache)
+    head: torch.nn.Linear  # hidden states → logits
+
+
+# config attributes of models whose logits are not just the output layer (scaled or soft-capped)
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+)
+
+
+def output_layer_split(model: LoadedModel) -> OutputLayerSplit | None:
+    """The model as (decoder, output layer) when its logits are exactly ``head(decoder(x))``, else None.
+
+    Checked on the model itself: its config (and its text config) has no known logit transform, its
+    output layer is a ``torch.nn.Linear``, and on a probe of two rows the two routes agree, logit by
+    logit, to two units in the last place of the model's dtype (they run the same operations).
+    """
+    network = model.model
+    try:
+        head, decoder = network.get_output_embeddings(), network.get_decoder()
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(head, torch.nn.Linear) or not isinstance(decoder, torch.nn.Module) or decoder is network:
+        return None
+    config = network.config
+    configs = [config]
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text_config is not config:
+        configs.append(text_config)
+    for part in configs:
+        for name in _LOGIT_TRANSFORMS:
+            value = getattr(part, name, None)
+            if value not in (None, 1, 1.0):
+                return None
+    vocab = head.weight.shape[0]
+    ids = (torch.arange(10, dtype=torch.long).view(2, 5) * 7919 + 3) % vocab
+    ids = ids.to(model.device)
+    mask = torch.ones_like(ids)
+    try:
+        with torch.inference_mode():
+            full = network(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1).logits[:, -1, :]
+            split = head(decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1, :])
+    except Exception:  # noqa: BLE001 - any failure of the probe means: do not use the split
+        return None
+    if split.shape != full.shape or split.dtype != full.dtype:
+        return None
+    # element by element: two units in the last place of the model's dtype, plus float32 accumulation
+    # noise (a scaling or soft-capping after the output layer moves every logit by far more)
+    floor = 16 * torch.finfo(torch.float32).eps * (float(full.abs().max()) + 1.0)
+    if not bool(((split - full).abs() <= 2 * torch.finfo(full.dtype).eps * full.abs() + floor).all()):
+        return None
+    return OutputLayerSplit(decoder=decoder, head=head)
+
+
+@dataclasses.dataclass
+class ForwardStats:
+    """What the forward passes processed, and their wall-clock time (with :attr:`RowForward.stats` set).
+
+    ``*_tokens``/``*_rows`` count real work; ``placeholder_rows`` the rows that only kept a decoding
+    pass's shape; ``kv_tokens`` the cached keys that decoding rows attended to (every one of them a
+    real token of that row: rows are never padded).
+    """
+
+    prefill_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefill_calls: int = 0
+    decode_seconds: float = 0.0
+    decode_rows: int = 0
+    placeholder_rows: int = 0
+    decode_calls: int = 0
+    kv_tokens: int = 0
+
+
+class RowForward:
+    """The model's forward pass over packed rows (see :mod:`invink_audit.rows`): the extension point
+    for code that needs the engine's forward passes without its mechanism (the benchmark's bare rows).
+
+    ``prefill(row, ids)`` appends a prompt (or a chunk of one) to ``row`` and returns the output at its
+    last token; ``decode(rows, ids)`` appends one token to each row (``None``: a placeholder row) and
+    returns one output per row. Outputs are last hidden states with ``hidden=True`` (requires
+    :attr:`decoder`), else logits. Set ``stats`` to a :class:`ForwardStats` to count and time the
+    passes (on CUDA each timed pass synchronises: benchmarks only).
+    """
+
+    def __init__(self, model: LoadedModel):
+        self.model = model
+        self.network = model.model
+        self.decoder: torch.nn.Module | None = None
+        self.stats: ForwardStats | None = None
+        config = self.network.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_layers = int(text.num_hidden_layers)
+        positions = getattr(text, "max_position_embeddings", None)
+        self.max_positions = int(positions) if isinstance(positions, int) and positions > 0 else None
+
+    def new_row(self, reserve: int) -> RowKV:
+        return RowKV(self.num_layers, reserve)
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[RowKV | None], ids: Sequence[Sequence[int]], *, hidden: bool, last_only: bool):
+        """One packed forward pass, ``ids[i]`` appended to ``rows[i]``; the outputs (last token only
+        with ``last_only``, else one per token)."""
+        device = self.model.device
+        started = self._clock()
+        pack = segments_for(rows, [len(part) for part in ids])
+        positions = [
+            p for row, part in zip(rows, ids) for p in range(_length(row), _length(row) + len(part))
+        ]
+        input_ids = to_device([[t for part in ids for t in part]], device)
+        position_ids = to_device([positions], device)
+        with packed_attention(self.network):
+            if hidden:
+                out = self.decoder(input_ids=input_ids, position_ids=position_ids, **pack_kwargs(pack, device))
+                features = out.last_hidden_state[0]
+            else:
+                out = self.network(
+                    input_ids=input_ids, position_ids=position_ids, logits_to_keep=1 if last_only else 0,
+                    **pack_kwargs(pack, device),
+                )
+                features = out.logits[0]
+        self._count(rows, ids, started, last_only)
+        pack.commit()
+        return features
+
+    def _clock(self) -> float | None:
+        if self.stats is None:
+            return None
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return time.perf_counter()
+
+    def _count(self, rows, ids, started, prefill: bool) -> None:
+        stats = self.stats
+        if stats is None:
+            return
+        elapsed = self._clock() - started
+        real = [row for row in rows if row is not None]
+        if prefill:
+            stats.prefill_seconds += elapsed
+            stats.prefill_calls += 1
+            stats.prefill_tokens += sum(len(part) for part in ids)
+        else:
+            stats.decode_seconds += elapsed
+            stats.decode_calls += 1
+            stats.decode_rows += len(real)
+            stats.placeholder_rows += len(rows) - len(real)
+            stats.kv_tokens += sum(row.length + 1 for row in real)
+
+    def prefill(self, row: RowKV, ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
+        """Append ``ids`` to ``row``; the output at the last token (1-D)."""
+        return self.run([row], [ids], hidden=hidden, last_only=True)[-1]
+
+    def decode(self, rows: Sequence[RowKV | None], ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
+        """Append ``ids[i]`` to ``rows[i]`` (``None``: placeholder); outputs (rows, features)."""
+        return self.run(rows, [[t] for t in ids], hidden=hidden, last_only=False)
+
+
+def _length(row: RowKV | None) -> int:
+    return 0 if row is None else row.length
