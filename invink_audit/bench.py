@@ -197,9 +197,12 @@ class _BareRows:
     def __init__(self, engine: Engine, requests, max_new_tokens: int, device):
         forward = engine.forward
         self.forward, self.device = forward, device
-        self.rows = [forward.new_row(max_new_tokens) for _ in _prompts(requests)]
-        for row, prompt in zip(self.rows, _prompts(requests)):
+        store = forward.new_store()
+        self.rows = []
+        for prompt in _prompts(requests):
+            row = forward.new_row(max_new_tokens)
             forward.prefill(row, prompt, hidden=False)
+            self.rows.append(store.insert(row))
         # the forward pass costs the same for any token ids: feed a fixed one
         self.ids = [engine.model.eos_token_ids[0]] * len(self.rows)
 
@@ -217,8 +220,9 @@ class _NonPrivateText:
     def __init__(self, engine: Engine, request, max_new_tokens: int, temperature: float, device):
         self.forward, self.device, self.temperature = engine.forward, device, temperature
         self.generator = _generator(device)
-        self.row = self.forward.new_row(max_new_tokens)
-        self.logits = self.forward.prefill(self.row, request.public_ids, hidden=False)[None]
+        row = self.forward.new_row(max_new_tokens)
+        self.logits = self.forward.prefill(row, request.public_ids, hidden=False)[None]
+        self.row = self.forward.new_store().insert(row)
 
     def step(self) -> float:
         _sync(self.device)
@@ -459,7 +463,7 @@ def benchmark(
         longest_prompt=max(prompt_lengths),
         prefill_efficiency=sum(prompt_lengths) / max(stats.prefill_tokens, 1),
         decode_row_efficiency=stats.decode_rows / max(stats.decode_rows + stats.placeholder_rows, 1),
-        kv_efficiency=1.0,  # every attended key is a real token of its own row (invink_audit.rows)
+        kv_efficiency=stats.kv_tokens / max(stats.kv_processed, 1),
         left_padded_prefill_efficiency=padded_prefill,
         left_padded_kv_efficiency=padded_kv,
         one_at_a_time_seconds=alone.seconds if alone else math.nan,

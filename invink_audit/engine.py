@@ -78,7 +78,7 @@ from invink_audit.mechanism import (
 from invink_audit.forward import ForwardStats, RowForward, output_layer_split, to_device
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest
-from invink_audit.rows import RowKV
+from invink_audit.rows import RowKV, StoredRow
 
 __all__ = ["DecodeStep", "Engine", "FinishedText", "ForwardStats", "RowForward", "default_max_batch_rows"]
 
@@ -186,6 +186,7 @@ class _Text:
             None if p is None else RowKV(num_layers, reserve, capacity=len(p) + reserve) for p in prompts
         ]
         self.states: list[torch.Tensor | None] = [None] * len(prompts)
+        self.stored: list[StoredRow | None] | None = None  # the rows once decoding (in the run's stores)
         self.next_row = 0  # first row whose prefill is not complete
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(stream_seed)
@@ -396,6 +397,8 @@ class _Run:
         self.texts: list[_Text] = []
         self.shared: dict[tuple[int, ...], tuple[RowKV, torch.Tensor]] = {}
         self.eos = frozenset(engine.model.eos_token_ids)
+        # decoding rows' caches: public rows apart, so their attention never shares a call with a private row
+        self.public_store, self.private_store = engine.forward.new_store(), engine.forward.new_store()
         self.width = None  # columns gathered for the private rows (Top-k+ path), grown on overflow
 
     @property
@@ -459,11 +462,14 @@ class _Run:
             return None
         rows, ids = [], []
         for text in self.texts:
+            if text.decoding and text.stored is None:  # drew its first token: its rows start decoding
+                stores = [self.public_store] + [self.private_store] * (len(text.rows) - 1)
+                text.stored = [None if r is None else s.insert(r) for r, s in zip(text.rows, stores)]
+                text.rows = [None] * len(text.rows)  # the prefill buffers are no longer needed
             last = text.tokens[-1] if text.decoding else 0
-            for row in text.rows:
-                live = text.decoding and row is not None
-                rows.append(row if live else None)
-                ids.append(last if live else 0)
+            for row in text.stored or [None] * len(text.prompts):
+                rows.append(row)
+                ids.append(last if row is not None else 0)
         return self.engine.forward.decode(rows, ids, hidden=hidden)
 
     def _record(self, ready: list[int], tokens: list[int], report: list[list]) -> tuple[list[FinishedText], int]:
@@ -481,6 +487,10 @@ class _Run:
                 finished.append(text.finished_text(FINISH_EOS if eos else FINISH_LENGTH))
                 gone.add(slot)
         if gone:
+            for slot in gone:
+                for row in self.texts[slot].stored or ():
+                    if row is not None:
+                        row.store.remove(row)
             self.texts = [t for s, t in enumerate(self.texts) if s not in gone]
         return finished, len(ready)
 

@@ -17,7 +17,16 @@ from collections.abc import Sequence
 import torch
 
 from invink_audit.models import LoadedModel
-from invink_audit.rows import RowKV, pack_kwargs, packed_attention, segments_for
+from invink_audit.rows import (
+    DecodePlan,
+    KVStore,
+    Pack,
+    RowKV,
+    StoredRow,
+    pack_kwargs,
+    packed_attention,
+    segments_for,
+)
 
 __all__ = ["ForwardStats", "OutputLayerSplit", "RowForward", "output_layer_split", "to_device"]
 
@@ -97,8 +106,8 @@ class ForwardStats:
     """What the forward passes processed, and their wall-clock time (with :attr:`RowForward.stats` set).
 
     ``*_tokens``/``*_rows`` count real work; ``placeholder_rows`` the rows that only kept a decoding
-    pass's shape; ``kv_tokens`` the cached keys that decoding rows attended to (every one of them a
-    real token of that row: rows are never padded).
+    pass's shape; ``kv_tokens`` the cached keys that decoding rows attended to, ``kv_processed`` the
+    key positions their attention processed (each row is padded to its own length bucket only).
     """
 
     prefill_seconds: float = 0.0
@@ -109,15 +118,18 @@ class ForwardStats:
     placeholder_rows: int = 0
     decode_calls: int = 0
     kv_tokens: int = 0
+    kv_processed: int = 0
 
 
 class RowForward:
     """The model's forward pass over packed rows (see :mod:`invink_audit.rows`): the extension point
     for code that needs the engine's forward passes without its mechanism (the benchmark's bare rows).
 
-    ``prefill(row, ids)`` appends a prompt (or a chunk of one) to ``row`` and returns the output at its
-    last token; ``decode(rows, ids)`` appends one token to each row (``None``: a placeholder row) and
-    returns one output per row. Outputs are last hidden states with ``hidden=True`` (requires
+    ``prefill(row, ids)`` appends a prompt (or a chunk of one) to a :class:`~invink_audit.rows.RowKV`
+    (``new_row``) and returns the output at its last token; ``new_store().insert(row)`` moves a
+    prefilled row into a :class:`~invink_audit.rows.KVStore` (public and private rows in separate
+    stores); ``decode(rows, ids)`` appends one token to every row of the stores involved (``None``: a
+    placeholder row) and returns one output per row. Outputs are last hidden states with ``hidden=True`` (requires
     :attr:`decoder`), else logits. Set ``stats`` to a :class:`ForwardStats` to count and time the
     passes (on CUDA each timed pass synchronises: benchmarks only).
     """
@@ -136,31 +148,25 @@ class RowForward:
     def new_row(self, reserve: int) -> RowKV:
         return RowKV(self.num_layers, reserve)
 
+    def new_store(self) -> KVStore:
+        """A store for decoding rows (keep public and private rows in separate stores)."""
+        return KVStore(self.num_layers)
+
     @torch.inference_mode()
-    def run(self, rows: Sequence[RowKV | None], ids: Sequence[Sequence[int]], *, hidden: bool, last_only: bool):
-        """One packed forward pass, ``ids[i]`` appended to ``rows[i]``; the outputs (last token only
-        with ``last_only``, else one per token)."""
+    def _run(self, layout: Pack | DecodePlan, flat_ids: list[int], positions: list[int], *, hidden: bool,
+             last_only: bool) -> torch.Tensor:
         device = self.model.device
-        started = self._clock()
-        pack = segments_for(rows, [len(part) for part in ids])
-        positions = [
-            p for row, part in zip(rows, ids) for p in range(_length(row), _length(row) + len(part))
-        ]
-        input_ids = to_device([[t for part in ids for t in part]], device)
+        input_ids = to_device([flat_ids], device)
         position_ids = to_device([positions], device)
         with packed_attention(self.network):
             if hidden:
-                out = self.decoder(input_ids=input_ids, position_ids=position_ids, **pack_kwargs(pack, device))
-                features = out.last_hidden_state[0]
-            else:
-                out = self.network(
-                    input_ids=input_ids, position_ids=position_ids, logits_to_keep=1 if last_only else 0,
-                    **pack_kwargs(pack, device),
-                )
-                features = out.logits[0]
-        self._count(rows, ids, started, last_only)
-        pack.commit()
-        return features
+                out = self.decoder(input_ids=input_ids, position_ids=position_ids, **pack_kwargs(layout, device))
+                return out.last_hidden_state[0]
+            out = self.network(
+                input_ids=input_ids, position_ids=position_ids, logits_to_keep=1 if last_only else 0,
+                **pack_kwargs(layout, device),
+            )
+            return out.logits[0]
 
     def _clock(self) -> float | None:
         if self.stats is None:
@@ -169,31 +175,36 @@ class RowForward:
             torch.cuda.synchronize(self.model.device)
         return time.perf_counter()
 
-    def _count(self, rows, ids, started, prefill: bool) -> None:
-        stats = self.stats
-        if stats is None:
-            return
-        elapsed = self._clock() - started
-        real = [row for row in rows if row is not None]
-        if prefill:
-            stats.prefill_seconds += elapsed
-            stats.prefill_calls += 1
-            stats.prefill_tokens += sum(len(part) for part in ids)
-        else:
-            stats.decode_seconds += elapsed
+    def prefill(self, row: RowKV, ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
+        """Append ``ids`` (a prompt or a chunk of one) to ``row``; the output at the last token (1-D)."""
+        started = self._clock()
+        pack = segments_for([row], [len(ids)])
+        features = self._run(pack, list(ids), list(range(row.length, row.length + len(ids))), hidden=hidden,
+                             last_only=True)
+        pack.commit()
+        if self.stats is not None:
+            self.stats.prefill_seconds += self._clock() - started
+            self.stats.prefill_calls += 1
+            self.stats.prefill_tokens += len(ids)
+        return features[-1]
+
+    def decode(self, rows: Sequence[StoredRow | None], ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
+        """Append ``ids[i]`` to ``rows[i]`` (rows of :class:`~invink_audit.rows.KVStore` s, every row of
+        which must take part; ``None``: a placeholder); outputs (rows, features)."""
+        started = self._clock()
+        for row in rows:
+            if row is not None:
+                row.ready()
+        plan = DecodePlan(rows, self.model.device, to_device)
+        features = self._run(plan, list(ids), plan.positions(), hidden=hidden, last_only=False)
+        if self.stats is not None:
+            stats = self.stats
+            stats.decode_seconds += self._clock() - started
             stats.decode_calls += 1
+            real = [row for row in rows if row is not None]
             stats.decode_rows += len(real)
             stats.placeholder_rows += len(rows) - len(real)
             stats.kv_tokens += sum(row.length + 1 for row in real)
-
-    def prefill(self, row: RowKV, ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
-        """Append ``ids`` to ``row``; the output at the last token (1-D)."""
-        return self.run([row], [ids], hidden=hidden, last_only=True)[-1]
-
-    def decode(self, rows: Sequence[RowKV | None], ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
-        """Append ``ids[i]`` to ``rows[i]`` (``None``: placeholder); outputs (rows, features)."""
-        return self.run(rows, [[t] for t in ids], hidden=hidden, last_only=False)
-
-
-def _length(row: RowKV | None) -> int:
-    return 0 if row is None else row.length
+            stats.kv_processed += sum(group.bucket.width * (group.stop - group.start) for group in plan.groups)
+        plan.commit()
+        return features

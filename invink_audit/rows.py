@@ -26,12 +26,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION_NAME", "Pack", "RowKV", "Segment", "packed_attention"]
+__all__ = [
+    "ATTENTION_NAME",
+    "DecodePlan",
+    "KVStore",
+    "Pack",
+    "RowKV",
+    "Segment",
+    "StoredRow",
+    "bucket_length",
+    "packed_attention",
+]
 
 #: Name of the attention implementation registered with transformers.
 ATTENTION_NAME = "invink_rows"
@@ -122,6 +133,204 @@ class Pack:
                 segment.row.length += segment.count
 
 
+# --------------------------------------------------------------------------------------------
+# decoding: rows in length buckets, one batched attention per bucket
+
+
+def bucket_length(length: int) -> int:
+    """The attention length of a row with ``length`` cached tokens: ``length`` rounded up to a multiple of
+    ``max(16, 2**(floor(log2 length) - 3))`` (at most 1/8 more, about 6% on average).
+
+    A function of the row's own length only: which other rows share its bucket cannot change the
+    shapes of its arithmetic.
+    """
+    step = max(16, 1 << max(0, length.bit_length() - 4))
+    return -(-length // step) * step
+
+
+class StoredRow:
+    """A decoding row's place in a :class:`KVStore`: its bucket, its slot there, its cached length."""
+
+    __slots__ = ("store", "bucket", "slot", "length")
+
+    def __init__(self, store: KVStore | None, bucket: _Bucket, slot: int, length: int):
+        self.store, self.bucket, self.slot, self.length = store, bucket, slot, length
+
+    def ready(self) -> None:
+        """Before a decoding pass: move to the bucket of the next length if that changed."""
+        self.store.ready(self)
+
+
+class _Bucket:
+    """Rows of one attention length ``width``: per layer, keys and values ``(capacity, kv_heads, width,
+    head_dim)``; rows in use occupy slots ``0..len(rows)`` (compact), unused positions hold zeros or
+    another row's old (finite) values, always masked."""
+
+    def __init__(self, width: int, num_layers: int):
+        self.width = width
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.rows: list[StoredRow] = []
+
+    def _room(self, like: torch.Tensor) -> None:
+        """Make room for one more row (capacity doubles; zero-filled)."""
+        count = len(self.rows)
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is None or count >= k.shape[0]:
+                capacity = max(4, 2 * count)
+                shape = (capacity, like.shape[1], self.width, like.shape[3])
+                grown_k, grown_v = like.new_zeros(shape), like.new_zeros(shape)
+                if k is not None and count:
+                    grown_k[:count].copy_(k[:count])
+                    grown_v[:count].copy_(v[:count])
+                self.keys[layer], self.values[layer] = grown_k, grown_v
+
+    def add(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], length: int) -> StoredRow:
+        """A new row holding ``keys[layer][..., :length, :]`` (any leading shape ``(1, kv_heads)``)."""
+        self._room(keys[0])
+        row = StoredRow(None, self, len(self.rows), length)
+        self.rows.append(row)
+        for layer in range(len(self.keys)):
+            self.keys[layer][row.slot, :, :length].copy_(keys[layer][0, :, :length])
+            self.values[layer][row.slot, :, :length].copy_(values[layer][0, :, :length])
+        return row
+
+    def remove(self, row: StoredRow) -> None:
+        """Take ``row`` out; the last row moves into its slot (slots stay compact)."""
+        last = self.rows.pop()
+        if last is not row:
+            for layer in range(len(self.keys)):
+                self.keys[layer][row.slot, :, : last.length].copy_(self.keys[layer][last.slot, :, : last.length])
+                self.values[layer][row.slot, :, : last.length].copy_(self.values[layer][last.slot, :, : last.length])
+            last.slot = row.slot
+            self.rows[row.slot] = last
+        row.bucket = None
+
+
+class KVStore:
+    """The caches of decoding rows, grouped by :func:`bucket_length` so that one attention call serves
+    every row of a bucket: each row's arithmetic has the shapes of its own bucket, and the matrix
+    products and softmax of a batch compute each row independently of the others (bitwise, checked in
+    ``tests/test_engine_rows.py``). Keep public rows and private rows in separate stores, so the public
+    rows' attention never shares a call with a private row."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.buckets: dict[int, _Bucket] = {}
+
+    def _bucket(self, width: int) -> _Bucket:
+        if width not in self.buckets:
+            self.buckets[width] = _Bucket(width, self.num_layers)
+        return self.buckets[width]
+
+    def insert(self, row: RowKV) -> StoredRow:
+        """Move a prefilled row in (its cache is copied; the :class:`RowKV` can be dropped)."""
+        stored = self._bucket(bucket_length(row.length + 1)).add(row.keys, row.values, row.length)
+        stored.store = self
+        return stored
+
+    def remove(self, row: StoredRow) -> None:
+        if row.bucket is not None:
+            row.bucket.remove(row)
+
+    def ready(self, row: StoredRow) -> None:
+        """Before a decoding pass: move ``row`` to the bucket of its next length if that changed."""
+        width = bucket_length(row.length + 1)
+        old = row.bucket
+        if old.width == width:
+            return
+        keys = [k[row.slot : row.slot + 1] for k in old.keys]
+        values = [v[row.slot : row.slot + 1] for v in old.values]
+        moved = self._bucket(width).add(keys, values, row.length)
+        old.remove(row)
+        row.bucket, row.slot = moved.bucket, moved.slot
+        moved.bucket.rows[moved.slot] = row
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """The rows of one bucket in a decoding pass: ``start:stop`` in the plan's bucket order, their
+    cached lengths (where each new token goes), and their masks."""
+
+    bucket: _Bucket
+    start: int
+    stop: int
+    positions: torch.Tensor  # (n,) int64
+
+    def visible(self, window: int | None, cache: dict) -> torch.Tensor:
+        """(n, 1, 1, width) bool: key j is visible to the new token at ``positions`` (and in the window)."""
+        key = (self.start, window)
+        if key not in cache:
+            j = torch.arange(self.bucket.width, device=self.positions.device)
+            mask = j <= self.positions[:, None]
+            if window is not None:
+                mask &= j > self.positions[:, None] - window
+            cache[key] = mask[:, None, None, :]
+        return cache[key]
+
+
+class DecodePlan:
+    """The layout of one decoding pass: one token per row, rows of :class:`KVStore` s or placeholders.
+
+    ``order`` lists the pack positions of the stored rows bucket by bucket (slot order within a
+    bucket), so that each bucket's queries, keys and outputs are one slice of a single gathered tensor.
+    """
+
+    def __init__(self, rows: Sequence[StoredRow | None], device: torch.device, to_device):
+        self.rows = list(rows)
+        self.placeholders = to_device([i for i, r in enumerate(self.rows) if r is None], device)
+        where = {id(r): i for i, r in enumerate(self.rows) if r is not None}
+        buckets = {id(r.bucket): r.bucket for r in self.rows if r is not None}
+        order, lengths, self.groups = [], [], []
+        for bucket in buckets.values():
+            start = len(order)
+            order += [where[id(r)] for r in bucket.rows]
+            lengths += [r.length for r in bucket.rows]
+            self.groups.append((bucket, start, len(order)))
+        self.order = to_device(order, device)
+        positions = to_device(lengths, device)
+        self.groups = [_Group(b, a, z, positions[a:z]) for b, a, z in self.groups]
+        self.masks: dict = {}
+
+    def positions(self) -> list[int]:
+        return [0 if r is None else r.length for r in self.rows]
+
+    def commit(self) -> None:
+        for row in self.rows:
+            if row is not None:
+                row.length += 1
+
+
+def _decode_attention(plan: DecodePlan, layer, query, key, value, scaling, window) -> torch.Tensor:
+    """One new token per row: for each bucket, write the rows' new keys/values at their lengths, then
+    one batched attention over the bucket's width (positions beyond a row's length masked)."""
+    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+    groups, count = heads // kv_heads, query.shape[2]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    # the stored rows' queries, keys and values gathered once, bucket by bucket
+    queries = query[0].transpose(0, 1).index_select(0, plan.order).view(-1, kv_heads, groups, head_dim)
+    new_keys = key[0].transpose(0, 1).index_select(0, plan.order)  # (rows, kv_heads, head_dim)
+    new_values = value[0].transpose(0, 1).index_select(0, plan.order)
+    outputs = torch.empty_like(queries)
+    for group in plan.groups:
+        n, bucket, part = group.stop - group.start, group.bucket, slice(group.start, group.stop)
+        keys, values = bucket.keys[layer], bucket.values[layer]
+        slots = torch.arange(n, device=query.device)
+        keys[slots, :, group.positions] = new_keys[part]
+        values[slots, :, group.positions] = new_values[part]
+        scores = torch.matmul(queries[part], keys[:n].transpose(-1, -2)).mul_(scale)
+        scores.masked_fill_(~group.visible(window, plan.masks), -math.inf)
+        # softmax in float32 at least (as transformers' eager attention does for half precision)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        torch.matmul(weights.to(values.dtype), values[:n], out=outputs[part])
+    output = query.new_empty((count, heads, head_dim))
+    output.index_copy_(0, plan.order, outputs.view(-1, heads, head_dim))
+    if plan.placeholders.numel():  # one token attending to itself: its value
+        own = value[0].transpose(0, 1).index_select(0, plan.placeholders).repeat_interleave(groups, dim=1)
+        output.index_copy_(0, plan.placeholders, own)
+    return output[None]
+
+
 def _visible(count: int, past: int, window: int | None, device) -> torch.Tensor | None:
     """Boolean mask (count, past + count): query i (position past + i) sees key j iff j <= past + i and,
     with a sliding window W, j > past + i - W. None when plain causal attention from 0 is exact."""
@@ -153,7 +362,7 @@ def rows_attention(
     new tokens; the segment's keys and values are appended to its row's cache, then its queries attend
     to that cache (causally, within the sliding window if any). Returns (1, N, heads, head_dim).
     """
-    pack: Pack | None = kwargs.get(_PACK_KWARG)
+    pack: Pack | DecodePlan | None = kwargs.get(_PACK_KWARG)
     if pack is None:
         raise RuntimeError(
             f"the {ATTENTION_NAME!r} attention needs the engine's packed layout; this forward pass did not pass it"
@@ -164,6 +373,8 @@ def rows_attention(
         raise ValueError("attention dropout must be off (the model is in evaluation mode)")
     layer = module.layer_idx
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    if isinstance(pack, DecodePlan):
+        return _decode_attention(pack, layer, query, key, value, scaling, window), None
     heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
     groups = heads // kv_heads
     output = query.new_empty((1, query.shape[2], heads, head_dim))
@@ -219,7 +430,7 @@ def packed_attention(network: torch.nn.Module) -> Iterator[None]:
         config._attn_implementation = previous
 
 
-def pack_kwargs(pack: Pack, device: torch.device) -> dict:
+def pack_kwargs(pack: Pack | DecodePlan, device: torch.device) -> dict:
     """Keyword arguments of a packed forward pass: the layout, no cache object, and a prepared 4-D mask
     placeholder (transformers returns a 4-D mask as given and builds none; the attention ignores it)."""
     return {

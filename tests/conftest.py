@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # `ci` is deterministic (derandomized, no example database, no deadline): CI never flakes on a
@@ -20,3 +21,12 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, max_examples=50)
 settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny, tmp_path_factory):
+    """The requesting module's ``tiny`` model saved as a local model directory (for CLI and path loads)."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny.model.save_pretrained(path)
+    tiny.tokenizer.save_pretrained(path)
+    return path

@@ -49,13 +49,6 @@ def tiny():
     return build_tiny_model(seed=5)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny.model.save_pretrained(path)
-    tiny.tokenizer.save_pretrained(path)
-    return path
-
 
 def _generate(tiny, **kwargs):
     options = dict(batch_size=B, max_new_tokens=T, delta=1e-6, epsilon=5.0, model=tiny, top_k=8)

@@ -53,13 +53,6 @@ def tiny():
     return build_tiny_model(seed=5)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny.model.save_pretrained(path)
-    tiny.tokenizer.save_pretrained(path)
-    return path
-
 
 @pytest.fixture
 def no_engine(monkeypatch):
