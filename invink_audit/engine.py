@@ -15,18 +15,21 @@ equal the public logits exactly (replace-by-null adjacency, paper §3). The piec
 **Cost proportional to real tokens.** Prompts are prefilled row by row, in chunks of at most
 ``max_prefill_tokens`` (so a huge reference neither blows memory nor, while other texts decode,
 stalls them: at most a few chunks run per step). A decoding step is one forward pass over every row of
-every text in progress, packed without padding; attention reads each row's own cache.
+every text in progress, packed without padding; for attention, rows sit in buckets of their own
+length rounded up by at most 1/8 (:class:`~invink_audit.rows.KVStore`).
 
-**Rows do not leak into each other.** Every operation that touches a row has shapes that do not
-depend on any private reference: attention is per row; a decoding pass always has ``B + 1`` rows per
-text in progress (a null reference, or a text still being prefilled, contributes a placeholder row);
-texts enter and leave only when texts finish; the step's arithmetic runs over every text in progress.
-So the public row's logits are bitwise the same whatever the private references are
-(``tests/test_engine_rows.py``), and the null row is the public row of the neighbouring dataset, as
-the analysis assumes.
+**Rows do not leak into each other.** Every operation that touches the public row has shapes fixed by
+public information: prefill is per row; a decoding pass always has ``B + 1`` rows per text in
+progress (a null reference, or a text still being prefilled, contributes a placeholder row); texts
+enter and leave only when texts finish; each public row has an attention call of its own; the step's
+arithmetic runs over every text in progress. So the public row's logits are bitwise the same whatever
+the private references are (``tests/test_engine_rows.py``), and the null row is the public row of the
+neighbouring dataset, as the analysis assumes. Private rows of one length bucket share a batched
+attention call; on CPU its products compute each row bitwise independently of the others (tested).
 
-**Randomness per text.** One key is drawn from the caller's generator per :meth:`Engine.generate`
-call; text ``i`` samples from its own stream keyed by that key and its stream id (Gumbel-max over the
+**Randomness per text.** One 128-bit key per :meth:`Engine.generate` call comes from the caller's
+generator (:func:`invink_audit.mechanism.run_key`); text ``i`` samples from its own stream keyed by
+that key and its stream id (``_Stream``: Philox with the whole key on CPU) (Gumbel-max over the
 vocabulary, :func:`invink_audit.mechanism.gumbel_argmax`), so a text's tokens do not depend on which
 texts share its forward passes (with a fixed seed: the same tokens together, alone, or with another
 ``max_batch_rows``, up to the matrix kernels' batch effects in the last bit).
@@ -60,22 +63,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy
 import torch
 
+from invink_audit.forward import ForwardStats, RowForward, check_packed_attention, output_layer_split, to_device
 from invink_audit.mechanism import (
     ACCUMULATION_DTYPE,
     MechanismConfig,
     NeighbourLogProbs,
+    derive_key,
     gumbel_argmax,
+    run_key,
     support_log_probs,
     topk_plus_support,
 )
-from invink_audit.forward import ForwardStats, RowForward, output_layer_split, to_device
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest
 from invink_audit.rows import RowKV, StoredRow
@@ -162,10 +167,26 @@ SamplingRule = Callable[[DecodeStep], torch.Tensor]
 # per-text state
 
 
-def _stream_seed(master: int, stream: int) -> int:
-    """A 63-bit seed for text ``stream`` of a run keyed by ``master`` (BLAKE2b of the pair)."""
-    digest = hashlib.blake2b(f"{master}:{stream}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+class _Stream:
+    """One text's uniforms: V float64 draws in [0, 1) per step, keyed by 128 bits (run key, stream id).
+
+    On CPU a counter-based Philox generator (numpy) takes the whole 128-bit key; torch's CPU generator
+    would keep only 32 bits of a seed, so texts of a large run could share their noise. On CUDA torch's
+    Philox generator, seeded with 64 bits of the key, draws on the device.
+    """
+
+    def __init__(self, key: int, device: torch.device):
+        self.device = device
+        if device.type == "cpu":
+            self.numpy = numpy.random.Generator(numpy.random.Philox(key=key))
+        else:
+            self.torch = torch.Generator(device=device)
+            self.torch.manual_seed(key & (2**64 - 1))
+
+    def uniforms(self, size: int) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.from_numpy(self.numpy.random(size))
+        return torch.rand(size, dtype=ACCUMULATION_DTYPE, device=self.device, generator=self.torch)
 
 
 class _Text:
@@ -177,7 +198,7 @@ class _Text:
     until the text draws its first token.
     """
 
-    def __init__(self, request_index: int, request: TextRequest, stream_seed: int, num_layers: int, reserve: int, device):
+    def __init__(self, request_index: int, request: TextRequest, stream_key: int, num_layers: int, reserve: int, device):
         self.request_index = request_index
         self.request = request
         prompts = [request.public_ids, *request.private_ids]
@@ -188,8 +209,7 @@ class _Text:
         self.states: list[torch.Tensor | None] = [None] * len(prompts)
         self.stored: list[StoredRow | None] | None = None  # the rows once decoding (in the run's stores)
         self.next_row = 0  # first row whose prefill is not complete
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(stream_seed)
+        self.stream = _Stream(stream_key, device)
         self.tokens: list[int] = []
         self.size_sum = 0.0
         self.size_sq_sum = 0.0
@@ -278,6 +298,7 @@ class Engine:
         self.max_batch_rows = rows
         self.max_prefill_tokens = prefill
         self.share_prefill = share_prefill
+        check_packed_attention(model)
         self.forward = RowForward(model)
         self._split = output_layer_split(model) if support_only else None
         if self._split is not None:
@@ -322,8 +343,8 @@ class Engine:
         if not requests:
             return
         streams = list(range(len(requests))) if stream_ids is None else [int(s) for s in stream_ids]
-        master = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-        run = _Run(self, requests, [_stream_seed(master, s) for s in streams], max_new_tokens, stop_at_eos)
+        key = run_key(generator)  # 128 bits; one host transfer per call at most
+        run = _Run(self, requests, [derive_key(key, s) for s in streams], max_new_tokens, stop_at_eos)
         hooks = _Hooks(observer, sampling_rule, neighbours)
         while not run.done:
             finished, drawn = run.step(hooks)
@@ -398,7 +419,9 @@ class _Run:
         self.shared: dict[tuple[int, ...], tuple[RowKV, torch.Tensor]] = {}
         self.eos = frozenset(engine.model.eos_token_ids)
         # decoding rows' caches: public rows apart, so their attention never shares a call with a private row
-        self.public_store, self.private_store = engine.forward.new_store(), engine.forward.new_store()
+        # (each public row alone: its attention's shapes depend on nothing else, on any device)
+        self.public_store = engine.forward.new_store(solo=True)
+        self.private_store = engine.forward.new_store()
         self.width = None  # columns gathered for the private rows (Top-k+ path), grown on overflow
 
     @property
@@ -578,7 +601,7 @@ class _StepMath:
         null = to_device([[p is None for p in t.prompts[1:]] for t in self.run.texts], device, torch.bool)
         uniforms = torch.zeros((len(self.run.texts), self.vocab_size), dtype=ACCUMULATION_DTYPE, device=device)
         for slot, text in zip(ready, texts):
-            uniforms[slot] = torch.rand(self.vocab_size, dtype=ACCUMULATION_DTYPE, device=device, generator=text.generator)
+            uniforms[slot] = text.stream.uniforms(self.vocab_size)
         if not hooks.any:
             values = self._draw_support(rows[:, 0], rows[:, 1:], null, uniforms)
             values = [values[s] for s in ready]

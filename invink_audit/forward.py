@@ -28,7 +28,19 @@ from invink_audit.rows import (
     segments_for,
 )
 
-__all__ = ["ForwardStats", "OutputLayerSplit", "RowForward", "output_layer_split", "to_device"]
+__all__ = [
+    "ForwardStats",
+    "OutputLayerSplit",
+    "RowForward",
+    "UnsupportedModelError",
+    "check_packed_attention",
+    "output_layer_split",
+    "to_device",
+]
+
+
+class UnsupportedModelError(ValueError):
+    """The model's attention is not what the packed rows reproduce (e.g. attention sinks, ALiBi)."""
 
 
 def to_device(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
@@ -148,9 +160,9 @@ class RowForward:
     def new_row(self, reserve: int) -> RowKV:
         return RowKV(self.num_layers, reserve)
 
-    def new_store(self) -> KVStore:
-        """A store for decoding rows (keep public and private rows in separate stores)."""
-        return KVStore(self.num_layers)
+    def new_store(self, *, solo: bool = False) -> KVStore:
+        """A store for decoding rows (``solo``: one attention call per row; see :class:`KVStore`)."""
+        return KVStore(self.num_layers, solo=solo)
 
     @torch.inference_mode()
     def _run(self, layout: Pack | DecodePlan, flat_ids: list[int], positions: list[int], *, hidden: bool,
@@ -208,3 +220,57 @@ class RowForward:
             stats.kv_processed += sum(group.bucket.width * (group.stop - group.start) for group in plan.groups)
         plan.commit()
         return features
+
+
+def check_packed_attention(model: LoadedModel) -> None:
+    """Refuse a model whose own forward pass the packed rows do not reproduce.
+
+    The rows' attention (:mod:`invink_audit.rows`) is plain scaled dot-product attention, causal, with an
+    optional sliding window; an architecture with more (attention sinks, ALiBi or other position
+    biases, soft-capping, a layer that bypasses transformers' attention interface) would be computed
+    wrongly, or would attend across rows. Probe: two rows of different lengths, prefilled in two chunks
+    and decoded for two steps next to a placeholder, against the model's own uncached forward pass of
+    each row, logit by logit (16 units in the last place of the model's dtype, relative to the largest
+    logit, plus float32 accumulation noise). Raises :class:`UnsupportedModelError`.
+    """
+    vocab = model.vocab_size
+    prompts = [[(7919 * i + 3) % vocab for i in range(1, 12)], [(104729 * i + 5) % vocab for i in range(1, 7)]]
+    steps = [[(31 * i + 11) % vocab, (37 * i + 13) % vocab] for i in range(2)]
+    forward = RowForward(model)
+    try:
+        with torch.inference_mode():
+            store, got = forward.new_store(), []
+            stored = []
+            for prompt in prompts:
+                row = forward.new_row(2)
+                forward.prefill(row, prompt[:4], hidden=False)
+                got.append([forward.prefill(row, prompt[4:], hidden=False)])
+                stored.append(store.insert(row))
+            for t in range(2):
+                out = forward.decode([stored[0], None, stored[1]], [steps[0][t], 0, steps[1][t]], hidden=False)
+                got[0].append(out[0])
+                got[1].append(out[2])
+            worst = 0.0
+            for prompt, tokens, outs in zip(prompts, steps, got):
+                ids = torch.tensor([prompt + tokens], device=model.device)
+                expected = model.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : len(prompt) + 2]
+                actual = torch.stack(outs).to(expected.dtype)
+                scale = float(expected.abs().max()) + 1.0
+                tolerance = 16 * torch.finfo(expected.dtype).eps * scale + 64 * torch.finfo(torch.float32).eps * scale
+                if not bool(torch.isfinite(actual).all()):
+                    worst = float("inf")
+                else:
+                    worst = max(worst, float((actual - expected).abs().max()) / tolerance)
+    except UnsupportedModelError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the probe means: not supported
+        raise UnsupportedModelError(
+            f"model {model.name!r}: the engine's packed rows cannot run this architecture ({type(err).__name__}: "
+            f"{err}); supported: plain scaled dot-product attention, full or sliding-window"
+        ) from err
+    if worst > 1.0:
+        raise UnsupportedModelError(
+            f"model {model.name!r}: the engine's packed rows do not reproduce this model's attention (probe off "
+            f"by {worst:.1f}x its tolerance); supported: plain scaled dot-product attention, full or "
+            "sliding-window (not attention sinks, ALiBi or other position biases)"
+        )

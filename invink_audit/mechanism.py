@@ -37,10 +37,12 @@ costs no privacy.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import numbers
 import secrets
 import warnings
+import weakref
 
 import torch
 
@@ -53,9 +55,11 @@ __all__ = [
     "SeededGeneratorWarning",
     "dclip_aggregate",
     "gumbel_argmax",
+    "derive_key",
     "make_generator",
     "naive_clip_aggregate",
     "neighbour_log_probs",
+    "run_key",
     "sample_tokens",
     "support_log_probs",
     "token_log_probs",
@@ -614,15 +618,24 @@ def neighbour_log_probs(
 # sampling
 
 
+# Keys of generators made by make_generator: 128 bits from the OS (or the seed), and how many runs
+# have drawn from it. torch's CPU generator keeps only 32 bits of a seed, so the engine takes its
+# randomness from these keys, not from the generator's state (run_key).
+_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu") -> torch.Generator:
     """A ``torch.Generator`` on ``device``, seeded from the OS (``secrets``) unless ``seed`` is given.
 
     A fixed ``seed`` makes the output reproducible and therefore *not private*; it is meant for tests
-    and audits, and it emits a :class:`SeededGeneratorWarning` saying so.
+    and audits, and it emits a :class:`SeededGeneratorWarning` saying so. The generator also carries a
+    128-bit key (from the OS, or the seed) for :func:`run_key`: torch's CPU generator keeps only 32
+    bits of its seed, too few to key private sampling.
     """
     generator = torch.Generator(device=device)
     if seed is None:
-        generator.manual_seed(secrets.randbits(63))
+        key = secrets.randbits(128)
+        generator.manual_seed(key >> 65)
     else:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
@@ -632,7 +645,32 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
             stacklevel=2,
         )
         generator.manual_seed(int(seed))
+        key = int(seed)
+    _KEYS[generator] = [key, 0]
     return generator
+
+
+def run_key(generator: torch.Generator) -> int:
+    """A fresh 128-bit key for one sampling run, derived from ``generator``.
+
+    For a generator from :func:`make_generator`: BLAKE2b of its 128-bit key and a per-generator run
+    counter (each call gives another key; a seeded generator gives the same sequence of keys). For any
+    other generator, 128 bits drawn from it, so its entropy is that of its seed (32 bits for torch's CPU
+    generator: use :func:`make_generator` for private sampling).
+    """
+    entry = _KEYS.get(generator)
+    if entry is None:
+        words = torch.randint(0, 2**32, (4,), generator=generator, device=generator.device).tolist()
+        return sum(int(w) << (32 * i) for i, w in enumerate(words))
+    entry[1] += 1
+    return derive_key(entry[0], entry[1])
+
+
+def derive_key(key: int, *labels: int) -> int:
+    """A 128-bit key for ``labels`` under ``key`` (BLAKE2b-128 of their decimal digits): independent
+    streams for every (run, text)."""
+    text = ":".join(str(int(part)) for part in (key, *labels))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest(), "little")
 
 
 def gumbel_argmax(log_probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -167,6 +167,7 @@ class _Bucket:
     another row's old (finite) values, always masked."""
 
     def __init__(self, width: int, num_layers: int):
+        self.key: object = width
         self.width = width
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
@@ -210,18 +211,30 @@ class _Bucket:
 class KVStore:
     """The caches of decoding rows, grouped by :func:`bucket_length` so that one attention call serves
     every row of a bucket: each row's arithmetic has the shapes of its own bucket, and the matrix
-    products and softmax of a batch compute each row independently of the others (bitwise, checked in
-    ``tests/test_engine_rows.py``). Keep public rows and private rows in separate stores, so the public
-    rows' attention never shares a call with a private row."""
+    products and softmax of a batch compute each row independently of the others (bitwise on CPU,
+    checked in ``tests/test_engine_rows.py``). ``solo=True`` gives every row a bucket of its own (one
+    call per row: its shapes depend on nothing but itself, on any device); the engine keeps the public
+    rows so. Buckets that empty are dropped (their memory freed)."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, *, solo: bool = False):
         self.num_layers = num_layers
-        self.buckets: dict[int, _Bucket] = {}
+        self.solo = solo
+        self.buckets: dict[object, _Bucket] = {}
+        self._made = 0
 
     def _bucket(self, width: int) -> _Bucket:
-        if width not in self.buckets:
-            self.buckets[width] = _Bucket(width, self.num_layers)
-        return self.buckets[width]
+        key = (width, self._made) if self.solo else width
+        self._made += 1
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket(width, self.num_layers)
+            self.buckets[key].key = key
+        return self.buckets[key]
+
+    def _take_out(self, row: StoredRow) -> None:
+        bucket = row.bucket
+        bucket.remove(row)
+        if not bucket.rows:  # an empty bucket frees its memory
+            del self.buckets[bucket.key]
 
     def insert(self, row: RowKV) -> StoredRow:
         """Move a prefilled row in (its cache is copied; the :class:`RowKV` can be dropped)."""
@@ -231,7 +244,7 @@ class KVStore:
 
     def remove(self, row: StoredRow) -> None:
         if row.bucket is not None:
-            row.bucket.remove(row)
+            self._take_out(row)
 
     def ready(self, row: StoredRow) -> None:
         """Before a decoding pass: move ``row`` to the bucket of its next length if that changed."""
@@ -242,7 +255,7 @@ class KVStore:
         keys = [k[row.slot : row.slot + 1] for k in old.keys]
         values = [v[row.slot : row.slot + 1] for v in old.values]
         moved = self._bucket(width).add(keys, values, row.length)
-        old.remove(row)
+        self._take_out(row)
         row.bucket, row.slot = moved.bucket, moved.slot
         moved.bucket.rows[moved.slot] = row
 
@@ -395,11 +408,10 @@ def rows_attention(
             out = F.scaled_dot_product_attention(q, keys, values, scale=scaling)
             output[0, first] = out.reshape(heads, head_dim)
             continue
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
         mask = _visible(segment.count, past, window, query.device)
         out = F.scaled_dot_product_attention(
-            query[:, :, first:last], keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling
+            query[:, :, first:last], keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling,
+            enable_gqa=groups > 1,
         )
         output[0, first:last] = out[0].transpose(0, 1)
     return output, None
@@ -419,24 +431,30 @@ def _register() -> None:
 
 @contextlib.contextmanager
 def packed_attention(network: torch.nn.Module) -> Iterator[None]:
-    """Within the block, ``network``'s attention is :func:`rows_attention` (restored afterwards)."""
+    """Within the block, ``network``'s attention is :func:`rows_attention`; every config's own setting is
+    restored afterwards (its sub-configs' too)."""
     _register()
     config = network.config
-    previous = config._attn_implementation
+    configs = [config, *(getattr(config, name, None) for name in getattr(config, "sub_configs", {}))]
+    configs = [c for c in configs if c is not None and hasattr(c, "_attn_implementation_internal")]
+    saved = [c._attn_implementation_internal for c in configs]
     config._attn_implementation = ATTENTION_NAME
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        for part, value in zip(configs, saved):
+            part._attn_implementation_internal = value
 
 
 def pack_kwargs(pack: Pack | DecodePlan, device: torch.device) -> dict:
     """Keyword arguments of a packed forward pass: the layout, no cache object, and a prepared 4-D mask
-    placeholder (transformers returns a 4-D mask as given and builds none; the attention ignores it)."""
+    placeholder (transformers returns a 4-D mask as given and builds none; this attention ignores it)."""
     return {
         _PACK_KWARG: pack,
         "use_cache": False,
-        "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),  # no copy: filled there
+        # a prepared 4-D mask is passed through untouched; all False, so that a layer which bypassed this
+        # attention would attend to nothing and fail loudly (NaN), never across rows
+        "attention_mask": torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device),
     }
 
 
