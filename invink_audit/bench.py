@@ -107,6 +107,7 @@ class BenchResult:
     prompt_tokens: int = 0
     longest_prompt: int = 0
     prefill_efficiency: float = math.nan
+    prefill_tokens_computed: int = 0
     decode_row_efficiency: float = math.nan
     kv_efficiency: float = math.nan
     left_padded_prefill_efficiency: float = math.nan
@@ -461,7 +462,10 @@ def benchmark(
         decode_forward_seconds=stats.decode_seconds,
         prompt_tokens=sum(prompt_lengths),
         longest_prompt=max(prompt_lengths),
-        prefill_efficiency=sum(prompt_lengths) / max(stats.prefill_tokens, 1),
+        # real / processed: no padded token is ever processed (the shared template prefix makes the
+        # tokens computed fewer than the prompt tokens: prefill_tokens_computed)
+        prefill_efficiency=min(1.0, sum(prompt_lengths) / max(stats.prefill_tokens, 1)),
+        prefill_tokens_computed=stats.prefill_tokens,
         decode_row_efficiency=stats.decode_rows / max(stats.decode_rows + stats.placeholder_rows, 1),
         kv_efficiency=stats.kv_tokens / max(stats.kv_processed, 1),
         left_padded_prefill_efficiency=padded_prefill,

@@ -383,6 +383,8 @@ class Engine:
 
 
 _DEFAULT_PREFILL_TOKENS = 512
+# shortest template prefix worth sharing between private rows
+_MIN_PREFIX = 4
 # while texts are decoding, prefill at most this many chunks per step (keeps steps short)
 _PREFILL_CHUNKS_PER_STEP = 4
 
@@ -417,6 +419,7 @@ class _Run:
         self.pending = collections.deque(range(len(requests)))
         self.texts: list[_Text] = []
         self.shared: dict[tuple[int, ...], tuple[RowKV, torch.Tensor]] = {}
+        self.prefixes: dict[tuple[int, ...], RowKV] = {}  # template prefixes' caches (public tokens)
         self.eos = frozenset(engine.model.eos_token_ids)
         # decoding rows' caches: public rows apart, so their attention never shares a call with a private row
         # (each public row alone: its attention's shapes depend on nothing else, on any device)
@@ -455,6 +458,11 @@ class _Run:
             text.rows[index] = cached.copy(self.max_new_tokens)
             text.row_done(state)
             return 0
+        prefix = text.request.private_prefix
+        if index > 0 and row.length == 0 and _MIN_PREFIX <= len(prefix) < len(prompt) and prompt[: len(prefix)] == prefix:
+            # the template's part before the reference: computed once per run, copied (public tokens only)
+            text.rows[index] = row = self._prefix_row(prefix, hidden).copy(0, capacity=len(prompt) + self.max_new_tokens)
+            return 0
         part = prompt[row.length : row.length + chunk]
         state = self.engine.forward.prefill(row, part, hidden=hidden)
         if row.length == len(prompt):
@@ -462,6 +470,14 @@ class _Run:
                 self.shared[prompt] = (row.copy(0), state)
             text.row_done(state)
         return len(part)
+
+    def _prefix_row(self, prefix: tuple[int, ...], hidden: bool) -> RowKV:
+        if prefix not in self.prefixes:
+            row = self.engine.forward.new_row(0)
+            for start in range(0, len(prefix), self.engine.max_prefill_tokens):
+                self.engine.forward.prefill(row, prefix[start : start + self.engine.max_prefill_tokens], hidden=hidden)
+            self.prefixes[prefix] = row
+        return self.prefixes[prefix]
 
     # ---------------------------------------------------------------- one step
 

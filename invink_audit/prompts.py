@@ -246,11 +246,17 @@ class TextRequest:
     ``private_ids[i] is None`` marks a null (empty) reference: its row *is* the public row (the engine
     does not compute it separately), so its logits equal the public logits exactly. ``key`` is an
     arbitrary label returned with the finished text (e.g. the batch index).
+
+    ``private_prefix``: token ids that the template puts before every reference (computed from the
+    template alone, never from the data: :func:`template_prefix`). The engine computes their cache once
+    and copies it into every private row that starts with them (a row whose tokenisation differs at
+    the boundary is prefilled whole), so that shared part of the prompts is not recomputed per row.
     """
 
     public_ids: tuple[int, ...]
     private_ids: tuple[tuple[int, ...] | None, ...]
     key: object = None
+    private_prefix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         public = tuple(self.public_ids)
@@ -269,11 +275,27 @@ class TextRequest:
             raise ValueError("private_ids must hold at least one reference (B >= 1)")
         object.__setattr__(self, "public_ids", public)
         object.__setattr__(self, "private_ids", tuple(private))
+        prefix = tuple(self.private_prefix)
+        if any(not isinstance(t, int) or t < 0 for t in prefix):
+            raise ValueError("private_prefix must be a sequence of non-negative token ids")
+        object.__setattr__(self, "private_prefix", prefix)
 
     @property
     def batch_size(self) -> int:
         """``B``: the number of references (null ones included)."""
         return len(self.private_ids)
+
+
+def template_prefix(tokenizer, template: PromptTemplate, *, plain: bool = False) -> tuple[int, ...]:
+    """The token ids every private prompt of ``template`` starts with, from the template alone: the
+    common prefix of two prompts encoded with two unrelated placeholder references (so no data is
+    looked at), less its last token (a tokenizer may merge it with a reference's first characters)."""
+    first = encode_messages(tokenizer, template.messages("Zq"), plain=plain)
+    second = encode_messages(tokenizer, template.messages("7 ."), plain=plain)
+    count = 0
+    while count < min(len(first), len(second)) and first[count] == second[count]:
+        count += 1
+    return first[: max(count - 1, 0)]
 
 
 def encode_request(
@@ -291,4 +313,5 @@ def encode_request(
         private_ids.append(
             None if not reference else encode_messages(tokenizer, template.messages(reference), plain=plain)
         )
-    return TextRequest(public_ids=public_ids, private_ids=tuple(private_ids), key=key)
+    prefix = template_prefix(tokenizer, template, plain=plain)
+    return TextRequest(public_ids=public_ids, private_ids=tuple(private_ids), key=key, private_prefix=prefix)

@@ -88,14 +88,16 @@ class RowKV:
             grown[:, :, :filled].copy_(buffer[:, :, :filled])
         return grown
 
-    def copy(self, reserve: int) -> RowKV:
-        """An independent copy of the filled part (bitwise), with room for ``reserve`` more tokens."""
+    def copy(self, reserve: int, capacity: int = 0) -> RowKV:
+        """An independent copy of the filled part (bitwise), with room for ``reserve`` more tokens (or
+        ``capacity`` tokens in all, if more)."""
         twin = RowKV(len(self.keys), reserve)
         twin.length = self.length
+        size = max(self.length + reserve, capacity)
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
-                twin.keys[layer] = self._grow(k, k, self.length, self.length + reserve)
-                twin.values[layer] = self._grow(v, v, self.length, self.length + reserve)
+                twin.keys[layer] = self._grow(k, k, self.length, size)
+                twin.values[layer] = self._grow(v, v, self.length, size)
         return twin
 
     @property

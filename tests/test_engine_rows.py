@@ -291,7 +291,11 @@ def test_a_long_reference_is_prefilled_in_chunks_and_the_cache_holds_real_tokens
         engine_module._Text.finished_text = real
     assert sorted(t.request_index for t in texts) == [0, 1] and all(t.num_tokens == 4 for t in texts)
     prompts = [p for r in requests for p in (r.public_ids, *r.private_ids) if p is not None]
-    assert stats.prefill_tokens == sum(len(p) for p in prompts)  # no padding, nothing twice
+    prefix = requests[0].private_prefix
+    sharing = [p for r in requests for p in r.private_ids if p is not None and p[: len(prefix)] == prefix]
+    assert len(prefix) >= 4 and len(sharing) == 5  # the template's part before each reference
+    # no padding, nothing twice: the shared template prefix is computed once
+    assert stats.prefill_tokens == sum(len(p) for p in prompts) - (len(sharing) - 1) * len(prefix)
     assert stats.prefill_calls >= len(prompts) + 20
     assert stats.kv_tokens / stats.kv_processed >= 0.85  # each row padded to its own length bucket only
     for rows in cached:
@@ -408,3 +412,17 @@ def test_kv_store_keeps_only_buckets_in_use():
         row.length = 20
         twins.append(solo.insert(row))
     assert len(solo.buckets) == 3  # one bucket per row: no shared attention call
+
+
+def test_the_shared_template_prefix_is_computed_from_the_template_alone(tiny):
+    """References that all start alike must not lengthen the shared prefix (that would make every row's
+    arithmetic depend on the other references)."""
+    from invink_audit.prompts import template_prefix
+
+    template = get_preset("generic")
+    prefix = template_prefix(tiny.tokenizer, template)
+    request = encode_request(tiny.tokenizer, template, ["The same start, then one thing", "The same start, then two"])
+    assert request.private_prefix == prefix and len(prefix) >= 4
+    a, b = request.private_ids
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert common > len(prefix) and a[: len(prefix)] == prefix

@@ -214,7 +214,8 @@ def format_bench(result) -> str:
         + (" (plain-text prompts: no chat template)" if result.plain_prompts else ""),
         f"  whole workload           {result.workload_token_seconds * ms:.1f} ms per token "
         f"({result.workload_tokens} tokens in {result.workload_seconds:.1f} s, prefill and EOS included)",
-        f"    prefill / decode       {result.prefill_seconds:.1f} s / {result.decode_seconds:.1f} s",
+        f"    prefill / decode       {result.prefill_seconds:.1f} s / {result.decode_seconds:.1f} s "
+        f"({result.prefill_tokens_computed} prompt tokens computed: the template prefix is computed once)",
         f"  padding efficiency       prefill {result.prefill_efficiency:.2f}, KV {result.kv_efficiency:.2f}, "
         f"decode rows {result.decode_row_efficiency:.2f} (left-padded layout: prefill "
         f"{result.left_padded_prefill_efficiency:.2f}, KV {result.left_padded_kv_efficiency:.2f})",
