@@ -353,16 +353,15 @@ def _floor_run(engine: Engine, requests, text_tokens: Sequence[int], device) -> 
     return _Floor(prefill, decode)
 
 
-def _left_padded_efficiency(requests, max_batch_rows: int) -> tuple[float, float]:
-    """(prefill, first-step KV) efficiency of the left-padded layout (every row of a shard padded to
-    its longest prompt), for comparison: real tokens / processed tokens."""
+def _left_padded_efficiency(requests, max_batch_rows: int) -> float:
+    """Efficiency of the left-padded layout (every row of a shard padded to its longest prompt), for
+    comparison: real tokens / processed tokens, of prefill and, the same ratio, of the first step's KV."""
     prompts = _prompts(requests)
-    real = sum(len(p) for p in prompts)
     processed = 0
     for start in range(0, len(prompts), max_batch_rows):
         shard = prompts[start : start + max_batch_rows]
         processed += len(shard) * max(len(p) for p in shard)
-    return real / processed, real / processed
+    return sum(len(p) for p in prompts) / processed
 
 
 def benchmark(
@@ -434,7 +433,7 @@ def benchmark(
         full_engine = Engine(loaded, mechanism, max_batch_rows=engine.max_batch_rows, support_only=False)
         full = _workload_run(full_engine, requests, max_new_tokens, loaded.device)
     stats = workload.stats
-    padded_prefill, padded_kv = _left_padded_efficiency(requests, engine.max_batch_rows)
+    padded = _left_padded_efficiency(requests, engine.max_batch_rows)
     median = statistics.median
     private = median(private_steps) if private_steps else math.nan
     forward = median(forward_steps) if forward_steps else math.nan
@@ -468,8 +467,8 @@ def benchmark(
         prefill_tokens_computed=stats.prefill_tokens,
         decode_row_efficiency=stats.decode_rows / max(stats.decode_rows + stats.placeholder_rows, 1),
         kv_efficiency=stats.kv_tokens / max(stats.kv_processed, 1),
-        left_padded_prefill_efficiency=padded_prefill,
-        left_padded_kv_efficiency=padded_kv,
+        left_padded_prefill_efficiency=padded,
+        left_padded_kv_efficiency=padded,
         one_at_a_time_seconds=alone.seconds if alone else math.nan,
         one_at_a_time_tokens=alone.tokens if alone else 0,
         floor_prefill_seconds=bare.prefill_seconds if bare else math.nan,

@@ -409,10 +409,10 @@ class _Run:
     arithmetic, and a text's rows never see another row (:mod:`invink_audit.rows`).
     """
 
-    def __init__(self, engine: Engine, requests, seeds: list[int], max_new_tokens: int, stop_at_eos: bool):
+    def __init__(self, engine: Engine, requests, keys: list[int], max_new_tokens: int, stop_at_eos: bool):
         self.engine = engine
         self.requests = requests
-        self.seeds = seeds
+        self.keys = keys  # each request's 128-bit stream key
         self.max_new_tokens = max_new_tokens
         self.stop_at_eos = stop_at_eos
         self.device = engine.model.device
@@ -437,7 +437,7 @@ class _Run:
         while self.pending and len(self.texts) < self.engine.max_texts:
             index = self.pending.popleft()
             self.texts.append(
-                _Text(index, self.requests[index], self.seeds[index], self.engine.forward.num_layers,
+                _Text(index, self.requests[index], self.keys[index], self.engine.forward.num_layers,
                       self.max_new_tokens, self.device)
             )
 

@@ -20,12 +20,11 @@ from invink_audit.models import LoadedModel
 from invink_audit.rows import (
     DecodePlan,
     KVStore,
-    Pack,
+    PrefillChunk,
     RowKV,
     StoredRow,
     pack_kwargs,
     packed_attention,
-    segments_for,
 )
 
 __all__ = [
@@ -165,7 +164,7 @@ class RowForward:
         return KVStore(self.num_layers, solo=solo)
 
     @torch.inference_mode()
-    def _run(self, layout: Pack | DecodePlan, flat_ids: list[int], positions: list[int], *, hidden: bool,
+    def _run(self, layout: PrefillChunk | DecodePlan, flat_ids: list[int], positions: list[int], *, hidden: bool,
              last_only: bool) -> torch.Tensor:
         device = self.model.device
         input_ids = to_device([flat_ids], device)
@@ -190,7 +189,7 @@ class RowForward:
     def prefill(self, row: RowKV, ids: Sequence[int], *, hidden: bool) -> torch.Tensor:
         """Append ``ids`` (a prompt or a chunk of one) to ``row``; the output at the last token (1-D)."""
         started = self._clock()
-        pack = segments_for([row], [len(ids)])
+        pack = PrefillChunk(row, len(ids))
         features = self._run(pack, list(ids), list(range(row.length, row.length + len(ids))), hidden=hidden,
                              last_only=True)
         pack.commit()

@@ -679,6 +679,7 @@ def gumbel_argmax(log_probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     ``uniform`` is overwritten (it becomes :math:`-G = \log(-\log U)`). The engine draws each text's
     uniforms from that text's own stream, so a text's tokens do not depend on which texts share its batch.
     """
+    # in place on our own draw: U → log(−log U) = −G, so the score log p − log(−log U) is log p + G
     uniform.clamp_(*_UNIFORM_RANGE).log_().neg_().log_()
     return torch.argmax(torch.sub(log_probs, uniform, out=uniform), dim=-1)
 
@@ -706,7 +707,5 @@ def sample_tokens(log_probs: torch.Tensor, generator: torch.Generator) -> torch.
         if bool(torch.isposinf(row_max).any()):
             raise ValueError("log_probs must not contain +inf")
         raise ValueError("every row of log_probs must have at least one finite entry (a non-empty support)")
-    # in place on our own draw: U → log(−log U) = −G, so the score log p − log(−log U) is log p + G
-    noise = torch.rand(lp.shape, dtype=ACCUMULATION_DTYPE, device=lp.device, generator=generator)
-    noise.clamp_(*_UNIFORM_RANGE).log_().neg_().log_()
-    return torch.argmax(torch.sub(lp, noise, out=noise), dim=-1)
+    uniform = torch.rand(lp.shape, dtype=ACCUMULATION_DTYPE, device=lp.device, generator=generator)
+    return gumbel_argmax(lp, uniform)

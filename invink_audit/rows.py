@@ -1,25 +1,24 @@
-r"""Rows and their key/value cache, without padding: each row attends to its own tokens only.
+r"""Rows and their key/value caches, without padding: each row attends to its own tokens only.
 
 A *row* is one prompt (the public prompt, or the prompt with one reference) and the tokens sampled
-after it. The engine runs many rows through the model at once: their new tokens are *packed* into one
-sequence of shape ``(1, N)`` (every row's tokens contiguous, each with its own position id), so the
-model's linear layers see ``N`` real tokens and no padding. Attention is the only operation that mixes
-tokens, and it is done here, row by row: a row's queries attend to that row's cached keys and values
-and to nothing else, through :func:`torch.nn.functional.scaled_dot_product_attention` on tensors whose
-shapes depend on that row's own length only. No row is padded to another row's length, so
+after it. A row is prefilled alone (:class:`PrefillChunk`, into its :class:`RowKV`), so prefill costs
+its real tokens and never shares a pass with another row. A decoding pass packs one new token per row
+into one sequence of shape ``(1, N)`` (each with its own position id), so the model's linear layers see
+``N`` real tokens and no padding. Attention is the only operation that mixes tokens, and it is done
+here: decoding rows live in a :class:`KVStore`, grouped by :func:`bucket_length` (a function of the
+row's own length), and each bucket's rows attend, in one batched call, to their own keys over the
+bucket's width (positions beyond a row's length masked). So
 
-* the cost is proportional to real tokens (prefill and KV reads), and
-* a row's attention output is a function of that row's own tokens: changing or removing another row
-  cannot change it, not even in the last bit (no shared padding, no shared reduction).
+* the cost is proportional to real tokens (prefill exactly; KV reads within 1/8), and
+* a row's attention has shapes set by its own length only; whether rows sharing a batched call
+  change each other's result in the last bit is the matrix kernels' batch invariance (true on CPU,
+  tested), and a store with ``solo=True`` (the engine's public rows) gives every row its own call.
 
 The attention function is registered with transformers' ``AttentionInterface`` under the name
 :data:`ATTENTION_NAME` and switched on only for the engine's own forward passes
-(:func:`packed_attention`); the pack's layout reaches it through the forward's keyword arguments,
+(:func:`packed_attention`); the pass's layout reaches it through the forward's keyword arguments,
 which transformers passes down to every attention call. Sliding-window layers (``sliding_window`` on
 the module or in the call, e.g. Gemma 3's local layers) attend to the last ``W`` keys of the row.
-
-Every row's keys and values live in per-layer buffers with room for the tokens still to come
-(``reserve``), written in place: a decoding step copies nothing but the new token's keys and values.
 """
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ __all__ = [
     "ATTENTION_NAME",
     "DecodePlan",
     "KVStore",
-    "Pack",
+    "PrefillChunk",
     "RowKV",
-    "Segment",
     "StoredRow",
     "bucket_length",
     "packed_attention",
@@ -106,33 +104,16 @@ class RowKV:
 
 
 @dataclasses.dataclass(frozen=True)
-class Segment:
-    """``count`` consecutive tokens of the pack starting at ``start``, all of one row.
+class PrefillChunk:
+    """The layout of one prefill forward pass: the next ``count`` prompt tokens of one row (rows are
+    prefilled alone, so no row's prefill ever shares a pass with another row)."""
 
-    ``row=None`` is a placeholder row (one token, no cache): it keeps the shapes of a forward pass
-    fixed while a text is still being prefilled; its output is discarded.
-    """
-
-    row: RowKV | None
-    start: int
+    row: RowKV
     count: int
 
-
-@dataclasses.dataclass(frozen=True)
-class Pack:
-    """The layout of one packed forward pass: segments in pack order, covering ``0..num_tokens``."""
-
-    segments: tuple[Segment, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.count for s in self.segments)
-
     def commit(self) -> None:
-        """After the forward pass: every row's cache now holds its new tokens."""
-        for segment in self.segments:
-            if segment.row is not None:
-                segment.row.length += segment.count
+        """After the forward pass: the row's cache now holds the chunk."""
+        self.row.length += self.count
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,13 +352,15 @@ def rows_attention(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function over a :class:`Pack`: each segment attends to its own row only.
+    """transformers attention function over a :class:`PrefillChunk` or a :class:`DecodePlan`: each row
+    attends to its own cache only.
 
-    ``query`` (1, heads, N, head_dim), ``key``/``value`` (1, kv_heads, N, head_dim) hold the pack's
-    new tokens; the segment's keys and values are appended to its row's cache, then its queries attend
-    to that cache (causally, within the sliding window if any). Returns (1, N, heads, head_dim).
+    ``query`` (1, heads, N, head_dim), ``key``/``value`` (1, kv_heads, N, head_dim) hold the pass's new
+    tokens. A prefill chunk's keys and values are appended to its row's cache and its queries attend to
+    that cache (causally, within the sliding window if any); a decoding pass goes to
+    :func:`_decode_attention`. Returns (1, N, heads, head_dim).
     """
-    pack: Pack | DecodePlan | None = kwargs.get(_PACK_KWARG)
+    pack: PrefillChunk | DecodePlan | None = kwargs.get(_PACK_KWARG)
     if pack is None:
         raise RuntimeError(
             f"the {ATTENTION_NAME!r} attention needs the engine's packed layout; this forward pass did not pass it"
@@ -390,33 +373,14 @@ def rows_attention(
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     if isinstance(pack, DecodePlan):
         return _decode_attention(pack, layer, query, key, value, scaling, window), None
-    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
-    groups = heads // kv_heads
-    output = query.new_empty((1, query.shape[2], heads, head_dim))
-    for segment in pack.segments:
-        first, last = segment.start, segment.start + segment.count
-        new_keys, new_values = key[:, :, first:last], value[:, :, first:last]
-        if segment.row is None:  # placeholder: one token attending to itself
-            output[0, first:last] = new_values.repeat_interleave(groups, dim=1).transpose(1, 2)[0]
-            continue
-        past = segment.row.length
-        keys, values = segment.row.append(layer, new_keys, new_values)
-        if segment.count == 1:
-            # one query: attend to the window's keys; the query heads of a key/value head are the
-            # "queries" of one attention call (no copy of the keys for grouped-query attention)
-            if window is not None and keys.shape[2] > window:
-                keys, values = keys[:, :, -window:], values[:, :, -window:]
-            q = query[:, :, first:last].reshape(1, kv_heads, groups, head_dim)
-            out = F.scaled_dot_product_attention(q, keys, values, scale=scaling)
-            output[0, first] = out.reshape(heads, head_dim)
-            continue
-        mask = _visible(segment.count, past, window, query.device)
-        out = F.scaled_dot_product_attention(
-            query[:, :, first:last], keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling,
-            enable_gqa=groups > 1,
-        )
-        output[0, first:last] = out[0].transpose(0, 1)
-    return output, None
+    past = pack.row.length
+    keys, values = pack.row.append(layer, key, value)
+    mask = _visible(pack.count, past, window, query.device)
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling,
+        enable_gqa=query.shape[1] > key.shape[1],
+    )
+    return out.transpose(1, 2), None
 
 
 _REGISTERED = False
@@ -448,7 +412,7 @@ def packed_attention(network: torch.nn.Module) -> Iterator[None]:
             part._attn_implementation_internal = value
 
 
-def pack_kwargs(pack: Pack | DecodePlan, device: torch.device) -> dict:
+def pack_kwargs(pack: PrefillChunk | DecodePlan, device: torch.device) -> dict:
     """Keyword arguments of a packed forward pass: the layout, no cache object, and a prepared 4-D mask
     placeholder (transformers returns a 4-D mask as given and builds none; this attention ignores it)."""
     return {
@@ -458,12 +422,3 @@ def pack_kwargs(pack: Pack | DecodePlan, device: torch.device) -> dict:
         # attention would attend to nothing and fail loudly (NaN), never across rows
         "attention_mask": torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device),
     }
-
-
-def segments_for(rows: Sequence[RowKV | None], counts: Sequence[int]) -> Pack:
-    """A pack of ``counts[i]`` tokens for ``rows[i]``, in order."""
-    segments, start = [], 0
-    for row, count in zip(rows, counts):
-        segments.append(Segment(row, start, count))
-        start += count
-    return Pack(tuple(segments))
