@@ -326,6 +326,7 @@ class Engine:
         stop_at_eos: bool = True,
         progress: Callable[[int], None] | None = None,
         stream_ids: Sequence[int] | None = None,
+        key: int | None = None,
     ) -> Iterator[FinishedText]:
         """Generate one text per request; yields texts as they finish (not in request order).
 
@@ -333,17 +334,20 @@ class Engine:
         ``torch.Generator`` on the model's device (:func:`invink_audit.mechanism.make_generator`): one
         key is drawn from it per call, and text ``i`` samples from its own stream keyed by that key and
         ``stream_ids[i]`` (default: ``i``), so a text's tokens do not depend on which texts share its
-        forward passes. ``neighbours=True`` computes the neighbour log-probabilities every step (use
+        forward passes. ``key`` (a 128-bit integer) replaces the key drawn from ``generator``: a
+        release spread over processes passes its master key and each text's batch index as stream id,
+        so a batch's text does not depend on which process drew it. ``neighbours=True`` computes the neighbour log-probabilities every step (use
         it when the observer or the sampling rule needs them). ``stop_at_eos=False`` ignores
         end-of-sequence tokens (benchmarks). ``progress(n)`` is called after each step with the number
         of tokens drawn.
         """
         requests = list(requests)
-        self._check_arguments(requests, max_new_tokens, generator, stream_ids)
+        self._check_arguments(requests, max_new_tokens, generator, stream_ids, key)
         if not requests:
             return
         streams = list(range(len(requests))) if stream_ids is None else [int(s) for s in stream_ids]
-        key = run_key(generator)  # 128 bits; one host transfer per call at most
+        if key is None:
+            key = run_key(generator)  # 128 bits; one host transfer per call at most
         run = _Run(self, requests, [derive_key(key, s) for s in streams], max_new_tokens, stop_at_eos)
         hooks = _Hooks(observer, sampling_rule, neighbours)
         while not run.done:
@@ -352,7 +356,9 @@ class Engine:
                 progress(drawn)
             yield from finished
 
-    def _check_arguments(self, requests, max_new_tokens, generator, stream_ids) -> None:
+    def _check_arguments(self, requests, max_new_tokens, generator, stream_ids, key=None) -> None:
+        if key is not None and (isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**128):
+            raise ValueError("key must be an integer in [0, 2**128) or None")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
         if not isinstance(generator, torch.Generator):
