@@ -21,10 +21,21 @@ import io
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
-__all__ = ["Partition", "partition_references", "read_references"]
+__all__ = [
+    "LabelGroup",
+    "LabelledBatch",
+    "LabelledPartition",
+    "LabelledReferences",
+    "Partition",
+    "partition_by_labels",
+    "partition_references",
+    "read_labelled_references",
+    "read_references",
+]
 
 _CSV_SUFFIXES = (".csv",)
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -221,4 +232,209 @@ def partition_references(
         num_references=len(cleaned),
         num_leftover=len(cleaned) - available * batch_size,
         num_skipped=available - count,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# label-conditioned partition (paper §5, Yelp: each text is generated from references of one
+# business category and star rating, and prompted with them)
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelledReferences:
+    """References read with their label columns: ``labels[i]`` maps each of ``label_columns`` to the
+    value of record ``i`` (a missing CSV cell or JSON ``null`` reads as ``""``)."""
+
+    texts: tuple[str, ...]
+    labels: tuple[Mapping[str, str], ...]
+    label_columns: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.texts) != len(self.labels):
+            raise ValueError(f"{len(self.texts)} texts but {len(self.labels)} label mappings")
+        columns = tuple(self.label_columns)
+        object.__setattr__(self, "label_columns", columns)
+        frozen = []
+        for i, mapping in enumerate(self.labels):
+            if set(mapping) != set(columns):
+                raise ValueError(f"labels[{i}] must have exactly the label columns {list(columns)}")
+            frozen.append(MappingProxyType({c: mapping[c] for c in columns}))
+        object.__setattr__(self, "texts", tuple(self.texts))
+        object.__setattr__(self, "labels", tuple(frozen))
+
+
+def _check_label_columns(label_columns: Sequence[str], column: str) -> tuple[str, ...]:
+    if isinstance(label_columns, str) or not isinstance(label_columns, Sequence) or not label_columns:
+        raise ValueError(f"label_columns must be a non-empty sequence of column names; got {label_columns!r}")
+    columns = tuple(label_columns)
+    for name in columns:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"each label column must be a non-empty string; got {name!r}")
+    if len(set(columns)) != len(columns):
+        raise ValueError(f"label_columns must not repeat a column; got {list(columns)}")
+    if column in columns:
+        raise ValueError(f"the text column {column!r} cannot also be a label column")
+    return columns
+
+
+def read_labelled_references(
+    source: str | os.PathLike, *, column: str | None = None, label_columns: Sequence[str]
+) -> LabelledReferences:
+    """Read references (``column``, default ``text``) and the ``label_columns`` of each record, in file
+    order, from a ``.csv`` or ``.jsonl`` file. The same rules as :func:`read_references` (encodings,
+    errors that never echo a cell, key or header); each label column is read exactly as a text column is
+    (a missing cell or ``null`` is ``""``). Label values are public attributes of each record's slot (see
+    :func:`partition_by_labels`)."""
+    name = column or "text"
+    columns = _check_label_columns(label_columns, name)
+    texts = read_references(source, column=name)
+    per_column = [read_references(source, column=c) for c in columns]
+    labels = tuple({c: values[i] for c, values in zip(columns, per_column)} for i in range(len(texts)))
+    return LabelledReferences(texts=tuple(texts), labels=labels, label_columns=columns)
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelledBatch:
+    """One batch of ``B`` references that share their labels.
+
+    ``labels``: label column → value (the group's); ``group``: the group's index in
+    :attr:`LabelledPartition.groups`; ``index_in_group``: the batch's position within its group (batch
+    ``j`` holds the group's references ``j·B .. (j+1)·B − 1`` in input order); ``positions``: the
+    references' 0-based positions in the input (for messages that must not echo a reference)."""
+
+    references: tuple[str, ...]
+    labels: Mapping[str, str]
+    group: int
+    index_in_group: int
+    positions: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelGroup:
+    """One label group: its labels, how many references it has, and how many of them are unused."""
+
+    labels: Mapping[str, str]
+    num_references: int
+    num_batches: int
+    num_leftover: int
+    num_skipped: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelledPartition:
+    """Disjoint batches of ``batch_size`` references, each within one label group (paper Corollary 1
+    per group). ``batches`` are ordered by group (groups sorted by their label values), then by
+    ``index_in_group``."""
+
+    batches: tuple[LabelledBatch, ...]
+    groups: tuple[LabelGroup, ...]
+    batch_size: int
+    label_columns: tuple[str, ...]
+    num_references: int
+
+    @property
+    def num_unused(self) -> int:
+        """References in no generated batch (leftovers of each group and skipped batches)."""
+        return self.num_references - len(self.batches) * self.batch_size
+
+
+def partition_by_labels(
+    references: Sequence[str | None],
+    labels: Sequence[Mapping[str, str]],
+    batch_size: int,
+    *,
+    num_texts_per_group: int | None = None,
+) -> LabelledPartition:
+    """Partition ``references`` into disjoint batches of ``batch_size`` *within each label group*.
+
+    Records are grouped by the tuple of their label values (every mapping must have the same
+    columns); a group's batch ``j`` is its references ``j·B .. (j+1)·B − 1`` in input order, and the
+    references that do not fill a last batch of a group are unused (reported per group). Nothing is
+    read from any reference's text: which batch a record lands in depends on its position and the labels
+    of the records before it, never on a text, and an empty reference stays in its slot as a null.
+    ``num_texts_per_group``: use only each group's first batches (``None``: every full batch).
+
+    What this assumes: labels are *public* attributes of each slot. Under replace-by-null adjacency a
+    neighbouring dataset empties one record's text and keeps its label, so it changes exactly one batch
+    (or none) and the batches compose in parallel (paper Corollary 1). Changing a record's *label*
+    moves it to another group and shifts later records of two groups: that is not a neighbour this
+    guarantee covers.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+    if num_texts_per_group is not None and (
+        isinstance(num_texts_per_group, bool) or not isinstance(num_texts_per_group, int) or num_texts_per_group < 1
+    ):
+        raise ValueError(f"num_texts_per_group must be an integer >= 1 or None; got {num_texts_per_group!r}")
+    if isinstance(references, str) or not isinstance(references, Sequence):
+        raise ValueError(f"references must be a sequence of strings; got {type(references).__name__}")
+    if isinstance(labels, (str, Mapping)) or not isinstance(labels, Sequence):
+        raise ValueError("labels must be a sequence of mappings (label column -> value), one per reference")
+    if len(labels) != len(references):
+        raise ValueError(f"got {len(references)} references but {len(labels)} label mappings")
+    if not references:
+        raise ValueError("references must not be empty")
+    columns: tuple[str, ...] | None = None
+    members: dict[tuple[str, ...], list[int]] = {}
+    cleaned: list[str] = []
+    for i, (reference, mapping) in enumerate(zip(references, labels)):
+        if reference is None:
+            reference = ""
+        if not isinstance(reference, str):
+            raise ValueError(f"references[{i}] must be a string or None; got {type(reference).__name__}")
+        _check_unicode(reference, f"references[{i}]")
+        cleaned.append(reference)
+        if not isinstance(mapping, Mapping) or not mapping:
+            raise ValueError(f"labels[{i}] must be a non-empty mapping of label column to value")
+        if columns is None:
+            columns = tuple(sorted(mapping))
+        elif tuple(sorted(mapping)) != columns:
+            raise ValueError(f"labels[{i}] has other label columns than labels[0] (expected {list(columns)})")
+        key = []
+        for name in columns:
+            value = mapping[name]
+            if not isinstance(value, str):
+                raise ValueError(f"labels[{i}][{name!r}] must be a string; got {type(value).__name__}")
+            _check_unicode(value, f"labels[{i}][{name!r}]")
+            key.append(value)
+        members.setdefault(tuple(key), []).append(i)
+    columns = columns or ()
+    batches: list[LabelledBatch] = []
+    groups: list[LabelGroup] = []
+    for group, key in enumerate(sorted(members)):
+        positions = members[key]
+        group_labels = MappingProxyType(dict(zip(columns, key)))
+        available = len(positions) // batch_size
+        count = available if num_texts_per_group is None else min(available, num_texts_per_group)
+        for j in range(count):
+            slot = tuple(positions[j * batch_size : (j + 1) * batch_size])
+            batches.append(
+                LabelledBatch(
+                    references=tuple(cleaned[p] for p in slot),
+                    labels=group_labels,
+                    group=group,
+                    index_in_group=j,
+                    positions=slot,
+                )
+            )
+        groups.append(
+            LabelGroup(
+                labels=group_labels,
+                num_references=len(positions),
+                num_batches=count,
+                num_leftover=len(positions) - available * batch_size,
+                num_skipped=available - count,
+            )
+        )
+    if not batches:
+        raise ValueError(
+            f"batch_size={batch_size} needs at least {batch_size} references with the same labels; no label group "
+            f"of the {len(cleaned)} references has that many"
+        )
+    return LabelledPartition(
+        batches=tuple(batches),
+        groups=tuple(groups),
+        batch_size=batch_size,
+        label_columns=columns,
+        num_references=len(cleaned),
     )

@@ -21,11 +21,15 @@ from types import MappingProxyType
 
 __all__ = [
     "PRESETS",
+    "PRESET_LABEL_FIELDS",
+    "LabelField",
     "PromptTemplate",
     "TextRequest",
     "encode_messages",
     "encode_request",
     "get_preset",
+    "label_fields_for",
+    "template_for_labels",
 ]
 
 REFERENCE_FIELD = "reference"
@@ -206,6 +210,106 @@ def get_preset(name: str | PromptTemplate, **fields: str) -> PromptTemplate:
     else:
         raise ValueError(f"prompt must be one of {sorted(_PRESETS)} or a PromptTemplate; got {name!r}")
     return template.with_fields(**fields) if fields else template
+
+
+# --------------------------------------------------------------------------------------------
+# labels as public fields (label-conditioned generation, paper §5 Yelp setup)
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelField:
+    """How one label column fills one public field of a template: ``field`` takes the column's value,
+    less ``prefix`` when the value starts with it (the Yelp file stores ``"Business Category: Restaurants"``,
+    the paper's prompt says ``"Restaurants"``)."""
+
+    column: str
+    field: str
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        for attr in ("column", "field"):
+            if not isinstance(getattr(self, attr), str) or not getattr(self, attr):
+                raise ValueError(f"{attr} must be a non-empty string; got {getattr(self, attr)!r}")
+        if not isinstance(self.prefix, str):
+            raise ValueError(f"prefix must be a string; got {self.prefix!r}")
+        if self.field == REFERENCE_FIELD:
+            raise ValueError(f"a label cannot fill {{{REFERENCE_FIELD}}}: the reference is given per text")
+
+    def value(self, label: str) -> str:
+        """The field value for a label value (``prefix`` removed once when present)."""
+        if not isinstance(label, str):
+            raise ValueError(f"label column {self.column!r} must hold a string; got {type(label).__name__}")
+        value = label[len(self.prefix) :] if self.prefix and label.startswith(self.prefix) else label
+        if not value.strip():
+            raise ValueError(
+                f"label column {self.column!r} is empty for this group; a prompt field cannot be empty "
+                f"(fill or drop such records before generating)"
+            )
+        return value
+
+
+#: The label columns each preset knows (the files the paper used): Yelp's ``label1``/``label2``.
+PRESET_LABEL_FIELDS: Mapping[str, tuple[LabelField, ...]] = MappingProxyType(
+    {
+        "yelp": (
+            LabelField("label1", "category", "Business Category: "),
+            LabelField("label2", "stars", "Review Stars: "),
+        ),
+    }
+)
+
+
+def label_fields_for(
+    template: PromptTemplate, label_columns: Sequence[str], fields: Mapping[str, str] | None = None
+) -> tuple[LabelField, ...]:
+    """The :class:`LabelField` of each label column for ``template``.
+
+    ``fields`` maps a column to a template field explicitly (no prefix is removed then). Otherwise a
+    column takes the preset's rule (:data:`PRESET_LABEL_FIELDS`, by template name) or, failing that, the
+    field of the same name. A column that fills no field, or a field that is not the template's, is an
+    error: a label that does not reach the prompt would condition nothing.
+    """
+    if isinstance(label_columns, str) or not isinstance(label_columns, Sequence) or not label_columns:
+        raise ValueError(f"label_columns must be a non-empty sequence of column names; got {label_columns!r}")
+    explicit = dict(fields or {})
+    unknown = set(explicit) - set(label_columns)
+    if unknown:
+        raise ValueError(f"fields names column(s) {sorted(unknown)} that are not label columns {list(label_columns)}")
+    preset = {f.column: f for f in PRESET_LABEL_FIELDS.get(template.name, ())}
+    resolved = []
+    for column in label_columns:
+        if column in explicit:
+            rule = LabelField(column, explicit[column])
+        elif column in preset:
+            rule = preset[column]
+        elif column in template.field_names:
+            rule = LabelField(column, column)
+        else:
+            raise ValueError(
+                f"label column {column!r} fills no field of prompt {template.name!r} (its fields are "
+                f"{sorted(template.field_names)}); map it with fields={{column: field}} / --label-field COLUMN=FIELD"
+            )
+        if rule.field not in template.field_names:
+            raise ValueError(
+                f"prompt {template.name!r} has no field {rule.field!r} for label column {column!r}; its fields are "
+                f"{sorted(template.field_names)}"
+            )
+        resolved.append(rule)
+    targets = [r.field for r in resolved]
+    if len(set(targets)) != len(targets):
+        raise ValueError(f"two label columns fill the same prompt field: {targets}")
+    return tuple(resolved)
+
+
+def template_for_labels(
+    template: PromptTemplate, labels: Mapping[str, str], fields: Mapping[str, str] | None = None
+) -> PromptTemplate:
+    """``template`` with its public fields set from one batch's ``labels`` (label column → value;
+    see :func:`label_fields_for`). The labels are public: the same for every reference of the batch."""
+    if not isinstance(labels, Mapping) or not labels:
+        raise ValueError("labels must be a non-empty mapping of label column to value")
+    rules = label_fields_for(template, list(labels), fields)
+    return template.with_fields(**{rule.field: rule.value(labels[rule.column]) for rule in rules})
 
 
 # --------------------------------------------------------------------------------------------
