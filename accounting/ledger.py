@@ -65,13 +65,12 @@ import hashlib
 import json
 import math
 import os
-import stat
-import tempfile
 import uuid
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from accounting.atomic import atomic_write_json
 from accounting.accountants import (
     DEFAULT_ACCOUNTANT,
     Accountant,
@@ -600,38 +599,4 @@ class _locked:
         self._lock.release()
 
 
-def _atomic_write_json(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file.
-
-    An existing file's permission bits are kept (issue 12, item 14); a new file is 0600.
-    """
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        mode = None
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True, allow_nan=False)
-            handle.write("\n")
-            handle.flush()
-            if mode is not None:
-                os.fchmod(handle.fileno(), mode)
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+_atomic_write_json = atomic_write_json  # the one crash-safe writer (accounting.atomic)

@@ -11,18 +11,31 @@ The guarantee is a-priori: (ε, δ) for texts of at most ``T = max_new_tokens`` 
 realised lengths (a length-dependent "ε spent" would depend on the data). ``T`` is always given by
 the caller. Texts from disjoint batches compose in parallel, so the whole run costs one sequence.
 
-Resuming: the output file is append-only, one record per finished text, and two small files next to
-it hold the resume state: ``<output>.state.json`` (the release id and a fingerprint of the input,
-written only once the ledger charge has succeeded) and ``<output>.sampled`` (an append-only, fsynced
-journal with one line per batch whose text has been drawn, written *before* that text is written to
-the output or handed to ``on_text``). Re-running with the same output file, input and configuration
-keeps the finished texts and generates only the batches that were never sampled; a batch that the
-journal records as sampled but whose record is missing from the output (deleted, or torn by a crash
-in mid-write) is refused, because its text may have been released and drawing it again would be a
-second, uncharged release. The ledger charge is idempotent on the release id, so a resumed run is
-not charged twice. ``<output>.lock`` is held for the whole run: a second run on the same output is
-refused (:class:`OutputInUseError`). The state file contains a hash of the private input: it is
-bookkeeping, not part of the release.
+Randomness is keyed by batch: one 128-bit master key per release (from the OS, or derived from an
+explicit ``seed``, which voids the guarantee), and batch ``i`` samples from the stream keyed by
+``(key, i)``. So a batch's text does not depend on which process draws it, or when: with a fixed seed,
+one, two or three processes release the same texts.
+
+Several processes (``torchrun`` / ``accelerate launch``, :mod:`invink_audit.distributed`): each takes
+whole batches; rank 0 validates, plans and charges the ledger once, before any process decodes; the
+key, the release id and the batch assignment go to the other ranks in memory (the key is never
+written to disk). Each process appends its texts to its own shard file, and rank 0 merges the shards
+into the output, ordered by batch index, when all have finished. One process writes the output
+directly, as before.
+
+Resuming (:mod:`invink_audit.outputs`): the output is append-only, one record per finished text, and
+small files next to it hold the resume state: ``<output>.state.json`` (the release id and a
+fingerprint of the input, written only once the ledger charge has succeeded) and ``<output>.sampled``
+(an append-only, fsynced journal with one line per batch whose text has been drawn, appended
+*before* that text is written to the output or handed to ``on_text``, first claim wins). Re-running
+with the same output file, input and configuration, on any number of processes, keeps the finished
+texts and generates only the batches that were never sampled; a batch that the journal records as
+sampled but whose record is missing from the output (deleted, or torn by a crash in mid-write) is
+refused, because its text may have been released and drawing it again would be a second, uncharged
+release. The ledger charge is idempotent on the release id, so a resumed run is not charged twice.
+``<output>.lock`` is held for the whole run: a second run on the same output is refused
+(:class:`OutputInUseError`). The state file contains a hash of the private input: it is bookkeeping,
+not part of the release.
 
 Everything is validated before the ledger is charged: arguments, the input file, the output's resume
 state, and (after the model is loaded, before any decoding) that every prompt fits the model's
@@ -38,7 +51,7 @@ import json
 import logging
 import math
 import os
-import tempfile
+import secrets
 import time
 import uuid
 import warnings
@@ -48,8 +61,30 @@ from pathlib import Path
 import torch
 
 from invink_audit.data import Partition, partition_references, read_references
+from invink_audit.distributed import (
+    Cluster,
+    RankFailure,
+    ReleaseIncompleteError,
+    assign_batches,
+    batch_cost,
+    current_cluster,
+)
 from invink_audit.engine import Engine, FinishedText
-from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
+from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, derive_key, make_generator
+from invink_audit.outputs import (
+    Journal,
+    OutputInUseError,
+    OutputState,
+    RecordSink,
+    check_run,
+    inspect_output,
+    merge_shards,
+    output_lock,
+    read_generation_output,
+    release_text,
+    shard_path,
+    start_output,
+)
 from invink_audit.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from invink_audit.prompts import PromptTemplate, TextRequest, encode_messages, encode_request, get_preset
 
@@ -61,6 +96,8 @@ __all__ = [
     "GenerationResult",
     "Guarantee",
     "OutputInUseError",
+    "ProcessStats",
+    "ReleaseIncompleteError",
     "SEEDED_VOID_REASON",
     "generate",
     "read_generation_output",
@@ -72,14 +109,9 @@ DEFAULT_TEMPERATURE = 1.0
 #: Top-k of the Top-k+ set; the paper's best setting (§5, Appendix E: k = 100 with τ ≈ 1.1).
 DEFAULT_TOP_K = 100
 _RECORD_VERSION = 1
-#: Version of ``<output>.state.json``; version 2 added the ``<output>.sampled`` journal.
-_STATE_VERSION = 2
 #: Why a seeded run's guarantee is void; written as ``guarantee_void_reason`` next to ``guarantee: null``.
 SEEDED_VOID_REASON = "seeded: a fixed seed makes the texts reproducible, so they carry no privacy guarantee"
 
-
-class OutputInUseError(ValueError):
-    """Another run holds the lock on this output file (two runs must never write one output)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,12 +260,29 @@ class GeneratedText:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProcessStats:
+    """What one process of a run generated: ``texts`` and ``tokens`` in ``seconds`` on ``device``."""
+
+    rank: int
+    device: str
+    texts: int
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationResult:
     """The texts of a run (sorted by batch), its a-priori guarantee, and what was measured.
 
     ``num_resumed`` texts were read back from an earlier run's output; ``tokens_generated`` and
-    ``seconds`` measure this call only. ``seeded`` runs are reproducible and carry no privacy: their
-    ``guarantee.void_reason`` says so.
+    ``seconds`` measure this call only (the slowest process, for a multi-process run). ``seeded`` runs
+    are reproducible and carry no privacy: their ``guarantee.void_reason`` says so. On rank 0 (or a
+    single process) ``texts`` holds the whole release; on another rank, only the texts it generated.
+    ``processes``: per-process figures, in rank order (rank 0 only; one entry for a single process).
     """
 
     texts: tuple[GeneratedText, ...]
@@ -249,6 +298,8 @@ class GenerationResult:
     seconds: float
     seeded: bool
     output: str | None = None
+    rank: int = 0
+    processes: tuple[ProcessStats, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -256,33 +307,7 @@ class GenerationResult:
 
 
 # --------------------------------------------------------------------------------------------
-# output file and resume state
-
-
-def _state_path(output: Path) -> Path:
-    return output.with_name(output.name + ".state.json")
-
-
-def _journal_path(output: Path) -> Path:
-    return output.with_name(output.name + ".sampled")
-
-
-def _lock_path(output: Path) -> Path:
-    return output.with_name(output.name + ".lock")
-
-
-def _atomic_write_json(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=1, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+# records
 
 
 def _input_fingerprint(partition: Partition) -> str:
@@ -294,227 +319,6 @@ def _input_fingerprint(partition: Partition) -> str:
             digest.update(len(encoded).to_bytes(8, "little"))
             digest.update(encoded)
     return digest.hexdigest()
-
-
-def read_generation_output(path: str | os.PathLike) -> list[dict]:
-    """The text records of an output file.
-
-    A torn last line from an interrupted run is ignored; a last line that lacks only its newline but
-    parses as a record is kept. Records of seeded runs carry ``guarantee: None`` and a
-    ``guarantee_void_reason``; records written before that change carry the planned figures.
-    """
-    return _read_records(Path(path)).records
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lines:
-    """Complete JSON lines of an append-only file: the parsed objects, the byte length to keep (a torn
-    last line is cut off), and whether the kept part ends without a newline (a complete last record)."""
-
-    records: list
-    keep: int
-    needs_newline: bool
-
-
-def _split_lines(data: bytes):
-    """``(line_number, line, complete)`` for each ``\\n``-terminated line, then an unterminated tail."""
-    position, number = 0, 0
-    while position < len(data):
-        end = data.find(b"\n", position)
-        number += 1
-        if end < 0:
-            yield number, data[position:], False
-            return
-        yield number, data[position : end + 1], True
-        position = end + 1
-
-
-def _read_records(path: Path) -> _Lines:
-    """Records of the output ``path``; a last line without newline is kept when it parses as a record."""
-    if not path.exists():
-        return _Lines([], 0, False)
-    data = path.read_bytes()
-    records, keep, needs_newline = [], 0, False
-    for number, line, complete in _split_lines(data):
-        if line.strip():
-            record, problem = None, None
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                problem = f"line {number} is not JSON ({getattr(err, 'msg', type(err).__name__)})"
-            if problem is None and (not isinstance(record, dict) or "batch_index" not in record):
-                problem = f"line {number} is not a text record (no batch_index)"
-            if problem is not None:
-                if not complete:
-                    _LOG.warning("ignoring an incomplete last line in %s (interrupted run)", path)
-                    break
-                raise ValueError(f"{str(path)!r} is not a generation output file: {problem}")
-            records.append(record)
-            needs_newline = not complete
-        keep += len(line)
-    return _Lines(records, keep, needs_newline)
-
-
-def _read_journal(path: Path, release_id: str, num_batches: int) -> _Lines:
-    """Batch indices recorded as sampled in the journal ``path`` (a torn last line is ignored: the journal
-    line is fsynced before the text is written anywhere, so that text never left the process)."""
-    data = path.read_bytes()
-    entries, keep = [], 0
-    for number, line, complete in _split_lines(data):
-        if not complete:
-            break
-        try:
-            entry = json.loads(line)
-            index, recorded_release = entry["batch_index"], entry["release_id"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"sampled-batch journal {str(path)!r} is corrupt at line {number}: {err}") from None
-        if recorded_release != release_id:
-            raise ValueError(f"sampled-batch journal {str(path)!r} line {number} belongs to another release")
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_batches:
-            raise ValueError(f"sampled-batch journal {str(path)!r} line {number} holds an invalid batch_index")
-        entries.append(index)
-        keep += len(line)
-    return _Lines(entries, keep, False)
-
-
-def _append_line(handle, data: dict) -> None:
-    """Append one JSON line and make it durable before returning."""
-    handle.write((json.dumps(data, ensure_ascii=False) + "\n").encode("utf-8"))
-    handle.flush()
-    os.fsync(handle.fileno())
-
-
-def _short_list(indices: Sequence[int], limit: int = 10) -> str:
-    shown = ", ".join(str(i) for i in indices[:limit])
-    return shown + (f", … ({len(indices)} in all)" if len(indices) > limit else "")
-
-
-@dataclasses.dataclass(frozen=True)
-class _OutputState:
-    """What :func:`_inspect_output` found (nothing is written until the ledger charge succeeds)."""
-
-    release_id: str
-    is_new: bool
-    run: dict | None  # the settings recorded in the state file (None for a new output)
-    records: list
-    keep: int
-    needs_newline: bool
-    journal_keep: int
-
-
-def _inspect_output(output: Path, fingerprint: str, num_batches: int) -> _OutputState:
-    """Read the output's resume state and refuse what cannot be resumed safely (read-only)."""
-    state_path, journal_path = _state_path(output), _journal_path(output)
-    if not state_path.exists():
-        if output.exists() and output.stat().st_size > 0:
-            raise ValueError(
-                f"{str(output)!r} exists and is not empty, but its resume state {state_path.name!r} is missing: "
-                "refusing to overwrite or append to a file this tool did not start (use a new --output file)"
-            )
-        if journal_path.exists() and journal_path.stat().st_size > 0:
-            raise ValueError(
-                f"{journal_path.name!r} records sampled batches but {state_path.name!r} is missing: the release "
-                f"of {str(output)!r} cannot be resumed (use a new --output file)"
-            )
-        return _OutputState(uuid.uuid4().hex, True, None, [], 0, False, 0)
-    try:
-        state = json.loads(state_path.read_text(encoding="utf-8"))
-        old_run, old_fingerprint, release_id = state["run"], state["input_sha256"], state["release_id"]
-        version = state.get("version", 1)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"resume state {str(state_path)!r} is corrupt: {err}") from None
-    if not isinstance(release_id, str) or not isinstance(old_run, dict):
-        raise ValueError(f"resume state {str(state_path)!r} is corrupt")
-    if old_fingerprint != fingerprint:
-        raise ValueError(f"{str(output)!r} was written from a different input; use a new --output file")
-    lines = _read_records(output)
-    seen = set()
-    for record in lines.records:
-        index = record["batch_index"]
-        if record.get("release_id") != release_id:
-            raise ValueError(f"{str(output)!r} holds a record of another run (batch {index!r}); use a new --output file")
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_batches or index in seen:
-            raise ValueError(f"{str(output)!r} holds an invalid or duplicate batch_index {index!r}")
-        seen.add(index)
-    if version == 1:
-        # written before the journal existed: which batches were sampled is unknown, so all were
-        missing = sorted(set(range(num_batches)) - seen)
-        journal_keep = 0
-        if missing:
-            raise ValueError(
-                f"{str(output)!r} lacks batch(es) {_short_list(missing)}, and its resume state predates the "
-                "sampled-batch journal, so they may have been sampled and released already: drawing them again "
-                "would be an uncharged second release. Use a new --output file (a new release, charged again)."
-            )
-    elif version == _STATE_VERSION:
-        if not journal_path.exists():
-            raise ValueError(
-                f"the sampled-batch journal {journal_path.name!r} of {str(output)!r} is missing, so which batches "
-                "were already sampled is unknown; refusing to resume (use a new --output file: a new release, "
-                "charged again)"
-            )
-        journal = _read_journal(journal_path, release_id, num_batches)
-        journal_keep = journal.keep
-        missing = sorted(set(journal.records) - seen)
-        if missing:
-            raise ValueError(
-                f"batch(es) {_short_list(missing)} of {str(output)!r} were already sampled (recorded in "
-                f"{journal_path.name!r}) but their records are missing from the output (deleted, or torn by an "
-                "interrupted write): their texts may have been released, and drawing them again would be a second "
-                "release that the ledger was not charged for. Restore the missing lines, or use a new --output "
-                "file (a new release, charged again)."
-            )
-    else:
-        raise ValueError(f"resume state {str(state_path)!r} has an unknown version {version!r}")
-    return _OutputState(release_id, False, old_run, lines.records, lines.keep, lines.needs_newline, journal_keep)
-
-
-def _check_run(output: Path, state: _OutputState, run: dict) -> None:
-    """Refuse to resume with settings other than the recorded ones."""
-    if state.run is not None and state.run != run:
-        raise ValueError(
-            f"{str(output)!r} was written by a run with different settings ({', '.join(_diff(state.run, run))}); "
-            "use a new --output file"
-        )
-    for record in state.records:
-        if record.get("run") != run:
-            raise ValueError(
-                f"{str(output)!r} holds a record of another run (batch {record['batch_index']!r}); use a new --output file"
-            )
-
-
-def _start_output(output: Path, state: _OutputState, fingerprint: str, run: dict) -> None:
-    """Create the journal (empty), then the state file: only after the ledger charge succeeded.
-
-    In this order a crash in between leaves an empty journal without state, which is harmless.
-    """
-    with _journal_path(output).open("wb") as handle:
-        handle.flush()
-        os.fsync(handle.fileno())
-    _atomic_write_json(
-        _state_path(output),
-        {"version": _STATE_VERSION, "release_id": state.release_id, "input_sha256": fingerprint, "run": run},
-    )
-
-
-@contextlib.contextmanager
-def _output_lock(output: Path):
-    """Hold ``<output>.lock`` exclusively for the whole run; a second run is refused at once."""
-    from filelock import FileLock, Timeout
-
-    path = _lock_path(output)
-    lock = FileLock(str(path), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise OutputInUseError(
-            f"another run is writing {str(output)!r} (it holds {path.name!r}); two runs must not write one "
-            "output: wait for it to finish, or use another --output file"
-        ) from None
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _record(text: GeneratedText, guarantee: Guarantee, release_id: str, run: dict) -> dict:
@@ -544,10 +348,6 @@ def _from_record(record: dict) -> GeneratedText:
         topk_plus_size_std=float(record["topk_plus_size_std"]),
         expansion_tokens=int(record["expansion_tokens"]),
     )
-
-
-def _diff(old: Mapping, new: Mapping) -> list[str]:
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
 # --------------------------------------------------------------------------------------------
@@ -814,18 +614,124 @@ def generate(
             stacklevel=2,
         )
 
-    with contextlib.ExitStack() as stack:
-        # lock the output and read its resume state (read-only) before the model loads
-        io_path = state = None
-        if output_path is not None:
-            io_path = output_path.resolve()
-            io_path.parent.mkdir(parents=True, exist_ok=True)
-            stack.enter_context(_output_lock(io_path))
-            state = _inspect_output(io_path, fingerprint, num_batches)
-        loaded = _load(model, gguf_file, device, dtype)
+    release = _Release(
+        config=config,
+        plan=plan,
+        guarantee=guarantee,
+        mechanism=mechanism,
+        partition=partition,
+        template=template,
+        fingerprint=fingerprint,
+        seed=seed,
+        output=output_path,
+        ledger=ledger,
+        cluster=current_cluster(),
+    )
+    return release.run(model, gguf_file, device, dtype, max_batch_rows, on_tokens, on_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Admission:
+    """Rank 0's decision, followed by every process: made after every check passed and the charge.
+
+    ``key`` is the release's 128-bit master key (batch ``i`` samples from the stream keyed by
+    ``(key, i)``); it travels between processes in memory only and is never written to disk.
+    ``assignment[r]``: the batch indices process ``r`` generates; ``attempt`` names this run's shards.
+    """
+
+    release_id: str
+    run: dict
+    key: int
+    attempt: str
+    assignment: tuple[tuple[int, ...], ...]
+    num_resumed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankReport:
+    """What one process sends rank 0 when its batches are done."""
+
+    stats: ProcessStats
+    texts: tuple[GeneratedText, ...]
+    dropped: tuple[int, ...]
+    failure: RankFailure | None
+
+
+def _release_key(seed: int | None) -> int:
+    """The master key: 128 bits from the OS, or derived from a fixed ``seed`` (then not private)."""
+    return secrets.randbits(128) if seed is None else derive_key(seed, 0)
+
+
+@dataclasses.dataclass
+class _Release:
+    """One release, run by one or several processes (:mod:`invink_audit.distributed`).
+
+    Phases: rank 0 locks the output and reads its resume state; every process loads the model and
+    builds its engine (a failure anywhere stops all before the charge); rank 0 checks the settings and
+    every prompt, charges the ledger, writes the resume state and assigns whole batches; each process
+    generates its batches, claiming each in the shared journal before writing it to its own shard (or,
+    alone, to the output); rank 0 collects the results and merges the shards, ordered by batch index.
+    """
+
+    config: GenerationConfig
+    plan: object
+    guarantee: Guarantee
+    mechanism: MechanismConfig
+    partition: Partition
+    template: PromptTemplate
+    fingerprint: str
+    seed: int | None
+    output: Path | None
+    ledger: object
+    cluster: Cluster
+    state: OutputState | None = None
+    done: dict = dataclasses.field(default_factory=dict)
+    requests: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def io_path(self) -> Path | None:
+        return None if self.output is None else self.output.resolve()
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.partition.batches)
+
+    def run(self, model, gguf_file, device, dtype, max_batch_rows, on_tokens, on_text) -> GenerationResult:
+        with contextlib.ExitStack() as stack:
+            # the output's lock and resume state (read-only) before any model loads
+            self.cluster.lead(lambda: self._open_output(stack))
+            loaded, engine = self._load(model, gguf_file, device, dtype, max_batch_rows)
+            admission = self.cluster.lead(lambda: self._admit(loaded), share=True)
+            report = self._work(loaded, engine, admission, on_tokens, on_text)
+            return self._finish(loaded, admission, report)
+
+    def _open_output(self, stack: contextlib.ExitStack) -> None:
+        if self.io_path is None:
+            return
+        self.io_path.parent.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(output_lock(self.io_path))
+        self.state = inspect_output(self.io_path, self.fingerprint, self.num_batches)
+
+    def _load(self, model, gguf_file, device, dtype, max_batch_rows):
+        """The model and its engine on every process (the engine's probes refuse unsupported models
+        here, before the charge)."""
+        loaded = engine = error = None
+        try:
+            loaded = _load(model, gguf_file, self.cluster.device(device), dtype)
+            engine = Engine(loaded, self.mechanism, max_batch_rows=max_batch_rows)
+        except Exception as err:  # noqa: BLE001 - re-raised on every process by agree()
+            if not self.cluster.distributed:
+                raise
+            error = err
+        self.cluster.agree(error)
+        return loaded, engine
+
+    def _admit(self, loaded: LoadedModel) -> _Admission:
+        """Rank 0: check the settings and every prompt, charge, persist the resume state, assign batches."""
+        config, plan = self.config, self.plan
         run = {
             "model": loaded.name,
-            "prompt": _template_json(template),
+            "prompt": _template_json(self.template),
             "batch_size": config.batch_size,
             "max_new_tokens": config.max_new_tokens,
             "temperature": config.temperature,
@@ -833,74 +739,127 @@ def generate(
             "clip_norm": plan.clip_norm,
             "delta": plan.delta,
             "accountant": plan.accountant,
-            "num_batches": num_batches,
-            "seeded": seed is not None,
+            "num_batches": self.num_batches,
+            "seeded": self.seed is not None,
         }
-        done: dict[int, GeneratedText] = {}
-        if state is not None:
-            _check_run(output_path, state, run)
-            done = {int(r["batch_index"]): _from_record(r) for r in state.records}
-            release_id = state.release_id
+        if self.state is not None:
+            check_run(self.output, self.state, run)
+            self.done = {int(r["batch_index"]): _from_record(r) for r in self.state.records}
+            release_id = self.state.release_id
         else:
             release_id = uuid.uuid4().hex
-        todo = [i for i in range(num_batches) if i not in done]
-        requests = [encode_request(loaded.tokenizer, template, partition.batches[i], key=i) for i in todo]
-        _check_context(loaded, template, requests, config.batch_size, config.max_new_tokens)
-        engine = Engine(loaded, mechanism, max_batch_rows=max_batch_rows) if todo else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SeededGeneratorWarning)  # warned above, at the caller
-            generator = make_generator(seed, device=loaded.device)
-
+        todo = [i for i in range(self.num_batches) if i not in self.done]
+        self.requests = {i: self._request(loaded, i) for i in todo}
+        _check_context(loaded, self.template, list(self.requests.values()), config.batch_size, config.max_new_tokens)
+        key = _release_key(self.seed)
         # every check passed: charge, then persist the resume state
-        if ledger is not None:
-            _charge(ledger, plan, config, num_batches, release_id, output_path)
-        if state is not None and state.is_new:
-            _start_output(io_path, state, fingerprint, run)
+        if self.ledger is not None:
+            _charge(self.ledger, plan, config, self.num_batches, release_id, self.output)
+        if self.state is not None and self.state.is_new:
+            start_output(self.io_path, self.state, self.fingerprint, run)
+        costs = {i: batch_cost(_prompt_lengths(r), config.max_new_tokens) for i, r in self.requests.items()}
+        assignment = tuple(tuple(part) for part in assign_batches(costs, self.cluster.world_size))
+        return _Admission(release_id, run, key, uuid.uuid4().hex[:12], assignment, len(self.done))
 
+    def _request(self, loaded: LoadedModel, index: int) -> TextRequest:
+        return encode_request(loaded.tokenizer, self.template, self.partition.batches[index], key=index)
+
+    def _sink(self, admission: _Admission) -> RecordSink:
+        if self.cluster.distributed:
+            return RecordSink(shard_path(self.io_path, admission.attempt, self.cluster.rank), lock=True)
+        return RecordSink(self.io_path, keep=self.state.keep, needs_newline=self.state.needs_newline)
+
+    def _work(self, loaded, engine, admission: _Admission, on_tokens, on_text) -> _RankReport:
+        """This process's batches: each text claimed in the journal, then written, then handed out."""
+        mine = admission.assignment[self.cluster.rank]
+        fresh, dropped, tokens, failure = [], [], 0, None
         started = time.perf_counter()
-        tokens_generated = 0
-        fresh: list[GeneratedText] = []
-        if todo:
-            handle = journal = None
-            if io_path is not None:
-                handle = stack.enter_context(io_path.open("r+b" if io_path.exists() else "wb"))
-                handle.truncate(state.keep)  # drop a torn last line
-                handle.seek(state.keep)
-                if state.needs_newline:  # a complete last record that only lacked its newline
-                    handle.write(b"\n")
-                journal = stack.enter_context(_journal_path(io_path).open("r+b"))
-                journal.truncate(state.journal_keep)
-                journal.seek(state.journal_keep)
-            for finished in engine.generate(
-                requests, max_new_tokens=config.max_new_tokens, generator=generator, progress=on_tokens
-            ):
-                text = _to_text(finished, loaded)
-                tokens_generated += text.num_tokens
-                if journal is not None:
-                    # recorded as sampled before the text can leave the process (output file, on_text)
-                    _append_line(journal, {"batch_index": text.batch_index, "release_id": release_id})
-                fresh.append(text)
-                if handle is not None:
-                    _append_line(handle, _record(text, guarantee, release_id, run))
-                if on_text is not None:
-                    on_text(text)
-        seconds = time.perf_counter() - started
-    texts = sorted([*done.values(), *fresh], key=lambda t: t.batch_index)
-    return GenerationResult(
-        texts=tuple(texts),
-        guarantee=guarantee,
-        release_id=release_id,
-        model=loaded.name,
-        prompt=template.name,
-        num_references=partition.num_references,
-        num_batches=num_batches,
-        num_unused_references=partition.num_unused,
-        num_resumed=len(done),
-        tokens_generated=tokens_generated,
-        seconds=seconds,
-        seeded=seed is not None,
-        output=str(output_path) if output_path is not None else None,
-    )
+        with contextlib.ExitStack() as files:
+            try:
+                journal = sink = None
+                if mine and self.io_path is not None:
+                    journal = Journal(self.io_path, admission.release_id, self.num_batches)
+                    sink = files.enter_context(self._sink(admission))
+                requests = [self.requests.get(i) or self._request(loaded, i) for i in mine]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", SeededGeneratorWarning)  # warned above, at the caller
+                    generator = make_generator(self.seed, device=loaded.device)
+                for finished in engine.generate(
+                    requests,
+                    max_new_tokens=self.config.max_new_tokens,
+                    generator=generator,
+                    progress=on_tokens,
+                    key=admission.key,
+                    stream_ids=mine,
+                ):
+                    text = _to_text(finished, loaded)
+                    record = _record(text, self.guarantee, admission.release_id, admission.run)
+                    if not release_text(journal, sink, text.batch_index, record):
+                        dropped.append(text.batch_index)  # another process released this batch first
+                        continue
+                    tokens += text.num_tokens
+                    fresh.append(text)
+                    if on_text is not None:
+                        on_text(text)
+            except Exception as err:  # noqa: BLE001 - reported to rank 0, re-raised below
+                if not self.cluster.distributed:
+                    raise
+                failure = RankFailure.of(self.cluster.rank, err)
+        stats = ProcessStats(self.cluster.rank, str(loaded.device), len(fresh), tokens, time.perf_counter() - started)
+        return _RankReport(stats, tuple(fresh), tuple(dropped), failure)
+
+    def _collect(self, report: _RankReport) -> list[_RankReport]:
+        try:
+            reports = self.cluster.gather(report)
+        except RuntimeError as err:  # a process died: its connections closed
+            raise ReleaseIncompleteError(self._incomplete(f"a process stopped before reporting ({err})")) from err
+        failed = report.failure if not self.cluster.is_main else next((r.failure for r in reports if r.failure), None)
+        if failed is not None:
+            error = failed.error
+            reason = f"process {failed.rank} of {self.cluster.world_size} failed: {type(error).__name__}: {error}"
+            raise ReleaseIncompleteError(self._incomplete(reason)) from error
+        return reports if self.cluster.is_main else [report]
+
+    def _incomplete(self, reason: str) -> str:
+        where = f"{str(self.output)!r} and its shard files" if self.output is not None else "nowhere (no output file)"
+        return (
+            f"{reason}. The texts finished so far are kept in {where}; the ledger was charged once for the whole "
+            "release. Run the same command again (on any number of processes) to generate only the missing batches."
+        )
+
+    def _finish(self, loaded: LoadedModel, admission: _Admission, report: _RankReport) -> GenerationResult:
+        reports = self._collect(report)
+        seconds = report.stats.seconds
+        if self.cluster.is_main:
+            seconds = max(r.stats.seconds for r in reports)
+            if self.io_path is not None and (self.cluster.distributed or (self.state is not None and self.state.shards)):
+                merge_shards(self.io_path, admission.release_id, self.num_batches)
+            dropped = sorted(i for r in reports for i in r.dropped)
+            if dropped:
+                _LOG.warning("batch(es) %s had already been released by another process: their new texts were dropped", dropped)
+        fresh = [text for r in reports for text in r.texts]
+        texts = sorted([*self.done.values(), *fresh], key=lambda t: t.batch_index)
+        return GenerationResult(
+            texts=tuple(texts),
+            guarantee=self.guarantee,
+            release_id=admission.release_id,
+            model=loaded.name,
+            prompt=self.template.name,
+            num_references=self.partition.num_references,
+            num_batches=self.num_batches,
+            num_unused_references=self.partition.num_unused,
+            num_resumed=admission.num_resumed,
+            tokens_generated=sum(r.stats.tokens for r in reports),
+            seconds=seconds,
+            seeded=self.seed is not None,
+            output=str(self.output) if self.output is not None else None,
+            rank=self.cluster.rank,
+            processes=tuple(r.stats for r in reports),
+        )
+
+
+def _prompt_lengths(request: TextRequest) -> list[int]:
+    return [len(request.public_ids)] + [0 if ids is None else len(ids) for ids in request.private_ids]
 
 
 def _to_text(finished: FinishedText, loaded: LoadedModel) -> GeneratedText:

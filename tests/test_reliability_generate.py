@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import invink_audit.generation as generation_module
+import invink_audit.outputs as outputs_module
 from invink_audit.cli import main
 from invink_audit.data import partition_references, read_references
 from invink_audit.generation import (
@@ -156,7 +157,7 @@ def test_a_complete_last_record_without_its_newline_is_kept(tiny, tmp_path):
 
 def test_a_sampled_batch_torn_by_a_crash_mid_write_is_refused(tiny, tmp_path, monkeypatch):
     output = tmp_path / "out.jsonl"
-    real_append = generation_module._append_line
+    real_append = outputs_module._append_line
     torn = {}
 
     def crash_in_third_write(handle, data):
@@ -170,10 +171,10 @@ def test_a_sampled_batch_torn_by_a_crash_mid_write_is_refused(tiny, tmp_path, mo
                 raise Crash
         real_append(handle, data)
 
-    monkeypatch.setattr(generation_module, "_append_line", crash_in_third_write)
+    monkeypatch.setattr(outputs_module, "_append_line", crash_in_third_write)
     with pytest.raises(Crash):
         _generate(tiny, output=output)
-    monkeypatch.setattr(generation_module, "_append_line", real_append)
+    monkeypatch.setattr(outputs_module, "_append_line", real_append)
     assert len(read_generation_output(output)) == 2  # the torn line is not a record
     with pytest.raises(ValueError, match=rf"batch\(es\) {torn['batch_index']} .*torn by an\s+interrupted write"):
         _generate(tiny, output=output)

@@ -8,7 +8,8 @@ Errors become one readable line on stderr, never a traceback. Exit statuses (REA
 exit codes"):
 
 * ``EXIT_OK`` (0): success;
-* ``EXIT_FAILURE`` (1): the command ran and its answer is negative (an audit VIOLATION);
+* ``EXIT_FAILURE`` (1): the command ran and its answer is negative (an audit VIOLATION), or a process of a
+  multi-process ``generate`` failed (``ReleaseIncompleteError``: the finished texts are kept, a rerun resumes);
 * ``EXIT_BAD_INPUT`` (2): bad input, an argument out of its documented range, a missing or corrupt
   file (a ``ValueError``, ``CliError`` or ``OSError`` raised by a handler, or an argparse usage error);
 * ``EXIT_INCONCLUSIVE`` (3): an audit that could not decide;
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from accounting import BudgetExceededError
+    from invink_audit.distributed import ReleaseIncompleteError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CliError, OSError) as err:
         print(f"invink-audit {args.command}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except ReleaseIncompleteError as err:
+        print(f"invink-audit {args.command}: incomplete: {err}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"invink-audit {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -6,7 +6,9 @@ including that each prompt fits the model's context, before the ledger is charge
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -63,7 +65,8 @@ def register(subparsers) -> None:
         description="Partition the references into disjoint batches of B (input order; empty references stay "
         "as nulls), generate one text per batch with InvisibleInk and stream them to a JSON Lines file. "
         "Re-running with the same --output resumes (batches already sampled are never drawn again; the output "
-        "is locked while a run writes it). " + _B_HELP,
+        "is locked while a run writes it). Under torchrun or accelerate launch, the processes share the batches of one "
+        "release (one ledger charge, one output file). " + _B_HELP,
     )
     p.add_argument(
         "--input", required=True, help="references: a UTF-8 .csv (see --column) or .jsonl file (a BOM is accepted)"
@@ -153,12 +156,16 @@ def _generate(args) -> int:
         device=args.device,
         dtype=args.dtype,
     )
-    progress = _Progress(enabled=not args.no_progress)
+    # under torchrun / accelerate launch, only rank 0 shows progress and prints the summary
+    rank = int(os.environ.get("RANK", "0") or 0)
+    progress = _Progress(enabled=not args.no_progress and rank == 0)
     try:
         # a Path, so that a missing input is named in the error (a str could be a reference and is not echoed)
         result = generate(Path(args.input), on_tokens=progress.update, on_text=progress.text, **kwargs)
     finally:
         progress.close()
+    if result.rank != 0:
+        return 0
     summary = summarise(result)
     if args.json:
         print(json.dumps(summary))
@@ -208,6 +215,7 @@ def summarise(result) -> dict:
         "release_id": result.release_id,
         "model": result.model,
         "seeded": result.seeded,
+        "processes": [dataclasses.asdict(p) | {"tokens_per_second": p.tokens_per_second} for p in result.processes],
         # a seeded run: "guarantee": null and "guarantee_void_reason" (no epsilon to take at face value)
         **result.guarantee.record_fields(),
     }
@@ -234,6 +242,12 @@ def format_summary(result) -> str:
         f"epsilon0 = {g.epsilon0:.6g} per token",
         f"  model            {result.model}",
     ]
+    if len(result.processes) > 1:
+        for p in result.processes:
+            lines.append(
+                f"  process {p.rank:<8} {p.texts} texts, {p.tokens} tokens in {p.seconds:.1f} s "
+                f"({p.tokens_per_second:.1f} tokens/s) on {p.device}"
+            )
     if result.seeded:
         lines.append("  WARNING          fixed seed: these texts are reproducible and carry NO privacy guarantee")
     return "\n".join(lines)

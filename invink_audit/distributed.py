@@ -1,0 +1,223 @@
+"""The processes of one release: ranks under ``torchrun`` / ``accelerate launch``, and who does what.
+
+The unit of distribution is the batch. Inside a batch the B+1 rows run in lock-step; across batches
+the texts are independent and their privacy composes in parallel (disjoint batches, paper Corollary 1),
+so each process takes whole batches, never part of one. Rank 0 validates, plans and charges the ledger
+once, before any process decodes; the other ranks wait for its decision (:meth:`Cluster.lead`).
+
+Processes find each other through ``torch.distributed`` (the environment ``torchrun`` and
+``accelerate launch`` set: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
+with the gloo backend: the processes exchange only small Python objects (the plan, the batch
+assignment, per-process results), never tensors, so no NCCL group is needed even on GPUs. A process
+group the caller initialised is used as it is (with a gloo side group when its backend is not gloo).
+Without those variables, or with ``WORLD_SIZE=1``, a run is a single process and nothing here
+communicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import heapq
+import os
+import pickle
+from collections.abc import Callable, Mapping, Sequence
+
+__all__ = ["Cluster", "RankFailure", "ReleaseIncompleteError", "assign_batches", "current_cluster"]
+
+#: How long a process waits for the others at a meeting point (rank 0 loading the model and charging,
+#: the slowest process finishing its batches). A process that dies closes its connections, so the others
+#: fail at once rather than after this timeout. ``INVINK_DIST_TIMEOUT_S`` overrides it.
+DEFAULT_TIMEOUT_S = 24 * 3600
+
+
+class ReleaseIncompleteError(RuntimeError):
+    """A process of a multi-process release failed: the texts finished so far are kept, and running the
+    same command again generates only the missing batches."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """An exception raised on one rank, carried to the others (the exception itself when it pickles)."""
+
+    rank: int
+    error: BaseException
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> RankFailure:
+        try:
+            portable = pickle.loads(pickle.dumps(error))
+        except Exception:  # noqa: BLE001 - any unpicklable exception is carried as its message
+            portable = RuntimeError(f"{type(error).__name__}: {error}")
+        return cls(rank, portable)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """This process's place in the release: ``rank`` of ``world_size`` (``local_rank`` on its machine)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    group: object = None  # the gloo process group to talk over (None: the default group)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def broadcast(self, obj=None):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj) -> list | None:
+        """Every rank's ``obj``, in rank order, on rank 0 (``None`` elsewhere)."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+    def lead(self, fn: Callable[[], object], *, share: bool = False):
+        """``fn()`` on rank 0 only, the other ranks waiting; an exception it raises is raised on every
+        rank. Returns its result on rank 0, and on every rank when ``share`` (else ``None`` elsewhere)."""
+        if not self.distributed:
+            return fn()
+        result = failure = None
+        if self.is_main:
+            try:
+                result = fn()
+            except BaseException as err:
+                self.broadcast((RankFailure.of(0, err), None))
+                raise
+        failure, shared = self.broadcast((None, result if share else None))
+        if failure is not None:
+            raise failure.error
+        return result if self.is_main else shared
+
+    def agree(self, error: BaseException | None) -> None:
+        """Every rank reports whether its part succeeded; if any failed, every rank raises the first
+        failure (an error on one rank never leaves the others waiting)."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        reports = self.gather(None if error is None else RankFailure.of(self.rank, error))
+        first = next((r for r in reports if r is not None), None) if self.is_main else None
+        first = self.broadcast(first)
+        if error is not None:
+            raise error
+        if first is not None:
+            raise first.error
+
+    def device(self, requested):
+        """The device this rank uses: with several processes and CUDA, ``cuda:LOCAL_RANK`` unless the
+        caller named a device (``cpu`` or a specific ``cuda:N``)."""
+        if not self.distributed:
+            return requested
+        import torch
+
+        text = None if requested is None else str(requested)
+        if text in (None, "auto", "cuda") and torch.cuda.is_available():
+            return f"cuda:{self.local_rank % torch.cuda.device_count()}"
+        return requested
+
+
+_CLUSTER: Cluster | None = None
+
+
+#: Where launchers put a process's place: torchrun and ``accelerate launch --multi_gpu`` set the first
+#: name; ``accelerate launch --cpu`` with mpirun leaves it to the MPI implementation (Open MPI, MPICH /
+#: Intel MPI, MVAPICH), as accelerate itself reads them.
+_ENV_NAMES = {
+    "WORLD_SIZE": ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"),
+    "RANK": ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"),
+    "LOCAL_RANK": ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK"),
+}
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    found = next(((n, os.environ[n]) for n in _ENV_NAMES.get(name, (name,)) if n in os.environ), None)
+    if found is None:
+        if default is None:
+            raise ValueError(f"{name} is not set: launch with torchrun or accelerate launch, or unset WORLD_SIZE")
+        return default
+    variable, text = found
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {variable}={text!r} is not an integer") from None
+
+
+def _timeout() -> datetime.timedelta:
+    text = os.environ.get("INVINK_DIST_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"INVINK_DIST_TIMEOUT_S={text!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"INVINK_DIST_TIMEOUT_S must be > 0; got {text!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+def current_cluster() -> Cluster:
+    """This process's :class:`Cluster`: initialises a gloo process group from the launcher's environment
+    the first time (``WORLD_SIZE`` > 1), or uses the one the caller initialised."""
+    global _CLUSTER
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return Cluster()
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if _CLUSTER is not None and (_CLUSTER.rank, _CLUSTER.world_size) == (rank, world):
+            return _CLUSTER
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=_timeout())
+        _CLUSTER = Cluster(rank, world, _env_int("LOCAL_RANK", rank), group)
+        return _CLUSTER
+    world = _env_int("WORLD_SIZE", 1)
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE must be >= 1; got {world}")
+    if world == 1:
+        return Cluster()
+    rank = _env_int("RANK")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise ValueError(f"WORLD_SIZE={world} but {name} is not set: launch with torchrun or accelerate launch")
+    dist.init_process_group(backend="gloo", timeout=_timeout(), rank=rank, world_size=world)
+    _CLUSTER = Cluster(rank, world, _env_int("LOCAL_RANK", rank), None)
+    return _CLUSTER
+
+
+def assign_batches(costs: Mapping[int, float], world_size: int) -> list[list[int]]:
+    """Whole batches per rank, balancing estimated cost: longest processing time first (Graham 1969,
+    within 4/3 of the best makespan). Deterministic (ties by batch index, then rank); each rank's
+    batches in index order. A batch's text does not depend on the rank that draws it (its random stream
+    is keyed by the release key and its batch index), so any assignment gives the same release."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1; got {world_size!r}")
+    parts: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [(0.0, rank) for rank in range(world_size)]
+    for index in sorted(costs, key=lambda i: (-float(costs[i]), i)):
+        load, rank = heapq.heappop(loads)
+        parts[rank].append(index)
+        heapq.heappush(loads, (load + float(costs[index]), rank))
+    return [sorted(part) for part in parts]
+
+
+def batch_cost(prompt_lengths: Sequence[int], max_new_tokens: int) -> float:
+    """Estimated work of one batch: its prompt tokens (prefill) plus its rows times T (decoding)."""
+    return float(sum(prompt_lengths) + len(prompt_lengths) * max_new_tokens)

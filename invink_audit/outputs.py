@@ -1,0 +1,522 @@
+"""A release's files on disk: its records, resume state, sampled-batch journal, shards and their merge.
+
+Next to the JSON Lines output ``<output>``:
+
+* ``<output>.state.json``: the release id, a fingerprint of the input and the run's settings, written
+  once the ledger charge has succeeded. It holds a hash of the private input: bookkeeping, not part of
+  the release.
+* ``<output>.sampled``: the sampled-batch journal, one fsynced line per batch whose text has been
+  drawn. A process appends a batch's line (under ``<output>.sampled.lock``) *before* that text is
+  written anywhere, and only if no line for that batch exists yet: the first claim wins, and a process
+  that loses drops its text unseen. So at most one text per batch is ever released, whatever crashes,
+  reruns, Ray task retries or stray processes of an earlier run do.
+* ``<output>.lock``: held by the coordinating process (rank 0) for the whole run.
+* ``<output>.shard-<attempt>-<rank>.jsonl`` (and its ``.lock``, held while it is written): the records of
+  one process of a multi-process run. When every process has finished, rank 0 merges the shards into
+  ``<output>``, ordered by batch index, atomically (:func:`merge_shards`); a later run reads and merges
+  the shards an interrupted run left. A single-process run appends to ``<output>`` directly.
+
+Reading is read-only (:func:`inspect_output`); nothing is written before the ledger charge succeeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from accounting.atomic import atomic_write_bytes, atomic_write_json, fsync_directory
+
+__all__ = [
+    "Journal",
+    "OutputInUseError",
+    "OutputState",
+    "RecordSink",
+    "check_run",
+    "inspect_output",
+    "journal_path",
+    "lock_path",
+    "merge_shards",
+    "output_lock",
+    "read_generation_output",
+    "release_text",
+    "shard_path",
+    "shard_paths",
+    "start_output",
+    "state_path",
+]
+
+_LOG = logging.getLogger(__name__)
+
+#: Version of ``<output>.state.json``; version 2 added the ``<output>.sampled`` journal.
+STATE_VERSION = 2
+_LOCK_TIMEOUT_SECONDS = 120.0
+
+
+class OutputInUseError(ValueError):
+    """Another run holds the lock on this output file (two runs must never write one output)."""
+
+
+# --------------------------------------------------------------------------------------------
+# paths
+
+
+def state_path(output: Path) -> Path:
+    return output.with_name(output.name + ".state.json")
+
+
+def journal_path(output: Path) -> Path:
+    return output.with_name(output.name + ".sampled")
+
+
+def lock_path(output: Path) -> Path:
+    return output.with_name(output.name + ".lock")
+
+
+def shard_path(output: Path, attempt: str, rank: int) -> Path:
+    """The shard of process ``rank`` in run ``attempt`` (a fresh id per run, so no two writers share one)."""
+    return output.with_name(f"{output.name}.shard-{attempt}-{rank:05d}.jsonl")
+
+
+def shard_paths(output: Path) -> list[Path]:
+    """Every shard next to ``output``, in name order."""
+    return sorted(output.parent.glob(f"{_glob_escape(output.name)}.shard-*.jsonl"))
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+# --------------------------------------------------------------------------------------------
+# JSON lines
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lines:
+    """Complete JSON lines of an append-only file: the parsed objects, the byte length to keep (a torn
+    last line is cut off), and whether the kept part ends without a newline (a complete last record)."""
+
+    records: list
+    keep: int
+    needs_newline: bool
+
+
+def _split_lines(data: bytes):
+    """``(line_number, line, complete)`` for each ``\\n``-terminated line, then an unterminated tail."""
+    position, number = 0, 0
+    while position < len(data):
+        end = data.find(b"\n", position)
+        number += 1
+        if end < 0:
+            yield number, data[position:], False
+            return
+        yield number, data[position : end + 1], True
+        position = end + 1
+
+
+def _read_records(path: Path) -> _Lines:
+    """Records of the output ``path``; a last line without newline is kept when it parses as a record."""
+    if not path.exists():
+        return _Lines([], 0, False)
+    data = path.read_bytes()
+    records, keep, needs_newline = [], 0, False
+    for number, line, complete in _split_lines(data):
+        if line.strip():
+            record, problem = None, None
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                problem = f"line {number} is not JSON ({getattr(err, 'msg', type(err).__name__)})"
+            if problem is None and (not isinstance(record, dict) or "batch_index" not in record):
+                problem = f"line {number} is not a text record (no batch_index)"
+            if problem is not None:
+                if not complete:
+                    _LOG.warning("ignoring an incomplete last line in %s (interrupted run)", path)
+                    break
+                raise ValueError(f"{str(path)!r} is not a generation output file: {problem}")
+            records.append(record)
+            needs_newline = not complete
+        keep += len(line)
+    return _Lines(records, keep, needs_newline)
+
+
+def read_generation_output(path: str | os.PathLike) -> list[dict]:
+    """The text records of an output file.
+
+    A torn last line from an interrupted run is ignored; a last line that lacks only its newline but
+    parses as a record is kept. Records of seeded runs carry ``guarantee: None`` and a
+    ``guarantee_void_reason``; records written before that change carry the planned figures.
+    """
+    return _read_records(Path(path)).records
+
+
+def _append_line(handle, data: dict) -> None:
+    """Append one JSON line and make it durable before returning."""
+    handle.write((json.dumps(data, ensure_ascii=False) + "\n").encode("utf-8"))
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def _short_list(indices: Sequence[int], limit: int = 10) -> str:
+    shown = ", ".join(str(i) for i in indices[:limit])
+    return shown + (f", … ({len(indices)} in all)" if len(indices) > limit else "")
+
+
+# --------------------------------------------------------------------------------------------
+# the sampled-batch journal
+
+
+def _parse_journal(data: bytes, path: Path, release_id: str, num_batches: int, first_line: int = 1) -> _Lines:
+    """Batch indices of the complete journal lines in ``data`` (a torn last line is not counted: the
+    line is fsynced before the text is written anywhere, so that text never left its process)."""
+    entries, keep = [], 0
+    for number, line, complete in _split_lines(data):
+        if not complete:
+            break
+        number += first_line - 1
+        try:
+            entry = json.loads(line)
+            index, recorded_release = entry["batch_index"], entry["release_id"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"sampled-batch journal {str(path)!r} is corrupt at line {number}: {err}") from None
+        if recorded_release != release_id:
+            raise ValueError(f"sampled-batch journal {str(path)!r} line {number} belongs to another release")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_batches:
+            raise ValueError(f"sampled-batch journal {str(path)!r} line {number} holds an invalid batch_index")
+        entries.append(index)
+        keep += len(line)
+    return _Lines(entries, keep, False)
+
+
+class Journal:
+    """The shared sampled-batch journal of one release: :meth:`claim` is first-wins across processes.
+
+    Appends happen under a file lock, after reading what other processes appended since; a torn last
+    line (its writer died mid-append, before its claim returned) is cut off under the lock. The file
+    must exist (:func:`start_output` creates it).
+    """
+
+    def __init__(self, output: Path, release_id: str, num_batches: int) -> None:
+        from filelock import FileLock
+
+        self.path = journal_path(output)
+        self.release_id = release_id
+        self.num_batches = num_batches
+        self._lock = FileLock(str(self.path) + ".lock", timeout=_LOCK_TIMEOUT_SECONDS)
+        self._offset = 0
+        self._lines = 0
+        self._claimed: set[int] = set()
+
+    def claim(self, batch_index: int) -> bool:
+        """Record ``batch_index`` as sampled; ``False`` (nothing written) if some process already did."""
+        with self._lock, self.path.open("r+b") as handle:
+            handle.seek(self._offset)
+            data = handle.read()
+            new = _parse_journal(data, self.path, self.release_id, self.num_batches, self._lines + 1)
+            self._claimed.update(new.records)
+            self._lines += len(new.records)
+            self._offset += new.keep
+            if new.keep < len(data):
+                handle.truncate(self._offset)
+            if batch_index in self._claimed:
+                return False
+            handle.seek(self._offset)
+            line = {"batch_index": batch_index, "release_id": self.release_id}
+            _append_line(handle, line)
+            self._offset = handle.tell()
+            self._lines += 1
+            self._claimed.add(batch_index)
+            return True
+
+
+# --------------------------------------------------------------------------------------------
+# writing records
+
+
+class RecordSink:
+    """Where one process appends its records: the output itself (one process) or its own shard.
+
+    A shard's lock is held while the sink is open, so that a later run refuses to start while a stray
+    process of this one may still write (:func:`inspect_output`).
+    """
+
+    def __init__(self, path: Path, *, keep: int | None = None, needs_newline: bool = False, lock: bool = False) -> None:
+        from filelock import FileLock
+
+        self.path = path
+        self._lock = None
+        if lock:
+            self._lock = FileLock(str(path) + ".lock", timeout=0)
+            self._lock.acquire()
+        try:
+            self._handle = path.open("r+b" if path.exists() else "wb")
+            if keep is not None:
+                self._handle.truncate(keep)  # drop a torn last line
+                self._handle.seek(keep)
+            else:
+                self._handle.seek(0, os.SEEK_END)
+            if needs_newline:  # a complete last record that only lacked its newline
+                self._handle.write(b"\n")
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    def write(self, record: dict) -> None:
+        _append_line(self._handle, record)
+
+    def close(self) -> None:
+        self._handle.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    def __enter__(self) -> RecordSink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _termination_deferred():
+    """Hold SIGTERM/SIGINT/SIGHUP until the block ends (main thread only; elsewhere a no-op).
+
+    A polite stop (Ctrl-C, ``kill``, torchrun tearing down a failed job) then never falls between a
+    batch's journal line and its record, which would leave a sampled batch that cannot be resumed. A
+    SIGKILL or power loss still can; :func:`inspect_output` refuses such a batch rather than redraw it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    signals = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {s: signal.signal(s, lambda number, frame: pending.append(number)) for s in signals}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in pending[:1]:
+            signal.raise_signal(number)
+
+
+def release_text(journal: Journal | None, sink: RecordSink | None, batch_index: int, record: dict) -> bool:
+    """Claim ``batch_index`` in the journal, then write its record: ``False`` when another process had
+    claimed it first (the text must then be dropped, never handed out). Without a journal (no output
+    file) the text is only returned to the caller."""
+    with _termination_deferred():
+        if journal is not None and not journal.claim(batch_index):
+            return False
+        if sink is not None:
+            sink.write(record)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# reading the resume state
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputState:
+    """What :func:`inspect_output` found (nothing is written until the ledger charge succeeds).
+
+    ``records``: every finished record, from the output and its shards, one per batch, by batch index.
+    ``keep``/``needs_newline``: how a single process appends to the output (a torn last line dropped).
+    """
+
+    release_id: str
+    is_new: bool
+    run: dict | None  # the settings recorded in the state file (None for a new output)
+    records: list
+    keep: int
+    needs_newline: bool
+    shards: tuple[Path, ...] = ()
+
+
+def _check_shards_idle(output: Path, shards: Sequence[Path]) -> None:
+    from filelock import FileLock, Timeout
+
+    for shard in shards:
+        lock = FileLock(str(shard) + ".lock", timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise OutputInUseError(
+                f"a process of another run is still writing {shard.name!r} next to {str(output)!r}: wait for it to "
+                "finish (or stop it), then run again"
+            ) from None
+        lock.release()
+
+
+def _collect_records(output: Path, release_id: str, num_batches: int, shards: Sequence[Path]) -> tuple[list, _Lines]:
+    """The records of the output and its shards, one per batch (identical copies, left by a merge that was
+    interrupted before it removed its shards, count once), and the output's own lines."""
+    main = _read_records(output)
+    by_index: dict[int, dict] = {}
+    for source, records in [(output, main.records)] + [(s, _read_records(s).records) for s in shards]:
+        for record in records:
+            index = record["batch_index"]
+            if record.get("release_id") != release_id:
+                raise ValueError(
+                    f"{str(source)!r} holds a record of another run (batch {index!r}); use a new --output file"
+                )
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_batches:
+                raise ValueError(f"{str(source)!r} holds an invalid or duplicate batch_index {index!r}")
+            if index in by_index:
+                if source == output:
+                    raise ValueError(f"{str(output)!r} holds an invalid or duplicate batch_index {index!r}")
+                if by_index[index] != record:
+                    raise ValueError(
+                        f"{str(output)!r} and its shards hold two different texts for batch {index}: at most one "
+                        "text per batch may be released, so this output cannot be resumed or merged; keep the files "
+                        "for inspection and use a new --output file"
+                    )
+                continue
+            by_index[index] = record
+    return [by_index[i] for i in sorted(by_index)], main
+
+
+def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputState:
+    """Read the output's resume state and refuse what cannot be resumed safely (read-only)."""
+    state_file, journal_file, shards = state_path(output), journal_path(output), shard_paths(output)
+    if not state_file.exists():
+        if output.exists() and output.stat().st_size > 0:
+            raise ValueError(
+                f"{str(output)!r} exists and is not empty, but its resume state {state_file.name!r} is missing: "
+                "refusing to overwrite or append to a file this tool did not start (use a new --output file)"
+            )
+        if journal_file.exists() and journal_file.stat().st_size > 0:
+            raise ValueError(
+                f"{journal_file.name!r} records sampled batches but {state_file.name!r} is missing: the release "
+                f"of {str(output)!r} cannot be resumed (use a new --output file)"
+            )
+        if shards:
+            raise ValueError(
+                f"shard files of {str(output)!r} exist ({shards[0].name!r}, …) but its resume state "
+                f"{state_file.name!r} is missing: refusing to resume (use a new --output file)"
+            )
+        return OutputState(uuid.uuid4().hex, True, None, [], 0, False)
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+        old_run, old_fingerprint, release_id = state["run"], state["input_sha256"], state["release_id"]
+        version = state.get("version", 1)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"resume state {str(state_file)!r} is corrupt: {err}") from None
+    if not isinstance(release_id, str) or not isinstance(old_run, dict):
+        raise ValueError(f"resume state {str(state_file)!r} is corrupt")
+    if old_fingerprint != fingerprint:
+        raise ValueError(f"{str(output)!r} was written from a different input; use a new --output file")
+    _check_shards_idle(output, shards)
+    records, main = _collect_records(output, release_id, num_batches, shards)
+    seen = {record["batch_index"] for record in records}
+    if version == 1:
+        # written before the journal existed: which batches were sampled is unknown, so all were
+        missing = sorted(set(range(num_batches)) - seen)
+        if missing:
+            raise ValueError(
+                f"{str(output)!r} lacks batch(es) {_short_list(missing)}, and its resume state predates the "
+                "sampled-batch journal, so they may have been sampled and released already: drawing them again "
+                "would be an uncharged second release. Use a new --output file (a new release, charged again)."
+            )
+    elif version == STATE_VERSION:
+        if not journal_file.exists():
+            raise ValueError(
+                f"the sampled-batch journal {journal_file.name!r} of {str(output)!r} is missing, so which batches "
+                "were already sampled is unknown; refusing to resume (use a new --output file: a new release, "
+                "charged again)"
+            )
+        journal = _parse_journal(journal_file.read_bytes(), journal_file, release_id, num_batches)
+        missing = sorted(set(journal.records) - seen)
+        if missing:
+            raise ValueError(
+                f"batch(es) {_short_list(missing)} of {str(output)!r} were already sampled (recorded in "
+                f"{journal_file.name!r}) but their records are missing from the output (deleted, or torn by an "
+                "interrupted write): their texts may have been released, and drawing them again would be a second "
+                "release that the ledger was not charged for. Restore the missing lines, or use a new --output "
+                "file (a new release, charged again)."
+            )
+    else:
+        raise ValueError(f"resume state {str(state_file)!r} has an unknown version {version!r}")
+    return OutputState(release_id, False, old_run, records, main.keep, main.needs_newline, tuple(shards))
+
+
+def _diff(old: dict, new: dict) -> list[str]:
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def check_run(output: Path, state: OutputState, run: dict) -> None:
+    """Refuse to resume with settings other than the recorded ones."""
+    if state.run is not None and state.run != run:
+        raise ValueError(
+            f"{str(output)!r} was written by a run with different settings ({', '.join(_diff(state.run, run))}); "
+            "use a new --output file"
+        )
+    for record in state.records:
+        if record.get("run") != run:
+            raise ValueError(
+                f"{str(output)!r} holds a record of another run (batch {record['batch_index']!r}); use a new --output file"
+            )
+
+
+def start_output(output: Path, state: OutputState, fingerprint: str, run: dict) -> None:
+    """Create the journal (empty), then the state file: only after the ledger charge succeeded.
+
+    In this order a crash in between leaves an empty journal without state, which is harmless.
+    """
+    with journal_path(output).open("wb") as handle:
+        handle.flush()
+        os.fsync(handle.fileno())
+    atomic_write_json(
+        state_path(output),
+        {"version": STATE_VERSION, "release_id": state.release_id, "input_sha256": fingerprint, "run": run},
+        indent=1,
+    )
+
+
+@contextlib.contextmanager
+def output_lock(output: Path):
+    """Hold ``<output>.lock`` exclusively for the whole run; a second run is refused at once."""
+    from filelock import FileLock, Timeout
+
+    path = lock_path(output)
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise OutputInUseError(
+            f"another run is writing {str(output)!r} (it holds {path.name!r}); two runs must not write one "
+            "output: wait for it to finish, or use another --output file"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def merge_shards(output: Path, release_id: str, num_batches: int) -> int:
+    """Fold every shard into ``output``, ordered by batch index, atomically; then remove the shards.
+
+    Call it holding the output lock, after every process writing a shard has finished. A crash before
+    the replace leaves the old files; after it, shards whose records the output already holds
+    (identical copies, merged again next time). Returns the number of records in the output.
+    """
+    shards = shard_paths(output)
+    if not shards:
+        return len(_read_records(output).records)
+    records, _ = _collect_records(output, release_id, num_batches, shards)
+    data = b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records)
+    umask = os.umask(0)
+    os.umask(umask)
+    atomic_write_bytes(output, data, mode=0o666 & ~umask)
+    for shard in shards:
+        shard.unlink(missing_ok=True)
+        Path(str(shard) + ".lock").unlink(missing_ok=True)
+    fsync_directory(output.parent)
+    return len(records)

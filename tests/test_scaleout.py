@@ -1,0 +1,386 @@
+"""Scale-out (issue 14): one release over many processes, keyed by batch, at most one text per batch.
+
+Unit tests of the pieces (batch assignment, the first-wins journal across processes, shard merge,
+deferred termination), then end-to-end runs under ``torchrun`` (gloo, CPU, the tiny model): 1, 2 and
+3 processes give the same release; a process killed or failing midway and the command rerun gives
+every batch exactly once, with the texts an uninterrupted run gives; a changed rerun is refused.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from invink_audit.distributed import Cluster, assign_batches, batch_cost
+from invink_audit.models import build_tiny_model
+from invink_audit.outputs import (
+    Journal,
+    OutputInUseError,
+    RecordSink,
+    _termination_deferred,
+    inspect_output,
+    journal_path,
+    merge_shards,
+    read_generation_output,
+    release_text,
+    shard_path,
+    shard_paths,
+    start_output,
+)
+
+# ------------------------------------------------------------------------------------------------
+# batch assignment
+
+
+def _makespan(parts, costs):
+    return max(sum(costs[i] for i in part) for part in parts)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_assignment_gives_every_batch_to_exactly_one_rank_deterministically(world):
+    costs = {i: (i * 37) % 11 + 1 for i in range(23)}
+    parts = assign_batches(costs, world)
+    assert len(parts) == world
+    assert sorted(i for part in parts for i in part) == list(range(23))
+    assert all(part == sorted(part) for part in parts)
+    assert assign_batches(dict(reversed(list(costs.items()))), world) == parts  # input order does not matter
+
+
+def test_assignment_is_within_graham_bound_of_the_best_by_brute_force():
+    # LPT is within 4/3 - 1/(3m) of the optimal makespan (Graham 1969); brute force over all assignments
+    for costs_list in ([7, 5, 4, 3, 3, 2], [10, 1, 1, 1, 1, 1, 1], [3, 3, 2, 2, 2]):
+        costs = dict(enumerate(costs_list))
+        for world in (2, 3):
+            best = min(
+                _makespan([[i for i, r in enumerate(choice) if r == rank] for rank in range(world)], costs)
+                for choice in itertools.product(range(world), repeat=len(costs))
+            )
+            got = _makespan(assign_batches(costs, world), costs)
+            assert got <= (4 / 3 - 1 / (3 * world)) * best + 1e-9
+
+
+def test_long_tailed_batches_are_balanced_not_dealt_round_robin():
+    # one 1,000-token batch among 100-token ones: it gets a rank nearly to itself
+    costs = {i: batch_cost([100] * 4, 64) for i in range(9)}
+    costs[3] = batch_cost([1000] * 4, 64)
+    parts = assign_batches(costs, 2)
+    heavy = next(part for part in parts if 3 in part)
+    assert len(heavy) < len(next(part for part in parts if 3 not in part))
+    assert _makespan(parts, costs) < _makespan([list(range(0, 9, 2)), list(range(1, 9, 2))], costs)
+
+
+def test_assignment_rejects_bad_world_size():
+    with pytest.raises(ValueError, match="world_size"):
+        assign_batches({0: 1.0}, 0)
+
+
+def test_a_single_process_cluster_communicates_nothing():
+    cluster = Cluster()
+    assert not cluster.distributed and cluster.is_main
+    assert cluster.broadcast(5) == 5 and cluster.gather(6) == [6]
+    assert cluster.lead(lambda: 7) == 7
+    cluster.agree(None)
+    with pytest.raises(KeyError):
+        cluster.agree(KeyError("x"))
+
+
+# ------------------------------------------------------------------------------------------------
+# the journal: first claim wins, across processes
+
+
+def _claim_all(output: str, release_id: str, indices, queue) -> None:
+    journal = Journal(Path(output), release_id, 64)
+    queue.put([i for i in indices if journal.claim(i)])
+
+
+def test_each_batch_is_claimed_by_exactly_one_of_several_racing_processes(tmp_path):
+    output = tmp_path / "out.jsonl"
+    journal_path(output).write_bytes(b"")
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    orders = [list(range(64)), list(reversed(range(64))), list(range(0, 64, 2)) + list(range(1, 64, 2))]
+    workers = [context.Process(target=_claim_all, args=(str(output), "r1", order, queue)) for order in orders]
+    for worker in workers:
+        worker.start()
+    won = [queue.get(timeout=60) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    assert sorted(i for part in won for i in part) == list(range(64))  # every batch once, none twice
+    lines = [json.loads(line) for line in journal_path(output).read_text().splitlines()]
+    assert sorted(e["batch_index"] for e in lines) == list(range(64))
+
+
+def test_a_torn_journal_line_is_cut_and_its_batch_can_be_claimed(tmp_path):
+    output = tmp_path / "out.jsonl"
+    journal_path(output).write_bytes(b'{"batch_index": 0, "release_id": "r"}\n{"batch_in')
+    journal = Journal(output, "r", 4)
+    assert not journal.claim(0)
+    assert journal.claim(1)
+    assert [json.loads(x)["batch_index"] for x in journal_path(output).read_text().splitlines()] == [0, 1]
+    other = Journal(output, "r", 4)  # a second process sees the first one's claims
+    assert not other.claim(1) and other.claim(2)
+    assert not journal.claim(2)
+
+
+def test_a_lost_claim_writes_nothing(tmp_path):
+    output = tmp_path / "out.jsonl"
+    journal_path(output).write_bytes(b"")
+    first, second = Journal(output, "r", 4), Journal(output, "r", 4)
+    with RecordSink(shard_path(output, "a", 0), lock=True) as a, RecordSink(shard_path(output, "a", 1), lock=True) as b:
+        assert release_text(first, a, 2, {"batch_index": 2, "text": "first"})
+        assert not release_text(second, b, 2, {"batch_index": 2, "text": "second"})
+    assert read_generation_output(shard_path(output, "a", 0)) == [{"batch_index": 2, "text": "first"}]
+    assert read_generation_output(shard_path(output, "a", 1)) == []
+
+
+def test_termination_is_deferred_until_the_record_is_written():
+    events = []
+    with pytest.raises(KeyboardInterrupt):
+        with _termination_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            events.append("claimed")
+            events.append("written")
+    assert events == ["claimed", "written"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+# ------------------------------------------------------------------------------------------------
+# shards: merge, resume, refusal
+
+
+def _record(index, text="t", release="rel"):
+    return {"batch_index": index, "text": text, "release_id": release, "run": {"x": 1}}
+
+
+def _started(tmp_path, num_batches=6):
+    output = tmp_path / "out.jsonl"
+    state = inspect_output(output, "fp", num_batches)
+    start_output(output, state, "fp", {"x": 1})
+    return output, state.release_id
+
+
+def test_shards_merge_into_the_output_ordered_by_batch_and_atomically(tmp_path):
+    output, release = _started(tmp_path)
+    journal = Journal(output, release, 6)
+    with RecordSink(shard_path(output, "a", 0), lock=True) as s0, RecordSink(shard_path(output, "a", 1), lock=True) as s1:
+        for index, sink in ((4, s0), (1, s1), (0, s0), (5, s1)):
+            assert release_text(journal, sink, index, _record(index, release=release))
+    state = inspect_output(output, "fp", 6)
+    assert [r["batch_index"] for r in state.records] == [0, 1, 4, 5] and len(state.shards) == 2
+    assert merge_shards(output, release, 6) == 4
+    assert [r["batch_index"] for r in read_generation_output(output)] == [0, 1, 4, 5]
+    assert shard_paths(output) == [] and not Path(str(shard_path(output, "a", 0)) + ".lock").exists()
+
+
+def test_a_merge_interrupted_before_removing_shards_is_merged_again(tmp_path):
+    output, release = _started(tmp_path)
+    shard = shard_path(output, "a", 0)
+    shard.write_text(json.dumps(_record(2, release=release)) + "\n")
+    output.write_text(json.dumps(_record(2, release=release)) + "\n")  # the replace happened, the unlink did not
+    assert [r["batch_index"] for r in inspect_output(output, "fp", 6).records] == [2]
+    assert merge_shards(output, release, 6) == 1 and not shard.exists()
+
+
+def test_two_different_texts_for_one_batch_are_refused_not_chosen(tmp_path):
+    output, release = _started(tmp_path)
+    shard_path(output, "a", 0).write_text(json.dumps(_record(2, "one", release)) + "\n")
+    shard_path(output, "b", 0).write_text(json.dumps(_record(2, "two", release)) + "\n")
+    with pytest.raises(ValueError, match="two different texts for batch 2"):
+        inspect_output(output, "fp", 6)
+    with pytest.raises(ValueError, match="two different texts for batch 2"):
+        merge_shards(output, release, 6)
+
+
+def test_a_shard_still_being_written_blocks_a_rerun(tmp_path):
+    output, release = _started(tmp_path)
+    with RecordSink(shard_path(output, "a", 1), lock=True):
+        with pytest.raises(OutputInUseError, match="still writing"):
+            inspect_output(output, "fp", 6)
+    inspect_output(output, "fp", 6)
+
+
+def test_shards_without_resume_state_are_refused(tmp_path):
+    output = tmp_path / "out.jsonl"
+    shard_path(output, "a", 0).write_text(json.dumps(_record(0)) + "\n")
+    with pytest.raises(ValueError, match="shard files .* resume state"):
+        inspect_output(output, "fp", 6)
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end under torchrun (gloo, CPU)
+
+NUM_REFERENCES = 40
+BATCH_SIZE = 3
+WORKER = '''
+import os, sys
+import invink_audit.outputs as outputs
+mode, rank, after = os.environ.get("FAULT_MODE"), int(os.environ.get("RANK", "0")), int(os.environ.get("FAULT_AFTER", "0"))
+if mode and rank == int(os.environ["FAULT_RANK"]):
+    real, count = outputs.RecordSink.write, [0]
+    def write(self, record):
+        real(self, record)
+        count[0] += 1
+        if count[0] >= after:
+            if mode == "kill":
+                os._exit(17)
+            raise RuntimeError("injected failure")
+    outputs.RecordSink.write = write
+from invink_audit.cli import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(seed=5)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("scaleout")
+    refs = root / "refs.csv"
+    with refs.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text"])
+        for i in range(NUM_REFERENCES):
+            # long-tailed: every seventh reference is ten times longer
+            writer.writerow([f"Review {i}: the soup was {'great' if i % 2 else 'cold'}. " * (10 if i % 7 == 0 else 1)])
+    worker = root / "worker.py"
+    worker.write_text(WORKER)
+    return root, refs, worker
+
+
+def _launch(workload, tiny_dir, output, processes, *, extra=(), fault=None, seed="7"):
+    root, refs, worker = workload
+    args = [
+        "generate", "--input", str(refs), "--output", str(output), "--batch-size", str(BATCH_SIZE),
+        "--max-new-tokens", "8", "--delta", "1e-6", "--epsilon", "8", "--model", str(tiny_dir), "--top-k", "20",
+        "--no-progress", "--json", "--device", "cpu", *extra,
+    ]  # fmt: skip
+    if seed is not None:
+        args += ["--seed", seed]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env.pop("FAULT_MODE", None)
+    if fault is not None:
+        env.update({"FAULT_MODE": fault[0], "FAULT_RANK": str(fault[1]), "FAULT_AFTER": str(fault[2])})
+    if processes == 1:
+        command = [sys.executable, str(worker), *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+                   str(worker), *args]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+
+
+def _texts(output):
+    return [(r["batch_index"], r["token_ids"], r["text"]) for r in read_generation_output(output)]
+
+
+@pytest.fixture(scope="module")
+def single(workload, tiny_dir):
+    output = workload[0] / "single.jsonl"
+    done = _launch(workload, tiny_dir, output, 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _texts(output)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [2, 3])
+def test_several_processes_release_what_one_process_releases(workload, tiny_dir, single, processes):
+    output = workload[0] / f"p{processes}.jsonl"
+    done = _launch(workload, tiny_dir, output, processes)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _texts(output) == single  # same batches, token ids, texts, in batch order
+    assert len(single) == NUM_REFERENCES // BATCH_SIZE
+    summary = json.loads(done.stdout.strip().splitlines()[-1])  # rank 0 alone prints
+    assert [p["rank"] for p in summary["processes"]] == list(range(processes))
+    assert sum(p["texts"] for p in summary["processes"]) == len(single)
+    assert shard_paths(output) == []
+    journal = [json.loads(x)["batch_index"] for x in journal_path(output).read_text().splitlines()]
+    assert sorted(journal) == list(range(len(single)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [("kill", 1, 2), ("raise", 0, 1)])
+@pytest.mark.parametrize("rerun_processes", [1, 2])
+def test_a_failed_process_and_a_rerun_give_every_batch_exactly_once(workload, tiny_dir, single, fault, rerun_processes):
+    output = workload[0] / f"fault-{fault[0]}-{rerun_processes}.jsonl"
+    ledger = workload[0] / f"ledger-{fault[0]}-{rerun_processes}.json"
+    created = subprocess.run(
+        [sys.executable, "-m", "invink_audit.cli", "ledger", "init", str(ledger), "--epsilon", "100", "--delta", "1e-5"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    failed = _launch(workload, tiny_dir, output, 2, fault=fault, extra=("--ledger", str(ledger)))
+    assert failed.returncode != 0
+    if fault[0] == "raise":
+        assert "incomplete" in failed.stderr and "injected failure" in failed.stderr
+    partial = read_generation_output(output) + [r for s in shard_paths(output) for r in read_generation_output(s)]
+    assert 0 < len(partial) < len(single)
+    done = _launch(workload, tiny_dir, output, rerun_processes, extra=("--ledger", str(ledger)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["resumed"] == len(partial)
+    assert _texts(output) == single  # every batch once, each the text an uninterrupted run gives
+    assert shard_paths(output) == []
+    journal = [json.loads(x)["batch_index"] for x in journal_path(output).read_text().splitlines()]
+    assert sorted(journal) == list(range(len(single)))  # no batch sampled twice
+    releases = json.loads(ledger.read_text())["releases"]
+    assert len(releases) == 1  # charged once, by rank 0, for the whole release
+
+
+@pytest.mark.slow
+def test_a_rerun_with_other_settings_is_refused_on_any_number_of_processes(workload, tiny_dir, single):
+    output = workload[0] / "changed.jsonl"
+    failed = _launch(workload, tiny_dir, output, 2, fault=("kill", 1, 1))
+    assert failed.returncode != 0
+    before = {p.name: p.read_bytes() for p in workload[0].glob("changed.jsonl*")}
+    for processes in (1, 2):
+        refused = _launch(workload, tiny_dir, output, processes, extra=("--temperature", "1.5"))
+        # every process exits with status 2 (bad input); torchrun itself reports a failed job with 1
+        assert refused.returncode == (2 if processes == 1 else 1), refused.stderr[-2000:]
+        assert refused.stderr.count("different settings (clip_norm, temperature)") == processes
+    assert {p.name: p.read_bytes() for p in workload[0].glob("changed.jsonl*")} == before  # nothing touched
+
+
+@pytest.mark.slow
+def test_unseeded_processes_share_one_os_drawn_key_that_never_reaches_the_disk(workload, tiny_dir):
+    outputs = [workload[0] / f"unseeded-{i}.jsonl" for i in range(2)]
+    for output in outputs:
+        done = _launch(workload, tiny_dir, output, 2, seed=None)
+        assert done.returncode == 0, done.stderr[-3000:]
+    first, second = (_texts(o) for o in outputs)
+    assert [t[0] for t in first] == list(range(NUM_REFERENCES // BATCH_SIZE))
+    assert first != second  # a fresh key per release
+    state = json.loads((workload[0] / "unseeded-0.jsonl.state.json").read_text())
+    assert set(state) == {"version", "release_id", "input_sha256", "run"} and state["run"]["seeded"] is False
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_the_same_release(workload, tiny_dir, single):
+    accelerate = Path(sys.executable).with_name("accelerate")
+    if not accelerate.exists():
+        pytest.skip("accelerate is not installed")
+    root, refs, worker = workload
+    output = root / "accelerate.jsonl"
+    args = [
+        "generate", "--input", str(refs), "--output", str(output), "--batch-size", str(BATCH_SIZE),
+        "--max-new-tokens", "8", "--delta", "1e-6", "--epsilon", "8", "--model", str(tiny_dir), "--top-k", "20",
+        "--no-progress", "--json", "--device", "cpu", "--seed", "7",
+    ]  # fmt: skip
+    # `--multi_gpu` is accelerate's torchrun path; with `--device cpu` it runs gloo processes on CPU
+    command = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
+               "-m", "invink_audit.cli", *args]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _texts(output) == single
+    assert len(json.loads(done.stdout.strip().splitlines()[-1])["processes"]) == 2
