@@ -48,6 +48,17 @@ probe shows that the model's logits are exactly its output layer applied to its 
 logit scaling or soft-capping); otherwise, and whenever a hook is set, every row's full logits are
 computed.
 
+**Any mechanism.** ``Engine(model, mechanism)`` takes a
+:class:`~invink_audit.mechanism.MechanismConfig` (InvisibleInk: the paths above, unchanged) or any
+:class:`~invink_audit.mechanisms.Mechanism` (Amin et al., AdaPMixED, one's own). For the latter the
+engine computes every row's full logits (the same forward passes: the public row stays independent of
+the private data), keeps each text's mechanism state (``_Text.mech_state``) and auxiliary random
+stream (keyed by the text's stream key and :data:`_AUX_LABEL`, so it never shifts the token stream),
+and draws each text's *outcome* (mode and token, or the mechanism's stop) by Gumbel-max over the
+mechanism's outcome distribution with the text's own uniforms (``_OutcomeMath``). With hooks the
+mechanism runs in its exact state (the conditional distribution under R and every R'_j); without,
+in its sampled state, as deployed.
+
 Hooks, both optional and free when unused:
 
 * ``observer(step)``: called once per step with a :class:`DecodeStep` holding the public and private
@@ -81,6 +92,8 @@ from invink_audit.mechanism import (
     support_log_probs,
     topk_plus_support,
 )
+from invink_audit.mechanisms.base import Mechanism
+from invink_audit.mechanisms.invisibleink import InvisibleInk
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest
 from invink_audit.rows import RowKV, StoredRow
@@ -89,6 +102,10 @@ __all__ = ["DecodeStep", "Engine", "FinishedText", "ForwardStats", "RowForward",
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
+#: the mechanism's stop rule ended the text (a budget of private tokens, or a data-dependent spend)
+FINISH_BUDGET = "budget"
+# label of each text's auxiliary stream (mechanisms with their own noise), derived from its stream key
+_AUX_LABEL = 0x5D
 
 
 def default_max_batch_rows(device: torch.device) -> int:
@@ -101,11 +118,16 @@ class FinishedText:
     """One generated text and its after-the-fact measurements.
 
     * ``token_ids``: the sampled tokens, the end-of-sequence token included when one was drawn;
-    * ``finish_reason``: ``"eos"`` or ``"length"`` (``max_new_tokens`` reached);
+    * ``finish_reason``: ``"eos"``, ``"length"`` (``max_new_tokens`` reached) or ``"budget"`` (a generic
+      mechanism's stop rule: Amin et al.'s last private token, AdaPMixED's spend);
     * ``topk_plus_size_mean`` / ``_std``: mean and (population) standard deviation of :math:`|V_k^+|`
       over the steps of this text;
     * ``expansion_tokens``: tokens drawn from :math:`V_k^+ \\setminus V_k`, i.e. whose public logit is
       below :math:`\\ell_k` (0 for the full-vocabulary variant).
+    * ``modes``: for a generic :class:`~invink_audit.mechanisms.Mechanism`, each token's mode
+      (e.g. 0 public, 1 private for Amin et al.); empty for InvisibleInk (one mode);
+    * ``spend``: a data-dependent mechanism's running spend at the end (its accountant's unit), else ``None``.
+      (For generic mechanisms ``topk_plus_size_*`` is the size of the outcome support.)
     """
 
     request_index: int
@@ -115,6 +137,8 @@ class FinishedText:
     topk_plus_size_mean: float
     topk_plus_size_std: float
     expansion_tokens: int
+    modes: tuple[int, ...] = ()
+    spend: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -134,7 +158,15 @@ class DecodeStep:
     * ``log_probs`` (G, V) float64: the mechanism's distribution (``token_log_probs``);
     * ``sampling_log_probs`` (G, V): what was sampled from (``log_probs`` unless a sampling rule
       replaced it); ``tokens`` (G,) int64: the drawn tokens. Both are ``None`` inside a sampling rule.
+
+    With a generic :class:`~invink_audit.mechanisms.Mechanism` (``generic`` is True), ``log_probs``,
+    ``sampling_log_probs`` and the neighbours are over the mechanism's **outcomes** (G, W)
+    (``W = num_modes·V``, + 1 for its stop outcome), a sampling rule returns (G, W) log-weights,
+    ``outcomes`` (G,) holds the drawn outcomes, ``tokens`` their tokens (−1 for the stop outcome), and
+    ``check_log_probs()`` the distributions the per-step claim is about.
     """
+
+    generic = False
 
     def __init__(self, *, mechanism, request_indices, positions, public_logits, private_logits, log_probs, neighbours):
         self.mechanism: MechanismConfig = mechanism
@@ -157,6 +189,40 @@ class DecodeStep:
         if self._neighbours is None:
             self._neighbours = self.mechanism.neighbour_log_probs(self.private_logits, self.public_logits)
         return self._neighbours
+
+
+class GenericDecodeStep(DecodeStep):
+    """:class:`DecodeStep` of a generic :class:`~invink_audit.mechanisms.Mechanism` (outcome space, see there)."""
+
+    generic = True
+
+    def __init__(self, *, mechanism, request_indices, positions, public_logits, private_logits, result, vocab_size):
+        super().__init__(
+            mechanism=mechanism, request_indices=request_indices, positions=positions, public_logits=public_logits,
+            private_logits=private_logits, log_probs=result.log_probs, neighbours=None,
+        )
+        self.result = result
+        self.vocab_size = vocab_size
+        self.outcomes: torch.Tensor | None = None
+
+    def neighbour_log_probs(self) -> NeighbourLogProbs:
+        """Outcome log-probabilities under ``R`` and every ``R'_j`` (the engine computed them: exact state)."""
+        if self._neighbours is None:
+            if self.result.neighbours is None:
+                raise ValueError("neighbour distributions were not computed (generate(..., neighbours=True) or hooks)")
+            support = torch.isfinite(self.result.log_probs) | torch.isfinite(self.result.neighbours).any(dim=-2)
+            self._neighbours = NeighbourLogProbs(self.result.log_probs, self.result.neighbours, support)
+        return self._neighbours
+
+    def check_log_probs(self) -> NeighbourLogProbs:
+        """The distributions under R and every R'_j on which the mechanism's per-step claim holds
+        (the outcome distributions unless the mechanism names a component, e.g. Amin et al.'s
+        exponential mechanism)."""
+        r = self.result
+        if r.check_actual is None:
+            return self.neighbour_log_probs()
+        support = torch.isfinite(r.check_actual) | torch.isfinite(r.check_neighbours).any(dim=-2)
+        return NeighbourLogProbs(r.check_actual, r.check_neighbours, support)
 
 
 Observer = Callable[[DecodeStep], None]
@@ -198,7 +264,10 @@ class _Text:
     until the text draws its first token.
     """
 
-    def __init__(self, request_index: int, request: TextRequest, stream_key: int, num_layers: int, reserve: int, device):
+    def __init__(
+        self, request_index: int, request: TextRequest, stream_key: int, num_layers: int, reserve: int, device,
+        mechanism: Mechanism | None = None, exact: bool = False,
+    ):
         self.request_index = request_index
         self.request = request
         prompts = [request.public_ids, *request.private_ids]
@@ -214,6 +283,15 @@ class _Text:
         self.size_sum = 0.0
         self.size_sq_sum = 0.0
         self.expansion = 0
+        # generic mechanisms: the text's state, its auxiliary noise stream and each token's mode
+        self.modes: list[int] = []
+        self.mech_state: torch.Tensor | None = None
+        self.spend: float | None = None
+        if mechanism is not None:
+            self.aux = _Stream(derive_key(stream_key, _AUX_LABEL), device)
+            n0 = mechanism.aux_size(exact=exact, at_start=True)
+            start = self.aux.uniforms(n0).to(device).view(1, n0)
+            self.mech_state = mechanism.initial_state(start, exact=exact)[0]
         self._skip_nulls()
 
     def _skip_nulls(self) -> None:
@@ -235,7 +313,7 @@ class _Text:
         self._skip_nulls()
 
     def finished_text(self, reason: str) -> FinishedText:
-        n = len(self.tokens)
+        n = max(len(self.tokens), 1)  # a generic mechanism may stop before its first token
         mean = self.size_sum / n
         variance = max(self.size_sq_sum / n - mean * mean, 0.0)
         return FinishedText(
@@ -246,6 +324,8 @@ class _Text:
             topk_plus_size_mean=mean,
             topk_plus_size_std=math.sqrt(variance),
             expansion_tokens=self.expansion,
+            modes=tuple(self.modes) if self.mech_state is not None else (),
+            spend=self.spend,
         )
 
 
@@ -278,8 +358,11 @@ class Engine:
     ):
         if not isinstance(model, LoadedModel):
             raise ValueError(f"model must be a LoadedModel (see invink_audit.load_model); got {type(model).__name__}")
-        if not isinstance(mechanism, MechanismConfig):
-            raise ValueError(f"mechanism must be a MechanismConfig; got {type(mechanism).__name__}")
+        if isinstance(mechanism, InvisibleInk):
+            mechanism = mechanism.config  # InvisibleInk runs on the engine's own paths
+        if not isinstance(mechanism, (MechanismConfig, Mechanism)):
+            raise ValueError(f"mechanism must be a MechanismConfig or a Mechanism; got {type(mechanism).__name__}")
+        generic = isinstance(mechanism, Mechanism)
         rows = default_max_batch_rows(model.device) if max_batch_rows is None else max_batch_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"max_batch_rows must be an integer >= 1; got {max_batch_rows!r}")
@@ -295,12 +378,14 @@ class Engine:
             )
         self.model = model
         self.mechanism = mechanism
+        # a generic mechanism (not InvisibleInk): full logits, per-text state, outcome draws
+        self.generic = generic
         self.max_batch_rows = rows
         self.max_prefill_tokens = prefill
         self.share_prefill = share_prefill
         check_packed_attention(model)
         self.forward = RowForward(model)
-        self._split = output_layer_split(model) if support_only else None
+        self._split = output_layer_split(model) if support_only and not generic else None
         if self._split is not None:
             self.forward.decoder = self._split.decoder
 
@@ -348,8 +433,8 @@ class Engine:
         streams = list(range(len(requests))) if stream_ids is None else [int(s) for s in stream_ids]
         if key is None:
             key = run_key(generator)  # 128 bits; one host transfer per call at most
-        run = _Run(self, requests, [derive_key(key, s) for s in streams], max_new_tokens, stop_at_eos)
         hooks = _Hooks(observer, sampling_rule, neighbours)
+        run = _Run(self, requests, [derive_key(key, s) for s in streams], max_new_tokens, stop_at_eos, exact=hooks.any)
         while not run.done:
             finished, drawn = run.step(hooks)
             if progress is not None:
@@ -415,8 +500,9 @@ class _Run:
     arithmetic, and a text's rows never see another row (:mod:`invink_audit.rows`).
     """
 
-    def __init__(self, engine: Engine, requests, keys: list[int], max_new_tokens: int, stop_at_eos: bool):
+    def __init__(self, engine: Engine, requests, keys: list[int], max_new_tokens: int, stop_at_eos: bool, *, exact: bool = False):
         self.engine = engine
+        self.exact = exact  # generic mechanisms: exact state (hooks) or sampled state
         self.requests = requests
         self.keys = keys  # each request's 128-bit stream key
         self.max_new_tokens = max_new_tokens
@@ -442,9 +528,10 @@ class _Run:
     def _admit(self) -> None:
         while self.pending and len(self.texts) < self.engine.max_texts:
             index = self.pending.popleft()
+            generic = self.engine.mechanism if self.engine.generic else None
             self.texts.append(
                 _Text(index, self.requests[index], self.keys[index], self.engine.forward.num_layers,
-                      self.max_new_tokens, self.device)
+                      self.max_new_tokens, self.device, generic, self.exact)
             )
 
     def _prefill(self, hidden: bool) -> None:
@@ -498,6 +585,8 @@ class _Run:
             return [], 0
         features = self._forward(hidden)
         rows = _slot_rows(features, self.texts, ready, mechanism.batch_size)
+        if self.engine.generic:
+            return self._record_outcomes(ready, _OutcomeMath(self.engine, self).draw(rows, ready, hooks))
         tokens, report = _StepMath(self.engine, self, hidden).draw(rows, ready, hooks)
         return self._record(ready, tokens, report)
 
@@ -538,6 +627,39 @@ class _Run:
                         row.store.remove(row)
             self.texts = [t for s, t in enumerate(self.texts) if s not in gone]
         return finished, len(ready)
+
+
+    def _record_outcomes(self, ready: list[int], values: list[list]) -> tuple[list[FinishedText], int]:
+        """Generic mechanisms: record each ready text's outcome (mode and token, or the stop outcome)."""
+        vocab = self.engine.model.vocab_size
+        stop_outcome = self.engine.mechanism.stop_outcome(vocab)
+        finished, gone, drawn = [], set(), 0
+        for n, slot in enumerate(ready):
+            text = self.texts[slot]
+            outcome, stop_after, size = values[n]
+            text.states = [None] * len(text.states)
+            if stop_outcome is not None and outcome == stop_outcome:
+                finished.append(text.finished_text(FINISH_BUDGET))  # ended by its stop rule, no token
+                gone.add(slot)
+                continue
+            token = outcome % vocab
+            drawn += 1
+            text.tokens.append(token)
+            text.modes.append(outcome // vocab)
+            text.size_sum += size
+            text.size_sq_sum += size * size
+            eos = self.stop_at_eos and token in self.eos
+            if eos or stop_after or len(text.tokens) >= self.max_new_tokens:
+                reason = FINISH_EOS if eos else (FINISH_BUDGET if stop_after else FINISH_LENGTH)
+                finished.append(text.finished_text(reason))
+                gone.add(slot)
+        if gone:
+            for slot in gone:
+                for row in self.texts[slot].stored or ():
+                    if row is not None:
+                        row.store.remove(row)
+            self.texts = [t for s, t in enumerate(self.texts) if s not in gone]
+        return finished, drawn
 
 
 def _slot_rows(features, texts: list[_Text], ready: list[int], batch_size: int) -> torch.Tensor:
@@ -724,3 +846,95 @@ class _StepMath:
             if v[3] != _OK:
                 raise ValueError(f"{_ERRORS[v[3]]} (text {text.request_index}, step {len(text.tokens)})")
         return [v[0] for v in values], [(float(v[1]), int(v[2])) for v in values]
+
+
+# --------------------------------------------------------------------------------------------
+# generic mechanisms: the outcome's distribution, the hooks, the draw and the state update
+
+# auxiliary uniforms are kept inside (0, 1) so that quantile transforms (Laplace, normal) stay finite
+_AUX_RANGE = (2.0**-60, 1.0 - 2.0**-53)
+
+
+class _OutcomeMath:
+    """One step of a generic :class:`~invink_audit.mechanisms.Mechanism` for the ready texts, on the device.
+
+    Each text brings its state and its auxiliary uniforms (its own streams); the mechanism gives the
+    outcome distribution (and, in exact state, every neighbour's); a sampling rule may replace it;
+    each text draws its outcome by Gumbel-max with ``W`` uniforms of its own stream; the states
+    advance. Outcomes, stop flags, support sizes, error codes and spends come back in one transfer.
+    """
+
+    def __init__(self, engine: Engine, run: _Run):
+        self.engine, self.run = engine, run
+        self.mechanism: Mechanism = engine.mechanism
+        self.vocab_size = engine.model.vocab_size
+
+    def draw(self, rows: torch.Tensor, ready: list[int], hooks: _Hooks) -> list[list]:
+        texts = [self.run.texts[s] for s in ready]
+        device = rows.device
+        take = to_device(ready, device)
+        null = to_device([[p is None for p in t.prompts[1:]] for t in texts], device, torch.bool)
+        rows = rows.index_select(0, take)
+        public = rows[:, 0]
+        # a null reference's row IS the public row (its logits are the public logits, bitwise)
+        private = torch.where(null.unsqueeze(-1), rows[:, :1], rows[:, 1:])
+        mech, exact, vocab = self.mechanism, self.run.exact, self.vocab_size
+        width = mech.num_outcomes(vocab)
+        n_aux = mech.aux_size(exact=exact, at_start=False)
+        if n_aux:
+            aux = torch.stack([t.aux.uniforms(n_aux).to(device) for t in texts]).clamp_(*_AUX_RANGE)
+        else:
+            aux = torch.zeros((len(texts), 0), dtype=ACCUMULATION_DTYPE, device=device)
+        uniforms = torch.stack([t.stream.uniforms(width).to(device) for t in texts])
+        state = torch.stack([t.mech_state for t in texts])
+        code = torch.where(torch.isfinite(public).all(dim=-1), _OK, _BAD_PUBLIC)
+        code = torch.where(torch.isfinite(private).all(dim=-1).all(dim=-1), code, _BAD_PRIVATE)
+        # non-finite logits are reported (one transfer), never sampled from: zero them for the arithmetic
+        finite = (code == _OK).view(-1, 1)
+        public_ok = torch.where(finite, public, torch.zeros_like(public))
+        private_ok = torch.where(finite.unsqueeze(-1), private, torch.zeros_like(private))
+        result = mech.step(private_ok, public_ok, state, aux, exact=exact, neighbours=exact)
+        log_probs = result.log_probs
+        if log_probs.shape != (len(texts), width):
+            raise ValueError(f"{mech.name}: step returned log_probs of shape {tuple(log_probs.shape)}; expected {(len(texts), width)}")
+        step = None
+        if hooks.observer is not None or hooks.sampling_rule is not None:
+            step = GenericDecodeStep(
+                mechanism=mech,
+                request_indices=torch.tensor([t.request_index for t in texts], device=device),
+                positions=torch.tensor([len(t.tokens) for t in texts], device=device),
+                public_logits=public,
+                private_logits=private,
+                result=result,
+                vocab_size=vocab,
+            )
+        sampling = log_probs
+        if hooks.sampling_rule is not None:
+            sampling = hooks.sampling_rule(step)
+            if not isinstance(sampling, torch.Tensor) or sampling.shape != log_probs.shape:
+                raise ValueError(
+                    f"sampling_rule must return a tensor of shape {tuple(log_probs.shape)}; got "
+                    f"{getattr(sampling, 'shape', type(sampling).__name__)}"
+                )
+        code = torch.where(code == _OK, _weights_code(sampling), code)
+        outcomes = gumbel_argmax(sampling.to(ACCUMULATION_DTYPE), uniforms)
+        new_state, stop_after = mech.advance(result, state, outcomes, aux, exact=exact)
+        if step is not None:
+            stop_id = mech.stop_outcome(vocab)
+            step.sampling_log_probs, step.outcomes = sampling, outcomes
+            tokens = outcomes % vocab
+            step.tokens = tokens if stop_id is None else torch.where(outcomes == stop_id, -1, tokens)
+            if hooks.observer is not None:
+                hooks.observer(step)
+        spend = mech.spend(new_state)
+        sizes = torch.isfinite(log_probs).sum(dim=-1)
+        columns = [outcomes, stop_after, sizes, code, torch.zeros_like(sizes) if spend is None else spend]
+        values = torch.stack([c.to(ACCUMULATION_DTYPE) for c in columns], dim=-1).tolist()  # one host transfer
+        for i, text in enumerate(texts):
+            text.mech_state = new_state[i]
+            if spend is not None:
+                text.spend = values[i][4]
+        for v, text in zip(values, texts):
+            if v[3] != _OK:
+                raise ValueError(f"{_ERRORS[int(v[3])]} (text {text.request_index}, step {len(text.tokens)})")
+        return [[int(v[0]), bool(v[1]), float(v[2])] for v in values]

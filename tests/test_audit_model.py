@@ -134,7 +134,7 @@ def test_cli_selftest_spec_writes_reports(tmp_path, capsys):
     p = tmp_path / "st.toml"
     p.write_text(
         'kind = "selftest"\nname = "mini"\nseed = 11\n[selftest]\nnum_samples = 120\nnum_is_samples = 30\n'
-        "alphas = [2.0, 8.0]\n"
+        "alphas = [2.0, 8.0]\nbaselines = false\n"
     )
     code = main(["audit", str(p), "--output", str(tmp_path / "out"), "--json", "--no-plots"])
     out = json.loads(capsys.readouterr().out)

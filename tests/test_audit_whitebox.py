@@ -235,7 +235,13 @@ def test_selftest_pass_on_correct_and_violation_on_every_mutant():
         "low-temperature": "VIOLATION",
         "private-top-k": "VIOLATION",
         "data-dependent-budget": "VIOLATION",
+        # the paper's baselines through the mechanism interface (issue 11)
+        "amin-paper-sensitivity": "VIOLATION",
+        "amin-correct": "PASS",
+        "adapmixed-stop-rule": "VIOLATION",
+        "adapmixed-within-budget": "INCONCLUSIVE",
     }
+    assert result.passed
     assert result.coverage["passed"]
     by_name = {e.mechanism: e for e in result.entries}
     # what each mutant breaks, seen by the exact checks (an independent fact, not a statistic)
@@ -247,6 +253,15 @@ def test_selftest_pass_on_correct_and_violation_on_every_mutant():
     assert by_name["data-dependent-budget"].sources[0]["step_failures"]["support"] > 0
     correct = by_name["correct"].sources[1]
     assert correct["max_loss_range_over_epsilon0"] == pytest.approx(1.0, abs=1e-9)
+    # Amin et al.: the exponential mechanism moves by 2C/B (paper Prop. amin-sens), the hardest case attains it
+    assert by_name["amin-paper-sensitivity"].sources[1]["max_loss_range_over_epsilon0"] == pytest.approx(2.0, abs=1e-9)
+    assert by_name["amin-correct"].sources[1]["max_loss_range_over_epsilon0"] == pytest.approx(1.0, abs=1e-9)
+    # AdaPMixED: labelled data-dependent, never PASS; its stop rule separates R from R'_j exactly
+    for name in ("adapmixed-stop-rule", "adapmixed-within-budget"):
+        assert by_name[name].guarantee == "data-dependent" and by_name[name].verdict != "PASS"
+        assert all("reported_epsilon" in src for src in by_name[name].sources)
+    assert by_name["adapmixed-stop-rule"].sources[0]["step_failures"]["support"] > 0
+    assert sum(by_name["adapmixed-within-budget"].sources[0]["step_failures"].values()) == 0
     json_list = result.to_json()
     assert [d["mechanism"] for d in json_list][0] == "correct" and "coverage" in json_list[0]
 

@@ -36,7 +36,7 @@ from invink_audit.audit.whitebox import (
     RecordedAudit,
 )
 
-__all__ = ["analyse", "sequence_losses", "accountant_epsilons"]
+__all__ = ["analyse", "sequence_losses", "accountant_epsilons", "claim_epsilons"]
 
 
 def sequence_losses(rec: RecordedAudit, neighbour: int, direction: Direction) -> np.ndarray:
@@ -80,6 +80,22 @@ def accountant_epsilons(epsilon0: float, max_new_tokens: int, delta: float, acco
             _ACCOUNTANT_CACHE[key] = float(composed_epsilon(delta, epsilon0, max_new_tokens, name))
         out[name] = _ACCOUNTANT_CACHE[key]
     return out
+
+
+def claim_epsilons(claim, delta: float, accountants=None) -> dict:
+    """ε(δ) the claim certifies, by accountant: every BR accountant for a bounded-range claim
+    (:func:`accountant_epsilons`); ``cks`` for a sequence zCDP claim (Canonne, Kamath & Steinke 2020,
+    Prop. 12); ``rdp-filter`` for a Rényi-filter claim (its budget at its order, Balle et al. 2020,
+    Thm. 21)."""
+    if claim.composition == "bounded-range":
+        return accountant_epsilons(claim.epsilon0, claim.max_new_tokens, delta, accountants)
+    if claim.composition == "zcdp":
+        from accounting import zcdp_to_epsilon
+
+        return {"cks": float(zcdp_to_epsilon(claim.rho_sequence, delta, "cks"))}
+    from invink_audit.mechanisms.adapmixed import rdp_to_epsilon
+
+    return {"rdp-filter": float(rdp_to_epsilon(claim.renyi_budget, claim.renyi_order, delta))}
 
 
 def _rdp_to_epsilon(alphas, rdp, delta) -> float:
@@ -141,7 +157,9 @@ def analyse(
     labels.update(canaries)
     alphas = cfg.alphas
     # a-priori ranges under the claim: per-step loss <= epsilon0 (BR), per-step D_alpha <= alpha rho_tok
-    loss_upper = claim.max_new_tokens * claim.epsilon0
+    # (other compositions bound no text's loss a priori: only the intervals' lower ends are used)
+    loss_upper = claim.loss_upper()
+    importance_sampling = claim.composition == "bounded-range"
     tests: list[stats.TestResult] = []
     rows: list[dict] = []
     losses_by_key: dict = {}
@@ -151,6 +169,8 @@ def analyse(
             losses_by_key[(j, d)] = losses
             for ai, a in enumerate(alphas):
                 claimed = claim.renyi(a)
+                if not math.isfinite(claimed):
+                    continue  # no claim at this order (a Rényi filter claims one order only)
                 ex = None
                 if exact is not None:
                     ex = exact.renyi(a, j, reverse=d is Direction.REVERSE)
@@ -158,7 +178,7 @@ def analyse(
                     est = stats.renyi_monte_carlo(losses, a, beta, loss_upper=loss_upper, claimed=claimed)
                     rows.append(dict(j=j, d=d, a=a, est=est, exact=ex))
                 sums = _is_sums(rec, j, d, ai)
-                if sums.size:
+                if sums.size and importance_sampling:
                     est = stats.renyi_importance_sampling(sums, a, beta, sum_upper=claim.max_new_tokens * a * claim.rho_token, claimed=claimed)
                     rows.append(dict(j=j, d=d, a=a, est=est, exact=ex))
     for r in rows:
@@ -173,7 +193,7 @@ def analyse(
             )
         )
     # delta(eps) against every accountant
-    acc_eps = {dl: accountant_epsilons(claim.epsilon0, claim.max_new_tokens, dl, cfg.accountants) for dl in cfg.delta_grid}
+    acc_eps = {dl: claim_epsilons(claim, dl, cfg.accountants) for dl in cfg.delta_grid}
     delta_rows: list[DeltaEstimate] = []
     for (j, d), losses in losses_by_key.items():
         if not losses.size:
@@ -209,6 +229,16 @@ def analyse(
         exact_checks_run=rec.num_step_checks > 0,
         min_samples_met=cfg.num_samples >= cfg.min_samples,
     )
+    if not claim.a_priori:
+        # a data-dependent guarantee is compared with the measurement, never confirmed (no PASS)
+        if verdict is stats.Verdict.VIOLATION:
+            reason = f"the reported DATA-DEPENDENT guarantee is exceeded by the measurement: {reason}"
+        else:
+            verdict = stats.Verdict.INCONCLUSIVE
+            reason = (
+                "DATA-DEPENDENT guarantee: the measurement does not exceed it, but a guarantee computed from the "
+                f"data is never a PASS ({reason})"
+            )
     # sequence rows with the Holm decisions
     seq_rows = []
     for r, t in zip(rows, decided[: len(rows)]):
@@ -242,7 +272,7 @@ def analyse(
         measured.append(max((s.estimate for s in by_key.values()), default=math.nan))
         measured_up.append(max((s.upper for s in by_key.values()), default=math.nan))
     comparisons = []
-    for name, eps in accountant_epsilons(claim.epsilon0, claim.max_new_tokens, claim.delta, cfg.accountants).items():
+    for name, eps in claim_epsilons(claim, claim.delta, cfg.accountants).items():
         e_grid = _rdp_to_epsilon(alphas, [claim.renyi(a) for a in alphas], claim.delta)
         e_meas = _rdp_to_epsilon(alphas, measured, claim.delta) if measured and not any(map(math.isnan, measured)) else math.nan
         e_up = _rdp_to_epsilon(alphas, measured_up, claim.delta) if measured_up and not any(map(math.isnan, measured_up)) else math.nan
@@ -260,12 +290,13 @@ def analyse(
             w["prefix"] = prefix_decoder([int(t) for t in toks if t >= 0])
         elif w.get("text", -1) >= 0:
             w["prefix"] = " ".join(str(int(t)) for t in rec.tokens[w["text"], : w["step"]] if t >= 0)
+    eps0 = claim.epsilon0 if claim.step_checks else math.nan
     summary = StepCheckSummary(
         num_checks=rec.num_step_checks,
         failures=failures,
-        epsilon0=claim.epsilon0,
+        epsilon0=eps0,
         max_loss_range=max_range,
-        range_headroom=claim.epsilon0 / max_range if max_range > 0 else math.inf,
+        range_headroom=eps0 / max_range if max_range > 0 else math.inf,
         max_renyi_ratio={float(a): float(rec.max_renyi_ratio_per_step[:, i].max()) if rec.max_renyi_ratio_per_step.size else 0.0 for i, a in enumerate(alphas)},
         max_delta_excess=float(rec.max_delta_excess_per_step.max()) if rec.max_delta_excess_per_step.size else 0.0,
         worst_prefix=worst,
@@ -286,6 +317,12 @@ def analyse(
         **{f"epsilon[{a.accountant}]": a.epsilon for a in comparisons},
         **(claim_details or {}),
     }
+    if claim.composition != "bounded-range" or not claim.a_priori:
+        claim_dict.update({"guarantee": claim.guarantee, "composition": claim.composition})
+        if claim.composition == "renyi-filter":
+            claim_dict.update({"renyi_order": claim.renyi_order, "renyi_budget": claim.renyi_budget})
+        if claim.epsilon_claimed is not None:
+            claim_dict["epsilon_claimed"] = claim.epsilon_claimed
     timings = dict(timings or {})
     timings["analysis_seconds"] = time.perf_counter() - t0
     timings.setdefault("check_seconds", rec.check_seconds)

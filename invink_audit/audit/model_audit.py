@@ -41,7 +41,7 @@ from invink_audit.audit.report import WhiteBoxReport
 from invink_audit.audit.synthetic import HARDEST_PUBLIC_PROBABILITY
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 
-__all__ = ["ModelAuditSettings", "audit_model", "hardest_case_row", "DEFAULT_CANARIES"]
+__all__ = ["ModelAuditSettings", "audit_model", "generic_audit_config", "hardest_case_row", "DEFAULT_CANARIES"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,9 @@ _HARDEST_PUSH = 4.0  # multiples of C: any push > C is clipped to exactly ±C by
 
 @dataclasses.dataclass(frozen=True)
 class ModelAuditSettings:
-    """Mechanism parameters of a model audit. Give ``clip_norm`` or (``epsilon``, ``delta``)."""
+    """Mechanism parameters of a model audit. Give ``clip_norm`` or (``epsilon``, ``delta``) for
+    InvisibleInk, or a ``mechanism`` (any :class:`invink_audit.mechanisms.Mechanism`, whose batch size
+    is the audited batch's; its own accountant states the claim at ``delta``)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -68,8 +70,17 @@ class ModelAuditSettings:
     epsilon: float | None = None
     delta: float = 1e-6
     accountant: str = "br-adaptive"
+    mechanism: object | None = None
 
     def __post_init__(self):
+        if self.mechanism is not None:
+            from invink_audit.mechanisms import Mechanism
+
+            if not isinstance(self.mechanism, Mechanism):
+                raise ValueError(f"mechanism must be an invink_audit.mechanisms.Mechanism; got {type(self.mechanism).__name__}")
+            if self.clip_norm is not None or self.epsilon is not None:
+                raise ValueError("give a mechanism or (clip_norm | epsilon), not both")
+            return
         if (self.clip_norm is None) == (self.epsilon is None):
             raise ValueError(
                 f"give exactly one of clip_norm and epsilon; got clip_norm={self.clip_norm!r}, epsilon={self.epsilon!r}"
@@ -156,6 +167,12 @@ def audit_model(
                 f"hardest_case_slot {hardest_case_slot} must hold a null reference (its logits are set by the auditor)"
             )
         canaries[hardest_case_slot] = "hardest-case logit canary (up group at neighbour probability ≈ 0.45)"
+    if settings.mechanism is not None:
+        return _audit_generic(
+            refs, settings, config, model=model, prompt=prompt, prompt_fields=prompt_fields, canaries=canaries,
+            hardest_case_slot=hardest_case_slot, generator=generator, max_batch_rows=max_batch_rows, progress=progress,
+            label=label,
+        )
     t_load = time.perf_counter()
     loaded = load_model(model)
     load_seconds = time.perf_counter() - t_load
@@ -286,4 +303,140 @@ def audit_model(
         settings=settings_dict,
         notes=tuple(notes),
         claim_details={"clip_norm": clip_norm, "temperature": settings.temperature},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# any mechanism of the interface (Amin et al., AdaPMixED, one's own)
+
+
+def generic_audit_config(config: WhiteBoxConfig, claim: Claim) -> tuple[WhiteBoxConfig, list[str]]:
+    """The audit config a generic mechanism's claim allows, and notes saying what changed.
+
+    Importance sampling bounds its integrand with the per-step bounded-range claim, so it runs for
+    bounded-range claims only; a Rényi-filter claim (AdaPMixED) is about one order, so the α grid is
+    that order.
+    """
+    notes = []
+    if claim.composition != "bounded-range" and config.num_is_samples:
+        notes.append(
+            f"importance sampling disabled ({config.num_is_samples} texts per row requested): its bound needs a "
+            f"per-step bounded-range claim and this claim is {claim.composition!r}; plain Monte Carlo only"
+        )
+        config = dataclasses.replace(config, num_is_samples=0)
+    if claim.composition == "renyi-filter" and tuple(config.alphas) != (float(claim.renyi_order),):
+        notes.append(f"alphas set to the data-dependent accountant's single order {claim.renyi_order:g}")
+        config = dataclasses.replace(config, alphas=(float(claim.renyi_order),))
+    return config, notes
+
+
+def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, canaries, hardest_case_slot, generator,
+                   max_batch_rows, progress, label):
+    """:func:`audit_model` for a generic :class:`~invink_audit.mechanisms.Mechanism` (its exact state)."""
+    from invink_audit.engine import Engine
+    from invink_audit.mechanism import make_generator
+    from invink_audit.models import load_model
+    from invink_audit.prompts import encode_request, get_preset
+
+    mech = settings.mechanism
+    batch_size = len(refs)
+    if mech.batch_size != batch_size:
+        raise ValueError(f"the mechanism has batch_size={mech.batch_size} but {batch_size} references were given")
+    if hardest_case_slot is not None:
+        raise ValueError(
+            "the logit-level hardest-case canary is defined for InvisibleInk's difference clipping; use text canaries "
+            "for other mechanisms"
+        )
+    guarantee = mech.guarantee(settings.max_new_tokens, settings.delta)
+    claim = Claim.from_guarantee(guarantee, batch_size, label=label or mech.name)
+    config, notes = generic_audit_config(config, claim)
+    t_load = time.perf_counter()
+    loaded = load_model(model)
+    load_seconds = time.perf_counter() - t_load
+    template = get_preset(prompt, **(prompt_fields or {}))
+    request = encode_request(loaded.tokenizer, template, refs)
+    plan = SamplingPlan.build(config, batch_size)
+    device = loaded.device
+    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=settings.max_new_tokens, device=device)
+    gen = generator if generator is not None else make_generator(device=device)
+    hook_seconds = [0.0]
+
+    def sampling_rule(step):
+        start = time.perf_counter()
+        nlp = step.neighbour_log_probs()
+        r = step.result
+        weights = recorder.sampling_log_weights(
+            step.request_indices, nlp.actual, nlp.neighbours, check_actual=r.check_actual, check_neighbours=r.check_neighbours
+        )
+        hook_seconds[0] += time.perf_counter() - start
+        return weights
+
+    def observer(step):
+        start = time.perf_counter()
+        recorder.record(step.request_indices, step.outcomes)
+        hook_seconds[0] += time.perf_counter() - start
+
+    engine = Engine(loaded, mech, max_batch_rows=max_batch_rows, share_prefill=True)
+    done, tokens_total, reasons, modes = 0, 0, {}, {}
+    t_gen = time.perf_counter()
+    for finished in engine.generate(
+        [request] * plan.num_texts, max_new_tokens=settings.max_new_tokens, generator=gen, observer=observer,
+        sampling_rule=sampling_rule,
+    ):
+        done += 1
+        tokens_total += finished.num_tokens
+        reasons[finished.finish_reason] = reasons.get(finished.finish_reason, 0) + 1
+        for m in finished.modes:
+            modes[mech.mode_names[m]] = modes.get(mech.mode_names[m], 0) + 1
+        if progress is not None:
+            progress(done, plan.num_texts)
+    gen_seconds = time.perf_counter() - t_gen
+    rec = recorder.finish()
+    vocab = loaded.vocab_size
+    width = mech.num_modes * vocab
+
+    def decode(outcomes):
+        return loaded.tokenizer.decode([int(o) % vocab for o in outcomes if 0 <= o < width])
+
+    base = gen_seconds - hook_seconds[0]
+    timings = {
+        "model_load_seconds": load_seconds,
+        "generation_seconds": gen_seconds,
+        "audit_hook_seconds": hook_seconds[0],
+        "generation_without_audit_seconds": base,
+        "audit_overhead_ratio": hook_seconds[0] / base if base > 0 else math.nan,
+        "tokens_generated": tokens_total,
+    }
+    settings_dict = {
+        "model": loaded.name,
+        "device": str(device),
+        "prompt": template.name,
+        **mech.describe(),
+        "max_new_tokens": settings.max_new_tokens,
+        "alphas": list(config.alphas),
+        "num_samples": config.num_samples,
+        "num_is_samples": config.num_is_samples,
+        "neighbours": list(config.audited_neighbours(batch_size)),
+        "directions": [d.value for d in config.directions],
+        "finish_reasons": reasons,
+        "released_modes": modes,
+    }
+    canaries = dict(canaries)
+    labels = {j: ("null reference" if refs[j] is None and j not in canaries else f"reference {j}") for j in range(batch_size)}
+    notes.append(f"guarantee: {guarantee.label()}; {guarantee.description}")
+    notes.append(
+        "outcomes are (mode, token) pairs (" + ", ".join(mech.mode_names) + (", or the stop outcome" if mech.can_halt else "")
+        + "): the release the mechanism's accountant composes"
+    )
+    return analyse(
+        rec,
+        mechanism=f"{mech.name} on {loaded.name}",
+        source=f"{loaded.name}, prompt preset {template.name!r}, B={batch_size}, T={settings.max_new_tokens}",
+        canaries=canaries,
+        neighbour_labels=labels,
+        prefix_decoder=decode,
+        timings=timings,
+        settings=settings_dict,
+        notes=tuple(notes),
+        claim_details={"mechanism": mech.name, "guarantee_description": guarantee.description, **guarantee.details},
     )

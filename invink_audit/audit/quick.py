@@ -12,6 +12,12 @@ Two parts, both white-box:
 
 The verdict is VIOLATION if either part finds one, PASS if both pass, INCONCLUSIVE otherwise.
 
+Any mechanism: ``result`` may also be a :class:`invink_audit.mechanisms.run.MechanismRun` (texts of
+:func:`~invink_audit.mechanisms.run.generate_with_mechanism` with Amin et al., AdaPMixED or one's own
+mechanism); each text is teacher-forced as the outcomes it released (its tokens in their modes, and
+the stop outcome when a data-dependent stop rule ended it), and the claim is the mechanism's own
+(:meth:`~invink_audit.mechanisms.Mechanism.guarantee`). A data-dependent guarantee is never a PASS.
+
 The report is **not private**: the realised losses are per-reference functions of the references, the
 worst prefix is chosen by its loss, and the sampled audit draws ``num_samples`` extra texts from batch 0
 outside the ledger (they are not charged to it, and the release's guarantee does not cover them). The
@@ -54,6 +60,8 @@ class QuickAuditReport:
     # texts the sampled audit drew from the references outside the ledger (not charged, not covered)
     uncharged_samples: int = 0
     privacy_notice: str = REPORT_PRIVACY_NOTICE
+    mechanism: str = "invisibleink"
+    guarantee: str = "a-priori"  # or "data-dependent" (never a PASS)
 
     def to_dict(self) -> dict:
         return to_jsonable(self)
@@ -62,11 +70,14 @@ class QuickAuditReport:
         lines = [
             f"audit verdict: {self.verdict.value} ({self.reason})",
             f"  {self.privacy_notice}",
+            f"  mechanism {self.mechanism}, guarantee {self.guarantee.upper() if self.guarantee != 'a-priori' else self.guarantee}",
             f"  teacher-forced {self.texts_audited} generated texts: {self.step_checks} exact per-step checks, "
             f"failures {sum(self.step_failures.values())}; max loss range / eps0 = {self.max_loss_range_over_epsilon0:.4f}",
             f"  realised privacy loss of the released texts: max {self.realised_loss_max:.4f}, mean "
-            f"{self.realised_loss_mean:.4f} nats (a-priori bound T*eps0 = {self.a_priori_loss_bound:.3f}; "
-            f"accountant eps = {self.accountant_epsilon:.3f})",
+            f"{self.realised_loss_mean:.4f} nats ("
+            + (f"a-priori bound T*eps0 = {self.a_priori_loss_bound:.3f}; " if math.isfinite(self.a_priori_loss_bound)
+               else "no a-priori bound on one text's loss; ")
+            + f"accountant eps = {self.accountant_epsilon:.3f})",
         ]
         if self.sampled is not None:
             h = self.sampled.headroom_summary()
@@ -84,8 +95,14 @@ def teacher_forced_losses(loaded, mechanism, requests, token_ids, *, claim: Clai
     """Run the engine forcing ``token_ids[i]`` for ``requests[i]``; return the recorder's measurements.
 
     Every prefix of every text is checked exactly (all B neighbours) and the exact log-probabilities
-    of each text under R and every R'_j are accumulated.
+    of each text under R and every R'_j are accumulated. With a generic
+    :class:`~invink_audit.mechanisms.Mechanism`, ``token_ids[i]`` are the text's *outcomes*
+    (``mode·V + token``, and the stop outcome last when the mechanism's stop rule ended it).
     """
+    from invink_audit.mechanisms import Mechanism, as_mechanism
+
+    if isinstance(mechanism, Mechanism) and as_mechanism(mechanism).name != "invisibleink":
+        return _teacher_forced_outcomes(loaded, mechanism, requests, token_ids, claim=claim, config=config)
     from invink_audit.engine import Engine
     from invink_audit.mechanism import make_generator
 
@@ -125,6 +142,134 @@ def teacher_forced_losses(loaded, mechanism, requests, token_ids, *, claim: Clai
     return recorder.finish()
 
 
+def _teacher_forced_outcomes(loaded, mechanism, requests, outcome_ids, *, claim: Claim, config: WhiteBoxConfig):
+    """:func:`teacher_forced_losses` for a generic mechanism (its exact state, outcomes forced)."""
+    from invink_audit.engine import Engine
+    from invink_audit.mechanism import make_generator
+
+    n = len(requests)
+    plan = SamplingPlan(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64))
+    max_len = max(1, max(len(t) for t in outcome_ids))
+    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max_len, device=loaded.device)
+    forced = torch.zeros((n, max_len), dtype=torch.long, device=loaded.device)
+    for i, ids in enumerate(outcome_ids):
+        forced[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+
+    def rule(step):
+        nlp = step.neighbour_log_probs()
+        r = step.result
+        recorder.sampling_log_weights(
+            step.request_indices, nlp.actual, nlp.neighbours, check_actual=r.check_actual, check_neighbours=r.check_neighbours
+        )
+        out = forced[step.request_indices, step.positions]
+        if not bool(torch.isfinite(nlp.actual.gather(1, out[:, None])).all()):
+            raise ValueError("a forced outcome has probability 0 under the mechanism: the texts do not match this configuration")
+        weights = torch.full_like(nlp.actual, -math.inf)
+        weights.scatter_(1, out[:, None], 0.0)
+        return weights
+
+    def observer(step):
+        recorder.record(step.request_indices, step.outcomes)
+
+    engine = Engine(loaded, mechanism)
+    stop_id = mechanism.stop_outcome(loaded.vocab_size)
+    expected = {i: sum(1 for o in t if o != stop_id) for i, t in enumerate(outcome_ids)}
+    with torch.no_grad():
+        for f in engine.generate(
+            requests, max_new_tokens=claim.max_new_tokens, generator=make_generator(device=loaded.device),
+            observer=observer, sampling_rule=rule,
+        ):
+            if f.num_tokens != expected[f.request_index]:
+                raise ValueError(
+                    f"text {f.request_index} ended after {f.num_tokens} tokens under teacher forcing, "
+                    f"but has {expected[f.request_index]}: the texts do not match this configuration"
+                )
+    return recorder.finish()
+
+
+def _quick_audit_generic(
+    run, references, *, model, prompt_fields, sampled_batch, num_samples, directions, alphas, significance, generator, start
+) -> QuickAuditReport:
+    from invink_audit.audit.model_audit import ModelAuditSettings, audit_model, generic_audit_config
+    from invink_audit.data import partition_references, read_references
+    from invink_audit.models import load_model
+    from invink_audit.prompts import encode_request, get_preset
+
+    mech = run.mechanism
+    g = run.guarantee
+    loaded = load_model(model)
+    if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
+        references = read_references(references)
+    partition = partition_references(references, run.batch_size)
+    template = get_preset(run.prompt, **(prompt_fields if prompt_fields is not None else run.prompt_fields))
+    claim = Claim.from_guarantee(g, run.batch_size, label=mech.name)
+    config, _ = generic_audit_config(
+        WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(run.texts)), num_is_samples=0, significance=significance), claim
+    )
+    vocab = loaded.vocab_size
+    stop_id = mech.stop_outcome(vocab)
+    outcomes = []
+    for t in run.texts:
+        ids = [m * vocab + tok for tok, m in zip(t.token_ids, t.modes)]
+        if stop_id is not None and t.finish_reason == "budget":
+            ids.append(stop_id)
+        outcomes.append(ids)
+    requests = [
+        encode_request(loaded.tokenizer, template, [r if r else None for r in partition.batches[t.batch_index]], key=t.batch_index)
+        for t in run.texts
+    ]
+    rec = _teacher_forced_outcomes(loaded, mech, requests, outcomes, claim=claim, config=config)
+    with np.errstate(invalid="ignore"):
+        losses = rec.log_prob_actual[:, None] - rec.log_prob_neighbours
+    failures = dict(rec.failures)
+    max_range = float(rec.max_loss_range_per_step.max()) if rec.max_loss_range_per_step.size else 0.0
+    sampled = None
+    if sampled_batch is not None:
+        batch = [r if r else None for r in partition.batches[sampled_batch]]
+        sampled = audit_model(
+            batch,
+            ModelAuditSettings(max_new_tokens=run.max_new_tokens, delta=g.delta, mechanism=mech),
+            WhiteBoxConfig(alphas=alphas, num_samples=num_samples, num_is_samples=0, significance=significance,
+                           directions=tuple(directions), min_samples=16),
+            model=loaded,
+            prompt=template,
+            generator=generator,
+        )
+    total = sum(failures.values())
+    if total:
+        verdict, reason = Verdict.VIOLATION, f"{total} exact per-step checks failed on the generated texts"
+    elif sampled is not None and sampled.verdict is Verdict.VIOLATION:
+        verdict, reason = Verdict.VIOLATION, f"sampled audit: {sampled.reason}"
+    elif sampled is not None and sampled.verdict is Verdict.INCONCLUSIVE:
+        verdict, reason = Verdict.INCONCLUSIVE, f"sampled audit: {sampled.reason}"
+    else:
+        verdict, reason = Verdict.PASS, "exact checks held on every prefix of the generated texts" + (
+            "; sampled audit passed" if sampled is not None else " (no sampled audit)"
+        )
+    if not claim.a_priori and verdict is Verdict.PASS:
+        verdict, reason = Verdict.INCONCLUSIVE, f"DATA-DEPENDENT guarantee, never a PASS ({reason})"
+    elif not claim.a_priori and verdict is Verdict.VIOLATION:
+        reason = f"the reported DATA-DEPENDENT guarantee is exceeded by the measurement: {reason}"
+    finite = losses[np.isfinite(losses)]
+    return QuickAuditReport(
+        verdict=verdict,
+        reason=reason,
+        texts_audited=len(run.texts),
+        step_checks=rec.num_step_checks,
+        step_failures=failures,
+        max_loss_range_over_epsilon0=max_range / claim.epsilon0 if claim.step_checks else math.nan,
+        realised_loss_max=float(losses.max()) if losses.size else 0.0,
+        realised_loss_mean=float(finite.mean()) if finite.size else 0.0,
+        a_priori_loss_bound=claim.loss_upper(),
+        accountant_epsilon=float(g.epsilon),
+        sampled=sampled,
+        seconds=time.perf_counter() - start,
+        uncharged_samples=0 if sampled is None else int(sampled.num_texts),
+        mechanism=mech.name,
+        guarantee=claim.guarantee,
+    )
+
+
 def quick_audit(
     result,
     references,
@@ -157,10 +302,17 @@ def quick_audit(
     from invink_audit.audit.model_audit import ModelAuditSettings, audit_model
     from invink_audit.data import partition_references, read_references
     from invink_audit.mechanism import MechanismConfig
+    from invink_audit.mechanisms.run import MechanismRun
     from invink_audit.models import load_model
     from invink_audit.prompts import encode_request, get_preset
 
     start = time.perf_counter()
+    if isinstance(result, MechanismRun):
+        return _quick_audit_generic(
+            result, references, model=model, prompt_fields=prompt_fields, sampled_batch=sampled_batch,
+            num_samples=num_samples, directions=directions, alphas=alphas, significance=significance,
+            generator=generator, start=start,
+        )
     g = result.guarantee
     loaded = load_model(model)
     if isinstance(references, (str,)) or hasattr(references, "__fspath__"):

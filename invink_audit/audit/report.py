@@ -290,7 +290,8 @@ def _whitebox_markdown(r: WhiteBoxReport) -> str:
         "",
         f"Source: {r.source}. Texts sampled: {r.num_texts}.",
         "",
-        "## Claim (a priori)",
+        f"## Claim ({c.get('guarantee', 'a-priori')}"
+        + (": holds only for the audited references, never a PASS)" if c.get("guarantee") == "data-dependent" else ")"),
         "",
         "| quantity | value |",
         "|---|---|",
@@ -411,7 +412,12 @@ def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
     alphas = sorted({s.alpha for s in r.sequence})
     if alphas:
         grid = np.linspace(min(alphas) * 0.9, max(alphas) * 1.05, 100)
-        ax.plot(grid, grid * r.claim["rho_sequence"], "k-", label="claimed α·ρ_seq")
+        rho_seq = r.claim.get("rho_sequence")
+        if rho_seq is not None:
+            ax.plot(grid, grid * rho_seq, "k-", label="claimed α·ρ_seq")
+        else:  # a Rényi-filter claim: one order, one budget
+            rho_seq = float(r.claim["renyi_budget"]) / float(r.claim["renyi_order"])
+            ax.plot([r.claim["renyi_order"]], [r.claim["renyi_budget"]], "k*", ms=12, label="claimed D_α (data-dependent)")
         markers = {("forward", "importance-sampling"): "o", ("reverse", "importance-sampling"): "s",
                    ("forward", "monte-carlo"): "^", ("reverse", "monte-carlo"): "v"}
         worst = r.worst_neighbour.get("index")
@@ -421,7 +427,8 @@ def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
                 continue
             x = np.array([s.alpha for s in rows]) * (1 + 0.01 * list(markers).index(key))
             y = np.array([s.estimate for s in rows])
-            cap = 10.0 * max(float(y.max()), r.claim["rho_sequence"] * max(alphas))  # keep infinite ends on the plot
+            finite_y = y[np.isfinite(y)]
+            cap = 10.0 * max(float(finite_y.max()) if finite_y.size else 0.0, rho_seq * max(alphas))  # keep infinite ends on the plot
             lo = np.array([s.lower for s in rows])
             hi = np.minimum(np.array([s.upper for s in rows]), cap)
             y = np.minimum(y, cap)
@@ -462,10 +469,13 @@ def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
         ax.plot(np.arange(per.size), finite, ".-", label="max over texts and neighbours")
         inf_steps = np.nonzero(~np.isfinite(per))[0]
         if inf_steps.size:
-            ax.plot(inf_steps, np.full(inf_steps.size, r.step_checks.epsilon0 * 1.5), "rx", label="infinite (support mismatch)")
-    ax.axhline(r.step_checks.epsilon0, color="k", ls="--", label="ε0 = 2C/(Bτ)")
+            top = r.step_checks.epsilon0 if math.isfinite(r.step_checks.epsilon0) else (np.nanmax(np.where(np.isfinite(per), per, np.nan)) if np.isfinite(per).any() else 1.0)
+            ax.plot(inf_steps, np.full(inf_steps.size, top * 1.5), "rx", label="infinite (support mismatch)")
+    eps0 = r.step_checks.epsilon0
+    if math.isfinite(eps0):
+        ax.axhline(eps0, color="k", ls="--", label="claimed per-step ε0")
     finite_max = float(np.nanmax(np.where(np.isfinite(per), per, np.nan))) if per.size and np.isfinite(per).any() else 0.0
-    ax.set_ylim(0.0, 1.6 * max(r.step_checks.epsilon0, finite_max))
+    ax.set_ylim(0.0, 1.6 * max(eps0 if math.isfinite(eps0) else 0.0, finite_max, 1e-12))
     ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_xlabel("decoding step")
     ax.set_ylabel("privacy-loss range (nats)")

@@ -49,6 +49,9 @@ __all__ = [
     "torch_threads",
     "enumerate_outputs",
     "ExactOutputs",
+    "AuditedMechanism",
+    "run_mechanism_audit",
+    "enumerate_mechanism_outputs",
 ]
 
 #: public probability of the up-weighted outcome in the worst ε0-BR pair (ACCOUNTING_NOTES.md)
@@ -499,3 +502,153 @@ def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max
     if prefixes.shape[0]:
         raise RuntimeError("enumeration ended with unfinished prefixes (the budget logic is inconsistent)")
     return ExactOutputs(torch.cat(done_a).numpy(), torch.cat(done_n).numpy())
+
+
+# ---------------------------------------------------------------------------------------------
+# any mechanism of the interface (invink_audit.mechanisms): decoding in its exact state
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditedMechanism:
+    """A :class:`invink_audit.mechanisms.Mechanism` under audit, with the claim its accountant makes.
+
+    ``claim``: from the mechanism's :meth:`~invink_audit.mechanisms.Mechanism.guarantee` unless given
+    (a planted bug states a wrong claim); ``expected``: the verdict a correct auditor must give.
+    """
+
+    name: str
+    description: str
+    mechanism: object  # invink_audit.mechanisms.Mechanism
+    max_new_tokens: int
+    expected: str
+    claim_override: Claim | None = None
+
+    def claim(self, source: LogitSource, *, delta: float = 1e-6) -> Claim:
+        if self.claim_override is not None:
+            return self.claim_override
+        return Claim.from_guarantee(self.mechanism.guarantee(self.max_new_tokens, delta), source.batch_size, label=self.name)
+
+
+def _mechanism_aux(mechanism, count: int, *, at_start: bool, generator: torch.Generator) -> torch.Tensor:
+    n = mechanism.aux_size(exact=True, at_start=at_start)
+    u = torch.rand((count, n), dtype=_DTYPE, generator=generator)
+    return u.clamp_(2.0**-60, 1.0 - 2.0**-53)
+
+
+def run_mechanism_audit(
+    source: LogitSource,
+    audited: AuditedMechanism,
+    config: WhiteBoxConfig,
+    *,
+    generator: torch.Generator,
+    delta: float = 1e-6,
+    progress: Callable[[int, int], None] | None = None,
+) -> RecordedAudit:
+    """Decode every text of the config's sampling plan through a generic mechanism on ``source``.
+
+    The mechanism runs in its exact state (outcome distributions under R and every R'_j given the
+    released history); texts end on EOS, on the mechanism's stop outcome or stop rule, or after
+    ``max_new_tokens`` outcomes (a public, fixed budget).
+    """
+    with torch_threads(1):
+        return _run_mechanism_audit(source, audited, config, generator=generator, delta=delta, progress=progress)
+
+
+def _run_mechanism_audit(source, audited, config, *, generator, delta, progress):
+    from invink_audit.mechanism import sample_tokens
+
+    mech = audited.mechanism
+    claim = audited.claim(source, delta=delta)
+    horizon = audited.max_new_tokens
+    plan = SamplingPlan.build(config, source.batch_size)
+    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=horizon)
+    n = plan.num_texts
+    v = source.vocab_size
+    stop_id = mech.stop_outcome(v)
+    state = mech.initial_state(_mechanism_aux(mech, n, at_start=True, generator=generator), exact=True)
+    prefixes = torch.zeros(n, horizon, dtype=torch.int64)
+    alive = torch.ones(n, dtype=torch.bool)
+    for step in range(horizon):
+        ids = alive.nonzero().reshape(-1)
+        if ids.numel() == 0:
+            break
+        private, public = source.logits(prefixes[ids, :step], step)
+        aux = _mechanism_aux(mech, ids.numel(), at_start=False, generator=generator)
+        out = mech.step(private, public, state[ids], aux, exact=True, neighbours=True)
+        weights = recorder.sampling_log_weights(
+            ids, out.log_probs, out.neighbours, check_actual=out.check_actual, check_neighbours=out.check_neighbours
+        )
+        outcomes = sample_tokens(weights, generator)
+        recorder.record(ids, outcomes)
+        new_state, stop_after = mech.advance(out, state[ids], outcomes, aux, exact=True)
+        state[ids] = new_state
+        tokens = outcomes % v
+        prefixes[ids, step] = tokens
+        ended = (tokens == source.eos_token) | stop_after
+        if stop_id is not None:
+            ended |= outcomes == stop_id
+        alive[ids] = ~ended
+        if progress is not None:
+            progress(step + 1, horizon)
+    result = recorder.finish()
+    return dataclasses.replace(result, extra={"budget_actual": horizon, "budget_neighbours": [horizon] * source.batch_size, "source": source.name})
+
+
+def enumerate_mechanism_outputs(
+    source: LogitSource, audited: AuditedMechanism, *, max_outputs: int = 200_000
+) -> ExactOutputs:
+    """Every complete output of a generic mechanism on ``source`` with its exact log-probability under R
+    and every R'_j (a breadth-first walk over released histories, the exact state carried along).
+
+    Only for tiny V, B and T (each prefix carries the mechanism's exact state). A mechanism with
+    auxiliary randomness in its exact state (AdaPMixED's screening estimate) is enumerated for one
+    fixed draw of it per step, shared by all prefixes.
+    """
+    mech = audited.mechanism
+    horizon = audited.max_new_tokens
+    b, v = source.batch_size, source.vocab_size
+    stop_id = mech.stop_outcome(v)
+    gen = torch.Generator().manual_seed(0)
+    prefixes = torch.zeros(1, 0, dtype=torch.int64)
+    state = mech.initial_state(_mechanism_aux(mech, 1, at_start=True, generator=gen), exact=True)
+    lp_a = torch.zeros(1, dtype=_DTYPE)
+    lp_n = torch.zeros(1, b, dtype=_DTYPE)
+    done_a, done_n = [], []
+    for step in range(horizon):
+        if prefixes.shape[0] == 0:
+            break
+        private, public = source.logits(prefixes, step)
+        aux = _mechanism_aux(mech, 1, at_start=False, generator=gen).expand(prefixes.shape[0], -1)
+        out = mech.step(private, public, state, aux, exact=True, neighbours=True)
+        possible = torch.isfinite(out.log_probs) | torch.isfinite(out.neighbours).any(1)
+        rows, outs = possible.nonzero(as_tuple=True)
+        if rows.numel() > max_outputs:
+            raise ValueError(f"enumeration would expand {rows.numel()} prefixes (> max_outputs={max_outputs})")
+        new_a = lp_a[rows] + out.log_probs[rows, outs]
+        new_n = lp_n[rows] + out.neighbours[rows, :, outs]
+        sub = MechanismStepView(out, rows)
+        new_state, stop_after = mech.advance(sub, state[rows], outs, aux[rows], exact=True)
+        tokens = outs % v
+        ended = (tokens == source.eos_token) | stop_after | torch.full_like(stop_after, step + 1 >= horizon)
+        if stop_id is not None:
+            ended |= outs == stop_id
+        done_a.append(new_a[ended])
+        done_n.append(new_n[ended])
+        keep = ~ended
+        prefixes = torch.cat([prefixes[rows[keep]], tokens[keep].unsqueeze(-1)], dim=1)
+        state = new_state[keep]
+        lp_a, lp_n = new_a[keep], new_n[keep]
+    if prefixes.shape[0]:
+        raise RuntimeError("enumeration ended with unfinished prefixes")
+    return ExactOutputs(torch.cat(done_a).numpy(), torch.cat(done_n).numpy())
+
+
+class MechanismStepView:
+    """A :class:`invink_audit.mechanisms.MechanismStep` restricted to some of its rows (enumeration)."""
+
+    def __init__(self, step, rows: torch.Tensor):
+        self.log_probs = step.log_probs[rows]
+        self.neighbours = None if step.neighbours is None else step.neighbours[rows]
+        self.check_actual = None if step.check_actual is None else step.check_actual[rows]
+        self.check_neighbours = None if step.check_neighbours is None else step.check_neighbours[rows]
+        self.carry = {k: val[rows] for k, val in (step.carry or {}).items()}

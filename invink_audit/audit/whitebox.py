@@ -87,41 +87,117 @@ def _check_count(name, value, minimum=1) -> int:
 
 @dataclass(frozen=True)
 class Claim:
-    r"""The a-priori guarantee the audited mechanism claims (what its accountant was told).
+    r"""The guarantee the audited mechanism claims (what its accountant was told).
 
-    ``epsilon0``: per-token bounded range; ``rho_token``: per-token zCDP (for InvisibleInk
+    ``epsilon0``: per-step bounded range; ``rho_token``: per-step zCDP (for InvisibleInk
     :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 1); ``max_new_tokens``: the accounted
     token budget T. The sequence claim is :math:`D_\alpha \le \alpha\rho_{seq}`,
     :math:`\rho_{seq} = T\rho_{tok}` (Theorem 1, adaptive composition).
+
+    Other mechanisms (:meth:`from_guarantee`, :class:`invink_audit.mechanisms.Guarantee`):
+
+    * ``composition="zcdp"``: the sequence claim is ``rho_sequence_bound`` (e.g. Amin et al.'s
+      :math:`r(\rho_{em} + \rho_{svt})`), and ``epsilon0``/``rho_token`` (when given) are the per-step
+      claim of the component the auditor checks exactly (Amin et al.: the exponential mechanism);
+    * ``composition="renyi-filter"``, ``guarantee="data-dependent"`` (AdaPMixED): the claim is
+      :math:`D_\alpha \le` ``renyi_budget`` at the single order ``renyi_order``, both directions, for
+      the audited dataset only; no per-step claim (``epsilon0=None``). A data-dependent claim never
+      gets a PASS.
     """
 
-    epsilon0: float
-    rho_token: float
+    epsilon0: float | None
+    rho_token: float | None
     max_new_tokens: int
     batch_size: int
     delta: float = 1e-6
     label: str = ""
+    rho_sequence_bound: float | None = None
+    composition: str = "bounded-range"
+    guarantee: str = "a-priori"
+    renyi_order: float | None = None
+    renyi_budget: float | None = None
+    epsilon_claimed: float | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "epsilon0", _check_positive("epsilon0", self.epsilon0))
-        object.__setattr__(self, "rho_token", _check_positive("rho_token", self.rho_token))
+        if (self.epsilon0 is None) != (self.rho_token is None):
+            raise ValueError("give both epsilon0 and rho_token, or neither (no per-step claim)")
+        if self.epsilon0 is not None:
+            object.__setattr__(self, "epsilon0", _check_positive("epsilon0", self.epsilon0))
+            object.__setattr__(self, "rho_token", _check_positive("rho_token", self.rho_token))
         object.__setattr__(self, "max_new_tokens", _check_count("max_new_tokens", self.max_new_tokens))
         object.__setattr__(self, "batch_size", _check_count("batch_size", self.batch_size))
         if not 0.0 < float(self.delta) < 1.0:
             raise ValueError(f"delta must be in (0, 1); got {self.delta!r}")
+        if self.composition not in ("bounded-range", "zcdp", "renyi-filter"):
+            raise ValueError(f"composition must be 'bounded-range', 'zcdp' or 'renyi-filter'; got {self.composition!r}")
+        if self.guarantee not in ("a-priori", "data-dependent"):
+            raise ValueError(f"guarantee must be 'a-priori' or 'data-dependent'; got {self.guarantee!r}")
+        if self.composition == "bounded-range" and self.epsilon0 is None:
+            raise ValueError("a bounded-range claim needs epsilon0 and rho_token")
+        if self.composition == "zcdp" and self.rho_sequence_bound is None:
+            raise ValueError("a zcdp claim needs rho_sequence_bound")
+        if self.composition == "renyi-filter":
+            if self.renyi_order is None or self.renyi_budget is None:
+                raise ValueError("a renyi-filter claim needs renyi_order and renyi_budget")
+            if not (math.isfinite(float(self.renyi_order)) and float(self.renyi_order) > 1):
+                raise ValueError(f"renyi_order must be a finite number > 1; got {self.renyi_order!r}")
+        if self.rho_sequence_bound is not None:
+            object.__setattr__(self, "rho_sequence_bound", _check_positive("rho_sequence_bound", self.rho_sequence_bound))
 
     @property
-    def rho_sequence(self) -> float:
+    def step_checks(self) -> bool:
+        """Whether the claim bounds each step (range, Rényi, δ checked exactly at every prefix)."""
+        return self.epsilon0 is not None
+
+    @property
+    def a_priori(self) -> bool:
+        return self.guarantee == "a-priori"
+
+    @property
+    def rho_sequence(self) -> float | None:
+        """Sequence-level zCDP of the claim (``None`` for a Rényi-filter claim)."""
+        if self.rho_sequence_bound is not None:
+            return self.rho_sequence_bound
+        if self.composition == "renyi-filter":
+            return None
         return self.max_new_tokens * self.rho_token
 
     def renyi(self, alpha: float) -> float:
-        r""":math:`\alpha\rho_{seq}`, the claimed sequence-level Rényi divergence at order α."""
+        r"""The claimed sequence-level Rényi divergence at order α: :math:`\alpha\rho_{seq}`, or for a
+        Rényi filter its budget at its order (``inf``, no claim, at other orders)."""
+        if self.composition == "renyi-filter":
+            return float(self.renyi_budget) if math.isclose(float(alpha), float(self.renyi_order)) else math.inf
         return float(alpha) * self.rho_sequence
+
+    def loss_upper(self) -> float:
+        """An a-priori bound on a text's privacy loss (``T·ε0`` for bounded range; ``inf`` otherwise)."""
+        return self.max_new_tokens * self.epsilon0 if self.composition == "bounded-range" else math.inf
 
     @classmethod
     def from_mechanism(cls, config, max_new_tokens: int, *, delta: float = 1e-6, label: str = "") -> "Claim":
         """The claim of a :class:`invink_audit.mechanism.MechanismConfig` run for ``max_new_tokens``."""
         return cls(config.epsilon0, config.rho_token, max_new_tokens, config.batch_size, delta, label)
+
+    @classmethod
+    def from_guarantee(cls, guarantee, batch_size: int, *, label: str = "") -> "Claim":
+        """The claim of a :class:`invink_audit.mechanisms.Guarantee` (any mechanism)."""
+        g = guarantee
+        if g.composition == "bounded-range":
+            return cls(g.step_epsilon0, g.step_rho, g.max_new_tokens, batch_size, g.delta, label)
+        return cls(
+            g.step_epsilon0,
+            g.step_rho,
+            g.max_new_tokens,
+            batch_size,
+            g.delta,
+            label,
+            rho_sequence_bound=g.rho_sequence,
+            composition=g.composition,
+            guarantee=g.kind.value,
+            renyi_order=g.renyi_order,
+            renyi_budget=g.renyi_budget,
+            epsilon_claimed=g.epsilon,
+        )
 
 
 DEFAULT_ALPHAS = (1.5, 2.0, 4.0, 8.0)
@@ -405,10 +481,16 @@ class WhiteBoxRecorder:
         self._is_sum = torch.zeros(n, dtype=_DTYPE, device=dev)
         self._length = torch.zeros(n, dtype=torch.int64, device=dev)
         self._tokens = torch.full((n, self.max_steps), -1, dtype=torch.int64, device=dev)
-        self.step_epsilons = tuple(f * claim.epsilon0 for f in STEP_EPSILON_FRACTIONS)
-        self.step_delta_claims = tuple(_step_delta_claims(claim, self.step_epsilons))
+        if claim.step_checks:
+            self.step_epsilons = tuple(f * claim.epsilon0 for f in STEP_EPSILON_FRACTIONS)
+            self.step_delta_claims = tuple(_step_delta_claims(claim, self.step_epsilons))
+            self._renyi_claim_t = self._alphas * claim.rho_token  # (A,)
+        else:
+            # no per-step claim (data-dependent mechanisms): the per-step quantities are recorded, not
+            # checked; "ratios" are then the raw divergences D_alpha(p_t || p'_t)
+            self.step_epsilons, self.step_delta_claims = (0.0,), (1.0,)
+            self._renyi_claim_t = torch.ones_like(self._alphas)
         self._delta_claim_t = torch.tensor(self.step_delta_claims, dtype=_DTYPE, device=dev)
-        self._renyi_claim_t = self._alphas * claim.rho_token  # (A,)
         self._fail = {k: torch.zeros((), dtype=torch.int64, device=dev) for k in ("support", "range", "renyi", "delta")}
         self._num_checks = 0
         # maxima per position in the text (scatter-reduced; no host sync during decoding)
@@ -426,12 +508,28 @@ class WhiteBoxRecorder:
 
     # -- per step ---------------------------------------------------------------------------
     def sampling_log_weights(
-        self, text_ids: torch.Tensor, actual: torch.Tensor, neighbours: torch.Tensor
+        self,
+        text_ids: torch.Tensor,
+        actual: torch.Tensor,
+        neighbours: torch.Tensor,
+        *,
+        check_actual: torch.Tensor | None = None,
+        check_neighbours: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Run the exact checks of one step and return each text's sampling log-weights.
+
+        ``actual`` (G, W) and ``neighbours`` (G, B, W): the step's outcome distributions under R and
+        every R'_j (sampled from, accumulated into sequence log-probabilities, checked for equal
+        supports). ``check_actual``/``check_neighbours``: the distributions the per-step claim is
+        about when they are not the outcome distributions (e.g. Amin et al.'s exponential mechanism
+        given a private step); the range, Rényi and δ checks run on them.
+        """
         import time
 
         if self._pending is not None:
             raise RuntimeError("record() must be called after each sampling_log_weights()")
+        if (check_actual is None) != (check_neighbours is None):
+            raise ValueError("give both check_actual and check_neighbours, or neither")
         start = time.perf_counter()
         ids = text_ids.to(self.device, torch.int64)
         actual = actual.to(self.device, _DTYPE)
@@ -440,14 +538,23 @@ class WhiteBoxRecorder:
             raise ValueError(f"neighbours has {neighbours.shape[1]} rows; the claim is for batch_size={self.batch_size}")
         ca, cn, kept = compact_support(actual, neighbours)
         q = step_quantities(ca, cn, self.config.alphas, self.step_epsilons)
+        qc = q
+        if check_actual is not None:
+            ka, kn, _ = compact_support(check_actual.to(self.device, _DTYPE), check_neighbours.to(self.device, _DTYPE))
+            qc = step_quantities(ka, kn, self.config.alphas, self.step_epsilons)
         tol = EXACT_TOLERANCE
         support_fail = q.forward_infinite | q.reverse_infinite
-        range_fail = q.loss_range > self.claim.epsilon0 + tol
         renyi_claim = self._renyi_claim_t.view(1, 1, -1)
-        renyi_fail = ((q.renyi_forward > renyi_claim + tol) | (q.renyi_reverse > renyi_claim + tol)).any(-1)
-        dmax = torch.maximum(q.delta_forward, q.delta_reverse)
+        dmax = torch.maximum(qc.delta_forward, qc.delta_reverse)
         delta_excess = dmax - self._delta_claim_t.view(1, 1, -1)
-        delta_fail = (delta_excess > tol).any(-1)
+        if self.claim.step_checks:
+            range_fail = qc.loss_range > self.claim.epsilon0 + tol
+            renyi_fail = ((qc.renyi_forward > renyi_claim + tol) | (qc.renyi_reverse > renyi_claim + tol)).any(-1)
+            delta_fail = (delta_excess > tol).any(-1)
+            if check_actual is not None:
+                support_fail = support_fail | qc.forward_infinite | qc.reverse_infinite
+        else:
+            range_fail = renyi_fail = delta_fail = torch.zeros_like(support_fail)
         self._fail["support"] += support_fail.sum()
         self._fail["range"] += range_fail.sum()
         self._fail["renyi"] += renyi_fail.sum()
@@ -456,12 +563,12 @@ class WhiteBoxRecorder:
         self._num_checks += g * b
         # maxima per position and the running worst prefix (device tensors, no host sync)
         pos = self._length[ids]
-        ratio = torch.maximum(q.renyi_forward, q.renyi_reverse) / renyi_claim  # (G, B, A)
-        self._pos_range.scatter_reduce_(0, pos, q.loss_range.amax(-1), "amax")
+        ratio = torch.maximum(qc.renyi_forward, qc.renyi_reverse) / renyi_claim  # (G, B, A)
+        self._pos_range.scatter_reduce_(0, pos, qc.loss_range.amax(-1), "amax")
         self._pos_renyi.scatter_reduce_(0, pos.unsqueeze(-1).expand(-1, ratio.shape[-1]), ratio.amax(1), "amax")
         self._pos_delta.scatter_reduce_(0, pos, delta_excess.amax(dim=(1, 2)), "amax")
         self._pos_seen[pos] = True
-        self._worst_range = _running_worst(self._worst_range, q.loss_range, ids, pos)
+        self._worst_range = _running_worst(self._worst_range, qc.loss_range, ids, pos)
         self._worst_renyi = _running_worst(self._worst_renyi, ratio.amax(-1), ids, pos)
         # sampling targets of the live texts
         kind = self._kind[ids]

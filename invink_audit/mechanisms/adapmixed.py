@@ -1,0 +1,350 @@
+r"""AdaPMixED (Flemings, Razaviyayn & Annavaram 2024, "Differentially Private Next-Token Prediction of
+Large Language Models", NAACL, arXiv:2403.15638) adapted to text generation as in the InvisibleInk
+paper (§5 "Baselines", App. B.3.2, App. D.1): a :class:`~invink_audit.mechanisms.base.Mechanism`.
+
+**Its guarantee is data-dependent**: the privacy spend is computed from the references themselves,
+holds only for the dataset it was computed on, and is never certified a priori (paper App. B.3.2).
+
+Adaptation (paper App. D.1): each reference-conditioned prompt is one ensemble *member*
+(:math:`p_i = \mathrm{softmax}(\phi_i/\tau)`, ``N = B`` members), the public prompt is the "pretrained
+model" :math:`p_0 = \mathrm{softmax}(\phi_{pub}/\tau)`, and tokens are drawn one at a time from the
+predicted next-token distribution. One step (Flemings et al. Alg. 1):
+
+1. **Noisy screening**: :math:`p_s = \lambda_s\bar p + (1-\lambda_s)p_0` with :math:`\bar p` the
+   members' mean; on the ``k`` largest entries of :math:`p_0` (public), add :math:`\mathcal N(0,
+   \sigma^2)` noise to :math:`p_s`, renormalise both; if the symmetric Rényi divergence
+   :math:`D^{sym}_\alpha` of the two exceeds the threshold, release a token from :math:`p_0`
+   (*screened*). Cost: the Gaussian mechanism's RDP :math:`\alpha\Delta_2^2/(2\sigma^2)` with
+   :math:`\Delta_2 = \sqrt2\lambda_s/N` (replacing a member by :math:`p_0` moves :math:`\lambda_s\bar p`
+   by :math:`\lambda_s\|p_i - p_0\|_2/N \le \sqrt2\lambda_s/N`; Mironov 2017, Prop. 7), i.e.
+   :math:`\alpha\lambda_s^2/(N^2\sigma^2)`, charged at every step.
+2. **Per-member mixing into a Rényi ball**: :math:`\bar p_i = \lambda_i p_i + (1-\lambda_i)p_0` with
+   :math:`\lambda_i` the largest in [0, 1] such that :math:`D^{sym}_\alpha(p_0, \bar p_i) \le \alpha\beta`
+   (found by bisection: :math:`D^{sym}_\alpha` is non-decreasing in λ because Rényi divergence is
+   jointly quasi-convex, van Erven & Harremoës 2014, Thm. 13); release a token from
+   :math:`p = \frac1N\sum_i\bar p_i` (*mixed*).
+3. **Data-dependent accounting** under replace-by-null (paper App. B.3.2, the modified Alg. 1
+   line 15): :math:`p_{-i} = \frac1N(\sum_{j\ne i}\bar p_j + p_0)` and the step costs
+   :math:`\max_i D^{sym}_\alpha(p_{-i}, p)` more when mixed. The running RDP spend at order α
+   converts to :math:`\varepsilon = D + \log(1-1/\alpha) - (\log\delta + \log\alpha)/(\alpha-1)`
+   (Balle et al. 2020, Thm. 21; Canonne, Kamath & Steinke 2020, Prop. 12).
+4. **Stop rule**: before releasing, if the spend after this step would exceed the budget ε, the
+   text ends without the token (the re-implementation's order of operations).
+
+Defaults follow the paper (App. D.1: τ = 1, σ = 0.01, λ_s = 1e-4; the rest from Flemings et al.'s
+PubMed defaults as the paper's re-implementation ``cerai-iitm/InvisibleInk-Experiments``
+``generate_adapmixed.py`` sets them: α = 15, β = 0.3, k = 60, threshold 4.5). Where that
+re-implementation departs from the method we follow the method and say so:
+
+* it sets :math:`\lambda_i = 0` (the member is dropped to the public distribution) whenever its
+  root finder sees no sign change, which includes a member already *inside* the ball at λ = 1; we
+  take the largest feasible λ (λ = 1 then), as Flemings et al.'s Alg. 1 line 11 does;
+* noisy probabilities can be negative; the re-implementation raises them to the power
+  :math:`1-\alpha = -14` (an even power: it uses their absolute values) in :math:`D_\alpha(p_0\|\cdot)`;
+  we use absolute values in both directions of :math:`D^{sym}_\alpha` (the other direction, with the
+  odd power α, is ill-defined there) and floor them at 1e-300.
+
+**The stop rule leaks.** The spend is a deterministic function of the references, so the step at
+which a text stops differs between ``R`` and a neighbour ``R'_j``: the released length can separate
+them with certainty. The white-box auditor measures exactly this (an outcome possible under one
+dataset and impossible under the other), and reports it against the data-dependent ε.
+
+Exact (audit) mode: the state tracks the spend of ``R`` and of every ``R'_j`` (whose own stop rule
+uses *its* neighbours, two slots nulled); the screening probability, a ``k``-dimensional Gaussian
+integral with no closed form, is estimated with ``screen_samples`` draws shared by all datasets
+(common random numbers) and add-half smoothing, so the audited screening bit is approximate (the
+mixing and the stop rule are exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from invink_audit.mechanisms.base import STATE_DTYPE, Guarantee, GuaranteeKind, Mechanism, MechanismStep, check_step_shapes
+
+__all__ = [
+    "AdaPMixEDConfig",
+    "AdaPMixEDMechanism",
+    "adapmixed_member_weights",
+    "rdp_to_epsilon",
+    "renyi_budget",
+    "symmetric_renyi",
+]
+
+MODE_SCREENED, MODE_MIXED = 0, 1
+_FLOOR = 1e-300
+_BISECTION_STEPS = 60
+
+
+def rdp_to_epsilon(rdp: float | torch.Tensor, order: float, delta: float):
+    r""":math:`\varepsilon = D + \log(1 - 1/\alpha) - (\log\delta + \log\alpha)/(\alpha - 1)` (Balle et al. 2020,
+    Thm. 21; the re-implementation's ``rdp_eps``; tensors element-wise)."""
+    return rdp + math.log1p(-1.0 / order) - (math.log(delta) + math.log(order)) / (order - 1.0)
+
+
+def renyi_budget(epsilon: float, order: float, delta: float) -> float:
+    """The largest RDP spend at ``order`` whose :func:`rdp_to_epsilon` is at most ``epsilon``."""
+    return epsilon - math.log1p(-1.0 / order) + (math.log(delta) + math.log(order)) / (order - 1.0)
+
+
+def _renyi(lp: torch.Tensor, lq: torch.Tensor, order: float) -> torch.Tensor:
+    r""":math:`D_\alpha(P\|Q) = \frac1{\alpha-1}\log\sum_y p^\alpha q^{1-\alpha}` from log-probabilities (last dim)."""
+    both = torch.isfinite(lp)
+    terms = torch.where(both, order * lp + (1.0 - order) * lq, torch.full_like(lp, -math.inf))
+    out = torch.logsumexp(terms, dim=-1) / (order - 1.0)
+    # a token possible under P and impossible under Q makes the divergence infinite
+    bad = (torch.isfinite(lp) & ~torch.isfinite(lq)).any(dim=-1)
+    return torch.where(bad, torch.full_like(out, math.inf), out.clamp(min=0.0))
+
+
+def symmetric_renyi(p: torch.Tensor, q: torch.Tensor, order: float) -> torch.Tensor:
+    r""":math:`D^{sym}_\alpha(P, Q) = \max(D_\alpha(P\|Q), D_\alpha(Q\|P))` of probability vectors (last dim)
+    (paper App. B.3.2)."""
+    lp, lq = torch.log(p), torch.log(q)
+    return torch.maximum(_renyi(lp, lq, order), _renyi(lq, lp, order))
+
+
+def adapmixed_member_weights(members: torch.Tensor, public: torch.Tensor, order: float, radius: float) -> torch.Tensor:
+    r""":math:`\lambda_i = \max\{\lambda\in[0,1] : D^{sym}_\alpha(p_0, \lambda p_i + (1-\lambda)p_0) \le r\}`, (..., N).
+
+    ``members`` (..., N, V) and ``public`` (..., V) are probability vectors. Bisection on the
+    non-decreasing function of λ (module docstring), ``60`` halvings: λ to ~1e-18; the returned λ is
+    the feasible (lower) end, so the ball is never left.
+    """
+    p0 = public.unsqueeze(-2)
+
+    def div(lam):
+        return symmetric_renyi(p0.expand_as(members), lam.unsqueeze(-1) * members + (1.0 - lam.unsqueeze(-1)) * p0, order)
+
+    ones = torch.ones(members.shape[:-1], dtype=STATE_DTYPE, device=members.device)
+    inside = div(ones) <= radius
+    lo = torch.zeros_like(ones)
+    hi = ones.clone()
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)
+        ok = div(mid) <= radius
+        lo = torch.where(ok, mid, lo)
+        hi = torch.where(ok, hi, mid)
+    return torch.where(inside, ones, lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaPMixEDConfig:
+    """Parameters of :class:`AdaPMixEDMechanism` (module docstring). ``epsilon``/``delta``: the budget of
+    the stop rule (a data-dependent guarantee)."""
+
+    batch_size: int
+    epsilon: float
+    delta: float = 1e-6
+    temperature: float = 1.0
+    renyi_order: float = 15.0
+    beta: float = 0.3
+    screen_top_k: int = 60
+    screen_threshold: float = 4.5
+    screen_noise: float = 0.01
+    screen_mixing: float = 1e-4
+    screen_samples: int = 512
+
+    def __post_init__(self):
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1; got {self.batch_size!r}")
+        for name in ("epsilon", "temperature", "beta", "screen_threshold", "screen_noise"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive finite number; got {v!r}")
+        if not 0.0 < float(self.delta) < 1.0:
+            raise ValueError(f"delta must be in (0, 1); got {self.delta!r}")
+        if not (isinstance(self.renyi_order, (int, float)) and math.isfinite(self.renyi_order) and self.renyi_order > 1):
+            raise ValueError(f"renyi_order must be a finite number > 1; got {self.renyi_order!r}")
+        if not 0.0 <= float(self.screen_mixing) <= 1.0:
+            raise ValueError(f"screen_mixing must be in [0, 1]; got {self.screen_mixing!r}")
+        for name in ("screen_top_k", "screen_samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
+
+    @property
+    def screening_cost(self) -> float:
+        r""":math:`\alpha\lambda_s^2/(N^2\sigma^2)`: the Gaussian screening's RDP at order α, every step."""
+        return self.renyi_order * (self.screen_mixing / (self.batch_size * self.screen_noise)) ** 2
+
+    @property
+    def radius(self) -> float:
+        r""":math:`\alpha\beta`: the Rényi ball of every mixed member around :math:`p_0`."""
+        return self.renyi_order * self.beta
+
+    @property
+    def budget(self) -> float:
+        """The largest RDP spend at ``renyi_order`` within ``epsilon`` (:func:`renyi_budget`)."""
+        return renyi_budget(self.epsilon, self.renyi_order, self.delta)
+
+
+class AdaPMixEDMechanism(Mechanism):
+    """AdaPMixED adapted to generation (module docstring). Modes: 0 = screened (public), 1 = mixed; it can halt."""
+
+    name = "adapmixed"
+    num_modes = 2
+    mode_names = ("screened", "mixed")
+    can_halt = True
+
+    def __init__(self, config: AdaPMixEDConfig):
+        if not isinstance(config, AdaPMixEDConfig):
+            raise ValueError(f"config must be an AdaPMixEDConfig; got {type(config).__name__}")
+        self.config = config
+
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch_size
+
+    # state: sampled [spend_R]; exact [spend_R, spend_R'_1..spend_R'_B]
+    def state_size(self, *, exact: bool) -> int:
+        return 1 + self.batch_size if exact else 1
+
+    def aux_size(self, *, exact: bool, at_start: bool) -> int:
+        if at_start:
+            return 0
+        k = self.config.screen_top_k
+        return k * (self.config.screen_samples if exact else 1)
+
+    def spend(self, state: torch.Tensor) -> torch.Tensor:
+        return state[:, 0]
+
+    # -- pieces --------------------------------------------------------------------------
+
+    def _screen_statistic(self, mean_members: torch.Tensor, p0: torch.Tensor, index: torch.Tensor, normals: torch.Tensor):
+        r""":math:`D^{sym}_\alpha` of the renormalised public top-k and the noisy screened mixture.
+
+        ``mean_members`` (..., V) (one per dataset), ``p0`` (..., V) broadcastable to it, ``index``
+        (G, k) the public top-k columns, ``normals`` standard normals broadcastable to (..., k)."""
+        cfg = self.config
+        mix = cfg.screen_mixing * mean_members + (1.0 - cfg.screen_mixing) * p0
+        lead = mix.shape[:-1]
+        idx = index.view(index.shape[0], *([1] * (len(lead) - 1)), index.shape[-1]).expand(*lead, index.shape[-1])
+        mix_k = mix.gather(-1, idx)
+        pub_k = p0.expand_as(mix).gather(-1, idx)
+        noisy = mix_k + cfg.screen_noise * normals
+        prv = (noisy / noisy.sum(dim=-1, keepdim=True)).abs().clamp(min=_FLOOR)
+        prv = prv / prv.sum(dim=-1, keepdim=True)
+        pub = (pub_k / pub_k.sum(dim=-1, keepdim=True)).clamp(min=_FLOOR)
+        return symmetric_renyi(pub.expand_as(prv), prv, cfg.renyi_order)
+
+    def _mixed(self, members: torch.Tensor, p0: torch.Tensor):
+        """Mixed members (G, N, V) and their mean (G, V)."""
+        cfg = self.config
+        lam = adapmixed_member_weights(members, p0, cfg.renyi_order, cfg.radius)
+        mixed = lam.unsqueeze(-1) * members + (1.0 - lam.unsqueeze(-1)) * p0.unsqueeze(-2)
+        return mixed, mixed.mean(dim=-2), lam
+
+    def _mixing_cost(self, mixed: torch.Tensor, p: torch.Tensor, p0: torch.Tensor) -> torch.Tensor:
+        r"""Replace-by-null data-dependent cost :math:`\max_i D^{sym}_\alpha(p_{-i}, p)`,
+        :math:`p_{-i} = p + (p_0 - \bar p_i)/N` (paper App. B.3.2), shape ``p.shape[:-1]``."""
+        n = mixed.shape[-2]
+        total = mixed.sum(dim=-2, keepdim=True)
+        # (Σ_{j≠i} p̄_j + p_0)/N; the difference is ≥ 0 in exact arithmetic (clamped against rounding)
+        p_minus = ((total - mixed).clamp(min=0.0) + p0.unsqueeze(-2)) / n
+        return symmetric_renyi(p_minus, p.unsqueeze(-2).expand_as(p_minus), self.config.renyi_order).amax(dim=-1)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self, private, public, state, aux, *, exact, neighbours) -> MechanismStep:
+        check_step_shapes(private, public, self.batch_size)
+        if neighbours and not exact:
+            raise ValueError("neighbour distributions need the exact state (exact=True)")
+        cfg = self.config
+        g, n, v = private.shape
+        tau = cfg.temperature
+        members = torch.softmax(private.to(STATE_DTYPE) / tau, dim=-1)  # (G, N, V)
+        p0 = torch.softmax(public.to(STATE_DTYPE) / tau, dim=-1)  # (G, V)
+        log_p0 = torch.log(p0)
+        k = min(cfg.screen_top_k, v)
+        index = torch.topk(p0, k, dim=-1).indices  # public: free
+        mixed, p, _ = self._mixed(members, p0)
+        budget = cfg.budget
+        s_cost = cfg.screening_cost
+        neg = torch.full((g, 1), -math.inf, dtype=STATE_DTYPE, device=private.device)
+        if not exact:
+            normals = torch.special.ndtri(aux[:, :k].to(STATE_DTYPE))
+            screened = self._screen_statistic(members.mean(dim=-2), p0, index, normals) > cfg.screen_threshold
+            cost = s_cost + torch.where(screened, torch.zeros_like(p[:, 0]), self._mixing_cost(mixed, p, p0))
+            halt = (state[:, 0] + cost) > budget
+            chosen = torch.where(screened[:, None], log_p0, torch.log(p))
+            blank = torch.full_like(chosen, -math.inf)
+            log_probs = torch.cat(
+                [
+                    torch.where((screened & ~halt)[:, None], chosen, blank),
+                    torch.where((~screened & ~halt)[:, None], chosen, blank),
+                    torch.where(halt[:, None], torch.zeros_like(neg), neg),
+                ],
+                dim=-1,
+            )
+            return MechanismStep(log_probs, carry={"cost_screened": torch.full_like(cost, s_cost), "cost": cost})
+        # exact: every dataset d = R, R'_1..R'_N, with its own screening probability, mixture, cost and spend
+        eye = torch.eye(n, dtype=torch.bool, device=private.device)
+        # d = R'_j: member j is the public distribution (mixing leaves it public)
+        mixed_all = torch.cat(
+            [mixed.unsqueeze(1), torch.where(eye[None, :, :, None], p0[:, None, None, :], mixed.unsqueeze(1))], dim=1
+        )  # (G, 1+N, N, V)
+        p_all = mixed_all.mean(dim=-2)  # (G, 1+N, V)
+        members_all = torch.cat(
+            [members.unsqueeze(1), torch.where(eye[None, :, :, None], p0[:, None, None, :], members.unsqueeze(1))], dim=1
+        )
+        mean_all = members_all.mean(dim=-2)  # (G, 1+N, V)
+        m = cfg.screen_samples
+        normals = torch.special.ndtri(aux[:, : m * k].to(STATE_DTYPE)).view(g, 1, m, k)
+        stat = self._screen_statistic(mean_all.unsqueeze(2), p0[:, None, None, :], index, normals)  # (G, 1+N, M)
+        screened_count = (stat > cfg.screen_threshold).sum(dim=-1).to(STATE_DTYPE)
+        pi = (screened_count + 0.5) / (m + 1.0)  # add-half smoothing: never 0 or 1
+        mix_cost = torch.stack([self._mixing_cost(mixed_all[:, d], p_all[:, d], p0) for d in range(1 + n)], dim=1)
+        spend = state  # (G, 1+N)
+        halt_s = (spend + s_cost) > budget
+        halt_m = (spend + s_cost + mix_cost) > budget
+        log_pi, log_1mpi = torch.log(pi), torch.log1p(-pi)
+        lp0 = log_p0.unsqueeze(1)
+        screened_block = torch.where(halt_s.unsqueeze(-1), torch.full_like(p_all, -math.inf), log_pi.unsqueeze(-1) + lp0)
+        mixed_block = torch.where(halt_m.unsqueeze(-1), torch.full_like(p_all, -math.inf), log_1mpi.unsqueeze(-1) + torch.log(p_all))
+        stop_p = pi * halt_s.to(STATE_DTYPE) + (1.0 - pi) * halt_m.to(STATE_DTYPE)
+        stop_col = torch.log(stop_p).unsqueeze(-1)
+        out_all = torch.cat([screened_block, mixed_block, stop_col], dim=-1)  # (G, 1+N, 2V+1)
+        return MechanismStep(
+            out_all[:, 0],
+            out_all[:, 1:] if neighbours else None,
+            carry={"cost_screened": torch.full_like(spend, s_cost), "cost": s_cost + mix_cost},
+        )
+
+    def advance(self, step, state, outcomes, aux, *, exact):
+        vocab = (step.log_probs.shape[-1] - 1) // 2
+        mixed = (outcomes // vocab) == MODE_MIXED
+        stop_out = outcomes == 2 * vocab
+        cost = torch.where(
+            (mixed & ~stop_out).unsqueeze(-1) if exact else (mixed & ~stop_out),
+            step.carry["cost"],
+            step.carry["cost_screened"],
+        )
+        new = torch.where(stop_out.unsqueeze(-1), state, state + (cost if exact else cost.unsqueeze(-1)))
+        return new, torch.zeros_like(stop_out)
+
+    def guarantee(self, max_new_tokens: int, delta: float) -> Guarantee:
+        cfg = self.config
+        if not math.isclose(float(delta), cfg.delta, rel_tol=1e-12):
+            raise ValueError(f"the stop rule was set for delta={cfg.delta!r}; got {delta!r}")
+        return Guarantee(
+            kind=GuaranteeKind.DATA_DEPENDENT,
+            mechanism=self.name,
+            epsilon=float(cfg.epsilon),
+            delta=float(cfg.delta),
+            max_new_tokens=int(max_new_tokens),
+            composition="renyi-filter",
+            renyi_order=float(cfg.renyi_order),
+            renyi_budget=cfg.budget,
+            description=(
+                f"AdaPMixED: DATA-DEPENDENT running RDP at order {cfg.renyi_order:g}, stopped at "
+                f"eps={cfg.epsilon:g} (delta={cfg.delta:g}); holds only for the dataset it ran on"
+            ),
+            details={**dataclasses.asdict(cfg), "screening_cost": cfg.screening_cost, "radius": cfg.radius, "renyi_budget": cfg.budget},
+        )
+
+    def describe(self) -> dict:
+        return {"mechanism": self.name, **dataclasses.asdict(self.config)}

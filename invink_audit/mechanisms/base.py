@@ -1,0 +1,253 @@
+r"""The mechanism interface: what the engine and the auditor need from a private decoding step.
+
+A *mechanism* turns one decoding step's logits into the distribution of what the step releases.
+The engine gives it, for ``G`` texts in progress, the ``B`` private rows ``private (G, B, V)`` (one
+per reference; a null reference's row **is** the public row) and the public row ``public (G, V)``,
+all on the model's device, plus the text's own state and auxiliary uniforms; it returns
+log-probabilities over the step's **outcomes**, from which the engine draws one per text with the
+text's own random stream (Gumbel-max, :func:`invink_audit.mechanism.gumbel_argmax`).
+
+Outcomes. A step releases a token in one of ``num_modes`` *modes* (how it was produced: InvisibleInk
+has one; Amin et al. release a public or a private token; AdaPMixED a screened or a mixed one), so
+the outcome space is ``num_modes × V`` columns, outcome ``o`` meaning token ``o % V`` in mode
+``o // V``. A mechanism whose stop rule may refuse to release anything more (a data-dependent budget)
+has one more column, :meth:`Mechanism.stop_outcome` (the text ends without a token). The mode is part
+of what the step releases: the auditor measures the privacy loss of (mode, token) pairs, which is the
+release the baselines' accountants compose (the SVT bits of Amin et al., the screening decisions of
+AdaPMixED), and never less than the loss of the token alone (post-processing).
+
+State. Each text carries a flat float64 state vector (``state_size``; empty for InvisibleInk), so
+texts can join and leave the engine's batch freely. Two kinds of state:
+
+* **sampled** (generation): the mechanism's own random variables are drawn (e.g. the noisy SVT
+  threshold), as a deployment would run it;
+* **exact** (audits, whenever the engine has hooks): the state tracks, for ``R`` and for every
+  replace-by-null neighbour ``R'_j``, what is needed to give the *exact* conditional distribution of
+  the next outcome given the released history (e.g. the posterior of the SVT threshold), so the
+  step returns the outcome distributions under ``R`` and every ``R'_j`` from the same logits.
+  Drawing from the exact conditional distribution step by step produces the same output
+  distribution as the sampled mechanism (chain rule); the tests check it.
+
+Accounting. :meth:`Mechanism.guarantee` states the guarantee: **a-priori** (a zCDP ρ for a whole
+text, fixed before anything runs) or **data-dependent** (a running spend with a stop rule, which holds
+only for the dataset it was computed on). The auditor turns it into its claim
+(:func:`invink_audit.audit.whitebox.Claim.from_guarantee`); a data-dependent guarantee never gets a
+PASS.
+
+See ``examples/custom_mechanism.py`` for a mechanism written against this interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import math
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Guarantee",
+    "GuaranteeKind",
+    "Mechanism",
+    "MechanismStep",
+    "check_step_shapes",
+    "laplace_cdf_log",
+    "laplace_quantile",
+]
+
+#: dtype of every mechanism state and of every log-probability a mechanism returns.
+STATE_DTYPE = torch.float64
+
+
+class GuaranteeKind(enum.Enum):
+    """Whether a guarantee is fixed before the run (a-priori) or computed from the data (data-dependent)."""
+
+    A_PRIORI = "a-priori"
+    DATA_DEPENDENT = "data-dependent"
+
+
+@dataclasses.dataclass(frozen=True)
+class Guarantee:
+    r"""The privacy guarantee a mechanism's accountant gives for one text of at most ``max_new_tokens`` tokens.
+
+    * ``kind``: :class:`GuaranteeKind`;
+    * ``epsilon``, ``delta``: the (ε, δ)-DP statement (a-priori: certified for every dataset;
+      data-dependent: the budget the stop rule enforces on the dataset it runs on);
+    * ``rho_sequence``: a-priori zCDP of one text (``None`` for data-dependent guarantees);
+    * ``composition``: how the per-step costs compose: ``"bounded-range"`` (``max_new_tokens``
+      adaptively composed :math:`\varepsilon_0`-bounded-range steps, InvisibleInk, paper Theorem 1),
+      ``"zcdp"`` (a sequence-level ρ, e.g. Amin et al.'s per-private-token accounting) or
+      ``"renyi-filter"`` (a running Rényi spend at one order, stopped at a budget: AdaPMixED);
+    * ``step_epsilon0``, ``step_rho``: the per-step claim of the distribution the auditor checks
+      exactly at every step (InvisibleInk: the token's; Amin et al.: the exponential mechanism's given a
+      private step), ``None`` when the accountant makes no per-step claim;
+    * ``renyi_order``, ``renyi_budget``: for ``"renyi-filter"``: the order α and the largest spend
+      :math:`D_\alpha` the stop rule allows;
+    * ``description``: one line for reports; ``details``: the accountant's parameters.
+    """
+
+    kind: GuaranteeKind
+    mechanism: str
+    epsilon: float
+    delta: float
+    max_new_tokens: int
+    composition: str
+    rho_sequence: float | None = None
+    step_epsilon0: float | None = None
+    step_rho: float | None = None
+    renyi_order: float | None = None
+    renyi_budget: float | None = None
+    description: str = ""
+    details: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, GuaranteeKind):
+            object.__setattr__(self, "kind", GuaranteeKind(self.kind))
+        if self.composition not in ("bounded-range", "zcdp", "renyi-filter"):
+            raise ValueError(f"composition must be 'bounded-range', 'zcdp' or 'renyi-filter'; got {self.composition!r}")
+        if self.kind is GuaranteeKind.A_PRIORI and self.rho_sequence is None:
+            raise ValueError("an a-priori guarantee needs rho_sequence")
+        if self.composition == "renyi-filter" and (self.renyi_order is None or self.renyi_budget is None):
+            raise ValueError("a renyi-filter guarantee needs renyi_order and renyi_budget")
+        if (self.step_epsilon0 is None) != (self.step_rho is None):
+            raise ValueError("give both step_epsilon0 and step_rho, or neither")
+
+    @property
+    def a_priori(self) -> bool:
+        return self.kind is GuaranteeKind.A_PRIORI
+
+    def label(self) -> str:
+        """``"(ε, δ) a-priori"`` or ``"(ε, δ) DATA-DEPENDENT"``: the wording every report uses."""
+        tag = "a-priori" if self.a_priori else "DATA-DEPENDENT (holds only for the dataset it was computed on)"
+        return f"({self.epsilon:.4g}, {self.delta:.3g})-DP, {tag}"
+
+
+@dataclasses.dataclass
+class MechanismStep:
+    """What :meth:`Mechanism.step` returns for ``G`` texts.
+
+    * ``log_probs`` (G, W) float64: the distribution of the step's outcome under ``R`` (given the state);
+    * ``neighbours`` (G, B, W) float64 or ``None``: the same under every replace-by-null neighbour
+      ``R'_j`` (exact state, ``neighbours=True`` only);
+    * ``check_actual`` (G, V'), ``check_neighbours`` (G, B, V'): the distributions whose per-step claim
+      (:attr:`Guarantee.step_epsilon0`, ``step_rho``) the auditor checks exactly, when they differ from
+      the outcome distributions (Amin et al.: the exponential mechanism given a private step); ``None``:
+      the outcome distributions themselves;
+    * ``carry``: whatever :meth:`Mechanism.advance` needs from this step (opaque to the engine).
+    """
+
+    log_probs: torch.Tensor
+    neighbours: torch.Tensor | None = None
+    check_actual: torch.Tensor | None = None
+    check_neighbours: torch.Tensor | None = None
+    carry: Any = None
+
+
+class Mechanism(abc.ABC):
+    """A private decoding step with per-text state (see the module docstring).
+
+    Subclasses set ``name``, ``num_modes``, ``mode_names`` and ``can_halt``, and implement
+    :attr:`batch_size`, :meth:`state_size`, :meth:`aux_size`, :meth:`initial_state`, :meth:`step`,
+    :meth:`advance` and :meth:`guarantee`. Everything runs on the logits' device, in float64, with no
+    host synchronisation (the engine transfers the drawn outcomes once per step).
+    """
+
+    name: str = "mechanism"
+    num_modes: int = 1
+    mode_names: tuple[str, ...] = ("token",)
+    can_halt: bool = False
+
+    @property
+    @abc.abstractmethod
+    def batch_size(self) -> int:
+        """``B``, the number of private rows per text."""
+
+    def num_outcomes(self, vocab_size: int) -> int:
+        """``W = num_modes · V`` (+ 1 for the stop outcome when the mechanism can halt)."""
+        return self.num_modes * vocab_size + (1 if self.can_halt else 0)
+
+    def stop_outcome(self, vocab_size: int) -> int | None:
+        """The outcome that ends a text without a token (budget spent), or ``None``."""
+        return self.num_modes * vocab_size if self.can_halt else None
+
+    def state_size(self, *, exact: bool) -> int:
+        """Length of each text's state vector (0: stateless)."""
+        return 0
+
+    def aux_size(self, *, exact: bool, at_start: bool) -> int:
+        """Auxiliary uniforms per text drawn from the text's own stream at the start and at every step."""
+        return 0
+
+    def initial_state(self, aux: torch.Tensor, *, exact: bool) -> torch.Tensor:
+        """(G, state_size) float64 from ``aux`` (G, aux_size(at_start=True)) uniforms in (0, 1)."""
+        return torch.zeros((aux.shape[0], self.state_size(exact=exact)), dtype=STATE_DTYPE, device=aux.device)
+
+    @abc.abstractmethod
+    def step(
+        self,
+        private: torch.Tensor,
+        public: torch.Tensor,
+        state: torch.Tensor,
+        aux: torch.Tensor,
+        *,
+        exact: bool,
+        neighbours: bool,
+    ) -> MechanismStep:
+        """The outcome distribution of one step for ``G`` texts (``neighbours`` needs ``exact``)."""
+
+    def advance(
+        self, step: MechanismStep, state: torch.Tensor, outcomes: torch.Tensor, aux: torch.Tensor, *, exact: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states after the drawn ``outcomes`` (G,) and whether each text stops *after* its
+        outcome (a stop rule that is a function of released outcomes, e.g. ``r`` private tokens)."""
+        return state, torch.zeros(outcomes.shape, dtype=torch.bool, device=outcomes.device)
+
+    def spend(self, state: torch.Tensor) -> torch.Tensor | None:
+        """(G,) the running data-dependent spend of each text (its accountant's unit), or ``None``."""
+        return None
+
+    @abc.abstractmethod
+    def guarantee(self, max_new_tokens: int, delta: float) -> Guarantee:
+        """The guarantee of one text of at most ``max_new_tokens`` tokens, at ``delta``."""
+
+    def describe(self) -> dict:
+        """The mechanism's public parameters, for reports."""
+        return {"mechanism": self.name, "batch_size": self.batch_size}
+
+
+def check_step_shapes(private: torch.Tensor, public: torch.Tensor, batch_size: int) -> None:
+    """``private`` (G, B, V) and ``public`` (G, V) on one device, ``B == batch_size``; raises ``ValueError``."""
+    if private.ndim != 3 or public.ndim != 2 or private.shape[0] != public.shape[0] or private.shape[2] != public.shape[1]:
+        raise ValueError(
+            f"private must be (G, B, V) and public (G, V); got {tuple(private.shape)} and {tuple(public.shape)}"
+        )
+    if private.shape[1] != batch_size:
+        raise ValueError(f"private has {private.shape[1]} reference rows but the mechanism has batch_size={batch_size}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Laplace helpers (the sparse vector technique's noise)
+
+
+def laplace_quantile(u: torch.Tensor, loc: float, scale: float) -> torch.Tensor:
+    r"""Inverse CDF of Laplace(loc, scale) at ``u`` ∈ (0, 1):
+    :math:`\mu - b\,\mathrm{sgn}(u - \tfrac12)\log(1 - 2|u - \tfrac12|)`."""
+    c = u - 0.5
+    return loc - scale * torch.sign(c) * torch.log1p(-2.0 * c.abs())
+
+
+def laplace_cdf_log(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(log F(x), log(1 − F(x)))`` of Laplace(0, ``scale``), stable in both tails.
+
+    :math:`F(x) = \tfrac12 e^{x/b}` for :math:`x < 0` and :math:`1 - \tfrac12 e^{-x/b}` otherwise.
+    """
+    half = math.log(0.5)
+    neg = x < 0
+    z = -x.abs() / scale  # <= 0
+    small = half + z  # log of the smaller tail, log(½ e^{-|x|/b})
+    big = torch.log1p(-0.5 * torch.exp(z))  # log(1 − ½ e^{-|x|/b})
+    log_f = torch.where(neg, small, big)
+    log_sf = torch.where(neg, big, small)
+    return log_f, log_sf
