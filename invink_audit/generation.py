@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -57,6 +58,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -96,6 +98,7 @@ __all__ = [
     "GenerationResult",
     "Guarantee",
     "OutputInUseError",
+    "ExternalRelease",
     "ProcessStats",
     "ReleaseIncompleteError",
     "SEEDED_VOID_REASON",
@@ -557,48 +560,62 @@ def generate(
     tokens. Anything else raises ``ValueError`` before the model is loaded (the context check: after
     loading, before the ledger is charged).
     """
+    return _prepare_release(**locals()).run()
+
+
+def _bind(function, references, options: dict) -> dict:
+    """``options`` as keyword arguments of ``function``, with its defaults filled in (a ``TypeError``
+    for an unknown name, as the call itself would raise)."""
+    bound = inspect.signature(function).bind(references, **options)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _prepare_release(references, **options) -> _Release:
+    """Every check that needs no model, then the release to run; ``options`` are :func:`generate`'s."""
+    o = SimpleNamespace(**_bind(generate, references, options))
     config = GenerationConfig(
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        delta=delta,
-        epsilon=epsilon,
-        clip_norm=clip_norm,
-        temperature=temperature,
-        top_k=top_k,
-        accountant=accountant,
-        num_texts=num_texts,
+        batch_size=o.batch_size,
+        max_new_tokens=o.max_new_tokens,
+        delta=o.delta,
+        epsilon=o.epsilon,
+        clip_norm=o.clip_norm,
+        temperature=o.temperature,
+        top_k=o.top_k,
+        accountant=o.accountant,
+        num_texts=o.num_texts,
     )
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
-    if max_batch_rows is not None and (
-        isinstance(max_batch_rows, bool) or not isinstance(max_batch_rows, int) or max_batch_rows < 1
+    if o.seed is not None and (isinstance(o.seed, bool) or not isinstance(o.seed, int) or o.seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None; got {o.seed!r}")
+    if o.max_batch_rows is not None and (
+        isinstance(o.max_batch_rows, bool) or not isinstance(o.max_batch_rows, int) or o.max_batch_rows < 1
     ):
-        raise ValueError(f"max_batch_rows must be an integer >= 1 or None; got {max_batch_rows!r}")
-    if not isinstance(allow_all_null, bool):
-        raise ValueError(f"allow_all_null must be a bool; got {allow_all_null!r}")
-    for name, hook in (("on_tokens", on_tokens), ("on_text", on_text)):
+        raise ValueError(f"max_batch_rows must be an integer >= 1 or None; got {o.max_batch_rows!r}")
+    if not isinstance(o.allow_all_null, bool):
+        raise ValueError(f"allow_all_null must be a bool; got {o.allow_all_null!r}")
+    for name, hook in (("on_tokens", o.on_tokens), ("on_text", o.on_text)):
         if hook is not None and not callable(hook):
             raise ValueError(f"{name} must be callable or None; got {type(hook).__name__}")
-    if prompt_fields is not None and not isinstance(prompt_fields, Mapping):
-        raise ValueError(f"prompt_fields must be a mapping of field names to strings; got {type(prompt_fields).__name__}")
-    output_path = _check_output_path(output)
-    ledger = _open_ledger(ledger)
-    _check_model_source(model, gguf_file, device, dtype)
-    if isinstance(references, (str, os.PathLike)):
-        references = read_references(references, column=column)
-    elif column is not None:
-        raise ValueError(f"column is only used when references is a file path; got column={column!r}")
-    partition = partition_references(references, config.batch_size, num_texts=config.num_texts)
+    if o.prompt_fields is not None and not isinstance(o.prompt_fields, Mapping):
+        raise ValueError(f"prompt_fields must be a mapping of field names to strings; got {type(o.prompt_fields).__name__}")
+    output_path = _check_output_path(o.output)
+    ledger = _open_ledger(o.ledger)
+    _check_model_source(o.model, o.gguf_file, o.device, o.dtype)
+    if isinstance(o.references, (str, os.PathLike)):
+        o.references = read_references(o.references, column=o.column)
+    elif o.column is not None:
+        raise ValueError(f"column is only used when references is a file path; got column={o.column!r}")
+    partition = partition_references(o.references, config.batch_size, num_texts=config.num_texts)
     num_batches = len(partition.batches)
-    if not allow_all_null and not any(reference for batch in partition.batches for reference in batch):
+    if not o.allow_all_null and not any(reference for batch in partition.batches for reference in batch):
         raise ValueError(
             f"all {num_batches * config.batch_size} references in the {num_batches} batch(es) to generate are empty "
             "(nulls): every text would come from the public prompt alone, and the ledger would still be charged. "
             "Check the input column; pass allow_all_null=True (--allow-all-null) to generate public-only texts anyway"
         )
-    template = get_preset(prompt, **dict(prompt_fields or {}))
+    template = get_preset(o.prompt, **dict(o.prompt_fields or {}))
     plan = config.plan()
-    guarantee = Guarantee.from_plan(plan, config.top_k, void_reason=None if seed is None else SEEDED_VOID_REASON)
+    guarantee = Guarantee.from_plan(plan, config.top_k, void_reason=None if o.seed is None else SEEDED_VOID_REASON)
     mechanism = MechanismConfig(
         clip_norm=plan.clip_norm, temperature=config.temperature, top_k=config.top_k, batch_size=config.batch_size
     )
@@ -607,14 +624,14 @@ def generate(
             f"internal inconsistency: mechanism epsilon0={mechanism.epsilon0!r} but plan epsilon0={plan.epsilon0!r}"
         )
     fingerprint = _input_fingerprint(partition)
-    if seed is not None:
+    if o.seed is not None:
         warnings.warn(
-            f"generating with a fixed seed ({seed}): the output is reproducible and carries no privacy guarantee",
+            f"generating with a fixed seed ({o.seed}): the output is reproducible and carries no privacy guarantee",
             SeededGeneratorWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
 
-    release = _Release(
+    return _Release(
         config=config,
         plan=plan,
         guarantee=guarantee,
@@ -622,12 +639,29 @@ def generate(
         partition=partition,
         template=template,
         fingerprint=fingerprint,
-        seed=seed,
+        seed=o.seed,
         output=output_path,
         ledger=ledger,
         cluster=current_cluster(),
+        load=_LoadSpec(o.model, o.gguf_file, o.device, o.dtype, o.max_batch_rows),
+        on_tokens=o.on_tokens,
+        on_text=o.on_text,
     )
-    return release.run(model, gguf_file, device, dtype, max_batch_rows, on_tokens, on_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoadSpec:
+    """How a process loads the model and builds its engine (every process, and every Ray actor)."""
+
+    model: object
+    gguf_file: str | None
+    device: object
+    dtype: object
+    max_batch_rows: int | None
+
+    def build(self, mechanism: MechanismConfig, device) -> tuple[LoadedModel, Engine]:
+        loaded = _load(self.model, self.gguf_file, device, self.dtype)
+        return loaded, Engine(loaded, mechanism, max_batch_rows=self.max_batch_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -684,6 +718,9 @@ class _Release:
     output: Path | None
     ledger: object
     cluster: Cluster
+    load: _LoadSpec
+    on_tokens: Callable[[int], None] | None = None
+    on_text: Callable[[GeneratedText], None] | None = None
     state: OutputState | None = None
     done: dict = dataclasses.field(default_factory=dict)
     requests: dict = dataclasses.field(default_factory=dict)
@@ -696,13 +733,13 @@ class _Release:
     def num_batches(self) -> int:
         return len(self.partition.batches)
 
-    def run(self, model, gguf_file, device, dtype, max_batch_rows, on_tokens, on_text) -> GenerationResult:
+    def run(self) -> GenerationResult:
         with contextlib.ExitStack() as stack:
             # the output's lock and resume state (read-only) before any model loads
             self.cluster.lead(lambda: self._open_output(stack))
-            loaded, engine = self._load(model, gguf_file, device, dtype, max_batch_rows)
+            loaded, engine = self._load()
             admission = self.cluster.lead(lambda: self._admit(loaded), share=True)
-            report = self._work(loaded, engine, admission, on_tokens, on_text)
+            report = self._work(loaded, engine, admission)
             return self._finish(loaded, admission, report)
 
     def _open_output(self, stack: contextlib.ExitStack) -> None:
@@ -712,13 +749,12 @@ class _Release:
         stack.enter_context(output_lock(self.io_path))
         self.state = inspect_output(self.io_path, self.fingerprint, self.num_batches)
 
-    def _load(self, model, gguf_file, device, dtype, max_batch_rows):
+    def _load(self):
         """The model and its engine on every process (the engine's probes refuse unsupported models
         here, before the charge)."""
         loaded = engine = error = None
         try:
-            loaded = _load(model, gguf_file, self.cluster.device(device), dtype)
-            engine = Engine(loaded, self.mechanism, max_batch_rows=max_batch_rows)
+            loaded, engine = self.load.build(self.mechanism, self.cluster.device(self.load.device))
         except Exception as err:  # noqa: BLE001 - re-raised on every process by agree()
             if not self.cluster.distributed:
                 raise
@@ -769,7 +805,7 @@ class _Release:
             return RecordSink(shard_path(self.io_path, admission.attempt, self.cluster.rank), lock=True)
         return RecordSink(self.io_path, keep=self.state.keep, needs_newline=self.state.needs_newline)
 
-    def _work(self, loaded, engine, admission: _Admission, on_tokens, on_text) -> _RankReport:
+    def _work(self, loaded, engine, admission: _Admission) -> _RankReport:
         """This process's batches: each text claimed in the journal, then written, then handed out."""
         mine = admission.assignment[self.cluster.rank]
         fresh, dropped, tokens, failure = [], [], 0, None
@@ -788,7 +824,7 @@ class _Release:
                     requests,
                     max_new_tokens=self.config.max_new_tokens,
                     generator=generator,
-                    progress=on_tokens,
+                    progress=self.on_tokens,
                     key=admission.key,
                     stream_ids=mine,
                 ):
@@ -799,8 +835,8 @@ class _Release:
                         continue
                     tokens += text.num_tokens
                     fresh.append(text)
-                    if on_text is not None:
-                        on_text(text)
+                    if self.on_text is not None:
+                        self.on_text(text)
             except Exception as err:  # noqa: BLE001 - reported to rank 0, re-raised below
                 if not self.cluster.distributed:
                     raise
@@ -856,6 +892,118 @@ class _Release:
             rank=self.cluster.rank,
             processes=tuple(r.stats for r in reports),
         )
+
+
+class ExternalRelease:
+    """A release whose batches an external executor generates (Ray Data: :mod:`invink_audit.ray_release`).
+
+    The driver keeps rank 0's part: :meth:`admit` locks the output, reads its resume state, loads the
+    model once to check every prompt and probe the engine, charges the ledger and writes the resume
+    state; workers generate with :meth:`worker_state` (the master key travels inside it, never to disk)
+    and release each text with :func:`invink_audit.outputs.release_text` (first claim wins); :meth:`finish`
+    merges their shards and reads the release back.
+    """
+
+    def __init__(self, release: _Release) -> None:
+        if release.output is None:
+            raise ValueError(
+                "an external executor needs an output file: its sampled-batch journal is what keeps at most one "
+                "text per batch when the executor retries a task"
+            )
+        if isinstance(release.load.model, LoadedModel):
+            raise ValueError("give the model as a path or name (each worker loads its own copy), not a LoadedModel")
+        if release.on_tokens is not None:
+            raise ValueError("on_tokens is not available when workers generate (the executor reports progress)")
+        self.release = release
+        self.stack = contextlib.ExitStack()
+        self.loaded = self.admission = None
+
+    def admit(self, device="cpu") -> tuple[int, ...]:
+        """Everything before decoding; returns the batch indices to generate."""
+        release = self.release
+        release._open_output(self.stack)
+        self.loaded, _ = release.load.build(release.mechanism, device)
+        self.admission = release._admit(self.loaded)
+        return self.admission.assignment[0]
+
+    def references(self, index: int) -> tuple[str | None, ...]:
+        return tuple(self.release.partition.batches[index])
+
+    def worker_state(self) -> dict:
+        """What a worker needs (picklable): how to load, how to prompt, and the release's key."""
+        release, admission = self.release, self.admission
+        return {
+            "load": release.load,
+            "mechanism": release.mechanism,
+            "template": release.template,
+            "max_new_tokens": release.config.max_new_tokens,
+            "guarantee": release.guarantee,
+            "seed": release.seed,
+            "output": release.io_path,
+            "num_batches": release.num_batches,
+            "release_id": admission.release_id,
+            "run": admission.run,
+            "key": admission.key,
+            "attempt": admission.attempt,
+        }
+
+    def finish(self, seconds: float) -> GenerationResult:
+        """Merge the workers' shards, check that every admitted batch has its record, and read them back."""
+        release, admission = self.release, self.admission
+        try:
+            merge_shards(release.io_path, admission.release_id, release.num_batches)
+            records = inspect_output(release.io_path, release.fingerprint, release.num_batches).records
+        finally:
+            self.stack.close()
+        texts = {int(r["batch_index"]): _from_record(r) for r in records}
+        missing = [i for i in admission.assignment[0] if i not in texts]
+        if missing:
+            raise ReleaseIncompleteError(release._incomplete(f"{len(missing)} batch(es) have no text (first: {missing[0]})"))
+        fresh = [texts[i] for i in admission.assignment[0]]
+        if release.on_text is not None:
+            for text in fresh:
+                release.on_text(text)
+        tokens = sum(t.num_tokens for t in fresh)
+        return GenerationResult(
+            texts=tuple(texts[i] for i in sorted(texts)),
+            guarantee=release.guarantee,
+            release_id=admission.release_id,
+            model=self.loaded.name,
+            prompt=release.template.name,
+            num_references=release.partition.num_references,
+            num_batches=release.num_batches,
+            num_unused_references=release.partition.num_unused,
+            num_resumed=admission.num_resumed,
+            tokens_generated=tokens,
+            seconds=seconds,
+            seeded=release.seed is not None,
+            output=str(release.output),
+            processes=(ProcessStats(0, "ray", len(fresh), tokens, seconds),),
+        )
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shard: Path):
+    """A worker's part of an external release: generate ``items`` (``(batch_index, references)``), claim
+    each text in the journal and write it to ``shard``; yields ``(batch_index, released, num_tokens)``
+    (``released`` is ``False`` when another attempt had released that batch first: the text is dropped)."""
+    items = list(items)
+    indices = [int(index) for index, _ in items]
+    requests = [encode_request(loaded.tokenizer, state["template"], list(refs), key=index) for index, refs in items]
+    journal = Journal(state["output"], state["release_id"], state["num_batches"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededGeneratorWarning)
+        generator = make_generator(state["seed"], device=loaded.device)
+    with RecordSink(shard, lock=True) as sink:
+        for finished in engine.generate(
+            requests, max_new_tokens=state["max_new_tokens"], generator=generator, key=state["key"], stream_ids=indices
+        ):
+            text = _to_text(finished, loaded)
+            record = _record(text, state["guarantee"], state["release_id"], state["run"])
+            released = release_text(journal, sink, text.batch_index, record)
+            yield text.batch_index, released, text.num_tokens if released else 0
 
 
 def _prompt_lengths(request: TextRequest) -> list[int]:

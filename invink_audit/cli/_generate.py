@@ -110,6 +110,13 @@ def register(subparsers) -> None:
         action="store_true",
         help="generate even when every reference used is empty (public-only texts, still charged); refused otherwise",
     )
+    p.add_argument(
+        "--ray-actors",
+        default=None,
+        help="run the release as a Ray Data pipeline with this many actors (pip install 'invink-audit[ray]'; joins "
+        "the cluster in RAY_ADDRESS, or starts a local one)",
+    )
+    p.add_argument("--ray-gpus-per-actor", default="0", help="GPUs per Ray actor (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
     from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
@@ -161,7 +168,16 @@ def _generate(args) -> int:
     progress = _Progress(enabled=not args.no_progress and rank == 0)
     try:
         # a Path, so that a missing input is named in the error (a str could be a reference and is not echoed)
-        result = generate(Path(args.input), on_tokens=progress.update, on_text=progress.text, **kwargs)
+        if args.ray_actors is not None:
+            from invink_audit.ray_release import generate_on_ray
+
+            ray = dict(
+                concurrency=parse_int("--ray-actors", args.ray_actors),
+                num_gpus=parse_float("--ray-gpus-per-actor", args.ray_gpus_per_actor),
+            )
+            result = generate_on_ray(Path(args.input), on_text=progress.text, **ray, **kwargs)
+        else:
+            result = generate(Path(args.input), on_tokens=progress.update, on_text=progress.text, **kwargs)
     finally:
         progress.close()
     if result.rank != 0:

@@ -1,0 +1,104 @@
+"""One release as a Ray Data pipeline: ``pip install 'invink-audit[ray]'``.
+
+:func:`generate_on_ray` runs the same release as :func:`invink_audit.generation.generate` (same
+checks, one ledger charge, one output file, same texts for a fixed seed) with its batches spread over
+Ray actors: the batches are the rows of a dataset, and a callable class loads the model once per actor
+(``map_batches(..., concurrency=n, num_gpus=...)``). The driver does rank 0's part (validation, the
+charge, the resume state); each actor claims a text's batch in the shared journal before writing it to
+its own shard, so when Ray retries a task (an actor died, a node was lost) a batch that was already
+released keeps its first text and the retry's text is dropped unseen. The driver merges the shards,
+ordered by batch index, when the pipeline has finished.
+
+What Ray holds: the rows carry each batch's references (Ray's object store may spill blocks to its
+spill directory on local disk under memory pressure, as it does for any dataset), and the release's
+master key travels to the actors in their constructor arguments (Ray's control plane), never through
+the object store or to a file. The output directory must be shared by the driver and every actor
+(one machine, or a shared filesystem with POSIX locks).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+from invink_audit.generation import ExternalRelease, GenerationResult, _prepare_release, generate_texts
+
+__all__ = ["generate_on_ray"]
+
+
+class _Worker:
+    """A Ray Data callable class: loads the model once per actor, generates the batches of each call."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+        self.loaded, self.engine = state["load"].build(state["mechanism"], state["load"].device)
+        # one shard per actor life: a restarted actor writes a new one
+        self.shard = state["output"].with_name(
+            f"{state['output'].name}.shard-{state['attempt']}-ray{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        )
+
+    def __call__(self, batch: dict) -> dict:
+        items = [(int(index), [None if r is None else str(r) for r in refs]) for index, refs in zip(batch["batch_index"], batch["references"])]
+        out = {"batch_index": [], "released": [], "num_tokens": []}
+        for index, released, tokens in generate_texts(self.state, self.loaded, self.engine, items, self.shard):
+            out["batch_index"].append(index)
+            out["released"].append(released)
+            out["num_tokens"].append(tokens)
+        return out
+
+
+def generate_on_ray(
+    references,
+    *,
+    concurrency: int = 1,
+    num_gpus: float = 0.0,
+    num_cpus: float = 1.0,
+    texts_per_call: int = 8,
+    **options,
+) -> GenerationResult:
+    """:func:`~invink_audit.generation.generate` on a Ray cluster (``ray.init()`` is called when Ray is
+    not initialised; call it yourself to join a cluster).
+
+    ``concurrency``: actors (each loads the model once); ``num_gpus`` / ``num_cpus``: per actor;
+    ``texts_per_call``: batches per actor call (texts the engine decodes together). ``options``: the
+    keyword arguments of :func:`~invink_audit.generation.generate`; ``output`` is required (its journal
+    keeps one text per batch under task retries), ``model`` must be a path or name, and ``on_text`` is
+    called on the driver once the pipeline has finished (``on_tokens`` is refused).
+    """
+    for name, value in (("concurrency", concurrency), ("texts_per_call", texts_per_call)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+    for name, value in (("num_gpus", num_gpus), ("num_cpus", num_cpus)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{name} must be a number >= 0; got {value!r}")
+    try:
+        import ray
+    except ImportError as err:
+        raise ValueError("Ray is not installed: pip install 'invink-audit[ray]'") from err
+    external = ExternalRelease(_prepare_release(references, **options))
+    try:
+        todo = external.admit()
+        started = time.perf_counter()
+        if todo:
+            if not ray.is_initialized():
+                ray.init(include_dashboard=False)
+            rows = [{"batch_index": i, "references": list(external.references(i))} for i in todo]
+            results = (
+                ray.data.from_items(rows)
+                .map_batches(
+                    _Worker,
+                    fn_constructor_kwargs={"state": external.worker_state()},
+                    batch_size=texts_per_call,
+                    concurrency=concurrency,
+                    num_gpus=num_gpus,
+                    num_cpus=num_cpus,
+                )
+                .take_all()
+            )
+            released = sorted(int(r["batch_index"]) for r in results if r["released"])
+            if len(released) != len(set(released)):  # cannot happen: claims are first-wins
+                raise RuntimeError("a batch was released twice")
+        return external.finish(time.perf_counter() - started)
+    finally:
+        external.close()
