@@ -20,6 +20,12 @@ token. The reference package (PyPI ``invink`` 0.1.0) can be timed on the same wo
 (:func:`time_reference`): the same G texts of the same B references and prompts, one text after another
 as it works, calling ``model.generate(max_new_tokens=1)`` once per token and moving the logits through
 numpy. The speedup is the ratio of the two costs per generated token.
+
+Under ``torchrun`` / ``accelerate launch`` the processes share the workload's G texts (whole texts,
+balanced by prompt length: :func:`invink_audit.distributed.assign_batches`), each keeping its random
+stream; ``processes`` lists each one's texts, tokens and seconds, and the workload figures become the
+total tokens over the slowest process's seconds. The lockstep steps, the one-at-a-time and floor runs
+and the reference are single-process measurements and are skipped there.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
+from invink_audit.distributed import assign_batches, batch_cost, current_cluster
 from invink_audit.engine import Engine, ForwardStats
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
 from invink_audit.models import LoadedModel, load_model
@@ -122,11 +129,20 @@ class BenchResult:
     full_logits_tokens: int = 0
     plain_prompts: bool = False
     references: tuple[ReferenceTiming, ...] = ()
+    #: per process (torchrun / accelerate launch): rank, device, texts, tokens, seconds; the workload
+    #: figures above are then the total tokens over the slowest process's seconds
+    processes: tuple[dict, ...] = ()
+    rank: int = 0
 
     @property
     def workload_token_seconds(self) -> float:
         """Seconds per generated token of the whole workload (prefill and end-of-sequence included)."""
         return self.workload_seconds / self.workload_tokens
+
+    @property
+    def workload_tokens_per_second(self) -> float:
+        """Generated tokens per second of the whole workload (all processes together when distributed)."""
+        return self.workload_tokens / self.workload_seconds
 
     @property
     def decode_seconds(self) -> float:
@@ -166,7 +182,7 @@ class BenchResult:
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
-        for name in ("workload_token_seconds", "decode_seconds", "one_at_a_time_token_seconds", "floor_seconds",
+        for name in ("workload_token_seconds", "workload_tokens_per_second", "decode_seconds", "one_at_a_time_token_seconds", "floor_seconds",
                      "floor_ratio", "speedup_over_one_at_a_time", "full_logits_token_seconds",
                      "speedup_over_full_logits"):
             out[name] = getattr(self, name)
@@ -270,13 +286,17 @@ class _Workload:
     stats: ForwardStats
 
 
-def _workload_run(engine: Engine, requests, max_new_tokens: int, device, *, one_at_a_time: bool = False) -> _Workload:
+def _workload_run(
+    engine: Engine, requests, max_new_tokens: int, device, *, one_at_a_time: bool = False, indices=None
+) -> _Workload:
     """The whole workload as a user runs it: all texts, prefill included, stopping at end-of-sequence;
-    with ``one_at_a_time``, one :meth:`Engine.generate` call per text (the same streams)."""
+    with ``one_at_a_time``, one :meth:`Engine.generate` call per text (the same streams). ``indices``:
+    the texts this process runs (all by default; each keeps its stream)."""
     stats = ForwardStats()
     engine.forward.stats = stats
     counts = [0] * len(requests)
-    calls = [[i] for i in range(len(requests))] if one_at_a_time else [list(range(len(requests)))]
+    indices = list(range(len(requests))) if indices is None else list(indices)
+    calls = [[i] for i in indices] if one_at_a_time else ([indices] if indices else [])
     try:
         _sync(device)
         started = time.perf_counter()
@@ -403,7 +423,10 @@ def benchmark(
     pool = list(references) if references is not None else [r for r in demo_references() if r]
     if not pool or not any(pool):
         raise ValueError("references must hold at least one non-empty text")
-    loaded = load_model(model, device=device, dtype=dtype)
+    cluster = current_cluster()
+    if cluster.distributed:  # the workload only: its texts shared by the processes
+        repeats, one_at_a_time, floor, compare_full_logits = 0, False, False, False
+    loaded = load_model(model, device=cluster.device(device), dtype=dtype)
     mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     rows = num_texts * (batch_size + 1)
     engine = Engine(loaded, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
@@ -425,7 +448,19 @@ def benchmark(
         private_steps += private
         forward_steps += forward
         single_steps += single
-    workload = _workload_run(engine, requests, max_new_tokens, loaded.device)
+    mine = None
+    if cluster.distributed:
+        costs = {g: batch_cost([len(p) for p in _prompts([r])], max_new_tokens) for g, r in enumerate(requests)}
+        mine = assign_batches(costs, cluster.world_size)[cluster.rank]
+        cluster.agree(None)  # every process loaded: start the clocks together
+    workload = _workload_run(engine, requests, max_new_tokens, loaded.device, indices=mine)
+    processes = cluster.gather(
+        {"rank": cluster.rank, "device": str(loaded.device), "texts": len(requests) if mine is None else len(mine),
+         "tokens": workload.tokens, "seconds": workload.seconds}
+    )  # fmt: skip
+    processes = tuple(processes or ())
+    workload_seconds = max(p["seconds"] for p in processes) if processes else workload.seconds
+    workload_tokens = sum(p["tokens"] for p in processes) if processes else workload.tokens
     alone = _workload_run(engine, requests, max_new_tokens, loaded.device, one_at_a_time=True) if one_at_a_time else None
     bare = _floor_run(engine, requests, workload.text_tokens, loaded.device) if floor else None
     full = None
@@ -455,8 +490,8 @@ def benchmark(
         tokens_per_second=num_texts / private,
         nonprivate_step_seconds=single,
         relative_to_nonprivate=(private / num_texts) / single,
-        workload_seconds=workload.seconds,
-        workload_tokens=workload.tokens,
+        workload_seconds=workload_seconds,
+        workload_tokens=workload_tokens,
         prefill_seconds=stats.prefill_seconds,
         decode_forward_seconds=stats.decode_seconds,
         prompt_tokens=sum(prompt_lengths),
@@ -478,6 +513,8 @@ def benchmark(
         full_logits_seconds=full.seconds if full else math.nan,
         full_logits_tokens=full.tokens if full else 0,
         plain_prompts=plain,
+        processes=processes if cluster.distributed else (),
+        rank=cluster.rank,
     )
 
 

@@ -384,3 +384,23 @@ def test_accelerate_launch_runs_the_same_release(workload, tiny_dir, single):
     assert done.returncode == 0, done.stderr[-3000:]
     assert _texts(output) == single
     assert len(json.loads(done.stdout.strip().splitlines()[-1])["processes"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_reports_each_process_and_the_total(workload, tiny_dir):
+    root = workload[0]
+    args = ["-m", "invink_audit.cli", "bench", "--model", str(tiny_dir), "--num-texts", "6", "--batch-size", "3",
+            "--max-new-tokens", "8", "--device", "cpu", "--json", "--repeats", "0", "--no-one-at-a-time", "--no-floor"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    alone = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    shared = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+        env=env, capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert shared.returncode == 0, shared.stderr[-2000:]
+    one, two = json.loads(alone.stdout.strip().splitlines()[-1]), json.loads(shared.stdout.strip().splitlines()[-1])
+    assert one["processes"] == [] and [p["rank"] for p in two["processes"]] == [0, 1]
+    assert sum(p["texts"] for p in two["processes"]) == 6
+    assert two["workload_tokens"] == one["workload_tokens"]  # the same texts, each from its own stream
+    assert two["workload_seconds"] == max(p["seconds"] for p in two["processes"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from invink_audit.cli import CliError, parse_float, parse_int
@@ -115,6 +116,8 @@ def _bench(args) -> int:
 
     from invink_audit.bench import benchmark, time_reference
 
+    if args.reference and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise CliError("--reference times the reference package in one process: run it without torchrun")
     if args.reference:  # checked before the long run, so a missing package costs nothing
         try:
             import invink  # noqa: F401
@@ -169,6 +172,8 @@ def _bench(args) -> int:
                 )
             )
         result = dataclasses.replace(result, references=tuple(timings))
+    if result.rank != 0:  # under torchrun / accelerate launch, rank 0 reports for all
+        return 0
     if args.json:
         print(json.dumps(result.to_json()))
         return 0
@@ -220,6 +225,17 @@ def format_bench(result) -> str:
         f"decode rows {result.decode_row_efficiency:.2f} (left-padded layout: prefill "
         f"{result.left_padded_prefill_efficiency:.2f}, KV {result.left_padded_kv_efficiency:.2f})",
     ]
+    if result.processes:
+        lines.append(
+            f"  {len(result.processes)} processes          {result.workload_tokens_per_second:.1f} tokens/s in all "
+            f"(total tokens / slowest process); prefill / decode and padding efficiency above are process 0's; lockstep, one-at-a-time, floor and reference runs are skipped"
+        )
+        for p in result.processes:
+            rate = p["tokens"] / p["seconds"] if p["seconds"] > 0 else float("nan")
+            lines.append(
+                f"    process {p['rank']:<14} {p['texts']} texts, {p['tokens']} tokens in {p['seconds']:.1f} s "
+                f"({rate:.1f} tokens/s) on {p['device']}"
+            )
     if result.one_at_a_time_tokens:
         lines.append(
             f"  one text at a time       {result.one_at_a_time_token_seconds * ms:.1f} ms per token "
