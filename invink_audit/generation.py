@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -62,7 +63,13 @@ from types import SimpleNamespace
 
 import torch
 
-from invink_audit.data import Partition, partition_references, read_references
+from invink_audit.data import (
+    Partition,
+    partition_by_labels,
+    partition_references,
+    read_labelled_references,
+    read_references,
+)
 from invink_audit.distributed import (
     Cluster,
     RankFailure,
@@ -88,7 +95,15 @@ from invink_audit.outputs import (
     start_output,
 )
 from invink_audit.models import LoadedModel, load_model, resolve_device, resolve_dtype
-from invink_audit.prompts import PromptTemplate, TextRequest, encode_messages, encode_request, get_preset
+from invink_audit.prompts import (
+    PromptTemplate,
+    TextRequest,
+    encode_messages,
+    encode_request,
+    get_preset,
+    label_fields_for,
+    template_for_labels,
+)
 
 __all__ = [
     "DEFAULT_TEMPERATURE",
@@ -256,6 +271,8 @@ class GeneratedText:
     topk_plus_size_mean: float
     topk_plus_size_std: float
     expansion_tokens: int
+    #: the batch's labels (label column → value) in a label-conditioned release, else ``None``
+    labels: Mapping[str, str] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -313,7 +330,7 @@ class GenerationResult:
 # records
 
 
-def _input_fingerprint(partition: Partition) -> str:
+def _input_fingerprint(partition: Partition, labels: Sequence[Mapping[str, str]] | None = None) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps([partition.batch_size, partition.num_references]).encode())
     for batch in partition.batches:
@@ -321,6 +338,8 @@ def _input_fingerprint(partition: Partition) -> str:
             encoded = reference.encode("utf-8")
             digest.update(len(encoded).to_bytes(8, "little"))
             digest.update(encoded)
+    if labels is not None:  # a label-conditioned release: each batch's labels are part of its input
+        digest.update(json.dumps([dict(sorted(m.items())) for m in labels], ensure_ascii=False).encode())
     return digest.hexdigest()
 
 
@@ -334,6 +353,7 @@ def _record(text: GeneratedText, guarantee: Guarantee, release_id: str, run: dic
         "topk_plus_size_std": text.topk_plus_size_std,
         "expansion_tokens": text.expansion_tokens,
         "token_ids": list(text.token_ids),
+        **({} if text.labels is None else {"labels": dict(text.labels)}),
         **guarantee.record_fields(),
         "release_id": release_id,
         "run": run,
@@ -350,6 +370,7 @@ def _from_record(record: dict) -> GeneratedText:
         topk_plus_size_mean=float(record["topk_plus_size_mean"]),
         topk_plus_size_std=float(record["topk_plus_size_std"]),
         expansion_tokens=int(record["expansion_tokens"]),
+        labels=record.get("labels"),
     )
 
 
@@ -457,32 +478,40 @@ def _max_positions(loaded: LoadedModel) -> int | None:
 
 
 def _check_context(
-    loaded: LoadedModel, template: PromptTemplate, requests: Sequence[TextRequest], batch_size: int, max_new_tokens: int
+    loaded: LoadedModel,
+    template: PromptTemplate,
+    requests: Sequence[TextRequest],
+    batch_size: int,
+    max_new_tokens: int,
+    position: Callable[[int, int], int] | None = None,
 ) -> None:
     """Refuse, before any decoding, prompts that do not fit the model's positions with T new tokens.
 
-    Names the reference's position in the input, never its text.
+    Names the reference's position in the input (``position(batch, slot)``; default ``batch·B + slot``),
+    never its text.
     """
     positions = _max_positions(loaded)
     if positions is None or not requests:
         return
     room = positions - max_new_tokens
-    if room < len(requests[0].public_ids):
+    public = max(len(request.public_ids) for request in requests)
+    if room < public:
         raise ValueError(
             f"max_new_tokens={max_new_tokens} does not fit the model: it has {positions} positions and the public "
-            f"prompt alone takes {len(requests[0].public_ids)} tokens"
+            f"prompt alone takes {public} tokens"
         )
+    position = position or (lambda batch, slot: batch * batch_size + slot)
     too_long = [
-        (int(request.key) * batch_size + slot, len(ids))
+        (position(int(request.key), slot), int(request.key), len(ids))
         for request in requests
         for slot, ids in enumerate(request.private_ids)
         if ids is not None and len(ids) > room
     ]
     if too_long:
-        index, length = too_long[0]
+        index, batch, length = too_long[0]
         overhead = len(encode_messages(loaded.tokenizer, template.messages("x"))) - 1
         raise ValueError(
-            f"reference {index} (0-based, in input order; batch {index // batch_size}) is too long for the model: "
+            f"reference {index} (0-based, in input order; batch {batch}) is too long for the model: "
             f"its prompt is {length} tokens, but the model has {positions} positions, so with max_new_tokens="
             f"{max_new_tokens} a prompt may take at most {room} tokens (the prompt template takes about {overhead}, "
             f"leaving about {room - overhead} for a reference); {len(too_long)} reference(s) are too long in all. "
@@ -522,6 +551,9 @@ def generate(
     prompt: str | PromptTemplate = "generic",
     prompt_fields: Mapping[str, str] | None = None,
     column: str | None = None,
+    label_columns: Sequence[str] | None = None,
+    label_fields: Mapping[str, str] | None = None,
+    num_texts_per_group: int | None = None,
     output: str | os.PathLike | None = None,
     ledger=None,
     seed: int | None = None,
@@ -542,6 +574,14 @@ def generate(
     ``gguf_file`` for a GGUF file inside a model directory.
     ``prompt``: a preset name (``generic``, ``yelp``, ``tab``, ``mimic``) or a
     :class:`~invink_audit.prompts.PromptTemplate`, with ``prompt_fields`` values.
+    ``label_columns``: label-conditioned generation (the paper's Yelp setup): the references file's
+    label columns (e.g. ``("label1", "label2")``); references are grouped by their labels, each batch
+    is drawn from one group (:func:`invink_audit.data.partition_by_labels`: input order within a group,
+    leftovers unused) and prompted with its labels, which fill the template's public fields
+    (:func:`invink_audit.prompts.label_fields_for`: the preset's rule, a field of the column's name, or
+    ``label_fields`` {column: field}); records carry ``labels``. ``num_texts_per_group`` limits each
+    group's batches (``num_texts`` is refused with labels). Labels are treated as public attributes of
+    each slot: a neighbouring dataset under replace-by-null empties one record's text and keeps its label.
     ``output``: JSON Lines file, written as texts finish and resumed when it exists (see the module
     docstring: its lock, state file and sampled-batch journal).
     ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged after every check passed and
@@ -601,11 +641,8 @@ def _prepare_release(references, **options) -> _Release:
     output_path = _check_output_path(o.output)
     ledger = _open_ledger(o.ledger)
     _check_model_source(o.model, o.gguf_file, o.device, o.dtype)
-    if isinstance(o.references, (str, os.PathLike)):
-        o.references = read_references(o.references, column=o.column)
-    elif o.column is not None:
-        raise ValueError(f"column is only used when references is a file path; got column={o.column!r}")
-    partition = partition_references(o.references, config.batch_size, num_texts=config.num_texts)
+    template = get_preset(o.prompt, **dict(o.prompt_fields or {}))
+    partition, labels, positions = _partition(o, config, template)
     num_batches = len(partition.batches)
     if not o.allow_all_null and not any(reference for batch in partition.batches for reference in batch):
         raise ValueError(
@@ -613,7 +650,6 @@ def _prepare_release(references, **options) -> _Release:
             "(nulls): every text would come from the public prompt alone, and the ledger would still be charged. "
             "Check the input column; pass allow_all_null=True (--allow-all-null) to generate public-only texts anyway"
         )
-    template = get_preset(o.prompt, **dict(o.prompt_fields or {}))
     plan = config.plan()
     guarantee = Guarantee.from_plan(plan, config.top_k, void_reason=None if o.seed is None else SEEDED_VOID_REASON)
     mechanism = MechanismConfig(
@@ -623,7 +659,7 @@ def _prepare_release(references, **options) -> _Release:
         raise RuntimeError(
             f"internal inconsistency: mechanism epsilon0={mechanism.epsilon0!r} but plan epsilon0={plan.epsilon0!r}"
         )
-    fingerprint = _input_fingerprint(partition)
+    fingerprint = _input_fingerprint(partition, labels)
     if o.seed is not None:
         warnings.warn(
             f"generating with a fixed seed ({o.seed}): the output is reproducible and carries no privacy guarantee",
@@ -646,7 +682,50 @@ def _prepare_release(references, **options) -> _Release:
         load=_LoadSpec(o.model, o.gguf_file, o.device, o.dtype, o.max_batch_rows),
         on_tokens=o.on_tokens,
         on_text=o.on_text,
+        labels=labels,
+        label_fields=None if o.label_fields is None else dict(o.label_fields),
+        positions=positions,
     )
+
+
+def _partition(o, config: GenerationConfig, template: PromptTemplate):
+    """The batches, each batch's labels (``None`` without ``label_columns``) and each batch's reference
+    positions in the input (``None``: batch ``i`` holds positions ``i·B ..``)."""
+    if o.label_columns is None:
+        for name in ("label_fields", "num_texts_per_group"):
+            if getattr(o, name) is not None:
+                raise ValueError(f"{name} is only used with label_columns")
+        if isinstance(o.references, (str, os.PathLike)):
+            o.references = read_references(o.references, column=o.column)
+        elif o.column is not None:
+            raise ValueError(f"column is only used when references is a file path; got column={o.column!r}")
+        return partition_references(o.references, config.batch_size, num_texts=config.num_texts), None, None
+    if config.num_texts is not None:
+        raise ValueError("with label_columns, give num_texts_per_group (texts per label group), not num_texts")
+    if not isinstance(o.references, (str, os.PathLike)):
+        raise ValueError("label_columns needs references as a file path (.csv or .jsonl) holding those columns")
+    if isinstance(o.label_columns, str):
+        raise ValueError(f"label_columns must be a sequence of column names, not one string; got {o.label_columns!r}")
+    if o.label_fields is not None and not isinstance(o.label_fields, Mapping):
+        raise ValueError(f"label_fields must map label columns to prompt fields; got {type(o.label_fields).__name__}")
+    label_fields_for(template, list(o.label_columns), o.label_fields)  # every label reaches the prompt
+    labelled = read_labelled_references(o.references, column=o.column, label_columns=o.label_columns)
+    grouped = partition_by_labels(
+        labelled.texts, labelled.labels, config.batch_size, num_texts_per_group=o.num_texts_per_group
+    )
+    if not grouped.batches:
+        raise ValueError(f"no label group holds a full batch of {config.batch_size} references")
+    partition = Partition(
+        batches=tuple(b.references for b in grouped.batches),
+        batch_size=config.batch_size,
+        num_references=grouped.num_references,
+        num_leftover=grouped.num_unused,
+        num_skipped=0,
+    )
+    for batch in grouped.batches:  # every group's labels fill the prompt (an empty label is refused here)
+        template_for_labels(template, batch.labels, o.label_fields)
+    labels = tuple(dict(b.labels) for b in grouped.batches)
+    return partition, labels, tuple(b.positions for b in grouped.batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -721,6 +800,9 @@ class _Release:
     load: _LoadSpec
     on_tokens: Callable[[int], None] | None = None
     on_text: Callable[[GeneratedText], None] | None = None
+    labels: tuple[Mapping[str, str], ...] | None = None
+    label_fields: Mapping[str, str] | None = None
+    positions: tuple[tuple[int, ...], ...] | None = None
     state: OutputState | None = None
     done: dict = dataclasses.field(default_factory=dict)
     requests: dict = dataclasses.field(default_factory=dict)
@@ -778,6 +860,9 @@ class _Release:
             "num_batches": self.num_batches,
             "seeded": self.seed is not None,
         }
+        if self.labels is not None:
+            run["label_columns"] = sorted(self.labels[0])
+            run["label_fields"] = None if self.label_fields is None else dict(sorted(self.label_fields.items()))
         if self.state is not None:
             check_run(self.output, self.state, run)
             self.done = {int(r["batch_index"]): _from_record(r) for r in self.state.records}
@@ -786,7 +871,10 @@ class _Release:
             release_id = uuid.uuid4().hex
         todo = [i for i in range(self.num_batches) if i not in self.done]
         self.requests = {i: self._request(loaded, i) for i in todo}
-        _check_context(loaded, self.template, list(self.requests.values()), config.batch_size, config.max_new_tokens)
+        position = None if self.positions is None else (lambda batch, slot: self.positions[batch][slot])
+        _check_context(
+            loaded, self.batch_template(0), list(self.requests.values()), config.batch_size, config.max_new_tokens, position
+        )
         key = _release_key(self.seed)
         # every check passed: charge, then persist the resume state
         if self.ledger is not None:
@@ -798,7 +886,10 @@ class _Release:
         return _Admission(release_id, run, key, uuid.uuid4().hex[:12], assignment, len(self.done))
 
     def _request(self, loaded: LoadedModel, index: int) -> TextRequest:
-        return encode_request(loaded.tokenizer, self.template, self.partition.batches[index], key=index)
+        return encode_request(loaded.tokenizer, self.batch_template(index), self.partition.batches[index], key=index)
+
+    def batch_template(self, index: int) -> PromptTemplate:
+        return _batch_template(self.template, self.labels, self.label_fields, index)
 
     def _sink(self, admission: _Admission) -> RecordSink:
         if self.cluster.distributed:
@@ -828,7 +919,7 @@ class _Release:
                     key=admission.key,
                     stream_ids=mine,
                 ):
-                    text = _to_text(finished, loaded)
+                    text = self._labelled(_to_text(finished, loaded))
                     record = _record(text, self.guarantee, admission.release_id, admission.run)
                     if not release_text(journal, sink, text.batch_index, record):
                         dropped.append(text.batch_index)  # another process released this batch first
@@ -843,6 +934,9 @@ class _Release:
                 failure = RankFailure.of(self.cluster.rank, err)
         stats = ProcessStats(self.cluster.rank, str(loaded.device), len(fresh), tokens, time.perf_counter() - started)
         return _RankReport(stats, tuple(fresh), tuple(dropped), failure)
+
+    def _labelled(self, text: GeneratedText) -> GeneratedText:
+        return _with_labels(text, self.labels)
 
     def _collect(self, report: _RankReport) -> list[_RankReport]:
         try:
@@ -936,6 +1030,8 @@ class ExternalRelease:
             "load": release.load,
             "mechanism": release.mechanism,
             "template": release.template,
+            "labels": release.labels,
+            "label_fields": release.label_fields,
             "max_new_tokens": release.config.max_new_tokens,
             "guarantee": release.guarantee,
             "seed": release.seed,
@@ -991,7 +1087,8 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
     (``released`` is ``False`` when another attempt had released that batch first: the text is dropped)."""
     items = list(items)
     indices = [int(index) for index, _ in items]
-    requests = [encode_request(loaded.tokenizer, state["template"], list(refs), key=index) for index, refs in items]
+    template = functools.partial(_batch_template, state["template"], state["labels"], state["label_fields"])
+    requests = [encode_request(loaded.tokenizer, template(index), list(refs), key=index) for index, refs in items]
     journal = Journal(state["output"], state["release_id"], state["num_batches"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)
@@ -1000,10 +1097,21 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
         for finished in engine.generate(
             requests, max_new_tokens=state["max_new_tokens"], generator=generator, key=state["key"], stream_ids=indices
         ):
-            text = _to_text(finished, loaded)
+            text = _with_labels(_to_text(finished, loaded), state["labels"])
             record = _record(text, state["guarantee"], state["release_id"], state["run"])
             released = release_text(journal, sink, text.batch_index, record)
             yield text.batch_index, released, text.num_tokens if released else 0
+
+
+def _batch_template(template: PromptTemplate, labels, label_fields, index: int) -> PromptTemplate:
+    """The prompt of batch ``index``: the template, with its labels in a label-conditioned release."""
+    if labels is None:
+        return template
+    return template_for_labels(template, labels[index], label_fields)
+
+
+def _with_labels(text: GeneratedText, labels) -> GeneratedText:
+    return text if labels is None else dataclasses.replace(text, labels=dict(labels[text.batch_index]))
 
 
 def _prompt_lengths(request: TextRequest) -> list[int]:

@@ -30,12 +30,12 @@ def parse_top_k(text: str) -> int | None:
     return value
 
 
-def parse_fields(items: list[str] | None) -> dict[str, str]:
+def parse_fields(items: list[str] | None, flag: str = "--prompt-field") -> dict[str, str]:
     fields = {}
     for item in items or []:
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
-            raise ValueError(f"--prompt-field must look like NAME=VALUE; got {item!r}")
+            raise ValueError(f"{flag} must look like NAME=VALUE; got {item!r}")
         fields[name.strip()] = value
     return fields
 
@@ -72,6 +72,21 @@ def register(subparsers) -> None:
         "--input", required=True, help="references: a UTF-8 .csv (see --column) or .jsonl file (a BOM is accepted)"
     )
     p.add_argument("--column", default=None, help="CSV column or JSONL field holding the text (default: text)")
+    p.add_argument(
+        "--label-columns",
+        default=None,
+        help="label-conditioned generation: comma-separated label columns (e.g. label1,label2 for Yelp); each batch "
+        "comes from one label group and its labels fill the prompt's public fields (labels are treated as public)",
+    )
+    p.add_argument(
+        "--label-field",
+        action="append",
+        metavar="COLUMN=FIELD",
+        help="map a label column to a prompt field (default: the preset's rule, or the field of the same name); repeatable",
+    )
+    p.add_argument(
+        "--num-texts-per-group", default=None, help="with --label-columns: texts per label group (default: every full batch)"
+    )
     p.add_argument(
         "--output",
         required=True,
@@ -152,6 +167,11 @@ def _generate(args) -> int:
         prompt=args.prompt,
         prompt_fields=parse_fields(args.prompt_field),
         column=args.column,
+        label_columns=None if args.label_columns is None else _label_columns(args.label_columns),
+        label_fields=None if args.label_field is None else parse_fields(args.label_field, "--label-field"),
+        num_texts_per_group=None
+        if args.num_texts_per_group is None
+        else parse_int("--num-texts-per-group", args.num_texts_per_group),
         output=args.output,
         ledger=args.ledger,
         seed=seed,
@@ -188,6 +208,13 @@ def _generate(args) -> int:
     else:
         print(format_summary(result))
     return 0
+
+
+def _label_columns(text: str) -> list[str]:
+    columns = [c.strip() for c in text.split(",")]
+    if not all(columns):
+        raise CliError(f"--label-columns must be comma-separated column names; got {text!r}")
+    return columns
 
 
 class _Progress:
