@@ -404,3 +404,69 @@ def test_bench_reports_each_process_and_the_total(workload, tiny_dir):
     assert sum(p["texts"] for p in two["processes"]) == 6
     assert two["workload_tokens"] == one["workload_tokens"]  # the same texts, each from its own stream
     assert two["workload_seconds"] == max(p["seconds"] for p in two["processes"])
+
+
+AUDIT_SPEC = """
+name = "tiny-split"
+kind = "white-box"
+[model]
+name = "{model}"
+[data]
+inline = ["The soup was cold and the waiter rude.", "Great tacos, friendly staff, long wait.", "Never again."]
+[mechanism]
+batch_size = 4
+max_new_tokens = 5
+temperature = 1.0
+top_k = 20
+clip_norm = 1.0
+delta = 1e-6
+[canaries]
+secret = 0
+[audit]
+alphas = [2.0]
+num_samples = 8
+num_is_samples = 2
+neighbours = [0, 1]
+directions = ["forward", "reverse"]
+min_samples = 8
+"""
+
+
+def _assert_same_numbers(one, two, path=""):
+    """Equal structure and values; floats to 1e-9 relative (per-text log-probabilities are summed in another
+    batch composition, so their last bits may differ); timings, notes on timings and the location of the
+    worst prefix (a near-tie) excluded."""
+    if isinstance(one, dict):
+        drop = {"timings", "processes", "check_seconds", "notes", "text", "step", "neighbour", "prefix"}
+        keys = set(one) - drop if path.endswith("worst_prefix") else set(one) - {"timings", "processes", "notes"}
+        assert keys <= set(two), path
+        for key in keys:
+            _assert_same_numbers(one[key], two[key], f"{path}/{key}")
+    elif isinstance(one, list):
+        assert len(one) == len(two), path
+        for i, (a, b) in enumerate(zip(one, two)):
+            _assert_same_numbers(a, b, f"{path}[{i}]")
+    elif isinstance(one, float):
+        assert two == pytest.approx(one, rel=1e-9, abs=1e-12), path
+    else:
+        assert one == two, path
+
+
+@pytest.mark.slow
+def test_a_sampled_audit_split_over_processes_gives_the_numbers_of_one_process(workload, tiny_dir):
+    root = workload[0]
+    spec = root / "tiny_split.toml"
+    spec.write_text(AUDIT_SPEC.format(model=tiny_dir))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    reports = {}
+    for processes in (1, 2):
+        args = ["-m", "invink_audit.cli", "audit", str(spec), "--seed", "11", "--json", "--no-plots"]
+        launcher = [] if processes == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        command = [sys.executable, *launcher, *args]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+        assert done.returncode in (0, 1), done.stderr[-3000:]
+        reports[processes] = json.loads(done.stdout)  # rank 0 alone prints
+    one, two = reports[1], reports[2]
+    assert one["verdict"] == two["verdict"]
+    assert two["settings"]["processes"] == 2 and one["settings"]["processes"] == 1
+    _assert_same_numbers(one, two)

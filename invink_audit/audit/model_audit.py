@@ -37,9 +37,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from invink_audit.audit.analysis import analyse
+from invink_audit.audit.parallel import TextShare
 from invink_audit.audit.report import WhiteBoxReport
 from invink_audit.audit.synthetic import HARDEST_PUBLIC_PROBABILITY
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
+from invink_audit.distributed import current_cluster
 
 __all__ = ["ModelAuditSettings", "audit_model", "generic_audit_config", "hardest_case_row", "DEFAULT_CANARIES"]
 
@@ -174,7 +176,7 @@ def audit_model(
             label=label,
         )
     t_load = time.perf_counter()
-    loaded = load_model(model)
+    loaded = load_model(model, device=current_cluster().device(None))
     load_seconds = time.perf_counter() - t_load
     if settings.clip_norm is not None:
         clip_norm = float(settings.clip_norm)
@@ -216,6 +218,7 @@ def audit_model(
         if last_exit[0] is not None:
             split[f"{kind}_engine"] += start - last_exit[0]
         current["kind"], current["hook"] = kind, 0.0
+        ids = share.global_ids(step.request_indices)
         if hardest_case_slot is None:
             nlp = step.neighbour_log_probs()
         else:
@@ -224,14 +227,14 @@ def audit_model(
             row = hardest_case_row(step.public_logits, step.log_probs, clip_norm)
             private[:, hardest_case_slot] = row.to(private.dtype)
             nlp = mech.neighbour_log_probs(private, step.public_logits)
-        weights = recorder.sampling_log_weights(step.request_indices, nlp.actual, nlp.neighbours)
+        weights = recorder.sampling_log_weights(ids, nlp.actual, nlp.neighbours)
         sync()
         current["hook"] += time.perf_counter() - start
         return weights
 
     def observer(step):
         start = time.perf_counter()
-        recorder.record(step.request_indices, step.tokens)
+        recorder.record(share.global_ids(step.request_indices), step.tokens)
         sync()
         end = time.perf_counter()
         current["hook"] += end - start
@@ -241,19 +244,23 @@ def audit_model(
         last_exit[0] = end
 
     engine = _shared_prefill_engine_class()(loaded, mech, max_batch_rows=max_batch_rows)
-    requests = [request] * plan.num_texts
+    # the plan's texts, shared between processes under torchrun (each keyed by its plan index)
+    share = TextShare(plan.num_texts)
+    requests = [request] * len(share.ids)
     done = 0
     t_gen = time.perf_counter()
     tokens_total = 0
     for finished in engine.generate(
-        requests, max_new_tokens=settings.max_new_tokens, generator=gen, observer=observer, sampling_rule=sampling_rule
+        requests, max_new_tokens=settings.max_new_tokens, generator=gen, observer=observer, sampling_rule=sampling_rule,
+        stream_ids=share.ids, key=share.key(gen),
     ):
         done += 1
         tokens_total += finished.num_tokens
         if progress is not None:
-            progress(done, plan.num_texts)
+            progress(done, len(share.ids))
     gen_seconds = time.perf_counter() - t_gen
-    rec = recorder.finish()
+    rec = share.merge(recorder.finish())
+    tokens_total = share.total(tokens_total)
     base = gen_seconds - hook_seconds[0]
     timings = {
         "model_load_seconds": load_seconds,
@@ -284,6 +291,7 @@ def audit_model(
         "num_is_samples": config.num_is_samples,
         "neighbours": list(config.audited_neighbours(batch_size)),
         "directions": [d.value for d in config.directions],
+        "processes": share.cluster.world_size,
     }
     if planned is not None:
         settings_dict.update({"planned_epsilon": planned.epsilon, "planned_delta": planned.delta, "accountant": planned.accountant})
@@ -351,7 +359,7 @@ def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, cana
     claim = Claim.from_guarantee(guarantee, batch_size, label=label or mech.name)
     config, notes = generic_audit_config(config, claim)
     t_load = time.perf_counter()
-    loaded = load_model(model)
+    loaded = load_model(model, device=current_cluster().device(None))
     load_seconds = time.perf_counter() - t_load
     template = get_preset(prompt, **(prompt_fields or {}))
     request = encode_request(loaded.tokenizer, template, refs)
@@ -366,22 +374,24 @@ def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, cana
         nlp = step.neighbour_log_probs()
         r = step.result
         weights = recorder.sampling_log_weights(
-            step.request_indices, nlp.actual, nlp.neighbours, check_actual=r.check_actual, check_neighbours=r.check_neighbours
+            share.global_ids(step.request_indices), nlp.actual, nlp.neighbours, check_actual=r.check_actual,
+            check_neighbours=r.check_neighbours,
         )
         hook_seconds[0] += time.perf_counter() - start
         return weights
 
     def observer(step):
         start = time.perf_counter()
-        recorder.record(step.request_indices, step.outcomes)
+        recorder.record(share.global_ids(step.request_indices), step.outcomes)
         hook_seconds[0] += time.perf_counter() - start
 
     engine = Engine(loaded, mech, max_batch_rows=max_batch_rows, share_prefill=True)
+    share = TextShare(plan.num_texts)
     done, tokens_total, reasons, modes = 0, 0, {}, {}
     t_gen = time.perf_counter()
     for finished in engine.generate(
-        [request] * plan.num_texts, max_new_tokens=settings.max_new_tokens, generator=gen, observer=observer,
-        sampling_rule=sampling_rule,
+        [request] * len(share.ids), max_new_tokens=settings.max_new_tokens, generator=gen, observer=observer,
+        sampling_rule=sampling_rule, stream_ids=share.ids, key=share.key(gen),
     ):
         done += 1
         tokens_total += finished.num_tokens
@@ -389,9 +399,10 @@ def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, cana
         for m in finished.modes:
             modes[mech.mode_names[m]] = modes.get(mech.mode_names[m], 0) + 1
         if progress is not None:
-            progress(done, plan.num_texts)
+            progress(done, len(share.ids))
     gen_seconds = time.perf_counter() - t_gen
-    rec = recorder.finish()
+    rec = share.merge(recorder.finish())
+    tokens_total, reasons, modes = share.total(tokens_total), share.total(reasons), share.total(modes)
     vocab = loaded.vocab_size
     width = mech.num_modes * vocab
 

@@ -7,6 +7,7 @@ Exit status: 0 when the verdict is PASS (self-test: every mechanism got its expe
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from invink_audit.cli import CliError, parse_int
@@ -55,13 +56,15 @@ def _audit(args) -> int:
         raise CliError("give either a spec file or --selftest")
     seed = parse_int("--seed", args.seed) if args.seed is not None else None
     spec = parse_spec({"kind": "selftest", "name": "selftest"}) if args.selftest else load_spec(args.spec)
-    quiet = args.json
+    quiet = args.json or int(os.environ.get("RANK", "0") or 0) != 0  # under torchrun, rank 0 reports
     status = None if quiet else (lambda msg: print(f"  auditing {msg} ...", file=sys.stderr))
     update, close = _progress_bar(f"audit {spec.name}") if not quiet else (None, lambda: None)
     try:
         result = run_spec(spec, seed=seed, progress=update, status=status)
     finally:
         close()
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # under torchrun, rank 0 writes and prints the report
+        return 0
     if spec.kind == "selftest":
         from invink_audit.audit.selftest import selftest_markdown, write_selftest
 
