@@ -309,8 +309,11 @@ def test_several_processes_release_what_one_process_releases(workload, tiny_dir,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", [("kill", 1, 2), ("raise", 0, 1)])
-@pytest.mark.parametrize("rerun_processes", [1, 2])
+@pytest.mark.parametrize(
+    ("fault", "rerun_processes"),
+    [(("kill", 1, 2), 1), (("kill", 1, 2), 3), (("raise", 0, 1), 2)],
+    ids=["killed-rerun-alone", "killed-rerun-on-3", "failed-rerun-on-2"],
+)
 def test_a_failed_process_and_a_rerun_give_every_batch_exactly_once(workload, tiny_dir, single, fault, rerun_processes):
     output = workload[0] / f"fault-{fault[0]}-{rerun_processes}.jsonl"
     ledger = workload[0] / f"ledger-{fault[0]}-{rerun_processes}.json"
