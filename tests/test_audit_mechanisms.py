@@ -138,3 +138,24 @@ def test_custom_mechanism_example_runs(monkeypatch):
     monkeypatch.setattr(sys, "argv", [str(path)])
     module = runpy.run_path(str(path), run_name="example")
     assert module["main"](tiny=True) == {"correct": "PASS", "sampled colder than accounted": "VIOLATION"}
+
+
+def test_spec_mechanism_sections():
+    from invink_audit.audit.spec import load_spec, mechanism_from_section
+
+    assert mechanism_from_section({"batch_size": 7}, 7) is None  # InvisibleInk on the engine's own path
+    amin = mechanism_from_section({"kind": "amin", "epsilon": 10.0, "max_private_tokens": 4, "svt_noise": 1.0}, 7)
+    assert isinstance(amin, AminMechanism) and amin.guarantee(12, 1e-6).epsilon <= 10.0 * (1 + 1e-9)
+    paper = mechanism_from_section({"kind": "amin", "epsilon": 10.0, "max_private_tokens": 4, "svt_noise": 1.0,
+                                    "sensitivity": "paper"}, 7)
+    assert paper.config.clip_norm > amin.config.clip_norm  # the understated sensitivity buys a larger C
+    ada = mechanism_from_section({"kind": "adapmixed", "epsilon": 5.0, "screen_samples": 64}, 7)
+    assert isinstance(ada, AdaPMixEDMechanism) and ada.config.epsilon == 5.0
+    for bad, match in (({"kind": "magic"}, "kind"), ({"kind": "amin", "clip_norm": 1.0, "oops": 1}, "unknown"),
+                       ({"kind": "amin"}, "exactly one"), ({"kind": "adapmixed", "epsilon": 1.0, "clip_norm": 1.0}, "unknown")):
+        with pytest.raises(ValueError, match=match):
+            mechanism_from_section(bad, 7)
+    root = Path(__file__).resolve().parents[1] / "audits"
+    for name in ("yelp_smollm2_amin", "yelp_smollm2_amin_paper", "yelp_smollm2_adapmixed"):
+        spec = load_spec(root / f"{name}.toml")
+        assert mechanism_from_section(spec.section("mechanism"), 7) is not None

@@ -95,7 +95,7 @@ def test_member_weight_is_the_largest_inside_the_ball():
     lam = adapmixed_member_weights(members, public, a, radius)
     mix = lambda l: l.unsqueeze(-1) * members + (1 - l.unsqueeze(-1)) * public.unsqueeze(-2)  # noqa: E731
     inside = symmetric_renyi(public.unsqueeze(-2).expand_as(members), mix(lam), a)
-    assert (inside <= radius).all()
+    assert (inside <= radius + 1e-12).all()  # on the boundary, up to the rounding of two formulas
     below_one = lam < 1
     outside = symmetric_renyi(public.unsqueeze(-2).expand_as(members), mix((lam + 1e-9).clamp(max=1.0)), a)
     assert (outside[below_one] > radius).all()

@@ -14,7 +14,12 @@ SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
     ``$INVINK_YELP_DIR`` or ``../shared/data/yelp`` next to the repository; or ``path`` relative to the
     spec file; ``column``; ``offset``: index of the first reference used), ``[mechanism]``
     (``batch_size``, ``max_new_tokens``, ``temperature``, ``top_k``, ``epsilon`` or ``clip_norm``,
-    ``delta``, ``accountant``), ``[canaries]`` (``secret``/``repeat``: slot of the default text
+    ``delta``, ``accountant``; ``kind = "amin"`` audits Amin et al. 2024 instead, with ``epsilon`` (planned
+    by :func:`~invink_audit.mechanisms.plan_amin`) or ``clip_norm``, ``max_private_tokens``,
+    ``sensitivity`` (``"replace-by-null"`` or ``"paper"``), ``svt_threshold``, ``svt_noise``,
+    ``public_temperature``, ``posterior_grid``; ``kind = "adapmixed"`` audits AdaPMixED with ``epsilon``
+    (its data-dependent budget) and any field of :class:`~invink_audit.mechanisms.AdaPMixEDConfig`),
+    ``[canaries]`` (``secret``/``repeat``: slot of the default text
     canaries; ``hardest_case``: slot of the logit-level hardest-case canary; ``custom``: a list of
     ``{slot, text, label}``), ``[audit]`` (``alphas``, ``num_samples``, ``num_is_samples``,
     ``neighbours`` (list or ``"all"``), ``directions``, ``significance``, ``delta_grid``,
@@ -43,7 +48,7 @@ from pathlib import Path
 
 from invink_audit.audit.whitebox import Direction, WhiteBoxConfig
 
-__all__ = ["AuditSpec", "load_spec", "run_spec", "yelp_dir"]
+__all__ = ["AuditSpec", "load_spec", "mechanism_from_section", "run_spec", "yelp_dir"]
 
 KINDS = ("selftest", "white-box", "black-box")
 _SECTIONS = {"name", "kind", "description", "model", "prompt", "data", "mechanism", "canaries", "audit", "selftest", "target", "blackbox", "seed"}
@@ -177,6 +182,51 @@ def _batch(spec: AuditSpec, batch_size: int) -> tuple[list[str | None], dict, in
     return refs, labels, (int(hardest) if hardest is not None else None)
 
 
+_MECHANISM_KINDS = ("invisibleink", "amin", "adapmixed")
+
+
+def mechanism_from_section(mech: dict, batch_size: int):
+    """The :class:`~invink_audit.mechanisms.Mechanism` a ``[mechanism]`` section names (``None``: InvisibleInk,
+    audited on the engine's own path from ``clip_norm``/``epsilon``)."""
+    kind = str(mech.get("kind", "invisibleink"))
+    if kind not in _MECHANISM_KINDS:
+        raise ValueError(f"[mechanism] kind must be one of {_MECHANISM_KINDS}; got {kind!r}")
+    if kind == "invisibleink":
+        return None
+    from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism, plan_amin
+
+    common = {"kind", "batch_size", "max_new_tokens", "delta"}
+    if kind == "amin":
+        fields = {"epsilon", "clip_norm", "temperature", "public_temperature", "svt_threshold", "svt_noise",
+                  "max_private_tokens", "sensitivity", "posterior_grid"}
+        unknown = set(mech) - common - fields
+        if unknown:
+            raise ValueError(f"unknown keys in [mechanism] for kind 'amin': {sorted(unknown)}")
+        kwargs = {k: mech[k] for k in fields - {"epsilon", "clip_norm"} if k in mech}
+        for k in ("temperature", "public_temperature", "svt_threshold", "svt_noise"):
+            if k in kwargs:
+                kwargs[k] = float(kwargs[k])
+        if (mech.get("epsilon") is None) == (mech.get("clip_norm") is None):
+            raise ValueError("[mechanism] kind 'amin' needs exactly one of epsilon and clip_norm")
+        if mech.get("clip_norm") is None:
+            acc = plan_amin(
+                epsilon=float(mech["epsilon"]), delta=float(mech.get("delta", 1e-6)),
+                max_private_tokens=int(mech.get("max_private_tokens", 100)), batch_size=batch_size,
+                temperature=float(mech.get("temperature", 1.0)), svt_noise=float(mech.get("svt_noise", 0.3)),
+                sensitivity=mech.get("sensitivity", "replace-by-null"),
+            )
+            kwargs["clip_norm"] = acc.clip_norm
+        else:
+            kwargs["clip_norm"] = float(mech["clip_norm"])
+        return AminMechanism(AminConfig(batch_size=batch_size, **kwargs))
+    fields = {f.name for f in dataclasses.fields(AdaPMixEDConfig)} - {"batch_size", "delta"}
+    unknown = set(mech) - common - fields
+    if unknown:
+        raise ValueError(f"unknown keys in [mechanism] for kind 'adapmixed': {sorted(unknown)}")
+    kwargs = {k: mech[k] for k in fields if k in mech}
+    return AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=batch_size, delta=float(mech.get("delta", 1e-6)), **kwargs))
+
+
 def _device_of(model_section: dict):
     from invink_audit.models import resolve_device
 
@@ -250,15 +300,21 @@ def run_spec(
 
         refs, labels, hardest = _batch(spec, batch_size)
         config = _whitebox_config(spec.section("audit"), batch_size)
-        settings = ModelAuditSettings(
-            max_new_tokens=int(mech["max_new_tokens"]),
-            temperature=float(mech.get("temperature", 1.0)),
-            top_k=mech.get("top_k"),
-            clip_norm=mech.get("clip_norm"),
-            epsilon=mech.get("epsilon"),
-            delta=float(mech.get("delta", 1e-6)),
-            accountant=str(mech.get("accountant", "br-adaptive")),
-        )
+        generic = mechanism_from_section(mech, batch_size)
+        if generic is not None:
+            settings = ModelAuditSettings(
+                max_new_tokens=int(mech["max_new_tokens"]), delta=float(mech.get("delta", 1e-6)), mechanism=generic
+            )
+        else:
+            settings = ModelAuditSettings(
+                max_new_tokens=int(mech["max_new_tokens"]),
+                temperature=float(mech.get("temperature", 1.0)),
+                top_k=mech.get("top_k"),
+                clip_norm=mech.get("clip_norm"),
+                epsilon=mech.get("epsilon"),
+                delta=float(mech.get("delta", 1e-6)),
+                accountant=str(mech.get("accountant", "br-adaptive")),
+            )
         loaded = load_model(
             None if model_name == "embedded" else model_name,
             gguf_file=model_section.get("gguf_file"),

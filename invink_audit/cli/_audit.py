@@ -20,11 +20,13 @@ def register(subparsers) -> None:
         "audit",
         help="audit the realised privacy loss (white-box, black-box) or self-test the auditor",
         description="Run an audit spec (TOML, see audits/) and write report.json, report.md and PNG plots to "
-        "--output; or, with --selftest, run the auditor against the correct mechanism and four planted bugs. "
-        "Exit status: 0 PASS, 1 VIOLATION, 3 INCONCLUSIVE, 2 bad input.",
+        "--output; or, with --selftest, run the auditor against the correct mechanism, four planted bugs and "
+        "the paper's baselines (Amin et al. 2024 with both accountings, AdaPMixED's data-dependent guarantee). "
+        "A spec's [mechanism] kind may be invisibleink, amin or adapmixed. A data-dependent guarantee is never a "
+        "PASS. Exit status: 0 PASS, 1 VIOLATION, 3 INCONCLUSIVE, 2 bad input.",
     )
     p.add_argument("spec", nargs="?", default=None, help="audit spec (TOML)")
-    p.add_argument("--selftest", action="store_true", help="self-test on synthetic logits (< 2 minutes)")
+    p.add_argument("--selftest", action="store_true", help="self-test on synthetic logits (about a minute)")
     p.add_argument("--output", default=None, help="directory for report.json, report.md and plots")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--seed", default=None, help="fixed seed (reproducible audit; default: OS entropy)")

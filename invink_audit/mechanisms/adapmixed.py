@@ -76,7 +76,9 @@ __all__ = [
 
 MODE_SCREENED, MODE_MIXED = 0, 1
 _FLOOR = 1e-300
-_BISECTION_STEPS = 60
+# root finding of the mixing weight (each step is one pass over V per member): regula falsi, then halvings
+_REGULA_FALSI_STEPS = 20
+_BISECTION_STEPS = 0
 
 
 def rdp_to_epsilon(rdp: float | torch.Tensor, order: float, delta: float):
@@ -110,22 +112,45 @@ def symmetric_renyi(p: torch.Tensor, q: torch.Tensor, order: float) -> torch.Ten
 def adapmixed_member_weights(members: torch.Tensor, public: torch.Tensor, order: float, radius: float) -> torch.Tensor:
     r""":math:`\lambda_i = \max\{\lambda\in[0,1] : D^{sym}_\alpha(p_0, \lambda p_i + (1-\lambda)p_0) \le r\}`, (..., N).
 
-    ``members`` (..., N, V) and ``public`` (..., V) are probability vectors. Bisection on the
-    non-decreasing function of λ (module docstring), ``60`` halvings: λ to ~1e-18; the returned λ is
-    the feasible (lower) end, so the ball is never left.
+    ``members`` (..., N, V) and ``public`` (..., V) are probability vectors. With
+    :math:`m_\lambda = p_0(1 + \lambda(p_i/p_0 - 1))`, both directions are one pass over V:
+    :math:`D_\alpha(p_0\|m_\lambda) = \frac1{\alpha-1}\log\sum p_0 (m_\lambda/p_0)^{1-\alpha}` and
+    :math:`D_\alpha(m_\lambda\|p_0) = \frac1{\alpha-1}\log\sum p_0 (m_\lambda/p_0)^{\alpha}`. The root of the
+    non-decreasing :math:`D^{sym}_\alpha(\lambda) - r` (module docstring) is bracketed in [0, 1] and
+    narrowed by 20 steps of the Illinois variant of regula falsi (superlinear; ~1e-15 from the root on
+    test cases after 16); the returned λ is the bracket's
+    feasible end (:math:`D^{sym}_\alpha \le r`, the ball is never left), within ~1e-12 of the root.
     """
-    p0 = public.unsqueeze(-2)
+    lp0 = torch.log(public).unsqueeze(-2)  # (..., 1, V)
+    ratio_m1 = torch.expm1(torch.log(members) - lp0)  # p_i/p_0 − 1 ≥ −1
 
-    def div(lam):
-        return symmetric_renyi(p0.expand_as(members), lam.unsqueeze(-1) * members + (1.0 - lam.unsqueeze(-1)) * p0, order)
+    def excess(lam: torch.Tensor) -> torch.Tensor:
+        t = torch.log1p(lam.unsqueeze(-1) * ratio_m1)  # log(m_λ/p_0)
+        forward = torch.logsumexp(lp0 + (1.0 - order) * t, dim=-1)
+        reverse = torch.logsumexp(lp0 + order * t, dim=-1)
+        return torch.maximum(forward, reverse).clamp(min=0.0) / (order - 1.0) - radius
 
     ones = torch.ones(members.shape[:-1], dtype=STATE_DTYPE, device=members.device)
-    inside = div(ones) <= radius
-    lo = torch.zeros_like(ones)
-    hi = ones.clone()
+    g_hi = excess(ones)
+    inside = g_hi <= 0
+    lo, hi = torch.zeros_like(ones), ones.clone()
+    g_lo = torch.full_like(ones, -radius)
+    g_hi = torch.where(torch.isfinite(g_hi), g_hi, torch.full_like(g_hi, 1e300))
+    side = torch.zeros_like(ones)  # which end was kept last (Illinois halves its value)
+    for _ in range(_REGULA_FALSI_STEPS):
+        mid = (lo * g_hi - hi * g_lo) / (g_hi - g_lo)
+        mid = torch.where(torch.isfinite(mid) & (mid > lo) & (mid < hi), mid, 0.5 * (lo + hi))
+        g_mid = excess(mid)
+        ok = g_mid <= 0
+        # Illinois: when the same end is kept twice, halve its function value
+        g_hi = torch.where(ok & (side > 0), 0.5 * g_hi, g_hi)
+        g_lo = torch.where(~ok & (side < 0), 0.5 * g_lo, g_lo)
+        lo, g_lo = torch.where(ok, mid, lo), torch.where(ok, g_mid, g_lo)
+        hi, g_hi = torch.where(ok, hi, mid), torch.where(ok, g_hi, g_mid)
+        side = torch.where(ok, torch.ones_like(side), -torch.ones_like(side))
     for _ in range(_BISECTION_STEPS):
         mid = 0.5 * (lo + hi)
-        ok = div(mid) <= radius
+        ok = excess(mid) <= 0
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid)
     return torch.where(inside, ones, lo)

@@ -79,12 +79,15 @@ def generate_with_mechanism(
     num_texts: int | None = None,
     generator: torch.Generator | None = None,
     max_batch_rows: int | None = None,
+    prefill_cache: dict | None = None,
 ) -> MechanismRun:
     """One text per disjoint batch of ``mechanism.batch_size`` references (module docstring).
 
     ``model``: a :class:`~invink_audit.models.LoadedModel`, a name or path (default: the embedded
     SmolLM2); ``prompt``: a preset name or :class:`~invink_audit.prompts.PromptTemplate`;
-    ``max_new_tokens``: T, fixed by the caller; ``delta``: for the reported guarantee.
+    ``max_new_tokens``: T, fixed by the caller; ``delta``: for the reported guarantee;
+    ``prefill_cache``: a dict kept by the caller to share prefilled prompts across calls (several
+    mechanisms on the same references, :class:`~invink_audit.engine.Engine`).
     """
     from invink_audit.data import partition_references
     from invink_audit.engine import Engine
@@ -104,7 +107,7 @@ def generate_with_mechanism(
         for i, batch in enumerate(partition.batches)
     ]
     gen = generator if generator is not None else make_generator(device=loaded.device)
-    engine = Engine(loaded, mechanism, max_batch_rows=max_batch_rows)
+    engine = Engine(loaded, mechanism, max_batch_rows=max_batch_rows, prefill_cache=prefill_cache)
     texts = {}
     with torch.inference_mode():
         for f in engine.generate(requests, max_new_tokens=max_new_tokens, generator=gen):
