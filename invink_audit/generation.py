@@ -320,6 +320,13 @@ class GenerationResult:
     output: str | None = None
     rank: int = 0
     processes: tuple[ProcessStats, ...] = ()
+    #: what the release was, so that an audit of it derives nothing: the plan (accounting), the
+    #: mechanism's configuration, the prompt template (each batch's, with its labels) and the partition
+    plan: object = None
+    mechanism: MechanismConfig | None = None
+    template: PromptTemplate | None = None
+    partition: Partition | None = None
+    labels: tuple[Mapping[str, str], ...] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -536,10 +543,11 @@ def _template_json(template: PromptTemplate) -> dict:
 
 def generate(
     references: Sequence[str | None] | str | os.PathLike,
+    config: GenerationConfig | None = None,
     *,
-    batch_size: int,
-    max_new_tokens: int,
-    delta: float,
+    batch_size: int | None = None,
+    max_new_tokens: int | None = None,
+    delta: float | None = None,
     epsilon: float | None = None,
     clip_norm: float | None = None,
     temperature: float = DEFAULT_TEMPERATURE,
@@ -565,6 +573,10 @@ def generate(
     on_text: Callable[[GeneratedText], None] | None = None,
 ) -> GenerationResult:
     """Generate one DP synthetic text per disjoint batch of ``batch_size`` references.
+
+    The release's public parameters come as a :class:`GenerationConfig` (``config``), or as the
+    keyword arguments of one (``batch_size``, ``max_new_tokens``, ``delta``, ``epsilon`` or
+    ``clip_norm``, ``temperature``, ``top_k``, ``num_texts``, ``accountant``), not both.
 
     ``references``: a list of strings (``""``/``None`` are nulls) or a path to a ``.csv`` / ``.jsonl``
     file (``column``, default ``text``; UTF-8, with or without a byte-order mark). Budget: ``epsilon``
@@ -614,17 +626,7 @@ def _bind(function, references, options: dict) -> dict:
 def _prepare_release(references, **options) -> _Release:
     """Every check that needs no model, then the release to run; ``options`` are :func:`generate`'s."""
     o = SimpleNamespace(**_bind(generate, references, options))
-    config = GenerationConfig(
-        batch_size=o.batch_size,
-        max_new_tokens=o.max_new_tokens,
-        delta=o.delta,
-        epsilon=o.epsilon,
-        clip_norm=o.clip_norm,
-        temperature=o.temperature,
-        top_k=o.top_k,
-        accountant=o.accountant,
-        num_texts=o.num_texts,
-    )
+    config = _config(o)
     if o.seed is not None and (isinstance(o.seed, bool) or not isinstance(o.seed, int) or o.seed < 0):
         raise ValueError(f"seed must be a non-negative integer or None; got {o.seed!r}")
     if o.max_batch_rows is not None and (
@@ -686,6 +688,20 @@ def _prepare_release(references, **options) -> _Release:
         label_fields=None if o.label_fields is None else dict(o.label_fields),
         positions=positions,
     )
+
+
+def _config(o) -> GenerationConfig:
+    """The release's :class:`GenerationConfig`: the one given, or one built from the keyword arguments."""
+    loose = {f.name: getattr(o, f.name) for f in dataclasses.fields(GenerationConfig)}
+    if o.config is None:
+        return GenerationConfig(**loose)
+    if not isinstance(o.config, GenerationConfig):
+        raise ValueError(f"config must be a GenerationConfig or None; got {type(o.config).__name__}")
+    defaults = {f.name: None if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(GenerationConfig)}
+    given = sorted(name for name, value in loose.items() if value != defaults.get(name, None))
+    if given:
+        raise ValueError(f"give the release's parameters either as config or as keywords, not both; got config and {given}")
+    return o.config
 
 
 def _partition(o, config: GenerationConfig, template: PromptTemplate):
@@ -985,7 +1001,17 @@ class _Release:
             output=str(self.output) if self.output is not None else None,
             rank=self.cluster.rank,
             processes=tuple(r.stats for r in reports),
+            **self._identity(),
         )
+
+    def _identity(self) -> dict:
+        return {
+            "plan": self.plan,
+            "mechanism": self.mechanism,
+            "template": self.template,
+            "partition": self.partition,
+            "labels": self.labels,
+        }
 
 
 class ExternalRelease:
@@ -1075,6 +1101,7 @@ class ExternalRelease:
             seeded=release.seed is not None,
             output=str(release.output),
             processes=(ProcessStats(0, "ray", len(fresh), tokens, seconds),),
+            **release._identity(),
         )
 
     def close(self) -> None:

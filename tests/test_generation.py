@@ -266,3 +266,22 @@ def test_cli_bench_reports_side_by_side_timings(capsys):
     assert report["rows_per_step"] == 3 and report["references"] == []
     assert 1 <= report["workload_tokens"] <= 4  # one text of 1..T tokens (the workload run stops at EOS)
     assert report["workload_token_seconds"] == pytest.approx(report["workload_seconds"] / report["workload_tokens"])
+
+
+def test_generate_accepts_one_config_and_refuses_config_plus_keywords(tiny, tmp_path):
+    import warnings
+
+    config = GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, clip_norm=0.5, top_k=10)
+    refs = ["The soup was cold.", "Great tacos.", "", "Never again."]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        by_config = generate(refs, config, model=tiny, seed=1)
+        by_keywords = generate(refs, model=tiny, seed=1, batch_size=2, max_new_tokens=3, delta=1e-6, clip_norm=0.5, top_k=10)
+    assert [t.token_ids for t in by_config.texts] == [t.token_ids for t in by_keywords.texts]
+    # the result says what the release was: plan, mechanism, template, partition
+    assert by_config.plan == config.plan() and by_config.mechanism.clip_norm == 0.5
+    assert by_config.template.name == "generic" and by_config.partition.batches == (tuple(refs[:2]), tuple(refs[2:]))
+    with pytest.raises(ValueError, match=r"not both; got config and \['batch_size'\]"):
+        generate(refs, config, batch_size=2, model=tiny)
+    with pytest.raises(ValueError, match="config must be a GenerationConfig"):
+        generate(refs, {"batch_size": 2}, model=tiny)
