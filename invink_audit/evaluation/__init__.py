@@ -1,0 +1,42 @@
+"""Utility evaluation: what a privacy budget buys (issue 10).
+
+* :func:`evaluate`: MAUVE (paper setting and library default, with intervals over k-means seeds and
+  bootstrap resamples), perplexity and ΔPPL under a scorer LM, lengths, and train-on-synthetic /
+  test-on-real (TSTR) when labels are given (:mod:`.evaluate`);
+* :class:`Embedder`: sentence embeddings from PyPI-shipped models (all-mpnet-base-v2 by default,
+  all-MiniLM-L6-v2 as the fast option), hash-checked and cached (:mod:`.embeddings`);
+* :func:`write_evaluation_report`: Markdown, JSON and plots (:mod:`.report`);
+* reference points (public-only floor, non-private ceiling) and sweeps: :mod:`.reference_points`,
+  :mod:`.sweep`.
+
+Evaluation reports are **not private**: they are computed from the real texts in the clear.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    **dict.fromkeys(("EvaluationConfig", "EvaluationResult", "TextSet", "evaluate", "read_text_set"), ".evaluator"),
+    **dict.fromkeys(("DEFAULT_EMBEDDING_MODEL", "EMBEDDING_MODELS", "Embedder", "embedding_model_dir"), ".embeddings"),
+    **dict.fromkeys(("LIBRARY_SETTING", "PAPER_SETTING", "MauveSetting", "mauve_interval", "mauve_score"), ".mauve_metric"),
+    **dict.fromkeys(("delta_ppl_interval", "score_perplexity"), ".perplexity"),
+    **dict.fromkeys(("Interval", "percentile_interval", "wald_interval"), ".stats"),
+    **dict.fromkeys(("TstrResult", "train_on_synthetic_test_on_real"), ".tstr"),
+    **dict.fromkeys(("evaluation_markdown", "write_evaluation_report"), ".report"),
+    **dict.fromkeys(("generate_reference_points",), ".reference_points"),
+    **dict.fromkeys(("SweepConfig", "run_sweep"), ".sweep"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'invink_audit.evaluation' has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,379 @@
+r"""One evaluation of synthetic texts against real texts: MAUVE (two settings), perplexity and ΔPPL,
+lengths, and TSTR when labels are given; every figure an :class:`~invink_audit.evaluation.stats.Interval`.
+
+An evaluation is **not private**: it reads the real texts in the clear and its report is a function of
+them. Evaluate against held-out real texts (the paper uses held-out samples, Appendix C), keep the
+report with the data, and never treat it as part of a release.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from invink_audit.evaluation.embeddings import DEFAULT_EMBEDDING_MODEL, EMBEDDING_MODELS, Embedder
+from invink_audit.evaluation.mauve_metric import LIBRARY_SETTING, PAPER_SETTING, MauveResult, mauve_interval
+from invink_audit.evaluation.perplexity import delta_ppl_interval, score_perplexity
+from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, wald_interval
+from invink_audit.evaluation.tstr import TstrResult, train_on_synthetic_test_on_real
+
+__all__ = ["EvaluationConfig", "EvaluationResult", "TextSet", "evaluate", "read_text_set"]
+
+#: ``progress(stage, total)`` returns a callable taking the number of items just done.
+ProgressFactory = Callable[[str, int], Callable[[int], None]]
+LABEL_SEPARATOR = " | "
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSet:
+    """Texts to evaluate, with optional labels (one string per text, label columns joined by
+    :data:`LABEL_SEPARATOR`), and, for this project's generation output, each text's generated token
+    count and finish reason (``eos`` or ``length``)."""
+
+    texts: tuple[str, ...]
+    labels: tuple[str, ...] | None = None
+    num_tokens: tuple[int, ...] | None = None
+    finish_reasons: tuple[str, ...] | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "texts", tuple(self.texts))
+        for i, text in enumerate(self.texts):
+            if not isinstance(text, str):
+                raise ValueError(f"texts[{i}] must be a string; got {type(text).__name__}")
+        for name in ("labels", "num_tokens", "finish_reasons"):
+            value = getattr(self, name)
+            if value is not None:
+                value = tuple(value)
+                if len(value) != len(self.texts):
+                    raise ValueError(f"{name} has {len(value)} entries for {len(self.texts)} texts")
+                object.__setattr__(self, name, value)
+
+    def subset(self, indices: Sequence[int]) -> TextSet:
+        pick = lambda values: None if values is None else tuple(values[i] for i in indices)  # noqa: E731
+        return TextSet(
+            texts=pick(self.texts),
+            labels=pick(self.labels),
+            num_tokens=pick(self.num_tokens),
+            finish_reasons=pick(self.finish_reasons),
+            source=self.source,
+        )
+
+
+def _label_value(record: Mapping, column: str, where: str) -> str:
+    if column in record:
+        value = record[column]
+    elif isinstance(record.get("labels"), Mapping) and column in record["labels"]:
+        value = record["labels"][column]
+    else:
+        raise ValueError(f"{where}: label field {column!r} missing (looked at the record and its 'labels' object)")
+    if value is None:
+        return ""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: label field {column!r} must be a string or number; got {type(value).__name__}")
+    return value
+
+
+def read_text_set(path: str | Path, *, column: str = "text", label_columns: Sequence[str] = ()) -> TextSet:
+    """Read texts (and labels) from a ``.csv`` or ``.jsonl`` file: any such file, or the output of
+    ``invink-audit generate`` (whose records' ``num_tokens`` and ``finish_reason`` are kept).
+
+    In JSON Lines, a label column is read from the record or from its ``labels`` object. CSV files are
+    read by :func:`invink_audit.data.read_labelled_references` (same encodings and error rules).
+    """
+    from invink_audit.data import read_labelled_references, read_references
+
+    path = Path(path)
+    columns = tuple(label_columns)
+    if not path.is_file():
+        raise ValueError(f"file not found: {str(path)!r}")
+    if path.suffix.lower() == ".csv":
+        if columns:
+            refs = read_labelled_references(path, column=column, label_columns=columns)
+            labels = tuple(LABEL_SEPARATOR.join(m[c] for c in columns) for m in refs.labels)
+            return TextSet(texts=refs.texts, labels=labels, source=str(path))
+        return TextSet(texts=tuple(read_references(path, column=column)), source=str(path))
+    if path.suffix.lower() not in (".jsonl", ".ndjson"):
+        raise ValueError(f"{str(path)!r} must be a .csv or .jsonl file")
+    texts, labels, tokens, reasons = [], [], [], []
+    text = path.read_text(encoding="utf-8-sig")
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{str(path)!r} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where} is not valid JSON: {err.msg} (column {err.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object; got {type(record).__name__}")
+        if column not in record:
+            raise ValueError(f"{where}: field {column!r} missing; name the text field with --column")
+        value = record[column]
+        if value is None:
+            value = ""
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: field {column!r} must be a string; got {type(value).__name__}")
+        texts.append(value)
+        if columns:
+            labels.append(LABEL_SEPARATOR.join(_label_value(record, c, where) for c in columns))
+        tokens.append(record.get("num_tokens") if isinstance(record.get("num_tokens"), int) else None)
+        reasons.append(record.get("finish_reason") if isinstance(record.get("finish_reason"), str) else None)
+    if not texts:
+        raise ValueError(f"{str(path)!r} holds no records")
+    return TextSet(
+        texts=tuple(texts),
+        labels=tuple(labels) if columns else None,
+        num_tokens=tuple(tokens) if all(t is not None for t in tokens) else None,
+        finish_reasons=tuple(reasons) if all(r is not None for r in reasons) else None,
+        source=str(path),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationConfig:
+    """Settings of an evaluation, validated at construction.
+
+    * ``embedding_model``: ``mpnet`` (the paper's, default) or ``minilm`` (fast);
+    * ``mauve_seeds``, ``mauve_bootstrap``: k-means seeds for the estimate and bootstrap replicates for
+      the interval (:func:`~invink_audit.evaluation.mauve_metric.mauve_interval`);
+    * ``max_real``: real texts for MAUVE and perplexity (a seeded sample); ``None``: as many as there are
+      synthetic texts (the paper uses equal numbers, Appendix C);
+    * ``scorer``: the perplexity model (:func:`invink_audit.models.load_model`; ``None`` the embedded
+      SmolLM2); ``perplexity=False`` skips perplexity;
+    * ``tstr_test_fraction``: share of the labelled real texts held out to test TSTR (the rest train the ceiling).
+    """
+
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL
+    mauve_seeds: int = 5
+    mauve_bootstrap: int = 20
+    confidence: float = DEFAULT_CONFIDENCE
+    max_real: int | None = None
+    scorer: str | None = None
+    perplexity: bool = True
+    ppl_max_tokens: int = 512
+    embedding_cache: bool = True
+    embedding_dtype: str = "auto"
+    tstr_test_fraction: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.embedding_model not in EMBEDDING_MODELS:
+            raise ValueError(f"embedding_model must be one of {sorted(EMBEDDING_MODELS)}; got {self.embedding_model!r}")
+        for name, least in (("mauve_seeds", 1), ("mauve_bootstrap", 0), ("ppl_max_tokens", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
+        if self.max_real is not None and (isinstance(self.max_real, bool) or not isinstance(self.max_real, int) or self.max_real < 2):
+            raise ValueError(f"max_real must be an integer >= 2 or None; got {self.max_real!r}")
+        if not isinstance(self.confidence, float) or not 0 < self.confidence < 1:
+            raise ValueError(f"confidence must be a float in (0, 1); got {self.confidence!r}")
+        if not isinstance(self.tstr_test_fraction, float) or not 0 < self.tstr_test_fraction < 1:
+            raise ValueError(f"tstr_test_fraction must be a float in (0, 1); got {self.tstr_test_fraction!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationResult:
+    """The measurements of one evaluation (all after the fact; nothing here is a privacy guarantee)."""
+
+    mauve: MauveResult
+    mauve_c5: MauveResult
+    perplexity_synthetic: Interval | None
+    perplexity_real: Interval | None
+    delta_ppl: Interval | None
+    length_synthetic: Interval
+    length_real: Interval
+    generated_tokens: Interval | None
+    eos_share: float | None
+    tstr: TstrResult | None
+    num_synthetic: int
+    num_real: int
+    embedding_model: str
+    scorer: str | None
+    ppl_unscored_synthetic: int
+    ppl_truncated: int
+    seconds: Mapping[str, float]
+    synthetic_perplexities: tuple[float, ...] = ()
+    real_perplexities: tuple[float, ...] = ()
+
+    def to_json(self) -> dict:
+        """One JSON object; each headline metric is ``{"estimate", "lower", "upper", ...}``."""
+        out: dict = {
+            "mauve": self.mauve.to_json(),
+            "mauve_c5": self.mauve_c5.to_json(),
+            "delta_ppl": None if self.delta_ppl is None else self.delta_ppl.to_json(),
+        }
+        if self.tstr is not None:
+            gap = self.tstr.gap_closed
+            out["tstr_gap_closed"] = None if gap is None else {**gap.to_json(), "note": self.tstr.gap_closed_note}
+        out.update(
+            {
+                "perplexity_synthetic": None if self.perplexity_synthetic is None else self.perplexity_synthetic.to_json(),
+                "perplexity_real": None if self.perplexity_real is None else self.perplexity_real.to_json(),
+                "length_synthetic_tokens": self.length_synthetic.to_json(),
+                "length_real_tokens": self.length_real.to_json(),
+                "generated_tokens": None if self.generated_tokens is None else self.generated_tokens.to_json(),
+                "eos_share": self.eos_share,
+                "tstr": None if self.tstr is None else self.tstr.to_json(),
+                "num_synthetic": self.num_synthetic,
+                "num_real": self.num_real,
+                "embedding_model": EMBEDDING_MODELS[self.embedding_model].hub_id,
+                "scorer": self.scorer,
+                "ppl_unscored_synthetic": self.ppl_unscored_synthetic,
+                "ppl_truncated": self.ppl_truncated,
+                "seconds": dict(self.seconds),
+                "privacy_notice": "NOT PRIVATE: computed from the real texts in the clear; keep with the data",
+            }
+        )
+        return out
+
+
+def _no_progress(stage: str, total: int) -> Callable[[int], None]:
+    return lambda n: None
+
+
+def _as_text_set(value, name: str) -> TextSet:
+    if isinstance(value, TextSet):
+        return value
+    if isinstance(value, (str, Path)):
+        raise ValueError(f"{name}: pass a TextSet (read_text_set(path)) or a list of strings, not a path string")
+    if not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a TextSet or a sequence of strings; got {type(value).__name__}")
+    return TextSet(texts=tuple(value))
+
+
+def evaluate(
+    synthetic: TextSet | Sequence[str],
+    real: TextSet | Sequence[str],
+    config: EvaluationConfig | None = None,
+    *,
+    scorer_model=None,
+    embedder: Embedder | None = None,
+    progress: ProgressFactory | None = None,
+) -> EvaluationResult:
+    """Evaluate ``synthetic`` against ``real`` (module docstring). ``scorer_model``: an already loaded
+    :class:`~invink_audit.models.LoadedModel` to score perplexity with (else ``config.scorer`` is
+    loaded); ``embedder``: an :class:`Embedder` to reuse (else one is made). TSTR runs when both sets
+    carry labels. Randomness (samples, resamples, k-means) is seeded by ``config.seed``: an evaluation
+    is reproducible."""
+    config = config or EvaluationConfig()
+    progress = progress or _no_progress
+    synthetic = _as_text_set(synthetic, "synthetic")
+    real = _as_text_set(real, "real")
+    if len(synthetic.texts) < 2 or len(real.texts) < 2:
+        raise ValueError(f"need at least 2 synthetic and 2 real texts; got {len(synthetic.texts)} and {len(real.texts)}")
+    rng = np.random.default_rng(config.seed)
+    seconds: dict[str, float] = {}
+    n_real = min(len(real.texts), config.max_real or len(synthetic.texts))
+    real_sample = real.subset(sorted(rng.choice(len(real.texts), size=n_real, replace=False).tolist()))
+
+    # --- embeddings and MAUVE (paper Appendix C) ---
+    start = time.perf_counter()
+    embedder = embedder or Embedder(config.embedding_model, dtype=config.embedding_dtype, cache=config.embedding_cache)
+    if embedder.spec.name != config.embedding_model:
+        raise ValueError(f"embedder is {embedder.spec.name!r} but config.embedding_model is {config.embedding_model!r}")
+    update = progress("embedding", len(synthetic.texts) + n_real)
+    p_features = embedder.embed(synthetic.texts, progress=update)
+    q_features = embedder.embed(real_sample.texts, progress=update)
+    seconds["embedding"] = time.perf_counter() - start
+    start = time.perf_counter()
+    update = progress("MAUVE", 2 * (config.mauve_seeds + config.mauve_bootstrap))
+    results = {}
+    for key, setting in (("paper", PAPER_SETTING), ("library", LIBRARY_SETTING)):
+        results[key] = mauve_interval(
+            p_features,
+            q_features,
+            setting,
+            num_seeds=config.mauve_seeds,
+            num_bootstrap=config.mauve_bootstrap,
+            confidence=config.confidence,
+            rng=np.random.default_rng([config.seed, 1 if key == "paper" else 2]),
+            progress=update,
+        )
+    seconds["mauve"] = time.perf_counter() - start
+
+    # --- perplexity, ΔPPL and lengths (paper Appendix C) ---
+    start = time.perf_counter()
+    ppl_syn = ppl_real = delta = None
+    syn_defined = real_defined = np.zeros(0)
+    scorer_name = None
+    unscored = truncated = 0
+    if config.perplexity or scorer_model is not None:
+        from invink_audit.models import load_model
+
+        loaded = scorer_model if scorer_model is not None else load_model(config.scorer)
+        scorer_name = str(loaded.name)
+        update = progress("perplexity", len(synthetic.texts) + n_real)
+        syn_scores = score_perplexity(synthetic.texts, loaded, max_tokens=config.ppl_max_tokens, progress=update)
+        real_scores = score_perplexity(real_sample.texts, loaded, max_tokens=config.ppl_max_tokens, progress=update)
+        syn_defined, real_defined = syn_scores.defined, real_scores.defined
+        unscored = len(synthetic.texts) - syn_defined.size
+        truncated = syn_scores.truncated + real_scores.truncated
+        if syn_defined.size and real_defined.size:
+            ppl_syn = wald_interval(syn_defined, config.confidence)
+            ppl_real = wald_interval(real_defined, config.confidence)
+            delta = delta_ppl_interval(
+                syn_defined, real_defined, confidence=config.confidence, rng=np.random.default_rng([config.seed, 3])
+            )
+        length_syn = wald_interval(syn_scores.num_tokens, config.confidence)
+        length_real = wald_interval(real_scores.num_tokens, config.confidence)
+    else:
+        # without a scorer, lengths are in whitespace-separated words
+        length_syn = wald_interval([len(t.split()) for t in synthetic.texts], config.confidence)
+        length_real = wald_interval([len(t.split()) for t in real_sample.texts], config.confidence)
+    generated = None if synthetic.num_tokens is None else wald_interval(synthetic.num_tokens, config.confidence)
+    eos_share = None
+    if synthetic.finish_reasons is not None:
+        eos_share = sum(r == "eos" for r in synthetic.finish_reasons) / len(synthetic.finish_reasons)
+    seconds["perplexity"] = time.perf_counter() - start
+
+    # --- TSTR ---
+    tstr = None
+    if synthetic.labels is not None and real.labels is not None:
+        start = time.perf_counter()
+        order = np.random.default_rng([config.seed, 4]).permutation(len(real.texts))
+        n_test = max(1, int(round(len(order) * config.tstr_test_fraction)))
+        if len(order) - n_test < 1:
+            raise ValueError("TSTR needs at least 2 labelled real texts (one to train the ceiling, one to test)")
+        test_idx, train_idx = sorted(order[:n_test].tolist()), sorted(order[n_test:].tolist())
+        tstr = train_on_synthetic_test_on_real(
+            synthetic.texts,
+            synthetic.labels,
+            [real.texts[i] for i in train_idx],
+            [real.labels[i] for i in train_idx],
+            [real.texts[i] for i in test_idx],
+            [real.labels[i] for i in test_idx],
+            confidence=config.confidence,
+            rng=np.random.default_rng([config.seed, 5]),
+        )
+        seconds["tstr"] = time.perf_counter() - start
+    elif (synthetic.labels is None) != (real.labels is None):
+        raise ValueError("labels were given for only one of the synthetic and real sets; TSTR needs both")
+    return EvaluationResult(
+        mauve=results["paper"],
+        mauve_c5=results["library"],
+        perplexity_synthetic=ppl_syn,
+        perplexity_real=ppl_real,
+        delta_ppl=delta,
+        length_synthetic=length_syn,
+        length_real=length_real,
+        generated_tokens=generated,
+        eos_share=eos_share,
+        tstr=tstr,
+        num_synthetic=len(synthetic.texts),
+        num_real=n_real,
+        embedding_model=config.embedding_model,
+        scorer=scorer_name,
+        ppl_unscored_synthetic=int(unscored),
+        ppl_truncated=int(truncated),
+        seconds=seconds,
+        synthetic_perplexities=tuple(float(x) for x in syn_defined),
+        real_perplexities=tuple(float(x) for x in real_defined),
+    )

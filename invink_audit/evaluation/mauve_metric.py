@@ -1,0 +1,190 @@
+r"""MAUVE (Pillutla et al., NeurIPS 2021; JMLR 2023) of synthetic against real texts, with intervals.
+
+Computed by the ``mauve-text`` package (``mauve.compute_mauve``) from *features only*
+(``p_features``/``q_features``): the package is never given texts or tokens, so it never loads or
+downloads a featuriser (its ``gpt2-large`` default). The features are sentence embeddings
+(:mod:`invink_audit.evaluation.embeddings`); P is the synthetic set, Q the real set.
+
+Two settings, each a :class:`MauveSetting`:
+
+* :data:`PAPER_SETTING`: the InvisibleInk paper's (Appendix C, "MAUVE score"): ``num_buckets = n/20``
+  for n texts on each side, scaling factor ``c = 0.9``;
+* :data:`LIBRARY_SETTING`: ``mauve-text``'s defaults: ``num_buckets = "auto"`` (n/10) and ``c = 5``.
+
+MAUVE moves with the k-means seed (Pillutla et al., JMLR 2023, §6 report it over five seeds). So the
+estimate is the mean over ``num_seeds`` k-means seeds on the full sets, and the interval is the
+percentile bootstrap over ``num_bootstrap`` replicates that each resample both sets with replacement
+*and* use their own k-means seed (both sources of variation at once). MAUVE of a resample is biased
+low (a duplicated text is one point twice); when every replicate falls below the estimate the interval
+is widened to contain it, and its ``method`` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import tempfile
+
+import numpy as np
+
+from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval
+
+__all__ = ["LIBRARY_SETTING", "PAPER_SETTING", "MauveResult", "MauveSetting", "mauve_interval", "mauve_score"]
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MauveSetting:
+    """``bucket_divisor``: ``num_buckets = max(2, round(n / bucket_divisor))``; ``scaling_factor``: MAUVE's c."""
+
+    name: str
+    bucket_divisor: int
+    scaling_factor: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_divisor, bool) or not isinstance(self.bucket_divisor, int) or self.bucket_divisor < 1:
+            raise ValueError(f"bucket_divisor must be an integer >= 1; got {self.bucket_divisor!r}")
+        if not isinstance(self.scaling_factor, (int, float)) or not self.scaling_factor > 0:
+            raise ValueError(f"scaling_factor must be > 0; got {self.scaling_factor!r}")
+
+    def num_buckets(self, n: int) -> int:
+        # mauve-text's "auto" is max(2, int(round(n / 10))) (compute_mauve.py); the paper's n/20 the same way
+        return max(2, int(round(n / self.bucket_divisor)))
+
+
+PAPER_SETTING = MauveSetting("paper", bucket_divisor=20, scaling_factor=0.9)
+LIBRARY_SETTING = MauveSetting("library default", bucket_divisor=10, scaling_factor=5.0)
+
+
+@contextlib.contextmanager
+def _captured_native_stderr():
+    """faiss writes k-means warnings ("please provide at least ... training points") from C++ straight to
+    file descriptor 2; they are collected and logged at debug level instead of interleaving with output."""
+    try:
+        fd = os.dup(2)
+    except OSError:  # pragma: no cover - no stderr descriptor
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(fd, 2)
+            os.close(fd)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace").strip()
+            if text:
+                _LOG.debug("mauve/faiss: %s", text)
+
+
+def _check_features(name: str, features) -> np.ndarray:
+    array = np.asarray(features, dtype=np.float32)
+    if array.ndim != 2 or array.shape[0] < 2 or array.shape[1] < 1:
+        raise ValueError(f"{name} must be a 2-d array with at least 2 rows; got shape {array.shape}")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} must be finite")
+    return array
+
+
+def mauve_score(p_features, q_features, setting: MauveSetting = PAPER_SETTING, *, seed: int = 0) -> float:
+    """MAUVE of P against Q by ``mauve.compute_mauve(p_features=..., q_features=...)`` with the
+    setting's bucket count and scaling factor, k-means seed ``seed`` (other arguments: the library's
+    defaults). ``n`` for the bucket count is the smaller set's size, as in the library's ``auto``."""
+    import mauve
+
+    p = _check_features("p_features", p_features)
+    q = _check_features("q_features", q_features)
+    if p.shape[1] != q.shape[1]:
+        raise ValueError(f"p_features and q_features must have the same dimension; got {p.shape[1]} and {q.shape[1]}")
+    buckets = setting.num_buckets(min(len(p), len(q)))
+    with _captured_native_stderr():
+        out = mauve.compute_mauve(
+            p_features=p,
+            q_features=q,
+            num_buckets=buckets,
+            mauve_scaling_factor=float(setting.scaling_factor),
+            seed=int(seed),
+            verbose=False,
+        )
+    return float(out.mauve)
+
+
+@dataclasses.dataclass(frozen=True)
+class MauveResult:
+    """MAUVE in one setting: the interval, the per-seed scores on the full sets, and the bucket count."""
+
+    setting: MauveSetting
+    interval: Interval
+    seed_scores: tuple[float, ...]
+    bootstrap_scores: tuple[float, ...]
+    num_buckets: int
+    num_synthetic: int
+    num_real: int
+
+    def to_json(self) -> dict:
+        return {
+            **self.interval.to_json(),
+            "setting": self.setting.name,
+            "scaling_factor": self.setting.scaling_factor,
+            "num_buckets": self.num_buckets,
+            "seed_scores": list(self.seed_scores),
+            "seed_min": min(self.seed_scores),
+            "seed_max": max(self.seed_scores),
+            "num_synthetic": self.num_synthetic,
+            "num_real": self.num_real,
+        }
+
+
+def mauve_interval(
+    p_features,
+    q_features,
+    setting: MauveSetting = PAPER_SETTING,
+    *,
+    num_seeds: int = 5,
+    num_bootstrap: int = 20,
+    confidence: float = DEFAULT_CONFIDENCE,
+    rng: np.random.Generator | None = None,
+    progress=None,
+) -> MauveResult:
+    """MAUVE with an interval over k-means seeds and bootstrap resamples (module docstring).
+
+    ``rng`` draws the resamples (default: a fixed seed, so an evaluation is reproducible: the
+    evaluation is not a private release, nothing needs OS randomness). ``progress``: called with 1
+    after each MAUVE computation (``num_seeds + num_bootstrap`` in all).
+    """
+    for name, value, least in (("num_seeds", num_seeds, 1), ("num_bootstrap", num_bootstrap, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
+    p = _check_features("p_features", p_features)
+    q = _check_features("q_features", q_features)
+    rng = rng if rng is not None else np.random.default_rng(20251)
+    seed_scores = []
+    for seed in range(num_seeds):
+        seed_scores.append(mauve_score(p, q, setting, seed=seed))
+        if progress is not None:
+            progress(1)
+    estimate = float(np.mean(seed_scores))
+    replicates = []
+    for r in range(num_bootstrap):
+        p_star = p[rng.integers(0, len(p), size=len(p))]
+        q_star = q[rng.integers(0, len(q), size=len(q))]
+        replicates.append(mauve_score(p_star, q_star, setting, seed=num_seeds + r))
+        if progress is not None:
+            progress(1)
+    if replicates:
+        interval = percentile_interval(estimate, replicates, confidence, method="bootstrap over texts and k-means seeds")
+    else:
+        interval = Interval(estimate, min(seed_scores), max(seed_scores), confidence, "range over k-means seeds")
+    return MauveResult(
+        setting=setting,
+        interval=interval,
+        seed_scores=tuple(seed_scores),
+        bootstrap_scores=tuple(replicates),
+        num_buckets=setting.num_buckets(min(len(p), len(q))),
+        num_synthetic=len(p),
+        num_real=len(q),
+    )

@@ -1,0 +1,137 @@
+r"""Reference points for a privacy budget's utility, on the same prompts as the private texts.
+
+* **floor** (public only): what the model writes from the public prompt alone, with no reference:
+  the ε → 0 end (InvisibleInk with every reference null samples exactly this, up to Top-k+'s band);
+* **ceiling** (non-private): what the model writes when it sees a reference, with no privacy: each text
+  is sampled from the private prompt with the first reference of its batch (B = 1, no clipping).
+
+Both decode with ordinary top-k sampling at the same temperature τ, k and token budget T as the private
+texts (``transformers``' ``generate`` with ``do_sample=True, top_k=k, temperature=τ``; a baseline, not the
+private decode loop). The ceiling's texts are **not private** (they are the model conditioned on one
+reference each, in the clear): they exist to be evaluated and must never be released. The floor reads
+no reference; it still follows the batches' labels when the release is label-conditioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["ReferenceTexts", "generate_reference_points"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceTexts:
+    """Texts of one reference point, with each text's labels (or ``None``), token count and finish reason."""
+
+    kind: str
+    texts: tuple[str, ...]
+    labels: tuple[Mapping[str, str] | None, ...]
+    num_tokens: tuple[int, ...]
+    finish_reasons: tuple[str, ...]
+
+    def write_jsonl(self, path: str | Path) -> Path:
+        path = Path(path)
+        with path.open("w", encoding="utf-8") as out:
+            for i, (text, labels, count, reason) in enumerate(
+                zip(self.texts, self.labels, self.num_tokens, self.finish_reasons)
+            ):
+                record = {"batch_index": i, "text": text, "num_tokens": count, "finish_reason": reason,
+                          "reference_point": self.kind}
+                if labels is not None:
+                    record["labels"] = dict(labels)
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        return path
+
+
+def _sample(loaded, prompts: Sequence[tuple[int, ...]], *, max_new_tokens, top_k, temperature, seed, batch) -> list:
+    import torch
+
+    outputs = []
+    tokenizer, model = loaded.tokenizer, loaded.model
+    eos = set(loaded.eos_token_ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            width = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), width), loaded.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, prompt in enumerate(chunk):  # left padding, as decoder-only generation needs
+                ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                mask[row, width - len(prompt) :] = 1
+            with torch.inference_mode():
+                generated = model.generate(
+                    input_ids=ids.to(loaded.device),
+                    attention_mask=mask.to(loaded.device),
+                    do_sample=True,
+                    top_k=top_k if top_k is not None else 0,
+                    top_p=1.0,
+                    temperature=temperature,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=loaded.pad_token_id,
+                    eos_token_id=list(eos),
+                )
+            for row in generated[:, width:].tolist():
+                tokens, reason = [], "length"
+                for token in row:
+                    if token in eos:
+                        reason = "eos"
+                        break
+                    tokens.append(token)
+                outputs.append((tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), reason))
+    return outputs
+
+
+def generate_reference_points(
+    batches: Sequence[Sequence[str]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = 100,
+    model=None,
+    prompt="generic",
+    prompt_fields: Mapping[str, str] | None = None,
+    batch_labels: Sequence[Mapping[str, str] | None] | None = None,
+    label_fields: Mapping[str, str] | None = None,
+    seed: int = 0,
+    generation_batch: int = 8,
+) -> dict[str, ReferenceTexts]:
+    """The floor and the ceiling (module docstring) for ``batches`` (each the references of one private
+    text, e.g. ``partition.batches``): one floor text and one ceiling text per batch, prompted like the
+    private text (its labels fill the template when ``batch_labels`` is given). Seeded: these texts are
+    reference points for evaluation, not releases."""
+    from invink_audit.models import load_model
+    from invink_audit.prompts import encode_messages, get_preset, template_for_labels
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+    if not batches:
+        raise ValueError("batches must not be empty")
+    labels = list(batch_labels) if batch_labels is not None else [None] * len(batches)
+    if len(labels) != len(batches):
+        raise ValueError(f"batch_labels has {len(labels)} entries for {len(batches)} batches")
+    loaded = load_model(model)
+    base = get_preset(prompt, **dict(prompt_fields or {}))
+    public, private = [], []
+    for references, batch_label in zip(batches, labels):
+        template = base if batch_label is None else template_for_labels(base, batch_label, label_fields)
+        public.append(encode_messages(loaded.tokenizer, template.messages(None)))
+        first = next((r for r in references if r), None)  # a null first slot: the next non-null reference
+        private.append(encode_messages(loaded.tokenizer, template.messages(first)))
+    out = {}
+    for kind, prompts, offset in (("floor", public, 0), ("ceiling", private, 1)):
+        sampled = _sample(
+            loaded, prompts, max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
+            seed=seed * 2 + offset, batch=generation_batch,
+        )
+        out[kind] = ReferenceTexts(
+            kind=kind,
+            texts=tuple(s[0] for s in sampled),
+            labels=tuple(labels),
+            num_tokens=tuple(s[1] for s in sampled),
+            finish_reasons=tuple(s[2] for s in sampled),
+        )
+    return out

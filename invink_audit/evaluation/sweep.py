@@ -1,0 +1,339 @@
+r"""A sweep: private generation + evaluation over a grid of (ε, B, k, τ, T), with reference points.
+
+Each grid point is **one release**: :func:`invink_audit.generation.generate` on the references with that
+point's parameters, then :func:`~invink_audit.evaluation.evaluator.evaluate` against held-out real texts.
+The points are separate releases of the same data, so their privacy costs add up (sequential
+composition): a sweep on private references spends budget for *every* point. :func:`run_sweep` therefore
+needs either a ledger (every point is charged to it before it runs, and refused when the budget would be
+exceeded) or ``public_proxy=True``, the caller's statement that the references are public or a proxy
+(held-out, or data whose privacy does not matter), in which case nothing is charged. The recommended
+practice (README) is to sweep on proxy data and then make one release on the private data.
+
+Resumable: every point writes into its own directory (``texts.jsonl`` through ``generate``'s own resume,
+then ``evaluation.json``); a rerun with the same directory skips evaluated points and resumes the rest
+(a resumed release is not charged twice: the ledger charge is idempotent on its release id).
+
+Compute cost of a point: forward rows per text = (B + 1) × the mean number of generated tokens (every
+token runs B private rows and one public row, paper §4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from invink_audit.evaluation.evaluator import EvaluationConfig, TextSet, evaluate, read_text_set
+
+__all__ = ["SweepConfig", "SweepPoint", "run_sweep", "sweep_markdown", "write_sweep_plots"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def _tuple(values, name: str) -> tuple:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+        raise ValueError(f"{name} must be a non-empty sequence; got {values!r}")
+    return tuple(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """The grid and the generation settings shared by its points (validated here; each point's
+    parameters are validated again by ``generate``)."""
+
+    epsilons: tuple[float, ...]
+    batch_sizes: tuple[int, ...]
+    top_ks: tuple[int | None, ...] = (100,)
+    temperatures: tuple[float, ...] = (1.0,)
+    max_new_tokens: tuple[int, ...] = (64,)
+    delta: float = 1e-6
+    num_texts: int | None = None
+    num_texts_per_group: int | None = None
+    prompt: str = "generic"
+    prompt_fields: Mapping[str, str] | None = None
+    column: str = "text"
+    label_columns: tuple[str, ...] = ()
+    reference_points: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("epsilons", "batch_sizes", "top_ks", "temperatures", "max_new_tokens"):
+            object.__setattr__(self, name, _tuple(getattr(self, name), name))
+        for e in self.epsilons:
+            if isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0:
+                raise ValueError(f"every epsilon must be > 0; got {e!r}")
+        for name in ("batch_sizes", "max_new_tokens"):
+            for v in getattr(self, name):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"every value of {name} must be an integer >= 1; got {v!r}")
+        for k in self.top_ks:
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+                raise ValueError(f"every top_k must be an integer >= 1 or None; got {k!r}")
+        for t in self.temperatures:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+                raise ValueError(f"every temperature must be > 0; got {t!r}")
+        object.__setattr__(self, "label_columns", tuple(self.label_columns))
+        if self.label_columns and self.num_texts is not None:
+            raise ValueError("with label_columns give num_texts_per_group, not num_texts")
+        if not self.label_columns and self.num_texts_per_group is not None:
+            raise ValueError("num_texts_per_group needs label_columns")
+
+    def points(self) -> list[dict]:
+        """The grid, ε varying fastest within each (B, k, τ, T)."""
+        return [
+            {"epsilon": float(e), "batch_size": b, "top_k": k, "temperature": float(t), "max_new_tokens": n}
+            for b, k, t, n, e in itertools.product(
+                self.batch_sizes, self.top_ks, self.temperatures, self.max_new_tokens, self.epsilons
+            )
+        ]
+
+
+def _point_name(p: Mapping) -> str:
+    k = "full" if p["top_k"] is None else p["top_k"]
+    return f"eps{p['epsilon']:g}-B{p['batch_size']}-k{k}-tau{p['temperature']:g}-T{p['max_new_tokens']}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepPoint:
+    """One row of the sweep table: the point's parameters, its a-priori guarantee, cost and utility."""
+
+    name: str
+    kind: str  # "invisibleink", "floor" or "ceiling"
+    params: Mapping
+    guarantee: Mapping | None
+    forward_rows_per_text: float | None
+    evaluation: Mapping
+    seconds_generation: float
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"params": dict(self.params)}
+
+
+def _evaluate_file(path: Path, real: TextSet, config: EvaluationConfig, label_columns, embedder, scorer, progress):
+    synthetic = read_text_set(path, label_columns=label_columns)
+    result = evaluate(synthetic, real, config, scorer_model=scorer, embedder=embedder, progress=progress)
+    return result.to_json(), synthetic
+
+
+def run_sweep(
+    references: str | Path,
+    real: str | Path,
+    output_dir: str | Path,
+    config: SweepConfig,
+    evaluation: EvaluationConfig | None = None,
+    *,
+    ledger: str | Path | None = None,
+    public_proxy: bool = False,
+    model=None,
+    real_column: str | None = None,
+    on_point: Callable[[SweepPoint], None] | None = None,
+    progress=None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> list[SweepPoint]:
+    """Run (or resume) the sweep into ``output_dir``: ``floor/`` and ``ceiling/`` reference points (when
+    ``config.reference_points``), one directory per grid point, and ``sweep.jsonl`` (one
+    :class:`SweepPoint` per line). ``ledger`` or ``public_proxy=True`` is required (module docstring)."""
+    from invink_audit.data import partition_by_labels, partition_references, read_labelled_references, read_references
+    from invink_audit.evaluation.embeddings import Embedder
+    from invink_audit.generation import generate
+    from invink_audit.models import load_model
+
+    if (ledger is None) == (not public_proxy):
+        raise ValueError(
+            "a sweep on private references spends budget for every point: give a ledger to charge (one release "
+            "per point), or public_proxy=True to state that the references are public or a proxy (nothing is "
+            "charged); not both"
+        )
+    evaluation = evaluation or EvaluationConfig()
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    columns = tuple(config.label_columns)
+    real_set = read_text_set(real, column=real_column or "text", label_columns=columns)
+    loaded = load_model(model)
+    scorer = loaded if evaluation.scorer is None else None
+    embedder = Embedder(evaluation.embedding_model, dtype=evaluation.embedding_dtype, cache=evaluation.embedding_cache)
+    rows: list[SweepPoint] = []
+
+    def finish(point: SweepPoint) -> None:
+        rows.append(point)
+        if on_point is not None:
+            on_point(point)
+
+    def cached(directory: Path) -> Mapping | None:
+        path = directory / "point.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    if config.reference_points:
+        b = min(config.batch_sizes)
+        first = {"top_k": config.top_ks[0], "temperature": float(config.temperatures[0]),
+                 "max_new_tokens": config.max_new_tokens[0], "batch_size": b}
+        directories = {kind: output / kind for kind in ("floor", "ceiling")}
+        if all(cached(d) for d in directories.values()):
+            for d in directories.values():
+                finish(SweepPoint(**cached(d)))
+        else:
+            if columns:
+                labelled = read_labelled_references(references, column=config.column, label_columns=columns)
+                part = partition_by_labels(labelled.texts, labelled.labels, b, num_texts_per_group=config.num_texts_per_group)
+                batches, batch_labels = [x.references for x in part.batches], [dict(x.labels) for x in part.batches]
+            else:
+                part = partition_references(read_references(references, column=config.column), b, num_texts=config.num_texts)
+                batches, batch_labels = list(part.batches), None
+            start = time.perf_counter()
+            from invink_audit.evaluation.reference_points import generate_reference_points
+
+            texts = generate_reference_points(
+                batches, max_new_tokens=first["max_new_tokens"], temperature=first["temperature"],
+                top_k=first["top_k"], model=loaded, prompt=config.prompt, prompt_fields=config.prompt_fields,
+                batch_labels=batch_labels, seed=config.seed,
+            )
+            seconds = (time.perf_counter() - start) / 2
+            for kind, ref in texts.items():
+                directory = directories[kind]
+                directory.mkdir(exist_ok=True)
+                path = ref.write_jsonl(directory / "texts.jsonl")
+                result, synthetic = _evaluate_file(path, real_set, evaluation, columns, embedder, scorer, progress)
+                tokens = sum(ref.num_tokens) / len(ref.num_tokens)
+                point = SweepPoint(
+                    name=kind, kind=kind, params=first, guarantee=None,
+                    forward_rows_per_text=float(tokens),  # one row per token: the public or one private prompt
+                    evaluation=result, seconds_generation=seconds,
+                )
+                (directory / "point.json").write_text(json.dumps(point.to_json(), indent=1) + "\n")
+                finish(point)
+
+    for params in config.points():
+        name = _point_name(params)
+        directory = output / name
+        previous = cached(directory)
+        if previous is not None:
+            finish(SweepPoint(**previous))
+            continue
+        directory.mkdir(exist_ok=True)
+        start = time.perf_counter()
+        kwargs = dict(
+            batch_size=params["batch_size"], max_new_tokens=params["max_new_tokens"], delta=config.delta,
+            epsilon=params["epsilon"], temperature=params["temperature"], top_k=params["top_k"],
+            model=loaded, prompt=config.prompt, prompt_fields=config.prompt_fields, column=config.column,
+            output=directory / "texts.jsonl", ledger=ledger, on_tokens=on_tokens,
+        )
+        if columns:
+            kwargs.update(label_columns=columns, num_texts_per_group=config.num_texts_per_group)
+        else:
+            kwargs.update(num_texts=config.num_texts)
+        released = generate(Path(references), **kwargs)
+        seconds = time.perf_counter() - start
+        result, synthetic = _evaluate_file(directory / "texts.jsonl", real_set, evaluation, columns, embedder, scorer, progress)
+        tokens = None if synthetic.num_tokens is None else sum(synthetic.num_tokens) / len(synthetic.num_tokens)
+        point = SweepPoint(
+            name=name, kind="invisibleink", params=params, guarantee=released.guarantee.to_json(),
+            forward_rows_per_text=None if tokens is None else float(tokens) * (params["batch_size"] + 1),
+            evaluation=result, seconds_generation=seconds,
+        )
+        (directory / "point.json").write_text(json.dumps(point.to_json(), indent=1) + "\n")
+        finish(point)
+    with (output / "sweep.jsonl").open("w") as out:
+        for row in rows:
+            out.write(json.dumps(row.to_json()) + "\n")
+    (output / "sweep.md").write_text(sweep_markdown(rows, ledger=ledger, public_proxy=public_proxy))
+    write_sweep_plots(rows, output)
+    embedder.close()
+    return rows
+
+
+def _cell(metric: Mapping | None, digits: int = 3) -> str:
+    if not metric:
+        return "n/a"
+    return f"{metric['estimate']:.{digits}f} [{metric['lower']:.{digits}f}, {metric['upper']:.{digits}f}]"
+
+
+def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: bool = False) -> str:
+    """The sweep table (Markdown): one row per point, reference points first."""
+    budget = (
+        "References declared public/proxy: nothing was charged."
+        if public_proxy
+        else f"Every InvisibleInk row is a separate release charged to the ledger {ledger} (sequential composition)."
+    )
+    lines = [
+        "# Sweep",
+        "",
+        "NOT PRIVATE: evaluations are computed from the real texts in the clear. " + budget,
+        "",
+        "| point | ε (certified) | C | B | k | τ | T | fwd rows/text | tokens | MAUVE (paper) | MAUVE (c=5) | ΔPPL | TSTR gap closed | gen s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p, g, e = r.params, r.guarantee or {}, r.evaluation
+        eps = f"{g['epsilon']:.3g}" if g else ("0 (no refs)" if r.kind == "floor" else "∞ (non-private)")
+        clip = f"{g['clip_norm']:.3g}" if g else "–"
+        tokens = e.get("generated_tokens") or e.get("length_synthetic_tokens")
+        lines.append(
+            f"| {r.name} | {eps} | {clip} | {p['batch_size'] if r.kind == 'invisibleink' else '–'} | "
+            f"{p['top_k'] or 'full'} | {p['temperature']:g} | {p['max_new_tokens']} | "
+            f"{r.forward_rows_per_text:.0f} | {tokens['estimate']:.1f} | {_cell(e.get('mauve'))} | "
+            f"{_cell(e.get('mauve_c5'))} | {_cell(e.get('delta_ppl'), 1)} | {_cell(e.get('tstr_gap_closed'), 2)} | "
+            f"{r.seconds_generation:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep_plots(rows: Sequence[SweepPoint], directory: str | Path) -> list[Path]:
+    """``sweep_utility.png`` (MAUVE, TSTR gap closed, ΔPPL against ε, one line per B, floor and ceiling
+    dashed) and ``sweep_cost.png`` (MAUVE against forward rows per text)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    private = [r for r in rows if r.kind == "invisibleink"]
+    refs = {r.kind: r for r in rows if r.kind != "invisibleink"}
+    metrics = [("mauve", "MAUVE (paper setting)"), ("mauve_c5", "MAUVE (c = 5)"), ("delta_ppl", "ΔPPL")]
+    if any(r.evaluation.get("tstr_gap_closed") for r in rows):
+        metrics.append(("tstr_gap_closed", "TSTR: gap closed"))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 2.8), dpi=80)
+    groups: dict[tuple, list[SweepPoint]] = {}
+    for r in private:
+        key = (r.params["batch_size"], r.params["top_k"], r.params["temperature"], r.params["max_new_tokens"])
+        groups.setdefault(key, []).append(r)
+    for ax, (key, label) in zip(axes, metrics):
+        for (b, k, t, n), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
+            members = sorted(members, key=lambda r: r.params["epsilon"])
+            pts = [(r.params["epsilon"], r.evaluation.get(key)) for r in members if r.evaluation.get(key)]
+            if not pts:
+                continue
+            xs = [x for x, _ in pts]
+            ys = [m["estimate"] for _, m in pts]
+            err = [[m["estimate"] - m["lower"] for _, m in pts], [m["upper"] - m["estimate"] for _, m in pts]]
+            suffix = "" if len(groups) == len({g[0] for g in groups}) else f", k={k}, τ={t:g}, T={n}"
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"B={b}{suffix}")
+        for kind, style in (("floor", ":"), ("ceiling", "--")):
+            metric = refs.get(kind) and refs[kind].evaluation.get(key)
+            if metric:
+                ax.axhline(metric["estimate"], linestyle=style, color="grey", label=kind)
+        ax.set_xscale("log")
+        ax.set_xlabel("ε")
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    utility = directory / "sweep_utility.png"
+    fig.savefig(utility)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(3.6, 2.8), dpi=80)
+    for r in private:
+        m = r.evaluation.get("mauve")
+        if m and r.forward_rows_per_text:
+            ax.errorbar(r.forward_rows_per_text, m["estimate"], yerr=[[m["estimate"] - m["lower"]], [m["upper"] - m["estimate"]]],
+                        marker="o", capsize=3, color=f"C{sorted({p.params['batch_size'] for p in private}).index(r.params['batch_size'])}")
+            ax.annotate(f"ε={r.params['epsilon']:g},B={r.params['batch_size']}", (r.forward_rows_per_text, m["estimate"]), fontsize=6)
+    ax.set_xlabel("forward rows per text")
+    ax.set_ylabel("MAUVE (paper)")
+    fig.tight_layout()
+    cost = directory / "sweep_cost.png"
+    fig.savefig(cost)
+    plt.close(fig)
+    return [utility, cost]
