@@ -155,6 +155,11 @@ def test_tstr_ceiling_beats_chance_and_gap():
     assert useless.gap_closed.estimate < result.gap_closed.estimate - 0.3
     single = train_on_synthetic_test_on_real(good[:3], ["food"] * 3, real_train, real_train_y, test, test_y)
     assert single.accuracy_synthetic.estimate == pytest.approx(0.5)
+    # the floor is chance under the synthetic label frequencies: sum_c p_syn(c) p_test(c)
+    assert single.accuracy_floor.estimate == pytest.approx(0.5)  # p_syn(food) = 1, half the test is food
+    skewed = train_on_synthetic_test_on_real(good[:4], ["food", "food", "food", "cars"], real_train, real_train_y,
+                                             test, test_y)
+    assert skewed.accuracy_floor.estimate == pytest.approx(0.75 * 0.5 + 0.25 * 0.5)
     with pytest.raises(ValueError, match="labels"):
         train_on_synthetic_test_on_real(good, good_y[:-1], real_train, real_train_y, test, test_y)
 
@@ -380,3 +385,11 @@ def test_tstr_ceiling_beats_chance_on_yelp_stars():
                                              texts[400:], stars[400:])
     assert result.accuracy_ceiling.lower > 1 / 5  # five star ratings: chance is 0.2
     assert result.accuracy_ceiling.estimate > result.accuracy_floor.estimate
+    assert result.gap_closed is not None and result.gap_closed.estimate > 0.8  # real texts as "synthetic"
+
+
+def test_tstr_training_texts_without_words():
+    """Generated texts with no word TF-IDF keeps (e.g. single characters) train a majority-label classifier."""
+    real, real_y = _topic_texts(20, 1)
+    result = train_on_synthetic_test_on_real(["a", "b !", ""], ["food", "cars", "food"], real, real_y, real, real_y)
+    assert result.accuracy_synthetic.estimate == pytest.approx(0.5)

@@ -48,7 +48,7 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
             f"| TSTR accuracy, trained on synthetic | {_fmt(t.accuracy_synthetic)} | {t.num_test} real test texts, "
             f"{t.num_classes} classes |",
             f"| TSTR ceiling (trained on {t.num_train_real} real texts) | {_fmt(t.accuracy_ceiling)} | |",
-            f"| TSTR floor (most frequent label) | {_fmt(t.accuracy_floor)} | |",
+            f"| TSTR floor (chance: labels alone) | {_fmt(t.accuracy_floor)} | |",
             f"| TSTR fraction of the gap closed | {_fmt(t.gap_closed)} | {t.gap_closed_note} |",
         ]
     lines += [

@@ -172,32 +172,42 @@ def run_sweep(
         first = {"top_k": config.top_ks[0], "temperature": float(config.temperatures[0]),
                  "max_new_tokens": config.max_new_tokens[0], "batch_size": b}
         directories = {kind: output / kind for kind in ("floor", "ceiling")}
+        generated = {k: d / "generation.json" for k, d in directories.items()}
         if all(cached(d) for d in directories.values()):
             for d in directories.values():
                 finish(SweepPoint(**cached(d)))
         else:
-            if columns:
-                labelled = read_labelled_references(references, column=config.column, label_columns=columns)
-                part = partition_by_labels(labelled.texts, labelled.labels, b, num_texts_per_group=config.num_texts_per_group)
-                batches, batch_labels = [x.references for x in part.batches], [dict(x.labels) for x in part.batches]
-            else:
-                part = partition_references(read_references(references, column=config.column), b, num_texts=config.num_texts)
-                batches, batch_labels = list(part.batches), None
-            start = time.perf_counter()
-            from invink_audit.evaluation.reference_points import generate_reference_points
+            if not all(g.is_file() and (d / "texts.jsonl").is_file() for g, d in zip(generated.values(), directories.values())):
+                if columns:
+                    labelled = read_labelled_references(references, column=config.column, label_columns=columns)
+                    part = partition_by_labels(
+                        labelled.texts, labelled.labels, b, num_texts_per_group=config.num_texts_per_group
+                    )
+                    batches, batch_labels = [x.references for x in part.batches], [dict(x.labels) for x in part.batches]
+                else:
+                    part = partition_references(
+                        read_references(references, column=config.column), b, num_texts=config.num_texts
+                    )
+                    batches, batch_labels = list(part.batches), None
+                start = time.perf_counter()
+                from invink_audit.evaluation.reference_points import generate_reference_points
 
-            texts = generate_reference_points(
-                batches, max_new_tokens=first["max_new_tokens"], temperature=first["temperature"],
-                top_k=first["top_k"], model=loaded, prompt=config.prompt, prompt_fields=config.prompt_fields,
-                batch_labels=batch_labels, seed=config.seed,
-            )
-            seconds = (time.perf_counter() - start) / 2
-            for kind, ref in texts.items():
-                directory = directories[kind]
-                directory.mkdir(exist_ok=True)
-                path = ref.write_jsonl(directory / "texts.jsonl")
-                result, synthetic = _evaluate_file(path, real_set, evaluation, columns, embedder, scorer, progress)
-                tokens = sum(ref.num_tokens) / len(ref.num_tokens)
+                texts = generate_reference_points(
+                    batches, max_new_tokens=first["max_new_tokens"], temperature=first["temperature"],
+                    top_k=first["top_k"], model=loaded, prompt=config.prompt, prompt_fields=config.prompt_fields,
+                    batch_labels=batch_labels, seed=config.seed,
+                )
+                seconds = (time.perf_counter() - start) / 2
+                for kind, ref in texts.items():
+                    directories[kind].mkdir(exist_ok=True)
+                    ref.write_jsonl(directories[kind] / "texts.jsonl")
+                    generated[kind].write_text(json.dumps({"seconds": seconds}) + "\n")
+            for kind, directory in directories.items():
+                seconds = json.loads(generated[kind].read_text())["seconds"]
+                result, synthetic = _evaluate_file(
+                    directory / "texts.jsonl", real_set, evaluation, columns, embedder, scorer, progress
+                )
+                tokens = sum(synthetic.num_tokens) / len(synthetic.num_tokens)
                 point = SweepPoint(
                     name=kind, kind=kind, params=first, guarantee=None,
                     forward_rows_per_text=float(tokens),  # one row per token: the public or one private prompt

@@ -7,8 +7,11 @@ text), never tuned per run, is trained three times and tested on the same held-o
 
 * **synthetic**: trained on the synthetic texts and their labels (the labels the generator was asked for);
 * **ceiling**: trained on as many real training texts (the real-data ceiling);
-* **floor**: a text-blind classifier that always predicts the synthetic training set's most frequent
-  label (what labels alone give; scikit-learn's ``DummyClassifier(strategy="most_frequent")``).
+* **floor**: chance, what the labels alone give: a text-blind classifier that guesses each test text's
+  label at random with the synthetic label frequencies (scikit-learn's ``DummyClassifier(strategy=
+  "stratified")``), whose expected accuracy is :math:`\sum_c p_{syn}(c)\, p_{test}(c)` (computed exactly,
+  not sampled; ``1/K`` for K balanced classes). A constant "most frequent label" floor is not used: with
+  balanced, label-conditioned synthetic sets its answer would hang on a tie-break.
 
 The headline is the fraction of the gap closed, ``(acc_syn − acc_floor) / (acc_ceiling − acc_floor)``
 (1: as good as real data; 0: no better than the labels alone). The paper's downstream evaluation
@@ -43,13 +46,17 @@ def _classifier():
 
 
 def _fit_predict(train_texts: Sequence[str], train_labels: Sequence[str], test_texts: Sequence[str]) -> np.ndarray:
-    classes = sorted(set(train_labels))
-    if len(classes) == 1 or not any(t.strip() for t in train_texts):
-        # one class (or no words at all): a classifier can only predict the most frequent label
-        return np.asarray([Counter(train_labels).most_common(1)[0][0]] * len(test_texts), dtype=object)
+    majority = np.asarray([Counter(train_labels).most_common(1)[0][0]] * len(test_texts), dtype=object)
+    if len(set(train_labels)) == 1:
+        return majority  # one class: a classifier can only predict it
     model = _classifier()
     # texts without a single word are kept: they are part of what the generator produced
-    model.fit(list(train_texts), list(train_labels))
+    try:
+        model.fit(list(train_texts), list(train_labels))
+    except ValueError as err:
+        if "empty vocabulary" not in str(err):
+            raise
+        return majority  # no word in any training text (TF-IDF keeps tokens of 2+ word characters)
     return np.asarray(model.predict(list(test_texts)), dtype=object)
 
 
@@ -115,9 +122,11 @@ def train_on_synthetic_test_on_real(
     predictions = {
         "synthetic": _fit_predict(synthetic_texts, synthetic_labels, real_test_texts),
         "ceiling": _fit_predict(ceiling_texts, ceiling_labels, real_test_texts),
-        "floor": np.asarray([Counter(synthetic_labels).most_common(1)[0][0]] * len(truth), dtype=object),
     }
     correct = {k: (v == truth).astype(np.float64) for k, v in predictions.items()}
+    # the stratified guess is right on text i with probability p_syn(label_i): its expected accuracy
+    frequencies = Counter(synthetic_labels)
+    correct["floor"] = np.asarray([frequencies.get(t, 0) / len(synthetic_labels) for t in truth], dtype=np.float64)
     accuracy = {k: float(v.mean()) for k, v in correct.items()}
     m = len(truth)
     indices = rng.integers(0, m, size=(num_bootstrap, m))
