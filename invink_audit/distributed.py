@@ -23,7 +23,15 @@ import os
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["Cluster", "RankFailure", "ReleaseIncompleteError", "assign_batches", "current_cluster"]
+__all__ = [
+    "Cluster",
+    "RankFailure",
+    "ReleaseIncompleteError",
+    "assign_batches",
+    "current_cluster",
+    "launch_rank",
+    "launch_world_size",
+]
 
 #: How long a process waits for the others at a meeting point (rank 0 loading the model and charging,
 #: the slowest process finishing its batches). A process that dies closes its connections, so the others
@@ -121,6 +129,24 @@ class Cluster:
         if first is not None:
             raise first.error
 
+    def check_same(self, value, what: str) -> None:
+        """Refuse, on every rank, unless every rank holds the same ``value`` as rank 0 (``what`` names it
+        in the error): processes launched separately (one command line per machine) must agree."""
+        if not self.distributed:
+            return
+        values = self.gather(value)
+        message = None
+        if self.is_main:
+            differ = [rank for rank, other in enumerate(values) if other != values[0]]
+            if differ:
+                message = (
+                    f"process(es) {differ} of {self.world_size} were launched with other {what} than process 0: "
+                    "every process of one release must run the same command on the same files; nothing was charged"
+                )
+        message = self.broadcast(message)
+        if message is not None:
+            raise ValueError(message)
+
     def device(self, requested):
         """The device this rank uses: with several processes and CUDA, ``cuda:LOCAL_RANK`` unless the
         caller named a device (``cpu`` or a specific ``cuda:N``)."""
@@ -158,6 +184,17 @@ def _env_int(name: str, default: int | None = None) -> int:
         return int(text)
     except ValueError:
         raise ValueError(f"environment variable {variable}={text!r} is not an integer") from None
+
+
+def launch_rank() -> int:
+    """This process's rank as the launcher set it (0 without a launcher), before any process group exists:
+    the CLI uses it to let rank 0 alone show progress and print."""
+    return _env_int("RANK", 0)
+
+
+def launch_world_size() -> int:
+    """The number of processes the launcher started (1 without a launcher)."""
+    return _env_int("WORLD_SIZE", 1)
 
 
 def _timeout() -> datetime.timedelta:

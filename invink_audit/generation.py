@@ -63,6 +63,7 @@ from types import SimpleNamespace
 
 import torch
 
+from accounting import BudgetExceededError, LedgerError
 from invink_audit.data import (
     Partition,
     partition_by_labels,
@@ -86,6 +87,8 @@ from invink_audit.outputs import (
     OutputState,
     RecordSink,
     check_run,
+    clear_pending,
+    pending_release_id,
     inspect_output,
     merge_shards,
     output_lock,
@@ -858,7 +861,24 @@ class _Release:
                 raise
             error = err
         self.cluster.agree(error)
+        # every process must run the release rank 0 admits: same input, settings, prompt, seed and model
+        self.cluster.check_same(self._identity_digest(loaded), "settings, input, prompt, seed, model or output")
         return loaded, engine
+
+    def _identity_digest(self, loaded: LoadedModel) -> str:
+        """A digest of everything that makes this process's texts and records what they are."""
+        identity = {
+            "input": self.fingerprint,
+            "config": dataclasses.asdict(self.config),
+            "clip_norm": self.plan.clip_norm,
+            "guarantee": self.guarantee.record_fields(),
+            "seed": self.seed,
+            "prompt": _template_json(self.template),
+            "label_fields": None if self.label_fields is None else dict(self.label_fields),
+            "model": loaded.name,
+            "output": None if self.io_path is None else str(self.io_path),
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
     def _admit(self, loaded: LoadedModel) -> _Admission:
         """Rank 0: check the settings and every prompt, charge, persist the resume state, assign batches."""
@@ -879,7 +899,7 @@ class _Release:
         if self.labels is not None:
             run["label_columns"] = sorted(self.labels[0])
             run["label_fields"] = None if self.label_fields is None else dict(sorted(self.label_fields.items()))
-        if self.state is not None:
+        if self.state is not None and not self.state.is_new:
             check_run(self.output, self.state, run)
             self.done = {int(r["batch_index"]): _from_record(r) for r in self.state.records}
             release_id = self.state.release_id
@@ -893,10 +913,18 @@ class _Release:
         )
         key = _release_key(self.seed)
         # every check passed: charge, then persist the resume state
+        new_output = self.state is not None and self.state.is_new
+        if new_output:  # the id is on disk before the charge (a stop right after it charges nothing twice)
+            release_id = pending_release_id(self.io_path, self.state, run)
         if self.ledger is not None:
-            _charge(self.ledger, plan, config, self.num_batches, release_id, self.output)
-        if self.state is not None and self.state.is_new:
-            start_output(self.io_path, self.state, self.fingerprint, run)
+            try:
+                _charge(self.ledger, plan, config, self.num_batches, release_id, self.output)
+            except (ValueError, BudgetExceededError, LedgerError):
+                if new_output:
+                    clear_pending(self.io_path)  # refused: nothing was charged, nothing is left behind
+                raise
+        if new_output:
+            start_output(self.io_path, self.state, self.fingerprint, run, release_id)
         costs = {i: batch_cost(_prompt_lengths(r), config.max_new_tokens) for i, r in self.requests.items()}
         assignment = tuple(tuple(part) for part in assign_batches(costs, self.cluster.world_size))
         return _Admission(release_id, run, key, uuid.uuid4().hex[:12], assignment, len(self.done))
@@ -927,7 +955,7 @@ class _Release:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", SeededGeneratorWarning)  # warned above, at the caller
                     generator = make_generator(self.seed, device=loaded.device)
-                for finished in engine.generate(
+                for finished in () if not requests else engine.generate(
                     requests,
                     max_new_tokens=self.config.max_new_tokens,
                     generator=generator,
@@ -978,7 +1006,9 @@ class _Release:
         seconds = report.stats.seconds
         if self.cluster.is_main:
             seconds = max(r.stats.seconds for r in reports)
-            if self.io_path is not None and (self.cluster.distributed or (self.state is not None and self.state.shards)):
+            if self.io_path is not None and (
+                self.cluster.distributed or (self.state is not None and (self.state.shards or self.state.recovered))
+            ):
                 merge_shards(self.io_path, admission.release_id, self.num_batches)
             dropped = sorted(i for r in reports for i in r.dropped)
             if dropped:
@@ -1034,6 +1064,7 @@ class ExternalRelease:
             raise ValueError("give the model as a path or name (each worker loads its own copy), not a LoadedModel")
         if release.on_tokens is not None:
             raise ValueError("on_tokens is not available when workers generate (the executor reports progress)")
+        release.cluster = Cluster()  # the driver is one process, even inside a torchrun job
         self.release = release
         self.stack = contextlib.ExitStack()
         self.loaded = self.admission = None
@@ -1050,7 +1081,9 @@ class ExternalRelease:
         return tuple(self.release.partition.batches[index])
 
     def worker_state(self) -> dict:
-        """What a worker needs (picklable): how to load, how to prompt, and the release's key."""
+        """What a worker needs (picklable): how to load and how to prompt. Not the release's key: the
+        executor brings it to the workers its own way (``state["key"]``), never through data it may
+        spill to disk (:mod:`invink_audit.ray_release`)."""
         release, admission = self.release, self.admission
         return {
             "load": release.load,
@@ -1065,12 +1098,12 @@ class ExternalRelease:
             "num_batches": release.num_batches,
             "release_id": admission.release_id,
             "run": admission.run,
-            "key": admission.key,
             "attempt": admission.attempt,
         }
 
-    def finish(self, seconds: float) -> GenerationResult:
-        """Merge the workers' shards, check that every admitted batch has its record, and read them back."""
+    def finish(self, seconds: float, released: Sequence[int] | None = None) -> GenerationResult:
+        """Merge the workers' shards, check that every admitted batch has its record, and read them back.
+        ``released``: the batches this run's workers released (default: every admitted batch)."""
         release, admission = self.release, self.admission
         try:
             merge_shards(release.io_path, admission.release_id, release.num_batches)
@@ -1081,7 +1114,7 @@ class ExternalRelease:
         missing = [i for i in admission.assignment[0] if i not in texts]
         if missing:
             raise ReleaseIncompleteError(release._incomplete(f"{len(missing)} batch(es) have no text (first: {missing[0]})"))
-        fresh = [texts[i] for i in admission.assignment[0]]
+        fresh = [texts[i] for i in (admission.assignment[0] if released is None else sorted(released))]
         if release.on_text is not None:
             for text in fresh:
                 release.on_text(text)

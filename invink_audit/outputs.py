@@ -6,15 +6,21 @@ Next to the JSON Lines output ``<output>``:
   once the ledger charge has succeeded. It holds a hash of the private input: bookkeeping, not part of
   the release.
 * ``<output>.sampled``: the sampled-batch journal, one fsynced line per batch whose text has been
-  drawn. A process appends a batch's line (under ``<output>.sampled.lock``) *before* that text is
-  written anywhere, and only if no line for that batch exists yet: the first claim wins, and a process
-  that loses drops its text unseen. So at most one text per batch is ever released, whatever crashes,
-  reruns, Ray task retries or stray processes of an earlier run do.
+  drawn, holding that text's whole record. A process appends a batch's line (under
+  ``<output>.sampled.lock``) *before* the text is written anywhere, and only if no line for that batch
+  exists yet: the first claim wins, and a process that loses drops its text unseen (readers apply the
+  same rule: the first line for a batch is its text). So at most one text per batch is ever released,
+  whatever crashes, reruns, Ray task retries or stray processes of an earlier run do; and since the
+  claim carries the record, a crash after it loses nothing: a record missing from the output and its
+  shards is restored from the journal, never drawn again. (Journals written before records were
+  journaled hold bare claims; a bare claim whose record is missing is refused, never redrawn.)
 * ``<output>.lock``: held by the coordinating process (rank 0) for the whole run.
 * ``<output>.shard-<attempt>-<rank>.jsonl`` (and its ``.lock``, held while it is written): the records of
-  one process of a multi-process run. When every process has finished, rank 0 merges the shards into
-  ``<output>``, ordered by batch index, atomically (:func:`merge_shards`); a later run reads and merges
-  the shards an interrupted run left. A single-process run appends to ``<output>`` directly.
+  one process of a multi-process run. When every process has finished, rank 0 merges the shards and any
+  record only the journal holds into ``<output>``, ordered by batch index, atomically
+  (:func:`merge_shards`); a later run reads and merges what an interrupted run left. A single-process
+  run appends to ``<output>`` directly. Locks are ``flock`` locks; a filesystem without them is refused
+  rather than silently given a weaker lock.
 
 Reading is read-only (:func:`inspect_output`); nothing is written before the ledger charge succeeded.
 """
@@ -26,8 +32,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
-import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,6 +64,14 @@ STATE_VERSION = 2
 _LOCK_TIMEOUT_SECONDS = 120.0
 
 
+def _file_lock(path, timeout: float):
+    """An exclusive ``flock`` lock on ``path``; never filelock's marker-file fallback, which would not
+    exclude a process on another machine (:class:`OSError` where ``flock`` does not work)."""
+    from filelock import FileLock
+
+    return FileLock(str(path), timeout=timeout, fallback_to_soft=False)
+
+
 class OutputInUseError(ValueError):
     """Another run holds the lock on this output file (two runs must never write one output)."""
 
@@ -78,6 +90,10 @@ def journal_path(output: Path) -> Path:
 
 def lock_path(output: Path) -> Path:
     return output.with_name(output.name + ".lock")
+
+
+def pending_path(output: Path) -> Path:
+    return output.with_name(output.name + ".pending.json")
 
 
 def shard_path(output: Path, attempt: str, rank: int) -> Path:
@@ -174,8 +190,9 @@ def _short_list(indices: Sequence[int], limit: int = 10) -> str:
 
 
 def _parse_journal(data: bytes, path: Path, release_id: str, num_batches: int, first_line: int = 1) -> _Lines:
-    """Batch indices of the complete journal lines in ``data`` (a torn last line is not counted: the
-    line is fsynced before the text is written anywhere, so that text never left its process)."""
+    """``(batch_index, record or None)`` of the complete journal lines in ``data`` (a torn last line is
+    not counted: the line is fsynced before the text is written anywhere, so that text never left its
+    process). ``record`` is ``None`` for a bare claim (journals written before records were journaled)."""
     entries, keep = [], 0
     for number, line, complete in _split_lines(data):
         if not complete:
@@ -190,47 +207,61 @@ def _parse_journal(data: bytes, path: Path, release_id: str, num_batches: int, f
             raise ValueError(f"sampled-batch journal {str(path)!r} line {number} belongs to another release")
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_batches:
             raise ValueError(f"sampled-batch journal {str(path)!r} line {number} holds an invalid batch_index")
-        entries.append(index)
+        record = entry.get("record")
+        if record is not None and (not isinstance(record, dict) or record.get("batch_index") != index):
+            raise ValueError(f"sampled-batch journal {str(path)!r} line {number} holds an invalid record")
+        entries.append((index, record))
         keep += len(line)
     return _Lines(entries, keep, False)
+
+
+def _first_claims(entries) -> dict:
+    """Batch index → its first journal entry's record (``None`` for a bare claim): the first claim wins."""
+    first: dict = {}
+    for index, record in entries:
+        first.setdefault(index, record)
+    return first
 
 
 class Journal:
     """The shared sampled-batch journal of one release: :meth:`claim` is first-wins across processes.
 
-    Appends happen under a file lock, after reading what other processes appended since; a torn last
-    line (its writer died mid-append, before its claim returned) is cut off under the lock. The file
-    must exist (:func:`start_output` creates it).
+    Appends happen under a file lock, after reading what other processes appended since, through an
+    ``O_APPEND`` descriptor (a line is never written over another); a torn last line (its writer died
+    mid-append, before its claim returned) is cut off under the lock. Readers take the first line of a
+    batch as its claim. The file must exist (:func:`start_output` creates it).
     """
 
     def __init__(self, output: Path, release_id: str, num_batches: int) -> None:
-        from filelock import FileLock
-
         self.path = journal_path(output)
         self.release_id = release_id
         self.num_batches = num_batches
-        self._lock = FileLock(str(self.path) + ".lock", timeout=_LOCK_TIMEOUT_SECONDS)
+        self._lock = _file_lock(str(self.path) + ".lock", _LOCK_TIMEOUT_SECONDS)
         self._offset = 0
         self._lines = 0
         self._claimed: set[int] = set()
 
-    def claim(self, batch_index: int) -> bool:
-        """Record ``batch_index`` as sampled; ``False`` (nothing written) if some process already did."""
-        with self._lock, self.path.open("r+b") as handle:
-            handle.seek(self._offset)
-            data = handle.read()
+    def claim(self, batch_index: int, record: dict | None = None) -> bool:
+        """Record ``batch_index`` as sampled, with its ``record``; ``False`` (nothing written) if some
+        process already did."""
+        with self._lock:
+            with self.path.open("rb") as reader:
+                reader.seek(self._offset)
+                data = reader.read()
             new = _parse_journal(data, self.path, self.release_id, self.num_batches, self._lines + 1)
-            self._claimed.update(new.records)
+            self._claimed.update(index for index, _ in new.records)
             self._lines += len(new.records)
             self._offset += new.keep
             if new.keep < len(data):
-                handle.truncate(self._offset)
+                os.truncate(self.path, self._offset)
             if batch_index in self._claimed:
                 return False
-            handle.seek(self._offset)
             line = {"batch_index": batch_index, "release_id": self.release_id}
-            _append_line(handle, line)
-            self._offset = handle.tell()
+            if record is not None:
+                line["record"] = record
+            with self.path.open("ab") as handle:
+                _append_line(handle, line)
+                self._offset = handle.tell()
             self._lines += 1
             self._claimed.add(batch_index)
             return True
@@ -248,14 +279,15 @@ class RecordSink:
     """
 
     def __init__(self, path: Path, *, keep: int | None = None, needs_newline: bool = False, lock: bool = False) -> None:
-        from filelock import FileLock
-
         self.path = path
         self._lock = None
         if lock:
-            self._lock = FileLock(str(path) + ".lock", timeout=0)
+            self._lock = _file_lock(str(path) + ".lock", 0)
             self._lock.acquire()
         try:
+            if keep is None and path.exists():  # reopened (a Ray actor's next call): drop a torn tail
+                lines = _read_records(path)
+                keep, needs_newline = lines.keep, lines.needs_newline
             self._handle = path.open("r+b" if path.exists() else "wb")
             if keep is not None:
                 self._handle.truncate(keep)  # drop a torn last line
@@ -284,38 +316,15 @@ class RecordSink:
         self.close()
 
 
-@contextlib.contextmanager
-def _termination_deferred():
-    """Hold SIGTERM/SIGINT/SIGHUP until the block ends (main thread only; elsewhere a no-op).
-
-    A polite stop (Ctrl-C, ``kill``, torchrun tearing down a failed job) then never falls between a
-    batch's journal line and its record, which would leave a sampled batch that cannot be resumed. A
-    SIGKILL or power loss still can; :func:`inspect_output` refuses such a batch rather than redraw it.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    signals = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None]
-    previous = {s: signal.signal(s, lambda number, frame: pending.append(number)) for s in signals}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        for number in pending[:1]:
-            signal.raise_signal(number)
-
-
 def release_text(journal: Journal | None, sink: RecordSink | None, batch_index: int, record: dict) -> bool:
-    """Claim ``batch_index`` in the journal, then write its record: ``False`` when another process had
-    claimed it first (the text must then be dropped, never handed out). Without a journal (no output
-    file) the text is only returned to the caller."""
-    with _termination_deferred():
-        if journal is not None and not journal.claim(batch_index):
-            return False
-        if sink is not None:
-            sink.write(record)
+    """Claim ``batch_index`` in the journal with its record, then write the record: ``False`` when
+    another process had claimed it first (the text must then be dropped, never handed out). A crash
+    between the two loses nothing: the journal's copy is merged into the output later. Without a
+    journal (no output file) the text is only returned to the caller."""
+    if journal is not None and not journal.claim(batch_index, record):
+        return False
+    if sink is not None:
+        sink.write(record)
     return True
 
 
@@ -327,24 +336,26 @@ def release_text(journal: Journal | None, sink: RecordSink | None, batch_index: 
 class OutputState:
     """What :func:`inspect_output` found (nothing is written until the ledger charge succeeds).
 
-    ``records``: every finished record, from the output and its shards, one per batch, by batch index.
-    ``keep``/``needs_newline``: how a single process appends to the output (a torn last line dropped).
+    ``records``: every finished record, from the output, its shards and the journal, one per batch, by
+    batch index. ``keep``/``needs_newline``: how a single process appends to the output (a torn last line
+    dropped). ``recovered``: records only the journal holds (to be merged into the output).
     """
 
     release_id: str
     is_new: bool
-    run: dict | None  # the settings recorded in the state file (None for a new output)
+    run: dict | None  # the settings recorded in the state file (for a new output: in a pending file, or None)
     records: list
     keep: int
     needs_newline: bool
     shards: tuple[Path, ...] = ()
+    recovered: int = 0
 
 
 def _check_shards_idle(output: Path, shards: Sequence[Path]) -> None:
-    from filelock import FileLock, Timeout
+    from filelock import Timeout
 
     for shard in shards:
-        lock = FileLock(str(shard) + ".lock", timeout=0)
+        lock = _file_lock(str(shard) + ".lock", 0)
         try:
             lock.acquire()
         except Timeout:
@@ -355,9 +366,12 @@ def _check_shards_idle(output: Path, shards: Sequence[Path]) -> None:
         lock.release()
 
 
-def _collect_records(output: Path, release_id: str, num_batches: int, shards: Sequence[Path]) -> tuple[list, _Lines]:
+def _collect_records(
+    output: Path, release_id: str, num_batches: int, shards: Sequence[Path], claims: dict | None = None
+) -> tuple[list, _Lines, int]:
     """The records of the output and its shards, one per batch (identical copies, left by a merge that was
-    interrupted before it removed its shards, count once), and the output's own lines."""
+    interrupted before it removed its shards, count once), completed by the journal's records (``claims``:
+    batch → its first claim's record), the output's own lines, and how many came from the journal alone."""
     main = _read_records(output)
     by_index: dict[int, dict] = {}
     for source, records in [(output, main.records)] + [(s, _read_records(s).records) for s in shards]:
@@ -380,7 +394,20 @@ def _collect_records(output: Path, release_id: str, num_batches: int, shards: Se
                     )
                 continue
             by_index[index] = record
-    return [by_index[i] for i in sorted(by_index)], main
+    recovered = 0
+    for index, record in (claims or {}).items():
+        if record is None:
+            continue
+        if index not in by_index:
+            by_index[index] = record
+            recovered += 1
+        elif by_index[index] != record:
+            raise ValueError(
+                f"{str(output)!r} holds a text for batch {index} other than the one its journal claimed first: at "
+                "most one text per batch may be released, so this output cannot be resumed or merged; keep the "
+                "files for inspection and use a new --output file"
+            )
+    return [by_index[i] for i in sorted(by_index)], main, recovered
 
 
 def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputState:
@@ -402,6 +429,9 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
                 f"shard files of {str(output)!r} exist ({shards[0].name!r}, …) but its resume state "
                 f"{state_file.name!r} is missing: refusing to resume (use a new --output file)"
             )
+        pending = _read_pending(output)
+        if pending is not None:  # a run charged (or about to charge) this release id, then stopped
+            return OutputState(pending["release_id"], True, pending["run"], [], 0, False)
         return OutputState(uuid.uuid4().hex, True, None, [], 0, False)
     try:
         state = json.loads(state_file.read_text(encoding="utf-8"))
@@ -414,7 +444,10 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
     if old_fingerprint != fingerprint:
         raise ValueError(f"{str(output)!r} was written from a different input; use a new --output file")
     _check_shards_idle(output, shards)
-    records, main = _collect_records(output, release_id, num_batches, shards)
+    claims = None
+    if version == STATE_VERSION and journal_file.exists():
+        claims = _first_claims(_parse_journal(journal_file.read_bytes(), journal_file, release_id, num_batches).records)
+    records, main, recovered = _collect_records(output, release_id, num_batches, shards, claims)
     seen = {record["batch_index"] for record in records}
     if version == 1:
         # written before the journal existed: which batches were sampled is unknown, so all were
@@ -432,8 +465,7 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
                 "were already sampled is unknown; refusing to resume (use a new --output file: a new release, "
                 "charged again)"
             )
-        journal = _parse_journal(journal_file.read_bytes(), journal_file, release_id, num_batches)
-        missing = sorted(set(journal.records) - seen)
+        missing = sorted(set(claims) - seen)  # bare claims (older journals) whose record is gone
         if missing:
             raise ValueError(
                 f"batch(es) {_short_list(missing)} of {str(output)!r} were already sampled (recorded in "
@@ -444,7 +476,9 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
             )
     else:
         raise ValueError(f"resume state {str(state_file)!r} has an unknown version {version!r}")
-    return OutputState(release_id, False, old_run, records, main.keep, main.needs_newline, tuple(shards))
+    if recovered:
+        _LOG.warning("%d record(s) of %s are restored from its journal (written there before a crash)", recovered, output)
+    return OutputState(release_id, False, old_run, records, main.keep, main.needs_newline, tuple(shards), recovered)
 
 
 def _diff(old: dict, new: dict) -> list[str]:
@@ -465,8 +499,37 @@ def check_run(output: Path, state: OutputState, run: dict) -> None:
             )
 
 
-def start_output(output: Path, state: OutputState, fingerprint: str, run: dict) -> None:
-    """Create the journal (empty), then the state file: only after the ledger charge succeeded.
+def _read_pending(output: Path) -> dict | None:
+    path = pending_path(output)
+    try:
+        pending = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(pending.get("release_id"), str) and isinstance(pending.get("run"), dict):
+            return pending
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        pass
+    _LOG.warning("ignoring an unreadable %s", path.name)
+    return None
+
+
+def pending_release_id(output: Path, state: OutputState, run: dict) -> str:
+    """The release id to charge for a new output, written to ``<output>.pending.json`` *before* the
+    charge: a run stopped between the charge and :func:`start_output` leaves it, and a rerun with the
+    same settings charges the same id again, which the ledger records once. Other settings: a new id."""
+    release_id = state.release_id if state.run == run else uuid.uuid4().hex
+    atomic_write_json(pending_path(output), {"release_id": release_id, "run": run}, indent=1)
+    return release_id
+
+
+def clear_pending(output: Path) -> None:
+    """Remove the pending file (the charge was refused, or the resume state now holds the id)."""
+    pending_path(output).unlink(missing_ok=True)
+
+
+def start_output(output: Path, state: OutputState, fingerprint: str, run: dict, release_id: str | None = None) -> None:
+    """Create the journal (empty), then the state file: only after the ledger charge succeeded; then
+    remove the pending file.
 
     In this order a crash in between leaves an empty journal without state, which is harmless.
     """
@@ -475,18 +538,19 @@ def start_output(output: Path, state: OutputState, fingerprint: str, run: dict) 
         os.fsync(handle.fileno())
     atomic_write_json(
         state_path(output),
-        {"version": STATE_VERSION, "release_id": state.release_id, "input_sha256": fingerprint, "run": run},
+        {"version": STATE_VERSION, "release_id": release_id or state.release_id, "input_sha256": fingerprint, "run": run},
         indent=1,
     )
+    clear_pending(output)
 
 
 @contextlib.contextmanager
 def output_lock(output: Path):
     """Hold ``<output>.lock`` exclusively for the whole run; a second run is refused at once."""
-    from filelock import FileLock, Timeout
+    from filelock import Timeout
 
     path = lock_path(output)
-    lock = FileLock(str(path), timeout=0)
+    lock = _file_lock(path, 0)
     try:
         lock.acquire()
     except Timeout:
@@ -501,22 +565,47 @@ def output_lock(output: Path):
 
 
 def merge_shards(output: Path, release_id: str, num_batches: int) -> int:
-    """Fold every shard into ``output``, ordered by batch index, atomically; then remove the shards.
+    """Fold every idle shard and every record only the journal holds into ``output``, ordered by batch
+    index, atomically; then remove the merged shards. Returns the number of records in the output.
 
-    Call it holding the output lock, after every process writing a shard has finished. A crash before
-    the replace leaves the old files; after it, shards whose records the output already holds
-    (identical copies, merged again next time). Returns the number of records in the output.
+    Call it holding the output lock. Each shard's lock is taken (without waiting) and held until the
+    shard is removed; a shard still locked by a live writer is left alone (its records are in the
+    journal, and the next merge takes it). A crash before the replace leaves the old files; after it,
+    shards whose records the output already holds (identical copies, merged again next time). Lock
+    files are never removed (removing one while held would let two processes hold "the" lock).
     """
-    shards = shard_paths(output)
-    if not shards:
-        return len(_read_records(output).records)
-    records, _ = _collect_records(output, release_id, num_batches, shards)
-    data = b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records)
-    umask = os.umask(0)
-    os.umask(umask)
-    atomic_write_bytes(output, data, mode=0o666 & ~umask)
-    for shard in shards:
-        shard.unlink(missing_ok=True)
-        Path(str(shard) + ".lock").unlink(missing_ok=True)
-    fsync_directory(output.parent)
+    from filelock import Timeout
+
+    journal_file = journal_path(output)
+    claims = None
+    if journal_file.exists():
+        claims = _first_claims(_parse_journal(journal_file.read_bytes(), journal_file, release_id, num_batches).records)
+    with contextlib.ExitStack() as held:
+        shards = []
+        for shard in shard_paths(output):
+            lock = _file_lock(str(shard) + ".lock", 0)
+            try:
+                lock.acquire()
+            except Timeout:
+                _LOG.warning("%s is still being written; left for the next merge", shard.name)
+                continue
+            held.callback(lock.release)
+            shards.append(shard)
+        records, main, recovered = _collect_records(output, release_id, num_batches, shards, claims)
+        if not shards and not recovered and not main.needs_newline and main.keep == _file_size(output):
+            return len(records)
+        data = b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records)
+        umask = os.umask(0)
+        os.umask(umask)
+        atomic_write_bytes(output, data, mode=0o666 & ~umask)
+        for shard in shards:
+            shard.unlink(missing_ok=True)
+        fsync_directory(output.parent)
     return len(records)
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0

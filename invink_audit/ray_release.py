@@ -10,10 +10,12 @@ released keeps its first text and the retry's text is dropped unseen. The driver
 ordered by batch index, when the pipeline has finished.
 
 What Ray holds: the rows carry each batch's references (Ray's object store may spill blocks to its
-spill directory on local disk under memory pressure, as it does for any dataset), and the release's
-master key travels to the actors in their constructor arguments (Ray's control plane), never through
-the object store or to a file. The output directory must be shared by the driver and every actor
-(one machine, or a shared filesystem with POSIX locks).
+spill directory on local disk under memory pressure, as it does for any dataset). The release's master
+key never enters the object store or a task's arguments (Ray Data keeps a callable class's constructor
+arguments in an object it may spill): a small key-holder actor draws it from the OS (or derives it from
+a fixed seed) in its own memory, and each worker asks it for the key once, in its constructor (a small
+return value travels inline, from process memory to process memory). The output directory must be
+shared by the driver and every actor (one machine, or a shared filesystem with ``flock`` locks).
 """
 
 from __future__ import annotations
@@ -27,11 +29,26 @@ from invink_audit.generation import ExternalRelease, GenerationResult, _prepare_
 __all__ = ["generate_on_ray"]
 
 
+class _KeyHolder:
+    """A Ray actor holding the release's master key in memory: 128 bits from the OS, or derived from a
+    fixed seed (:func:`invink_audit.generation._release_key`)."""
+
+    def __init__(self, seed: int | None) -> None:
+        from invink_audit.generation import _release_key
+
+        self._key = _release_key(seed)
+
+    def key(self) -> int:
+        return self._key
+
+
 class _Worker:
     """A Ray Data callable class: loads the model once per actor, generates the batches of each call."""
 
-    def __init__(self, state: dict) -> None:
-        self.state = state
+    def __init__(self, state: dict, key_holder) -> None:
+        import ray
+
+        self.state = {**state, "key": ray.get(key_holder.key.remote())}
         self.loaded, self.engine = state["load"].build(state["mechanism"], state["load"].device)
         # one shard per actor life: a restarted actor writes a new one
         self.shard = state["output"].with_name(
@@ -77,6 +94,7 @@ def generate_on_ray(
     except ImportError as err:
         raise ValueError("Ray is not installed: pip install 'invink-audit[ray]'") from err
     external = ExternalRelease(_prepare_release(references, **options))
+    holder = None
     try:
         todo = external.admit()
         started = time.perf_counter()
@@ -84,11 +102,12 @@ def generate_on_ray(
             if not ray.is_initialized():
                 ray.init(include_dashboard=False)
             rows = [{"batch_index": i, "references": list(external.references(i))} for i in todo]
+            holder = ray.remote(num_cpus=0)(_KeyHolder).remote(external.release.seed)
             results = (
                 ray.data.from_items(rows)
                 .map_batches(
                     _Worker,
-                    fn_constructor_kwargs={"state": external.worker_state()},
+                    fn_constructor_kwargs={"state": external.worker_state(), "key_holder": holder},
                     batch_size=texts_per_call,
                     concurrency=concurrency,
                     num_gpus=num_gpus,
@@ -99,6 +118,9 @@ def generate_on_ray(
             released = sorted(int(r["batch_index"]) for r in results if r["released"])
             if len(released) != len(set(released)):  # cannot happen: claims are first-wins
                 raise RuntimeError("a batch was released twice")
-        return external.finish(time.perf_counter() - started)
+            return external.finish(time.perf_counter() - started, released)
+        return external.finish(time.perf_counter() - started, ())
     finally:
+        if holder is not None:
+            ray.kill(holder)
         external.close()

@@ -110,28 +110,50 @@ def _journal(output):
 # item 1: a batch, once sampled, is never sampled again without being charged
 
 
-def test_deleted_records_of_sampled_batches_are_refused_not_redrawn(tiny, tmp_path, monkeypatch):
+def test_deleted_records_of_sampled_batches_are_restored_from_the_journal_not_redrawn(tiny, tmp_path, monkeypatch):
     # the probe: delete the last line (or the whole output), keep the state file, rerun
     output = tmp_path / "out.jsonl"
     ledger = _ledger(tmp_path)
     _generate(tiny, output=output, ledger=ledger)
+    complete = read_generation_output(output)
     lines = output.read_text().splitlines(keepends=True)
     assert len(lines) == NUM_BATCHES
-    deleted = json.loads(lines[-1])["batch_index"]
     output.write_text("".join(lines[:-1]))
 
     def never(*args, **kwargs):
         raise AssertionError("a released batch must not be drawn again")
 
     monkeypatch.setattr(generation_module.Engine, "generate", never)
-    with pytest.raises(ValueError, match=rf"batch\(es\) {deleted} of .* were already sampled"):
-        _generate(tiny, output=output, ledger=ledger)
-    assert len(output.read_text().splitlines()) == NUM_BATCHES - 1  # untouched
+    again = _generate(tiny, output=output, ledger=ledger)
+    assert again.num_resumed == NUM_BATCHES and again.tokens_generated == 0
+    assert sorted(read_generation_output(output), key=lambda r: r["batch_index"]) == sorted(
+        complete, key=lambda r: r["batch_index"]
+    )  # the very same texts, from the journal
 
     output.unlink()
-    with pytest.raises(ValueError, match="already sampled"):
-        _generate(tiny, output=output, ledger=ledger)
+    _generate(tiny, output=output, ledger=ledger)
+    assert len(read_generation_output(output)) == NUM_BATCHES
     assert len(ledger.status().releases) == 1
+
+
+def test_a_bare_claim_of_an_older_journal_whose_record_is_gone_is_refused(tiny, tmp_path, monkeypatch):
+    output = tmp_path / "out.jsonl"
+    _generate(tiny, output=output)
+    lines = output.read_text().splitlines(keepends=True)
+    deleted = json.loads(lines[-1])["batch_index"]
+    output.write_text("".join(lines[:-1]))
+    journal = [json.loads(line) for line in _journal(output).read_text().splitlines()]
+    for entry in journal:
+        entry.pop("record")  # a journal written before records were journaled: bare claims
+    _journal(output).write_text("".join(json.dumps(e) + "\n" for e in journal))
+
+    def never(*args, **kwargs):
+        raise AssertionError("a released batch must not be drawn again")
+
+    monkeypatch.setattr(generation_module.Engine, "generate", never)
+    with pytest.raises(ValueError, match=rf"batch\(es\) {deleted} of .* were already sampled"):
+        _generate(tiny, output=output)
+    assert len(output.read_text().splitlines()) == NUM_BATCHES - 1  # untouched
 
 
 def test_a_complete_last_record_without_its_newline_is_kept(tiny, tmp_path):
@@ -155,7 +177,7 @@ def test_a_complete_last_record_without_its_newline_is_kept(tiny, tmp_path):
     assert again.num_resumed == NUM_BATCHES and again.tokens_generated == 0
 
 
-def test_a_sampled_batch_torn_by_a_crash_mid_write_is_refused(tiny, tmp_path, monkeypatch):
+def test_a_record_torn_by_a_crash_mid_write_is_restored_from_the_journal(tiny, tmp_path, monkeypatch):
     output = tmp_path / "out.jsonl"
     real_append = outputs_module._append_line
     torn = {}
@@ -167,7 +189,7 @@ def test_a_sampled_batch_torn_by_a_crash_mid_write_is_refused(tiny, tmp_path, mo
                 line = json.dumps(data).encode()
                 handle.write(line[: len(line) // 2])
                 handle.flush()
-                torn["batch_index"] = data["batch_index"]
+                torn["record"] = data
                 raise Crash
         real_append(handle, data)
 
@@ -176,8 +198,11 @@ def test_a_sampled_batch_torn_by_a_crash_mid_write_is_refused(tiny, tmp_path, mo
         _generate(tiny, output=output)
     monkeypatch.setattr(outputs_module, "_append_line", real_append)
     assert len(read_generation_output(output)) == 2  # the torn line is not a record
-    with pytest.raises(ValueError, match=rf"batch\(es\) {torn['batch_index']} .*torn by an\s+interrupted write"):
-        _generate(tiny, output=output)
+    result = _generate(tiny, output=output)
+    assert result.num_resumed == 3  # the torn batch's text comes back from the journal, not redrawn
+    records = {r["batch_index"]: r for r in read_generation_output(output)}
+    assert records[torn["record"]["batch_index"]] == torn["record"] and len(records) == NUM_BATCHES
+    assert [r["batch_index"] for r in read_generation_output(output)] == sorted(records)  # merged in order
 
 
 def test_each_batch_is_journaled_before_its_text_leaves_the_process(tiny, tmp_path):

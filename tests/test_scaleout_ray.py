@@ -86,6 +86,8 @@ def test_a_retried_task_never_releases_a_second_text(tiny_dir, refs, tmp_path):
     try:
         todo = external.admit()
         state = external.worker_state()
+        assert "key" not in state  # the key never travels with the workers' arguments
+        state = {**state, "key": 2**100 + 7}
         loaded, engine = state["load"].build(state["mechanism"], "cpu")
         items = [(i, external.references(i)) for i in todo[:5]]
         first = list(generate_texts(state, loaded, engine, items, output.with_name("retry.jsonl.shard-a-0.jsonl")))

@@ -7,10 +7,10 @@ Exit status: 0 when the verdict is PASS (self-test: every mechanism got its expe
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from invink_audit.cli import CliError, parse_int
+from invink_audit.distributed import launch_rank
 
 _EXIT = {"PASS": 0, "VIOLATION": 1, "INCONCLUSIVE": 3}
 
@@ -58,14 +58,14 @@ def _audit(args) -> int:
         raise CliError("give either a spec file or --selftest")
     seed = parse_int("--seed", args.seed) if args.seed is not None else None
     spec = parse_spec({"kind": "selftest", "name": "selftest"}) if args.selftest else load_spec(args.spec)
-    quiet = args.json or int(os.environ.get("RANK", "0") or 0) != 0  # under torchrun, rank 0 reports
+    quiet = args.json or launch_rank() != 0  # under torchrun, rank 0 reports
     status = None if quiet else (lambda msg: print(f"  auditing {msg} ...", file=sys.stderr))
     update, close = _progress_bar(f"audit {spec.name}") if not quiet else (None, lambda: None)
     try:
         result = run_spec(spec, seed=seed, progress=update, status=status)
     finally:
         close()
-    if int(os.environ.get("RANK", "0") or 0) != 0:  # under torchrun, rank 0 writes and prints the report
+    if launch_rank() != 0:  # under torchrun, rank 0 writes and prints the report
         return 0
     if spec.kind == "selftest":
         from invink_audit.audit.selftest import selftest_markdown, write_selftest

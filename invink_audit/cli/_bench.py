@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from invink_audit.cli import CliError, parse_float, parse_int
+from invink_audit.distributed import launch_world_size
 
 
 def register(subparsers) -> None:
@@ -116,7 +116,7 @@ def _bench(args) -> int:
 
     from invink_audit.bench import benchmark, time_reference
 
-    if args.reference and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if args.reference and launch_world_size() > 1:
         raise CliError("--reference times the reference package in one process: run it without torchrun")
     if args.reference:  # checked before the long run, so a missing package costs nothing
         try:

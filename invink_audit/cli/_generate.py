@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
 from invink_audit.cli import CliError, parse_float, parse_int
+from invink_audit.distributed import launch_rank
 
 _B_HELP = (
     "B: private references per generated text. Each token costs B+1 forward rows (B private prompts + "
@@ -184,7 +184,7 @@ def _generate(args) -> int:
         dtype=args.dtype,
     )
     # under torchrun / accelerate launch, only rank 0 shows progress and prints the summary
-    rank = int(os.environ.get("RANK", "0") or 0)
+    rank = launch_rank()
     progress = _Progress(enabled=not args.no_progress and rank == 0)
     try:
         # a Path, so that a missing input is named in the error (a str could be a reference and is not echoed)
