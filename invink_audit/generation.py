@@ -26,16 +26,17 @@ directly, as before.
 Resuming (:mod:`invink_audit.outputs`): the output is append-only, one record per finished text, and
 small files next to it hold the resume state: ``<output>.state.json`` (the release id and a
 fingerprint of the input, written only once the ledger charge has succeeded) and ``<output>.sampled``
-(an append-only, fsynced journal with one line per batch whose text has been drawn, appended
-*before* that text is written to the output or handed to ``on_text``, first claim wins). Re-running
-with the same output file, input and configuration, on any number of processes, keeps the finished
-texts and generates only the batches that were never sampled; a batch that the journal records as
-sampled but whose record is missing from the output (deleted, or torn by a crash in mid-write) is
-refused, because its text may have been released and drawing it again would be a second, uncharged
-release. The ledger charge is idempotent on the release id, so a resumed run is not charged twice.
-``<output>.lock`` is held for the whole run: a second run on the same output is refused
-(:class:`OutputInUseError`). The state file contains a hash of the private input: it is bookkeeping,
-not part of the release.
+(an append-only, fsynced journal with one line per batch whose text has been drawn, holding its
+record, appended *before* that text is written to the output or handed to ``on_text``, first claim
+wins). Re-running with the same output file, input and configuration, on any number of processes,
+keeps the finished texts and generates only the batches that were never sampled; a sampled batch
+whose record is missing from the output (deleted, torn by a crash in mid-write, or never written
+because the process died after its claim) is restored from the journal, never drawn again: a second
+draw would be a second, uncharged release. The release id is written to ``<output>.pending.json``
+before the charge, and the ledger charge is idempotent on it, so neither a resumed run nor a rerun
+after a stop right after the charge is charged twice. ``<output>.lock`` is held for the whole run: a
+second run on the same output is refused (:class:`OutputInUseError`). The state file contains a hash
+of the private input and the journal a copy of the texts: bookkeeping, not part of the release.
 
 Everything is validated before the ledger is charged: arguments, the input file, the output's resume
 state, and (after the model is loaded, before any decoding) that every prompt fits the model's
