@@ -18,7 +18,15 @@ from accounting.accountants import (
     max_epsilon0,
 )
 from accounting.bounded_range import DeltaBracket, br_adaptive_delta, br_nonadaptive_delta
-from accounting.conversions import ConversionMethod, epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
+from accounting.conversions import (
+    ConversionMethod,
+    br_to_zcdp,
+    br_to_zcdp_total,
+    epsilon_to_zcdp,
+    zcdp_to_delta,
+    zcdp_to_epsilon,
+)
+from accounting.events import GenerationEvent
 from accounting.limits import RANGES, check_parameter_ranges
 from accounting.ledger import BudgetExceededError, BudgetLedger, ChargeOutcome, LedgerError, LedgerStatus, Release
 from accounting.planner import (
@@ -39,6 +47,9 @@ from accounting.sensitivity import (
 )
 
 __all__ = [
+    "GenerationEvent",
+    "br_to_zcdp",
+    "br_to_zcdp_total",
     "ACCOUNTANTS",
     "DEFAULT_ACCOUNTANT",
     "Accountant",

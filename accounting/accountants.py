@@ -34,7 +34,7 @@ import numpy as np
 
 from accounting import bounded_range
 from accounting._validation import check_count, check_delta, check_nonnegative, check_positive
-from accounting.conversions import ConversionMethod, zcdp_to_delta, zcdp_to_epsilon
+from accounting.conversions import ConversionMethod, br_to_zcdp, br_to_zcdp_total, zcdp_to_delta, zcdp_to_epsilon
 
 __all__ = [
     "Accountant",
@@ -88,8 +88,7 @@ def _steps(epsilon0, num_steps) -> np.ndarray:
 
 
 def _rho(epsilon0s: np.ndarray) -> float:
-    # Cesar & Rogers 2021, Lemma 3.2: ε0-BR ⇒ ε0²/8-zCDP; zCDP composes additively.
-    return float(np.sum(epsilon0s**2)) / 8.0
+    return br_to_zcdp_total(epsilon0s)
 
 
 def _composition(epsilon0, num_steps) -> tuple[float, np.ndarray | None]:
@@ -150,7 +149,7 @@ def composed_epsilon(delta: float, epsilon0, num_steps: int | None = None, accou
 def fits_budget(epsilon: float, delta: float, epsilon0: float, num_steps: int, accountant) -> bool:
     """Whether ``num_steps`` ε0-BR tokens are (ε, δ)-DP under ``accountant`` (fast path for searches)."""
     acc = as_accountant(accountant)
-    rho = num_steps * (epsilon0 * epsilon0) / 8.0
+    rho = num_steps * br_to_zcdp(epsilon0)
     if not math.isfinite(rho):
         return False
     if zcdp_to_delta(rho, epsilon, "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion) <= delta:
@@ -183,7 +182,7 @@ def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-ad
     # loop ends after a few iterations whatever the error (a fixed 1e-12 step could run for ever)
     shrink = 1e-12
     for _ in range(200):
-        if base <= 0 or zcdp_to_epsilon(num_steps * base * base / 8.0, delta, conversion) <= epsilon:
+        if base <= 0 or zcdp_to_epsilon(num_steps * br_to_zcdp(base), delta, conversion) <= epsilon:
             break
         base *= 1.0 - shrink
         shrink = min(2.0 * shrink, 0.5)

@@ -403,12 +403,12 @@ def br_adaptive_epsilon(
     from (default: the CKS conversion of ρ = Σ ε0²/8, which this accountant never exceeds).
     """
     from accounting._validation import check_delta
-    from accounting.conversions import zcdp_to_epsilon
+    from accounting.conversions import br_to_zcdp_total, zcdp_to_epsilon
 
     delta = check_delta("delta", delta)
     epsilon0s = _epsilon0_array(epsilon0, num_steps)
     lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
-    rho = float(np.sum(epsilon0s**2) / 8.0)
+    rho = br_to_zcdp_total(epsilon0s)
     hi = zcdp_to_epsilon(rho, delta, "cks") if start is None else float(start)
     if not math.isfinite(hi):  # the CKS bound is already infinite: so is every certified answer
         return math.inf

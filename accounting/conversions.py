@@ -37,9 +37,11 @@ from accounting._validation import check_delta, check_nonnegative
 
 __all__ = [
     "ConversionMethod",
-    "zcdp_to_epsilon",
-    "zcdp_to_delta",
+    "br_to_zcdp",
+    "br_to_zcdp_total",
     "epsilon_to_zcdp",
+    "zcdp_to_delta",
+    "zcdp_to_epsilon",
 ]
 
 
@@ -49,6 +51,22 @@ class ConversionMethod(enum.Enum):
     BUN_STEINKE = "bun-steinke"
     CKS = "cks"
     RDP = "rdp"
+
+
+def br_to_zcdp(epsilon0: float) -> float:
+    r"""ρ of one ε0-bounded-range step: :math:`\rho = \varepsilon_0^2/8` (Cesar & Rogers 2021,
+    arXiv:2004.07223, Lemma 3.2). The one place this conversion is written: InvisibleInk's per-token
+    :math:`\rho_{tok} = \varepsilon_0^2/8 = C^2/(2B^2\tau^2)` (paper Theorem 1) and every accountant use it.
+    Computed as ε0·ε0/8, so a huge ε0 gives ``inf`` rather than ``OverflowError``."""
+    e0 = float(epsilon0)
+    return e0 * e0 / 8.0
+
+
+def br_to_zcdp_total(epsilon0s) -> float:
+    r""":math:`\sum_t \varepsilon_{0,t}^2/8`: the ρ of a sequence of bounded-range steps, each by
+    :func:`br_to_zcdp`, composed additively (zCDP composition, Bun & Steinke 2016, arXiv:1605.02065,
+    Lemma 2.3)."""
+    return float(np.sum(np.asarray(epsilon0s, dtype=np.float64) ** 2)) / 8.0
 
 
 def _method(method) -> ConversionMethod:

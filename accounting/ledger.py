@@ -75,12 +75,12 @@ from accounting.accountants import (
     DEFAULT_ACCOUNTANT,
     Accountant,
     as_accountant,
-    bounded_range_epsilon,
     composed_epsilon,
 )
-from accounting.conversions import ConversionMethod, zcdp_to_epsilon
+from accounting.conversions import ConversionMethod, br_to_zcdp, zcdp_to_epsilon
+from accounting.events import GenerationEvent
 from accounting.limits import RANGES
-from accounting.sensitivity import Adjacency, Clipping, _coerce, linf_sensitivity
+from accounting.sensitivity import Adjacency, Clipping, _coerce
 
 __all__ = ["BudgetLedger", "BudgetExceededError", "ChargeOutcome", "LedgerError", "Release", "LedgerStatus"]
 
@@ -146,15 +146,22 @@ class Release:
         object.__setattr__(self, "adjacency", _coerce(self.adjacency, Adjacency))
 
     @property
+    def event(self) -> GenerationEvent:
+        """The privacy event this release records (:class:`accounting.GenerationEvent`)."""
+        return GenerationEvent(
+            self.clip_norm, self.batch_size, self.temperature, self.max_new_tokens, self.texts_per_batch,
+            self.clipping, self.adjacency,
+        )  # fmt: skip
+
+    @property
     def epsilon0(self) -> float:
-        """Per-token bounded range 2Δ/τ, Δ from :func:`accounting.linf_sensitivity`."""
-        sens = linf_sensitivity(self.clip_norm, self.batch_size, self.clipping, self.adjacency)
-        return bounded_range_epsilon(sens, self.temperature)
+        """Per-token bounded range 2Δ/τ (:attr:`GenerationEvent.epsilon0`)."""
+        return self.event.epsilon0
 
     @property
     def num_steps(self) -> int:
         """Token steps charged: T per text, times the texts drawn from each batch (batches parallel)."""
-        return self.max_new_tokens * self.texts_per_batch
+        return self.event.num_steps
 
     def _parameters(self) -> dict:
         return {
@@ -219,8 +226,7 @@ def _spent_epsilon(releases: list[Release], delta: float, accountant: Accountant
     if len(releases) == 1:
         r = releases[0]
         return _single_release_spend(r.epsilon0, r.num_steps, delta, accountant)
-    # e0 * e0, not e0 ** 2: a float product overflows to inf (then ε = inf), `**` raises OverflowError
-    rho = math.fsum(r.num_steps * (r.epsilon0 * r.epsilon0) / 8.0 for r in releases)
+    rho = math.fsum(r.num_steps * br_to_zcdp(r.epsilon0) for r in releases)
     return _filter_spend(rho, delta, accountant)
 
 
@@ -346,7 +352,7 @@ def _verify(data, where: str) -> _Verified:
         if isinstance(stored_steps, bool) or stored_steps != release.num_steps:
             raise bad(f"{at} stores num_steps={stored_steps!r} but its parameters give {release.num_steps}")
         releases.append(release)
-        terms.append(release.num_steps * (release.epsilon0 * release.epsilon0) / 8.0)
+        terms.append(release.num_steps * br_to_zcdp(release.epsilon0))
         stored = entry["epsilon_spent_after"]
         if isinstance(stored, bool) or not isinstance(stored, (int, float)) or not stored >= 0 or math.isinf(stored):
             raise bad(f"{at} stores epsilon_spent_after={stored!r}, not a finite number >= 0")

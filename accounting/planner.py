@@ -40,6 +40,8 @@ from accounting.accountants import (
     fits_budget,
     max_epsilon0,
 )
+from accounting.conversions import br_to_zcdp
+from accounting.events import GenerationEvent
 from accounting.sensitivity import (
     Adjacency,
     Clipping,
@@ -90,14 +92,21 @@ class Plan:
         object.__setattr__(self, "adjacency", _coerce(self.adjacency, Adjacency))
 
     @property
+    def event(self) -> GenerationEvent:
+        """The privacy event of one text per batch under this plan (:class:`accounting.GenerationEvent`)."""
+        return GenerationEvent(
+            self.clip_norm, self.batch_size, self.temperature, self.max_new_tokens, 1, self.clipping, self.adjacency
+        )
+
+    @property
     def sensitivity(self) -> float:
         """ℓ∞ sensitivity Δ of the aggregated logits (:func:`accounting.linf_sensitivity`)."""
-        return linf_sensitivity(self.clip_norm, self.batch_size, self.clipping, self.adjacency)
+        return self.event.sensitivity
 
     @property
     def epsilon0(self) -> float:
         """Per-token bounded range ε0 = 2Δ/τ."""
-        return bounded_range_epsilon(self.sensitivity, self.temperature)
+        return self.event.epsilon0
 
     @property
     def forward_rows_per_token(self) -> int:
@@ -117,9 +126,7 @@ class Plan:
 
 
 def _make_plan(clip_norm, epsilon, delta, acc, T, B, tau, clipping, adjacency) -> Plan:
-    sens = linf_sensitivity(clip_norm, B, clipping, adjacency)
-    e0 = bounded_range_epsilon(sens, tau)
-    rho_tok = e0 * e0 / 8.0
+    rho_tok = br_to_zcdp(bounded_range_epsilon(linf_sensitivity(clip_norm, B, clipping, adjacency), tau))
     return Plan(
         clip_norm=clip_norm,
         rho_token=rho_tok,
@@ -261,7 +268,7 @@ def plan_max_new_tokens(
     conversion = "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion
     rho_seq = epsilon_to_zcdp(v["epsilon"], v["delta"], conversion)
     # the zCDP answer as a first guess, clamped to [1, MAX_COUNT] (it can exceed 1e40 for tiny e0)
-    guess = rho_seq / (e0 * e0 / 8.0)
+    guess = rho_seq / br_to_zcdp(e0)
     guess = MAX_COUNT if not guess < MAX_COUNT else max(1, int(math.floor(guess)))
     if fits(guess):
         lo = guess  # feasible; search upwards for the first infeasible T (or the cap)
