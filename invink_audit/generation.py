@@ -94,7 +94,7 @@ from invink_audit.outputs import (
     merge_shards,
     output_lock,
     read_generation_output,
-    release_text,
+    release_texts,
     shard_path,
     start_output,
 )
@@ -790,6 +790,40 @@ class _RankReport:
     failure: RankFailure | None
 
 
+class _StepReleaser:
+    """Releases the texts that finish in one decoding step together: one journal append and one fsync
+    for all of them (:func:`invink_audit.outputs.release_texts`), then ``on_text`` for each that won its
+    claim. The engine calls ``progress`` after each step and before yielding that step's texts, so a
+    call means the previous step's texts are all in."""
+
+    def __init__(self, journal, sink, on_text, on_tokens) -> None:
+        self.journal, self.sink, self.on_text, self.on_tokens = journal, sink, on_text, on_tokens
+        self.pending: list = []
+        self.fresh: list[GeneratedText] = []
+        self.dropped: list[int] = []
+
+    def progress(self, drawn: int) -> None:
+        self.flush()
+        if self.on_tokens is not None:
+            self.on_tokens(drawn)
+
+    def add(self, text: GeneratedText, record: dict) -> None:
+        self.pending.append((text, record))
+
+    def flush(self) -> None:
+        items, self.pending = self.pending, []
+        if not items:
+            return
+        won = release_texts(self.journal, self.sink, [(text.batch_index, record) for text, record in items])
+        for (text, _), ok in zip(items, won):
+            if not ok:
+                self.dropped.append(text.batch_index)  # another process released this batch first
+                continue
+            self.fresh.append(text)
+            if self.on_text is not None:
+                self.on_text(text)
+
+
 def _release_key(seed: int | None) -> int:
     """The master key: 128 bits from the OS, or derived from a fixed ``seed`` (then not private)."""
     return secrets.randbits(128) if seed is None else derive_key(seed, 0)
@@ -944,7 +978,7 @@ class _Release:
     def _work(self, loaded, engine, admission: _Admission) -> _RankReport:
         """This process's batches: each text claimed in the journal, then written, then handed out."""
         mine = admission.assignment[self.cluster.rank]
-        fresh, dropped, tokens, failure = [], [], 0, None
+        failure, releaser = None, None
         started = time.perf_counter()
         with contextlib.ExitStack() as files:
             try:
@@ -956,29 +990,27 @@ class _Release:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", SeededGeneratorWarning)  # warned above, at the caller
                     generator = make_generator(self.seed, device=loaded.device)
+                releaser = _StepReleaser(journal, sink, self.on_text, self.on_tokens)
                 for finished in () if not requests else engine.generate(
                     requests,
                     max_new_tokens=self.config.max_new_tokens,
                     generator=generator,
-                    progress=self.on_tokens,
+                    progress=releaser.progress,
                     key=admission.key,
                     stream_ids=mine,
                 ):
                     text = self._labelled(_to_text(finished, loaded))
-                    record = _record(text, self.guarantee, admission.release_id, admission.run)
-                    if not release_text(journal, sink, text.batch_index, record):
-                        dropped.append(text.batch_index)  # another process released this batch first
-                        continue
-                    tokens += text.num_tokens
-                    fresh.append(text)
-                    if self.on_text is not None:
-                        self.on_text(text)
+                    releaser.add(text, _record(text, self.guarantee, admission.release_id, admission.run))
+                releaser.flush()
             except Exception as err:  # noqa: BLE001 - reported to rank 0, re-raised below
                 if not self.cluster.distributed:
                     raise
                 failure = RankFailure.of(self.cluster.rank, err)
+        fresh = [] if releaser is None else releaser.fresh
+        tokens = sum(t.num_tokens for t in fresh)
         stats = ProcessStats(self.cluster.rank, str(loaded.device), len(fresh), tokens, time.perf_counter() - started)
-        return _RankReport(stats, tuple(fresh), tuple(dropped), failure)
+        dropped = () if releaser is None else tuple(releaser.dropped)
+        return _RankReport(stats, tuple(fresh), dropped, failure)
 
     def _labelled(self, text: GeneratedText) -> GeneratedText:
         return _with_labels(text, self.labels)
@@ -1051,7 +1083,7 @@ class ExternalRelease:
     The driver keeps rank 0's part: :meth:`admit` locks the output, reads its resume state, loads the
     model once to check every prompt and probe the engine, charges the ledger and writes the resume
     state; workers generate with :meth:`worker_state` (the master key travels inside it, never to disk)
-    and release each text with :func:`invink_audit.outputs.release_text` (first claim wins); :meth:`finish`
+    and release the texts with :func:`invink_audit.outputs.release_texts` (first claim wins); :meth:`finish`
     merges their shards and reads the release back.
     """
 
@@ -1155,13 +1187,18 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
         warnings.simplefilter("ignore", SeededGeneratorWarning)
         generator = make_generator(state["seed"], device=loaded.device)
     with RecordSink(shard, lock=True) as sink:
+        releaser = _StepReleaser(journal, sink, None, None)
         for finished in engine.generate(
-            requests, max_new_tokens=state["max_new_tokens"], generator=generator, key=state["key"], stream_ids=indices
-        ):
+            requests, max_new_tokens=state["max_new_tokens"], generator=generator, key=state["key"], stream_ids=indices,
+            progress=releaser.progress,
+        ):  # fmt: skip
             text = _with_labels(_to_text(finished, loaded), state["labels"])
-            record = _record(text, state["guarantee"], state["release_id"], state["run"])
-            released = release_text(journal, sink, text.batch_index, record)
-            yield text.batch_index, released, text.num_tokens if released else 0
+            releaser.add(text, _record(text, state["guarantee"], state["release_id"], state["run"]))
+        releaser.flush()
+    for text in releaser.fresh:
+        yield text.batch_index, True, text.num_tokens
+    for index in releaser.dropped:
+        yield index, False, 0
 
 
 def _batch_template(template: PromptTemplate, labels, label_fields, index: int) -> PromptTemplate:

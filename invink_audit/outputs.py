@@ -51,6 +51,7 @@ __all__ = [
     "output_lock",
     "read_generation_output",
     "release_text",
+    "release_texts",
     "shard_path",
     "shard_paths",
     "start_output",
@@ -180,6 +181,16 @@ def _append_line(handle, data: dict) -> None:
     os.fsync(handle.fileno())
 
 
+def _append_lines(handle, items: Sequence[dict]) -> None:
+    """Append JSON lines with one write and one fsync (:func:`_append_line` for one)."""
+    if len(items) == 1:
+        _append_line(handle, items[0])
+        return
+    handle.write(b"".join((json.dumps(d, ensure_ascii=False) + "\n").encode("utf-8") for d in items))
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
 def _short_list(indices: Sequence[int], limit: int = 10) -> str:
     shown = ", ".join(str(i) for i in indices[:limit])
     return shown + (f", … ({len(indices)} in all)" if len(indices) > limit else "")
@@ -244,6 +255,11 @@ class Journal:
     def claim(self, batch_index: int, record: dict | None = None) -> bool:
         """Record ``batch_index`` as sampled, with its ``record``; ``False`` (nothing written) if some
         process already did."""
+        return self.claim_many([(batch_index, record)])[0]
+
+    def claim_many(self, entries) -> list[bool]:
+        """:meth:`claim` for several ``(batch_index, record)`` at once: one lock, one append, one fsync
+        (the texts that finish in one decoding step). Returns which claims won."""
         with self._lock:
             with self.path.open("rb") as reader:
                 reader.seek(self._offset)
@@ -254,17 +270,22 @@ class Journal:
             self._offset += new.keep
             if new.keep < len(data):
                 os.truncate(self.path, self._offset)
-            if batch_index in self._claimed:
-                return False
-            line = {"batch_index": batch_index, "release_id": self.release_id}
-            if record is not None:
-                line["record"] = record
-            with self.path.open("ab") as handle:
-                _append_line(handle, line)
-                self._offset = handle.tell()
-            self._lines += 1
-            self._claimed.add(batch_index)
-            return True
+            won, lines = [], []
+            for batch_index, record in entries:
+                ok = batch_index not in self._claimed
+                won.append(ok)
+                if ok:
+                    self._claimed.add(batch_index)
+                    line = {"batch_index": batch_index, "release_id": self.release_id}
+                    if record is not None:
+                        line["record"] = record
+                    lines.append(line)
+            if lines:
+                with self.path.open("ab") as handle:
+                    _append_lines(handle, lines)
+                    self._offset = handle.tell()
+                self._lines += len(lines)
+            return won
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,6 +325,11 @@ class RecordSink:
     def write(self, record: dict) -> None:
         _append_line(self._handle, record)
 
+    def write_many(self, records: Sequence[dict]) -> None:
+        """Append several records with one fsync."""
+        if records:
+            _append_lines(self._handle, records)
+
     def close(self) -> None:
         self._handle.close()
         if self._lock is not None:
@@ -316,16 +342,22 @@ class RecordSink:
         self.close()
 
 
-def release_text(journal: Journal | None, sink: RecordSink | None, batch_index: int, record: dict) -> bool:
-    """Claim ``batch_index`` in the journal with its record, then write the record: ``False`` when
-    another process had claimed it first (the text must then be dropped, never handed out). A crash
-    between the two loses nothing: the journal's copy is merged into the output later. Without a
-    journal (no output file) the text is only returned to the caller."""
-    if journal is not None and not journal.claim(batch_index, record):
-        return False
+def release_texts(journal: Journal | None, sink: RecordSink | None, items) -> list[bool]:
+    """Claim each ``(batch_index, record)`` in the journal with its record, then write the records that
+    won: ``False`` for a batch another process had claimed first (its text must be dropped, never handed
+    out). One journal append and one sink write for all of them (a decoding step's texts). A crash
+    between the two loses nothing: the journal's copies are merged into the output later. Without a
+    journal (no output file) the texts are only returned to the caller."""
+    items = list(items)
+    won = [True] * len(items) if journal is None else journal.claim_many(items)
     if sink is not None:
-        sink.write(record)
-    return True
+        sink.write_many([record for (_, record), ok in zip(items, won) if ok])
+    return won
+
+
+def release_text(journal: Journal | None, sink: RecordSink | None, batch_index: int, record: dict) -> bool:
+    """:func:`release_texts` for one text."""
+    return release_texts(journal, sink, [(batch_index, record)])[0]
 
 
 # --------------------------------------------------------------------------------------------

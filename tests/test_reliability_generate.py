@@ -76,7 +76,10 @@ def no_model_load(monkeypatch):
 
 
 def _generate(tiny, references=REFERENCES, **kwargs):
-    options = dict(batch_size=B, max_new_tokens=T, delta=1e-6, epsilon=5.0, model=tiny, top_k=8)
+    # one text at a time (B + 1 rows): each decoding step finishes at most one text, so each text is
+    # released alone and a crash after the n-th text leaves exactly n records (the texts one step
+    # finishes are released together, test_texts_of_one_step_are_released_together)
+    options = dict(batch_size=B, max_new_tokens=T, delta=1e-6, epsilon=5.0, model=tiny, top_k=8, max_batch_rows=B + 1)
     options.update(kwargs)
     return generate(references, **options)
 
@@ -164,11 +167,13 @@ def test_a_complete_last_record_without_its_newline_is_kept(tiny, tmp_path):
     output.write_bytes(output.read_bytes().rstrip(b"\n"))  # the last record lost only its newline
     assert read_generation_output(output) == first
 
+    # the texts of one decoding step are written together: at least the two handed out are kept
+    assert len(first) >= 2
     generated = []
     result = _generate(tiny, output=output, on_text=generated.append)
-    assert result.num_resumed == 2 and len(generated) == NUM_BATCHES - 2
+    assert result.num_resumed == len(first) and len(generated) == NUM_BATCHES - len(first)
     records = read_generation_output(output)
-    assert records[:2] == first and sorted(r["batch_index"] for r in records) == list(range(NUM_BATCHES))
+    assert records[: len(first)] == first and sorted(r["batch_index"] for r in records) == list(range(NUM_BATCHES))
     assert output.read_bytes().count(b"\n") == NUM_BATCHES and output.read_bytes().endswith(b"\n")
 
     # a finished output whose last newline is gone: nothing to draw, nothing lost
@@ -633,3 +638,27 @@ def test_cli_generate_over_budget_exits_with_the_over_budget_code_and_leaves_no_
     assert not _state(tmp_path / "out.jsonl").exists()
     # the smaller retry on the same output runs
     assert main(_cli_args(tmp_path, tiny_dir, **{"--ledger": str(ledger.path), "--epsilon": "0.5"}) + ["--no-progress"]) == 0
+
+
+def test_texts_of_one_step_are_released_together_and_handed_out_after(tiny, tmp_path, monkeypatch):
+    output = tmp_path / "out.jsonl"
+    writes = []
+    real = outputs_module._append_lines
+
+    def spy(handle, items):
+        writes.append((Path(handle.name).name, [d["batch_index"] for d in items]))
+        real(handle, items)
+
+    monkeypatch.setattr(outputs_module, "_append_lines", spy)
+    seen = []
+
+    def on_text(text):  # by the time a text is handed out, its step's records are all durable
+        on_disk = {r["batch_index"] for r in read_generation_output(output)}
+        seen.append(text.batch_index in on_disk)
+
+    result = _generate(tiny, output=output, max_batch_rows=None, on_text=on_text)
+    assert all(seen) and len(seen) == NUM_BATCHES
+    grouped = [indices for name, indices in writes if name == "out.jsonl" and len(indices) > 1]
+    assert grouped  # equal-length texts of one step: one write, one fsync
+    journal = [indices for name, indices in writes if name == "out.jsonl.sampled"]
+    assert sorted(i for group in journal for i in group) == [t.batch_index for t in result.texts]

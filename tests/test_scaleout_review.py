@@ -98,7 +98,7 @@ def test_a_process_launched_with_other_settings_is_refused(tiny_dir, refs, tmp_p
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. the termination deferral is a no-op where Ray Data runs the worker (reliability)
+# 2. a stop between the claim and the write, in a worker thread (where Ray Data runs a callable class)
 
 THREADED_CLAIM = """
 import os, signal, sys, threading
@@ -107,9 +107,9 @@ from invink_audit.outputs import Journal, RecordSink, journal_path, release_text
 out = Path(sys.argv[1])
 journal_path(out).write_bytes(b"")
 class Sink(RecordSink):
-    def write(self, record):
+    def write_many(self, records):
         os.kill(os.getpid(), signal.SIGTERM)  # a polite stop between the claim and the write
-        super().write(record)
+        super().write_many(records)
 def work():  # Ray Data calls a callable class from a ThreadPoolExecutor thread (make_callable_class_single_threaded)
     with Sink(shard_path(out, "a", 0), lock=True) as sink:
         release_text(Journal(out, "r", 4), sink, 1, {"batch_index": 1, "text": "x", "release_id": "r"})
