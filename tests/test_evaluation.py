@@ -365,7 +365,8 @@ def test_evaluate_end_to_end_offline(minilm, monkeypatch, tmp_path):
                         num_tokens=[10] * 60, finish_reasons=["eos"] * 30 + ["length"] * 30)
     real = TextSet(texts=[r["text"] for r in rows[60:]], labels=[r["label2"] for r in rows[60:]])
     result = evaluate(
-        synthetic, real, EvaluationConfig(embedding_model="minilm", mauve_seeds=2, mauve_bootstrap=3, ppl_max_tokens=64),
+        synthetic, real, EvaluationConfig(embedding_model="minilm", mauve_seeds=2, mauve_bootstrap=3, ppl_max_tokens=64,
+                                            tstr_bootstrap=10),
         scorer_model=build_tiny_model(), embedder=minilm,
     )
     data = result.to_json()
@@ -382,7 +383,7 @@ def test_tstr_ceiling_beats_chance_on_yelp_stars():
     rows = _yelp(0, 600)
     texts, stars = [r["text"] for r in rows], [r["label2"] for r in rows]
     result = train_on_synthetic_test_on_real(texts[:200], stars[:200], texts[200:400], stars[200:400],
-                                             texts[400:], stars[400:])
+                                             texts[400:], stars[400:], num_bootstrap=20)
     assert result.accuracy_ceiling.lower > 1 / 5  # five star ratings: chance is 0.2
     assert result.accuracy_ceiling.estimate > result.accuracy_floor.estimate
     assert result.gap_closed is not None and result.gap_closed.estimate > 0.8  # real texts as "synthetic"

@@ -50,7 +50,7 @@ def tiny():
     return build_tiny_model()
 
 
-EVAL = EvaluationConfig(embedding_model="minilm", mauve_seeds=1, mauve_bootstrap=2, ppl_max_tokens=32)
+EVAL = EvaluationConfig(embedding_model="minilm", mauve_seeds=1, mauve_bootstrap=2, ppl_max_tokens=32, tstr_bootstrap=5)
 CONFIG = SweepConfig(
     epsilons=(1.0, 8.0), batch_sizes=(2,), max_new_tokens=(4,), top_ks=(20,), num_texts_per_group=2,
     prompt="yelp", label_columns=("label1", "label2"),

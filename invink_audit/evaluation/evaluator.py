@@ -148,7 +148,8 @@ class EvaluationConfig:
       synthetic texts (the paper uses equal numbers, Appendix C);
     * ``scorer``: the perplexity model (:func:`invink_audit.models.load_model`; ``None`` the embedded
       SmolLM2); ``perplexity=False`` skips perplexity;
-    * ``tstr_test_fraction``: share of the labelled real texts held out to test TSTR (the rest train the ceiling).
+    * ``tstr_test_fraction``: share of the labelled real texts held out to test TSTR (the rest train the ceiling);
+      ``tstr_bootstrap``: its bootstrap replicates (each retrains the classifiers).
     """
 
     embedding_model: str = DEFAULT_EMBEDDING_MODEL
@@ -162,12 +163,15 @@ class EvaluationConfig:
     embedding_cache: bool = True
     embedding_dtype: str = "auto"
     tstr_test_fraction: float = 0.5
+    tstr_bootstrap: int = 100
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.embedding_model not in EMBEDDING_MODELS:
             raise ValueError(f"embedding_model must be one of {sorted(EMBEDDING_MODELS)}; got {self.embedding_model!r}")
-        for name, least in (("mauve_seeds", 1), ("mauve_bootstrap", 0), ("ppl_max_tokens", 1), ("seed", 0)):
+        for name, least in (
+            ("mauve_seeds", 1), ("mauve_bootstrap", 0), ("ppl_max_tokens", 1), ("seed", 0), ("tstr_bootstrap", 1)
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
@@ -350,6 +354,7 @@ def evaluate(
             [real.labels[i] for i in train_idx],
             [real.texts[i] for i in test_idx],
             [real.labels[i] for i in test_idx],
+            num_bootstrap=config.tstr_bootstrap,
             confidence=config.confidence,
             rng=np.random.default_rng([config.seed, 5]),
         )

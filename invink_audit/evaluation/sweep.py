@@ -224,6 +224,8 @@ def run_sweep(
             finish(SweepPoint(**previous))
             continue
         directory.mkdir(exist_ok=True)
+        timing = directory / "generation.json"  # generation seconds, summed over resumed runs
+        before = json.loads(timing.read_text())["seconds"] if timing.is_file() else 0.0
         start = time.perf_counter()
         kwargs = dict(
             batch_size=params["batch_size"], max_new_tokens=params["max_new_tokens"], delta=config.delta,
@@ -236,7 +238,8 @@ def run_sweep(
         else:
             kwargs.update(num_texts=config.num_texts)
         released = generate(Path(references), **kwargs)
-        seconds = time.perf_counter() - start
+        seconds = before + time.perf_counter() - start
+        timing.write_text(json.dumps({"seconds": seconds}) + "\n")
         result, synthetic = _evaluate_file(directory / "texts.jsonl", real_set, evaluation, columns, embedder, scorer, progress)
         tokens = None if synthetic.num_tokens is None else sum(synthetic.num_tokens) / len(synthetic.num_tokens)
         point = SweepPoint(
