@@ -1,7 +1,7 @@
 """Boundary checks shared by the accounting package.
 
 Every public function validates its arguments here, so a bad value is rejected with a message that
-names the argument and its value, before any computation starts (STYLE.md §5).
+names the argument and its value, before any computation starts.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Per token, InvisibleInk samples from an exponential mechanism on scores with ℓ
 
 so each token is ε0-bounded-range (Durfee & Rogers 2019, arXiv:1905.04273) and therefore
 :math:`\rho_{tok} = \varepsilon_0^2/8`-zCDP (Cesar & Rogers 2021, arXiv:2004.07223, Lemma 3.2; this
-is the paper's :math:`\rho_{tok} = C^2/(2B^2\tau^2)`, Theorem 1). Decoding composes adaptively over
+is the paper's :math:`\rho_{tok} = C^2/(2B^2\tau^2)`, paper Theorem 2, thm:accounting). Decoding composes adaptively over
 at most T tokens (an early EOS is dominated by padding to T).
 
 Accountants (by name):

@@ -14,7 +14,7 @@ loss is ``t`` with probability
 
 Under adaptive composition the adversary picks ``t`` at every step from the history, so the optimal
 δ at total ε_g is the value of a one-dimensional dynamic programme over the remaining budget
-``x = ε_g − (loss so far)`` (ACCOUNTING_NOTES.md):
+``x = ε_g − (loss so far)`` (docs/accounting_notes.md §4; DDR 2020, arXiv:1909.13830):
 
 .. math::
     V_0(x) = (1 - e^{x})_+,\qquad

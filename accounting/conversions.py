@@ -19,7 +19,7 @@ Three methods, selectable by name (:class:`ConversionMethod`):
     to dp-accounting's finite grid of orders (plus its KL shortcut), an independent implementation.
 
 Never use the Gaussian privacy profile with μ = √(2ρ) (Balle & Wang 2018) as a zCDP conversion: it is
-not valid for a general ρ-zCDP mechanism (ACCOUNTING_NOTES.md).
+not valid for a general ρ-zCDP mechanism (docs/accounting_notes.md §3).
 
 Rounding: every returned ε and δ is rounded up by one ulp and every returned ρ is the lower end of a
 bisection, so floating-point error never reports less privacy loss than the method proves.
@@ -56,7 +56,7 @@ class ConversionMethod(enum.Enum):
 def br_to_zcdp(epsilon0: float) -> float:
     r"""ρ of one ε0-bounded-range step: :math:`\rho = \varepsilon_0^2/8` (Cesar & Rogers 2021,
     arXiv:2004.07223, Lemma 3.2). The one place this conversion is written: InvisibleInk's per-token
-    :math:`\rho_{tok} = \varepsilon_0^2/8 = C^2/(2B^2\tau^2)` (paper Theorem 1) and every accountant use it.
+    :math:`\rho_{tok} = \varepsilon_0^2/8 = C^2/(2B^2\tau^2)` (paper Theorem 2, thm:accounting) and every accountant use it.
     Computed as ε0·ε0/8, so a huge ε0 gives ``inf`` rather than ``OverflowError``."""
     e0 = float(epsilon0)
     return e0 * e0 / 8.0

@@ -6,10 +6,10 @@ privacy parameters derived from it in one place. The planner's :class:`~accounti
 
 Per token the mechanism is an exponential mechanism on scores of ℓ∞ sensitivity Δ
 (:func:`accounting.linf_sensitivity`: C/B for difference clipping under replace-by-null, paper
-Proposition 1) at temperature τ, so it is ε0-bounded-range with ε0 = 2Δ/τ (Durfee & Rogers 2019,
+Property 1, prop:ourclip-sensitivity) at temperature τ, so it is ε0-bounded-range with ε0 = 2Δ/τ (Durfee & Rogers 2019,
 arXiv:1905.04273) and ρ_tok = ε0²/8-zCDP (:func:`accounting.conversions.br_to_zcdp`); a text of at most
-T tokens composes T such steps (paper Theorem 1), and the texts of disjoint batches compose in parallel
-(paper Corollary 1), so a release costs ``texts_per_batch`` × T steps whatever its number of batches.
+T tokens composes T such steps (paper Theorem 2, thm:accounting), and the texts of disjoint batches compose in parallel
+(paper Corollary 11, coro:parallel-batches), so a release costs ``texts_per_batch`` × T steps whatever its number of batches.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every release that reads the dataset is charged *before* any work starts. A rele
 InvisibleInk over disjoint, data-independently formed batches of B references, each batch producing
 ``texts_per_batch`` texts of at most T tokens.
 
-Composition (paper Theorem 1 and Corollary 1):
+Composition (paper Theorem 2, thm:accounting, and Corollary 11, coro:parallel-batches):
 
 * within one release, disjoint batches compose in **parallel**: n texts from n disjoint batches cost one
   sequence of T tokens (each reference influences one text); ``num_batches`` is recorded, not charged;

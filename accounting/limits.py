@@ -5,7 +5,7 @@ accountants derive from it stays a finite double: with the extremes below the pe
 :math:`\varepsilon_0 = 2fC/(B\tau) \in [2\cdot10^{-19}, 4\cdot10^{10}]` and the zCDP cost of a release is
 at most :math:`10^{18}\varepsilon_0^2/8 \approx 2\cdot10^{38}`, far from overflow (``1.8e308``) and
 underflow. Values outside a range are refused at the boundary with one ``ValueError`` naming the
-argument, its value and the range (STYLE.md §5) instead of overflowing, allocating O(T) memory or
+argument, its value and the range instead of overflowing, allocating O(T) memory or
 searching forever (issue 12, items 9–11).
 
 ================  ======================  =====================================================

@@ -1,6 +1,6 @@
 r"""Hyperparameter planning for InvisibleInk: every inverse of (C, T, B, τ) ↔ (ε, δ).
 
-The paper's recipe (§4, "Setting hyperparameters"): given (ε, δ), T and B, pick τ ≈ 1 and set
+The paper's recipe (§4, the paragraph after Theorem 2; also §5.3 "Practical Recommendations"): given (ε, δ), T and B, pick τ ≈ 1 and set
 :math:`C = B\tau\sqrt{2\rho_{seq}/T}`. Generalised to any accountant of :mod:`accounting.accountants`:
 each accountant gives the largest per-token range ε0* for (ε, δ, T), and
 
@@ -65,7 +65,7 @@ __all__ = [
 class Plan:
     r"""An a-priori privacy guarantee for one release: (ε, δ)-DP for texts of at most T tokens.
 
-    ``rho_token`` = ε0²/8 and ``rho_sequence`` = T·ρ_tok are the zCDP guarantees (paper Theorem 1);
+    ``rho_token`` = ε0²/8 and ``rho_sequence`` = T·ρ_tok are the zCDP guarantees (paper Theorem 2, thm:accounting);
     ``epsilon``/``delta`` are what ``accountant`` certifies for them.
     """
 

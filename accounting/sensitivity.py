@@ -6,7 +6,7 @@ accountants and the auditor all take it from here, never from a literal.
 With ``B`` private references, clip norm ``C`` and the coordinate-wise projection
 :math:`\mathrm{clip}_C` onto :math:`[-C, C]`:
 
-* difference clipping (InvisibleInk, paper Eq. (2)):
+* difference clipping (InvisibleInk, paper Eq. (4), eq:aggregated-logits):
   :math:`\bar\phi = \phi_{pub} + \frac1B \sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})`;
 * naive clipping (Amin et al. 2024): :math:`\bar\phi = \frac1B \sum_i \mathrm{clip}_C(\phi_i)`.
 
@@ -16,7 +16,7 @@ Adjacency:
   :math:`\phi_{pub}` (paper §3, Definition of adjacency);
 * zero-out: one reference's logit row is replaced by the zero vector.
 
-Sensitivities (paper Property 1 and Propositions 1–3, Appendix C):
+Sensitivities (paper Property 1, §4; Property 9, App. B.3.1; Property 12, App. C.1; numbering in docs/paper_map.md):
 
 =================  ===============  ==========
 clipping           replace-by-null  zero-out
@@ -62,9 +62,9 @@ class Clipping(enum.Enum):
 _FACTOR: dict[tuple[Clipping, Adjacency], int] = {
     # paper Property 1: DClip moves by at most C/B when a row becomes the public row.
     (Clipping.DIFFERENCE, Adjacency.REPLACE_BY_NULL): 1,
-    # paper Prop. 2: a zero row is clipped to clip_C(-phi_pub), anywhere in [-C, C].
+    # paper Property 12 (prop:our-sens-zeroout): a zero row is clipped to clip_C(-phi_pub), anywhere in [-C, C].
     (Clipping.DIFFERENCE, Adjacency.ZERO_OUT): 2,
-    # paper Prop. 3: clip_C(phi_i) and clip_C(phi_pub) can be at opposite ends of [-C, C].
+    # paper Property 9 (prop:amin-sens): clip_C(phi_i) and clip_C(phi_pub) can be at opposite ends of [-C, C].
     (Clipping.NAIVE, Adjacency.REPLACE_BY_NULL): 2,
     # Amin et al. 2024: clip_C(0) = 0, so the row moves by at most C.
     (Clipping.NAIVE, Adjacency.ZERO_OUT): 1,
@@ -111,7 +111,7 @@ def linf_sensitivity(
     clipping: Clipping | str = Clipping.DIFFERENCE,
     adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
 ) -> float:
-    r"""ℓ∞ sensitivity :math:`\Delta` of the aggregated logits (paper Property 1, Props. 1–3).
+    r"""ℓ∞ sensitivity :math:`\Delta` of the aggregated logits (paper Properties 1, 9, 12).
 
     ``batch_size`` is the number of private references ``B`` per generated text (not ``B + 1``).
     """

@@ -1,7 +1,7 @@
 """The processes of one release: ranks under ``torchrun`` / ``accelerate launch``, and who does what.
 
 The unit of distribution is the batch. Inside a batch the B+1 rows run in lock-step; across batches
-the texts are independent and their privacy composes in parallel (disjoint batches, paper Corollary 1),
+the texts are independent and their privacy composes in parallel (disjoint batches, paper Corollary 11, coro:parallel-batches),
 so each process takes whole batches, never part of one. Rank 0 validates, plans and charges the ledger
 once, before any process decodes; the other ranks wait for its decision (:meth:`Cluster.lead`).
 

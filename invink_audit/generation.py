@@ -1,7 +1,7 @@
 r"""Private synthetic text generation: references in, DP texts and their a-priori guarantee out.
 
 One call (:func:`generate`) does what the paper's experiments do (Algorithm 1 over a partition,
-Corollary 1): read the references, partition them into disjoint batches of ``B`` in input order
+Corollary 11, coro:parallel-batches): read the references, partition them into disjoint batches of ``B`` in input order
 (:func:`invink_audit.data.partition_references`), plan the clip norm for the budget
 (:func:`accounting.plan_clip_norm`) or report the budget of a given clip norm
 (:func:`accounting.epsilon_for_clip_norm`), charge the ledger, and generate one text per batch with
@@ -209,9 +209,9 @@ class GenerationConfig:
 class Guarantee:
     r"""The run's a-priori guarantee: (ε, δ)-DP under replace-by-null adjacency for texts of ≤ T tokens.
 
-    ``rho_sequence`` = T·ρ_tok zCDP (paper Theorem 1); ``epsilon0`` = 2C/(Bτ) per-token bounded range;
+    ``rho_sequence`` = T·ρ_tok zCDP (paper Theorem 2, thm:accounting); ``epsilon0`` = 2C/(Bτ) per-token bounded range;
     ``epsilon`` is what ``accountant`` certifies at ``delta``. Independent of the number of texts
-    (disjoint batches, paper Corollary 1) and of their realised lengths.
+    (disjoint batches, paper Corollary 11) and of their realised lengths.
     """
 
     epsilon: float
