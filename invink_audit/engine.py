@@ -336,6 +336,9 @@ class _Text:
 class Engine:
     """Private decoding of many texts at once with one model and one mechanism configuration.
 
+    ``mechanism``: a :class:`~invink_audit.mechanism.MechanismConfig` (InvisibleInk, the engine's own
+    paths) or any :class:`~invink_audit.mechanisms.Mechanism` (module docstring, "Any mechanism").
+
     ``max_batch_rows``: rows per decoding forward pass (default :func:`default_max_batch_rows`); at
     most ``max(1, max_batch_rows // (B + 1))`` texts are in progress at once. ``max_prefill_tokens``:
     tokens per prefill forward pass (a longer prompt is prefilled in chunks; default 512); while texts

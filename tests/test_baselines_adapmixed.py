@@ -24,7 +24,9 @@ ATOL = 1e-9
 
 
 def _np_renyi(p, q, a):
-    return math.log(np.sum(p**a * q ** (1 - a))) / (a - 1)
+    from scipy.special import logsumexp
+
+    return float(logsumexp(a * np.log(p) + (1 - a) * np.log(q))) / (a - 1)
 
 
 def _np_sym(p, q, a):
@@ -99,6 +101,13 @@ def test_member_weight_is_the_largest_inside_the_ball():
     below_one = lam < 1
     outside = symmetric_renyi(public.unsqueeze(-2).expand_as(members), mix((lam + 1e-9).clamp(max=1.0)), a)
     assert (outside[below_one] > radius).all()
+    # steep case (a token of probability ~1e-44 where p_0 has mass): the synthetic hardest case, against brentq
+    from invink_audit.audit.synthetic import HardestCaseSource
+
+    private, public_logits = HardestCaseSource(vocab_size=6, batch_size=4).logits(torch.zeros(1, 0, dtype=torch.long), 0)
+    lams, _, _ = _np_step(private[0].numpy(), public_logits[0].numpy(), _cfg(batch_size=4))
+    got = adapmixed_member_weights(torch.softmax(private, -1), torch.softmax(public_logits, -1), 15.0, 4.5)[0].numpy()
+    assert 0.9 < lams[0] < 1 and np.allclose(got, lams, atol=1e-12)
     # a member already inside the ball keeps λ = 1 (the re-implementation would drop it to λ = 0)
     assert float(adapmixed_member_weights(public.unsqueeze(-2), public, a, radius).min()) == 1.0
 

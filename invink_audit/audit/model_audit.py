@@ -435,6 +435,12 @@ def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, cana
     canaries = dict(canaries)
     labels = {j: ("null reference" if refs[j] is None and j not in canaries else f"reference {j}") for j in range(batch_size)}
     notes.append(f"guarantee: {guarantee.label()}; {guarantee.description}")
+    if mech.can_halt and rec.failures.get("support", 0):
+        notes.append(
+            f"{rec.failures['support']} support mismatches: the stop outcome (the text ends, its spend would exceed the "
+            "budget) is possible under one dataset and impossible under a neighbour at the same prefix: the stop rule's "
+            "timing is a deterministic function of the references, so the released length can separate R from R'_j"
+        )
     notes.append(
         "outcomes are (mode, token) pairs (" + ", ".join(mech.mode_names) + (", or the stop outcome" if mech.can_halt else "")
         + "): the release the mechanism's accountant composes"
