@@ -1,11 +1,11 @@
-"""The paper's comparison (§5, Table 1, Fig. 3), small enough for a 2-core CPU (issue 11, item 5).
+"""The paper's comparison (§5, Table 2 (tab:result), Figure 4 (fig:mainplot)), small enough for a 2-core CPU (issue 11, item 5).
 
 At ε ∈ {3, 10} (δ = 1e-6), B + 1 ∈ {4, 8, 16, 32, 64} forward rows per token and a fixed token budget T,
 SmolLM2-135M-Instruct (embedded) generates Yelp restaurant reviews (../shared/data/yelp/dev.csv, read in
 place, 5-star restaurant reviews in file order) with
 
 * InvisibleInk, k = |V| (τ = 1.0) and k = 100 (τ = 1.1): clip norm planned for (ε, δ, T, B) by
-  ``br-adaptive`` (the paper's Table 1 temperatures);
+  ``br-adaptive`` (the paper's Table 2 (tab:result) temperatures);
 * Amin et al. 2024 with the paper's accounting (C/B and 1/B under replace-by-null) and with the
   correct one (2C/B, 2/B): r = T/4 private tokens (the paper calibrates r ≈ T/4), SVT σ = 0.3, θ = 0.7
   (its re-implementation's defaults), clip norm planned for (ε, δ, r, B); infeasible cells produce nothing;

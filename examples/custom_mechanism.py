@@ -57,7 +57,7 @@ class FullVocabularyDClip(Mechanism):
         from accounting import composed_epsilon
 
         # ℓ∞ sensitivity of the aggregate under replace-by-null: C/B (paper Property 1); the exponential
-        # mechanism at temperature τ is ε0 = 2Δ/τ bounded range and ε0²/8-zCDP (paper Theorem 1)
+        # mechanism at temperature τ is ε0 = 2Δ/τ bounded range and ε0²/8-zCDP (paper Theorem 2 (thm:accounting))
         sensitivity = linf_sensitivity(self.clip_norm, self.batch_size, Clipping.DIFFERENCE, Adjacency.REPLACE_BY_NULL)
         epsilon0 = 2.0 * sensitivity / self.temperature
         return Guarantee(

@@ -42,7 +42,7 @@ def _log_softmax(x):
 
 
 def _np_terms(private, public, cfg: AminConfig):
-    """Numpy oracle of one step's pieces: query q, EM log-probs, public log-probs (paper Eq. (amin-avg))."""
+    """Numpy oracle of one step's pieces: query q, EM log-probs, public log-probs (paper Eq. (8) (eq:amin-avg))."""
     b = private.shape[0]
     clip = np.clip(private - private.max(axis=-1, keepdims=True) + cfg.clip_norm, -cfg.clip_norm, cfg.clip_norm)
     em = _log_softmax(clip.sum(axis=0) / (b * cfg.temperature))

@@ -90,9 +90,9 @@ class Claim:
     r"""The guarantee the audited mechanism claims (what its accountant was told).
 
     ``epsilon0``: per-step bounded range; ``rho_token``: per-step zCDP (for InvisibleInk
-    :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 1); ``max_new_tokens``: the accounted
+    :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 2 (thm:accounting)); ``max_new_tokens``: the accounted
     token budget T. The sequence claim is :math:`D_\alpha \le \alpha\rho_{seq}`,
-    :math:`\rho_{seq} = T\rho_{tok}` (Theorem 1, adaptive composition).
+    :math:`\rho_{seq} = T\rho_{tok}` (paper Theorem 2, adaptive composition).
 
     Other mechanisms (:meth:`from_guarantee`, :class:`invink_audit.mechanisms.Guarantee`):
 

@@ -5,33 +5,33 @@ One step, for references :math:`R = (r_1..r_B)` (a fixed batch of ``B`` referenc
 batch-size denominator of the InvisibleInk paper, App. B.3.1, "Adjacency notion of Amin et al.", which
 is how both Amin et al.'s and the paper's experiments run it):
 
-1. **Clipping with recentering** (InvisibleInk paper Eq. (amin-avg) and its footnote; Amin et al. §3):
+1. **Clipping with recentering** (InvisibleInk paper Eq. (8) (eq:amin-avg) and its footnote; Amin et al. 2024):
    :math:`\bar\phi = \frac1B\sum_i \mathrm{clip}_C(\phi_i - \max_y\phi_i(y) + C)`, each row shifted so
    that its maximum is ``C`` and clipped coordinate-wise to :math:`[-C, C]`; a null reference's row is
    the public row, :math:`\phi_{pub}`.
-2. **Sparse-vector step** (Amin et al. Algorithm 1; AboveThreshold, Dwork & Roth 2014, Alg. 1): the
+2. **Sparse-vector step** (Amin et al. 2024's public tokens; AboveThreshold, Dwork & Roth 2014, Alg. 1): the
    query is the :math:`\ell_1` distance between the mean of the *unclipped* private softmaxes and the
    public softmax, :math:`q = \|\frac1B\sum_i \mathrm{softmax}(\phi_i) - \mathrm{softmax}(\phi_{pub})\|_1`
-   (InvisibleInk paper §2, "Finally, Amin et al. adaptively use tokens generated from public
+   (InvisibleInk paper §3, "Drawbacks of Prior Work": "Finally, Amin et al. adaptively use tokens generated from public
    logits ... if they are close enough"). A noisy threshold :math:`\hat\theta = \theta +
    \mathrm{Lap}(\sigma)` is drawn at the start and after every private token; at each step
    :math:`q + \mathrm{Lap}(2\sigma) \ge \hat\theta` releases a **private** token, else a **public** one.
 3. **Private token**: the exponential mechanism :math:`x_t \sim \mathrm{softmax}(\bar\phi/\tau)`
-   (InvisibleInk paper Eq. (expo-mech) with :math:`\sqrt{2\rho}/\Delta = 1/\tau`). **Public token**:
+   (InvisibleInk paper Eq. (2) (eq:expo-mech) with :math:`\sqrt{2\rho}/\Delta = 1/\tau`). **Public token**:
    :math:`x_t \sim \mathrm{softmax}(\phi_{pub}/\tau_{pub})`, free (a function of the public row).
 4. **Stop rule**: the text ends after ``max_private_tokens`` (r) private tokens (or at EOS, or at T).
 
 **Accounting** (a-priori, by the number of private tokens; :class:`AminAccounting`). With ℓ∞
 sensitivity :math:`\Delta` of :math:`\bar\phi` and sensitivity :math:`\Delta_q` of the query:
 each private token costs :math:`\rho_{em} = \Delta^2/(2\tau^2)` (ε0 = 2Δ/τ bounded range, ε0²/8-zCDP:
-Cesar & Rogers 2021; InvisibleInk paper Theorem 1) and each AboveThreshold run (one per private
+Cesar & Rogers 2021; InvisibleInk paper Theorem 2 (thm:accounting)) and each AboveThreshold run (one per private
 token; a run cut short by EOS or T costs no more) is :math:`\varepsilon_{svt} = 2\Delta_q/\sigma`-DP
 (threshold noise Lap(Δ_q/ε1), query noise Lap(2Δ_q/ε2) with ε1 = ε2 = Δ_q/σ; Dwork & Roth 2014,
 Thm. 3.23; Lyu, Su & Li 2017) hence :math:`\varepsilon_{svt}^2/2`-zCDP (Bun & Steinke 2016,
 Prop. 1.4): :math:`\rho_{seq} = r(\rho_{em} + \rho_{svt})`, as in the re-implementation's
 ``compute_rho``. Two choices of the sensitivities (:class:`AminSensitivity`):
 
-* ``REPLACE_BY_NULL`` (**correct**): :math:`\Delta = 2C/B` (InvisibleInk paper Prop. (amin-sens);
+* ``REPLACE_BY_NULL`` (**correct**): :math:`\Delta = 2C/B` (InvisibleInk paper Property 9 (prop:amin-sens);
   recentering keeps it, ``accounting.sensitivity``) and :math:`\Delta_q = 2/B` (replacing
   :math:`p_j` by :math:`p_{pub}` moves the mean by :math:`\|p_j - p_{pub}\|_1/B \le 2/B`, triangle
   inequality; attained by disjoint supports);
@@ -45,7 +45,7 @@ Where the paper and its public re-implementation (``cerai-iitm/InvisibleInk-Expe
 
 * the re-implementation computes the SVT distance on the softmax of the *clipped, recentred*
   aggregate (it computes the unclipped mean and leaves it unused); we use the unclipped softmaxes, as
-  the issue, the paper's §2 and Amin et al. describe; the clipped distance's sensitivity is not
+  the issue, the paper's §3 and Amin et al. describe; the clipped distance's sensitivity is not
   bounded by 1/B (nor 2/B), so the re-implementation's SVT accounting does not cover it;
 * it reports a per-text ε from the *realised* number of private tokens; we report the a-priori
   guarantee for ``r`` private tokens (the stop rule makes it a bound for every text).
@@ -103,7 +103,7 @@ class AminSensitivity(enum.Enum):
 
 class AminInfeasibleError(ValueError):
     """No clip norm reaches the budget: the SVT alone costs more than the budget allows per private token
-    (the paper's "infeasible" cells, Table 1)."""
+    (the paper's "infeasible" cells, Table 2 (tab:result))."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,7 @@ class AminAccounting:
 
     @property
     def aggregate_sensitivity(self) -> float:
-        r""":math:`\Delta` of the recentred naive aggregate: 2C/B (replace-by-null, paper Prop. (amin-sens))
+        r""":math:`\Delta` of the recentred naive aggregate: 2C/B (replace-by-null, paper Property 9 (prop:amin-sens))
         or C/B (the zero-out value the paper's experiments use)."""
         adjacency = Adjacency.REPLACE_BY_NULL if self.sensitivity is AminSensitivity.REPLACE_BY_NULL else Adjacency.ZERO_OUT
         return linf_sensitivity(self.clip_norm, self.batch_size, Clipping.NAIVE, adjacency)
@@ -147,7 +147,7 @@ class AminAccounting:
 
     @property
     def rho_em(self) -> float:
-        r""":math:`\rho_{em} = \Delta^2/(2\tau^2) = \varepsilon_{em}^2/8` (Cesar & Rogers 2021; paper Theorem 1)."""
+        r""":math:`\rho_{em} = \Delta^2/(2\tau^2) = \varepsilon_{em}^2/8` (Cesar & Rogers 2021; paper Theorem 2 (thm:accounting))."""
         return self.aggregate_sensitivity**2 / (2.0 * self.temperature**2)
 
     @property

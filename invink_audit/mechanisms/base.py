@@ -77,7 +77,7 @@ class Guarantee:
       data-dependent: the budget the stop rule enforces on the dataset it runs on);
     * ``rho_sequence``: a-priori zCDP of one text (``None`` for data-dependent guarantees);
     * ``composition``: how the per-step costs compose: ``"bounded-range"`` (``max_new_tokens``
-      adaptively composed :math:`\varepsilon_0`-bounded-range steps, InvisibleInk, paper Theorem 1),
+      adaptively composed :math:`\varepsilon_0`-bounded-range steps, InvisibleInk, paper Theorem 2 (thm:accounting)),
       ``"zcdp"`` (a sequence-level ρ, e.g. Amin et al.'s per-private-token accounting) or
       ``"renyi-filter"`` (a running Rényi spend at one order, stopped at a budget: AdaPMixED);
     * ``step_epsilon0``, ``step_rho``: the per-step claim of the distribution the auditor checks

@@ -7,7 +7,7 @@ synthetic auditor, the tests, a team comparing its own mechanism against ours).
 
 Accounting (a-priori): each token is the exponential mechanism on the DClip aggregate with ℓ∞
 sensitivity :math:`\Delta = C/B` (paper Property 1), so :math:`\varepsilon_0 = 2\Delta/\tau`-bounded
-range and :math:`\rho_{tok} = \Delta^2/(2\tau^2)`-zCDP (paper Theorem 1); T tokens compose
+range and :math:`\rho_{tok} = \Delta^2/(2\tau^2)`-zCDP (paper Theorem 2 (thm:accounting)); T tokens compose
 adaptively (``br-adaptive`` accountant, Dong, Durfee & Rogers 2020).
 """
 
@@ -45,7 +45,7 @@ class InvisibleInk(Mechanism):
         return MechanismStep(self.config.token_log_probs(private, public))
 
     def guarantee(self, max_new_tokens: int, delta: float) -> Guarantee:
-        """Paper Theorem 1: T adaptively composed ε0-BR tokens; ε from the named accountant."""
+        """Paper Theorem 2 (thm:accounting): T adaptively composed ε0-BR tokens; ε from the named accountant."""
         from accounting import composed_epsilon
 
         cfg = self.config
