@@ -256,6 +256,8 @@ def run_selftest(
                     "budgets": {"R": rec.extra.get("budget_actual"), "R'_j": rec.extra.get("budget_neighbours")},
                     "mean_length": float(rec.lengths.mean()),
                     **({"reported_epsilon": rep.claim.get("epsilon_claimed"),
+                        "reported_renyi_budget": rep.claim.get("renyi_budget"),
+                        "renyi_order": rep.claim.get("renyi_order"),
                         "measured": [
                             {"alpha": e.alpha, "neighbour": e.neighbour, "direction": e.direction, "lower": e.lower,
                              "estimate": e.estimate, "claimed": e.claimed}
@@ -295,6 +297,22 @@ def selftest_markdown(result: SelfTestResult) -> str:
             for s in e.sources
         )
         lines.append(f"| {e.mechanism} | {e.guarantee} | {e.expected} | **{e.verdict}** | {per} | {e.description} |")
+    dd = [e for e in result.entries if e.guarantee == "data-dependent"]
+    if dd:
+        lines += ["", "Data-dependent guarantees, reported against the white-box measurement (never a PASS):", ""]
+        for e in dd:
+            for src in e.sources:
+                rows = src.get("measured", [])
+                worst = max(rows, key=lambda r: r["estimate"], default=None)
+                measured = (
+                    f"largest measured D_{worst['alpha']:g} {worst['estimate']:.4g} (lower end {worst['lower']:.4g}; "
+                    f"neighbour {worst['neighbour']}, {worst['direction']})" if worst else "no estimate"
+                )
+                lines.append(
+                    f"- {e.mechanism} on {src['source']}: reported ε = {src['reported_epsilon']:g}, i.e. D_{src['renyi_order']:g} ≤ "
+                    f"{src['reported_renyi_budget']:.4g}; {measured}; {src['step_failures']['support']} support mismatches "
+                    "(the stop outcome possible under one dataset only)"
+                )
     c = result.coverage
     lines += [
         "",
