@@ -212,15 +212,15 @@ import os, sys
 import invink_audit.outputs as outputs
 mode, rank, after = os.environ.get("FAULT_MODE"), int(os.environ.get("RANK", "0")), int(os.environ.get("FAULT_AFTER", "0"))
 if mode and rank == int(os.environ["FAULT_RANK"]):
-    real, count = outputs.RecordSink.write, [0]
-    def write(self, record):
-        real(self, record)
-        count[0] += 1
+    real, count = outputs.RecordSink.write_many, [0]
+    def write_many(self, records):
+        real(self, records)
+        count[0] += len(records)
         if count[0] >= after:
             if mode == "kill":
                 os._exit(17)
             raise RuntimeError("injected failure")
-    outputs.RecordSink.write = write
+    outputs.RecordSink.write_many = write_many
 from invink_audit.cli import main
 sys.exit(main(sys.argv[1:]))
 '''
@@ -309,7 +309,9 @@ def test_a_failed_process_and_a_rerun_give_every_batch_exactly_once(workload, ti
         capture_output=True, text=True,
     )  # fmt: skip
     assert created.returncode == 0, created.stderr
-    failed = _launch(workload, tiny_dir, output, 2, fault=fault, extra=("--ledger", str(ledger)))
+    # one text at a time per process (B + 1 rows): each step releases one text, so the fault falls midway
+    one_at_a_time = ("--max-batch-rows", str(BATCH_SIZE + 1))
+    failed = _launch(workload, tiny_dir, output, 2, fault=fault, extra=("--ledger", str(ledger), *one_at_a_time))
     assert failed.returncode != 0
     if fault[0] == "raise":
         assert "incomplete" in failed.stderr and "injected failure" in failed.stderr
@@ -330,7 +332,7 @@ def test_a_failed_process_and_a_rerun_give_every_batch_exactly_once(workload, ti
 @pytest.mark.slow
 def test_a_rerun_with_other_settings_is_refused_on_any_number_of_processes(workload, tiny_dir, single):
     output = workload[0] / "changed.jsonl"
-    failed = _launch(workload, tiny_dir, output, 2, fault=("kill", 1, 1))
+    failed = _launch(workload, tiny_dir, output, 2, fault=("kill", 1, 1), extra=("--max-batch-rows", str(BATCH_SIZE + 1)))
     assert failed.returncode != 0
     before = {p.name: p.read_bytes() for p in workload[0].glob("changed.jsonl*")}
     for processes in (1, 2):
