@@ -147,11 +147,11 @@ def test_tstr_ceiling_beats_chance_and_gap():
     test, test_y = _topic_texts(80, 2)
     good, good_y = _topic_texts(60, 3)
     bad, bad_y = _topic_texts(60, 4, noise=True)  # labels unrelated to the texts
-    result = train_on_synthetic_test_on_real(good, good_y, real_train, real_train_y, test, test_y)
+    result = train_on_synthetic_test_on_real(good, good_y, real_train, real_train_y, test, test_y, num_bootstrap=20)
     assert result.accuracy_ceiling.lower > 0.5 + 0.2  # chance is 0.5
     assert result.accuracy_floor.estimate == pytest.approx(0.5)
     assert result.gap_closed.estimate > 0.8
-    useless = train_on_synthetic_test_on_real(bad, bad_y, real_train, real_train_y, test, test_y)
+    useless = train_on_synthetic_test_on_real(bad, bad_y, real_train, real_train_y, test, test_y, num_bootstrap=20)
     assert useless.gap_closed.estimate < result.gap_closed.estimate - 0.3
     single = train_on_synthetic_test_on_real(good[:3], ["food"] * 3, real_train, real_train_y, test, test_y)
     assert single.accuracy_synthetic.estimate == pytest.approx(0.5)
@@ -383,7 +383,7 @@ def test_tstr_ceiling_beats_chance_on_yelp_stars():
     rows = _yelp(0, 600)
     texts, stars = [r["text"] for r in rows], [r["label2"] for r in rows]
     result = train_on_synthetic_test_on_real(texts[:200], stars[:200], texts[200:400], stars[200:400],
-                                             texts[400:], stars[400:], num_bootstrap=20)
+                                             texts[400:], stars[400:], num_bootstrap=5)
     assert result.accuracy_ceiling.lower > 1 / 5  # five star ratings: chance is 0.2
     assert result.accuracy_ceiling.estimate > result.accuracy_floor.estimate
     assert result.gap_closed is not None and result.gap_closed.estimate > 0.8  # real texts as "synthetic"

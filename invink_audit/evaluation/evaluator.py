@@ -163,7 +163,7 @@ class EvaluationConfig:
     embedding_cache: bool = True
     embedding_dtype: str = "auto"
     tstr_test_fraction: float = 0.5
-    tstr_bootstrap: int = 100
+    tstr_bootstrap: int = 50
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -329,6 +329,9 @@ def write_sweep_plots(rows: Sequence[SweepPoint], directory: str | Path) -> list
             if metric:
                 ax.axhline(metric["estimate"], linestyle=style, color="grey", label=kind)
         ax.set_xscale("log")
+        epsilons = sorted({r.params["epsilon"] for r in private})
+        ax.minorticks_off()
+        ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
         ax.set_xlabel("ε")
         ax.set_title(label, fontsize=9)
     axes[0].legend(fontsize=7)
