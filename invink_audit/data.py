@@ -236,7 +236,7 @@ def partition_references(
 
 
 # --------------------------------------------------------------------------------------------
-# label-conditioned partition (paper §5, Yelp: each text is generated from references of one
+# label-conditioned partition (paper App. D.2 (sec:datasets), Yelp: each text is generated from references of one
 # business category and star rating, and prompted with them)
 
 
@@ -322,7 +322,7 @@ class LabelGroup:
 
 @dataclasses.dataclass(frozen=True)
 class LabelledPartition:
-    """Disjoint batches of ``batch_size`` references, each within one label group (paper Corollary 1
+    """Disjoint batches of ``batch_size`` references, each within one label group (paper Corollary 11
     per group). ``batches`` are ordered by group (groups sorted by their label values), then by
     ``index_in_group``."""
 
@@ -356,7 +356,7 @@ def partition_by_labels(
 
     What this assumes: labels are *public* attributes of each slot. Under replace-by-null adjacency a
     neighbouring dataset empties one record's text and keeps its label, so it changes exactly one batch
-    (or none) and the batches compose in parallel (paper Corollary 1). Changing a record's *label*
+    (or none) and the batches compose in parallel (paper Corollary 11). Changing a record's *label*
     moves it to another group and shifts later records of two groups: that is not a neighbour this
     guarantee covers.
     """

@@ -213,7 +213,7 @@ def get_preset(name: str | PromptTemplate, **fields: str) -> PromptTemplate:
 
 
 # --------------------------------------------------------------------------------------------
-# labels as public fields (label-conditioned generation, paper §5 Yelp setup)
+# labels as public fields (label-conditioned generation, paper App. D.2 (sec:datasets), Yelp setup)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,6 +71,17 @@ def tqdm_progress(enabled: bool):
     return factory
 
 
+def label_columns(args) -> list[str]:
+    """``--label-column`` (repeated) and ``--label-columns A,B`` together, in order, without repeats."""
+    columns = list(args.label_column)
+    if args.label_columns is not None:
+        extra = [c.strip() for c in args.label_columns.split(",")]
+        if not all(extra):
+            raise ValueError(f"--label-columns must be comma-separated column names; got {args.label_columns!r}")
+        columns += extra
+    return list(dict.fromkeys(columns))
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "evaluate",
@@ -93,6 +104,7 @@ def register(subparsers) -> None:
         help="label column (repeat for several; their values are joined): enables TSTR. In JSON Lines read from "
         "the record or its 'labels' object",
     )
+    p.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated (as generate takes them)")
     add_evaluation_arguments(p)
     p.add_argument("--output", default=None, help="directory for report.md, report.json and plots")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the Markdown table")
@@ -102,6 +114,7 @@ def register(subparsers) -> None:
 
 def _evaluate(args) -> int:
     config = evaluation_config(args)  # validated before any file is read or model loaded
+    args.label_column = label_columns(args)
     from invink_audit.evaluation import evaluate, read_text_set
     from invink_audit.evaluation.report import evaluation_markdown, write_evaluation_report
 

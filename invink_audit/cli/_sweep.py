@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from invink_audit.cli import parse_float, parse_int, parse_list
-from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, tqdm_progress
+from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, label_columns, tqdm_progress
 
 
 def _top_k(flag: str, text: str):
@@ -43,6 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-field", action="append", default=[], metavar="NAME=VALUE", help="public prompt field")
     p.add_argument("--label-column", action="append", default=[], metavar="NAME",
                    help="label column (repeat): label-conditioned generation and TSTR")
+    p.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated (as generate takes them)")
     p.add_argument("--no-reference-points", action="store_true", help="skip the floor and the ceiling")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--ledger", default=None, help="budget ledger charged for every point (private references)")
@@ -75,7 +76,7 @@ def _sweep(args) -> int:
         prompt=args.prompt,
         prompt_fields=fields or None,
         column=args.column,
-        label_columns=tuple(args.label_column),
+        label_columns=tuple(label_columns(args)),
         reference_points=not args.no_reference_points,
     )
     evaluation = evaluation_config(args)

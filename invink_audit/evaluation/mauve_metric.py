@@ -7,7 +7,7 @@ downloads a featuriser (its ``gpt2-large`` default). The features are sentence e
 
 Two settings, each a :class:`MauveSetting`:
 
-* :data:`PAPER_SETTING`: the InvisibleInk paper's (Appendix C, "MAUVE score"): ``num_buckets = n/20``
+* :data:`PAPER_SETTING`: the InvisibleInk paper's (App. D.4 (sec:expt:eval-metrics), "MAUVE score"): ``num_buckets = n/20``
   for n texts on each side, scaling factor ``c = 0.9``;
 * :data:`LIBRARY_SETTING`: ``mauve-text``'s defaults: ``num_buckets = "auto"`` (n/10) and ``c = 5``.
 

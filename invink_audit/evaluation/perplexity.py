@@ -1,6 +1,6 @@
 r"""Perplexity of texts under a scorer LM, ΔPPL, and lengths.
 
-Paper Appendix C, "Generation Perplexity":
+Paper App. D.4 (sec:expt:eval-metrics), "Generation Perplexity":
 
 .. math::
 
@@ -134,7 +134,7 @@ def delta_ppl_interval(
     confidence: float = DEFAULT_CONFIDENCE,
     rng: np.random.Generator | None = None,
 ) -> Interval:
-    """ΔPPL = |mean PPL(synthetic) − mean PPL(real)| (paper Appendix C) with a percentile-bootstrap
+    """ΔPPL = |mean PPL(synthetic) − mean PPL(real)| (paper App. D.4) with a percentile-bootstrap
     interval (both sets resampled independently)."""
     x = np.asarray(synthetic, dtype=np.float64)
     r = np.asarray(real, dtype=np.float64)
@@ -148,5 +148,5 @@ def delta_ppl_interval(
 
 
 def mean_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE) -> Interval | None:
-    """Wald interval of a mean (paper Appendix C), ``None`` for no values."""
+    """Wald interval of a mean (paper App. D.4), ``None`` for no values."""
     return wald_interval(values, confidence) if len(values) else None

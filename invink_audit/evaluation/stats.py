@@ -1,6 +1,6 @@
 r"""Intervals for utility metrics: an estimate with a lower and an upper end.
 
-* :func:`wald_interval`: the paper's intervals (Appendix C, "Confidence Intervals"):
+* :func:`wald_interval`: the paper's intervals (App. D.6 (sec:expt:confidence-intervals)):
   :math:`\bar x \pm z_{\alpha/2}\, s/\sqrt m`, for means of per-text quantities (perplexity, length).
 * :func:`percentile_interval`: the percentile bootstrap (Efron & Tibshirani 1993, §13.3): the
   :math:`\alpha/2` and :math:`1-\alpha/2` quantiles of the statistic over resamples, for statistics that
@@ -65,7 +65,7 @@ def _check_confidence(confidence: float) -> None:
 
 
 def wald_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE) -> Interval:
-    r"""Mean of ``values`` with the Wald interval :math:`\bar x \pm z\, s/\sqrt m` (paper Appendix C,
+    r"""Mean of ``values`` with the Wald interval :math:`\bar x \pm z\, s/\sqrt m` (paper App. D.6,
     "Confidence Intervals"; ``s`` the sample standard deviation). One value gives a zero-width interval."""
     _check_confidence(confidence)
     data = np.asarray(values, dtype=np.float64)

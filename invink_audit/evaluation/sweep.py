@@ -14,7 +14,7 @@ then ``evaluation.json``); a rerun with the same directory skips evaluated point
 (a resumed release is not charged twice: the ledger charge is idempotent on its release id).
 
 Compute cost of a point: forward rows per text = (B + 1) × the mean number of generated tokens (every
-token runs B private rows and one public row, paper §4).
+token runs B private rows and one public row, paper §4, Algorithm 1).
 """
 
 from __future__ import annotations

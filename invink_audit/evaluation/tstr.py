@@ -16,7 +16,7 @@ text), never tuned per run, is trained three times and tested on the same held-o
 
 The headline is the fraction of the gap closed, ``(acc_syn − acc_floor) / (acc_ceiling − acc_floor)``
 (1: as good as real data; 0: no better than the labels alone). The paper's downstream evaluation
-(§5, Table "yelp_down") fine-tunes RoBERTa instead; a linear model on TF-IDF is cheap, deterministic
+(§5.1, arXiv variant, tab:yelp_down) fine-tunes RoBERTa instead; a linear model on TF-IDF is cheap, deterministic
 and enough to rank settings. Intervals: a percentile bootstrap whose every replicate resamples the
 synthetic training texts, the ceiling's real training texts and the test texts, and retrains both
 classifiers (``num_bootstrap`` replicates, default 50): with a few dozen synthetic texts the training
