@@ -138,15 +138,18 @@ def train_on_synthetic_test_on_real(
         }
 
     m = len(truth)
-    accuracy = accuracies(np.arange(len(synthetic_texts)), np.arange(n), np.arange(m))
-    replicas = [
-        accuracies(
-            rng.integers(0, len(synthetic_texts), size=len(synthetic_texts)),
-            rng.integers(0, n, size=n),
-            rng.integers(0, m, size=m),
-        )
-        for _ in range(num_bootstrap)
-    ]
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1):  # small fits: BLAS threads only spin-wait on a shared machine
+        accuracy = accuracies(np.arange(len(synthetic_texts)), np.arange(n), np.arange(m))
+        replicas = [
+            accuracies(
+                rng.integers(0, len(synthetic_texts), size=len(synthetic_texts)),
+                rng.integers(0, n, size=n),
+                rng.integers(0, m, size=m),
+            )
+            for _ in range(num_bootstrap)
+        ]
     boot = {k: np.asarray([r[k] for r in replicas]) for k in accuracy}
     how = "bootstrap over training and test texts (classifiers retrained)"
     intervals = {k: percentile_interval(accuracy[k], boot[k], confidence, method=how) for k in accuracy}
