@@ -93,7 +93,7 @@ def main(
     print(
         f"\nguarantee: ({g.epsilon:g}, {g.delta:g})-DP (replace-by-null adjacency) for every text of at most "
         f"T = {g.max_new_tokens} tokens, whatever its realised length; the {result.num_batches} texts come from "
-        f"disjoint batches, so together they cost one sequence (paper Corollary 1)."
+        f"disjoint batches, so together they cost one sequence (paper Corollary 11)."
     )
     print(
         f"ledger: spent epsilon = {status.epsilon_spent:.4g} of {status.epsilon_budget:g}; "
