@@ -276,13 +276,17 @@ def plot(result, path: Path) -> None:
                 cells = [r for r in result["cells"] if r["method"] == method and r["epsilon"] == eps]
                 ok = [r for r in cells if r["feasible"] and r[key][0] is not None]
                 if ok:
-                    x = [r["rows"] for r in ok]
+                    x = [r["rows"] * (1 + 0.03 * (METHODS.index(method) - 2)) for r in ok]  # dodge overlapping bars
                     y = [r[key][0] for r in ok]
                     err = [r[key][1] or 0.0 for r in ok]
-                    ax.errorbar(x, y, yerr=err, marker=markers[method], capsize=3, label=LABELS[method])
+                    # intervals are symmetric in the value; on a log axis (perplexity) the lower end is cut at 5% of y
+                    low = [min(e, 0.95 * v) if key == "perplexity" else min(e, v) for e, v in zip(err, y)]
+                    ax.errorbar(x, y, yerr=[low, err], marker=markers[method], capsize=3, label=LABELS[method])
                 bad = [r["rows"] for r in cells if not r["feasible"]]
                 if bad and row == 0:
-                    ax.plot(bad, [0] * len(bad), "x", color="grey", ms=9, label=f"{LABELS[method]}: infeasible" if col == 0 else None)
+                    ax.plot(bad, [-1.5 - METHODS.index(method) + 2] * len(bad), "x", ms=9,
+                            color="tab:green" if method == "amin-paper" else "tab:red",
+                            label=f"{LABELS[method]}: infeasible (no text)")
             if key == "perplexity":
                 ax.axhline(result["real_reference_perplexity"], color="k", ls=":", lw=1, label="real reviews")
                 ax.set_yscale("log")
@@ -291,8 +295,8 @@ def plot(result, path: Path) -> None:
             ax.set_xlabel("forward rows per token (B+1)")
             ax.set_ylabel(ylabel)
             ax.set_title(f"ε = {eps:g}, δ = 1e-6, T = {result['max_new_tokens']}", fontsize=10)
-    axes[0][0].legend(fontsize=7)
-    axes[1][0].legend(fontsize=7)
+    for ax in axes.flat:
+        ax.legend(fontsize=6, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

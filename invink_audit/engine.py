@@ -98,7 +98,7 @@ from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest
 from invink_audit.rows import RowKV, StoredRow
 
-__all__ = ["DecodeStep", "Engine", "FinishedText", "ForwardStats", "RowForward", "default_max_batch_rows"]
+__all__ = ["DecodeStep", "Engine", "FinishedText", "ForwardStats", "GenericDecodeStep", "RowForward", "default_max_batch_rows"]
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
