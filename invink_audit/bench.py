@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
-from invink_audit.distributed import assign_batches, batch_cost, current_cluster
+from invink_audit.distributed import assign_batches, current_cluster, request_cost
 from invink_audit.engine import Engine, ForwardStats
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
 from invink_audit.models import LoadedModel, load_model
@@ -450,7 +450,7 @@ def benchmark(
         single_steps += single
     mine = None
     if cluster.distributed:
-        costs = {g: batch_cost([len(p) for p in _prompts([r])], max_new_tokens) for g, r in enumerate(requests)}
+        costs = {g: request_cost(r, max_new_tokens) for g, r in enumerate(requests)}
         mine = assign_batches(costs, cluster.world_size)[cluster.rank]
         cluster.agree(None)  # every process loaded: start the clocks together
     workload = _workload_run(engine, requests, max_new_tokens, loaded.device, indices=mine)

@@ -31,6 +31,7 @@ __all__ = [
     "current_cluster",
     "launch_rank",
     "launch_world_size",
+    "request_cost",
 ]
 
 #: How long a process waits for the others at a meeting point (rank 0 loading the model and charging,
@@ -258,3 +259,10 @@ def assign_batches(costs: Mapping[int, float], world_size: int) -> list[list[int
 def batch_cost(prompt_lengths: Sequence[int], max_new_tokens: int) -> float:
     """Estimated work of one batch: its prompt tokens (prefill) plus its rows times T (decoding)."""
     return float(sum(prompt_lengths) + len(prompt_lengths) * max_new_tokens)
+
+
+def request_cost(request, max_new_tokens: int) -> float:
+    """:func:`batch_cost` of a :class:`~invink_audit.prompts.TextRequest`: every one of its B + 1 rows
+    decodes (a null reference is a placeholder row with no prompt of its own)."""
+    lengths = [len(request.public_ids)] + [0 if ids is None else len(ids) for ids in request.private_ids]
+    return batch_cost(lengths, max_new_tokens)

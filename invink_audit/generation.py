@@ -77,8 +77,8 @@ from invink_audit.distributed import (
     RankFailure,
     ReleaseIncompleteError,
     assign_batches,
-    batch_cost,
     current_cluster,
+    request_cost,
 )
 from invink_audit.engine import Engine, FinishedText
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, derive_key, make_generator
@@ -960,7 +960,7 @@ class _Release:
                 raise
         if new_output:
             start_output(self.io_path, self.state, self.fingerprint, run, release_id)
-        costs = {i: batch_cost(_prompt_lengths(r), config.max_new_tokens) for i, r in self.requests.items()}
+        costs = {i: request_cost(r, config.max_new_tokens) for i, r in self.requests.items()}
         assignment = tuple(tuple(part) for part in assign_batches(costs, self.cluster.world_size))
         return _Admission(release_id, run, key, uuid.uuid4().hex[:12], assignment, len(self.done))
 
@@ -1048,34 +1048,36 @@ class _Release:
                 _LOG.warning("batch(es) %s had already been released by another process: their new texts were dropped", dropped)
         fresh = [text for r in reports for text in r.texts]
         texts = sorted([*self.done.values(), *fresh], key=lambda t: t.batch_index)
+        return self.result(
+            loaded.name, admission, texts, sum(r.stats.tokens for r in reports), seconds, tuple(r.stats for r in reports)
+        )
+
+    def result(self, model: str, admission: _Admission, texts, tokens: int, seconds: float, processes) -> GenerationResult:
+        """The :class:`GenerationResult` of this release: ``texts`` by batch index, what this run generated
+        (``tokens`` in ``seconds``, per process), and what the release was (plan, mechanism, template,
+        partition, labels)."""
         return GenerationResult(
             texts=tuple(texts),
             guarantee=self.guarantee,
             release_id=admission.release_id,
-            model=loaded.name,
+            model=model,
             prompt=self.template.name,
             num_references=self.partition.num_references,
             num_batches=self.num_batches,
             num_unused_references=self.partition.num_unused,
             num_resumed=admission.num_resumed,
-            tokens_generated=sum(r.stats.tokens for r in reports),
+            tokens_generated=tokens,
             seconds=seconds,
             seeded=self.seed is not None,
             output=str(self.output) if self.output is not None else None,
             rank=self.cluster.rank,
-            processes=tuple(r.stats for r in reports),
-            **self._identity(),
+            processes=tuple(processes),
+            plan=self.plan,
+            mechanism=self.mechanism,
+            template=self.template,
+            partition=self.partition,
+            labels=self.labels,
         )
-
-    def _identity(self) -> dict:
-        return {
-            "plan": self.plan,
-            "mechanism": self.mechanism,
-            "template": self.template,
-            "partition": self.partition,
-            "labels": self.labels,
-        }
-
 
 class ExternalRelease:
     """A release whose batches an external executor generates (Ray Data: :mod:`invink_audit.ray_release`).
@@ -1152,23 +1154,9 @@ class ExternalRelease:
             for text in fresh:
                 release.on_text(text)
         tokens = sum(t.num_tokens for t in fresh)
-        return GenerationResult(
-            texts=tuple(texts[i] for i in sorted(texts)),
-            guarantee=release.guarantee,
-            release_id=admission.release_id,
-            model=self.loaded.name,
-            prompt=release.template.name,
-            num_references=release.partition.num_references,
-            num_batches=release.num_batches,
-            num_unused_references=release.partition.num_unused,
-            num_resumed=admission.num_resumed,
-            tokens_generated=tokens,
-            seconds=seconds,
-            seeded=release.seed is not None,
-            output=str(release.output),
-            processes=(ProcessStats(0, "ray", len(fresh), tokens, seconds),),
-            **release._identity(),
-        )
+        ordered = [texts[i] for i in sorted(texts)]
+        stats = ProcessStats(0, "ray", len(fresh), tokens, seconds)
+        return release.result(self.loaded.name, admission, ordered, tokens, seconds, (stats,))
 
     def close(self) -> None:
         self.stack.close()
@@ -1210,10 +1198,6 @@ def _batch_template(template: PromptTemplate, labels, label_fields, index: int) 
 
 def _with_labels(text: GeneratedText, labels) -> GeneratedText:
     return text if labels is None else dataclasses.replace(text, labels=dict(labels[text.batch_index]))
-
-
-def _prompt_lengths(request: TextRequest) -> list[int]:
-    return [len(request.public_ids)] + [0 if ids is None else len(ids) for ids in request.private_ids]
 
 
 def _to_text(finished: FinishedText, loaded: LoadedModel) -> GeneratedText:
