@@ -17,6 +17,7 @@ communicates.
 from __future__ import annotations
 
 import dataclasses
+import atexit
 import datetime
 import heapq
 import os
@@ -162,6 +163,7 @@ class Cluster:
 
 
 _CLUSTER: Cluster | None = None
+_OWNED = False  # whether current_cluster initialised the default process group (and shutdown destroys it)
 
 
 #: Where launchers put a process's place: torchrun and ``accelerate launch --multi_gpu`` set the first
@@ -212,7 +214,7 @@ def _timeout() -> datetime.timedelta:
 def current_cluster() -> Cluster:
     """This process's :class:`Cluster`: initialises a gloo process group from the launcher's environment
     the first time (``WORLD_SIZE`` > 1), or uses the one the caller initialised."""
-    global _CLUSTER
+    global _CLUSTER, _OWNED
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -236,8 +238,29 @@ def current_cluster() -> Cluster:
         if name not in os.environ:
             raise ValueError(f"WORLD_SIZE={world} but {name} is not set: launch with torchrun or accelerate launch")
     dist.init_process_group(backend="gloo", timeout=_timeout(), rank=rank, world_size=world)
+    # a gloo group left for interpreter finalisation can abort the process (SIGABRT, "terminate called
+    # without an active exception": pytorch/pytorch#190489); the CLI shuts down explicitly, this covers
+    # library callers
+    _OWNED = True
+    atexit.register(shutdown)
     _CLUSTER = Cluster(rank, world, _env_int("LOCAL_RANK", rank), None)
     return _CLUSTER
+
+
+def shutdown() -> None:
+    """Destroy the process group :func:`current_cluster` initialised (a no-op otherwise, and the second
+    time). Called by the CLI when a command ends and at interpreter exit: a gloo group's worker threads
+    left to interpreter finalisation can abort the process after its work is done (pytorch/pytorch#190489,
+    seen here as a rank exiting with SIGABRT after a complete release). A group the caller initialised
+    is the caller's to destroy."""
+    global _CLUSTER, _OWNED
+    if not _OWNED:
+        return
+    import torch.distributed as dist
+
+    _CLUSTER, _OWNED = None, False
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def assign_batches(costs: Mapping[int, float], world_size: int) -> list[list[int]]:

@@ -91,6 +91,57 @@ def test_a_single_process_cluster_communicates_nothing():
         cluster.agree(KeyError("x"))
 
 
+def _cluster_then_shutdown(rank: int, port: int, queue) -> None:
+    os.environ.update({"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    import torch.distributed as dist
+
+    from invink_audit.distributed import current_cluster, shutdown
+
+    cluster = current_cluster()
+    gathered = cluster.gather(rank)
+    shutdown()
+    shutdown()  # the second call (the atexit handler after the CLI's) is a no-op
+    queue.put((rank, gathered, dist.is_initialized()))
+
+
+def test_the_process_group_the_cluster_created_is_destroyed_by_shutdown():
+    # a gloo group left to interpreter finalisation aborted a rank after a complete release (SIGABRT,
+    # "terminate called without an active exception", pytorch/pytorch#190489): the CLI destroys it
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [context.Process(target=_cluster_then_shutdown, args=(rank, port, queue)) for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    results = sorted(queue.get(timeout=120) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+    assert results == [(0, [0, 1], False), (1, None, False)]
+    assert [worker.exitcode for worker in workers] == [0, 0]
+
+
+def test_shutdown_leaves_a_process_group_the_caller_created(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    import invink_audit.distributed as distributed
+    from invink_audit.distributed import current_cluster, shutdown
+
+    monkeypatch.setattr(distributed, "_CLUSTER", None)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert current_cluster().world_size == 1
+        shutdown()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------------------------
 # the journal: first claim wins, across processes
 
@@ -264,7 +315,9 @@ def _launch(workload, tiny_dir, output, processes, *, extra=(), fault=None, seed
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    str(worker), *args]  # fmt: skip
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert "terminate called" not in done.stderr, done.stderr[-3000:]  # a rank aborted at exit
+    return done
 
 
 def _texts(output):

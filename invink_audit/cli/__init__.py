@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from accounting import BudgetExceededError
-    from invink_audit.distributed import ReleaseIncompleteError
+    from invink_audit.distributed import ReleaseIncompleteError, shutdown
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"invink-audit {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        shutdown()  # a process group left to interpreter exit can abort a rank after complete work
 
 
 def _silence_stdout() -> None:
