@@ -175,7 +175,7 @@ def test_hardest_case_source_is_the_worst_bounded_range_pair():
     loss = actual[0] - neigh[0, 0]
     eps0 = 2 * 0.5 / (4 * 1.0)
     assert float(loss.max() - loss.min()) == pytest.approx(eps0, abs=1e-12)
-    # t (loss of the up group) is about 0.53 eps0 (ACCOUNTING_NOTES.md)
+    # t (loss of the up group) is about 0.53 eps0 (docs/accounting_notes.md §8)
     assert float(loss[1]) / eps0 == pytest.approx(0.53, abs=0.03)
     # every other neighbour is null: identical distributions
     torch.testing.assert_close(neigh[0, 1:], actual.expand(3, -1), atol=1e-12, rtol=0)
@@ -245,7 +245,7 @@ def test_selftest_pass_on_correct_and_violation_on_every_mutant():
     assert result.coverage["passed"]
     by_name = {e.mechanism: e for e in result.entries}
     # what each mutant breaks, seen by the exact checks (an independent fact, not a statistic)
-    naive = by_name["naive-clipping"].sources[1]  # hardest-case: the factor 2 of paper Prop. 3
+    naive = by_name["naive-clipping"].sources[1]  # hardest-case: the factor 2 of paper Property 9
     assert naive["max_loss_range_over_epsilon0"] == pytest.approx(2.0, abs=1e-9)
     cold = by_name["low-temperature"].sources[1]
     assert cold["max_loss_range_over_epsilon0"] == pytest.approx(2.0, abs=1e-9)

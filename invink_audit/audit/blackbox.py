@@ -4,7 +4,7 @@ Trials alternate between the references *with* a canary in one slot and its repl
 neighbour (the slot emptied). Each output gets a score per scoring function; on the *selection*
 half of the trials the auditor picks the (score, threshold) that maximises the Clopper–Pearson ε
 lower bound, then computes the bound once on the held-out *evaluation* half (choosing the threshold
-on the same trials would inflate the bound: ../shared/AUDITING_NOTES.md, "Common faults").
+on the same trials would inflate the bound: docs/auditing_notes.md, "Common faults").
 
 The bound (DP-Sniper / Jagielski et al. 2020 style, :func:`invink_audit.audit.stats.epsilon_lower_bound`):
 :math:`\varepsilon \ge \log\frac{\underline{TPR}-\delta}{\overline{FPR}}` (and the complement), at the

@@ -9,10 +9,10 @@ log-probabilities under R and every R'_j from the same forward pass
 (:class:`~invink_audit.audit.whitebox.WhiteBoxRecorder`) and returns the text's sampling weights;
 the ``observer`` hook records the drawn tokens.
 
-Canaries (issue 5, "Canary neighbours"): text canaries are references placed in a slot (the audit of
-that slot's neighbour is R with canary vs R' with canary → null). The *logit-level hardest-case
-canary* realises the worst case of ../shared/ACCOUNTING_NOTES.md on the real model: its slot holds a
-null reference for the model, and at every step the auditor sets that row's logits to
+Canaries (docs/auditing_notes.md, "Canaries on a real model"): text canaries are references placed
+in a slot (the audit of that slot's neighbour is R with canary vs R' with canary → null). The
+*logit-level hardest-case canary* realises the worst case of docs/accounting_notes.md §8 on the real
+model: its slot holds a null reference for the model, and at every step the auditor sets that row's logits to
 :math:`\phi_{pub} \pm 4C` (clipped to exactly ±C), pushing up a group of tokens whose probability
 under the neighbour (canary → null) is the one closest to :data:`~invink_audit.audit.synthetic.HARDEST_PUBLIC_PROBABILITY`
 (≈ 0.45): the per-token privacy-loss pair :math:`(t, t-\varepsilon_0)`, :math:`t\approx0.53\varepsilon_0`
@@ -114,7 +114,7 @@ def hardest_case_row(
     Tokens are sorted by their probability under the neighbour (canary → null); the up group is the
     most probable prefix whose total probability is closest to ``target``. The row is
     :math:`\phi_{pub} + 4C` on the group and :math:`\phi_{pub} - 4C` elsewhere, so its clipped
-    difference is exactly :math:`\pm C` (DClip, paper Eq. (2)).
+    difference is exactly :math:`\pm C` (DClip, paper Eq. (3), eq:ourclip).
     """
     probs = torch.exp(neighbour_log_probs.to(torch.float64))
     sorted_p, order = torch.sort(probs, dim=-1, descending=True)

@@ -1,7 +1,7 @@
 """Typed audit reports and their renderings (JSON, Markdown, PNG plots).
 
 A report keeps the *a-priori* claim (what the accountant promised) and the *after-the-fact*
-measurements in separate, named fields (STYLE.md §4). ``to_dict`` is JSON-ready (``inf`` is written
+measurements in separate, named fields. ``to_dict`` is JSON-ready (``inf`` is written
 as the string ``"inf"``); ``write_report`` writes ``report.json``, ``report.md`` and the plots.
 Plots use matplotlib's Agg backend (no display needed).
 

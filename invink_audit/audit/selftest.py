@@ -1,4 +1,4 @@
-"""The auditor's self-test on planted bugs (issue 5, "Self-test on planted bugs") and on the paper's baselines.
+"""The auditor's self-test on planted bugs (docs/auditing_notes.md, "Testing the auditor") and on the paper's baselines.
 
 The white-box auditor runs on synthetic logit sources (:mod:`invink_audit.audit.synthetic`) against
 the correct InvisibleInk mechanism and four mutants; a working auditor says PASS for the first and

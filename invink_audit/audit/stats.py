@@ -5,16 +5,16 @@ white-box auditor (exact per-token log-probabilities) or on *trial outcomes* of 
 auditor, and every bound states its significance level: an interval at ``significance`` β holds
 with probability at least 1 − β (β is a significance level, 1 − β the confidence level).
 
-Estimators (notation of ../shared/AUDITING_NOTES.md):
+Estimators (notation of docs/auditing_notes.md):
 
-* plain Monte Carlo Rényi divergence (notes §3): with :math:`x\sim P`, :math:`L(x)=\log P(x)/P'(x)`,
+* plain Monte Carlo Rényi divergence (docs/auditing_notes.md §3): with :math:`x\sim P`, :math:`L(x)=\log P(x)/P'(x)`,
   :math:`D_\alpha(P\|P') = \frac{1}{\alpha-1}\log \mathbb E_P[e^{(\alpha-1)L}]`;
-* geometric-mixture importance sampling (notes §4): sampling every token from
+* geometric-mixture importance sampling (docs/auditing_notes.md §4): sampling every token from
   :math:`g_t\propto p_t^\alpha p_t'^{1-\alpha}` gives
   :math:`e^{(\alpha-1)D_\alpha(P\|P')} = \mathbb E_{G_\alpha}[e^{(\alpha-1)S}]` with
   :math:`S=\sum_t D_\alpha(p_t\|p'_t)` (the telescoping identity
   :math:`\prod_t p_t^\alpha p_t'^{1-\alpha} = \prod_t Z_t g_t`), a *bounded* integrand;
-* hockey-stick divergence (notes §5): :math:`\delta(\varepsilon) = \mathbb E_P[(1-e^{\varepsilon-L})_+]`.
+* hockey-stick divergence (docs/auditing_notes.md §5): :math:`\delta(\varepsilon) = \mathbb E_P[(1-e^{\varepsilon-L})_+]`.
 
 Confidence bounds on a mean:
 
@@ -347,7 +347,7 @@ def renyi_monte_carlo(
 ) -> RenyiEstimate:
     r"""Plain Monte Carlo estimate of :math:`D_\alpha(P\|P')` from privacy losses ``L(x), x ~ P``.
 
-    :math:`\hat D = \frac{1}{\alpha-1}\log \frac1n\sum_i e^{(\alpha-1)L_i}` (notes §3; consistent,
+    :math:`\hat D = \frac{1}{\alpha-1}\log \frac1n\sum_i e^{(\alpha-1)L_i}` (docs/auditing_notes.md §3; consistent,
     biased downwards for small n by Jensen). Interval: Anderson–DKW on :math:`Y=e^{(\alpha-1)L}\ge 0`;
     its lower end needs no assumption, its upper end needs an a-priori bound ``loss_upper`` on L
     (e.g. :math:`T\varepsilon_0` under the claimed per-token range) and is ``inf`` otherwise; with a
@@ -376,7 +376,7 @@ def renyi_importance_sampling(
     sum_upper: float,
     claimed: float | None = None,
 ) -> RenyiEstimate:
-    r"""Geometric-mixture importance-sampling estimate of :math:`D_\alpha(P\|P')` (notes §4).
+    r"""Geometric-mixture importance-sampling estimate of :math:`D_\alpha(P\|P')` (docs/auditing_notes.md §4).
 
     Input: for texts sampled token by token from :math:`g_t \propto p_t^\alpha p_t'^{1-\alpha}`, the
     sums :math:`S = \sum_t D_\alpha(p_t\|p'_t)` of the *exact* per-step divergences along each text.
@@ -601,7 +601,7 @@ def decide_verdict(
     exact_checks_run: bool,
     min_samples_met: bool = True,
 ) -> tuple[Verdict, list[TestResult], str]:
-    """Verdict of an audit (notes "Verdicts"); returns (verdict, tests with Holm decisions, reason).
+    """Verdict of an audit (docs/auditing_notes.md, "Verdicts"); returns (verdict, tests with Holm decisions, reason).
 
     * VIOLATION: an exact per-step check failed (a deterministic fact, no statistics), or Holm
       rejects some ``H0: quantity <= claimed`` at family-wise level ``significance``.

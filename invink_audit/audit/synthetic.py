@@ -6,7 +6,7 @@ self-tests and exact enumeration of whole output distributions run in seconds.
 
 * :class:`RandomSource`: random logit tables with a large spread (so that clipping binds, in both
   directions, for difference and naive clipping) and an EOS token.
-* :class:`HardestCaseSource`: the worst case of ../shared/ACCOUNTING_NOTES.md: one canary reference
+* :class:`HardestCaseSource`: the worst case of docs/accounting_notes.md §8: one canary reference
   moves its group of tokens by the full clip norm while every other reference is null (contributes
   exactly nothing); under the canary's neighbour the up-weighted group has probability
   :data:`HARDEST_PUBLIC_PROBABILITY` ≈ 0.45, i.e. the per-token privacy-loss pair is
@@ -16,8 +16,9 @@ A *mechanism* maps one step's logits to the next-token log-probabilities under `
 replace-by-null neighbour ``R'_j`` (:class:`invink_audit.mechanism.NeighbourLogProbs`), decides the
 token budget ``T`` from the references, and states the claim its accountant makes. Besides the
 correct InvisibleInk mechanism, :func:`mutants` builds the four planted bugs of the self-test
-(issue 5): naive clipping accounted as C/B; sampling temperature below the accounted one; a top-k
-set computed from the aggregated private logits; a data-dependent token budget.
+(docs/auditing_notes.md, "Testing the auditor"): naive clipping accounted as C/B; sampling
+temperature below the accounted one; a top-k set computed from the aggregated private logits; a
+data-dependent token budget.
 
 The token budget is part of the output: every text ends with EOS or, after ``T`` tokens, with an
 explicit STOP token (index ``V``), so that different budgets under R and R'_j are a support mismatch.
@@ -54,7 +55,7 @@ __all__ = [
     "enumerate_mechanism_outputs",
 ]
 
-#: public probability of the up-weighted outcome in the worst ε0-BR pair (ACCOUNTING_NOTES.md)
+#: public probability of the up-weighted outcome in the worst ε0-BR pair (docs/accounting_notes.md §8)
 HARDEST_PUBLIC_PROBABILITY = 0.45
 _DTYPE = torch.float64
 
@@ -134,7 +135,7 @@ class RandomSource(LogitSource):
 
 
 class HardestCaseSource(LogitSource):
-    r"""The worst case for one ε0-BR step, repeated at every step (ACCOUNTING_NOTES.md, last §).
+    r"""The worst case for one ε0-BR step, repeated at every step (docs/accounting_notes.md §8).
 
     Reference 0 is the canary: at every prefix it pushes the "up" group (every non-EOS token except
     token 0) up by ``push`` and token 0 down by ``push`` (``push`` ≫ C, so the clipped difference is
@@ -142,7 +143,8 @@ class HardestCaseSource(LogitSource):
     give the up group total probability ``up_probability`` (default 0.45) under the canary's
     neighbour (where the aggregate equals the public row), EOS probability ``eos_probability``, and
     are centred so that they lie outside ±``offset`` (naive clipping then also binds, in opposite
-    directions for the public and the canary rows, which is the factor-2 case of paper Prop. 3).
+    directions for the public and the canary rows, which is the factor-2 case of paper Property 9,
+    prop:amin-sens).
     """
 
     def __init__(
@@ -278,11 +280,12 @@ def _topk_of_each(log_probs: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def mutants(*, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int) -> list[SyntheticMechanism]:
-    """The four planted bugs of issue 5, each with the claim its (wrong) accountant would make."""
+    """The four planted bugs (docs/auditing_notes.md, "Testing the auditor"), each with the claim its
+    (wrong) accountant would make."""
     correct = _config(clip_norm, temperature, top_k, batch_size)
     out = []
     # (1) naive clipping (Amin et al. 2024) accounted with sensitivity C/B under replace-by-null, as
-    # the paper's baselines do (Appendix B.3.1): the true sensitivity is 2C/B (paper Prop. 3).
+    # the paper's baselines do (Appendix B.3.1): the true sensitivity is 2C/B (paper Property 9).
     naive = _config(clip_norm, temperature, None, batch_size, Clipping.NAIVE)
     wrong_sens = linf_sensitivity(clip_norm, batch_size, Clipping.NAIVE, Adjacency.ZERO_OUT)  # = C/B
     out.append(

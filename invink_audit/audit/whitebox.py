@@ -3,7 +3,7 @@ r"""White-box audit: exact per-step checks and sequence-level privacy-loss estim
 The generator exposes, at every decoding step, the exact next-token distribution under the
 references ``R`` and under every replace-by-null neighbour ``R'_j`` (reference ``j`` replaced by the
 empty string, whose logits are exactly the public row): :func:`invink_audit.mechanism.neighbour_log_probs`
-computes all of them from the same forward pass (../shared/AUDITING_NOTES.md, "Our advantage").
+computes all of them from the same forward pass (docs/auditing_notes.md, "Our advantage").
 This module turns that into an audit, independent of where the logits come from (a real model
 through the engine's observer, or the synthetic sources of :mod:`invink_audit.audit.synthetic`):
 
@@ -15,10 +15,10 @@ through the engine's observer, or the synthetic sources of :mod:`invink_audit.au
    the one-step bounded-range curve of the ``br-adaptive`` accountant (Dong, Durfee & Rogers 2020,
    Lemma 3.2). Any failure beyond :data:`EXACT_TOLERANCE` is a VIOLATION: no statistics needed.
 2. **exact sequence log-probabilities** :math:`\log P_R(x)` and :math:`\log P_{R'_j}(x)` of every text,
-   hence the exact privacy loss :math:`L_j(x)` (notes §2).
+   hence the exact privacy loss :math:`L_j(x)` (docs/auditing_notes.md §2).
 3. **sampling plans**: texts drawn from ``R`` (forward Monte Carlo), from ``R'_j`` (reverse Monte
    Carlo), and from the geometric mixtures :math:`g_t \propto p_t^\alpha p_t'^{1-\alpha}` (importance
-   sampling, notes §4), all in one batched decode; each text carries its own sampling target.
+   sampling, docs/auditing_notes.md §4), all in one batched decode; each text carries its own sampling target.
 
 The *stop* event is part of the output: a mechanism whose token budget differs between ``R`` and
 ``R'_j`` (data-dependent T) shows up as a support mismatch on the synthetic sources' STOP token.
@@ -337,7 +337,7 @@ def step_quantities(
     :math:`D_\alpha(p\|p') = \frac{1}{\alpha-1}\log\sum_y e^{\log p(y) + (\alpha-1) r(y)}`,
     :math:`D_\alpha(p'\|p) = \frac{1}{\alpha-1}\log\sum_y e^{\log p'(y) - (\alpha-1) r(y)}`
     (Rényi 1961; van Erven & Harremoës 2014, Eq. (1)), infinite on a support mismatch;
-    :math:`\delta(\varepsilon) = \sum_y (p(y) - e^\varepsilon p'(y))_+` (hockey stick, Barthe et al.).
+    :math:`\delta(\varepsilon) = \sum_y (p(y) - e^\varepsilon p'(y))_+` (the hockey-stick divergence).
     """
     if actual.ndim != 2 or neighbours.ndim != 3 or neighbours.shape[0] != actual.shape[0] or neighbours.shape[2] != actual.shape[1]:
         raise ValueError(
@@ -664,7 +664,7 @@ def _running_worst(state: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
 
 
 def _geometric_mixture(lp: torch.Tensor, lq: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    r"""Unnormalised log-weights of :math:`g \propto p^\alpha q^{1-\alpha}` (notes §4).
+    r"""Unnormalised log-weights of :math:`g \propto p^\alpha q^{1-\alpha}` (docs/auditing_notes.md §4).
 
     Where ``p > 0 = q`` the mixture is infinite (the divergence is); such rows put all their mass
     uniformly on those tokens, which is where the infinite loss lives.
