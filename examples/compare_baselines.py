@@ -9,7 +9,7 @@ place, 5-star restaurant reviews in file order) with
 * Amin et al. 2024 with the paper's accounting (C/B and 1/B under replace-by-null) and with the
   correct one (2C/B, 2/B): r = T/4 private tokens (the paper calibrates r ≈ T/4), SVT σ = 0.3, θ = 0.7
   (its re-implementation's defaults), clip norm planned for (ε, δ, r, B); infeasible cells produce nothing;
-* AdaPMixED (data-dependent guarantee, the paper's App. D.1 defaults) stopped at ε.
+* AdaPMixED (data-dependent guarantee, the paper's App. D.5 defaults) stopped at ε.
 
 Every method runs on the same batches of references (seed s uses batch s of each B: disjoint data,
 and its own randomness), one text per (method, ε, B + 1, seed). Utility: tokens generated, texts

@@ -1,6 +1,6 @@
 r"""Reading references and the data-independent partition into batches.
 
-Parallel composition across texts (paper Corollary 1) needs the batches to be *disjoint* and chosen
+Parallel composition across texts (paper Corollary 11, coro:parallel-batches) needs the batches to be *disjoint* and chosen
 *independently of the data*: the partition here takes references in input order, ``B`` at a time,
 and never drops, filters or reorders anything because of its content. An empty reference stays in
 its position as a null (it contributes exactly the public logits). References that do not fill a
@@ -194,7 +194,7 @@ class Partition:
 def partition_references(
     references: Sequence[str | None], batch_size: int, *, num_texts: int | None = None
 ) -> Partition:
-    """Split ``references`` into consecutive disjoint batches of ``batch_size`` (paper Corollary 1).
+    """Split ``references`` into consecutive disjoint batches of ``batch_size`` (paper Corollary 11).
 
     ``num_texts``: use the first ``num_texts`` batches (one text each); ``None`` uses every full batch.
     ``None`` references become ``""`` (null); nothing else is changed, dropped or reordered.
@@ -236,8 +236,8 @@ def partition_references(
 
 
 # --------------------------------------------------------------------------------------------
-# label-conditioned partition (paper App. D.2 (sec:datasets), Yelp: each text is generated from references of one
-# business category and star rating, and prompted with them)
+# label-conditioned partition (paper App. D.1 Table 4 (tab:prompts) and App. D.2 (sec:datasets), Yelp: each text is
+# generated from references of one business category and star rating, and prompted with them)
 
 
 @dataclasses.dataclass(frozen=True)

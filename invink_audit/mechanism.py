@@ -10,7 +10,7 @@ One step of Algorithm 1, given the next-token logits of the ``B`` private rows
    :math:`V_k^+ = \{y : \phi_{pub}(y) \ge \ell_k - 2C/B\}`, :math:`\ell_k` the k-th largest public logit;
 3. exponential mechanism: :math:`x_t \sim \mathrm{softmax}(\bar\phi[V_k^+] / \tau)`.
 
-(Equations are cited by their LaTeX labels in ``paper/invisibleink.tex``.)
+(Equations are cited by their LaTeX labels. ``docs/paper_map.md`` gives their numbers.)
 
 Every function here is pure: inputs are never modified, results stay on the inputs' device, nothing
 goes through numpy. Shapes follow the convention ``private_logits: (..., B, V)``,
@@ -26,7 +26,7 @@ input and the dense output); one step for 16 texts with ``B = 8``, ``V = 49152``
 ~13 ms on one CPU thread, ~35 ms with every neighbour's distribution.
 
 Privacy: the aggregate's ℓ∞ sensitivity is taken from :func:`accounting.linf_sensitivity` (paper
-Property 1 for DClip, Props. 2–3 for the other cells); the exponential mechanism with sensitivity
+Property 1 for DClip, Properties 12 and 9 for the other cells); the exponential mechanism with sensitivity
 :math:`\Delta` at temperature :math:`\tau` is :math:`\varepsilon_0 = 2\Delta/\tau` bounded-range
 per token (Durfee & Rogers 2019, arXiv:1905.04273) and hence :math:`\rho = \Delta^2 / (2\tau^2)`-zCDP
 (paper Eq. (rho-token); ε-BR ⇒ ε²/8-zCDP, Cesar & Rogers 2021, arXiv:2004.07223). Only the
@@ -209,7 +209,7 @@ class MechanismConfig:
 
     * :attr:`epsilon0` :math:`= 2\Delta/\tau`, the bounded-range parameter of one token
       (= its pure-DP ε; McSherry & Talwar 2007; Durfee & Rogers 2019, arXiv:1905.04273);
-    * :attr:`rho_token` :math:`= \Delta^2/(2\tau^2)` zCDP (paper Eq. (rho-token), Theorem 1;
+    * :attr:`rho_token` :math:`= \Delta^2/(2\tau^2)` zCDP (paper Eq. (rho-token), Theorem 2 (thm:accounting);
       equal to :math:`\varepsilon_0^2/8`, Cesar & Rogers 2021, arXiv:2004.07223).
     """
 
@@ -336,8 +336,8 @@ def dclip_aggregate(private_logits: torch.Tensor, public_logits: torch.Tensor, c
     Paper Eq. (aggregated-logits).
 
     ``private_logits`` (..., B, V), ``public_logits`` (..., V) → float64 (..., V). Its ℓ∞ sensitivity
-    is ``C/B`` under replace-by-null and ``2C/B`` under zero-out adjacency (paper Property 1 and
-    Prop. 2; :func:`accounting.linf_sensitivity`).
+    is ``C/B`` under replace-by-null and ``2C/B`` under zero-out adjacency (paper Properties 1
+    and 12; :func:`accounting.linf_sensitivity`).
     """
     c = _check_clip_norm(clip_norm)
     private, public = _check_pair(private_logits, public_logits)
@@ -349,7 +349,7 @@ def naive_clip_aggregate(private_logits: torch.Tensor, clip_norm: float, *, rece
     r"""Naive clipping of Amin et al. 2024: :math:`\frac1B \sum_i \mathrm{clip}_C(\phi_i)` (paper Eq. (amin-avg)).
 
     ``private_logits`` (..., B, V) → float64 (..., V). For baselines and audits. Its ℓ∞ sensitivity
-    is ``2C/B`` under replace-by-null (paper Prop. 3: the paper's experiments give this baseline
+    is ``2C/B`` under replace-by-null (paper Property 9: the paper's experiments give this baseline
     ``C/B`` on purpose) and ``C/B`` under zero-out.
 
     ``recenter=True`` first shifts each row so that its maximum is ``C`` (Amin et al.'s recentering,

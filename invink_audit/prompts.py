@@ -213,7 +213,8 @@ def get_preset(name: str | PromptTemplate, **fields: str) -> PromptTemplate:
 
 
 # --------------------------------------------------------------------------------------------
-# labels as public fields (label-conditioned generation, paper App. D.2 (sec:datasets), Yelp setup)
+# labels as public fields (label-conditioned generation; paper App. D.1, Table 4 (tab:prompts): Yelp prompts carry the
+# business category and review score; App. D.2 (sec:datasets), "Yelp Reviews": 10 categories x 5 scores)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_bracket_shrinks_with_lattice():
 
 
 def test_paper_clip_norms_certify_less_epsilon():
-    # ACCOUNTING_NOTES.md: the paper's C (B=7, tau=1.2, T=500, delta=1e-6) certify about 0.89/2.82/4.66/9.41
+    # docs/accounting_notes.md §5: the paper's C (B=7, tau=1.2, T=500, delta=1e-6) certify about 0.89/2.82/4.66/9.41
     expected = {0.08: 0.894, 0.23: 2.823, 0.36: 4.662, 0.66: 9.42}
     for clip_norm, eps in expected.items():
         eps0 = 2 * clip_norm / (7 * 1.2)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from accounting import epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
 
-# paper Table (B=7, tau=1.2, T=500, delta=1e-6) and ACCOUNTING_NOTES.md: C for eps = 1/3/5/10
+# paper Table 11 (tab:topk_stats) (B=7, tau=1.2, T=500, delta=1e-6) and docs/accounting_notes.md §5: C for eps = 1/3/5/10
 PAPER_CLIP_NORMS = {1.0: 0.0829, 3.0: 0.2285, 5.0: 0.3615, 10.0: 0.6591}
 PAPER_B, PAPER_TAU, PAPER_T, PAPER_DELTA = 7, 1.2, 500, 1e-6
 CLIP_NORM_ABS_TOL = 5e-5  # the notes give 4 digits

@@ -21,7 +21,7 @@ tokens = st.integers(min_value=1, max_value=4096)
 @given(clip_norms, batches, temperatures, tokens, st.integers(min_value=1, max_value=4))
 def test_the_event_matches_the_papers_closed_form(clip_norm, batch_size, temperature, max_new_tokens, texts):
     event = GenerationEvent(clip_norm, batch_size, temperature, max_new_tokens, texts)
-    # paper Theorem 1 (difference clipping, replace-by-null): rho_tok = C^2 / (2 B^2 tau^2), eps0 = 2C/(B tau)
+    # paper Theorem 2 (thm:accounting) (difference clipping, replace-by-null): rho_tok = C^2 / (2 B^2 tau^2), eps0 = 2C/(B tau)
     assert event.epsilon0 == pytest.approx(2 * clip_norm / (batch_size * temperature), rel=1e-12)
     assert event.rho_token == pytest.approx(clip_norm**2 / (2 * batch_size**2 * temperature**2), rel=1e-12)
     assert event.rho_sequence == pytest.approx(texts * max_new_tokens * event.rho_token, rel=1e-12)

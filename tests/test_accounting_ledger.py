@@ -43,7 +43,7 @@ def test_parallel_batches_cost_once_reuse_costs_again(ledger):
     many = ledger.preview(_release(num_batches=1000))
     one = ledger.preview(_release(num_batches=1))
     twice = ledger.preview(_release(texts_per_batch=2))
-    assert many == one  # disjoint batches compose in parallel (paper Corollary 1)
+    assert many == one  # disjoint batches compose in parallel (paper Corollary 11, coro:parallel-batches)
     assert twice == pytest.approx(composed_epsilon(1e-6, _release().epsilon0, 100, "cks"))
     assert twice > one
 

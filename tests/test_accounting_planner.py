@@ -36,7 +36,7 @@ def test_cks_reproduces_paper_and_br_adaptive_beats_it(epsilon):
     assert cks.clip_norm == pytest.approx(PAPER_CLIP_NORMS[epsilon], abs=5e-5)
     assert br.clip_norm >= BR_MIN_GAIN * cks.clip_norm
     assert bs.clip_norm < cks.clip_norm
-    # rho_token = C^2 / (2 B^2 tau^2) (paper Theorem 1)
+    # rho_token = C^2 / (2 B^2 tau^2) (paper Theorem 2, thm:accounting)
     assert br.rho_token == pytest.approx(br.clip_norm**2 / (2 * 7**2 * 1.2**2), rel=1e-12)
     assert br.rho_sequence == pytest.approx(500 * br.rho_token, rel=1e-12)
     # the forward map at the planned C reports no more than the target
@@ -102,7 +102,7 @@ def test_max_new_tokens_br_adaptive_paper_setting():
     br = plan_max_new_tokens(epsilon=1.0, delta=1e-6, clip_norm=0.0829, batch_size=7, temperature=1.2)
     eps0 = 2 * 0.0829 / (7 * 1.2)
     assert cks.max_new_tokens == 500
-    # ACCOUNTING_NOTES.md: about 11-15% more tokens at fixed C
+    # docs/accounting_notes.md §4: about 11-15% more tokens at fixed C
     assert 1.10 * 500 <= br.max_new_tokens <= 1.16 * 500
     assert fits_budget(1.0, 1e-6, eps0, br.max_new_tokens, "br-adaptive")
     assert not fits_budget(1.0, 1e-6, eps0, br.max_new_tokens + 1, "br-adaptive")

@@ -1,7 +1,7 @@
 """AdaPMixED (invink_audit.mechanisms.adapmixed) against independent computations.
 
 * one step: a numpy re-implementation (softmaxes, mixing weights by scipy's brentq on the symmetric
-  Rényi divergence, the mixture, the replace-by-null data-dependent cost of paper App. B.3.2);
+  Rényi divergence, the mixture, the replace-by-null data-dependent cost of paper App. E.5);
 * exact (audit) mode: every neighbour's distribution and cost equal the mechanism recomputed on the
   neighbour dataset (row j replaced by the public row);
 * the accountant: the screening's ℓ2 sensitivity by brute force and attained, the RDP → (ε, δ)

@@ -149,7 +149,7 @@ def test_label_field_rules():
 def test_yelp_file_partition():
     refs = read_labelled_references(YELP, label_columns=["label1", "label2"])
     part = partition_by_labels(refs.texts, refs.labels, 7, num_texts_per_group=2)
-    assert len(part.groups) == 50  # 10 categories x 5 star ratings (paper Appendix C, "Yelp Reviews")
+    assert len(part.groups) == 50  # 10 categories x 5 star ratings (paper App. D.2, "Yelp Reviews")
     for batch in part.batches:
         assert all(dict(refs.labels[p]) == dict(batch.labels) for p in batch.positions)
         template_for_labels(get_preset("yelp"), batch.labels).user_message(batch.references[0])

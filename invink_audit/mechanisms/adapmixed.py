@@ -1,11 +1,12 @@
-r"""AdaPMixED (Flemings, Razaviyayn & Annavaram 2024, "Differentially Private Next-Token Prediction of
-Large Language Models", NAACL, arXiv:2403.15638) adapted to text generation as in the InvisibleInk
-paper (§5 "Baselines", App. B.3.2, App. D.1): a :class:`~invink_audit.mechanisms.base.Mechanism`.
+r"""AdaPMixED (Flemings, Razaviyayn & Annavaram 2024, "Adaptively Private Next-Token Prediction of
+Large Language Models", arXiv:2410.02016; the successor of their PMixED, NAACL 2024, arXiv:2403.15638)
+adapted to text generation as in the InvisibleInk paper (§5 "Baselines and Hyperparameters",
+App. B.3.2, D.5, E.5): a :class:`~invink_audit.mechanisms.base.Mechanism`.
 
 **Its guarantee is data-dependent**: the privacy spend is computed from the references themselves,
 holds only for the dataset it was computed on, and is never certified a priori (paper App. B.3.2).
 
-Adaptation (paper App. D.1): each reference-conditioned prompt is one ensemble *member*
+Adaptation (paper App. D.5, "AdaPMixED"): each reference-conditioned prompt is one ensemble *member*
 (:math:`p_i = \mathrm{softmax}(\phi_i/\tau)`, ``N = B`` members), the public prompt is the "pretrained
 model" :math:`p_0 = \mathrm{softmax}(\phi_{pub}/\tau)`, and tokens are drawn one at a time from the
 predicted next-token distribution. One step (Flemings et al. Alg. 1):
@@ -23,15 +24,15 @@ predicted next-token distribution. One step (Flemings et al. Alg. 1):
    (found by bisection: :math:`D^{sym}_\alpha` is non-decreasing in λ because Rényi divergence is
    jointly quasi-convex, van Erven & Harremoës 2014, Thm. 13); release a token from
    :math:`p = \frac1N\sum_i\bar p_i` (*mixed*).
-3. **Data-dependent accounting** under replace-by-null (paper App. B.3.2, the modified Alg. 1
-   line 15): :math:`p_{-i} = \frac1N(\sum_{j\ne i}\bar p_j + p_0)` and the step costs
+3. **Data-dependent accounting** under replace-by-null (paper App. E.5: the modified Alg. 1
+   line 15; the data-dependent guarantee is defined in App. B.3.2): :math:`p_{-i} = \frac1N(\sum_{j\ne i}\bar p_j + p_0)` and the step costs
    :math:`\max_i D^{sym}_\alpha(p_{-i}, p)` more when mixed. The running RDP spend at order α
    converts to :math:`\varepsilon = D + \log(1-1/\alpha) - (\log\delta + \log\alpha)/(\alpha-1)`
    (Balle et al. 2020, Thm. 21; Canonne, Kamath & Steinke 2020, Prop. 12).
 4. **Stop rule**: before releasing, if the spend after this step would exceed the budget ε, the
    text ends without the token (the re-implementation's order of operations).
 
-Defaults follow the paper (App. D.1: τ = 1, σ = 0.01, λ_s = 1e-4; the rest from Flemings et al.'s
+Defaults follow the paper (App. D.5: τ = 1, σ = 0.01, λ_s = 1e-4; the rest from Flemings et al.'s
 PubMed defaults as the paper's re-implementation ``cerai-iitm/InvisibleInk-Experiments``
 ``generate_adapmixed.py`` sets them: α = 15, β = 0.3, k = 60, threshold 4.5). Where that
 re-implementation departs from the method we follow the method and say so:
@@ -268,7 +269,7 @@ class AdaPMixEDMechanism(Mechanism):
 
     def _mixing_cost(self, mixed: torch.Tensor, p: torch.Tensor, p0: torch.Tensor) -> torch.Tensor:
         r"""Replace-by-null data-dependent cost :math:`\max_i D^{sym}_\alpha(p_{-i}, p)`,
-        :math:`p_{-i} = p + (p_0 - \bar p_i)/N` (paper App. B.3.2), shape ``p.shape[:-1]``."""
+        :math:`p_{-i} = p + (p_0 - \bar p_i)/N` (paper App. E.5), shape ``p.shape[:-1]``."""
         n = mixed.shape[-2]
         total = mixed.sum(dim=-2, keepdim=True)
         # (Σ_{j≠i} p̄_j + p_0)/N; the difference is ≥ 0 in exact arithmetic (clamped against rounding)

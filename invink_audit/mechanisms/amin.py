@@ -51,7 +51,7 @@ Where the paper and its public re-implementation (``cerai-iitm/InvisibleInk-Expe
   guarantee for ``r`` private tokens (the stop rule makes it a bound for every text).
 
 Defaults θ = 0.7, σ = 0.3, r = 100, τ = τ_pub = 1 are the re-implementation's command-line defaults
-(the paper's App. D.1 states r = 100 and tunes τ ∈ {0.8, 1.0, 1.2}).
+(the paper's App. D.5, "Amin et al.", Table 9 (tab:hp_amin), states r = 100 and tunes τ ∈ {0.8, 1.0, 1.2}).
 """
 
 from __future__ import annotations

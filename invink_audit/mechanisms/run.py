@@ -1,7 +1,7 @@
 r"""Generate texts with any :class:`~invink_audit.mechanisms.Mechanism` (comparisons, audits, examples).
 
 :func:`generate_with_mechanism` partitions the references into disjoint batches of ``B`` in input
-order (:func:`invink_audit.data.partition_references`, paper Corollary 1), encodes each batch with
+order (:func:`invink_audit.data.partition_references`, paper Corollary 11 (coro:parallel-batches)), encodes each batch with
 a prompt preset and runs the engine with the mechanism in its sampled state (as deployed), one text
 per batch. It returns the texts with their modes (e.g. which tokens were private), finish reasons
 (a mechanism's stop rule ends a text with ``"budget"``) and, for a data-dependent mechanism, the
