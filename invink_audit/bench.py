@@ -384,6 +384,149 @@ def _left_padded_efficiency(requests, max_batch_rows: int) -> float:
     return sum(len(p) for p in prompts) / processed
 
 
+def _check_counts(**counts: tuple[int, int]) -> None:
+    """Each ``name=(value, minimum)`` must be an integer (not a bool) >= its minimum."""
+    for name, (value, minimum) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+
+
+def _reference_pool(references: Sequence[str] | None) -> list[str]:
+    """The private texts to cycle through: ``references``, or the shipped demo dataset's non-empty texts."""
+    return list(references) if references is not None else [r for r in demo_references() if r]
+
+
+def _workload_texts(pool: Sequence[str], batch_size: int, num_texts: int) -> list[list[str]]:
+    """The references of each of ``num_texts`` texts: ``batch_size`` at a time from ``pool``, cycled when short."""
+    return [[pool[(g * batch_size + i) % len(pool)] for i in range(batch_size)] for g in range(num_texts)]
+
+
+def _encode_workload(loaded: LoadedModel, template: PromptTemplate, texts: list[list[str]]) -> tuple[list, bool]:
+    """One request per text (key = its index), and whether the prompts are plain text (no chat template)."""
+    plain = getattr(loaded.tokenizer, "chat_template", None) is None
+    requests = [encode_request(loaded.tokenizer, template, batch, key=g, plain=plain) for g, batch in enumerate(texts)]
+    return requests, plain
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+    """Medians of the lockstep step measurements (NaN when none were taken, ``repeats=0``)."""
+
+    private: float
+    forward: float
+    single: float
+
+    def fields(self, num_texts: int) -> dict:
+        """The :class:`BenchResult` fields of the lockstep measurements."""
+        return {
+            "private_step_seconds": self.private,
+            "forward_step_seconds": self.forward,
+            "overhead_ratio": self.private / self.forward,
+            "tokens_per_second": num_texts / self.private,
+            "nonprivate_step_seconds": self.single,
+            "relative_to_nonprivate": (self.private / num_texts) / self.single,
+        }
+
+
+def _lockstep_steps(engine: Engine, requests, max_new_tokens: int, temperature: float, device, repeats: int) -> _Steps:
+    """``repeats`` interleaved runs (:func:`_interleaved_run`), summarised by their medians."""
+    private_steps, forward_steps, single_steps = [], [], []
+    for _ in range(repeats):
+        private, forward, single = _interleaved_run(engine, requests, max_new_tokens, temperature, device)
+        private_steps += private
+        forward_steps += forward
+        single_steps += single
+
+    def median(steps: list[float]) -> float:
+        return statistics.median(steps) if steps else math.nan
+
+    return _Steps(median(private_steps), median(forward_steps), median(single_steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class _SharedWorkload:
+    """The workload run: this process's run, every process's figures, and the totals reported."""
+
+    run: _Workload
+    processes: tuple[dict, ...]
+    seconds: float  # the slowest process's (this process's when not distributed)
+    tokens: int  # all processes' together
+
+
+def _shared_workload(cluster, engine: Engine, requests, max_new_tokens: int, device) -> _SharedWorkload:
+    """Run the workload, its texts shared by the processes when distributed (whole texts, balanced by cost)."""
+    mine = None
+    if cluster.distributed:
+        costs = {g: request_cost(r, max_new_tokens) for g, r in enumerate(requests)}
+        mine = assign_batches(costs, cluster.world_size)[cluster.rank]
+        cluster.agree(None)  # every process loaded: start the clocks together
+    workload = _workload_run(engine, requests, max_new_tokens, device, indices=mine)
+    processes = cluster.gather(
+        {"rank": cluster.rank, "device": str(device), "texts": len(requests) if mine is None else len(mine),
+         "tokens": workload.tokens, "seconds": workload.seconds}
+    )  # fmt: skip
+    processes = tuple(processes or ())
+    seconds = max(p["seconds"] for p in processes) if processes else workload.seconds
+    tokens = sum(p["tokens"] for p in processes) if processes else workload.tokens
+    return _SharedWorkload(workload, processes, seconds, tokens)
+
+
+def _efficiency_fields(stats: ForwardStats, requests, max_batch_rows: int) -> dict:
+    """The :class:`BenchResult` fields of the workload's forward passes: prefill/decode split and efficiencies."""
+    prompt_lengths = [len(p) for p in _prompts(requests)]
+    padded = _left_padded_efficiency(requests, max_batch_rows)
+    return {
+        "prefill_seconds": stats.prefill_seconds,
+        "decode_forward_seconds": stats.decode_seconds,
+        "prompt_tokens": sum(prompt_lengths),
+        "longest_prompt": max(prompt_lengths),
+        # real / processed: no padded token is ever processed (the shared template prefix makes the
+        # tokens computed fewer than the prompt tokens: prefill_tokens_computed)
+        "prefill_efficiency": min(1.0, sum(prompt_lengths) / max(stats.prefill_tokens, 1)),
+        "prefill_tokens_computed": stats.prefill_tokens,
+        "decode_row_efficiency": stats.decode_rows / max(stats.decode_rows + stats.placeholder_rows, 1),
+        "kv_efficiency": stats.kv_tokens / max(stats.kv_processed, 1),
+        "left_padded_prefill_efficiency": padded,
+        "left_padded_kv_efficiency": padded,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Comparisons:
+    """The optional runs the workload is compared with (``None``: not run)."""
+
+    one_at_a_time: _Workload | None
+    floor: _Floor | None
+    full_logits: _Workload | None
+
+    def fields(self) -> dict:
+        """The :class:`BenchResult` fields of the comparison runs (NaN seconds and 0 tokens when not run)."""
+        alone, bare, full = self.one_at_a_time, self.floor, self.full_logits
+        return {
+            "one_at_a_time_seconds": alone.seconds if alone else math.nan,
+            "one_at_a_time_tokens": alone.tokens if alone else 0,
+            "floor_prefill_seconds": bare.prefill_seconds if bare else math.nan,
+            "floor_decode_seconds": bare.decode_seconds if bare else math.nan,
+            "full_logits_seconds": full.seconds if full else math.nan,
+            "full_logits_tokens": full.tokens if full else 0,
+        }
+
+
+def _comparison_runs(
+    engine: Engine, requests, max_new_tokens: int, text_tokens: Sequence[int], *, one_at_a_time: bool, floor: bool,
+    compare_full_logits: bool,
+) -> _Comparisons:  # fmt: skip
+    """One text per call, the bare forward floor, and full private logits, each when asked for (in that order)."""
+    device = engine.model.device
+    alone = _workload_run(engine, requests, max_new_tokens, device, one_at_a_time=True) if one_at_a_time else None
+    bare = _floor_run(engine, requests, text_tokens, device) if floor else None
+    full = None
+    if compare_full_logits:
+        full_engine = Engine(engine.model, engine.mechanism, max_batch_rows=engine.max_batch_rows, support_only=False)
+        full = _workload_run(full_engine, requests, max_new_tokens, device)
+    return _Comparisons(alone, bare, full)
+
+
 def benchmark(
     model: str | LoadedModel | None = None,
     *,
@@ -412,15 +555,8 @@ def benchmark(
     to show what the Top-k+ columns save. A model whose tokenizer has no chat template (a base model)
     gets plain-text prompts (:func:`~invink_audit.prompts.encode_messages` with ``plain=True``).
     """
-    for name, value, minimum in (
-        ("batch_size", batch_size, 1),
-        ("max_new_tokens", max_new_tokens, 3),
-        ("num_texts", num_texts, 1),
-        ("repeats", repeats, 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    pool = list(references) if references is not None else [r for r in demo_references() if r]
+    _check_counts(batch_size=(batch_size, 1), max_new_tokens=(max_new_tokens, 3), num_texts=(num_texts, 1), repeats=(repeats, 0))
+    pool = _reference_pool(references)
     if not pool or not any(pool):
         raise ValueError("references must hold at least one non-empty text")
     cluster = current_cluster()
@@ -430,50 +566,13 @@ def benchmark(
     mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     rows = num_texts * (batch_size + 1)
     engine = Engine(loaded, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
-    template = get_preset(prompt)
-    plain = getattr(loaded.tokenizer, "chat_template", None) is None
-    requests = [
-        encode_request(
-            loaded.tokenizer,
-            template,
-            [pool[(g * batch_size + i) % len(pool)] for i in range(batch_size)],
-            key=g,
-            plain=plain,
-        )
-        for g in range(num_texts)
-    ]
-    private_steps, forward_steps, single_steps = [], [], []
-    for _ in range(repeats):
-        private, forward, single = _interleaved_run(engine, requests, max_new_tokens, temperature, loaded.device)
-        private_steps += private
-        forward_steps += forward
-        single_steps += single
-    mine = None
-    if cluster.distributed:
-        costs = {g: request_cost(r, max_new_tokens) for g, r in enumerate(requests)}
-        mine = assign_batches(costs, cluster.world_size)[cluster.rank]
-        cluster.agree(None)  # every process loaded: start the clocks together
-    workload = _workload_run(engine, requests, max_new_tokens, loaded.device, indices=mine)
-    processes = cluster.gather(
-        {"rank": cluster.rank, "device": str(loaded.device), "texts": len(requests) if mine is None else len(mine),
-         "tokens": workload.tokens, "seconds": workload.seconds}
+    requests, plain = _encode_workload(loaded, get_preset(prompt), _workload_texts(pool, batch_size, num_texts))
+    steps = _lockstep_steps(engine, requests, max_new_tokens, temperature, loaded.device, repeats)
+    workload = _shared_workload(cluster, engine, requests, max_new_tokens, loaded.device)
+    comparisons = _comparison_runs(
+        engine, requests, max_new_tokens, workload.run.text_tokens, one_at_a_time=one_at_a_time, floor=floor,
+        compare_full_logits=compare_full_logits,
     )  # fmt: skip
-    processes = tuple(processes or ())
-    workload_seconds = max(p["seconds"] for p in processes) if processes else workload.seconds
-    workload_tokens = sum(p["tokens"] for p in processes) if processes else workload.tokens
-    alone = _workload_run(engine, requests, max_new_tokens, loaded.device, one_at_a_time=True) if one_at_a_time else None
-    bare = _floor_run(engine, requests, workload.text_tokens, loaded.device) if floor else None
-    full = None
-    if compare_full_logits:
-        full_engine = Engine(loaded, mechanism, max_batch_rows=engine.max_batch_rows, support_only=False)
-        full = _workload_run(full_engine, requests, max_new_tokens, loaded.device)
-    stats = workload.stats
-    padded = _left_padded_efficiency(requests, engine.max_batch_rows)
-    median = statistics.median
-    private = median(private_steps) if private_steps else math.nan
-    forward = median(forward_steps) if forward_steps else math.nan
-    single = median(single_steps) if single_steps else math.nan
-    prompt_lengths = [len(p) for p in _prompts(requests)]
     return BenchResult(
         model=loaded.name,
         device=str(loaded.device),
@@ -484,38 +583,66 @@ def benchmark(
         max_new_tokens=max_new_tokens,
         rows_per_step=rows,
         repeats=repeats,
-        private_step_seconds=private,
-        forward_step_seconds=forward,
-        overhead_ratio=private / forward,
-        tokens_per_second=num_texts / private,
-        nonprivate_step_seconds=single,
-        relative_to_nonprivate=(private / num_texts) / single,
-        workload_seconds=workload_seconds,
-        workload_tokens=workload_tokens,
-        prefill_seconds=stats.prefill_seconds,
-        decode_forward_seconds=stats.decode_seconds,
-        prompt_tokens=sum(prompt_lengths),
-        longest_prompt=max(prompt_lengths),
-        # real / processed: no padded token is ever processed (the shared template prefix makes the
-        # tokens computed fewer than the prompt tokens: prefill_tokens_computed)
-        prefill_efficiency=min(1.0, sum(prompt_lengths) / max(stats.prefill_tokens, 1)),
-        prefill_tokens_computed=stats.prefill_tokens,
-        decode_row_efficiency=stats.decode_rows / max(stats.decode_rows + stats.placeholder_rows, 1),
-        kv_efficiency=stats.kv_tokens / max(stats.kv_processed, 1),
-        left_padded_prefill_efficiency=padded,
-        left_padded_kv_efficiency=padded,
-        one_at_a_time_seconds=alone.seconds if alone else math.nan,
-        one_at_a_time_tokens=alone.tokens if alone else 0,
-        floor_prefill_seconds=bare.prefill_seconds if bare else math.nan,
-        floor_decode_seconds=bare.decode_seconds if bare else math.nan,
+        **steps.fields(num_texts),
+        workload_seconds=workload.seconds,
+        workload_tokens=workload.tokens,
+        **_efficiency_fields(workload.run.stats, requests, engine.max_batch_rows),
+        **comparisons.fields(),
         support_only=engine.support_only,
         vocab_size=loaded.vocab_size,
-        full_logits_seconds=full.seconds if full else math.nan,
-        full_logits_tokens=full.tokens if full else 0,
         plain_prompts=plain,
-        processes=processes if cluster.distributed else (),
+        processes=workload.processes if cluster.distributed else (),
         rank=cluster.rank,
     )
+
+
+def _positional_prompts(template: PromptTemplate) -> tuple[str, str, str]:
+    """``template`` in the reference package's positional format: (dataset description, private, public)."""
+    description = template.fields.get("description", "")
+    private = template.private.replace("{description}", "{0}").replace("{reference}", "{1}")
+    public = template.public.replace("{description}", "{0}")
+    return description, private, public
+
+
+@dataclasses.dataclass
+class _ReferenceClock:
+    """What the reference package's patched hooks measure: model loading, its decode loop, its model's dtype."""
+
+    loading: list[float] = dataclasses.field(default_factory=list)
+    loop: list[float] = dataclasses.field(default_factory=list)
+    dtypes: list[str] = dataclasses.field(default_factory=list)
+
+    def timed_load(self, load):
+        """``load`` (its ``load_hf_model``), timed, recording the loaded model's dtype."""
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                model = load(*args, **kwargs)
+            finally:
+                self.loading.append(time.perf_counter() - started)
+            self.dtypes.append(str(model.dtype).removeprefix("torch."))
+            return model
+
+        return timed
+
+    def timed_loop(self, iterable, *args, **kwargs):
+        """Stands in for its ``tqdm``: the loop over its texts, timed from first to last."""
+        started = time.perf_counter()
+        yield from iterable
+        self.loop.append(time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _clocked(reference):
+    """Patch the reference module's ``load_hf_model`` and ``tqdm`` with a :class:`_ReferenceClock`'s, undone on exit."""
+    clock = _ReferenceClock()
+    original_load, original_tqdm = reference.load_hf_model, reference.tqdm
+    reference.load_hf_model, reference.tqdm = clock.timed_load(original_load), clock.timed_loop
+    try:
+        yield clock
+    finally:
+        reference.load_hf_model, reference.tqdm = original_load, original_tqdm
 
 
 def time_reference(
@@ -548,37 +675,11 @@ def time_reference(
     reference = importlib.import_module("invink.generate")  # ImportError: not installed
 
     template = get_preset(template)
-    description = template.fields.get("description", "")
-    private = template.private.replace("{description}", "{0}").replace("{reference}", "{1}")
-    public = template.public.replace("{description}", "{0}")
-    pool = list(references) if references is not None else [r for r in demo_references() if r]
-    texts = [pool[i % len(pool)] for i in range(num_texts * batch_size)]
-
-    loading, loop, dtypes = [], [], []
-    original_load, original_tqdm = reference.load_hf_model, reference.tqdm
-
-    def timed_load(*args, **kwargs):
+    description, private, public = _positional_prompts(template)
+    texts = [text for batch in _workload_texts(_reference_pool(references), batch_size, num_texts) for text in batch]
+    options = {name: value for name, value in (("dtype", dtype), ("device_map", device_map)) if value is not None}
+    with _clocked(reference) as clock:
         started = time.perf_counter()
-        try:
-            model = original_load(*args, **kwargs)
-        finally:
-            loading.append(time.perf_counter() - started)
-        dtypes.append(str(model.dtype).removeprefix("torch."))
-        return model
-
-    def timed_loop(iterable, *args, **kwargs):
-        started = time.perf_counter()
-        yield from iterable
-        loop.append(time.perf_counter() - started)
-
-    reference.load_hf_model, reference.tqdm = timed_load, timed_loop
-    options = {}
-    if dtype is not None:
-        options["dtype"] = dtype
-    if device_map is not None:
-        options["device_map"] = device_map
-    started = time.perf_counter()
-    try:
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = reference.generate(
@@ -600,19 +701,17 @@ def time_reference(
                 random_seed=0,
                 **options,
             )
-    finally:
-        reference.load_hf_model, reference.tqdm = original_load, original_tqdm
     total = time.perf_counter() - started
-    if len(loop) != 1:
+    if len(clock.loop) != 1:
         raise RuntimeError("could not time the reference package's decode loop (its tqdm loop was not used)")
     tokens = int(sum(out.lens))
     return ReferenceTiming(
-        token_seconds=loop[0] / tokens,
+        token_seconds=clock.loop[0] / tokens,
         tokens=tokens,
-        seconds=loop[0],
-        setup_seconds=total - loop[0] - sum(loading),
+        seconds=clock.loop[0],
+        setup_seconds=total - clock.loop[0] - sum(clock.loading),
         version=importlib.metadata.version("invink") if _has_metadata("invink") else "unknown",
-        dtype=dtypes[0] if dtypes else "unknown",
+        dtype=clock.dtypes[0] if clock.dtypes else "unknown",
         requested_dtype=dtype,
         requested_device_map=device_map,
     )
