@@ -14,18 +14,24 @@ Exact per-step failures are facts, not tests: one of them is a VIOLATION.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
 from invink_audit.audit import stats
 from invink_audit.audit.report import (
     AccountantComparison,
+    AuditTimings,
     DeltaEstimate,
+    LossHistogram,
+    ReportedClaim,
     SequenceEstimate,
     StepCheckSummary,
     WhiteBoxReport,
+    WorstNeighbour,
 )
 from invink_audit.audit.whitebox import (
     KIND_ACTUAL,
@@ -111,63 +117,46 @@ def _rdp_to_epsilon(alphas, rdp, delta) -> float:
     return float(eps)
 
 
-def _histogram(losses: np.ndarray, neighbour: int) -> dict:
+def _histogram(losses: np.ndarray, neighbour: int) -> LossHistogram:
     finite = losses[np.isfinite(losses)]
     if finite.size == 0:
-        return {"neighbour": neighbour, "edges": [], "counts": [], "num_infinite": int(losses.size)}
+        return LossHistogram(neighbour, (), (), int(losses.size))
     lo, hi = float(finite.min()), float(finite.max())
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
     counts, edges = np.histogram(finite, bins=30, range=(lo, hi))
-    return {
-        "neighbour": neighbour,
-        "edges": edges.tolist(),
-        "counts": counts.tolist(),
-        "num_infinite": int((~np.isfinite(losses)).sum()),
-        "mean": float(finite.mean()),
-    }
+    return LossHistogram(
+        neighbour, tuple(edges.tolist()), tuple(counts.tolist()), int((~np.isfinite(losses)).sum()), float(finite.mean())
+    )
 
 
-def analyse(
-    rec: RecordedAudit,
-    *,
-    mechanism: str,
-    source: str,
-    canaries: dict | None = None,
-    neighbour_labels: dict | None = None,
-    prefix_decoder=None,
-    exact=None,
-    timings: dict | None = None,
-    settings: dict | None = None,
-    notes: tuple[str, ...] = (),
-    claim_details: dict | None = None,
-) -> WhiteBoxReport:
-    """Turn a :class:`RecordedAudit` into a :class:`WhiteBoxReport` with a verdict.
+@dataclasses.dataclass(frozen=True)
+class _Estimate:
+    """One sequence-level Rényi estimate before the Holm decisions."""
 
-    ``prefix_decoder(tokens) -> str`` renders the worst prefix (e.g. a tokenizer's decode);
-    ``exact``: an :class:`invink_audit.audit.synthetic.ExactOutputs` to attach exact divergences
-    (self-test and tests only).
-    """
-    t0 = time.perf_counter()
+    neighbour: int
+    direction: Direction
+    alpha: float
+    estimate: stats.RenyiEstimate
+    exact: float | None
+
+
+def _renyi_estimates(rec: RecordedAudit, audited, exact) -> tuple[list[_Estimate], dict]:
+    """Monte Carlo (and, for a bounded-range claim, importance-sampling) estimates of every audited
+    (neighbour, direction, α) the claim speaks about; also the Monte Carlo losses by (neighbour, direction)."""
     cfg, claim = rec.config, rec.claim
     beta = cfg.significance
-    audited = cfg.audited_neighbours(rec.batch_size)
-    canaries = dict(canaries or {})
-    labels = dict(neighbour_labels or {})
-    labels.update(canaries)
-    alphas = cfg.alphas
     # a-priori ranges under the claim: per-step loss <= epsilon0 (BR), per-step D_alpha <= alpha rho_tok
     # (other compositions bound no text's loss a priori: only the intervals' lower ends are used)
     loss_upper = claim.loss_upper()
     importance_sampling = claim.composition == "bounded-range"
-    tests: list[stats.TestResult] = []
-    rows: list[dict] = []
+    rows: list[_Estimate] = []
     losses_by_key: dict = {}
     for j in audited:
         for d in cfg.directions:
             losses = sequence_losses(rec, j, d)
             losses_by_key[(j, d)] = losses
-            for ai, a in enumerate(alphas):
+            for ai, a in enumerate(cfg.alphas):
                 claimed = claim.renyi(a)
                 if not math.isfinite(claimed):
                     continue  # no claim at this order (a Rényi filter claims one order only)
@@ -176,32 +165,43 @@ def analyse(
                     ex = exact.renyi(a, j, reverse=d is Direction.REVERSE)
                 if losses.size:
                     est = stats.renyi_monte_carlo(losses, a, beta, loss_upper=loss_upper, claimed=claimed)
-                    rows.append(dict(j=j, d=d, a=a, est=est, exact=ex))
+                    rows.append(_Estimate(j, d, a, est, ex))
                 sums = _is_sums(rec, j, d, ai)
                 if sums.size and importance_sampling:
-                    est = stats.renyi_importance_sampling(sums, a, beta, sum_upper=claim.max_new_tokens * a * claim.rho_token, claimed=claimed)
-                    rows.append(dict(j=j, d=d, a=a, est=est, exact=ex))
-    for r in rows:
-        est = r["est"]
-        tests.append(
-            stats.TestResult(
-                f"D_{r['a']:g} {r['d'].value} neighbour {r['j']} ({est.estimator})",
-                est.p_value,
-                est.interval.estimate,
-                est.claimed,
-                details={"neighbour": r["j"], "direction": r["d"].value, "alpha": r["a"], "estimator": est.estimator},
-            )
+                    sum_upper = claim.max_new_tokens * a * claim.rho_token
+                    est = stats.renyi_importance_sampling(sums, a, beta, sum_upper=sum_upper, claimed=claimed)
+                    rows.append(_Estimate(j, d, a, est, ex))
+    return rows, losses_by_key
+
+
+def _renyi_tests(rows: list[_Estimate]) -> list[stats.TestResult]:
+    r"""One test of :math:`D_\alpha \le \alpha\rho_{seq}` per estimate."""
+    return [
+        stats.TestResult(
+            f"D_{r.alpha:g} {r.direction.value} neighbour {r.neighbour} ({r.estimate.estimator})",
+            r.estimate.p_value,
+            r.estimate.interval.estimate,
+            r.estimate.claimed,
+            details={"neighbour": r.neighbour, "direction": r.direction.value, "alpha": r.alpha, "estimator": r.estimate.estimator},
         )
-    # delta(eps) against every accountant
+        for r in rows
+    ]
+
+
+def _delta_tests(rec: RecordedAudit, losses_by_key: dict) -> tuple[list[stats.TestResult], list[DeltaEstimate]]:
+    """δ(ε) against every accountant: one DKW test per (neighbour, direction), simultaneous over ε."""
+    cfg, claim = rec.config, rec.claim
+    beta = cfg.significance
     acc_eps = {dl: claim_epsilons(claim, dl, cfg.accountants) for dl in cfg.delta_grid}
+    points = [(name, dl, eps) for dl, by_acc in acc_eps.items() for name, eps in by_acc.items()]
+    tests: list[stats.TestResult] = []
     delta_rows: list[DeltaEstimate] = []
     for (j, d), losses in losses_by_key.items():
         if not losses.size:
             continue
-        points = [(name, dl, eps) for dl, by_acc in acc_eps.items() for name, eps in by_acc.items()]
         srt = np.sort(losses)
 
-        def lower_at(b, srt=srt, points=points):
+        def lower_at(b, srt=srt):
             eta = min(stats.dkw_radius(srt.size, b), 1.0)
             return max(stats._delta_band(srt, eps, eta)[0] - dl for _, dl, eps in points)
 
@@ -221,16 +221,21 @@ def analyse(
             delta_rows.append(
                 DeltaEstimate(j, d.value, name, dl, eps, curve.estimate[k], curve.band_lower[k], curve.band_upper[k])
             )
-    failures = dict(rec.failures)
+    return tests, delta_rows
+
+
+def _verdict(rec: RecordedAudit, tests: list[stats.TestResult]):
+    """The verdict, the tests with their Holm decisions and the reason; a data-dependent guarantee is
+    compared with the measurement, never confirmed (no PASS)."""
+    cfg, claim = rec.config, rec.claim
     verdict, decided, reason = stats.decide_verdict(
-        exact_failures=sum(failures.values()),
+        exact_failures=sum(dict(rec.failures).values()),
         tests=tests,
-        significance=beta,
+        significance=cfg.significance,
         exact_checks_run=rec.num_step_checks > 0,
         min_samples_met=cfg.num_samples >= cfg.min_samples,
     )
     if not claim.a_priori:
-        # a data-dependent guarantee is compared with the measurement, never confirmed (no PASS)
         if verdict is stats.Verdict.VIOLATION:
             reason = f"the reported DATA-DEPENDENT guarantee is exceeded by the measurement: {reason}"
         else:
@@ -239,19 +244,27 @@ def analyse(
                 "DATA-DEPENDENT guarantee: the measurement does not exceed it, but a guarantee computed from the "
                 f"data is never a PASS ({reason})"
             )
-    # sequence rows with the Holm decisions
-    seq_rows = []
+    return verdict, decided, reason
+
+
+def _sequence_estimates(rows: list[_Estimate], decided) -> list[SequenceEstimate]:
+    """The sequence rows with their Holm decisions (``decided`` starts with the rows' tests)."""
+    out = []
     for r, t in zip(rows, decided[: len(rows)]):
-        est = r["est"]
+        est = r.estimate
         iv = est.interval
         headroom = est.claimed / iv.estimate if iv.estimate > 0 else math.inf
-        seq_rows.append(
+        out.append(
             SequenceEstimate(
-                r["j"], r["d"].value, r["a"], est.estimator, est.num_samples, iv.lower, iv.estimate, iv.upper,
-                est.claimed, est.p_value, t.rejected, headroom, r["exact"],
+                r.neighbour, r.direction.value, r.alpha, est.estimator, est.num_samples, iv.lower, iv.estimate, iv.upper,
+                est.claimed, est.p_value, t.rejected, headroom, r.exact,
             )
         )
-    # worst neighbour: the largest estimate / claim (IS preferred where present)
+    return out
+
+
+def _worst_neighbour(audited, seq_rows: list[SequenceEstimate], labels: dict) -> WorstNeighbour:
+    """The audited neighbour with the largest estimate / claim (importance sampling preferred where present)."""
     worst_j, worst_ratio = (audited[0] if audited else -1), -math.inf
     for j in audited:
         mine = [s for s in seq_rows if s.neighbour == j]
@@ -260,17 +273,29 @@ def analyse(
             ratio = max(s.estimate / s.claimed for s in pref)
             if ratio > worst_ratio:
                 worst_j, worst_ratio = j, ratio
-    # accountants vs measured curve (worst over audited neighbours and directions, at each alpha)
+    return WorstNeighbour(worst_j, labels.get(worst_j, ""), worst_ratio)
+
+
+def _measured_curves(alphas, seq_rows: list[SequenceEstimate]) -> tuple[list[float], list[float]]:
+    """The worst estimate and upper end over audited neighbours and directions, at each α (importance
+    sampling preferred where present)."""
     measured, measured_up = [], []
     for a in alphas:
-        rows_a = [s for s in seq_rows if s.alpha == a]
         by_key = {}
-        for s in rows_a:
+        for s in (s for s in seq_rows if s.alpha == a):
             key = (s.neighbour, s.direction)
             if key not in by_key or s.estimator == "importance-sampling":
                 by_key[key] = s
         measured.append(max((s.estimate for s in by_key.values()), default=math.nan))
         measured_up.append(max((s.upper for s in by_key.values()), default=math.nan))
+    return measured, measured_up
+
+
+def _accountant_comparisons(rec: RecordedAudit, seq_rows: list[SequenceEstimate]) -> list[AccountantComparison]:
+    """Each accountant's ε at the claim's δ against the ε of the claimed and the measured curves."""
+    cfg, claim = rec.config, rec.claim
+    alphas = cfg.alphas
+    measured, measured_up = _measured_curves(alphas, seq_rows)
     comparisons = []
     for name, eps in claim_epsilons(claim, claim.delta, cfg.accountants).items():
         e_grid = _rdp_to_epsilon(alphas, [claim.renyi(a) for a in alphas], claim.delta)
@@ -279,71 +304,110 @@ def analyse(
         comparisons.append(
             AccountantComparison(name, claim.delta, eps, e_grid, e_meas, e_up, e_grid / e_meas if e_meas and e_meas > 0 else math.inf)
         )
-    # step-check summary
+    return comparisons
+
+
+def _with_prefix(rec: RecordedAudit, worst: dict, prefix_decoder) -> dict:
+    """A worst-prefix record with its prefix rendered (decoded, or token ids)."""
+    w = dict(worst)
+    if w.get("text", -1) >= 0:
+        toks = rec.tokens[w["text"], : w["step"]]
+        if prefix_decoder is not None:
+            w["prefix"] = prefix_decoder([int(t) for t in toks if t >= 0])
+        else:
+            w["prefix"] = " ".join(str(int(t)) for t in toks if t >= 0)
+    return w
+
+
+def _step_check_summary(rec: RecordedAudit, prefix_decoder) -> StepCheckSummary:
+    """The exact per-step checks' summary: failures, worst loss range and Rényi ratio, worst prefixes."""
+    claim, alphas = rec.claim, rec.config.alphas
     per_range = rec.max_loss_range_per_step
     max_range = float(per_range.max()) if per_range.size else 0.0
-    worst = dict(rec.worst_range)
-    worst_r = dict(rec.worst_renyi)
-    for w in (worst, worst_r):
-        if w.get("text", -1) >= 0 and prefix_decoder is not None:
-            toks = rec.tokens[w["text"], : w["step"]]
-            w["prefix"] = prefix_decoder([int(t) for t in toks if t >= 0])
-        elif w.get("text", -1) >= 0:
-            w["prefix"] = " ".join(str(int(t)) for t in rec.tokens[w["text"], : w["step"]] if t >= 0)
+    ratios = rec.max_renyi_ratio_per_step
     eps0 = claim.epsilon0 if claim.step_checks else math.nan
-    summary = StepCheckSummary(
+    return StepCheckSummary(
         num_checks=rec.num_step_checks,
-        failures=failures,
+        failures=dict(rec.failures),
         epsilon0=eps0,
         max_loss_range=max_range,
         range_headroom=eps0 / max_range if max_range > 0 else math.inf,
-        max_renyi_ratio={float(a): float(rec.max_renyi_ratio_per_step[:, i].max()) if rec.max_renyi_ratio_per_step.size else 0.0 for i, a in enumerate(alphas)},
+        max_renyi_ratio={float(a): float(ratios[:, i].max()) if ratios.size else 0.0 for i, a in enumerate(alphas)},
         max_delta_excess=float(rec.max_delta_excess_per_step.max()) if rec.max_delta_excess_per_step.size else 0.0,
-        worst_prefix=worst,
-        worst_renyi_prefix=worst_r,
+        worst_prefix=_with_prefix(rec, rec.worst_range, prefix_decoder),
+        worst_renyi_prefix=_with_prefix(rec, rec.worst_renyi, prefix_decoder),
         max_loss_range_per_step=tuple(float(x) for x in per_range),
-        max_renyi_ratio_per_step=tuple(tuple(float(y) for y in row) for row in rec.max_renyi_ratio_per_step),
+        max_renyi_ratio_per_step=tuple(tuple(float(y) for y in row) for row in ratios),
     )
-    hist_losses = losses_by_key.get((worst_j, Direction.FORWARD))
+
+
+def _loss_histogram(losses_by_key: dict, worst: int) -> LossHistogram:
+    """Forward losses of the worst neighbour (else the first audited pair's)."""
+    hist_losses = losses_by_key.get((worst, Direction.FORWARD))
     if hist_losses is None:
         hist_losses = next(iter(losses_by_key.values()), np.zeros(0))
-    claim_dict = {
-        "epsilon0": claim.epsilon0,
-        "rho_token": claim.rho_token,
-        "rho_sequence": claim.rho_sequence,
-        "max_new_tokens": claim.max_new_tokens,
-        "batch_size": claim.batch_size,
-        "delta": claim.delta,
-        **{f"epsilon[{a.accountant}]": a.epsilon for a in comparisons},
-        **(claim_details or {}),
-    }
-    if claim.composition != "bounded-range" or not claim.a_priori:
-        claim_dict.update({"guarantee": claim.guarantee, "composition": claim.composition})
-        if claim.composition == "renyi-filter":
-            claim_dict.update({"renyi_order": claim.renyi_order, "renyi_budget": claim.renyi_budget})
-        if claim.epsilon_claimed is not None:
-            claim_dict["epsilon_claimed"] = claim.epsilon_claimed
-    timings = dict(timings or {})
-    timings["analysis_seconds"] = time.perf_counter() - t0
-    timings.setdefault("check_seconds", rec.check_seconds)
+    return _histogram(hist_losses, worst)
+
+
+def analyse(
+    rec: RecordedAudit,
+    *,
+    mechanism: str,
+    source: str,
+    canaries: dict | None = None,
+    neighbour_labels: dict | None = None,
+    prefix_decoder=None,
+    exact=None,
+    timings: Mapping | None = None,
+    settings: dict | None = None,
+    notes: tuple[str, ...] = (),
+    claim_details: dict | None = None,
+) -> WhiteBoxReport:
+    """Turn a :class:`RecordedAudit` into a :class:`WhiteBoxReport` with a verdict.
+
+    Phases: the sequence-level Rényi estimates and their tests (:func:`_renyi_estimates`), the δ(ε)
+    tests against every accountant (:func:`_delta_tests`), the verdict with Holm's decisions
+    (:func:`_verdict`), then the report's rows: sequence estimates, worst neighbour, accountant
+    comparisons, step-check summary, loss histogram.
+
+    ``prefix_decoder(tokens) -> str`` renders the worst prefix (e.g. a tokenizer's decode);
+    ``exact``: an :class:`invink_audit.audit.synthetic.ExactOutputs` to attach exact divergences
+    (self-test and tests only); ``timings``: what the caller measured (a mapping or
+    :class:`AuditTimings`), to which the analysis adds its own time.
+    """
+    t0 = time.perf_counter()
+    audited = rec.config.audited_neighbours(rec.batch_size)
+    canaries = dict(canaries or {})
+    labels = {**dict(neighbour_labels or {}), **canaries}
+    rows, losses_by_key = _renyi_estimates(rec, audited, exact)
+    delta_tests, delta_rows = _delta_tests(rec, losses_by_key)
+    verdict, decided, reason = _verdict(rec, _renyi_tests(rows) + delta_tests)
+    seq_rows = _sequence_estimates(rows, decided)
+    worst = _worst_neighbour(audited, seq_rows, labels)
+    comparisons = _accountant_comparisons(rec, seq_rows)
+    summary = _step_check_summary(rec, prefix_decoder)
+    claim = ReportedClaim.of(rec.claim, {a.accountant: a.epsilon for a in comparisons}, claim_details)
+    measured = dict(timings.json_fields() if isinstance(timings, AuditTimings) else (timings or {}))
+    measured["analysis_seconds"] = time.perf_counter() - t0
+    measured.setdefault("check_seconds", rec.check_seconds)
     return WhiteBoxReport(
         kind="white-box",
         mechanism=mechanism,
         source=source,
         verdict=verdict,
         reason=reason,
-        significance=beta,
-        claim=claim_dict,
+        significance=rec.config.significance,
+        claim=claim,
         step_checks=summary,
         sequence=tuple(seq_rows),
         delta=tuple(delta_rows),
         accountants=tuple(comparisons),
-        worst_neighbour={"index": worst_j, "label": labels.get(worst_j, ""), "ratio": worst_ratio},
+        worst_neighbour=worst,
         canaries=canaries,
         tests=tuple(decided),
         num_texts=rec.plan.num_texts,
-        timings=timings,
-        loss_histogram=_histogram(hist_losses, worst_j),
+        timings=AuditTimings.from_json(measured),
+        loss_histogram=_loss_histogram(losses_by_key, worst.index),
         settings=dict(settings or {}),
         notes=tuple(notes),
     )

@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,10 @@ from invink_audit.audit.stats import TestResult, Verdict
 
 __all__ = [
     "REPORT_PRIVACY_NOTICE",
+    "ReportedClaim",
+    "WorstNeighbour",
+    "LossHistogram",
+    "AuditTimings",
     "StepCheckSummary",
     "SequenceEstimate",
     "DeltaEstimate",
@@ -48,6 +52,8 @@ REPORT_PRIVACY_NOTICE = (
 
 def to_jsonable(obj):
     """Recursively convert dataclasses, enums, numpy values and non-finite floats for JSON."""
+    if isinstance(obj, _JsonRecord):
+        return to_jsonable(obj.json_fields())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
     if isinstance(obj, enum.Enum):
@@ -70,6 +76,178 @@ def to_jsonable(obj):
     if isinstance(obj, np.bool_):
         return bool(obj)
     return obj
+
+
+class _JsonRecord(Mapping):
+    """A typed report record whose JSON object is :meth:`json_fields` (keys in schema order).
+
+    It also reads as that mapping (``record["key"]``, ``"key" in record``, ``record.get``), the form
+    the report had when these fields were plain dicts.
+    """
+
+    def json_fields(self) -> dict:
+        raise NotImplementedError
+
+    def __getitem__(self, key):
+        return self.json_fields()[key]
+
+    def __iter__(self):
+        return iter(self.json_fields())
+
+    def __len__(self) -> int:
+        return len(self.json_fields())
+
+
+#: the claim's keys written whenever the claim is not an a-priori bounded-range one, in this order
+_CLAIM_TRAILING = ("guarantee", "composition", "renyi_order", "renyi_budget", "epsilon_claimed")
+_CLAIM_BASE = ("epsilon0", "rho_token", "rho_sequence", "max_new_tokens", "batch_size", "delta")
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class ReportedClaim(_JsonRecord):
+    """The audited claim as a report states it (JSON: the ``claim`` object).
+
+    ``epsilons``: ε at ``delta`` certified by each accountant (JSON keys ``epsilon[<accountant>]``);
+    ``details``: the mechanism's own parameters, in its order (InvisibleInk: ``clip_norm``,
+    ``temperature``; another mechanism: ``mechanism``, ``guarantee_description`` and its guarantee's
+    details). ``guarantee``, ``composition``, ``renyi_order``, ``renyi_budget`` and
+    ``epsilon_claimed`` are set (and written) for a claim that is not an a-priori bounded-range one;
+    a key the mechanism's details also carry keeps its place among the details.
+    """
+
+    epsilon0: float | None
+    rho_token: float | None
+    rho_sequence: float | None
+    max_new_tokens: int
+    batch_size: int
+    delta: float
+    epsilons: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    details: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    guarantee: str | None = None
+    composition: str | None = None
+    renyi_order: float | None = None
+    renyi_budget: float | None = None
+    epsilon_claimed: float | None = None
+
+    @classmethod
+    def of(cls, claim, epsilons: Mapping[str, float], details: Mapping[str, object] | None = None) -> ReportedClaim:
+        """The record of a :class:`~invink_audit.audit.whitebox.Claim` with the accountants' ε."""
+        trailing = {}
+        if claim.composition != "bounded-range" or not claim.a_priori:
+            trailing = {"guarantee": claim.guarantee, "composition": claim.composition}
+            if claim.composition == "renyi-filter":
+                trailing.update(renyi_order=claim.renyi_order, renyi_budget=claim.renyi_budget)
+            if claim.epsilon_claimed is not None:
+                trailing["epsilon_claimed"] = claim.epsilon_claimed
+        return cls(
+            epsilon0=claim.epsilon0, rho_token=claim.rho_token, rho_sequence=claim.rho_sequence,
+            max_new_tokens=claim.max_new_tokens, batch_size=claim.batch_size, delta=claim.delta,
+            epsilons=dict(epsilons), details=dict(details or {}), **trailing,
+        )
+
+    def json_fields(self) -> dict:
+        out = {k: getattr(self, k) for k in _CLAIM_BASE}
+        out.update({f"epsilon[{name}]": eps for name, eps in self.epsilons.items()})
+        out.update(self.details)
+        out.update({k: getattr(self, k) for k in _CLAIM_TRAILING if getattr(self, k) is not None})
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> ReportedClaim:
+        """Inverse of :meth:`json_fields` (after :func:`_num`)."""
+        rest = [k for k in data if k not in _CLAIM_BASE and not k.startswith("epsilon[")]
+        # the keys appended after the details: the longest tail of trailing keys in their own order
+        # (a trailing key elsewhere was one of the mechanism's details, and keeps its place there)
+        appended, rank = len(rest), len(_CLAIM_TRAILING)
+        while appended and rest[appended - 1] in _CLAIM_TRAILING and _CLAIM_TRAILING.index(rest[appended - 1]) < rank:
+            appended -= 1
+            rank = _CLAIM_TRAILING.index(rest[appended])
+        return cls(
+            **{k: data.get(k) for k in _CLAIM_BASE},
+            epsilons={k[len("epsilon["):-1]: v for k, v in data.items() if k.startswith("epsilon[")},
+            details={k: data[k] for k in rest[:appended]},
+            **{k: data.get(k) for k in _CLAIM_TRAILING},
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorstNeighbour(_JsonRecord):
+    """The audited neighbour with the largest estimate / claim (importance sampling preferred)."""
+
+    index: int
+    label: str
+    ratio: float
+
+    def json_fields(self) -> dict:
+        return {"index": self.index, "label": self.label, "ratio": self.ratio}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> WorstNeighbour:
+        return cls(data["index"], data["label"], data["ratio"])
+
+
+@dataclasses.dataclass(frozen=True)
+class LossHistogram(_JsonRecord):
+    """Histogram of one neighbour's forward sequence privacy losses (finite ones; ``mean``: of those,
+    ``None`` when no loss is finite)."""
+
+    neighbour: int
+    edges: tuple[float, ...]
+    counts: tuple[int, ...]
+    num_infinite: int
+    mean: float | None = None
+
+    def json_fields(self) -> dict:
+        out = {"neighbour": self.neighbour, "edges": self.edges, "counts": self.counts, "num_infinite": self.num_infinite}
+        if self.mean is not None:
+            out["mean"] = self.mean
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> LossHistogram:
+        return cls(data["neighbour"], tuple(data["edges"]), tuple(data["counts"]), data["num_infinite"], data.get("mean"))
+
+
+_TIMING_FIELDS = (
+    "model_load_seconds", "generation_seconds", "audit_hook_seconds", "generation_without_audit_seconds",
+    "audit_overhead_ratio", "decode_steps", "decode_step_engine_seconds", "decode_step_audit_seconds",
+    "audit_overhead_ratio_decode_steps", "tokens_generated", "seconds_per_token_without_audit", "decode_seconds",
+    "analysis_seconds", "check_seconds",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditTimings(_JsonRecord):
+    """What an audit measured about its own cost; a field is ``None`` (and not written) where the audit
+    did not measure it (e.g. model figures in a synthetic self-test). ``extra``: any other figure a
+    caller passed, written after these."""
+
+    model_load_seconds: float | None = None
+    generation_seconds: float | None = None
+    audit_hook_seconds: float | None = None
+    generation_without_audit_seconds: float | None = None
+    audit_overhead_ratio: float | None = None
+    decode_steps: int | None = None
+    decode_step_engine_seconds: float | None = None
+    decode_step_audit_seconds: float | None = None
+    audit_overhead_ratio_decode_steps: float | None = None
+    tokens_generated: int | None = None
+    seconds_per_token_without_audit: float | None = None
+    decode_seconds: float | None = None
+    analysis_seconds: float | None = None
+    check_seconds: float | None = None
+    extra: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def json_fields(self) -> dict:
+        out = {k: getattr(self, k) for k in _TIMING_FIELDS if getattr(self, k) is not None}
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> AuditTimings:
+        """From a mapping of figures (a report's ``timings``, or what an audit measured)."""
+        known = {k: v for k, v in data.items() if k in _TIMING_FIELDS}
+        return cls(**known, extra={k: v for k, v in data.items() if k not in _TIMING_FIELDS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,19 +338,20 @@ class WhiteBoxReport:
     reason: str
     significance: float
     # a-priori claim
-    claim: dict  # epsilon0, rho_token, rho_sequence, max_new_tokens, batch_size, delta, ...
+    claim: ReportedClaim
     # after-the-fact measurements
     step_checks: StepCheckSummary
     sequence: tuple[SequenceEstimate, ...]
     delta: tuple[DeltaEstimate, ...]
     accountants: tuple[AccountantComparison, ...]
-    worst_neighbour: dict  # {"index", "label", "ratio"}
-    canaries: dict  # neighbour index -> label
+    worst_neighbour: WorstNeighbour
+    canaries: Mapping[int, str]  # neighbour index -> label
     tests: tuple[TestResult, ...]
     num_texts: int
-    timings: dict
-    loss_histogram: dict  # {"neighbour", "edges", "counts", "num_infinite"}
-    settings: dict = dataclasses.field(default_factory=dict)
+    timings: AuditTimings
+    loss_histogram: LossHistogram
+    # the audit's inputs as given (model, prompt, mechanism parameters as the mechanism describes them, ...)
+    settings: Mapping[str, object] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
@@ -255,6 +434,10 @@ def report_from_dict(data: dict):
     d["tests"] = tuple(TestResult(**row) for row in d["tests"])
     d["canaries"] = {int(k): v for k, v in d["canaries"].items()}
     d["notes"] = tuple(d.get("notes", ()))
+    d["claim"] = ReportedClaim.from_json(d["claim"])
+    d["worst_neighbour"] = WorstNeighbour.from_json(d["worst_neighbour"])
+    d["timings"] = AuditTimings.from_json(d["timings"])
+    d["loss_histogram"] = LossHistogram.from_json(d["loss_histogram"])
     return WhiteBoxReport(**d)
 
 

@@ -255,9 +255,9 @@ def run_selftest(
                     "worst_neighbour": rep.worst_neighbour,
                     "budgets": {"R": rec.extra.get("budget_actual"), "R'_j": rec.extra.get("budget_neighbours")},
                     "mean_length": float(rec.lengths.mean()),
-                    **({"reported_epsilon": rep.claim.get("epsilon_claimed"),
-                        "reported_renyi_budget": rep.claim.get("renyi_budget"),
-                        "renyi_order": rep.claim.get("renyi_order"),
+                    **({"reported_epsilon": rep.claim.epsilon_claimed,
+                        "reported_renyi_budget": rep.claim.renyi_budget,
+                        "renyi_order": rep.claim.renyi_order,
                         "measured": [
                             {"alpha": e.alpha, "neighbour": e.neighbour, "direction": e.direction, "lower": e.lower,
                              "estimate": e.estimate, "claimed": e.claimed}
