@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 from invink_audit.cli import CliError, parse_float, parse_int
 from invink_audit.distributed import launch_world_size
+
+#: the smallest value of each count flag: the same bounds as :func:`invink_audit.bench.benchmark`, checked before
+#: anything is printed or loaded
+_COUNT_MINIMUMS = {"--batch-size": 1, "--max-new-tokens": 3, "--num-texts": 1, "--repeats": 0}
 
 
 def register(subparsers) -> None:
@@ -82,20 +87,29 @@ def _reference_configs(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _bench(args) -> int:
-    batch_size = parse_int("--batch-size", args.batch_size)
-    max_new_tokens = parse_int("--max-new-tokens", args.max_new_tokens)
-    num_texts = parse_int("--num-texts", args.num_texts)
-    repeats = parse_int("--repeats", args.repeats)
-    # the same bounds as invink_audit.bench.benchmark, checked before anything is printed or loaded
-    for flag, value, minimum in (
-        ("--batch-size", batch_size, 1),
-        ("--max-new-tokens", max_new_tokens, 3),
-        ("--num-texts", num_texts, 1),
-        ("--repeats", repeats, 0),
-    ):
-        if value < minimum:
-            raise CliError(f"{flag} must be an integer >= {minimum}; got {value}")
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The command's numbers, parsed and checked before anything is printed or loaded."""
+
+    batch_size: int
+    max_new_tokens: int
+    num_texts: int
+    repeats: int
+    reference_configs: list[str]
+    max_batch_rows: int | None
+    references: list[str] | None
+    top_k: int | None
+    clip_norm: float
+    temperature: float
+
+
+def _options(args) -> _Options:
+    """Parse and check the options (errors in flag order: counts, reference configs, rows, references, sampling)."""
+    counts = {flag: parse_int(flag, getattr(args, flag[2:].replace("-", "_"))) for flag in _COUNT_MINIMUMS}
+    for flag, minimum in _COUNT_MINIMUMS.items():
+        if counts[flag] < minimum:
+            raise CliError(f"{flag} must be an integer >= {minimum}; got {counts[flag]}")
+    batch_size, max_new_tokens, num_texts, repeats = counts.values()
     reference_configs = _reference_configs(args.reference_config)
     max_batch_rows = None if args.max_batch_rows is None else parse_int("--max-batch-rows", args.max_batch_rows)
     if max_batch_rows is not None and max_batch_rows < 1:
@@ -109,75 +123,96 @@ def _bench(args) -> int:
     for flag, value in (("--clip-norm", clip_norm), ("--temperature", temperature)):
         if not (value > 0 and value < float("inf")):
             raise CliError(f"{flag} must be a finite number > 0; got {value}")
+    return _Options(
+        batch_size, max_new_tokens, num_texts, repeats, reference_configs, max_batch_rows, references, top_k, clip_norm,
+        temperature,
+    )  # fmt: skip
 
-    import dataclasses
 
-    import torch
-
-    from invink_audit.bench import benchmark, time_reference
-
+def _check_reference(args) -> str | None:
+    """With ``--reference``: the model directory the reference package loads, checked before the long run
+    (one process only, the package importable); ``None`` without it."""
     if args.reference and launch_world_size() > 1:
         raise CliError("--reference times the reference package in one process: run it without torchrun")
-    if args.reference:  # checked before the long run, so a missing package costs nothing
-        try:
-            import invink  # noqa: F401
-        except ImportError as err:
-            raise CliError(
-                f"--reference: the reference package is not importable ({err}); install invink==0.1.0 "
-                "(on Python 3.11 it needs its nested-quote f-string in invink/utils.py fixed) and pandas"
-            ) from err
-        reference_model_dir = _reference_model_dir(args.model)
+    if not args.reference:
+        return None
+    try:
+        import invink  # noqa: F401
+    except ImportError as err:
+        raise CliError(
+            f"--reference: the reference package is not importable ({err}); install invink==0.1.0 "
+            "(on Python 3.11 it needs its nested-quote f-string in invink/utils.py fixed) and pandas"
+        ) from err
+    return _reference_model_dir(args.model)
+
+
+def _reference_timings(result, options: _Options, model_dir: str, *, quiet: bool) -> tuple:
+    """Time the reference package on the benchmark's workload, once per configuration: ``shipped`` (its defaults)
+    or ``matched`` (the benchmark's dtype and device)."""
+    import torch
+
+    from invink_audit.bench import time_reference
+
+    timings = []
+    for config in options.reference_configs:
+        if not quiet:
+            print(f"timing the reference invink package ({config}) ...", file=sys.stderr)
+        if config == "shipped":
+            dtype, device_map = None, None
+        else:
+            device = torch.device(result.device)
+            dtype, device_map = result.dtype, -1 if device.type == "cpu" else (device.index or 0)
+        timings.append(
+            time_reference(
+                model_dir,
+                batch_size=options.batch_size,
+                max_new_tokens=options.max_new_tokens,
+                num_texts=options.num_texts,
+                references=options.references,
+                temperature=options.temperature,
+                top_k=options.top_k if options.top_k is not None else 10**9,
+                dtype=dtype,
+                device_map=device_map,
+            )
+        )
+    return tuple(timings)
+
+
+def _bench(args) -> int:
+    options = _options(args)
+
+    from invink_audit.bench import benchmark
+
+    reference_model_dir = _check_reference(args)  # before the long run, so a missing package costs nothing
     if not args.json:
         print(
-            f"benchmarking {num_texts} text(s) x ({batch_size}+1) rows, {max_new_tokens} tokens ...", file=sys.stderr
+            f"benchmarking {options.num_texts} text(s) x ({options.batch_size}+1) rows, {options.max_new_tokens} "
+            "tokens ...",
+            file=sys.stderr,
         )
     result = benchmark(
         args.model,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        num_texts=num_texts,
-        repeats=repeats,
+        batch_size=options.batch_size,
+        max_new_tokens=options.max_new_tokens,
+        num_texts=options.num_texts,
+        repeats=options.repeats,
         device=args.device,
         dtype=args.dtype,
-        references=references,
-        top_k=top_k,
-        clip_norm=clip_norm,
-        temperature=temperature,
-        max_batch_rows=max_batch_rows,
+        references=options.references,
+        top_k=options.top_k,
+        clip_norm=options.clip_norm,
+        temperature=options.temperature,
+        max_batch_rows=options.max_batch_rows,
         one_at_a_time=not args.no_one_at_a_time,
         floor=not args.no_floor,
         compare_full_logits=args.compare_full_logits,
     )
     if args.reference:
-        timings = []
-        for config in reference_configs:
-            if not args.json:
-                print(f"timing the reference invink package ({config}) ...", file=sys.stderr)
-            if config == "shipped":
-                dtype, device_map = None, None
-            else:
-                device = torch.device(result.device)
-                dtype, device_map = result.dtype, -1 if device.type == "cpu" else (device.index or 0)
-            timings.append(
-                time_reference(
-                    reference_model_dir,
-                    batch_size=batch_size,
-                    max_new_tokens=max_new_tokens,
-                    num_texts=num_texts,
-                    references=references,
-                    temperature=temperature,
-                    top_k=top_k if top_k is not None else 10**9,
-                    dtype=dtype,
-                    device_map=device_map,
-                )
-            )
-        result = dataclasses.replace(result, references=tuple(timings))
+        timings = _reference_timings(result, options, reference_model_dir, quiet=args.json)
+        result = dataclasses.replace(result, references=timings)
     if result.rank != 0:  # under torchrun / accelerate launch, rank 0 reports for all
         return 0
-    if args.json:
-        print(json.dumps(result.to_json()))
-        return 0
-    print(format_bench(result))
+    print(json.dumps(result.to_json()) if args.json else format_bench(result))
     return 0
 
 
