@@ -58,16 +58,8 @@ def add_model_arguments(parser) -> None:
     )
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "generate",
-        help="generate DP synthetic texts from references",
-        description="Partition the references into disjoint batches of B (input order; empty references stay "
-        "as nulls), generate one text per batch with InvisibleInk and stream them to a JSON Lines file. "
-        "Re-running with the same --output resumes (batches already sampled are never drawn again; the output "
-        "is locked while a run writes it). Under torchrun or accelerate launch, the processes share the batches of one "
-        "release (one ledger charge, one output file). " + _B_HELP,
-    )
+def _add_input_arguments(p) -> None:
+    """The references, their label groups and the output file."""
     p.add_argument(
         "--input", required=True, help="references: a UTF-8 .csv (see --column) or .jsonl file (a BOM is accepted)"
     )
@@ -92,6 +84,10 @@ def register(subparsers) -> None:
         required=True,
         help="output .jsonl file: new or empty, or the output of an interrupted run with the same settings (resumed)",
     )
+
+
+def _add_privacy_arguments(p) -> None:
+    """The guarantee and the mechanism: (ε or C, δ), B, T, the number of texts, k and τ."""
     p.add_argument("--epsilon", default=None, help="target epsilon (finite, > 0); the clip norm is planned for it")
     p.add_argument(
         "--clip-norm", default=None, help="clip norm C (finite, > 0) instead of --epsilon (epsilon is reported)"
@@ -109,6 +105,10 @@ def register(subparsers) -> None:
     )
     p.add_argument("--top-k", default="100", help="k of the Top-k+ set, an integer >= 1, or 'full' (default 100)")
     p.add_argument("--temperature", default="1.0", help="sampling temperature tau (finite, > 0; default 1.0)")
+
+
+def _add_prompt_arguments(p) -> None:
+    """The prompt preset and its public fields."""
     p.add_argument("--prompt", default="generic", help="prompt preset: generic, yelp, tab, mimic (default generic)")
     p.add_argument(
         "--prompt-field",
@@ -116,6 +116,10 @@ def register(subparsers) -> None:
         metavar="NAME=VALUE",
         help="public prompt field, e.g. description=... (generic) or category=... stars=... (yelp); repeatable",
     )
+
+
+def _add_run_arguments(p) -> None:
+    """How the release runs: ledger, seed, all-null batches, Ray, progress and the summary's form."""
     p.add_argument("--ledger", default=None, help="budget ledger to charge before generating (see `ledger init`)")
     p.add_argument(
         "--seed", default=None, help="fixed seed, an integer >= 0: reproducible output, NOT private (tests/audits only)"
@@ -134,6 +138,22 @@ def register(subparsers) -> None:
     p.add_argument("--ray-gpus-per-actor", default="0", help="GPUs per Ray actor (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate DP synthetic texts from references",
+        description="Partition the references into disjoint batches of B (input order; empty references stay "
+        "as nulls), generate one text per batch with InvisibleInk and stream them to a JSON Lines file. "
+        "Re-running with the same --output resumes (batches already sampled are never drawn again; the output "
+        "is locked while a run writes it). Under torchrun or accelerate launch, the processes share the batches of one "
+        "release (one ledger charge, one output file). " + _B_HELP,
+    )
+    _add_input_arguments(p)
+    _add_privacy_arguments(p)
+    _add_prompt_arguments(p)
+    _add_run_arguments(p)
     from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
 
     p.add_argument("--accountant", default=DEFAULT_ACCOUNTANT.value, choices=ACCOUNTANTS)
