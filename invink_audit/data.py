@@ -191,6 +191,31 @@ class Partition:
         return self.num_references - len(self.batches) * self.batch_size
 
 
+def _is_count(value) -> bool:
+    """Whether ``value`` is an integer >= 1 (a bool is not)."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _check_batch_size(batch_size) -> None:
+    if not _is_count(batch_size):
+        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+
+
+def _check_references(references) -> None:
+    if isinstance(references, str) or not isinstance(references, Sequence):
+        raise ValueError(f"references must be a sequence of strings; got {type(references).__name__}")
+
+
+def _clean_reference(i: int, reference: str | None) -> str:
+    """``references[i]`` as partitioned: ``None`` becomes ``""`` (null); anything but a valid string is refused."""
+    if reference is None:
+        reference = ""
+    if not isinstance(reference, str):
+        raise ValueError(f"references[{i}] must be a string or None; got {type(reference).__name__}")
+    _check_unicode(reference, f"references[{i}]")
+    return reference
+
+
 def partition_references(
     references: Sequence[str | None], batch_size: int, *, num_texts: int | None = None
 ) -> Partition:
@@ -199,22 +224,13 @@ def partition_references(
     ``num_texts``: use the first ``num_texts`` batches (one text each); ``None`` uses every full batch.
     ``None`` references become ``""`` (null); nothing else is changed, dropped or reordered.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
-    if isinstance(references, str) or not isinstance(references, Sequence):
-        raise ValueError(f"references must be a sequence of strings; got {type(references).__name__}")
-    cleaned = []
-    for i, reference in enumerate(references):
-        if reference is None:
-            reference = ""
-        if not isinstance(reference, str):
-            raise ValueError(f"references[{i}] must be a string or None; got {type(reference).__name__}")
-        _check_unicode(reference, f"references[{i}]")
-        cleaned.append(reference)
+    _check_batch_size(batch_size)
+    _check_references(references)
+    cleaned = [_clean_reference(i, reference) for i, reference in enumerate(references)]
     available = len(cleaned) // batch_size
     if num_texts is None:
         count = available
-    elif isinstance(num_texts, bool) or not isinstance(num_texts, int) or num_texts < 1:
+    elif not _is_count(num_texts):
         raise ValueError(f"num_texts must be an integer >= 1 or None; got {num_texts!r}")
     elif num_texts > available:
         raise ValueError(
@@ -338,6 +354,80 @@ class LabelledPartition:
         return self.num_references - len(self.batches) * self.batch_size
 
 
+def _check_labelled_arguments(references, labels, batch_size, num_texts_per_group) -> None:
+    """The checks of :func:`partition_by_labels` that need no record: sizes, types, lengths."""
+    _check_batch_size(batch_size)
+    if num_texts_per_group is not None and not _is_count(num_texts_per_group):
+        raise ValueError(f"num_texts_per_group must be an integer >= 1 or None; got {num_texts_per_group!r}")
+    _check_references(references)
+    if isinstance(labels, (str, Mapping)) or not isinstance(labels, Sequence):
+        raise ValueError("labels must be a sequence of mappings (label column -> value), one per reference")
+    if len(labels) != len(references):
+        raise ValueError(f"got {len(references)} references but {len(labels)} label mappings")
+    if not references:
+        raise ValueError("references must not be empty")
+
+
+def _label_key(i: int, mapping, columns: tuple[str, ...] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``labels[i]`` checked: its columns (sorted; those of ``labels[0]`` when ``columns`` is None) and its
+    values in that order (the record's group key)."""
+    if not isinstance(mapping, Mapping) or not mapping:
+        raise ValueError(f"labels[{i}] must be a non-empty mapping of label column to value")
+    if columns is None:
+        columns = tuple(sorted(mapping))
+    elif tuple(sorted(mapping)) != columns:
+        raise ValueError(f"labels[{i}] has other label columns than labels[0] (expected {list(columns)})")
+    key = []
+    for name in columns:
+        value = mapping[name]
+        if not isinstance(value, str):
+            raise ValueError(f"labels[{i}][{name!r}] must be a string; got {type(value).__name__}")
+        _check_unicode(value, f"labels[{i}][{name!r}]")
+        key.append(value)
+    return columns, tuple(key)
+
+
+def _group_records(references, labels) -> tuple[list[str], tuple[str, ...], dict[tuple[str, ...], list[int]]]:
+    """Each record checked in input order (its reference, then its labels): the cleaned references, the label
+    columns, and each group key's record positions in input order."""
+    columns: tuple[str, ...] | None = None
+    members: dict[tuple[str, ...], list[int]] = {}
+    cleaned: list[str] = []
+    for i, (reference, mapping) in enumerate(zip(references, labels)):
+        cleaned.append(_clean_reference(i, reference))
+        columns, key = _label_key(i, mapping, columns)
+        members.setdefault(key, []).append(i)
+    return cleaned, columns or (), members
+
+
+def _batch_group(
+    group: int, labels: dict[str, str], positions: list[int], cleaned: list[str], batch_size: int,
+    num_texts_per_group: int | None,
+) -> tuple[list[LabelledBatch], LabelGroup]:  # fmt: skip
+    """One group's batches (its references ``j·B .. (j+1)·B − 1``, first ``num_texts_per_group`` of them) and its
+    summary."""
+    group_labels = MappingProxyType(labels)
+    available = len(positions) // batch_size
+    count = available if num_texts_per_group is None else min(available, num_texts_per_group)
+    batches = []
+    for j in range(count):
+        slot = tuple(positions[j * batch_size : (j + 1) * batch_size])
+        batches.append(
+            LabelledBatch(
+                references=tuple(cleaned[p] for p in slot), labels=group_labels, group=group, index_in_group=j,
+                positions=slot,
+            )
+        )  # fmt: skip
+    summary = LabelGroup(
+        labels=group_labels,
+        num_references=len(positions),
+        num_batches=count,
+        num_leftover=len(positions) - available * batch_size,
+        num_skipped=available - count,
+    )
+    return batches, summary
+
+
 def partition_by_labels(
     references: Sequence[str | None],
     labels: Sequence[Mapping[str, str]],
@@ -360,72 +450,16 @@ def partition_by_labels(
     moves it to another group and shifts later records of two groups: that is not a neighbour this
     guarantee covers.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
-    if num_texts_per_group is not None and (
-        isinstance(num_texts_per_group, bool) or not isinstance(num_texts_per_group, int) or num_texts_per_group < 1
-    ):
-        raise ValueError(f"num_texts_per_group must be an integer >= 1 or None; got {num_texts_per_group!r}")
-    if isinstance(references, str) or not isinstance(references, Sequence):
-        raise ValueError(f"references must be a sequence of strings; got {type(references).__name__}")
-    if isinstance(labels, (str, Mapping)) or not isinstance(labels, Sequence):
-        raise ValueError("labels must be a sequence of mappings (label column -> value), one per reference")
-    if len(labels) != len(references):
-        raise ValueError(f"got {len(references)} references but {len(labels)} label mappings")
-    if not references:
-        raise ValueError("references must not be empty")
-    columns: tuple[str, ...] | None = None
-    members: dict[tuple[str, ...], list[int]] = {}
-    cleaned: list[str] = []
-    for i, (reference, mapping) in enumerate(zip(references, labels)):
-        if reference is None:
-            reference = ""
-        if not isinstance(reference, str):
-            raise ValueError(f"references[{i}] must be a string or None; got {type(reference).__name__}")
-        _check_unicode(reference, f"references[{i}]")
-        cleaned.append(reference)
-        if not isinstance(mapping, Mapping) or not mapping:
-            raise ValueError(f"labels[{i}] must be a non-empty mapping of label column to value")
-        if columns is None:
-            columns = tuple(sorted(mapping))
-        elif tuple(sorted(mapping)) != columns:
-            raise ValueError(f"labels[{i}] has other label columns than labels[0] (expected {list(columns)})")
-        key = []
-        for name in columns:
-            value = mapping[name]
-            if not isinstance(value, str):
-                raise ValueError(f"labels[{i}][{name!r}] must be a string; got {type(value).__name__}")
-            _check_unicode(value, f"labels[{i}][{name!r}]")
-            key.append(value)
-        members.setdefault(tuple(key), []).append(i)
-    columns = columns or ()
+    _check_labelled_arguments(references, labels, batch_size, num_texts_per_group)
+    cleaned, columns, members = _group_records(references, labels)
     batches: list[LabelledBatch] = []
     groups: list[LabelGroup] = []
     for group, key in enumerate(sorted(members)):
-        positions = members[key]
-        group_labels = MappingProxyType(dict(zip(columns, key)))
-        available = len(positions) // batch_size
-        count = available if num_texts_per_group is None else min(available, num_texts_per_group)
-        for j in range(count):
-            slot = tuple(positions[j * batch_size : (j + 1) * batch_size])
-            batches.append(
-                LabelledBatch(
-                    references=tuple(cleaned[p] for p in slot),
-                    labels=group_labels,
-                    group=group,
-                    index_in_group=j,
-                    positions=slot,
-                )
-            )
-        groups.append(
-            LabelGroup(
-                labels=group_labels,
-                num_references=len(positions),
-                num_batches=count,
-                num_leftover=len(positions) - available * batch_size,
-                num_skipped=available - count,
-            )
+        group_batches, summary = _batch_group(
+            group, dict(zip(columns, key)), members[key], cleaned, batch_size, num_texts_per_group
         )
+        batches += group_batches
+        groups.append(summary)
     if not batches:
         raise ValueError(
             f"batch_size={batch_size} needs at least {batch_size} references with the same labels; no label group "
