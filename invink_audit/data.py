@@ -1,8 +1,8 @@
 r"""Reading references and the data-independent partition into batches.
 
-Parallel composition across texts (paper Corollary 11, coro:parallel-batches) needs the batches to be *disjoint* and chosen
-*independently of the data*: the partition here takes references in input order, ``B`` at a time,
-and never drops, filters or reorders anything because of its content. An empty reference stays in
+Parallel composition across texts (paper Corollary 11, coro:parallel-batches) needs the batches to be
+*disjoint* and chosen *independently of the data*: the partition here takes references in input order,
+``B`` at a time, and never drops, filters or reorders anything because of its content. An empty reference stays in
 its position as a null (it contributes exactly the public logits). References that do not fill a
 last batch, and batches beyond ``num_texts``, are unused and reported. So changing one reference
 changes exactly one batch (or none), which is what the accounting assumes; the reference package's
