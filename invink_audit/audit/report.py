@@ -460,10 +460,9 @@ def _fmt(x, digits=4) -> str:
     return f"{x:.{digits}g}"
 
 
-def _whitebox_markdown(r: WhiteBoxReport) -> str:
-    c = r.claim
-    sc = r.step_checks
-    lines = [
+def _md_header(r: WhiteBoxReport) -> list[str]:
+    """Title, privacy notice, verdict and source."""
+    return [
         f"# White-box privacy audit: {r.mechanism}",
         "",
         f"> **{REPORT_PRIVACY_NOTICE}**",
@@ -473,19 +472,31 @@ def _whitebox_markdown(r: WhiteBoxReport) -> str:
         "",
         f"Source: {r.source}. Texts sampled: {r.num_texts}.",
         "",
-        f"## Claim ({c.get('guarantee', 'a-priori')}"
-        + (": holds only for the audited references, never a PASS)" if c.get("guarantee") == "data-dependent" else ")"),
+    ]
+
+
+def _md_claim(c: ReportedClaim) -> list[str]:
+    """The claim's table: the headline figures first, then every other key in the report's order."""
+    guarantee = c.guarantee or "a-priori"
+    lines = [
+        f"## Claim ({guarantee}"
+        + (": holds only for the audited references, never a PASS)" if guarantee == "data-dependent" else ")"),
         "",
         "| quantity | value |",
         "|---|---|",
     ]
-    for k in ("epsilon0", "rho_token", "rho_sequence", "max_new_tokens", "batch_size", "delta"):
-        if k in c:
-            lines.append(f"| {k} | {_fmt(c[k], 6)} |")
-    for k, v in c.items():
-        if k not in ("epsilon0", "rho_token", "rho_sequence", "max_new_tokens", "batch_size", "delta"):
-            lines.append(f"| {k} | {_fmt(v, 6) if isinstance(v, (int, float)) else v} |")
+    fields = c.json_fields()
+    lines += [f"| {k} | {_fmt(fields[k], 6)} |" for k in _CLAIM_BASE if k in fields]
     lines += [
+        f"| {k} | {_fmt(v, 6) if isinstance(v, (int, float)) else v} |" for k, v in fields.items() if k not in _CLAIM_BASE
+    ]
+    return lines
+
+
+def _md_step_checks(sc: StepCheckSummary) -> list[str]:
+    """The exact per-step checks: failures, worst range and Rényi ratio, worst prefix."""
+    w = sc.worst_prefix
+    return [
         "",
         "## Exact per-step checks",
         "",
@@ -498,18 +509,25 @@ def _whitebox_markdown(r: WhiteBoxReport) -> str:
         "- max per-step D_α / (α ρ_tok): "
         + ", ".join(f"α={_fmt(float(a))}: {_fmt(v)}" for a, v in sc.max_renyi_ratio.items()),
         f"- max per-step δ_t(ε) − δ_BR(ε): {_fmt(sc.max_delta_excess)}",
-        f"- worst prefix (loss range): text {sc.worst_prefix.get('text')}, step {sc.worst_prefix.get('step')}, "
-        f"neighbour {sc.worst_prefix.get('neighbour')}, value {_fmt(sc.worst_prefix.get('value'))}"
-        + (f", prefix `{sc.worst_prefix.get('prefix')}`" if sc.worst_prefix.get("prefix") else ""),
+        f"- worst prefix (loss range): text {w.get('text')}, step {w.get('step')}, "
+        f"neighbour {w.get('neighbour')}, value {_fmt(w.get('value'))}"
+        + (f", prefix `{w.get('prefix')}`" if w.get("prefix") else ""),
         "",
+    ]
+
+
+def _md_sequence(r: WhiteBoxReport) -> list[str]:
+    """The worst neighbour and the table of sequence-level Rényi estimates (with exact values if any)."""
+    with_exact = any(s.exact is not None for s in r.sequence)
+    lines = [
         "## Sequence-level Rényi divergences",
         "",
-        f"Worst neighbour: {r.worst_neighbour.get('index')} ({r.worst_neighbour.get('label', '')}), "
-        f"max estimate/claim {_fmt(r.worst_neighbour.get('ratio'))}.",
+        f"Worst neighbour: {r.worst_neighbour.index} ({r.worst_neighbour.label}), "
+        f"max estimate/claim {_fmt(r.worst_neighbour.ratio)}.",
         "",
         "| neighbour | direction | α | estimator | n | lower | estimate | upper | claimed α·ρ_seq | headroom | p | rejected |"
-        + (" exact |" if any(s.exact is not None for s in r.sequence) else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if any(s.exact is not None for s in r.sequence) else ""),
+        + (" exact |" if with_exact else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_exact else ""),
     ]
     for s in r.sequence:
         row = (
@@ -517,10 +535,15 @@ def _whitebox_markdown(r: WhiteBoxReport) -> str:
             f"{_fmt(s.estimate)} | {_fmt(s.upper)} | {_fmt(s.claimed)} | {_fmt(s.headroom)} | {_fmt(s.p_value, 3)} | "
             f"{'yes' if s.rejected else 'no'} |"
         )
-        if any(t.exact is not None for t in r.sequence):
+        if with_exact:
             row += f" {_fmt(s.exact)} |"
         lines.append(row)
-    lines += [
+    return lines
+
+
+def _md_accountants(r: WhiteBoxReport) -> list[str]:
+    """Each accountant against the measured curve, then δ(ε) at the accountants' ε."""
+    lines = [
         "",
         "## Accountants",
         "",
@@ -545,6 +568,12 @@ def _whitebox_markdown(r: WhiteBoxReport) -> str:
                 f"| {d.neighbour} | {d.direction} | {d.accountant} | {_fmt(d.target_delta)} | {_fmt(d.epsilon)} | "
                 f"{_fmt(d.delta_estimate)} | {_fmt(d.band_lower)} | {_fmt(d.band_upper)} |"
             )
+    return lines
+
+
+def _md_appendix(r: WhiteBoxReport) -> list[str]:
+    """Canaries, timings, settings, notes and the plots' legend."""
+    lines = []
     if r.canaries:
         lines += ["", "## Canaries", ""] + [f"- neighbour {k}: {v}" for k, v in r.canaries.items()]
     lines += ["", "## Timings", ""] + [f"- {k}: {_fmt(v)}" for k, v in r.timings.items()]
@@ -559,7 +588,14 @@ def _whitebox_markdown(r: WhiteBoxReport) -> str:
         "`step_loss_range.png` (per-step maximum loss range against ε0).",
         "",
     ]
-    return "\n".join(lines)
+    return lines
+
+
+def _whitebox_markdown(r: WhiteBoxReport) -> str:
+    return "\n".join(
+        _md_header(r) + _md_claim(r.claim) + _md_step_checks(r.step_checks) + _md_sequence(r) + _md_accountants(r)
+        + _md_appendix(r)
+    )
 
 
 def _blackbox_markdown(r: BlackBoxReport) -> str:
@@ -583,69 +619,86 @@ def _blackbox_markdown(r: BlackBoxReport) -> str:
     return "\n".join(lines)
 
 
-def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
-    # 1. Rényi estimates with intervals vs the claimed curve
-    fig, ax = plt.subplots(figsize=(6, 4))
+    return plt
+
+
+def _save(fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    _pyplot().close(fig)
+    return name
+
+
+_RENYI_MARKERS = {("forward", "importance-sampling"): "o", ("reverse", "importance-sampling"): "s",
+                  ("forward", "monte-carlo"): "^", ("reverse", "monte-carlo"): "v"}
+
+
+def _plot_renyi_estimates(ax, r: WhiteBoxReport, alphas: list[float]) -> None:
+    """The claimed curve (or a Rényi filter's single point) and the worst neighbour's estimates."""
+    grid = np.linspace(min(alphas) * 0.9, max(alphas) * 1.05, 100)
+    rho_seq = r.claim.rho_sequence
+    if rho_seq is not None:
+        ax.plot(grid, grid * rho_seq, "k-", label="claimed α·ρ_seq")
+    else:  # a Rényi-filter claim: one order, one budget
+        rho_seq = float(r.claim.renyi_budget) / float(r.claim.renyi_order)
+        ax.plot([r.claim.renyi_order], [r.claim.renyi_budget], "k*", ms=12, label="claimed D_α (data-dependent)")
+    worst = r.worst_neighbour.index
+    for key, m in _RENYI_MARKERS.items():
+        rows = [s for s in r.sequence if (s.direction, s.estimator) == key and s.neighbour == worst]
+        if not rows:
+            continue
+        x = np.array([s.alpha for s in rows]) * (1 + 0.01 * list(_RENYI_MARKERS).index(key))
+        y = np.array([s.estimate for s in rows])
+        finite_y = y[np.isfinite(y)]
+        cap = 10.0 * max(float(finite_y.max()) if finite_y.size else 0.0, rho_seq * max(alphas))  # keep infinite ends on the plot
+        lo = np.array([s.lower for s in rows])
+        hi = np.minimum(np.array([s.upper for s in rows]), cap)
+        y = np.minimum(y, cap)
+        ax.errorbar(x, y, yerr=[np.maximum(y - lo, 0), np.maximum(hi - y, 0)], fmt=m, capsize=3,
+                    label=f"{key[0]} {key[1]}")
+    exact = [s for s in r.sequence if s.exact is not None and s.neighbour == worst and s.direction == "forward"]
+    if exact:
+        ax.plot([s.alpha for s in exact], [s.exact for s in exact], "rx", label="exact (enumeration)")
+    ax.set_yscale("log")
+
+
+def _plot_renyi(r: WhiteBoxReport, out: Path) -> str:
+    """``renyi.png``: Rényi estimates with intervals vs the claimed curve."""
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     alphas = sorted({s.alpha for s in r.sequence})
     if alphas:
-        grid = np.linspace(min(alphas) * 0.9, max(alphas) * 1.05, 100)
-        rho_seq = r.claim.get("rho_sequence")
-        if rho_seq is not None:
-            ax.plot(grid, grid * rho_seq, "k-", label="claimed α·ρ_seq")
-        else:  # a Rényi-filter claim: one order, one budget
-            rho_seq = float(r.claim["renyi_budget"]) / float(r.claim["renyi_order"])
-            ax.plot([r.claim["renyi_order"]], [r.claim["renyi_budget"]], "k*", ms=12, label="claimed D_α (data-dependent)")
-        markers = {("forward", "importance-sampling"): "o", ("reverse", "importance-sampling"): "s",
-                   ("forward", "monte-carlo"): "^", ("reverse", "monte-carlo"): "v"}
-        worst = r.worst_neighbour.get("index")
-        for key, m in markers.items():
-            rows = [s for s in r.sequence if (s.direction, s.estimator) == key and s.neighbour == worst]
-            if not rows:
-                continue
-            x = np.array([s.alpha for s in rows]) * (1 + 0.01 * list(markers).index(key))
-            y = np.array([s.estimate for s in rows])
-            finite_y = y[np.isfinite(y)]
-            cap = 10.0 * max(float(finite_y.max()) if finite_y.size else 0.0, rho_seq * max(alphas))  # keep infinite ends on the plot
-            lo = np.array([s.lower for s in rows])
-            hi = np.minimum(np.array([s.upper for s in rows]), cap)
-            y = np.minimum(y, cap)
-            ax.errorbar(x, y, yerr=[np.maximum(y - lo, 0), np.maximum(hi - y, 0)], fmt=m, capsize=3,
-                        label=f"{key[0]} {key[1]}")
-        exact = [s for s in r.sequence if s.exact is not None and s.neighbour == worst and s.direction == "forward"]
-        if exact:
-            ax.plot([s.alpha for s in exact], [s.exact for s in exact], "rx", label="exact (enumeration)")
-        ax.set_yscale("log")
+        _plot_renyi_estimates(ax, r, alphas)
     ax.set_xlabel("Rényi order α")
     ax.set_ylabel("D_α (nats)")
-    label = str(r.worst_neighbour.get("label") or "")
-    ax.set_title(f"worst neighbour {r.worst_neighbour.get('index')}" + (f": {label[:60]}" if label else ""), fontsize=9)
+    label = str(r.worst_neighbour.label or "")
+    ax.set_title(f"worst neighbour {r.worst_neighbour.index}" + (f": {label[:60]}" if label else ""), fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "renyi.png", dpi=110)
-    plt.close(fig)
-    written.append("renyi.png")
-    # 2. privacy-loss histogram
+    return _save(fig, out, "renyi.png")
+
+
+def _plot_loss_histogram(r: WhiteBoxReport, out: Path) -> str:
+    """``loss_histogram.png``: the worst neighbour's sequence privacy losses."""
     h = r.loss_histogram
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if h.get("counts"):
-        edges = np.asarray(h["edges"], dtype=float)
-        ax.stairs(np.asarray(h["counts"], dtype=float), edges, fill=True, alpha=0.6)
-    ax.set_xlabel(f"privacy loss L_j(x), neighbour {h.get('neighbour')} (forward, x ~ P_R)")
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
+    if h.counts:
+        edges = np.asarray(h.edges, dtype=float)
+        ax.stairs(np.asarray(h.counts, dtype=float), edges, fill=True, alpha=0.6)
+    ax.set_xlabel(f"privacy loss L_j(x), neighbour {h.neighbour} (forward, x ~ P_R)")
     ax.set_ylabel("texts")
-    if h.get("num_infinite"):
-        ax.set_title(f"{h['num_infinite']} texts with infinite loss not shown")
-    fig.tight_layout()
-    fig.savefig(out / "loss_histogram.png", dpi=110)
-    plt.close(fig)
-    written.append("loss_histogram.png")
-    # 3. per-step maximum loss range vs epsilon0
-    fig, ax = plt.subplots(figsize=(6, 4))
+    if h.num_infinite:
+        ax.set_title(f"{h.num_infinite} texts with infinite loss not shown")
+    return _save(fig, out, "loss_histogram.png")
+
+
+def _plot_step_loss_range(r: WhiteBoxReport, out: Path) -> str:
+    """``step_loss_range.png``: per-step maximum loss range vs ε0."""
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     per = np.asarray(r.step_checks.max_loss_range_per_step, dtype=float)
     if per.size:
         finite = np.where(np.isfinite(per), per, np.nan)
@@ -663,11 +716,11 @@ def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
     ax.set_xlabel("decoding step")
     ax.set_ylabel("privacy-loss range (nats)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "step_loss_range.png", dpi=110)
-    plt.close(fig)
-    written.append("step_loss_range.png")
-    return written
+    return _save(fig, out, "step_loss_range.png")
+
+
+def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
+    return [_plot_renyi(r, out), _plot_loss_histogram(r, out), _plot_step_loss_range(r, out)]
 
 
 def _plots_blackbox(r: BlackBoxReport, out: Path) -> list[str]:
