@@ -273,16 +273,23 @@ def _link(previous: str, entry: dict) -> str:
     return hashlib.sha256(_CHAIN_DOMAIN + previous.encode() + b"\n" + _canonical(body)).hexdigest()
 
 
+def _chain_values(data: dict) -> list[str]:
+    """The hash chain of ``data``: the genesis value (its header), then the value after each release."""
+    chain = [_genesis(data)]
+    for entry in data["releases"]:
+        chain.append(_link(chain[-1], entry))
+    return chain
+
+
 def _with_chain(data: dict) -> dict:
     """``data`` in the current format with every chain value and ``head`` (re)computed."""
     out = {**data, "format_version": _FORMAT_VERSION}
-    chain = _genesis(out)
-    entries = []
-    for entry in data["releases"]:
-        chain = _link(chain, entry)
-        entries.append({**{k: v for k, v in entry.items() if k != "chain"}, "chain": chain})
-    out["releases"] = entries
-    out["head"] = chain
+    chain = _chain_values(out)
+    out["releases"] = [
+        {**{k: v for k, v in entry.items() if k != "chain"}, "chain": value}
+        for entry, value in zip(data["releases"], chain[1:])
+    ]
+    out["head"] = chain[-1]
     return out
 
 
@@ -299,12 +306,22 @@ class _Verified:
     epsilon_spent: float
 
 
-def _verify(data, where: str) -> _Verified:
-    """Recompute and cross-check every stored figure (module docstring, "Integrity"); LedgerError if not."""
+def _corrupt(where: str, message: str) -> LedgerError:
+    return LedgerError(f"ledger {where} is corrupt or was edited: {message}; refusing to use it")
 
-    def bad(message: str) -> LedgerError:
-        return LedgerError(f"ledger {where} is corrupt or was edited: {message}; refusing to use it")
 
+@dataclasses.dataclass(frozen=True)
+class _Header:
+    """A ledger's checked header: its format version, its budget (ε, δ) and its accountant."""
+
+    version: int
+    budget_epsilon: float
+    delta: float
+    accountant: Accountant
+
+
+def _verify_header(data, where: str) -> _Header:
+    """The format version, the top-level keys and their types, the budget and the accountant."""
     if not isinstance(data, dict):
         raise LedgerError(f"ledger {where} has an unknown format (not a JSON object)")
     version = data.get("format_version")
@@ -315,79 +332,115 @@ def _verify(data, where: str) -> _Verified:
         )
     for key, kind in (("budget", dict), ("accountant", str), ("releases", list), ("dataset", str), ("created_at", str)):
         if not isinstance(data.get(key), kind):
-            raise bad(f"{key!r} must be a {'JSON ' + ('object' if kind is dict else 'array' if kind is list else 'string')}"
-                      f"; got {type(data.get(key)).__name__}")
+            json_kind = "object" if kind is dict else "array" if kind is list else "string"
+            raise _corrupt(where, f"{key!r} must be a JSON {json_kind}; got {type(data.get(key)).__name__}")
     budget = data["budget"]
     if set(budget) != {"epsilon", "delta"}:
-        raise bad(f"budget must hold exactly 'epsilon' and 'delta'; got keys {sorted(budget)}")
+        raise _corrupt(where, f"budget must hold exactly 'epsilon' and 'delta'; got keys {sorted(budget)}")
     try:
         budget_epsilon = RANGES["epsilon"].check("budget epsilon", budget["epsilon"])
         delta = RANGES["delta"].check("budget delta", budget["delta"])
         accountant = as_accountant(data["accountant"])
     except ValueError as err:
-        raise bad(str(err)) from err
+        raise _corrupt(where, str(err)) from err
+    return _Header(version, budget_epsilon, delta, accountant)
 
+
+def _verify_entry(index: int, entry, seen: set[str], where: str) -> Release:
+    """One entry's shape, its release (not seen before) and the ε0 and step count stored with it."""
+    at = f"release #{index + 1}"
+    if not isinstance(entry, dict) or not isinstance(entry.get("release"), dict):
+        raise _corrupt(where, f"{at} is not an entry with a 'release' object")
+    missing = [k for k in _ENTRY_KEYS if k not in entry] + [k for k in _RELEASE_KEYS if k not in entry["release"]]
+    if missing:
+        raise _corrupt(where, f"{at} lacks {', '.join(repr(k) for k in missing)}")
+    try:
+        release = Release.from_json(entry["release"])
+    except (TypeError, ValueError) as err:
+        raise _corrupt(where, f"{at}: {err}") from err
+    at = f"release #{index + 1} ({release.release_id!r})"
+    if release.release_id in seen:
+        raise _corrupt(where, f"{at} is recorded twice")
+    stored_e0, stored_steps = entry["epsilon0"], entry["num_steps"]
+    if not _same_float(stored_e0, release.epsilon0, 1e-12):
+        raise _corrupt(where, f"{at} stores epsilon0={stored_e0!r} but its parameters give {release.epsilon0!r}")
+    if isinstance(stored_steps, bool) or stored_steps != release.num_steps:
+        raise _corrupt(where, f"{at} stores num_steps={stored_steps!r} but its parameters give {release.num_steps}")
+    return release
+
+
+def _stored_spend(at: str, entry: dict, where: str) -> float:
+    """An entry's stored running spend ``epsilon_spent_after``: a finite number >= 0."""
+    stored = entry["epsilon_spent_after"]
+    if isinstance(stored, bool) or not isinstance(stored, (int, float)) or not stored >= 0 or math.isinf(stored):
+        raise _corrupt(where, f"{at} stores epsilon_spent_after={stored!r}, not a finite number >= 0")
+    return stored
+
+
+def _verify_spend(at: str, stored: float, recomputed: float, spent_before: float, header: _Header, where: str) -> None:
+    """One entry's stored running spend against the recomputed one, the spend before it and the budget."""
+    if not _same_float(stored, recomputed, _SPEND_RTOL):
+        raise _corrupt(
+            where,
+            f"{at} stores epsilon_spent_after={stored!r} but the releases up to it spend {recomputed!r} "
+            f"({header.accountant.value}, delta={header.delta:g})",
+        )
+    if stored < spent_before * (1.0 - _SPEND_RTOL):
+        raise _corrupt(where, f"{at} stores a total spend below the release before it")
+    if not recomputed <= header.budget_epsilon * (1.0 + _SPEND_RTOL):
+        raise _corrupt(
+            where, f"{at} brings the spend to {recomputed:.6g}, over the budget epsilon={header.budget_epsilon:g}"
+        )
+
+
+def _verify_releases(data: dict, header: _Header, where: str) -> list[Release]:
+    """Every entry in order (:func:`_verify_entry`), its running spend recomputed (:func:`_verify_spend`)."""
     releases: list[Release] = []
     seen: set[str] = set()
     spent_before = 0.0
     terms: list[float] = []
     for index, entry in enumerate(data["releases"]):
-        at = f"release #{index + 1}"
-        if not isinstance(entry, dict) or not isinstance(entry.get("release"), dict):
-            raise bad(f"{at} is not an entry with a 'release' object")
-        missing = [k for k in _ENTRY_KEYS if k not in entry] + [k for k in _RELEASE_KEYS if k not in entry["release"]]
-        if missing:
-            raise bad(f"{at} lacks {', '.join(repr(k) for k in missing)}")
-        try:
-            release = Release.from_json(entry["release"])
-        except (TypeError, ValueError) as err:
-            raise bad(f"{at}: {err}") from err
-        at = f"release #{index + 1} ({release.release_id!r})"
-        if release.release_id in seen:
-            raise bad(f"{at} is recorded twice")
+        release = _verify_entry(index, entry, seen, where)
         seen.add(release.release_id)
-        stored_e0, stored_steps = entry["epsilon0"], entry["num_steps"]
-        if not _same_float(stored_e0, release.epsilon0, 1e-12):
-            raise bad(f"{at} stores epsilon0={stored_e0!r} but its parameters give {release.epsilon0!r}")
-        if isinstance(stored_steps, bool) or stored_steps != release.num_steps:
-            raise bad(f"{at} stores num_steps={stored_steps!r} but its parameters give {release.num_steps}")
         releases.append(release)
         terms.append(release.num_steps * br_to_zcdp(release.epsilon0))
-        stored = entry["epsilon_spent_after"]
-        if isinstance(stored, bool) or not isinstance(stored, (int, float)) or not stored >= 0 or math.isinf(stored):
-            raise bad(f"{at} stores epsilon_spent_after={stored!r}, not a finite number >= 0")
+        at = f"release #{index + 1} ({release.release_id!r})"
+        stored = _stored_spend(at, entry, where)
         if len(releases) == 1:
-            recomputed = _single_release_spend(release.epsilon0, release.num_steps, delta, accountant)
+            recomputed = _single_release_spend(release.epsilon0, release.num_steps, header.delta, header.accountant)
         else:
-            recomputed = _filter_spend(math.fsum(terms), delta, accountant)
-        if not _same_float(stored, recomputed, _SPEND_RTOL):
-            raise bad(
-                f"{at} stores epsilon_spent_after={stored!r} but the releases up to it spend {recomputed!r} "
-                f"({accountant.value}, delta={delta:g})"
-            )
-        if stored < spent_before * (1.0 - _SPEND_RTOL):
-            raise bad(f"{at} stores a total spend below the release before it")
-        if not recomputed <= budget_epsilon * (1.0 + _SPEND_RTOL):
-            raise bad(f"{at} brings the spend to {recomputed:.6g}, over the budget epsilon={budget_epsilon:g}")
+            recomputed = _filter_spend(math.fsum(terms), header.delta, header.accountant)
+        _verify_spend(at, stored, recomputed, spent_before, header, where)
         spent_before = stored
+    return releases
 
-    if version >= 2:
-        chain = _genesis(data)
-        for index, entry in enumerate(data["releases"]):
-            chain = _link(chain, entry)
-            if entry.get("chain") != chain:
-                raise bad(
-                    f"the hash chain breaks at release #{index + 1} ({releases[index].release_id!r}): the header "
-                    "(budget, delta, accountant, dataset) or a release up to this one was changed, or a release "
-                    "before it was removed"
-                )
-        if data.get("head") != chain:
-            raise bad(
-                "'head' does not match the hash chain: releases were removed from the end, or the header was "
-                "changed"
+
+def _verify_chain(data: dict, releases: list[Release], where: str) -> None:
+    """Format 2 on: each entry's stored chain value and ``head`` against the recomputed hash chain."""
+    chain = _chain_values(data)
+    for index, entry in enumerate(data["releases"]):
+        if entry.get("chain") != chain[index + 1]:
+            raise _corrupt(
+                where,
+                f"the hash chain breaks at release #{index + 1} ({releases[index].release_id!r}): the header "
+                "(budget, delta, accountant, dataset) or a release up to this one was changed, or a release "
+                "before it was removed",
             )
-    spent = _spent_epsilon(releases, delta, accountant)
-    return _Verified(data=data, releases=tuple(releases), accountant=accountant, epsilon_spent=spent)
+    if data.get("head") != chain[-1]:
+        raise _corrupt(
+            where,
+            "'head' does not match the hash chain: releases were removed from the end, or the header was changed",
+        )
+
+
+def _verify(data, where: str) -> _Verified:
+    """Recompute and cross-check every stored figure (module docstring, "Integrity"); LedgerError if not."""
+    header = _verify_header(data, where)
+    releases = _verify_releases(data, header, where)
+    if header.version >= 2:
+        _verify_chain(data, releases, where)
+    spent = _spent_epsilon(releases, header.delta, header.accountant)
+    return _Verified(data=data, releases=tuple(releases), accountant=header.accountant, epsilon_spent=spent)
 
 
 def _same_float(stored, recomputed: float, rtol: float) -> bool:
