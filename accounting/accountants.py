@@ -95,7 +95,8 @@ def _composition(epsilon0, num_steps) -> tuple[float, np.ndarray | None]:
     """(ρ, per-step array or None): the array only when the br-adaptive programme could use it.
 
     A single ε0 with ``num_steps`` steps costs ρ = T ε0²/8 in closed form, so no O(T) array is built
-    beyond ``BR_MAX_STEPS`` steps (T = 10^9 would take 8 GB; issue 12, item 10).
+    beyond ``BR_MAX_STEPS`` steps (T = 10^9 would take 8 GB; pinned by
+    ``tests/test_accounting_limits.py::test_epsilon_for_a_billion_tokens_needs_no_o_t_memory``).
     """
     if np.ndim(epsilon0) == 0:
         e0 = check_positive("epsilon0", epsilon0)

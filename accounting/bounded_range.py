@@ -141,7 +141,8 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
         # 1 - p_t = expm1(t)/expm1(eps0) = e^(t-eps0) (-expm1(-t)) / (-expm1(-eps0)): no cancellation for
         # tiny eps0 and no overflow for huge eps0 (every exponent is <= 0). The earlier form
         # e^(t-eps0) expm1(eps0 - t) was 0 * inf = NaN once eps0 - t > 745, and a NaN candidate is
-        # never the supremum: eps0 >= 12,000 gave delta = 0 (issue 12 review, regression test kept)
+        # never the supremum: eps0 >= 12,000 gave delta = 0 (regression test:
+        # tests/test_accounting_limits.py::test_bounded_range_upper_bound_for_huge_epsilon0)
         nd = -math.expm1(-eps0)
         p = np.empty(n + 1)
         pq = np.empty(n + 1)
@@ -288,7 +289,8 @@ def affordable(epsilon0s: np.ndarray, lattice_steps: int | None = None) -> bool:
     if lattice_steps is None:
         lattice_steps = default_lattice_steps(len(epsilon0s))
     ratio = float(np.max(epsilon0s)) / float(np.min(epsilon0s))
-    if not ratio * lattice_steps < _MAX_LATTICE_WORK:  # also catches inf and NaN (issue 12, item 11)
+    # `not <` also catches inf and NaN (overflow probes: tests/test_accounting_limits.py)
+    if not ratio * lattice_steps < _MAX_LATTICE_WORK:
         return False
     n_max = math.ceil(ratio * lattice_steps) + 1
     return len(epsilon0s) * n_max * n_max <= _MAX_LATTICE_WORK

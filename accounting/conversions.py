@@ -213,8 +213,9 @@ def _shrink_until_feasible(rho: float, spends, epsilon: float) -> float:
     """Lower ``rho`` until ``spends(rho) <= epsilon`` (a floating-point guard on an inverse).
 
     The relative step starts at one ulp (2^-52) and doubles, so the loop ends after at most ~55 evaluations
-    however far off ``rho`` is (a fixed step never ended for ε near 1e308; issue 12, item 9), and the
-    result is at most a factor (1 + 2·step) below the boundary: the safe side.
+    however far off ``rho`` is (a fixed step never ended for ε near 1e308; hang probes:
+    ``tests/test_accounting_limits.py``), and the result is at most a factor (1 + 2·step) below the
+    boundary: the safe side.
     """
     if not math.isfinite(rho):
         raise ValueError(f"epsilon={epsilon!r} is too large for this conversion (rho={rho!r})")

@@ -453,7 +453,8 @@ def _same_float(stored, recomputed: float, rtol: float) -> bool:
 
 
 def _resolve(path) -> Path:
-    """The file a ledger path names: symbolic links resolved (issue 12, item 3), never a directory."""
+    """The file a ledger path names: symbolic links resolved, never a directory (pinned by
+    ``tests/test_reliability_ledger.py::test_symlinked_ledger_charges_the_target_and_stays_a_link``)."""
     given = Path(path)
     resolved = given.resolve()
     if resolved.is_dir():

@@ -6,7 +6,7 @@ accountants derive from it stays a finite double: with the extremes below the pe
 at most :math:`10^{18}\varepsilon_0^2/8 \approx 2\cdot10^{38}`, far from overflow (``1.8e308``) and
 underflow. Values outside a range are refused at the boundary with one ``ValueError`` naming the
 argument, its value and the range instead of overflowing, allocating O(T) memory or
-searching forever (issue 12, items 9–11).
+searching forever (``tests/test_accounting_limits.py`` probes each: hangs, memory, overflow).
 
 ================  ======================  =====================================================
 parameter         range                   why this end
