@@ -555,7 +555,9 @@ def benchmark(
     to show what the Top-k+ columns save. A model whose tokenizer has no chat template (a base model)
     gets plain-text prompts (:func:`~invink_audit.prompts.encode_messages` with ``plain=True``).
     """
-    _check_counts(batch_size=(batch_size, 1), max_new_tokens=(max_new_tokens, 3), num_texts=(num_texts, 1), repeats=(repeats, 0))
+    _check_counts(
+        batch_size=(batch_size, 1), max_new_tokens=(max_new_tokens, 3), num_texts=(num_texts, 1), repeats=(repeats, 0)
+    )
     pool = _reference_pool(references)
     if not pool or not any(pool):
         raise ValueError("references must hold at least one non-empty text")
