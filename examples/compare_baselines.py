@@ -1,4 +1,4 @@
-"""The paper's comparison (§5, Table 2 (tab:result), Figure 4 (fig:mainplot)), small enough for a 2-core CPU (issue 11, item 5).
+"""The paper's comparison (§5, Table 2 (tab:result), Figure 4 (fig:mainplot)), small enough for a 2-core CPU.
 
 At ε ∈ {3, 10} (δ = 1e-6), B + 1 ∈ {4, 8, 16, 32, 64} forward rows per token and a fixed token budget T,
 SmolLM2-135M-Instruct (embedded) generates Yelp restaurant reviews (../shared/data/yelp/dev.csv, read in

@@ -1,4 +1,4 @@
-"""Label-conditioned partition (data side of issue 10, item 2) and labels filling prompt fields."""
+"""Label-conditioned partition (:func:`invink_audit.data.partition_by_labels`) and labels filling prompt fields."""
 
 from __future__ import annotations
 
