@@ -38,7 +38,7 @@ import torch
 
 from invink_audit.audit.analysis import analyse
 from invink_audit.audit.parallel import TextShare
-from invink_audit.audit.report import WhiteBoxReport
+from invink_audit.audit.report import AuditTimings, WhiteBoxReport
 from invink_audit.audit.synthetic import HARDEST_PUBLIC_PROBABILITY
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.distributed import current_cluster
@@ -149,10 +149,18 @@ def audit_model(
     must be null, turned into the logit-level hardest-case canary. ``progress(done, total)`` counts
     generated texts. Returns a :class:`~invink_audit.audit.report.WhiteBoxReport`.
     """
-    from invink_audit.mechanism import MechanismConfig, make_generator
-    from invink_audit.models import load_model
-    from invink_audit.prompts import encode_request, get_preset
+    refs, canaries = _check_slots(references, canaries, hardest_case_slot)
+    options = dict(
+        model=model, prompt=prompt, prompt_fields=prompt_fields, canaries=canaries, hardest_case_slot=hardest_case_slot,
+        generator=generator, max_batch_rows=max_batch_rows, progress=progress, label=label,
+    )
+    if settings.mechanism is not None:
+        return _audit_generic(refs, settings, config, **options)
+    return _audit_invisibleink(refs, settings, config, **options)
 
+
+def _check_slots(references, canaries, hardest_case_slot) -> tuple[list[str | None], dict[int, str]]:
+    """The batch (empty references as nulls) and the canaries' labels, the hardest-case slot's included."""
     refs = [r if r else None for r in references]
     batch_size = len(refs)
     if batch_size < 1:
@@ -169,18 +177,112 @@ def audit_model(
                 f"hardest_case_slot {hardest_case_slot} must hold a null reference (its logits are set by the auditor)"
             )
         canaries[hardest_case_slot] = "hardest-case logit canary (up group at neighbour probability ≈ 0.45)"
-    if settings.mechanism is not None:
-        return _audit_generic(
-            refs, settings, config, model=model, prompt=prompt, prompt_fields=prompt_fields, canaries=canaries,
-            hardest_case_slot=hardest_case_slot, generator=generator, max_batch_rows=max_batch_rows, progress=progress,
-            label=label,
+    return refs, canaries
+
+
+@dataclasses.dataclass
+class _Session:
+    """One audit's decoding state: the loaded model, the batch's prompt, the sampling plan, its recorder,
+    the generator and this process's share of the plan's texts."""
+
+    loaded: object
+    load_seconds: float
+    refs: list
+    template: object
+    request: object
+    plan: SamplingPlan
+    recorder: WhiteBoxRecorder
+    generator: torch.Generator
+    share: TextShare
+
+    @classmethod
+    def open(cls, loaded, load_seconds: float, refs, claim: Claim, config: WhiteBoxConfig, max_new_tokens: int, *,
+             prompt, prompt_fields, generator) -> _Session:
+        """Set up the batch's prompt on the loaded model, the sampling plan and its recorder."""
+        from invink_audit.mechanism import make_generator
+        from invink_audit.prompts import encode_request, get_preset
+
+        template = get_preset(prompt, **(prompt_fields or {}))
+        request = encode_request(loaded.tokenizer, template, refs)
+        plan = SamplingPlan.build(config, len(refs))
+        recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max_new_tokens, device=loaded.device)
+        gen = generator if generator is not None else make_generator(device=loaded.device)
+        # the plan's texts, shared between processes under torchrun (each keyed by its plan index)
+        return cls(loaded, load_seconds, refs, template, request, plan, recorder, gen, TextShare(plan.num_texts))
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.refs)
+
+    def decode(self, engine, max_new_tokens: int, hooks, progress, on_finished=None) -> tuple[float, int]:
+        """Generate this process's texts through ``hooks``; returns (seconds, tokens generated here)."""
+        done, tokens = 0, 0
+        t_gen = time.perf_counter()
+        for finished in engine.generate(
+            [self.request] * len(self.share.ids), max_new_tokens=max_new_tokens, generator=self.generator,
+            observer=hooks.observer, sampling_rule=hooks.sampling_rule, stream_ids=self.share.ids,
+            key=self.share.key(self.generator),
+        ):
+            done += 1
+            tokens += finished.num_tokens
+            if on_finished is not None:
+                on_finished(finished)
+            if progress is not None:
+                progress(done, len(self.share.ids))
+        return time.perf_counter() - t_gen, tokens
+
+    def recorded(self):
+        """The record of every process's texts."""
+        return self.share.merge(self.recorder.finish())
+
+    def settings(self, mechanism_fields: dict, max_new_tokens: int, config: WhiteBoxConfig, **tail) -> dict:
+        """The report's ``settings``: model, prompt, the mechanism's parameters, the audit's, then ``tail``."""
+        return {
+            "model": self.loaded.name,
+            "device": str(self.loaded.device),
+            "prompt": self.template.name,
+            **mechanism_fields,
+            "max_new_tokens": max_new_tokens,
+            "alphas": list(config.alphas),
+            "num_samples": config.num_samples,
+            "num_is_samples": config.num_is_samples,
+            "neighbours": list(config.audited_neighbours(self.batch_size)),
+            "directions": [d.value for d in config.directions],
+            **tail,
+        }
+
+    def analyse(self, rec, mechanism: str, max_new_tokens: int, canaries: dict, **kwargs) -> WhiteBoxReport:
+        """The report of ``rec`` (source: model, prompt, B, T; neighbours labelled by their references)."""
+        labels = {
+            j: ("null reference" if self.refs[j] is None and j not in canaries else f"reference {j}")
+            for j in range(self.batch_size)
+        }
+        return analyse(
+            rec,
+            mechanism=f"{mechanism} on {self.loaded.name}",
+            source=f"{self.loaded.name}, prompt preset {self.template.name!r}, B={self.batch_size}, T={max_new_tokens}",
+            canaries=canaries,
+            neighbour_labels=labels,
+            **kwargs,
         )
+
+
+def _load_model(model):
+    """The model on this process's device, and the seconds it took to load."""
+    from invink_audit.models import load_model
+
     t_load = time.perf_counter()
     loaded = load_model(model, device=current_cluster().device(None))
-    load_seconds = time.perf_counter() - t_load
+    return loaded, time.perf_counter() - t_load
+
+
+def _invisibleink_claim(settings: ModelAuditSettings, batch_size: int, label: str):
+    """InvisibleInk's configuration and claim: the given clip norm, or the one planned for (ε, δ)."""
+    from invink_audit.mechanism import MechanismConfig
+
+    planned = None
     if settings.clip_norm is not None:
         clip_norm = float(settings.clip_norm)
-        planned = None
     else:
         from accounting import plan_clip_norm
 
@@ -195,121 +297,115 @@ def audit_model(
         clip_norm = planned.clip_norm
     mech = MechanismConfig(clip_norm=clip_norm, temperature=settings.temperature, top_k=settings.top_k, batch_size=batch_size)
     claim = Claim.from_mechanism(mech, settings.max_new_tokens, delta=settings.delta, label=label)
-    template = get_preset(prompt, **(prompt_fields or {}))
-    request = encode_request(loaded.tokenizer, template, refs)
-    plan = SamplingPlan.build(config, batch_size)
-    device = loaded.device
-    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=settings.max_new_tokens, device=device)
-    gen = generator if generator is not None else make_generator(device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    hook_seconds = [0.0]
-    # per-step split of the time: "decode" steps (no text joined, so no prefill in the engine's
-    # step) vs steps with a prefill; engine time is measured from the end of our observer to the
-    # start of the next sampling rule (forward pass, mechanism, bookkeeping)
-    split = {"decode_engine": 0.0, "decode_hook": 0.0, "prefill_engine": 0.0, "prefill_hook": 0.0, "decode_steps": 0}
-    last_exit = [None]
-    current = {"kind": "prefill", "hook": 0.0}
+    return mech, clip_norm, claim, planned
 
-    def sampling_rule(step):
-        sync()
+
+class _InvisibleInkHooks:
+    """The engine's hooks for InvisibleInk: exact checks and each text's sampling weights, with the
+    hardest-case canary's row set by the auditor, timed per step.
+
+    The time is split between "decode" steps (no text joined, so no prefill in the engine's step) and
+    steps with a prefill; engine time is measured from the end of the observer to the start of the
+    next sampling rule (forward pass, mechanism, bookkeeping). On CUDA the hooks synchronise the device.
+    """
+
+    def __init__(self, session: _Session, mech, clip_norm: float, hardest_case_slot: int | None) -> None:
+        self.session, self.mech, self.clip_norm, self.hardest_case_slot = session, mech, clip_norm, hardest_case_slot
+        self.sync = torch.cuda.synchronize if session.loaded.device.type == "cuda" else (lambda: None)
+        self.hook_seconds = 0.0
+        self.split = {"decode_engine": 0.0, "decode_hook": 0.0, "prefill_engine": 0.0, "prefill_hook": 0.0, "decode_steps": 0}
+        self.last_exit = None
+        self.kind, self.hook = "prefill", 0.0
+
+    def sampling_rule(self, step):
+        self.sync()
         start = time.perf_counter()
         joined = bool((step.positions == 0).any())
-        kind = "prefill" if joined or last_exit[0] is None else "decode"
-        if last_exit[0] is not None:
-            split[f"{kind}_engine"] += start - last_exit[0]
-        current["kind"], current["hook"] = kind, 0.0
-        ids = share.global_ids(step.request_indices)
-        if hardest_case_slot is None:
+        kind = "prefill" if joined or self.last_exit is None else "decode"
+        if self.last_exit is not None:
+            self.split[f"{kind}_engine"] += start - self.last_exit
+        self.kind, self.hook = kind, 0.0
+        ids = self.session.share.global_ids(step.request_indices)
+        if self.hardest_case_slot is None:
             nlp = step.neighbour_log_probs()
         else:
             private = step.private_logits.clone()
             # the slot is null, so the engine's distribution is the neighbour's (canary -> null)
-            row = hardest_case_row(step.public_logits, step.log_probs, clip_norm)
-            private[:, hardest_case_slot] = row.to(private.dtype)
-            nlp = mech.neighbour_log_probs(private, step.public_logits)
-        weights = recorder.sampling_log_weights(ids, nlp.actual, nlp.neighbours)
-        sync()
-        current["hook"] += time.perf_counter() - start
+            row = hardest_case_row(step.public_logits, step.log_probs, self.clip_norm)
+            private[:, self.hardest_case_slot] = row.to(private.dtype)
+            nlp = self.mech.neighbour_log_probs(private, step.public_logits)
+        weights = self.session.recorder.sampling_log_weights(ids, nlp.actual, nlp.neighbours)
+        self.sync()
+        self.hook += time.perf_counter() - start
         return weights
 
-    def observer(step):
+    def observer(self, step):
         start = time.perf_counter()
-        recorder.record(share.global_ids(step.request_indices), step.tokens)
-        sync()
+        self.session.recorder.record(self.session.share.global_ids(step.request_indices), step.tokens)
+        self.sync()
         end = time.perf_counter()
-        current["hook"] += end - start
-        hook_seconds[0] += current["hook"]
-        split[f"{current['kind']}_hook"] += current["hook"]
-        split["decode_steps"] += current["kind"] == "decode"
-        last_exit[0] = end
+        self.hook += end - start
+        self.hook_seconds += self.hook
+        self.split[f"{self.kind}_hook"] += self.hook
+        self.split["decode_steps"] += self.kind == "decode"
+        self.last_exit = end
 
-    engine = _shared_prefill_engine_class()(loaded, mech, max_batch_rows=max_batch_rows)
-    # the plan's texts, shared between processes under torchrun (each keyed by its plan index)
-    share = TextShare(plan.num_texts)
-    requests = [request] * len(share.ids)
-    done = 0
-    t_gen = time.perf_counter()
-    tokens_total = 0
-    for finished in engine.generate(
-        requests, max_new_tokens=settings.max_new_tokens, generator=gen, observer=observer, sampling_rule=sampling_rule,
-        stream_ids=share.ids, key=share.key(gen),
-    ):
-        done += 1
-        tokens_total += finished.num_tokens
-        if progress is not None:
-            progress(done, len(share.ids))
-    gen_seconds = time.perf_counter() - t_gen
-    rec = share.merge(recorder.finish())
-    tokens_total = share.total(tokens_total)
-    base = gen_seconds - hook_seconds[0]
-    timings = {
-        "model_load_seconds": load_seconds,
-        "generation_seconds": gen_seconds,
-        "audit_hook_seconds": hook_seconds[0],
-        "generation_without_audit_seconds": base,
-        "audit_overhead_ratio": hook_seconds[0] / base if base > 0 else math.nan,
-        "decode_steps": split["decode_steps"],
-        "decode_step_engine_seconds": split["decode_engine"],
-        "decode_step_audit_seconds": split["decode_hook"],
-        "audit_overhead_ratio_decode_steps": (
-            split["decode_hook"] / split["decode_engine"] if split["decode_engine"] > 0 else math.nan
-        ),
-        "tokens_generated": tokens_total,
-        "seconds_per_token_without_audit": base / tokens_total if tokens_total else math.nan,
-    }
-    settings_dict = {
-        "model": loaded.name,
-        "device": str(device),
-        "prompt": template.name,
-        "batch_size": batch_size,
-        "clip_norm": clip_norm,
-        "temperature": settings.temperature,
-        "top_k": settings.top_k,
-        "max_new_tokens": settings.max_new_tokens,
-        "alphas": list(config.alphas),
-        "num_samples": config.num_samples,
-        "num_is_samples": config.num_is_samples,
-        "neighbours": list(config.audited_neighbours(batch_size)),
-        "directions": [d.value for d in config.directions],
-        "processes": share.cluster.world_size,
-    }
-    if planned is not None:
-        settings_dict.update({"planned_epsilon": planned.epsilon, "planned_delta": planned.delta, "accountant": planned.accountant})
-    labels = {j: ("null reference" if refs[j] is None and j not in canaries else f"reference {j}") for j in range(batch_size)}
+    def timings(self, load_seconds: float, gen_seconds: float, tokens_total: int) -> AuditTimings:
+        """The whole run's overhead (prefills included) and the decode steps' (the per-token cost)."""
+        base = gen_seconds - self.hook_seconds
+        split = self.split
+        return AuditTimings(
+            model_load_seconds=load_seconds,
+            generation_seconds=gen_seconds,
+            audit_hook_seconds=self.hook_seconds,
+            generation_without_audit_seconds=base,
+            audit_overhead_ratio=self.hook_seconds / base if base > 0 else math.nan,
+            decode_steps=split["decode_steps"],
+            decode_step_engine_seconds=split["decode_engine"],
+            decode_step_audit_seconds=split["decode_hook"],
+            audit_overhead_ratio_decode_steps=(
+                split["decode_hook"] / split["decode_engine"] if split["decode_engine"] > 0 else math.nan
+            ),
+            tokens_generated=tokens_total,
+            seconds_per_token_without_audit=base / tokens_total if tokens_total else math.nan,
+        )
+
+
+def _overhead_notes(timings: AuditTimings) -> list[str]:
     notes = []
-    for key, what in (("audit_overhead_ratio", "generation time"), ("audit_overhead_ratio_decode_steps", "decode-step time")):
-        if timings[key] > 0.15:
-            notes.append(f"the audit hooks cost {timings[key]:.0%} of {what} (target ≤ 15%)")
-    return analyse(
-        rec,
-        mechanism=f"InvisibleInk on {loaded.name}",
-        source=f"{loaded.name}, prompt preset {template.name!r}, B={batch_size}, T={settings.max_new_tokens}",
-        canaries=canaries,
-        neighbour_labels=labels,
+    for value, what in ((timings.audit_overhead_ratio, "generation time"),
+                        (timings.audit_overhead_ratio_decode_steps, "decode-step time")):
+        if value > 0.15:
+            notes.append(f"the audit hooks cost {value:.0%} of {what} (target ≤ 15%)")
+    return notes
+
+
+def _audit_invisibleink(refs, settings, config, *, model, prompt, prompt_fields, canaries, hardest_case_slot, generator,
+                        max_batch_rows, progress, label) -> WhiteBoxReport:
+    """:func:`audit_model` for InvisibleInk (the engine's own path, with the hardest-case canary)."""
+    batch_size = len(refs)
+    loaded, load_seconds = _load_model(model)
+    mech, clip_norm, claim, planned = _invisibleink_claim(settings, batch_size, label)
+    session = _Session.open(
+        loaded, load_seconds, refs, claim, config, settings.max_new_tokens, prompt=prompt, prompt_fields=prompt_fields,
+        generator=generator,
+    )
+    hooks = _InvisibleInkHooks(session, mech, clip_norm, hardest_case_slot)
+    engine = _shared_prefill_engine_class()(loaded, mech, max_batch_rows=max_batch_rows)
+    gen_seconds, tokens = session.decode(engine, settings.max_new_tokens, hooks, progress)
+    rec = session.recorded()
+    timings = hooks.timings(load_seconds, gen_seconds, session.share.total(tokens))
+    mechanism_fields = {"batch_size": batch_size, "clip_norm": clip_norm, "temperature": settings.temperature,
+                        "top_k": settings.top_k}
+    tail = {"processes": session.share.cluster.world_size}
+    if planned is not None:
+        tail.update({"planned_epsilon": planned.epsilon, "planned_delta": planned.delta, "accountant": planned.accountant})
+    return session.analyse(
+        rec, "InvisibleInk", settings.max_new_tokens, canaries,
         prefix_decoder=lambda ids: loaded.tokenizer.decode(ids),
         timings=timings,
-        settings=settings_dict,
-        notes=tuple(notes),
+        settings=session.settings(mechanism_fields, settings.max_new_tokens, config, **tail),
+        notes=tuple(_overhead_notes(timings)),
         claim_details={"clip_norm": clip_norm, "temperature": settings.temperature},
     )
 
@@ -338,16 +434,33 @@ def generic_audit_config(config: WhiteBoxConfig, claim: Claim) -> tuple[WhiteBox
     return config, notes
 
 
-def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, canaries, hardest_case_slot, generator,
-                   max_batch_rows, progress, label):
-    """:func:`audit_model` for a generic :class:`~invink_audit.mechanisms.Mechanism` (its exact state)."""
-    from invink_audit.engine import Engine
-    from invink_audit.mechanism import make_generator
-    from invink_audit.models import load_model
-    from invink_audit.prompts import encode_request, get_preset
+class _GenericHooks:
+    """The engine's hooks for a generic mechanism: exact checks on its own state (each step's check
+    distributions), sampling weights, and the released outcomes recorded; timed as a whole."""
 
-    mech = settings.mechanism
-    batch_size = len(refs)
+    def __init__(self, session: _Session) -> None:
+        self.session = session
+        self.hook_seconds = 0.0
+
+    def sampling_rule(self, step):
+        start = time.perf_counter()
+        nlp = step.neighbour_log_probs()
+        r = step.result
+        weights = self.session.recorder.sampling_log_weights(
+            self.session.share.global_ids(step.request_indices), nlp.actual, nlp.neighbours, check_actual=r.check_actual,
+            check_neighbours=r.check_neighbours,
+        )
+        self.hook_seconds += time.perf_counter() - start
+        return weights
+
+    def observer(self, step):
+        start = time.perf_counter()
+        self.session.recorder.record(self.session.share.global_ids(step.request_indices), step.outcomes)
+        self.hook_seconds += time.perf_counter() - start
+
+
+def _generic_claim(mech, settings: ModelAuditSettings, config: WhiteBoxConfig, batch_size: int, hardest_case_slot, label):
+    """The mechanism's guarantee, its claim and the audit config that claim allows (with notes)."""
     if mech.batch_size != batch_size:
         raise ValueError(f"the mechanism has batch_size={mech.batch_size} but {batch_size} references were given")
     if hardest_case_slot is not None:
@@ -358,83 +471,12 @@ def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, cana
     guarantee = mech.guarantee(settings.max_new_tokens, settings.delta)
     claim = Claim.from_guarantee(guarantee, batch_size, label=label or mech.name)
     config, notes = generic_audit_config(config, claim)
-    t_load = time.perf_counter()
-    loaded = load_model(model, device=current_cluster().device(None))
-    load_seconds = time.perf_counter() - t_load
-    template = get_preset(prompt, **(prompt_fields or {}))
-    request = encode_request(loaded.tokenizer, template, refs)
-    plan = SamplingPlan.build(config, batch_size)
-    device = loaded.device
-    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=settings.max_new_tokens, device=device)
-    gen = generator if generator is not None else make_generator(device=device)
-    hook_seconds = [0.0]
+    return guarantee, claim, config, notes
 
-    def sampling_rule(step):
-        start = time.perf_counter()
-        nlp = step.neighbour_log_probs()
-        r = step.result
-        weights = recorder.sampling_log_weights(
-            share.global_ids(step.request_indices), nlp.actual, nlp.neighbours, check_actual=r.check_actual,
-            check_neighbours=r.check_neighbours,
-        )
-        hook_seconds[0] += time.perf_counter() - start
-        return weights
 
-    def observer(step):
-        start = time.perf_counter()
-        recorder.record(share.global_ids(step.request_indices), step.outcomes)
-        hook_seconds[0] += time.perf_counter() - start
-
-    engine = Engine(loaded, mech, max_batch_rows=max_batch_rows, share_prefill=True)
-    share = TextShare(plan.num_texts)
-    done, tokens_total, reasons, modes = 0, 0, {}, {}
-    t_gen = time.perf_counter()
-    for finished in engine.generate(
-        [request] * len(share.ids), max_new_tokens=settings.max_new_tokens, generator=gen, observer=observer,
-        sampling_rule=sampling_rule, stream_ids=share.ids, key=share.key(gen),
-    ):
-        done += 1
-        tokens_total += finished.num_tokens
-        reasons[finished.finish_reason] = reasons.get(finished.finish_reason, 0) + 1
-        for m in finished.modes:
-            modes[mech.mode_names[m]] = modes.get(mech.mode_names[m], 0) + 1
-        if progress is not None:
-            progress(done, len(share.ids))
-    gen_seconds = time.perf_counter() - t_gen
-    rec = share.merge(recorder.finish())
-    tokens_total, reasons, modes = share.total(tokens_total), share.total(reasons), share.total(modes)
-    vocab = loaded.vocab_size
-    width = mech.num_modes * vocab
-
-    def decode(outcomes):
-        return loaded.tokenizer.decode([int(o) % vocab for o in outcomes if 0 <= o < width])
-
-    base = gen_seconds - hook_seconds[0]
-    timings = {
-        "model_load_seconds": load_seconds,
-        "generation_seconds": gen_seconds,
-        "audit_hook_seconds": hook_seconds[0],
-        "generation_without_audit_seconds": base,
-        "audit_overhead_ratio": hook_seconds[0] / base if base > 0 else math.nan,
-        "tokens_generated": tokens_total,
-    }
-    settings_dict = {
-        "model": loaded.name,
-        "device": str(device),
-        "prompt": template.name,
-        **mech.describe(),
-        "max_new_tokens": settings.max_new_tokens,
-        "alphas": list(config.alphas),
-        "num_samples": config.num_samples,
-        "num_is_samples": config.num_is_samples,
-        "neighbours": list(config.audited_neighbours(batch_size)),
-        "directions": [d.value for d in config.directions],
-        "finish_reasons": reasons,
-        "released_modes": modes,
-    }
-    canaries = dict(canaries)
-    labels = {j: ("null reference" if refs[j] is None and j not in canaries else f"reference {j}") for j in range(batch_size)}
-    notes.append(f"guarantee: {guarantee.label()}; {guarantee.description}")
+def _generic_notes(mech, guarantee, rec) -> list[str]:
+    """What the report says about a generic mechanism: its guarantee, stop-rule support mismatches, outcomes."""
+    notes = [f"guarantee: {guarantee.label()}; {guarantee.description}"]
     if mech.can_halt and rec.failures.get("support", 0):
         notes.append(
             f"{rec.failures['support']} support mismatches: the stop outcome (the text ends, its spend would exceed the "
@@ -445,15 +487,53 @@ def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, cana
         "outcomes are (mode, token) pairs (" + ", ".join(mech.mode_names) + (", or the stop outcome" if mech.can_halt else "")
         + "): the release the mechanism's accountant composes"
     )
-    return analyse(
-        rec,
-        mechanism=f"{mech.name} on {loaded.name}",
-        source=f"{loaded.name}, prompt preset {template.name!r}, B={batch_size}, T={settings.max_new_tokens}",
-        canaries=canaries,
-        neighbour_labels=labels,
+    return notes
+
+
+def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, canaries, hardest_case_slot, generator,
+                   max_batch_rows, progress, label):
+    """:func:`audit_model` for a generic :class:`~invink_audit.mechanisms.Mechanism` (its exact state)."""
+    mech = settings.mechanism
+    batch_size = len(refs)
+    guarantee, claim, config, notes = _generic_claim(mech, settings, config, batch_size, hardest_case_slot, label)
+    loaded, load_seconds = _load_model(model)
+    session = _Session.open(
+        loaded, load_seconds, refs, claim, config, settings.max_new_tokens, prompt=prompt, prompt_fields=prompt_fields,
+        generator=generator,
+    )
+    hooks = _GenericHooks(session)
+    engine = _shared_prefill_engine_class()(loaded, mech, max_batch_rows=max_batch_rows)
+    reasons, modes = {}, {}
+
+    def count(finished):
+        reasons[finished.finish_reason] = reasons.get(finished.finish_reason, 0) + 1
+        for m in finished.modes:
+            modes[mech.mode_names[m]] = modes.get(mech.mode_names[m], 0) + 1
+
+    gen_seconds, tokens = session.decode(engine, settings.max_new_tokens, hooks, progress, on_finished=count)
+    rec = session.recorded()
+    tokens, reasons, modes = session.share.total(tokens), session.share.total(reasons), session.share.total(modes)
+    vocab = loaded.vocab_size
+    width = mech.num_modes * vocab
+
+    def decode(outcomes):
+        return loaded.tokenizer.decode([int(o) % vocab for o in outcomes if 0 <= o < width])
+
+    base = gen_seconds - hooks.hook_seconds
+    timings = AuditTimings(
+        model_load_seconds=load_seconds,
+        generation_seconds=gen_seconds,
+        audit_hook_seconds=hooks.hook_seconds,
+        generation_without_audit_seconds=base,
+        audit_overhead_ratio=hooks.hook_seconds / base if base > 0 else math.nan,
+        tokens_generated=tokens,
+    )
+    return session.analyse(
+        rec, mech.name, settings.max_new_tokens, dict(canaries),
         prefix_decoder=decode,
         timings=timings,
-        settings=settings_dict,
-        notes=tuple(notes),
+        settings=session.settings(mech.describe(), settings.max_new_tokens, config, finish_reasons=reasons,
+                                  released_modes=modes),
+        notes=tuple(notes + _generic_notes(mech, guarantee, rec)),
         claim_details={"mechanism": mech.name, "guarantee_description": guarantee.description, **guarantee.details},
     )
