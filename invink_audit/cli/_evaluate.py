@@ -32,9 +32,12 @@ def add_evaluation_arguments(p) -> None:
     p.add_argument("--scorer", default=None, help="perplexity model (path, hub id or name; default the embedded SmolLM2)")
     p.add_argument("--no-perplexity", action="store_true", help="skip perplexity and ΔPPL (lengths then in words)")
     p.add_argument(
-        "--no-embedding-cache",
+        "--no-cache",
+        "--no-embedding-cache",  # its name before perplexities were cached too
+        dest="no_cache",
         action="store_true",
-        help="keep no embeddings on disk (by default they are cached per text hash, mode 0600, in the cache directory)",
+        help="keep nothing derived from the texts on disk (by default each text's embedding and perplexity "
+        "are cached by text hash, owner-only, in the cache directory, so a text is embedded and scored once)",
     )
 
 
@@ -48,7 +51,8 @@ def evaluation_config(args):
         max_real=None if args.max_real is None else parse_int("--max-real", args.max_real),
         scorer=args.scorer,
         perplexity=not args.no_perplexity,
-        embedding_cache=not args.no_embedding_cache,
+        embedding_cache=not args.no_cache,
+        perplexity_cache=not args.no_cache,
     )
 
 

@@ -25,7 +25,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import sqlite3
 import tempfile
 import time
 import zipfile
@@ -33,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from invink_audit.evaluation.cache import TextCache, text_digest
 
 __all__ = [
     "DEFAULT_EMBEDDING_MODEL",
@@ -233,42 +234,6 @@ def _check_once(path: Path, spec: EmbeddingModelSpec, source: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# the per-text cache
-
-
-class _EmbeddingCache:
-    """SQLite store: key (model, dtype, max tokens, SHA-256 of the text) → float32 vector."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)  # embeddings of private texts: owner only
-            os.close(fd)
-        self._db = sqlite3.connect(str(path), timeout=60)
-        self._db.execute("CREATE TABLE IF NOT EXISTS embeddings (key TEXT PRIMARY KEY, vector BLOB NOT NULL)")
-        self._db.commit()
-
-    def get_many(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
-        found = {}
-        for start in range(0, len(keys), 500):
-            chunk = list(keys[start : start + 500])
-            marks = ",".join("?" * len(chunk))
-            for key, blob in self._db.execute(f"SELECT key, vector FROM embeddings WHERE key IN ({marks})", chunk):
-                found[key] = np.frombuffer(blob, dtype=np.float32)
-        return found
-
-    def put_many(self, items: dict[str, np.ndarray]) -> None:
-        self._db.executemany(
-            "INSERT OR REPLACE INTO embeddings (key, vector) VALUES (?, ?)",
-            [(k, np.ascontiguousarray(v, dtype=np.float32).tobytes()) for k, v in items.items()],
-        )
-        self._db.commit()
-
-    def close(self) -> None:
-        self._db.close()
-
-
-# --------------------------------------------------------------------------------------------
 # embedding
 
 
@@ -335,7 +300,7 @@ class Embedder:
         self._dtype_checked = dtype != "auto"
         self._cache_enabled = bool(cache)
         self._cache_root = cache_root
-        self._cache: _EmbeddingCache | None = None
+        self._cache: TextCache | None = None
         self._model = None
         self._tokenizer = None
         self.last_stats = EmbeddingStats()
@@ -361,13 +326,13 @@ class Embedder:
         ):
             raise ValueError(f"{self.spec.name}: expected mean pooling only; got {pooling}")
 
-    def _open_cache(self) -> _EmbeddingCache | None:
+    def _open_cache(self) -> TextCache | None:
         if not self._cache_enabled:
             return None
         if self._cache is None:
             from invink_audit.models import cache_dir
 
-            self._cache = _EmbeddingCache((self._cache_root or cache_dir()) / "embeddings.sqlite")
+            self._cache = TextCache((self._cache_root or cache_dir()) / "embeddings.sqlite", "embeddings")
         return self._cache
 
     def close(self) -> None:
@@ -378,7 +343,7 @@ class Embedder:
     # ---- embedding -------------------------------------------------------------------------
 
     def _key(self, text: str) -> str:
-        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        digest = text_digest(text)
         return f"{self.spec.name}:{self.spec.safetensors_sha256[:12]}:{self.dtype}:{self.max_seq_length}:{digest}"
 
     def _forward(self, texts: Sequence[str], dtype: str) -> np.ndarray:

@@ -148,6 +148,10 @@ class EvaluationConfig:
       synthetic texts (the paper uses equal numbers, App. D.4);
     * ``scorer``: the perplexity model (:func:`invink_audit.models.load_model`; ``None`` the embedded
       SmolLM2); ``perplexity=False`` skips perplexity;
+    * ``embedding_cache``, ``perplexity_cache``: keep each text's embedding and perplexity on disk
+      (owner-only SQLite files in the cache directory, keyed by model and text hash), so that a text is
+      embedded and scored once across evaluations (a sweep's real texts at every point); ``False``:
+      nothing derived from the texts is kept;
     * ``tstr_test_fraction``: share of the labelled real texts held out to test TSTR (the rest train the ceiling);
       ``tstr_bootstrap``: its bootstrap replicates (each retrains the classifiers).
     """
@@ -161,6 +165,7 @@ class EvaluationConfig:
     perplexity: bool = True
     ppl_max_tokens: int = 512
     embedding_cache: bool = True
+    perplexity_cache: bool = True
     embedding_dtype: str = "auto"
     tstr_test_fraction: float = 0.5
     tstr_bootstrap: int = 50
@@ -253,6 +258,22 @@ def _as_text_set(value, name: str) -> TextSet:
     return TextSet(texts=tuple(value))
 
 
+@dataclasses.dataclass(frozen=True)
+class _PerplexityPhase:
+    """What the perplexity phase measured (lengths in scorer tokens, or in words without a scorer)."""
+
+    ppl_synthetic: Interval | None
+    ppl_real: Interval | None
+    delta: Interval | None
+    length_synthetic: Interval
+    length_real: Interval
+    synthetic_defined: np.ndarray
+    real_defined: np.ndarray
+    scorer: str | None
+    unscored: int
+    truncated: int
+
+
 def evaluate(
     synthetic: TextSet | Sequence[str],
     real: TextSet | Sequence[str],
@@ -273,25 +294,63 @@ def evaluate(
     real = _as_text_set(real, "real")
     if len(synthetic.texts) < 2 or len(real.texts) < 2:
         raise ValueError(f"need at least 2 synthetic and 2 real texts; got {len(synthetic.texts)} and {len(real.texts)}")
+    if (synthetic.labels is None) != (real.labels is None):
+        raise ValueError("labels were given for only one of the synthetic and real sets; TSTR needs both")
     rng = np.random.default_rng(config.seed)
-    seconds: dict[str, float] = {}
     n_real = min(len(real.texts), config.max_real or len(synthetic.texts))
     real_sample = real.subset(sorted(rng.choice(len(real.texts), size=n_real, replace=False).tolist()))
-
-    # --- embeddings and MAUVE (paper App. D.4) ---
+    seconds: dict[str, float] = {}
     start = time.perf_counter()
+    p_features, q_features = _embed(synthetic, real_sample, config, embedder, progress)
+    seconds["embedding"] = time.perf_counter() - start
+    start = time.perf_counter()
+    mauve = _mauve(p_features, q_features, config, progress)
+    seconds["mauve"] = time.perf_counter() - start
+    start = time.perf_counter()
+    ppl = _perplexity(synthetic, real_sample, config, scorer_model, progress)
+    seconds["perplexity"] = time.perf_counter() - start
+    tstr = None
+    if synthetic.labels is not None:
+        start = time.perf_counter()
+        tstr = _tstr(synthetic, real, config)
+        seconds["tstr"] = time.perf_counter() - start
+    return EvaluationResult(
+        mauve=mauve["paper"],
+        mauve_c5=mauve["library"],
+        perplexity_synthetic=ppl.ppl_synthetic,
+        perplexity_real=ppl.ppl_real,
+        delta_ppl=ppl.delta,
+        length_synthetic=ppl.length_synthetic,
+        length_real=ppl.length_real,
+        generated_tokens=None if synthetic.num_tokens is None else wald_interval(synthetic.num_tokens, config.confidence),
+        eos_share=_eos_share(synthetic),
+        tstr=tstr,
+        num_synthetic=len(synthetic.texts),
+        num_real=n_real,
+        embedding_model=config.embedding_model,
+        scorer=ppl.scorer,
+        ppl_unscored_synthetic=ppl.unscored,
+        ppl_truncated=ppl.truncated,
+        seconds=seconds,
+        synthetic_perplexities=tuple(float(x) for x in ppl.synthetic_defined),
+        real_perplexities=tuple(float(x) for x in ppl.real_defined),
+    )
+
+
+def _embed(synthetic: TextSet, real_sample: TextSet, config: EvaluationConfig, embedder, progress):
+    """Sentence embeddings of both sets (paper App. D.4), through the per-text cache."""
     embedder = embedder or Embedder(config.embedding_model, dtype=config.embedding_dtype, cache=config.embedding_cache)
     if embedder.spec.name != config.embedding_model:
         raise ValueError(f"embedder is {embedder.spec.name!r} but config.embedding_model is {config.embedding_model!r}")
-    update = progress("embedding", len(synthetic.texts) + n_real)
-    p_features = embedder.embed(synthetic.texts, progress=update)
-    q_features = embedder.embed(real_sample.texts, progress=update)
-    seconds["embedding"] = time.perf_counter() - start
-    start = time.perf_counter()
+    update = progress("embedding", len(synthetic.texts) + len(real_sample.texts))
+    return embedder.embed(synthetic.texts, progress=update), embedder.embed(real_sample.texts, progress=update)
+
+
+def _mauve(p_features: np.ndarray, q_features: np.ndarray, config: EvaluationConfig, progress) -> dict[str, MauveResult]:
+    """MAUVE in the paper's setting and the library's (paper App. D.4), each with its interval."""
     update = progress("MAUVE", 2 * (config.mauve_seeds + config.mauve_bootstrap))
-    results = {}
-    for key, setting in (("paper", PAPER_SETTING), ("library", LIBRARY_SETTING)):
-        results[key] = mauve_interval(
+    return {
+        key: mauve_interval(
             p_features,
             q_features,
             setting,
@@ -301,84 +360,68 @@ def evaluate(
             rng=np.random.default_rng([config.seed, 1 if key == "paper" else 2]),
             progress=update,
         )
-    seconds["mauve"] = time.perf_counter() - start
+        for key, setting in (("paper", PAPER_SETTING), ("library", LIBRARY_SETTING))
+    }
 
-    # --- perplexity, ΔPPL and lengths (paper App. D.4) ---
-    start = time.perf_counter()
+
+def _perplexity(synthetic: TextSet, real_sample: TextSet, config: EvaluationConfig, scorer_model, progress) -> _PerplexityPhase:
+    """Perplexity, ΔPPL and lengths (paper App. D.4); without a scorer, lengths in words only."""
+    if not (config.perplexity or scorer_model is not None):
+        return _PerplexityPhase(
+            None, None, None,
+            wald_interval([len(t.split()) for t in synthetic.texts], config.confidence),
+            wald_interval([len(t.split()) for t in real_sample.texts], config.confidence),
+            np.zeros(0), np.zeros(0), None, 0, 0,
+        )  # fmt: skip
+    from invink_audit.evaluation.perplexity import perplexity_cache
+    from invink_audit.models import load_model
+
+    loaded = scorer_model if scorer_model is not None else load_model(config.scorer)
+    update = progress("perplexity", len(synthetic.texts) + len(real_sample.texts))
+    cache = perplexity_cache() if config.perplexity_cache else None
+    try:
+        scored = [
+            score_perplexity(texts, loaded, max_tokens=config.ppl_max_tokens, progress=update, cache=cache)
+            for texts in (synthetic.texts, real_sample.texts)
+        ]
+    finally:
+        if cache is not None:
+            cache.close()
+    syn, real = scored[0].defined, scored[1].defined
     ppl_syn = ppl_real = delta = None
-    syn_defined = real_defined = np.zeros(0)
-    scorer_name = None
-    unscored = truncated = 0
-    if config.perplexity or scorer_model is not None:
-        from invink_audit.models import load_model
+    if syn.size and real.size:
+        ppl_syn, ppl_real = wald_interval(syn, config.confidence), wald_interval(real, config.confidence)
+        delta = delta_ppl_interval(syn, real, confidence=config.confidence, rng=np.random.default_rng([config.seed, 3]))
+    return _PerplexityPhase(
+        ppl_syn, ppl_real, delta,
+        wald_interval(scored[0].num_tokens, config.confidence),
+        wald_interval(scored[1].num_tokens, config.confidence),
+        syn, real, str(loaded.name), len(synthetic.texts) - syn.size, scored[0].truncated + scored[1].truncated,
+    )  # fmt: skip
 
-        loaded = scorer_model if scorer_model is not None else load_model(config.scorer)
-        scorer_name = str(loaded.name)
-        update = progress("perplexity", len(synthetic.texts) + n_real)
-        syn_scores = score_perplexity(synthetic.texts, loaded, max_tokens=config.ppl_max_tokens, progress=update)
-        real_scores = score_perplexity(real_sample.texts, loaded, max_tokens=config.ppl_max_tokens, progress=update)
-        syn_defined, real_defined = syn_scores.defined, real_scores.defined
-        unscored = len(synthetic.texts) - syn_defined.size
-        truncated = syn_scores.truncated + real_scores.truncated
-        if syn_defined.size and real_defined.size:
-            ppl_syn = wald_interval(syn_defined, config.confidence)
-            ppl_real = wald_interval(real_defined, config.confidence)
-            delta = delta_ppl_interval(
-                syn_defined, real_defined, confidence=config.confidence, rng=np.random.default_rng([config.seed, 3])
-            )
-        length_syn = wald_interval(syn_scores.num_tokens, config.confidence)
-        length_real = wald_interval(real_scores.num_tokens, config.confidence)
-    else:
-        # without a scorer, lengths are in whitespace-separated words
-        length_syn = wald_interval([len(t.split()) for t in synthetic.texts], config.confidence)
-        length_real = wald_interval([len(t.split()) for t in real_sample.texts], config.confidence)
-    generated = None if synthetic.num_tokens is None else wald_interval(synthetic.num_tokens, config.confidence)
-    eos_share = None
-    if synthetic.finish_reasons is not None:
-        eos_share = sum(r == "eos" for r in synthetic.finish_reasons) / len(synthetic.finish_reasons)
-    seconds["perplexity"] = time.perf_counter() - start
 
-    # --- TSTR ---
-    tstr = None
-    if synthetic.labels is not None and real.labels is not None:
-        start = time.perf_counter()
-        order = np.random.default_rng([config.seed, 4]).permutation(len(real.texts))
-        n_test = max(1, int(round(len(order) * config.tstr_test_fraction)))
-        if len(order) - n_test < 1:
-            raise ValueError("TSTR needs at least 2 labelled real texts (one to train the ceiling, one to test)")
-        test_idx, train_idx = sorted(order[:n_test].tolist()), sorted(order[n_test:].tolist())
-        tstr = train_on_synthetic_test_on_real(
-            synthetic.texts,
-            synthetic.labels,
-            [real.texts[i] for i in train_idx],
-            [real.labels[i] for i in train_idx],
-            [real.texts[i] for i in test_idx],
-            [real.labels[i] for i in test_idx],
-            num_bootstrap=config.tstr_bootstrap,
-            confidence=config.confidence,
-            rng=np.random.default_rng([config.seed, 5]),
-        )
-        seconds["tstr"] = time.perf_counter() - start
-    elif (synthetic.labels is None) != (real.labels is None):
-        raise ValueError("labels were given for only one of the synthetic and real sets; TSTR needs both")
-    return EvaluationResult(
-        mauve=results["paper"],
-        mauve_c5=results["library"],
-        perplexity_synthetic=ppl_syn,
-        perplexity_real=ppl_real,
-        delta_ppl=delta,
-        length_synthetic=length_syn,
-        length_real=length_real,
-        generated_tokens=generated,
-        eos_share=eos_share,
-        tstr=tstr,
-        num_synthetic=len(synthetic.texts),
-        num_real=n_real,
-        embedding_model=config.embedding_model,
-        scorer=scorer_name,
-        ppl_unscored_synthetic=int(unscored),
-        ppl_truncated=int(truncated),
-        seconds=seconds,
-        synthetic_perplexities=tuple(float(x) for x in syn_defined),
-        real_perplexities=tuple(float(x) for x in real_defined),
+def _tstr(synthetic: TextSet, real: TextSet, config: EvaluationConfig) -> TstrResult:
+    """Train on synthetic, test on real, against the real-data ceiling (a seeded split of ``real``)."""
+    order = np.random.default_rng([config.seed, 4]).permutation(len(real.texts))
+    n_test = max(1, int(round(len(order) * config.tstr_test_fraction)))
+    if len(order) - n_test < 1:
+        raise ValueError("TSTR needs at least 2 labelled real texts (one to train the ceiling, one to test)")
+    test_idx, train_idx = sorted(order[:n_test].tolist()), sorted(order[n_test:].tolist())
+    return train_on_synthetic_test_on_real(
+        synthetic.texts,
+        synthetic.labels,
+        [real.texts[i] for i in train_idx],
+        [real.labels[i] for i in train_idx],
+        [real.texts[i] for i in test_idx],
+        [real.labels[i] for i in test_idx],
+        num_bootstrap=config.tstr_bootstrap,
+        confidence=config.confidence,
+        rng=np.random.default_rng([config.seed, 5]),
     )
+
+
+def _eos_share(synthetic: TextSet) -> float | None:
+    """Share of the synthetic texts that ended with an end-of-sequence token (``None``: unknown)."""
+    if synthetic.finish_reasons is None:
+        return None
+    return sum(r == "eos" for r in synthetic.finish_reasons) / len(synthetic.finish_reasons)

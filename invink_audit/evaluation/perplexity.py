@@ -13,19 +13,31 @@ and SmolLM2 vocabularies, else EOS), so every token of the text is scored. The p
 small; ours is any causal LM of :func:`invink_audit.models.load_model` (default the embedded
 SmolLM2-135M), so absolute values differ from the paper's and only comparisons under one scorer mean
 anything. Texts are scored on at most ``max_tokens`` tokens (default 512; said in the result).
+
+Scoring is the cost of an evaluation on a CPU (a forward pass over every token of every text), and a
+sweep scores the same real texts at every point: :func:`score_perplexity` takes a
+:class:`~invink_audit.evaluation.cache.TextCache` (:func:`perplexity_cache`) that keeps each text's
+score under a key naming the scorer (:func:`scorer_digest`: its name, configuration and a sample of its
+weights), the token limit, the context token and the text's SHA-256.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
+from invink_audit.evaluation.cache import TextCache, text_digest
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval, wald_interval
 
-__all__ = ["PerplexityScores", "delta_ppl_interval", "score_perplexity"]
+__all__ = ["PerplexityScores", "delta_ppl_interval", "perplexity_cache", "score_perplexity", "scorer_digest"]
+
+#: weights sampled per parameter tensor by :func:`scorer_digest` (evenly strided)
+_DIGEST_SAMPLES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,69 +70,132 @@ def _context_token(tokenizer) -> int:
     return int(tokenizer.eos_token_id)
 
 
+def scorer_digest(loaded_model) -> str:
+    """A digest naming the scorer for the perplexity cache: model name, dtype, configuration, and for
+    every parameter its name, shape and :data:`_DIGEST_SAMPLES` evenly strided weights (a fine-tuned or
+    re-quantised copy under the same name gets another digest, without hashing gigabytes)."""
+    import torch
+
+    digest = hashlib.sha256()
+    config = getattr(loaded_model.model, "config", None)
+    digest.update(f"{loaded_model.name}|{loaded_model.dtype}|".encode())
+    digest.update((config.to_json_string(use_diff=False) if config is not None else "").encode())
+    with torch.no_grad():
+        for name, tensor in loaded_model.model.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            step = max(1, flat.numel() // _DIGEST_SAMPLES)
+            sample = flat[::step][:_DIGEST_SAMPLES].to("cpu", torch.float32).contiguous().numpy()
+            digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+            digest.update(sample.tobytes())
+    return digest.hexdigest()
+
+
+def perplexity_cache(root: Path | None = None) -> TextCache:
+    """The per-text perplexity cache in ``root`` (default :func:`invink_audit.models.cache_dir`), file
+    ``perplexities.sqlite`` (owner-only). Each value: (mean negative log-likelihood or NaN for an
+    empty text, tokens scored, 1 if truncated)."""
+    from invink_audit.models import cache_dir
+
+    return TextCache((root or cache_dir()) / "perplexities.sqlite", "perplexities", "float64")
+
+
+def _encode(texts: Sequence[str], tokenizer, max_tokens: int) -> tuple[list[list[int]], list[bool]]:
+    """Token ids of each text (no special tokens), cut to ``max_tokens``, and whether each was cut."""
+    encoded, cut = [], []
+    for text in texts:
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        cut.append(len(ids) > max_tokens)
+        encoded.append(ids[:max_tokens])
+    return encoded, cut
+
+
+def _length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices of the non-empty sequences in batches of similar length (sorted; about ``batch_tokens``
+    tokens per batch counting the context token, at least one sequence each)."""
+    order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: lengths[i])
+    batches, position = [], 0
+    while position < len(order):
+        count = 1
+        while position + count < len(order) and (lengths[order[position + count]] + 1) * (count + 1) <= batch_tokens:
+            count += 1
+        batches.append(order[position : position + count])
+        position += count
+    return batches
+
+
+def _mean_nll(batch: Sequence[Sequence[int]], start: int, loaded_model):
+    """Mean negative log-likelihood of each sequence of ``batch`` after the context token ``start``."""
+    import torch
+
+    width = max(len(ids) for ids in batch) + 1
+    ids = torch.full((len(batch), width), int(loaded_model.pad_token_id), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, sequence in enumerate(batch):
+        ids[row, : len(sequence) + 1] = torch.tensor([start, *sequence])
+        mask[row, : len(sequence) + 1] = 1
+    device = loaded_model.device
+    with torch.inference_mode():
+        logits = loaded_model.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1]
+        targets = ids[:, 1:].to(device)
+        # fused log-softmax + gather: -log P(x_t | x_<t), never materialising log-probabilities
+        token_nll = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+        ).view(targets.shape)
+    target_mask = mask[:, 1:].to(device).to(token_nll.dtype)
+    return ((token_nll * target_mask).sum(dim=1) / target_mask.sum(dim=1)).double().cpu().numpy()
+
+
 def score_perplexity(
-    texts: Sequence[str], loaded_model, *, max_tokens: int = 512, batch_tokens: int = 1024, progress=None
+    texts: Sequence[str],
+    loaded_model,
+    *,
+    max_tokens: int = 512,
+    batch_tokens: int = 1024,
+    progress=None,
+    cache: TextCache | None = None,
 ) -> PerplexityScores:
     """PPL of each text under ``loaded_model`` (a :class:`invink_audit.models.LoadedModel`), batched by
     length (right padding; about ``batch_tokens`` tokens per forward pass). ``progress``: called with
-    the number of texts just scored."""
-    import torch
-
+    the number of texts just scored (or found in the cache). ``cache``: a :func:`perplexity_cache`;
+    texts scored before under the same scorer and settings are not scored again."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
     if isinstance(texts, str) or not isinstance(texts, Sequence):
         raise ValueError(f"texts must be a sequence of strings; got {type(texts).__name__}")
-    tokenizer, model = loaded_model.tokenizer, loaded_model.model
-    start = _context_token(tokenizer)
-    encoded, truncated = [], 0
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise ValueError(f"texts[{i}] must be a string; got {type(text).__name__}")
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-        if len(ids) > max_tokens:
-            ids, truncated = ids[:max_tokens], truncated + 1
-        encoded.append(ids)
-    perplexities: list[float | None] = [None] * len(texts)
-    order = sorted((i for i in range(len(texts)) if encoded[i]), key=lambda i: len(encoded[i]))
-    pad = int(loaded_model.pad_token_id)
-    device = loaded_model.device
-    position = 0
-    while position < len(order):
-        longest = len(encoded[order[position]]) + 1
-        count = 1
-        while position + count < len(order):
-            longest = len(encoded[order[position + count]]) + 1
-            if longest * (count + 1) > batch_tokens:
-                break
-            count += 1
-        batch = order[position : position + count]
-        width = max(len(encoded[i]) + 1 for i in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, i in enumerate(batch):
-            sequence = [start, *encoded[i]]
-            ids[row, : len(sequence)] = torch.tensor(sequence)
-            mask[row, : len(sequence)] = 1
-        with torch.inference_mode():
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1]
-            targets = ids[:, 1:].to(device)
-            # fused log-softmax + gather: -log P(x_t | x_<t), never materialising log-probabilities
-            token_nll = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-            ).view(targets.shape)
-        target_mask = mask[:, 1:].to(device).to(token_nll.dtype)
-        nll = (token_nll * target_mask).sum(dim=1) / target_mask.sum(dim=1)
-        for row, i in enumerate(batch):
-            perplexities[i] = float(math.exp(float(nll[row])))
-        position += count
+    tokenizer = loaded_model.tokenizer
+    start = _context_token(tokenizer)
+    prefix = f"{scorer_digest(loaded_model)}:{max_tokens}:{start}:" if cache is not None else ""
+    keys = [prefix + text_digest(t) for t in texts]
+    found = cache.get_many(sorted(set(keys))) if cache is not None else {}
+    first = {k: i for i, k in reversed(list(enumerate(keys)))}  # each distinct text is scored once
+    todo = sorted(i for k, i in first.items() if k not in found)
+    encoded, cut = _encode([texts[i] for i in todo], tokenizer, max_tokens)
+    values: dict[str, np.ndarray] = dict(found)
+    if progress is not None and len(texts) - len(todo):
+        progress(len(texts) - len(todo))
+    new: dict[str, np.ndarray] = {}
+    for batch in _length_batches([len(ids) for ids in encoded], batch_tokens):
+        nll = _mean_nll([encoded[j] for j in batch], start, loaded_model)
+        for row, j in enumerate(batch):
+            new[keys[todo[j]]] = np.array([nll[row], len(encoded[j]), float(cut[j])])
         if progress is not None:
             progress(len(batch))
-    if progress is not None and len(order) < len(texts):
-        progress(len(texts) - len(order))
+    for j, ids in enumerate(encoded):
+        if not ids:  # an empty text has no perplexity
+            new[keys[todo[j]]] = np.array([math.nan, 0.0, 0.0])
+            if progress is not None:
+                progress(1)
+    values.update(new)
+    if cache is not None and new:
+        cache.put_many(new)
+    rows = [values[k] for k in keys]
     return PerplexityScores(
-        perplexities=tuple(perplexities),
-        num_tokens=tuple(len(ids) for ids in encoded),
-        truncated=truncated,
+        perplexities=tuple(None if math.isnan(r[0]) else float(math.exp(r[0])) for r in rows),
+        num_tokens=tuple(int(r[1]) for r in rows),
+        truncated=int(sum(r[2] for r in rows)),
         max_tokens=max_tokens,
         scorer=str(loaded_model.name),
     )

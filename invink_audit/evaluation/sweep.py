@@ -137,9 +137,7 @@ def run_sweep(
     """Run (or resume) the sweep into ``output_dir``: ``floor/`` and ``ceiling/`` reference points (when
     ``config.reference_points``), one directory per grid point, and ``sweep.jsonl`` (one
     :class:`SweepPoint` per line). ``ledger`` or ``public_proxy=True`` is required (module docstring)."""
-    from invink_audit.data import partition_by_labels, partition_references, read_labelled_references, read_references
     from invink_audit.evaluation.embeddings import Embedder
-    from invink_audit.generation import generate
     from invink_audit.models import load_model
 
     if (ledger is None) == (not public_proxy):
@@ -151,78 +149,120 @@ def run_sweep(
     evaluation = evaluation or EvaluationConfig()
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    columns = tuple(config.label_columns)
-    real_set = read_text_set(real, column=real_column or "text", label_columns=columns)
     loaded = load_model(model)
-    scorer = loaded if evaluation.scorer is None else None
-    embedder = Embedder(evaluation.embedding_model, dtype=evaluation.embedding_dtype, cache=evaluation.embedding_cache)
-    rows: list[SweepPoint] = []
+    run = _SweepRun(
+        references=Path(references), output=output, config=config, evaluation=evaluation,
+        real=read_text_set(real, column=real_column or "text", label_columns=tuple(config.label_columns)),
+        loaded=loaded, scorer=loaded if evaluation.scorer is None else None,
+        embedder=Embedder(evaluation.embedding_model, dtype=evaluation.embedding_dtype, cache=evaluation.embedding_cache),
+        progress=progress, on_point=on_point,
+    )  # fmt: skip
+    try:
+        if config.reference_points:
+            run.reference_points()
+        for params in config.points():
+            run.private_point(params, ledger=ledger, on_tokens=on_tokens)
+    finally:
+        run.embedder.close()
+    with (output / "sweep.jsonl").open("w") as out:
+        for row in run.rows:
+            out.write(json.dumps(row.to_json()) + "\n")
+    (output / "sweep.md").write_text(sweep_markdown(run.rows, ledger=ledger, public_proxy=public_proxy))
+    write_sweep_plots(run.rows, output)
+    return run.rows
 
-    def finish(point: SweepPoint) -> None:
-        rows.append(point)
-        if on_point is not None:
-            on_point(point)
 
-    def cached(directory: Path) -> Mapping | None:
-        path = directory / "point.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+def _cached_point(directory: Path) -> Mapping | None:
+    """A finished point's record (``point.json``), or ``None``."""
+    path = directory / "point.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
-    if config.reference_points:
-        b = min(config.batch_sizes)
+
+@dataclasses.dataclass
+class _SweepRun:
+    """The state of one :func:`run_sweep` call: what every point shares, and the rows so far."""
+
+    references: Path
+    output: Path
+    config: SweepConfig
+    evaluation: EvaluationConfig
+    real: TextSet
+    loaded: object
+    scorer: object
+    embedder: object
+    progress: object
+    on_point: Callable[[SweepPoint], None] | None
+    rows: list[SweepPoint] = dataclasses.field(default_factory=list)
+
+    def finish(self, point: SweepPoint, directory: Path | None = None) -> None:
+        if directory is not None:
+            (directory / "point.json").write_text(json.dumps(point.to_json(), indent=1) + "\n")
+        self.rows.append(point)
+        if self.on_point is not None:
+            self.on_point(point)
+
+    def evaluate_file(self, path: Path) -> tuple[dict, TextSet]:
+        columns = tuple(self.config.label_columns)
+        return _evaluate_file(path, self.real, self.evaluation, columns, self.embedder, self.scorer, self.progress)
+
+    def reference_points(self) -> None:
+        """The floor and the ceiling at the smallest B and the first k, τ, T (resumed when finished)."""
+        config = self.config
         first = {"top_k": config.top_ks[0], "temperature": float(config.temperatures[0]),
-                 "max_new_tokens": config.max_new_tokens[0], "batch_size": b}
-        directories = {kind: output / kind for kind in ("floor", "ceiling")}
+                 "max_new_tokens": config.max_new_tokens[0], "batch_size": min(config.batch_sizes)}  # fmt: skip
+        directories = {kind: self.output / kind for kind in ("floor", "ceiling")}
         generated = {k: d / "generation.json" for k, d in directories.items()}
-        if all(cached(d) for d in directories.values()):
+        if all(_cached_point(d) for d in directories.values()):
             for d in directories.values():
-                finish(SweepPoint(**cached(d)))
+                self.finish(SweepPoint(**_cached_point(d)))
+            return
+        if not all(generated[k].is_file() and (d / "texts.jsonl").is_file() for k, d in directories.items()):
+            self._generate_reference_points(first, directories, generated)
+        for kind, directory in directories.items():
+            seconds = json.loads(generated[kind].read_text())["seconds"]
+            result, synthetic = self.evaluate_file(directory / "texts.jsonl")
+            tokens = sum(synthetic.num_tokens) / len(synthetic.num_tokens)
+            point = SweepPoint(
+                name=kind, kind=kind, params=first, guarantee=None,
+                forward_rows_per_text=float(tokens),  # one row per token: the public or one private prompt
+                evaluation=result, seconds_generation=seconds,
+            )  # fmt: skip
+            self.finish(point, directory)
+
+    def _generate_reference_points(self, first: Mapping, directories: Mapping, generated: Mapping) -> None:
+        from invink_audit.data import partition_by_labels, partition_references, read_labelled_references, read_references
+        from invink_audit.evaluation.reference_points import generate_reference_points
+
+        config, columns, b = self.config, tuple(self.config.label_columns), first["batch_size"]
+        if columns:
+            labelled = read_labelled_references(self.references, column=config.column, label_columns=columns)
+            part = partition_by_labels(labelled.texts, labelled.labels, b, num_texts_per_group=config.num_texts_per_group)
+            batches, batch_labels = [x.references for x in part.batches], [dict(x.labels) for x in part.batches]
         else:
-            if not all(g.is_file() and (d / "texts.jsonl").is_file() for g, d in zip(generated.values(), directories.values())):
-                if columns:
-                    labelled = read_labelled_references(references, column=config.column, label_columns=columns)
-                    part = partition_by_labels(
-                        labelled.texts, labelled.labels, b, num_texts_per_group=config.num_texts_per_group
-                    )
-                    batches, batch_labels = [x.references for x in part.batches], [dict(x.labels) for x in part.batches]
-                else:
-                    part = partition_references(
-                        read_references(references, column=config.column), b, num_texts=config.num_texts
-                    )
-                    batches, batch_labels = list(part.batches), None
-                start = time.perf_counter()
-                from invink_audit.evaluation.reference_points import generate_reference_points
+            part = partition_references(read_references(self.references, column=config.column), b, num_texts=config.num_texts)
+            batches, batch_labels = list(part.batches), None
+        start = time.perf_counter()
+        texts = generate_reference_points(
+            batches, max_new_tokens=first["max_new_tokens"], temperature=first["temperature"],
+            top_k=first["top_k"], model=self.loaded, prompt=config.prompt, prompt_fields=config.prompt_fields,
+            batch_labels=batch_labels, seed=config.seed,
+        )  # fmt: skip
+        seconds = (time.perf_counter() - start) / 2
+        for kind, ref in texts.items():
+            directories[kind].mkdir(exist_ok=True)
+            ref.write_jsonl(directories[kind] / "texts.jsonl")
+            generated[kind].write_text(json.dumps({"seconds": seconds}) + "\n")
 
-                texts = generate_reference_points(
-                    batches, max_new_tokens=first["max_new_tokens"], temperature=first["temperature"],
-                    top_k=first["top_k"], model=loaded, prompt=config.prompt, prompt_fields=config.prompt_fields,
-                    batch_labels=batch_labels, seed=config.seed,
-                )
-                seconds = (time.perf_counter() - start) / 2
-                for kind, ref in texts.items():
-                    directories[kind].mkdir(exist_ok=True)
-                    ref.write_jsonl(directories[kind] / "texts.jsonl")
-                    generated[kind].write_text(json.dumps({"seconds": seconds}) + "\n")
-            for kind, directory in directories.items():
-                seconds = json.loads(generated[kind].read_text())["seconds"]
-                result, synthetic = _evaluate_file(
-                    directory / "texts.jsonl", real_set, evaluation, columns, embedder, scorer, progress
-                )
-                tokens = sum(synthetic.num_tokens) / len(synthetic.num_tokens)
-                point = SweepPoint(
-                    name=kind, kind=kind, params=first, guarantee=None,
-                    forward_rows_per_text=float(tokens),  # one row per token: the public or one private prompt
-                    evaluation=result, seconds_generation=seconds,
-                )
-                (directory / "point.json").write_text(json.dumps(point.to_json(), indent=1) + "\n")
-                finish(point)
+    def private_point(self, params: Mapping, *, ledger, on_tokens) -> None:
+        """One InvisibleInk release at ``params`` (resumed through ``generate``'s own resume) and its evaluation."""
+        from invink_audit.generation import generate
 
-    for params in config.points():
-        name = _point_name(params)
-        directory = output / name
-        previous = cached(directory)
+        config, name = self.config, _point_name(params)
+        directory = self.output / name
+        previous = _cached_point(directory)
         if previous is not None:
-            finish(SweepPoint(**previous))
-            continue
+            self.finish(SweepPoint(**previous))
+            return
         directory.mkdir(exist_ok=True)
         timing = directory / "generation.json"  # generation seconds, summed over resumed runs
         before = json.loads(timing.read_text())["seconds"] if timing.is_file() else 0.0
@@ -230,32 +270,24 @@ def run_sweep(
         kwargs = dict(
             batch_size=params["batch_size"], max_new_tokens=params["max_new_tokens"], delta=config.delta,
             epsilon=params["epsilon"], temperature=params["temperature"], top_k=params["top_k"],
-            model=loaded, prompt=config.prompt, prompt_fields=config.prompt_fields, column=config.column,
+            model=self.loaded, prompt=config.prompt, prompt_fields=config.prompt_fields, column=config.column,
             output=directory / "texts.jsonl", ledger=ledger, on_tokens=on_tokens,
-        )
-        if columns:
-            kwargs.update(label_columns=columns, num_texts_per_group=config.num_texts_per_group)
+        )  # fmt: skip
+        if config.label_columns:
+            kwargs.update(label_columns=tuple(config.label_columns), num_texts_per_group=config.num_texts_per_group)
         else:
             kwargs.update(num_texts=config.num_texts)
-        released = generate(Path(references), **kwargs)
+        released = generate(self.references, **kwargs)
         seconds = before + time.perf_counter() - start
         timing.write_text(json.dumps({"seconds": seconds}) + "\n")
-        result, synthetic = _evaluate_file(directory / "texts.jsonl", real_set, evaluation, columns, embedder, scorer, progress)
+        result, synthetic = self.evaluate_file(directory / "texts.jsonl")
         tokens = None if synthetic.num_tokens is None else sum(synthetic.num_tokens) / len(synthetic.num_tokens)
         point = SweepPoint(
             name=name, kind="invisibleink", params=params, guarantee=released.guarantee.to_json(),
             forward_rows_per_text=None if tokens is None else float(tokens) * (params["batch_size"] + 1),
             evaluation=result, seconds_generation=seconds,
-        )
-        (directory / "point.json").write_text(json.dumps(point.to_json(), indent=1) + "\n")
-        finish(point)
-    with (output / "sweep.jsonl").open("w") as out:
-        for row in rows:
-            out.write(json.dumps(row.to_json()) + "\n")
-    (output / "sweep.md").write_text(sweep_markdown(rows, ledger=ledger, public_proxy=public_proxy))
-    write_sweep_plots(rows, output)
-    embedder.close()
-    return rows
+        )  # fmt: skip
+        self.finish(point, directory)
 
 
 def _cell(metric: Mapping | None, digits: int = 3) -> str:

@@ -1,0 +1,67 @@
+"""Per-text caches of what an evaluation derives from a text: embeddings (:mod:`.embeddings`) and
+perplexities (:mod:`.perplexity`).
+
+One SQLite file per kind in the cache directory (:func:`invink_audit.models.cache_dir`), keyed by a
+string that names what produced the value (model, its weights' digest, settings) and the SHA-256 of the
+text; values are float vectors. What is derived from private texts is private too, so the file is
+created owner-only (mode 0600) and every user of a cache can turn it off (nothing then reaches disk).
+Concurrent processes may share a file: SQLite serialises the writers (``timeout`` seconds of waiting),
+and a value is the same whoever computes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["TextCache", "text_digest"]
+
+#: rows per ``SELECT ... IN (...)`` (below SQLite's default limit of 999 host parameters)
+_CHUNK = 500
+
+
+def text_digest(text: str) -> str:
+    """SHA-256 of ``text`` (UTF-8; lone surrogates kept), the per-text part of every cache key."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class TextCache:
+    """SQLite store ``key → vector of dtype`` in table ``table`` of the file ``path`` (created 0600)."""
+
+    def __init__(self, path: Path, table: str, dtype: str = "float32") -> None:
+        if not table.isidentifier():
+            raise ValueError(f"table must be an identifier; got {table!r}")
+        self.path, self.table, self.dtype = Path(path), table, np.dtype(dtype)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.exists():
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))  # derived from private texts: owner only
+        self._db = sqlite3.connect(str(self.path), timeout=60)
+        self._db.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, vector BLOB NOT NULL)")
+        self._db.commit()
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
+        """The stored vectors of those ``keys`` that are present."""
+        found = {}
+        for start in range(0, len(keys), _CHUNK):
+            chunk = list(keys[start : start + _CHUNK])
+            marks = ",".join("?" * len(chunk))
+            query = f"SELECT key, vector FROM {self.table} WHERE key IN ({marks})"
+            for key, blob in self._db.execute(query, chunk):
+                found[key] = np.frombuffer(blob, dtype=self.dtype)
+        return found
+
+    def put_many(self, items: dict[str, np.ndarray]) -> None:
+        """Store (or replace) ``items`` in one transaction."""
+        self._db.executemany(
+            f"INSERT OR REPLACE INTO {self.table} (key, vector) VALUES (?, ?)",
+            [(k, np.ascontiguousarray(v, dtype=self.dtype).tobytes()) for k, v in items.items()],
+        )
+        self._db.commit()
+
+    def close(self) -> None:
+        self._db.close()
