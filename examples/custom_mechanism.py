@@ -1,4 +1,4 @@
-"""Plug your own mechanism into the engine and the auditor (the mechanism interface, issue 11).
+"""Plug your own mechanism into the engine and the auditor (the interface of ``invink_audit.mechanisms.base``).
 
 A mechanism implements :class:`invink_audit.mechanisms.Mechanism`: given one step's private rows
 (G, B, V) and public row (G, V) it returns the log-probabilities of what the step releases, and it
@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from accounting import Adjacency, Clipping, linf_sensitivity
-from invink_audit.mechanisms import Guarantee, GuaranteeKind, Mechanism, MechanismStep
+from invink_audit.mechanisms import GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep
 
 
 class FullVocabularyDClip(Mechanism):
@@ -53,14 +53,14 @@ class FullVocabularyDClip(Mechanism):
                 for j in range(b)]
         return MechanismStep(actual, torch.stack(rows, dim=1))
 
-    def guarantee(self, max_new_tokens: int, delta: float) -> Guarantee:
+    def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         from accounting import composed_epsilon
 
         # ℓ∞ sensitivity of the aggregate under replace-by-null: C/B (paper Property 1); the exponential
         # mechanism at temperature τ is ε0 = 2Δ/τ bounded range and ε0²/8-zCDP (paper Theorem 2 (thm:accounting))
         sensitivity = linf_sensitivity(self.clip_norm, self.batch_size, Clipping.DIFFERENCE, Adjacency.REPLACE_BY_NULL)
         epsilon0 = 2.0 * sensitivity / self.temperature
-        return Guarantee(
+        return MechanismGuarantee(
             kind=GuaranteeKind.A_PRIORI,
             mechanism=self.name,
             epsilon=composed_epsilon(delta, epsilon0, max_new_tokens, "br-adaptive"),

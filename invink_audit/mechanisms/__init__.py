@@ -1,7 +1,8 @@
 """Private decoding mechanisms behind one interface (:class:`Mechanism`): InvisibleInk and the paper's baselines.
 
-* :class:`Mechanism`, :class:`MechanismStep`, :class:`Guarantee` — the interface the engine and the
-  auditor use (:mod:`invink_audit.mechanisms.base`); ``examples/custom_mechanism.py`` plugs in one's own;
+* :class:`Mechanism`, :class:`MechanismStep`, :class:`MechanismGuarantee` (formerly ``Guarantee``, a
+  deprecated alias) — the interface the engine and the auditor use (:mod:`invink_audit.mechanisms.base`);
+  ``examples/custom_mechanism.py`` plugs in one's own;
 * :class:`InvisibleInk` — paper Algorithm 1 (the engine runs its own fast path for it);
 * :class:`AminMechanism` / :class:`AminConfig` — Amin et al. 2024 (recentred naive clipping,
   sparse-vector public tokens, accounting by private tokens; both sensitivities selectable);
@@ -18,7 +19,7 @@ from invink_audit.mechanisms.amin import (
     AminSensitivity,
     plan_amin,
 )
-from invink_audit.mechanisms.base import Guarantee, GuaranteeKind, Mechanism, MechanismStep
+from invink_audit.mechanisms.base import GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep, deprecated_name
 from invink_audit.mechanisms.invisibleink import InvisibleInk, as_mechanism
 
 __all__ = [
@@ -29,11 +30,16 @@ __all__ = [
     "AminInfeasibleError",
     "AminMechanism",
     "AminSensitivity",
-    "Guarantee",
     "GuaranteeKind",
     "InvisibleInk",
     "Mechanism",
+    "MechanismGuarantee",
     "MechanismStep",
     "as_mechanism",
     "plan_amin",
 ]
+
+
+def __getattr__(name: str):
+    # deprecated aliases (``Guarantee`` -> ``MechanismGuarantee``), with a DeprecationWarning
+    return deprecated_name(__name__, name)

@@ -64,7 +64,7 @@ import math
 
 import torch
 
-from invink_audit.mechanisms.base import STATE_DTYPE, Guarantee, GuaranteeKind, Mechanism, MechanismStep, check_step_shapes
+from invink_audit.mechanisms.base import STATE_DTYPE, GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep, check_step_shapes
 
 __all__ = [
     "AdaPMixEDConfig",
@@ -355,11 +355,11 @@ class AdaPMixEDMechanism(Mechanism):
         new = torch.where(stop_out.unsqueeze(-1), state, state + (cost if exact else cost.unsqueeze(-1)))
         return new, torch.zeros_like(stop_out)
 
-    def guarantee(self, max_new_tokens: int, delta: float) -> Guarantee:
+    def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         cfg = self.config
         if not math.isclose(float(delta), cfg.delta, rel_tol=1e-12):
             raise ValueError(f"the stop rule was set for delta={cfg.delta!r}; got {delta!r}")
-        return Guarantee(
+        return MechanismGuarantee(
             kind=GuaranteeKind.DATA_DEPENDENT,
             mechanism=self.name,
             epsilon=float(cfg.epsilon),

@@ -65,9 +65,9 @@ import torch
 from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
 from invink_audit.mechanisms.base import (
     STATE_DTYPE,
-    Guarantee,
     GuaranteeKind,
     Mechanism,
+    MechanismGuarantee,
     MechanismStep,
     check_step_shapes,
     laplace_cdf_log,
@@ -400,13 +400,13 @@ class AminMechanism(Mechanism):
         """(G,) private tokens released so far."""
         return state[:, 0]
 
-    def guarantee(self, max_new_tokens: int, delta: float) -> Guarantee:
+    def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         acc = self.accounting
         cfg = self.config
         label = "correct replace-by-null sensitivities 2C/B, 2/B" if acc.sensitivity is AminSensitivity.REPLACE_BY_NULL else (
             "the paper's convention C/B, 1/B under replace-by-null (understated by 2)"
         )
-        return Guarantee(
+        return MechanismGuarantee(
             kind=GuaranteeKind.A_PRIORI,
             mechanism=self.name,
             epsilon=acc.epsilon(delta),

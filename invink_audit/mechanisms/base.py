@@ -43,14 +43,15 @@ import abc
 import dataclasses
 import enum
 import math
+import warnings
 from typing import Any
 
 import torch
 
 __all__ = [
-    "Guarantee",
     "GuaranteeKind",
     "Mechanism",
+    "MechanismGuarantee",
     "MechanismStep",
     "check_step_shapes",
     "laplace_cdf_log",
@@ -59,6 +60,27 @@ __all__ = [
 
 #: dtype of every mechanism state and of every log-probability a mechanism returns.
 STATE_DTYPE = torch.float64
+
+#: Old names kept as deprecated aliases (old -> current), here and in :mod:`invink_audit.mechanisms`.
+#: ``Guarantee`` clashed with the run's guarantee :class:`invink_audit.Guarantee` (generation), a different record.
+DEPRECATED_NAMES = {"Guarantee": "MechanismGuarantee"}
+
+
+def deprecated_name(module: str, name: str) -> Any:
+    """The object a deprecated alias of ``module`` names, with a :class:`DeprecationWarning` (module ``__getattr__``)."""
+    current = DEPRECATED_NAMES.get(name)
+    if current is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{module}.{name} is deprecated; use {module}.{current} (not to be confused with invink_audit.{name})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return globals()[current]
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_name(__name__, name)
 
 
 class GuaranteeKind(enum.Enum):
@@ -69,8 +91,11 @@ class GuaranteeKind(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Guarantee:
+class MechanismGuarantee:
     r"""The privacy guarantee a mechanism's accountant gives for one text of at most ``max_new_tokens`` tokens.
+
+    Formerly ``Guarantee`` (still importable, deprecated); not the run's guarantee
+    :class:`invink_audit.Guarantee` (:mod:`invink_audit.generation`), which records one ``generate`` run's figures.
 
     * ``kind``: :class:`GuaranteeKind`;
     * ``epsilon``, ``delta``: the (ε, δ)-DP statement (a-priori: certified for every dataset;
@@ -132,7 +157,7 @@ class MechanismStep:
     * ``neighbours`` (G, B, W) float64 or ``None``: the same under every replace-by-null neighbour
       ``R'_j`` (exact state, ``neighbours=True`` only);
     * ``check_actual`` (G, V'), ``check_neighbours`` (G, B, V'): the distributions whose per-step claim
-      (:attr:`Guarantee.step_epsilon0`, ``step_rho``) the auditor checks exactly, when they differ from
+      (:attr:`MechanismGuarantee.step_epsilon0`, ``step_rho``) the auditor checks exactly, when they differ from
       the outcome distributions (Amin et al.: the exponential mechanism given a private step); ``None``:
       the outcome distributions themselves;
     * ``carry``: whatever :meth:`Mechanism.advance` needs from this step (opaque to the engine).
@@ -209,7 +234,7 @@ class Mechanism(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def guarantee(self, max_new_tokens: int, delta: float) -> Guarantee:
+    def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         """The guarantee of one text of at most ``max_new_tokens`` tokens, at ``delta``."""
 
     def describe(self) -> dict:

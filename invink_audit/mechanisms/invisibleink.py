@@ -14,7 +14,7 @@ adaptively (``br-adaptive`` accountant, Dong, Durfee & Rogers 2020).
 from __future__ import annotations
 
 from invink_audit.mechanism import MechanismConfig
-from invink_audit.mechanisms.base import Guarantee, GuaranteeKind, Mechanism, MechanismStep, check_step_shapes
+from invink_audit.mechanisms.base import GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep, check_step_shapes
 
 __all__ = ["InvisibleInk", "as_mechanism"]
 
@@ -44,13 +44,13 @@ class InvisibleInk(Mechanism):
             return MechanismStep(out.actual, out.neighbours)
         return MechanismStep(self.config.token_log_probs(private, public))
 
-    def guarantee(self, max_new_tokens: int, delta: float) -> Guarantee:
+    def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         """Paper Theorem 2 (thm:accounting): T adaptively composed ε0-BR tokens; ε from the named accountant."""
         from accounting import composed_epsilon
 
         cfg = self.config
         eps = float(composed_epsilon(delta, cfg.epsilon0, int(max_new_tokens), self.accountant))
-        return Guarantee(
+        return MechanismGuarantee(
             kind=GuaranteeKind.A_PRIORI,
             mechanism=self.name,
             epsilon=eps,

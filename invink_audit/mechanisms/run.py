@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from invink_audit.mechanisms.base import Guarantee, Mechanism
+from invink_audit.mechanisms.base import Mechanism, MechanismGuarantee
 
 __all__ = ["MechanismRun", "MechanismText", "generate_with_mechanism"]
 
@@ -46,7 +46,7 @@ class MechanismRun:
     """The texts of one :func:`generate_with_mechanism` call and the mechanism's guarantee for each."""
 
     mechanism: Mechanism
-    guarantee: Guarantee
+    guarantee: MechanismGuarantee
     texts: tuple[MechanismText, ...]
     prompt: str
     prompt_fields: dict
