@@ -38,7 +38,7 @@ from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, WhiteBoxReport, to_
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 
-__all__ = ["QuickAuditReport", "quick_audit", "teacher_forced_losses"]
+__all__ = ["AuditedRelease", "QuickAuditReport", "quick_audit", "teacher_forced_losses"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,54 +187,160 @@ def _teacher_forced_outcomes(loaded, mechanism, requests, outcome_ids, *, claim:
     return recorder.finish()
 
 
-def _quick_audit_generic(
-    run, references, *, model, prompt_fields, sampled_batch, num_samples, directions, alphas, significance, generator, start
-) -> QuickAuditReport:
-    from invink_audit.audit.model_audit import ModelAuditSettings, audit_model, generic_audit_config
-    from invink_audit.data import partition_references, read_references
-    from invink_audit.models import load_model
-    from invink_audit.prompts import encode_request, get_preset
+# ---------------------------------------------------------------------------------------------
+# what the audited generation was
 
-    mech = run.mechanism
-    g = run.guarantee
-    loaded = load_model(model)
+
+@dataclasses.dataclass(frozen=True)
+class AuditedRelease:
+    """What an audited ``generate`` call was, as the audit uses it: the mechanism's configuration, the
+    release's privacy event (:class:`accounting.GenerationEvent`), δ and the accountant's ε, the
+    partition, and the prompt template (with each batch's labels in a label-conditioned release)."""
+
+    mechanism: object  # invink_audit.mechanism.MechanismConfig
+    event: object  # accounting.GenerationEvent
+    delta: float
+    epsilon: float
+    partition: object  # invink_audit.data.Partition
+    template: object  # invink_audit.prompts.PromptTemplate
+    labels: tuple | None = None
+
+    @classmethod
+    def of(cls, result, references=None, *, prompt=None, prompt_fields=None) -> AuditedRelease:
+        """The release a :class:`~invink_audit.generation.GenerationResult` records. ``references``,
+        ``prompt`` and ``prompt_fields`` are optional; when given they must agree with what the
+        generation used (a ``ValueError`` otherwise). A result that records no plan (built by hand or
+        by an older version) is rebuilt from its guarantee, ``references`` (needed then) and the prompt."""
+        if any(getattr(result, name, None) is None for name in ("plan", "mechanism", "template", "partition")):
+            return cls._rebuilt(result, references, prompt=prompt, prompt_fields=prompt_fields)
+        _check_recorded(result)
+        if references is not None:
+            _check_references(result, references)
+        if prompt is not None or prompt_fields is not None:
+            _check_prompt(result, prompt, prompt_fields)
+        return cls(
+            result.mechanism, result.plan.event, result.plan.delta, result.guarantee.epsilon, result.partition,
+            result.template, result.labels,
+        )
+
+    @classmethod
+    def _rebuilt(cls, result, references, *, prompt, prompt_fields) -> AuditedRelease:
+        from accounting import GenerationEvent
+        from invink_audit.data import partition_references, read_references
+        from invink_audit.mechanism import MechanismConfig
+        from invink_audit.prompts import get_preset
+
+        if references is None:
+            raise ValueError("this result records no plan, partition or template: give the references given to generate")
+        g = result.guarantee
+        if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
+            references = read_references(references)
+        mech = MechanismConfig(clip_norm=g.clip_norm, temperature=g.temperature, top_k=g.top_k, batch_size=g.batch_size)
+        return cls(
+            mech, GenerationEvent(g.clip_norm, g.batch_size, g.temperature, g.max_new_tokens), g.delta, g.epsilon,
+            partition_references(references, g.batch_size), get_preset(prompt or result.prompt, **(prompt_fields or {})),
+        )
+
+    def batch_template(self, index: int):
+        """The prompt of batch ``index`` (the template, with the batch's labels in a label-conditioned release)."""
+        if self.labels is None:
+            return self.template
+        from invink_audit.prompts import template_for_labels
+
+        return template_for_labels(self.template, self.labels[index])
+
+    def claim(self) -> Claim:
+        """The claim the release's mechanism makes for texts of at most T tokens."""
+        return Claim.from_mechanism(self.mechanism, self.event.max_new_tokens, delta=self.delta)
+
+    def audit_settings(self):
+        """The sampled audit's mechanism parameters: the release's event, its top-k and δ."""
+        from invink_audit.audit.model_audit import ModelAuditSettings
+
+        e = self.event
+        return ModelAuditSettings(
+            max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=self.mechanism.top_k, clip_norm=e.clip_norm,
+            delta=self.delta,
+        )
+
+
+def _disagree(what: str, given, recorded) -> ValueError:
+    return ValueError(f"the result's {what} do not match: {given!r} vs {recorded!r} (the result is inconsistent)")
+
+
+def _check_recorded(result) -> None:
+    """The result's guarantee, plan and mechanism describe one release."""
+    g, plan, mech = result.guarantee, result.plan, result.mechanism
+    event = plan.event
+    for name in ("clip_norm", "batch_size", "temperature", "max_new_tokens", "delta", "epsilon"):
+        if getattr(g, name) != getattr(plan, name):
+            raise _disagree(f"guarantee and plan ({name})", getattr(g, name), getattr(plan, name))
+    for name in ("clip_norm", "batch_size", "temperature"):
+        if getattr(mech, name) != getattr(event, name):
+            raise _disagree(f"mechanism and plan ({name})", getattr(mech, name), getattr(event, name))
+    if mech.top_k != g.top_k:
+        raise _disagree("mechanism and guarantee (top_k)", mech.top_k, g.top_k)
+    if result.partition.batch_size != event.batch_size:
+        raise _disagree("partition and plan (batch_size)", result.partition.batch_size, event.batch_size)
+
+
+def _check_references(result, references) -> None:
+    """``references`` (a list or a file path) are those the generation partitioned."""
+    from collections import Counter
+
+    from invink_audit.data import partition_references, read_references
+
     if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
         references = read_references(references)
-    partition = partition_references(references, run.batch_size)
-    template = get_preset(run.prompt, **(prompt_fields if prompt_fields is not None else run.prompt_fields))
-    claim = Claim.from_guarantee(g, run.batch_size, label=mech.name)
-    config, _ = generic_audit_config(
-        WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(run.texts)), num_is_samples=0, significance=significance), claim
-    )
-    vocab = loaded.vocab_size
-    stop_id = mech.stop_outcome(vocab)
-    outcomes = []
-    for t in run.texts:
-        ids = [m * vocab + tok for tok, m in zip(t.token_ids, t.modes)]
-        if stop_id is not None and t.finish_reason == "budget":
-            ids.append(stop_id)
-        outcomes.append(ids)
-    requests = [
-        encode_request(loaded.tokenizer, template, [r if r else None for r in partition.batches[t.batch_index]], key=t.batch_index)
-        for t in run.texts
-    ]
-    rec = _teacher_forced_outcomes(loaded, mech, requests, outcomes, claim=claim, config=config)
-    with np.errstate(invalid="ignore"):
-        losses = rec.log_prob_actual[:, None] - rec.log_prob_neighbours
-    failures = dict(rec.failures)
-    max_range = float(rec.max_loss_range_per_step.max()) if rec.max_loss_range_per_step.size else 0.0
-    sampled = None
-    if sampled_batch is not None:
-        batch = [r if r else None for r in partition.batches[sampled_batch]]
-        sampled = audit_model(
-            batch,
-            ModelAuditSettings(max_new_tokens=run.max_new_tokens, delta=g.delta, mechanism=mech),
-            WhiteBoxConfig(alphas=alphas, num_samples=num_samples, num_is_samples=0, significance=significance,
-                           directions=tuple(directions), min_samples=16),
-            model=loaded,
-            prompt=template,
-            generator=generator,
+    recorded = result.partition.batches
+    if result.labels is None:
+        given = partition_references(references, result.partition.batch_size).batches[: len(recorded)]
+        differs = next((i for i, (a, b) in enumerate(zip(given, recorded)) if a != b), None)
+        if differs is None and len(given) < len(recorded):
+            differs = len(given)
+        if differs is not None:
+            raise ValueError(
+                f"the references given disagree with those the generation used (batch {differs} differs): pass the "
+                "references given to generate, or none (the result records its partition)"
+            )
+        return
+    # a label-conditioned partition groups the references by label: every one used must be among those given
+    missing = Counter(r for batch in recorded for r in batch) - Counter(r if r else "" for r in references)
+    if missing:
+        raise ValueError(
+            f"the references given disagree with those the generation used ({sum(missing.values())} of its references "
+            "are not among them): pass the references given to generate, or none (the result records its partition)"
         )
+
+
+def _check_prompt(result, prompt, prompt_fields) -> None:
+    """``prompt``/``prompt_fields`` give the template the generation used."""
+    from invink_audit.prompts import get_preset
+
+    given = get_preset(prompt if prompt is not None else result.template, **(prompt_fields or {}))
+    if given != result.template:
+        raise ValueError(
+            f"the prompt given ({given.name!r}, fields {dict(given.fields)}) disagrees with the template the generation "
+            f"used ({result.template.name!r}, fields {dict(result.template.fields)}): pass the same prompt and "
+            "prompt_fields, or none (the result records its template)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# phases shared by both kinds of result
+
+
+def _realised(rec) -> tuple[np.ndarray, dict, float]:
+    """Realised losses L_j(x) of the released texts (texts, B), the exact checks' failures, max loss range."""
+    with np.errstate(invalid="ignore"):
+        losses = rec.log_prob_actual[:, None] - rec.log_prob_neighbours  # (texts, B)
+    max_range = float(rec.max_loss_range_per_step.max()) if rec.max_loss_range_per_step.size else 0.0
+    return losses, dict(rec.failures), max_range
+
+
+def _verdict(failures: dict, sampled: WhiteBoxReport | None, claim: Claim) -> tuple[Verdict, str]:
+    """VIOLATION if either part finds one, PASS if both pass, INCONCLUSIVE otherwise; a data-dependent
+    guarantee is never a PASS."""
     total = sum(failures.values())
     if total:
         verdict, reason = Verdict.VIOLATION, f"{total} exact per-step checks failed on the generated texts"
@@ -250,29 +356,105 @@ def _quick_audit_generic(
         verdict, reason = Verdict.INCONCLUSIVE, f"DATA-DEPENDENT guarantee, never a PASS ({reason})"
     elif not claim.a_priori and verdict is Verdict.VIOLATION:
         reason = f"the reported DATA-DEPENDENT guarantee is exceeded by the measurement: {reason}"
+    return verdict, reason
+
+
+def _quick_report(rec, claim: Claim, sampled, *, texts: int, accountant_epsilon: float, start: float,
+                  **labels) -> QuickAuditReport:
+    """The :class:`QuickAuditReport` of the teacher-forced record and the sampled audit."""
+    losses, failures, max_range = _realised(rec)
+    verdict, reason = _verdict(failures, sampled, claim)
     finite = losses[np.isfinite(losses)]
     return QuickAuditReport(
         verdict=verdict,
         reason=reason,
-        texts_audited=len(run.texts),
+        texts_audited=texts,
         step_checks=rec.num_step_checks,
         step_failures=failures,
         max_loss_range_over_epsilon0=max_range / claim.epsilon0 if claim.step_checks else math.nan,
         realised_loss_max=float(losses.max()) if losses.size else 0.0,
         realised_loss_mean=float(finite.mean()) if finite.size else 0.0,
         a_priori_loss_bound=claim.loss_upper(),
-        accountant_epsilon=float(g.epsilon),
+        accountant_epsilon=float(accountant_epsilon),
         sampled=sampled,
         seconds=time.perf_counter() - start,
         uncharged_samples=0 if sampled is None else int(sampled.num_texts),
-        mechanism=mech.name,
+        **labels,
+    )
+
+
+def _sampled_config(*, alphas, num_samples, num_is_samples, significance, directions) -> WhiteBoxConfig:
+    return WhiteBoxConfig(
+        alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples, significance=significance,
+        directions=tuple(directions), min_samples=16,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# any mechanism of the interface (a MechanismRun)
+
+
+def _forced_outcomes(run, vocab: int) -> list[list[int]]:
+    """Each text's outcomes: ``mode·V + token``, and the stop outcome when the stop rule ended it."""
+    stop_id = run.mechanism.stop_outcome(vocab)
+    outcomes = []
+    for t in run.texts:
+        ids = [m * vocab + tok for tok, m in zip(t.token_ids, t.modes)]
+        if stop_id is not None and t.finish_reason == "budget":
+            ids.append(stop_id)
+        outcomes.append(ids)
+    return outcomes
+
+
+def _quick_audit_generic(
+    run, references, *, model, prompt_fields, sampled_batch, num_samples, directions, alphas, significance, generator, start
+) -> QuickAuditReport:
+    from invink_audit.audit.model_audit import ModelAuditSettings, audit_model, generic_audit_config
+    from invink_audit.data import partition_references, read_references
+    from invink_audit.models import load_model
+    from invink_audit.prompts import encode_request, get_preset
+
+    mech, g = run.mechanism, run.guarantee
+    if references is None:
+        raise ValueError("a MechanismRun records no partition: give the references given to generate_with_mechanism")
+    loaded = load_model(model)
+    if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
+        references = read_references(references)
+    partition = partition_references(references, run.batch_size)
+    template = get_preset(run.prompt, **(prompt_fields if prompt_fields is not None else run.prompt_fields))
+    claim = Claim.from_guarantee(g, run.batch_size, label=mech.name)
+    config, _ = generic_audit_config(
+        WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(run.texts)), num_is_samples=0, significance=significance), claim
+    )
+    requests = [
+        encode_request(loaded.tokenizer, template, [r if r else None for r in partition.batches[t.batch_index]], key=t.batch_index)
+        for t in run.texts
+    ]
+    rec = _teacher_forced_outcomes(loaded, mech, requests, _forced_outcomes(run, loaded.vocab_size), claim=claim, config=config)
+    sampled = None
+    if sampled_batch is not None:
+        sampled = audit_model(
+            [r if r else None for r in partition.batches[sampled_batch]],
+            ModelAuditSettings(max_new_tokens=run.max_new_tokens, delta=g.delta, mechanism=mech),
+            _sampled_config(alphas=alphas, num_samples=num_samples, num_is_samples=0, significance=significance,
+                            directions=directions),
+            model=loaded,
+            prompt=template,
+            generator=generator,
+        )
+    return _quick_report(
+        rec, claim, sampled, texts=len(run.texts), accountant_epsilon=g.epsilon, start=start, mechanism=mech.name,
         guarantee=claim.guarantee,
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# the entry point
+
+
 def quick_audit(
     result,
-    references,
+    references=None,
     *,
     model=None,
     prompt=None,
@@ -287,24 +469,22 @@ def quick_audit(
 ) -> QuickAuditReport:
     """Audit the texts of a :class:`invink_audit.generation.GenerationResult` (e.g. from the demo).
 
-    ``references``: the same references given to ``generate`` (list or file path); ``model``: the
-    same model (a loaded model is reused); ``prompt``/``prompt_fields``: as given to ``generate``
-    (default: ``result.prompt``). ``sampled_batch``: which batch gets the sampled audit (``None``
-    skips it). Its size: ``num_samples`` texts from R (and, with ``"reverse"`` in ``directions``, as
-    many from each R'_j) plus ``num_is_samples`` per α, neighbour and direction; the defaults (16
-    forward texts) keep it to about the cost of generating 16 texts. Below 16 samples the sampled
-    verdict is INCONCLUSIVE.
+    The result records what the release was (its plan, mechanism, prompt template, labels and
+    partition), and the audit uses exactly that (:class:`AuditedRelease`): ``references``, ``prompt``
+    and ``prompt_fields`` are optional, and when given they must be those given to ``generate`` (a
+    list or file path; a preset name or template, and its fields), or a ``ValueError`` says they
+    disagree. ``model``: the same model (a loaded model is reused). ``sampled_batch``: which batch
+    gets the sampled audit (``None`` skips it). Its size: ``num_samples`` texts from R (and, with
+    ``"reverse"`` in ``directions``, as many from each R'_j) plus ``num_is_samples`` per α, neighbour
+    and direction; the defaults (16 forward texts) keep it to about the cost of generating 16 texts.
+    Below 16 samples the sampled verdict is INCONCLUSIVE. A
+    :class:`~invink_audit.mechanisms.run.MechanismRun` records no partition: give its references.
 
     The sampled texts are drawn outside the ledger: they are not charged and the release's guarantee
     does not cover them (``uncharged_samples`` counts them). The report is a non-private function of
     the references (see the module docstring).
     """
-    from invink_audit.audit.model_audit import ModelAuditSettings, audit_model
-    from invink_audit.data import partition_references, read_references
-    from invink_audit.mechanism import MechanismConfig
     from invink_audit.mechanisms.run import MechanismRun
-    from invink_audit.models import load_model
-    from invink_audit.prompts import encode_request, get_preset
 
     start = time.perf_counter()
     if isinstance(result, MechanismRun):
@@ -313,61 +493,37 @@ def quick_audit(
             num_samples=num_samples, directions=directions, alphas=alphas, significance=significance,
             generator=generator, start=start,
         )
-    g = result.guarantee
+    release = AuditedRelease.of(result, references, prompt=prompt, prompt_fields=prompt_fields)
+    return _quick_audit_release(
+        result, release, model=model, sampled_batch=sampled_batch,
+        sampled_config=_sampled_config(alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples,
+                                       significance=significance, directions=directions),
+        alphas=alphas, significance=significance, generator=generator, start=start,
+    )
+
+
+def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batch, sampled_config, alphas, significance,
+                         generator, start) -> QuickAuditReport:
+    """:func:`quick_audit` of an InvisibleInk release: teacher forcing of its texts, then the sampled audit."""
+    from invink_audit.audit.model_audit import audit_model
+    from invink_audit.models import load_model
+    from invink_audit.prompts import encode_request
+
     loaded = load_model(model)
-    if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
-        references = read_references(references)
-    partition = partition_references(references, g.batch_size)
-    template = get_preset(prompt or result.prompt, **(prompt_fields or {}))
-    mech = MechanismConfig(clip_norm=g.clip_norm, temperature=g.temperature, top_k=g.top_k, batch_size=g.batch_size)
-    claim = Claim.from_mechanism(mech, g.max_new_tokens, delta=g.delta)
+    claim = release.claim()
     config = WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(result.texts)), num_is_samples=0, significance=significance)
-    requests = [encode_request(loaded.tokenizer, template, partition.batches[t.batch_index], key=t.batch_index) for t in result.texts]
-    rec = teacher_forced_losses(loaded, mech, requests, [list(t.token_ids) for t in result.texts], claim=claim, config=config)
-    with np.errstate(invalid="ignore"):
-        losses = rec.log_prob_actual[:, None] - rec.log_prob_neighbours  # (texts, B)
-    failures = dict(rec.failures)
-    max_range = float(rec.max_loss_range_per_step.max()) if rec.max_loss_range_per_step.size else 0.0
+    requests = [
+        encode_request(loaded.tokenizer, release.batch_template(t.batch_index), release.partition.batches[t.batch_index],
+                       key=t.batch_index)
+        for t in result.texts
+    ]
+    rec = teacher_forced_losses(
+        loaded, release.mechanism, requests, [list(t.token_ids) for t in result.texts], claim=claim, config=config
+    )
     sampled = None
     if sampled_batch is not None:
-        batch = partition.batches[sampled_batch]
         sampled = audit_model(
-            list(batch),
-            ModelAuditSettings(
-                max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, clip_norm=g.clip_norm, delta=g.delta
-            ),
-            WhiteBoxConfig(
-                alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples, significance=significance,
-                directions=tuple(directions), min_samples=16,
-            ),
-            model=loaded,
-            prompt=template,
-            generator=generator,
+            list(release.partition.batches[sampled_batch]), release.audit_settings(), sampled_config, model=loaded,
+            prompt=release.batch_template(sampled_batch), generator=generator,
         )
-    total_failures = sum(failures.values())
-    if total_failures:
-        verdict, reason = Verdict.VIOLATION, f"{total_failures} exact per-step checks failed on the generated texts"
-    elif sampled is not None and sampled.verdict is Verdict.VIOLATION:
-        verdict, reason = Verdict.VIOLATION, f"sampled audit: {sampled.reason}"
-    elif sampled is not None and sampled.verdict is Verdict.PASS:
-        verdict, reason = Verdict.PASS, "exact checks held on every prefix of the generated texts; sampled audit passed"
-    elif sampled is None:
-        verdict, reason = Verdict.PASS, "exact checks held on every prefix of the generated texts (no sampled audit)"
-    else:
-        verdict, reason = Verdict.INCONCLUSIVE, f"sampled audit: {sampled.reason}"
-    finite = losses[np.isfinite(losses)]
-    return QuickAuditReport(
-        verdict=verdict,
-        reason=reason,
-        texts_audited=len(result.texts),
-        step_checks=rec.num_step_checks,
-        step_failures=failures,
-        max_loss_range_over_epsilon0=max_range / claim.epsilon0,
-        realised_loss_max=float(losses.max()) if losses.size else 0.0,
-        realised_loss_mean=float(finite.mean()) if finite.size else 0.0,
-        a_priori_loss_bound=claim.max_new_tokens * claim.epsilon0,
-        accountant_epsilon=float(g.epsilon),
-        sampled=sampled,
-        seconds=time.perf_counter() - start,
-        uncharged_samples=0 if sampled is None else int(sampled.num_texts),
-    )
+    return _quick_report(rec, claim, sampled, texts=len(result.texts), accountant_epsilon=release.epsilon, start=start)

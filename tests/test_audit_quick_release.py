@@ -1,0 +1,104 @@
+"""quick_audit of a GenerationResult uses the release the result records (plan, mechanism, template,
+labels, partition) and refuses references or a prompt that disagree with it."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import warnings
+
+import pytest
+
+from invink_audit.audit.quick import AuditedRelease, quick_audit
+from invink_audit.audit.stats import Verdict
+from invink_audit.generation import Guarantee, generate
+from invink_audit.mechanism import SeededGeneratorWarning
+
+REFS = ["The food was great.", "Mr Smith was admitted.", "", "Slow service.", "Nice place.", "Cold soup.", "x"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from invink_audit.models import build_tiny_model
+
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def result(tiny):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededGeneratorWarning)
+        return generate(REFS, batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=3.0, model=tiny, top_k=20, seed=3)
+
+
+def _numbers(report):
+    d = report.to_dict()
+    d.pop("seconds")
+    return d
+
+
+def test_the_result_alone_is_enough_and_gives_the_same_audit(tiny, result):
+    alone = quick_audit(result, model=tiny, sampled_batch=None)
+    given = quick_audit(result, REFS, model=tiny, prompt="generic", sampled_batch=None)
+    assert alone.verdict is Verdict.PASS and _numbers(alone) == _numbers(given)
+    release = AuditedRelease.of(result)
+    assert release.partition is result.partition and release.template is result.template
+    assert release.event == result.plan.event and release.claim().max_new_tokens == 4
+
+
+def test_references_or_prompt_that_disagree_are_refused(tiny, result):
+    with pytest.raises(ValueError, match="references given disagree"):
+        quick_audit(result, ["another"] + REFS[1:], model=tiny, sampled_batch=None)
+    with pytest.raises(ValueError, match="references given disagree"):
+        quick_audit(result, REFS[:4], model=tiny, sampled_batch=None)
+    with pytest.raises(ValueError, match="prompt given .* disagrees"):
+        quick_audit(result, REFS, model=tiny, prompt="yelp", sampled_batch=None)
+
+
+def test_an_inconsistent_result_is_refused(result):
+    bad = dataclasses.replace(result, guarantee=dataclasses.replace(result.guarantee, temperature=0.5))
+    with pytest.raises(ValueError, match="guarantee and plan .temperature. do not match"):
+        AuditedRelease.of(bad)
+
+
+def test_texts_longer_than_the_recorded_plan_allows_are_rejected(tiny, result):
+    from accounting import epsilon_for_clip_norm
+
+    p = result.plan
+    short = epsilon_for_clip_norm(
+        clip_norm=p.clip_norm, delta=p.delta, max_new_tokens=2, batch_size=p.batch_size, temperature=p.temperature
+    )
+    bad = dataclasses.replace(result, plan=short, guarantee=Guarantee.from_plan(short, result.guarantee.top_k))
+    with pytest.raises(ValueError, match="do not match this configuration"):
+        quick_audit(bad, model=tiny, sampled_batch=None)
+
+
+def test_a_result_without_a_recorded_plan_needs_its_references(tiny, result):
+    legacy = dataclasses.replace(result, plan=None, mechanism=None, template=None, partition=None)
+    with pytest.raises(ValueError, match="give the references"):
+        quick_audit(legacy, model=tiny, sampled_batch=None)
+    assert _numbers(quick_audit(legacy, REFS, model=tiny, sampled_batch=None)) == _numbers(
+        quick_audit(result, model=tiny, sampled_batch=None)
+    )
+
+
+def test_a_label_conditioned_release_is_audited_with_each_batch_prompt(tiny, tmp_path):
+    path = tmp_path / "reviews.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label1", "label2"])
+        for i in range(8):
+            writer.writerow([f"review {i}", ["Business Category: Restaurants", "Business Category: Shopping"][i % 2],
+                             "Review Stars: 5.0"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        labelled = generate(path, label_columns=["label1", "label2"], batch_size=2, max_new_tokens=3, delta=1e-6,
+                            epsilon=8.0, model=tiny, prompt="yelp", seed=3)
+    release = AuditedRelease.of(labelled, path)
+    assert {release.batch_template(i).fields["category"] for i in range(len(labelled.partition.batches))} == {
+        "Restaurants", "Shopping"
+    }
+    report = quick_audit(labelled, model=tiny, sampled_batch=None)
+    assert report.verdict is Verdict.PASS and report.texts_audited == len(labelled.texts)
+    with pytest.raises(ValueError, match="references given disagree"):
+        AuditedRelease.of(labelled, ["review 0"])
