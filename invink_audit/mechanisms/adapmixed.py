@@ -64,7 +64,14 @@ import math
 
 import torch
 
-from invink_audit.mechanisms.base import STATE_DTYPE, GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep, check_step_shapes
+from invink_audit.mechanisms.base import (
+    STATE_DTYPE,
+    GuaranteeKind,
+    Mechanism,
+    MechanismGuarantee,
+    MechanismStep,
+    check_stateful_step,
+)
 
 __all__ = [
     "AdaPMixEDConfig",
@@ -279,9 +286,7 @@ class AdaPMixEDMechanism(Mechanism):
     # -- the step --------------------------------------------------------------------------
 
     def step(self, private, public, state, aux, *, exact, neighbours) -> MechanismStep:
-        check_step_shapes(private, public, self.batch_size)
-        if neighbours and not exact:
-            raise ValueError("neighbour distributions need the exact state (exact=True)")
+        check_stateful_step(private, public, self.batch_size, exact=exact, neighbours=neighbours)
         cfg = self.config
         g, n, v = private.shape
         tau = cfg.temperature

@@ -69,7 +69,7 @@ from invink_audit.mechanisms.base import (
     Mechanism,
     MechanismGuarantee,
     MechanismStep,
-    check_step_shapes,
+    check_stateful_step,
     laplace_cdf_log,
     laplace_quantile,
 )
@@ -344,9 +344,7 @@ class AminMechanism(Mechanism):
         return out
 
     def step(self, private, public, state, aux, *, exact, neighbours) -> MechanismStep:
-        check_step_shapes(private, public, self.batch_size)
-        if neighbours and not exact:
-            raise ValueError("neighbour distributions need the exact state (exact=True)")
+        check_stateful_step(private, public, self.batch_size, exact=exact, neighbours=neighbours)
         cfg = self.config
         t = self._terms(private, public, neighbours=exact)
         if not exact:

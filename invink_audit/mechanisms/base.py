@@ -53,6 +53,7 @@ __all__ = [
     "Mechanism",
     "MechanismGuarantee",
     "MechanismStep",
+    "check_stateful_step",
     "check_step_shapes",
     "laplace_cdf_log",
     "laplace_quantile",
@@ -67,7 +68,7 @@ DEPRECATED_NAMES = {"Guarantee": "MechanismGuarantee"}
 
 
 def deprecated_name(module: str, name: str) -> Any:
-    """The object a deprecated alias of ``module`` names, with a :class:`DeprecationWarning` (module ``__getattr__``)."""
+    """The object the deprecated alias ``name`` of ``module`` names, with a :class:`DeprecationWarning`."""
     current = DEPRECATED_NAMES.get(name)
     if current is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
@@ -250,6 +251,15 @@ def check_step_shapes(private: torch.Tensor, public: torch.Tensor, batch_size: i
         )
     if private.shape[1] != batch_size:
         raise ValueError(f"private has {private.shape[1]} reference rows but the mechanism has batch_size={batch_size}")
+
+
+def check_stateful_step(
+    private: torch.Tensor, public: torch.Tensor, batch_size: int, *, exact: bool, neighbours: bool
+) -> None:
+    """:func:`check_step_shapes`, and for a mechanism with state: neighbour distributions only from the exact state."""
+    check_step_shapes(private, public, batch_size)
+    if neighbours and not exact:
+        raise ValueError("neighbour distributions need the exact state (exact=True)")
 
 
 # ---------------------------------------------------------------------------------------------
