@@ -45,10 +45,18 @@ import os
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Union
 
 from invink_audit.audit.whitebox import Direction, WhiteBoxConfig
 
-__all__ = ["AuditSpec", "load_spec", "mechanism_from_section", "run_spec", "yelp_dir"]
+if TYPE_CHECKING:
+    from invink_audit.audit.report import BlackBoxReport, WhiteBoxReport
+    from invink_audit.audit.selftest import SelfTestResult
+
+__all__ = [
+    "AuditSpec", "BlackBoxSpec", "MechanismSpec", "ModelSpec", "PromptSpec", "SpecResult", "load_spec",
+    "mechanism_from_section", "run_spec", "yelp_dir",
+]
 
 KINDS = ("selftest", "white-box", "black-box")
 _SECTIONS = {"name", "kind", "description", "model", "prompt", "data", "mechanism", "canaries", "audit", "selftest", "target", "blackbox", "seed"}
@@ -63,13 +71,137 @@ def yelp_dir() -> Path:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """``[model]``: ``name`` (``"embedded"``, a directory or hub id), ``gguf_file``, ``device``, ``dtype``,
+    ``max_batch_rows``."""
+
+    name: str = "embedded"
+    gguf_file: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    max_batch_rows: int | None = None
+
+    @classmethod
+    def from_section(cls, section: dict) -> ModelSpec:
+        return cls(section.get("name", "embedded"), section.get("gguf_file"), section.get("device"), section.get("dtype"),
+                   section.get("max_batch_rows"))
+
+    @property
+    def model(self) -> str | None:
+        """What :func:`~invink_audit.models.load_model` takes (``None``: the embedded model)."""
+        return None if self.name == "embedded" else self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSpec:
+    """``[prompt]``: ``preset`` and its ``fields``."""
+
+    preset: str = "generic"
+    fields: dict | None = None
+
+    @classmethod
+    def from_section(cls, section: dict) -> PromptSpec:
+        return cls(section.get("preset", "generic"), section.get("fields"))
+
+
+@dataclasses.dataclass(frozen=True)
+class MechanismSpec:
+    """``[mechanism]``, as written (values are converted where they are used); ``section`` is the table
+    itself, for :func:`mechanism_from_section`."""
+
+    kind: str
+    batch_size: int
+    max_new_tokens: int | None
+    delta: float
+    temperature: float
+    top_k: int | None
+    clip_norm: float | None
+    epsilon: float | None
+    accountant: str
+    section: dict
+
+    @classmethod
+    def from_section(cls, mech: dict) -> MechanismSpec:
+        batch_size = int(mech.get("batch_size", 0))
+        if batch_size < 1:
+            raise ValueError(f"[mechanism] batch_size must be an integer >= 1; got {mech.get('batch_size')!r}")
+        return cls(
+            str(mech.get("kind", "invisibleink")), batch_size, mech.get("max_new_tokens"), float(mech.get("delta", 1e-6)),
+            float(mech.get("temperature", 1.0)), mech.get("top_k"), mech.get("clip_norm"), mech.get("epsilon"),
+            str(mech.get("accountant", "br-adaptive")), mech,
+        )
+
+    @property
+    def tokens(self) -> int:
+        """``max_new_tokens`` (T), which a model audit needs."""
+        if self.max_new_tokens is None:
+            raise ValueError("[mechanism] max_new_tokens is required")
+        return int(self.max_new_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlackBoxSpec:
+    """``[target]`` and ``[blackbox]`` of a black-box spec."""
+
+    target: str
+    model_path: str | None
+    dataset_desc: str
+    spare_references: int
+    canary: str
+    num_trials: int
+    significance: float
+    scores: tuple
+    invink_kwargs: dict
+
+    @classmethod
+    def from_sections(cls, target: dict, bb: dict) -> BlackBoxSpec:
+        from invink_audit.audit.blackbox import DEFAULT_SCORES
+
+        return cls(
+            target.get("kind", "engine"), target.get("model_path"), str(target.get("dataset_desc", "short texts")),
+            int(target.get("spare_references", 0)),
+            str(bb.get("canary", "My name is Zelphine Quorrick and my card number is 4929 7310 5528 1746.")),
+            int(bb.get("num_trials", 200)), float(bb.get("significance", 0.05)), tuple(bb.get("scores", DEFAULT_SCORES)),
+            dict(bb.get("invink_kwargs", {})),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class AuditSpec:
-    """A parsed, validated audit specification."""
+    """A parsed, validated audit specification: ``raw`` is the TOML table; the typed sections are parsed
+    from it at construction (``selftest``: the self-test's settings; ``model``, ``prompt``,
+    ``mechanism``, and ``audit`` (white-box) or ``blackbox`` (black-box) for a model audit)."""
 
     name: str
     kind: str
     raw: dict
     path: Path | None = None
+    model: ModelSpec | None = dataclasses.field(default=None, init=False)
+    prompt: PromptSpec | None = dataclasses.field(default=None, init=False)
+    mechanism: MechanismSpec | None = dataclasses.field(default=None, init=False)
+    audit: WhiteBoxConfig | None = dataclasses.field(default=None, init=False)
+    blackbox: BlackBoxSpec | None = dataclasses.field(default=None, init=False)
+    selftest: object | None = dataclasses.field(default=None, init=False)  # SelfTestSettings
+    seed: int | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "seed", self.raw.get("seed"))
+        if self.kind == "selftest":
+            from invink_audit.audit.selftest import SelfTestSettings
+
+            section = self.section("selftest")
+            if "alphas" in section:
+                section = {**section, "alphas": tuple(float(a) for a in section["alphas"])}
+            object.__setattr__(self, "selftest", SelfTestSettings(**section))
+            return
+        mechanism = MechanismSpec.from_section(self.section("mechanism"))
+        object.__setattr__(self, "model", ModelSpec.from_section(self.section("model")))
+        object.__setattr__(self, "prompt", PromptSpec.from_section(self.section("prompt")))
+        object.__setattr__(self, "mechanism", mechanism)
+        if self.kind == "white-box":
+            object.__setattr__(self, "audit", _whitebox_config(self.section("audit"), mechanism.batch_size))
+        else:
+            object.__setattr__(self, "blackbox", BlackBoxSpec.from_sections(self.section("target"), self.section("blackbox")))
 
     def section(self, name: str) -> dict:
         value = self.raw.get(name, {})
@@ -238,7 +370,7 @@ def _generator(spec: AuditSpec, seed: int | None, device="cpu"):
 
     from invink_audit.mechanism import SeededGeneratorWarning, make_generator
 
-    seed = seed if seed is not None else spec.raw.get("seed")
+    seed = seed if seed is not None else spec.seed
     if seed is None:
         return make_generator(device=device)
     with warnings.catch_warnings():
@@ -271,117 +403,128 @@ def _invink_model_dir(path) -> str:
     return str(path)
 
 
+#: what :func:`run_spec` returns, by the spec's kind
+SpecResult = Union["WhiteBoxReport", "BlackBoxReport", "SelfTestResult"]
+
+
 def run_spec(
     spec: AuditSpec,
     *,
     seed: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     status: Callable[[str], None] | None = None,
-):
-    """Run a spec; returns a report (white-box/black-box) or a :class:`SelfTestResult`."""
+) -> SpecResult:
+    """Run a spec; returns a :class:`~invink_audit.audit.report.WhiteBoxReport` (white-box), a
+    :class:`~invink_audit.audit.report.BlackBoxReport` (black-box) or a
+    :class:`~invink_audit.audit.selftest.SelfTestResult` (selftest)."""
     if spec.kind == "selftest":
-        from invink_audit.audit.selftest import SelfTestSettings, run_selftest
+        from invink_audit.audit.selftest import run_selftest
 
-        section = spec.section("selftest")
-        if "alphas" in section:
-            section = {**section, "alphas": tuple(float(a) for a in section["alphas"])}
-        settings = SelfTestSettings(**section)
-        return run_selftest(settings, generator=_generator(spec, seed), progress=status)
-    mech = spec.section("mechanism")
-    model_section = spec.section("model")
-    model_name = model_section.get("name", "embedded")
-    prompt = spec.section("prompt")
-    batch_size = int(mech.get("batch_size", 0))
-    if batch_size < 1:
-        raise ValueError(f"[mechanism] batch_size must be an integer >= 1; got {mech.get('batch_size')!r}")
+        return run_selftest(spec.selftest, generator=_generator(spec, seed), progress=status)
     if spec.kind == "white-box":
-        from invink_audit.audit.model_audit import ModelAuditSettings, audit_model
-        from invink_audit.models import load_model
+        return _run_whitebox(spec, seed, progress)
+    return _run_blackbox(spec, seed, progress)
 
-        refs, labels, hardest = _batch(spec, batch_size)
-        config = _whitebox_config(spec.section("audit"), batch_size)
-        generic = mechanism_from_section(mech, batch_size)
-        if generic is not None:
-            settings = ModelAuditSettings(
-                max_new_tokens=int(mech["max_new_tokens"]), delta=float(mech.get("delta", 1e-6)), mechanism=generic
-            )
-        else:
-            settings = ModelAuditSettings(
-                max_new_tokens=int(mech["max_new_tokens"]),
-                temperature=float(mech.get("temperature", 1.0)),
-                top_k=mech.get("top_k"),
-                clip_norm=mech.get("clip_norm"),
-                epsilon=mech.get("epsilon"),
-                delta=float(mech.get("delta", 1e-6)),
-                accountant=str(mech.get("accountant", "br-adaptive")),
-            )
-        loaded = load_model(
-            None if model_name == "embedded" else model_name,
-            gguf_file=model_section.get("gguf_file"),
-            device=model_section.get("device"),
-            dtype=model_section.get("dtype"),
-        )
-        return audit_model(
-            refs,
-            settings,
-            config,
-            model=loaded,
-            prompt=prompt.get("preset", "generic"),
-            prompt_fields=prompt.get("fields"),
-            canaries=labels,
-            hardest_case_slot=hardest,
-            generator=_generator(spec, seed, loaded.device),
-            max_batch_rows=model_section.get("max_batch_rows"),
-            progress=progress,
-            label=spec.name,
-        )
-    # black box
-    from invink_audit.audit.blackbox import DEFAULT_SCORES, blackbox_audit, engine_generator, invink_generator
 
-    target = spec.section("target")
-    bb = spec.section("blackbox")
-    refs, _, _ = _batch(spec, batch_size + int(target.get("spare_references", 0)))
-    canary = str(bb.get("canary", "My name is Zelphine Quorrick and my card number is 4929 7310 5528 1746."))
-    epsilon = mech.get("epsilon")
-    delta = float(mech.get("delta", 1e-6))
-    if target.get("kind", "engine") == "engine":
-        from accounting import epsilon_for_clip_norm, plan_clip_norm
+def _model_audit_settings(spec: AuditSpec):
+    """The :class:`~invink_audit.audit.model_audit.ModelAuditSettings` of a white-box spec's ``[mechanism]``."""
+    from invink_audit.audit.model_audit import ModelAuditSettings
 
-        T, tau = int(mech["max_new_tokens"]), float(mech.get("temperature", 1.0))
-        if mech.get("clip_norm") is not None:
-            clip_norm = float(mech["clip_norm"])
-            epsilon = epsilon_for_clip_norm(clip_norm=clip_norm, max_new_tokens=T, batch_size=batch_size, temperature=tau, delta=delta).epsilon
-        else:
-            clip_norm = plan_clip_norm(epsilon=epsilon, delta=delta, max_new_tokens=T, batch_size=batch_size, temperature=tau).clip_norm
-        many = engine_generator(
-            model=None if model_name == "embedded" else model_name,
-            clip_norm=clip_norm, temperature=tau, top_k=mech.get("top_k"), batch_size=batch_size, max_new_tokens=T,
-            prompt=prompt.get("preset", "generic"), prompt_fields=prompt.get("fields"),
-            generator=_generator(spec, seed, device=_device_of(model_section)),
-        )
-        return blackbox_audit(
-            None, refs, canary, claimed_epsilon=float(epsilon), claimed_delta=delta, generate_many=many,
-            num_trials=int(bb.get("num_trials", 200)), significance=float(bb.get("significance", 0.05)),
-            scores=tuple(bb.get("scores", DEFAULT_SCORES)), mechanism=f"InvisibleInk engine ({model_name})",
-            progress=progress,
-        )
-    if target.get("kind") == "invink":
-        path = _invink_model_dir(target.get("model_path"))
-        scores = list(bb.get("scores", DEFAULT_SCORES))
-        if "tokens" in scores:  # the public tokenizer of the audited model counts output tokens
-            from transformers import AutoTokenizer
+    m = spec.mechanism
+    generic = mechanism_from_section(m.section, m.batch_size)
+    if generic is not None:
+        return ModelAuditSettings(max_new_tokens=m.tokens, delta=m.delta, mechanism=generic)
+    return ModelAuditSettings(
+        max_new_tokens=m.tokens,
+        temperature=m.temperature,
+        top_k=m.top_k,
+        clip_norm=m.clip_norm,
+        epsilon=m.epsilon,
+        delta=m.delta,
+        accountant=m.accountant,
+    )
 
-            from invink_audit.audit.blackbox import token_count
 
-            scores[scores.index("tokens")] = token_count(AutoTokenizer.from_pretrained(path))
-        gen = invink_generator(
-            str(path), batch_size=batch_size, dataset_desc=str(target.get("dataset_desc", "short texts")),
-            epsilon=float(epsilon), delta=delta, **dict(bb.get("invink_kwargs", {})),
-        )
-        return blackbox_audit(
-            gen, refs, canary, claimed_epsilon=float(epsilon), claimed_delta=delta,
-            num_trials=int(bb.get("num_trials", 200)), significance=float(bb.get("significance", 0.05)),
-            scores=tuple(scores), mechanism="reference package invink 0.1.0",
-            progress=progress,
-        )
-    raise ValueError(f"[target] kind must be 'engine' or 'invink'; got {target.get('kind')!r}")
+def _run_whitebox(spec: AuditSpec, seed, progress):
+    from invink_audit.audit.model_audit import audit_model
+    from invink_audit.models import load_model
+
+    refs, labels, hardest = _batch(spec, spec.mechanism.batch_size)
+    settings = _model_audit_settings(spec)
+    model = spec.model
+    loaded = load_model(model.model, gguf_file=model.gguf_file, device=model.device, dtype=model.dtype)
+    return audit_model(
+        refs,
+        settings,
+        spec.audit,
+        model=loaded,
+        prompt=spec.prompt.preset,
+        prompt_fields=spec.prompt.fields,
+        canaries=labels,
+        hardest_case_slot=hardest,
+        generator=_generator(spec, seed, loaded.device),
+        max_batch_rows=model.max_batch_rows,
+        progress=progress,
+        label=spec.name,
+    )
+
+
+def _run_blackbox(spec: AuditSpec, seed, progress):
+    bb = spec.blackbox
+    refs, _, _ = _batch(spec, spec.mechanism.batch_size + bb.spare_references)
+    if bb.target == "engine":
+        return _run_engine_target(spec, refs, seed, progress)
+    if bb.target == "invink":
+        return _run_invink_target(spec, refs, progress)
+    raise ValueError(f"[target] kind must be 'engine' or 'invink'; got {bb.target!r}")
+
+
+def _run_engine_target(spec: AuditSpec, refs, seed, progress):
+    """Black-box audit of our engine: the clip norm given (its ε reported) or planned for ε."""
+    from accounting import epsilon_for_clip_norm, plan_clip_norm
+    from invink_audit.audit.blackbox import blackbox_audit, engine_generator
+
+    m, bb = spec.mechanism, spec.blackbox
+    T, tau, epsilon = m.tokens, m.temperature, m.epsilon
+    if m.clip_norm is not None:
+        clip_norm = float(m.clip_norm)
+        epsilon = epsilon_for_clip_norm(
+            clip_norm=clip_norm, max_new_tokens=T, batch_size=m.batch_size, temperature=tau, delta=m.delta
+        ).epsilon
+    else:
+        clip_norm = plan_clip_norm(epsilon=epsilon, delta=m.delta, max_new_tokens=T, batch_size=m.batch_size, temperature=tau).clip_norm
+    many = engine_generator(
+        model=spec.model.model,
+        clip_norm=clip_norm, temperature=tau, top_k=m.top_k, batch_size=m.batch_size, max_new_tokens=T,
+        prompt=spec.prompt.preset, prompt_fields=spec.prompt.fields,
+        generator=_generator(spec, seed, device=_device_of(spec.section("model"))),
+    )
+    return blackbox_audit(
+        None, refs, bb.canary, claimed_epsilon=float(epsilon), claimed_delta=m.delta, generate_many=many,
+        num_trials=bb.num_trials, significance=bb.significance, scores=bb.scores,
+        mechanism=f"InvisibleInk engine ({spec.model.name})", progress=progress,
+    )
+
+
+def _run_invink_target(spec: AuditSpec, refs, progress):
+    """Black-box audit of the reference package ``invink`` (the audited model's tokenizer counts tokens)."""
+    from invink_audit.audit.blackbox import blackbox_audit, invink_generator
+
+    m, bb = spec.mechanism, spec.blackbox
+    path = _invink_model_dir(bb.model_path)
+    scores = list(bb.scores)
+    if "tokens" in scores:  # the public tokenizer of the audited model counts output tokens
+        from transformers import AutoTokenizer
+
+        from invink_audit.audit.blackbox import token_count
+
+        scores[scores.index("tokens")] = token_count(AutoTokenizer.from_pretrained(path))
+    gen = invink_generator(
+        str(path), batch_size=m.batch_size, dataset_desc=bb.dataset_desc, epsilon=float(m.epsilon), delta=m.delta,
+        **bb.invink_kwargs,
+    )
+    return blackbox_audit(
+        gen, refs, bb.canary, claimed_epsilon=float(m.epsilon), claimed_delta=m.delta,
+        num_trials=bb.num_trials, significance=bb.significance, scores=tuple(scores),
+        mechanism="reference package invink 0.1.0", progress=progress,
+    )
