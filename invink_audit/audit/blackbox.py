@@ -153,22 +153,15 @@ def blackbox_audit(
     ``generate(references) -> text`` is called once per trial (or ``generate_many(list of
     reference lists) -> texts`` once for all, when given). ``references``: the batch with any text
     in ``canary_slot`` (it is replaced by the canary, or by ``""`` for the neighbour).
+
+    Phases: the trials (:func:`_run_trials`), the scores (:func:`_score_matrix`), the score and
+    threshold chosen on the selection split (:func:`_select`), the ε lower bound on the evaluation
+    split, and the verdict.
     """
     if generate is None and generate_many is None:
         raise ValueError("give generate or generate_many")
     refs = list(references)
-    if not 0 <= canary_slot < len(refs):
-        raise ValueError(f"canary_slot must be in [0, {len(refs)}); got {canary_slot!r}")
-    if isinstance(num_trials, bool) or not isinstance(num_trials, int) or num_trials < 8:
-        raise ValueError(f"num_trials must be an integer >= 8; got {num_trials!r}")
-    if not 0.0 < selection_fraction < 1.0:
-        raise ValueError(f"selection_fraction must be in (0, 1); got {selection_fraction!r}")
-    if not (isinstance(claimed_epsilon, (int, float)) and claimed_epsilon >= 0):
-        raise ValueError(f"claimed_epsilon must be >= 0; got {claimed_epsilon!r}")
-    beta = stats._check_significance(significance)
-    for s in scores:
-        if not callable(s) and s not in SCORES:
-            raise ValueError(f"scores must be callables or names in {sorted(SCORES)}; got {s!r}")
+    beta = _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, claimed_epsilon, significance, scores)
     with_canary = list(refs)
     with_canary[canary_slot] = canary
     without = list(refs)
@@ -176,72 +169,19 @@ def blackbox_audit(
     # trials alternate (with, without, with, ...): no drift between the two arms
     batches = [with_canary if i % 2 == 0 else without for i in range(num_trials)]
     labels = np.array([i % 2 == 0 for i in range(num_trials)])
-    start = time.perf_counter()
-    if generate_many is not None:
-        texts = list(generate_many([list(b) for b in batches]))
-        if len(texts) != num_trials:
-            raise ValueError(f"generate_many returned {len(texts)} texts for {num_trials} trials")
-        if progress is not None:
-            progress(num_trials, num_trials)
-    else:
-        texts = []
-        for i, b in enumerate(batches):
-            texts.append(generate(list(b)))
-            if progress is not None:
-                progress(i + 1, num_trials)
-    gen_seconds = time.perf_counter() - start
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise ValueError(f"the generator must return a string; trial {i} returned {type(t).__name__}")
+    texts, gen_seconds = _run_trials(batches, generate, generate_many, progress)
     # split: first selection_fraction of the (alternating) trials select, the rest evaluate
     n_sel = int(round(num_trials * selection_fraction))
     n_sel -= n_sel % 2
     sel, ev = np.arange(n_sel), np.arange(n_sel, num_trials)
-    score_fns, score_names = [], []
-    for s in scores:
-        if callable(s):
-            score_fns.append(s)
-            score_names.append(getattr(s, "__name__", "custom"))
-        elif s == "exact-match":  # trained on the selection split only
-            score_fns.append(exact_match([texts[i] for i in sel if labels[i]], [texts[i] for i in sel if not labels[i]]))
-            score_names.append(s)
-        else:
-            score_fns.append(SCORES[s](canary))
-            score_names.append(s)
-    score_matrix = np.array([[fn(t) for t in texts] for fn in score_fns], dtype=float)  # (S, N)
-    selection_matrix = score_matrix[:, sel].copy()
-    for k, name in enumerate(score_names):
-        if name == "exact-match":  # its selection scores must not see the text they score
-            selection_matrix[k] = _exact_match_leave_one_out([texts[i] for i in sel], labels[sel])
-    best = (-1.0, 0, math.inf)
-    for k in range(len(score_fns)):
-        lb, thr = _best_threshold(
-            selection_matrix[k][labels[sel]], selection_matrix[k][~labels[sel]], delta=claimed_delta, significance=beta
-        )
-        if lb > best[0]:
-            best = (lb, k, thr)
-    _, k, thr = best
+    score_names, score_matrix, selection_matrix = _score_matrix(scores, canary, texts, labels, sel)
+    k, thr = _select(selection_matrix, labels[sel], delta=claimed_delta, significance=beta)
     ev_with = score_matrix[k, ev][labels[ev]]
     ev_without = score_matrix[k, ev][~labels[ev]]
     tp, fp = int((ev_with >= thr).sum()), int((ev_without >= thr).sum())
     eps_lb = stats.epsilon_lower_bound(tp, ev_with.size, fp, ev_without.size, delta=claimed_delta, significance=beta)
     distinct = {"with": len(set(t for t, lab in zip(texts, labels) if lab)), "without": len(set(t for t, lab in zip(texts, labels) if not lab))}
-    all_notes = list(notes)
-    if distinct["with"] == 1 and distinct["without"] == 1:
-        all_notes.append(
-            "every trial of each arm produced the same text: the generator is deterministic (e.g. a fixed seed), "
-            "so its output carries no privacy protection at all"
-            + (" and the two arms differ" if texts[0] != texts[1] else "")
-        )
-    if eps_lb > claimed_epsilon:
-        verdict = stats.Verdict.VIOLATION
-        reason = f"ε lower bound {eps_lb:.3f} > claimed ε {claimed_epsilon:g} (significance {beta:g})"
-    else:
-        verdict = stats.Verdict.INCONCLUSIVE
-        reason = (
-            f"no violation detected: ε lower bound {eps_lb:.3f} ≤ claimed ε {claimed_epsilon:g}; "
-            "a black-box audit cannot confirm a claim"
-        )
+    verdict, reason = _verdict(eps_lb, claimed_epsilon, beta)
     return BlackBoxReport(
         kind="black-box",
         mechanism=mechanism,
@@ -259,9 +199,103 @@ def blackbox_audit(
         positives=int(ev_with.size),
         negatives=int(ev_without.size),
         timings={"generation_seconds": gen_seconds, "seconds_per_trial": gen_seconds / num_trials},
-        notes=tuple(all_notes),
+        notes=tuple(list(notes) + _determinism_notes(texts, distinct)),
         scores_with=tuple(float(x) for x in score_matrix[k][labels]),
         scores_without=tuple(float(x) for x in score_matrix[k][~labels]),
+    )
+
+
+def _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, claimed_epsilon, significance, scores) -> float:
+    """Validate :func:`blackbox_audit`'s arguments; returns the significance."""
+    if not 0 <= canary_slot < len(refs):
+        raise ValueError(f"canary_slot must be in [0, {len(refs)}); got {canary_slot!r}")
+    if isinstance(num_trials, bool) or not isinstance(num_trials, int) or num_trials < 8:
+        raise ValueError(f"num_trials must be an integer >= 8; got {num_trials!r}")
+    if not 0.0 < selection_fraction < 1.0:
+        raise ValueError(f"selection_fraction must be in (0, 1); got {selection_fraction!r}")
+    if not (isinstance(claimed_epsilon, (int, float)) and claimed_epsilon >= 0):
+        raise ValueError(f"claimed_epsilon must be >= 0; got {claimed_epsilon!r}")
+    beta = stats._check_significance(significance)
+    for s in scores:
+        if not callable(s) and s not in SCORES:
+            raise ValueError(f"scores must be callables or names in {sorted(SCORES)}; got {s!r}")
+    return beta
+
+
+def _run_trials(batches, generate, generate_many, progress) -> tuple[list[str], float]:
+    """One text per trial (``generate_many`` once, else ``generate`` per trial); returns (texts, seconds)."""
+    num_trials = len(batches)
+    start = time.perf_counter()
+    if generate_many is not None:
+        texts = list(generate_many([list(b) for b in batches]))
+        if len(texts) != num_trials:
+            raise ValueError(f"generate_many returned {len(texts)} texts for {num_trials} trials")
+        if progress is not None:
+            progress(num_trials, num_trials)
+    else:
+        texts = []
+        for i, b in enumerate(batches):
+            texts.append(generate(list(b)))
+            if progress is not None:
+                progress(i + 1, num_trials)
+    gen_seconds = time.perf_counter() - start
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ValueError(f"the generator must return a string; trial {i} returned {type(t).__name__}")
+    return texts, gen_seconds
+
+
+def _score_matrix(scores, canary: str, texts: list[str], labels: np.ndarray, sel: np.ndarray):
+    """Every score's name, its values on every trial (S, N), and its values on the selection split
+    (``exact-match`` trained on the selection split, left out one text at a time there)."""
+    score_fns, score_names = [], []
+    for s in scores:
+        if callable(s):
+            score_fns.append(s)
+            score_names.append(getattr(s, "__name__", "custom"))
+        elif s == "exact-match":  # trained on the selection split only
+            score_fns.append(exact_match([texts[i] for i in sel if labels[i]], [texts[i] for i in sel if not labels[i]]))
+            score_names.append(s)
+        else:
+            score_fns.append(SCORES[s](canary))
+            score_names.append(s)
+    score_matrix = np.array([[fn(t) for t in texts] for fn in score_fns], dtype=float)  # (S, N)
+    selection_matrix = score_matrix[:, sel].copy()
+    for k, name in enumerate(score_names):
+        if name == "exact-match":  # its selection scores must not see the text they score
+            selection_matrix[k] = _exact_match_leave_one_out([texts[i] for i in sel], labels[sel])
+    return score_names, score_matrix, selection_matrix
+
+
+def _select(selection_matrix: np.ndarray, sel_labels: np.ndarray, *, delta: float, significance: float) -> tuple[int, float]:
+    """The score and threshold with the largest ε lower bound on the selection split."""
+    best = (-1.0, 0, math.inf)
+    for k in range(selection_matrix.shape[0]):
+        lb, thr = _best_threshold(
+            selection_matrix[k][sel_labels], selection_matrix[k][~sel_labels], delta=delta, significance=significance
+        )
+        if lb > best[0]:
+            best = (lb, k, thr)
+    return best[1], best[2]
+
+
+def _determinism_notes(texts: list[str], distinct: dict) -> list[str]:
+    if distinct["with"] == 1 and distinct["without"] == 1:
+        return [
+            "every trial of each arm produced the same text: the generator is deterministic (e.g. a fixed seed), "
+            "so its output carries no privacy protection at all"
+            + (" and the two arms differ" if texts[0] != texts[1] else "")
+        ]
+    return []
+
+
+def _verdict(eps_lb: float, claimed_epsilon: float, beta: float) -> tuple[stats.Verdict, str]:
+    """VIOLATION when the ε lower bound exceeds the claim; otherwise INCONCLUSIVE (never a PASS)."""
+    if eps_lb > claimed_epsilon:
+        return stats.Verdict.VIOLATION, f"ε lower bound {eps_lb:.3f} > claimed ε {claimed_epsilon:g} (significance {beta:g})"
+    return stats.Verdict.INCONCLUSIVE, (
+        f"no violation detected: ε lower bound {eps_lb:.3f} ≤ claimed ε {claimed_epsilon:g}; "
+        "a black-box audit cannot confirm a claim"
     )
 
 
