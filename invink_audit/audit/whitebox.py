@@ -542,6 +542,19 @@ class WhiteBoxRecorder:
         if check_actual is not None:
             ka, kn, _ = compact_support(check_actual.to(self.device, _DTYPE), check_neighbours.to(self.device, _DTYPE))
             qc = step_quantities(ka, kn, self.config.alphas, self.step_epsilons)
+        self._check_step(q, qc, ids, separate_checks=check_actual is not None)
+        rows = torch.arange(ids.numel(), device=self.device)
+        weights = self._target_weights(ids, rows, ca, cn)
+        if kept is not None:
+            weights = torch.full_like(actual, -math.inf).scatter_(1, kept, weights)
+        inc = self._is_increments(ids, rows, q)
+        self._pending = (ids, actual, neighbours, inc)
+        self.check_seconds += time.perf_counter() - start
+        return weights
+
+    def _check_step(self, q, qc, ids: torch.Tensor, *, separate_checks: bool) -> None:
+        """The exact checks of one step (supports on ``q``; range, Rényi and δ on ``qc``), counted, and
+        the maxima per position and the running worst prefixes updated (device tensors, no host sync)."""
         tol = EXACT_TOLERANCE
         support_fail = q.forward_infinite | q.reverse_infinite
         renyi_claim = self._renyi_claim_t.view(1, 1, -1)
@@ -551,7 +564,7 @@ class WhiteBoxRecorder:
             range_fail = qc.loss_range > self.claim.epsilon0 + tol
             renyi_fail = ((qc.renyi_forward > renyi_claim + tol) | (qc.renyi_reverse > renyi_claim + tol)).any(-1)
             delta_fail = (delta_excess > tol).any(-1)
-            if check_actual is not None:
+            if separate_checks:
                 support_fail = support_fail | qc.forward_infinite | qc.reverse_infinite
         else:
             range_fail = renyi_fail = delta_fail = torch.zeros_like(support_fail)
@@ -561,7 +574,6 @@ class WhiteBoxRecorder:
         self._fail["delta"] += delta_fail.sum()
         g, b = q.loss_range.shape
         self._num_checks += g * b
-        # maxima per position and the running worst prefix (device tensors, no host sync)
         pos = self._length[ids]
         ratio = torch.maximum(qc.renyi_forward, qc.renyi_reverse) / renyi_claim  # (G, B, A)
         self._pos_range.scatter_reduce_(0, pos, qc.loss_range.amax(-1), "amax")
@@ -570,28 +582,27 @@ class WhiteBoxRecorder:
         self._pos_seen[pos] = True
         self._worst_range = _running_worst(self._worst_range, qc.loss_range, ids, pos)
         self._worst_renyi = _running_worst(self._worst_renyi, ratio.amax(-1), ids, pos)
-        # sampling targets of the live texts
+
+    def _target_weights(self, ids: torch.Tensor, rows: torch.Tensor, ca: torch.Tensor, cn: torch.Tensor) -> torch.Tensor:
+        """Each live text's sampling log-weights on the compacted support: R, its R'_j, or a geometric mixture."""
         kind = self._kind[ids]
         nb = self._nb[ids]
         alpha = self._alphas[self._ai[ids]].unsqueeze(-1)
-        rows = torch.arange(ids.numel(), device=self.device)
-        # sampling weights on the compacted support (exact: −inf elsewhere), scattered back to V
         lq = cn[rows, nb]  # (G, m)
         weights = torch.where((kind == KIND_NEIGHBOUR).unsqueeze(-1), lq, ca)
         mix_f = _geometric_mixture(ca, lq, alpha)
         mix_r = _geometric_mixture(lq, ca, alpha)
         weights = torch.where((kind == KIND_MIXTURE_FORWARD).unsqueeze(-1), mix_f, weights)
-        weights = torch.where((kind == KIND_MIXTURE_REVERSE).unsqueeze(-1), mix_r, weights)
-        if kept is not None:
-            weights = torch.full_like(actual, -math.inf).scatter_(1, kept, weights)
-        # IS increments: this step's exact D_alpha of the text's pair, in its direction
+        return torch.where((kind == KIND_MIXTURE_REVERSE).unsqueeze(-1), mix_r, weights)
+
+    def _is_increments(self, ids: torch.Tensor, rows: torch.Tensor, q) -> torch.Tensor:
+        """Importance-sampling increments: this step's exact D_α of each mixture text's pair, in its direction."""
+        kind = self._kind[ids]
+        nb = self._nb[ids]
         ai = self._ai[ids]
         d_f = q.renyi_forward[rows, nb, ai]
         d_r = q.renyi_reverse[rows, nb, ai]
-        inc = torch.where(kind == KIND_MIXTURE_FORWARD, d_f, torch.where(kind == KIND_MIXTURE_REVERSE, d_r, torch.zeros_like(d_f)))
-        self._pending = (ids, actual, neighbours, inc)
-        self.check_seconds += time.perf_counter() - start
-        return weights
+        return torch.where(kind == KIND_MIXTURE_FORWARD, d_f, torch.where(kind == KIND_MIXTURE_REVERSE, d_r, torch.zeros_like(d_f)))
 
     def record(self, text_ids: torch.Tensor, tokens: torch.Tensor) -> None:
         import time
