@@ -211,60 +211,14 @@ def run_selftest(
     for mech in mechanisms:
         t0 = time.perf_counter()
         per_source, verdicts = [], []
-        generic = isinstance(mech, synthetic.AuditedMechanism)
         guarantee = "a-priori"
         for source in _sources(s):
             if progress is not None:
                 progress(f"{mech.name} on {source.name}")
-            t1 = time.perf_counter()
-            if generic:
-                claim = mech.claim(source)
-                guarantee = claim.guarantee
-                # importance sampling needs a per-step bounded-range claim; a Rényi filter claims one order
-                mech_config = dataclasses.replace(
-                    config, num_is_samples=0,
-                    alphas=(claim.renyi_order,) if claim.composition == "renyi-filter" else config.alphas,
-                )
-                rec = synthetic.run_mechanism_audit(source, mech, mech_config, generator=gen)
-            else:
-                rec = synthetic.run_synthetic_audit(source, mech, config, generator=gen)
-            t2 = time.perf_counter()
-            rep = analyse(
-                rec,
-                mechanism=mech.name,
-                source=source.name,
-                canaries=source.canaries,
-                timings={"decode_seconds": t2 - t1},
-                settings=dataclasses.asdict(s),
-                claim_details={"claimed_by": mech.description},
-            )
+            rep, rec, guarantee = _audit_on_source(mech, source, config, s, gen, guarantee)
             reports.append(rep)
             verdicts.append(rep.verdict)
-            per_source.append(
-                {
-                    "source": source.name,
-                    "verdict": rep.verdict.value,
-                    "reason": rep.reason,
-                    "step_failures": rep.step_checks.failures,
-                    "rejected_tests": sum(t.rejected for t in rep.tests),
-                    "tests": len(rep.tests),
-                    "max_loss_range_over_epsilon0": (
-                        rep.step_checks.max_loss_range / rep.step_checks.epsilon0 if rep.step_checks.epsilon0 else math.nan
-                    ),
-                    "headroom": rep.headroom_summary(),
-                    "worst_neighbour": rep.worst_neighbour,
-                    "budgets": {"R": rec.extra.get("budget_actual"), "R'_j": rec.extra.get("budget_neighbours")},
-                    "mean_length": float(rec.lengths.mean()),
-                    **({"reported_epsilon": rep.claim.epsilon_claimed,
-                        "reported_renyi_budget": rep.claim.renyi_budget,
-                        "renyi_order": rep.claim.renyi_order,
-                        "measured": [
-                            {"alpha": e.alpha, "neighbour": e.neighbour, "direction": e.direction, "lower": e.lower,
-                             "estimate": e.estimate, "claimed": e.claimed}
-                            for e in rep.sequence
-                        ]} if guarantee == "data-dependent" else {}),
-                }
-            )
+            per_source.append(_source_row(rep, rec, source, guarantee))
         verdict = _combine(verdicts)
         entries.append(
             SelfTestEntry(
@@ -276,6 +230,64 @@ def run_selftest(
         progress("coverage against exact enumeration")
     coverage = coverage_check(generator=gen, significance=s.significance)
     return SelfTestResult(tuple(entries), coverage, tuple(reports), time.perf_counter() - start)
+
+
+def _audit_on_source(mech, source, config: WhiteBoxConfig, s: SelfTestSettings, gen, guarantee: str):
+    """One mechanism audited on one source: (report, record, the claim's guarantee kind)."""
+    t1 = time.perf_counter()
+    if isinstance(mech, synthetic.AuditedMechanism):
+        claim = mech.claim(source)
+        guarantee = claim.guarantee
+        # importance sampling needs a per-step bounded-range claim; a Rényi filter claims one order
+        mech_config = dataclasses.replace(
+            config, num_is_samples=0,
+            alphas=(claim.renyi_order,) if claim.composition == "renyi-filter" else config.alphas,
+        )
+        rec = synthetic.run_mechanism_audit(source, mech, mech_config, generator=gen)
+    else:
+        rec = synthetic.run_synthetic_audit(source, mech, config, generator=gen)
+    t2 = time.perf_counter()
+    rep = analyse(
+        rec,
+        mechanism=mech.name,
+        source=source.name,
+        canaries=source.canaries,
+        timings={"decode_seconds": t2 - t1},
+        settings=dataclasses.asdict(s),
+        claim_details={"claimed_by": mech.description},
+    )
+    return rep, rec, guarantee
+
+
+def _source_row(rep: WhiteBoxReport, rec, source, guarantee: str) -> dict:
+    """The self-test JSON's row for one source (a data-dependent claim's reported budget and measurements too)."""
+    row = {
+        "source": source.name,
+        "verdict": rep.verdict.value,
+        "reason": rep.reason,
+        "step_failures": rep.step_checks.failures,
+        "rejected_tests": sum(t.rejected for t in rep.tests),
+        "tests": len(rep.tests),
+        "max_loss_range_over_epsilon0": (
+            rep.step_checks.max_loss_range / rep.step_checks.epsilon0 if rep.step_checks.epsilon0 else math.nan
+        ),
+        "headroom": rep.headroom_summary(),
+        "worst_neighbour": rep.worst_neighbour,
+        "budgets": {"R": rec.extra.get("budget_actual"), "R'_j": rec.extra.get("budget_neighbours")},
+        "mean_length": float(rec.lengths.mean()),
+    }
+    if guarantee == "data-dependent":
+        row.update({
+            "reported_epsilon": rep.claim.epsilon_claimed,
+            "reported_renyi_budget": rep.claim.renyi_budget,
+            "renyi_order": rep.claim.renyi_order,
+            "measured": [
+                {"alpha": e.alpha, "neighbour": e.neighbour, "direction": e.direction, "lower": e.lower,
+                 "estimate": e.estimate, "claimed": e.claimed}
+                for e in rep.sequence
+            ],
+        })
+    return row
 
 
 def selftest_markdown(result: SelfTestResult) -> str:
