@@ -19,12 +19,16 @@ import importlib
 _LAZY: dict[str, str] = {
     **dict.fromkeys(("Verdict",), "invink_audit.audit.stats"),
     **dict.fromkeys(("Claim", "Direction", "WhiteBoxConfig"), "invink_audit.audit.whitebox"),
-    **dict.fromkeys(("WhiteBoxReport", "BlackBoxReport", "write_report"), "invink_audit.audit.report"),
+    **dict.fromkeys(
+        ("WhiteBoxReport", "BlackBoxReport", "ReportedClaim", "WorstNeighbour", "LossHistogram", "AuditTimings",
+         "report_from_dict", "write_report"),
+        "invink_audit.audit.report",
+    ),
     **dict.fromkeys(("ModelAuditSettings", "audit_model"), "invink_audit.audit.model_audit"),
-    **dict.fromkeys(("QuickAuditReport", "quick_audit"), "invink_audit.audit.quick"),
+    **dict.fromkeys(("AuditedRelease", "QuickAuditReport", "quick_audit"), "invink_audit.audit.quick"),
     **dict.fromkeys(("blackbox_audit", "engine_generator", "invink_generator"), "invink_audit.audit.blackbox"),
     **dict.fromkeys(("SelfTestResult", "SelfTestSettings", "run_selftest"), "invink_audit.audit.selftest"),
-    **dict.fromkeys(("AuditSpec", "load_spec", "run_spec"), "invink_audit.audit.spec"),
+    **dict.fromkeys(("AuditSpec", "SpecResult", "load_spec", "run_spec"), "invink_audit.audit.spec"),
 }
 
 __all__ = sorted(_LAZY)
