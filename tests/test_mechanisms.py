@@ -21,10 +21,10 @@ from invink_audit.mechanisms import (
     AdaPMixEDMechanism,
     AminConfig,
     AminMechanism,
-    Guarantee,
     GuaranteeKind,
     InvisibleInk,
     Mechanism,
+    MechanismGuarantee,
     MechanismStep,
     as_mechanism,
 )
@@ -92,14 +92,14 @@ def test_invisibleink_through_the_interface_is_the_engines_own_path(tiny64):
 
 def test_guarantee_validation():
     with pytest.raises(ValueError, match="rho_sequence"):
-        Guarantee(GuaranteeKind.A_PRIORI, "m", 1.0, 1e-6, 10, "zcdp")
+        MechanismGuarantee(GuaranteeKind.A_PRIORI, "m", 1.0, 1e-6, 10, "zcdp")
     with pytest.raises(ValueError, match="renyi_order"):
-        Guarantee(GuaranteeKind.DATA_DEPENDENT, "m", 1.0, 1e-6, 10, "renyi-filter")
+        MechanismGuarantee(GuaranteeKind.DATA_DEPENDENT, "m", 1.0, 1e-6, 10, "renyi-filter")
     with pytest.raises(ValueError, match="composition"):
-        Guarantee(GuaranteeKind.A_PRIORI, "m", 1.0, 1e-6, 10, "magic", rho_sequence=1.0)
+        MechanismGuarantee(GuaranteeKind.A_PRIORI, "m", 1.0, 1e-6, 10, "magic", rho_sequence=1.0)
     with pytest.raises(ValueError, match="both step_epsilon0"):
-        Guarantee(GuaranteeKind.A_PRIORI, "m", 1.0, 1e-6, 10, "zcdp", rho_sequence=1.0, step_epsilon0=1.0)
-    g = Guarantee("data-dependent", "m", 2.0, 1e-6, 10, "renyi-filter", renyi_order=15.0, renyi_budget=1.0)
+        MechanismGuarantee(GuaranteeKind.A_PRIORI, "m", 1.0, 1e-6, 10, "zcdp", rho_sequence=1.0, step_epsilon0=1.0)
+    g = MechanismGuarantee("data-dependent", "m", 2.0, 1e-6, 10, "renyi-filter", renyi_order=15.0, renyi_budget=1.0)
     assert not g.a_priori and "DATA-DEPENDENT" in g.label()
 
 
