@@ -483,6 +483,11 @@ def _fmt(triple, digits=1):
     return f"{mean:.{digits}f}" + (f" [{lo:.{digits}f}, {hi:.{digits}f}]" if lo is not None else "")
 
 
+def _md(label: str) -> str:
+    """A label inside a markdown table cell (``|V|`` would split the cell)."""
+    return label.replace("|", "\\|")
+
+
 def markdown(result) -> str:
     T = result["max_new_tokens"]
     lines = [
@@ -505,12 +510,12 @@ def markdown(result) -> str:
     ]
     for r in result["cells"]:
         if not r["feasible"]:
-            lines.append(f"| {r['epsilon']:g} | {r['label']} | {r['rows']} | 0/{r['seeds']} (infeasible, computed by plan_amin) | – | – | – | – | – | – | – | – |")
+            lines.append(f"| {r['epsilon']:g} | {_md(r['label'])} | {r['rows']} | 0/{r['seeds']} (infeasible, computed by plan_amin) | – | – | – | – | – | – | – | – |")
             continue
         spt = r["seconds_per_token"]
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["finish_reasons"].items()))
         lines.append(
-            f"| {r['epsilon']:g} | {r['label']} | {r['rows']} | {r['texts_produced']} | {_fmt(r['length'])} | "
+            f"| {r['epsilon']:g} | {_md(r['label'])} | {r['rows']} | {r['texts_produced']} | {_fmt(r['length'])} | "
             f"{_fmt(r['perplexity'])} ({r['scored_texts']}) | {'–' if r['delta_ppl'] is None else format(r['delta_ppl'], '.1f')} | "
             f"{_fmt(r['mode_tokens'])} | {r['same_as_anchor']}/{r['anchored']} | {r['preambles']} | {reasons} | "
             f"{'–' if spt is None else format(spt, '.2f')} |"
@@ -521,7 +526,7 @@ def markdown(result) -> str:
         if r["feasible"]:
             cells = [f"{s['num_tokens']} · {s['perplexity']:.0f}{'*' if s['short'] else ''}{' =' if s['same_as_anchor'] else ''}"
                      for s in r["per_seed"]]
-            lines.append(f"| {r['epsilon']:g} | {r['label']} | {r['rows']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r['epsilon']:g} | {_md(r['label'])} | {r['rows']} | " + " | ".join(cells) + " |")
     lines += ["", "Null-reference anchors (same mechanism, seed and streams, every reference null):", "",
               "| anchor | tokens | PPL | text |", "|---|---|---|---|"]
     for a in result["anchors"]:
@@ -532,14 +537,16 @@ def markdown(result) -> str:
               f"{dep['groups_with_identical_texts_on_disjoint_batches']} of them on disjoint reference batches.", "",
               "| method | ε | seed | B+1 pairs with the same text | of which disjoint batches |", "|---|---|---|---|---|"]
     for g in dep["identical_across_rows"]:
-        lines.append(f"| {LABELS[g['method']]} | {g['epsilon']:g} | {g['seed']} | {g['rows_pairs']} | {g['disjoint_pairs']} |")
+        pairs = "; ".join(f"{a} & {b}" for a, b in g["rows_pairs"])
+        disjoint = "; ".join(f"{a} & {b}" for a, b in g["disjoint_pairs"]) or "none"
+        lines.append(f"| {LABELS[g['method']]} | {g['epsilon']:g} | {g['seed']} | {pairs} | {disjoint} |")
     lines += ["", "Per method: texts equal to their null-reference anchor; the median number of characters a text shares with its "
               "anchor before they diverge; texts that share at least half their characters with it; chat preambles "
               "(\"Sure\", \"Hello\", \"I'd be happy\", ... in the first 80 characters); texts under 8 tokens.", "",
               "| method | texts | same as null anchor | median shared characters | sharing ≥ half | chat preambles | under 8 tokens |",
               "|---|---|---|---|---|---|---|"]
     for m, d in dep["per_method"].items():
-        lines.append(f"| {LABELS[m]} | {d['texts']} | {d['same_as_anchor']}/{d['anchored']} | {d['median_shared_chars']:g} | "
+        lines.append(f"| {_md(LABELS[m])} | {d['texts']} | {d['same_as_anchor']}/{d['anchored']} | {d['median_shared_chars']:g} | "
                      f"{d['sharing_half']}/{d['anchored']} | {d['preambles']} | {d['short']} |")
     lines += ["", "Seed-paired: in how many seeds InvisibleInk's PPL is closer to the real reviews' than Amin et al.'s "
               "(both texts ≥ 8 tokens); geometric mean of the PPL ratio InvisibleInk/Amin.", "",
