@@ -32,7 +32,20 @@ from invink_audit.mechanisms.base import laplace_cdf_log, laplace_quantile
 from invink_audit.models import build_tiny_model
 from invink_audit.prompts import encode_request, get_preset
 
+#: float64 model: the engine's batched, cached step against one row at a time without cache (different
+#: summation orders: ~1e-12 apart)
 FLOAT64_ATOL = 1e-9
+#: the Laplace quantile against scipy's ppf: at u = 1e-12 the two closed forms differ by 9e-7 relative;
+#: torch.allclose's default rtol (1e-5), spelled out, with its absolute term for values near 0
+SCIPY_QUANTILE_RTOL = 1e-5
+SCIPY_QUANTILE_ATOL = 1e-9
+#: the Laplace log-CDF and log-survival function against scipy: the same expressions, at most one float64
+#: ulp apart (measured 1.1e-16); with torch.allclose's default rtol (1e-5), spelled out
+SCIPY_LOG_CDF_ATOL = 1e-12
+SCIPY_LOG_CDF_RTOL = 1e-5
+#: a data-dependent spend is at most its budget: exactly today (the stop rule tests the float64 sum it
+#: records), up to a re-association of that sum (~1e-15 relative) allowed
+SPEND_ATOL = 1e-12
 
 REFERENCES = [
     ["The food was great and the service was slow.", "", "Mr Smith was admitted to the hospital."],
@@ -107,11 +120,13 @@ def test_laplace_helpers_match_scipy():
     from scipy import stats
 
     u = torch.tensor([1e-12, 0.01, 0.3, 0.5, 0.7, 0.99, 1 - 1e-12], dtype=torch.float64)
-    assert torch.allclose(laplace_quantile(u, 0.7, 0.3), torch.tensor(stats.laplace.ppf(u.numpy(), 0.7, 0.3)), atol=1e-9)
+    expected = torch.tensor(stats.laplace.ppf(u.numpy(), 0.7, 0.3))
+    assert torch.allclose(laplace_quantile(u, 0.7, 0.3), expected, rtol=SCIPY_QUANTILE_RTOL, atol=SCIPY_QUANTILE_ATOL)
     x = torch.tensor([-5.0, -0.1, 0.0, 0.2, 4.0], dtype=torch.float64)
     lf, lsf = laplace_cdf_log(x, 0.6)
-    assert torch.allclose(lf, torch.tensor(stats.laplace.logcdf(x.numpy(), scale=0.6)), atol=1e-12)
-    assert torch.allclose(lsf, torch.tensor(stats.laplace.logsf(x.numpy(), scale=0.6)), atol=1e-12)
+    tolerance = dict(rtol=SCIPY_LOG_CDF_RTOL, atol=SCIPY_LOG_CDF_ATOL)
+    assert torch.allclose(lf, torch.tensor(stats.laplace.logcdf(x.numpy(), scale=0.6)), **tolerance)
+    assert torch.allclose(lsf, torch.tensor(stats.laplace.logsf(x.numpy(), scale=0.6)), **tolerance)
     # far tails, where scipy underflows: the closed form log(1/2) - |x|/b
     lf, lsf = laplace_cdf_log(torch.tensor([-800.0, 800.0], dtype=torch.float64), 0.6)
     assert lf[0] == pytest.approx(math.log(0.5) - 800 / 0.6) and lsf[1] == pytest.approx(math.log(0.5) - 800 / 0.6)
@@ -261,6 +276,6 @@ def test_adapmixed_texts_report_their_data_dependent_spend(tiny64):
     out = list(Engine(tiny64, mech).generate(_requests(tiny64), max_new_tokens=8, generator=_generator(2), stop_at_eos=False))
     budget = mech.config.budget
     for f in out:
-        assert f.spend is not None and 0.0 <= f.spend <= budget + 1e-12
+        assert f.spend is not None and 0.0 <= f.spend <= budget + SPEND_ATOL
         assert f.finish_reason in ("budget", "length")
         assert len(f.modes) == f.num_tokens
