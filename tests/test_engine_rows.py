@@ -26,6 +26,10 @@ from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make
 from invink_audit.models import build_tiny_model
 from invink_audit.prompts import encode_request, get_preset
 
+# float64 model: the engine on CUDA against an unbatched CPU recomputation (other kernels, other
+# summation orders); the bound test_engine.py uses for the batched and unbatched CPU logits (~1e-12 apart)
+FLOAT64_ATOL = 1e-9
+
 REFERENCES = [
     ["The food was great and the service was slow.", "Review stars: 5.0", "Mr Smith was admitted to hospital."],
     ["Discharge instructions: rest for a week and drink water.", "x", "The court replied on Monday."],
@@ -144,7 +148,7 @@ def test_cuda_engine_matches_the_cpu_oracle_with_forced_tokens():
         for t in range(4):
             finite = torch.isfinite(expected[t])
             assert torch.equal(finite, torch.isfinite(seen[(i, t)]))
-            assert torch.allclose(seen[(i, t)][finite], expected[t][finite], atol=1e-9, rtol=0)
+            assert torch.allclose(seen[(i, t)][finite], expected[t][finite], atol=FLOAT64_ATOL, rtol=0)
 
 
 def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny):
