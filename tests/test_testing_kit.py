@@ -49,8 +49,26 @@ from invink_audit.testing import (
     renyi_divergence,
 )
 
-#: closed-form divergences vs. the kit's float64 computation
+#: closed-form divergences vs. the kit's float64 computation (measured up to 5e-14 relative, at α = 1.01
+#: where the log of a sum near 1 is divided by α − 1)
 CLOSED_FORM_RTOL = 1e-12
+#: the same where the exact divergence is 0 (p = q): the kit gives ±2e-17, float64 round-off of log 1
+CLOSED_FORM_ATOL = 1e-15
+#: a value one or two float64 operations away from exact inputs (D_∞ = log 2): a few ulps (eps = 2.2e-16)
+ULP_RTOL = 1e-15
+#: D_α at α = 1 + 1e-7 against the KL divergence: D_α − KL = O(α − 1) (measured 6e-8 relative)
+KL_LIMIT_ALPHA = 1 + 1e-7
+KL_LIMIT_RTOL = 1e-6
+#: the kit's G-test against scipy's power_divergence: the same statistic summed in another order and
+#: the same χ² survival function (both measured ~1e-14 relative)
+SCIPY_STATISTIC_RTOL = 1e-12
+SCIPY_P_VALUE_RTOL = 1e-9
+#: a float64 privacy-loss span against its closed form ε0 = 2C/(Bτ): log-softmax round-off, ~1e-16
+SPAN_ATOL = 1e-12
+#: significance of the sampler G-tests on 20,000 draws: a correct sampler fails with probability 1e-4
+#: (seeded, so deterministically), while a sampler at temperature 1.25 instead of 1 fails by far
+SAMPLER_SIGNIFICANCE = 1e-4
+SAMPLER_DRAWS = 20_000
 #: examples for the kit's own strategy tests (cheap, structural)
 STRATEGY_EXAMPLES = 30
 #: upper limit on the search for a counterexample to a broken mechanism; the search stops at the first
@@ -184,10 +202,14 @@ def test_sampler_checker_catches_biased_samplers():
         return tokens
 
     with pytest.raises(AssertionError, match="do not match"):
-        assert_sampler_matches(too_hot, log_probs, num_samples=20_000, generator=seeded(1), significance=1e-4)
+        assert_sampler_matches(
+            too_hot, log_probs, num_samples=SAMPLER_DRAWS, generator=seeded(1), significance=SAMPLER_SIGNIFICANCE
+        )
     with pytest.raises(AssertionError, match="zero-probability"):
         assert_sampler_matches(leaky, log_probs, num_samples=1000, generator=seeded(1))
-    assert_sampler_matches(sample_tokens, log_probs, num_samples=20_000, generator=seeded(1), significance=1e-4)
+    assert_sampler_matches(
+        sample_tokens, log_probs, num_samples=SAMPLER_DRAWS, generator=seeded(1), significance=SAMPLER_SIGNIFICANCE
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -200,17 +222,17 @@ def test_renyi_divergence_matches_the_bernoulli_closed_form(alpha, a, b):
     exact = math.log(a**alpha * b ** (1 - alpha) + (1 - a) ** alpha * (1 - b) ** (1 - alpha)) / (alpha - 1)
     log_p = torch.log(torch.tensor([a, 1 - a], dtype=torch.float64))
     log_q = torch.log(torch.tensor([b, 1 - b], dtype=torch.float64))
-    assert float(renyi_divergence(log_p, log_q, alpha)) == pytest.approx(exact, rel=CLOSED_FORM_RTOL, abs=1e-15)
+    assert float(renyi_divergence(log_p, log_q, alpha)) == pytest.approx(exact, rel=CLOSED_FORM_RTOL, abs=CLOSED_FORM_ATOL)
 
 
 def test_renyi_divergence_limits_and_supports():
     log_p = torch.log(torch.tensor([0.2, 0.8, 0.0], dtype=torch.float64))
     log_q = torch.log(torch.tensor([0.5, 0.4, 0.1], dtype=torch.float64))
     kl = 0.2 * math.log(0.2 / 0.5) + 0.8 * math.log(0.8 / 0.4)
-    assert float(renyi_divergence(log_p, log_q, 1 + 1e-7)) == pytest.approx(kl, rel=1e-6)  # α → 1: KL
-    assert float(renyi_divergence(log_p, log_q, math.inf)) == pytest.approx(math.log(2.0), rel=1e-15)
+    assert float(renyi_divergence(log_p, log_q, KL_LIMIT_ALPHA)) == pytest.approx(kl, rel=KL_LIMIT_RTOL)  # α → 1: KL
+    assert float(renyi_divergence(log_p, log_q, math.inf)) == pytest.approx(math.log(2.0), rel=ULP_RTOL)
     assert float(renyi_divergence(log_q, log_p, 2.0)) == math.inf  # q has mass where p has none
-    assert float(renyi_divergence(log_p, log_p, 3.0)) == pytest.approx(0.0, abs=1e-15)
+    assert float(renyi_divergence(log_p, log_p, 3.0)) == pytest.approx(0.0, abs=CLOSED_FORM_ATOL)
     with pytest.raises(ValueError, match="alpha"):
         renyi_divergence(log_p, log_q, 1.0)
 
@@ -230,8 +252,8 @@ def test_goodness_of_fit_matches_scipy_g_test():
     counts = torch.tensor([410, 290, 185, 115])
     ours = goodness_of_fit(counts, torch.log(torch.tensor(probs, dtype=torch.float64)))
     theirs = power_divergence(counts.tolist(), [p * 1000 for p in probs], lambda_="log-likelihood")
-    assert ours.statistic == pytest.approx(float(theirs.statistic), rel=1e-12)
-    assert ours.p_value == pytest.approx(float(theirs.pvalue), rel=1e-9)
+    assert ours.statistic == pytest.approx(float(theirs.statistic), rel=SCIPY_STATISTIC_RTOL)
+    assert ours.p_value == pytest.approx(float(theirs.pvalue), rel=SCIPY_P_VALUE_RTOL)
     assert (ours.dof, ours.num_bins, ours.num_samples) == (3, 4, 1000)
 
 
@@ -250,7 +272,7 @@ def test_assert_token_privacy_reports_what_it_measured():
     private = torch.tensor([[5.0, -5.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     result = config.neighbour_log_probs(private, public)
     report = assert_token_privacy(result.actual, result.neighbours, epsilon0=config.epsilon0, rho=config.rho_token)
-    assert report.max_log_ratio_span == pytest.approx(config.epsilon0, abs=1e-12)  # 2C/(Bτ) = 1
+    assert report.max_log_ratio_span == pytest.approx(config.epsilon0, abs=SPAN_ATOL)  # 2C/(Bτ) = 1
     assert 0 < report.max_renyi_over_alpha <= config.rho_token
     with pytest.raises(ValueError, match="neighbour_log_probs must have shape"):
         assert_token_privacy(result.actual, result.actual, epsilon0=1.0, rho=1.0)
