@@ -94,7 +94,7 @@ class Claim:
     token budget T. The sequence claim is :math:`D_\alpha \le \alpha\rho_{seq}`,
     :math:`\rho_{seq} = T\rho_{tok}` (paper Theorem 2, adaptive composition).
 
-    Other mechanisms (:meth:`from_guarantee`, :class:`invink_audit.mechanisms.Guarantee`):
+    Other mechanisms (:meth:`from_guarantee`, :class:`invink_audit.mechanisms.MechanismGuarantee`):
 
     * ``composition="zcdp"``: the sequence claim is ``rho_sequence_bound`` (e.g. Amin et al.'s
       :math:`r(\rho_{em} + \rho_{svt})`), and ``epsilon0``/``rho_token`` (when given) are the per-step
@@ -180,7 +180,7 @@ class Claim:
 
     @classmethod
     def from_guarantee(cls, guarantee, batch_size: int, *, label: str = "") -> "Claim":
-        """The claim of a :class:`invink_audit.mechanisms.Guarantee` (any mechanism)."""
+        """The claim of a :class:`invink_audit.mechanisms.MechanismGuarantee` (any mechanism)."""
         g = guarantee
         if g.composition == "bounded-range":
             return cls(g.step_epsilon0, g.step_rho, g.max_new_tokens, batch_size, g.delta, label)

@@ -12,8 +12,10 @@ is how both Amin et al.'s and the paper's experiments run it):
 2. **Sparse-vector step** (Amin et al. 2024's public tokens; AboveThreshold, Dwork & Roth 2014, Alg. 1): the
    query is the :math:`\ell_1` distance between the mean of the *unclipped* private softmaxes and the
    public softmax, :math:`q = \|\frac1B\sum_i \mathrm{softmax}(\phi_i) - \mathrm{softmax}(\phi_{pub})\|_1`
-   (InvisibleInk paper §3, "Drawbacks of Prior Work": "Finally, Amin et al. adaptively use tokens generated from public
-   logits ... if they are close enough"). A noisy threshold :math:`\hat\theta = \theta +
+   (our choice: under replace-by-null its sensitivity is 2/B, which the SVT accounting covers; the
+   InvisibleInk paper's §3, "Drawbacks of Prior Work", uses public tokens "if they are close enough to
+   the aggregated private logits" :math:`\bar\phi`, the clipped aggregate of step 1, Eq. (8), which is
+   what the re-implementation computes, see below). A noisy threshold :math:`\hat\theta = \theta +
    \mathrm{Lap}(\sigma)` is drawn at the start and after every private token; at each step
    :math:`q + \mathrm{Lap}(2\sigma) \ge \hat\theta` releases a **private** token, else a **public** one.
 3. **Private token**: the exponential mechanism :math:`x_t \sim \mathrm{softmax}(\bar\phi/\tau)`
@@ -41,12 +43,13 @@ Prop. 1.4): :math:`\rho_{seq} = r(\rho_{em} + \rho_{svt})`, as in the re-impleme
   replace-by-null this **understates** both by 2: the auditor must (and does) find it.
 
 Where the paper and its public re-implementation (``cerai-iitm/InvisibleInk-Experiments``,
-``generate_amin.py``; it is the only one we could find) differ, this follows the paper and Amin et al.:
+``generate_amin.py``; it is the only one we could find) differ, or where we depart from both:
 
 * the re-implementation computes the SVT distance on the softmax of the *clipped, recentred*
-  aggregate (it computes the unclipped mean and leaves it unused); we use the unclipped softmaxes, as
-  the issue, the paper's §3 and Amin et al. describe; the clipped distance's sensitivity is not
-  bounded by 1/B (nor 2/B), so the re-implementation's SVT accounting does not cover it;
+  aggregate :math:`\bar\phi`, as the paper's §3 words it (it computes the unclipped mean and leaves it
+  unused); we use the unclipped softmaxes, whose distance has sensitivity 2/B under replace-by-null;
+  the clipped distance's sensitivity is not bounded by 1/B (nor 2/B), so the re-implementation's SVT
+  accounting does not cover it;
 * it reports a per-text ε from the *realised* number of private tokens; we report the a-priori
   guarantee for ``r`` private tokens (the stop rule makes it a bound for every text).
 
