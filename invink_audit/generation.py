@@ -325,12 +325,20 @@ class GenerationResult:
     rank: int = 0
     processes: tuple[ProcessStats, ...] = ()
     #: what the release was, so that an audit of it derives nothing: the plan (accounting), the
-    #: mechanism's configuration, the prompt template (each batch's, with its labels) and the partition
+    #: mechanism's configuration, the prompt template (each batch's, with its labels placed by
+    #: ``label_fields``) and the partition
     plan: object = None
     mechanism: MechanismConfig | None = None
     template: PromptTemplate | None = None
     partition: Partition | None = None
     labels: tuple[Mapping[str, str], ...] | None = None
+    label_fields: Mapping[str, str] | None = None
+
+    def batch_template(self, index: int) -> PromptTemplate:
+        """The prompt batch ``index`` was generated with (its labels filled in, when label-conditioned)."""
+        if self.template is None:
+            raise ValueError("this result records no prompt template")
+        return _batch_template(self.template, self.labels, self.label_fields, index)
 
     @property
     def tokens_per_second(self) -> float:
@@ -1077,7 +1085,9 @@ class _Release:
             template=self.template,
             partition=self.partition,
             labels=self.labels,
+            label_fields=None if self.label_fields is None else dict(self.label_fields),
         )
+
 
 class ExternalRelease:
     """A release whose batches an external executor generates (Ray Data: :mod:`invink_audit.ray_release`).

@@ -13,6 +13,7 @@ from invink_audit.audit.quick import AuditedRelease, quick_audit
 from invink_audit.audit.stats import Verdict
 from invink_audit.generation import Guarantee, generate
 from invink_audit.mechanism import SeededGeneratorWarning
+from invink_audit.prompts import template_for_labels
 
 REFS = ["The food was great.", "Mr Smith was admitted.", "", "Slow service.", "Nice place.", "Cold soup.", "x"]
 
@@ -102,3 +103,24 @@ def test_a_label_conditioned_release_is_audited_with_each_batch_prompt(tiny, tmp
     assert report.verdict is Verdict.PASS and report.texts_audited == len(labelled.texts)
     with pytest.raises(ValueError, match="references given disagree"):
         AuditedRelease.of(labelled, ["review 0"])
+
+
+def test_the_audit_places_labels_where_generate_placed_them(tiny, tmp_path):
+    # custom label_fields (label column -> prompt field): the audit must prompt with generate's placement,
+    # not the preset's default rule
+    path = tmp_path / "reviews.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label1", "label2"])
+        for i in range(4):
+            writer.writerow([f"review {i}", "Business Category: Restaurants", "Review Stars: 5.0"])
+    swapped = {"label1": "stars", "label2": "category"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        labelled = generate(path, label_columns=["label1", "label2"], label_fields=swapped, batch_size=2,
+                            max_new_tokens=3, delta=1e-6, epsilon=8.0, model=tiny, prompt="yelp", seed=3)  # fmt: skip
+    assert labelled.label_fields == swapped
+    release = AuditedRelease.of(labelled)
+    for i in range(len(labelled.partition.batches)):
+        assert release.batch_template(i) == labelled.batch_template(i)
+        assert release.batch_template(i) != template_for_labels(labelled.template, labelled.labels[i])  # default rule

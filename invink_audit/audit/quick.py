@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -204,6 +205,7 @@ class AuditedRelease:
     partition: object  # invink_audit.data.Partition
     template: object  # invink_audit.prompts.PromptTemplate
     labels: tuple | None = None
+    label_fields: Mapping[str, str] | None = None  # label column -> prompt field, as generate placed them
 
     @classmethod
     def of(cls, result, references=None, *, prompt=None, prompt_fields=None) -> AuditedRelease:
@@ -220,7 +222,7 @@ class AuditedRelease:
             _check_prompt(result, prompt, prompt_fields)
         return cls(
             result.mechanism, result.plan.event, result.plan.delta, result.guarantee.epsilon, result.partition,
-            result.template, result.labels,
+            result.template, result.labels, getattr(result, "label_fields", None),
         )
 
     @classmethod
@@ -247,7 +249,7 @@ class AuditedRelease:
             return self.template
         from invink_audit.prompts import template_for_labels
 
-        return template_for_labels(self.template, self.labels[index])
+        return template_for_labels(self.template, self.labels[index], self.label_fields)
 
     def claim(self) -> Claim:
         """The claim the release's mechanism makes for texts of at most T tokens."""
