@@ -46,6 +46,8 @@ import weakref
 
 import torch
 
+from accounting.accountants import bounded_range_epsilon
+from accounting.conversions import br_to_zcdp
 from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
 
 __all__ = [
@@ -238,13 +240,15 @@ class MechanismConfig:
 
     @property
     def epsilon0(self) -> float:
-        r""":math:`\varepsilon_0 = 2\Delta/\tau`: per-token bounded-range (and pure-DP) parameter."""
-        return 2.0 * self.sensitivity / self.temperature
+        r""":math:`\varepsilon_0 = 2\Delta/\tau`: per-token bounded-range (and pure-DP) parameter
+        (``accounting.bounded_range_epsilon``, the one place it is computed)."""
+        return bounded_range_epsilon(self.sensitivity, self.temperature)
 
     @property
     def rho_token(self) -> float:
-        r""":math:`\rho_{tok} = \Delta^2/(2\tau^2)` zCDP per token (paper Eq. (rho-token))."""
-        return self.sensitivity**2 / (2.0 * self.temperature**2)
+        r""":math:`\rho_{tok} = \varepsilon_0^2/8 = \Delta^2/(2\tau^2)` zCDP per token (paper Eq. (11),
+        eqn:rho-token; ``accounting.br_to_zcdp``, the one place the conversion is written)."""
+        return br_to_zcdp(self.epsilon0)
 
     def _check_batch(self, private_logits) -> None:
         if isinstance(private_logits, torch.Tensor) and private_logits.ndim >= 2:

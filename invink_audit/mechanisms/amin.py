@@ -65,6 +65,8 @@ import math
 
 import torch
 
+from accounting.accountants import bounded_range_epsilon
+from accounting.conversions import br_to_zcdp
 from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
 from invink_audit.mechanisms.base import (
     STATE_DTYPE,
@@ -146,12 +148,12 @@ class AminAccounting:
     @property
     def epsilon_em(self) -> float:
         r"""Bounded-range parameter of one private token, :math:`2\Delta/\tau` (McSherry & Talwar 2007)."""
-        return 2.0 * self.aggregate_sensitivity / self.temperature
+        return bounded_range_epsilon(self.aggregate_sensitivity, self.temperature)
 
     @property
     def rho_em(self) -> float:
         r""":math:`\rho_{em} = \Delta^2/(2\tau^2) = \varepsilon_{em}^2/8` (Cesar & Rogers 2021; paper Theorem 2 (thm:accounting))."""
-        return self.aggregate_sensitivity**2 / (2.0 * self.temperature**2)
+        return br_to_zcdp(self.epsilon_em)
 
     @property
     def epsilon_svt(self) -> float:
