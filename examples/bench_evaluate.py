@@ -8,8 +8,8 @@ in for synthetic texts, cut to about T generated tokens as a generator would), i
 1. **cold**: empty caches (a fresh cache directory), N synthetic against N real texts;
 2. **warm real**: new synthetic texts against the same real texts (the sweep's second point);
 
-and prints each phase's seconds and the ratio cold / warm. Nothing is downloaded; the caches live in a
-temporary directory that is removed afterwards.
+and prints each phase's seconds and the ratio cold / warm. Nothing is downloaded; the per-text caches live
+in a temporary directory that is removed afterwards (the models' own cache is used as usual).
 
     python examples/bench_evaluate.py --num-texts 500 [--embedding-model mpnet] [--yelp ../shared/data/yelp]
 """
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--yelp", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "yelp")
     args = parser.parse_args(argv)
     n = args.num_texts
-    cache = tempfile.mkdtemp(prefix="invink-bench-evaluate-")
-    os.environ["INVINK_AUDIT_CACHE"] = cache  # fresh caches: the first evaluation is cold
+    cache = tempfile.mkdtemp(prefix="invink-bench-evaluate-")  # fresh per-text caches: the first run is cold
     from invink_audit.evaluation import EvaluationConfig, TextSet, evaluate
     from invink_audit.models import load_model
 
@@ -64,17 +63,24 @@ def main(argv: list[str] | None = None) -> int:
     load_seconds = time.perf_counter() - start
     real_rows = _reviews(args.yelp / "test.csv", n, 0)
     real = TextSet(texts=tuple(r["text"] for r in real_rows), labels=tuple(r["label2"] for r in real_rows))
-    config = EvaluationConfig(embedding_model=args.embedding_model)
+    config = EvaluationConfig(embedding_model=args.embedding_model, cache_dir=cache)
+    from invink_audit.evaluation.embeddings import Embedder, embedding_model_dir
+
+    embedding_model_dir(args.embedding_model)  # assembled and hash-checked once, outside the timings
+    embedder = Embedder(args.embedding_model, cache_root=Path(cache))
     runs = {}
     for name, offset in (("cold", 0), ("warm real", n)):
         synthetic = _as_generated(_reviews(args.yelp / "dev.csv", n, offset), scorer.tokenizer, args.max_new_tokens)
         start = time.perf_counter()
-        result = evaluate(synthetic, real, config, scorer_model=scorer)
+        result = evaluate(synthetic, real, config, scorer_model=scorer, embedder=embedder)
         runs[name] = (time.perf_counter() - start, result)
     real_tokens = sum(len(scorer.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in real.texts)
     print(f"evaluate: {n} synthetic (<= {args.max_new_tokens} tokens) vs {n} real Yelp texts ({real_tokens / n:.0f} "
           f"tokens on average, longest cut to 512 for perplexity), embeddings {args.embedding_model}, scorer SmolLM2; "
           f"torch threads {__import__('torch').get_num_threads()}, cpus {os.cpu_count()}; scorer load {load_seconds:.1f} s")  # fmt: skip
+    print(f"embedding dtype: {embedder.dtype} (auto: bfloat16 only where native and within cosine "
+          f"{Embedder.BF16_MIN_COSINE} of float32 on a probe)")
+    embedder.close()
     phases = sorted({k for _, r in runs.values() for k in r.seconds})
     print(f"{'run':<10} {'total s':>8} " + " ".join(f"{p + ' s':>13}" for p in phases))
     for name, (seconds, result) in runs.items():

@@ -151,7 +151,8 @@ class EvaluationConfig:
     * ``embedding_cache``, ``perplexity_cache``: keep each text's embedding and perplexity on disk
       (owner-only SQLite files in the cache directory, keyed by model and text hash), so that a text is
       embedded and scored once across evaluations (a sweep's real texts at every point); ``False``:
-      nothing derived from the texts is kept;
+      nothing derived from the texts is kept; ``cache_dir``: where (default
+      :func:`invink_audit.models.cache_dir`);
     * ``tstr_test_fraction``: share of the labelled real texts held out to test TSTR (the rest train the ceiling);
       ``tstr_bootstrap``: its bootstrap replicates (each retrains the classifiers).
     """
@@ -166,6 +167,7 @@ class EvaluationConfig:
     ppl_max_tokens: int = 512
     embedding_cache: bool = True
     perplexity_cache: bool = True
+    cache_dir: str | None = None
     embedding_dtype: str = "auto"
     tstr_test_fraction: float = 0.5
     tstr_bootstrap: int = 50
@@ -339,7 +341,12 @@ def evaluate(
 
 def _embed(synthetic: TextSet, real_sample: TextSet, config: EvaluationConfig, embedder, progress):
     """Sentence embeddings of both sets (paper App. D.4), through the per-text cache."""
-    embedder = embedder or Embedder(config.embedding_model, dtype=config.embedding_dtype, cache=config.embedding_cache)
+    embedder = embedder or Embedder(
+        config.embedding_model,
+        dtype=config.embedding_dtype,
+        cache=config.embedding_cache,
+        cache_root=None if config.cache_dir is None else Path(config.cache_dir),
+    )
     if embedder.spec.name != config.embedding_model:
         raise ValueError(f"embedder is {embedder.spec.name!r} but config.embedding_model is {config.embedding_model!r}")
     update = progress("embedding", len(synthetic.texts) + len(real_sample.texts))
@@ -378,7 +385,7 @@ def _perplexity(synthetic: TextSet, real_sample: TextSet, config: EvaluationConf
 
     loaded = scorer_model if scorer_model is not None else load_model(config.scorer)
     update = progress("perplexity", len(synthetic.texts) + len(real_sample.texts))
-    cache = perplexity_cache() if config.perplexity_cache else None
+    cache = perplexity_cache(None if config.cache_dir is None else Path(config.cache_dir)) if config.perplexity_cache else None
     try:
         scored = [
             score_perplexity(texts, loaded, max_tokens=config.ppl_max_tokens, progress=update, cache=cache)

@@ -154,7 +154,10 @@ def run_sweep(
         references=Path(references), output=output, config=config, evaluation=evaluation,
         real=read_text_set(real, column=real_column or "text", label_columns=tuple(config.label_columns)),
         loaded=loaded, scorer=loaded if evaluation.scorer is None else None,
-        embedder=Embedder(evaluation.embedding_model, dtype=evaluation.embedding_dtype, cache=evaluation.embedding_cache),
+        embedder=Embedder(
+            evaluation.embedding_model, dtype=evaluation.embedding_dtype, cache=evaluation.embedding_cache,
+            cache_root=None if evaluation.cache_dir is None else Path(evaluation.cache_dir),
+        ),
         progress=progress, on_point=on_point,
     )  # fmt: skip
     try:

@@ -97,6 +97,23 @@ def _check(name: str, texts, labels) -> None:
         raise ValueError(f"{name}: no labelled texts")
 
 
+def _gap_closed(accuracy: dict[str, float], boot: dict[str, np.ndarray], confidence: float, how: str):
+    """The fraction of the floor-to-ceiling gap the synthetic classifier closes, with its bootstrap
+    interval over the replicates where the ceiling beats the floor (``None`` and why, when it does not)."""
+    denominator = accuracy["ceiling"] - accuracy["floor"]
+    if denominator <= 0:
+        return None, f"undefined: the ceiling ({accuracy['ceiling']:.3f}) does not beat the floor ({accuracy['floor']:.3f})"
+    estimate = (accuracy["synthetic"] - accuracy["floor"]) / denominator
+    spread = boot["ceiling"] - boot["floor"]
+    usable = spread > 0
+    replicates = (boot["synthetic"][usable] - boot["floor"][usable]) / spread[usable]
+    dropped = int((~usable).sum())
+    note = "(acc_syn - acc_floor) / (acc_ceiling - acc_floor)" + (
+        f"; {dropped} replicates where the ceiling did not beat the floor were dropped" if dropped else ""
+    )
+    return percentile_interval(estimate, replicates, confidence, method=how), note
+
+
 def train_on_synthetic_test_on_real(
     synthetic_texts: Sequence[str],
     synthetic_labels: Sequence[str],
@@ -153,21 +170,7 @@ def train_on_synthetic_test_on_real(
     boot = {k: np.asarray([r[k] for r in replicas]) for k in accuracy}
     how = "bootstrap over training and test texts (classifiers retrained)"
     intervals = {k: percentile_interval(accuracy[k], boot[k], confidence, method=how) for k in accuracy}
-    denominator = accuracy["ceiling"] - accuracy["floor"]
-    if denominator <= 0:
-        gap, note = None, (
-            f"undefined: the ceiling ({accuracy['ceiling']:.3f}) does not beat the floor ({accuracy['floor']:.3f})"
-        )
-    else:
-        estimate = (accuracy["synthetic"] - accuracy["floor"]) / denominator
-        spread = boot["ceiling"] - boot["floor"]
-        usable = spread > 0
-        replicates = (boot["synthetic"][usable] - boot["floor"][usable]) / spread[usable]
-        gap = percentile_interval(estimate, replicates, confidence, method=how)
-        dropped = int((~usable).sum())
-        note = "(acc_syn - acc_floor) / (acc_ceiling - acc_floor)" + (
-            f"; {dropped} replicates where the ceiling did not beat the floor were dropped" if dropped else ""
-        )
+    gap, note = _gap_closed(accuracy, boot, confidence, how)
     return TstrResult(
         accuracy_synthetic=intervals["synthetic"],
         accuracy_ceiling=intervals["ceiling"],
