@@ -83,18 +83,22 @@ def test_a_result_without_a_recorded_plan_needs_its_references(tiny, result):
     )
 
 
-def test_a_label_conditioned_release_is_audited_with_each_batch_prompt(tiny, tmp_path):
-    path = tmp_path / "reviews.csv"
+def _labelled_release(tiny, path, categories, **kwargs):
+    """A seeded label-conditioned release over one review per category in ``categories`` (5 stars)."""
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["text", "label1", "label2"])
-        for i in range(8):
-            writer.writerow([f"review {i}", ["Business Category: Restaurants", "Business Category: Shopping"][i % 2],
-                             "Review Stars: 5.0"])
+        for i, category in enumerate(categories):
+            writer.writerow([f"review {i}", f"Business Category: {category}", "Review Stars: 5.0"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        labelled = generate(path, label_columns=["label1", "label2"], batch_size=2, max_new_tokens=3, delta=1e-6,
-                            epsilon=8.0, model=tiny, prompt="yelp", seed=3)
+        return generate(path, label_columns=["label1", "label2"], batch_size=2, max_new_tokens=3, delta=1e-6,
+                        epsilon=8.0, model=tiny, prompt="yelp", seed=3, **kwargs)  # fmt: skip
+
+
+def test_a_label_conditioned_release_is_audited_with_each_batch_prompt(tiny, tmp_path):
+    path = tmp_path / "reviews.csv"
+    labelled = _labelled_release(tiny, path, ["Restaurants", "Shopping"] * 4)
     release = AuditedRelease.of(labelled, path)
     assert {release.batch_template(i).fields["category"] for i in range(len(labelled.partition.batches))} == {
         "Restaurants", "Shopping"
@@ -108,17 +112,8 @@ def test_a_label_conditioned_release_is_audited_with_each_batch_prompt(tiny, tmp
 def test_the_audit_places_labels_where_generate_placed_them(tiny, tmp_path):
     # custom label_fields (label column -> prompt field): the audit must prompt with generate's placement,
     # not the preset's default rule
-    path = tmp_path / "reviews.csv"
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["text", "label1", "label2"])
-        for i in range(4):
-            writer.writerow([f"review {i}", "Business Category: Restaurants", "Review Stars: 5.0"])
     swapped = {"label1": "stars", "label2": "category"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        labelled = generate(path, label_columns=["label1", "label2"], label_fields=swapped, batch_size=2,
-                            max_new_tokens=3, delta=1e-6, epsilon=8.0, model=tiny, prompt="yelp", seed=3)  # fmt: skip
+    labelled = _labelled_release(tiny, tmp_path / "reviews.csv", ["Restaurants"] * 4, label_fields=swapped)
     assert labelled.label_fields == swapped
     release = AuditedRelease.of(labelled)
     for i in range(len(labelled.partition.batches)):
