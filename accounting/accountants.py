@@ -39,6 +39,7 @@ from accounting.conversions import ConversionMethod, br_to_zcdp, br_to_zcdp_tota
 __all__ = [
     "Accountant",
     "ACCOUNTANTS",
+    "as_accountant",
     "DEFAULT_ACCOUNTANT",
     "bounded_range_epsilon",
     "composed_epsilon",
@@ -52,7 +53,10 @@ __all__ = [
 BR_MAX_STEPS = 3_000
 
 
-class Accountant(enum.Enum):
+class Accountant(enum.StrEnum):
+    """The accountants (a string enum: a member equals, formats and serialises as its name, so records
+    that hold one read and write as before)."""
+
     BR_ADAPTIVE = "br-adaptive"
     CKS = "cks"
     BUN_STEINKE = "bun-steinke"
@@ -69,6 +73,7 @@ DEFAULT_ACCOUNTANT = Accountant.BR_ADAPTIVE
 
 
 def as_accountant(value) -> Accountant:
+    """``value`` as an :class:`Accountant` (a member or its name); a clear ``ValueError`` otherwise."""
     if isinstance(value, Accountant):
         return value
     try:

@@ -194,7 +194,7 @@ class LedgerStatus:
 
     epsilon_budget: float
     delta: float
-    accountant: str
+    accountant: Accountant
     epsilon_spent: float
     releases: tuple[dict, ...]
     format_version: int = _FORMAT_VERSION
@@ -544,7 +544,7 @@ class BudgetLedger:
         return LedgerStatus(
             epsilon_budget=float(v.data["budget"]["epsilon"]),
             delta=float(v.data["budget"]["delta"]),
-            accountant=v.accountant.value,
+            accountant=v.accountant,
             epsilon_spent=v.epsilon_spent,
             releases=tuple(v.data["releases"]),
             format_version=int(v.data["format_version"]),

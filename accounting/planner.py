@@ -74,7 +74,7 @@ class Plan:
     rho_sequence: float
     epsilon: float
     delta: float
-    accountant: str
+    accountant: Accountant
     max_new_tokens: int
     batch_size: int
     temperature: float
@@ -87,7 +87,7 @@ class Plan:
         check_count("batch_size", self.batch_size)
         check_positive("temperature", self.temperature)
         check_delta("delta", self.delta)
-        as_accountant(self.accountant)
+        object.__setattr__(self, "accountant", as_accountant(self.accountant))
         object.__setattr__(self, "clipping", _coerce(self.clipping, Clipping))
         object.__setattr__(self, "adjacency", _coerce(self.adjacency, Adjacency))
 

@@ -15,6 +15,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(
         (
             "ACCUMULATION_DTYPE",
+            "DEFAULT_TOP_K",
             "MechanismConfig",
             "NeighbourLogProbs",
             "SeededGeneratorWarning",

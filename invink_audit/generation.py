@@ -64,7 +64,7 @@ from types import SimpleNamespace
 
 import torch
 
-from accounting import BudgetExceededError, LedgerError
+from accounting import Accountant, BudgetExceededError, LedgerError, as_accountant
 from invink_audit.data import (
     Partition,
     partition_by_labels,
@@ -81,7 +81,7 @@ from invink_audit.distributed import (
     request_cost,
 )
 from invink_audit.engine import Engine, FinishedText
-from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, derive_key, make_generator
+from invink_audit.mechanism import DEFAULT_TOP_K, MechanismConfig, SeededGeneratorWarning, derive_key, make_generator
 from invink_audit.outputs import (
     Journal,
     OutputInUseError,
@@ -128,8 +128,6 @@ __all__ = [
 _LOG = logging.getLogger(__name__)
 
 DEFAULT_TEMPERATURE = 1.0
-#: Top-k of the Top-k+ set; the paper's best setting (§5, Appendix E: k = 100 with τ ≈ 1.1).
-DEFAULT_TOP_K = 100
 _RECORD_VERSION = 1
 #: Why a seeded run's guarantee is void; written as ``guarantee_void_reason`` next to ``guarantee: null``.
 SEEDED_VOID_REASON = "seeded: a fixed seed makes the texts reproducible, so they carry no privacy guarantee"
@@ -156,12 +154,10 @@ class GenerationConfig:
     clip_norm: float | None = None
     temperature: float = DEFAULT_TEMPERATURE
     top_k: int | None = DEFAULT_TOP_K
-    accountant: str = "br-adaptive"
+    accountant: Accountant = Accountant.BR_ADAPTIVE
     num_texts: int | None = None
 
     def __post_init__(self) -> None:
-        from accounting import Accountant
-
         for name in ("batch_size", "max_new_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -178,11 +174,7 @@ class GenerationConfig:
         top_k = self.top_k
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be an integer >= 1 or None (full vocabulary); got {self.top_k!r}")
-        try:
-            object.__setattr__(self, "accountant", Accountant(self.accountant).value)
-        except ValueError as err:
-            choices = ", ".join(a.value for a in Accountant)
-            raise ValueError(f"accountant must be one of {choices}; got {self.accountant!r}") from err
+        object.__setattr__(self, "accountant", as_accountant(self.accountant))
         # validates epsilon/clip_norm, delta and temperature through the planner, once
         object.__setattr__(self, "_plan", self._make_plan())
 
@@ -219,13 +211,16 @@ class Guarantee:
     rho_sequence: float
     rho_token: float
     epsilon0: float
-    accountant: str
+    accountant: Accountant
     clip_norm: float
     batch_size: int
     temperature: float
     top_k: int | None
     max_new_tokens: int
     void_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "accountant", as_accountant(self.accountant))
 
     @property
     def holds(self) -> bool:
@@ -565,7 +560,7 @@ def generate(
     temperature: float = DEFAULT_TEMPERATURE,
     top_k: int | None = DEFAULT_TOP_K,
     num_texts: int | None = None,
-    accountant: str = "br-adaptive",
+    accountant: Accountant | str = Accountant.BR_ADAPTIVE,
     model: str | os.PathLike | LoadedModel | None = None,
     gguf_file: str | None = None,
     prompt: str | PromptTemplate = "generic",
@@ -666,9 +661,7 @@ def _prepare_release(references, **options) -> _Release:
         )
     plan = config.plan()
     guarantee = Guarantee.from_plan(plan, config.top_k, void_reason=None if o.seed is None else SEEDED_VOID_REASON)
-    mechanism = MechanismConfig(
-        clip_norm=plan.clip_norm, temperature=config.temperature, top_k=config.top_k, batch_size=config.batch_size
-    )
+    mechanism = MechanismConfig.from_event(plan.event, top_k=config.top_k)
     if not math.isclose(mechanism.epsilon0, plan.epsilon0, rel_tol=1e-12):
         raise RuntimeError(
             f"internal inconsistency: mechanism epsilon0={mechanism.epsilon0!r} but plan epsilon0={plan.epsilon0!r}"

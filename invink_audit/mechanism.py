@@ -52,6 +52,7 @@ from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
 
 __all__ = [
     "ACCUMULATION_DTYPE",
+    "DEFAULT_TOP_K",
     "MechanismConfig",
     "NeighbourLogProbs",
     "SeededGeneratorWarning",
@@ -195,6 +196,10 @@ def _check_pair(private_logits, public_logits) -> tuple[torch.Tensor, torch.Tens
 # --------------------------------------------------------------------------------------------
 # configuration
 
+#: Top-k of the Top-k+ set when none is given (generate, audits, bench): the paper's best setting
+#: (§5, App. E: k = 100 with τ ≈ 1.1).
+DEFAULT_TOP_K = 100
+
 
 @dataclasses.dataclass(frozen=True)
 class MechanismConfig:
@@ -232,6 +237,19 @@ class MechanismConfig:
                 f"top_k must be None with clipping={self.clipping.value!r}: Top-k+ is defined for difference "
                 f"clipping only; got top_k={self.top_k!r}"
             )
+
+    @classmethod
+    def from_event(cls, event, *, top_k: int | None) -> MechanismConfig:
+        """The mechanism that realises a privacy event (:class:`accounting.GenerationEvent`: its clip
+        norm, B, τ and clipping; the adjacency must be replace-by-null, the relation this mechanism's
+        sensitivity is computed under). ``top_k`` is not part of the event: the Top-k+ set does not
+        change the guarantee (paper Theorem 2)."""
+        if event.adjacency is not Adjacency.REPLACE_BY_NULL:
+            raise ValueError(f"the mechanism is accounted under replace-by-null adjacency; the event has {event.adjacency.value!r}")
+        return cls(
+            clip_norm=event.clip_norm, temperature=event.temperature, top_k=top_k, batch_size=event.batch_size,
+            clipping=event.clipping,
+        )  # fmt: skip
 
     @property
     def sensitivity(self) -> float:

@@ -36,12 +36,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from accounting import Accountant, as_accountant
 from invink_audit.audit.analysis import analyse
 from invink_audit.audit.parallel import TextShare
 from invink_audit.audit.report import AuditTimings, WhiteBoxReport
 from invink_audit.audit.synthetic import HARDEST_PUBLIC_PROBABILITY
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.distributed import current_cluster
+from invink_audit.mechanism import DEFAULT_TOP_K
 
 __all__ = ["ModelAuditSettings", "audit_model", "generic_audit_config", "hardest_case_row", "DEFAULT_CANARIES"]
 
@@ -67,14 +69,15 @@ class ModelAuditSettings:
 
     max_new_tokens: int
     temperature: float = 1.0
-    top_k: int | None = 50
+    top_k: int | None = DEFAULT_TOP_K
     clip_norm: float | None = None
     epsilon: float | None = None
     delta: float = 1e-6
-    accountant: str = "br-adaptive"
+    accountant: Accountant = Accountant.BR_ADAPTIVE
     mechanism: object | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "accountant", as_accountant(self.accountant))
         if self.mechanism is not None:
             from invink_audit.mechanisms import Mechanism
 

@@ -237,9 +237,9 @@ class AuditedRelease:
         g = result.guarantee
         if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
             references = read_references(references)
-        mech = MechanismConfig(clip_norm=g.clip_norm, temperature=g.temperature, top_k=g.top_k, batch_size=g.batch_size)
+        event = GenerationEvent(g.clip_norm, g.batch_size, g.temperature, g.max_new_tokens)
         return cls(
-            mech, GenerationEvent(g.clip_norm, g.batch_size, g.temperature, g.max_new_tokens), g.delta, g.epsilon,
+            MechanismConfig.from_event(event, top_k=g.top_k), event, g.delta, g.epsilon,
             partition_references(references, g.batch_size), get_preset(prompt or result.prompt, **(prompt_fields or {})),
         )
 

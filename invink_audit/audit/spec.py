@@ -47,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
+from accounting import Accountant, as_accountant
 from invink_audit.audit.whitebox import Direction, WhiteBoxConfig
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class MechanismSpec:
     top_k: int | None
     clip_norm: float | None
     epsilon: float | None
-    accountant: str
+    accountant: Accountant
     section: dict
 
     @classmethod
@@ -128,7 +129,7 @@ class MechanismSpec:
         return cls(
             str(mech.get("kind", "invisibleink")), batch_size, mech.get("max_new_tokens"), float(mech.get("delta", 1e-6)),
             float(mech.get("temperature", 1.0)), mech.get("top_k"), mech.get("clip_norm"), mech.get("epsilon"),
-            str(mech.get("accountant", "br-adaptive")), mech,
+            as_accountant(mech.get("accountant", Accountant.BR_ADAPTIVE.value)), mech,
         )
 
     @property

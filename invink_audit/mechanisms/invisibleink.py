@@ -13,6 +13,7 @@ adaptively (``br-adaptive`` accountant, Dong, Durfee & Rogers 2020).
 
 from __future__ import annotations
 
+from accounting import Accountant, as_accountant
 from invink_audit.mechanism import MechanismConfig
 from invink_audit.mechanisms.base import GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep, check_step_shapes
 
@@ -27,11 +28,11 @@ class InvisibleInk(Mechanism):
     mode_names = ("private",)
     can_halt = False
 
-    def __init__(self, config: MechanismConfig, *, accountant: str = "br-adaptive"):
+    def __init__(self, config: MechanismConfig, *, accountant: Accountant | str = Accountant.BR_ADAPTIVE):
         if not isinstance(config, MechanismConfig):
             raise ValueError(f"config must be a MechanismConfig; got {type(config).__name__}")
         self.config = config
-        self.accountant = str(accountant)
+        self.accountant = as_accountant(accountant)
 
     @property
     def batch_size(self) -> int:
