@@ -1,0 +1,59 @@
+"""One record per concept (issue 13): the accountant is an enum end to end, the mechanism is built from
+the privacy event, and one default top-k serves generation and audits.
+
+The accountant enum must change nothing a user sees: records compare equal to the accountant's name,
+print it, and write it to JSON exactly as the plain strings did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from accounting import Accountant, Adjacency, Clipping, GenerationEvent, as_accountant, plan_clip_norm
+from invink_audit.audit.model_audit import ModelAuditSettings
+from invink_audit.generation import DEFAULT_TOP_K, GenerationConfig, Guarantee
+from invink_audit.mechanism import MechanismConfig
+
+
+@pytest.mark.parametrize("name", [a.value for a in Accountant])
+def test_records_hold_the_enum_and_read_and_write_as_its_name(name):
+    plan = plan_clip_norm(epsilon=3.0, delta=1e-6, max_new_tokens=16, batch_size=4, temperature=1.0, accountant=name)
+    config = GenerationConfig(batch_size=4, max_new_tokens=16, delta=1e-6, epsilon=3.0, accountant=name)
+    guarantee = Guarantee.from_plan(plan, top_k=100)
+    settings = ModelAuditSettings(max_new_tokens=16, epsilon=3.0, accountant=name)
+    for record in (plan, config, guarantee, settings):
+        assert record.accountant is Accountant(name)
+        assert record.accountant == name and f"{record.accountant}" == name and str(record.accountant) == name
+    # JSON as before: the name, never "Accountant.X"
+    assert json.loads(json.dumps(dataclasses.asdict(guarantee)))["accountant"] == name
+    assert json.dumps({"accountant": plan.accountant}) == json.dumps({"accountant": name})
+
+
+def test_an_unknown_accountant_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="accountant must be one of 'br-adaptive'"):
+        as_accountant("renyi")
+    with pytest.raises(ValueError, match="accountant must be one of"):
+        GenerationConfig(batch_size=4, max_new_tokens=16, delta=1e-6, epsilon=3.0, accountant="renyi")
+    with pytest.raises(ValueError, match="accountant must be one of"):
+        ModelAuditSettings(max_new_tokens=4, epsilon=1.0, accountant="renyi")
+
+
+def test_the_mechanism_built_from_the_event_is_the_one_built_by_hand():
+    plan = plan_clip_norm(epsilon=3.0, delta=1e-6, max_new_tokens=32, batch_size=7, temperature=1.1)
+    built = MechanismConfig.from_event(plan.event, top_k=50)
+    assert built == MechanismConfig(clip_norm=plan.clip_norm, temperature=1.1, top_k=50, batch_size=7)
+    # one formula for ε0 and ρ_tok: the mechanism, the event and the plan agree exactly, not approximately
+    assert built.epsilon0 == plan.event.epsilon0 == plan.epsilon0
+    assert built.rho_token == plan.event.rho_token == plan.rho_token
+    naive = GenerationEvent(0.5, 4, 1.0, 8, clipping=Clipping.NAIVE)
+    assert MechanismConfig.from_event(naive, top_k=None).clipping is Clipping.NAIVE
+    with pytest.raises(ValueError, match="replace-by-null"):
+        MechanismConfig.from_event(GenerationEvent(0.5, 4, 1.0, 8, adjacency=Adjacency.ZERO_OUT), top_k=None)
+
+
+def test_one_default_top_k_for_generation_and_audits():
+    assert GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=1.0).top_k == DEFAULT_TOP_K
+    assert ModelAuditSettings(max_new_tokens=4, epsilon=1.0).top_k == DEFAULT_TOP_K == 100
