@@ -107,8 +107,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status. A process of a torchrun/accelerate launch (one whose
+    process group this command created) ends here instead, through
+    :func:`invink_audit.distributed.exit_process`, once its group is destroyed."""
+    from invink_audit.distributed import exit_process, shutdown
+
+    try:
+        status = _run(argv)
+    finally:
+        launched = shutdown()  # a process group left to interpreter exit can abort a rank after complete work
+    if launched:
+        exit_process(status)
+    return status
+
+
+def _run(argv: list[str] | None) -> int:
     from accounting import BudgetExceededError
-    from invink_audit.distributed import ReleaseIncompleteError, shutdown
+    from invink_audit.distributed import ReleaseIncompleteError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -131,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"invink-audit {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    finally:
-        shutdown()  # a process group left to interpreter exit can abort a rank after complete work
 
 
 def _silence_stdout() -> None:
