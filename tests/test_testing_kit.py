@@ -349,35 +349,21 @@ def test_privacy_budget_validates():
 
 
 # ------------------------------------------------------------------------------------------
-# the README example, as written there
+# the README example's mask (tests/test_readme_examples.py runs the whole example as written)
 
 
-def test_readme_example():
-    import functools
+def _mask_with_slack(public_logits, top_k, clip_norm, batch_size, *, slack=True):
+    kth = torch.topk(public_logits.double(), top_k, dim=-1).values[..., -1:]
+    band = 2 * clip_norm / batch_size
+    margin = 4 * torch.finfo(torch.float64).eps * (kth.abs() + band) if slack else 0.0
+    return public_logits.double() >= kth - band - margin
 
-    from accounting import Adjacency, Clipping, linf_sensitivity
-    from invink_audit.testing import check_linf_sensitivity, check_token_privacy, check_topk_superset
 
-    def my_aggregate(private_logits, public_logits, clip_norm):
-        # another project's aggregation: here, InvisibleInk's DClip written out by hand
-        diff = (private_logits.double() - public_logits.double().unsqueeze(-2)).clamp(-clip_norm, clip_norm)
-        return public_logits.double() + diff.mean(dim=-2)
-
-    claimed = functools.partial(linf_sensitivity, clipping=Clipping.DIFFERENCE, adjacency=Adjacency.REPLACE_BY_NULL)
-    check_linf_sensitivity(my_aggregate, claimed, adjacency=Adjacency.REPLACE_BY_NULL, max_examples=50)
-
-    def my_mask(public_logits, top_k, clip_norm, batch_size):
-        # another project's truncation set (public logits only)
-        if top_k is None or top_k >= public_logits.shape[-1]:
-            return torch.ones(public_logits.shape, dtype=torch.bool)
-        kth = torch.topk(public_logits.double(), top_k, dim=-1).values[..., -1:]
-        return public_logits.double() >= kth - 2 * clip_norm / batch_size
-
-    check_topk_superset(my_mask, max_examples=50)
-
-    def my_log_probs(private_logits, public_logits, config):
-        scores = my_aggregate(private_logits, public_logits, config.clip_norm) / config.temperature
-        support = my_mask(public_logits, config.top_k, config.clip_norm, config.batch_size)
-        return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
-
-    check_token_privacy(my_log_probs, max_examples=50)  # claims config.epsilon0 and config.rho_token
+def test_a_top_k_plus_mask_without_rounding_slack_drops_a_token_the_exact_set_keeps():
+    # C = 2.9, B = 5, k = 1: the exact threshold 1 - 2*2.9/5 = -0.16 keeps -0.15999999999999995, but float64
+    # evaluates it to -0.15999999999999992 (tests/test_mechanism_properties.py, ROUNDING)
+    public = torch.tensor([1.0, -0.15999999999999995], dtype=torch.float64)
+    private = torch.stack([torch.tensor([-5.0, 5.0], dtype=torch.float64)] + [public] * 4)
+    assert_topk_superset(_mask_with_slack(public, 1, 2.9, 5), private, public, top_k=1, clip_norm=2.9)
+    with pytest.raises(AssertionError):
+        assert_topk_superset(_mask_with_slack(public, 1, 2.9, 5, slack=False), private, public, top_k=1, clip_norm=2.9)
