@@ -119,3 +119,10 @@ def test_the_audit_places_labels_where_generate_placed_them(tiny, tmp_path):
     for i in range(len(labelled.partition.batches)):
         assert release.batch_template(i) == labelled.batch_template(i)
         assert release.batch_template(i) != template_for_labels(labelled.template, labelled.labels[i])  # default rule
+
+
+def test_a_label_conditioned_result_without_its_record_is_refused(tiny, tmp_path):
+    labelled = _labelled_release(tiny, tmp_path / "reviews.csv", ["Restaurants", "Shopping"] * 2)
+    bare = dataclasses.replace(labelled, plan=None, template=None, partition=None)
+    with pytest.raises(ValueError, match="label-conditioned result records no plan"):
+        AuditedRelease.of(bare, tmp_path / "reviews.csv")

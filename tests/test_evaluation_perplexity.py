@@ -96,8 +96,8 @@ def test_an_evaluation_without_caches_keeps_nothing_on_disk(tiny, tmp_path, monk
     monkeypatch.setenv("INVINK_AUDIT_CACHE", str(tmp_path))
     synthetic = TextSet(texts=tuple(TEXTS[:2] + ["a third text"]))
     real = TextSet(texts=("one real text", "another real one", "and a third"))
-    config = EvaluationConfig(embedding_model="minilm", mauve_seeds=1, mauve_bootstrap=0, perplexity_cache=False,
-                              embedding_cache=False)  # fmt: skip
+    # turning the embedding cache off turns the perplexity cache off too (perplexity_cache=None follows it)
+    config = EvaluationConfig(embedding_model="minilm", mauve_seeds=1, mauve_bootstrap=0, embedding_cache=False)
     try:
         evaluate(synthetic, real, config, scorer_model=tiny)
     except ValueError as err:  # pragma: no cover - MiniLM not installed
@@ -111,3 +111,20 @@ def test_scoring_rejects_non_strings_before_scoring_anything(tiny, tmp_path):
         score_perplexity(["fine", 3], tiny, cache=cache)
     assert cache.get_many([]) == {}
     cache.close()
+
+
+def test_a_non_finite_score_is_reported_but_never_cached(tiny, tmp_path, monkeypatch):
+    import numpy as np
+
+    import invink_audit.evaluation.perplexity as perplexity
+
+    monkeypatch.setattr(perplexity, "_mean_nll", lambda batch, start, loaded: np.full(len(batch), np.nan))
+    cache = perplexity_cache(tmp_path)
+    scores = score_perplexity(["a text that overflowed", ""], tiny, cache=cache)
+    assert math.isnan(scores.perplexities[0]) and scores.perplexities[1] is None
+    assert len(cache.get_many([k for k in _all_keys(cache)])) == 1  # only the empty text's row
+    cache.close()
+
+
+def _all_keys(cache):
+    return [row[0] for row in cache._db.execute(f"SELECT key FROM {cache.table}")]

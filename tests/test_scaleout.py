@@ -521,3 +521,34 @@ def test_a_sampled_audit_split_over_processes_gives_the_numbers_of_one_process(w
     assert one["verdict"] == two["verdict"]
     assert two["settings"]["processes"] == 2 and one["settings"]["processes"] == 1
     _assert_same_numbers(one, two)
+
+
+def test_a_launched_process_ends_through_exit_process_even_on_an_unexpected_error(monkeypatch, capsys):
+    # an error that escapes the command on a launched rank must not fall into interpreter finalisation
+    # (where the collective library's threads can abort it): it is printed, and the process exits with 1
+    import invink_audit.cli as cli
+    import invink_audit.distributed as distributed
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(status):
+        raise Exited(status)
+
+    def failing(argv):
+        raise RuntimeError("a collective failed")
+
+    monkeypatch.setattr(distributed, "shutdown", lambda: True)
+    monkeypatch.setattr(distributed, "exit_process", fake_exit)
+    monkeypatch.setattr(cli, "_run", failing)
+    with pytest.raises(Exited) as ended:
+        cli.main(["generate"])
+    assert ended.value.args == (1,) and "a collective failed" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_run", lambda argv: 0)
+    with pytest.raises(Exited) as ended:
+        cli.main(["generate"])
+    assert ended.value.args == (0,)
+    monkeypatch.setattr(distributed, "shutdown", lambda: False)  # not launched: errors propagate as before
+    monkeypatch.setattr(cli, "_run", failing)
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        cli.main(["generate"])

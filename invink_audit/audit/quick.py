@@ -234,6 +234,11 @@ class AuditedRelease:
 
         if references is None:
             raise ValueError("this result records no plan, partition or template: give the references given to generate")
+        if getattr(result, "labels", None) is not None:
+            raise ValueError(
+                "this label-conditioned result records no plan, partition or template: its batches' prompts cannot "
+                "be rebuilt from the references; audit the result generate returned"
+            )
         g = result.guarantee
         if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
             references = read_references(references)

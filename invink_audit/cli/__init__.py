@@ -114,9 +114,18 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         status = _run(argv)
-    finally:
-        launched = shutdown()  # a process group left to interpreter exit can abort a rank after complete work
-    if launched:
+    except SystemExit as stop:
+        if not shutdown():
+            raise
+        exit_process(stop.code if isinstance(stop.code, int) else EXIT_FAILURE)
+    except BaseException:  # an unexpected error: a launched rank must still end through exit_process
+        if not shutdown():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        exit_process(EXIT_FAILURE)
+    if shutdown():  # a process group left to interpreter exit can abort a rank after complete work
         exit_process(status)
     return status
 

@@ -151,7 +151,9 @@ class EvaluationConfig:
     * ``embedding_cache``, ``perplexity_cache``: keep each text's embedding and perplexity on disk
       (owner-only SQLite files in the cache directory, keyed by model and text hash), so that a text is
       embedded and scored once across evaluations (a sweep's real texts at every point); ``False``:
-      nothing derived from the texts is kept; ``cache_dir``: where (default
+      nothing derived from the texts is kept; ``perplexity_cache=None`` (default) follows
+      ``embedding_cache``, so turning the embedding cache off keeps everything off disk; ``cache_dir``:
+      where (default
       :func:`invink_audit.models.cache_dir`);
     * ``tstr_test_fraction``: share of the labelled real texts held out to test TSTR (the rest train the ceiling);
       ``tstr_bootstrap``: its bootstrap replicates (each retrains the classifiers).
@@ -166,7 +168,7 @@ class EvaluationConfig:
     perplexity: bool = True
     ppl_max_tokens: int = 512
     embedding_cache: bool = True
-    perplexity_cache: bool = True
+    perplexity_cache: bool | None = None
     cache_dir: str | None = None
     embedding_dtype: str = "auto"
     tstr_test_fraction: float = 0.5
@@ -385,7 +387,8 @@ def _perplexity(synthetic: TextSet, real_sample: TextSet, config: EvaluationConf
 
     loaded = scorer_model if scorer_model is not None else load_model(config.scorer)
     update = progress("perplexity", len(synthetic.texts) + len(real_sample.texts))
-    cache = perplexity_cache(None if config.cache_dir is None else Path(config.cache_dir)) if config.perplexity_cache else None
+    keep = config.embedding_cache if config.perplexity_cache is None else config.perplexity_cache
+    cache = perplexity_cache(None if config.cache_dir is None else Path(config.cache_dir)) if keep else None
     try:
         scored = [
             score_perplexity(texts, loaded, max_tokens=config.ppl_max_tokens, progress=update, cache=cache)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,8 @@ __all__ = ["PerplexityScores", "delta_ppl_interval", "perplexity_cache", "score_
 
 #: weights sampled per parameter tensor by :func:`scorer_digest` (evenly strided)
 _DIGEST_SAMPLES = 4096
+#: the cache's value layout and scoring rule; a change to either makes old entries unreachable
+_CACHE_FORMAT = "ppl-v1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,8 @@ def scorer_digest(loaded_model) -> str:
     digest = hashlib.sha256()
     config = getattr(loaded_model.model, "config", None)
     digest.update(f"{loaded_model.name}|{loaded_model.dtype}|".encode())
+    backend = getattr(loaded_model.tokenizer, "backend_tokenizer", None)  # vocabulary, merges, normalisation
+    digest.update((backend.to_str() if backend is not None else json.dumps(loaded_model.tokenizer.get_vocab(), sort_keys=True)).encode())
     digest.update((config.to_json_string(use_diff=False) if config is not None else "").encode())
     with torch.no_grad():
         for name, tensor in loaded_model.model.state_dict().items():
@@ -167,7 +172,7 @@ def score_perplexity(
             raise ValueError(f"texts[{i}] must be a string; got {type(text).__name__}")
     tokenizer = loaded_model.tokenizer
     start = _context_token(tokenizer)
-    prefix = f"{scorer_digest(loaded_model)}:{max_tokens}:{start}:" if cache is not None else ""
+    prefix = f"{_CACHE_FORMAT}:{scorer_digest(loaded_model)}:{max_tokens}:{start}:" if cache is not None else ""
     keys = [prefix + text_digest(t) for t in texts]
     found = cache.get_many(sorted(set(keys))) if cache is not None else {}
     first = {k: i for i, k in reversed(list(enumerate(keys)))}  # each distinct text is scored once
@@ -189,11 +194,13 @@ def score_perplexity(
             if progress is not None:
                 progress(1)
     values.update(new)
-    if cache is not None and new:
-        cache.put_many(new)
+    # a non-finite score of a non-empty text (e.g. a float16 overflow) is reported but never kept
+    keep = {k: v for k, v in new.items() if math.isfinite(v[0]) or v[1] == 0}
+    if cache is not None and keep:
+        cache.put_many(keep)
     rows = [values[k] for k in keys]
     return PerplexityScores(
-        perplexities=tuple(None if math.isnan(r[0]) else float(math.exp(r[0])) for r in rows),
+        perplexities=tuple(None if r[1] == 0 else float(math.exp(r[0])) for r in rows),
         num_tokens=tuple(int(r[1]) for r in rows),
         truncated=int(sum(r[2] for r in rows)),
         max_tokens=max_tokens,

@@ -149,10 +149,10 @@ def run_sweep(
     evaluation = evaluation or EvaluationConfig()
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(model)
+    real_set = read_text_set(real, column=real_column or "text", label_columns=tuple(config.label_columns))
+    loaded = load_model(model)  # after the real texts: a bad file fails before the model load
     run = _SweepRun(
-        references=Path(references), output=output, config=config, evaluation=evaluation,
-        real=read_text_set(real, column=real_column or "text", label_columns=tuple(config.label_columns)),
+        references=Path(references), output=output, config=config, evaluation=evaluation, real=real_set,
         loaded=loaded, scorer=loaded if evaluation.scorer is None else None,
         embedder=Embedder(
             evaluation.embedding_model, dtype=evaluation.embedding_dtype, cache=evaluation.embedding_cache,
