@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from invink_audit.evaluation.embeddings import Embedder, embedding_model_dir
 
     embedding_model_dir(args.embedding_model)  # assembled and hash-checked once, outside the timings
-    embedder = Embedder(args.embedding_model, cache_root=Path(cache))
+    embedder = config.make_embedder()  # kept to report the dtype it chose
     runs = {}
     for name, offset in (("cold", 0), ("warm real", n)):
         synthetic = _as_generated(_reviews(args.yelp / "dev.csv", n, offset), scorer.tokenizer, args.max_new_tokens)

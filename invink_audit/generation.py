@@ -106,6 +106,7 @@ from invink_audit.prompts import (
     encode_request,
     get_preset,
     label_fields_for,
+    template_for_batch,
     template_for_labels,
 )
 
@@ -333,7 +334,7 @@ class GenerationResult:
         """The prompt batch ``index`` was generated with (its labels filled in, when label-conditioned)."""
         if self.template is None:
             raise ValueError("this result records no prompt template")
-        return _batch_template(self.template, self.labels, self.label_fields, index)
+        return template_for_batch(self.template, self.labels, self.label_fields, index)
 
     @property
     def tokens_per_second(self) -> float:
@@ -969,7 +970,7 @@ class _Release:
         return encode_request(loaded.tokenizer, self.batch_template(index), self.partition.batches[index], key=index)
 
     def batch_template(self, index: int) -> PromptTemplate:
-        return _batch_template(self.template, self.labels, self.label_fields, index)
+        return template_for_batch(self.template, self.labels, self.label_fields, index)
 
     def _sink(self, admission: _Admission) -> RecordSink:
         if self.cluster.distributed:
@@ -1171,7 +1172,7 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
     (``released`` is ``False`` when another attempt had released that batch first: the text is dropped)."""
     items = list(items)
     indices = [int(index) for index, _ in items]
-    template = functools.partial(_batch_template, state["template"], state["labels"], state["label_fields"])
+    template = functools.partial(template_for_batch, state["template"], state["labels"], state["label_fields"])
     requests = [encode_request(loaded.tokenizer, template(index), list(refs), key=index) for index, refs in items]
     journal = Journal(state["output"], state["release_id"], state["num_batches"])
     with warnings.catch_warnings():
@@ -1190,13 +1191,6 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
         yield text.batch_index, True, text.num_tokens
     for index in releaser.dropped:
         yield index, False, 0
-
-
-def _batch_template(template: PromptTemplate, labels, label_fields, index: int) -> PromptTemplate:
-    """The prompt of batch ``index``: the template, with its labels in a label-conditioned release."""
-    if labels is None:
-        return template
-    return template_for_labels(template, labels[index], label_fields)
 
 
 def _with_labels(text: GeneratedText, labels) -> GeneratedText:

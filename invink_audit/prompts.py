@@ -29,6 +29,7 @@ __all__ = [
     "encode_request",
     "get_preset",
     "label_fields_for",
+    "template_for_batch",
     "template_for_labels",
 ]
 
@@ -311,6 +312,19 @@ def template_for_labels(
         raise ValueError("labels must be a non-empty mapping of label column to value")
     rules = label_fields_for(template, list(labels), fields)
     return template.with_fields(**{rule.field: rule.value(labels[rule.column]) for rule in rules})
+
+
+def template_for_batch(
+    template: PromptTemplate,
+    labels: Sequence[Mapping[str, str]] | None,
+    fields: Mapping[str, str] | None,
+    index: int,
+) -> PromptTemplate:
+    """The prompt of batch ``index``: ``template``, with that batch's labels placed by ``fields`` in a
+    label-conditioned release (``labels`` one mapping per batch; ``None`` for an unlabelled release)."""
+    if labels is None:
+        return template
+    return template_for_labels(template, labels[index], fields)
 
 
 # --------------------------------------------------------------------------------------------

@@ -250,11 +250,9 @@ class AuditedRelease:
 
     def batch_template(self, index: int):
         """The prompt of batch ``index`` (the template, with the batch's labels in a label-conditioned release)."""
-        if self.labels is None:
-            return self.template
-        from invink_audit.prompts import template_for_labels
+        from invink_audit.prompts import template_for_batch
 
-        return template_for_labels(self.template, self.labels[index], self.label_fields)
+        return template_for_batch(self.template, self.labels, self.label_fields, index)
 
     def claim(self) -> Claim:
         """The claim the release's mechanism makes for texts of at most T tokens."""

@@ -191,6 +191,19 @@ class EvaluationConfig:
         if not isinstance(self.tstr_test_fraction, float) or not 0 < self.tstr_test_fraction < 1:
             raise ValueError(f"tstr_test_fraction must be a float in (0, 1); got {self.tstr_test_fraction!r}")
 
+    def make_embedder(self) -> Embedder:
+        """The :class:`Embedder` these settings describe (model, dtype, cache on or off, cache directory)."""
+        root = None if self.cache_dir is None else Path(self.cache_dir)
+        return Embedder(self.embedding_model, dtype=self.embedding_dtype, cache=self.embedding_cache, cache_root=root)
+
+    def open_perplexity_cache(self):
+        """The per-text perplexity cache (:func:`~invink_audit.evaluation.perplexity.perplexity_cache`), or
+        ``None`` when nothing may be kept (``perplexity_cache``, or ``embedding_cache`` when it is ``None``)."""
+        from invink_audit.evaluation.perplexity import perplexity_cache
+
+        keep = self.embedding_cache if self.perplexity_cache is None else self.perplexity_cache
+        return perplexity_cache(None if self.cache_dir is None else Path(self.cache_dir)) if keep else None
+
 
 @dataclasses.dataclass(frozen=True)
 class EvaluationResult:
@@ -343,12 +356,7 @@ def evaluate(
 
 def _embed(synthetic: TextSet, real_sample: TextSet, config: EvaluationConfig, embedder, progress):
     """Sentence embeddings of both sets (paper App. D.4), through the per-text cache."""
-    embedder = embedder or Embedder(
-        config.embedding_model,
-        dtype=config.embedding_dtype,
-        cache=config.embedding_cache,
-        cache_root=None if config.cache_dir is None else Path(config.cache_dir),
-    )
+    embedder = embedder or config.make_embedder()
     if embedder.spec.name != config.embedding_model:
         raise ValueError(f"embedder is {embedder.spec.name!r} but config.embedding_model is {config.embedding_model!r}")
     update = progress("embedding", len(synthetic.texts) + len(real_sample.texts))
@@ -382,13 +390,11 @@ def _perplexity(synthetic: TextSet, real_sample: TextSet, config: EvaluationConf
             wald_interval([len(t.split()) for t in real_sample.texts], config.confidence),
             np.zeros(0), np.zeros(0), None, 0, 0,
         )  # fmt: skip
-    from invink_audit.evaluation.perplexity import perplexity_cache
     from invink_audit.models import load_model
 
     loaded = scorer_model if scorer_model is not None else load_model(config.scorer)
     update = progress("perplexity", len(synthetic.texts) + len(real_sample.texts))
-    keep = config.embedding_cache if config.perplexity_cache is None else config.perplexity_cache
-    cache = perplexity_cache(None if config.cache_dir is None else Path(config.cache_dir)) if keep else None
+    cache = config.open_perplexity_cache()
     try:
         scored = [
             score_perplexity(texts, loaded, max_tokens=config.ppl_max_tokens, progress=update, cache=cache)

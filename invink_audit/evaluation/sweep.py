@@ -113,12 +113,6 @@ class SweepPoint:
         return dataclasses.asdict(self) | {"params": dict(self.params)}
 
 
-def _evaluate_file(path: Path, real: TextSet, config: EvaluationConfig, label_columns, embedder, scorer, progress):
-    synthetic = read_text_set(path, label_columns=label_columns)
-    result = evaluate(synthetic, real, config, scorer_model=scorer, embedder=embedder, progress=progress)
-    return result.to_json(), synthetic
-
-
 def run_sweep(
     references: str | Path,
     real: str | Path,
@@ -137,7 +131,6 @@ def run_sweep(
     """Run (or resume) the sweep into ``output_dir``: ``floor/`` and ``ceiling/`` reference points (when
     ``config.reference_points``), one directory per grid point, and ``sweep.jsonl`` (one
     :class:`SweepPoint` per line). ``ledger`` or ``public_proxy=True`` is required (module docstring)."""
-    from invink_audit.evaluation.embeddings import Embedder
     from invink_audit.models import load_model
 
     if (ledger is None) == (not public_proxy):
@@ -154,10 +147,7 @@ def run_sweep(
     run = _SweepRun(
         references=Path(references), output=output, config=config, evaluation=evaluation, real=real_set,
         loaded=loaded, scorer=loaded if evaluation.scorer is None else None,
-        embedder=Embedder(
-            evaluation.embedding_model, dtype=evaluation.embedding_dtype, cache=evaluation.embedding_cache,
-            cache_root=None if evaluation.cache_dir is None else Path(evaluation.cache_dir),
-        ),
+        embedder=evaluation.make_embedder(),
         progress=progress, on_point=on_point,
     )  # fmt: skip
     try:
@@ -205,8 +195,11 @@ class _SweepRun:
             self.on_point(point)
 
     def evaluate_file(self, path: Path) -> tuple[dict, TextSet]:
-        columns = tuple(self.config.label_columns)
-        return _evaluate_file(path, self.real, self.evaluation, columns, self.embedder, self.scorer, self.progress)
+        synthetic = read_text_set(path, label_columns=tuple(self.config.label_columns))
+        result = evaluate(
+            synthetic, self.real, self.evaluation, scorer_model=self.scorer, embedder=self.embedder, progress=self.progress
+        )
+        return result.to_json(), synthetic
 
     def reference_points(self) -> None:
         """The floor and the ceiling at the smallest B and the first k, τ, T (resumed when finished)."""
