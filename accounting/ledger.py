@@ -32,10 +32,12 @@ budget; reading (``status``, ``preview``) takes no lock, because a reader always
 a ledger in a read-only directory can be shown. Links: a symbolic link is resolved before locking and
 replacing, so the link's target is charged and locked, and the link stays a link; a ledger with more
 than one hard link is refused for writing, because ``os.replace`` would give this name a new file
-and leave the other names on the old one, silently splitting the ledger. Idempotence: a release
-carries a ``release_id``; charging the same id again with the same parameters returns the recorded
-entry without spending twice (a resumed run), and with different parameters is an error. A crash after
-the charge keeps the spend: outputs may already have been released, so the budget is never given back.
+and leave the other names on the old one, silently splitting the ledger (the refusal removes the lock
+file if it created it); a symbolic link at ``<path>.lock`` is refused, as a lock never follows a link.
+Idempotence: a release carries a ``release_id``; charging the same id again with the same parameters
+returns the recorded entry without spending twice (a resumed run), and with different parameters is an
+error. A crash after the charge keeps the spend: outputs may already have been released, so the budget
+is never given back.
 
 Integrity (format 2). Every load recomputes every stored figure and refuses a file that does not add
 up: the budget and every release parameter must be in their valid ranges (:mod:`accounting.limits`),
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import errno
 import functools
 import hashlib
 import json
@@ -582,16 +585,17 @@ class BudgetLedger:
     def charge_once(self, release: Release) -> ChargeOutcome:
         """:meth:`charge`, saying whether the release was recorded now or had been already."""
         release = _check_release(release)
-        with _locked(self._lock, self.path):
-            return self._charge_locked(release)
+        with _locked(self._lock, self.path) as held:
+            return self._charge_locked(release, held)
 
-    def _charge_locked(self, release: Release) -> ChargeOutcome:
+    def _charge_locked(self, release: Release, held: _locked) -> ChargeOutcome:
         v = self._load()
         entry = _replay(v, release)
         if entry is not None:
             return ChargeOutcome(entry=entry, already_recorded=True, epsilon_spent=v.epsilon_spent)
         links = os.stat(self.path).st_nlink
         if links > 1:
+            held.discard()  # a refused charge leaves no lock file of its own behind
             raise LedgerError(
                 f"ledger {str(self.path)!r} has {links} hard links; an atomic rewrite would leave the other "
                 "names on the old contents and split the ledger. Keep one name (use a symbolic link to share it)"
@@ -638,25 +642,47 @@ def _replay(v: _Verified, release: Release) -> dict | None:
 
 
 class _locked:
-    """Hold ``lock`` (on ``<ledger>.lock``); a timeout or an unwritable directory is a LedgerError."""
+    """Hold ``lock`` (on ``<ledger>.lock``); a timeout, an unwritable directory or a symbolic link at the
+    lock's path is a LedgerError. :meth:`discard` removes the lock file when this hold created it."""
 
     def __init__(self, lock: FileLock, path: Path) -> None:
         self._lock, self._path = lock, path
+        self._created = False
 
     def __enter__(self):
+        lock_file = Path(self._lock.lock_file)
+        if lock_file.is_symlink():  # never lock (or truncate) whatever a link points at
+            raise LedgerError(_symlinked_lock(lock_file, self._path))
+        existed = os.path.lexists(lock_file)
         try:
             self._lock.acquire()
         except Timeout as err:
             raise LedgerError(f"ledger {str(self._path)!r} is locked by another process; try again") from err
         except OSError as err:
+            if err.errno == errno.ELOOP or lock_file.is_symlink():  # a link made since the check above
+                raise LedgerError(_symlinked_lock(lock_file, self._path)) from err
             raise LedgerError(
                 f"cannot lock ledger {str(self._path)!r} ({err.strerror or err}): writing needs a writable "
                 f"directory for {self._path.name}.lock"
             ) from err
+        self._created = not existed
         return self
 
     def __exit__(self, *exc) -> None:
         self._lock.release()
+
+    def discard(self) -> None:
+        """Remove the lock file, still held, if this hold created it, so that a refused write leaves
+        nothing behind; a lock file that was already there is kept (other processes may wait on it)."""
+        if self._created:
+            Path(self._lock.lock_file).unlink(missing_ok=True)
+
+
+def _symlinked_lock(lock_file: Path, path: Path) -> str:
+    return (
+        f"the lock file {str(lock_file)!r} of ledger {str(path)!r} is a symbolic link; refusing to follow it "
+        "(remove the link: the lock is a plain file beside the ledger)"
+    )
 
 
 _atomic_write_json = atomic_write_json  # the one crash-safe writer (accounting.atomic)

@@ -34,7 +34,10 @@ alone), generated at B = 1 with the parameters that keep the null-reference dist
 
 Results are appended to ``cells.jsonl`` as each cell finishes (re-running resumes), then
 ``summary.json``, ``comparison.md`` and ``comparison.png`` are written. Seeded generation: the texts
-are reproducible and therefore carry no privacy; this measures utility, not a release.
+are reproducible and therefore carry no privacy; this measures utility, not a release, and each cell
+says so (``"guarantee": null`` with ``"guarantee_void_reason"``, as ``generate`` marks a seeded
+release). AdaPMixED's per-text spend is computed from the references, so it is private and never
+written.
 """
 
 from __future__ import annotations
@@ -151,11 +154,11 @@ def run(args) -> None:
                         cell.update({
                             "feasible": True,
                             "seconds": time.perf_counter() - t0,
-                            "guarantee": result.guarantee.label(),
+                            **result.record_fields(),  # seeded: "guarantee": null and why
                             "mechanism": mech.describe(),
-                            "texts": [
+                            "texts": [  # never AdaPMixED's spend: it is computed from the references (private)
                                 {"text": t.text, "num_tokens": t.num_tokens, "finish_reason": t.finish_reason,
-                                 "modes": list(t.modes), "spend": t.spend}
+                                 "modes": list(t.modes)}
                                 for t in result.texts
                             ],
                         })

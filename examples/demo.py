@@ -6,7 +6,8 @@ Three steps, each a part of the toolkit:
    the planning table an ML engineer uses to pick the number of references B (compute: B+1 forward
    rows per token);
 2. **generate** (``invink_audit.generation``): InvisibleInk on the embedded SmolLM2-135M-Instruct from
-   a small fictional, privacy-sensitive dataset, charged to a budget ledger first
+   a small dataset of fictional restaurant reviews, one review per star rating, charged to a budget
+   ledger first
    (``examples/demo_generate.py``);
 3. **audit** (``invink_audit.audit``): teacher-forced exact per-step checks of the released texts for
    every replace-by-null neighbour and a short sampled audit, ending in a verdict.
@@ -60,17 +61,17 @@ def main() -> int:
     result = demo_generate.main(epsilon=EPSILON, delta=DELTA, batch_size=B, max_new_tokens=T, temperature=TAU)
     print("\n== 3. Audit: does the claimed guarantee hold on these texts? ==")
     from invink_audit.audit.quick import quick_audit
-    from invink_audit.bench import demo_references
+    from invink_audit.cli import phase_progress
 
     # a short audit for the demo: 16 sampled texts (the fewest for which a sampled audit can PASS),
-    # 4 importance-sampled texts per alpha and neighbour (audits/ holds the full-size specs)
-    report = quick_audit(
-        result,
-        demo_references(),
-        prompt_fields={"description": demo_generate.DESCRIPTION},
-        num_samples=16,
-        num_is_samples=4,
-    )
+    # 4 importance-sampled texts per alpha and neighbour (audits/ holds the full-size specs); the
+    # release's plan, prompt, labels and batches come from the result itself. One progress bar per
+    # phase on stderr (exact checks, then the sampled audit): quick_audit reports, the demo draws.
+    progress, close = phase_progress()
+    try:
+        report = quick_audit(result, num_samples=16, num_is_samples=4, progress=progress)
+    finally:
+        close()
     print(report.summary())
     print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return 0 if report.verdict.value != "VIOLATION" else 1

@@ -1,12 +1,15 @@
-"""Demo, generation part: private synthetic patient messages on the embedded SmolLM2-135M model.
+"""Demo, generation part: private synthetic restaurant reviews on the embedded SmolLM2-135M model.
 
-The shipped dataset (``invink_audit/resources/demo_references.jsonl``) holds 24 short messages that
-fictional patients sent to their family doctor: names, ages, conditions and addresses are invented,
-but they are exactly the kind of text a practice must not leak. The demo
+The shipped dataset (``invink_audit/resources/demo_reviews.jsonl``) holds 24 short restaurant reviews,
+8 each at 1, 3 and 5 stars, with Yelp-style label columns: names and places are invented, but reviews
+are exactly the kind of user text a platform must not leak. The demo
 
 1. plans the clip norm for the budget with :func:`accounting.plan_clip_norm`,
 2. creates a budget ledger for the dataset and charges the run to it before generating,
-3. generates one text per disjoint batch of ``B`` messages with InvisibleInk (streamed to JSON Lines),
+3. generates one review per star rating, each from a disjoint batch of ``B`` reviews of that rating
+   (label-conditioned: the rating is a public field of the prompt), with InvisibleInk and the ``yelp``
+   prompt (the model's answer starts as a quoted review and ends at the closing quote: issue 19,
+   ``docs/results/templates.md``), streamed to JSON Lines,
 4. prints the texts and the a-priori guarantee.
 
 Run it with ``python examples/demo_generate.py`` (a few minutes at most on 2 CPU cores; the first run
@@ -16,13 +19,14 @@ also converts the embedded GGUF model once, about 30 s). ``main()`` returns the
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 
-DESCRIPTION = "short messages that patients sent to their family doctor"
+LABELS = ("label1", "label2")
 
 
 def main(
@@ -31,40 +35,39 @@ def main(
     delta: float = 1e-6,
     batch_size: int = 4,
     max_new_tokens: int = 48,
-    num_texts: int = 3,
     temperature: float = 1.0,
     top_k: int = 100,
     output_dir: str | Path | None = None,
 ):
     from accounting import BudgetLedger, plan_clip_norm
-    from invink_audit.bench import demo_references
+    from invink_audit.bench import demo_reviews_path
     from invink_audit.generation import generate
     from invink_audit.models import load_model
 
-    references = demo_references()
+    directory = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="invink-demo-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    references = directory / "reviews.jsonl"  # a copy of the shipped file (its path may be inside a wheel)
+    references.write_text(demo_reviews_path().read_text("utf-8"), encoding="utf-8")
+    records = [json.loads(line) for line in references.read_text("utf-8").splitlines() if line.strip()]
     plan = plan_clip_norm(
         epsilon=epsilon, delta=delta, max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature
     )
     print("== Private synthetic text generation (InvisibleInk) ==")
-    print(f"dataset: {len(references)} fictional patient messages, e.g.")
-    print(textwrap.indent(textwrap.fill(references[0], 96), "    "))
+    print(f"dataset: {len(records)} fictional restaurant reviews (1, 3 and 5 stars), e.g.")
+    print(textwrap.indent(textwrap.fill(f"[{records[0]['label2']}] {records[0]['text']}", 96), "    "))
     print(
         f"plan: ({plan.epsilon:g}, {plan.delta:g})-DP for texts of at most T = {max_new_tokens} tokens, "
         f"B = {batch_size} references per text, tau = {temperature:g}\n"
         f"      -> clip norm C = {plan.clip_norm:.4f}, epsilon0 = {plan.epsilon0:.4f} per token, "
         f"rho_sequence = {plan.rho_sequence:.4f} ({plan.accountant})"
     )
-
-    directory = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="invink-demo-"))
-    directory.mkdir(parents=True, exist_ok=True)
-    ledger = BudgetLedger.create(directory / "ledger.json", epsilon=10.0, delta=delta, dataset="demo patient messages")
+    ledger = BudgetLedger.create(directory / "ledger.json", epsilon=10.0, delta=delta, dataset="demo restaurant reviews")
     print(f"ledger: total budget epsilon = 10 at delta = {delta:g} ({directory / 'ledger.json'})")
 
     started = time.perf_counter()
     model = load_model()
     print(f"model: {model.name} on {model.device} (loaded in {time.perf_counter() - started:.1f} s)")
-    rows = num_texts * (batch_size + 1)
-    print(f"generating {num_texts} texts ({num_texts} disjoint batches x (B+1) = {rows} rows per step) ...")
+    print(f"generating one review per star rating (3 disjoint batches x (B+1) = {3 * (batch_size + 1)} rows per step) ...")
     result = generate(
         references,
         batch_size=batch_size,
@@ -73,17 +76,17 @@ def main(
         epsilon=epsilon,
         temperature=temperature,
         top_k=top_k,
-        num_texts=num_texts,
         model=model,
-        prompt="generic",
-        prompt_fields={"description": DESCRIPTION},
+        prompt="yelp",
+        label_columns=LABELS,
+        num_texts_per_group=1,
         output=directory / "texts.jsonl",
         ledger=ledger,
     )
     for text in result.texts:
+        stars = text.labels["label2"].removeprefix("Review Stars: ") if text.labels else "?"
         print(
-            f"\n-- text {text.batch_index + 1} (from references {text.batch_index * batch_size + 1}-"
-            f"{(text.batch_index + 1) * batch_size}; {text.num_tokens} tokens, {text.finish_reason}; "
+            f"\n-- text {text.batch_index + 1}: a {stars}-star review ({text.num_tokens} tokens, {text.finish_reason}; "
             f"|V_k+| = {text.topk_plus_size_mean:.0f} ± {text.topk_plus_size_std:.0f}, "
             f"{text.expansion_tokens} from the expansion set)"
         )

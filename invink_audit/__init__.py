@@ -22,6 +22,7 @@ _LAZY: dict[str, str] = {
             "dclip_aggregate",
             "derive_key",
             "gumbel_argmax",
+            "is_seeded",
             "make_generator",
             "naive_clip_aggregate",
             "neighbour_log_probs",

@@ -22,10 +22,15 @@ as it works, calling ``model.generate(max_new_tokens=1)`` once per token and mov
 numpy. The speedup is the ratio of the two costs per generated token.
 
 Under ``torchrun`` / ``accelerate launch`` the processes share the workload's G texts (whole texts,
-balanced by prompt length: :func:`invink_audit.distributed.assign_batches`), each keeping its random
+balanced by public prompt length: :func:`invink_audit.distributed.assign_batches`), each keeping its random
 stream; ``processes`` lists each one's texts, tokens and seconds, and the workload figures become the
 total tokens over the slowest process's seconds. The lockstep steps, the one-at-a-time and floor runs
 and the reference are single-process measurements and are skipped there.
+
+:func:`compare_dtypes` runs the whole workload in float32 and in bfloat16 side by side in one process,
+alternating the dtypes round by round (float32, bfloat16, then bfloat16, float32, ...) so that load on the
+machine falls on both alike, and reports what ``dtype="auto"`` chooses here and why
+(:class:`~invink_audit.models.DtypeChoice`).
 """
 
 from __future__ import annotations
@@ -44,10 +49,19 @@ import torch
 from invink_audit.distributed import assign_batches, current_cluster, request_cost
 from invink_audit.engine import Engine, ForwardStats
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
-from invink_audit.models import LoadedModel, load_model
+from invink_audit.models import DtypeChoice, LoadedModel, follow_dtype, load_model, resolve_device, resolve_dtype
 from invink_audit.prompts import PromptTemplate, encode_request, get_preset
 
-__all__ = ["BenchResult", "ReferenceTiming", "benchmark", "demo_references", "time_reference"]
+__all__ = [
+    "BenchResult",
+    "DtypeComparison",
+    "DtypeRun",
+    "ReferenceTiming",
+    "benchmark",
+    "compare_dtypes",
+    "demo_references",
+    "time_reference",
+]
 
 
 def demo_references() -> list[str]:
@@ -57,6 +71,14 @@ def demo_references() -> list[str]:
 
     text = (importlib.resources.files("invink_audit") / "resources" / "demo_references.jsonl").read_text("utf-8")
     return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
+
+
+def demo_reviews_path():
+    """The fictional restaurant reviews shipped for ``make demo`` (``resources/demo_reviews.jsonl``: 24
+    invented reviews, 8 each at 1, 3 and 5 stars, with Yelp-style ``label1``/``label2`` columns)."""
+    import importlib.resources
+
+    return importlib.resources.files("invink_audit") / "resources" / "demo_reviews.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +155,8 @@ class BenchResult:
     #: figures above are then the total tokens over the slowest process's seconds
     processes: tuple[dict, ...] = ()
     rank: int = 0
+    #: why the model ran in ``dtype`` (``auto``: the bfloat16 probe's figures on a CPU with native bfloat16)
+    dtype_choice: DtypeChoice | None = None
 
     @property
     def workload_token_seconds(self) -> float:
@@ -565,6 +589,9 @@ def benchmark(
     if cluster.distributed:  # the workload only: its texts shared by the processes
         repeats, one_at_a_time, floor, compare_full_logits = 0, False, False, False
     loaded = load_model(model, device=cluster.device(device), dtype=dtype)
+    if cluster.distributed and not isinstance(model, LoadedModel):  # every process in process 0's dtype
+        reload = lambda choice: load_model(model, device=loaded.device, dtype=choice)  # noqa: E731
+        loaded = follow_dtype(loaded, cluster.broadcast(loaded.dtype_choice), reload)
     mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     rows = num_texts * (batch_size + 1)
     engine = Engine(loaded, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
@@ -595,6 +622,175 @@ def benchmark(
         plain_prompts=plain,
         processes=workload.processes if cluster.distributed else (),
         rank=cluster.rank,
+        dtype_choice=loaded.dtype_choice,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeRun:
+    """One dtype's whole-workload runs in :func:`compare_dtypes`, one per round: seconds (prefill
+    included, stopping at end-of-sequence), prefill seconds, generated tokens. ``choice``: why it ran in
+    that dtype (``"requested"``, or ``auto``'s decision when auto chose it)."""
+
+    choice: DtypeChoice
+    seconds: tuple[float, ...]
+    prefill_seconds: tuple[float, ...]
+    tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.seconds or not len(self.seconds) == len(self.prefill_seconds) == len(self.tokens):
+            raise ValueError("seconds, prefill_seconds and tokens must hold one entry per round (at least one)")
+
+    @property
+    def dtype(self) -> str:
+        return self.choice.dtype
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def median_prefill_seconds(self) -> float:
+        return statistics.median(self.prefill_seconds)
+
+    @property
+    def token_seconds(self) -> float:
+        """Seconds per generated token over every round (prefill and end-of-sequence included)."""
+        return sum(self.seconds) / sum(self.tokens)
+
+    def to_json(self) -> dict:
+        return {
+            "dtype": self.dtype, "choice": self.choice.to_json(), "seconds": list(self.seconds),
+            "prefill_seconds": list(self.prefill_seconds), "tokens": list(self.tokens),
+            "median_seconds": self.median_seconds, "median_prefill_seconds": self.median_prefill_seconds,
+            "token_seconds": self.token_seconds,
+        }  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeComparison:
+    """The same workload in several dtypes, alternating round by round (:func:`compare_dtypes`), and what
+    ``dtype="auto"`` chooses on this machine (``auto``, with the bfloat16 probe's figures where it ran).
+    ``references``: the reference package timed on the same workload (``matched``: in each of our dtypes)."""
+
+    model: str
+    device: str
+    threads: int
+    batch_size: int
+    num_texts: int
+    max_new_tokens: int
+    rounds: int
+    auto: DtypeChoice
+    runs: tuple[DtypeRun, ...]
+    references: tuple[ReferenceTiming, ...] = ()
+
+    def run(self, dtype: str) -> DtypeRun:
+        for run in self.runs:
+            if run.dtype == dtype:
+                return run
+        raise ValueError(f"no run in {dtype!r}; ran {[r.dtype for r in self.runs]}")
+
+    def speedup(self, dtype: str = "bfloat16", baseline: str = "float32") -> float:
+        """``baseline``'s seconds per generated token ÷ ``dtype``'s (over all rounds)."""
+        return self.run(baseline).token_seconds / self.run(dtype).token_seconds
+
+    def workload_speedup(self, dtype: str = "bfloat16", baseline: str = "float32") -> float:
+        """``baseline``'s median whole-workload seconds ÷ ``dtype``'s."""
+        return self.run(baseline).median_seconds / self.run(dtype).median_seconds
+
+    def to_json(self) -> dict:
+        out = {
+            name: getattr(self, name)
+            for name in ("model", "device", "threads", "batch_size", "num_texts", "max_new_tokens", "rounds")
+        }
+        out["auto"] = self.auto.to_json()
+        out["runs"] = [run.to_json() for run in self.runs]
+        dtypes = [run.dtype for run in self.runs]
+        if "float32" in dtypes and "bfloat16" in dtypes:
+            out["bfloat16_speedup_per_token"] = self.speedup()
+            out["bfloat16_speedup_workload"] = self.workload_speedup()
+        out["references"] = [
+            {**dataclasses.asdict(r), "configuration": r.configuration,
+             "speedup": (r.token_seconds / self.run(r.requested_dtype).token_seconds) if r.requested_dtype in dtypes else None}
+            for r in self.references
+        ]  # fmt: skip
+        return out
+
+
+def compare_dtypes(
+    model: str | None = None,
+    *,
+    dtypes: Sequence[str] = ("float32", "bfloat16"),
+    rounds: int = 2,
+    batch_size: int = 7,
+    max_new_tokens: int = 32,
+    num_texts: int = 1,
+    clip_norm: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int | None = 100,
+    prompt: str | PromptTemplate = "generic",
+    references: Sequence[str] | None = None,
+    device: str | torch.device | None = None,
+    max_batch_rows: int | None = None,
+) -> DtypeComparison:
+    """The whole workload (as :func:`benchmark` runs it) in each of ``dtypes``, ``rounds`` times each,
+    alternating: round ``r`` runs the dtypes in order, reversed on odd rounds (float32, bfloat16, bfloat16,
+    float32, ...), so that a change of load on the machine falls on both. Each model first decodes one
+    short untimed text (first-touch costs). The model is loaded once with ``dtype="auto"`` (its decision
+    and probe are reported as ``auto``) and once per other dtype. One process only; ``model``: a name or
+    path (each dtype is loaded from it)."""
+    _check_counts(
+        batch_size=(batch_size, 1), max_new_tokens=(max_new_tokens, 3), num_texts=(num_texts, 1), rounds=(rounds, 1)
+    )
+    if isinstance(model, LoadedModel):
+        raise ValueError("compare_dtypes loads the model once per dtype: give its name or path, not a LoadedModel")
+    if isinstance(dtypes, str) or any(not isinstance(name, str) or name == "auto" for name in dtypes):
+        raise ValueError(f"dtypes must be a sequence of dtype names (not 'auto'); got {dtypes!r}")
+    wanted = [resolve_dtype(name, resolve_device(device)) for name in dtypes]
+    if not wanted or len(set(wanted)) != len(wanted):
+        raise ValueError(f"dtypes must name distinct dtypes; got {list(dtypes)!r}")
+    if current_cluster().distributed:
+        raise ValueError("compare_dtypes runs in one process: run it without torchrun")
+    pool = _reference_pool(references)
+    if not pool or not any(pool):
+        raise ValueError("references must hold at least one non-empty text")
+    auto = load_model(model, device=device, dtype="auto")
+    loaded = {}
+    for name, torch_dtype in zip(dtypes, wanted):
+        in_dtype = auto if auto.dtype == torch_dtype else load_model(model, device=auto.device, dtype=name)
+        loaded[in_dtype.dtype_choice.dtype] = in_dtype
+    mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
+    rows = num_texts * (batch_size + 1)
+    texts = _workload_texts(pool, batch_size, num_texts)
+    runs = {}
+    for name, model_in_dtype in loaded.items():
+        engine = Engine(model_in_dtype, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
+        requests, _ = _encode_workload(model_in_dtype, get_preset(prompt), texts)
+        list(engine.generate(requests[:1], max_new_tokens=2, generator=_generator(auto.device)))  # warm-up
+        runs[name] = (engine, requests, [])
+    order = list(loaded)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            engine, requests, measured = runs[name]
+            measured.append(_workload_run(engine, requests, max_new_tokens, auto.device))
+    return DtypeComparison(
+        model=auto.name,
+        device=str(auto.device),
+        threads=torch.get_num_threads(),
+        batch_size=batch_size,
+        num_texts=num_texts,
+        max_new_tokens=max_new_tokens,
+        rounds=rounds,
+        auto=auto.dtype_choice,
+        runs=tuple(
+            DtypeRun(
+                choice=loaded[name].dtype_choice,
+                seconds=tuple(w.seconds for w in measured),
+                prefill_seconds=tuple(w.stats.prefill_seconds for w in measured),
+                tokens=tuple(w.tokens for w in measured),
+            )
+            for name, (_, _, measured) in runs.items()
+        ),
     )
 
 

@@ -12,6 +12,16 @@ assignment, per-process results), never tensors, so no NCCL group is needed even
 group the caller initialised is used as it is (with a gloo side group when its backend is not gloo).
 Without those variables, or with ``WORLD_SIZE=1``, a run is a single process and nothing here
 communicates.
+
+What travels, and to whom. torch.distributed neither authenticates nor encrypts: every collective
+here is a pickled Python object over a gloo connection (found through the launcher's TCPStore at
+``MASTER_ADDR:MASTER_PORT``), and every process unpickles what it receives. A release sends each
+process the random stream keys of its own batches (:meth:`Cluster.scatter`; never the release's master
+key), the release id and the batch assignment; the processes send rank 0 a digest of their settings and
+ledger, their texts and their failures. Whoever reads that traffic learns the sampling noise of those
+texts; whoever reaches the ports can make a process unpickle (run) anything. On one machine the traffic
+stays inside it; a launch that spans machines is refused unless ``INVINK_ALLOW_MULTI_MACHINE=1`` says
+that the network between them is trusted (:func:`check_single_machine`).
 """
 
 from __future__ import annotations
@@ -20,8 +30,10 @@ import dataclasses
 import atexit
 import datetime
 import heapq
+import ipaddress
 import os
 import pickle
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
@@ -30,6 +42,7 @@ __all__ = [
     "RankFailure",
     "ReleaseIncompleteError",
     "assign_batches",
+    "check_single_machine",
     "current_cluster",
     "launch_rank",
     "launch_world_size",
@@ -88,6 +101,23 @@ class Cluster:
 
         box = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def scatter(self, parts: Sequence | None = None):
+        """Rank 0's ``parts[r]`` on rank ``r``: each process receives its own part and nothing of the
+        others' (rank 0 sends it to that process alone; ``parts`` is ignored on the other ranks)."""
+        if not self.distributed:
+            return parts[0]
+        import torch.distributed as dist
+
+        if self.is_main:
+            if len(parts) != self.world_size:
+                raise ValueError(f"scatter needs one part per process ({self.world_size}); got {len(parts)}")
+            for rank in range(1, self.world_size):
+                dist.send_object_list([parts[rank]], dst=rank, group=self.group)
+            return parts[0]
+        box = [None]
+        dist.recv_object_list(box, src=0, group=self.group)
         return box[0]
 
     def gather(self, obj) -> list | None:
@@ -174,6 +204,7 @@ _ENV_NAMES = {
     "WORLD_SIZE": ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"),
     "RANK": ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"),
     "LOCAL_RANK": ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK"),
+    "LOCAL_WORLD_SIZE": ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"),
 }
 
 
@@ -212,6 +243,88 @@ def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+#: Set to ``1`` on every machine to run one release over several machines (see :func:`check_single_machine`).
+ALLOW_MULTI_MACHINE_ENV = "INVINK_ALLOW_MULTI_MACHINE"
+
+
+def _allows_multi_machine() -> bool:
+    text = os.environ.get(ALLOW_MULTI_MACHINE_ENV, "").strip().lower()
+    if text in ("", "0", "false", "no"):
+        return False
+    if text in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"{ALLOW_MULTI_MACHINE_ENV}={os.environ[ALLOW_MULTI_MACHINE_ENV]!r} must be 1 (allow) or 0 (refuse)")
+
+
+def _is_local_address(address: str) -> bool:
+    """Whether ``address`` (an IP literal) is one of this machine's: loopback, or bindable here (binding a
+    socket to another machine's address fails with EADDRNOTAVAIL; nothing is sent)."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if ip.is_loopback:
+        return True
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+def _is_this_machine(host: str) -> bool:
+    """Whether ``host`` (``MASTER_ADDR``: a name or an IP literal) names this machine. A name must resolve,
+    and every address it resolves to must be this machine's."""
+    name = host.strip().removeprefix("[").removesuffix("]")
+    if not name:
+        return False
+    if name.lower() == "localhost":
+        return True
+    try:
+        return _is_local_address(name)
+    except ValueError:  # not an IP literal: a host name
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(addresses) and all(_is_local_address(a) for a in addresses)
+
+
+def _machines_reason(world: int) -> str | None:
+    """Why the launcher's environment says that this launch of ``world`` processes spans machines (``None``
+    when it does not): fewer processes on this machine than in all (``LOCAL_WORLD_SIZE`` < ``WORLD_SIZE``,
+    as torchrun and accelerate set them, or the MPI equivalents), or a ``MASTER_ADDR`` that is not this
+    machine."""
+    if world <= 1:
+        return None
+    local = _env_int("LOCAL_WORLD_SIZE", world)
+    if local < world:
+        return f"WORLD_SIZE={world} processes but LOCAL_WORLD_SIZE={local} on this machine"
+    master = os.environ.get("MASTER_ADDR")
+    if master is not None and not _is_this_machine(master):
+        return f"MASTER_ADDR={master!r} is not an address of this machine"
+    return None
+
+
+def check_single_machine(world: int) -> None:
+    """Refuse a launch of ``world`` processes that spans machines (:func:`_machines_reason`) unless
+    ``INVINK_ALLOW_MULTI_MACHINE=1``: the process group is neither authenticated nor encrypted (module
+    docstring). Every process decides from its own environment, before any process group exists, so a
+    refused launch exchanges nothing."""
+    reason = _machines_reason(world)
+    if reason is None or _allows_multi_machine():
+        return
+    raise ValueError(
+        f"this launch spans more than one machine ({reason}); refused, nothing was run or charged. The processes "
+        "talk over torch.distributed (gloo, found through a TCPStore), which is neither authenticated nor "
+        "encrypted: rank 0 sends each process pickled Python objects holding the random stream keys of its "
+        "batches (whoever reads them can take the sampling noise out of those texts), the release id and the batch "
+        "assignment, and the processes send rank 0 pickles of their settings digests, texts and failures; every "
+        "process unpickles what reaches it, so whoever can reach the ports can run code in it. Launch on several "
+        "machines only over a network you trust (a private cluster network, or a tunnel such as WireGuard or SSH), "
+        f"and then set {ALLOW_MULTI_MACHINE_ENV}=1 in the environment of every process"
+    )
+
+
 def current_cluster() -> Cluster:
     """This process's :class:`Cluster`: initialises a gloo process group from the launcher's environment
     the first time (``WORLD_SIZE`` > 1), or uses the one the caller initialised."""
@@ -224,6 +337,7 @@ def current_cluster() -> Cluster:
         world, rank = dist.get_world_size(), dist.get_rank()
         if _CLUSTER is not None and (_CLUSTER.rank, _CLUSTER.world_size) == (rank, world):
             return _CLUSTER
+        check_single_machine(world)
         group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=_timeout())
         _CLUSTER = Cluster(rank, world, _env_int("LOCAL_RANK", rank), group)
         return _CLUSTER
@@ -238,6 +352,7 @@ def current_cluster() -> Cluster:
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in os.environ:
             raise ValueError(f"WORLD_SIZE={world} but {name} is not set: launch with torchrun or accelerate launch")
+    check_single_machine(world)
     dist.init_process_group(backend="gloo", timeout=_timeout(), rank=rank, world_size=world)
     # a gloo group left for interpreter finalisation can abort the process (SIGABRT, "terminate called
     # without an active exception": pytorch/pytorch#190489); the CLI shuts down explicitly, this covers
@@ -307,7 +422,11 @@ def batch_cost(prompt_lengths: Sequence[int], max_new_tokens: int) -> float:
 
 
 def request_cost(request, max_new_tokens: int) -> float:
-    """:func:`batch_cost` of a :class:`~invink_audit.prompts.TextRequest`: every one of its B + 1 rows
-    decodes (a null reference is a placeholder row with no prompt of its own)."""
-    lengths = [len(request.public_ids)] + [0 if ids is None else len(ids) for ids in request.private_ids]
+    """:func:`batch_cost` of a :class:`~invink_audit.prompts.TextRequest` from its *public* part only:
+    its B + 1 rows each counted at the public prompt's length. The private prompts' lengths must not
+    decide which process draws a batch: the batches a process holds share its decoding passes, so
+    an assignment that followed a private length would let one batch's references change another
+    batch's public-row arithmetic (and the processes' timing). Label-conditioned public prompts still
+    balance by their own lengths."""
+    lengths = [len(request.public_ids)] * (1 + len(request.private_ids))
     return batch_cost(lengths, max_new_tokens)

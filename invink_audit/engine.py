@@ -13,15 +13,20 @@ equal the public logits exactly (replace-by-null adjacency, paper §3). The piec
 * ``_StepMath``: the mechanism and the draw of one step, on the device, with one host transfer.
 
 **Cost proportional to real tokens.** Prompts are prefilled row by row, in chunks of at most
-``max_prefill_tokens`` (so a huge reference neither blows memory nor, while other texts decode,
-stalls them: at most a few chunks run per step). A decoding step is one forward pass over every row of
+``max_prefill_tokens`` (so a huge reference does not blow memory). A text's rows are prefilled
+completely in the step that admits it, whatever their lengths: the step at which a text starts
+decoding must not depend on how long its private references are (see below), so a long reference
+lengthens that one step for the texts already decoding instead of delaying its own text. A decoding step is one forward pass over every row of
 every text in progress, packed without padding; for attention, rows sit in buckets of their own
 length rounded up by at most 1/8 (:class:`~invink_audit.rows.KVStore`).
 
 **Rows do not leak into each other.** Every operation that touches the public row has shapes fixed by
 public information: prefill is per row; a decoding pass always has ``B + 1`` rows per text in
-progress (a null reference, or a text still being prefilled, contributes a placeholder row); texts
-enter and leave only when texts finish; each public row has an attention call of its own; the step's
+progress (a null reference contributes a placeholder row); the schedule (which texts are admitted,
+when they draw their first token, when they leave) depends only on the request order, ``max_new_tokens``
+and the tokens drawn, never on a private prompt's length or content: texts are admitted in request
+order when a slot frees, prefilled in full in that step, and leave when they draw EOS or their
+``max_new_tokens``-th token; each public row has an attention call of its own; the step's
 arithmetic runs over every text in progress. So the public row's logits are bitwise the same whatever
 the private references are (``tests/test_engine_rows.py``), and the null row is the public row of the
 neighbouring dataset, as the analysis assumes. Private rows of one length bucket share a batched
@@ -95,7 +100,7 @@ from invink_audit.mechanism import (
 from invink_audit.mechanisms.base import Mechanism
 from invink_audit.mechanisms.invisibleink import InvisibleInk
 from invink_audit.models import LoadedModel
-from invink_audit.prompts import TextRequest
+from invink_audit.prompts import TextRequest, reached_stop
 from invink_audit.rows import RowKV, StoredRow
 
 __all__ = ["DecodeStep", "Engine", "FinishedText", "ForwardStats", "GenericDecodeStep", "RowForward", "default_max_batch_rows"]
@@ -104,6 +109,8 @@ FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
 #: the mechanism's stop rule ended the text (a budget of private tokens, or a data-dependent spend)
 FINISH_BUDGET = "budget"
+#: the text drew one of its template's public stop strings (:attr:`~invink_audit.prompts.TextRequest.stop`)
+FINISH_STOP = "stop"
 # label of each text's auxiliary stream (mechanisms with their own noise), derived from its stream key
 _AUX_LABEL = 0x5D
 
@@ -341,9 +348,9 @@ class Engine:
 
     ``max_batch_rows``: rows per decoding forward pass (default :func:`default_max_batch_rows`); at
     most ``max(1, max_batch_rows // (B + 1))`` texts are in progress at once. ``max_prefill_tokens``:
-    tokens per prefill forward pass (a longer prompt is prefilled in chunks; default 512); while texts
-    are decoding, at most ``4 * max_prefill_tokens`` prompt tokens are prefilled per step, so a huge
-    reference delays no one. ``support_only``: compute private logits on the Top-k+ columns only when
+    tokens per prefill forward pass (a longer prompt is prefilled in chunks; default 512); every
+    admitted text is prefilled in full in the step that admits it, so when it starts decoding never
+    depends on its private prompts' lengths (module docstring). ``support_only``: compute private logits on the Top-k+ columns only when
     nothing needs the full rows and the model passes the output-layer probe (module docstring);
     ``False`` always computes full logits. ``share_prefill``: prefill each distinct prompt once per
     :meth:`generate` call and copy its cache (bitwise the same; for audits, which repeat prompts).
@@ -422,6 +429,7 @@ class Engine:
         progress: Callable[[int], None] | None = None,
         stream_ids: Sequence[int] | None = None,
         key: int | None = None,
+        stream_keys: Sequence[int] | None = None,
     ) -> Iterator[FinishedText]:
         """Generate one text per request; yields texts as they finish (not in request order).
 
@@ -431,29 +439,47 @@ class Engine:
         ``stream_ids[i]`` (default: ``i``), so a text's tokens do not depend on which texts share its
         forward passes. ``key`` (a 128-bit integer) replaces the key drawn from ``generator``: a
         release spread over processes passes its master key and each text's batch index as stream id,
-        so a batch's text does not depend on which process drew it. ``neighbours=True`` computes the neighbour log-probabilities every step (use
+        so a batch's text does not depend on which process drew it. ``stream_keys`` (one 128-bit integer
+        per request) gives each text's stream key itself, in place of ``key`` and ``stream_ids``: text
+        ``i`` with ``stream_keys[i] = derive_key(key, stream_ids[i])`` draws the same tokens, so a process
+        can generate its texts from their own keys without ever holding the key they derive from.
+        ``neighbours=True`` computes the neighbour log-probabilities every step (use
         it when the observer or the sampling rule needs them). ``stop_at_eos=False`` ignores
         end-of-sequence tokens (benchmarks). ``progress(n)`` is called after each step with the number
         of tokens drawn.
         """
         requests = list(requests)
-        self._check_arguments(requests, max_new_tokens, generator, stream_ids, key)
+        self._check_arguments(requests, max_new_tokens, generator, stream_ids, key, stream_keys)
         if not requests:
             return
-        streams = list(range(len(requests))) if stream_ids is None else [int(s) for s in stream_ids]
-        if key is None:
-            key = run_key(generator)  # 128 bits; one host transfer per call at most
+        if stream_keys is not None:
+            keys = [int(k) for k in stream_keys]
+        else:
+            streams = list(range(len(requests))) if stream_ids is None else [int(s) for s in stream_ids]
+            if key is None:
+                key = run_key(generator)  # 128 bits; one host transfer per call at most
+            keys = [derive_key(key, s) for s in streams]
         hooks = _Hooks(observer, sampling_rule, neighbours)
-        run = _Run(self, requests, [derive_key(key, s) for s in streams], max_new_tokens, stop_at_eos, exact=hooks.any)
+        run = _Run(self, requests, keys, max_new_tokens, stop_at_eos, exact=hooks.any)
         while not run.done:
             finished, drawn = run.step(hooks)
             if progress is not None:
                 progress(drawn)
             yield from finished
 
-    def _check_arguments(self, requests, max_new_tokens, generator, stream_ids, key=None) -> None:
+    def _check_arguments(self, requests, max_new_tokens, generator, stream_ids, key=None, stream_keys=None) -> None:
         if key is not None and (isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**128):
             raise ValueError("key must be an integer in [0, 2**128) or None")
+        if stream_keys is not None:
+            if key is not None or stream_ids is not None:
+                raise ValueError("give stream_keys (each text's own key) or key and stream_ids, not both")
+            keys = list(stream_keys)
+            if len(keys) != len(requests):
+                raise ValueError(f"stream_keys must give one key per request ({len(requests)}); got {len(keys)}")
+            if any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 2**128 for k in keys):
+                raise ValueError("stream_keys must be integers in [0, 2**128)")
+            if len(set(keys)) != len(keys):
+                raise ValueError("stream_keys must be distinct: texts sharing a key would share their noise")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
         if not isinstance(generator, torch.Generator):
@@ -486,8 +512,6 @@ class Engine:
 _DEFAULT_PREFILL_TOKENS = 512
 # shortest template prefix worth sharing between private rows
 _MIN_PREFIX = 4
-# while texts are decoding, prefill at most this many chunks per step (keeps steps short)
-_PREFILL_CHUNKS_PER_STEP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,13 +571,17 @@ class _Run:
             )
 
     def _prefill(self, hidden: bool) -> None:
-        """Prefill waiting rows in chunks: everything when no text is decoding (nobody waits), else at
-        most ``_PREFILL_CHUNKS_PER_STEP`` chunks' worth of tokens, so a huge reference stalls no one."""
+        """Prefill every admitted text's rows completely, in chunks of ``max_prefill_tokens``.
+
+        No per-step token budget: with one, a text whose private references are long would start
+        decoding steps later than its neighbour's, so which texts share a decoding pass (the public
+        rows' arithmetic), the order texts finish in and every later admission would depend on private
+        lengths (replace-by-null would change them). Here a text admitted in a step draws its first
+        token in that step, whatever its prompts are."""
         chunk = self.engine.max_prefill_tokens
-        budget = _PREFILL_CHUNKS_PER_STEP * chunk if any(t.decoding for t in self.texts) else math.inf
         for text in self.texts:
-            while not text.prefilled and budget > 0:
-                budget -= self._prefill_chunk(text, chunk, hidden)
+            while not text.prefilled:
+                self._prefill_chunk(text, chunk, hidden)
 
     def _prefill_chunk(self, text: _Text, chunk: int, hidden: bool) -> int:
         index = text.next_row
@@ -629,9 +657,9 @@ class _Run:
             text.size_sq_sum += size * size
             text.expansion += outside
             text.states = [None] * len(text.states)
-            eos = self.stop_at_eos and tokens[n] in self.eos
-            if eos or len(text.tokens) >= self.max_new_tokens:
-                finished.append(text.finished_text(FINISH_EOS if eos else FINISH_LENGTH))
+            reason = self._finish_reason(text, tokens[n])
+            if reason is not None:
+                finished.append(text.finished_text(reason))
                 gone.add(slot)
         if gone:
             for slot in gone:
@@ -641,6 +669,17 @@ class _Run:
             self.texts = [t for s, t in enumerate(self.texts) if s not in gone]
         return finished, len(ready)
 
+
+    def _finish_reason(self, text: _Text, token: int) -> str | None:
+        """Why ``text`` ends after drawing ``token`` (``None``: it goes on). Released tokens and public
+        settings only: EOS, the template's public stop strings, or its ``max_new_tokens``-th token."""
+        if self.stop_at_eos and token in self.eos:
+            return FINISH_EOS
+        if text.request.stop and reached_stop(self.engine.model.tokenizer, text.tokens, text.request.stop):
+            return FINISH_STOP
+        if len(text.tokens) >= self.max_new_tokens:
+            return FINISH_LENGTH
+        return None
 
     def _record_outcomes(self, ready: list[int], values: list[list]) -> tuple[list[FinishedText], int]:
         """Generic mechanisms: record each ready text's outcome (mode and token, or the stop outcome)."""
@@ -661,9 +700,10 @@ class _Run:
             text.modes.append(outcome // vocab)
             text.size_sum += size
             text.size_sq_sum += size * size
-            eos = self.stop_at_eos and token in self.eos
-            if eos or stop_after or len(text.tokens) >= self.max_new_tokens:
-                reason = FINISH_EOS if eos else (FINISH_BUDGET if stop_after else FINISH_LENGTH)
+            reason = self._finish_reason(text, token)
+            if reason is None and stop_after:
+                reason = FINISH_BUDGET
+            if reason is not None:
                 finished.append(text.finished_text(reason))
                 gone.add(slot)
         if gone:

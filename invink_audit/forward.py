@@ -54,7 +54,30 @@ def to_device(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class OutputLayerSplit:
     decoder: torch.nn.Module  # input ids → last hidden states (with the cache)
-    head: torch.nn.Linear  # hidden states → logits
+    head: torch.nn.Module  # hidden states → logits: the output layer without autograd (_InferenceHead)
+
+
+class _InferenceHead(torch.nn.Module):
+    """The model's output layer (a ``torch.nn.Linear``) with its ``weight`` and ``bias`` detached (views,
+    no copy) and applied without autograd, bitwise as the layer itself. The decoder runs under
+    ``torch.inference_mode`` in :class:`RowForward`; the engine applies the head outside it, in its step
+    arithmetic, which writes into its own buffers (``out=``): on a model whose parameters still require
+    gradients (a user's own model, not frozen) the layer itself would make every result require them."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight.detach()
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.linear.bias is None else self.linear.bias.detach()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight, self.bias)
 
 
 # config attributes of models whose logits are not just the output layer (scaled or soft-capped)
@@ -109,7 +132,7 @@ def output_layer_split(model: LoadedModel) -> OutputLayerSplit | None:
     floor = 16 * torch.finfo(torch.float32).eps * (float(full.abs().max()) + 1.0)
     if not bool(((split - full).abs() <= 2 * torch.finfo(full.dtype).eps * full.abs() + floor).all()):
         return None
-    return OutputLayerSplit(decoder=decoder, head=head)
+    return OutputLayerSplit(decoder=decoder, head=_InferenceHead(head))
 
 
 @dataclasses.dataclass

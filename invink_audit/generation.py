@@ -17,11 +17,17 @@ explicit ``seed``, which voids the guarantee), and batch ``i`` samples from the 
 one, two or three processes release the same texts.
 
 Several processes (``torchrun`` / ``accelerate launch``, :mod:`invink_audit.distributed`): each takes
-whole batches; rank 0 validates, plans and charges the ledger once, before any process decodes; the
-key, the release id and the batch assignment go to the other ranks in memory (the key is never
-written to disk). Each process appends its texts to its own shard file, and rank 0 merges the shards
-into the output, ordered by batch index, when all have finished. One process writes the output
-directly, as before.
+whole batches; rank 0 validates, plans and charges the ledger once, before any process decodes, once
+every process has shown it runs the same settings, input, model, output and ledger (its file, or none,
+and its head). Each process then receives, in memory and from rank 0 alone, the release id, the batch
+assignment and the stream keys of its own batches (derived by rank 0 from the master key, which never
+leaves rank 0; no key is written to disk). A launch that spans machines is refused unless
+``INVINK_ALLOW_MULTI_MACHINE=1`` (:func:`invink_audit.distributed.check_single_machine`: the process
+group is neither authenticated nor encrypted). Each process appends its texts to its own shard
+file, and rank 0 merges the shards
+into the output, ordered by batch index, when all have finished. One process appends to the output
+directly, as texts finish, and rewrites it in batch order at the end: the published file's line order
+is never the engine's finishing order.
 
 Resuming (:mod:`invink_audit.outputs`): the output is append-only, one record per finished text, and
 small files next to it hold the resume state: ``<output>.state.json`` (the release id and a
@@ -33,8 +39,10 @@ keeps the finished texts and generates only the batches that were never sampled;
 whose record is missing from the output (deleted, torn by a crash in mid-write, or never written
 because the process died after its claim) is restored from the journal, never drawn again: a second
 draw would be a second, uncharged release. The release id is written to ``<output>.pending.json``
-before the charge, and the ledger charge is idempotent on it, so neither a resumed run nor a rerun
-after a stop right after the charge is charged twice. ``<output>.lock`` is held for the whole run: a
+(with the input's fingerprint and the settings) before the charge, and the ledger charge is idempotent
+on it, so neither a resumed run nor a rerun after a stop right after the charge is charged twice; the
+pending file becomes the state file by one rename, and is honoured only for the same input and
+settings with no state file, so a new release on the same path always gets a fresh id and is charged. ``<output>.lock`` is held for the whole run: a
 second run on the same output is refused (:class:`OutputInUseError`). The state file contains a hash
 of the private input and the journal a copy of the texts: bookkeeping, not part of the release.
 
@@ -98,14 +106,16 @@ from invink_audit.outputs import (
     shard_path,
     start_output,
 )
-from invink_audit.models import LoadedModel, load_model, resolve_device, resolve_dtype
+from invink_audit.models import DtypeChoice, LoadedModel, follow_dtype, load_model, resolve_device, resolve_dtype
 from invink_audit.prompts import (
     PromptTemplate,
     TextRequest,
-    encode_messages,
+    encode_prompt,
     encode_request,
     get_preset,
     label_fields_for,
+    release_text,
+    require_label_fields,
     template_for_batch,
     template_for_labels,
 )
@@ -329,6 +339,9 @@ class GenerationResult:
     partition: Partition | None = None
     labels: tuple[Mapping[str, str], ...] | None = None
     label_fields: Mapping[str, str] | None = None
+    #: the dtype the model ran in and why (:class:`~invink_audit.models.DtypeChoice`; each record has it
+    #: too, as ``model_dtype``)
+    dtype_choice: DtypeChoice | None = None
 
     def batch_template(self, index: int) -> PromptTemplate:
         """The prompt batch ``index`` was generated with (its labels filled in, when label-conditioned)."""
@@ -358,7 +371,16 @@ def _input_fingerprint(partition: Partition, labels: Sequence[Mapping[str, str]]
     return digest.hexdigest()
 
 
-def _record(text: GeneratedText, guarantee: Guarantee, release_id: str, run: dict) -> dict:
+def _record(
+    text: GeneratedText, guarantee: Guarantee, release_id: str, run: dict, template: PromptTemplate, *, model_dtype: dict
+) -> dict:
+    """One output record. ``run`` is the release-wide settings (compared on resume, so the same for every
+    record: ``run["prompt"]`` is the release's template, before any batch's labels fill it); ``template``
+    is the prompt this text's batch was generated with, whose public fields are written as
+    ``prompt_fields`` (in a label-conditioned release, the batch's labels in place of the preset's values;
+    records written before this field existed lack it, and still resume). ``model_dtype``: the dtype the
+    generating process's model ran in and why (:meth:`~invink_audit.models.DtypeChoice.to_json`; outside
+    ``run``: a release may resume in another dtype, each record saying its own)."""
     return {
         "batch_index": text.batch_index,
         "text": text.text,
@@ -369,6 +391,8 @@ def _record(text: GeneratedText, guarantee: Guarantee, release_id: str, run: dic
         "expansion_tokens": text.expansion_tokens,
         "token_ids": list(text.token_ids),
         **({} if text.labels is None else {"labels": dict(text.labels)}),
+        "prompt_fields": dict(template.fields),
+        "model_dtype": model_dtype,
         **guarantee.record_fields(),
         "release_id": release_id,
         "run": run,
@@ -524,7 +548,7 @@ def _check_context(
     ]
     if too_long:
         index, batch, length = too_long[0]
-        overhead = len(encode_messages(loaded.tokenizer, template.messages("x"))) - 1
+        overhead = len(encode_prompt(loaded.tokenizer, template, "x")) - 1
         raise ValueError(
             f"reference {index} (0-based, in input order; batch {batch}) is too long for the model: "
             f"its prompt is {length} tokens, but the model has {positions} positions, so with max_new_tokens="
@@ -540,13 +564,7 @@ def _check_context(
 
 
 def _template_json(template: PromptTemplate) -> dict:
-    return {
-        "name": template.name,
-        "system": template.system,
-        "private": template.private,
-        "public": template.public,
-        "fields": dict(template.fields),
-    }
+    return template.as_json()
 
 
 def generate(
@@ -579,6 +597,7 @@ def generate(
     allow_all_null: bool = False,
     on_tokens: Callable[[int], None] | None = None,
     on_text: Callable[[GeneratedText], None] | None = None,
+    on_start: Callable[[int], None] | None = None,
 ) -> GenerationResult:
     """Generate one DP synthetic text per disjoint batch of ``batch_size`` references.
 
@@ -593,7 +612,11 @@ def generate(
     ``model``: see :func:`invink_audit.models.load_model` (default: the embedded SmolLM2-135M), with
     ``gguf_file`` for a GGUF file inside a model directory.
     ``prompt``: a preset name (``generic``, ``yelp``, ``tab``, ``mimic``) or a
-    :class:`~invink_audit.prompts.PromptTemplate`, with ``prompt_fields`` values.
+    :class:`~invink_audit.prompts.PromptTemplate`, with ``prompt_fields`` values. A preset's fields that
+    describe the data's labels (``yelp``: ``category``, ``stars``) must be given in ``prompt_fields`` or
+    filled by ``label_columns``: their example values ("Restaurants", "4.0") would prompt every text as a
+    4-star restaurant review, and are refused (:func:`~invink_audit.prompts.defaulted_label_fields`).
+    Each record's ``prompt_fields`` holds the fields its batch was prompted with.
     ``label_columns``: label-conditioned generation (the paper's Yelp setup): the references file's
     label columns (e.g. ``("label1", "label2")``); references are grouped by their labels, each batch
     is drawn from one group (:func:`invink_audit.data.partition_by_labels`: input order within a group,
@@ -611,7 +634,9 @@ def generate(
     is reproducible and therefore not private (``guarantee.void_reason`` is set; records write
     ``guarantee: null``). ``allow_all_null``: generate even when every reference to be used is empty
     (public-only texts that still charge the ledger); refused by default.
-    ``on_tokens(n)`` / ``on_text(text)``: progress hooks.
+    ``on_tokens(n)`` / ``on_text(text)`` / ``on_start(num_texts)``: progress hooks (``on_start``: once per
+    process, before decoding, with the number of texts this process will generate, each of at most T
+    tokens: what a progress bar's total needs).
 
     Valid ranges: ``batch_size``, ``max_new_tokens``, ``num_texts``, ``top_k``, ``max_batch_rows``:
     integers ≥ 1 (``num_texts`` at most the number of full batches; ``top_k``/``max_batch_rows``
@@ -643,7 +668,7 @@ def _prepare_release(references, **options) -> _Release:
         raise ValueError(f"max_batch_rows must be an integer >= 1 or None; got {o.max_batch_rows!r}")
     if not isinstance(o.allow_all_null, bool):
         raise ValueError(f"allow_all_null must be a bool; got {o.allow_all_null!r}")
-    for name, hook in (("on_tokens", o.on_tokens), ("on_text", o.on_text)):
+    for name, hook in (("on_tokens", o.on_tokens), ("on_text", o.on_text), ("on_start", o.on_start)):
         if hook is not None and not callable(hook):
             raise ValueError(f"{name} must be callable or None; got {type(hook).__name__}")
     if o.prompt_fields is not None and not isinstance(o.prompt_fields, Mapping):
@@ -653,6 +678,7 @@ def _prepare_release(references, **options) -> _Release:
     _check_model_source(o.model, o.gguf_file, o.device, o.dtype)
     template = get_preset(o.prompt, **dict(o.prompt_fields or {}))
     partition, labels, positions = _partition(o, config, template)
+    _refuse_defaulted_fields(o, template)
     num_batches = len(partition.batches)
     if not o.allow_all_null and not any(reference for batch in partition.batches for reference in batch):
         raise ValueError(
@@ -690,10 +716,21 @@ def _prepare_release(references, **options) -> _Release:
         load=_LoadSpec(o.model, o.gguf_file, o.device, o.dtype, o.max_batch_rows),
         on_tokens=o.on_tokens,
         on_text=o.on_text,
+        on_start=o.on_start,
         labels=labels,
         label_fields=None if o.label_fields is None else dict(o.label_fields),
         positions=positions,
     )
+
+
+def _refuse_defaulted_fields(o, template: PromptTemplate) -> None:
+    """Refuse a preset whose label fields (Yelp's ``category``, ``stars``) would keep their example values:
+    every text would be prompted as, say, a 4-star restaurant review whatever the references are, and
+    nothing would say so. The values must be given (``prompt_fields``) or filled by ``label_columns``."""
+    filled = ()
+    if o.label_columns is not None:
+        filled = tuple(rule.field for rule in label_fields_for(template, list(o.label_columns), o.label_fields))
+    require_label_fields(template, given=tuple(o.prompt_fields or ()), filled=filled)
 
 
 def _config(o) -> GenerationConfig:
@@ -769,17 +806,23 @@ class _LoadSpec:
 class _Admission:
     """Rank 0's decision, followed by every process: made after every check passed and the charge.
 
-    ``key`` is the release's 128-bit master key (batch ``i`` samples from the stream keyed by
-    ``(key, i)``); it travels between processes in memory only and is never written to disk.
-    ``assignment[r]``: the batch indices process ``r`` generates; ``attempt`` names this run's shards.
+    ``stream_keys[i]``: the 128-bit key of batch ``i``'s random stream, ``derive_key(master, i)`` for the
+    release's master key. Rank 0 holds every batch's; each process receives only its own batches' keys
+    (:meth:`for_rank`, :meth:`_Release._hand_out`). The master key never leaves rank 0's ``_admit``, and
+    no key is ever written to disk. ``assignment[r]``: the batch indices process ``r`` generates;
+    ``attempt`` names this run's shards.
     """
 
     release_id: str
     run: dict
-    key: int
     attempt: str
     assignment: tuple[tuple[int, ...], ...]
     num_resumed: int
+    stream_keys: Mapping[int, int]
+
+    def for_rank(self, rank: int) -> _Admission:
+        """What process ``rank`` receives: this decision with the stream keys of its own batches only."""
+        return dataclasses.replace(self, stream_keys={i: self.stream_keys[i] for i in self.assignment[rank]})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -856,6 +899,7 @@ class _Release:
     load: _LoadSpec
     on_tokens: Callable[[int], None] | None = None
     on_text: Callable[[GeneratedText], None] | None = None
+    on_start: Callable[[int], None] | None = None
     labels: tuple[Mapping[str, str], ...] | None = None
     label_fields: Mapping[str, str] | None = None
     positions: tuple[tuple[int, ...], ...] | None = None
@@ -876,7 +920,7 @@ class _Release:
             # the output's lock and resume state (read-only) before any model loads
             self.cluster.lead(lambda: self._open_output(stack))
             loaded, engine = self._load()
-            admission = self.cluster.lead(lambda: self._admit(loaded), share=True)
+            admission = self._hand_out(self.cluster.lead(lambda: self._admit(loaded)))
             report = self._work(loaded, engine, admission)
             return self._finish(loaded, admission, report)
 
@@ -890,17 +934,62 @@ class _Release:
     def _load(self):
         """The model and its engine on every process (the engine's probes refuse unsupported models
         here, before the charge)."""
-        loaded = engine = error = None
+        loaded = engine = ledger = error = None
         try:
+            ledger = self._ledger_identity()
             loaded, engine = self.load.build(self.mechanism, self.cluster.device(self.load.device))
         except Exception as err:  # noqa: BLE001 - re-raised on every process by agree()
             if not self.cluster.distributed:
                 raise
             error = err
         self.cluster.agree(error)
+        loaded, engine = self._follow_dtype(loaded, engine)
         # every process must run the release rank 0 admits: same input, settings, prompt, seed and model
         self.cluster.check_same(self._identity_digest(loaded), "settings, input, prompt, seed, model or output")
+        # ... and charge the ledger rank 0 charges: a process with no ledger, or another one, would run a
+        # release that its own command line says is charged nowhere, or elsewhere
+        self.cluster.check_same(ledger, "ledger (--ledger: its resolved file, or none, and its current head)")
         return loaded, engine
+
+    def _follow_dtype(self, loaded: LoadedModel, engine: Engine) -> tuple[LoadedModel, Engine]:
+        """Every process runs in the dtype process 0 chose, with process 0's record of why: ``dtype="auto"``
+        on a CPU decides by a probe on each process (float rounding may differ with the thread count), and
+        process 0's decision is the one all follow (another dtype is loaded again)."""
+        if not self.cluster.distributed:
+            return loaded, engine
+        decided = self.cluster.broadcast(loaded.dtype_choice)
+        error = None
+        try:
+            reload = functools.partial(_load, self.load.model, self.load.gguf_file, loaded.device)
+            followed = follow_dtype(loaded, decided, reload)
+            if followed is not loaded:
+                loaded, engine = followed, Engine(followed, self.mechanism, max_batch_rows=self.load.max_batch_rows)
+        except Exception as err:  # noqa: BLE001 - re-raised on every process by agree()
+            error = err
+        self.cluster.agree(error)
+        return loaded, engine
+
+    def _ledger_identity(self) -> dict | None:
+        """The ledger this process would charge, as every process must see it: its resolved file and its
+        state (hash-chain head, number of releases, budget), or ``None`` without a ledger."""
+        if self.ledger is None:
+            return None
+        status = self.ledger.status()
+        return {
+            "path": str(self.ledger.path),
+            "head": status.head,
+            "releases": len(status.releases),
+            "budget": [status.epsilon_budget, status.delta, str(status.accountant)],
+        }
+
+    def _hand_out(self, admission: _Admission | None) -> _Admission:
+        """This process's part of rank 0's ``admission`` (``None`` on the other ranks): rank 0 sends each
+        process the shared decision with the stream keys of that process's batches, to it alone
+        (:meth:`Cluster.scatter`); no process receives the master key or another process's keys."""
+        parts = None
+        if self.cluster.is_main:
+            parts = [admission.for_rank(rank) for rank in range(self.cluster.world_size)]
+        return self.cluster.scatter(parts)
 
     def _identity_digest(self, loaded: LoadedModel) -> str:
         """A digest of everything that makes this process's texts and records what they are."""
@@ -913,6 +1002,7 @@ class _Release:
             "prompt": _template_json(self.template),
             "label_fields": None if self.label_fields is None else dict(self.label_fields),
             "model": loaded.name,
+            "dtype": loaded.dtype_choice.dtype,
             "output": None if self.io_path is None else str(self.io_path),
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
@@ -952,7 +1042,7 @@ class _Release:
         # every check passed: charge, then persist the resume state
         new_output = self.state is not None and self.state.is_new
         if new_output:  # the id is on disk before the charge (a stop right after it charges nothing twice)
-            release_id = pending_release_id(self.io_path, self.state, run)
+            release_id = pending_release_id(self.io_path, self.state, run, self.fingerprint)
         if self.ledger is not None:
             try:
                 _charge(self.ledger, plan, config, self.num_batches, release_id, self.output)
@@ -964,7 +1054,8 @@ class _Release:
             start_output(self.io_path, self.state, self.fingerprint, run, release_id)
         costs = {i: request_cost(r, config.max_new_tokens) for i, r in self.requests.items()}
         assignment = tuple(tuple(part) for part in assign_batches(costs, self.cluster.world_size))
-        return _Admission(release_id, run, key, uuid.uuid4().hex[:12], assignment, len(self.done))
+        stream_keys = {i: derive_key(key, i) for i in self.requests}  # batch i's stream: (key, i), as ever
+        return _Admission(release_id, run, uuid.uuid4().hex[:12], assignment, len(self.done), stream_keys)
 
     def _request(self, loaded: LoadedModel, index: int) -> TextRequest:
         return encode_request(loaded.tokenizer, self.batch_template(index), self.partition.batches[index], key=index)
@@ -993,16 +1084,20 @@ class _Release:
                     warnings.simplefilter("ignore", SeededGeneratorWarning)  # warned above, at the caller
                     generator = make_generator(self.seed, device=loaded.device)
                 releaser = _StepReleaser(journal, sink, self.on_text, self.on_tokens)
+                if self.on_start is not None:
+                    self.on_start(len(requests))
                 for finished in () if not requests else engine.generate(
                     requests,
                     max_new_tokens=self.config.max_new_tokens,
                     generator=generator,
                     progress=releaser.progress,
-                    key=admission.key,
-                    stream_ids=mine,
+                    stream_keys=[admission.stream_keys[i] for i in mine],
                 ):
-                    text = self._labelled(_to_text(finished, loaded))
-                    releaser.add(text, _record(text, self.guarantee, admission.release_id, admission.run))
+                    text = self._labelled(_to_text(finished, loaded, self.template.stop))
+                    template = self.batch_template(text.batch_index)
+                    record = _record(text, self.guarantee, admission.release_id, admission.run, template,
+                                     model_dtype=loaded.dtype_choice.to_json())
+                    releaser.add(text, record)
                 releaser.flush()
             except Exception as err:  # noqa: BLE001 - reported to rank 0, re-raised below
                 if not self.cluster.distributed:
@@ -1041,9 +1136,7 @@ class _Release:
         seconds = report.stats.seconds
         if self.cluster.is_main:
             seconds = max(r.stats.seconds for r in reports)
-            if self.io_path is not None and (
-                self.cluster.distributed or (self.state is not None and (self.state.shards or self.state.recovered))
-            ):
+            if self.io_path is not None:  # shards, recovered records, and one process's finishing order: batch order
                 merge_shards(self.io_path, admission.release_id, self.num_batches)
             dropped = sorted(i for r in reports for i in r.dropped)
             if dropped:
@@ -1051,13 +1144,17 @@ class _Release:
         fresh = [text for r in reports for text in r.texts]
         texts = sorted([*self.done.values(), *fresh], key=lambda t: t.batch_index)
         return self.result(
-            loaded.name, admission, texts, sum(r.stats.tokens for r in reports), seconds, tuple(r.stats for r in reports)
+            loaded.name, admission, texts, sum(r.stats.tokens for r in reports), seconds, tuple(r.stats for r in reports),
+            dtype_choice=loaded.dtype_choice,
         )
 
-    def result(self, model: str, admission: _Admission, texts, tokens: int, seconds: float, processes) -> GenerationResult:
+    def result(
+        self, model: str, admission: _Admission, texts, tokens: int, seconds: float, processes, *,
+        dtype_choice: DtypeChoice | None = None,
+    ) -> GenerationResult:  # fmt: skip
         """The :class:`GenerationResult` of this release: ``texts`` by batch index, what this run generated
-        (``tokens`` in ``seconds``, per process), and what the release was (plan, mechanism, template,
-        partition, labels)."""
+        (``tokens`` in ``seconds``, per process, with the model's ``dtype_choice``), and what the release was
+        (plan, mechanism, template, partition, labels)."""
         return GenerationResult(
             texts=tuple(texts),
             guarantee=self.guarantee,
@@ -1080,6 +1177,7 @@ class _Release:
             partition=self.partition,
             labels=self.labels,
             label_fields=None if self.label_fields is None else dict(self.label_fields),
+            dtype_choice=dtype_choice,
         )
 
 
@@ -1113,7 +1211,11 @@ class ExternalRelease:
         release = self.release
         release._open_output(self.stack)
         self.loaded, _ = release.load.build(release.mechanism, device)
+        # the workers follow the driver's dtype decision (on a device of its kind; on another, they decide)
+        release.load = dataclasses.replace(release.load, dtype=self.loaded.dtype_choice)
         self.admission = release._admit(self.loaded)
+        if release.on_start is not None:
+            release.on_start(len(self.admission.assignment[0]))
         return self.admission.assignment[0]
 
     def references(self, index: int) -> tuple[str | None, ...]:
@@ -1160,7 +1262,9 @@ class ExternalRelease:
         tokens = sum(t.num_tokens for t in fresh)
         ordered = [texts[i] for i in sorted(texts)]
         stats = ProcessStats(0, "ray", len(fresh), tokens, seconds)
-        return release.result(self.loaded.name, admission, ordered, tokens, seconds, (stats,))
+        return release.result(
+            self.loaded.name, admission, ordered, tokens, seconds, (stats,), dtype_choice=self.loaded.dtype_choice
+        )
 
     def close(self) -> None:
         self.stack.close()
@@ -1184,8 +1288,10 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
             requests, max_new_tokens=state["max_new_tokens"], generator=generator, key=state["key"], stream_ids=indices,
             progress=releaser.progress,
         ):  # fmt: skip
-            text = _with_labels(_to_text(finished, loaded), state["labels"])
-            releaser.add(text, _record(text, state["guarantee"], state["release_id"], state["run"]))
+            text = _with_labels(_to_text(finished, loaded, state["template"].stop), state["labels"])
+            record = _record(text, state["guarantee"], state["release_id"], state["run"], template(text.batch_index),
+                             model_dtype=loaded.dtype_choice.to_json())
+            releaser.add(text, record)
         releaser.flush()
     for text in releaser.fresh:
         yield text.batch_index, True, text.num_tokens
@@ -1197,8 +1303,8 @@ def _with_labels(text: GeneratedText, labels) -> GeneratedText:
     return text if labels is None else dataclasses.replace(text, labels=dict(labels[text.batch_index]))
 
 
-def _to_text(finished: FinishedText, loaded: LoadedModel) -> GeneratedText:
-    text = loaded.tokenizer.decode(list(finished.token_ids), skip_special_tokens=True).strip()
+def _to_text(finished: FinishedText, loaded: LoadedModel, stop: Sequence[str] = ()) -> GeneratedText:
+    text = release_text(loaded.tokenizer, finished.token_ids, stop)
     return GeneratedText(
         batch_index=int(finished.key),
         text=text,

@@ -59,6 +59,7 @@ __all__ = [
     "dclip_aggregate",
     "gumbel_argmax",
     "derive_key",
+    "is_seeded",
     "make_generator",
     "naive_clip_aggregate",
     "neighbour_log_probs",
@@ -644,6 +645,8 @@ def neighbour_log_probs(
 # have drawn from it. torch's CPU generator keeps only 32 bits of a seed, so the engine takes its
 # randomness from these keys, not from the generator's state (run_key).
 _KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# generators made by make_generator with a fixed seed
+_SEEDED: weakref.WeakSet = weakref.WeakSet()
 
 
 def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu") -> torch.Generator:
@@ -668,8 +671,16 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
         )
         generator.manual_seed(int(seed))
         key = int(seed)
+        _SEEDED.add(generator)
     _KEYS[generator] = [key, 0]
     return generator
+
+
+def is_seeded(generator: torch.Generator) -> bool:
+    """Whether what ``generator`` draws is reproducible, and so carries no privacy: ``False`` only for a
+    generator :func:`make_generator` seeded from the OS; ``True`` for one it made with a fixed seed and for
+    any other ``torch.Generator`` (seeded by its caller, or with torch's default seed, a constant)."""
+    return generator in _SEEDED or generator not in _KEYS
 
 
 def run_key(generator: torch.Generator) -> int:

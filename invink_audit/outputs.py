@@ -14,6 +14,13 @@ Next to the JSON Lines output ``<output>``:
   claim carries the record, a crash after it loses nothing: a record missing from the output and its
   shards is restored from the journal, never drawn again. (Journals written before records were
   journaled hold bare claims; a bare claim whose record is missing is refused, never redrawn.)
+* ``<output>.pending.json``: the release id about to be charged, with the same fields as the state file
+  (input fingerprint, settings), written just *before* the ledger charge. Once the charge succeeded it
+  becomes the state file by one atomic rename (:func:`start_output`), so the two never exist together.
+  It is honoured only when no state file exists and it names the same input and settings (a run stopped
+  between the charge and the rename: the rerun charges the same id, which the ledger records once); a
+  pending file beside a state file (left by an earlier version) is removed, and one for another input or
+  settings is replaced, so a new release (output, state and journal deleted) gets a fresh id and is charged.
 * ``<output>.lock``: held by the coordinating process (rank 0) for the whole run.
 * ``<output>.shard-<attempt>-<rank>.jsonl`` (and its ``.lock``, held while it is written): the records of
   one process of a multi-process run. When every process has finished, rank 0 merges the shards and any
@@ -22,7 +29,10 @@ Next to the JSON Lines output ``<output>``:
   run appends to ``<output>`` directly. Locks are ``flock`` locks; a filesystem without them is refused
   rather than silently given a weaker lock.
 
-Reading is read-only (:func:`inspect_output`); nothing is written before the ledger charge succeeded.
+Reading is read-only (:func:`inspect_output`; it only removes a stale pending file); nothing is written
+before the ledger charge succeeded. The journal, the shards and every lock file are opened without
+following a symbolic link planted at their path (:func:`invink_audit.not_private.open_no_follow`): such a
+link is refused with an :class:`OSError`, never written through. The journal is owner-only (0600).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from accounting.atomic import atomic_write_bytes, atomic_write_json, fsync_directory
+from invink_audit.not_private import open_no_follow, refuse_symlink
 
 __all__ = [
     "Journal",
@@ -67,10 +78,27 @@ _LOCK_TIMEOUT_SECONDS = 120.0
 
 def _file_lock(path, timeout: float):
     """An exclusive ``flock`` lock on ``path``; never filelock's marker-file fallback, which would not
-    exclude a process on another machine (:class:`OSError` where ``flock`` does not work)."""
+    exclude a process on another machine (:class:`OSError` where ``flock`` does not work). The lock file
+    is created here (owner-only) without following a symbolic link, and a link at ``path`` is refused:
+    older filelock versions open it following links and truncating (a planted link would clobber its
+    target)."""
     from filelock import FileLock
 
+    os.close(open_no_follow(path, os.O_RDONLY | os.O_CREAT))
     return FileLock(str(path), timeout=timeout, fallback_to_soft=False)
+
+
+def _open(path: Path, mode: str, *, create: bool = False, file_mode: int = 0o600):
+    """``open(path, mode)`` without following a symbolic link at ``path`` (refused); ``create``: create a
+    missing file (with ``file_mode``) whatever ``mode`` says, never truncating an existing one."""
+    extra = os.O_CREAT if create else 0
+    return open(path, mode, opener=lambda name, flags: open_no_follow(name, flags | extra, file_mode))
+
+
+def _read_no_follow(path: Path) -> bytes:
+    """The bytes of ``path``, refusing a symbolic link (:class:`FileNotFoundError` when it is missing)."""
+    with _open(path, "rb") as handle:
+        return handle.read()
 
 
 class OutputInUseError(ValueError):
@@ -240,7 +268,8 @@ class Journal:
     Appends happen under a file lock, after reading what other processes appended since, through an
     ``O_APPEND`` descriptor (a line is never written over another); a torn last line (its writer died
     mid-append, before its claim returned) is cut off under the lock. Readers take the first line of a
-    batch as its claim. The file must exist (:func:`start_output` creates it).
+    batch as its claim. The file must exist (:func:`start_output` creates it); it is opened without
+    following a symbolic link, and appended to owner-only (0600).
     """
 
     def __init__(self, output: Path, release_id: str, num_batches: int) -> None:
@@ -261,7 +290,7 @@ class Journal:
         """:meth:`claim` for several ``(batch_index, record)`` at once: one lock, one append, one fsync
         (the texts that finish in one decoding step). Returns which claims won."""
         with self._lock:
-            with self.path.open("rb") as reader:
+            with _open(self.path, "rb") as reader:
                 reader.seek(self._offset)
                 data = reader.read()
             new = _parse_journal(data, self.path, self.release_id, self.num_batches, self._lines + 1)
@@ -269,7 +298,11 @@ class Journal:
             self._lines += len(new.records)
             self._offset += new.keep
             if new.keep < len(data):
-                os.truncate(self.path, self._offset)
+                fd = open_no_follow(self.path, os.O_WRONLY)  # drop a torn last line, never through a link
+                try:
+                    os.ftruncate(fd, self._offset)
+                finally:
+                    os.close(fd)
             won, lines = [], []
             for batch_index, record in entries:
                 ok = batch_index not in self._claimed
@@ -281,7 +314,7 @@ class Journal:
                         line["record"] = record
                     lines.append(line)
             if lines:
-                with self.path.open("ab") as handle:
+                with _open(self.path, "ab") as handle:
                     _append_lines(handle, lines)
                     self._offset = handle.tell()
                 self._lines += len(lines)
@@ -296,7 +329,9 @@ class RecordSink:
     """Where one process appends its records: the output itself (one process) or its own shard.
 
     A shard's lock is held while the sink is open, so that a later run refuses to start while a stray
-    process of this one may still write (:func:`inspect_output`).
+    process of this one may still write (:func:`inspect_output`). The file is opened without following a
+    symbolic link at ``path`` (refused); a new one gets the usual mode (``0o666`` less the umask), as the
+    merged output does.
     """
 
     def __init__(self, path: Path, *, keep: int | None = None, needs_newline: bool = False, lock: bool = False) -> None:
@@ -309,7 +344,7 @@ class RecordSink:
             if keep is None and path.exists():  # reopened (a Ray actor's next call): drop a torn tail
                 lines = _read_records(path)
                 keep, needs_newline = lines.keep, lines.needs_newline
-            self._handle = path.open("r+b" if path.exists() else "wb")
+            self._handle = _open(path, "r+b", create=True, file_mode=0o666)
             if keep is not None:
                 self._handle.truncate(keep)  # drop a torn last line
                 self._handle.seek(keep)
@@ -405,6 +440,8 @@ def _collect_records(
     interrupted before it removed its shards, count once), completed by the journal's records (``claims``:
     batch → its first claim's record), the output's own lines, and how many came from the journal alone."""
     main = _read_records(output)
+    for shard in shards:
+        refuse_symlink(shard)  # a shard is this tool's own file, never a link to another
     by_index: dict[int, dict] = {}
     for source, records in [(output, main.records)] + [(s, _read_records(s).records) for s in shards]:
         for record in records:
@@ -443,8 +480,14 @@ def _collect_records(
 
 
 def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputState:
-    """Read the output's resume state and refuse what cannot be resumed safely (read-only)."""
+    """Read the output's resume state and refuse what cannot be resumed safely (read-only, except that a
+    stale pending file beside a state file is removed first, whatever is refused after: its id belongs to
+    the release the state file records, and must never be charged, or not charged, for another one)."""
     state_file, journal_file, shards = state_path(output), journal_path(output), shard_paths(output)
+    for path in (state_file, journal_file, pending_path(output)):
+        refuse_symlink(path)  # bookkeeping files are this tool's own, never links (refused before the charge)
+    if state_file.exists():
+        clear_pending(output)
     if not state_file.exists():
         if output.exists() and output.stat().st_size > 0:
             raise ValueError(
@@ -461,8 +504,8 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
                 f"shard files of {str(output)!r} exist ({shards[0].name!r}, …) but its resume state "
                 f"{state_file.name!r} is missing: refusing to resume (use a new --output file)"
             )
-        pending = _read_pending(output)
-        if pending is not None:  # a run charged (or about to charge) this release id, then stopped
+        pending = _read_pending(output, fingerprint)
+        if pending is not None:  # a run of this input charged (or was about to charge) this id, then stopped
             return OutputState(pending["release_id"], True, pending["run"], [], 0, False)
         return OutputState(uuid.uuid4().hex, True, None, [], 0, False)
     try:
@@ -478,7 +521,7 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
     _check_shards_idle(output, shards)
     claims = None
     if version == STATE_VERSION and journal_file.exists():
-        claims = _first_claims(_parse_journal(journal_file.read_bytes(), journal_file, release_id, num_batches).records)
+        claims = _first_claims(_parse_journal(_read_no_follow(journal_file), journal_file, release_id, num_batches).records)
     records, main, recovered = _collect_records(output, release_id, num_batches, shards, claims)
     seen = {record["batch_index"] for record in records}
     if version == 1:
@@ -531,12 +574,18 @@ def check_run(output: Path, state: OutputState, run: dict) -> None:
             )
 
 
-def _read_pending(output: Path) -> dict | None:
+def _read_pending(output: Path, fingerprint: str) -> dict | None:
+    """The pending file's record when it was written for this input (``input_sha256``), else ``None``: a
+    pending file of another input, or of an earlier version (no fingerprint), is never honoured (the new
+    release gets a fresh id and is charged)."""
     path = pending_path(output)
     try:
         pending = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(pending.get("release_id"), str) and isinstance(pending.get("run"), dict):
-            return pending
+            if pending.get("input_sha256") == fingerprint:
+                return pending
+            _LOG.warning("ignoring %s: it was written for another input (or by an earlier version)", path.name)
+            return None
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
@@ -545,51 +594,70 @@ def _read_pending(output: Path) -> dict | None:
     return None
 
 
-def pending_release_id(output: Path, state: OutputState, run: dict) -> str:
-    """The release id to charge for a new output, written to ``<output>.pending.json`` *before* the
-    charge: a run stopped between the charge and :func:`start_output` leaves it, and a rerun with the
-    same settings charges the same id again, which the ledger records once. Other settings: a new id."""
-    release_id = state.release_id if state.run == run else uuid.uuid4().hex
-    atomic_write_json(pending_path(output), {"release_id": release_id, "run": run}, indent=1)
+def _state_record(release_id: str, fingerprint: str, run: dict) -> dict:
+    """The contents of the state file, and of the pending file that becomes it."""
+    return {"version": STATE_VERSION, "release_id": release_id, "input_sha256": fingerprint, "run": run}
+
+
+def pending_release_id(output: Path, state: OutputState, run: dict, fingerprint: str) -> str:
+    """The release id to charge for a new output, written to ``<output>.pending.json`` (with the input's
+    ``fingerprint`` and the settings ``run``) *before* the charge: a run stopped between the charge and
+    :func:`start_output` leaves it, and a rerun with the same input and settings charges the same id
+    again, which the ledger records once. Another input or other settings: a new id."""
+    release_id = state.release_id if state.is_new and state.run == run else uuid.uuid4().hex
+    atomic_write_json(pending_path(output), _state_record(release_id, fingerprint, run), indent=1, keep_mode=False)
     return release_id
 
 
 def clear_pending(output: Path) -> None:
-    """Remove the pending file (the charge was refused, or the resume state now holds the id)."""
+    """Remove the pending file (the charge was refused, or a state file holds the release's id)."""
     pending_path(output).unlink(missing_ok=True)
 
 
 def start_output(output: Path, state: OutputState, fingerprint: str, run: dict, release_id: str | None = None) -> None:
-    """Create the journal (empty), then the state file: only after the ledger charge succeeded; then
-    remove the pending file.
+    """Create the journal (empty, owner-only, never through a link), then turn the pending file into the
+    state file: only after the ledger charge succeeded.
 
-    In this order a crash in between leaves an empty journal without state, which is harmless.
+    The pending file is rewritten with the state's contents and renamed over the state file, one atomic
+    rename, so the two never exist together: a stop before the rename leaves the pending file (the rerun
+    charges the same id, which the ledger records once) and an empty journal without state (harmless);
+    after it, the state file alone (a resume uses its id; a new release, with output, state and journal
+    deleted, gets a fresh id and is charged).
     """
-    with journal_path(output).open("wb") as handle:
-        handle.flush()
-        os.fsync(handle.fileno())
-    atomic_write_json(
-        state_path(output),
-        {"version": STATE_VERSION, "release_id": release_id or state.release_id, "input_sha256": fingerprint, "run": run},
-        indent=1,
-    )
-    clear_pending(output)
+    fd = open_no_follow(journal_path(output), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    pending = pending_path(output)
+    atomic_write_json(pending, _state_record(release_id or state.release_id, fingerprint, run), indent=1, keep_mode=False)
+    os.replace(pending, state_path(output))  # the state file: owner-only, it holds a hash of the private input
+    fsync_directory(output.parent)
 
 
 @contextlib.contextmanager
 def output_lock(output: Path):
-    """Hold ``<output>.lock`` exclusively for the whole run; a second run is refused at once."""
+    """Hold ``<output>.lock`` exclusively for the whole run; a second run is refused at once, and so is a
+    symbolic link at the lock's path (one ``ValueError`` line: a lock never follows a link)."""
     from filelock import Timeout
 
     path = lock_path(output)
-    lock = _file_lock(path, 0)
     try:
+        refuse_symlink(path)
+        lock = _file_lock(path, 0)
         lock.acquire()
     except Timeout:
         raise OutputInUseError(
             f"another run is writing {str(output)!r} (it holds {path.name!r}); two runs must not write one "
             "output: wait for it to finish, or use another --output file"
         ) from None
+    except OSError as err:
+        if path.is_symlink():  # refused above, or a link made since the check (filelock's open fails)
+            raise ValueError(
+                f"the lock file {str(path)!r} of output {str(output)!r} is a symbolic link; refusing to follow it "
+                "(remove the link: the lock is a plain file beside the output)"
+            ) from err
+        raise
     try:
         yield
     finally:
@@ -599,6 +667,10 @@ def output_lock(output: Path):
 def merge_shards(output: Path, release_id: str, num_batches: int) -> int:
     """Fold every idle shard and every record only the journal holds into ``output``, ordered by batch
     index, atomically; then remove the merged shards. Returns the number of records in the output.
+
+    An output whose lines are in another order (a single process appends texts as they finish, and
+    the finishing order is not part of the release) is rewritten in batch order too, so the published
+    file's line order never depends on the schedule.
 
     Call it holding the output lock. Each shard's lock is taken (without waiting) and held until the
     shard is removed; a shard still locked by a live writer is left alone (its records are in the
@@ -611,7 +683,7 @@ def merge_shards(output: Path, release_id: str, num_batches: int) -> int:
     journal_file = journal_path(output)
     claims = None
     if journal_file.exists():
-        claims = _first_claims(_parse_journal(journal_file.read_bytes(), journal_file, release_id, num_batches).records)
+        claims = _first_claims(_parse_journal(_read_no_follow(journal_file), journal_file, release_id, num_batches).records)
     with contextlib.ExitStack() as held:
         shards = []
         for shard in shard_paths(output):
@@ -624,7 +696,8 @@ def merge_shards(output: Path, release_id: str, num_batches: int) -> int:
             held.callback(lock.release)
             shards.append(shard)
         records, main, recovered = _collect_records(output, release_id, num_batches, shards, claims)
-        if not shards and not recovered and not main.needs_newline and main.keep == _file_size(output):
+        in_order = [r["batch_index"] for r in main.records] == sorted(r["batch_index"] for r in main.records)
+        if not shards and not recovered and in_order and not main.needs_newline and main.keep == _file_size(output):
             return len(records)
         data = b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records)
         umask = os.umask(0)

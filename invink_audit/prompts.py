@@ -10,6 +10,22 @@ Templates are ``str.format`` strings. The private one contains the ``{reference}
 contain further public fields (e.g. Yelp's business category and review score), whose values come
 from :attr:`PromptTemplate.fields` or are given when rendering. Field values are public: they are the
 same for every reference and never derived from the private data.
+
+Templates that fit small models (issue 19). A 135M chat model answers the paper's prompts like a
+chatbot ("Here's a mock review..."); three public devices keep it in the genre:
+
+* ``answer_prefix``: the start of the model's answer (e.g. ``Review (4.0 stars): "``), appended after the
+  chat turn (or after a completion prompt) in *every* row, public and private, so the model continues
+  a review instead of replying to a request;
+* ``stop``: public stop strings (e.g. the closing quote): a text ends at the first one it draws, which
+  is cut from the released text (:func:`release_text`); stopping reads released tokens only;
+* ``examples``: public few-shot texts (declared public by the user, e.g. a published proxy set; never
+  the private input), shown in every row's user message;
+* ``completion=True``: the messages are rendered as plain text to continue (no chat template), for
+  base models such as Gemma-3-270M.
+
+Every one of them is a function of the template and its public fields alone: the private rows differ
+from the public row only by the reference inside the user message.
 """
 
 from __future__ import annotations
@@ -25,10 +41,15 @@ __all__ = [
     "LabelField",
     "PromptTemplate",
     "TextRequest",
+    "defaulted_label_fields",
     "encode_messages",
+    "encode_prompt",
     "encode_request",
     "get_preset",
     "label_fields_for",
+    "reached_stop",
+    "release_text",
+    "require_label_fields",
     "template_for_batch",
     "template_for_labels",
 ]
@@ -69,6 +90,10 @@ class PromptTemplate:
     public: str
     system: str | None = PAPER_SYSTEM_PROMPT
     fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    answer_prefix: str = ""
+    stop: tuple[str, ...] = ()
+    examples: tuple[str, ...] = ()
+    completion: bool = False
 
     def __post_init__(self) -> None:
         for attr in ("name", "private", "public"):
@@ -76,6 +101,19 @@ class PromptTemplate:
                 raise ValueError(f"{attr} must be a non-empty string; got {getattr(self, attr)!r}")
         if self.system is not None and not isinstance(self.system, str):
             raise ValueError(f"system must be a string or None; got {self.system!r}")
+        if not isinstance(self.answer_prefix, str):
+            raise ValueError(f"answer_prefix must be a string; got {self.answer_prefix!r}")
+        if REFERENCE_FIELD in _field_names(self.answer_prefix, "answer prefix"):
+            raise ValueError(f"answer_prefix must not contain {{{REFERENCE_FIELD}}}: every row starts its answer alike")
+        for attr in ("stop", "examples"):
+            value = getattr(self, attr)
+            if isinstance(value, str) or not isinstance(value, Sequence):
+                raise ValueError(f"{attr} must be a sequence of strings; got {value!r}")
+            if any(not isinstance(v, str) or not (v if attr == "stop" else v.strip()) for v in value):
+                raise ValueError(f"every entry of {attr} must be a non-empty string; got {list(value)!r}")
+            object.__setattr__(self, attr, tuple(value))
+        if not isinstance(self.completion, bool):
+            raise ValueError(f"completion must be a bool; got {self.completion!r}")
         private_names = _field_names(self.private, "private template")
         public_names = _field_names(self.public, "public template")
         if REFERENCE_FIELD not in private_names:
@@ -96,7 +134,7 @@ class PromptTemplate:
     def field_names(self) -> frozenset[str]:
         """Public fields used by either template (``reference`` excluded)."""
         names = _field_names(self.private, "private template") | _field_names(self.public, "public template")
-        return names - {REFERENCE_FIELD}
+        return (names | _field_names(self.answer_prefix, "answer prefix")) - {REFERENCE_FIELD}
 
     def with_fields(self, **fields: str) -> PromptTemplate:
         """A copy with some public field values set or replaced."""
@@ -120,9 +158,44 @@ class PromptTemplate:
         if reference is not None and not isinstance(reference, str):
             raise ValueError(f"reference must be a string or None; got {type(reference).__name__}")
         values = self._values()
+        shots = ""
+        if self.examples:  # public few-shot texts, the same in every row
+            shots = "Examples of such texts:\n" + "\n".join(f'"{e}"' for e in self.examples) + "\n\n"
         if not reference:
-            return self.public.format(**values)
-        return self.private.format(**values, reference=reference)
+            return shots + self.public.format(**values)
+        return shots + self.private.format(**values, reference=reference)
+
+    def answer_start(self) -> str:
+        """The start of the model's answer in every row (``answer_prefix`` with its public fields)."""
+        return self.answer_prefix.format(**self._values()) if self.answer_prefix else ""
+
+    def as_json(self) -> dict:
+        """The template as a JSON object (recorded with a release; the fields added by issue 19 only when
+        set, so records of older releases read and resume unchanged)."""
+        record = {"name": self.name, "system": self.system, "private": self.private, "public": self.public,
+                  "fields": dict(self.fields)}
+        if self.answer_prefix:
+            record["answer_prefix"] = self.answer_prefix
+        if self.stop:
+            record["stop"] = list(self.stop)
+        if self.examples:
+            record["examples"] = list(self.examples)
+        if self.completion:
+            record["completion"] = True
+        return record
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> PromptTemplate:
+        """The inverse of :meth:`as_json`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(record) - known
+        if unknown:
+            raise ValueError(f"a recorded prompt has unknown key(s) {sorted(unknown)}")
+        values = dict(record)
+        for key in ("stop", "examples"):
+            if key in values:
+                values[key] = tuple(values[key])
+        return cls(**values)
 
     def messages(self, reference: str | None) -> list[dict[str, str]]:
         """Chat messages (system, user) for one reference; a null reference gives the public messages."""
@@ -134,6 +207,19 @@ class PromptTemplate:
 
 # --------------------------------------------------------------------------------------------
 # presets (paper Appendix D, Table 4) and a generic one
+
+# the paper's Yelp prompts (Table 4), shared by `yelp-paper` and `yelp`
+_YELP_PRIVATE = (
+    'Here is a text with Business Category : "{category}" and Review Stars : "{stars}" out of 5.0.\n'
+    'Text: "{reference}"\n'
+    "Please output one more similar review of a fictional place with the same score and of the same "
+    "category of business. Poor reviews have lower scores and good reviews have higher scores."
+)
+_YELP_PUBLIC = (
+    "Please give me a fake Yelp customer review of a fictional business with Business Category : "
+    '"{category}" and Review Stars : "{stars}" out of 5.0. Poor reviews have lower scores and good '
+    "reviews have higher scores."
+)
 
 _PRESETS = {
     "mimic": PromptTemplate(
@@ -155,20 +241,36 @@ _PRESETS = {
             'medical record numbers. The output text must begin with the exact words "Discharge Instructions:".'
         ),
     ),
+    "yelp-paper": PromptTemplate(
+        name="yelp-paper",
+        private=_YELP_PRIVATE,
+        public=_YELP_PUBLIC,
+        fields={"category": "Restaurants", "stars": "4.0"},
+    ),
+    # the paper's Yelp prompts with the model's answer started as a quoted review and cut at the closing
+    # quote (issue 19: a 135M chat model answers the bare prompts like a chatbot; docs/results/templates.md)
     "yelp": PromptTemplate(
         name="yelp",
-        private=(
-            'Here is a text with Business Category : "{category}" and Review Stars : "{stars}" out of 5.0.\n'
-            'Text: "{reference}"\n'
-            "Please output one more similar review of a fictional place with the same score and of the same "
-            "category of business. Poor reviews have lower scores and good reviews have higher scores."
-        ),
-        public=(
-            "Please give me a fake Yelp customer review of a fictional business with Business Category : "
-            '"{category}" and Review Stars : "{stars}" out of 5.0. Poor reviews have lower scores and good '
-            "reviews have higher scores."
-        ),
+        private=_YELP_PRIVATE,
+        public=_YELP_PUBLIC,
         fields={"category": "Restaurants", "stars": "4.0"},
+        answer_prefix='Review ({stars} stars): "',
+        stop=('"',),
+    ),
+    # base models (no chat template, e.g. Gemma-3-270M): a plain text to continue
+    "yelp-completion": PromptTemplate(
+        name="yelp-completion",
+        private=(
+            'A Yelp review of a business in the category "{category}", rated {stars} out of 5 stars:\n'
+            '"{reference}"\n\n'
+            'Another Yelp review of a different business in the category "{category}", rated {stars} out of 5 stars:'
+        ),
+        public='A Yelp review of a business in the category "{category}", rated {stars} out of 5 stars:',
+        system=None,
+        fields={"category": "Restaurants", "stars": "4.0"},
+        answer_prefix='"',
+        stop=('"',),
+        completion=True,
     ),
     "tab": PromptTemplate(
         name="tab",
@@ -196,6 +298,16 @@ _PRESETS = {
         ),
         fields={"description": "short texts"},
     ),
+    "generic-completion": PromptTemplate(
+        name="generic-completion",
+        private='A text from a collection of {description}:\n"{reference}"\n\nAnother text from the same collection:',
+        public="A text from a collection of {description}:",
+        system=None,
+        fields={"description": "short texts"},
+        answer_prefix='"',
+        stop=('"',),
+        completion=True,
+    ),
 }
 
 #: The preset templates by name (read-only).
@@ -203,7 +315,8 @@ PRESETS: Mapping[str, PromptTemplate] = MappingProxyType(_PRESETS)
 
 
 def get_preset(name: str | PromptTemplate, **fields: str) -> PromptTemplate:
-    """A preset by name (``mimic``, ``yelp``, ``tab``, ``generic``), with optional field values."""
+    """A preset by name (``mimic``, ``yelp``, ``yelp-paper``, ``yelp-completion``, ``tab``, ``generic``,
+    ``generic-completion``), with optional field values."""
     if isinstance(name, PromptTemplate):
         template = name
     elif isinstance(name, str) and name.lower() in _PRESETS:
@@ -251,14 +364,53 @@ class LabelField:
 
 
 #: The label columns each preset knows (the files the paper used): Yelp's ``label1``/``label2``.
+_YELP_LABELS = (LabelField("label1", "category", "Business Category: "), LabelField("label2", "stars", "Review Stars: "))
 PRESET_LABEL_FIELDS: Mapping[str, tuple[LabelField, ...]] = MappingProxyType(
-    {
-        "yelp": (
-            LabelField("label1", "category", "Business Category: "),
-            LabelField("label2", "stars", "Review Stars: "),
-        ),
-    }
+    {"yelp": _YELP_LABELS, "yelp-paper": _YELP_LABELS, "yelp-completion": _YELP_LABELS}
 )
+
+
+def defaulted_label_fields(
+    template: PromptTemplate, given: Sequence[str] = (), filled: Sequence[str] = ()
+) -> tuple[str, ...]:
+    """The fields of ``template`` that describe the data's labels (the preset's label rule fills them,
+    :data:`PRESET_LABEL_FIELDS`, e.g. Yelp's ``category`` and ``stars``) and still hold the preset's
+    example values, neither ``given`` explicitly nor ``filled`` by labels.
+
+    Such a template prompts every text as, say, a 4-star restaurant review whatever the references
+    are: :func:`invink_audit.generation.generate` refuses it. A template of another name (not a preset)
+    has no example values. A template holding the example values is counted as defaulted even when
+    they were set on purpose: give them as ``given`` (``prompt_fields``) to say so.
+    """
+    preset = _PRESETS.get(template.name.lower())
+    if preset is None:
+        return ()
+    described = {rule.field for rule in PRESET_LABEL_FIELDS.get(preset.name, ())}
+    return tuple(
+        sorted(
+            name
+            for name in described
+            if name not in given and name not in filled and name in template.field_names
+            and template.fields.get(name) == preset.fields.get(name)
+        )
+    )
+
+
+def require_label_fields(template: PromptTemplate, given: Sequence[str] = (), filled: Sequence[str] = ()) -> None:
+    """Refuse ``template`` when :func:`defaulted_label_fields` names any field: a ``ValueError`` that
+    names the fields, their example values and how to give them (``prompt_fields`` / ``--prompt-field``,
+    or label columns)."""
+    defaulted = defaulted_label_fields(template, given, filled)
+    if not defaulted:
+        return
+    values = {name: template.fields[name] for name in defaulted}
+    flags = " ".join(f"--prompt-field {name}={value}" for name, value in values.items())
+    raise ValueError(
+        f"prompt {template.name!r} would prompt every text with its example value(s) {values} for field(s) "
+        f"{list(defaulted)}, whatever the references are. Give the values that describe your references "
+        f"(prompt_fields={values!r}, or {flags} on the command line; the same values are accepted once given), "
+        "or label columns (--label-columns) so that each batch is prompted with its own labels. Nothing was charged."
+    )
 
 
 def label_fields_for(
@@ -347,8 +499,9 @@ def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]], *, plain: 
         return ids
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            f"the tokenizer of this model has no chat template; use an instruction-tuned (chat) model "
-            f"(tokenizer: {type(tokenizer).__name__})"
+            f"the tokenizer of this model has no chat template (a base model; tokenizer: {type(tokenizer).__name__}): "
+            "use a completion-style prompt (--prompt yelp-completion or generic-completion; "
+            "PromptTemplate(..., completion=True)) or an instruction-tuned (chat) model"
         )
     encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
@@ -358,13 +511,52 @@ def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]], *, plain: 
     return ids
 
 
+def encode_prompt(tokenizer, template: PromptTemplate, reference: str | None, *, plain: bool = False) -> tuple[int, ...]:
+    """Token ids of one row's prompt: ``template``'s messages for ``reference`` (``None``: the public row)
+    rendered with the chat template, or as plain text when ``plain`` or ``template.completion`` (base
+    models), then the template's public answer start (:meth:`PromptTemplate.answer_start`), the same
+    in every row."""
+    plain = plain or template.completion
+    answer = template.answer_start()
+    if plain:
+        text = "\n\n".join(m["content"] for m in template.messages(reference) if m.get("content")) + "\n\n" + answer
+        ids = tuple(int(i) for i in tokenizer(text)["input_ids"])
+        if not ids:
+            raise ValueError("the plain prompt is empty")
+        return ids
+    ids = encode_messages(tokenizer, template.messages(reference))
+    if answer:
+        ids += tuple(int(i) for i in tokenizer(answer, add_special_tokens=False)["input_ids"])
+    return ids
+
+
+def release_text(tokenizer, token_ids: Sequence[int], stop: Sequence[str] = ()) -> str:
+    """The released text of drawn ``token_ids``: decoded (special tokens dropped), cut before the first
+    public stop string it contains, stripped. A function of the released tokens and the template."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    cuts = [text.find(s) for s in stop if s in text]
+    if cuts:
+        text = text[: min(cuts)]
+    return text.strip()
+
+
+def reached_stop(tokenizer, token_ids: Sequence[int], stop: Sequence[str]) -> bool:
+    """Whether the text drawn so far contains one of the public ``stop`` strings (decoded as released)."""
+    if not stop:
+        return False
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    return any(s in text for s in stop)
+
+
 @dataclasses.dataclass(frozen=True)
 class TextRequest:
     """The encoded prompts for one text: the public prompt and one private prompt per reference.
 
     ``private_ids[i] is None`` marks a null (empty) reference: its row *is* the public row (the engine
     does not compute it separately), so its logits equal the public logits exactly. ``key`` is an
-    arbitrary label returned with the finished text (e.g. the batch index).
+    arbitrary label returned with the finished text (e.g. the batch index). ``stop``: the template's
+    public stop strings: the engine ends the text at the first token after which its decoded text
+    contains one.
 
     ``private_prefix``: token ids that the template puts before every reference (computed from the
     template alone, never from the data: :func:`template_prefix`). The engine computes their cache once
@@ -376,6 +568,7 @@ class TextRequest:
     private_ids: tuple[tuple[int, ...] | None, ...]
     key: object = None
     private_prefix: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         public = tuple(self.public_ids)
@@ -398,6 +591,9 @@ class TextRequest:
         if any(not isinstance(t, int) or t < 0 for t in prefix):
             raise ValueError("private_prefix must be a sequence of non-negative token ids")
         object.__setattr__(self, "private_prefix", prefix)
+        if isinstance(self.stop, str) or any(not isinstance(v, str) or not v for v in self.stop):
+            raise ValueError(f"stop must be a sequence of non-empty strings; got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
     def batch_size(self) -> int:
@@ -409,8 +605,8 @@ def template_prefix(tokenizer, template: PromptTemplate, *, plain: bool = False)
     """The token ids every private prompt of ``template`` starts with, from the template alone: the
     common prefix of two prompts encoded with two unrelated placeholder references (so no data is
     looked at), less its last token (a tokenizer may merge it with a reference's first characters)."""
-    first = encode_messages(tokenizer, template.messages("Zq"), plain=plain)
-    second = encode_messages(tokenizer, template.messages("7 ."), plain=plain)
+    first = encode_prompt(tokenizer, template, "Zq", plain=plain)
+    second = encode_prompt(tokenizer, template, "7 .", plain=plain)
     count = 0
     while count < min(len(first), len(second)) and first[count] == second[count]:
         count += 1
@@ -424,13 +620,13 @@ def encode_request(
     ``plain``: see :func:`encode_messages`."""
     if isinstance(references, str) or not isinstance(references, Sequence):
         raise ValueError(f"references must be a sequence of strings; got {type(references).__name__}")
-    public_ids = encode_messages(tokenizer, template.messages(None), plain=plain)
+    public_ids = encode_prompt(tokenizer, template, None, plain=plain)
     private_ids = []
     for reference in references:
         if reference is not None and not isinstance(reference, str):
             raise ValueError(f"each reference must be a string or None; got {type(reference).__name__}")
-        private_ids.append(
-            None if not reference else encode_messages(tokenizer, template.messages(reference), plain=plain)
-        )
+        private_ids.append(None if not reference else encode_prompt(tokenizer, template, reference, plain=plain))
     prefix = template_prefix(tokenizer, template, plain=plain)
-    return TextRequest(public_ids=public_ids, private_ids=tuple(private_ids), key=key, private_prefix=prefix)
+    return TextRequest(
+        public_ids=public_ids, private_ids=tuple(private_ids), key=key, private_prefix=prefix, stop=template.stop
+    )

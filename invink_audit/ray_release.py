@@ -21,8 +21,11 @@ shared by the driver and every actor (one machine, or a shared filesystem with `
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 from invink_audit.generation import ExternalRelease, GenerationResult, _prepare_release, generate_texts
 
@@ -65,6 +68,24 @@ class _Worker:
         return out
 
 
+def _init_ray(ray) -> None:
+    """``ray.init()``: join the cluster in ``RAY_ADDRESS``, or start a local one whose session files
+    (logs, sockets, spilled blocks of the references) live in a new owner-only (0700) directory. Ray
+    makes its own temporary directories world-writable (0777, shared ``/tmp/ray`` by default), so the
+    local one is put inside a private directory that no other user can enter, and its root and session
+    directories are made 0700 once it has started."""
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(include_dashboard=False)
+        return
+    # mode 0700; under /tmp on macOS as Ray does, since its long $TMPDIR overflows Unix socket paths
+    private = tempfile.mkdtemp(prefix="invink-ray-", dir="/tmp" if sys.platform == "darwin" else None)
+    root = Path(private) / "ray"
+    ray.init(include_dashboard=False, _temp_dir=str(root))
+    for folder in (root, *root.glob("session_*")):
+        if folder.is_dir() and not folder.is_symlink():
+            folder.chmod(0o700)
+
+
 def generate_on_ray(
     references,
     *,
@@ -100,7 +121,7 @@ def generate_on_ray(
         started = time.perf_counter()
         if todo:
             if not ray.is_initialized():
-                ray.init(include_dashboard=False)
+                _init_ray(ray)
             rows = [{"batch_index": i, "references": list(external.references(i))} for i in todo]
             holder = ray.remote(num_cpus=0)(_KeyHolder).remote(external.release.seed)
             results = (

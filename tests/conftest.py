@@ -23,6 +23,18 @@ settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def cpu_dtype(request):
+    """The CPU dtypes the engine's invariances are tested in: float32, and bfloat16 where this CPU computes it
+    natively (``dtype="auto"`` picks it there; skipped where bfloat16 would be emulated)."""
+    if request.param == "bfloat16":
+        from invink_audit.models import cpu_bfloat16_support
+
+        if cpu_bfloat16_support() is None:
+            pytest.skip("this CPU has no native bfloat16 (no amx_bf16 or avx512_bf16 flag)")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tiny, tmp_path_factory):
     """The requesting module's ``tiny`` model saved as a local model directory (for CLI and path loads)."""

@@ -21,6 +21,15 @@ def tiny():
     return build_tiny_model()
 
 
+@pytest.fixture(scope="module")
+def tiny_in_dtype(cpu_dtype):
+    """The tiny model in float32, and in bfloat16 where this CPU computes it natively: the audit's exact
+    checks hold in the dtype the model runs in."""
+    from invink_audit.models import build_tiny_model
+
+    return build_tiny_model(dtype=cpu_dtype)
+
+
 def _gen(seed):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)
@@ -45,7 +54,8 @@ def test_hardest_case_row_is_the_worst_pair():
         assert bool((probs[g][up[g]].min() >= probs[g][~up[g]].max()))
 
 
-def test_model_audit_on_tiny_model(tiny):
+def test_model_audit_on_tiny_model(tiny_in_dtype):
+    tiny = tiny_in_dtype
     refs = ["The food was great.", None, "The service was slow."]
     config = WhiteBoxConfig(num_samples=8, num_is_samples=3, neighbours=(0, 1), alphas=(2.0,), min_samples=8)
     rep = model_audit.audit_model(
@@ -63,10 +73,13 @@ def test_model_audit_on_tiny_model(tiny):
     assert {s.neighbour for s in rep.sequence} == {0, 1}
     assert 0 <= rep.timings["audit_overhead_ratio"] < 10
     assert rep.claim["epsilon0"] == pytest.approx(2 * 1.0 / (3 * 1.0))
+    assert rep.settings["model_dtype"] == tiny.dtype_choice.to_json()  # the report says which dtype ran, and why
 
 
-def test_quick_audit_of_generated_texts(tiny):
+def test_quick_audit_of_generated_texts(tiny_in_dtype):
     from invink_audit.audit.quick import quick_audit
+
+    tiny = tiny_in_dtype
     from invink_audit.generation import generate
 
     refs = ["The food was great.", "Mr Smith was admitted.", "", "Slow service.", "Nice place.", "Cold soup."]
@@ -200,8 +213,9 @@ def test_blackbox_engine_spec_runs_end_to_end(tiny, tmp_path):
     assert math.isfinite(report.claimed_epsilon) and report.claimed_epsilon > 0
 
 
-def test_shared_prefill_engine_decodes_exactly_like_the_engine(tiny):
+def test_shared_prefill_engine_decodes_exactly_like_the_engine(tiny_in_dtype):
     """Teacher-forced through both engines, the same requests give the same per-step distributions."""
+    tiny = tiny_in_dtype
     from invink_audit.audit.model_audit import _shared_prefill_engine_class
     from invink_audit.engine import Engine
     from invink_audit.mechanism import MechanismConfig

@@ -39,7 +39,7 @@ def test_spec_errors_are_found_at_load_time(tmp_path):
     with pytest.raises(ValueError, match="batch_size"):
         spec.load_spec(p)
     p.write_text('kind = "selftest"\n[selftest]\nbogus = 1\n')
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match=r"unknown keys in \[selftest\]: \['bogus'\]; allowed: "):
         spec.load_spec(p)
 
 

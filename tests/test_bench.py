@@ -108,3 +108,94 @@ def test_cli_bench_checks_reference_options_before_the_long_run(monkeypatch, cap
     assert main(["bench", "--reference"]) == 2
     err = capsys.readouterr().err
     assert "not importable" in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ dtypes side by side (issue 25)
+
+
+def test_benchmark_says_which_dtype_ran_and_why(tiny):
+    from invink_audit.cli._bench import format_bench
+
+    result = benchmark(tiny, batch_size=2, max_new_tokens=3, num_texts=1, repeats=0, top_k=8,
+                       one_at_a_time=False, floor=False)  # fmt: skip
+    assert result.dtype_choice == tiny.dtype_choice
+    assert result.to_json()["dtype_choice"]["reason"] == tiny.dtype_choice.reason
+    assert f"  dtype                    {tiny.dtype_choice.reason}" in format_bench(result)
+
+
+def test_compare_dtypes_alternates_the_dtypes_and_reports_what_auto_chooses(tiny_dir, monkeypatch):
+    import torch
+
+    import invink_audit.bench as bench
+    import invink_audit.models as models
+    from invink_audit.bench import compare_dtypes
+
+    monkeypatch.setattr(models, "cpu_bfloat16_support", lambda: "avx512_bf16")  # auto probes here
+    order = []
+    real = bench._workload_run
+
+    def spy(engine, requests, max_new_tokens, device, **kwargs):
+        order.append(engine.model.dtype)
+        return real(engine, requests, max_new_tokens, device, **kwargs)
+
+    monkeypatch.setattr(bench, "_workload_run", spy)
+    result = compare_dtypes(str(tiny_dir), batch_size=2, max_new_tokens=3, num_texts=2, rounds=3, top_k=8)
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert order == [f32, bf16, bf16, f32, f32, bf16]  # each round reverses the last: load falls on both alike
+    assert [run.dtype for run in result.runs] == ["float32", "bfloat16"] and result.rounds == 3
+    assert result.auto.probe is not None and result.auto.requested == "auto"
+    assert result.run(result.auto.dtype).choice == result.auto  # the dtype auto chose runs with auto's record
+    assert result.run("float32" if result.auto.dtype == "bfloat16" else "bfloat16").choice.reason == "requested"
+    for run in result.runs:
+        assert len(run.seconds) == len(run.prefill_seconds) == len(run.tokens) == 3
+        assert run.token_seconds == pytest.approx(sum(run.seconds) / sum(run.tokens))
+    assert result.speedup() == pytest.approx(result.run("float32").token_seconds / result.run("bfloat16").token_seconds)
+    report = result.to_json()
+    assert report["bfloat16_speedup_per_token"] == pytest.approx(result.speedup())
+    assert report["auto"]["probe"]["positions"] == result.auto.probe.positions
+    for bad, match in ((dict(dtypes=("float32", "fp32")), "distinct"), (dict(dtypes=("auto", "float32")), "not 'auto'"),
+                       (dict(rounds=0), "rounds")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            compare_dtypes(str(tiny_dir), **bad)
+    with pytest.raises(ValueError, match="LoadedModel"):
+        compare_dtypes(build_tiny_model(seed=3))
+
+
+def test_cli_bench_compare_dtypes_reports_both_dtypes_and_the_reference_in_each(tiny_dir, monkeypatch, capsys):
+    import json
+
+    calls = _fake_reference(monkeypatch)
+    args = ["bench", "--compare-dtypes", "--model", str(tiny_dir), "--batch-size", "2", "--max-new-tokens", "3",
+            "--num-texts", "1", "--rounds", "1", "--top-k", "8"]  # fmt: skip
+    assert main([*args, "--reference", "--reference-config", "matched"]) == 0
+    out = capsys.readouterr().out
+    assert "--dtype auto chooses" in out and "bfloat16 speedup" in out
+    rows = [line.split() for line in out.splitlines()]
+    assert [row[0] for row in rows if len(row) > 1 and row[0] in ("float32", "bfloat16") and row[1][0].isdigit()] == [
+        "float32", "bfloat16"
+    ]
+    assert [call["dtype"] for call in calls] == ["float32", "bfloat16"]  # the reference matched to each of ours
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [run["dtype"] for run in report["runs"]] == ["float32", "bfloat16"] and report["auto"]["reason"]
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--rounds", "2"], "--rounds needs --compare-dtypes"),
+        (["--compare-dtypes", "--rounds", "0"], "--rounds must be"),
+        (["--compare-dtypes", "--dtype", "float32"], "leave --dtype at auto"),
+    ],
+)
+def test_cli_bench_compare_dtypes_options_are_checked_before_loading(extra, match, monkeypatch, capsys):
+    import invink_audit.bench as bench
+
+    def never(*args, **kwargs):
+        raise AssertionError("nothing may load")
+
+    monkeypatch.setattr(bench, "benchmark", never)
+    monkeypatch.setattr(bench, "compare_dtypes", never)
+    assert main(["bench", *extra]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err

@@ -8,6 +8,8 @@
   alone, or with a different ``max_batch_rows`` (each text samples from its own stream).
 * GPU-ready loop: the decoding loop transfers to the host once per step (counted on CPU through the
   tensor methods that synchronise on CUDA; on CUDA with ``torch.cuda.set_sync_debug_mode``).
+* The first three hold in every dtype the model runs in: on the CPU in float32 and, where the CPU computes
+  it natively (``dtype="auto"`` picks it there), bfloat16 (the ``cpu_dtype`` fixture); on CUDA in both.
 * Long references: prefilled in chunks; the cache holds real tokens only; a prompt beyond the model's
   positions is refused up front, naming the request.
 """
@@ -46,6 +48,12 @@ def _generator(seed: int, device="cpu") -> torch.Generator:
 @pytest.fixture(scope="module")
 def tiny():
     return build_tiny_model(seed=5, hidden_size=64)  # float32: wide enough for batch effects to show
+
+
+@pytest.fixture(scope="module")
+def tiny_in_dtype(cpu_dtype):
+    """The same tiny model in float32, and in bfloat16 where this CPU computes it natively."""
+    return build_tiny_model(seed=5, hidden_size=64, dtype=cpu_dtype)
 
 
 def _requests(model, references):
@@ -103,9 +111,9 @@ def _check_public_rows_independent(model, monkeypatch, max_batch_rows):
 
 @pytest.mark.parametrize("max_batch_rows", [64, 8])  # all texts together; two at a time, the third joins
 def test_public_rows_are_bitwise_independent_of_private_references_on_the_default_path(
-    tiny, monkeypatch, max_batch_rows
+    tiny_in_dtype, monkeypatch, max_batch_rows
 ):
-    _check_public_rows_independent(tiny, monkeypatch, max_batch_rows)
+    _check_public_rows_independent(tiny_in_dtype, monkeypatch, max_batch_rows)
 
 
 @pytest.mark.cuda
@@ -151,9 +159,10 @@ def test_cuda_engine_matches_the_cpu_oracle_with_forced_tokens():
             assert torch.allclose(seen[(i, t)][finite], expected[t][finite], atol=FLOAT64_ATOL, rtol=0)
 
 
-def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny):
+def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny_in_dtype):
     """Full-logits path, every text teacher-forced to the same tokens: every public row at every step is
     bitwise the same under every variant (the changed text's included)."""
+    tiny = tiny_in_dtype
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=3)
     forced = [[5, 9, 7, 11, 13], [17, 19, 23, 29, 31], [37, 41, 43, 47, 53]]
 
@@ -179,8 +188,9 @@ def test_public_rows_are_bitwise_independent_of_private_references_with_forced_t
             assert torch.equal(logits, runs["original"][key]), (name, key)
 
 
-def test_tokens_do_not_depend_on_the_schedule(tiny):
+def test_tokens_do_not_depend_on_the_schedule(tiny_in_dtype):
     """Same seed: together, one at a time (same stream ids), and with other max_batch_rows, the same texts."""
+    tiny = tiny_in_dtype
     mechanism = MechanismConfig(clip_norm=1.5, temperature=1.0, top_k=6, batch_size=3)
     requests = _requests(tiny, REFERENCES)
 
@@ -230,7 +240,8 @@ class _SyncCounter:
 
 
 @pytest.mark.parametrize("top_k", [6, None])  # Top-k+ path; full-vocabulary path
-def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny, monkeypatch, top_k):
+def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny_in_dtype, monkeypatch, top_k):
+    tiny = tiny_in_dtype
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=top_k, batch_size=3)
     engine = Engine(tiny, mechanism, max_batch_rows=8)  # two texts at a time: joins and finishes included
     requests = _requests(tiny, REFERENCES)
@@ -318,12 +329,13 @@ def test_a_prompt_beyond_the_models_positions_is_refused_up_front(tiny):
 
 
 @pytest.mark.slow
-def test_real_model_public_row_is_bitwise_independent_of_a_null_reference():
-    """The issue's probe on SmolLM2 (float32, B = 2, real reviews): the public row's first-step logits
-    are bitwise the same when a reference is replaced by null (it changed 45,364 of 49,152 logits)."""
+def test_real_model_public_row_is_bitwise_independent_of_a_null_reference(cpu_dtype):
+    """The issue's probe on SmolLM2 (float32, and bfloat16 where native; B = 2, real reviews): the public
+    row's first-step logits are bitwise the same when a reference is replaced by null (it changed 45,364
+    of 49,152 logits)."""
     from invink_audit.models import load_model
 
-    model = load_model(None, device="cpu", dtype="float32")
+    model = load_model(None, device="cpu", dtype=cpu_dtype)
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=50, batch_size=2)
     template = get_preset("generic")
     reviews = ["The pasta was cold, the waiter forgot our drinks and we waited an hour. " * 4, "Great tacos!"]

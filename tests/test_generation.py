@@ -37,6 +37,8 @@ RECORD_KEYS = {
     "topk_plus_size_std",
     "expansion_tokens",
     "token_ids",
+    "prompt_fields",
+    "model_dtype",
     "guarantee",
     "release_id",
     "run",

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from invink_audit.data import partition_references, read_references
 from invink_audit.models import build_tiny_model
-from invink_audit.prompts import PRESETS, PromptTemplate, encode_messages, encode_request, get_preset
+from invink_audit.prompts import PRESETS, PromptTemplate, encode_messages, encode_prompt, encode_request, get_preset
 
 # ---------------------------------------------------------------------------------------- partition
 
@@ -101,11 +101,14 @@ def test_null_reference_gives_exactly_the_public_prompt(tokenizer, name):
     assert template.user_message("") == template.public.format(**template.fields)
     private = template.messages("Mr Smith was admitted on Monday.")
     assert private != public and "Mr Smith was admitted on Monday." in private[-1]["content"]
-    assert private[0] == public[0] == {"role": "system", "content": "You are a chatbot"}
+    if template.system is not None:
+        assert private[0] == public[0] == {"role": "system", "content": template.system}
     request = encode_request(tokenizer, template, ["", "Mr Smith", ""])
     assert request.private_ids[0] is None and request.private_ids[2] is None
-    assert request.public_ids == encode_messages(tokenizer, public)
-    assert request.private_ids[1] == encode_messages(tokenizer, template.messages("Mr Smith"))
+    assert request.public_ids == encode_prompt(tokenizer, template, None)
+    assert request.private_ids[1] == encode_prompt(tokenizer, template, "Mr Smith")
+    if not template.answer_prefix and not template.completion:  # the paper's chat prompts, as they were
+        assert request.public_ids == encode_messages(tokenizer, public)
 
 
 def test_presets_follow_the_paper_table():

@@ -12,10 +12,12 @@ import torch
 
 from invink_audit import models
 from invink_audit.models import (
+    BFLOAT16_MAX_TOTAL_VARIATION,
     CACHE_ENV_VAR,
     LoadedModel,
     build_tiny_model,
     cache_dir,
+    cpu_bfloat16_support,
     embedded_gguf_path,
     load_model,
     resolve_device,
@@ -146,7 +148,7 @@ def test_tiny_model_is_deterministic_and_round_trips_through_a_directory(tmp_pat
 
     first.model.save_pretrained(tmp_path / "tiny")
     first.tokenizer.save_pretrained(tmp_path / "tiny")
-    reloaded = load_model(tmp_path / "tiny", device="cpu")
+    reloaded = load_model(tmp_path / "tiny", device="cpu", dtype="float32")  # auto might choose bfloat16
     assert isinstance(reloaded, LoadedModel)
     assert reloaded.vocab_size == first.vocab_size
     assert reloaded.eos_token_ids == first.eos_token_ids
@@ -166,7 +168,12 @@ def test_embedded_default_model_loads_from_the_cache_quickly():
     assert seconds < 10.0, f"cached load took {seconds:.1f} s"
     assert again.vocab_size == 49152
     assert again.tokenizer.convert_ids_to_tokens(list(again.eos_token_ids)) == ["<|im_end|>"]
-    assert again.dtype == torch.float32 and again.device == torch.device("cpu")
+    assert again.device == torch.device("cpu") and again.dtype_choice.requested == "auto"
+    # auto on a CPU: bfloat16 where native and its probe passes (it does for SmolLM2), else float32
+    native = cpu_bfloat16_support() is not None
+    assert again.dtype == (torch.bfloat16 if native else torch.float32)
+    assert (again.dtype_choice.probe is not None) == native
+    assert not native or again.dtype_choice.probe.max_total_variation <= BFLOAT16_MAX_TOTAL_VARIATION
     assert "SmolLM2-135M-Instruct" in again.name
     # the converted weights are the model's: a chat prompt's greedy continuation is English text
     ids = again.tokenizer.apply_chat_template(

@@ -238,3 +238,32 @@ def test_gemma3_runs_through_the_engine(gemma):
     assert all(0 <= t < GEMMA3_VOCAB_SIZE for t in text.token_ids)
     assert text.finish_reason in {"eos", "length"}
     assert isinstance(gemma.tokenizer.decode(text.token_ids), str)
+
+
+@pytest.mark.slow
+@NEEDS_GEMMA
+def test_gemma3_generates_from_the_cli_with_a_completion_prompt(gemma, tmp_path, capsys):
+    """`invink-audit generate --model gemma3-270m` end to end (issue 19): the base model takes the
+    completion-style preset, label-conditioned on Yelp-style labels; a chat preset is refused up front."""
+    import json
+
+    from invink_audit.cli import main
+
+    references = tmp_path / "reviews.csv"
+    references.write_text(
+        "text,label1,label2\n"
+        "The soup was cold and the waiter rude.,Business Category: Restaurants,Review Stars: 1.0\n"
+        "Never again: raw burger and stale fries.,Business Category: Restaurants,Review Stars: 1.0\n"
+        "Best dumplings in town!,Business Category: Restaurants,Review Stars: 5.0\n"
+        "Lovely staff and a perfect tiramisu.,Business Category: Restaurants,Review Stars: 5.0\n"
+    )
+    common = ["generate", "--input", str(references), "--model", "gemma3-270m", "--batch-size", "2",
+              "--max-new-tokens", "8", "--epsilon", "10", "--delta", "1e-6", "--label-columns", "label1,label2"]
+    output = tmp_path / "texts.jsonl"
+    assert main([*common, "--prompt", "yelp-completion", "--output", str(output)]) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["batch_index"] for r in records] == [0, 1]
+    assert all(r["finish_reason"] in {"eos", "length", "stop"} for r in records)
+    assert all('"' not in r["text"] for r in records if r["finish_reason"] == "stop")
+    assert main([*common, "--prompt", "yelp", "--output", str(tmp_path / "chat.jsonl")]) == 2
+    assert "completion-style prompt" in capsys.readouterr().err

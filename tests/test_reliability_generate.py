@@ -394,7 +394,8 @@ def test_audit_reports_say_they_are_not_private_and_label_uncharged_samples(tiny
     committed = json.loads((ROOT / "audits" / "reports" / "yelp_smollm2" / "report.json").read_text())
     written = write_report(report_from_dict(committed), tmp_path / "rep", plots=False)
     markdown = (tmp_path / "rep" / "report.md").read_text()
-    assert markdown.splitlines()[2] == f"> **{REPORT_PRIVACY_NOTICE}**"
+    assert markdown.splitlines()[0].startswith("NOT PRIVATE")  # the banner every NOT PRIVATE Markdown file opens with
+    assert markdown.splitlines()[4] == f"> **{REPORT_PRIVACY_NOTICE}**"
     assert json.loads((tmp_path / "rep" / "report.json").read_text())["privacy_notice"] == REPORT_PRIVACY_NOTICE
     assert len(written) == 2
 

@@ -32,6 +32,7 @@ from invink_audit.audit.report import (
     StepCheckSummary,
     WhiteBoxReport,
     WorstNeighbour,
+    sampled_confirmations,
 )
 from invink_audit.audit.whitebox import (
     KIND_ACTUAL,
@@ -383,6 +384,11 @@ def analyse(
     delta_tests, delta_rows = _delta_tests(rec, losses_by_key)
     verdict, decided, reason = _verdict(rec, _renyi_tests(rows) + delta_tests)
     seq_rows = _sequence_estimates(rows, decided)
+    if verdict is stats.Verdict.PASS and not sampled_confirmations(seq_rows, delta_rows):
+        reason += (
+            f"; the sampled part ({rec.plan.num_texts} texts) is too small to confirm anything (no upper confidence "
+            "end falls below its claim): this PASS rests on the exact per-step checks"
+        )
     worst = _worst_neighbour(audited, seq_rows, labels)
     comparisons = _accountant_comparisons(rec, seq_rows)
     summary = _step_check_summary(rec, prefix_decoder)

@@ -324,7 +324,7 @@ def engine_generator(
     from invink_audit.engine import Engine
     from invink_audit.mechanism import MechanismConfig, make_generator
     from invink_audit.models import load_model
-    from invink_audit.prompts import encode_request, get_preset
+    from invink_audit.prompts import encode_request, get_preset, release_text
 
     loaded = load_model(model)
     mech = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
@@ -336,7 +336,10 @@ def engine_generator(
         requests = [encode_request(loaded.tokenizer, template, b, key=i) for i, b in enumerate(batches)]
         out = [""] * len(requests)
         for f in engine.generate(requests, max_new_tokens=max_new_tokens, generator=gen):
-            out[f.request_index] = loaded.tokenizer.decode(list(f.token_ids), skip_special_tokens=True)
+            out[f.request_index] = (
+                release_text(loaded.tokenizer, f.token_ids, template.stop) if template.stop
+                else loaded.tokenizer.decode(list(f.token_ids), skip_special_tokens=True)
+            )
         return out
 
     return generate_many

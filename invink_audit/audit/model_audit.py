@@ -130,6 +130,26 @@ def hardest_case_row(
     return public_logits + sign * (_HARDEST_PUSH * clip_norm)
 
 
+class _Slots:
+    """Token slots for a ``progress(done, total)`` callback (``None``: nothing is reported): reports 0 at
+    once (a bar appears with its total), then every addition, never past ``total``."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+        if progress is not None:
+            progress(0, total)
+
+    def add(self, count: int) -> None:
+        if self.progress is not None and count:
+            self.done = min(self.done + count, self.total)
+            self.progress(self.done, self.total)
+
+    def finish(self) -> None:
+        if self.progress is not None and self.done < self.total:
+            self.done = self.total
+            self.progress(self.total, self.total)
+
+
 def audit_model(
     references: Sequence[str | None],
     settings: ModelAuditSettings,
@@ -150,7 +170,8 @@ def audit_model(
     ``references``: the B references of the audited batch (B = batch size; text canaries included,
     their slots named in ``canaries`` {slot: label}); ``hardest_case_slot``: a slot whose reference
     must be null, turned into the logit-level hardest-case canary. ``progress(done, total)`` counts
-    generated texts. Returns a :class:`~invink_audit.audit.report.WhiteBoxReport`.
+    token slots of the sampled texts (texts × T; a text that ends early fills its remaining slots).
+    Returns a :class:`~invink_audit.audit.report.WhiteBoxReport`.
     """
     refs, canaries = _check_slots(references, canaries, hardest_case_slot)
     options = dict(
@@ -218,20 +239,25 @@ class _Session:
         return len(self.refs)
 
     def decode(self, engine, max_new_tokens: int, hooks, progress, on_finished=None) -> tuple[float, int]:
-        """Generate this process's texts through ``hooks``; returns (seconds, tokens generated here)."""
-        done, tokens = 0, 0
+        """Generate this process's texts through ``hooks``; returns (seconds, tokens generated here).
+
+        ``progress(done, total)`` counts token slots: ``total`` = texts × T, a drawn token fills one, a
+        text that ends early fills the rest of its T (so the count ends at ``total`` and grows at every
+        step, not only when texts finish, which they mostly do together at the end)."""
+        tokens = 0
+        total = len(self.share.ids) * max_new_tokens
+        slots = _Slots(progress, total)
         t_gen = time.perf_counter()
         for finished in engine.generate(
             [self.request] * len(self.share.ids), max_new_tokens=max_new_tokens, generator=self.generator,
             observer=hooks.observer, sampling_rule=hooks.sampling_rule, stream_ids=self.share.ids,
-            key=self.share.key(self.generator),
+            key=self.share.key(self.generator), progress=slots.add if progress is not None else None,
         ):
-            done += 1
             tokens += finished.num_tokens
             if on_finished is not None:
                 on_finished(finished)
-            if progress is not None:
-                progress(done, len(self.share.ids))
+            slots.add(max(max_new_tokens - finished.num_tokens, 0))
+        slots.finish()
         return time.perf_counter() - t_gen, tokens
 
     def recorded(self):
@@ -243,6 +269,7 @@ class _Session:
         return {
             "model": self.loaded.name,
             "device": str(self.loaded.device),
+            "model_dtype": self.loaded.dtype_choice.to_json(),
             "prompt": self.template.name,
             **mechanism_fields,
             "max_new_tokens": max_new_tokens,
@@ -271,11 +298,17 @@ class _Session:
 
 
 def _load_model(model):
-    """The model on this process's device, and the seconds it took to load."""
-    from invink_audit.models import load_model
+    """The model on this process's device, in the dtype process 0 chose (``auto`` may decide by a probe on
+    each process: :func:`~invink_audit.models.follow_dtype`), and the seconds it took to load."""
+    from invink_audit.models import follow_dtype, load_model
 
     t_load = time.perf_counter()
-    loaded = load_model(model, device=current_cluster().device(None))
+    cluster = current_cluster()
+    device = cluster.device(None)
+    loaded = load_model(model, device=device)
+    if cluster.distributed and not isinstance(model, type(loaded)):
+        decided = cluster.broadcast(loaded.dtype_choice)
+        loaded = follow_dtype(loaded, decided, lambda choice: load_model(model, device=device, dtype=choice))
     return loaded, time.perf_counter() - t_load
 
 

@@ -30,16 +30,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
-from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, WhiteBoxReport, to_jsonable
+from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, WhiteBoxReport, headline_lines, to_jsonable
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
+from invink_audit.not_private import mark_not_private
 
-__all__ = ["AuditedRelease", "QuickAuditReport", "quick_audit", "teacher_forced_losses"]
+__all__ = ["PHASE_EXACT", "PHASE_SAMPLED", "AuditedRelease", "QuickAuditReport", "quick_audit", "teacher_forced_losses"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,8 @@ class QuickAuditReport:
     guarantee: str = "a-priori"  # or "data-dependent" (never a PASS)
 
     def to_dict(self) -> dict:
-        return to_jsonable(self)
+        """JSON-ready, marked first (``not_private``, ``privacy_notice``: the report is not private)."""
+        return mark_not_private(to_jsonable(self), self.privacy_notice)
 
     def summary(self) -> str:
         lines = [
@@ -85,25 +87,33 @@ class QuickAuditReport:
             lines.append(
                 f"  sampled audit of batch 0 ({self.uncharged_samples} extra texts drawn outside the ledger: UNCHARGED, "
                 "not covered by the release's guarantee, never to be published): "
-                f"{self.sampled.verdict.value}; sequence Renyi headroom (claim/estimate) "
-                f"min {h['sequence_renyi_min']:.3g}; eps headroom (claimed / measured curve) {h['epsilon']:.3g}"
+                f"{self.sampled.verdict.value}; sequence Renyi headroom (claim/estimate) min {h['sequence_renyi_min']:.3g}"
             )
+            # eps against the release's claimed eps (the accountant's), and whether sampling confirmed anything
+            lines += [f"    {line}" for line in headline_lines(h, self.sampled.verdict)]
         lines.append(f"  ({self.seconds:.1f} s)")
         return "\n".join(lines)
 
 
-def teacher_forced_losses(loaded, mechanism, requests, token_ids, *, claim: Claim, config: WhiteBoxConfig):
+def teacher_forced_losses(
+    loaded, mechanism, requests, token_ids, *, claim: Claim, config: WhiteBoxConfig,
+    progress: Callable[[int, int], None] | None = None,
+):
     """Run the engine forcing ``token_ids[i]`` for ``requests[i]``; return the recorder's measurements.
 
     Every prefix of every text is checked exactly (all B neighbours) and the exact log-probabilities
     of each text under R and every R'_j are accumulated. With a generic
     :class:`~invink_audit.mechanisms.Mechanism`, ``token_ids[i]`` are the text's *outcomes*
     (``mode·V + token``, and the stop outcome last when the mechanism's stop rule ended it).
+    ``progress(done, total)``: forced tokens so far, of all the texts' tokens.
     """
     from invink_audit.mechanisms import Mechanism, as_mechanism
 
     if isinstance(mechanism, Mechanism) and as_mechanism(mechanism).name != "invisibleink":
-        return _teacher_forced_outcomes(loaded, mechanism, requests, token_ids, claim=claim, config=config)
+        return _teacher_forced_outcomes(
+            loaded, mechanism, requests, token_ids, claim=claim, config=config, progress=progress
+        )
+    from invink_audit.audit.model_audit import _Slots
     from invink_audit.engine import Engine
     from invink_audit.mechanism import make_generator
 
@@ -130,21 +140,25 @@ def teacher_forced_losses(loaded, mechanism, requests, token_ids, *, claim: Clai
 
     engine = Engine(loaded, mechanism)
     lengths = {i: len(t) for i, t in enumerate(token_ids)}
+    slots = _Slots(progress, sum(lengths.values()))
     with torch.no_grad():
         for f in engine.generate(
             requests, max_new_tokens=claim.max_new_tokens, generator=make_generator(device=loaded.device),
-            observer=observer, sampling_rule=rule,
+            observer=observer, sampling_rule=rule, progress=slots.add if progress is not None else None,
         ):
             if f.num_tokens != lengths[f.request_index]:
                 raise ValueError(
                     f"text {f.request_index} ended after {f.num_tokens} tokens under teacher forcing, "
                     f"but has {lengths[f.request_index]}: the texts do not match this configuration"
                 )
+    slots.finish()
     return recorder.finish()
 
 
-def _teacher_forced_outcomes(loaded, mechanism, requests, outcome_ids, *, claim: Claim, config: WhiteBoxConfig):
+def _teacher_forced_outcomes(loaded, mechanism, requests, outcome_ids, *, claim: Claim, config: WhiteBoxConfig,
+                             progress=None):
     """:func:`teacher_forced_losses` for a generic mechanism (its exact state, outcomes forced)."""
+    from invink_audit.audit.model_audit import _Slots
     from invink_audit.engine import Engine
     from invink_audit.mechanism import make_generator
 
@@ -175,16 +189,18 @@ def _teacher_forced_outcomes(loaded, mechanism, requests, outcome_ids, *, claim:
     engine = Engine(loaded, mechanism)
     stop_id = mechanism.stop_outcome(loaded.vocab_size)
     expected = {i: sum(1 for o in t if o != stop_id) for i, t in enumerate(outcome_ids)}
+    slots = _Slots(progress, sum(expected.values()))
     with torch.no_grad():
         for f in engine.generate(
             requests, max_new_tokens=claim.max_new_tokens, generator=make_generator(device=loaded.device),
-            observer=observer, sampling_rule=rule,
+            observer=observer, sampling_rule=rule, progress=slots.add if progress is not None else None,
         ):
             if f.num_tokens != expected[f.request_index]:
                 raise ValueError(
                     f"text {f.request_index} ended after {f.num_tokens} tokens under teacher forcing, "
                     f"but has {expected[f.request_index]}: the texts do not match this configuration"
                 )
+    slots.finish()
     return recorder.finish()
 
 
@@ -355,8 +371,13 @@ def _verdict(failures: dict, sampled: WhiteBoxReport | None, claim: Claim) -> tu
         verdict, reason = Verdict.INCONCLUSIVE, f"sampled audit: {sampled.reason}"
     else:
         verdict, reason = Verdict.PASS, "exact checks held on every prefix of the generated texts" + (
-            "; sampled audit passed" if sampled is not None else " (no sampled audit)"
+            " (no sampled audit)" if sampled is None else "; sampled audit passed"
         )
+        if sampled is not None and not sampled.sampled_confirmations:
+            reason += (
+                f", but its {sampled.num_texts} texts are too few to confirm anything (no upper confidence end falls "
+                "below its claim): this PASS rests on the exact checks"
+            )
     if not claim.a_priori and verdict is Verdict.PASS:
         verdict, reason = Verdict.INCONCLUSIVE, f"DATA-DEPENDENT guarantee, never a PASS ({reason})"
     elif not claim.a_priori and verdict is Verdict.VIOLATION:
@@ -412,7 +433,8 @@ def _forced_outcomes(run, vocab: int) -> list[list[int]]:
 
 
 def _quick_audit_generic(
-    run, references, *, model, prompt_fields, sampled_batch, num_samples, directions, alphas, significance, generator, start
+    run, references, *, model, prompt_fields, sampled_batch, num_samples, directions, alphas, significance, generator, start,
+    progress,
 ) -> QuickAuditReport:
     from invink_audit.audit.model_audit import ModelAuditSettings, audit_model, generic_audit_config
     from invink_audit.data import partition_references, read_references
@@ -435,7 +457,8 @@ def _quick_audit_generic(
         encode_request(loaded.tokenizer, template, [r if r else None for r in partition.batches[t.batch_index]], key=t.batch_index)
         for t in run.texts
     ]
-    rec = _teacher_forced_outcomes(loaded, mech, requests, _forced_outcomes(run, loaded.vocab_size), claim=claim, config=config)
+    rec = _teacher_forced_outcomes(loaded, mech, requests, _forced_outcomes(run, loaded.vocab_size), claim=claim,
+                                   config=config, progress=_phase(progress, PHASE_EXACT))
     sampled = None
     if sampled_batch is not None:
         sampled = audit_model(
@@ -446,6 +469,7 @@ def _quick_audit_generic(
             model=loaded,
             prompt=template,
             generator=generator,
+            progress=_phase(progress, PHASE_SAMPLED),
         )
     return _quick_report(
         rec, claim, sampled, texts=len(run.texts), accountant_epsilon=g.epsilon, start=start, mechanism=mech.name,
@@ -455,6 +479,19 @@ def _quick_audit_generic(
 
 # ---------------------------------------------------------------------------------------------
 # the entry point
+
+#: :func:`quick_audit`'s phases, as its ``progress`` callback names them
+PHASE_EXACT = "exact checks (teacher forcing)"
+PHASE_SAMPLED = "sampled audit"
+
+
+def _phase(progress, phase: str) -> Callable[[int, int], None] | None:
+    """``progress(phase, done, total)`` as a ``(done, total)`` callback of one phase (``None`` stays ``None``)."""
+    if progress is None:
+        return None
+    if not callable(progress):
+        raise ValueError(f"progress must be callable or None; got {type(progress).__name__}")
+    return lambda done, total: progress(phase, done, total)
 
 
 def quick_audit(
@@ -471,6 +508,7 @@ def quick_audit(
     alphas: tuple[float, ...] = (2.0, 8.0),
     significance: float = 0.05,
     generator: torch.Generator | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> QuickAuditReport:
     """Audit the texts of a :class:`invink_audit.generation.GenerationResult` (e.g. from the demo).
 
@@ -488,27 +526,33 @@ def quick_audit(
     The sampled texts are drawn outside the ledger: they are not charged and the release's guarantee
     does not cover them (``uncharged_samples`` counts them). The report is a non-private function of
     the references (see the module docstring).
+
+    ``progress(phase, done, total)``: called as each phase advances (nothing is printed here; the caller
+    draws the bars, e.g. :func:`invink_audit.cli.phase_progress`): :data:`PHASE_EXACT` counts the
+    generated texts' tokens teacher-forced so far, :data:`PHASE_SAMPLED` the sampled texts' token slots
+    (texts × T). Each phase starts with ``done = 0`` and ends with ``done = total``.
     """
     from invink_audit.mechanisms.run import MechanismRun
 
     start = time.perf_counter()
+    _phase(progress, "")  # a progress that is not callable is refused before anything is loaded
     if isinstance(result, MechanismRun):
         return _quick_audit_generic(
             result, references, model=model, prompt_fields=prompt_fields, sampled_batch=sampled_batch,
             num_samples=num_samples, directions=directions, alphas=alphas, significance=significance,
-            generator=generator, start=start,
+            generator=generator, start=start, progress=progress,
         )
     release = AuditedRelease.of(result, references, prompt=prompt, prompt_fields=prompt_fields)
     return _quick_audit_release(
         result, release, model=model, sampled_batch=sampled_batch,
         sampled_config=_sampled_config(alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples,
                                        significance=significance, directions=directions),
-        alphas=alphas, significance=significance, generator=generator, start=start,
+        alphas=alphas, significance=significance, generator=generator, start=start, progress=progress,
     )
 
 
 def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batch, sampled_config, alphas, significance,
-                         generator, start) -> QuickAuditReport:
+                         generator, start, progress) -> QuickAuditReport:
     """:func:`quick_audit` of an InvisibleInk release: teacher forcing of its texts, then the sampled audit."""
     from invink_audit.audit.model_audit import audit_model
     from invink_audit.models import load_model
@@ -523,12 +567,13 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
         for t in result.texts
     ]
     rec = teacher_forced_losses(
-        loaded, release.mechanism, requests, [list(t.token_ids) for t in result.texts], claim=claim, config=config
+        loaded, release.mechanism, requests, [list(t.token_ids) for t in result.texts], claim=claim, config=config,
+        progress=_phase(progress, PHASE_EXACT),
     )
     sampled = None
     if sampled_batch is not None:
         sampled = audit_model(
             list(release.partition.batches[sampled_batch]), release.audit_settings(), sampled_config, model=loaded,
-            prompt=release.batch_template(sampled_batch), generator=generator,
+            prompt=release.batch_template(sampled_batch), generator=generator, progress=_phase(progress, PHASE_SAMPLED),
         )
     return _quick_report(rec, claim, sampled, texts=len(result.texts), accountant_epsilon=release.epsilon, start=start)

@@ -7,14 +7,15 @@ Plots use matplotlib's Agg backend (no display needed).
 
 Reports are **not private**: they are computed from the audited references with no privacy
 protection (realised per-reference losses, the worst prefix chosen by its loss and decoded, canary
-scores, texts sampled outside any ledger). Every rendering says so (:data:`REPORT_PRIVACY_NOTICE`).
+scores, texts sampled outside any ledger). Every rendering says so (:data:`REPORT_PRIVACY_NOTICE`; the
+JSON is marked ``"not_private": true``), and ``write_report`` writes its files owner-only (0600), never
+through a symbolic link, the Markdown opening with the NOT PRIVATE banner (:mod:`invink_audit.not_private`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from invink_audit.audit.stats import TestResult, Verdict
+from invink_audit.not_private import (
+    mark_not_private,
+    save_not_private_figure,
+    unmark,
+    write_not_private_json,
+    write_not_private_text,
+)
 
 __all__ = [
     "REPORT_PRIVACY_NOTICE",
@@ -35,7 +43,9 @@ __all__ = [
     "AccountantComparison",
     "WhiteBoxReport",
     "BlackBoxReport",
+    "headline_lines",
     "report_from_dict",
+    "sampled_confirmations",
     "to_jsonable",
     "write_report",
 ]
@@ -355,20 +365,93 @@ class WhiteBoxReport:
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        """JSON-ready, with ``privacy_notice`` first (the report is not private)."""
-        return {"privacy_notice": REPORT_PRIVACY_NOTICE, **to_jsonable(self)}
+        """JSON-ready, marked first (``not_private``, ``privacy_notice``: the report is not private)."""
+        return mark_not_private(to_jsonable(self), REPORT_PRIVACY_NOTICE)
+
+    @property
+    def sampled_confirmations(self) -> int:
+        """How many sampled rows confirm their claim (:func:`sampled_confirmations`); 0: the sampled part
+        confirms nothing, and a PASS rests on the exact per-step checks alone."""
+        return sampled_confirmations(self.sequence, self.delta)
 
     def headroom_summary(self) -> dict:
-        """The headline ratios: per-step range, sequence Rényi (min over rows), ε per accountant."""
+        """The headline figures: per-step range headroom, sequence Rényi headroom (min over rows), and ε
+        against the release's claimed ε (the first accountant's).
+
+        ``epsilon`` = the accountant's ε / the ε of the measured curve (``epsilon_measured``: the RDP→DP
+        conversion of the measured D_α on the audit's α grid). That conversion is looser than the
+        accountant, so the ratio errs low (toward less headroom); ``epsilon_claimed_grid`` (the same
+        conversion of the claimed curve) shows by how much. ``sampled_confirmations``: see the property.
+        """
         seq = [s.headroom for s in self.sequence if s.estimator == "importance-sampling"] or [
             s.headroom for s in self.sequence
         ]
-        return {
+        first = self.accountants[0] if self.accountants else None
+        out = {
             "per_step_range": self.step_checks.range_headroom,
             "sequence_renyi_min": min(seq) if seq else math.nan,
-            "epsilon": self.accountants[0].headroom if self.accountants else math.nan,
+            "epsilon": math.nan,
             "accountant_epsilon": {a.accountant: a.epsilon for a in self.accountants},
+            "sampled_confirmations": self.sampled_confirmations,
+            "num_texts": self.num_texts,
+            "alphas": sorted({s.alpha for s in self.sequence}),
         }
+        if first is not None:
+            measured = first.epsilon_measured
+            out.update(
+                epsilon=first.epsilon / measured if measured > 0 else (math.inf if measured == 0 else math.nan),
+                accountant=first.accountant,
+                epsilon_accountant=first.epsilon,
+                epsilon_measured=measured,
+                epsilon_measured_upper=first.epsilon_measured_upper,
+                epsilon_claimed_grid=first.epsilon_claimed_grid,
+            )
+        return out
+
+    def headline(self) -> list[str]:
+        """The lines a summary prints after the verdict: ε against the release's claim, and whether the
+        sampled part confirmed anything (:func:`headline_lines`)."""
+        return headline_lines(self.headroom_summary(), self.verdict)
+
+
+def sampled_confirmations(sequence: Sequence[SequenceEstimate], delta: Sequence[DeltaEstimate]) -> int:
+    """How many rows of a sampled audit confirm their claim: a sequence estimate whose upper confidence
+    end is at most its claimed D_α, or a δ(ε) row whose band's upper end is at most its target δ.
+
+    With too few samples every upper end is ∞ (or above its claim): the sampled part then confirms
+    nothing, whatever its verdict, and a PASS rests on the exact per-step checks alone.
+    """
+    rows = sum(1 for s in sequence if math.isfinite(s.upper) and s.upper <= s.claimed)
+    return rows + sum(1 for d in delta if d.band_upper <= d.target_delta)
+
+
+def headline_lines(h: Mapping, verdict: Verdict | None = None) -> list[str]:
+    """A sampled audit's headline from its :meth:`WhiteBoxReport.headroom_summary`: the measured ε next to
+    the release's claimed ε (the accountant's, never the claimed curve's conversion on the α grid), and a
+    line saying so when the sampled part confirmed nothing."""
+    lines = []
+    claimed, measured = h.get("epsilon_accountant", math.nan), h.get("epsilon_measured", math.nan)
+    if math.isfinite(claimed):
+        alphas = ", ".join(f"{a:g}" for a in h.get("alphas", ()))
+        line = (
+            f"ε: the release claims {_fmt(claimed)} ({h.get('accountant')}); the measured D_α on α ∈ {{{alphas}}} "
+            f"gives {_fmt(measured)} (upper confidence end {_fmt(h.get('epsilon_measured_upper'))}), claimed / "
+            f"measured = {_fmt(h.get('epsilon'), 3)}"
+        )
+        grid = h.get("epsilon_claimed_grid", math.nan)
+        if math.isfinite(grid) and grid > claimed:
+            line += (
+                f" (that RDP→DP conversion is loose on this α grid: it turns the claimed curve itself into "
+                f"{_fmt(grid)}, so the measured ε overstates the loss)"
+            )
+        lines.append(line)
+    if h.get("sampled_confirmations", 1) == 0:
+        rests = "; this PASS rests on the exact per-step checks alone" if verdict is Verdict.PASS else ""
+        lines.append(
+            f"the sampled part ({h.get('num_texts', '?')} texts) is too small to confirm anything: no upper "
+            f"confidence end falls below its claim{rests}"
+        )
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,8 +479,8 @@ class BlackBoxReport:
     scores_without: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
-        """JSON-ready, with ``privacy_notice`` first (the report is not private)."""
-        return {"privacy_notice": REPORT_PRIVACY_NOTICE, **to_jsonable(self)}
+        """JSON-ready, marked first (``not_private``, ``privacy_notice``: the report is not private)."""
+        return mark_not_private(to_jsonable(self), REPORT_PRIVACY_NOTICE)
 
 
 def _num(x):
@@ -414,8 +497,7 @@ def _num(x):
 def report_from_dict(data: dict):
     """Rebuild a :class:`WhiteBoxReport` or :class:`BlackBoxReport` from its ``to_dict()`` (e.g. to
     re-render a committed ``report.json``)."""
-    d = _num(dict(data))
-    d.pop("privacy_notice", None)  # a label, re-added by to_dict
+    d = _num(unmark(data))  # the NOT PRIVATE marker is a label, re-added by to_dict
     d["verdict"] = Verdict(d["verdict"])
     if d.get("kind") == "black-box":
         for k in ("notes", "scores_with", "scores_without"):
@@ -541,33 +623,62 @@ def _md_sequence(r: WhiteBoxReport) -> list[str]:
     return lines
 
 
+#: δ(ε) rows with δ̂ > 0 shown in the Markdown report (the others are counted; all are in report.json)
+_MD_DELTA_ROWS = 12
+
+
 def _md_accountants(r: WhiteBoxReport) -> list[str]:
-    """Each accountant against the measured curve, then δ(ε) at the accountants' ε."""
+    """Each accountant's ε (the release's claim) against the measured curve, then δ(ε) at the accountants'
+    ε, collapsed to its informative rows."""
     lines = [
         "",
         "## Accountants",
         "",
-        "| accountant | δ | ε (accountant) | ε (claimed curve, α grid) | ε (measured) | ε (measured, upper) | headroom (claimed grid / measured) |",
-        "|---|---|---|---|---|---|---|",
+        "ε (measured): the RDP→DP conversion of the measured D_α on the α grid; the same conversion of the "
+        "claimed curve is in the last columns (a claimed-grid ε above the accountant's means the conversion is "
+        "loose on this grid, and the measured ε overstates the loss by as much).",
+        "",
+        "| accountant | δ | ε (accountant) | ε (measured) | ε (measured, upper) | accountant / measured | "
+        "ε (claimed curve, α grid) | claimed grid / measured |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for a in r.accountants:
+        ratio = a.epsilon / a.epsilon_measured if a.epsilon_measured > 0 else math.inf
         lines.append(
-            f"| {a.accountant} | {_fmt(a.delta)} | {_fmt(a.epsilon)} | {_fmt(a.epsilon_claimed_grid)} | "
-            f"{_fmt(a.epsilon_measured)} | {_fmt(a.epsilon_measured_upper)} | {_fmt(a.headroom)} |"
+            f"| {a.accountant} | {_fmt(a.delta)} | {_fmt(a.epsilon)} | {_fmt(a.epsilon_measured)} | "
+            f"{_fmt(a.epsilon_measured_upper)} | {_fmt(ratio)} | {_fmt(a.epsilon_claimed_grid)} | {_fmt(a.headroom)} |"
         )
+    lines += [""] + [f"{line}." for line in r.headline()]
     if r.delta:
+        lines += _md_delta(r.delta)
+    return lines
+
+
+def _md_delta(rows: Sequence[DeltaEstimate]) -> list[str]:
+    """δ(ε): the first rows with δ̂ > 0 (at most :data:`_MD_DELTA_ROWS`), and one line each for the rows
+    with δ̂ > 0 not shown and for those with δ̂ = 0 (every row is in report.json)."""
+    positive = [d for d in rows if not d.delta_estimate <= 0]
+    zero = [d for d in rows if d.delta_estimate <= 0]
+    lines = ["", "## δ(ε) at the accountants' ε (DKW band, simultaneous over ε)", ""]
+    if positive:
         lines += [
-            "",
-            "## δ(ε) at the accountants' ε (DKW band, simultaneous over ε)",
-            "",
             "| neighbour | direction | accountant | target δ | ε | δ̂ | band lower | band upper |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for d in r.delta:
+        for d in positive[:_MD_DELTA_ROWS]:
             lines.append(
                 f"| {d.neighbour} | {d.direction} | {d.accountant} | {_fmt(d.target_delta)} | {_fmt(d.epsilon)} | "
                 f"{_fmt(d.delta_estimate)} | {_fmt(d.band_lower)} | {_fmt(d.band_upper)} |"
             )
+        lines.append("")
+        if len(positive) > _MD_DELTA_ROWS:
+            lines.append(f"{len(positive) - _MD_DELTA_ROWS} more row(s) with δ̂ > 0 are in report.json.")
+    if zero:
+        widest = max(d.band_upper for d in zero)
+        lines.append(
+            f"{len(zero)} of {len(rows)} row(s) with δ̂ = 0 omitted (no sampled text's loss exceeds their ε; their "
+            f"band's upper ends reach {_fmt(widest)}); every row is in report.json."
+        )
     return lines
 
 
@@ -630,7 +741,7 @@ def _pyplot():
 
 def _save(fig, out: Path, name: str) -> str:
     fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
+    save_not_private_figure(fig, out / name, dpi=110)
     _pyplot().close(fig)
     return name
 
@@ -676,23 +787,59 @@ def _plot_renyi(r: WhiteBoxReport, out: Path) -> str:
         _plot_renyi_estimates(ax, r, alphas)
     ax.set_xlabel("Rényi order α")
     ax.set_ylabel("D_α (nats)")
-    label = str(r.worst_neighbour.label or "")
-    ax.set_title(f"worst neighbour {r.worst_neighbour.index}" + (f": {label[:60]}" if label else ""), fontsize=9)
+    ax.set_title(_wrapped_title(r.worst_neighbour), fontsize=9)
     ax.legend(fontsize=7)
     return _save(fig, out, "renyi.png")
 
 
+#: characters per line of a plot title (6-inch figures, 9-point type) and lines at most
+_TITLE_WIDTH, _TITLE_LINES = 70, 3
+
+
+def _wrapped_title(worst: WorstNeighbour) -> str:
+    """``worst neighbour j: label``, wrapped to fit the figure (at most :data:`_TITLE_LINES` lines, the
+    last one ending in … when the label is longer)."""
+    import textwrap
+
+    label = str(worst.label or "")
+    text = f"worst neighbour {worst.index}" + (f": {label}" if label else "")
+    return "\n".join(textwrap.wrap(text, _TITLE_WIDTH, max_lines=_TITLE_LINES, placeholder=" …"))
+
+
 def _plot_loss_histogram(r: WhiteBoxReport, out: Path) -> str:
-    """``loss_histogram.png``: the worst neighbour's sequence privacy losses."""
+    """``loss_histogram.png``: the worst neighbour's sequence privacy losses, with the a-priori bound on
+    one text's loss (T·ε0, bounded-range claims) and the release's ε as vertical lines (a line beyond
+    the losses' range by more than the range itself is drawn at the right edge, marked as such)."""
     h = r.loss_histogram
     fig, ax = _pyplot().subplots(figsize=(6, 4))
+    right = None
     if h.counts:
         edges = np.asarray(h.edges, dtype=float)
-        ax.stairs(np.asarray(h.counts, dtype=float), edges, fill=True, alpha=0.6)
+        ax.stairs(np.asarray(h.counts, dtype=float), edges, fill=True, alpha=0.6, label="texts (finite loss)")
+        right = float(edges[-1]) + (float(edges[-1] - edges[0]) or 1.0)  # lines further right are clipped to here
+    c = r.claim
+    lines = []
+    if c.epsilon0 is not None and c.guarantee in (None, "a-priori") and c.composition in (None, "bounded-range"):
+        bound = float(c.epsilon0) * c.max_new_tokens
+        lines.append((bound, f"a-priori bound T·ε0 = {_fmt(bound)}", "-"))
+    if c.epsilons:
+        name, eps = next(iter(c.epsilons.items()))
+        lines.append((float(eps), f"claimed ε = {_fmt(eps)} ({name}, δ = {_fmt(c.delta)})", "--"))
+    for i, (x, label, style) in enumerate(lines):
+        if not math.isfinite(x):
+            continue
+        if right is not None and x > right:
+            ax.axvline(right, color="k", ls=style, lw=1, label=f"{label} → beyond the axis")
+            ax.annotate(f"{_fmt(x)} →", (right, 0.5 - 0.08 * i), xycoords=("data", "axes fraction"), ha="right",
+                        xytext=(-3, 0), textcoords="offset points", fontsize=7)
+        else:
+            ax.axvline(x, color="k", ls=style, lw=1, label=label)
     ax.set_xlabel(f"privacy loss L_j(x), neighbour {h.neighbour} (forward, x ~ P_R)")
     ax.set_ylabel("texts")
     if h.num_infinite:
         ax.set_title(f"{h.num_infinite} texts with infinite loss not shown")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     return _save(fig, out, "loss_histogram.png")
 
 
@@ -740,7 +887,7 @@ def _plots_blackbox(r: BlackBoxReport, out: Path) -> list[str]:
     ax.set_ylabel("trials")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "scores.png", dpi=110)
+    save_not_private_figure(fig, out / "scores.png", dpi=110)
     plt.close(fig)
     return ["scores.png"]
 
@@ -749,15 +896,17 @@ def write_report(report, output_dir: str | Path, *, plots: bool = True) -> list[
     """Write ``report.json``, ``report.md`` and (``plots=True``) PNG plots into ``output_dir``.
 
     ``report`` is a :class:`WhiteBoxReport`, a :class:`BlackBoxReport`, or a sequence of them (the
-    JSON is then a list and the Markdown a concatenation; plots of the first white-box report).
+    JSON is then a list and the Markdown a concatenation; plots of the first white-box report). Every
+    file is NOT PRIVATE: owner-only (0600), never written through a symbolic link, the JSON marked and the
+    Markdown opening with the banner (:mod:`invink_audit.not_private`).
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     reports: Sequence = report if isinstance(report, (list, tuple)) else [report]
     payload = [r.to_dict() for r in reports]
-    (out / "report.json").write_text(json.dumps(payload if len(payload) > 1 else payload[0], indent=2) + "\n")
+    write_not_private_json(out / "report.json", payload if len(payload) > 1 else payload[0], indent=2)
     md = "\n\n".join(_whitebox_markdown(r) if isinstance(r, WhiteBoxReport) else _blackbox_markdown(r) for r in reports)
-    (out / "report.md").write_text(md)
+    write_not_private_text(out / "report.md", md, markdown=True)
     written = [out / "report.json", out / "report.md"]
     if plots:
         wb = [r for r in reports if isinstance(r, WhiteBoxReport)]

@@ -337,17 +337,18 @@ def selftest_markdown(result: SelfTestResult) -> str:
 
 
 def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) -> list:
-    """Write report.json (the issue's list), report.md, and the per-audit reports and plots."""
-    import json
+    """Write report.json (the issue's list), report.md, and the per-audit reports and plots; like every
+    audit report, owner-only and marked NOT PRIVATE (:func:`~invink_audit.audit.report.write_report`)."""
     from pathlib import Path
 
-    from invink_audit.audit.report import _whitebox_markdown, write_report
+    from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, _whitebox_markdown, write_report
+    from invink_audit.not_private import write_not_private_json, write_not_private_text
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    write_not_private_json(out / "report.json", result.to_json(), indent=2, notice=REPORT_PRIVACY_NOTICE)
     md = selftest_markdown(result) + "\n\n" + "\n\n".join(_whitebox_markdown(r) for r in result.reports)
-    (out / "report.md").write_text(md)
+    write_not_private_text(out / "report.md", md, markdown=True)
     written = [out / "report.json", out / "report.md"]
     if plots:
         for r in result.reports:

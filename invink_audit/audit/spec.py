@@ -36,18 +36,31 @@ SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
 
 Canary and data slots: the B references are the canaries in their slots and data references (in
 file order from ``offset``, a data-independent choice) everywhere else.
+
+Checks: :func:`load_spec` checks every key when the spec is read, before any model loads: the
+numbers against the ranges the command line applies (:mod:`accounting.limits`: ε, δ, C, τ, T, B and
+the counts), the types (``max_new_tokens = 4.7`` or ``batch_size = true`` are refused, never
+truncated), and the names (an unknown key is refused with the allowed ones). An error is one
+``ValueError`` line naming the spec's file, the section and the key (``invink-audit audit`` prints it
+and exits with status 2). A temporary model directory (``model_path = "tiny"``) is removed on every
+path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
+import numbers
 import os
+import shutil
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from accounting import Accountant, as_accountant
+from accounting.limits import COUNT_RANGE, MAX_COUNT, RANGES, ParameterRange
 from invink_audit.audit.whitebox import Direction, WhiteBoxConfig
 
 if TYPE_CHECKING:
@@ -60,7 +73,13 @@ __all__ = [
 ]
 
 KINDS = ("selftest", "white-box", "black-box")
-_SECTIONS = {"name", "kind", "description", "model", "prompt", "data", "mechanism", "canaries", "audit", "selftest", "target", "blackbox", "seed"}
+_TOP_LEVEL = ("name", "kind", "description", "seed")
+#: the sections each kind reads; any other key of a spec is refused
+_KIND_SECTIONS = {
+    "selftest": ("selftest",),
+    "white-box": ("model", "prompt", "data", "mechanism", "canaries", "audit"),
+    "black-box": ("model", "prompt", "data", "mechanism", "canaries", "target", "blackbox"),
+}
 
 
 def yelp_dir() -> Path:
@@ -69,6 +88,176 @@ def yelp_dir() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "yelp"
+
+
+# -- field checks ---------------------------------------------------------------------------------
+# Each takes (key, value) and returns the checked value or raises a one-line ValueError naming the key;
+# _Section.get adds the section and _naming the spec file. The numeric ranges are accounting.limits'
+# (the ones the command line's flags go through), never a second copy.
+
+_count = COUNT_RANGE.check
+_NON_NEGATIVE_COUNT = ParameterRange(0, MAX_COUNT, integer=True)
+_NUM_TRIALS_RANGE = ParameterRange(8, MAX_COUNT, integer=True)  # blackbox_audit's smallest num_trials
+_SEED_RANGE = ParameterRange(0, 2**63 - 1, integer=True)  # any TOML integer >= 0 (make_generator's seeds)
+_UNIT_INTERVAL = ParameterRange(0.0, 1.0)
+
+
+def _string(key: str, value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be a string; got {value!r}")
+    return value
+
+
+def _boolean(key: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false; got {value!r}")
+    return value
+
+
+def _number(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number; got {value!r}")
+    return float(value)
+
+
+def _positive(key: str, value) -> float:
+    if not _number(key, value) > 0:
+        raise ValueError(f"{key} must be a finite number > 0; got {value!r}")
+    return float(value)
+
+
+def _order(key: str, value) -> float:
+    """A Rényi order α: finite and > 1."""
+    if not _number(key, value) > 1:
+        raise ValueError(f"{key} must be a finite number > 1; got {value!r}")
+    return float(value)
+
+
+def _significance(key: str, value) -> float:
+    from invink_audit.audit.stats import _check_significance
+
+    return _check_significance(_number(key, value))
+
+
+def _top_k(key: str, value) -> int | None:
+    """An integer k, or ``"full"`` for the full vocabulary (as ``--top-k`` takes it)."""
+    if isinstance(value, str) and value.strip().lower() == "full":
+        return None
+    try:
+        return _count(key, value)
+    except ValueError as err:
+        raise ValueError(f"{key} must be {COUNT_RANGE.describe()} or 'full'; got {value!r}") from err
+
+
+def _accountant(key: str, value) -> Accountant:
+    return as_accountant(value)
+
+
+def _choice(*options: str) -> Callable:
+    def check(key: str, value):
+        if not isinstance(value, str) or value not in options:
+            raise ValueError(f"{key} must be one of {list(options)}; got {value!r}")
+        return value
+
+    return check
+
+
+def _list_of(check: Callable, *, empty: bool = False) -> Callable:
+    def checked(key: str, value) -> tuple:
+        if not isinstance(value, list) or not (value or empty):
+            raise ValueError(f"{key} must be a {'' if empty else 'non-empty '}list; got {value!r}")
+        return tuple(check(f"{key}[{i}]", v) for i, v in enumerate(value))
+
+    return checked
+
+
+def _table(key: str, value) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be a table; got {value!r}")
+    return dict(value)
+
+
+def _string_table(key: str, value) -> dict:
+    return {name: _string(f"{key}.{name}", v) for name, v in _table(key, value).items()}
+
+
+def _device(key: str, value) -> str:
+    from invink_audit.models import resolve_device
+
+    resolve_device(_string(key, value))
+    return value
+
+
+def _dtype(key: str, value) -> str:
+    import torch
+
+    from invink_audit.models import resolve_dtype
+
+    resolve_dtype(_string(key, value), torch.device("cpu"))
+    return value
+
+
+def _direction(key: str, value) -> Direction:
+    return Direction(_choice(*(d.value for d in Direction))(key, value))
+
+
+def _neighbours(key: str, value) -> tuple[int, ...] | None:
+    """``"all"`` (``None``) or a list of indices."""
+    if value == "all":
+        return None
+    try:
+        return _list_of(_NON_NEGATIVE_COUNT.check)(key, value)
+    except ValueError as err:
+        raise ValueError(f"{key} must be 'all' or a non-empty list of indices >= 0; got {value!r}") from err
+
+
+def _custom_canary(key: str, value) -> dict:
+    item = _Section(key, _table(key, value), ("slot", "text", "label"), prefix=False)
+    item.require("slot", _NON_NEGATIVE_COUNT.check)
+    item.require("text", _string)
+    item.get("label", _string)
+    return item.values
+
+
+class _Section:
+    """One ``[section]`` of a spec: unknown keys are refused with the allowed names, and every read is
+    checked, its error naming the section and the key."""
+
+    def __init__(self, name: str, table, allowed, *, prefix: bool = True) -> None:
+        self.name, self.where = name, f"[{name}]" if prefix else name
+        if not isinstance(table, dict):
+            raise ValueError(f"{self.where} must be a table; got {table!r}")
+        unknown = set(table) - set(allowed)
+        if unknown:
+            raise ValueError(f"unknown keys in {self.where}: {sorted(unknown)}; allowed: {sorted(allowed)}")
+        self.values = table
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.values
+
+    def get(self, key: str, check: Callable, default=None):
+        """``check(key, value)`` of the key's value, or ``default`` when the key is absent."""
+        if key not in self.values:
+            return default
+        try:
+            return check(key, self.values[key])
+        except ValueError as err:
+            raise ValueError(f"{self.where} {err}") from err
+
+    def require(self, key: str, check: Callable, why: str = ""):
+        if key not in self.values:
+            raise ValueError(f"{self.where} {key} is required{why}")
+        return self.get(key, check)
+
+
+@contextlib.contextmanager
+def _naming(path: Path | None) -> Iterator[None]:
+    """A ``ValueError`` raised while a spec is read becomes one line that starts with the spec's file."""
+    try:
+        yield
+    except ValueError as err:
+        where = "audit spec" if path is None else f"audit spec {str(path)!r}"
+        raise ValueError(f"{where}: {err}") from err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +273,9 @@ class ModelSpec:
 
     @classmethod
     def from_section(cls, section: dict) -> ModelSpec:
-        return cls(section.get("name", "embedded"), section.get("gguf_file"), section.get("device"), section.get("dtype"),
-                   section.get("max_batch_rows"))
+        s = _Section("model", section, ("name", "gguf_file", "device", "dtype", "max_batch_rows"))
+        return cls(s.get("name", _string, "embedded"), s.get("gguf_file", _string), s.get("device", _device),
+                   s.get("dtype", _dtype), s.get("max_batch_rows", _count))
 
     @property
     def model(self) -> str | None:
@@ -102,13 +292,87 @@ class PromptSpec:
 
     @classmethod
     def from_section(cls, section: dict) -> PromptSpec:
-        return cls(section.get("preset", "generic"), section.get("fields"))
+        from invink_audit.prompts import get_preset
+
+        def preset_name(key: str, value) -> str:
+            try:
+                get_preset(_string(key, value))
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}") from err
+            return value
+
+        s = _Section("prompt", section, ("preset", "fields"))
+        preset, fields = s.get("preset", preset_name, "generic"), s.get("fields", _string_table)
+        try:
+            get_preset(preset, **(fields or {}))
+        except ValueError as err:
+            raise ValueError(f"[prompt] fields: {err}") from err
+        return cls(preset, fields)
+
+
+_MECHANISM_KINDS = ("invisibleink", "amin", "adapmixed")
+_COMMON_MECHANISM_KEYS = ("kind", "batch_size", "max_new_tokens", "delta")
+_AMIN_KEYS = ("epsilon", "clip_norm", "temperature", "public_temperature", "svt_threshold", "svt_noise",
+              "max_private_tokens", "sensitivity", "posterior_grid")
+#: the check of every [mechanism] key, whichever kind reads it
+_MECHANISM_CHECKS = {
+    "kind": _choice(*_MECHANISM_KINDS),
+    "batch_size": _count,
+    "max_new_tokens": _count,
+    "delta": RANGES["delta"].check,
+    "epsilon": RANGES["epsilon"].check,
+    "clip_norm": RANGES["clip_norm"].check,
+    "temperature": RANGES["temperature"].check,
+    "top_k": _top_k,
+    "accountant": _accountant,
+    # Amin et al. 2024
+    "public_temperature": RANGES["temperature"].check,
+    "svt_threshold": _number,
+    "svt_noise": _positive,
+    "max_private_tokens": _count,
+    "sensitivity": _choice("replace-by-null", "paper"),
+    "posterior_grid": _count,
+    # AdaPMixED
+    "renyi_order": _order,
+    "beta": _positive,
+    "screen_top_k": _count,
+    "screen_threshold": _positive,
+    "screen_noise": _positive,
+    "screen_mixing": _UNIT_INTERVAL.check,
+    "screen_samples": _count,
+}
+
+
+def _mechanism_keys(kind: str) -> tuple[str, ...]:
+    """The keys ``[mechanism]`` takes for ``kind``."""
+    if kind == "invisibleink":
+        return (*_COMMON_MECHANISM_KEYS, "temperature", "top_k", "clip_norm", "epsilon", "accountant")
+    if kind == "amin":
+        return (*_COMMON_MECHANISM_KEYS, *_AMIN_KEYS)
+    from invink_audit.mechanisms import AdaPMixEDConfig
+
+    own = (f.name for f in dataclasses.fields(AdaPMixEDConfig) if f.name not in ("batch_size", "delta"))
+    return (*_COMMON_MECHANISM_KEYS, *own)
+
+
+def _mechanism_values(mech: dict) -> dict:
+    """Every key of a ``[mechanism]`` table, checked (unknown keys for its kind refused)."""
+    if not isinstance(mech, dict):
+        raise ValueError(f"[mechanism] must be a table; got {mech!r}")
+    try:
+        kind = _MECHANISM_CHECKS["kind"]("kind", mech.get("kind", "invisibleink"))
+    except ValueError as err:
+        raise ValueError(f"[mechanism] {err}") from err
+    s = _Section("mechanism", mech, _mechanism_keys(kind))
+    values = {key: s.get(key, _MECHANISM_CHECKS[key]) for key in mech}
+    values["kind"] = kind
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
 class MechanismSpec:
-    """``[mechanism]``, as written (values are converted where they are used); ``section`` is the table
-    itself, for :func:`mechanism_from_section`."""
+    """``[mechanism]``, every value checked against its range (:mod:`accounting.limits`); ``section`` is
+    the table itself, for :func:`mechanism_from_section`."""
 
     kind: str
     batch_size: int
@@ -123,13 +387,14 @@ class MechanismSpec:
 
     @classmethod
     def from_section(cls, mech: dict) -> MechanismSpec:
-        batch_size = int(mech.get("batch_size", 0))
-        if batch_size < 1:
-            raise ValueError(f"[mechanism] batch_size must be an integer >= 1; got {mech.get('batch_size')!r}")
+        v = _mechanism_values(mech)
+        if "batch_size" not in v:
+            raise ValueError(f"[mechanism] batch_size is required ({COUNT_RANGE.describe()})")
+        if v["kind"] == "invisibleink" and v.get("epsilon") is not None and v.get("clip_norm") is not None:
+            raise ValueError("[mechanism] give one of epsilon (the clip norm is planned) and clip_norm; got both")
         return cls(
-            str(mech.get("kind", "invisibleink")), batch_size, mech.get("max_new_tokens"), float(mech.get("delta", 1e-6)),
-            float(mech.get("temperature", 1.0)), mech.get("top_k"), mech.get("clip_norm"), mech.get("epsilon"),
-            as_accountant(mech.get("accountant", Accountant.BR_ADAPTIVE.value)), mech,
+            v["kind"], v["batch_size"], v.get("max_new_tokens"), v.get("delta", 1e-6), v.get("temperature", 1.0),
+            v.get("top_k"), v.get("clip_norm"), v.get("epsilon"), v.get("accountant", Accountant.BR_ADAPTIVE), mech,
         )
 
     @property
@@ -156,22 +421,104 @@ class BlackBoxSpec:
 
     @classmethod
     def from_sections(cls, target: dict, bb: dict) -> BlackBoxSpec:
-        from invink_audit.audit.blackbox import DEFAULT_SCORES
+        from invink_audit.audit.blackbox import DEFAULT_SCORES, SCORES
 
+        t = _Section("target", target, ("kind", "model_path", "dataset_desc", "spare_references"))
+        kind = t.get("kind", _choice("engine", "invink"), "engine")
+        model_path = t.get("model_path", _string)
+        if kind == "invink":
+            if model_path is None:
+                raise ValueError(
+                    "[target] model_path is required for kind = 'invink' (a directory, 'embedded' or 'tiny')"
+                )
+            if model_path not in ("embedded", "tiny") and not Path(model_path).is_dir():
+                raise ValueError(f"[target] model_path must be a directory, 'embedded' or 'tiny'; got {model_path!r}")
+        elif model_path is not None:
+            raise ValueError("[target] model_path is for kind = 'invink'; the engine's model is [model] name")
+        b = _Section("blackbox", bb, ("canary", "num_trials", "scores", "significance", "invink_kwargs"))
+        names = (*SCORES, "tokens") if kind == "invink" else tuple(SCORES)  # "tokens": the invink target's tokenizer
         return cls(
-            target.get("kind", "engine"), target.get("model_path"), str(target.get("dataset_desc", "short texts")),
-            int(target.get("spare_references", 0)),
-            str(bb.get("canary", "My name is Zelphine Quorrick and my card number is 4929 7310 5528 1746.")),
-            int(bb.get("num_trials", 200)), float(bb.get("significance", 0.05)), tuple(bb.get("scores", DEFAULT_SCORES)),
-            dict(bb.get("invink_kwargs", {})),
+            kind, model_path, t.get("dataset_desc", _string, "short texts"),
+            t.get("spare_references", _NON_NEGATIVE_COUNT.check, 0),
+            b.get("canary", _string, "My name is Zelphine Quorrick and my card number is 4929 7310 5528 1746."),
+            b.get("num_trials", _NUM_TRIALS_RANGE.check, 200), b.get("significance", _significance, 0.05),
+            b.get("scores", _list_of(_choice(*names)), tuple(DEFAULT_SCORES)), b.get("invink_kwargs", _table, {}),
         )
+
+
+def _check_blackbox_mechanism(m: MechanismSpec, bb: BlackBoxSpec) -> None:
+    """What a black-box target needs from ``[mechanism]``."""
+    if m.kind != "invisibleink":
+        raise ValueError(
+            f"[mechanism] kind {m.kind!r} is audited white-box only; a black-box spec audits InvisibleInk "
+            "([target] kind = 'engine') or the reference package ('invink')"
+        )
+    if bb.target == "invink":
+        if m.epsilon is None:
+            raise ValueError("[mechanism] epsilon is required for [target] kind = 'invink'")
+        if m.clip_norm is not None:
+            raise ValueError("[mechanism] clip_norm: the reference package plans its clip norm from epsilon; remove it")
+        return
+    m.tokens  # noqa: B018 - raises when max_new_tokens is missing
+    if m.epsilon is None and m.clip_norm is None:
+        raise ValueError("[mechanism] give epsilon (the clip norm is planned) or clip_norm")
+
+
+def _check_data(section: dict) -> None:
+    s = _Section("data", section, ("yelp", "path", "inline", "column", "offset"))
+    sources = [key for key in ("yelp", "path", "inline") if key in s]
+    if len(sources) > 1:
+        raise ValueError(f"[data] give one of 'yelp', 'path' and 'inline'; got {sources}")
+    s.get("yelp", _choice("dev", "test"))
+    s.get("path", _string)
+    s.get("inline", _list_of(_string, empty=True))
+    s.get("column", _string)
+    s.get("offset", _NON_NEGATIVE_COUNT.check)
+
+
+def _check_canaries(section: dict) -> None:
+    s = _Section("canaries", section, ("secret", "repeat", "custom", "hardest_case"))
+    for key in ("secret", "repeat", "hardest_case"):
+        s.get(key, _NON_NEGATIVE_COUNT.check)
+    s.get("custom", _list_of(_custom_canary, empty=True))
+
+
+#: the check of every [selftest] key (a field of SelfTestSettings)
+_SELFTEST_CHECKS = {
+    "clip_norm": RANGES["clip_norm"].check,
+    "temperature": RANGES["temperature"].check,
+    "top_k": _count,
+    "batch_size": _count,
+    "max_new_tokens": _count,
+    "num_samples": _count,
+    "num_is_samples": _NON_NEGATIVE_COUNT.check,
+    "alphas": _list_of(_order),
+    "significance": _significance,
+    "baselines": _boolean,
+    "amin_svt_threshold": _number,
+    "amin_svt_noise": _positive,
+    "amin_max_private_tokens": _count,
+    "amin_posterior_grid": _count,
+    "adapmixed_stop_epsilon": RANGES["epsilon"].check,
+    "adapmixed_within_epsilon": RANGES["epsilon"].check,
+    "adapmixed_screen_samples": _count,
+}
+
+
+def _selftest_settings(section: dict):
+    from invink_audit.audit.selftest import SelfTestSettings
+
+    s = _Section("selftest", section, _SELFTEST_CHECKS)
+    return SelfTestSettings(**{key: s.get(key, _SELFTEST_CHECKS[key]) for key in section})
 
 
 @dataclasses.dataclass(frozen=True)
 class AuditSpec:
     """A parsed, validated audit specification: ``raw`` is the TOML table; the typed sections are parsed
     from it at construction (``selftest``: the self-test's settings; ``model``, ``prompt``,
-    ``mechanism``, and ``audit`` (white-box) or ``blackbox`` (black-box) for a model audit)."""
+    ``mechanism``, and ``audit`` (white-box) or ``blackbox`` (black-box) for a model audit). Every value
+    is checked here, before any model loads; an error is one ``ValueError`` line naming the spec's file,
+    the section and the key."""
 
     name: str
     kind: str
@@ -186,23 +533,29 @@ class AuditSpec:
     seed: int | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "seed", self.raw.get("seed"))
-        if self.kind == "selftest":
-            from invink_audit.audit.selftest import SelfTestSettings
+        with _naming(self.path):
+            self._parse()
 
-            section = self.section("selftest")
-            if "alphas" in section:
-                section = {**section, "alphas": tuple(float(a) for a in section["alphas"])}
-            object.__setattr__(self, "selftest", SelfTestSettings(**section))
+    def _parse(self) -> None:
+        _check_top_level(self.raw)
+        seed = self.raw.get("seed")
+        object.__setattr__(self, "seed", None if seed is None else _SEED_RANGE.check("seed", seed))
+        if self.kind == "selftest":
+            object.__setattr__(self, "selftest", _selftest_settings(self.section("selftest")))
             return
         mechanism = MechanismSpec.from_section(self.section("mechanism"))
         object.__setattr__(self, "model", ModelSpec.from_section(self.section("model")))
         object.__setattr__(self, "prompt", PromptSpec.from_section(self.section("prompt")))
         object.__setattr__(self, "mechanism", mechanism)
+        _check_data(self.section("data"))
+        _check_canaries(self.section("canaries"))
         if self.kind == "white-box":
             object.__setattr__(self, "audit", _whitebox_config(self.section("audit"), mechanism.batch_size))
+            mechanism_from_section(mechanism.section, mechanism.batch_size)  # Amin et al., AdaPMixED: built to check
         else:
-            object.__setattr__(self, "blackbox", BlackBoxSpec.from_sections(self.section("target"), self.section("blackbox")))
+            blackbox = BlackBoxSpec.from_sections(self.section("target"), self.section("blackbox"))
+            _check_blackbox_mechanism(mechanism, blackbox)
+            object.__setattr__(self, "blackbox", blackbox)
 
     def section(self, name: str) -> dict:
         value = self.raw.get(name, {})
@@ -211,44 +564,66 @@ class AuditSpec:
         return value
 
 
+def _check_top_level(raw) -> None:
+    """The spec's kind and top-level keys (a kind's sections, ``name``, ``description``, ``seed``)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"an audit spec must be a table; got {type(raw).__name__}")
+    kind = raw.get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+    allowed = {*_TOP_LEVEL, *_KIND_SECTIONS[kind]}
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ValueError(f"unknown keys in a {kind} spec: {sorted(unknown)}; allowed: {sorted(allowed)}")
+    for key in ("name", "description"):
+        if key in raw:
+            _string(key, raw[key])
+
+
 def load_spec(path: str | os.PathLike) -> AuditSpec:
-    """Read and validate a TOML audit spec."""
+    """Read and validate a TOML audit spec (UTF-8); every error names the file."""
+    from invink_audit.data import _read_text
+
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"audit spec not found: {str(p)!r}")
+    text = _read_text(p)  # a byte that is not UTF-8: the file and its line
     try:
-        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{str(p)!r} is not valid TOML: {err}") from err
     return parse_spec(raw, path=p)
 
 
 def parse_spec(raw: dict, *, path: Path | None = None) -> AuditSpec:
-    unknown = set(raw) - _SECTIONS
-    if unknown:
-        raise ValueError(f"unknown keys in audit spec: {sorted(unknown)}; allowed: {sorted(_SECTIONS)}")
-    kind = raw.get("kind")
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
-    name = raw.get("name") or (path.stem if path else kind)
-    return AuditSpec(str(name), kind, raw, path)
+    with _naming(path):
+        _check_top_level(raw)
+    name = raw.get("name") or (path.stem if path else raw["kind"])
+    return AuditSpec(str(name), raw["kind"], raw, path)
+
+
+#: the check of every [audit] key
+_AUDIT_CHECKS = {
+    "alphas": _list_of(_order),
+    "num_samples": _count,
+    "num_is_samples": _NON_NEGATIVE_COUNT.check,
+    "neighbours": _neighbours,
+    "directions": _list_of(_direction),
+    "significance": _significance,
+    "delta_grid": _list_of(RANGES["delta"].check),
+    "min_samples": _count,
+}
 
 
 def _whitebox_config(section: dict, batch_size: int) -> WhiteBoxConfig:
-    allowed = {"alphas", "num_samples", "num_is_samples", "neighbours", "directions", "significance", "delta_grid", "min_samples"}
-    unknown = set(section) - allowed
-    if unknown:
-        raise ValueError(f"unknown keys in [audit]: {sorted(unknown)}; allowed: {sorted(allowed)}")
-    kwargs = dict(section)
-    nb = kwargs.get("neighbours", "all")
-    kwargs["neighbours"] = None if nb == "all" else tuple(int(j) for j in nb)
-    if "directions" in kwargs:
-        kwargs["directions"] = tuple(Direction(d) for d in kwargs["directions"])
-    for key in ("alphas", "delta_grid"):
-        if key in kwargs:
-            kwargs[key] = tuple(float(x) for x in kwargs[key])
-    config = WhiteBoxConfig(**kwargs)
-    config.audited_neighbours(batch_size)
+    s = _Section("audit", section, _AUDIT_CHECKS)
+    kwargs = {key: s.get(key, _AUDIT_CHECKS[key]) for key in section}
+    kwargs["neighbours"] = kwargs.get("neighbours")  # absent or "all": every neighbour
+    try:
+        config = WhiteBoxConfig(**kwargs)
+        config.audited_neighbours(batch_size)
+    except ValueError as err:
+        raise ValueError(f"[audit] {err}") from err
     return config
 
 
@@ -264,7 +639,7 @@ def _data_references(spec: AuditSpec, needed: int) -> list[str]:
             raise ValueError(f"[data] yelp must be 'dev' or 'test'; got {split!r}")
         file = yelp_dir() / f"{split}.csv"
         if not file.is_file():
-            raise ValueError(f"Yelp data not found at {str(file)!r}; set INVINK_YELP_DIR")
+            raise ValueError(f"[data] yelp: Yelp data not found at {str(file)!r}; set INVINK_YELP_DIR")
     elif "inline" in data:
         refs = [str(r) for r in data["inline"]]
         offset = int(data.get("offset", 0))
@@ -293,9 +668,9 @@ def _batch(spec: AuditSpec, batch_size: int) -> tuple[list[str | None], dict, in
     def claim_slot(slot, text, label):
         slot = int(slot)
         if not 0 <= slot < batch_size:
-            raise ValueError(f"canary slot {slot} out of range for batch_size={batch_size}")
+            raise ValueError(f"[canaries] slot {slot} out of range for batch_size={batch_size}")
         if slot in slots:
-            raise ValueError(f"two canaries in slot {slot}")
+            raise ValueError(f"[canaries] two canaries in slot {slot}")
         slots[slot] = (text, label)
 
     for key in ("secret", "repeat"):
@@ -315,49 +690,37 @@ def _batch(spec: AuditSpec, batch_size: int) -> tuple[list[str | None], dict, in
     return refs, labels, (int(hardest) if hardest is not None else None)
 
 
-_MECHANISM_KINDS = ("invisibleink", "amin", "adapmixed")
-
-
 def mechanism_from_section(mech: dict, batch_size: int):
     """The :class:`~invink_audit.mechanisms.Mechanism` a ``[mechanism]`` section names (``None``: InvisibleInk,
-    audited on the engine's own path from ``clip_norm``/``epsilon``)."""
-    kind = str(mech.get("kind", "invisibleink"))
-    if kind not in _MECHANISM_KINDS:
-        raise ValueError(f"[mechanism] kind must be one of {_MECHANISM_KINDS}; got {kind!r}")
+    audited on the engine's own path from ``clip_norm``/``epsilon``). Every key is checked first."""
+    values = _mechanism_values(mech)
+    kind = values["kind"]
     if kind == "invisibleink":
         return None
     from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism, plan_amin
 
-    common = {"kind", "batch_size", "max_new_tokens", "delta"}
-    if kind == "amin":
-        fields = {"epsilon", "clip_norm", "temperature", "public_temperature", "svt_threshold", "svt_noise",
-                  "max_private_tokens", "sensitivity", "posterior_grid"}
-        unknown = set(mech) - common - fields
-        if unknown:
-            raise ValueError(f"unknown keys in [mechanism] for kind 'amin': {sorted(unknown)}")
-        kwargs = {k: mech[k] for k in fields - {"epsilon", "clip_norm"} if k in mech}
-        for k in ("temperature", "public_temperature", "svt_threshold", "svt_noise"):
-            if k in kwargs:
-                kwargs[k] = float(kwargs[k])
-        if (mech.get("epsilon") is None) == (mech.get("clip_norm") is None):
-            raise ValueError("[mechanism] kind 'amin' needs exactly one of epsilon and clip_norm")
-        if mech.get("clip_norm") is None:
-            acc = plan_amin(
-                epsilon=float(mech["epsilon"]), delta=float(mech.get("delta", 1e-6)),
-                max_private_tokens=int(mech.get("max_private_tokens", 100)), batch_size=batch_size,
-                temperature=float(mech.get("temperature", 1.0)), svt_noise=float(mech.get("svt_noise", 0.3)),
-                sensitivity=mech.get("sensitivity", "replace-by-null"),
-            )
-            kwargs["clip_norm"] = acc.clip_norm
-        else:
-            kwargs["clip_norm"] = float(mech["clip_norm"])
-        return AminMechanism(AminConfig(batch_size=batch_size, **kwargs))
-    fields = {f.name for f in dataclasses.fields(AdaPMixEDConfig)} - {"batch_size", "delta"}
-    unknown = set(mech) - common - fields
-    if unknown:
-        raise ValueError(f"unknown keys in [mechanism] for kind 'adapmixed': {sorted(unknown)}")
-    kwargs = {k: mech[k] for k in fields if k in mech}
-    return AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=batch_size, delta=float(mech.get("delta", 1e-6)), **kwargs))
+    delta = values.get("delta", 1e-6)
+    try:
+        if kind == "amin":
+            kwargs = {k: values[k] for k in _AMIN_KEYS if k in values and k not in ("epsilon", "clip_norm")}
+            if (values.get("epsilon") is None) == (values.get("clip_norm") is None):
+                raise ValueError("kind 'amin' needs exactly one of epsilon and clip_norm")
+            if values.get("clip_norm") is None:
+                acc = plan_amin(
+                    epsilon=values["epsilon"], delta=delta, max_private_tokens=values.get("max_private_tokens", 100),
+                    batch_size=batch_size, temperature=values.get("temperature", 1.0),
+                    svt_noise=values.get("svt_noise", 0.3), sensitivity=values.get("sensitivity", "replace-by-null"),
+                )
+                kwargs["clip_norm"] = acc.clip_norm
+            else:
+                kwargs["clip_norm"] = values["clip_norm"]
+            return AminMechanism(AminConfig(batch_size=batch_size, **kwargs))
+        if values.get("epsilon") is None:
+            raise ValueError("kind 'adapmixed' needs epsilon (the budget of its stop rule)")
+        kwargs = {k: values[k] for k in _mechanism_keys("adapmixed") if k not in _COMMON_MECHANISM_KEYS and k in values}
+        return AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=batch_size, delta=delta, **kwargs))
+    except ValueError as err:
+        raise ValueError(f"[mechanism] {err}") from err
 
 
 def _device_of(model_section: dict):
@@ -379,29 +742,47 @@ def _generator(spec: AuditSpec, seed: int | None, device="cpu"):
         return make_generator(int(seed), device=device)
 
 
-def _invink_model_dir(path) -> str:
+@contextlib.contextmanager
+def _invink_model_dir(path) -> Iterator[str]:
     """A local model directory for the reference package: a path, ``"embedded"`` (the cached
-    safetensors conversion of the embedded SmolLM2) or ``"tiny"`` (the random tiny test model,
-    saved once to a temporary directory)."""
+    safetensors conversion of the embedded SmolLM2) or ``"tiny"`` (the random tiny test model, saved to
+    a temporary directory that is removed when the audit ends, on every path: success, error or
+    interruption)."""
     if not path:
         raise ValueError("[target] kind = 'invink' needs model_path (a directory, 'embedded' or 'tiny')")
     if path == "embedded":
         from invink_audit.models import _cached_gguf_conversion, embedded_gguf_path
 
-        return str(_cached_gguf_conversion(embedded_gguf_path()))
+        yield str(_cached_gguf_conversion(embedded_gguf_path()))
+        return
     if path == "tiny":
         import tempfile
 
         from invink_audit.models import build_tiny_model
 
         folder = Path(tempfile.mkdtemp(prefix="invink-audit-tiny-"))
-        tiny = build_tiny_model()
-        tiny.model.save_pretrained(folder)
-        tiny.tokenizer.save_pretrained(folder)
-        return str(folder)
+        try:
+            tiny = build_tiny_model()
+            tiny.model.save_pretrained(folder)
+            tiny.tokenizer.save_pretrained(folder)
+            yield str(folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
     if not Path(path).is_dir():
         raise ValueError(f"[target] model_path must be a directory, 'embedded' or 'tiny'; got {path!r}")
-    return str(path)
+    yield str(path)
+
+
+def _require_invink() -> None:
+    """The reference package must be importable (an optional dependency): a one-line error otherwise."""
+    try:
+        import invink  # noqa: F401
+    except ImportError as err:
+        raise ValueError(
+            f"[target] kind = 'invink' audits the reference package invink, which cannot be imported ({err}); "
+            "install it (pip install invink==0.1.0, with pandas) or put it on PYTHONPATH"
+        ) from err
 
 
 #: what :func:`run_spec` returns, by the spec's kind
@@ -433,25 +814,30 @@ def _model_audit_settings(spec: AuditSpec):
 
     m = spec.mechanism
     generic = mechanism_from_section(m.section, m.batch_size)
-    if generic is not None:
-        return ModelAuditSettings(max_new_tokens=m.tokens, delta=m.delta, mechanism=generic)
-    return ModelAuditSettings(
-        max_new_tokens=m.tokens,
-        temperature=m.temperature,
-        top_k=m.top_k,
-        clip_norm=m.clip_norm,
-        epsilon=m.epsilon,
-        delta=m.delta,
-        accountant=m.accountant,
-    )
+    tokens = m.tokens
+    try:
+        if generic is not None:
+            return ModelAuditSettings(max_new_tokens=tokens, delta=m.delta, mechanism=generic)
+        return ModelAuditSettings(
+            max_new_tokens=tokens,
+            temperature=m.temperature,
+            top_k=m.top_k,
+            clip_norm=m.clip_norm,
+            epsilon=m.epsilon,
+            delta=m.delta,
+            accountant=m.accountant,
+        )
+    except ValueError as err:
+        raise ValueError(f"[mechanism] {err}") from err
 
 
 def _run_whitebox(spec: AuditSpec, seed, progress):
     from invink_audit.audit.model_audit import audit_model
     from invink_audit.models import load_model
 
-    refs, labels, hardest = _batch(spec, spec.mechanism.batch_size)
-    settings = _model_audit_settings(spec)
+    with _naming(spec.path):  # everything the spec decides, before the model loads
+        refs, labels, hardest = _batch(spec, spec.mechanism.batch_size)
+        settings = _model_audit_settings(spec)
     model = spec.model
     loaded = load_model(model.model, gguf_file=model.gguf_file, device=model.device, dtype=model.dtype)
     return audit_model(
@@ -472,7 +858,10 @@ def _run_whitebox(spec: AuditSpec, seed, progress):
 
 def _run_blackbox(spec: AuditSpec, seed, progress):
     bb = spec.blackbox
-    refs, _, _ = _batch(spec, spec.mechanism.batch_size + bb.spare_references)
+    with _naming(spec.path):  # before any model loads
+        refs, _, _ = _batch(spec, spec.mechanism.batch_size + bb.spare_references)
+        if bb.target == "invink":
+            _require_invink()
     if bb.target == "engine":
         return _run_engine_target(spec, refs, seed, progress)
     if bb.target == "invink":
@@ -486,14 +875,20 @@ def _run_engine_target(spec: AuditSpec, refs, seed, progress):
     from invink_audit.audit.blackbox import blackbox_audit, engine_generator
 
     m, bb = spec.mechanism, spec.blackbox
-    T, tau, epsilon = m.tokens, m.temperature, m.epsilon
-    if m.clip_norm is not None:
-        clip_norm = float(m.clip_norm)
-        epsilon = epsilon_for_clip_norm(
-            clip_norm=clip_norm, max_new_tokens=T, batch_size=m.batch_size, temperature=tau, delta=m.delta
-        ).epsilon
-    else:
-        clip_norm = plan_clip_norm(epsilon=epsilon, delta=m.delta, max_new_tokens=T, batch_size=m.batch_size, temperature=tau).clip_norm
+    with _naming(spec.path):
+        T, tau, epsilon = m.tokens, m.temperature, m.epsilon
+        try:
+            if m.clip_norm is not None:
+                clip_norm = float(m.clip_norm)
+                epsilon = epsilon_for_clip_norm(
+                    clip_norm=clip_norm, max_new_tokens=T, batch_size=m.batch_size, temperature=tau, delta=m.delta
+                ).epsilon
+            else:
+                clip_norm = plan_clip_norm(
+                    epsilon=epsilon, delta=m.delta, max_new_tokens=T, batch_size=m.batch_size, temperature=tau
+                ).clip_norm
+        except ValueError as err:
+            raise ValueError(f"[mechanism] {err}") from err
     many = engine_generator(
         model=spec.model.model,
         clip_norm=clip_norm, temperature=tau, top_k=m.top_k, batch_size=m.batch_size, max_new_tokens=T,
@@ -512,20 +907,20 @@ def _run_invink_target(spec: AuditSpec, refs, progress):
     from invink_audit.audit.blackbox import blackbox_audit, invink_generator
 
     m, bb = spec.mechanism, spec.blackbox
-    path = _invink_model_dir(bb.model_path)
-    scores = list(bb.scores)
-    if "tokens" in scores:  # the public tokenizer of the audited model counts output tokens
-        from transformers import AutoTokenizer
+    with _invink_model_dir(bb.model_path) as path:  # a temporary "tiny" model is removed on every path
+        scores = list(bb.scores)
+        if "tokens" in scores:  # the public tokenizer of the audited model counts output tokens
+            from transformers import AutoTokenizer
 
-        from invink_audit.audit.blackbox import token_count
+            from invink_audit.audit.blackbox import token_count
 
-        scores[scores.index("tokens")] = token_count(AutoTokenizer.from_pretrained(path))
-    gen = invink_generator(
-        str(path), batch_size=m.batch_size, dataset_desc=bb.dataset_desc, epsilon=float(m.epsilon), delta=m.delta,
-        **bb.invink_kwargs,
-    )
-    return blackbox_audit(
-        gen, refs, bb.canary, claimed_epsilon=float(m.epsilon), claimed_delta=m.delta,
-        num_trials=bb.num_trials, significance=bb.significance, scores=tuple(scores),
-        mechanism="reference package invink 0.1.0", progress=progress,
-    )
+            scores[scores.index("tokens")] = token_count(AutoTokenizer.from_pretrained(path))
+        gen = invink_generator(
+            str(path), batch_size=m.batch_size, dataset_desc=bb.dataset_desc, epsilon=float(m.epsilon), delta=m.delta,
+            **bb.invink_kwargs,
+        )
+        return blackbox_audit(
+            gen, refs, bb.canary, claimed_epsilon=float(m.epsilon), claimed_delta=m.delta,
+            num_trials=bb.num_trials, significance=bb.significance, scores=tuple(scores),
+            mechanism="reference package invink 0.1.0", progress=progress,
+        )

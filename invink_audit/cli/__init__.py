@@ -85,6 +85,41 @@ def parse_int(flag: str, text: str) -> int:
         raise ValueError(f"{flag} must be an integer; got {text!r}") from err
 
 
+def plural(count: int, singular: str, plural_form: str | None = None) -> str:
+    """``count`` and the noun that agrees with it: ``plural(1, "text")`` is ``"1 text"``, ``plural(2, "text")``
+    ``"2 texts"`` (``plural_form``: for nouns that do not take an ``s``, e.g. ``"batches"``)."""
+    return f"{count} {singular if count == 1 else plural_form or singular + 's'}"
+
+
+def phase_progress(enabled: bool = True):
+    """A ``progress(phase, done, total)`` callback that draws one tqdm bar per phase on stderr (with its
+    total, so an ETA), e.g. for :func:`invink_audit.audit.quick_audit`; returns ``(progress, close)``
+    (``(None, close)`` when not ``enabled``). A bar closes when its phase reaches its total or the next
+    phase starts."""
+    bars: dict = {}
+
+    def close() -> None:
+        for bar in bars.values():
+            bar.close()
+        bars.clear()
+
+    if not enabled:
+        return None, close
+
+    def progress(phase: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if phase not in bars:
+            close()
+            bars[phase] = tqdm(total=total, desc=phase, unit="tok", file=sys.stderr, dynamic_ncols=True)
+        bar = bars[phase]
+        bar.update(done - bar.n)
+        if done >= total:
+            close()
+
+    return progress, close
+
+
 def parse_list(flag: str, text: str, convert) -> list:
     items = [t for t in text.split(",") if t.strip()]
     if not items:

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import sys
 
-from invink_audit.cli import CliError, parse_float, parse_int
+from invink_audit.cli import CliError, parse_float, parse_int, plural
 from invink_audit.distributed import launch_world_size
 
 #: the smallest value of each count flag: the same bounds as :func:`invink_audit.bench.benchmark`, checked before
@@ -23,7 +23,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on CUDA; on a CPU with native bfloat16, bfloat16 when a probe on public text finds it "
+        "close to float32, else float32), float32, bfloat16",
+    )
     p.add_argument("--batch-size", default="7", help="B private references per text (default 7)")
     p.add_argument("--max-new-tokens", default="32", help="tokens per text T (>= 3; default 32)")
     p.add_argument("--num-texts", default="1", help="texts decoded together G (default 1)")
@@ -52,6 +57,15 @@ def register(subparsers) -> None:
         help="also run the workload with full private logits, to show what the Top-k+ columns save",
     )
     p.add_argument("--max-batch-rows", default=None, help="rows per decoding forward pass (default G x (B+1))")
+    p.add_argument(
+        "--compare-dtypes",
+        action="store_true",
+        help="run the whole workload in float32 and in bfloat16 side by side, alternating (float32, bfloat16, "
+        "bfloat16, float32, ...), and say what --dtype auto chooses here and why; only the whole workload is run "
+        "(--repeats, the one-at-a-time, floor and full-logits runs do not apply); with --reference, the reference "
+        "package is timed in each of our dtypes",
+    )
+    p.add_argument("--rounds", default=None, help="with --compare-dtypes: workload runs per dtype (>= 1; default 2)")
     p.add_argument(
         "--reference",
         action="store_true",
@@ -146,9 +160,10 @@ def _check_reference(args) -> str | None:
     return _reference_model_dir(args.model)
 
 
-def _reference_timings(result, options: _Options, model_dir: str, *, quiet: bool) -> tuple:
+def _reference_timings(result, options: _Options, model_dir: str, *, quiet: bool, device: str | None = None) -> tuple:
     """Time the reference package on the benchmark's workload, once per configuration: ``shipped`` (its defaults)
-    or ``matched`` (the benchmark's dtype and device)."""
+    or ``matched`` (the benchmark's dtype and device; ``result`` is a :class:`~invink_audit.bench.BenchResult`
+    or, with ``device``, a :class:`~invink_audit.bench.DtypeRun`)."""
     import torch
 
     from invink_audit.bench import time_reference
@@ -160,8 +175,8 @@ def _reference_timings(result, options: _Options, model_dir: str, *, quiet: bool
         if config == "shipped":
             dtype, device_map = None, None
         else:
-            device = torch.device(result.device)
-            dtype, device_map = result.dtype, -1 if device.type == "cpu" else (device.index or 0)
+            where = torch.device(device or result.device)
+            dtype, device_map = result.dtype, -1 if where.type == "cpu" else (where.index or 0)
         timings.append(
             time_reference(
                 model_dir,
@@ -178,12 +193,69 @@ def _reference_timings(result, options: _Options, model_dir: str, *, quiet: bool
     return tuple(timings)
 
 
+def _compare_rounds(args) -> int:
+    """--rounds, checked (with --compare-dtypes only, and --dtype left at auto)."""
+    if not args.compare_dtypes:
+        if args.rounds is not None:
+            raise CliError("--rounds needs --compare-dtypes")
+        return 0
+    rounds = 2 if args.rounds is None else parse_int("--rounds", args.rounds)
+    if rounds < 1:
+        raise CliError(f"--rounds must be an integer >= 1; got {rounds}")
+    if args.dtype != "auto":
+        raise CliError(f"--compare-dtypes runs float32 and bfloat16: leave --dtype at auto; got --dtype {args.dtype}")
+    if launch_world_size() > 1:
+        raise CliError("--compare-dtypes compares dtypes in one process: run it without torchrun")
+    return rounds
+
+
+def _compare_dtypes(args, options: _Options, rounds: int, reference_model_dir: str | None) -> int:
+    from invink_audit.bench import compare_dtypes
+
+    if not args.json:
+        print(
+            f"comparing float32 and bfloat16 on {options.num_texts} text(s) x ({options.batch_size}+1) rows, "
+            f"{options.max_new_tokens} tokens, {rounds} round(s) ...",
+            file=sys.stderr,
+        )
+    try:
+        result = compare_dtypes(
+            args.model,
+            rounds=rounds,
+            batch_size=options.batch_size,
+            max_new_tokens=options.max_new_tokens,
+            num_texts=options.num_texts,
+            clip_norm=options.clip_norm,
+            temperature=options.temperature,
+            top_k=options.top_k,
+            references=options.references,
+            device=args.device,
+            max_batch_rows=options.max_batch_rows,
+        )
+    except ValueError as err:
+        raise CliError(str(err)) from err
+    if args.reference:
+        timings = []
+        for run in result.runs:
+            matched = dataclasses.replace(options, reference_configs=["matched"])
+            timings += _reference_timings(run, matched, reference_model_dir, quiet=args.json, device=result.device)
+        if "shipped" in options.reference_configs:
+            shipped = dataclasses.replace(options, reference_configs=["shipped"])
+            timings += _reference_timings(result.runs[0], shipped, reference_model_dir, quiet=args.json)
+        result = dataclasses.replace(result, references=tuple(timings))
+    print(json.dumps(result.to_json()) if args.json else format_dtype_comparison(result))
+    return 0
+
+
 def _bench(args) -> int:
     options = _options(args)
+    rounds = _compare_rounds(args)
 
     from invink_audit.bench import benchmark
 
     reference_model_dir = _check_reference(args)  # before the long run, so a missing package costs nothing
+    if args.compare_dtypes:
+        return _compare_dtypes(args, options, rounds, reference_model_dir)
     if not args.json:
         print(
             f"benchmarking {options.num_texts} text(s) x ({options.batch_size}+1) rows, {options.max_new_tokens} "
@@ -240,7 +312,7 @@ def _references(args, needed: int) -> list[str] | None:
     if not texts:
         raise CliError("--references: no non-empty text is selected")
     if len(texts) < needed:
-        raise CliError(f"--references: {len(texts)} non-empty texts selected; G x B = {needed} are needed")
+        raise CliError(f"--references: {plural(len(texts), 'non-empty text')} selected; G x B = {needed} are needed")
     return texts[:needed]
 
 
@@ -249,6 +321,7 @@ def format_bench(result) -> str:
     ms = 1e3
     lines = [
         f"model {result.model} on {result.device}, {result.dtype} ({result.threads} threads)",
+        *([f"  dtype                    {result.dtype_choice.reason}"] if result.dtype_choice is not None else []),
         f"  workload                 G = {result.num_texts} text(s) x (B+1) = {result.batch_size + 1} rows, "
         f"T = {result.max_new_tokens}; {result.prompt_tokens} prompt tokens, longest prompt {result.longest_prompt}"
         + (" (plain-text prompts: no chat template)" if result.plain_prompts else ""),
@@ -268,7 +341,8 @@ def format_bench(result) -> str:
         for p in result.processes:
             rate = p["tokens"] / p["seconds"] if p["seconds"] > 0 else float("nan")
             lines.append(
-                f"    process {p['rank']:<14} {p['texts']} texts, {p['tokens']} tokens in {p['seconds']:.1f} s "
+                f"    process {p['rank']:<14} {plural(p['texts'], 'text')}, {plural(p['tokens'], 'token')} in "
+                f"{p['seconds']:.1f} s "
                 f"({rate:.1f} tokens/s) on {p['device']}"
             )
     if result.one_at_a_time_tokens:
@@ -303,4 +377,37 @@ def format_bench(result) -> str:
             f"version {reference.version})",
             f"    speedup                {result.speedup(reference):.2f}x",
         ]
+    return "\n".join(lines)
+
+
+def format_dtype_comparison(result) -> str:
+    """The dtype comparison's report: what auto chooses and why, each dtype's rounds, and the ratios."""
+    lines = [
+        f"model {result.model} on {result.device} ({result.threads} threads): G = {result.num_texts} text(s) x "
+        f"(B+1 = {result.batch_size + 1}) = {result.num_texts * (result.batch_size + 1)} rows, T = {result.max_new_tokens}; "
+        f"{result.rounds} alternating round(s)",
+        f"  --dtype auto chooses     {result.auto.dtype}: {result.auto.reason}",
+        f"  {'dtype':<10} {'workload s (each round)':<26} {'median s':>9} {'prefill s':>10} {'tokens':>7} {'ms/token':>9}",
+    ]
+    for run in result.runs:
+        rounds = ", ".join(f"{s:.1f}" for s in run.seconds)
+        lines.append(
+            f"  {run.dtype:<10} {rounds:<26} {run.median_seconds:>9.1f} {run.median_prefill_seconds:>10.1f} "
+            f"{run.tokens[0]:>7} {run.token_seconds * 1e3:>9.1f}"
+        )
+    dtypes = [run.dtype for run in result.runs]
+    if "float32" in dtypes and "bfloat16" in dtypes:
+        fp32, bf16 = result.run("float32"), result.run("bfloat16")
+        lines.append(
+            f"  bfloat16 speedup         {result.speedup():.2f}x per token over float32 ({result.workload_speedup():.2f}x "
+            f"the whole workload, {fp32.median_prefill_seconds / bf16.median_prefill_seconds:.2f}x its prefill); "
+            "the mechanism runs in float64 in both"
+        )
+    for reference in result.references:
+        ours = next((run for run in result.runs if run.dtype == reference.requested_dtype), None)
+        speedup = f"; ours in {ours.dtype} is {reference.token_seconds / ours.token_seconds:.2f}x faster" if ours else ""
+        lines.append(
+            f"  reference invink         {reference.token_seconds * 1e3:.1f} ms per token ({reference.configuration}: "
+            f"model in {reference.dtype}; version {reference.version}){speedup}"
+        )
     return "\n".join(lines)

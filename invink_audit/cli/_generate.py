@@ -11,8 +11,14 @@ import json
 import sys
 from pathlib import Path
 
-from invink_audit.cli import CliError, parse_float, parse_int
+from invink_audit.cli import CliError, parse_float, parse_int, plural
 from invink_audit.distributed import launch_rank
+
+#: What a run without ``--ledger`` says (on stderr, in the text summary and as ``ledger_notice`` in the JSON).
+NOT_CHARGED = (
+    "not charged to any ledger (no --ledger): the release's (epsilon, delta) is what it costs the references, and "
+    "nothing records that it was spent; charge it to their ledger (`invink-audit ledger charge`) if they are private"
+)
 
 _B_HELP = (
     "B: private references per generated text. Each token costs B+1 forward rows (B private prompts + "
@@ -51,7 +57,8 @@ def add_model_arguments(parser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        help="model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16",
+        help="model dtype: auto (bfloat16 on CUDA; on a CPU with native bfloat16, bfloat16 when a probe on public "
+        "text finds it close to float32, else float32), float32, bfloat16, float16",
     )
     parser.add_argument(
         "--max-batch-rows", default=None, help="rows per forward pass, an integer >= 1 (memory bound; default: by device)"
@@ -108,14 +115,75 @@ def _add_privacy_arguments(p) -> None:
 
 
 def _add_prompt_arguments(p) -> None:
-    """The prompt preset and its public fields."""
-    p.add_argument("--prompt", default="generic", help="prompt preset: generic, yelp, tab, mimic (default generic)")
+    """The prompt preset, its public fields, and the public devices that keep a small model in the genre."""
+    p.add_argument(
+        "--prompt",
+        default="generic",
+        help="prompt preset: generic, yelp (answer started as a quoted review), yelp-paper (the paper's Table 4), "
+        "tab, mimic; base models (no chat template): yelp-completion, generic-completion (default generic)",
+    )
     p.add_argument(
         "--prompt-field",
         action="append",
         metavar="NAME=VALUE",
         help="public prompt field, e.g. description=... (generic) or category=... stars=... (yelp); repeatable",
     )
+    p.add_argument(
+        "--answer-prefix",
+        default=None,
+        metavar="TEXT",
+        help="public start of the model's answer in every row (replaces the preset's; may use the public fields, "
+        "e.g. 'Review ({stars} stars): \"'); '' for none",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="public stop string: a text ends at the first one it draws, which is cut (replaces the preset's; "
+        "repeatable; '' alone for none)",
+    )
+    p.add_argument(
+        "--public-examples",
+        default=None,
+        metavar="FILE",
+        help="UTF-8 text file of PUBLIC example texts (one per line, e.g. a published proxy set; never the "
+        "private input), shown in every row's prompt",
+    )
+
+
+def prompt_template(args):
+    """The preset of ``--prompt`` with ``--answer-prefix``, ``--stop`` and ``--public-examples`` applied
+    (all public); a preset name when none is given."""
+    import dataclasses
+
+    from invink_audit.prompts import get_preset
+
+    if args.answer_prefix is None and args.stop is None and args.public_examples is None:
+        return args.prompt
+    template = get_preset(args.prompt)
+    changes = {}
+    if args.answer_prefix is not None:
+        changes["answer_prefix"] = args.answer_prefix
+    if args.stop is not None:
+        changes["stop"] = tuple(s for s in args.stop if s)
+    if args.public_examples is not None:
+        changes["examples"] = read_public_examples(args.public_examples)
+    return dataclasses.replace(template, **changes)
+
+
+def read_public_examples(path: str) -> tuple[str, ...]:
+    """The non-blank lines of a UTF-8 text file of public examples (a clear error names the file)."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            lines = [line.strip() for line in handle]
+    except FileNotFoundError as err:
+        raise CliError(f"--public-examples: no such file {path!r}") from err
+    except UnicodeDecodeError as err:
+        raise CliError(f"--public-examples: {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from err
+    examples = tuple(line for line in lines if line)
+    if not examples:
+        raise CliError(f"--public-examples: {path!r} holds no example (one per non-blank line)")
+    return examples
 
 
 def _add_run_arguments(p) -> None:
@@ -184,7 +252,7 @@ def _generate(args) -> int:
         top_k=parse_top_k(args.top_k),
         num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
         accountant=args.accountant,
-        prompt=args.prompt,
+        prompt=prompt_template(args),
         prompt_fields=parse_fields(args.prompt_field),
         column=args.column,
         label_columns=None if args.label_columns is None else _label_columns(args.label_columns),
@@ -205,7 +273,7 @@ def _generate(args) -> int:
     )
     # under torchrun / accelerate launch, only rank 0 shows progress and prints the summary
     rank = launch_rank()
-    progress = _Progress(enabled=not args.no_progress and rank == 0)
+    progress = _Progress(enabled=not args.no_progress and rank == 0, max_new_tokens=kwargs["max_new_tokens"])
     try:
         # a Path, so that a missing input is named in the error (a str could be a reference and is not echoed)
         if args.ray_actors is not None:
@@ -217,16 +285,19 @@ def _generate(args) -> int:
             )
             result = generate_on_ray(Path(args.input), on_text=progress.text, **ray, **kwargs)
         else:
-            result = generate(Path(args.input), on_tokens=progress.update, on_text=progress.text, **kwargs)
+            result = generate(
+                Path(args.input), on_tokens=progress.update, on_text=progress.text, on_start=progress.start, **kwargs
+            )
     finally:
         progress.close()
     if result.rank != 0:
         return 0
-    summary = summarise(result)
+    if args.ledger is None:
+        print(f"invink-audit generate: {NOT_CHARGED}", file=sys.stderr)
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(summarise(result, ledger=args.ledger)))
     else:
-        print(format_summary(result))
+        print(format_summary(result, ledger=args.ledger))
     return 0
 
 
@@ -238,33 +309,48 @@ def _label_columns(text: str) -> list[str]:
 
 
 class _Progress:
-    """A tqdm bar created at the first generated token, so that no bar fragment precedes an input error."""
+    """A tqdm bar over this process's token budget, created when decoding starts (``on_start``: no bar
+    fragment precedes an input error). Its total is texts × T token slots, so it shows an ETA; a text
+    that stops before T tokens counts its unused slots as done, so the bar ends full and its ETA is an
+    upper bound."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, max_new_tokens: int):
         self.enabled = enabled
+        self.max_new_tokens = max_new_tokens
         self.bar = None
         self.texts = 0
+        self.num_texts = 0
+
+    def start(self, num_texts: int) -> None:
+        if not self.enabled or num_texts < 1 or self.bar is not None:
+            return
+        from tqdm import tqdm
+
+        self.num_texts = num_texts
+        self.bar = tqdm(
+            total=num_texts * self.max_new_tokens, unit="tok", desc=f"generating (T = {self.max_new_tokens} per text)",
+            file=sys.stderr, dynamic_ncols=True,
+        )  # fmt: skip
+        self.bar.set_postfix_str(f"texts 0/{num_texts}")
 
     def update(self, tokens: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(unit="tok", desc="generating", file=sys.stderr, dynamic_ncols=True)
-        self.bar.update(tokens)
+        if self.bar is not None:
+            self.bar.update(tokens)
 
     def text(self, text) -> None:
         self.texts += 1
         if self.bar is not None:
-            self.bar.set_postfix(texts=self.texts)
+            self.bar.update(max(self.max_new_tokens - text.num_tokens, 0))  # the slots it did not use
+            self.bar.set_postfix_str(f"texts {self.texts}/{self.num_texts}")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-def summarise(result) -> dict:
+def summarise(result, ledger: str | None = None) -> dict:
+    """The run summary as a JSON object; ``ledger``: the ledger file charged (``None``: none was, which
+    the summary says, ``ledger_notice``)."""
     return {
         "output": result.output,
         "texts": len(result.texts),
@@ -277,14 +363,19 @@ def summarise(result) -> dict:
         "unused_references": result.num_unused_references,
         "release_id": result.release_id,
         "model": result.model,
+        "model_dtype": None if result.dtype_choice is None else result.dtype_choice.to_json(),
         "seeded": result.seeded,
         "processes": [dataclasses.asdict(p) | {"tokens_per_second": p.tokens_per_second} for p in result.processes],
+        "ledger": ledger,
+        "charged": ledger is not None,
+        **({} if ledger is not None else {"ledger_notice": NOT_CHARGED}),
         # a seeded run: "guarantee": null and "guarantee_void_reason" (no epsilon to take at face value)
         **result.guarantee.record_fields(),
     }
 
 
-def format_summary(result) -> str:
+def format_summary(result, ledger: str | None = None) -> str:
+    """The run summary as text; ``ledger``: the ledger file charged (``None``: none was, and it says so)."""
     g = result.guarantee
     top_k = "full vocabulary" if g.top_k is None else f"k = {g.top_k}"
     if g.holds:
@@ -294,21 +385,28 @@ def format_summary(result) -> str:
         )
     else:
         guarantee = f"  guarantee        NONE ({g.void_reason})"
+    if ledger is None:
+        charged = f"  ledger           NOT CHARGED: {NOT_CHARGED}"
+    else:
+        charged = f"  ledger           charged to {ledger} (once per release: a resumed run is not charged again)"
     lines = [
-        f"wrote {len(result.texts)} texts to {result.output} "
-        f"({result.num_resumed} kept from an earlier run, {result.tokens_generated} tokens generated in "
+        f"wrote {plural(len(result.texts), 'text')} to {result.output} "
+        f"({result.num_resumed} kept from an earlier run, {plural(result.tokens_generated, 'token')} generated in "
         f"{result.seconds:.1f} s)",
-        f"  references       {result.num_references} read, {result.num_batches} batches of B = {g.batch_size}, "
-        f"{result.num_unused_references} unused",
+        f"  references       {result.num_references} read, {plural(result.num_batches, 'batch', 'batches')} of "
+        f"B = {g.batch_size}, {result.num_unused_references} unused",
         guarantee,
+        charged,
         f"  mechanism        C = {g.clip_norm:.6g}, tau = {g.temperature:g}, Top-k+ with {top_k}, "
         f"epsilon0 = {g.epsilon0:.6g} per token",
         f"  model            {result.model}",
     ]
+    if result.dtype_choice is not None:
+        lines.append(f"  dtype            {result.dtype_choice.dtype} ({result.dtype_choice.reason})")
     if len(result.processes) > 1:
         for p in result.processes:
             lines.append(
-                f"  process {p.rank:<8} {p.texts} texts, {p.tokens} tokens in {p.seconds:.1f} s "
+                f"  process {p.rank:<8} {plural(p.texts, 'text')}, {plural(p.tokens, 'token')} in {p.seconds:.1f} s "
                 f"({p.tokens_per_second:.1f} tokens/s) on {p.device}"
             )
     if result.seeded:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from invink_audit.cli import EXIT_OK, EXIT_OVER_BUDGET, CliError, parse_float, parse_int
+from invink_audit.cli import EXIT_OK, EXIT_OVER_BUDGET, CliError, parse_float, parse_int, plural
 
 
 def register(subparsers) -> None:
@@ -127,7 +127,7 @@ def _show(args) -> int:
         print(
             f"  {entry['recorded_at']}  {r['label'] or r['release_id']}: C={r['clip_norm']:g} B={r['batch_size']} "
             f"tau={r['temperature']:g} T={r['max_new_tokens']} x{r['texts_per_batch']} "
-            f"({r['num_batches']} batches) -> total epsilon {entry['epsilon_spent_after']:.6g}"
+            f"({plural(r['num_batches'], 'batch', 'batches')}) -> total epsilon {entry['epsilon_spent_after']:.6g}"
         )
     return EXIT_OK
 

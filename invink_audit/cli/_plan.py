@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from invink_audit.cli import parse_float, parse_int, parse_list
+from invink_audit.cli import parse_float, parse_int, parse_list, plural
 
 _B_HELP = (
     "B: private references per generated text (the paper's B), 1 .. 1e9. Each token costs B+1 forward rows "
@@ -122,7 +122,7 @@ def format_plan(plan, *, headline: str = "InvisibleInk privacy plan") -> str:
     lines = [
         f"{headline} (accountant: {plan.accountant})",
         f"  guarantee          ({plan.epsilon:.6g}, {plan.delta:g})-DP per dataset, replace-by-null adjacency",
-        f"  token budget       T = {plan.max_new_tokens} tokens per text (never derived from the data)",
+        f"  token budget       T = {plural(plan.max_new_tokens, 'token')} per text (never derived from the data)",
         f"  references         B = {B} per text; each token costs B+1 = {B + 1} forward rows",
         f"  temperature        tau = {plan.temperature:g}",
         f"  clip norm          C = {plan.clip_norm:.6g}",

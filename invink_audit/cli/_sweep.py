@@ -1,5 +1,6 @@
 """``invink-audit sweep``: private generation + evaluation over a grid (ε, B, k, τ, T), with a
-public-only floor and a non-private ceiling; resumable; a table and plots.
+public-only floor and a non-private ceiling (under ``OUTPUT/reference_points/``, apart from the releases);
+resumable; a table and plots (NOT PRIVATE: owner-only, marked).
 
 Every grid point is a separate release: on private references give ``--ledger`` (each point is charged);
 ``--public-proxy`` states that the references are public or a proxy and charges nothing.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from invink_audit.cli import parse_float, parse_int, parse_list
+from invink_audit.cli import parse_float, parse_int, parse_list, plural
 from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, label_columns, tqdm_progress
 
 
@@ -23,7 +24,8 @@ def register(subparsers) -> None:
         help="generation + evaluation over a grid of (epsilon, B, k, tau, T)",
         description="Generate private texts at every point of a grid and evaluate each against held-out real "
         "texts (MAUVE, ΔPPL, TSTR with --label-column), next to a public-only floor and a non-private ceiling on "
-        "the same prompts; writes sweep.md, sweep.jsonl and plots; rerun the same command to resume. Each point "
+        "the same prompts (written to OUTPUT/reference_points/, owner-only and marked NOT PRIVATE: never release "
+        "them); writes sweep.md, sweep.jsonl and plots (NOT PRIVATE too); rerun the same command to resume. Each point "
         "is one release: on private references every point spends budget (--ledger charges each); sweep on public "
         "or held-out proxy data (--public-proxy) and then make one release.",
     )
@@ -82,7 +84,7 @@ def _sweep(args) -> int:
     evaluation = evaluation_config(args)
     total = len(config.points())
     print(
-        f"sweep: {total} grid points"
+        f"sweep: {plural(total, 'grid point')}"
         + ("" if args.public_proxy else f", each a separate release charged to {args.ledger} (sequential composition)")
         + (" on references declared public/proxy: nothing is charged" if args.public_proxy else ""),
         file=sys.stderr,
@@ -102,5 +104,5 @@ def _sweep(args) -> int:
     from pathlib import Path
 
     print((Path(args.output) / "sweep.md").read_text())
-    print(f"{len(rows)} rows; table, jsonl and plots in {args.output}")
+    print(f"{plural(len(rows), 'row')}; table, jsonl and plots in {args.output} (NOT PRIVATE: keep them with the data)")
     return 0

@@ -7,7 +7,9 @@
   all-MiniLM-L6-v2 as the fast option), hash-checked and cached (:mod:`.embeddings`);
 * :func:`write_evaluation_report`: Markdown, JSON and plots (:mod:`.report`);
 * reference points (public-only floor, non-private ceiling) and sweeps: :mod:`.reference_points`,
-  :mod:`.sweep`.
+  :mod:`.sweep`;
+* :func:`off_genre`: why a text is not in the genre of its data (a chatbot's preamble, a refusal, a
+  link, a list, talk about the task), and :func:`off_genre_share` with its interval (:mod:`.genre`).
 
 Evaluation reports are **not private**: they are computed from the real texts in the clear.
 """
@@ -25,6 +27,7 @@ _LAZY = {
     **dict.fromkeys(("TstrResult", "train_on_synthetic_test_on_real"), ".tstr"),
     **dict.fromkeys(("evaluation_markdown", "write_evaluation_report"), ".report"),
     **dict.fromkeys(("generate_reference_points",), ".reference_points"),
+    **dict.fromkeys(("OffGenre", "off_genre", "off_genre_share"), ".genre"),
     **dict.fromkeys(("SweepConfig", "run_sweep"), ".sweep"),
 }
 

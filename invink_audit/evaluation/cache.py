@@ -4,7 +4,9 @@ perplexities (:mod:`.perplexity`).
 One SQLite file per kind in the cache directory (:func:`invink_audit.models.cache_dir`), keyed by a
 string that names what produced the value (model, its weights' digest, settings) and the SHA-256 of the
 text; values are float vectors. What is derived from private texts is private too, so the file is
-created owner-only (mode 0600) and every user of a cache can turn it off (nothing then reaches disk).
+created owner-only (mode 0600), an existing file readable by others is tightened to 0600 (with a
+warning), a symbolic link at its path is refused (:func:`invink_audit.not_private.owner_only_file`),
+and every user of a cache can turn it off (nothing then reaches disk).
 Concurrent processes may share a file: SQLite serialises the writers (``timeout`` seconds of waiting),
 and a value is the same whoever computes it.
 """
@@ -12,12 +14,13 @@ and a value is the same whoever computes it.
 from __future__ import annotations
 
 import hashlib
-import os
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from invink_audit.not_private import owner_only_file
 
 __all__ = ["TextCache", "text_digest"]
 
@@ -31,15 +34,15 @@ def text_digest(text: str) -> str:
 
 
 class TextCache:
-    """SQLite store ``key → vector of dtype`` in table ``table`` of the file ``path`` (created 0600)."""
+    """SQLite store ``key → vector of dtype`` in table ``table`` of the file ``path`` (owner-only, 0600;
+    a symbolic link at ``path`` is refused with :class:`OSError`)."""
 
     def __init__(self, path: Path, table: str, dtype: str = "float32") -> None:
         if not table.isidentifier():
             raise ValueError(f"table must be an identifier; got {table!r}")
         self.path, self.table, self.dtype = Path(path), table, np.dtype(dtype)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.path.exists():
-            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))  # derived from private texts: owner only
+        owner_only_file(self.path)  # derived from private texts: owner only, never through a link
         self._db = sqlite3.connect(str(self.path), timeout=60)
         self._db.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, vector BLOB NOT NULL)")
         self._db.commit()

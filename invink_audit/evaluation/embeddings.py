@@ -247,12 +247,11 @@ class EmbeddingStats:
 
 
 def _cpu_has_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX flags in ``/proc/cpuinfo``)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX flags in ``/proc/cpuinfo``; the
+    test the generation model's ``dtype="auto"`` makes too: :func:`invink_audit.models.cpu_bfloat16_support`)."""
+    from invink_audit.models import cpu_bfloat16_support
+
+    return cpu_bfloat16_support() is not None
 
 
 class Embedder:

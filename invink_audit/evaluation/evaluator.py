@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -21,8 +22,14 @@ from invink_audit.evaluation.mauve_metric import LIBRARY_SETTING, PAPER_SETTING,
 from invink_audit.evaluation.perplexity import delta_ppl_interval, score_perplexity
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, wald_interval
 from invink_audit.evaluation.tstr import TstrResult, train_on_synthetic_test_on_real
+from invink_audit.not_private import mark_not_private
 
-__all__ = ["EvaluationConfig", "EvaluationResult", "TextSet", "evaluate", "read_text_set"]
+__all__ = ["EVALUATION_PRIVACY_NOTICE", "EvaluationConfig", "EvaluationResult", "TextSet", "evaluate", "read_text_set"]
+
+#: The ``privacy_notice`` of every evaluation record (reports, sweep rows).
+EVALUATION_PRIVACY_NOTICE = (
+    "NOT PRIVATE: computed from the real texts in the clear; keep with the data, never publish with a release"
+)
 
 #: ``progress(stage, total)`` returns a callable taking the number of items just done.
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
@@ -88,7 +95,7 @@ def read_text_set(path: str | Path, *, column: str = "text", label_columns: Sequ
     In JSON Lines, a label column is read from the record or from its ``labels`` object. CSV files are
     read by :func:`invink_audit.data.read_labelled_references` (same encodings and error rules).
     """
-    from invink_audit.data import read_labelled_references, read_references
+    from invink_audit.data import _read_text, read_labelled_references, read_references
 
     path = Path(path)
     columns = tuple(label_columns)
@@ -103,7 +110,7 @@ def read_text_set(path: str | Path, *, column: str = "text", label_columns: Sequ
     if path.suffix.lower() not in (".jsonl", ".ndjson"):
         raise ValueError(f"{str(path)!r} must be a .csv or .jsonl file")
     texts, labels, tokens, reasons = [], [], [], []
-    text = path.read_text(encoding="utf-8-sig")
+    text = _read_text(path)  # a byte sequence that is not UTF-8: the file and its line
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
@@ -228,9 +235,11 @@ class EvaluationResult:
     seconds: Mapping[str, float]
     synthetic_perplexities: tuple[float, ...] = ()
     real_perplexities: tuple[float, ...] = ()
+    num_empty_synthetic: int = 0
 
     def to_json(self) -> dict:
-        """One JSON object; each headline metric is ``{"estimate", "lower", "upper", ...}``."""
+        """One JSON object, marked NOT PRIVATE (:func:`~invink_audit.not_private.mark_not_private`); each
+        headline metric is ``{"estimate", "lower", "upper", ...}``."""
         out: dict = {
             "mauve": self.mauve.to_json(),
             "mauve_c5": self.mauve_c5.to_json(),
@@ -254,11 +263,11 @@ class EvaluationResult:
                 "scorer": self.scorer,
                 "ppl_unscored_synthetic": self.ppl_unscored_synthetic,
                 "ppl_truncated": self.ppl_truncated,
+                "num_empty_synthetic": self.num_empty_synthetic,
                 "seconds": dict(self.seconds),
-                "privacy_notice": "NOT PRIVATE: computed from the real texts in the clear; keep with the data",
             }
         )
-        return out
+        return mark_not_private(out, EVALUATION_PRIVACY_NOTICE)
 
 
 def _no_progress(stage: str, total: int) -> Callable[[int], None]:
@@ -313,6 +322,13 @@ def evaluate(
         raise ValueError(f"need at least 2 synthetic and 2 real texts; got {len(synthetic.texts)} and {len(real.texts)}")
     if (synthetic.labels is None) != (real.labels is None):
         raise ValueError("labels were given for only one of the synthetic and real sets; TSTR needs both")
+    empty = _count_empty(synthetic)
+    if empty:
+        warnings.warn(
+            f"{empty} of {len(synthetic.texts)} synthetic texts{_source(synthetic)} are empty; they are evaluated as "
+            "empty texts (embedded for MAUVE, without a perplexity)",
+            stacklevel=2,
+        )
     rng = np.random.default_rng(config.seed)
     n_real = min(len(real.texts), config.max_real or len(synthetic.texts))
     real_sample = real.subset(sorted(rng.choice(len(real.texts), size=n_real, replace=False).tolist()))
@@ -351,7 +367,23 @@ def evaluate(
         seconds=seconds,
         synthetic_perplexities=tuple(float(x) for x in ppl.synthetic_defined),
         real_perplexities=tuple(float(x) for x in ppl.real_defined),
+        num_empty_synthetic=empty,
     )
+
+
+def _source(texts: TextSet) -> str:
+    return f" in {texts.source!r}" if texts.source else ""
+
+
+def _count_empty(synthetic: TextSet) -> int:
+    """The number of empty (or whitespace-only) synthetic texts; all of them is refused (MAUVE would
+    score a set of empty strings: 0.55 against real texts, where it should be no score)."""
+    empty = sum(1 for text in synthetic.texts if not text.strip())
+    if empty == len(synthetic.texts):
+        raise ValueError(
+            f"every synthetic text{_source(synthetic)} is empty ({empty} of {empty}): there is nothing to evaluate"
+        )
+    return empty
 
 
 def _embed(synthetic: TextSet, real_sample: TextSet, config: EvaluationConfig, embedder, progress):

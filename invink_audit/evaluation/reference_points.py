@@ -8,18 +8,29 @@ r"""Reference points for a privacy budget's utility, on the same prompts as the 
 Both decode with ordinary top-k sampling at the same temperature τ, k and token budget T as the private
 texts (``transformers``' ``generate`` with ``do_sample=True, top_k=k, temperature=τ``; a baseline, not the
 private decode loop). The ceiling's texts are **not private** (they are the model conditioned on one
-reference each, in the clear): they exist to be evaluated and must never be released. The floor reads
-no reference; it still follows the batches' labels when the release is label-conditioned.
+reference each, in the clear, and can copy it nearly verbatim): they exist to be evaluated and must never
+be released. The floor reads no reference; it still follows the batches' labels when the release is
+label-conditioned. Both are written like every NOT PRIVATE artefact (:mod:`invink_audit.not_private`):
+owner-only (0600), never through a symbolic link, each record marked ``"not_private": true`` with a
+``privacy_notice``; keep them out of any release's directory (``sweep`` writes them to
+``reference_points/``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["ReferenceTexts", "generate_reference_points"]
+from invink_audit.not_private import write_not_private_jsonl
+
+__all__ = ["REFERENCE_POINT_NOTICE", "ReferenceTexts", "generate_reference_points"]
+
+#: The ``privacy_notice`` of every reference-point record.
+REFERENCE_POINT_NOTICE = (
+    "NOT PRIVATE: a reference point for evaluation, not a release (the ceiling is sampled from a private "
+    "reference with no privacy protection and can copy it); never publish or release it."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,21 +44,24 @@ class ReferenceTexts:
     finish_reasons: tuple[str, ...]
 
     def write_jsonl(self, path: str | Path) -> Path:
-        path = Path(path)
-        with path.open("w", encoding="utf-8") as out:
-            for i, (text, labels, count, reason) in enumerate(
-                zip(self.texts, self.labels, self.num_tokens, self.finish_reasons)
-            ):
-                record = {"batch_index": i, "text": text, "num_tokens": count, "finish_reason": reason,
-                          "reference_point": self.kind}
-                if labels is not None:
-                    record["labels"] = dict(labels)
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        return path
+        """Write one JSON line per text, owner-only (0600), each marked NOT PRIVATE
+        (:data:`REFERENCE_POINT_NOTICE`); a symbolic link at ``path`` is refused."""
+        records = []
+        for i, (text, labels, count, reason) in enumerate(zip(self.texts, self.labels, self.num_tokens, self.finish_reasons)):
+            record = {"batch_index": i, "text": text, "num_tokens": count, "finish_reason": reason,
+                      "reference_point": self.kind}
+            if labels is not None:
+                record["labels"] = dict(labels)
+            records.append(record)
+        return write_not_private_jsonl(path, records, notice=REFERENCE_POINT_NOTICE)
 
 
-def _sample(loaded, prompts: Sequence[tuple[int, ...]], *, max_new_tokens, top_k, temperature, seed, batch) -> list:
+def _sample(loaded, prompts: Sequence[tuple[int, ...]], *, max_new_tokens, top_k, temperature, seed, batch, stop=()) -> list:
+    """Plain sampling of each prompt; a text ends at EOS, at the template's first public stop string (cut,
+    as :func:`invink_audit.prompts.release_text` cuts a release), or after ``max_new_tokens``."""
     import torch
+
+    from invink_audit.prompts import reached_stop, release_text
 
     outputs = []
     tokenizer, model = loaded.tokenizer, loaded.model
@@ -81,7 +95,10 @@ def _sample(loaded, prompts: Sequence[tuple[int, ...]], *, max_new_tokens, top_k
                         reason = "eos"
                         break
                     tokens.append(token)
-                outputs.append((tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), reason))
+                    if reached_stop(tokenizer, tokens, stop):
+                        reason = "stop"
+                        break
+                outputs.append((release_text(tokenizer, tokens, stop), len(tokens), reason))
     return outputs
 
 
@@ -104,7 +121,7 @@ def generate_reference_points(
     private text (its labels fill the template when ``batch_labels`` is given). Seeded: these texts are
     reference points for evaluation, not releases."""
     from invink_audit.models import load_model
-    from invink_audit.prompts import encode_messages, get_preset, template_for_labels
+    from invink_audit.prompts import encode_prompt, get_preset, template_for_labels
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
@@ -118,14 +135,14 @@ def generate_reference_points(
     public, private = [], []
     for references, batch_label in zip(batches, labels):
         template = base if batch_label is None else template_for_labels(base, batch_label, label_fields)
-        public.append(encode_messages(loaded.tokenizer, template.messages(None)))
+        public.append(encode_prompt(loaded.tokenizer, template, None))
         first = next((r for r in references if r), None)  # a null first slot: the next non-null reference
-        private.append(encode_messages(loaded.tokenizer, template.messages(first)))
+        private.append(encode_prompt(loaded.tokenizer, template, first))
     out = {}
     for kind, prompts, offset in (("floor", public, 0), ("ceiling", private, 1)):
         sampled = _sample(
             loaded, prompts, max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
-            seed=seed * 2 + offset, batch=generation_batch,
+            seed=seed * 2 + offset, batch=generation_batch, stop=base.stop,
         )
         out[kind] = ReferenceTexts(
             kind=kind,

@@ -1,12 +1,13 @@
-"""Markdown report and plots of an evaluation (``report.md``, ``report.json``, ``*.png``)."""
+"""Markdown report and plots of an evaluation (``report.md``, ``report.json``, ``*.png``): NOT PRIVATE,
+so written owner-only and marked (:mod:`invink_audit.not_private`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from invink_audit.evaluation.evaluator import EvaluationResult
 from invink_audit.evaluation.stats import Interval
+from invink_audit.not_private import save_not_private_figure, write_not_private_json, write_not_private_text
 
 __all__ = ["evaluation_markdown", "write_evaluation_report"]
 
@@ -51,8 +52,14 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
             f"| TSTR floor (chance: labels alone) | {_fmt(t.accuracy_floor)} | |",
             f"| TSTR fraction of the gap closed | {_fmt(t.gap_closed)} | {t.gap_closed_note} |",
         ]
+    lines += [""]
+    if result.num_empty_synthetic:
+        lines += [
+            f"**Warning**: {result.num_empty_synthetic} of {result.num_synthetic} synthetic texts are empty; they are "
+            "evaluated as empty texts.",
+            "",
+        ]
     lines += [
-        "",
         f"MAUVE per seed (paper setting): {', '.join(f'{s:.3f}' for s in result.mauve.seed_scores)}.",
         f"Texts without a perplexity (empty): {result.ppl_unscored_synthetic}; texts truncated for scoring: "
         f"{result.ppl_truncated}.",
@@ -78,7 +85,7 @@ def _plots(result: EvaluationResult, directory: Path) -> list[str]:
     ax.set_xlim(0, 1.02)
     ax.set_xlabel("MAUVE (grey: per k-means seed)")
     fig.tight_layout()
-    fig.savefig(directory / "mauve.png")
+    save_not_private_figure(fig, directory / "mauve.png")
     plt.close(fig)
     written.append("mauve.png")
     if result.synthetic_perplexities and result.real_perplexities:
@@ -92,18 +99,22 @@ def _plots(result: EvaluationResult, directory: Path) -> list[str]:
         ax.set_xlabel("log10 perplexity")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(directory / "perplexity.png")
+        save_not_private_figure(fig, directory / "perplexity.png")
         plt.close(fig)
         written.append("perplexity.png")
     return written
 
 
 def write_evaluation_report(result: EvaluationResult, directory: str | Path, *, title: str = "Utility evaluation") -> Path:
-    """Write ``report.md``, ``report.json`` and the plots into ``directory`` (created); returns it."""
+    """Write ``report.md``, ``report.json`` and the plots into ``directory`` (created); returns it.
+
+    Every file is owner-only (0600) and never written through a symbolic link; the JSON is marked
+    ``"not_private": true`` and the Markdown opens with the NOT PRIVATE banner.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "report.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    write_not_private_json(directory / "report.json", result.to_json(), indent=1)
     plots = _plots(result, directory)
     markdown = evaluation_markdown(result, title=title) + "\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n"
-    (directory / "report.md").write_text(markdown)
+    write_not_private_text(directory / "report.md", markdown, markdown=True)
     return directory

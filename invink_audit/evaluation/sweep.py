@@ -10,8 +10,13 @@ exceeded) or ``public_proxy=True``, the caller's statement that the references a
 practice (README) is to sweep on proxy data and then make one release on the private data.
 
 Resumable: every point writes into its own directory (``texts.jsonl`` through ``generate``'s own resume,
-then ``evaluation.json``); a rerun with the same directory skips evaluated points and resumes the rest
+then ``point.json``); a rerun with the same directory skips evaluated points and resumes the rest
 (a resumed release is not charged twice: the ledger charge is idempotent on its release id).
+
+NOT PRIVATE (:mod:`invink_audit.not_private`): the reference points (the ceiling copies private
+references in the clear) live in ``reference_points/floor/`` and ``reference_points/ceiling/``, never
+beside a release's directory; they, every evaluation record (``point.json``, ``sweep.jsonl``), the table
+and the plots are written owner-only (0600), marked ``"not_private": true`` (Markdown: a banner line).
 
 Compute cost of a point: forward rows per text = (B + 1) × the mean number of generated tokens (every
 token runs B private rows and one public row, paper §4, Algorithm 1).
@@ -27,11 +32,28 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from invink_audit.evaluation.evaluator import EvaluationConfig, TextSet, evaluate, read_text_set
+from invink_audit.evaluation.evaluator import (
+    EVALUATION_PRIVACY_NOTICE,
+    EvaluationConfig,
+    TextSet,
+    evaluate,
+    read_text_set,
+)
+from invink_audit.not_private import (
+    save_not_private_figure,
+    unmark,
+    write_not_private_json,
+    write_not_private_jsonl,
+    write_not_private_text,
+)
 
-__all__ = ["SweepConfig", "SweepPoint", "run_sweep", "sweep_markdown", "write_sweep_plots"]
+__all__ = ["REFERENCE_POINTS_DIR", "SweepConfig", "SweepPoint", "run_sweep", "sweep_markdown", "write_sweep_plots"]
 
 _LOG = logging.getLogger(__name__)
+
+#: The sub-directory of a sweep's output that holds its non-private reference points (``floor/``,
+#: ``ceiling/``), apart from the grid points' release directories.
+REFERENCE_POINTS_DIR = "reference_points"
 
 
 def _tuple(values, name: str) -> tuple:
@@ -81,6 +103,19 @@ class SweepConfig:
             raise ValueError("with label_columns give num_texts_per_group, not num_texts")
         if not self.label_columns and self.num_texts_per_group is not None:
             raise ValueError("num_texts_per_group needs label_columns")
+        self._require_label_fields()
+
+    def _require_label_fields(self) -> None:
+        """``generate``'s refusal of a preset's example label values (``yelp``: every text a 4-star
+        restaurant review), here before any point runs (the floor and the ceiling included)."""
+        from invink_audit.prompts import get_preset, label_fields_for, require_label_fields
+
+        try:
+            template = get_preset(self.prompt, **dict(self.prompt_fields or {}))
+            filled = [r.field for r in label_fields_for(template, list(self.label_columns))] if self.label_columns else []
+        except ValueError:
+            return  # an unknown preset, field or label column: generate names it, in its own words
+        require_label_fields(template, given=tuple(self.prompt_fields or ()), filled=filled)
 
     def points(self) -> list[dict]:
         """The grid, ε varying fastest within each (B, k, τ, T)."""
@@ -128,9 +163,10 @@ def run_sweep(
     progress=None,
     on_tokens: Callable[[int], None] | None = None,
 ) -> list[SweepPoint]:
-    """Run (or resume) the sweep into ``output_dir``: ``floor/`` and ``ceiling/`` reference points (when
-    ``config.reference_points``), one directory per grid point, and ``sweep.jsonl`` (one
-    :class:`SweepPoint` per line). ``ledger`` or ``public_proxy=True`` is required (module docstring)."""
+    """Run (or resume) the sweep into ``output_dir``: the NOT PRIVATE ``reference_points/floor/`` and
+    ``reference_points/ceiling/`` (when ``config.reference_points``), one directory per grid point, and
+    ``sweep.jsonl`` (one :class:`SweepPoint` per line). ``ledger`` or ``public_proxy=True`` is required
+    (module docstring)."""
     from invink_audit.models import load_model
 
     if (ledger is None) == (not public_proxy):
@@ -157,18 +193,18 @@ def run_sweep(
             run.private_point(params, ledger=ledger, on_tokens=on_tokens)
     finally:
         run.embedder.close()
-    with (output / "sweep.jsonl").open("w") as out:
-        for row in run.rows:
-            out.write(json.dumps(row.to_json()) + "\n")
-    (output / "sweep.md").write_text(sweep_markdown(run.rows, ledger=ledger, public_proxy=public_proxy))
+    rows = [row.to_json() for row in run.rows]
+    write_not_private_jsonl(output / "sweep.jsonl", rows, notice=EVALUATION_PRIVACY_NOTICE)
+    table = sweep_markdown(run.rows, ledger=ledger, public_proxy=public_proxy)
+    write_not_private_text(output / "sweep.md", table, markdown=True)
     write_sweep_plots(run.rows, output)
     return run.rows
 
 
 def _cached_point(directory: Path) -> Mapping | None:
-    """A finished point's record (``point.json``), or ``None``."""
+    """A finished point's record (``point.json``, without its NOT PRIVATE marker), or ``None``."""
     path = directory / "point.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return unmark(json.loads(path.read_text())) if path.is_file() else None
 
 
 @dataclasses.dataclass
@@ -189,7 +225,7 @@ class _SweepRun:
 
     def finish(self, point: SweepPoint, directory: Path | None = None) -> None:
         if directory is not None:
-            (directory / "point.json").write_text(json.dumps(point.to_json(), indent=1) + "\n")
+            write_not_private_json(directory / "point.json", point.to_json(), notice=EVALUATION_PRIVACY_NOTICE)
         self.rows.append(point)
         if self.on_point is not None:
             self.on_point(point)
@@ -206,7 +242,14 @@ class _SweepRun:
         config = self.config
         first = {"top_k": config.top_ks[0], "temperature": float(config.temperatures[0]),
                  "max_new_tokens": config.max_new_tokens[0], "batch_size": min(config.batch_sizes)}  # fmt: skip
-        directories = {kind: self.output / kind for kind in ("floor", "ceiling")}
+        directories = {kind: self.output / REFERENCE_POINTS_DIR / kind for kind in ("floor", "ceiling")}
+        stale = [kind for kind in directories if (self.output / kind / "texts.jsonl").exists()]
+        if stale:
+            _LOG.warning(
+                "%s holds reference points written beside the releases by an earlier version (%s): they are not "
+                "private, are ignored (new ones go to %s/), and should be deleted",
+                self.output, ", ".join(f"{kind}/" for kind in stale), REFERENCE_POINTS_DIR,
+            )
         generated = {k: d / "generation.json" for k, d in directories.items()}
         if all(_cached_point(d) for d in directories.values()):
             for d in directories.values():
@@ -245,9 +288,10 @@ class _SweepRun:
         )  # fmt: skip
         seconds = (time.perf_counter() - start) / 2
         for kind, ref in texts.items():
-            directories[kind].mkdir(exist_ok=True)
-            ref.write_jsonl(directories[kind] / "texts.jsonl")
-            generated[kind].write_text(json.dumps({"seconds": seconds}) + "\n")
+            directories[kind].parent.mkdir(exist_ok=True, mode=0o700)  # owner only, like the files in it
+            directories[kind].mkdir(exist_ok=True, mode=0o700)
+            ref.write_jsonl(directories[kind] / "texts.jsonl")  # owner-only, marked NOT PRIVATE
+            write_not_private_json(generated[kind], {"seconds": seconds}, indent=None)
 
     def private_point(self, params: Mapping, *, ledger, on_tokens) -> None:
         """One InvisibleInk release at ``params`` (resumed through ``generate``'s own resume) and its evaluation."""
@@ -324,7 +368,12 @@ def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: boo
 
 def write_sweep_plots(rows: Sequence[SweepPoint], directory: str | Path) -> list[Path]:
     """``sweep_utility.png`` (MAUVE, TSTR gap closed, ΔPPL against ε, one line per B, floor and ceiling
-    dashed) and ``sweep_cost.png`` (MAUVE against forward rows per text)."""
+    dashed) and ``sweep_cost.png`` (MAUVE against forward rows per text).
+
+    Every group (B, k, τ, T) has its own marker and a small offset along ε, so that one never hides
+    another at the same ε. Each y axis spans the estimates (and the intervals up to one span beyond
+    them): an interval cut by the axis ends in an arrow at the edge with its end written beside it, and
+    the panel's title says so (an interval is never cut silently)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -341,43 +390,101 @@ def write_sweep_plots(rows: Sequence[SweepPoint], directory: str | Path) -> list
     for r in private:
         key = (r.params["batch_size"], r.params["top_k"], r.params["temperature"], r.params["max_new_tokens"])
         groups.setdefault(key, []).append(r)
+    ordered = sorted(groups.items(), key=lambda kv: str(kv[0]))
     for ax, (key, label) in zip(axes, metrics):
-        for (b, k, t, n), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        estimates, intervals = [], []
+        for index, ((b, k, t, n), members) in enumerate(ordered):
             members = sorted(members, key=lambda r: r.params["epsilon"])
             pts = [(r.params["epsilon"], r.evaluation.get(key)) for r in members if r.evaluation.get(key)]
             if not pts:
                 continue
-            xs = [x for x, _ in pts]
+            shift = _SWEEP_SHIFT ** (index - (len(ordered) - 1) / 2)  # an offset along a log ε axis
+            xs = [x * shift for x, _ in pts]
             ys = [m["estimate"] for _, m in pts]
             err = [[m["estimate"] - m["lower"] for _, m in pts], [m["upper"] - m["estimate"] for _, m in pts]]
             suffix = "" if len(groups) == len({g[0] for g in groups}) else f", k={k}, τ={t:g}, T={n}"
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"B={b}{suffix}")
+            drawn = ax.errorbar(xs, ys, yerr=err, marker=_SWEEP_MARKERS[index % len(_SWEEP_MARKERS)], capsize=3,
+                                alpha=0.75, label=f"B={b}{suffix}")  # fmt: skip
+            colour = drawn.lines[0].get_color()
+            estimates += ys
+            intervals += [(x, m["lower"], m["upper"], colour) for x, (_, m) in zip(xs, pts)]
         for kind, style in (("floor", ":"), ("ceiling", "--")):
             metric = refs.get(kind) and refs[kind].evaluation.get(key)
             if metric:
                 ax.axhline(metric["estimate"], linestyle=style, color="grey", label=kind)
+                estimates.append(metric["estimate"])
         ax.set_xscale("log")
         epsilons = sorted({r.params["epsilon"] for r in private})
         ax.minorticks_off()
         ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
         ax.set_xlabel("ε")
-        ax.set_title(label, fontsize=9)
+        cut = _clip_to_estimates(ax, estimates, intervals)
+        ax.set_title(label + (f"\n({cut} interval end(s) cut: arrows)" if cut else ""), fontsize=9)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     utility = directory / "sweep_utility.png"
-    fig.savefig(utility)
+    save_not_private_figure(fig, utility)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(3.6, 2.8), dpi=80)
+    sizes = sorted({p.params["batch_size"] for p in private})
+    estimates, intervals, labelled = [], [], set()
     for r in private:
         m = r.evaluation.get("mauve")
         if m and r.forward_rows_per_text:
+            index = sizes.index(r.params["batch_size"])
+            b = r.params["batch_size"]
             ax.errorbar(r.forward_rows_per_text, m["estimate"], yerr=[[m["estimate"] - m["lower"]], [m["upper"] - m["estimate"]]],
-                        marker="o", capsize=3, color=f"C{sorted({p.params['batch_size'] for p in private}).index(r.params['batch_size'])}")
-            ax.annotate(f"ε={r.params['epsilon']:g},B={r.params['batch_size']}", (r.forward_rows_per_text, m["estimate"]), fontsize=6)
+                        marker=_SWEEP_MARKERS[index % len(_SWEEP_MARKERS)], capsize=3, alpha=0.75, color=f"C{index}",
+                        label=None if b in labelled else f"B={b}")  # fmt: skip
+            labelled.add(b)
+            ax.annotate(f"ε={r.params['epsilon']:g},B={b}", (r.forward_rows_per_text, m["estimate"]), fontsize=6)
+            estimates.append(m["estimate"])
+            intervals.append((r.forward_rows_per_text, m["lower"], m["upper"], f"C{index}"))
+    cut = _clip_to_estimates(ax, estimates, intervals)
+    if cut:
+        ax.set_title(f"({cut} interval end(s) cut: arrows)", fontsize=8)
+    if labelled:
+        ax.legend(fontsize=7)
     ax.set_xlabel("forward rows per text")
     ax.set_ylabel("MAUVE (paper)")
     fig.tight_layout()
     cost = directory / "sweep_cost.png"
-    fig.savefig(cost)
+    save_not_private_figure(fig, cost)
     plt.close(fig)
     return [utility, cost]
+
+
+#: one marker per group of a sweep plot, and the factor between neighbouring groups' ε offsets
+_SWEEP_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
+_SWEEP_SHIFT = 1.08
+
+
+def _clip_to_estimates(ax, estimates: Sequence[float], intervals: Sequence[tuple]) -> int:
+    """Limit ``ax``'s y axis to the ``estimates`` and the ``intervals`` (``(x, lower, upper, colour)``)
+    up to one span of the estimates beyond them, with a 5% pad; mark every interval end the axis cuts
+    with an arrow at the edge and its value. Returns the number of ends cut (0: nothing is hidden)."""
+    import math
+
+    finite = [float(e) for e in estimates if math.isfinite(e)]
+    if not finite:
+        return 0
+    low, high = min(finite), max(finite)
+    span = high - low or max(abs(high), 1e-3)
+    ends = [float(v) for _, lo, hi, _ in intervals for v in (lo, hi) if math.isfinite(v)]
+    bottom = max(min([low, *ends]), low - span)
+    top = min(max([high, *ends]), high + span)
+    if not top > bottom:  # one value and no interval: a span around it
+        bottom, top = low - span, high + span
+    pad = 0.05 * (top - bottom)
+    bottom, top = bottom - pad, top + pad
+    ax.set_ylim(bottom, top)
+    arrow = 0.1 * (top - bottom)
+    cut = 0
+    for x, lower, upper, colour in intervals:
+        below, above = (lower, bottom, bottom + arrow, "bottom", lower < bottom), (upper, top, top - arrow, "top", upper > top)
+        for end, edge, inside, va, beyond in (below, above):
+            if beyond:
+                cut += 1
+                ax.annotate("", xy=(x, edge), xytext=(x, inside), arrowprops={"arrowstyle": "->", "color": colour})
+                ax.annotate(f"{end:.3g}", (x, inside), fontsize=6, color=colour, ha="left", va=va)
+    return cut

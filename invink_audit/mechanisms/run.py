@@ -9,7 +9,11 @@ spend of each text.
 
 It is **not** the production pipeline: no budget ledger, no resume journal, no output lock
 (:func:`invink_audit.generation.generate` does those, for InvisibleInk). A fixed ``generator`` seed
-makes the texts reproducible and therefore not private.
+makes the texts reproducible and therefore not private: the run is marked as
+:func:`~invink_audit.generation.generate` marks a seeded release (``seeded``, ``void_reason``, and
+:meth:`MechanismRun.record_fields` writes ``"guarantee": null`` with ``"guarantee_void_reason"``). A
+data-dependent mechanism's per-text ``spend`` (AdaPMixED's) is computed from the references: it is
+private and must not be written per record.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ __all__ = ["MechanismRun", "MechanismText", "generate_with_mechanism"]
 
 @dataclasses.dataclass(frozen=True)
 class MechanismText:
-    """One text: its batch, decoded text, tokens, each token's mode, finish reason and spend."""
+    """One text: its batch, decoded text, tokens, each token's mode, finish reason and spend (a
+    data-dependent spend is private: never write it per record)."""
 
     batch_index: int
     text: str
@@ -43,7 +48,12 @@ class MechanismText:
 
 @dataclasses.dataclass(frozen=True)
 class MechanismRun:
-    """The texts of one :func:`generate_with_mechanism` call and the mechanism's guarantee for each."""
+    """The texts of one :func:`generate_with_mechanism` call and the mechanism's guarantee for each.
+
+    ``seeded``: the texts were drawn from a reproducible generator (:func:`~invink_audit.mechanism.is_seeded`),
+    so they carry no privacy and ``void_reason`` says so; ``guarantee`` keeps the mechanism's figures
+    (what an unseeded run would carry), which a seeded run's records must not present as its own.
+    """
 
     mechanism: Mechanism
     guarantee: MechanismGuarantee
@@ -53,6 +63,21 @@ class MechanismRun:
     max_new_tokens: int
     batch_size: int
     seconds: float
+    seeded: bool = False
+    void_reason: str | None = None
+
+    @property
+    def holds(self) -> bool:
+        """Whether the texts carry :attr:`guarantee` (``False`` for a seeded run)."""
+        return self.void_reason is None
+
+    def record_fields(self) -> dict:
+        """What a record of this run writes: ``{"guarantee": label}``, or for a seeded run
+        ``{"guarantee": None, "guarantee_void_reason": ...}``, as a record of
+        :func:`~invink_audit.generation.generate` does (no ε that a reader could take at face value)."""
+        if self.void_reason is not None:
+            return {"guarantee": None, "guarantee_void_reason": self.void_reason}
+        return {"guarantee": self.guarantee.label()}
 
     @property
     def forward_rows_per_token(self) -> int:
@@ -87,13 +112,16 @@ def generate_with_mechanism(
     SmolLM2); ``prompt``: a preset name or :class:`~invink_audit.prompts.PromptTemplate`;
     ``max_new_tokens``: T, fixed by the caller; ``delta``: for the reported guarantee;
     ``prefill_cache``: a dict kept by the caller to share prefilled prompts across calls (several
-    mechanisms on the same references, :class:`~invink_audit.engine.Engine`).
+    mechanisms on the same references, :class:`~invink_audit.engine.Engine`). ``generator``: by
+    default one seeded from the OS; a reproducible one (a fixed seed) marks the run ``seeded``, its
+    guarantee void.
     """
     from invink_audit.data import partition_references
     from invink_audit.engine import Engine
-    from invink_audit.mechanism import make_generator
+    from invink_audit.generation import SEEDED_VOID_REASON
+    from invink_audit.mechanism import is_seeded, make_generator
     from invink_audit.models import load_model
-    from invink_audit.prompts import PromptTemplate, encode_request, get_preset
+    from invink_audit.prompts import PromptTemplate, encode_request, get_preset, release_text
 
     if not isinstance(mechanism, Mechanism):
         raise ValueError(f"mechanism must be an invink_audit.mechanisms.Mechanism; got {type(mechanism).__name__}")
@@ -107,13 +135,14 @@ def generate_with_mechanism(
         for i, batch in enumerate(partition.batches)
     ]
     gen = generator if generator is not None else make_generator(device=loaded.device)
+    seeded = is_seeded(gen)
     engine = Engine(loaded, mechanism, max_batch_rows=max_batch_rows, prefill_cache=prefill_cache)
     texts = {}
     with torch.inference_mode():
         for f in engine.generate(requests, max_new_tokens=max_new_tokens, generator=gen):
             texts[f.request_index] = MechanismText(
                 batch_index=f.request_index,
-                text=loaded.tokenizer.decode(list(f.token_ids), skip_special_tokens=True),
+                text=release_text(loaded.tokenizer, f.token_ids, template.stop),
                 token_ids=f.token_ids,
                 modes=f.modes,
                 finish_reason=f.finish_reason,
@@ -128,4 +157,6 @@ def generate_with_mechanism(
         max_new_tokens=int(max_new_tokens),
         batch_size=mechanism.batch_size,
         seconds=time.perf_counter() - start,
+        seeded=seeded,
+        void_reason=SEEDED_VOID_REASON if seeded else None,
     )

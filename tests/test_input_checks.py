@@ -1,0 +1,509 @@
+"""Bad input is refused at the boundary, in one line (issue 18, privacy hygiene).
+
+Each test reproduces a probe: an audit spec that skipped the command line's range checks (a traceback
+after the model loaded, a silently truncated T, ``batch_size = true``, an unknown key, a missing
+optional package leaving a temporary folder), a file that is not UTF-8 named without its file, a
+symbolic link at a lock's path, an all-empty synthetic set scored, a world-writable Ray session
+folder, a model whose parameters require gradients, and seeded or data-dependent figures written as if
+they were private.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+import sys
+import tempfile
+import types
+import warnings
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from accounting import BudgetLedger, LedgerError, Release
+from invink_audit.audit import spec
+from invink_audit.cli import EXIT_BAD_INPUT, main
+from invink_audit.generation import SEEDED_VOID_REASON
+from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, is_seeded, make_generator
+from invink_audit.models import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WHITE_BOX = """\
+kind = "white-box"
+[data]
+inline = ["Great tacos.", "Cold soup.", "Slow wifi."]
+[mechanism]
+batch_size = 2
+max_new_tokens = 3
+clip_norm = 1.0
+[audit]
+num_samples = 8
+"""
+
+BLACK_BOX_INVINK = """\
+kind = "black-box"
+[target]
+kind = "invink"
+model_path = "tiny"
+[data]
+inline = ["Great tacos.", "Cold soup.", "Slow wifi."]
+[mechanism]
+batch_size = 2
+epsilon = 1.0
+[blackbox]
+num_trials = 8
+scores = ["length", "characters"]
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(seed=5)
+
+
+def _edit(text: str, section: str, key: str, value: str) -> str:
+    """``text`` with ``key = value`` in ``[section]`` (``""``: the top level), replacing an existing line."""
+    lines = text.splitlines()
+    header = f"[{section}]" if section else None
+    start = 0 if header is None else lines.index(header) + 1 if header in lines else None
+    if start is None:
+        return text + f"[{section}]\n{key} = {value}\n"
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
+    body = [line for line in lines[start:end] if not line.startswith(f"{key} =")]
+    return "\n".join(lines[:start] + [f"{key} = {value}"] + body + lines[end:]) + "\n"
+
+
+def _write(tmp_path: Path, text: str, name: str = "s.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load fails the test: the checks must come first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the spec was checked")
+
+    monkeypatch.setattr("invink_audit.models.load_model", refuse)
+    monkeypatch.setattr("invink_audit.models.build_tiny_model", refuse)
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+# -- audit specs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "section", "key", "value", "message"),
+    [
+        # the probes
+        ("white-box", "audit", "num_samples", "1_000_000_000_000_000", "an integer from 1 to 1000000000"),
+        ("white-box", "mechanism", "max_new_tokens", "4.7", "an integer from 1 to 1000000000; got 4.7"),
+        ("white-box", "mechanism", "batch_size", "true", "an integer from 1 to 1000000000; got True"),
+        ("selftest", "selftest", "num_samples", "1_000_000_000_000_000", "an integer from 1 to 1000000000"),
+        ("selftest", "selftest", "max_new_tokens", "4.7", "an integer from 1 to 1000000000; got 4.7"),
+        ("selftest", "selftest", "batch_size", "true", "an integer from 1 to 1000000000; got True"),
+        # the command line's other ranges (accounting.limits)
+        ("white-box", "mechanism", "clip_norm", "0.0", "clip_norm must be in [1e-06, 1e+06]"),
+        ("white-box", "mechanism", "delta", "1.0", "delta must be in [1e-300, 1)"),
+        ("white-box", "mechanism", "temperature", "1e9", "temperature must be in [0.0001, 10000]"),
+        ("white-box", "mechanism", "top_k", "0", "top_k must be an integer from 1 to 1000000000 or 'full'"),
+        ("white-box", "mechanism", "accountant", '"magic"', "accountant must be one of"),
+        ("selftest", "selftest", "clip_norm", "nan", "clip_norm must be in"),
+        ("selftest", "selftest", "baselines", '"yes"', "baselines must be true or false"),
+        ("selftest", "selftest", "alphas", "[0.5]", "alphas[0] must be a finite number > 1"),
+        ("white-box", "audit", "num_is_samples", "-1", "num_is_samples must be an integer from 0"),
+        ("white-box", "audit", "alphas", "2.0", "alphas must be a non-empty list"),
+        ("white-box", "audit", "neighbours", "[0.5]", "neighbours must be 'all' or a non-empty list"),
+        ("white-box", "audit", "significance", '"0.05"', "significance must be a finite number"),
+        ("white-box", "model", "max_batch_rows", "0", "max_batch_rows must be an integer from 1"),
+        ("white-box", "model", "dtype", '"float8"', "dtype must be 'auto' or one of"),
+        ("white-box", "data", "offset", "-1", "offset must be an integer from 0"),
+        ("white-box", "canaries", "secret", "1.5", "secret must be an integer from 0"),
+        ("white-box", "prompt", "preset", '"nope"', "prompt must be one of"),
+        ("white-box", "", "seed", "-1", "seed must be an integer from 0"),
+    ],
+)
+def test_spec_values_are_range_checked_at_load(tmp_path, no_model_loads, kind, section, key, value, message):
+    text = WHITE_BOX if kind == "white-box" else 'kind = "selftest"\n[selftest]\nnum_samples = 100\n'
+    path = _write(tmp_path, _edit(text, section, key, value))
+    with pytest.raises(ValueError) as info:
+        spec.load_spec(path)
+    text = str(info.value)
+    assert "\n" not in text
+    assert text.startswith(f"audit spec {str(path)!r}: ")
+    assert (f"[{section}] {key}" if section else key) in text and message in text
+
+
+def test_a_huge_num_samples_is_refused_before_the_model_loads(tmp_path, no_model_loads, capsys):
+    # probe: num_samples = 10^15 passed the spec and failed with a traceback after the model loaded
+    path = _write(tmp_path, _edit(WHITE_BOX, "audit", "num_samples", "1_000_000_000_000_000"))
+    assert main(["audit", str(path)]) == EXIT_BAD_INPUT
+    line = _one_line_error(capsys)
+    assert line.startswith("invink-audit audit: error: audit spec ") and str(path) in line
+    assert "[audit] num_samples must be an integer from 1 to 1000000000; got 1000000000000000" in line
+
+
+def test_unknown_keys_are_refused_with_the_allowed_names(tmp_path, capsys):
+    # probe: an unknown [selftest] key ended in a TypeError traceback
+    path = _write(tmp_path, 'kind = "selftest"\n[selftest]\nnum_sample = 100\n')
+    assert main(["audit", str(path)]) == EXIT_BAD_INPUT
+    line = _one_line_error(capsys)
+    assert str(path) in line and "unknown keys in [selftest]: ['num_sample']; allowed: [" in line
+    assert "'num_samples'" in line
+    for section, key in (("mechanism", "clip_nrom"), ("model", "nmae"), ("data", "colum"), ("canaries", "secrets"),
+                         ("prompt", "field"), ("audit", "alpha")):
+        path = _write(tmp_path, _edit(WHITE_BOX, section, key, "1"))
+        with pytest.raises(ValueError, match=rf"unknown keys in \[{section}\]: \['{key}'\]; allowed: \["):
+            spec.load_spec(path)
+    path = _write(tmp_path, WHITE_BOX + "[selftest]\nnum_samples = 100\n")  # a section of another kind
+    with pytest.raises(ValueError, match=r"unknown keys in a white-box spec: \['selftest'\]; allowed: "):
+        spec.load_spec(path)
+
+
+def test_spec_mechanism_kinds_are_checked_at_load(tmp_path, no_model_loads):
+    amin = WHITE_BOX.replace("clip_norm = 1.0", 'kind = "amin"\nepsilon = 10.0\nmax_private_tokens = 2.5')
+    with pytest.raises(ValueError, match=r"\[mechanism\] max_private_tokens must be an integer from 1"):
+        spec.load_spec(_write(tmp_path, amin))
+    amin = WHITE_BOX.replace("clip_norm = 1.0", 'kind = "amin"\nepsilon = 10.0\ntop_k = 5')
+    with pytest.raises(ValueError, match=r"unknown keys in \[mechanism\]: \['top_k'\]; allowed: \["):
+        spec.load_spec(_write(tmp_path, amin))
+    ada = WHITE_BOX.replace("clip_norm = 1.0", 'kind = "adapmixed"')
+    with pytest.raises(ValueError, match=r"\[mechanism\] kind 'adapmixed' needs epsilon"):
+        spec.load_spec(_write(tmp_path, ada))
+    both = _edit(WHITE_BOX, "mechanism", "epsilon", "3.0")
+    with pytest.raises(ValueError, match=r"\[mechanism\] give one of epsilon .* and clip_norm; got both"):
+        spec.load_spec(_write(tmp_path, both))
+    no_epsilon = BLACK_BOX_INVINK.replace("epsilon = 1.0\n", "")
+    with pytest.raises(ValueError, match=r"\[mechanism\] epsilon is required for \[target\] kind = 'invink'"):
+        spec.load_spec(_write(tmp_path, no_epsilon))
+    amin_black_box = BLACK_BOX_INVINK.replace("[mechanism]\n", '[mechanism]\nkind = "amin"\n')
+    with pytest.raises(ValueError, match=r"\[mechanism\] kind 'amin' is audited white-box only"):
+        spec.load_spec(_write(tmp_path, amin_black_box))
+
+
+def test_every_spec_key_has_a_check():
+    from dataclasses import fields
+
+    from invink_audit.audit.selftest import SelfTestSettings
+
+    for kind in spec._MECHANISM_KINDS:
+        assert set(spec._mechanism_keys(kind)) <= set(spec._MECHANISM_CHECKS), kind
+    assert set(spec._SELFTEST_CHECKS) == {f.name for f in fields(SelfTestSettings)}
+    defaults = SelfTestSettings()
+    for name, check in spec._SELFTEST_CHECKS.items():  # the defaults pass their own checks
+        value = getattr(defaults, name)
+        check(name, list(value) if isinstance(value, tuple) else value)
+
+
+def test_a_spec_that_is_not_utf8_is_named_with_its_line(tmp_path, capsys):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('kind = "selftest"\n# caf\xe9\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"{str(path)!r} is not valid UTF-8: line 2"):
+        spec.load_spec(path)
+    assert main(["audit", str(path)]) == EXIT_BAD_INPUT
+    assert str(path) in _one_line_error(capsys)
+
+
+def _no_temp_folders(folder: Path) -> list[str]:
+    """The tiny-model folders left in ``folder`` (torch may keep its own caches there)."""
+    return sorted(p.name for p in folder.glob("invink-audit-tiny-*"))
+
+
+def test_a_missing_reference_package_is_one_line_and_leaves_no_temp_folder(tmp_path, monkeypatch, capsys):
+    # probe: without `invink` importable, an ImportError traceback and a tiny-model folder left in /tmp
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setitem(sys.modules, "invink", None)  # `import invink` raises ImportError
+    path = _write(tmp_path, BLACK_BOX_INVINK)
+    assert main(["audit", str(path)]) == EXIT_BAD_INPUT
+    line = _one_line_error(capsys)
+    assert str(path) in line and "[target] kind = 'invink'" in line and "cannot be imported" in line
+    assert _no_temp_folders(temp) == []
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["error", "success"])
+def test_the_tiny_model_folder_is_removed_on_every_path(tmp_path, monkeypatch, fails):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    seen = []
+
+    def generate(**kwargs):  # the reference package, faked: records the model folder it was given
+        seen.append(Path(kwargs["model_name_or_path"]))
+        assert seen[-1].is_dir() and seen[-1].parent == temp
+        if fails:
+            raise RuntimeError("the package failed")
+        return types.SimpleNamespace(texts=["a text " * (len(seen) % 3)])
+
+    monkeypatch.setitem(sys.modules, "invink", types.SimpleNamespace(generate=generate))
+    loaded = spec.load_spec(_write(tmp_path, BLACK_BOX_INVINK))
+    if fails:
+        with pytest.raises(RuntimeError, match="the package failed"):
+            spec.run_spec(loaded)
+    else:
+        assert spec.run_spec(loaded).kind == "black-box"
+    assert seen and _no_temp_folders(temp) == []
+
+
+# -- evaluate: files that are not UTF-8 --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_evaluate_names_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path, suffix, capsys):
+    # probe: a JSON Lines file in Latin-1 gave "'utf-8' codec can't decode byte 0xe9", no file, no line
+    synthetic = tmp_path / f"synthetic{suffix}"
+    if suffix == ".jsonl":
+        synthetic.write_bytes(b'{"text": "fine"}\n{"text": "also fine"}\n{"text": "caf\xe9"}\n')
+    else:
+        synthetic.write_bytes(b"text\nfine\nalso fine\ncaf\xe9\n")
+    real = tmp_path / "real.csv"
+    real.write_text("text\na\nb\n", encoding="utf-8")
+    from invink_audit.evaluation import read_text_set
+
+    with pytest.raises(ValueError, match=rf"{str(synthetic)!r} is not valid UTF-8: line [34] "):
+        read_text_set(synthetic)
+    assert main(["evaluate", "--synthetic", str(synthetic), "--real", str(real), "--no-progress"]) == EXIT_BAD_INPUT
+    line = _one_line_error(capsys)
+    assert str(synthetic) in line and "line " in line
+
+
+# -- evaluate: empty synthetic texts -----------------------------------------------------------------
+
+
+class _FakeEmbedder:
+    """Gaussian features for any text (the embedding model is not what is tested)."""
+
+    def __init__(self, name: str) -> None:
+        self.spec = types.SimpleNamespace(name=name)
+
+    def embed(self, texts, progress=None):
+        if progress is not None:
+            progress(len(texts))
+        return np.random.default_rng(len(texts)).normal(size=(len(texts), 8))
+
+
+def _evaluate(synthetic, real, **kwargs):
+    from invink_audit.evaluation import EvaluationConfig, evaluate
+
+    config = EvaluationConfig(embedding_model="minilm", mauve_seeds=1, mauve_bootstrap=0, perplexity=False)
+    return evaluate(synthetic, real, config, embedder=_FakeEmbedder("minilm"), **kwargs)
+
+
+def test_an_all_empty_synthetic_set_is_refused():
+    # probe: 40 empty texts were scored (MAUVE 0.552), without a word
+    real = [f"review {i}: the soup was {'cold' if i % 2 else 'great'}" for i in range(40)]
+    for empty in ([""] * 40, [" ", "\n"] * 20):
+        with pytest.raises(ValueError, match=r"every synthetic text is empty \(40 of 40\)"):
+            _evaluate(empty, real)
+
+
+def test_some_empty_synthetic_texts_warn_with_their_count_and_are_reported():
+    from invink_audit.evaluation.report import evaluation_markdown
+
+    real = [f"review {i}: the soup was {'cold' if i % 2 else 'great'}" for i in range(40)]
+    synthetic = [""] * 3 + real[3:]
+    with pytest.warns(UserWarning, match=r"^3 of 40 synthetic texts are empty") as record:
+        result = _evaluate(synthetic, real)
+    assert record[0].filename == __file__  # stacklevel=2: the caller's line
+    assert result.num_empty_synthetic == 3 and result.to_json()["num_empty_synthetic"] == 3
+    assert "3 of 40 synthetic texts are empty" in evaluation_markdown(result)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none empty: no warning, nothing in the report
+        clean = _evaluate(real, real)
+    assert clean.num_empty_synthetic == 0 and "are empty" not in evaluation_markdown(clean)
+
+
+# -- lock files ---------------------------------------------------------------------------------------
+
+
+def _release() -> Release:
+    return Release(clip_norm=1.0, batch_size=4, temperature=1.0, max_new_tokens=10)
+
+
+@pytest.mark.parametrize("target_exists", [True, False], ids=["link-to-file", "dangling-link"])
+def test_a_symlinked_ledger_lock_is_refused(tmp_path, target_exists):
+    # probe: a symbolic link at <ledger>.lock gave "cannot lock ... (Too many levels of symbolic links):
+    # writing needs a writable directory", a raw OSError's wording for a planted link
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=10.0, delta=1e-6)
+    lock = tmp_path / "ledger.json.lock"
+    lock.unlink()
+    victim = tmp_path / "victim.txt"
+    if target_exists:
+        victim.write_text("keep me")
+    lock.symlink_to(victim)
+    with pytest.raises(LedgerError) as info:
+        ledger.charge(_release())
+    text = str(info.value)
+    assert "\n" not in text and "is a symbolic link; refusing to follow it" in text and str(lock) in text
+    assert ledger.status().releases == ()
+    assert victim.read_text() == "keep me" if target_exists else not victim.exists()
+
+
+def test_a_refused_hard_linked_ledger_leaves_no_lock_file_of_its_own(tmp_path):
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=10.0, delta=1e-6)
+    lock = tmp_path / "ledger.json.lock"
+    lock.unlink()
+    os.link(tmp_path / "ledger.json", tmp_path / "other-name.json")
+    with pytest.raises(LedgerError, match="2 hard links"):
+        ledger.charge(_release())
+    assert not lock.exists()  # probe: the refusal left the lock file it had created
+    lock.write_text("")  # a lock file that was there before is kept (others may wait on it)
+    with pytest.raises(LedgerError, match="2 hard links"):
+        ledger.charge(_release())
+    assert lock.exists()
+
+
+def test_a_symlinked_output_lock_is_refused(tmp_path):
+    # probe: a symbolic link at <output>.lock gave a raw OSError
+    from invink_audit.outputs import output_lock
+
+    output = tmp_path / "texts.jsonl"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "texts.jsonl.lock").symlink_to(victim)
+    with pytest.raises(ValueError) as info:
+        with output_lock(output):
+            pass
+    text = str(info.value)
+    assert "\n" not in text and "is a symbolic link; refusing to follow it" in text
+    assert victim.read_text() == "keep me"
+
+
+# -- Ray's session folder -----------------------------------------------------------------------------
+
+
+def test_a_local_ray_session_folder_is_owner_only(tiny_dir, tmp_path, monkeypatch):
+    # probe: a local Ray started by generate_on_ray kept its session in a 0777 folder (/tmp/ray)
+    from invink_audit.ray_release import generate_on_ray
+
+    class Started(Exception):
+        pass
+
+    calls = []
+
+    def init(**kwargs):  # Ray, faked: it makes its folders world-writable, as ray._common.utils does
+        calls.append(kwargs)
+        if "_temp_dir" in kwargs:
+            for folder in (Path(kwargs["_temp_dir"]), Path(kwargs["_temp_dir"]) / "session_2025-01-01_00-00-00_0_1"):
+                folder.mkdir()
+                folder.chmod(0o777)
+
+    def remote(*args, **kwargs):  # the pipeline: not what is tested
+        raise Started
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init, remote=remote)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    temp = tmp_path / "tmp"
+    temp.mkdir(mode=0o755)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    refs = tmp_path / "refs.csv"
+    refs.write_text("text\n" + "".join(f"review {i}\n" for i in range(4)), encoding="utf-8")
+    options = dict(model=str(tiny_dir), batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=8.0, device="cpu")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(Started):
+        generate_on_ray(refs, output=tmp_path / "a.jsonl", **options)
+    root = Path(calls[-1]["_temp_dir"])
+    assert root.parent.parent == temp
+    for folder in (root.parent, root, *root.glob("session_*")):  # a private folder, and Ray's made private
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # joining a cluster: its own folders
+    with pytest.raises(Started):
+        generate_on_ray(refs, output=tmp_path / "b.jsonl", **options)
+    assert "_temp_dir" not in calls[-1]
+
+
+# -- a model whose parameters require gradients -------------------------------------------------------
+
+
+@pytest.mark.parametrize("top_k", [10, None], ids=["top-k", "full-vocabulary"])
+def test_the_engine_runs_a_model_whose_parameters_require_grad(top_k):
+    # probe: "add(): functions with out=... arguments don't support automatic differentiation"
+    from invink_audit.engine import Engine
+    from invink_audit.prompts import encode_request, get_preset
+
+    model = build_tiny_model(seed=7)
+    requests = [encode_request(model.tokenizer, get_preset("generic"), refs, key=f"t{i}")
+                for i, refs in enumerate([["the soup was cold", "", "great"], ["slow", "wifi", "tacos"]])]
+    mechanism = MechanismConfig(clip_norm=1.0, batch_size=3, temperature=1.0, top_k=top_k)
+
+    def tokens():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SeededGeneratorWarning)
+            generator = make_generator(3)
+        finished = Engine(model, mechanism).generate(requests, max_new_tokens=6, generator=generator)
+        return sorted((f.request_index, f.token_ids) for f in finished)
+
+    frozen = tokens()
+    model.model.requires_grad_(True)
+    assert all(p.requires_grad for p in model.model.parameters())
+    assert tokens() == frozen  # the same texts: only autograd is kept out
+
+
+# -- seeded and data-dependent figures ----------------------------------------------------------------
+
+
+def test_generate_with_mechanism_marks_a_seeded_run_void(tiny):
+    from invink_audit.mechanisms import InvisibleInk
+    from invink_audit.mechanisms.run import generate_with_mechanism
+
+    mechanism = InvisibleInk(MechanismConfig(clip_norm=1.0, batch_size=2, temperature=1.0, top_k=10))
+    refs = ["the soup was cold", "great tacos", "slow wifi", ""]
+    with pytest.warns(SeededGeneratorWarning):
+        seeded_generator = make_generator(5)
+    for generator in (seeded_generator, torch.Generator().manual_seed(5)):
+        assert is_seeded(generator)
+        run = generate_with_mechanism(refs, mechanism, max_new_tokens=3, model=tiny, generator=generator)
+        assert run.seeded and not run.holds and run.void_reason == SEEDED_VOID_REASON
+        assert run.record_fields() == {"guarantee": None, "guarantee_void_reason": SEEDED_VOID_REASON}
+    run = generate_with_mechanism(refs, mechanism, max_new_tokens=3, model=tiny)  # from the OS
+    assert not is_seeded(make_generator()) and not run.seeded and run.holds
+    assert run.record_fields() == {"guarantee": run.guarantee.label()}
+
+
+@pytest.fixture(scope="module")
+def compare_baselines():
+    path = ROOT / "examples" / "compare_baselines.py"
+    module_spec = importlib.util.spec_from_file_location("compare_baselines", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_the_comparison_writes_no_spend_and_marks_its_seeded_cells(compare_baselines, tiny, tmp_path, monkeypatch):
+    # probe: cells.jsonl held AdaPMixED's data-dependent per-text spend, and "(3, 1e-06)-DP" on seeded cells
+    monkeypatch.setattr("invink_audit.models.load_model", lambda model=None, **kwargs: tiny)
+    references = [f"review {i}: the soup was cold" for i in range(8)]
+    monkeypatch.setattr(compare_baselines, "yelp_references", lambda limit: references[:limit])
+    args = Namespace(output=str(tmp_path), threads=torch.get_num_threads(), rows="4", epsilons="10",
+                     methods="adapmixed,invisibleink-top100", seeds=1, max_new_tokens=4)
+    with warnings.catch_warnings():
+        compare_baselines.run(args)
+    cells = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert [c["method"] for c in cells] == ["adapmixed", "invisibleink-top100"]
+    for cell in cells:
+        assert cell["guarantee"] is None and cell["guarantee_void_reason"] == SEEDED_VOID_REASON
+        assert all(set(t) == {"text", "num_tokens", "finish_reason", "modes"} for t in cell["texts"])
+
+
+def test_the_committed_cells_hold_no_spend_and_no_seeded_guarantee():
+    cells = [json.loads(line) for line in (ROOT / "audits" / "reports" / "baselines_comparison" / "cells.jsonl")
+             .read_text().splitlines()]
+    assert any(c["method"] == "adapmixed" and c["feasible"] for c in cells)
+    for cell in cells:
+        assert all("spend" not in t for t in cell["texts"])
+        if cell["feasible"]:  # every generated cell is seeded (make_generator(1000 + seed))
+            assert cell["guarantee"] is None and cell["guarantee_void_reason"] == SEEDED_VOID_REASON

@@ -1,0 +1,170 @@
+"""Templates that fit small models (issue 19): a public answer start, public stop strings, public
+few-shot examples and completion-style prompts for base models, none of which reads private data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from invink_audit.engine import FINISH_STOP, Engine
+from invink_audit.generation import generate
+from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
+from invink_audit.models import build_tiny_model
+from invink_audit.prompts import (
+    PromptTemplate,
+    encode_prompt,
+    encode_request,
+    get_preset,
+    release_text,
+    template_for_labels,
+)
+
+
+#: the Yelp presets' label fields, given explicitly (their example values alone are refused by generate)
+FIELDS = {"category": "Restaurants", "stars": "4.0"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(seed=5)
+
+
+def _generator(seed=0):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededGeneratorWarning)
+        return make_generator(seed)
+
+
+def test_the_answer_prefix_starts_every_row_and_a_null_reference_is_the_public_row(tiny):
+    template = get_preset("yelp", stars="1.0")
+    answer = tiny.tokenizer('Review (1.0 stars): "', add_special_tokens=False)["input_ids"]
+    request = encode_request(tiny.tokenizer, template, ["The soup was cold.", None, ""])
+    for ids in (request.public_ids, request.private_ids[0]):
+        assert list(ids[-len(answer):]) == answer
+    assert request.private_ids[1] is None and request.private_ids[2] is None
+    assert request.stop == ('"',)
+    # labels fill the answer prefix too (a public field of the batch)
+    labelled = template_for_labels(template, {"label2": "Review Stars: 5.0", "label1": "Business Category: Bars"})
+    assert labelled.answer_start() == 'Review (5.0 stars): "'
+
+
+_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40).filter(str.strip)
+
+
+@given(references=st.lists(_TEXT, min_size=1, max_size=3), examples=st.lists(_TEXT, max_size=2))
+def test_no_private_byte_reaches_the_public_row_or_the_template(references, examples):
+    """The public row, the answer start, the stop strings and the shared prefix are functions of the
+    template alone; a private row is the public template's rendering with one reference inserted."""
+    tokenizer = _TOKENIZER
+    template = dataclasses.replace(get_preset("yelp"), examples=tuple(examples))
+    request = encode_request(tokenizer, template, references)
+    alone = encode_request(tokenizer, template, ["placeholder"])
+    assert request.public_ids == alone.public_ids == encode_prompt(tokenizer, template, None)
+    assert request.private_prefix == alone.private_prefix
+    assert request.stop == alone.stop == template.stop
+    for reference, ids in zip(references, request.private_ids):
+        message = template.messages(reference)[-1]["content"]
+        assert reference in message and message.endswith(template.private.format(**template.fields, reference=reference))
+        assert ids == encode_prompt(tokenizer, template, reference)
+
+
+_TOKENIZER = build_tiny_model(seed=5).tokenizer
+
+
+def test_release_text_cuts_at_the_first_stop_string(tiny):
+    ids = tiny.tokenizer('Great tacos." Then more', add_special_tokens=False)["input_ids"]
+    assert release_text(tiny.tokenizer, ids, ('"',)) == "Great tacos."
+    assert release_text(tiny.tokenizer, ids, ()) == 'Great tacos." Then more'
+    assert release_text(tiny.tokenizer, ids, ("Then", '"')) == "Great tacos."
+
+
+def test_the_engine_ends_a_text_at_its_public_stop_string(tiny):
+    """Teacher-forced tokens that spell a closing quote: the text ends with reason 'stop' right after
+    the token that completes it, and the released text is cut before it."""
+    template = get_preset("yelp")
+    forced = tiny.tokenizer('Nice place." and then it goes on and on', add_special_tokens=False)["input_ids"]
+    quote_at = next(i for i in range(len(forced)) if '"' in tiny.tokenizer.decode(forced[: i + 1]))
+
+    def rule(step):
+        weights = torch.full_like(step.log_probs, -math.inf)
+        for g, t in enumerate(step.positions.tolist()):
+            weights[g, forced[t]] = 0.0
+        return weights
+
+    engine = Engine(tiny, MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=2))
+    request = encode_request(tiny.tokenizer, template, ["Good food.", "Bad service."])
+    (text,) = engine.generate([request], max_new_tokens=len(forced), generator=_generator(), sampling_rule=rule)
+    assert text.finish_reason == FINISH_STOP
+    assert list(text.token_ids) == forced[: quote_at + 1]
+    assert release_text(tiny.tokenizer, text.token_ids, template.stop) == "Nice place."
+
+
+def test_public_examples_are_in_every_rows_prompt(tiny):
+    template = dataclasses.replace(get_preset("yelp"), examples=("Loved the pho.", "Too loud."))
+    for reference in (None, "The soup was cold."):
+        message = template.messages(reference)[-1]["content"]
+        assert '"Loved the pho."' in message and '"Too loud."' in message
+    with pytest.raises(ValueError, match="examples"):
+        dataclasses.replace(template, examples="one string")
+    with pytest.raises(ValueError, match="answer_prefix must not contain"):
+        dataclasses.replace(template, answer_prefix="{reference}")
+
+
+def test_a_base_model_is_accepted_with_a_completion_template_and_refused_with_a_chat_one(tmp_path):
+    base = build_tiny_model(seed=5)
+    base.tokenizer.chat_template = None
+    references = ["The soup was cold.", "Great tacos!", "Slow service.", "Lovely staff."]
+    with pytest.raises(ValueError, match="no chat template"):
+        generate(references, batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, model=base, top_k=8,
+                 prompt="yelp", prompt_fields=FIELDS)
+    output = tmp_path / "out.jsonl"
+    result = generate(references, batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, model=base, top_k=8,
+                      prompt="yelp-completion", prompt_fields=FIELDS, output=output)
+    assert len(result.texts) == 2
+    record = json.loads(output.read_text().splitlines()[0])
+    assert record["run"]["prompt"]["completion"] is True and record["run"]["prompt"]["stop"] == ['"']
+    request = encode_request(base.tokenizer, get_preset("yelp-completion"), ["x"])
+    assert base.tokenizer.decode(request.public_ids).endswith('5 stars:\n\n"')
+
+
+def test_generate_cli_takes_answer_prefix_stop_and_public_examples(tiny_dir, tmp_path, capsys):
+    from invink_audit.cli import main
+
+    references = tmp_path / "refs.csv"
+    references.write_text("text\nThe soup was cold.\nGreat tacos!\nSlow service.\nLovely staff.\n")
+    examples = tmp_path / "public.txt"
+    examples.write_text("A public review.\n\nAnother one.\n")
+    output = tmp_path / "out.jsonl"
+    code = main([
+        "generate", "--input", str(references), "--output", str(output), "--model", str(tiny_dir),
+        "--batch-size", "2", "--max-new-tokens", "4", "--epsilon", "5", "--delta", "1e-6", "--top-k", "8",
+        "--prompt", "yelp", "--prompt-field", "category=Restaurants", "--prompt-field", "stars=4.0",
+        "--answer-prefix", "Review: '", "--stop", "'", "--stop", "\n",
+        "--public-examples", str(examples),
+    ])
+    assert code == 0, capsys.readouterr().err
+    prompt = json.loads(output.read_text().splitlines()[0])["run"]["prompt"]
+    assert prompt["answer_prefix"] == "Review: '" and prompt["stop"] == ["'", "\n"]
+    assert prompt["examples"] == ["A public review.", "Another one."]
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9\n".encode("latin-1"))
+    code = main([
+        "generate", "--input", str(references), "--output", str(tmp_path / "o2.jsonl"), "--model", str(tiny_dir),
+        "--batch-size", "2", "--max-new-tokens", "4", "--epsilon", "5", "--delta", "1e-6",
+        "--public-examples", str(bad),
+    ])
+    assert code == 2 and "latin1.txt" in capsys.readouterr().err
+
+
+def test_the_paper_prompt_stays_available_and_unchanged():
+    paper = get_preset("yelp-paper")
+    assert paper.answer_prefix == "" and paper.stop == () and not paper.completion
+    assert get_preset("yelp").private == paper.private and get_preset("yelp").public == paper.public
+    assert PromptTemplate.from_json(get_preset("yelp").as_json()) == get_preset("yelp")
