@@ -563,10 +563,6 @@ def _check_context(
 # the run
 
 
-def _template_json(template: PromptTemplate) -> dict:
-    return template.as_json()
-
-
 def generate(
     references: Sequence[str | None] | str | os.PathLike,
     config: GenerationConfig | None = None,
@@ -999,7 +995,7 @@ class _Release:
             "clip_norm": self.plan.clip_norm,
             "guarantee": self.guarantee.record_fields(),
             "seed": self.seed,
-            "prompt": _template_json(self.template),
+            "prompt": self.template.as_json(),
             "label_fields": None if self.label_fields is None else dict(self.label_fields),
             "model": loaded.name,
             "dtype": loaded.dtype_choice.dtype,
@@ -1012,7 +1008,7 @@ class _Release:
         config, plan = self.config, self.plan
         run = {
             "model": loaded.name,
-            "prompt": _template_json(self.template),
+            "prompt": self.template.as_json(),
             "batch_size": config.batch_size,
             "max_new_tokens": config.max_new_tokens,
             "temperature": config.temperature,

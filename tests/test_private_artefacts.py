@@ -67,16 +67,8 @@ def _ledger(tmp_path):
     return BudgetLedger.create(tmp_path / "ledger.json", epsilon=50.0, delta=1e-6)
 
 
-def _state(output: Path) -> Path:
-    return output.with_name(output.name + ".state.json")
-
-
-def _pending(output: Path) -> Path:
-    return output.with_name(output.name + ".pending.json")
-
-
-def _journal(output: Path) -> Path:
-    return output.with_name(output.name + ".sampled")
+# the bookkeeping files next to an output, named by the module that owns them
+_state, _pending, _journal = outputs_module.state_path, outputs_module.pending_path, outputs_module.journal_path
 
 
 def _assert_marked_json(payload) -> None:
