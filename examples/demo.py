@@ -21,6 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from invink_audit.cpu import prefer_passive_waiting  # noqa: E402  (before torch is imported)
+
+prefer_passive_waiting()
+
 EPSILON, DELTA, T, B, TAU = 8.0, 1e-6, 48, 4, 1.0
 
 
@@ -53,7 +57,11 @@ def plan_section() -> None:
 
 
 def main() -> int:
+    from invink_audit.cpu import apply_cpu_threads
+
     started = time.perf_counter()
+    threads = apply_cpu_threads()  # no more torch threads than the cores other processes leave free
+    print(f"CPU: {threads.threads} torch thread(s) ({threads.reason})\n")
     plan_section()
     print("== 2. Generate: InvisibleInk on the embedded SmolLM2-135M-Instruct ==")
     import demo_generate

@@ -83,7 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--delta", type=float, default=1e-6)
     parser.add_argument("--public-slice", type=int, default=200)
     parser.add_argument("--example-words", type=int, default=40)
-    parser.add_argument("--gemma", action="store_true", help="also Gemma-3-270M with yelp-completion (floor, ceiling, first ε)")
+    parser.add_argument("--gemma", action="store_true", help="also Gemma-3-270M (--gemma-templates: floor, ceiling, every ε)")
+    parser.add_argument("--gemma-templates", default="yelp-completion",
+                        help="comma-separated: yelp-completion, yelp-completion+invented, yelp-completion+fewshot")
     parser.add_argument("--gemma-reference-texts-per-group", type=int, default=None, help="default: as for SmolLM2")
     parser.add_argument("--gemma-private-texts-per-group", type=int, default=None, help="default: as for SmolLM2")
     parser.add_argument("--generic-texts", type=int, default=0, help="texts per generic variant on the demo messages (0: skip)")
@@ -419,7 +421,7 @@ def main(argv=None) -> int:
     from invink_audit.evaluation.genre import off_genre, off_genre_share
     from invink_audit.models import load_model
     from invink_audit.not_private import write_not_private_json, write_not_private_text
-    from invink_audit.prompts import get_preset
+    from invink_audit.prompts import YELP_EXAMPLES, get_preset
 
     import torch
 
@@ -449,12 +451,16 @@ def main(argv=None) -> int:
     study = Study(args, out, test)
     loaded = load_model(None)
     study._scorer = loaded
-    yelp = get_preset("yelp")
+    yelp = dc.replace(get_preset("yelp"), examples=())  # the candidates differ only in their examples
     templates = {
         "yelp-paper": get_preset("yelp-paper"),
         "yelp": yelp,
         # named "yelp" so that the preset's label rule (prefixes removed) applies; shown as yelp+fewshot
         "yelp+fewshot": dc.replace(yelp, examples=examples),
+        # the three reviews invented for the project (prompts.YELP_EXAMPLES), public by construction
+        "yelp+invented": dc.replace(yelp, examples=YELP_EXAMPLES),
+        # a completion prompt on the chat model (no chat template)
+        "yelp-completion": get_preset("yelp-completion"),
     }
     for k, name in enumerate(n.strip() for n in args.templates.split(",") if n.strip()):
         if name not in templates:
@@ -468,8 +474,15 @@ def main(argv=None) -> int:
         for name in ("reference_texts_per_group", "private_texts_per_group"):
             if getattr(args, f"gemma_{name}") is not None:
                 setattr(gemma_args, name, getattr(args, f"gemma_{name}"))
-        run_yelp_template(study, gemma, "gemma3-270m", "yelp-completion", get_preset("yelp-completion"), reference_rows,
-                          references_csv, gemma_args, epsilons[:1], 900)
+        completion = get_preset("yelp-completion")
+        gemma_templates = {"yelp-completion": completion,
+                           "yelp-completion+invented": dc.replace(completion, examples=YELP_EXAMPLES),
+                           "yelp-completion+fewshot": dc.replace(completion, examples=examples)}
+        for k, name in enumerate(n.strip() for n in args.gemma_templates.split(",") if n.strip()):
+            if name not in gemma_templates:
+                raise SystemExit(f"unknown Gemma template {name!r}; choose from {sorted(gemma_templates)}")
+            run_yelp_template(study, gemma, "gemma3-270m", name, gemma_templates[name], reference_rows,
+                              references_csv, gemma_args, epsilons, 900 + 100 * k)
         del gemma
     if args.generic_texts:
         run_generic(study, loaded, args)

@@ -35,6 +35,7 @@ __all__ = [
     "partition_references",
     "read_labelled_references",
     "read_references",
+    "select_references",
 ]
 
 _CSV_SUFFIXES = (".csv",)
@@ -307,6 +308,46 @@ def read_labelled_references(
     per_column = [read_references(source, column=c) for c in columns]
     labels = tuple({c: values[i] for c, values in zip(columns, per_column)} for i in range(len(texts)))
     return LabelledReferences(texts=tuple(texts), labels=labels, label_columns=columns)
+
+
+def select_references(
+    source: str | os.PathLike,
+    where: Mapping[str, str],
+    *,
+    column: str | None = None,
+    label_columns: Sequence[str] = (),
+) -> list[str] | LabelledReferences:
+    """The records of ``source`` whose columns equal every value of ``where`` (``{column: value}``, e.g.
+    ``{"label1": "Business Category: Restaurants"}``), in file order: their texts (``column``), or with
+    ``label_columns`` a :class:`LabelledReferences` of them.
+
+    The ``where`` columns are **public attributes of each record's slot**, as labels are
+    (:func:`partition_by_labels`): under replace-by-null a neighbour empties one record's text and keeps
+    its attributes, so the same records are selected from both. The text column itself is refused (a
+    null text would leave the selection: a partition that depends on a private text). Values are
+    compared exactly, as read (a missing CSV cell or JSON ``null`` is ``""``)."""
+    if not isinstance(where, Mapping) or not where:
+        raise ValueError("where must map at least one column to the value its records must have")
+    name = column or "text"
+    for key, value in where.items():
+        if not isinstance(key, str) or not key or not isinstance(value, str):
+            raise ValueError(f"where must map column names to string values; got {key!r}: {value!r}")
+        if key == name:
+            raise ValueError(
+                f"where must not select on the text column {name!r}: the selection would depend on private texts"
+            )
+    labels = tuple(label_columns)
+    extra = [c for c in where if c not in labels]
+    everything = read_labelled_references(source, column=column, label_columns=(*labels, *extra))
+    keep = [i for i, row in enumerate(everything.labels) if all(row[c] == v for c, v in where.items())]
+    if not keep:
+        raise ValueError(f"{Path(source).name}: no record has {', '.join(f'{c}={v}' for c, v in where.items())}")
+    texts = [everything.texts[i] for i in keep]
+    if not labels:
+        return texts
+    return LabelledReferences(
+        texts=tuple(texts), labels=tuple({c: everything.labels[i][c] for c in labels} for i in keep), label_columns=labels
+    )
 
 
 @dataclasses.dataclass(frozen=True)

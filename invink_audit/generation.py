@@ -74,6 +74,7 @@ import torch
 
 from accounting import Accountant, BudgetExceededError, LedgerError, as_accountant
 from invink_audit.data import (
+    LabelledReferences,
     Partition,
     partition_by_labels,
     partition_references,
@@ -602,7 +603,9 @@ def generate(
     ``clip_norm``, ``temperature``, ``top_k``, ``num_texts``, ``accountant``), not both.
 
     ``references``: a list of strings (``""``/``None`` are nulls) or a path to a ``.csv`` / ``.jsonl``
-    file (``column``, default ``text``; UTF-8, with or without a byte-order mark). Budget: ``epsilon``
+    file (``column``, default ``text``; UTF-8, with or without a byte-order mark), or, with
+    ``label_columns``, :class:`~invink_audit.data.LabelledReferences` already read (e.g. the records
+    :func:`~invink_audit.data.select_references` selected by public attributes: ``--where``). Budget: ``epsilon``
     and ``delta`` (the clip norm is planned with ``accountant``) or ``clip_norm`` and ``delta`` (ε is
     reported). ``max_new_tokens`` is T.
     ``model``: see :func:`invink_audit.models.load_model` (default: the embedded SmolLM2-135M), with
@@ -757,14 +760,22 @@ def _partition(o, config: GenerationConfig, template: PromptTemplate):
         return partition_references(o.references, config.batch_size, num_texts=config.num_texts), None, None
     if config.num_texts is not None:
         raise ValueError("with label_columns, give num_texts_per_group (texts per label group), not num_texts")
-    if not isinstance(o.references, (str, os.PathLike)):
-        raise ValueError("label_columns needs references as a file path (.csv or .jsonl) holding those columns")
     if isinstance(o.label_columns, str):
         raise ValueError(f"label_columns must be a sequence of column names, not one string; got {o.label_columns!r}")
+    if isinstance(o.references, LabelledReferences):  # already read (e.g. select_references: --where)
+        if tuple(o.references.label_columns) != tuple(o.label_columns):
+            raise ValueError(f"references carry label columns {list(o.references.label_columns)}, "
+                             f"label_columns are {list(o.label_columns)}")
+        if o.column is not None:
+            raise ValueError(f"column is only used when references is a file path; got column={o.column!r}")
+    elif not isinstance(o.references, (str, os.PathLike)):
+        raise ValueError("label_columns needs references as a file path (.csv or .jsonl) holding those columns, "
+                         "or as LabelledReferences")
     if o.label_fields is not None and not isinstance(o.label_fields, Mapping):
         raise ValueError(f"label_fields must map label columns to prompt fields; got {type(o.label_fields).__name__}")
     label_fields_for(template, list(o.label_columns), o.label_fields)  # every label reaches the prompt
-    labelled = read_labelled_references(o.references, column=o.column, label_columns=o.label_columns)
+    labelled = (o.references if isinstance(o.references, LabelledReferences)
+                else read_labelled_references(o.references, column=o.column, label_columns=o.label_columns))
     grouped = partition_by_labels(
         labelled.texts, labelled.labels, config.batch_size, num_texts_per_group=o.num_texts_per_group
     )

@@ -38,6 +38,7 @@ from types import MappingProxyType
 __all__ = [
     "PRESETS",
     "PRESET_LABEL_FIELDS",
+    "YELP_EXAMPLES",
     "LabelField",
     "PromptTemplate",
     "TextRequest",
@@ -221,6 +222,18 @@ _YELP_PUBLIC = (
     "reviews have higher scores."
 )
 
+#: Three restaurant reviews invented for this project (5, 3 and 1 stars; no real place or person): public
+#: by construction, so a preset may show them to every row as few-shot examples
+#: (docs/results/templates.md measures what they do for the embedded model).
+YELP_EXAMPLES = (
+    "Tiny place, huge flavor. The green curry had real heat and the staff kept our water glasses full "
+    "without being asked. We came back two days later for the mango sticky rice. Worth the wait for a table.",
+    "Food was fine but nothing special. The burger came out lukewarm and the fries needed salt, though the "
+    "milkshake was great. Service was friendly but slow on a quiet Tuesday. Might try it again for brunch.",
+    "Waited forty minutes for two sandwiches and one of them was wrong. When we mentioned it the manager "
+    "shrugged and said the kitchen was busy. The bread was stale too. Won't be back.",
+)
+
 _PRESETS = {
     "mimic": PromptTemplate(
         name="mimic",
@@ -297,6 +310,10 @@ _PRESETS = {
             "Output only the text."
         ),
         fields={"description": "short texts"},
+        # the answer started as a quoted text and cut at the closing quote, as for `yelp` (issue 19: on
+        # the shipped patient messages the rule's off-genre share fell from 0.33 to 0.08)
+        answer_prefix='Text: "',
+        stop=('"',),
     ),
     "generic-completion": PromptTemplate(
         name="generic-completion",

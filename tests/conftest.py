@@ -18,7 +18,7 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.register_profile("dev", deadline=None, max_examples=50)
+settings.register_profile("dev", derandomize=True, database=None, deadline=None, max_examples=20)  # profiles.DEV_EXAMPLES
 settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

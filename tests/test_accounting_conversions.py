@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting import epsilon_to_zcdp, zcdp_to_delta, zcdp_to_epsilon
+from profiles import examples
 
 # paper Table 11 (tab:topk_stats) (B=7, tau=1.2, T=500, delta=1e-6) and docs/accounting_notes.md §5: C for eps = 1/3/5/10
 PAPER_CLIP_NORMS = {1.0: 0.0829, 3.0: 0.2285, 5.0: 0.3615, 10.0: 0.6591}
@@ -47,7 +48,7 @@ def test_reproduces_paper_clip_norms(method, epsilon):
     assert clip_norm == pytest.approx(PAPER_CLIP_NORMS[epsilon], abs=CLIP_NORM_ABS_TOL)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(rho=rhos, delta=deltas)
 def test_cks_matches_dp_accounting_and_beats_bun_steinke(rho, delta):
     cks = zcdp_to_epsilon(rho, delta, "cks")
@@ -65,7 +66,7 @@ def test_cks_matches_dp_accounting_and_beats_bun_steinke(rho, delta):
     assert cks <= bs * (1 + 1e-12)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(rho=rhos, epsilon=epsilons)
 def test_delta_is_consistent_with_epsilon(rho, epsilon):
     for method in ("cks", "bun-steinke", "rdp"):
@@ -84,7 +85,7 @@ def test_bun_steinke_closed_forms():
     assert zcdp_to_delta(rho, rho / 2, "bun-steinke") == 1.0
 
 
-@settings(max_examples=2000)
+@settings(max_examples=examples(2000))
 @given(epsilon=epsilons, delta=deltas, method=st.sampled_from(["cks", "bun-steinke"]))
 def test_inverse_never_overspends(epsilon, delta, method):
     rho = epsilon_to_zcdp(epsilon, delta, method)
@@ -94,7 +95,7 @@ def test_inverse_never_overspends(epsilon, delta, method):
     assert zcdp_to_epsilon(rho * 1.001, delta, method) > epsilon
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(epsilon=epsilons, delta=deltas)
 def test_rdp_inverse_never_overspends(epsilon, delta):
     rho = epsilon_to_zcdp(epsilon, delta, "rdp")

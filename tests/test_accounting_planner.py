@@ -17,6 +17,7 @@ from accounting import (
 )
 from accounting.accountants import fits_budget
 from accounting.limits import EPSILON_RANGE, MAX_COUNT
+from profiles import examples
 
 PAPER = dict(delta=1e-6, max_new_tokens=500, batch_size=7, temperature=1.2)
 PAPER_CLIP_NORMS = {1.0: 0.0829, 3.0: 0.2285, 5.0: 0.3615, 10.0: 0.6591}
@@ -43,7 +44,7 @@ def test_cks_reproduces_paper_and_br_adaptive_beats_it(epsilon):
     assert epsilon_for_clip_norm(clip_norm=br.clip_norm, accountant="br-adaptive", **PAPER).epsilon <= epsilon
 
 
-@settings(max_examples=2000)
+@settings(max_examples=examples(2000))
 @given(epsilon=epsilons, delta=deltas, T=st.integers(1, 100_000), B=batch_sizes, tau=temperatures,
        accountant=st.sampled_from(["cks", "bun-steinke"]))
 def test_plan_never_overspends_zcdp(epsilon, delta, T, B, tau, accountant):
@@ -54,7 +55,7 @@ def test_plan_never_overspends_zcdp(epsilon, delta, T, B, tau, accountant):
     assert zcdp_to_epsilon(rho_seq * 1.001, delta, accountant) > epsilon  # and it is tight
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(epsilon=st.floats(0.2, 10.0), delta=deltas, T=st.integers(1, 40), B=batch_sizes, tau=temperatures)
 def test_plan_never_overspends_br_adaptive(epsilon, delta, T, B, tau):
     plan = plan_clip_norm(epsilon=epsilon, delta=delta, max_new_tokens=T, batch_size=B, temperature=tau)
@@ -67,7 +68,7 @@ def test_plan_never_overspends_br_adaptive(epsilon, delta, T, B, tau):
     assert plan.clip_norm >= cks.clip_norm * (1 - 1e-9)  # never looser than cks
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(C=st.floats(0.01, 5.0), delta=deltas, T=st.integers(1, 5000), B=batch_sizes, tau=temperatures)
 def test_epsilon_for_clip_norm_is_safe_and_consistent(C, delta, T, B, tau):
     plan = epsilon_for_clip_norm(clip_norm=C, max_new_tokens=T, batch_size=B, temperature=tau, delta=delta,
@@ -79,7 +80,7 @@ def test_epsilon_for_clip_norm_is_safe_and_consistent(C, delta, T, B, tau):
         assert back.clip_norm == pytest.approx(C, rel=1e-6)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(epsilon=epsilons, delta=deltas, C=st.floats(0.01, 2.0), B=batch_sizes, tau=temperatures)
 def test_max_new_tokens_is_the_largest_feasible(epsilon, delta, C, B, tau):
     eps0 = 2 * C / (B * tau)
@@ -108,7 +109,7 @@ def test_max_new_tokens_br_adaptive_paper_setting():
     assert not fits_budget(1.0, 1e-6, eps0, br.max_new_tokens + 1, "br-adaptive")
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(epsilon=epsilons, delta=deltas, T=st.integers(1, 5000), tau=temperatures, C=st.floats(0.01, 20.0),
        accountant=st.sampled_from(["cks", "bun-steinke"]))
 def test_min_batch_size_is_the_smallest_reaching_c(epsilon, delta, T, tau, C, accountant):

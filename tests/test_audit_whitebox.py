@@ -23,6 +23,7 @@ from invink_audit.audit.whitebox import (
     step_quantities,
 )
 from invink_audit.mechanism import sample_tokens
+from profiles import examples
 
 TOL = 1e-9
 
@@ -65,7 +66,7 @@ def _pairs(draw):
 
 
 @given(_pairs())
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 def test_step_quantities_match_brute_force(pair):
     actual, neigh = pair
     alphas, eps = (1.5, 2.0, 8.0), (0.0, 0.3)

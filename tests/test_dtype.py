@@ -236,3 +236,28 @@ def test_cli_generate_with_dtype_float32_gives_float32(native, tiny_dir, tmp_pat
                    "--output", str(output), "--no-progress"])  # fmt: skip
     assert status == 0
     assert {r["model_dtype"]["dtype"] for r in read_generation_output(output)} == {"float32"}
+
+
+def test_baselines_quick_audit_and_black_box_say_which_dtype_ran(native, tiny_dir):
+    """The other users of a model record its dtype too: a baseline's run and records, the quick audit
+    (teacher-forced in the dtype the release ran in, not re-chosen), and the engine as a black box."""
+    from invink_audit.audit.blackbox import engine_generator
+    from invink_audit.audit.quick import quick_audit
+    from invink_audit.mechanisms import AminConfig, AminMechanism
+    from invink_audit.mechanisms.run import generate_with_mechanism
+
+    amin = AminMechanism(AminConfig(clip_norm=2.0, batch_size=2))
+    run = generate_with_mechanism(REFERENCES, amin, max_new_tokens=3, model=str(tiny_dir),
+                                  generator=torch.Generator().manual_seed(0))
+    assert run.dtype_choice.dtype == "bfloat16" and run.dtype_choice.probe.passed
+    assert run.record_fields()["model_dtype"] == run.dtype_choice.to_json()
+
+    float32 = generate(REFERENCES, batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, model=str(tiny_dir),
+                       top_k=8, dtype="float32")
+    report = quick_audit(float32, REFERENCES, model=str(tiny_dir), sampled_batch=None)
+    assert report.model_dtype == float32.dtype_choice.to_json()  # not the bfloat16 that "auto" would pick here
+    assert "model dtype float32" in report.summary() and report.to_dict()["model_dtype"]["dtype"] == "float32"
+
+    many = engine_generator(model=str(tiny_dir), clip_norm=1.0, temperature=1.0, top_k=8, batch_size=2,
+                            max_new_tokens=2, generator=torch.Generator().manual_seed(0))
+    assert many.dtype_choice.dtype == "bfloat16" and len(many([["a", "b"]])) == 1

@@ -88,7 +88,8 @@ def _run(model, references, monkeypatch, *, rule=None, eos=None, max_prefill_tok
     if eos is not None:
         model = dataclasses.replace(model, eos_token_ids=(eos,))
     monkeypatch.setattr(engine_module._StepMath, "draw", spy)
-    preset = get_preset("generic")
+    # the prompt as the schedule cases were built on (prompt lengths decide who joins when): no answer prefix
+    preset = dataclasses.replace(get_preset("generic"), answer_prefix="", stop=())
     requests = [encode_request(model.tokenizer, preset, refs, key=i) for i, refs in enumerate(references)]
     engine = Engine(model, mechanism, max_batch_rows=8, max_prefill_tokens=max_prefill_tokens)
     texts = list(engine.generate(requests, max_new_tokens=max_new_tokens, generator=_generator(3, model.device),
@@ -192,7 +193,8 @@ def test_a_single_process_output_is_written_in_batch_order_whatever_the_finishin
 def test_batches_are_assigned_to_processes_by_public_information_only(tiny):
     """Which process draws a batch (and so which batches share its decoding passes) must not follow a
     private length: a long reference, nulled or shortened, gives the same costs and the same assignment."""
-    preset = get_preset("generic")
+    # the prompt as the schedule cases were built on (prompt lengths decide who joins when): no answer prefix
+    preset = dataclasses.replace(get_preset("generic"), answer_prefix="", stop=())
     assignments = set()
     for references in _variants().values():
         requests = [encode_request(tiny.tokenizer, preset, refs, key=i) for i, refs in enumerate(references)]

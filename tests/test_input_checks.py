@@ -468,10 +468,11 @@ def test_generate_with_mechanism_marks_a_seeded_run_void(tiny):
         assert is_seeded(generator)
         run = generate_with_mechanism(refs, mechanism, max_new_tokens=3, model=tiny, generator=generator)
         assert run.seeded and not run.holds and run.void_reason == SEEDED_VOID_REASON
-        assert run.record_fields() == {"guarantee": None, "guarantee_void_reason": SEEDED_VOID_REASON}
+        assert run.record_fields() == {"guarantee": None, "guarantee_void_reason": SEEDED_VOID_REASON,
+                                   "model_dtype": run.dtype_choice.to_json()}
     run = generate_with_mechanism(refs, mechanism, max_new_tokens=3, model=tiny)  # from the OS
     assert not is_seeded(make_generator()) and not run.seeded and run.holds
-    assert run.record_fields() == {"guarantee": run.guarantee.label()}
+    assert run.record_fields() == {"guarantee": run.guarantee.label(), "model_dtype": run.dtype_choice.to_json()}
 
 
 @pytest.fixture(scope="module")

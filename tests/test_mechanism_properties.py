@@ -49,6 +49,7 @@ from invink_audit.testing import (
     top_ks,
     topk_cases,
 )
+from profiles import examples
 
 #: float64 mechanism vs. exact/oracle computations on logits of magnitude <= 30.
 EXACTNESS_ATOL = 1e-12
@@ -61,13 +62,13 @@ TOPK_EXTRA_RTOL = 1e-12
 #: per-example significance of the sampler G-tests; with SAMPLER_EXAMPLES examples the chance that
 #: a correct sampler fails any of them is at most SAMPLER_EXAMPLES * SAMPLER_SIGNIFICANCE = 2e-3.
 SAMPLER_SIGNIFICANCE = 1e-4
-SAMPLER_EXAMPLES = 20
+SAMPLER_EXAMPLES = examples(20)
 SAMPLER_DRAWS = 20_000
 #: the single large-sample G-test of one fixed step (seeded: it passes or fails deterministically)
 LARGE_SAMPLE_SIGNIFICANCE = 1e-3
 LARGE_SAMPLE_DRAWS = 400_000
 #: upper limit on the search for an input attaining a bound (it stops at the first one found)
-ATTAINMENT_SEARCH_EXAMPLES = 1000
+ATTAINMENT_SEARCH_EXAMPLES = 1000  # a search that must attain the bound: the same in every profile
 
 ALL_DTYPES = st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64])
 LEADING = st.sampled_from([(), (2,), (1, 3)])

@@ -216,7 +216,7 @@ def test_a_stale_pending_file_never_gives_a_new_release_the_charged_id(tiny, tmp
     resumed = _generate(tiny, output=output, ledger=ledger)  # a resume: its id is the state's
     assert resumed.num_resumed == len(first.texts) and len(ledger.status().releases) == 1
     assert not _pending(output).exists()
-    # as the README says, a new release on the same path: delete output, state and journal
+    # as the guide says (docs/guide/generating.md), a new release on the same path: delete output, state and journal
     for path in (output, _state(output), _journal(output)):
         path.unlink()
     _generate(tiny, output=output, ledger=ledger)

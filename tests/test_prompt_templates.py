@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,8 +164,59 @@ def test_generate_cli_takes_answer_prefix_stop_and_public_examples(tiny_dir, tmp
     assert code == 2 and "latin1.txt" in capsys.readouterr().err
 
 
+def test_sweep_takes_the_same_public_template_flags_as_generate(tmp_path, monkeypatch):
+    """``invink-audit sweep`` builds its points' template from --answer-prefix, --stop and
+    --public-examples as generate does (nothing is generated: run_sweep is replaced by a recorder)."""
+    import invink_audit.evaluation.sweep as sweep
+    from invink_audit.cli import main
+
+    seen = {}
+
+    def record(references, real, output, config, *args, **kwargs):
+        seen["config"] = config
+        (Path(output)).mkdir(parents=True, exist_ok=True)
+        (Path(output) / "sweep.md").write_text("table\n")
+        return []
+
+    monkeypatch.setattr(sweep, "run_sweep", record)
+    examples = tmp_path / "public.txt"
+    examples.write_text("A public review.\nAnother one.\n")
+    refs = tmp_path / "refs.csv"
+    refs.write_text("text\nThe soup was cold.\nGreat tacos!\n")
+    code = main([
+        "sweep", "--input", str(refs), "--real", str(refs), "--output", str(tmp_path / "sweep"), "--epsilons", "3",
+        "--batch-sizes", "2", "--public-proxy", "--prompt", "generic", "--prompt-field", "description=notes",
+        "--answer-prefix", "Note: '", "--stop", "'", "--public-examples", str(examples), "--no-progress",
+    ])  # fmt: skip
+    assert code == 0
+    template = seen["config"].prompt
+    assert isinstance(template, PromptTemplate) and template.name == "generic"
+    assert (template.answer_prefix, template.stop, template.examples) == ("Note: '", ("'",), ("A public review.", "Another one."))
+    assert seen["config"].prompt_fields == {"description": "notes"}
+
+
 def test_the_paper_prompt_stays_available_and_unchanged():
     paper = get_preset("yelp-paper")
     assert paper.answer_prefix == "" and paper.stop == () and not paper.completion
     assert get_preset("yelp").private == paper.private and get_preset("yelp").public == paper.public
     assert PromptTemplate.from_json(get_preset("yelp").as_json()) == get_preset("yelp")
+
+
+def test_a_base_model_release_is_audited_with_its_completion_prompt(tmp_path):
+    """A model without a chat template generates with a completion preset and the quick audit (exact
+    checks and a sampled batch) replays it with the same plain-text prompt (issue 19: base models are
+    accepted by generate, sweep and audit)."""
+    from invink_audit.audit.quick import quick_audit
+
+    base = build_tiny_model(seed=5)
+    base.tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        generate(["a b", "c d"], batch_size=2, max_new_tokens=2, delta=1e-6, epsilon=5.0, model=base, prompt="generic")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededGeneratorWarning)
+        result = generate(["Anna liked the soup.", "", "Bo found the waiter rude.", "Cy came back twice."],
+                          batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, model=base, top_k=8,
+                          prompt="generic-completion", prompt_fields={"description": "reviews"}, seed=1)
+    report = quick_audit(result, model=base, sampled_batch=0, num_samples=16, generator=_generator(2))
+    assert report.step_checks > 0 and sum(report.step_failures.values()) == 0
+    assert report.verdict.value != "VIOLATION"

@@ -1,21 +1,25 @@
-"""Every ```python block of README.md runs as a reader would run it.
+"""Every ```python block of README.md and of the guide runs as a reader would run it.
 
-The blocks are read from README.md at run time (never copied here), so a README edit that breaks an
-example fails the suite. Each block runs in order, in a fresh namespace, in a temporary working
-directory of its own, with the Hugging Face hub offline (``HF_HUB_OFFLINE=1``).
+The blocks are read at run time (never copied here) from README.md and from every Markdown file under
+docs/guide/ and docs/design/ (:data:`DOCUMENTS`), so an edit that breaks an example fails the suite.
+Each file's blocks run in order, each in a fresh namespace, in a temporary working directory of its
+own, with the Hugging Face hub offline (``HF_HUB_OFFLINE=1``); each block is one test, whose id names
+its file and the line of its opening fence (``docs/guide/planning.md:73``).
 
-* **Skipping.** A block is skipped only when the README says so on the line right before it, with an
-  HTML comment ``<!-- not run: <reason> -->`` (invisible on GitHub); the test asserts that every other
-  block ran, and that it found every ```python fence of the file (no silent skips).
-* **What a reader would have.** Some blocks use files or names the reader brings (``texts.jsonl`` and
-  ``heldout.csv`` for an evaluation, ``references``, ``my_generate``). A small setup per block, keyed
-  by a distinctive substring of the block (:data:`SETUPS`), writes or defines them; every key must
-  match exactly one block, so a setup cannot outlive its block unnoticed.
+* **Skipping.** A block is skipped only when its file says so on the line right before it, with an
+  HTML comment ``<!-- not run: <reason> -->`` (invisible on GitHub); the test reports it as skipped
+  with that reason, and asserts, file by file, that it found every ```python fence (no silent skips)
+  and that every such marker sits right before a ```python fence.
+* **What a reader would have.** Some blocks use files or names the reader brings (``my.csv`` and a
+  ledger for the README's tour, ``texts.jsonl`` and ``heldout.csv`` for an evaluation,
+  ``references``, ``my_generate``). A small setup per block, keyed by a distinctive substring of the
+  block (:data:`SETUPS`), writes or defines them; every key must match exactly one block across all
+  the files, so a setup cannot outlive its block unnoticed.
 * **The tiny model.** Blocks keyed in :data:`TINY_DEFAULT_MODEL` load the default model (``model=None``,
   the embedded SmolLM2-135M-Instruct) for many texts: the model audit (``num_samples=32``) took 143 s
-  with it on a 2-core CPU, and the quick audit generates and then samples 16 more texts of 32 tokens
-  at B = 7. For those blocks the test replaces ``invink_audit.models.load_model``'s default (``None``)
-  by :func:`invink_audit.models.build_tiny_model` (every invink_audit module that imported
+  with it on a 2-core CPU, and a quick audit generates and then samples 16 more texts at B = 7. For
+  those blocks the test replaces ``invink_audit.models.load_model``'s default (``None``) by
+  :func:`invink_audit.models.build_tiny_model` (every invink_audit module that imported
   ``load_model`` sees the replacement; a named model or a path still loads as written). The blocks are
   otherwise run unchanged, and the others (generation, the evaluation's perplexity scorer) use the
   real model.
@@ -33,13 +37,18 @@ import io
 import json
 import re
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+#: the Markdown files whose ```python blocks run, in this order (each file's blocks in file order)
+DOCUMENTS = (
+    ROOT / "README.md",
+    *sorted((ROOT / "docs" / "guide").glob("*.md")),
+    *sorted((ROOT / "docs" / "design").glob("*.md")),
+)
 
 #: an HTML comment on the line right before a ```python fence that exempts the block, with its reason
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(?P<reason>\S.*?)\s*-->$")
@@ -49,16 +58,25 @@ PYTHON_LIKE = {"py", "py3", "python3", "pycon", "ipython", "ipython3"}
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    index: int  # 0-based, in README order
+    path: str  # relative to the repository root, e.g. "docs/guide/planning.md"
+    index: int  # 0-based, in file order
     line: int  # 1-based line of the opening fence
     code: str
     not_run: str | None  # the reason of a `<!-- not run: ... -->` marker, else None
 
+    @property
+    def id(self) -> str:
+        return f"{self.path}:{self.line}"
+
     def __str__(self) -> str:
-        return f"README.md block {self.index} (line {self.line})"
+        return f"{self.path} block {self.index} (line {self.line})"
 
 
-def _fences(text: str):
+def _relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _fences(text: str, name: str = "README.md"):
     """(line number, info string) of every opening fence, with the lines of its block."""
     lines = text.split("\n")
     inside = None
@@ -72,23 +90,25 @@ def _fences(text: str):
         else:
             yield inside
             inside = None
-    assert inside is None, f"README.md: the fence opened on line {inside[0]} is never closed"
+    assert inside is None, f"{name}: the fence opened on line {inside[0]} is never closed"
 
 
-def read_blocks(text: str) -> list[Block]:
+def read_blocks(text: str, name: str = "README.md") -> list[Block]:
     lines = text.split("\n")
     blocks = []
-    for number, info, body in _fences(text):
+    for number, info, body in _fences(text, name):
         if info != "python":
             continue
         previous = lines[number - 2].strip() if number >= 2 else ""
         marker = NOT_RUN.match(previous)
-        blocks.append(Block(len(blocks), number, "\n".join(body) + "\n", marker["reason"] if marker else None))
+        blocks.append(Block(name, len(blocks), number, "\n".join(body) + "\n", marker["reason"] if marker else None))
     return blocks
 
 
-README_TEXT = README.read_text(encoding="utf-8")
-BLOCKS = read_blocks(README_TEXT)
+#: relative path -> text, for every file of DOCUMENTS
+TEXTS = {_relative(path): path.read_text(encoding="utf-8") for path in DOCUMENTS}
+#: every ```python block of every file, file by file in DOCUMENTS order
+BLOCKS = [block for name, text in TEXTS.items() for block in read_blocks(text, name)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,6 +152,20 @@ def _evaluation_inputs(namespace: dict, workdir: Path) -> None:
             writer.writerow([f"{(_GOOD if good else _BAD)[(i // 2) % 5]} Visit {i}.", _CATEGORY, _STARS[good]])
 
 
+def _reviews_and_ledger(namespace: dict, workdir: Path) -> None:
+    """``my.csv`` with Yelp-style labels (two star groups of seven reviews: one batch of B = 7 each) and
+    the ledger ``invink-audit ledger init reviews.ledger.json --epsilon 10 --delta 1e-6`` creates."""
+    from accounting import BudgetLedger
+
+    with open(workdir / "my.csv", "w", encoding="utf-8", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["text", "label1", "label2"])
+        for good in (True, False):
+            for i in range(7):
+                writer.writerow([f"{(_GOOD if good else _BAD)[i % 5]} Visit {i}.", _CATEGORY, _STARS[good]])
+    BudgetLedger.create(workdir / "reviews.ledger.json", epsilon=10.0, delta=1e-6)
+
+
 def _references(namespace: dict, workdir: Path) -> None:
     namespace["references"] = list(REFERENCES)
 
@@ -144,13 +178,14 @@ def _references_and_generator(namespace: dict, workdir: Path) -> None:
 
 #: distinctive substring of a block -> what the reader would have before running it
 SETUPS: dict[str, Callable[[dict, Path], None]] = {
+    'generate(Path("my.csv")': _reviews_and_ledger,
     'read_text_set("texts.jsonl"': _evaluation_inputs,
     "audit = quick_audit(result)": _references,
     "blackbox_audit(my_generate, references": _references_and_generator,
 }
 
 #: blocks (by substring) run with the tiny model as the default model (module docstring)
-TINY_DEFAULT_MODEL = ("audit_model(", "quick_audit(")
+TINY_DEFAULT_MODEL = ("audit_model(", "audit = quick_audit(result)", "report = quick_audit(result)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +195,15 @@ TINY_DEFAULT_MODEL = ("audit_model(", "quick_audit(")
 def _check_plan(stdout: str, workdir: Path) -> None:
     # print(plan.clip_norm, plan.epsilon0, plan.rho_sequence, plan.accountant)    # 0.0887... br-adaptive
     assert re.fullmatch(r"0\.0887\d*( \S+){2} br-adaptive\n", stdout), stdout
+
+
+def _check_tour_audit(stdout: str, workdir: Path) -> None:
+    # print(report.summary())        # NOT PRIVATE: computed from the references; keep it with the data
+    assert stdout.startswith("audit verdict: ") and "NOT PRIVATE" in stdout, stdout
+    assert (workdir / "texts.jsonl").stat().st_size > 0  # the release, charged once to the ledger
+    from accounting import BudgetLedger
+
+    assert len(BudgetLedger(workdir / "reviews.ledger.json").status().releases) == 1
 
 
 def _check_files(folder: str, names: tuple[str, ...], pattern: str | None = None):
@@ -175,6 +219,7 @@ def _check_files(folder: str, names: tuple[str, ...], pattern: str | None = None
 #: distinctive substring of a block -> a check of its stdout and working directory
 CHECKS: dict[str, Callable[[str, Path], None]] = {
     "print(plan.clip_norm, plan.epsilon0": _check_plan,
+    "print(report.summary())": _check_tour_audit,
     'write_report(report, "out/")': _check_files("out", ("report.json", "report.md"), "*.png"),
     'write_evaluation_report(result, "report/")': _check_files(
         "report", ("report.md", "report.json", "mauve.png", "perplexity.png")
@@ -190,22 +235,36 @@ def _matching(table, block: Block) -> list:
 # structure: every block found, every marker and key attached to one block
 
 
-def test_every_python_fence_is_found():
-    opening = [n for n, line in enumerate(README_TEXT.split("\n"), start=1) if line.strip() == "```python"]
-    assert [b.line for b in BLOCKS] == opening
-    assert len(BLOCKS) >= 10, "README.md lost most of its examples, or the parser broke"
+def test_the_documents_are_found():
+    assert DOCUMENTS[0].name == "README.md" and all(path.is_file() for path in DOCUMENTS)
+    names = set(TEXTS)
+    for expected in ("docs/guide/planning.md", "docs/guide/generating.md", "docs/guide/auditing.md",
+                     "docs/design/engine.md"):
+        assert expected in names, f"{expected} is not among the documents whose blocks run: {sorted(names)}"
+    assert len(BLOCKS) >= 10, "the documents lost most of their examples, or the parser broke"
 
 
-def test_no_python_block_under_another_name():
-    others = [(n, info) for n, info, _ in _fences(README_TEXT) if info.split()[:1] and info.split()[0] in PYTHON_LIKE]
-    assert not others, f"write ```python so that the block is run: {others}"
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_every_python_fence_is_found(name):
+    opening = [n for n, line in enumerate(TEXTS[name].split("\n"), start=1) if line.strip() == "```python"]
+    assert [b.line for b in BLOCKS if b.path == name] == opening
 
 
-def test_every_not_run_marker_precedes_a_python_block():
-    lines = README_TEXT.split("\n")
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_no_python_block_under_another_name(name):
+    fences = _fences(TEXTS[name], name)
+    others = [(n, info) for n, info, _ in fences if info.split()[:1] and info.split()[0] in PYTHON_LIKE]
+    assert not others, f"{name}: write ```python so that the block is run: {others}"
+
+
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_every_not_run_marker_precedes_a_python_block(name):
+    lines = TEXTS[name].split("\n")
     markers = {n for n, line in enumerate(lines, start=1) if "not run" in line and line.lstrip().startswith("<!--")}
-    attached = {b.line - 1 for b in BLOCKS if b.not_run is not None}
-    assert markers == attached, "a `<!-- not run: reason -->` marker must be the line right before a ```python fence"
+    attached = {b.line - 1 for b in BLOCKS if b.path == name and b.not_run is not None}
+    assert markers == attached, (
+        f"{name}: a `<!-- not run: reason -->` marker must be the line right before a ```python fence"
+    )
 
 
 @pytest.mark.parametrize("table", ["SETUPS", "CHECKS", "TINY_DEFAULT_MODEL"])
@@ -213,7 +272,7 @@ def test_every_key_matches_exactly_one_block(table):
     keys = globals()[table]
     for key in keys:
         found = [str(b) for b in BLOCKS if key in b.code]
-        assert len(found) == 1, f"{table} key {key!r} matches {found or 'no block'}: update it to the README"
+        assert len(found) == 1, f"{table} key {key!r} matches {found or 'no block'}: update it to the documents"
         assert not [b for b in BLOCKS if key in b.code and b.not_run], f"{table} key {key!r}: that block is not run"
 
 
@@ -257,7 +316,7 @@ def _default_model(loaded, monkeypatch):
 
 def _run(block: Block, workdir: Path, tiny, monkeypatch) -> str:
     """Run one block; return its stdout."""
-    namespace = {"__name__": f"readme_block_{block.index}"}
+    namespace = {"__name__": "doc_block_" + re.sub(r"\W", "_", block.path) + f"_{block.index}"}
     for setup in _matching(SETUPS, block):
         setup(namespace, workdir)
     stdout = io.StringIO()
@@ -272,23 +331,11 @@ def _run(block: Block, workdir: Path, tiny, monkeypatch) -> str:
 
 
 @pytest.mark.slow
-def test_readme_python_blocks_run(tmp_path, monkeypatch, tiny_model):
+@pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
+def test_python_block_runs(block, tmp_path, monkeypatch, tiny_model):
+    if block.not_run is not None:
+        pytest.skip(f"{block}: not run: {block.not_run}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    ran, skipped, failures = [], [], []
-    for block in BLOCKS:
-        if block.not_run is not None:
-            skipped.append(block.index)
-            continue
-        workdir = tmp_path / f"block{block.index}"
-        workdir.mkdir()
-        monkeypatch.chdir(workdir)
-        try:
-            _run(block, workdir, tiny_model, monkeypatch)
-        except Exception:  # report every failing block, not just the first
-            failures.append(f"{block}:\n{traceback.format_exc()}")
-        ran.append(block.index)
-    assert not failures, "\n\n".join(failures)
-    unmarked = [b.index for b in BLOCKS if b.not_run is None]
-    assert ran == unmarked, f"blocks that ran {ran}, blocks without a not-run marker {unmarked}"
-    assert len(ran) + len(skipped) == len(BLOCKS)
+    monkeypatch.chdir(tmp_path)
+    _run(block, tmp_path, tiny_model, monkeypatch)

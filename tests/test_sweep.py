@@ -119,3 +119,31 @@ def test_reference_points_follow_labels(tiny):
     assert again["floor"].texts == points["floor"].texts  # seeded: reference points are not releases
     with pytest.raises(ValueError, match="batch_labels"):
         generate_reference_points(batches, max_new_tokens=5, model=tiny, batch_labels=labels[:1])
+
+
+@pytest.mark.filterwarnings("ignore:.*synthetic texts.* are empty:UserWarning")  # the tiny model may stop at once
+def test_a_base_model_sweeps_with_a_completion_prompt_on_selected_records(tmp_path):
+    """A model without a chat template (a base model, as Gemma-3-270M) sweeps with a completion-style
+    preset, and ``where`` selects the references by a public column (issue 19, issue 22)."""
+    from invink_audit.models import build_tiny_model
+
+    base = build_tiny_model(seed=5)
+    base.tokenizer.chat_template = None
+    base_dir = tmp_path / "base-model"
+    base.model.save_pretrained(base_dir)
+    base.tokenizer.save_pretrained(base_dir)
+    refs = _write(tmp_path / "refs.csv", 12, 1)
+    rows = refs.read_text().splitlines()
+    rows[1:4] = [r.replace("Restaurants", "Bars") for r in rows[1:4]]  # three Bars, nine Restaurants
+    refs.write_text("\n".join(rows) + "\n")
+    config = SweepConfig(
+        epsilons=(8.0,), batch_sizes=(2,), max_new_tokens=(3,), top_ks=(20,), num_texts_per_group=1,
+        prompt="yelp-completion", label_columns=("label2",), prompt_fields={"category": "Restaurants"},
+        where={"label1": "Business Category: Restaurants"}, reference_points=False,
+    )  # fmt: skip
+    out = tmp_path / "sweep"
+    swept = run_sweep(refs, _write(tmp_path / "real.csv", 8, 2), out, config, EVAL, model=base_dir, public_proxy=True)
+    assert [r.kind for r in swept] == ["invisibleink"]
+    records = [json.loads(line) for line in (out / swept[0].name / "texts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and {r["labels"]["label2"] for r in records} == {"Review Stars: 1.0", "Review Stars: 2.0"}
+    assert all(r["run"]["prompt"]["completion"] and r["prompt_fields"]["category"] == "Restaurants" for r in records)

@@ -48,6 +48,7 @@ from invink_audit.testing import (
     reference_private_topk_sets,
     renyi_divergence,
 )
+from profiles import examples
 
 #: closed-form divergences vs. the kit's float64 computation (measured up to 5e-14 relative, at α = 1.01
 #: where the log of a sum near 1 is divided by α − 1)
@@ -70,10 +71,10 @@ SPAN_ATOL = 1e-12
 SAMPLER_SIGNIFICANCE = 1e-4
 SAMPLER_DRAWS = 20_000
 #: examples for the kit's own strategy tests (cheap, structural)
-STRATEGY_EXAMPLES = 30
+STRATEGY_EXAMPLES = examples(30)
 #: upper limit on the search for a counterexample to a broken mechanism; the search stops at the first
 #: one, and is generous so that the tests do not depend on the hypothesis profile (derandomized in CI).
-SEARCH_EXAMPLES = 500
+SEARCH_EXAMPLES = 500  # a search that must find the planted bug: the same in every profile
 
 PINNED_PUBLIC = [0.0, -0.875]
 PINNED_PRIVATE = [[-1.0, 0.125], PINNED_PUBLIC]
@@ -349,7 +350,7 @@ def test_privacy_budget_validates():
 
 
 # ------------------------------------------------------------------------------------------
-# the README example's mask (tests/test_readme_examples.py runs the whole example as written)
+# the guide's example mask (docs/guide/testing-kit.md; tests/test_readme_examples.py runs the whole example as written)
 
 
 def _mask_with_slack(public_logits, top_k, clip_norm, batch_size, *, slack=True):

@@ -342,6 +342,7 @@ def engine_generator(
             )
         return out
 
+    generate_many.dtype_choice = loaded.dtype_choice  # what the report says the model ran in
     return generate_many
 
 

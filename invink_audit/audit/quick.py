@@ -64,6 +64,8 @@ class QuickAuditReport:
     privacy_notice: str = REPORT_PRIVACY_NOTICE
     mechanism: str = "invisibleink"
     guarantee: str = "a-priori"  # or "data-dependent" (never a PASS)
+    # the dtype the model was teacher-forced in, and why (DtypeChoice.to_json(); the release's own)
+    model_dtype: dict | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready, marked first (``not_private``, ``privacy_notice``: the report is not private)."""
@@ -73,7 +75,8 @@ class QuickAuditReport:
         lines = [
             f"audit verdict: {self.verdict.value} ({self.reason})",
             f"  {self.privacy_notice}",
-            f"  mechanism {self.mechanism}, guarantee {self.guarantee.upper() if self.guarantee != 'a-priori' else self.guarantee}",
+            f"  mechanism {self.mechanism}, guarantee {self.guarantee.upper() if self.guarantee != 'a-priori' else self.guarantee}"
+            + (f", model dtype {self.model_dtype['dtype']}" if self.model_dtype else ""),
             f"  teacher-forced {self.texts_audited} generated texts: {self.step_checks} exact per-step checks, "
             f"failures {sum(self.step_failures.values())}; max loss range / eps0 = {self.max_loss_range_over_epsilon0:.4f}",
             f"  realised privacy loss of the released texts: max {self.realised_loss_max:.4f}, mean "
@@ -444,7 +447,7 @@ def _quick_audit_generic(
     mech, g = run.mechanism, run.guarantee
     if references is None:
         raise ValueError("a MechanismRun records no partition: give the references given to generate_with_mechanism")
-    loaded = load_model(model)
+    loaded = load_model(model, dtype=run.dtype_choice)
     if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
         references = read_references(references)
     partition = partition_references(references, run.batch_size)
@@ -473,7 +476,7 @@ def _quick_audit_generic(
         )
     return _quick_report(
         rec, claim, sampled, texts=len(run.texts), accountant_epsilon=g.epsilon, start=start, mechanism=mech.name,
-        guarantee=claim.guarantee,
+        guarantee=claim.guarantee, model_dtype=loaded.dtype_choice.to_json(),
     )
 
 
@@ -558,7 +561,9 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
     from invink_audit.models import load_model
     from invink_audit.prompts import encode_request
 
-    loaded = load_model(model)
+    # teacher-forced in the dtype the release ran in (its recorded choice), so the exact log-probabilities
+    # are those of the distributions the texts were drawn from
+    loaded = load_model(model, dtype=getattr(result, "dtype_choice", None))
     claim = release.claim()
     config = WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(result.texts)), num_is_samples=0, significance=significance)
     requests = [
@@ -576,4 +581,5 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
             list(release.partition.batches[sampled_batch]), release.audit_settings(), sampled_config, model=loaded,
             prompt=release.batch_template(sampled_batch), generator=generator, progress=_phase(progress, PHASE_SAMPLED),
         )
-    return _quick_report(rec, claim, sampled, texts=len(result.texts), accountant_epsilon=release.epsilon, start=start)
+    return _quick_report(rec, claim, sampled, texts=len(result.texts), accountant_epsilon=release.epsilon, start=start,
+                         model_dtype=loaded.dtype_choice.to_json())

@@ -898,7 +898,8 @@ def _run_engine_target(spec: AuditSpec, refs, seed, progress):
     return blackbox_audit(
         None, refs, bb.canary, claimed_epsilon=float(epsilon), claimed_delta=m.delta, generate_many=many,
         num_trials=bb.num_trials, significance=bb.significance, scores=bb.scores,
-        mechanism=f"InvisibleInk engine ({spec.model.name})", progress=progress,
+        mechanism=f"InvisibleInk engine ({spec.model.name}, {many.dtype_choice.dtype})", progress=progress,
+        notes=(f"model dtype {many.dtype_choice.dtype}: {many.dtype_choice.reason}",),
     )
 
 

@@ -141,6 +141,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def console_main() -> int:
+    """The ``invink-audit`` command: :func:`main` in CPU threading fit for the machine as it is now
+    (:mod:`invink_audit.cpu`: OpenMP threads that sleep while they wait, and no more torch threads than
+    the cores other processes leave free; said on stderr when that is fewer than the cores)."""
+    from invink_audit.cpu import apply_cpu_threads, prefer_passive_waiting
+
+    prefer_passive_waiting()  # before torch is imported
+    words = sys.argv[1:2]
+    if words and words[0] in _MODEL_COMMANDS and not {"-h", "--help"} & set(sys.argv[2:]):
+        choice = apply_cpu_threads()
+        if choice.threads < choice.cores:
+            print(f"cpu: {plural(choice.threads, 'torch thread')} ({choice.reason})", file=sys.stderr)
+    return main()
+
+
+#: the commands that run a model (the others, e.g. ``plan`` and ``ledger``, never import torch)
+_MODEL_COMMANDS = frozenset({"generate", "evaluate", "sweep", "audit", "bench"})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status. A process of a torchrun/accelerate launch (one whose
     process group this command created) ends here instead, through

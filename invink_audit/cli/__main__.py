@@ -1,3 +1,5 @@
-from invink_audit.cli import main
 import sys
-sys.exit(main())
+
+from invink_audit.cli import console_main
+
+sys.exit(console_main())

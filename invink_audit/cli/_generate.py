@@ -71,6 +71,7 @@ def _add_input_arguments(p) -> None:
         "--input", required=True, help="references: a UTF-8 .csv (see --column) or .jsonl file (a BOM is accepted)"
     )
     p.add_argument("--column", default=None, help="CSV column or JSONL field holding the text (default: text)")
+    add_where_argument(p)
     p.add_argument(
         "--label-columns",
         default=None,
@@ -114,7 +115,7 @@ def _add_privacy_arguments(p) -> None:
     p.add_argument("--temperature", default="1.0", help="sampling temperature tau (finite, > 0; default 1.0)")
 
 
-def _add_prompt_arguments(p) -> None:
+def add_prompt_arguments(p) -> None:
     """The prompt preset, its public fields, and the public devices that keep a small model in the genre."""
     p.add_argument(
         "--prompt",
@@ -149,6 +150,47 @@ def _add_prompt_arguments(p) -> None:
         help="UTF-8 text file of PUBLIC example texts (one per line, e.g. a published proxy set; never the "
         "private input), shown in every row's prompt",
     )
+
+
+def add_where_argument(p) -> None:
+    p.add_argument(
+        "--where",
+        action="append",
+        metavar="COLUMN=VALUE",
+        help="use only the records whose COLUMN equals VALUE (repeatable: all must hold), e.g. "
+        "'label1=Business Category: Restaurants'; COLUMN is a public attribute like a label, never the text column "
+        "(sweep: selects from --input; --real is read as given)",
+    )
+
+
+def parse_where(items) -> dict[str, str] | None:
+    """``--where COLUMN=VALUE`` (repeated) as ``{column: value}``; ``None`` when not given."""
+    if not items:
+        return None
+    where: dict[str, str] = {}
+    for item in items:
+        column, sep, value = item.partition("=")
+        if not sep or not column:
+            raise CliError(f"--where must be COLUMN=VALUE; got {item!r}")
+        if column in where and where[column] != value:
+            raise CliError(f"--where gives two values for {column!r}: no record can have both")
+        where[column] = value
+    return where
+
+
+def selected_references(args, label_columns):
+    """``--input`` as ``generate`` takes it: its path, or with ``--where`` the selected records (their texts,
+    or :class:`~invink_audit.data.LabelledReferences` with ``label_columns``)."""
+    from invink_audit.data import select_references
+
+    where = parse_where(args.where)
+    if where is None:
+        return Path(args.input), args.column
+    try:
+        selected = select_references(Path(args.input), where, column=args.column, label_columns=label_columns or ())
+    except ValueError as err:
+        raise CliError(f"--where: {err}") from err
+    return selected, None
 
 
 def prompt_template(args):
@@ -220,7 +262,7 @@ def register(subparsers) -> None:
     )
     _add_input_arguments(p)
     _add_privacy_arguments(p)
-    _add_prompt_arguments(p)
+    add_prompt_arguments(p)
     _add_run_arguments(p)
     from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
 
@@ -254,7 +296,6 @@ def _generate(args) -> int:
         accountant=args.accountant,
         prompt=prompt_template(args),
         prompt_fields=parse_fields(args.prompt_field),
-        column=args.column,
         label_columns=None if args.label_columns is None else _label_columns(args.label_columns),
         label_fields=None if args.label_field is None else parse_fields(args.label_field, "--label-field"),
         num_texts_per_group=None
@@ -271,6 +312,7 @@ def _generate(args) -> int:
         device=args.device,
         dtype=args.dtype,
     )
+    references, kwargs["column"] = selected_references(args, kwargs["label_columns"])
     # under torchrun / accelerate launch, only rank 0 shows progress and prints the summary
     rank = launch_rank()
     progress = _Progress(enabled=not args.no_progress and rank == 0, max_new_tokens=kwargs["max_new_tokens"])
@@ -283,10 +325,10 @@ def _generate(args) -> int:
                 concurrency=parse_int("--ray-actors", args.ray_actors),
                 num_gpus=parse_float("--ray-gpus-per-actor", args.ray_gpus_per_actor),
             )
-            result = generate_on_ray(Path(args.input), on_text=progress.text, **ray, **kwargs)
+            result = generate_on_ray(references, on_text=progress.text, **ray, **kwargs)
         else:
             result = generate(
-                Path(args.input), on_tokens=progress.update, on_text=progress.text, on_start=progress.start, **kwargs
+                references, on_tokens=progress.update, on_text=progress.text, on_start=progress.start, **kwargs
             )
     finally:
         progress.close()

@@ -12,6 +12,7 @@ import sys
 
 from invink_audit.cli import parse_float, parse_int, parse_list, plural
 from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, label_columns, tqdm_progress
+from invink_audit.cli._generate import add_prompt_arguments, add_where_argument, parse_where, prompt_template
 
 
 def _top_k(flag: str, text: str):
@@ -33,6 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--real", required=True, help="held-out real texts for evaluation (.csv or .jsonl)")
     p.add_argument("--output", required=True, help="sweep directory (created; reused to resume)")
     p.add_argument("--column", default="text", help="text column of --input and --real (default: text)")
+    add_where_argument(p)
     p.add_argument("--epsilons", required=True, help="comma-separated epsilons, e.g. 1,3,8")
     p.add_argument("--batch-sizes", required=True, help="comma-separated B values, e.g. 2,4")
     p.add_argument("--top-ks", default="100", help="comma-separated k values or 'full' (default 100)")
@@ -41,8 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--delta", default="1e-6", help="delta of every point (default 1e-6)")
     p.add_argument("--num-texts", default=None, help="texts per point (without labels; default every full batch)")
     p.add_argument("--num-texts-per-group", default=None, help="texts per label group per point (with labels)")
-    p.add_argument("--prompt", default="generic", help="prompt preset (mimic, yelp, tab, generic)")
-    p.add_argument("--prompt-field", action="append", default=[], metavar="NAME=VALUE", help="public prompt field")
+    add_prompt_arguments(p)
     p.add_argument("--label-column", action="append", default=[], metavar="NAME",
                    help="label column (repeat): label-conditioned generation and TSTR")
     p.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated (as generate takes them)")
@@ -61,7 +62,7 @@ def _sweep(args) -> int:
     from invink_audit.evaluation.sweep import SweepConfig, run_sweep
 
     fields = {}
-    for item in args.prompt_field:
+    for item in args.prompt_field or ():
         name, sep, value = item.partition("=")
         if not sep or not name:
             raise ValueError(f"--prompt-field must be NAME=VALUE; got {item!r}")
@@ -75,11 +76,12 @@ def _sweep(args) -> int:
         delta=parse_float("--delta", args.delta),
         num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
         num_texts_per_group=None if args.num_texts_per_group is None else parse_int("--num-texts-per-group", args.num_texts_per_group),
-        prompt=args.prompt,
+        prompt=prompt_template(args),
         prompt_fields=fields or None,
         column=args.column,
         label_columns=tuple(label_columns(args)),
         reference_points=not args.no_reference_points,
+        where=parse_where(args.where),
     )
     evaluation = evaluation_config(args)
     total = len(config.points())

@@ -236,6 +236,10 @@ class EvaluationResult:
     synthetic_perplexities: tuple[float, ...] = ()
     real_perplexities: tuple[float, ...] = ()
     num_empty_synthetic: int = 0
+    #: the dtype the perplexity scorer ran in and why (:meth:`~invink_audit.models.DtypeChoice.to_json`;
+    #: ``None`` without a scorer) and the dtype the embedder ran in (``"bfloat16"`` or ``"float32"``)
+    scorer_dtype: Mapping | None = None
+    embedding_dtype: str | None = None
 
     def to_json(self) -> dict:
         """One JSON object, marked NOT PRIVATE (:func:`~invink_audit.not_private.mark_not_private`); each
@@ -261,6 +265,8 @@ class EvaluationResult:
                 "num_real": self.num_real,
                 "embedding_model": EMBEDDING_MODELS[self.embedding_model].hub_id,
                 "scorer": self.scorer,
+                "scorer_dtype": None if self.scorer_dtype is None else dict(self.scorer_dtype),
+                "embedding_dtype": self.embedding_dtype,
                 "ppl_unscored_synthetic": self.ppl_unscored_synthetic,
                 "ppl_truncated": self.ppl_truncated,
                 "num_empty_synthetic": self.num_empty_synthetic,
@@ -298,6 +304,7 @@ class _PerplexityPhase:
     scorer: str | None
     unscored: int
     truncated: int
+    scorer_dtype: Mapping | None = None
 
 
 def evaluate(
@@ -334,6 +341,7 @@ def evaluate(
     real_sample = real.subset(sorted(rng.choice(len(real.texts), size=n_real, replace=False).tolist()))
     seconds: dict[str, float] = {}
     start = time.perf_counter()
+    embedder = embedder or config.make_embedder()
     p_features, q_features = _embed(synthetic, real_sample, config, embedder, progress)
     seconds["embedding"] = time.perf_counter() - start
     start = time.perf_counter()
@@ -368,6 +376,8 @@ def evaluate(
         synthetic_perplexities=tuple(float(x) for x in ppl.synthetic_defined),
         real_perplexities=tuple(float(x) for x in ppl.real_defined),
         num_empty_synthetic=empty,
+        scorer_dtype=ppl.scorer_dtype,
+        embedding_dtype=getattr(embedder, "dtype", None),
     )
 
 
@@ -388,7 +398,6 @@ def _count_empty(synthetic: TextSet) -> int:
 
 def _embed(synthetic: TextSet, real_sample: TextSet, config: EvaluationConfig, embedder, progress):
     """Sentence embeddings of both sets (paper App. D.4), through the per-text cache."""
-    embedder = embedder or config.make_embedder()
     if embedder.spec.name != config.embedding_model:
         raise ValueError(f"embedder is {embedder.spec.name!r} but config.embedding_model is {config.embedding_model!r}")
     update = progress("embedding", len(synthetic.texts) + len(real_sample.texts))
@@ -445,6 +454,7 @@ def _perplexity(synthetic: TextSet, real_sample: TextSet, config: EvaluationConf
         wald_interval(scored[0].num_tokens, config.confidence),
         wald_interval(scored[1].num_tokens, config.confidence),
         syn, real, str(loaded.name), len(synthetic.texts) - syn.size, scored[0].truncated + scored[1].truncated,
+        None if getattr(loaded, "dtype_choice", None) is None else loaded.dtype_choice.to_json(),
     )  # fmt: skip
 
 

@@ -16,6 +16,14 @@ def _fmt(value: Interval | None, digits: int = 3, scale: float = 1.0) -> str:
     return "n/a" if value is None else value.format(digits, scale)
 
 
+def _dtype_note(dtype: str | None, choice=None) -> str:
+    """`` (bfloat16: reason)``: the dtype a model of the evaluation ran in, and why where it was chosen."""
+    if not dtype:
+        return ""
+    reason = choice.get("reason") if choice else None
+    return f" ({dtype}: {reason.rstrip('.')})" if reason else f" ({dtype})"
+
+
 def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evaluation") -> str:
     """The evaluation as a Markdown document (a table of every figure with its interval)."""
     conf = int(round(result.mauve.interval.confidence * 100))
@@ -25,7 +33,9 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
         "**NOT PRIVATE**: computed from the real texts in the clear; keep this report with the data.",
         "",
         f"{result.num_synthetic} synthetic texts against {result.num_real} real texts; embeddings "
-        f"`{result.embedding_model}`; perplexity scorer: {result.scorer or 'none'}. Intervals: {conf}%.",
+        f"`{result.embedding_model}`{_dtype_note(result.embedding_dtype)}; perplexity scorer: {result.scorer or 'none'}"
+        f"{_dtype_note(result.scorer_dtype and result.scorer_dtype.get('dtype'), result.scorer_dtype)}. "
+        f"Intervals: {conf}%.",
         "",
         "| metric | estimate [interval] | how |",
         "|---|---|---|",

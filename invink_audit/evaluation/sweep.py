@@ -46,6 +46,7 @@ from invink_audit.not_private import (
     write_not_private_jsonl,
     write_not_private_text,
 )
+from invink_audit.prompts import PromptTemplate
 
 __all__ = ["REFERENCE_POINTS_DIR", "SweepConfig", "SweepPoint", "run_sweep", "sweep_markdown", "write_sweep_plots"]
 
@@ -75,12 +76,17 @@ class SweepConfig:
     delta: float = 1e-6
     num_texts: int | None = None
     num_texts_per_group: int | None = None
-    prompt: str = "generic"
+    #: a preset name or a :class:`~invink_audit.prompts.PromptTemplate` (e.g. a preset with an answer
+    #: prefix, stop strings or public few-shot examples of the user's), the same for every point
+    prompt: str | PromptTemplate = "generic"
     prompt_fields: Mapping[str, str] | None = None
     column: str = "text"
     label_columns: tuple[str, ...] = ()
     reference_points: bool = True
     seed: int = 0
+    #: only the references whose columns have these values (public attributes, like labels:
+    #: :func:`invink_audit.data.select_references`)
+    where: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("epsilons", "batch_sizes", "top_ks", "temperatures", "max_new_tokens"):
@@ -99,6 +105,13 @@ class SweepConfig:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
                 raise ValueError(f"every temperature must be > 0; got {t!r}")
         object.__setattr__(self, "label_columns", tuple(self.label_columns))
+        if self.where is not None:
+            if not isinstance(self.where, Mapping) or not self.where or not all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in self.where.items()
+            ):
+                raise ValueError(f"where must map column names to string values; got {self.where!r}")
+            if self.column in self.where:
+                raise ValueError(f"where must not select on the text column {self.column!r}")
         if self.label_columns and self.num_texts is not None:
             raise ValueError("with label_columns give num_texts_per_group, not num_texts")
         if not self.label_columns and self.num_texts_per_group is not None:
@@ -222,6 +235,7 @@ class _SweepRun:
     progress: object
     on_point: Callable[[SweepPoint], None] | None
     rows: list[SweepPoint] = dataclasses.field(default_factory=list)
+    _selected: object = None  # the references as read (see _input)
 
     def finish(self, point: SweepPoint, directory: Path | None = None) -> None:
         if directory is not None:
@@ -268,17 +282,34 @@ class _SweepRun:
             )  # fmt: skip
             self.finish(point, directory)
 
+    def _input(self):
+        """The references as ``generate`` takes them, and the column to read: the file, or with ``where``
+        the selected records (read once)."""
+        from invink_audit.data import read_labelled_references, read_references, select_references
+
+        config = self.config
+        if self._selected is None:
+            columns = tuple(config.label_columns)
+            if config.where:
+                self._selected = select_references(self.references, config.where, column=config.column,
+                                                   label_columns=columns)
+            elif columns:
+                self._selected = read_labelled_references(self.references, column=config.column, label_columns=columns)
+            else:
+                self._selected = read_references(self.references, column=config.column)
+        return self._selected
+
     def _generate_reference_points(self, first: Mapping, directories: Mapping, generated: Mapping) -> None:
-        from invink_audit.data import partition_by_labels, partition_references, read_labelled_references, read_references
+        from invink_audit.data import partition_by_labels, partition_references
         from invink_audit.evaluation.reference_points import generate_reference_points
 
         config, columns, b = self.config, tuple(self.config.label_columns), first["batch_size"]
         if columns:
-            labelled = read_labelled_references(self.references, column=config.column, label_columns=columns)
+            labelled = self._input()
             part = partition_by_labels(labelled.texts, labelled.labels, b, num_texts_per_group=config.num_texts_per_group)
             batches, batch_labels = [x.references for x in part.batches], [dict(x.labels) for x in part.batches]
         else:
-            part = partition_references(read_references(self.references, column=config.column), b, num_texts=config.num_texts)
+            part = partition_references(self._input(), b, num_texts=config.num_texts)
             batches, batch_labels = list(part.batches), None
         start = time.perf_counter()
         texts = generate_reference_points(
@@ -310,14 +341,14 @@ class _SweepRun:
         kwargs = dict(
             batch_size=params["batch_size"], max_new_tokens=params["max_new_tokens"], delta=config.delta,
             epsilon=params["epsilon"], temperature=params["temperature"], top_k=params["top_k"],
-            model=self.loaded, prompt=config.prompt, prompt_fields=config.prompt_fields, column=config.column,
+            model=self.loaded, prompt=config.prompt, prompt_fields=config.prompt_fields,
             output=directory / "texts.jsonl", ledger=ledger, on_tokens=on_tokens,
         )  # fmt: skip
         if config.label_columns:
             kwargs.update(label_columns=tuple(config.label_columns), num_texts_per_group=config.num_texts_per_group)
         else:
             kwargs.update(num_texts=config.num_texts)
-        released = generate(self.references, **kwargs)
+        released = generate(self._input(), **kwargs)
         seconds = before + time.perf_counter() - start
         timing.write_text(json.dumps({"seconds": seconds}) + "\n")
         result, synthetic = self.evaluate_file(directory / "texts.jsonl")

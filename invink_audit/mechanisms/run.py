@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from invink_audit.mechanisms.base import Mechanism, MechanismGuarantee
+from invink_audit.models import DtypeChoice
 
 __all__ = ["MechanismRun", "MechanismText", "generate_with_mechanism"]
 
@@ -65,6 +66,8 @@ class MechanismRun:
     seconds: float
     seeded: bool = False
     void_reason: str | None = None
+    #: the dtype the model ran in and why (:class:`~invink_audit.models.DtypeChoice`)
+    dtype_choice: DtypeChoice | None = None
 
     @property
     def holds(self) -> bool:
@@ -75,9 +78,10 @@ class MechanismRun:
         """What a record of this run writes: ``{"guarantee": label}``, or for a seeded run
         ``{"guarantee": None, "guarantee_void_reason": ...}``, as a record of
         :func:`~invink_audit.generation.generate` does (no ε that a reader could take at face value)."""
+        dtype = {} if self.dtype_choice is None else {"model_dtype": self.dtype_choice.to_json()}
         if self.void_reason is not None:
-            return {"guarantee": None, "guarantee_void_reason": self.void_reason}
-        return {"guarantee": self.guarantee.label()}
+            return {"guarantee": None, "guarantee_void_reason": self.void_reason, **dtype}
+        return {"guarantee": self.guarantee.label(), **dtype}
 
     @property
     def forward_rows_per_token(self) -> int:
@@ -159,4 +163,5 @@ def generate_with_mechanism(
         seconds=time.perf_counter() - start,
         seeded=seeded,
         void_reason=SEEDED_VOID_REASON if seeded else None,
+        dtype_choice=loaded.dtype_choice,
     )
