@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test install install-gemma gpu-check clean
+.PHONY: demo test check test-thorough install install-gemma gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,10 +38,22 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# the quick loop while developing (about a minute on an idle 2-core machine): accounting, the mechanism and
+# its property tests (hypothesis `dev` profile: at most 20 examples each, deterministic), prompts, data and
+# the command line's input checks. `make test` runs everything; `make test-thorough` draws 4x the examples.
+CHECK_TESTS := tests/test_accounting_*.py tests/test_mechanism.py tests/test_mechanism_properties.py \
+	tests/test_testing_kit.py tests/test_prompt_templates.py tests/test_data_labels.py tests/test_where.py \
+	tests/test_cli_accounting.py tests/test_genre.py tests/test_cpu_threads.py tests/test_design_records.py
+check: $(STAMP)
+	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -x -m "not slow" -p no:cacheprovider $(CHECK_TESTS)
+
+test-thorough: $(STAMP)
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
+
 # On a machine with CUDA (and a CUDA build of torch in $(PY)): the CUDA tests, then the real-data
 # benchmark in bfloat16 and float32. YELP: the reviews file (copy it into the checkout on a machine that
 # has no ../shared); INVINK_REFERENCE_PATH: a folder holding the reference `invink` 0.1.0 package
-# (and pandas), put on PYTHONPATH to time it side by side (see README, "Benchmark on real data").
+# (and pandas), put on PYTHONPATH to time it side by side (see docs/design/engine.md, "Benchmark on real data").
 YELP ?= ../shared/data/yelp/dev.csv
 BENCH_WORKLOAD := --references $(YELP) --where "label1=Business Category: Restaurants" --batch-size 7 \
 	--max-new-tokens 64 --device cuda

@@ -22,7 +22,7 @@ Every token step is ε0-bounded-range with its release's ε0 = 2Δ/τ and ρ = �
   Filter", arXiv:2008.11193, Thm. 3.1; Whitehouse, Ramdas, Rogers & Wu 2023, "Fully-Adaptive
   Composition in Differential Privacy", arXiv:2203.05481). The optimal bounded-range composition of a
   *fixed* sequence is not: an analyst who picks the next release's ε0 from the previous output can
-  exceed it (``tests/test_accounting_review.py`` builds such an interaction).
+  exceed it (``tests/test_accounting_oracles.py`` builds such an interaction).
 
 Durability: the ledger is a JSON file rewritten atomically (temporary file, fsync, ``os.replace``,
 directory fsync), so a crash leaves either the old or the new file, never a torn one; the rewrite keeps
@@ -457,7 +457,7 @@ def _same_float(stored, recomputed: float, rtol: float) -> bool:
 
 def _resolve(path) -> Path:
     """The file a ledger path names: symbolic links resolved, never a directory (pinned by
-    ``tests/test_reliability_ledger.py::test_symlinked_ledger_charges_the_target_and_stays_a_link``)."""
+    ``tests/test_accounting_ledger_integrity.py::test_symlinked_ledger_charges_the_target_and_stays_a_link``)."""
     given = Path(path)
     resolved = given.resolve()
     if resolved.is_dir():

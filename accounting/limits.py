@@ -65,7 +65,7 @@ class ParameterRange:
             raise ValueError(f"invalid range [{self.low!r}, {self.high!r}]")
 
     def describe(self) -> str:
-        """The range as the error messages and the README write it."""
+        """The range as the error messages and docs/guide/planning.md write it."""
         if self.integer:
             return f"an integer from {int(self.low)} to {int(self.high)}"
         return f"in [{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
@@ -87,7 +87,7 @@ CLIP_NORM_RANGE = ParameterRange(1e-6, 1e6)
 TEMPERATURE_RANGE = ParameterRange(1e-4, 1e4)
 COUNT_RANGE = ParameterRange(1, MAX_COUNT, integer=True)
 
-#: Every named parameter and its range (the README's table is generated from the same values).
+#: Every named parameter and its range (docs/guide/planning.md's table is checked against the same values).
 RANGES: dict[str, ParameterRange] = {
     "epsilon": EPSILON_RANGE,
     "delta": DELTA_RANGE,

@@ -9,11 +9,13 @@ On Yelp restaurant reviews (``../shared/data/yelp``, read in place), label-condi
 
 and the script counts off-genre texts (:func:`invink_audit.evaluation.genre.off_genre`, with a Wilson
 interval) and evaluates each point (:func:`invink_audit.evaluation.evaluate`: MAUVE in two settings,
-TSTR on the star label, perplexity under SmolLM2). Templates: ``yelp-paper`` (the paper's Table 4
-prompt), ``yelp`` (the same with the answer started as a quoted review and cut at the closing quote)
-and ``yelp+fewshot`` (``yelp`` with three public example reviews). ``--gemma`` adds Gemma-3-270M (a
-base model) with ``yelp-completion``; ``--generic-texts N`` tries variants of ``generic`` on the
-shipped demo messages.
+TSTR on the star label, perplexity under SmolLM2). Templates (``--templates``): ``yelp-paper`` (the
+paper's Table 4 prompt), ``yelp`` (the same with the answer started as a quoted review and cut at the
+closing quote), ``yelp+fewshot`` (``yelp`` with three public example reviews from the public slice),
+``yelp+invented`` (``yelp`` with three reviews invented for the study) and ``yelp-completion`` (a
+completion prompt on the chat model). ``--gemma`` adds Gemma-3-270M (a base model) with
+``--gemma-templates`` (``yelp-completion``, with ``+invented`` or ``+fewshot`` examples);
+``--generic-texts N`` tries variants of ``generic`` on the shipped demo messages.
 
 Data splits (declared here, never changed by a result):
 
@@ -60,6 +62,18 @@ STAR_COLUMN = "label2"
 EXAMPLE_STARS = ("Review Stars: 5.0", "Review Stars: 3.0", "Review Stars: 1.0")
 DEMO_DESCRIPTION = "messages from patients to their doctor's practice"
 NOTICE = "NOT PRIVATE: texts and measurements derived from Yelp reviews in the clear (a template study, not a release)"
+
+#: Three restaurant reviews invented for this study (5, 3 and 1 stars; no real place or person): public by
+#: construction, the few-shot examples of the `yelp+invented` candidate (a preset could ship them; the
+#: measurement in docs/results/templates.md says it should not).
+YELP_EXAMPLES = (
+    "Tiny place, huge flavor. The green curry had real heat and the staff kept our water glasses full "
+    "without being asked. We came back two days later for the mango sticky rice. Worth the wait for a table.",
+    "Food was fine but nothing special. The burger came out lukewarm and the fries needed salt, though the "
+    "milkshake was great. Service was friendly but slow on a quiet Tuesday. Might try it again for brunch.",
+    "Waited forty minutes for two sandwiches and one of them was wrong. When we mentioned it the manager "
+    "shrugged and said the kitchen was busy. The bread was stale too. Won't be back.",
+)
 
 _START = time.perf_counter()
 
@@ -421,7 +435,7 @@ def main(argv=None) -> int:
     from invink_audit.evaluation.genre import off_genre, off_genre_share
     from invink_audit.models import load_model
     from invink_audit.not_private import write_not_private_json, write_not_private_text
-    from invink_audit.prompts import YELP_EXAMPLES, get_preset
+    from invink_audit.prompts import get_preset
 
     import torch
 
@@ -457,7 +471,7 @@ def main(argv=None) -> int:
         "yelp": yelp,
         # named "yelp" so that the preset's label rule (prefixes removed) applies; shown as yelp+fewshot
         "yelp+fewshot": dc.replace(yelp, examples=examples),
-        # the three reviews invented for the project (prompts.YELP_EXAMPLES), public by construction
+        # three reviews invented for this study (YELP_EXAMPLES above), public by construction
         "yelp+invented": dc.replace(yelp, examples=YELP_EXAMPLES),
         # a completion prompt on the chat model (no chat template)
         "yelp-completion": get_preset("yelp-completion"),

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 # public name -> submodule that defines it (filled in as the subpackages land)
 _LAZY: dict[str, str] = {
-    # the InvisibleInk mechanism, one decoding step (issue 3)
+    # the InvisibleInk mechanism, one decoding step
     **dict.fromkeys(
         (
             "ACCUMULATION_DTYPE",
@@ -36,7 +36,7 @@ _LAZY: dict[str, str] = {
         ),
         "invink_audit.mechanism",
     ),
-    # generation backend (issue 4)
+    # generation backend
     **dict.fromkeys(("LoadedModel", "build_tiny_model", "load_model"), "invink_audit.models"),
     **dict.fromkeys(("PRESETS", "PromptTemplate", "TextRequest", "encode_request", "get_preset"), "invink_audit.prompts"),
     **dict.fromkeys(("Partition", "partition_references", "read_references"), "invink_audit.data"),
@@ -55,7 +55,7 @@ _LAZY: dict[str, str] = {
         "invink_audit.generation",
     ),
     **dict.fromkeys(("BenchResult", "benchmark"), "invink_audit.bench"),
-    # empirical privacy auditor (issue 5)
+    # empirical privacy auditor
     **dict.fromkeys(("quick_audit", "audit_model", "blackbox_audit", "run_selftest", "load_spec", "run_spec"), "invink_audit.audit"),
 }
 

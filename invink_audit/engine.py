@@ -449,7 +449,13 @@ class Engine:
         of tokens drawn.
         """
         requests = list(requests)
-        self._check_arguments(requests, max_new_tokens, generator, stream_ids, key, stream_keys)
+        self._check_arguments(requests, max_new_tokens, generator, stream_ids, key, stream_keys)  # now, not at next()
+        return self._texts(requests, max_new_tokens, generator, observer, sampling_rule, neighbours, stop_at_eos,
+                           progress, stream_ids, key, stream_keys)
+
+    def _texts(self, requests, max_new_tokens, generator, observer, sampling_rule, neighbours, stop_at_eos, progress,
+               stream_ids, key, stream_keys) -> Iterator[FinishedText]:
+        """:meth:`generate`'s texts, once its arguments were checked."""
         if not requests:
             return
         if stream_keys is not None:

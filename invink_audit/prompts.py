@@ -11,7 +11,7 @@ contain further public fields (e.g. Yelp's business category and review score), 
 from :attr:`PromptTemplate.fields` or are given when rendering. Field values are public: they are the
 same for every reference and never derived from the private data.
 
-Templates that fit small models (issue 19). A 135M chat model answers the paper's prompts like a
+Templates that fit small models. A 135M chat model answers the paper's prompts like a
 chatbot ("Here's a mock review..."); three public devices keep it in the genre:
 
 * ``answer_prefix``: the start of the model's answer (e.g. ``Review (4.0 stars): "``), appended after the
@@ -38,7 +38,6 @@ from types import MappingProxyType
 __all__ = [
     "PRESETS",
     "PRESET_LABEL_FIELDS",
-    "YELP_EXAMPLES",
     "LabelField",
     "PromptTemplate",
     "TextRequest",
@@ -171,8 +170,8 @@ class PromptTemplate:
         return self.answer_prefix.format(**self._values()) if self.answer_prefix else ""
 
     def as_json(self) -> dict:
-        """The template as a JSON object (recorded with a release; the fields added by issue 19 only when
-        set, so records of older releases read and resume unchanged)."""
+        """The template as a JSON object (recorded with a release; the answer prefix, stop strings, examples
+        and completion flag only when set, so records of older releases read and resume unchanged)."""
         record = {"name": self.name, "system": self.system, "private": self.private, "public": self.public,
                   "fields": dict(self.fields)}
         if self.answer_prefix:
@@ -222,18 +221,6 @@ _YELP_PUBLIC = (
     "reviews have higher scores."
 )
 
-#: Three restaurant reviews invented for this project (5, 3 and 1 stars; no real place or person): public
-#: by construction, so a preset may show them to every row as few-shot examples
-#: (docs/results/templates.md measures what they do for the embedded model).
-YELP_EXAMPLES = (
-    "Tiny place, huge flavor. The green curry had real heat and the staff kept our water glasses full "
-    "without being asked. We came back two days later for the mango sticky rice. Worth the wait for a table.",
-    "Food was fine but nothing special. The burger came out lukewarm and the fries needed salt, though the "
-    "milkshake was great. Service was friendly but slow on a quiet Tuesday. Might try it again for brunch.",
-    "Waited forty minutes for two sandwiches and one of them was wrong. When we mentioned it the manager "
-    "shrugged and said the kitchen was busy. The bread was stale too. Won't be back.",
-)
-
 _PRESETS = {
     "mimic": PromptTemplate(
         name="mimic",
@@ -261,7 +248,7 @@ _PRESETS = {
         fields={"category": "Restaurants", "stars": "4.0"},
     ),
     # the paper's Yelp prompts with the model's answer started as a quoted review and cut at the closing
-    # quote (issue 19: a 135M chat model answers the bare prompts like a chatbot; docs/results/templates.md)
+    # quote (a 135M chat model answers the bare prompts like a chatbot: docs/results/templates.md)
     "yelp": PromptTemplate(
         name="yelp",
         private=_YELP_PRIVATE,
@@ -310,7 +297,7 @@ _PRESETS = {
             "Output only the text."
         ),
         fields={"description": "short texts"},
-        # the answer started as a quoted text and cut at the closing quote, as for `yelp` (issue 19: on
+        # the answer started as a quoted text and cut at the closing quote, as for `yelp` (on
         # the shipped patient messages the rule's off-genre share fell from 0.33 to 0.08)
         answer_prefix='Text: "',
         stop=('"',),

@@ -216,7 +216,8 @@ def test_blackbox_engine_spec_runs_end_to_end(tiny, tmp_path):
 def test_shared_prefill_engine_decodes_exactly_like_the_engine(tiny_in_dtype):
     """Teacher-forced through both engines, the same requests give the same per-step distributions."""
     tiny = tiny_in_dtype
-    from invink_audit.audit.model_audit import _shared_prefill_engine_class
+    import functools
+
     from invink_audit.engine import Engine
     from invink_audit.mechanism import MechanismConfig
     from invink_audit.prompts import encode_request, get_preset
@@ -245,7 +246,7 @@ def test_shared_prefill_engine_decodes_exactly_like_the_engine(tiny_in_dtype):
         list(engine.generate(requests, max_new_tokens=4, generator=_gen(0), sampling_rule=rule, stop_at_eos=False))
 
     run(Engine, "plain")
-    run(_shared_prefill_engine_class(), "shared")
+    run(functools.partial(Engine, share_prefill=True), "shared")  # what the model audit runs
     assert seen["plain"].keys() == seen["shared"].keys()
     for k in seen["plain"]:
         assert torch.equal(seen["shared"][k], seen["plain"][k])  # copies of the same rows, bitwise

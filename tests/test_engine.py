@@ -329,13 +329,14 @@ def test_bad_arguments_are_rejected(tiny32):
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=10, batch_size=2)
     engine = Engine(tiny32, mechanism)
     requests = _requests(tiny32)  # B = 3
+    # refused when generate is called, not when its iterator is first advanced
     with pytest.raises(ValueError, match="batch_size=2"):
-        list(engine.generate(requests, max_new_tokens=2, generator=_generator(0)))
+        engine.generate(requests, max_new_tokens=2, generator=_generator(0))
     good = _requests(tiny32, [["a", "b"]])
     with pytest.raises(ValueError, match="max_new_tokens"):
-        list(engine.generate(good, max_new_tokens=0, generator=_generator(0)))
+        engine.generate(good, max_new_tokens=0, generator=_generator(0))
     with pytest.raises(ValueError, match="generator"):
-        list(engine.generate(good, max_new_tokens=2, generator=None))
+        engine.generate(good, max_new_tokens=2, generator=None)
     with pytest.raises(ValueError, match="max_batch_rows"):
         Engine(tiny32, mechanism, max_batch_rows=0)
     with pytest.raises(ValueError, match="LoadedModel"):

@@ -43,6 +43,7 @@ from invink_audit.audit.report import AuditTimings, WhiteBoxReport
 from invink_audit.audit.synthetic import HARDEST_PUBLIC_PROBABILITY
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.distributed import current_cluster
+from invink_audit.engine import Engine
 from invink_audit.mechanism import DEFAULT_TOP_K
 
 __all__ = ["ModelAuditSettings", "audit_model", "generic_audit_config", "hardest_case_row", "DEFAULT_CANARIES"]
@@ -90,22 +91,6 @@ class ModelAuditSettings:
             raise ValueError(
                 f"give exactly one of clip_norm and epsilon; got clip_norm={self.clip_norm!r}, epsilon={self.epsilon!r}"
             )
-
-
-def _shared_prefill_engine_class():
-    """An :class:`~invink_audit.engine.Engine` that prefills each *distinct* prompt once per run.
-
-    An audit decodes the same batch of references hundreds of times, so every admitted text brings
-    the same B + 1 prompts; prefilling them once and copying their rows' caches removes almost all
-    of the prefill cost (which dominates on CPU: ~2,400 prompt tokens per text for Yelp at B = 7).
-    The copies are bitwise those of the distinct prompts (``Engine(share_prefill=True)``);
-    ``tests/test_audit_model.py`` checks it against the plain engine.
-    """
-    import functools
-
-    from invink_audit.engine import Engine
-
-    return functools.partial(Engine, share_prefill=True)
 
 
 def hardest_case_row(
@@ -427,7 +412,9 @@ def _audit_invisibleink(refs, settings, config, *, model, prompt, prompt_fields,
         generator=generator,
     )
     hooks = _InvisibleInkHooks(session, mech, clip_norm, hardest_case_slot)
-    engine = _shared_prefill_engine_class()(loaded, mech, max_batch_rows=max_batch_rows)
+    # an audit decodes the same batch hundreds of times: each distinct prompt is prefilled once per run and
+    # its rows' caches copied, bitwise (tests/test_audit_model.py checks it against the plain engine)
+    engine = Engine(loaded, mech, max_batch_rows=max_batch_rows, share_prefill=True)
     gen_seconds, tokens = session.decode(engine, settings.max_new_tokens, hooks, progress)
     rec = session.recorded()
     timings = hooks.timings(load_seconds, gen_seconds, session.share.total(tokens))
@@ -538,7 +525,9 @@ def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, cana
         generator=generator,
     )
     hooks = _GenericHooks(session)
-    engine = _shared_prefill_engine_class()(loaded, mech, max_batch_rows=max_batch_rows)
+    # an audit decodes the same batch hundreds of times: each distinct prompt is prefilled once per run and
+    # its rows' caches copied, bitwise (tests/test_audit_model.py checks it against the plain engine)
+    engine = Engine(loaded, mech, max_batch_rows=max_batch_rows, share_prefill=True)
     reasons, modes = {}, {}
 
     def count(finished):

@@ -7,7 +7,7 @@ every source passes, INCONCLUSIVE otherwise. A last part enumerates a small mech
 output distribution and counts how many Monte Carlo / importance-sampling intervals cover the
 exact divergences.
 
-Baseline rows (issue 11; ``baselines=True``), through the generic mechanism interface:
+Baseline rows (``baselines=True``), through the generic mechanism interface:
 
 * ``amin-paper-sensitivity``: Amin et al. 2024 accounted with C/B (and 1/B for the SVT query) under
   replace-by-null, the paper's convention: must get VIOLATION (its exponential mechanism moves by 2C/B);
@@ -51,7 +51,7 @@ class SelfTestSettings:
     num_is_samples: int = 100
     alphas: tuple[float, ...] = (1.5, 2.0, 4.0, 8.0)
     significance: float = 0.05
-    # the paper's baselines through the mechanism interface (issue 11)
+    # the paper's baselines through the mechanism interface
     baselines: bool = True
     amin_svt_threshold: float = 0.5
     amin_svt_noise: float = 1.0

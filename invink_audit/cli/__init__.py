@@ -4,7 +4,7 @@ Each subcommand lives in its own module exposing ``register(subparsers)``; its h
 ``parser.set_defaults(handler=fn)`` and returns an exit status. Modules are imported only to build the
 parser; anything heavy (torch, transformers) is imported inside the handlers.
 
-Errors become one readable line on stderr, never a traceback. Exit statuses (README, "Valid ranges and
+Errors become one readable line on stderr, never a traceback. Exit statuses (docs/guide/planning.md, "Valid ranges and
 exit codes"):
 
 * ``EXIT_OK`` (0): success;
@@ -37,6 +37,7 @@ _SUBCOMMANDS = (
     "invink_audit.cli._audit",
     "invink_audit.cli._evaluate",
     "invink_audit.cli._sweep",
+    "invink_audit.cli._preflight",
 )
 
 

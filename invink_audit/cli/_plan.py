@@ -1,4 +1,5 @@
-"""``invink-audit plan | epsilon | max-tokens | min-batch-size | table``: budget planning (torch-free).
+"""``invink-audit plan | epsilon | max-tokens | min-batch-size | table``: budget planning (torch-free);
+``invink-audit memory``: capacity planning (:mod:`invink_audit.capacity`; reads the model's config).
 
 Every argument has a documented range (:mod:`accounting.limits`, README "Valid ranges and exit codes");
 a value outside it is one line on stderr and exit status 2.
@@ -106,6 +107,7 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
     _accountant_arg(p)
     p.set_defaults(handler=_table)
+    _register_memory(subparsers)
 
 
 def _print_plan(plan, args, *, headline: str) -> int:
@@ -229,3 +231,122 @@ def _table(args) -> int:
     )
     print(format_table(rows))
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+# memory: capacity planning (a top-level command: `plan` takes the privacy budget's required arguments)
+
+_MEMORY_DESCRIPTION = (
+    "Peak memory of a release and how to choose --max-batch-rows: the model's weights, its KV cache per text "
+    "(B+1 rows, each sized for its prompt and T tokens while prefilled, in length buckets while decoding), the "
+    "texts in flight (max_batch_rows // (B+1)), the sampling buffers and activations. Reads the model's config "
+    "(not its weights). Formula and measurements: docs/guide/capacity.md. " + _B_HELP
+)
+
+
+def _register_memory(subparsers) -> None:
+    p = subparsers.add_parser("memory", help="peak memory per text and per --max-batch-rows",
+                              description=_MEMORY_DESCRIPTION)
+    p.add_argument("--model", default=None,
+                   help="model name (smollm2-135m-instruct, the default; gemma3-270m), local directory, hub id or "
+                        ".gguf file")
+    p.add_argument("--batch-size", required=True, help=_B_HELP)
+    p.add_argument("--max-new-tokens", required=True, help=_T_HELP)
+    p.add_argument("--prompt-tokens", required=True,
+                   help="P: tokens of a private row's prompt (template and reference), an integer >= 1")
+    p.add_argument("--public-prompt-tokens", default=None,
+                   help="P0: tokens of the public row's prompt (the template alone); default P, an upper bound")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype the model runs in; auto: bfloat16 on cuda, float32 on cpu (default auto)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="device planned for (the dtype auto picks and the default --max-batch-rows; default cuda)")
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument("--max-batch-rows", default=None,
+                      help="R: rows per forward pass (default: 256 on cuda, 64 on cpu)")
+    rows.add_argument("--memory-budget", default=None, metavar="GIB",
+                      help="instead: the largest --max-batch-rows whose peak fits GIB GiB (the peak with every row in a "
+                           "bucket of its own, safe for prompts of any lengths; see --equal-prompts)")
+    p.add_argument("--equal-prompts", action="store_true",
+                   help="with --memory-budget: fit the peak for prompts of equal length instead (larger; may not fit "
+                        "prompts of many lengths when few texts are in flight)")
+    p.add_argument("--num-texts", default=None,
+                   help="texts to generate (fewer than max_batch_rows // (B+1) limits the texts in flight)")
+    p.add_argument("--top-k", default="100", help="top_k of the mechanism, an integer >= 1, or 'none' (default 100)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(handler=_memory)
+
+
+def _optional_int(flag: str, text: str | None) -> int | None:
+    return None if text is None or str(text).lower() == "none" else parse_int(flag, text)
+
+
+def _memory(args) -> int:
+    import dataclasses
+
+    from invink_audit.capacity import GIB, Workload, estimate_memory, max_batch_rows_for_budget, read_model_shape
+
+    budget = None if args.memory_budget is None else parse_float("--memory-budget", args.memory_budget)
+    if budget is not None and not 0 < budget < 1e9:
+        raise ValueError(f"--memory-budget must be a number of GiB in (0, 1e9); got {args.memory_budget!r}")
+    rows = _optional_int("--max-batch-rows", args.max_batch_rows)
+    if rows is None:
+        rows = 256 if args.device == "cuda" else 64  # engine.py default_max_batch_rows
+    workload = Workload(
+        batch_size=parse_int("--batch-size", args.batch_size),
+        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
+        prompt_tokens=parse_int("--prompt-tokens", args.prompt_tokens),
+        public_prompt_tokens=_optional_int("--public-prompt-tokens", args.public_prompt_tokens),
+        max_batch_rows=rows, num_texts=_optional_int("--num-texts", args.num_texts),
+        top_k=_optional_int("--top-k", args.top_k),
+    )
+    shape = read_model_shape(args.model, dtype=args.dtype, device=args.device)
+    if budget is not None:
+        fitted = max_batch_rows_for_budget(shape, workload, int(budget * GIB), unshared=not args.equal_prompts)
+        if not fitted:
+            one = estimate_memory(shape, dataclasses.replace(workload, max_batch_rows=workload.rows_per_text))
+            need = one.peak_bytes if args.equal_prompts else one.peak_unshared_bytes
+            raise ValueError(f"even one text (B+1 = {workload.rows_per_text} rows) needs about {need / GIB:.3g} GiB, "
+                             f"more than --memory-budget {budget:g} GiB")
+        workload = dataclasses.replace(workload, max_batch_rows=fitted)
+    estimate = estimate_memory(shape, workload)
+    if args.json:
+        fit = None if budget is None else "equal prompts" if args.equal_prompts else "unshared"
+        print(json.dumps({**estimate.to_json(), "memory_budget_gib": budget, "fitted_with": fit}))
+        return 0
+    print(format_memory(estimate, budget, equal_prompts=args.equal_prompts))
+    return 0
+
+
+def format_memory(estimate, budget: float | None = None, *, equal_prompts: bool = False) -> str:
+    """A human-readable block describing a :class:`invink_audit.capacity.MemoryEstimate`."""
+    from invink_audit.capacity import FORMULA, format_bytes
+
+    m, w = estimate.shape, estimate.workload
+    g, per_row = w.texts_in_flight, w.rows_per_text
+    figure = "equal prompts" if equal_prompts else "prompts of any lengths"
+    chosen = "given or the default" if budget is None else f"the largest that fits {budget:g} GiB, {figure}"
+    lines = [
+        f"Memory plan: {m.name} in {m.dtype} ({m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}, "
+        f"hidden {m.hidden_size}, vocabulary {m.vocab_size}, {m.num_parameters / 1e6:.1f}M parameters)",
+        f"  workload           B = {w.batch_size}, T = {w.max_new_tokens}, prompts P = {w.prompt_tokens} tokens "
+        f"(public P0 = {w.public_prompt_tokens}), top_k = {w.top_k}",
+        f"  max_batch_rows     R = {w.max_batch_rows} ({chosen}): G = {plural(g, 'text')} in flight x {per_row} rows "
+        f"= {g * per_row} rows per decoding pass",
+        f"  weights            {format_bytes(estimate.weights_bytes):>12}  parameters x {m.dtype_bytes} B",
+        f"  KV per row, token  {format_bytes(estimate.kv_bytes_per_token):>12}  kappa = 2 x {m.num_layers} layers x "
+        f"{m.num_kv_heads} KV heads x {m.head_dim} x {m.dtype_bytes} B",
+        f"  KV per text        {format_bytes(estimate.kv_text_bytes):>12}  ((P0+T) + B(P+T)) x kappa, "
+        "while it is prefilled",
+        f"  KV cache peak      {format_bytes(estimate.kv_peak_bytes + estimate.kv_growth_bytes):>12}  "
+        f"{g} texts, prompts of equal length (peak in: {estimate.kv_peak_phase}; "
+        f"{estimate.kv_peak_bytes / max(g * estimate.kv_text_bytes, 1):.2f}x the texts' prefill size)",
+        f"  KV, unshared       {format_bytes(estimate.kv_unshared_bytes):>12}  every row in a bucket of its own "
+        "(prompts of many lengths)",
+        f"  sampling buffers   {format_bytes(estimate.sampling_bytes):>12}",
+        f"  activations        {format_bytes(estimate.activation_bytes):>12}  (approximate)",
+        f"  peak estimate      {format_bytes(estimate.peak_bytes):>12}  equal prompts",
+        f"                     {format_bytes(estimate.peak_unshared_bytes):>12}  to plan with when prompts vary "
+        "(allocator overhead, CUDA context and Python not included)",
+        "  formula: " + FORMULA,
+    ]
+    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Utility evaluation: what a privacy budget buys (issue 10).
+"""Utility evaluation: what a privacy budget buys.
 
 * :func:`evaluate`: MAUVE (paper setting and library default, with intervals over k-means seeds and
   bootstrap resamples), perplexity and ΔPPL under a scorer LM, lengths, and train-on-synthetic /

@@ -1,4 +1,4 @@
-r"""Is a synthetic text in the genre of its data, or a chatbot talking about the task? (issue 19)
+r"""Is a synthetic text in the genre of its data, or a chatbot talking about the task?
 
 A 135M chat model prompted with the paper's Yelp prompt (App. D, Table 4) often answers like an
 assistant ("Sure! Here's a mock review...", "I'm an AI model...", "I'm sorry, but I'm unable to help

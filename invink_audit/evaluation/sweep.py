@@ -7,7 +7,7 @@ composition): a sweep on private references spends budget for *every* point. :fu
 needs either a ledger (every point is charged to it before it runs, and refused when the budget would be
 exceeded) or ``public_proxy=True``, the caller's statement that the references are public or a proxy
 (held-out, or data whose privacy does not matter), in which case nothing is charged. The recommended
-practice (README) is to sweep on proxy data and then make one release on the private data.
+practice (docs/guide/evaluating.md) is to sweep on proxy data and then make one release on the private data.
 
 Resumable: every point writes into its own directory (``texts.jsonl`` through ``generate``'s own resume,
 then ``point.json``); a rerun with the same directory skips evaluated points and resumes the rest

@@ -1,5 +1,5 @@
-"""Issue 12 probes on the budget ledger: links (item 3), tampering (4), replays, read-only use and file
-mode (14), exit codes and messages (15). Each test reproduces the probe that found the defect."""
+"""The budget ledger's integrity: links, tampering, replays, read-only use and file mode, exit codes and
+messages. Each test reproduces the probe that found a defect."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Regression tests for issue 12 (generation side): each test reproduces one probe that failed.
+"""Generation's resume, errors and refusals: each test reproduces one probe that once failed.
 
 Resume never re-draws a released batch (item 1), one run per output (2), no private data in error
 messages (5), seeded runs and audit reports do not overstate privacy (6), no silent overwrite (7),

@@ -1,4 +1,4 @@
-"""Regressions from the review of the scale-out code (issue 14): each test failed before its fix.
+"""Scale-out launches and merges: each test reproduces a defect a review of the scale-out code found.
 
 1. processes launched with other settings than rank 0 are refused before the charge (privacy);
 2. a stop between a text's claim and its record loses nothing (the journal carries the record), in a

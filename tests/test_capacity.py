@@ -1,0 +1,379 @@
+"""Capacity planning (invink_audit.capacity, ``invink-audit memory``) and the lock pre-flight
+(invink_audit.preflight, ``invink-audit check-locks``).
+
+The KV formula is checked against the model's own cache (a forward pass with ``use_cache=True``) and
+the replay of the engine's allocations against the real engine, tensor by tensor (every KV buffer the
+engine allocates, counted while it lives); the closed form against the replay. The lock check is run
+for real (a second process must be excluded, then get the lock) and with ``flock`` made to fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import gc
+import json
+import random
+import subprocess
+import sys
+import time
+import weakref
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from invink_audit import capacity, preflight
+from invink_audit.capacity import (
+    ModelShape,
+    Workload,
+    estimate_memory,
+    kv_bytes_per_token,
+    kv_peak_tokens,
+    max_batch_rows_for_budget,
+    shape_of,
+    simulate_kv,
+)
+from invink_audit.cli import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INCONCLUSIVE, main
+from invink_audit.engine import Engine
+from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
+from invink_audit.models import build_tiny_model
+from invink_audit.prompts import TextRequest
+
+SMOLLM2 = ModelShape(name="SmolLM2-135M", num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=64,
+                     hidden_size=576, intermediate_size=1536, vocab_size=49152, num_parameters=134515008,
+                     dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model()
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    if hasattr(cache, "layers"):  # transformers >= 4.56: DynamicCache of DynamicLayer
+        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return [t for layer in cache for t in layer]  # legacy tuple of (keys, values)
+
+
+# --------------------------------------------------------------------------------------------
+# the formula against the model and the engine
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layers", [2, 3])
+def test_kv_per_row_and_token_is_the_models_own_cache(dtype, layers):
+    loaded = build_tiny_model(num_layers=layers, dtype=dtype)
+    tokens = 11
+    ids = torch.arange(3, 3 + tokens).view(1, tokens)
+    with torch.inference_mode():
+        cache = loaded.model(input_ids=ids, use_cache=True).past_key_values
+    tensors = _cache_tensors(cache)
+    assert len(tensors) == 2 * layers and all(t.shape[-2] == tokens for t in tensors)
+    measured = sum(t.numel() * t.element_size() for t in tensors)
+    shape = shape_of(loaded)
+    assert shape.dtype == dtype and shape.num_layers == layers
+    assert measured == tokens * kv_bytes_per_token(shape)  # exactly, per row and token
+    assert shape.num_parameters == sum(p.numel() for p in loaded.model.parameters())
+
+
+class _Tracker:
+    """Every KV buffer the engine allocates (rows.py: ``new_zeros``, 4-D, kv_heads and head_dim in dims 1
+    and 3), summed while it lives; ``peak`` is the most held at once."""
+
+    def __init__(self, shape: ModelShape):
+        self.shape, self.live, self.peak = shape, 0, 0
+
+    def wrap(self, original):
+        def new_zeros(tensor, *size, **kwargs):
+            out = original(tensor, *size, **kwargs)
+            if out.dim() == 4 and out.shape[1] == self.shape.num_kv_heads and out.shape[3] == self.shape.head_dim:
+                count = out.numel() * out.element_size()
+                self.live += count
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(out, self._free, count)
+            return out
+
+        return new_zeros
+
+    def _free(self, count: int) -> None:
+        self.live -= count
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_replay_is_the_engines_kv_allocation(seed, monkeypatch):
+    """simulate_kv, on the real prompts' lengths and the tokens each text drew, gives the engine's KV peak
+    exactly: prefill buffers, solo public buckets, shared private buckets, moves and doublings."""
+    rng = random.Random(seed)
+    layers = (2, 3)[seed % 2]
+    loaded = build_tiny_model(num_layers=layers)
+    shape = shape_of(loaded)
+    b, texts_in_flight, t = rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 5, 20, 40])
+    count = rng.choice([texts_in_flight, 2 * texts_in_flight + 1])
+    lengths, requests = [], []
+    for i in range(count):
+        public = rng.randint(3, 40)
+        private = [None if rng.random() < 0.15 else rng.randint(3, 70) for _ in range(b)]
+        lengths.append([public, *private])
+        requests.append(TextRequest(public_ids=tuple(range(5, 5 + public)), key=i,
+                                    private_ids=tuple(None if n is None else tuple(range(7, 7 + n)) for n in private)))
+    mechanism = MechanismConfig(clip_norm=1.0, batch_size=b, temperature=1.0, top_k=20)
+    engine = Engine(loaded, mechanism, max_batch_rows=texts_in_flight * (b + 1) + rng.choice([0, b]))
+    with pytest.warns(SeededGeneratorWarning):
+        generator = make_generator(seed)
+    gc.collect()  # the engine's own probes' buffers are gone before counting
+    tracker = _Tracker(shape)
+    monkeypatch.setattr(torch.Tensor, "new_zeros", tracker.wrap(torch.Tensor.new_zeros))
+    finished = list(engine.generate(requests, max_new_tokens=t, generator=generator, stop_at_eos=seed % 3 != 0))
+    monkeypatch.undo()
+    drawn = [0] * count
+    for text in finished:
+        drawn[text.key] = text.num_tokens
+    predicted, phase = simulate_kv(lengths, t, engine.max_texts, kv_bytes_per_token=kv_bytes_per_token(shape),
+                                   num_layers=layers, drawn=drawn)
+    assert tracker.peak == predicted, (phase, lengths, drawn)
+    gc.collect()
+    assert tracker.live == 0
+
+
+@given(
+    b=st.integers(1, 8), t=st.integers(1, 150), p=st.integers(1, 600), p0=st.integers(1, 600),
+    g=st.integers(1, 12), waves=st.integers(1, 3), layers=st.integers(1, 40),
+)
+def test_the_closed_form_is_the_replay_for_equal_prompts(b, t, p, p0, g, waves, layers):
+    workload = Workload(batch_size=b, max_new_tokens=t, prompt_tokens=p, public_prompt_tokens=p0,
+                        max_batch_rows=g * (b + 1))
+    texts = [[p0] + [p] * b] * (g * waves)
+    closed, phase = kv_peak_tokens(workload)
+    assert (closed, phase) == simulate_kv(texts, t, g)
+    # with a bucket's old buffers while it doubles: between the closed form and the growth allowance on top
+    shape = dataclasses.replace(SMOLLM2, num_layers=layers)
+    kappa = kv_bytes_per_token(shape)
+    replayed, _ = simulate_kv(texts, t, g, kv_bytes_per_token=kappa, num_layers=layers)
+    assert closed * kappa <= replayed <= closed * kappa + capacity.kv_growth_bytes(shape, workload)
+
+
+def test_bucket_rows_double_from_four():
+    assert [capacity.bucket_rows(n) for n in (0, 1, 4, 5, 8, 9, 16, 17, 1000)] == [0, 4, 4, 8, 8, 16, 16, 32, 1024]
+
+
+def test_estimate_adds_up_and_reports_json():
+    workload = Workload(batch_size=7, max_new_tokens=500, prompt_tokens=200, public_prompt_tokens=40,
+                        max_batch_rows=256)
+    estimate = estimate_memory(SMOLLM2, workload)
+    assert workload.texts_in_flight == 32 and SMOLLM2.weights_bytes == 134515008 * 2
+    assert estimate.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23040
+    assert estimate.kv_text_bytes == ((40 + 500) + 7 * (200 + 500)) * 23040
+    assert estimate.peak_bytes == (estimate.weights_bytes + estimate.kv_peak_bytes + estimate.kv_growth_bytes
+                                   + estimate.sampling_bytes + estimate.activation_bytes)
+    assert estimate.peak_unshared_bytes >= estimate.peak_bytes
+    # the stores never hold less than the rows' own tokens
+    assert estimate.kv_peak_bytes >= 32 * estimate.kv_text_bytes
+    data = json.loads(json.dumps(estimate.to_json()))
+    assert data["workload"]["texts_in_flight"] == 32 and data["workload"]["rows_in_flight"] == 256
+    assert data["peak_bytes"] == estimate.peak_bytes and "kappa" in data["formula"]
+    assert data["model"]["kv_bytes_per_token"] == 23040
+    # num_texts limits the texts in flight; the peak grows with max_batch_rows
+    assert dataclasses.replace(workload, num_texts=5).texts_in_flight == 5
+    smaller = estimate_memory(SMOLLM2, dataclasses.replace(workload, max_batch_rows=64))
+    assert smaller.peak_bytes < estimate.peak_bytes
+
+
+def test_max_batch_rows_for_a_budget():
+    workload = Workload(batch_size=7, max_new_tokens=500, prompt_tokens=200, max_batch_rows=8)
+    budget = 80 * capacity.GIB
+    rows = max_batch_rows_for_budget(SMOLLM2, workload, budget)
+    assert rows > 0 and rows % 8 == 0
+
+    def peak(r):
+        return estimate_memory(SMOLLM2, dataclasses.replace(workload, max_batch_rows=r)).peak_unshared_bytes
+
+    assert peak(rows) <= budget < peak(rows + 8)
+    equal = max_batch_rows_for_budget(SMOLLM2, workload, budget, unshared=False)
+    assert equal >= rows
+    assert max_batch_rows_for_budget(SMOLLM2, workload, 10**6) == 0  # not even the weights fit
+    assert max_batch_rows_for_budget(SMOLLM2, dataclasses.replace(workload, num_texts=3), budget) == 24
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: Workload(batch_size=0, max_new_tokens=1, prompt_tokens=1, max_batch_rows=1), "batch_size"),
+        (lambda: Workload(batch_size=True, max_new_tokens=1, prompt_tokens=1, max_batch_rows=1), "batch_size"),
+        (lambda: Workload(batch_size=1, max_new_tokens=1.5, prompt_tokens=1, max_batch_rows=1), "max_new_tokens"),
+        (lambda: Workload(batch_size=1, max_new_tokens=1, prompt_tokens=1, max_batch_rows=0), "max_batch_rows"),
+        (lambda: Workload(batch_size=1, max_new_tokens=1, prompt_tokens=1, max_batch_rows=2, top_k=0), "top_k"),
+        (lambda: dataclasses.replace(SMOLLM2, dtype="int8"), "dtype"),
+        (lambda: dataclasses.replace(SMOLLM2, num_kv_heads=4), "multiple of num_kv_heads"),
+        (lambda: dataclasses.replace(SMOLLM2, num_layers=0), "num_layers"),
+        (lambda: estimate_memory("SmolLM2", None), "ModelShape"),
+        (lambda: simulate_kv([[5, 6]], 0, 1), "max_new_tokens"),
+        (lambda: simulate_kv([[None, 6]], 4, 1), "public prompt"),
+        (lambda: simulate_kv([[5, 6]], 4, 1, drawn=[5]), "at most max_new_tokens"),
+        (lambda: simulate_kv([[5, 6]], 4, 1, drawn=[1, 2]), "one count per text"),
+        (lambda: simulate_kv([[5, 6]], 4, 1, kv_bytes_per_token=10, num_layers=3), "multiple of num_layers"),
+        (lambda: max_batch_rows_for_budget(SMOLLM2, Workload(1, 1, 1, 2), 0), "budget_bytes"),
+    ],
+)
+def test_bad_input_is_a_clear_value_error(make, needle):
+    with pytest.raises(ValueError, match=needle):
+        make()
+
+
+def test_read_model_shape_reads_the_config_only(tiny, tiny_dir):
+    shape = capacity.read_model_shape(tiny_dir, dtype="bfloat16", device="cpu")
+    assert dataclasses.replace(shape, name=tiny.name, dtype="float32") == shape_of(tiny)
+    assert capacity.read_model_shape(tiny_dir, device="cpu").dtype == "float32"  # auto on CPU
+    assert capacity.read_model_shape(tiny_dir, device="cuda").dtype == "bfloat16"  # auto on CUDA
+    with pytest.raises(ValueError, match="device"):
+        capacity.read_model_shape(tiny_dir, device="tpu")
+
+
+# --------------------------------------------------------------------------------------------
+# invink-audit memory
+
+
+def _run(argv, capsys):
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_memory_command_json_is_the_estimate(tiny, tiny_dir, capsys):
+    argv = ["memory", "--model", str(tiny_dir), "--batch-size", "3", "--max-new-tokens", "20", "--prompt-tokens", "30",
+            "--public-prompt-tokens", "12", "--device", "cpu", "--max-batch-rows", "10", "--json"]
+    rc, out, _ = _run(argv, capsys)
+    assert rc == 0
+    data = json.loads(out)
+    workload = Workload(batch_size=3, max_new_tokens=20, prompt_tokens=30, public_prompt_tokens=12, max_batch_rows=10)
+    expected = estimate_memory(dataclasses.replace(shape_of(tiny), name=str(tiny_dir)), workload).to_json()
+    assert data == {**expected, "memory_budget_gib": None, "fitted_with": None}
+    assert data["workload"]["texts_in_flight"] == 2
+
+
+def test_memory_command_text_and_budget(tiny_dir, capsys):
+    base = ["memory", "--model", str(tiny_dir), "--batch-size", "7", "--max-new-tokens", "50", "--prompt-tokens", "40",
+            "--device", "cpu"]
+    rc, out, _ = _run(base, capsys)
+    assert rc == 0
+    for needle in ("KV per row, token", "KV per text", "texts in flight", "R = 64", "G = 8 texts", "peak estimate",
+                   "formula: peak = weights + KV"):
+        assert needle in out, out
+    rc, out, _ = _run([*base, "--memory-budget", "0.01", "--json"], capsys)
+    assert rc == 0
+    data = json.loads(out)
+    rows = data["workload"]["max_batch_rows"]
+    assert rows % 8 == 0 and data["peak_unshared_bytes"] <= 0.01 * capacity.GIB and data["memory_budget_gib"] == 0.01
+    assert data["fitted_with"] == "unshared"
+    rc, out, _ = _run([*base, "--memory-budget", "0.01", "--equal-prompts", "--json"], capsys)
+    equal = json.loads(out)
+    assert rc == 0 and equal["fitted_with"] == "equal prompts" and equal["peak_bytes"] <= 0.01 * capacity.GIB
+    assert equal["workload"]["max_batch_rows"] >= rows
+    rc, out, _ = _run([*base, "--memory-budget", "0.01"], capsys)
+    assert rc == 0 and "the largest that fits 0.01 GiB" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--batch-size", "0"], "batch_size must be an integer >= 1"),
+        (["--batch-size", "x"], "--batch-size must be an integer"),
+        (["--max-batch-rows", "0"], "max_batch_rows"),
+        (["--memory-budget", "-1"], "--memory-budget must be"),
+        (["--memory-budget", "0.000001"], "even one text"),
+    ],
+)
+def test_memory_command_bad_input_is_one_line_exit_2(tiny_dir, extra, needle, capsys):
+    argv = ["memory", "--model", str(tiny_dir), "--batch-size", "3", "--max-new-tokens", "20", "--prompt-tokens", "30",
+            "--device", "cpu"]
+    # later flags win: the bad value replaces the good one
+    rc, out, err = _run(argv + extra, capsys)
+    assert rc == EXIT_BAD_INPUT and out == ""
+    assert err.count("\n") == 1 and needle in err, err
+
+
+# --------------------------------------------------------------------------------------------
+# the lock pre-flight
+
+
+def test_check_locks_passes_and_observes_the_exclusion(tmp_path):
+    result = preflight.check_locks(tmp_path)
+    assert result.passed and result.status == "pass"
+    steps = {step.name: step.detail for step in result.steps}
+    assert steps["second process tries while it is held"] == preflight.EXCLUDED
+    assert steps["second process tries after release"] == preflight.ACQUIRED
+    assert "cannot" not in result.proves and "different machines" in result.cannot_prove
+    assert list(tmp_path.iterdir()) == []  # scratch file and its lock removed
+
+
+def test_a_second_process_is_excluded_while_this_one_holds_the_lock(tmp_path):
+    from invink_audit.outputs import output_lock
+
+    output = tmp_path / "texts.jsonl"
+    command = [sys.executable, "-m", "invink_audit.preflight", str(output)]
+    with output_lock(output):
+        assert subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip() == preflight.EXCLUDED
+    assert subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip() == preflight.ACQUIRED
+    assert preflight.try_lock(output) == preflight.ACQUIRED
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
+def test_check_locks_fails_clearly_when_flock_fails(tmp_path, monkeypatch, capsys, code):
+    import fcntl
+
+    def broken(fd, operation):
+        raise OSError(code, "flock made to fail by the test")
+
+    monkeypatch.setattr(fcntl, "flock", broken)
+    result = preflight.check_locks(tmp_path)
+    assert result.status == "fail" and not result.passed
+    assert "flock failed" in result.message and "does not support flock" in result.message
+    assert list(tmp_path.iterdir()) == []
+    rc, out, _ = _run(["check-locks", str(tmp_path)], capsys)
+    assert rc == EXIT_FAILURE and "FAIL" in out and "flock failed" in out and "cannot prove" in out
+
+
+def test_check_locks_command(tmp_path, capsys):
+    rc, out, _ = _run(["check-locks", str(tmp_path)], capsys)
+    assert rc == 0 and "PASS" in out and "proves:" in out and "different machines" in out
+    rc, out, _ = _run(["check-locks", str(tmp_path), "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and data["passed"] and data["mode"] == "local" and len(data["steps"]) == 3
+    rc, out, err = _run(["check-locks", str(tmp_path / "missing")], capsys)
+    assert rc == EXIT_BAD_INPUT and "is not a directory" in err and out == ""
+    rc, _, err = _run(["check-locks", str(tmp_path), "--hold", "0"], capsys)
+    assert rc == EXIT_BAD_INPUT and "seconds must be" in err
+
+
+def test_hold_and_probe_two_processes(tmp_path, capsys):
+    """Machine A (a subprocess here) holds the lock; the probe must be excluded; once A is done the probe
+    is inconclusive (nobody holds it)."""
+    rc, out, _ = _run(["check-locks", str(tmp_path), "--probe"], capsys)
+    assert rc == EXIT_INCONCLUSIVE and "nobody holds the lock" in out
+    holder = tmp_path / (preflight.LOCK_NAME + ".holder.json")
+    command = [sys.executable, "-m", "invink_audit.cli", "check-locks", str(tmp_path), "--hold", "4", "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not holder.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert holder.exists(), process.communicate()
+        probe = preflight.probe_lock(tmp_path)
+        assert probe.passed and "excluded" in probe.message, probe
+        assert "the same host name" in probe.message  # honest: both ends ran on this machine
+    finally:
+        out, err = process.communicate(timeout=60)
+    assert process.returncode == 0 and json.loads(out)["passed"], err
+    assert not holder.exists()
+    assert preflight.probe_lock(tmp_path).status == "inconclusive"
+
+
+def test_probe_fails_when_it_gets_a_lock_another_machine_claims_to_hold(tmp_path, capsys):
+    """A holder record without the lock actually held (what an NFS client with local-only flock looks
+    like from the other machine): the probe acquires the lock, and says the filesystem does not exclude."""
+    holder = tmp_path / (preflight.LOCK_NAME + ".holder.json")
+    holder.write_text(json.dumps({"host": "machine-a", "pid": 1, "until": time.time() + 60}))
+    rc, out, _ = _run(["check-locks", str(tmp_path), "--probe"], capsys)
+    assert rc == EXIT_FAILURE and "ACQUIRED the lock that machine-a (pid 1) holds" in out
+    assert "do not exclude across machines" in out
