@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from invink_audit.cpu import prefer_passive_waiting  # noqa: E402  (before torch is imported)
+from invink_audit.cpu import configure_cpu_threads  # noqa: E402
 
-prefer_passive_waiting()
+CPU_THREADS = configure_cpu_threads()  # before torch is imported: no more threads than free cores
 
 EPSILON, DELTA, T, B, TAU = 8.0, 1e-6, 48, 4, 1.0
 
@@ -57,11 +57,8 @@ def plan_section() -> None:
 
 
 def main() -> int:
-    from invink_audit.cpu import apply_cpu_threads
-
     started = time.perf_counter()
-    threads = apply_cpu_threads()  # no more torch threads than the cores other processes leave free
-    print(f"CPU: {threads.threads} torch thread(s) ({threads.reason})\n")
+    print(f"CPU: {CPU_THREADS.threads} torch thread(s) ({CPU_THREADS.reason})\n")
     plan_section()
     print("== 2. Generate: InvisibleInk on the embedded SmolLM2-135M-Instruct ==")
     import demo_generate

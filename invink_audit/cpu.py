@@ -1,20 +1,21 @@
 """CPU threads chosen for the machine as it is when a command starts, so that a shared CPU is not a trap.
 
-On a CPU shared with another busy process, torch's default (one OpenMP thread per core, spinning while
-it waits) makes every parallel region wait for a thread that has no core: measured on the project's
-2-core machine, a SmolLM2 decode step took 0.67-0.78 s on 2 threads against 0.10-0.11 s on 1 while one
-other CPU-bound process ran, and ``make demo`` did not finish in 15 minutes
-(docs/results/cpu_threads.md). Two things are done, both only where the user has not decided:
+On a CPU shared with another busy process, torch's default (one OpenMP thread per core, spinning a while
+before it sleeps) makes every parallel region wait for a thread that has no core: measured on the
+project's 2-core machine, a SmolLM2 decode step took 0.67-0.78 s on 2 threads against 0.10-0.11 s on 1
+while one other CPU-bound process ran, and ``make demo`` took 397 s instead of 135 s
+(docs/results/cpu_threads.md). :func:`configure_cpu_threads`, called before ``torch`` is imported (the
+command line and the demo call it first), decides only where the user has not:
 
-* :func:`prefer_passive_waiting`: ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads sleep instead of
-  spinning; the OpenMP specification's wait policy, read once when the runtime starts, so it is set
-  before ``torch`` is imported: the command line and the demo call it first);
-* :func:`choose_cpu_threads`: as many threads as there are cores that other processes leave free,
-  measured over a short window from ``/proc/stat`` (Linux; elsewhere torch's default is kept), at
-  least one.
+* how many cores other processes keep busy, measured over 0.25 s from ``/proc/stat`` while this process
+  sleeps (Linux; elsewhere nothing is changed);
+* as many torch threads as the cores they leave free, at least one;
+* when some core is busy, ``OMP_WAIT_POLICY=PASSIVE`` too (waiting threads sleep at once instead of
+  spinning; the OpenMP specification's wait policy, read once when the runtime starts). Not on an idle
+  machine: there the passive policy made a decode step about twice as slow (the same file).
 
-``INVINK_CPU_THREADS=N`` fixes the count; ``OMP_NUM_THREADS`` (torch's own setting) is respected as it
-is, and so is an ``OMP_WAIT_POLICY`` already set. Threads change the order of floating-point
+``INVINK_CPU_THREADS=N`` fixes the count; ``OMP_NUM_THREADS`` (torch's own setting) and an
+``OMP_WAIT_POLICY`` already set are respected as they are. Threads change the order of floating-point
 reductions, so a seeded run reproduces bitwise only at the same thread count (a seeded run carries no
 privacy; a release is unaffected).
 """
@@ -25,15 +26,10 @@ import dataclasses
 import os
 import time
 
-__all__ = ["CPU_THREADS_ENV", "CpuThreads", "apply_cpu_threads", "choose_cpu_threads", "prefer_passive_waiting"]
+__all__ = ["CPU_THREADS_ENV", "CpuThreads", "busy_cores", "choose_cpu_threads", "configure_cpu_threads"]
 
 #: fixes the number of torch CPU threads (an integer >= 1)
 CPU_THREADS_ENV = "INVINK_CPU_THREADS"
-
-
-def prefer_passive_waiting() -> None:
-    """``OMP_WAIT_POLICY=PASSIVE`` unless it is set already; effective only before ``torch`` is imported."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +41,11 @@ class CpuThreads:
     cores: int
     busy_cores: float | None
     reason: str
+    #: whether this choice is applied (``torch.set_num_threads``); ``False`` where torch's own default or
+    #: the user's ``OMP_NUM_THREADS`` stands
+    applies: bool = True
+    #: whether OpenMP's threads should sleep while they wait (``OMP_WAIT_POLICY=PASSIVE``): some core busy
+    passive: bool = False
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -99,26 +100,30 @@ def choose_cpu_threads(*, cores: int | None = None, busy: float | None = None, e
             raise ValueError(f"{CPU_THREADS_ENV} must be an integer >= 1; got {fixed!r}")
         return CpuThreads(n, cores, None, f"{CPU_THREADS_ENV}={n}")
     if environ.get("OMP_NUM_THREADS"):
-        import torch
-
-        return CpuThreads(torch.get_num_threads(), cores, None, f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']}")
+        value = environ["OMP_NUM_THREADS"]
+        count = int(value) if value.isdigit() and int(value) > 0 else cores
+        return CpuThreads(count, cores, None, f"OMP_NUM_THREADS={value}", applies=False)
     if busy is None:
         busy = busy_cores()
     if busy is None:
-        import torch
-
-        return CpuThreads(torch.get_num_threads(), cores, None, "torch's default (no /proc/stat to measure the load)")
+        return CpuThreads(cores, cores, None, "torch's default (no /proc/stat to measure the load)", applies=False)
     free = max(1, min(cores, cores - int(busy + 0.5)))
     if free == cores:
         return CpuThreads(cores, cores, busy, f"one per core: {busy:.1f} of {cores} cores busy with other processes")
-    return CpuThreads(free, cores, busy, f"{free} of {cores} cores free: {busy:.1f} busy with other processes")
+    return CpuThreads(free, cores, busy, f"{free} of {cores} cores free: {busy:.1f} busy with other processes",
+                      passive=True)
 
 
-def apply_cpu_threads() -> CpuThreads:
-    """:func:`choose_cpu_threads`, then ``torch.set_num_threads`` with its count."""
-    import torch
+def configure_cpu_threads(environ=None) -> CpuThreads:
+    """:func:`choose_cpu_threads`, then its passive wait policy (only before ``torch`` is imported, and only
+    where ``OMP_WAIT_POLICY`` is not set) and ``torch.set_num_threads`` with its count."""
+    environ = os.environ if environ is None else environ
+    choice = choose_cpu_threads(environ=environ)
+    if choice.passive:
+        environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if choice.applies:
+        import torch
 
-    choice = choose_cpu_threads()
-    if choice.threads != torch.get_num_threads():
-        torch.set_num_threads(choice.threads)
+        if choice.threads != torch.get_num_threads():
+            torch.set_num_threads(choice.threads)
     return choice

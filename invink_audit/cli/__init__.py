@@ -144,14 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def console_main() -> int:
     """The ``invink-audit`` command: :func:`main` in CPU threading fit for the machine as it is now
-    (:mod:`invink_audit.cpu`: OpenMP threads that sleep while they wait, and no more torch threads than
-    the cores other processes leave free; said on stderr when that is fewer than the cores)."""
-    from invink_audit.cpu import apply_cpu_threads, prefer_passive_waiting
+    (:mod:`invink_audit.cpu`: no more torch threads than the cores other processes leave free, and
+    OpenMP threads that sleep while they wait when some core is busy; said on stderr when that is fewer
+    threads than cores)."""
+    from invink_audit.cpu import configure_cpu_threads
 
-    prefer_passive_waiting()  # before torch is imported
     words = sys.argv[1:2]
     if words and words[0] in _MODEL_COMMANDS and not {"-h", "--help"} & set(sys.argv[2:]):
-        choice = apply_cpu_threads()
+        choice = configure_cpu_threads()  # before torch is imported
         if choice.threads < choice.cores:
             print(f"cpu: {plural(choice.threads, 'torch thread')} ({choice.reason})", file=sys.stderr)
     return main()
