@@ -35,8 +35,10 @@ install-gemma: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# every core runs tests (pytest-xdist), each worker on one torch thread: 2 workers of 1 thread take 5 minutes
+# on the 2-core machine where one process of 2 threads took 7.5 (docs: CHANGELOG.md)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto
 
 # the quick loop while developing (about a minute on an idle 2-core machine): accounting, the mechanism and
 # its property tests (hypothesis `dev` profile: at most 20 examples each, deterministic), prompts, data and
@@ -48,7 +50,7 @@ check: $(STAMP)
 	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -x -m "not slow" -p no:cacheprovider $(CHECK_TESTS)
 
 test-thorough: $(STAMP)
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=thorough OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto
 
 # On a machine with CUDA (and a CUDA build of torch in $(PY)): the CUDA tests, then the real-data
 # benchmark in bfloat16 and float32. YELP: the reviews file (copy it into the checkout on a machine that
