@@ -370,7 +370,8 @@ def _floor_run(engine: Engine, requests, text_tokens: Sequence[int], device) -> 
             rows = sum(rows_per_text[t] for t in live)
             gen = torch.Generator().manual_seed(0)
             ids = torch.randint(3, engine.model.vocab_size, (rows, length), generator=gen).to(device)
-            cache = network(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+            name = cache_argument(network)
+            cache = getattr(network(input_ids=ids, use_cache=True, logits_to_keep=1), name)
             for step in range(1, max(text_tokens)):
                 live_now = [t for t in live if text_tokens[t] > step]
                 if not live_now:
@@ -388,13 +389,21 @@ def _floor_run(engine: Engine, requests, text_tokens: Sequence[int], device) -> 
                 _sync(device)
                 started = time.perf_counter()
                 if decoder is not None:
-                    states = decoder(input_ids=token, past_key_values=cache, use_cache=True).last_hidden_state
+                    states = decoder(input_ids=token, use_cache=True, **{cache_argument(decoder): cache}).last_hidden_state
                     engine._split.head(states[: len(live), -1])  # one row per text: the public row
                 else:
-                    network(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    network(input_ids=token, use_cache=True, logits_to_keep=1, **{name: cache})
                 _sync(device)
                 decode += time.perf_counter() - started
     return _Floor(prefill, decode)
+
+
+def cache_argument(module) -> str:
+    """The name of a transformers model's key/value cache, as its ``forward`` argument and in its output:
+    ``cache`` from transformers 5.24 on (which deprecates ``past_key_values``), ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 def _left_padded_efficiency(requests, max_batch_rows: int) -> float:

@@ -31,6 +31,7 @@ __all__ = [
     "LabelledPartition",
     "LabelledReferences",
     "Partition",
+    "labelled_partition",
     "partition_by_labels",
     "partition_references",
     "read_labelled_references",
@@ -348,6 +349,21 @@ def select_references(
     return LabelledReferences(
         texts=tuple(texts), labels=tuple({c: everything.labels[i][c] for c in labels} for i in keep), label_columns=labels
     )
+
+
+def labelled_partition(
+    labelled: LabelledReferences, batch_size: int, *, num_texts_per_group: int | None = None
+) -> tuple[Partition, tuple[dict, ...], tuple[tuple[int, ...], ...]]:
+    """A label-conditioned release's batches as a :class:`Partition` (:func:`partition_by_labels`), each
+    batch's labels, and each batch's reference positions in the input."""
+    grouped = partition_by_labels(labelled.texts, labelled.labels, batch_size, num_texts_per_group=num_texts_per_group)
+    if not grouped.batches:
+        raise ValueError(f"no label group holds a full batch of {batch_size} references")
+    partition = Partition(
+        batches=tuple(b.references for b in grouped.batches), batch_size=batch_size,
+        num_references=grouped.num_references, num_leftover=grouped.num_unused, num_skipped=0,
+    )  # fmt: skip
+    return partition, tuple(dict(b.labels) for b in grouped.batches), tuple(b.positions for b in grouped.batches)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,7 @@ from accounting import Accountant, BudgetExceededError, LedgerError, as_accounta
 from invink_audit.data import (
     LabelledReferences,
     Partition,
-    partition_by_labels,
+    labelled_partition,
     partition_references,
     read_labelled_references,
     read_references,
@@ -134,6 +134,7 @@ __all__ = [
     "ReleaseIncompleteError",
     "SEEDED_VOID_REASON",
     "generate",
+    "input_fingerprint",
     "read_generation_output",
 ]
 
@@ -359,7 +360,9 @@ class GenerationResult:
 # records
 
 
-def _input_fingerprint(partition: Partition, labels: Sequence[Mapping[str, str]] | None = None) -> str:
+def input_fingerprint(partition: Partition, labels: Sequence[Mapping[str, str]] | None = None) -> str:
+    """The fingerprint of a release's input as its state file records it (``input_sha256``): the batches'
+    references in order (length-prefixed UTF-8), B, the number of references, and each batch's labels."""
     digest = hashlib.sha256()
     digest.update(json.dumps([partition.batch_size, partition.num_references]).encode())
     for batch in partition.batches:
@@ -692,7 +695,7 @@ def _prepare_release(references, **options) -> _Release:
         raise RuntimeError(
             f"internal inconsistency: mechanism epsilon0={mechanism.epsilon0!r} but plan epsilon0={plan.epsilon0!r}"
         )
-    fingerprint = _input_fingerprint(partition, labels)
+    fingerprint = input_fingerprint(partition, labels)
     if o.seed is not None:
         warnings.warn(
             f"generating with a fixed seed ({o.seed}): the output is reproducible and carries no privacy guarantee",
@@ -776,22 +779,11 @@ def _partition(o, config: GenerationConfig, template: PromptTemplate):
     label_fields_for(template, list(o.label_columns), o.label_fields)  # every label reaches the prompt
     labelled = (o.references if isinstance(o.references, LabelledReferences)
                 else read_labelled_references(o.references, column=o.column, label_columns=o.label_columns))
-    grouped = partition_by_labels(
-        labelled.texts, labelled.labels, config.batch_size, num_texts_per_group=o.num_texts_per_group
-    )
-    if not grouped.batches:
-        raise ValueError(f"no label group holds a full batch of {config.batch_size} references")
-    partition = Partition(
-        batches=tuple(b.references for b in grouped.batches),
-        batch_size=config.batch_size,
-        num_references=grouped.num_references,
-        num_leftover=grouped.num_unused,
-        num_skipped=0,
-    )
-    for batch in grouped.batches:  # every group's labels fill the prompt (an empty label is refused here)
-        template_for_labels(template, batch.labels, o.label_fields)
-    labels = tuple(dict(b.labels) for b in grouped.batches)
-    return partition, labels, tuple(b.positions for b in grouped.batches)
+    partition, labels, positions = labelled_partition(labelled, config.batch_size,
+                                                      num_texts_per_group=o.num_texts_per_group)
+    for batch_labels in labels:  # every group's labels fill the prompt (an empty label is refused here)
+        template_for_labels(template, batch_labels, o.label_fields)
+    return partition, labels, positions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,17 @@ from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.not_private import mark_not_private
 
-__all__ = ["PHASE_EXACT", "PHASE_SAMPLED", "AuditedRelease", "QuickAuditReport", "quick_audit", "teacher_forced_losses"]
+__all__ = [
+    "PHASE_EXACT",
+    "PHASE_SAMPLED",
+    "AuditedRelease",
+    "QuickAuditReport",
+    "ReleaseFile",
+    "audit_release_file",
+    "quick_audit",
+    "teacher_forced_losses",
+    "write_quick_report",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,3 +593,178 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
         )
     return _quick_report(rec, claim, sampled, texts=len(result.texts), accountant_epsilon=release.epsilon, start=start,
                          model_dtype=loaded.dtype_choice.to_json())
+
+
+# ---------------------------------------------------------------------------------------------
+# a release read back from its output file
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReleasedText:
+    batch_index: int
+    token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseFile:
+    """A release read back from what ``generate`` wrote: its records (``<output>``), its state file
+    (``<output>.state.json``: the input's fingerprint) and the references it was made from, rebuilt into
+    the :class:`AuditedRelease` the quick audit needs. The partition is rebuilt from ``references`` as
+    ``generate`` built it and accepted only when its fingerprint equals the recorded one: the audit is of
+    the released batches, or nothing."""
+
+    release: AuditedRelease
+    texts: tuple[_ReleasedText, ...]
+    dtype_choice: object  # invink_audit.models.DtypeChoice
+    model_name: str
+    release_id: str
+
+    @classmethod
+    def read(cls, output, references, *, column: str | None = None, where: Mapping[str, str] | None = None) -> ReleaseFile:
+        """``output``: the ``.jsonl`` file a release wrote; ``references``: its input file, with the ``column``
+        and ``where`` selection ``generate`` was given (``ValueError`` when they do not give the recorded input)."""
+        import json
+        from pathlib import Path
+
+        from invink_audit.outputs import read_generation_output, state_path
+
+        output = Path(output)
+        if not output.is_file() or not state_path(output).is_file():
+            raise ValueError(f"{output}: no release output with its state file ({state_path(output).name}) here")
+        records = read_generation_output(output)
+        if not records:
+            raise ValueError(f"{output}: the release has no text yet")
+        state = json.loads(state_path(output).read_text(encoding="utf-8"))
+        ids = {r["release_id"] for r in records}
+        if ids != {state["release_id"]}:
+            raise ValueError(f"{output}: records of other releases ({len(ids)} release ids): audit one release's file")
+        run = state["run"]
+        release = _release_of_run(run, records[0]["guarantee"], references, column, where, state["input_sha256"])
+        texts = tuple(_ReleasedText(int(r["batch_index"]), tuple(r["token_ids"])) for r in records)
+        return cls(release, texts, _dtype_choice(records[0].get("model_dtype")), run.get("model", ""), state["release_id"])
+
+
+def _dtype_choice(recorded):
+    from invink_audit.models import DtypeChoice
+
+    if not recorded:
+        return None
+    return DtypeChoice(recorded["requested"], recorded["dtype"], recorded["device_type"], recorded["reason"])
+
+
+def _release_of_run(run: Mapping, guarantee, references, column, where, fingerprint: str) -> AuditedRelease:
+    """The :class:`AuditedRelease` of a recorded run: its template, event and mechanism, δ and ε (the
+    accountant's, recomputed for a seeded run, which records none), and the partition whose fingerprint
+    is the recorded one."""
+    from accounting import GenerationEvent, epsilon_for_clip_norm
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.prompts import PromptTemplate
+
+    template = PromptTemplate.from_json(run["prompt"])
+    event = GenerationEvent(run["clip_norm"], run["batch_size"], run["temperature"], run["max_new_tokens"])
+    epsilon = guarantee["epsilon"] if guarantee else epsilon_for_clip_norm(
+        clip_norm=run["clip_norm"], max_new_tokens=run["max_new_tokens"], batch_size=run["batch_size"],
+        temperature=run["temperature"], delta=run["delta"], accountant=run["accountant"],
+    ).epsilon  # fmt: skip
+    partition, labels = _recorded_partition(run, references, column, where, fingerprint)
+    label_fields = run.get("label_fields")
+    return AuditedRelease(MechanismConfig.from_event(event, top_k=run["top_k"]), event, run["delta"], epsilon, partition,
+                          template, labels, label_fields)
+
+
+def _recorded_partition(run: Mapping, references, column, where, fingerprint: str):
+    """The partition (and labels) of ``references`` that ``generate`` released: every batch count it may
+    have been limited to is tried, and only the one with the recorded fingerprint is accepted."""
+    from invink_audit.data import (
+        labelled_partition,
+        partition_references,
+        read_labelled_references,
+        read_references,
+        select_references,
+    )
+    from invink_audit.generation import input_fingerprint
+
+    columns = tuple(run.get("label_columns") or ())
+    if where:
+        selected = select_references(references, where, column=column, label_columns=columns)
+    elif columns:
+        selected = read_labelled_references(references, column=column, label_columns=columns)
+    else:
+        selected = read_references(references, column=column)
+    b = run["batch_size"]
+    if columns:
+        limits = [None, *range(1, len(selected.texts) // b + 1)]
+        candidates = (labelled_partition(selected, b, num_texts_per_group=n)[:2] for n in limits)
+    else:
+        candidates = ((partition_references(selected, b, num_texts=run["num_batches"]), None),)
+    for partition, labels in candidates:
+        if input_fingerprint(partition, labels) == fingerprint:
+            return partition, labels
+    raise ValueError(
+        "the references do not give the release's input (its recorded fingerprint): give the same input file, "
+        "--column and --where as generate was given"
+    )
+
+
+def audit_release_file(
+    output,
+    references,
+    *,
+    column: str | None = None,
+    where: Mapping[str, str] | None = None,
+    model=None,
+    sampled_batch: int | None = 0,
+    num_samples: int = 16,
+    alphas: tuple[float, ...] = (2.0, 8.0),
+    significance: float = 0.05,
+    seed: int | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> QuickAuditReport:
+    """:func:`quick_audit` of a release from its output file (:class:`ReleaseFile`), in the dtype it ran in,
+    with the model it names (``model``: the same model, a ``ValueError`` otherwise). ``seed``: a fixed seed
+    for the sampled audit (reproducible; default OS entropy)."""
+    from invink_audit.mechanism import make_generator
+    from invink_audit.models import load_model
+
+    start = time.perf_counter()
+    found = ReleaseFile.read(output, references, column=column, where=where)
+    loaded = load_model(model, dtype=found.dtype_choice)
+    if found.model_name and loaded.name != found.model_name:
+        raise ValueError(f"the release was generated with {found.model_name!r}, not {loaded.name!r}: give --model")
+    if sampled_batch is not None and not 0 <= sampled_batch < len(found.release.partition.batches):
+        raise ValueError(f"sampled_batch must be a batch of the release (0 .. {len(found.release.partition.batches) - 1})")
+    result = _ReleaseTexts(found.texts, loaded.dtype_choice)
+    generator = None if seed is None else make_generator(seed, device=loaded.device)
+    return _quick_audit_release(
+        result, found.release, model=loaded, sampled_batch=sampled_batch,
+        sampled_config=_sampled_config(alphas=alphas, num_samples=num_samples, num_is_samples=0,
+                                       significance=significance, directions=("forward",)),
+        alphas=alphas, significance=significance, generator=generator, start=start, progress=progress,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReleaseTexts:
+    """What :func:`_quick_audit_release` reads of a result: its texts and the dtype they were drawn in."""
+
+    texts: tuple[_ReleasedText, ...]
+    dtype_choice: object
+
+
+def write_quick_report(report: QuickAuditReport, output_dir, *, plots: bool = True) -> list:
+    """``report.json`` (every figure), ``report.md`` (the summary) and, with a sampled audit, its own report
+    and plots under ``sampled/``; all owner-only and marked NOT PRIVATE (the report is computed from the
+    references in the clear)."""
+    from pathlib import Path
+
+    from invink_audit.audit.report import write_report
+    from invink_audit.not_private import write_not_private_json, write_not_private_text
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_not_private_json(out / "report.json", report.to_dict(), notice=report.privacy_notice)
+    write_not_private_text(out / "report.md", f"# Quick audit\n\n```text\n{report.summary()}\n```\n", markdown=True)
+    written = [out / "report.json", out / "report.md"]
+    if report.sampled is not None:
+        written += write_report(report.sampled, out / "sampled", plots=plots)
+    return written

@@ -10,6 +10,7 @@ import json
 import sys
 
 from invink_audit.cli import CliError, parse_int
+from invink_audit.cli._generate import add_where_argument, parse_where
 from invink_audit.distributed import launch_rank
 
 _EXIT = {"PASS": 0, "VIOLATION": 1, "INCONCLUSIVE": 3}
@@ -27,6 +28,16 @@ def register(subparsers) -> None:
     )
     p.add_argument("spec", nargs="?", default=None, help="audit spec (TOML)")
     p.add_argument("--selftest", action="store_true", help="self-test on synthetic logits (about a minute)")
+    p.add_argument("--release", default=None, metavar="OUT.jsonl",
+                   help="quick-audit a release that `generate` wrote: exact checks of every released token against "
+                   "every replace-by-null neighbour, then a sampled audit of one batch (texts drawn outside the ledger); "
+                   "needs --input (and --column/--where) as generate was given, and the same --model")
+    p.add_argument("--input", default=None, help="with --release: the references file the release was made from")
+    p.add_argument("--column", default=None, help="with --release: the text column generate was given")
+    add_where_argument(p)
+    p.add_argument("--model", default=None, help="with --release: the model generate was given (default: the embedded one)")
+    p.add_argument("--sampled-batch", default="0", help="with --release: the batch of the sampled audit, or 'none'")
+    p.add_argument("--num-samples", default="16", help="with --release: sampled texts (>= 16 for a sampled PASS)")
     p.add_argument("--output", default=None, help="directory for report.json, report.md and plots")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--seed", default=None, help="fixed seed (reproducible audit; default: OS entropy)")
@@ -54,8 +65,12 @@ def _progress_bar(desc: str):
 def _audit(args) -> int:
     from invink_audit.audit.spec import load_spec, parse_spec, run_spec
 
-    if args.selftest == (args.spec is not None):
-        raise CliError("give either a spec file or --selftest")
+    if sum((args.selftest, args.spec is not None, args.release is not None)) != 1:
+        raise CliError("give one of: a spec file, --selftest, --release OUT.jsonl")
+    if args.release is None and any(x is not None for x in (args.input, args.column, args.where, args.model)):
+        raise CliError("--input, --column, --where and --model go with --release")
+    if args.release is not None:
+        return _audit_release(args)
     seed = parse_int("--seed", args.seed) if args.seed is not None else None
     spec = parse_spec({"kind": "selftest", "name": "selftest"}) if args.selftest else load_spec(args.spec)
     quiet = args.json or launch_rank() != 0  # under torchrun, rank 0 reports
@@ -104,3 +119,35 @@ def _audit(args) -> int:
         if args.output:
             print(f"report written to {args.output}")
     return _EXIT[result.verdict.value]
+
+
+def _audit_release(args) -> int:
+    """``--release``: the quick audit of a release from its output file (:func:`invink_audit.audit.quick.audit_release_file`)."""
+    from invink_audit.audit.quick import PHASE_EXACT, audit_release_file, write_quick_report
+
+    if args.input is None:
+        raise CliError("--release needs --input: the references file the release was made from")
+    sampled = None if args.sampled_batch.strip().lower() == "none" else parse_int("--sampled-batch", args.sampled_batch)
+    bars = {}
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if phase not in bars:
+            bars[phase] = _progress_bar("exact checks" if phase == PHASE_EXACT else "sampled audit")
+        bars[phase][0](done, total)
+
+    seed = parse_int("--seed", args.seed) if args.seed is not None else None
+    try:
+        report = audit_release_file(
+            args.release, args.input, column=args.column, where=parse_where(args.where), model=args.model,
+            sampled_batch=sampled, num_samples=parse_int("--num-samples", args.num_samples),
+            seed=seed, progress=None if args.json else progress,
+        )  # fmt: skip
+    finally:
+        for _, close in bars.values():
+            close()
+    if args.output:
+        write_quick_report(report, args.output, plots=not args.no_plots)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    if args.output and not args.json:
+        print(f"report written to {args.output}")
+    return _EXIT[report.verdict.value]
