@@ -167,8 +167,11 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     from invink_audit.cli import main
 
     assert main(["audit"]) == 2
-    assert "either a spec file or --selftest" in capsys.readouterr().err
+    assert "give one of: a spec file, --selftest, --release OUT.jsonl" in capsys.readouterr().err
     assert main(["audit", str(tmp_path / "missing.toml")]) == 2
+    assert main(["audit", "--selftest", "--release", "x.jsonl"]) == 2  # one kind of audit at a time
+    assert main(["audit", "--selftest", "--input", "refs.csv"]) == 2
+    assert "go with --release" in capsys.readouterr().err
 
 
 def test_write_report_renders_whitebox(tmp_path):
