@@ -868,7 +868,7 @@ class _StepReleaser:
                 self.on_text(text)
 
 
-def _release_key(seed: int | None) -> int:
+def release_key(seed: int | None) -> int:
     """The master key: 128 bits from the OS, or derived from a fixed ``seed`` (then not private)."""
     return secrets.randbits(128) if seed is None else derive_key(seed, 0)
 
@@ -1037,7 +1037,7 @@ class _Release:
         _check_context(
             loaded, self.batch_template(0), list(self.requests.values()), config.batch_size, config.max_new_tokens, position
         )
-        key = _release_key(self.seed)
+        key = release_key(self.seed)
         # every check passed: charge, then persist the resume state
         new_output = self.state is not None and self.state.is_new
         if new_output:  # the id is on disk before the charge (a stop right after it charges nothing twice)
@@ -1221,9 +1221,10 @@ class ExternalRelease:
         return tuple(self.release.partition.batches[index])
 
     def worker_state(self) -> dict:
-        """What a worker needs (picklable): how to load and how to prompt. Not the release's key: the
-        executor brings it to the workers its own way (``state["key"]``), never through data it may
-        spill to disk (:mod:`invink_audit.ray_release`)."""
+        """What a worker needs (picklable): how to load and how to prompt. No key: the executor brings
+        each call's batches' stream keys to the worker its own way (:func:`generate_texts`'s
+        ``stream_keys``), never the release's master key and never through data it may spill to disk
+        (:mod:`invink_audit.ray_release`)."""
         release, admission = self.release, self.admission
         return {
             "load": release.load,
@@ -1269,12 +1270,17 @@ class ExternalRelease:
         self.stack.close()
 
 
-def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shard: Path):
+def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shard: Path, stream_keys: Mapping[int, int]):
     """A worker's part of an external release: generate ``items`` (``(batch_index, references)``), claim
     each text in the journal and write it to ``shard``; yields ``(batch_index, released, num_tokens)``
-    (``released`` is ``False`` when another attempt had released that batch first: the text is dropped)."""
+    (``released`` is ``False`` when another attempt had released that batch first: the text is dropped).
+    ``stream_keys``: each item's batch's stream key, ``derive_key(master, batch_index)``: the worker never
+    holds the master key, from which every other batch's stream follows."""
     items = list(items)
     indices = [int(index) for index, _ in items]
+    missing = [i for i in indices if i not in stream_keys]
+    if missing:
+        raise ValueError(f"no stream key for batch(es) {missing[:3]}")
     template = functools.partial(template_for_batch, state["template"], state["labels"], state["label_fields"])
     requests = [encode_request(loaded.tokenizer, template(index), list(refs), key=index) for index, refs in items]
     journal = Journal(state["output"], state["release_id"], state["num_batches"])
@@ -1284,8 +1290,8 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
     with RecordSink(shard, lock=True) as sink:
         releaser = _StepReleaser(journal, sink, None, None)
         for finished in engine.generate(
-            requests, max_new_tokens=state["max_new_tokens"], generator=generator, key=state["key"], stream_ids=indices,
-            progress=releaser.progress,
+            requests, max_new_tokens=state["max_new_tokens"], generator=generator,
+            stream_keys=[int(stream_keys[i]) for i in indices], progress=releaser.progress,
         ):  # fmt: skip
             text = _with_labels(_to_text(finished, loaded, state["template"].stop), state["labels"])
             record = _record(text, state["guarantee"], state["release_id"], state["run"], template(text.batch_index),

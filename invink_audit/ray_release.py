@@ -11,10 +11,12 @@ ordered by batch index, when the pipeline has finished.
 
 What Ray holds: the rows carry each batch's references (Ray's object store may spill blocks to its
 spill directory on local disk under memory pressure, as it does for any dataset). The release's master
-key never enters the object store or a task's arguments (Ray Data keeps a callable class's constructor
-arguments in an object it may spill): a small key-holder actor draws it from the OS (or derives it from
-a fixed seed) in its own memory, and each worker asks it for the key once, in its constructor (a small
-return value travels inline, from process memory to process memory). The output directory must be
+key never leaves one small key-holder actor, which draws it from the OS (or derives it from a fixed
+seed) in its own memory: for each call, a worker asks it for the stream keys of that call's batches only
+(``derive_key(master, batch_index)``; a small return value travels inline, from process memory to
+process memory), so no worker holds the key from which every other batch's stream follows, and no key
+enters the object store or a task's arguments (Ray Data keeps a callable class's constructor arguments
+in an object it may spill). The output directory must be
 shared by the driver and every actor (one machine, or a shared filesystem with ``flock`` locks).
 """
 
@@ -33,16 +35,21 @@ __all__ = ["generate_on_ray"]
 
 
 class _KeyHolder:
-    """A Ray actor holding the release's master key in memory: 128 bits from the OS, or derived from a
-    fixed seed (:func:`invink_audit.generation._release_key`)."""
+    """A Ray actor holding the release's master key in memory (128 bits from the OS, or derived from a
+    fixed seed: :func:`invink_audit.generation.release_key`); it hands out the stream keys of the
+    release's batches, never the master key."""
 
-    def __init__(self, seed: int | None) -> None:
-        from invink_audit.generation import _release_key
+    def __init__(self, seed: int | None, num_batches: int) -> None:
+        from invink_audit.generation import release_key
 
-        self._key = _release_key(seed)
+        self._key, self._num_batches = release_key(seed), num_batches
 
-    def key(self) -> int:
-        return self._key
+    def stream_keys(self, indices: list[int]) -> dict[int, int]:
+        from invink_audit.mechanism import derive_key
+
+        if any(not 0 <= int(i) < self._num_batches for i in indices):
+            raise ValueError("a stream key was asked for a batch that is not in the release")
+        return {int(i): derive_key(self._key, int(i)) for i in indices}
 
 
 class _Worker:
@@ -51,7 +58,7 @@ class _Worker:
     def __init__(self, state: dict, key_holder) -> None:
         import ray
 
-        self.state = {**state, "key": ray.get(key_holder.key.remote())}
+        self.state, self.key_holder = state, key_holder
         self.loaded, self.engine = state["load"].build(state["mechanism"], state["load"].device)
         # one shard per actor life: a restarted actor writes a new one
         self.shard = state["output"].with_name(
@@ -59,9 +66,12 @@ class _Worker:
         )
 
     def __call__(self, batch: dict) -> dict:
+        import ray
+
         items = [(int(index), [None if r is None else str(r) for r in refs]) for index, refs in zip(batch["batch_index"], batch["references"])]
+        keys = ray.get(self.key_holder.stream_keys.remote([index for index, _ in items]))
         out = {"batch_index": [], "released": [], "num_tokens": []}
-        for index, released, tokens in generate_texts(self.state, self.loaded, self.engine, items, self.shard):
+        for index, released, tokens in generate_texts(self.state, self.loaded, self.engine, items, self.shard, keys):
             out["batch_index"].append(index)
             out["released"].append(released)
             out["num_tokens"].append(tokens)
@@ -123,7 +133,7 @@ def generate_on_ray(
             if not ray.is_initialized():
                 _init_ray(ray)
             rows = [{"batch_index": i, "references": list(external.references(i))} for i in todo]
-            holder = ray.remote(num_cpus=0)(_KeyHolder).remote(external.release.seed)
+            holder = ray.remote(num_cpus=0)(_KeyHolder).remote(external.release.seed, external.release.num_batches)
             results = (
                 ray.data.from_items(rows)
                 .map_batches(

@@ -15,6 +15,7 @@ import pytest
 
 from accounting import BudgetLedger
 from invink_audit.generation import ExternalRelease, _prepare_release, generate, generate_texts
+from invink_audit.mechanism import derive_key
 from invink_audit.models import build_tiny_model
 from invink_audit.outputs import journal_path, read_generation_output, shard_paths
 
@@ -86,14 +87,17 @@ def test_a_retried_task_never_releases_a_second_text(tiny_dir, refs, tmp_path):
     try:
         todo = external.admit()
         state = external.worker_state()
-        assert "key" not in state  # the key never travels with the workers' arguments
-        state = {**state, "key": 2**100 + 7}
+        assert "key" not in state  # no key travels with the workers' arguments
+        keys = {i: derive_key(2**100 + 7, i) for i in todo}  # what the key holder hands out, batch by batch
         loaded, engine = state["load"].build(state["mechanism"], "cpu")
         items = [(i, external.references(i)) for i in todo[:5]]
-        first = list(generate_texts(state, loaded, engine, items, output.with_name("retry.jsonl.shard-a-0.jsonl")))
-        retried = list(generate_texts(state, loaded, engine, items[2:], output.with_name("retry.jsonl.shard-a-1.jsonl")))
+        first = list(generate_texts(state, loaded, engine, items, output.with_name("retry.jsonl.shard-a-0.jsonl"), keys))
+        retried = list(generate_texts(state, loaded, engine, items[2:], output.with_name("retry.jsonl.shard-a-1.jsonl"),
+                                      keys))
         rest = [(i, external.references(i)) for i in todo[5:]]
-        list(generate_texts(state, loaded, engine, rest, output.with_name("retry.jsonl.shard-a-2.jsonl")))
+        with pytest.raises(ValueError, match="no stream key"):  # a worker without its batch's key draws nothing
+            list(generate_texts(state, loaded, engine, rest, output.with_name("retry.jsonl.shard-a-3.jsonl"), {}))
+        list(generate_texts(state, loaded, engine, rest, output.with_name("retry.jsonl.shard-a-2.jsonl"), keys))
         assert all(released for _, released, _ in first)
         assert [released for _, released, _ in retried] == [False, False, False]
         result = external.finish(1.0)
@@ -131,3 +135,15 @@ def test_the_cli_runs_a_ray_release(cluster, tiny_dir, refs, tmp_path, capsys):
     assert summary["texts"] == NUM_REFERENCES // 3 and summary["processes"][0]["device"] == "ray"
     assert [r["batch_index"] for r in read_generation_output(output)] == list(range(NUM_REFERENCES // 3))
     assert _quiet(main, [*args[:-1], "0"]) == 2  # --ray-actors 0: bad input, nothing run
+
+
+def test_the_key_holder_hands_out_stream_keys_of_the_release_only():
+    """Ray workers get each call's batches' stream keys, never the master key they derive from."""
+    from invink_audit.generation import release_key
+    from invink_audit.ray_release import _KeyHolder
+
+    holder = _KeyHolder(5, num_batches=3)
+    assert holder.stream_keys([0, 2]) == {0: derive_key(release_key(5), 0), 2: derive_key(release_key(5), 2)}
+    assert not any(callable(getattr(holder, name)) and name == "key" for name in dir(holder))
+    with pytest.raises(ValueError, match="not in the release"):
+        holder.stream_keys([3])
