@@ -49,13 +49,12 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-from invink_audit.rows import bucket_length
+from invink_audit.rows import MIN_BUCKET_ROWS, bucket_length
 
 __all__ = [
     "DTYPE_BYTES",
     "FORMULA",
     "GIB",
-    "MIN_BUCKET_ROWS",
     "MemoryEstimate",
     "ModelShape",
     "Workload",
@@ -79,8 +78,6 @@ __all__ = [
 #: Bytes per element of the dtypes a model can be loaded in (``models.py: load_model``'s names).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-#: Rows a KV-store bucket is allocated for at least (``rows.py: _Bucket._room``: ``max(4, 2·count)``).
-MIN_BUCKET_ROWS = 4
 #: Tokens per prefill forward pass (``engine.py: _DEFAULT_PREFILL_TOKENS``).
 PREFILL_CHUNK = 512
 GIB = 1024**3

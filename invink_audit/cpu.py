@@ -47,9 +47,6 @@ class CpuThreads:
     #: whether OpenMP's threads should sleep while they wait (``OMP_WAIT_POLICY=PASSIVE``): some core busy
     passive: bool = False
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def _cores() -> int:
     try:

@@ -61,6 +61,7 @@ __all__ = [
     "merge_shards",
     "output_lock",
     "read_generation_output",
+    "read_state",
     "release_text",
     "release_texts",
     "shard_path",
@@ -479,6 +480,20 @@ def _collect_records(
     return [by_index[i] for i in sorted(by_index)], main, recovered
 
 
+def read_state(output: Path) -> dict:
+    """The resume state ``<output>.state.json`` of a release (its id, run and input fingerprint), checked
+    (a ``ValueError`` names a corrupt one)."""
+    state_file = state_path(output)
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+        run, release_id, _fingerprint = state["run"], state["release_id"], state["input_sha256"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"resume state {str(state_file)!r} is corrupt: {err}") from None
+    if not isinstance(release_id, str) or not isinstance(run, dict):
+        raise ValueError(f"resume state {str(state_file)!r} is corrupt")
+    return state
+
+
 def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputState:
     """Read the output's resume state and refuse what cannot be resumed safely (read-only, except that a
     stale pending file beside a state file is removed first, whatever is refused after: its id belongs to
@@ -508,14 +523,9 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
         if pending is not None:  # a run of this input charged (or was about to charge) this id, then stopped
             return OutputState(pending["release_id"], True, pending["run"], [], 0, False)
         return OutputState(uuid.uuid4().hex, True, None, [], 0, False)
-    try:
-        state = json.loads(state_file.read_text(encoding="utf-8"))
-        old_run, old_fingerprint, release_id = state["run"], state["input_sha256"], state["release_id"]
-        version = state.get("version", 1)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"resume state {str(state_file)!r} is corrupt: {err}") from None
-    if not isinstance(release_id, str) or not isinstance(old_run, dict):
-        raise ValueError(f"resume state {str(state_file)!r} is corrupt")
+    state = read_state(output)
+    old_run, old_fingerprint, release_id = state["run"], state["input_sha256"], state["release_id"]
+    version = state.get("version", 1)
     if old_fingerprint != fingerprint:
         raise ValueError(f"{str(output)!r} was written from a different input; use a new --output file")
     _check_shards_idle(output, shards)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "ATTENTION_NAME",
+    "MIN_BUCKET_ROWS",
     "DecodePlan",
     "KVStore",
     "PrefillChunk",
@@ -44,6 +45,8 @@ __all__ = [
 
 #: Name of the attention implementation registered with transformers.
 ATTENTION_NAME = "invink_rows"
+#: Rows a decoding bucket is allocated for at first; it doubles when full (:meth:`_Bucket._room`).
+MIN_BUCKET_ROWS = 4
 _PACK_KWARG = "invink_pack"
 
 
@@ -161,7 +164,7 @@ class _Bucket:
         count = len(self.rows)
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is None or count >= k.shape[0]:
-                capacity = max(4, 2 * count)
+                capacity = max(MIN_BUCKET_ROWS, 2 * count)
                 shape = (capacity, like.shape[1], self.width, like.shape[3])
                 grown_k, grown_v = like.new_zeros(shape), like.new_zeros(shape)
                 if k is not None and count:

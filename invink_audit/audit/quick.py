@@ -623,10 +623,9 @@ class ReleaseFile:
     def read(cls, output, references, *, column: str | None = None, where: Mapping[str, str] | None = None) -> ReleaseFile:
         """``output``: the ``.jsonl`` file a release wrote; ``references``: its input file, with the ``column``
         and ``where`` selection ``generate`` was given (``ValueError`` when they do not give the recorded input)."""
-        import json
         from pathlib import Path
 
-        from invink_audit.outputs import read_generation_output, state_path
+        from invink_audit.outputs import read_generation_output, read_state, state_path
 
         output = Path(output)
         if not output.is_file() or not state_path(output).is_file():
@@ -634,7 +633,7 @@ class ReleaseFile:
         records = read_generation_output(output)
         if not records:
             raise ValueError(f"{output}: the release has no text yet")
-        state = json.loads(state_path(output).read_text(encoding="utf-8"))
+        state = read_state(output)
         ids = {r["release_id"] for r in records}
         if ids != {state["release_id"]}:
             raise ValueError(f"{output}: records of other releases ({len(ids)} release ids): audit one release's file")

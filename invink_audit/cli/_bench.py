@@ -7,6 +7,7 @@ import json
 import sys
 
 from invink_audit.cli import CliError, parse_float, parse_int, plural
+from invink_audit.cli._generate import add_where_argument, parse_where
 from invink_audit.distributed import launch_world_size
 
 #: the smallest value of each count flag: the same bounds as :func:`invink_audit.bench.benchmark`, checked before
@@ -43,12 +44,7 @@ def register(subparsers) -> None:
         "G x B texts (after --where) are used in file order",
     )
     p.add_argument("--column", default=None, help="column/field of --references holding the text (default text)")
-    p.add_argument(
-        "--where",
-        default=None,
-        metavar="COLUMN=VALUE",
-        help="use only the rows of --references whose COLUMN equals VALUE (e.g. label1=Business Category: Restaurants)",
-    )
+    add_where_argument(p)
     p.add_argument("--no-one-at-a-time", action="store_true", help="skip the one-text-at-a-time run")
     p.add_argument("--no-floor", action="store_true", help="skip the bare unpadded forward (floor) run")
     p.add_argument(
@@ -292,20 +288,18 @@ def _references(args, needed: int) -> list[str] | None:
     """The texts of --references (filtered by --where), in file order; None for the demo references."""
     from pathlib import Path
 
-    from invink_audit.data import read_references
+    from invink_audit.data import read_references, select_references
 
     if args.references is None:
         if args.column is not None or args.where is not None:
             raise CliError("--column and --where need --references")
         return None
+    where = parse_where(args.where)
     try:
-        texts = read_references(Path(args.references), column=args.column)
-        if args.where is not None:
-            column, sep, value = args.where.partition("=")
-            if not sep or not column:
-                raise CliError("--where must be COLUMN=VALUE")
-            keys = read_references(Path(args.references), column=column)
-            texts = [t for t, k in zip(texts, keys) if k == value]
+        if where is None:
+            texts = read_references(Path(args.references), column=args.column)
+        else:
+            texts = select_references(Path(args.references), where, column=args.column)
     except ValueError as err:
         raise CliError(str(err)) from err
     texts = [t for t in texts if t]
