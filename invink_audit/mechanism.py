@@ -42,7 +42,6 @@ import math
 import numbers
 import secrets
 import warnings
-import weakref
 
 import torch
 
@@ -641,12 +640,22 @@ def neighbour_log_probs(
 # sampling
 
 
-# Keys of generators made by make_generator: 128 bits from the OS (or the seed), and how many runs
-# have drawn from it. torch's CPU generator keeps only 32 bits of a seed, so the engine takes its
-# randomness from these keys, not from the generator's state (run_key).
-_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# generators made by make_generator with a fixed seed
-_SEEDED: weakref.WeakSet = weakref.WeakSet()
+class _KeyedGenerator(torch.Generator):
+    """A ``torch.Generator`` from :func:`make_generator`, carrying its 128-bit key (from the OS, or the seed),
+    how many runs have drawn from it, and whether it was seeded. torch's CPU generator keeps only 32 bits of a
+    seed, so the engine takes its randomness from this key, not from the generator's state (:func:`run_key`).
+    The key lives on the object: CUDA generators of some torch builds (2.11) cannot be weakly referenced, so
+    a side table keyed by generator would fail there."""
+
+    key: int
+    runs: int
+    seeded: bool
+
+    @classmethod
+    def make(cls, device: torch.device | str, key: int, *, seeded: bool) -> _KeyedGenerator:
+        generator = cls(device=device)
+        generator.key, generator.runs, generator.seeded = key, 0, seeded
+        return generator
 
 
 def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu") -> torch.Generator:
@@ -657,9 +666,9 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
     128-bit key (from the OS, or the seed) for :func:`run_key`: torch's CPU generator keeps only 32
     bits of its seed, too few to key private sampling.
     """
-    generator = torch.Generator(device=device)
     if seed is None:
         key = secrets.randbits(128)
+        generator = _KeyedGenerator.make(device, key, seeded=False)
         generator.manual_seed(key >> 65)
     else:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
@@ -669,10 +678,8 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
             SeededGeneratorWarning,
             stacklevel=2,
         )
+        generator = _KeyedGenerator.make(device, int(seed), seeded=True)
         generator.manual_seed(int(seed))
-        key = int(seed)
-        _SEEDED.add(generator)
-    _KEYS[generator] = [key, 0]
     return generator
 
 
@@ -680,7 +687,7 @@ def is_seeded(generator: torch.Generator) -> bool:
     """Whether what ``generator`` draws is reproducible, and so carries no privacy: ``False`` only for a
     generator :func:`make_generator` seeded from the OS; ``True`` for one it made with a fixed seed and for
     any other ``torch.Generator`` (seeded by its caller, or with torch's default seed, a constant)."""
-    return generator in _SEEDED or generator not in _KEYS
+    return not isinstance(generator, _KeyedGenerator) or generator.seeded
 
 
 def run_key(generator: torch.Generator) -> int:
@@ -691,12 +698,11 @@ def run_key(generator: torch.Generator) -> int:
     other generator, 128 bits drawn from it, so its entropy is that of its seed (32 bits for torch's CPU
     generator: use :func:`make_generator` for private sampling).
     """
-    entry = _KEYS.get(generator)
-    if entry is None:
+    if not isinstance(generator, _KeyedGenerator):
         words = torch.randint(0, 2**32, (4,), generator=generator, device=generator.device).tolist()
         return sum(int(w) << (32 * i) for i, w in enumerate(words))
-    entry[1] += 1
-    return derive_key(entry[0], entry[1])
+    generator.runs += 1
+    return derive_key(generator.key, generator.runs)
 
 
 def derive_key(key: int, *labels: int) -> int:

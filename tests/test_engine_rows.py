@@ -28,8 +28,8 @@ from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make
 from invink_audit.models import build_tiny_model
 from invink_audit.prompts import encode_request, get_preset
 
-# float64 model: the engine on CUDA against an unbatched CPU recomputation (other kernels, other
-# summation orders); the bound test_engine.py uses for the batched and unbatched CPU logits (~1e-12 apart)
+# float64 model: the engine against an unbatched recomputation on the same device; the bound test_engine.py
+# uses for the batched and unbatched CPU logits (~1e-12 apart)
 FLOAT64_ATOL = 1e-9
 
 REFERENCES = [
@@ -127,8 +127,12 @@ def test_public_rows_are_bitwise_independent_of_private_references_on_cuda(monke
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_engine_matches_the_cpu_oracle_with_forced_tokens():
-    """float64 on CUDA, teacher-forced: the engine's distributions equal an unbatched CPU recomputation."""
+def test_cuda_engine_matches_an_unbatched_oracle_with_forced_tokens():
+    """float64 on CUDA, teacher-forced: the engine's distributions equal an unbatched recomputation on the same
+    device (one row at a time through transformers, then the mechanism's reference arithmetic) to 1e-9; measured
+    on an H100, 2e-15. The same recomputation on the CPU differs by ~2e-5 in the logits: transformers' RMSNorm
+    and rotary embeddings compute in float32 even in a float64 model, and CPU and CUDA round float32 sums
+    differently (the tiny model's large weights amplify it); that bound is checked too, not assumed."""
     from invink_audit.mechanism import token_log_probs
 
     cpu = build_tiny_model(seed=1, dtype="float64")
@@ -147,11 +151,17 @@ def test_cuda_engine_matches_the_cpu_oracle_with_forced_tokens():
     engine = Engine(cuda, mechanism, max_batch_rows=8)
     requests = _requests(cuda, REFERENCES)
     list(engine.generate(requests, max_new_tokens=4, generator=_generator(0, "cuda"), sampling_rule=rule))
+
+    def unbatched_logits(model, prompt, tokens):
+        ids = torch.tensor([list(prompt) + tokens], device=model.device)
+        with torch.inference_mode():
+            return model.model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) + 3].cpu()
+
     for i, request in enumerate(requests):
         rows = [request.public_ids] + [p if p is not None else request.public_ids for p in request.private_ids]
-        with torch.inference_mode():
-            logits = [cpu.model(input_ids=torch.tensor([list(p) + forced[i]])).logits[0, len(p) - 1 : len(p) + 3]
-                      for p in rows]
+        logits = [unbatched_logits(cuda, p, forced[i]) for p in rows]
+        on_cpu = [unbatched_logits(cpu, p, forced[i]) for p in rows]
+        assert max((a - b).abs().max().item() for a, b in zip(logits, on_cpu)) < 1e-3
         expected = token_log_probs(torch.stack(logits[1:], dim=1), logits[0], clip_norm=1.3, temperature=0.9, top_k=8)
         for t in range(4):
             finite = torch.isfinite(expected[t])
@@ -268,15 +278,16 @@ def test_the_decoding_loop_does_not_synchronise_on_cuda_except_for_the_tokens():
     requests = _requests(model, REFERENCES)
     generator = torch.Generator(device="cuda").manual_seed(0)
     steps = []
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")  # warns that the mode is a prototype (recorded, not counted)
+        try:
             list(engine.generate(requests, max_new_tokens=6, generator=generator, progress=steps.append))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
-    assert len(syncs) <= len(steps) + 1, [str(w.message) for w in syncs[:5]]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    messages = [str(w.message) for w in caught]
+    syncs = [m for m in messages if "synchroniz" in m.lower() and "prototype" not in m]
+    assert len(syncs) <= len(steps) + 1, syncs[:5]
 
 
 def test_a_long_reference_is_prefilled_in_chunks_and_the_cache_holds_real_tokens_only():

@@ -35,7 +35,8 @@ EXACT_ATOL = 1e-12
 #: a guarantee (ρ_tok, ε0) against its closed form evaluated in another order: a few float64 ulps (2.2e-16)
 FORMULA_RTOL = 1e-15
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the CUDA cases carry the `cuda` marker, so `make gpu-check` (pytest -m cuda) runs them
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
@@ -397,9 +398,9 @@ def test_results_stay_on_the_input_device(device):
         assert tensor.device.type == device
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mismatched_devices_are_rejected():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     with pytest.raises(ValueError, match="same device"):
         token_log_probs(GOOD_PRIVATE.cuda(), GOOD_PUBLIC, **STEP)
     with pytest.raises(ValueError, match="generator is on"):
