@@ -27,7 +27,7 @@ from accounting.conversions import (
     zcdp_to_delta,
     zcdp_to_epsilon,
 )
-from accounting.events import GenerationEvent
+from accounting.events import GenerationEvent, ZcdpEvent
 from accounting.limits import RANGES, check_parameter_ranges
 from accounting.ledger import BudgetExceededError, BudgetLedger, ChargeOutcome, LedgerError, LedgerStatus, Release
 from accounting.planner import (
@@ -49,6 +49,7 @@ from accounting.sensitivity import (
 
 __all__ = [
     "GenerationEvent",
+    "ZcdpEvent",
     "br_to_zcdp",
     "br_to_zcdp_total",
     "ACCOUNTANTS",

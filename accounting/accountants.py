@@ -89,7 +89,7 @@ def bounded_range_epsilon(sensitivity: float, temperature: float) -> float:
 
 
 def _steps(epsilon0, num_steps) -> np.ndarray:
-    return bounded_range._epsilon0_array(epsilon0, num_steps)
+    return bounded_range.epsilon0_array(epsilon0, num_steps)
 
 
 def _rho(epsilon0s: np.ndarray) -> float:
@@ -135,8 +135,18 @@ def composed_delta(epsilon: float, epsilon0, num_steps: int | None = None, accou
     return cks if acc is Accountant.CKS else zcdp_to_delta(rho, epsilon, acc.conversion)
 
 
+#: Relative upward rounding of every reported ε (:func:`composed_epsilon`): any recomputation of a spend, in
+#: whatever order of floating-point operations, comes out no larger than the reported value.
+EPSILON_ROUNDING = 1e-12
+
+
 def composed_epsilon(delta: float, epsilon0, num_steps: int | None = None, accountant="br-adaptive") -> float:
-    """Certified ε at ``delta`` of composing ε0-BR steps (errs upwards; ``inf`` when ρ overflows)."""
+    """Certified ε at ``delta`` of composing ε0-BR steps, rounded up by :data:`EPSILON_ROUNDING` (``inf`` when
+    ρ overflows). Every reported ε of a release comes from here (:meth:`accounting.GenerationEvent.epsilon`)."""
+    return _composed_epsilon(delta, epsilon0, num_steps, accountant) * (1.0 + EPSILON_ROUNDING)
+
+
+def _composed_epsilon(delta: float, epsilon0, num_steps: int | None, accountant) -> float:
     delta = check_delta("delta", delta)
     acc = as_accountant(accountant)
     rho, e0 = _composition(epsilon0, num_steps)
@@ -162,7 +172,7 @@ def fits_budget(epsilon: float, delta: float, epsilon0: float, num_steps: int, a
         return True
     if acc is not Accountant.BR_ADAPTIVE or num_steps > BR_MAX_STEPS:
         return False
-    return bounded_range._br_upper_fast(epsilon, epsilon0, num_steps, delta) <= delta
+    return bounded_range.br_upper_fast(epsilon, epsilon0, num_steps, delta) <= delta
 
 
 def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-adaptive", *, rtol: float = 1e-4) -> float:
@@ -204,7 +214,7 @@ def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-ad
     target = epsilon * (1.0 - 1e-8)
 
     def excess(e0: float) -> float:
-        upper = bounded_range._br_upper_fast(target, e0, num_steps, delta)
+        upper = bounded_range.br_upper_fast(target, e0, num_steps, delta)
         return math.log(max(upper, 1e-300)) - math.log(delta)
 
     lo, f_lo = base, excess(base)

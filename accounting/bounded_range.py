@@ -66,6 +66,8 @@ __all__ = [
     "DEFAULT_LATTICE_STEPS",
     "br_adaptive_epsilon",
     "default_lattice_steps",
+    "epsilon0_array",
+    "br_upper_fast",
 ]
 
 #: Lattice intervals per ε0 (``m``). The upper bound converges as O(1/m²) and the lattice lower bound
@@ -349,7 +351,7 @@ def br_adaptive_delta(
     one per-step range (with ``num_steps`` steps) or an array of per-step ranges in release order.
     """
     epsilon = check_nonnegative("epsilon", epsilon)
-    epsilon0s = _epsilon0_array(epsilon0, num_steps)
+    epsilon0s = epsilon0_array(epsilon0, num_steps)
     lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
     scale = 1.0
     for _ in range(8):
@@ -377,7 +379,7 @@ def br_adaptive_delta_curve(
     Returns ``(epsilons, lower, upper)``. ``delta_scale`` is the smallest δ of interest (it sets the
     truncation tolerance; values far below it carry an absolute error of at most 1e-9·delta_scale).
     """
-    epsilon0s = _epsilon0_array(epsilon0, num_steps)
+    epsilon0s = epsilon0_array(epsilon0, num_steps)
     lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
     check_nonnegative("half_width", half_width)
     if not math.isfinite(epsilons_center):
@@ -408,7 +410,7 @@ def br_adaptive_epsilon(
     from accounting.conversions import br_to_zcdp_total, zcdp_to_epsilon
 
     delta = check_delta("delta", delta)
-    epsilon0s = _epsilon0_array(epsilon0, num_steps)
+    epsilon0s = epsilon0_array(epsilon0, num_steps)
     lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
     rho = br_to_zcdp_total(epsilon0s)
     hi = zcdp_to_epsilon(rho, delta, "cks") if start is None else float(start)
@@ -490,7 +492,8 @@ def last_feasible(excess, a, b, f_a, f_b, *, rtol, iterations):
     return a if f_a <= 0 else b
 
 
-def _epsilon0_array(epsilon0, num_steps) -> np.ndarray:
+def epsilon0_array(epsilon0, num_steps) -> np.ndarray:
+    """The per-step ranges as a validated float array (a scalar ε0 repeated ``num_steps`` times, or a sequence)."""
     if np.ndim(epsilon0) == 0:
         e0 = check_positive("epsilon0", epsilon0)
         n = check_count("num_steps", num_steps)
@@ -540,7 +543,7 @@ def br_nonadaptive_delta(epsilon: float, epsilon0: float, num_steps: int, *, gri
     return best
 
 
-def _br_upper_fast(epsilon: float, epsilon0: float, num_steps: int, delta_scale: float) -> float:
+def br_upper_fast(epsilon: float, epsilon0: float, num_steps: int, delta_scale: float) -> float:
     """Upper bound only, one kernel run with the truncation tolerance set from ``delta_scale``."""
     m = default_lattice_steps(num_steps)
     eta = _RELATIVE_ETA * delta_scale / num_steps

@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from accounting.accountants import bounded_range_epsilon
-from accounting.conversions import br_to_zcdp
+from accounting.accountants import (
+    DEFAULT_ACCOUNTANT,
+    EPSILON_ROUNDING,
+    Accountant,
+    as_accountant,
+    bounded_range_epsilon,
+    composed_epsilon,
+)
+from accounting.conversions import ConversionMethod, br_to_zcdp, zcdp_to_epsilon
 from accounting.limits import RANGES
-from accounting.sensitivity import Adjacency, Clipping, _coerce, linf_sensitivity
+from accounting.sensitivity import Adjacency, Clipping, coerce_enum, linf_sensitivity
 
-__all__ = ["GenerationEvent"]
+__all__ = ["GenerationEvent", "ZcdpEvent", "event_from_json"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +46,8 @@ class GenerationEvent:
     def __post_init__(self) -> None:
         for name in ("clip_norm", "batch_size", "temperature", "max_new_tokens", "texts_per_batch"):
             RANGES[name].check(name, getattr(self, name))
-        object.__setattr__(self, "clipping", _coerce(self.clipping, Clipping))
-        object.__setattr__(self, "adjacency", _coerce(self.adjacency, Adjacency))
+        object.__setattr__(self, "clipping", coerce_enum(self.clipping, Clipping))
+        object.__setattr__(self, "adjacency", coerce_enum(self.adjacency, Adjacency))
 
     @property
     def sensitivity(self) -> float:
@@ -66,3 +73,53 @@ class GenerationEvent:
     def rho_sequence(self) -> float:
         """zCDP of the release: num_steps · ρ_tok."""
         return self.num_steps * self.rho_token
+
+    def epsilon(self, delta: float, accountant: Accountant | str = DEFAULT_ACCOUNTANT) -> float:
+        """Certified ε at ``delta`` of the release: num_steps adaptively composed ε0-BR steps (paper Theorem 2,
+        thm:accounting) under ``accountant``, rounded up (:func:`accounting.composed_epsilon`). The planner, the
+        ledger's single release and every mechanism report this one value."""
+        return composed_epsilon(delta, self.epsilon0, self.num_steps, accountant)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZcdpEvent:
+    """A release its mechanism accounts in zCDP as a whole: ``rho`` for every text of it (disjoint batches compose
+    in parallel, paper Corollary 11, coro:parallel-batches), e.g. Amin et al. 2024's sparse-vector and exponential
+    mechanism steps (:class:`invink_audit.mechanisms.AminMechanism`: r private tokens of ρ_em + ρ_svt each).
+    ``mechanism`` names it in the ledger. The ledger composes it with the other releases by adding ρ (Bun &
+    Steinke 2016, Lemma 2.3; a filter under adaptive choice, see :mod:`accounting.ledger`)."""
+
+    rho: float
+    mechanism: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rho", RANGES["rho"].check("rho", self.rho))
+        if not isinstance(self.mechanism, str) or not self.mechanism.strip():
+            raise ValueError(f"mechanism must be a non-empty string; got {self.mechanism!r}")
+
+    @property
+    def rho_sequence(self) -> float:
+        """zCDP of the release (the ledger's term)."""
+        return self.rho
+
+    def epsilon(self, delta: float, accountant: Accountant | str = DEFAULT_ACCOUNTANT) -> float:
+        """Certified ε at ``delta``: ρ converted by the accountant's zCDP conversion (CKS for ``br-adaptive``,
+        which has no tighter rule for a release that is not a sequence of bounded-range steps), rounded up
+        as :func:`accounting.composed_epsilon` rounds."""
+        acc = as_accountant(accountant)
+        conversion = ConversionMethod.CKS if acc is Accountant.BR_ADAPTIVE else acc.conversion
+        return zcdp_to_epsilon(self.rho, delta, conversion) * (1.0 + EPSILON_ROUNDING)
+
+    def to_json(self) -> dict:
+        return {"kind": "zcdp", "mechanism": self.mechanism, "rho": self.rho}
+
+
+def event_from_json(data: dict) -> GenerationEvent | ZcdpEvent:
+    """The event of a flat ledger record: ``"kind": "zcdp"`` for a :class:`ZcdpEvent`, else (no ``kind``, every
+    record before it existed) a :class:`GenerationEvent` from its parameters; other keys are ignored."""
+    kind = data.get("kind", "bounded-range")
+    if kind == "zcdp":
+        return ZcdpEvent(data.get("rho"), data.get("mechanism"))
+    if kind != "bounded-range":
+        raise ValueError(f"unknown release kind {kind!r}; expected 'bounded-range' or 'zcdp'")
+    return GenerationEvent(**{f.name: data[f.name] for f in dataclasses.fields(GenerationEvent) if f.name in data})

@@ -12,10 +12,12 @@ Composition (paper Theorem 2, thm:accounting, and Corollary 11, coro:parallel-ba
 * separate releases on the same dataset compose **sequentially**, and their parameters may be chosen
   after seeing earlier outputs (fully adaptive composition), so the ledger is a *privacy filter*.
 
-Every token step is ε0-bounded-range with its release's ε0 = 2Δ/τ and ρ = ε0²/8-zCDP. The spend is:
+Every token step is ε0-bounded-range with its release's ε0 = 2Δ/τ and ρ = ε0²/8-zCDP. A release of another
+mechanism that is accounted in zCDP as a whole (Amin et al. 2024) is recorded by its ρ
+(:class:`accounting.ZcdpEvent`, ``"kind": "zcdp"``). The spend is:
 
 * **one release**: its T·texts_per_batch steps form a sequence fixed before it runs, so the ledger's
-  accountant applies as for a plan (``br-adaptive`` included);
+  accountant applies as for a plan (``br-adaptive`` included); a zCDP release's ρ converts at δ;
 * **several releases**: ρ_total = Σ ρ over all steps, converted to ε at the ledger's δ with the ledger's
   zCDP conversion (CKS for ``br-adaptive``). Summing ρ is a valid filter when each release's
   parameters are chosen adaptively (Feldman & Zrnic 2021, "Individual Privacy Accounting via a Rényi
@@ -41,8 +43,8 @@ is never given back.
 
 Integrity (format 2). Every load recomputes every stored figure and refuses a file that does not add
 up: the budget and every release parameter must be in their valid ranges (:mod:`accounting.limits`),
-``releases`` a list without duplicate ids, each entry's ``epsilon0`` and ``num_steps`` must follow from
-its parameters, and each ``epsilon_spent_after`` must be the recomputed spend of the releases up to it
+``releases`` a list without duplicate ids, each entry's ``epsilon0`` and ``num_steps`` (ρ for a zCDP
+release) must follow from its parameters, and each ``epsilon_spent_after`` must be the recomputed spend of the releases up to it
 (so a shrunk clip norm, an edited adjacency or a negative spend is caught). The entries form a SHA-256
 hash chain that starts from the header (budget, δ, accountant, dataset, creation time) and ends in
 ``head``: raising the budget, changing the accountant, or editing, reordering or deleting any release
@@ -78,12 +80,10 @@ from accounting.accountants import (
     DEFAULT_ACCOUNTANT,
     Accountant,
     as_accountant,
-    composed_epsilon,
 )
-from accounting.conversions import ConversionMethod, br_to_zcdp, zcdp_to_epsilon
-from accounting.events import GenerationEvent
+from accounting.conversions import ConversionMethod, zcdp_to_epsilon
+from accounting.events import GenerationEvent, ZcdpEvent, event_from_json
 from accounting.limits import RANGES
-from accounting.sensitivity import Adjacency, Clipping, _coerce
 
 __all__ = ["BudgetLedger", "BudgetExceededError", "ChargeOutcome", "LedgerError", "Release", "LedgerStatus"]
 
@@ -109,7 +109,16 @@ _RELEASE_KEYS = (
     "clipping",
     "adjacency",
 )
-_ENTRY_KEYS = ("recorded_at", "release", "epsilon0", "num_steps", "epsilon_spent_after")
+_ZCDP_RELEASE_KEYS = ("release_id", "label", "kind", "mechanism", "rho", "num_batches")
+_ENTRY_KEYS = ("recorded_at", "release", "epsilon_spent_after")
+
+
+def _entry_figures(release: Release) -> dict:
+    """The figures an entry stores beside its release, each recomputed from the release on every load: ε0 and
+    the token steps of a bounded-range release, ρ of a zCDP one."""
+    if isinstance(release.event, ZcdpEvent):
+        return {"rho": release.event.rho}
+    return {"epsilon0": release.epsilon0, "num_steps": release.num_steps}
 
 
 class LedgerError(ValueError):
@@ -122,51 +131,49 @@ class BudgetExceededError(LedgerError):
 
 @dataclasses.dataclass(frozen=True)
 class Release:
-    """The public parameters of one release (never anything derived from the private data).
-
-    Every parameter must lie in its documented range (:mod:`accounting.limits`).
+    """One release as the ledger records it: its privacy ``event`` (C, B, τ, T, texts per batch, the clipping
+    and adjacency), how many disjoint batches it drew, its id and a free-text label. Never anything derived
+    from the private data. The event is the record: C, B, τ and T exist once, checked against their
+    documented ranges (:mod:`accounting.limits`) by the event's constructor.
     """
 
-    clip_norm: float
-    batch_size: int
-    temperature: float
-    max_new_tokens: int
-    texts_per_batch: int = 1
+    event: GenerationEvent | ZcdpEvent
     num_batches: int = 1
-    label: str = ""
     release_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-    clipping: Clipping = Clipping.DIFFERENCE
-    adjacency: Adjacency = Adjacency.REPLACE_BY_NULL
+    label: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("clip_norm", "batch_size", "temperature", "max_new_tokens", "texts_per_batch", "num_batches"):
-            RANGES[name].check(name, getattr(self, name))
+        if not isinstance(self.event, (GenerationEvent, ZcdpEvent)):
+            raise ValueError(
+                f"event must be an accounting.GenerationEvent or ZcdpEvent; got {type(self.event).__name__}"
+            )
+        RANGES["num_batches"].check("num_batches", self.num_batches)
         if not isinstance(self.release_id, str) or not self.release_id.strip():
             raise ValueError(f"release_id must be a non-empty string; got {self.release_id!r}")
         if not isinstance(self.label, str):
             raise ValueError(f"label must be a string; got {self.label!r}")
-        object.__setattr__(self, "clipping", _coerce(self.clipping, Clipping))
-        object.__setattr__(self, "adjacency", _coerce(self.adjacency, Adjacency))
 
-    @property
-    def event(self) -> GenerationEvent:
-        """The privacy event this release records (:class:`accounting.GenerationEvent`)."""
-        return GenerationEvent(
-            self.clip_norm, self.batch_size, self.temperature, self.max_new_tokens, self.texts_per_batch,
-            self.clipping, self.adjacency,
-        )  # fmt: skip
+    @classmethod
+    def of(cls, *, num_batches: int = 1, release_id: str | None = None, label: str = "", **event) -> Release:
+        """A release from the event's parameters by name (``clip_norm``, ``batch_size``, ``temperature``,
+        ``max_new_tokens``, optionally ``texts_per_batch``, ``clipping``, ``adjacency``)."""
+        ids = {} if release_id is None else {"release_id": release_id}
+        return cls(GenerationEvent(**event), num_batches, label=label, **ids)
 
-    @property
-    def epsilon0(self) -> float:
-        """Per-token bounded range 2Δ/τ (:attr:`GenerationEvent.epsilon0`)."""
-        return self.event.epsilon0
-
-    @property
-    def num_steps(self) -> int:
-        """Token steps charged: T per text, times the texts drawn from each batch (batches parallel)."""
-        return self.event.num_steps
+    clip_norm = property(lambda self: self.event.clip_norm, doc="Clip norm C.")
+    batch_size = property(lambda self: self.event.batch_size, doc="B private references per text.")
+    temperature = property(lambda self: self.event.temperature, doc="Temperature τ.")
+    max_new_tokens = property(lambda self: self.event.max_new_tokens, doc="Token budget T per text.")
+    texts_per_batch = property(lambda self: self.event.texts_per_batch, doc="Texts drawn from each batch.")
+    clipping = property(lambda self: self.event.clipping, doc="The clipping rule.")
+    adjacency = property(lambda self: self.event.adjacency, doc="The neighbouring relation.")
+    epsilon0 = property(lambda self: self.event.epsilon0, doc="Per-token bounded range 2Δ/τ.")
+    num_steps = property(lambda self: self.event.num_steps, doc="Token steps charged (batches compose in parallel).")
+    rho_sequence = property(lambda self: self.event.rho_sequence, doc="zCDP of the release (the ledger's term).")
 
     def _parameters(self) -> dict:
+        if isinstance(self.event, ZcdpEvent):
+            return {**self.event.to_json(), "num_batches": self.num_batches}
         return {
             "clip_norm": self.clip_norm,
             "batch_size": self.batch_size,
@@ -179,12 +186,15 @@ class Release:
         }
 
     def to_json(self) -> dict:
+        """The ledger's flat record (the file format of every ledger version)."""
         return {"release_id": self.release_id, "label": self.label, **self._parameters()}
 
     @classmethod
     def from_json(cls, data: dict) -> Release:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        """A release from its flat record (keys other than the event's, ``num_batches``, ``release_id`` and
+        ``label`` are ignored)."""
+        rest = {k: data[k] for k in ("num_batches", "release_id", "label") if k in data}
+        return cls(event_from_json(data), **rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,16 +237,14 @@ def _spent_epsilon(releases: list[Release], delta: float, accountant: Accountant
     if not releases:
         return 0.0
     if len(releases) == 1:
-        r = releases[0]
-        return _single_release_spend(r.epsilon0, r.num_steps, delta, accountant)
-    rho = math.fsum(r.num_steps * br_to_zcdp(r.epsilon0) for r in releases)
-    return _filter_spend(rho, delta, accountant)
+        return _single_release_spend(releases[0].event, delta, accountant)
+    return _filter_spend(math.fsum(r.rho_sequence for r in releases), delta, accountant)
 
 
 @functools.lru_cache(maxsize=256)
-def _single_release_spend(epsilon0: float, num_steps: int, delta: float, accountant: Accountant) -> float:
+def _single_release_spend(event: GenerationEvent | ZcdpEvent, delta: float, accountant: Accountant) -> float:
     # cached: verifying a ledger recomputes its first release's spend, up to seconds for br-adaptive
-    return composed_epsilon(delta, epsilon0, num_steps, accountant=accountant)
+    return event.epsilon(delta, accountant)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -354,7 +362,10 @@ def _verify_entry(index: int, entry, seen: set[str], where: str) -> Release:
     at = f"release #{index + 1}"
     if not isinstance(entry, dict) or not isinstance(entry.get("release"), dict):
         raise _corrupt(where, f"{at} is not an entry with a 'release' object")
-    missing = [k for k in _ENTRY_KEYS if k not in entry] + [k for k in _RELEASE_KEYS if k not in entry["release"]]
+    zcdp = entry["release"].get("kind") == "zcdp"
+    entry_keys = (*_ENTRY_KEYS, *(("rho",) if zcdp else ("epsilon0", "num_steps")))
+    release_keys = _ZCDP_RELEASE_KEYS if zcdp else _RELEASE_KEYS
+    missing = [k for k in entry_keys if k not in entry] + [k for k in release_keys if k not in entry["release"]]
     if missing:
         raise _corrupt(where, f"{at} lacks {', '.join(repr(k) for k in missing)}")
     try:
@@ -364,11 +375,13 @@ def _verify_entry(index: int, entry, seen: set[str], where: str) -> Release:
     at = f"release #{index + 1} ({release.release_id!r})"
     if release.release_id in seen:
         raise _corrupt(where, f"{at} is recorded twice")
-    stored_e0, stored_steps = entry["epsilon0"], entry["num_steps"]
-    if not _same_float(stored_e0, release.epsilon0, 1e-12):
-        raise _corrupt(where, f"{at} stores epsilon0={stored_e0!r} but its parameters give {release.epsilon0!r}")
-    if isinstance(stored_steps, bool) or stored_steps != release.num_steps:
-        raise _corrupt(where, f"{at} stores num_steps={stored_steps!r} but its parameters give {release.num_steps}")
+    for name, value in _entry_figures(release).items():
+        stored = entry[name]
+        same = (not isinstance(stored, bool) and stored == value) if isinstance(value, int) else _same_float(
+            stored, value, 1e-12
+        )
+        if not same:
+            raise _corrupt(where, f"{at} stores {name}={stored!r} but its parameters give {value!r}")
     return release
 
 
@@ -406,11 +419,11 @@ def _verify_releases(data: dict, header: _Header, where: str) -> list[Release]:
         release = _verify_entry(index, entry, seen, where)
         seen.add(release.release_id)
         releases.append(release)
-        terms.append(release.num_steps * br_to_zcdp(release.epsilon0))
+        terms.append(release.rho_sequence)
         at = f"release #{index + 1} ({release.release_id!r})"
         stored = _stored_spend(at, entry, where)
         if len(releases) == 1:
-            recomputed = _single_release_spend(release.epsilon0, release.num_steps, header.delta, header.accountant)
+            recomputed = _single_release_spend(release.event, header.delta, header.accountant)
         else:
             recomputed = _filter_spend(math.fsum(terms), header.delta, header.accountant)
         _verify_spend(at, stored, recomputed, spent_before, header, where)
@@ -612,8 +625,7 @@ class BudgetLedger:
         entry = {
             "recorded_at": _now(),
             "release": release.to_json(),
-            "epsilon0": release.epsilon0,
-            "num_steps": release.num_steps,
+            **_entry_figures(release),
             "epsilon_spent_after": spent_after,
         }
         data = {**v.data, "releases": [*v.data["releases"], entry]}

@@ -20,6 +20,8 @@ max_new_tokens    integer in [1, 1e9]     no model's context comes near 1e9 toke
 batch_size        integer in [1, 1e9]
 texts_per_batch   integer in [1, 1e9]
 num_batches       integer in [1, 1e9]
+rho               [1e-300, 1e40]          a zCDP release's ρ (Amin et al.); above any ρ the
+                                          other ranges produce
 ================  ======================  =====================================================
 
 :func:`check_parameter_ranges` checks any subset of them in microseconds, before a model loads or a
@@ -38,6 +40,7 @@ __all__ = [
     "CLIP_NORM_RANGE",
     "TEMPERATURE_RANGE",
     "COUNT_RANGE",
+    "RHO_RANGE",
     "MAX_COUNT",
     "MAX_TABLE_VALUES",
     "RANGES",
@@ -86,6 +89,9 @@ DELTA_RANGE = ParameterRange(1e-300, 1.0, high_open=True)
 CLIP_NORM_RANGE = ParameterRange(1e-6, 1e6)
 TEMPERATURE_RANGE = ParameterRange(1e-4, 1e4)
 COUNT_RANGE = ParameterRange(1, MAX_COUNT, integer=True)
+#: ρ of a release accounted in zCDP directly (:class:`accounting.ZcdpEvent`): up to the largest ρ the ranges
+#: above can produce (about 2e38), and no smaller than a double's underflow keeps meaningful.
+RHO_RANGE = ParameterRange(1e-300, 1e40)
 
 #: Every named parameter and its range (docs/guide/planning.md's table is checked against the same values).
 RANGES: dict[str, ParameterRange] = {
@@ -97,6 +103,7 @@ RANGES: dict[str, ParameterRange] = {
     "batch_size": COUNT_RANGE,
     "texts_per_batch": COUNT_RANGE,
     "num_batches": COUNT_RANGE,
+    "rho": RHO_RANGE,
 }
 
 

@@ -21,8 +21,9 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from accounting._validation import check_count, check_delta, check_positive
+from accounting._validation import check_nonnegative
 from accounting.limits import (
+    RANGES,
     CLIP_NORM_RANGE,
     COUNT_RANGE,
     EPSILON_RANGE,
@@ -35,8 +36,6 @@ from accounting.accountants import (
     Accountant,
     as_accountant,
     bounded_range_epsilon,
-    composed_delta,
-    composed_epsilon,
     fits_budget,
     max_epsilon0,
 )
@@ -45,7 +44,7 @@ from accounting.events import GenerationEvent
 from accounting.sensitivity import (
     Adjacency,
     Clipping,
-    _coerce,
+    coerce_enum,
     clip_norm_for_sensitivity,
     linf_sensitivity,
 )
@@ -61,52 +60,42 @@ __all__ = [
 ]
 
 
+def _event_field(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.event, name), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    r"""An a-priori privacy guarantee for one release: (ε, δ)-DP for texts of at most T tokens.
+    r"""An a-priori privacy guarantee for one release: ``event`` (C, B, τ, T, the clipping and adjacency) is
+    (``epsilon``, ``delta``)-DP as ``accountant`` certifies.
 
-    ``rho_token`` = ε0²/8 and ``rho_sequence`` = T·ρ_tok are the zCDP guarantees (paper Theorem 2, thm:accounting);
-    ``epsilon``/``delta`` are what ``accountant`` certifies for them.
+    The event is the record; every other quantity is derived from it: ``rho_token`` = ε0²/8 and
+    ``rho_sequence`` = T·ρ_tok are the zCDP guarantees (paper Theorem 2, thm:accounting). A plan whose fields
+    disagree cannot be built: there is one copy of C, B, τ and T, and the constructor checks ε and δ.
     """
 
-    clip_norm: float
-    rho_token: float
-    rho_sequence: float
+    event: GenerationEvent
     epsilon: float
     delta: float
     accountant: Accountant
-    max_new_tokens: int
-    batch_size: int
-    temperature: float
-    clipping: Clipping = Clipping.DIFFERENCE
-    adjacency: Adjacency = Adjacency.REPLACE_BY_NULL
 
     def __post_init__(self) -> None:
-        check_positive("clip_norm", self.clip_norm)
-        check_count("max_new_tokens", self.max_new_tokens)
-        check_count("batch_size", self.batch_size)
-        check_positive("temperature", self.temperature)
-        check_delta("delta", self.delta)
+        if not isinstance(self.event, GenerationEvent):
+            raise ValueError(f"event must be an accounting.GenerationEvent; got {type(self.event).__name__}")
+        object.__setattr__(self, "epsilon", check_nonnegative("epsilon", self.epsilon, allow_inf=True))
+        object.__setattr__(self, "delta", RANGES["delta"].check("delta", self.delta))
         object.__setattr__(self, "accountant", as_accountant(self.accountant))
-        object.__setattr__(self, "clipping", _coerce(self.clipping, Clipping))
-        object.__setattr__(self, "adjacency", _coerce(self.adjacency, Adjacency))
 
-    @property
-    def event(self) -> GenerationEvent:
-        """The privacy event of one text per batch under this plan (:class:`accounting.GenerationEvent`)."""
-        return GenerationEvent(
-            self.clip_norm, self.batch_size, self.temperature, self.max_new_tokens, 1, self.clipping, self.adjacency
-        )
-
-    @property
-    def sensitivity(self) -> float:
-        """ℓ∞ sensitivity Δ of the aggregated logits (:func:`accounting.linf_sensitivity`)."""
-        return self.event.sensitivity
-
-    @property
-    def epsilon0(self) -> float:
-        """Per-token bounded range ε0 = 2Δ/τ."""
-        return self.event.epsilon0
+    clip_norm = _event_field("clip_norm", "Clip norm C.")
+    batch_size = _event_field("batch_size", "B private references per text.")
+    temperature = _event_field("temperature", "Temperature τ.")
+    max_new_tokens = _event_field("max_new_tokens", "Token budget T per text.")
+    clipping = _event_field("clipping", "The clipping rule (difference clipping by default).")
+    adjacency = _event_field("adjacency", "The neighbouring relation (replace-by-null by default).")
+    sensitivity = _event_field("sensitivity", "ℓ∞ sensitivity Δ of the aggregated logits.")
+    epsilon0 = _event_field("epsilon0", "Per-token bounded range ε0 = 2Δ/τ.")
+    rho_token = _event_field("rho_token", "Per-token zCDP ρ_tok = ε0²/8.")
+    rho_sequence = _event_field("rho_sequence", "zCDP of a text: T·ρ_tok.")
 
     @property
     def forward_rows_per_token(self) -> int:
@@ -126,29 +115,12 @@ class Plan:
 
 
 def _make_plan(clip_norm, epsilon, delta, acc, T, B, tau, clipping, adjacency) -> Plan:
-    rho_tok = br_to_zcdp(bounded_range_epsilon(linf_sensitivity(clip_norm, B, clipping, adjacency), tau))
-    return Plan(
-        clip_norm=clip_norm,
-        rho_token=rho_tok,
-        rho_sequence=T * rho_tok,
-        epsilon=epsilon,
-        delta=delta,
-        accountant=acc.value,
-        max_new_tokens=T,
-        batch_size=B,
-        temperature=tau,
-        clipping=clipping,
-        adjacency=adjacency,
-    )
+    return Plan(GenerationEvent(clip_norm, B, tau, T, 1, clipping, adjacency), epsilon, delta, acc)
 
 
 #: Relative safety margin on planned clip norms: any recomputation of the spend from (C, B, τ, T), in
 #: whatever order of floating-point operations, stays within the budget.
 _CLIP_NORM_MARGIN = 1e-10
-
-
-#: Relative upward rounding of reported spends.
-_EPSILON_MARGIN = 1e-12
 
 
 def _clip_norm_from_epsilon0(e0: float, B: int, tau: float, clipping, adjacency) -> float:
@@ -203,7 +175,7 @@ def plan_clip_norm(
     """
     v = _validate(epsilon, delta, max_new_tokens, batch_size, temperature)
     acc = as_accountant(accountant)
-    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
+    clipping, adjacency = coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency)
     e0 = max_epsilon0(v["epsilon"], v["delta"], v["T"], acc)
     C = _largest_clip_norm(e0, v["B"], v["tau"], clipping, adjacency)
     _check_planned_clip_norm(C, f"epsilon={v['epsilon']:g}")
@@ -224,11 +196,9 @@ def epsilon_for_clip_norm(
     """The certified ε at ``delta`` of a release with clip norm C (errs upwards)."""
     v = _validate(None, delta, max_new_tokens, batch_size, temperature, clip_norm)
     acc = as_accountant(accountant)
-    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
-    e0 = bounded_range_epsilon(linf_sensitivity(v["C"], v["B"], clipping, adjacency), v["tau"])
-    # round the reported spend up (relative 1e-12), so that no recomputation of it comes out larger
-    eps = composed_epsilon(v["delta"], e0, v["T"], acc) * (1.0 + _EPSILON_MARGIN)
-    return _make_plan(v["C"], eps, v["delta"], acc, v["T"], v["B"], v["tau"], clipping, adjacency)
+    clipping, adjacency = coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency)
+    event = GenerationEvent(v["C"], v["B"], v["tau"], v["T"], 1, clipping, adjacency)
+    return Plan(event, event.epsilon(v["delta"], acc), v["delta"], acc)
 
 
 def plan_max_new_tokens(
@@ -252,7 +222,7 @@ def plan_max_new_tokens(
     """
     v = _validate(epsilon, delta, None, batch_size, temperature, clip_norm)
     acc = as_accountant(accountant)
-    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
+    clipping, adjacency = coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency)
     e0 = bounded_range_epsilon(linf_sensitivity(v["C"], v["B"], clipping, adjacency), v["tau"])
 
     def fits(T: int) -> bool:
@@ -310,7 +280,7 @@ def plan_min_batch_size(
     """
     v = _validate(epsilon, delta, max_new_tokens, None, temperature, clip_norm)
     acc = as_accountant(accountant)
-    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
+    clipping, adjacency = coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency)
     e0 = max_epsilon0(v["epsilon"], v["delta"], v["T"], acc)
     per_reference = _clip_norm_from_epsilon0(e0, 1, v["tau"], clipping, adjacency)
     estimate = v["C"] / per_reference
@@ -395,7 +365,7 @@ def planning_table(
             raise ValueError(f"{name} must hold at most {MAX_TABLE_VALUES} values; got {len(values)}")
     v = _validate(None, delta, max_new_tokens, None, temperature)
     acc = as_accountant(accountant)
-    clipping, adjacency = _coerce(clipping, Clipping), _coerce(adjacency, Adjacency)
+    clipping, adjacency = coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency)
     rows = []
     for eps in epsilons:
         e0 = max_epsilon0(eps, v["delta"], v["T"], acc)

@@ -42,6 +42,7 @@ __all__ = [
     "linf_sensitivity",
     "sensitivity_factor",
     "clip_norm_for_sensitivity",
+    "coerce_enum",
 ]
 
 
@@ -71,7 +72,8 @@ _FACTOR: dict[tuple[Clipping, Adjacency], int] = {
 }
 
 
-def _coerce(value, enum_type):
+def coerce_enum(value, enum_type):
+    """``value`` as a member of ``enum_type`` (a member or its value); ``ValueError`` naming the choices."""
     if isinstance(value, enum_type):
         return value
     try:
@@ -102,7 +104,7 @@ def sensitivity_factor(
     adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
 ) -> int:
     """The integer ``f`` with ℓ∞ sensitivity ``f * C / B`` (table in the module docstring)."""
-    return _FACTOR[(_coerce(clipping, Clipping), _coerce(adjacency, Adjacency))]
+    return _FACTOR[(coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency))]
 
 
 def linf_sensitivity(

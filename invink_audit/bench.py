@@ -353,7 +353,7 @@ def _floor_run(engine: Engine, requests, text_tokens: Sequence[int], device) -> 
     sampling. This is the floor an engine is measured against.
     """
     network = engine.model.model
-    decoder = engine._split.decoder if engine._split is not None else None
+    decoder = engine.output_split.decoder if engine.output_split is not None else None
     prompts = _prompts(requests)
     rows_per_text = [1 + sum(p is not None for p in r.private_ids) for r in requests]
     with torch.inference_mode():
@@ -390,7 +390,7 @@ def _floor_run(engine: Engine, requests, text_tokens: Sequence[int], device) -> 
                 started = time.perf_counter()
                 if decoder is not None:
                     states = decoder(input_ids=token, use_cache=True, **{cache_argument(decoder): cache}).last_hidden_state
-                    engine._split.head(states[: len(live), -1])  # one row per text: the public row
+                    engine.output_split.head(states[: len(live), -1])  # one row per text: the public row
                 else:
                     network(input_ids=token, use_cache=True, logits_to_keep=1, **{name: cache})
                 _sync(device)

@@ -36,6 +36,7 @@ __all__ = [
     "partition_references",
     "read_labelled_references",
     "read_references",
+    "read_text",
     "select_references",
 ]
 
@@ -71,13 +72,13 @@ def read_references(source: str | os.PathLike, *, column: str | None = None) -> 
     suffix = path.suffix.lower()
     if suffix not in _CSV_SUFFIXES + _JSONL_SUFFIXES:
         raise ValueError(f"input must be a .csv or .jsonl file; got {str(path)!r}")
-    text = _read_text(path)
+    text = read_text(path)
     if suffix in _CSV_SUFFIXES:
         return _read_csv(path, text, name)
     return _read_jsonl(path, text, name)
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path) -> str:
     """The file's text: UTF-8, a leading byte-order mark dropped; a decoding error names the line."""
     data = path.read_bytes()
     skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0

@@ -98,7 +98,6 @@ from invink_audit.mechanism import (
     topk_plus_support,
 )
 from invink_audit.mechanisms.base import Mechanism
-from invink_audit.mechanisms.invisibleink import InvisibleInk
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest, reached_stop
 from invink_audit.rows import RowKV, StoredRow
@@ -344,7 +343,9 @@ class Engine:
     """Private decoding of many texts at once with one model and one mechanism configuration.
 
     ``mechanism``: a :class:`~invink_audit.mechanism.MechanismConfig` (InvisibleInk, the engine's own
-    paths) or any :class:`~invink_audit.mechanisms.Mechanism` (module docstring, "Any mechanism").
+    paths) or any :class:`~invink_audit.mechanisms.Mechanism` (module docstring, "Any mechanism"); a mechanism
+    that declares the Top-k+ column capability (:meth:`~invink_audit.mechanisms.Mechanism.topk_plus_columns`,
+    InvisibleInk's) runs on the engine's own paths.
 
     ``max_batch_rows``: rows per decoding forward pass (default :func:`default_max_batch_rows`); at
     most ``max(1, max_batch_rows // (B + 1))`` texts are in progress at once. ``max_prefill_tokens``:
@@ -372,10 +373,10 @@ class Engine:
     ):
         if not isinstance(model, LoadedModel):
             raise ValueError(f"model must be a LoadedModel (see invink_audit.load_model); got {type(model).__name__}")
-        if isinstance(mechanism, InvisibleInk):
-            mechanism = mechanism.config  # InvisibleInk runs on the engine's own paths
         if not isinstance(mechanism, (MechanismConfig, Mechanism)):
             raise ValueError(f"mechanism must be a MechanismConfig or a Mechanism; got {type(mechanism).__name__}")
+        if isinstance(mechanism, Mechanism) and mechanism.topk_plus_columns() is not None:
+            mechanism = mechanism.topk_plus_columns()  # the capability, not the class, picks the fast path
         generic = isinstance(mechanism, Mechanism)
         rows = default_max_batch_rows(model.device) if max_batch_rows is None else max_batch_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
@@ -402,14 +403,15 @@ class Engine:
         self.share_prefill = share_prefill or prefill_cache is not None
         check_packed_attention(model)
         self.forward = RowForward(model)
-        self._split = output_layer_split(model) if support_only and not generic else None
-        if self._split is not None:
-            self.forward.decoder = self._split.decoder
+        #: the model as (decoder, output layer) when private logits use the Top-k+ columns only, else None
+        self.output_split = output_layer_split(model) if support_only and not generic else None
+        if self.output_split is not None:
+            self.forward.decoder = self.output_split.decoder
 
     @property
     def support_only(self) -> bool:
         """Whether runs without hooks compute private logits on the Top-k+ columns only."""
-        return self._split is not None
+        return self.output_split is not None
 
     @property
     def max_texts(self) -> int:
@@ -817,7 +819,7 @@ class _StepMath:
 
     def _draw_support(self, public_states, private_states, null, uniforms) -> list[list[int]]:
         """The hot path (no hooks): Top-k+ columns only when the rows are hidden states, else full rows."""
-        head = self.engine._split.head if self.hidden else None
+        head = self.engine.output_split.head if self.hidden else None
         public = public_states if head is None else head(public_states)
         mechanism = self.mechanism
         support = topk_plus_support(

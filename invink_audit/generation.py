@@ -135,6 +135,7 @@ __all__ = [
     "SEEDED_VOID_REASON",
     "generate",
     "input_fingerprint",
+    "prepare_release",
     "read_generation_output",
 ]
 
@@ -469,7 +470,7 @@ def _looks_like_path(model: str) -> bool:
 
 def _check_model_source(model, gguf_file, device, dtype) -> None:
     """Check the model argument, device and dtype without loading anything."""
-    from invink_audit.models import _EMBEDDED_ALIASES
+    from invink_audit.models import EMBEDDED_ALIASES
 
     if isinstance(model, LoadedModel):
         return
@@ -481,7 +482,7 @@ def _check_model_source(model, gguf_file, device, dtype) -> None:
     if not isinstance(model, (str, os.PathLike)) or not str(os.fspath(model)).strip():
         raise ValueError(f"model must be a non-empty path or hub id, a LoadedModel, or None for the default; got {model!r}")
     text = str(os.fspath(model))
-    if isinstance(model, str) and text.lower() in _EMBEDDED_ALIASES:
+    if isinstance(model, str) and text.lower() in EMBEDDED_ALIASES:
         return
     path = Path(text).expanduser()
     if gguf_file is not None:
@@ -647,7 +648,7 @@ def generate(
     tokens. Anything else raises ``ValueError`` before the model is loaded (the context check: after
     loading, before the ledger is charged).
     """
-    return _prepare_release(**locals()).run()
+    return prepare_release(**locals()).run()
 
 
 def _bind(function, references, options: dict) -> dict:
@@ -658,7 +659,7 @@ def _bind(function, references, options: dict) -> dict:
     return dict(bound.arguments)
 
 
-def _prepare_release(references, **options) -> _Release:
+def prepare_release(references, **options) -> _Release:
     """Every check that needs no model, then the release to run; ``options`` are :func:`generate`'s."""
     o = SimpleNamespace(**_bind(generate, references, options))
     config = _config(o)
@@ -1044,7 +1045,7 @@ class _Release:
             release_id = pending_release_id(self.io_path, self.state, run, self.fingerprint)
         if self.ledger is not None:
             try:
-                _charge(self.ledger, plan, config, self.num_batches, release_id, self.output)
+                _charge(self.ledger, plan, self.num_batches, release_id, self.output)
             except (ValueError, BudgetExceededError, LedgerError):
                 if new_output:
                     clear_pending(self.io_path)  # refused: nothing was charged, nothing is left behind
@@ -1321,18 +1322,10 @@ def _to_text(finished: FinishedText, loaded: LoadedModel, stop: Sequence[str] = 
     )
 
 
-def _charge(ledger, plan, config: GenerationConfig, num_batches: int, release_id: str, output: Path | None) -> None:
-    """Charge the release to the ledger before anything is generated (idempotent on ``release_id``)."""
+def _charge(ledger, plan, num_batches: int, release_id: str, output: Path | None) -> None:
+    """Charge the release to the ledger before anything is generated (idempotent on ``release_id``): the
+    plan's event (:meth:`GenerationConfig.plan`, one text per batch), drawn from ``num_batches`` batches."""
     from accounting import Release
 
-    release = Release(
-        clip_norm=plan.clip_norm,
-        batch_size=config.batch_size,
-        temperature=config.temperature,
-        max_new_tokens=config.max_new_tokens,
-        texts_per_batch=1,
-        num_batches=num_batches,
-        label=f"generate -> {output.name}" if output is not None else "generate",
-        release_id=release_id,
-    )
-    ledger.charge(release)
+    label = f"generate -> {output.name}" if output is not None else "generate"
+    ledger.charge(Release(plan.event, num_batches, release_id, label))

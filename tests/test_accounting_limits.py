@@ -66,7 +66,7 @@ def test_plan_with_huge_epsilon_is_refused_at_once(epsilon, accountant, capsys):
 @pytest.mark.timeout(HANG_SECONDS)
 @pytest.mark.parametrize("accountant", ACCOUNTANTS)
 def test_max_epsilon0_ends_on_huge_epsilon(accountant):
-    # the API below the range checks: the loops in max_epsilon0 and _br_upper_fast never ended
+    # the API below the range checks: the loops in max_epsilon0 and br_upper_fast never ended
     try:
         e0 = max_epsilon0(1e308, 1e-6, 100, accountant)
     except ValueError as err:

@@ -373,12 +373,12 @@ def test_ledger_is_a_valid_filter_for_adaptively_chosen_releases(tmp_path):
     # fixed in 9e5b539): when the ledger concatenated all steps under the fixed-sequence br-adaptive
     # bound it accepted X and Y, and picking between them gave delta >= 1.23e-6.
     budget_epsilon, budget_delta = 1.0, 1e-6
-    release_a = Release(release_id="A", clip_norm=0.025, batch_size=1, temperature=1.0, max_new_tokens=20)
+    release_a = Release.of(release_id="A", clip_norm=0.025, batch_size=1, temperature=1.0, max_new_tokens=20)
     options = [
-        Release(release_id="X", clip_norm=0.325, batch_size=1, temperature=1.0, max_new_tokens=1),
-        Release(release_id="Y", clip_norm=0.0205, batch_size=1, temperature=1.0, max_new_tokens=100),
-        Release(release_id="X2", clip_norm=0.19, batch_size=1, temperature=1.0, max_new_tokens=1),
-        Release(release_id="Y2", clip_norm=0.019, batch_size=1, temperature=1.0, max_new_tokens=100),
+        Release.of(release_id="X", clip_norm=0.325, batch_size=1, temperature=1.0, max_new_tokens=1),
+        Release.of(release_id="Y", clip_norm=0.0205, batch_size=1, temperature=1.0, max_new_tokens=100),
+        Release.of(release_id="X2", clip_norm=0.19, batch_size=1, temperature=1.0, max_new_tokens=1),
+        Release.of(release_id="Y2", clip_norm=0.019, batch_size=1, temperature=1.0, max_new_tokens=100),
     ]
     accepted = []
     for option in options:

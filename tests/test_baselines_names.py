@@ -1,5 +1,5 @@
-"""Public names of :mod:`invink_audit.mechanisms`: ``MechanismGuarantee`` (formerly ``Guarantee``, which clashed
-with the run's :class:`invink_audit.Guarantee`) and its deprecated alias."""
+"""Public names of :mod:`invink_audit.mechanisms`: ``MechanismGuarantee`` (once ``Guarantee``, which clashed with
+the run's :class:`invink_audit.Guarantee`)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,10 @@ from invink_audit.mechanisms.base import MechanismGuarantee
 
 
 @pytest.mark.parametrize("module", ["invink_audit.mechanisms", "invink_audit.mechanisms.base"])
-def test_old_guarantee_name_is_a_deprecated_alias(module):
-    mod = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match=rf"{module}\.Guarantee is deprecated; use {module}\.MechanismGuarantee"):
-        old = mod.Guarantee
-    assert old is MechanismGuarantee
-    with pytest.warns(DeprecationWarning):
-        exec(f"from {module} import Guarantee as imported", namespace := {})  # noqa: S102
-    assert namespace["imported"] is MechanismGuarantee
+def test_the_old_guarantee_name_is_gone(module):
+    # a 0.x package with no outside users keeps no compatibility aliases
+    with pytest.raises(AttributeError):
+        importlib.import_module(module).Guarantee  # noqa: B018
 
 
 def test_mechanism_guarantee_is_not_the_run_guarantee():

@@ -128,7 +128,7 @@ def _ints(obj):
 def test_each_process_receives_its_own_batches_stream_keys_and_never_the_master_key(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(generation, "release_key", lambda seed: MASTER)
     references = [f"Review {i}: the soup was {'great' if i % 2 else 'cold'}." for i in range(21)]
-    release = generation._prepare_release(
+    release = generation.prepare_release(
         references, batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=8.0, model=tiny, output=tmp_path / "o.jsonl"
     )
     release.cluster = cluster = _RecordingCluster(rank=0, world_size=3)

@@ -196,7 +196,7 @@ class _Rank1(Cluster):
 
 
 def test_every_process_runs_in_the_dtype_process_0_chose(native, tiny_dir):
-    release = generation._prepare_release(
+    release = generation.prepare_release(
         REFERENCES, batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, model=str(tiny_dir), top_k=8
     )
     rank0 = load_model(tiny_dir, device="cpu")  # auto: bfloat16 after the probe

@@ -331,7 +331,7 @@ def test_some_empty_synthetic_texts_warn_with_their_count_and_are_reported():
 
 
 def _release() -> Release:
-    return Release(clip_norm=1.0, batch_size=4, temperature=1.0, max_new_tokens=10)
+    return Release.of(clip_norm=1.0, batch_size=4, temperature=1.0, max_new_tokens=10)
 
 
 @pytest.mark.parametrize("target_exists", [True, False], ids=["link-to-file", "dangling-link"])

@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from accounting import BudgetLedger
-from invink_audit.generation import ExternalRelease, _prepare_release, generate, generate_texts
+from invink_audit.generation import ExternalRelease, generate, generate_texts, prepare_release
 from invink_audit.mechanism import derive_key
 from invink_audit.models import build_tiny_model
 from invink_audit.outputs import journal_path, read_generation_output, shard_paths
@@ -83,7 +83,7 @@ def test_a_ray_release_equals_the_single_process_release(cluster, tiny_dir, refs
 def test_a_retried_task_never_releases_a_second_text(tiny_dir, refs, tmp_path):
     # what Ray does when an actor dies after writing: the task runs again on another actor
     output = tmp_path / "retry.jsonl"
-    external = ExternalRelease(_quiet(_prepare_release, refs, model=str(tiny_dir), output=output, **OPTIONS))
+    external = ExternalRelease(_quiet(prepare_release, refs, model=str(tiny_dir), output=output, **OPTIONS))
     try:
         todo = external.admit()
         state = external.worker_state()

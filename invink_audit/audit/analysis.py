@@ -204,7 +204,7 @@ def _delta_tests(rec: RecordedAudit, losses_by_key: dict) -> tuple[list[stats.Te
 
         def lower_at(b, srt=srt):
             eta = min(stats.dkw_radius(srt.size, b), 1.0)
-            return max(stats._delta_band(srt, eps, eta)[0] - dl for _, dl, eps in points)
+            return max(stats.delta_band(srt, eps, eta)[0] - dl for _, dl, eps in points)
 
         p_val = stats.p_value_from_lower_bound(lower_at, 0.0)
         curve = stats.hockey_stick_delta(losses, [eps for _, _, eps in points], beta)

@@ -215,7 +215,7 @@ def _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, cl
         raise ValueError(f"selection_fraction must be in (0, 1); got {selection_fraction!r}")
     if not (isinstance(claimed_epsilon, (int, float)) and claimed_epsilon >= 0):
         raise ValueError(f"claimed_epsilon must be >= 0; got {claimed_epsilon!r}")
-    beta = stats._check_significance(significance)
+    beta = stats.check_significance(significance)
     for s in scores:
         if not callable(s) and s not in SCORES:
             raise ValueError(f"scores must be callables or names in {sorted(SCORES)}; got {s!r}")

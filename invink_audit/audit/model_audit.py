@@ -46,7 +46,7 @@ from invink_audit.distributed import current_cluster
 from invink_audit.engine import Engine
 from invink_audit.mechanism import DEFAULT_TOP_K
 
-__all__ = ["ModelAuditSettings", "audit_model", "generic_audit_config", "hardest_case_row", "DEFAULT_CANARIES"]
+__all__ = ["ModelAuditSettings", "audit_model", "generic_audit_config", "hardest_case_row", "DEFAULT_CANARIES", "Slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def hardest_case_row(
     return public_logits + sign * (_HARDEST_PUSH * clip_norm)
 
 
-class _Slots:
+class Slots:
     """Token slots for a ``progress(done, total)`` callback (``None``: nothing is reported): reports 0 at
     once (a bar appears with its total), then every addition, never past ``total``."""
 
@@ -231,7 +231,7 @@ class _Session:
         step, not only when texts finish, which they mostly do together at the end)."""
         tokens = 0
         total = len(self.share.ids) * max_new_tokens
-        slots = _Slots(progress, total)
+        slots = Slots(progress, total)
         t_gen = time.perf_counter()
         for finished in engine.generate(
             [self.request] * len(self.share.ids), max_new_tokens=max_new_tokens, generator=self.generator,

@@ -126,7 +126,7 @@ def teacher_forced_losses(
         return _teacher_forced_outcomes(
             loaded, mechanism, requests, token_ids, claim=claim, config=config, progress=progress
         )
-    from invink_audit.audit.model_audit import _Slots
+    from invink_audit.audit.model_audit import Slots
     from invink_audit.engine import Engine
     from invink_audit.mechanism import make_generator
 
@@ -153,7 +153,7 @@ def teacher_forced_losses(
 
     engine = Engine(loaded, mechanism)
     lengths = {i: len(t) for i, t in enumerate(token_ids)}
-    slots = _Slots(progress, sum(lengths.values()))
+    slots = Slots(progress, sum(lengths.values()))
     with torch.no_grad():
         for f in engine.generate(
             requests, max_new_tokens=claim.max_new_tokens, generator=make_generator(device=loaded.device),
@@ -171,7 +171,7 @@ def teacher_forced_losses(
 def _teacher_forced_outcomes(loaded, mechanism, requests, outcome_ids, *, claim: Claim, config: WhiteBoxConfig,
                              progress=None):
     """:func:`teacher_forced_losses` for a generic mechanism (its exact state, outcomes forced)."""
-    from invink_audit.audit.model_audit import _Slots
+    from invink_audit.audit.model_audit import Slots
     from invink_audit.engine import Engine
     from invink_audit.mechanism import make_generator
 
@@ -202,7 +202,7 @@ def _teacher_forced_outcomes(loaded, mechanism, requests, outcome_ids, *, claim:
     engine = Engine(loaded, mechanism)
     stop_id = mechanism.stop_outcome(loaded.vocab_size)
     expected = {i: sum(1 for o in t if o != stop_id) for i, t in enumerate(outcome_ids)}
-    slots = _Slots(progress, sum(expected.values()))
+    slots = Slots(progress, sum(expected.values()))
     with torch.no_grad():
         for f in engine.generate(
             requests, max_new_tokens=claim.max_new_tokens, generator=make_generator(device=loaded.device),

@@ -48,6 +48,7 @@ __all__ = [
     "sampled_confirmations",
     "to_jsonable",
     "write_report",
+    "whitebox_markdown",
 ]
 
 
@@ -702,7 +703,8 @@ def _md_appendix(r: WhiteBoxReport) -> list[str]:
     return lines
 
 
-def _whitebox_markdown(r: WhiteBoxReport) -> str:
+def whitebox_markdown(r: WhiteBoxReport) -> str:
+    """The Markdown section of one white-box report (as :func:`write_report` writes it into ``report.md``)."""
     return "\n".join(
         _md_header(r) + _md_claim(r.claim) + _md_step_checks(r.step_checks) + _md_sequence(r) + _md_accountants(r)
         + _md_appendix(r)
@@ -905,7 +907,7 @@ def write_report(report, output_dir: str | Path, *, plots: bool = True) -> list[
     reports: Sequence = report if isinstance(report, (list, tuple)) else [report]
     payload = [r.to_dict() for r in reports]
     write_not_private_json(out / "report.json", payload if len(payload) > 1 else payload[0], indent=2)
-    md = "\n\n".join(_whitebox_markdown(r) if isinstance(r, WhiteBoxReport) else _blackbox_markdown(r) for r in reports)
+    md = "\n\n".join(whitebox_markdown(r) if isinstance(r, WhiteBoxReport) else _blackbox_markdown(r) for r in reports)
     write_not_private_text(out / "report.md", md, markdown=True)
     written = [out / "report.json", out / "report.md"]
     if plots:

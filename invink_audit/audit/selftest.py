@@ -341,13 +341,13 @@ def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) ->
     audit report, owner-only and marked NOT PRIVATE (:func:`~invink_audit.audit.report.write_report`)."""
     from pathlib import Path
 
-    from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, _whitebox_markdown, write_report
+    from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, whitebox_markdown, write_report
     from invink_audit.not_private import write_not_private_json, write_not_private_text
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_not_private_json(out / "report.json", result.to_json(), indent=2, notice=REPORT_PRIVACY_NOTICE)
-    md = selftest_markdown(result) + "\n\n" + "\n\n".join(_whitebox_markdown(r) for r in result.reports)
+    md = selftest_markdown(result) + "\n\n" + "\n\n".join(whitebox_markdown(r) for r in result.reports)
     write_not_private_text(out / "report.md", md, markdown=True)
     written = [out / "report.json", out / "report.md"]
     if plots:

@@ -134,9 +134,9 @@ def _order(key: str, value) -> float:
 
 
 def _significance(key: str, value) -> float:
-    from invink_audit.audit.stats import _check_significance
+    from invink_audit.audit.stats import check_significance
 
-    return _check_significance(_number(key, value))
+    return check_significance(_number(key, value))
 
 
 def _top_k(key: str, value) -> int | None:
@@ -582,12 +582,12 @@ def _check_top_level(raw) -> None:
 
 def load_spec(path: str | os.PathLike) -> AuditSpec:
     """Read and validate a TOML audit spec (UTF-8); every error names the file."""
-    from invink_audit.data import _read_text
+    from invink_audit.data import read_text
 
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"audit spec not found: {str(p)!r}")
-    text = _read_text(p)  # a byte that is not UTF-8: the file and its line
+    text = read_text(p)  # a byte that is not UTF-8: the file and its line
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -751,9 +751,9 @@ def _invink_model_dir(path) -> Iterator[str]:
     if not path:
         raise ValueError("[target] kind = 'invink' needs model_path (a directory, 'embedded' or 'tiny')")
     if path == "embedded":
-        from invink_audit.models import _cached_gguf_conversion, embedded_gguf_path
+        from invink_audit.models import EMBEDDED_MODEL, named_model_dir
 
-        yield str(_cached_gguf_conversion(embedded_gguf_path()))
+        yield str(named_model_dir(EMBEDDED_MODEL))
         return
     if path == "tiny":
         import tempfile

@@ -60,13 +60,16 @@ __all__ = [
     "holm",
     "bonferroni",
     "decide_verdict",
+    "check_significance",
+    "delta_band",
 ]
 
 #: smallest significance level the p-value bisection resolves (p-values below it are reported as it)
 MIN_P_VALUE = 1e-300
 
 
-def _check_significance(significance) -> float:
+def check_significance(significance) -> float:
+    """The significance level as a float in (0, 1); ``ValueError`` otherwise."""
     try:
         s = float(significance)
     except (TypeError, ValueError) as err:
@@ -116,7 +119,7 @@ class Interval:
     method: str
 
     def __post_init__(self):
-        _check_significance(self.significance)
+        check_significance(self.significance)
         if math.isnan(self.estimate) or math.isnan(self.lower) or math.isnan(self.upper):
             raise ValueError(f"interval values must not be NaN; got {self!r}")
         if not self.lower <= self.upper:
@@ -139,7 +142,7 @@ def dkw_radius(n: int, significance: float, *, two_sided: bool = True) -> float:
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n must be an integer >= 1; got {n!r}")
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     if two_sided or beta > 0.5:
         return math.sqrt(math.log(2.0 / beta) / (2.0 * n))
     return math.sqrt(math.log(1.0 / beta) / (2.0 * n))
@@ -209,7 +212,7 @@ def empirical_bernstein_mean_bounds(
     with :math:`V_n` the unbiased sample variance. Needs n ≥ 2 and a finite range.
     """
     logs = _as_samples("log_values", log_values, allow_posinf=False)
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     if not (math.isfinite(log_upper) and log_upper >= log_lower):
         raise ValueError(f"log_upper must be finite and >= log_lower; got {log_upper!r}")
     n = logs.size
@@ -244,7 +247,7 @@ def log_mean_bounds(
     With an infinite ``log_upper`` (no known range) only Anderson's lower bound applies (at β).
     Returns ``(lower, upper, method)``.
     """
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     if not math.isfinite(log_upper):
         lo, hi = anderson_mean_bounds(log_values, beta, log_lower=log_lower, log_upper=log_upper)
         return lo, hi, "anderson-dkw"
@@ -356,7 +359,7 @@ def renyi_monte_carlo(
     ``p_value`` tests :math:`H_0: D_\alpha \le` ``claimed``.
     """
     a = _check_alpha(alpha)
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     arr = _as_samples("losses", losses, allow_posinf=True)
     log_y = (a - 1.0) * arr
     log_upper = (a - 1.0) * float(loss_upper)
@@ -387,7 +390,7 @@ def renyi_importance_sampling(
     ``S = +inf`` (a support mismatch on the path) makes the divergence infinite.
     """
     a = _check_alpha(alpha)
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     arr = _as_samples("stepwise_divergence_sums", stepwise_divergence_sums, allow_posinf=True)
     if (arr < -1e-9).any():
         raise ValueError(f"stepwise_divergence_sums must be >= 0 (sums of divergences); got min {arr.min()!r}")
@@ -433,7 +436,7 @@ def _delta_terms(losses: np.ndarray, eps: float) -> np.ndarray:
         return np.clip(1.0 - np.exp(eps - losses), 0.0, 1.0)
 
 
-def _delta_band(sorted_losses: np.ndarray, eps: float, eta: float) -> tuple[float, float]:
+def delta_band(sorted_losses: np.ndarray, eps: float, eta: float) -> tuple[float, float]:
     r"""DKW band for δ(ε): :math:`\delta(\varepsilon)=\int_\varepsilon^\infty S(l)e^{\varepsilon-l}dl`.
 
     With :math:`|S_n-S|\le\eta` uniformly, integrate :math:`(S_n-\eta)_+` and :math:`\min(1,S_n+\eta)`
@@ -458,7 +461,7 @@ def hockey_stick_delta(losses, epsilons: Sequence[float], significance: float) -
 
     Losses may be ``+inf`` (contributing 1). See :class:`DeltaCurve` for the bounds.
     """
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     arr = _as_samples("losses", losses, allow_posinf=True)
     eps_arr = np.asarray(epsilons, dtype=np.float64).reshape(-1)
     if eps_arr.size == 0 or not np.isfinite(eps_arr).all():
@@ -481,7 +484,7 @@ def hockey_stick_delta(losses, epsilons: Sequence[float], significance: float) -
         est.append(mean)
         plo.append(max(0.0, mean - half))
         phi.append(min(1.0, mean + half))
-        lo, hi = _delta_band(srt, float(eps), eta)
+        lo, hi = delta_band(srt, float(eps), eta)
         blo.append(lo)
         bhi.append(hi)
     return DeltaCurve(
@@ -493,8 +496,8 @@ def hockey_stick_delta(losses, epsilons: Sequence[float], significance: float) -
 def delta_band_lower(losses, epsilon: float, significance: float) -> float:
     """DKW lower bound of δ(ε) (one ε; the band is simultaneous, so reuse over a grid is free)."""
     arr = np.sort(_as_samples("losses", losses, allow_posinf=True))
-    eta = min(dkw_radius(arr.size, _check_significance(significance)), 1.0)
-    return _delta_band(arr, float(epsilon), eta)[0]
+    eta = min(dkw_radius(arr.size, check_significance(significance)), 1.0)
+    return delta_band(arr, float(epsilon), eta)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,7 +511,7 @@ def clopper_pearson(successes: int, trials: int, significance: float) -> Interva
             raise ValueError(f"{name} must be a non-negative integer; got {v!r}")
     if trials < 1 or successes > trials:
         raise ValueError(f"need 0 <= successes <= trials and trials >= 1; got {successes}/{trials}")
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     k, n = int(successes), int(trials)
     lo = 0.0 if k == 0 else float(stats.beta.ppf(beta / 2, k, n - k + 1))
     hi = 1.0 if k == n else float(stats.beta.ppf(1 - beta / 2, k + 1, n - k))
@@ -533,7 +536,7 @@ def epsilon_lower_bound(
     Clopper–Pearson limits at β/2 each, so the returned max holds with probability ≥ 1 − β
     (union bound). Returns 0 when no positive bound is certified.
     """
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     if not 0.0 <= float(delta) < 1.0:
         raise ValueError(f"delta must be in [0, 1); got {delta!r}")
     # a two-sided interval at beta has one-sided limits at beta/2
@@ -571,7 +574,7 @@ class TestResult:
 
 def holm(p_values: Sequence[float], significance: float) -> list[bool]:
     """Holm (1979) step-down rejections; family-wise error ≤ ``significance`` under any dependence."""
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     p = np.asarray(p_values, dtype=np.float64).reshape(-1)
     if np.isnan(p).any() or (p < 0).any() or (p > 1).any():
         raise ValueError(f"p_values must be in [0, 1]; got {p_values!r}")
@@ -588,7 +591,7 @@ def holm(p_values: Sequence[float], significance: float) -> list[bool]:
 
 def bonferroni(p_values: Sequence[float], significance: float) -> list[bool]:
     """Bonferroni rejections (each test at ``significance / m``)."""
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     p = np.asarray(p_values, dtype=np.float64).reshape(-1)
     return (p <= beta / max(p.size, 1)).tolist()
 
@@ -611,7 +614,7 @@ def decide_verdict(
       A point estimate above its claim without significance is consistent with the claim (it is
       named in the reason).
     """
-    beta = _check_significance(significance)
+    beta = check_significance(significance)
     rejected = holm([t.p_value for t in tests], beta) if tests else []
     decided = [
         TestResult(t.name, t.p_value, t.estimate, t.claimed, bool(r), dict(t.details))

@@ -244,7 +244,7 @@ class WhiteBoxConfig:
         if not dirs:
             raise ValueError("directions must not be empty")
         object.__setattr__(self, "directions", dirs)
-        stats._check_significance(self.significance)
+        stats.check_significance(self.significance)
         grid = tuple(float(d) for d in self.delta_grid)
         if any(not 0 < d < 1 for d in grid):
             raise ValueError(f"delta_grid values must be in (0, 1); got {self.delta_grid!r}")

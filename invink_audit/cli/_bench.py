@@ -80,10 +80,10 @@ def register(subparsers) -> None:
 def _reference_model_dir(model: str | None) -> str:
     from pathlib import Path
 
-    from invink_audit.models import EMBEDDED_MODEL, _cached_gguf_conversion, embedded_gguf_path
+    from invink_audit.models import EMBEDDED_MODEL, named_model_dir
 
     if model is None or model.lower() in {EMBEDDED_MODEL, "embedded", "default"}:
-        return str(_cached_gguf_conversion(embedded_gguf_path()))
+        return str(named_model_dir(EMBEDDED_MODEL))
     if Path(model).is_dir():
         return model
     raise CliError("--reference needs the embedded model or a local model directory as --model")

@@ -258,7 +258,8 @@ def register(subparsers) -> None:
         "as nulls), generate one text per batch with InvisibleInk and stream them to a JSON Lines file. "
         "Re-running with the same --output resumes (batches already sampled are never drawn again; the output "
         "is locked while a run writes it). Under torchrun or accelerate launch, the processes share the batches of one "
-        "release (one ledger charge, one output file). " + _B_HELP,
+        "release (one ledger charge, one output file). --mechanism amin|adapmixed runs the paper's baselines instead "
+        "(docs/guide/baselines.md). " + _B_HELP,
     )
     _add_input_arguments(p)
     _add_privacy_arguments(p)
@@ -268,6 +269,9 @@ def register(subparsers) -> None:
 
     p.add_argument("--accountant", default=DEFAULT_ACCOUNTANT.value, choices=ACCOUNTANTS)
     add_model_arguments(p)
+    from invink_audit.cli._baselines import add_baseline_arguments
+
+    add_baseline_arguments(p)
     p.set_defaults(handler=_generate)
 
 
@@ -284,6 +288,11 @@ def _generate(args) -> int:
         raise CliError("--input must name a .csv or .jsonl file; got an empty path")
     if not args.output.strip():
         raise CliError("--output must name a .jsonl file; got an empty path")
+    if args.mechanism != "invisibleink":
+        from invink_audit.cli._baselines import generate_with_baseline
+
+        references, column = selected_references(args, None)
+        return generate_with_baseline(args, references, column)
     kwargs = dict(
         batch_size=parse_int("--batch-size", args.batch_size),
         max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),

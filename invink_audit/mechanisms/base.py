@@ -43,7 +43,6 @@ import abc
 import dataclasses
 import enum
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -62,27 +61,6 @@ __all__ = [
 #: dtype of every mechanism state and of every log-probability a mechanism returns.
 STATE_DTYPE = torch.float64
 
-#: Old names kept as deprecated aliases (old -> current), here and in :mod:`invink_audit.mechanisms`.
-#: ``Guarantee`` clashed with the run's guarantee :class:`invink_audit.Guarantee` (generation), a different record.
-DEPRECATED_NAMES = {"Guarantee": "MechanismGuarantee"}
-
-
-def deprecated_name(module: str, name: str) -> Any:
-    """The object the deprecated alias ``name`` of ``module`` names, with a :class:`DeprecationWarning`."""
-    current = DEPRECATED_NAMES.get(name)
-    if current is None:
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    warnings.warn(
-        f"{module}.{name} is deprecated; use {module}.{current} (not to be confused with invink_audit.{name})",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return globals()[current]
-
-
-def __getattr__(name: str) -> Any:
-    return deprecated_name(__name__, name)
-
 
 class GuaranteeKind(enum.Enum):
     """Whether a guarantee is fixed before the run (a-priori) or computed from the data (data-dependent)."""
@@ -95,8 +73,8 @@ class GuaranteeKind(enum.Enum):
 class MechanismGuarantee:
     r"""The privacy guarantee a mechanism's accountant gives for one text of at most ``max_new_tokens`` tokens.
 
-    Formerly ``Guarantee`` (still importable, deprecated); not the run's guarantee
-    :class:`invink_audit.Guarantee` (:mod:`invink_audit.generation`), which records one ``generate`` run's figures.
+    Not the run's guarantee :class:`invink_audit.Guarantee` (:mod:`invink_audit.generation`), which records one
+    ``generate`` run's figures.
 
     * ``kind``: :class:`GuaranteeKind`;
     * ``epsilon``, ``delta``: the (ε, δ)-DP statement (a-priori: certified for every dataset;
@@ -241,6 +219,13 @@ class Mechanism(abc.ABC):
     def describe(self) -> dict:
         """The mechanism's public parameters, for reports."""
         return {"mechanism": self.name, "batch_size": self.batch_size}
+
+    def topk_plus_columns(self):
+        """A capability the engine's fast path uses: a mechanism whose step is InvisibleInk's (the exponential
+        mechanism on difference-clipped logits over the Top-k+ set, no state, one mode) returns its
+        :class:`~invink_audit.mechanism.MechanismConfig`, and the engine then computes the private logits on
+        those columns only; ``None`` (the default): the engine gives the step the full logits."""
+        return None
 
 
 def check_step_shapes(private: torch.Tensor, public: torch.Tensor, batch_size: int) -> None:

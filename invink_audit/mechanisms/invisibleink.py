@@ -47,10 +47,11 @@ class InvisibleInk(Mechanism):
 
     def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         """Paper Theorem 2 (thm:accounting): T adaptively composed ε0-BR tokens; ε from the named accountant."""
-        from accounting import composed_epsilon
+        from accounting import GenerationEvent
 
         cfg = self.config
-        eps = float(composed_epsilon(delta, cfg.epsilon0, int(max_new_tokens), self.accountant))
+        event = GenerationEvent(cfg.clip_norm, cfg.batch_size, cfg.temperature, int(max_new_tokens), 1, cfg.clipping)
+        eps = event.epsilon(delta, self.accountant)
         return MechanismGuarantee(
             kind=GuaranteeKind.A_PRIORI,
             mechanism=self.name,
@@ -58,7 +59,7 @@ class InvisibleInk(Mechanism):
             delta=float(delta),
             max_new_tokens=int(max_new_tokens),
             composition="bounded-range",
-            rho_sequence=int(max_new_tokens) * cfg.rho_token,
+            rho_sequence=event.rho_sequence,
             step_epsilon0=cfg.epsilon0,
             step_rho=cfg.rho_token,
             description=(
@@ -67,6 +68,10 @@ class InvisibleInk(Mechanism):
             ),
             details={"clip_norm": cfg.clip_norm, "temperature": cfg.temperature, "top_k": cfg.top_k, "accountant": self.accountant},
         )
+
+    def topk_plus_columns(self) -> MechanismConfig:
+        """InvisibleInk declares the Top-k+ column capability: the engine runs this config on its fast path."""
+        return self.config
 
     def describe(self) -> dict:
         c = self.config

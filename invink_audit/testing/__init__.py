@@ -32,6 +32,7 @@ from invink_audit.testing.checkers import (
     max_linf_change,
     renyi_divergence,
 )
+from invink_audit.testing.contract import MechanismContract
 from invink_audit.testing.reference import (
     reference_aggregate,
     reference_private_topk_sets,
@@ -56,6 +57,8 @@ from invink_audit.testing.strategies import (
 )
 
 __all__ = [
+    # the contract every mechanism passes by subclassing
+    "MechanismContract",
     # strategies
     "DEFAULT_LOGIT_BOUND",
     "LogitBatch",
