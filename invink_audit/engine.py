@@ -634,10 +634,8 @@ class _Run:
             return [], 0
         features = self._forward(hidden)
         rows = _slot_rows(features, self.texts, ready, mechanism.batch_size)
-        if self.engine.generic:
-            return self._record_outcomes(ready, _OutcomeMath(self.engine, self).draw(rows, ready, hooks))
-        tokens, report = _StepMath(self.engine, self, hidden).draw(rows, ready, hooks)
-        return self._record(ready, tokens, report)
+        arithmetic = _OutcomeMath(self.engine, self) if self.engine.generic else _StepMath(self.engine, self, hidden)
+        return self._record(ready, arithmetic.draw(rows, ready, hooks))
 
     def _forward(self, hidden: bool) -> torch.Tensor | None:
         """The decoding forward pass over every slot's B + 1 rows (placeholders where a row is not decoding)."""
@@ -655,29 +653,6 @@ class _Run:
                 ids.append(last if row is not None else 0)
         return self.engine.forward.decode(rows, ids, hidden=hidden)
 
-    def _record(self, ready: list[int], tokens: list[int], report: list[list]) -> tuple[list[FinishedText], int]:
-        finished, gone = [], set()
-        for n, slot in enumerate(ready):
-            text = self.texts[slot]
-            size, outside = report[n]
-            text.tokens.append(tokens[n])
-            text.size_sum += size
-            text.size_sq_sum += size * size
-            text.expansion += outside
-            text.states = [None] * len(text.states)
-            reason = self._finish_reason(text, tokens[n])
-            if reason is not None:
-                finished.append(text.finished_text(reason))
-                gone.add(slot)
-        if gone:
-            for slot in gone:
-                for row in self.texts[slot].stored or ():
-                    if row is not None:
-                        row.store.remove(row)
-            self.texts = [t for s, t in enumerate(self.texts) if s not in gone]
-        return finished, len(ready)
-
-
     def _finish_reason(self, text: _Text, token: int) -> str | None:
         """Why ``text`` ends after drawing ``token`` (``None``: it goes on). Released tokens and public
         settings only: EOS, the template's public stop strings, or its ``max_new_tokens``-th token."""
@@ -689,38 +664,52 @@ class _Run:
             return FINISH_LENGTH
         return None
 
-    def _record_outcomes(self, ready: list[int], values: list[list]) -> tuple[list[FinishedText], int]:
-        """Generic mechanisms: record each ready text's outcome (mode and token, or the stop outcome)."""
+    def _record(self, ready: list[int], draws: list[_Draw]) -> tuple[list[FinishedText], int]:
+        """Record each ready text's draw (its token and mode, or the stop outcome of a mechanism's stop rule);
+        the texts that finish leave the run. Returns (finished, tokens drawn)."""
         vocab = self.engine.model.vocab_size
-        stop_outcome = self.engine.mechanism.stop_outcome(vocab)
+        stop_outcome = self.engine.mechanism.stop_outcome(vocab) if self.engine.generic else None
         finished, gone, drawn = [], set(), 0
-        for n, slot in enumerate(ready):
+        for slot, draw in zip(ready, draws):
             text = self.texts[slot]
-            outcome, stop_after, size = values[n]
             text.states = [None] * len(text.states)
-            if stop_outcome is not None and outcome == stop_outcome:
+            if stop_outcome is not None and draw.outcome == stop_outcome:
                 finished.append(text.finished_text(FINISH_BUDGET))  # ended by its stop rule, no token
                 gone.add(slot)
                 continue
-            token = outcome % vocab
+            token = draw.outcome % vocab
             drawn += 1
             text.tokens.append(token)
-            text.modes.append(outcome // vocab)
-            text.size_sum += size
-            text.size_sq_sum += size * size
+            if self.engine.generic:
+                text.modes.append(draw.outcome // vocab)
+            text.size_sum += draw.size
+            text.size_sq_sum += draw.size * draw.size
+            text.expansion += draw.outside
             reason = self._finish_reason(text, token)
-            if reason is None and stop_after:
+            if reason is None and draw.stop_after:
                 reason = FINISH_BUDGET
             if reason is not None:
                 finished.append(text.finished_text(reason))
                 gone.add(slot)
+        for slot in gone:
+            for row in self.texts[slot].stored or ():
+                if row is not None:
+                    row.store.remove(row)
         if gone:
-            for slot in gone:
-                for row in self.texts[slot].stored or ():
-                    if row is not None:
-                        row.store.remove(row)
             self.texts = [t for s, t in enumerate(self.texts) if s not in gone]
         return finished, drawn
+
+
+@dataclasses.dataclass(frozen=True)
+class _Draw:
+    """One text's draw of one step, for :meth:`_Run._record`: the outcome (InvisibleInk: the token; a generic
+    mechanism: mode · V + token, or its stop outcome), the support's size, whether the token fell outside the
+    public top-k (InvisibleInk's expansion) and whether the mechanism's stop rule ends the text after it."""
+
+    outcome: int
+    size: float
+    outside: int = 0
+    stop_after: bool = False
 
 
 def _slot_rows(features, texts: list[_Text], ready: list[int], batch_size: int) -> torch.Tensor:
@@ -799,8 +788,8 @@ class _StepMath:
         self.mechanism = engine.mechanism
         self.vocab_size = engine.model.vocab_size
 
-    def draw(self, rows: torch.Tensor, ready: list[int], hooks: _Hooks):
-        """Tokens and (set size, expansion flag) of the ready slots, in ``ready`` order."""
+    def draw(self, rows: torch.Tensor, ready: list[int], hooks: _Hooks) -> list[_Draw]:
+        """The ready slots' tokens with their Top-k+ set sizes and expansion flags, in ``ready`` order."""
         texts = [self.run.texts[s] for s in ready]
         device = rows.device
         null = to_device([[p is None for p in t.prompts[1:]] for t in self.run.texts], device, torch.bool)
@@ -906,7 +895,7 @@ class _StepMath:
         for v, text in zip(values, texts):
             if v[3] != _OK:
                 raise ValueError(f"{_ERRORS[v[3]]} (text {text.request_index}, step {len(text.tokens)})")
-        return [v[0] for v in values], [(float(v[1]), int(v[2])) for v in values]
+        return [_Draw(int(v[0]), float(v[1]), int(v[2])) for v in values]
 
 
 # --------------------------------------------------------------------------------------------
@@ -930,7 +919,8 @@ class _OutcomeMath:
         self.mechanism: Mechanism = engine.mechanism
         self.vocab_size = engine.model.vocab_size
 
-    def draw(self, rows: torch.Tensor, ready: list[int], hooks: _Hooks) -> list[list]:
+    def draw(self, rows: torch.Tensor, ready: list[int], hooks: _Hooks) -> list[_Draw]:
+        """The ready texts' outcomes, in ``ready`` order (one host transfer)."""
         texts = [self.run.texts[s] for s in ready]
         device = rows.device
         take = to_device(ready, device)
@@ -998,4 +988,4 @@ class _OutcomeMath:
         for v, text in zip(values, texts):
             if v[3] != _OK:
                 raise ValueError(f"{_ERRORS[int(v[3])]} (text {text.request_index}, step {len(text.tokens)})")
-        return [[int(v[0]), bool(v[1]), float(v[2])] for v in values]
+        return [_Draw(int(v[0]), float(v[2]), stop_after=bool(v[1])) for v in values]

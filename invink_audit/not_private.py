@@ -2,8 +2,8 @@
 
 Evaluation and audit reports, their plots, the per-text evaluation caches and the sweep's reference
 points (the ceiling samples from a private reference in the clear) are computed from private texts
-without privacy protection (STYLE.md, "Non-private artefacts are marked and closed"). Every such file
-this package writes goes through this module, so that each one is:
+without privacy protection. Every such file this package writes goes through this module, so that each one
+is:
 
 * **closed**: created owner-only (mode 0600; an existing file is replaced by an owner-only one), and
   never written or opened through a symbolic link planted at its path (a link could send the data to
