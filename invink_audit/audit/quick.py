@@ -115,93 +115,42 @@ def teacher_forced_losses(
     """Run the engine forcing ``token_ids[i]`` for ``requests[i]``; return the recorder's measurements.
 
     Every prefix of every text is checked exactly (all B neighbours) and the exact log-probabilities
-    of each text under R and every R'_j are accumulated. With a generic
-    :class:`~invink_audit.mechanisms.Mechanism`, ``token_ids[i]`` are the text's *outcomes*
-    (``mode·V + token``, and the stop outcome last when the mechanism's stop rule ended it).
+    of each text under R and every R'_j are accumulated. For a mechanism with more than InvisibleInk's one
+    mode (a generic :class:`~invink_audit.mechanisms.Mechanism`, in its exact state), ``token_ids[i]`` are the
+    text's *outcomes* (``mode·V + token``, and the stop outcome last when the mechanism's stop rule ended it),
+    and each step's per-step claim is checked on the distributions the mechanism names for it.
     ``progress(done, total)``: forced tokens so far, of all the texts' tokens.
     """
-    from invink_audit.mechanisms import Mechanism, as_mechanism
-
-    if isinstance(mechanism, Mechanism) and as_mechanism(mechanism).name != "invisibleink":
-        return _teacher_forced_outcomes(
-            loaded, mechanism, requests, token_ids, claim=claim, config=config, progress=progress
-        )
     from invink_audit.audit.model_audit import Slots
     from invink_audit.engine import Engine
     from invink_audit.mechanism import make_generator
 
+    engine = Engine(loaded, mechanism)
+    generic, what = engine.generic, "outcome" if engine.generic else "token"
     n = len(requests)
     plan = SamplingPlan(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64))
-    max_len = max(len(t) for t in token_ids)
-    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max(1, max_len), device=loaded.device)
-    forced = torch.full((n, max(1, max_len)), 0, dtype=torch.long, device=loaded.device)
+    max_len = max(1, max(len(t) for t in token_ids))
+    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max_len, device=loaded.device)
+    forced = torch.zeros((n, max_len), dtype=torch.long, device=loaded.device)
     for i, ids in enumerate(token_ids):
         forced[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
 
     def rule(step):
         nlp = step.neighbour_log_probs()
-        recorder.sampling_log_weights(step.request_indices, nlp.actual, nlp.neighbours)
-        tok = forced[step.request_indices, step.positions]
-        if not bool(torch.isfinite(nlp.actual.gather(1, tok[:, None])).all()):
-            raise ValueError("a forced token has probability 0 under the mechanism: the texts do not match this configuration")
-        weights = torch.full_like(nlp.actual, -math.inf)
-        weights.scatter_(1, tok[:, None], 0.0)
-        return weights
-
-    def observer(step):
-        recorder.record(step.request_indices, step.tokens)
-
-    engine = Engine(loaded, mechanism)
-    lengths = {i: len(t) for i, t in enumerate(token_ids)}
-    slots = Slots(progress, sum(lengths.values()))
-    with torch.no_grad():
-        for f in engine.generate(
-            requests, max_new_tokens=claim.max_new_tokens, generator=make_generator(device=loaded.device),
-            observer=observer, sampling_rule=rule, progress=slots.add if progress is not None else None,
-        ):
-            if f.num_tokens != lengths[f.request_index]:
-                raise ValueError(
-                    f"text {f.request_index} ended after {f.num_tokens} tokens under teacher forcing, "
-                    f"but has {lengths[f.request_index]}: the texts do not match this configuration"
-                )
-    slots.finish()
-    return recorder.finish()
-
-
-def _teacher_forced_outcomes(loaded, mechanism, requests, outcome_ids, *, claim: Claim, config: WhiteBoxConfig,
-                             progress=None):
-    """:func:`teacher_forced_losses` for a generic mechanism (its exact state, outcomes forced)."""
-    from invink_audit.audit.model_audit import Slots
-    from invink_audit.engine import Engine
-    from invink_audit.mechanism import make_generator
-
-    n = len(requests)
-    plan = SamplingPlan(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64))
-    max_len = max(1, max(len(t) for t in outcome_ids))
-    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max_len, device=loaded.device)
-    forced = torch.zeros((n, max_len), dtype=torch.long, device=loaded.device)
-    for i, ids in enumerate(outcome_ids):
-        forced[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-
-    def rule(step):
-        nlp = step.neighbour_log_probs()
-        r = step.result
-        recorder.sampling_log_weights(
-            step.request_indices, nlp.actual, nlp.neighbours, check_actual=r.check_actual, check_neighbours=r.check_neighbours
-        )
+        checks = {"check_actual": step.result.check_actual, "check_neighbours": step.result.check_neighbours} if generic else {}
+        recorder.sampling_log_weights(step.request_indices, nlp.actual, nlp.neighbours, **checks)
         out = forced[step.request_indices, step.positions]
         if not bool(torch.isfinite(nlp.actual.gather(1, out[:, None])).all()):
-            raise ValueError("a forced outcome has probability 0 under the mechanism: the texts do not match this configuration")
+            raise ValueError(f"a forced {what} has probability 0 under the mechanism: the texts do not match this configuration")
         weights = torch.full_like(nlp.actual, -math.inf)
         weights.scatter_(1, out[:, None], 0.0)
         return weights
 
     def observer(step):
-        recorder.record(step.request_indices, step.outcomes)
+        recorder.record(step.request_indices, step.outcomes if generic else step.tokens)
 
-    engine = Engine(loaded, mechanism)
-    stop_id = mechanism.stop_outcome(loaded.vocab_size)
-    expected = {i: sum(1 for o in t if o != stop_id) for i, t in enumerate(outcome_ids)}
+    stop_id = engine.mechanism.stop_outcome(loaded.vocab_size) if generic else None
+    expected = {i: sum(1 for o in t if o != stop_id) for i, t in enumerate(token_ids)}
     slots = Slots(progress, sum(expected.values()))
     with torch.no_grad():
         for f in engine.generate(
@@ -227,14 +176,16 @@ class AuditedRelease:
     release's privacy event (:class:`accounting.GenerationEvent`), δ and the accountant's ε, the
     partition, and the prompt template (with each batch's labels in a label-conditioned release)."""
 
-    mechanism: object  # invink_audit.mechanism.MechanismConfig
-    event: object  # accounting.GenerationEvent
+    mechanism: object  # invink_audit.mechanism.MechanismConfig, or a generic invink_audit.mechanisms.Mechanism
+    event: object  # accounting.GenerationEvent (None for a generic mechanism: its guarantee says what it claims)
     delta: float
     epsilon: float
     partition: object  # invink_audit.data.Partition
     template: object  # invink_audit.prompts.PromptTemplate
     labels: tuple | None = None
     label_fields: Mapping[str, str] | None = None  # label column -> prompt field, as generate placed them
+    guarantee: object = None  # a generic mechanism's MechanismGuarantee
+    max_new_tokens: int | None = None
 
     @classmethod
     def of(cls, result, references=None, *, prompt=None, prompt_fields=None) -> AuditedRelease:
@@ -252,6 +203,23 @@ class AuditedRelease:
         return cls(
             result.mechanism, result.plan.event, result.plan.delta, result.guarantee.epsilon, result.partition,
             result.template, result.labels, getattr(result, "label_fields", None),
+        )
+
+    @classmethod
+    def of_run(cls, run, references, *, prompt_fields=None) -> AuditedRelease:
+        """The release of a :class:`~invink_audit.mechanisms.run.MechanismRun` (any mechanism), which records no
+        partition: ``references`` are those given to ``generate_with_mechanism``."""
+        from invink_audit.data import partition_references, read_references
+        from invink_audit.prompts import get_preset
+
+        if references is None:
+            raise ValueError("a MechanismRun records no partition: give the references given to generate_with_mechanism")
+        if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
+            references = read_references(references)
+        fields = prompt_fields if prompt_fields is not None else run.prompt_fields
+        return cls(
+            run.mechanism, None, run.guarantee.delta, run.guarantee.epsilon, partition_references(references, run.batch_size),
+            get_preset(run.prompt, **fields), guarantee=run.guarantee, max_new_tokens=run.max_new_tokens,
         )
 
     @classmethod
@@ -285,12 +253,17 @@ class AuditedRelease:
 
     def claim(self) -> Claim:
         """The claim the release's mechanism makes for texts of at most T tokens."""
+        if self.guarantee is not None:
+            return Claim.from_guarantee(self.guarantee, self.partition.batch_size, label=self.mechanism.name)
         return Claim.from_mechanism(self.mechanism, self.event.max_new_tokens, delta=self.delta)
 
     def audit_settings(self):
-        """The sampled audit's mechanism parameters: the release's event, its top-k and δ."""
+        """The sampled audit's mechanism parameters: the release's event, its top-k and δ (a generic mechanism:
+        the mechanism itself)."""
         from invink_audit.audit.model_audit import ModelAuditSettings
 
+        if self.guarantee is not None:
+            return ModelAuditSettings(max_new_tokens=self.max_new_tokens, delta=self.delta, mechanism=self.mechanism)
         e = self.event
         return ModelAuditSettings(
             max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=self.mechanism.top_k, clip_norm=e.clip_norm,
@@ -445,51 +418,6 @@ def _forced_outcomes(run, vocab: int) -> list[list[int]]:
     return outcomes
 
 
-def _quick_audit_generic(
-    run, references, *, model, prompt_fields, sampled_batch, num_samples, directions, alphas, significance, generator, start,
-    progress,
-) -> QuickAuditReport:
-    from invink_audit.audit.model_audit import ModelAuditSettings, audit_model, generic_audit_config
-    from invink_audit.data import partition_references, read_references
-    from invink_audit.models import load_model
-    from invink_audit.prompts import encode_request, get_preset
-
-    mech, g = run.mechanism, run.guarantee
-    if references is None:
-        raise ValueError("a MechanismRun records no partition: give the references given to generate_with_mechanism")
-    loaded = load_model(model, dtype=run.dtype_choice)
-    if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
-        references = read_references(references)
-    partition = partition_references(references, run.batch_size)
-    template = get_preset(run.prompt, **(prompt_fields if prompt_fields is not None else run.prompt_fields))
-    claim = Claim.from_guarantee(g, run.batch_size, label=mech.name)
-    config, _ = generic_audit_config(
-        WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(run.texts)), num_is_samples=0, significance=significance), claim
-    )
-    requests = [
-        encode_request(loaded.tokenizer, template, [r if r else None for r in partition.batches[t.batch_index]], key=t.batch_index)
-        for t in run.texts
-    ]
-    rec = _teacher_forced_outcomes(loaded, mech, requests, _forced_outcomes(run, loaded.vocab_size), claim=claim,
-                                   config=config, progress=_phase(progress, PHASE_EXACT))
-    sampled = None
-    if sampled_batch is not None:
-        sampled = audit_model(
-            [r if r else None for r in partition.batches[sampled_batch]],
-            ModelAuditSettings(max_new_tokens=run.max_new_tokens, delta=g.delta, mechanism=mech),
-            _sampled_config(alphas=alphas, num_samples=num_samples, num_is_samples=0, significance=significance,
-                            directions=directions),
-            model=loaded,
-            prompt=template,
-            generator=generator,
-            progress=_phase(progress, PHASE_SAMPLED),
-        )
-    return _quick_report(
-        rec, claim, sampled, texts=len(run.texts), accountant_epsilon=g.epsilon, start=start, mechanism=mech.name,
-        guarantee=claim.guarantee, model_dtype=loaded.dtype_choice.to_json(),
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # the entry point
 
@@ -550,12 +478,10 @@ def quick_audit(
     start = time.perf_counter()
     _phase(progress, "")  # a progress that is not callable is refused before anything is loaded
     if isinstance(result, MechanismRun):
-        return _quick_audit_generic(
-            result, references, model=model, prompt_fields=prompt_fields, sampled_batch=sampled_batch,
-            num_samples=num_samples, directions=directions, alphas=alphas, significance=significance,
-            generator=generator, start=start, progress=progress,
-        )
-    release = AuditedRelease.of(result, references, prompt=prompt, prompt_fields=prompt_fields)
+        release = AuditedRelease.of_run(result, references, prompt_fields=prompt_fields)
+        num_is_samples = 0  # its bound needs the bounded-range step claim of InvisibleInk's tokens
+    else:
+        release = AuditedRelease.of(result, references, prompt=prompt, prompt_fields=prompt_fields)
     return _quick_audit_release(
         result, release, model=model, sampled_batch=sampled_batch,
         sampled_config=_sampled_config(alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples,
@@ -566,8 +492,9 @@ def quick_audit(
 
 def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batch, sampled_config, alphas, significance,
                          generator, start, progress) -> QuickAuditReport:
-    """:func:`quick_audit` of an InvisibleInk release: teacher forcing of its texts, then the sampled audit."""
-    from invink_audit.audit.model_audit import audit_model
+    """:func:`quick_audit` of a release: teacher forcing of its texts (a generic mechanism's outcomes), then the
+    sampled audit of one batch."""
+    from invink_audit.audit.model_audit import audit_model, generic_audit_config
     from invink_audit.models import load_model
     from invink_audit.prompts import encode_request
 
@@ -576,23 +503,28 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
     loaded = load_model(model, dtype=getattr(result, "dtype_choice", None))
     claim = release.claim()
     config = WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(result.texts)), num_is_samples=0, significance=significance)
+    forced = [list(t.token_ids) for t in result.texts]
+    if release.guarantee is not None:
+        config, _ = generic_audit_config(config, claim)
+        forced = _forced_outcomes(result, loaded.vocab_size)
     requests = [
-        encode_request(loaded.tokenizer, release.batch_template(t.batch_index), release.partition.batches[t.batch_index],
-                       key=t.batch_index)
+        encode_request(loaded.tokenizer, release.batch_template(t.batch_index),
+                       [r if r else None for r in release.partition.batches[t.batch_index]], key=t.batch_index)
         for t in result.texts
     ]
     rec = teacher_forced_losses(
-        loaded, release.mechanism, requests, [list(t.token_ids) for t in result.texts], claim=claim, config=config,
-        progress=_phase(progress, PHASE_EXACT),
+        loaded, release.mechanism, requests, forced, claim=claim, config=config, progress=_phase(progress, PHASE_EXACT)
     )
     sampled = None
     if sampled_batch is not None:
         sampled = audit_model(
-            list(release.partition.batches[sampled_batch]), release.audit_settings(), sampled_config, model=loaded,
-            prompt=release.batch_template(sampled_batch), generator=generator, progress=_phase(progress, PHASE_SAMPLED),
+            [r if r else None for r in release.partition.batches[sampled_batch]], release.audit_settings(),
+            sampled_config, model=loaded, prompt=release.batch_template(sampled_batch), generator=generator,
+            progress=_phase(progress, PHASE_SAMPLED),
         )
+    generic = {} if release.guarantee is None else {"mechanism": release.mechanism.name, "guarantee": claim.guarantee}
     return _quick_report(rec, claim, sampled, texts=len(result.texts), accountant_epsilon=release.epsilon, start=start,
-                         model_dtype=loaded.dtype_choice.to_json())
+                         model_dtype=loaded.dtype_choice.to_json(), **generic)
 
 
 # ---------------------------------------------------------------------------------------------
