@@ -275,7 +275,9 @@ class Guarantee:
 
 @dataclasses.dataclass(frozen=True)
 class GeneratedText:
-    """One synthetic text (from batch ``batch_index``) and its after-the-fact measurements."""
+    """One synthetic text (from batch ``batch_index``) and its after-the-fact measurements: the one text record
+    of a release, whatever the mechanism (``modes``: each token's mode for a mechanism with several, e.g. 0
+    public and 1 private for Amin et al.; empty for InvisibleInk's one mode)."""
 
     batch_index: int
     text: str
@@ -286,6 +288,7 @@ class GeneratedText:
     expansion_tokens: int
     #: the batch's labels (label column → value) in a label-conditioned release, else ``None``
     labels: Mapping[str, str] | None = None
+    modes: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

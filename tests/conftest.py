@@ -36,9 +36,31 @@ def cpu_dtype(request):
 
 
 @pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama (seed 5, float32) shared by a module; a module that needs another defines its own."""
+    from invink_audit.models import build_tiny_model
+
+    return build_tiny_model(seed=5)
+
+
+@pytest.fixture(scope="module")
 def tiny_dir(tiny, tmp_path_factory):
     """The requesting module's ``tiny`` model saved as a local model directory (for CLI and path loads)."""
     path = tmp_path_factory.mktemp("tiny-model")
     tiny.model.save_pretrained(path)
     tiny.tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def reviews_csv(tmp_path):
+    """``write(rows, columns=("text", "label1", "label2"))``: the rows as a quoted CSV in ``tmp_path``; its path."""
+
+    def write(rows, columns=("text", "label1", "label2"), name="reviews.csv"):
+        path = tmp_path / name
+        body = "".join(",".join(f'"{v}"' if i == 0 else str(v) for i, v in enumerate(row)) + "\n" for row in rows)
+        path.write_text(",".join(columns) + "\n" + body, encoding="utf-8")
+        return path
+
+    return write
+

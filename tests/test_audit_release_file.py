@@ -19,16 +19,9 @@ ROWS = [(f"Review {i}: the soup was {'great' if i % 2 else 'cold'}.", "Restauran
         for i in range(17)]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
-
-
 @pytest.fixture
-def reviews(tmp_path):
-    path = tmp_path / "reviews.csv"
-    path.write_text("text,label1,label2\n" + "".join(f'"{t}",{c},{s}\n' for t, c, s in ROWS), encoding="utf-8")
-    return path
+def reviews(reviews_csv):
+    return reviews_csv(ROWS)
 
 
 def _release(path, output, tiny_dir, **kwargs):

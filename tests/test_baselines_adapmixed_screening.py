@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from scipy import special, stats
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import math
 
-import numpy as np
 import pytest
 import torch
 from scipy import integrate, stats

@@ -14,22 +14,14 @@ import pytest
 from accounting import BudgetLedger, zcdp_to_epsilon
 from invink_audit.cli import main
 from invink_audit.mechanisms import AminConfig
-from invink_audit.models import build_tiny_model
 
 TEXTS = [f"Review {i}: the soup was {'great' if i % 2 else 'cold'} and the bread {'fresh' if i % 3 else 'stale'}."
          for i in range(12)]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
-
-
 @pytest.fixture
-def reviews(tmp_path):
-    path = tmp_path / "reviews.csv"
-    path.write_text("text\n" + "".join(f'"{t}"\n' for t in TEXTS), encoding="utf-8")
-    return path
+def reviews(reviews_csv):
+    return reviews_csv([(t,) for t in TEXTS], columns=("text",))
 
 
 def _generate(reviews, output, tiny_dir, *extra):

@@ -31,7 +31,6 @@ import invink_audit.generation as generation
 from invink_audit.distributed import Cluster, check_single_machine
 from invink_audit.engine import Engine
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, derive_key, make_generator
-from invink_audit.models import build_tiny_model
 from invink_audit.outputs import journal_path, read_generation_output
 from invink_audit.prompts import encode_request, get_preset
 
@@ -42,11 +41,6 @@ REFERENCES = [
     ["", "Best pho in town, and cheap.", "Loud music, good beer."],
     ["Burnt toast.", "Fresh bread every morning.", "The waiter forgot us."],
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
 
 
 def _generator(seed: int) -> torch.Generator:

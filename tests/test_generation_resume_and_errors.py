@@ -27,7 +27,6 @@ from invink_audit.generation import (
     read_generation_output,
 )
 from invink_audit.mechanism import SeededGeneratorWarning
-from invink_audit.models import build_tiny_model
 
 REFERENCES = [
     "Marguerite Lindqvist has a dry cough since the new tablets.",
@@ -47,11 +46,6 @@ SECRET = "Marguerite Lindqvist (DOB 1961-03-04) tested HIV positive"
 
 class Crash(Exception):
     """Stands in for a kill: raised from inside a run."""
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
 
 
 

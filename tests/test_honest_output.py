@@ -21,16 +21,10 @@ import pytest
 import invink_audit.generation as generation_module
 from invink_audit.cli import main
 from invink_audit.generation import generate, read_generation_output
-from invink_audit.models import build_tiny_model
 from invink_audit.outputs import journal_path
 
 CATEGORY = "Business Category: Restaurants"
 STARS = ("Review Stars: 5.0", "Review Stars: 1.0")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
 
 
 @pytest.fixture()

@@ -62,11 +62,6 @@ scores = ["length", "characters"]
 """
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
-
-
 def _edit(text: str, section: str, key: str, value: str) -> str:
     """``text`` with ``key = value`` in ``[section]`` (``""``: the top level), replacing an existing line."""
     lines = text.splitlines()

@@ -23,7 +23,6 @@ import pytest
 import invink_audit.outputs as outputs_module
 from invink_audit.generation import generate
 from invink_audit.mechanism import SeededGeneratorWarning
-from invink_audit.models import build_tiny_model
 from invink_audit.not_private import NOT_PRIVATE_BANNER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,11 +35,6 @@ REFERENCES = [
     "Agnes Mulcahy is more confused lately.",
 ]
 OWNER_ONLY = 0o600
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
 
 
 @pytest.fixture(autouse=True)

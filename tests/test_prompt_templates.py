@@ -32,11 +32,6 @@ from invink_audit.prompts import (
 FIELDS = {"category": "Restaurants", "stars": "4.0"}
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
-
-
 def _generator(seed=0):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)

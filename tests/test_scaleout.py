@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from invink_audit.distributed import Cluster, assign_batches, batch_cost
-from invink_audit.models import build_tiny_model
 from invink_audit.outputs import (
     Journal,
     OutputInUseError,
@@ -276,11 +275,6 @@ if mode and rank == int(os.environ["FAULT_RANK"]):
 from invink_audit.cli import main
 sys.exit(main(sys.argv[1:]))
 '''
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
 
 
 @pytest.fixture(scope="module")

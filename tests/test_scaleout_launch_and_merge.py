@@ -23,7 +23,6 @@ import pytest
 import invink_audit.generation as generation_module
 from accounting import BudgetLedger
 from invink_audit.generation import generate
-from invink_audit.models import build_tiny_model
 from invink_audit.outputs import (
     Journal,
     OutputInUseError,
@@ -36,11 +35,6 @@ from invink_audit.outputs import (
     shard_path,
     start_output,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
 
 
 @pytest.fixture(scope="module")

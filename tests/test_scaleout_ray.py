@@ -16,7 +16,6 @@ import pytest
 from accounting import BudgetLedger
 from invink_audit.generation import ExternalRelease, generate, generate_texts, prepare_release
 from invink_audit.mechanism import derive_key
-from invink_audit.models import build_tiny_model
 from invink_audit.outputs import journal_path, read_generation_output, shard_paths
 
 ray = pytest.importorskip("ray")
@@ -25,11 +24,6 @@ pytestmark = pytest.mark.slow
 
 NUM_REFERENCES = 40
 OPTIONS = dict(batch_size=3, max_new_tokens=8, delta=1e-6, epsilon=8.0, top_k=20, seed=7, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import pytest
 from invink_audit.cli import main
 from invink_audit.data import LabelledReferences, select_references
 from invink_audit.evaluation.sweep import SweepConfig
-from invink_audit.models import build_tiny_model
 
 ROWS = [
     ("Soup was cold.", "Restaurants", "1.0"),
@@ -24,16 +23,9 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model(seed=5)
-
-
 @pytest.fixture
-def reviews(tmp_path):
-    path = tmp_path / "reviews.csv"
-    path.write_text("text,label1,label2\n" + "".join(f'"{t}",{c},{s}\n' for t, c, s in ROWS), encoding="utf-8")
-    return path
+def reviews(reviews_csv):
+    return reviews_csv(ROWS)
 
 
 def test_selection_keeps_file_order_and_the_label_columns_asked_for(reviews):

@@ -3,17 +3,17 @@ r"""Generate texts with any :class:`~invink_audit.mechanisms.Mechanism` (compari
 :func:`generate_with_mechanism` partitions the references into disjoint batches of ``B`` in input
 order (:func:`invink_audit.data.partition_references`, paper Corollary 11 (coro:parallel-batches)), encodes each batch with
 a prompt preset and runs the engine with the mechanism in its sampled state (as deployed), one text
-per batch. It returns the texts with their modes (e.g. which tokens were private), finish reasons
-(a mechanism's stop rule ends a text with ``"budget"``) and, for a data-dependent mechanism, the
-spend of each text.
+per batch. It returns the texts as the release's one text record (:class:`~invink_audit.generation.GeneratedText`)
+with their modes (e.g. which tokens were private) and finish reasons (a mechanism's stop rule ends a text with
+``"budget"``).
 
 It is **not** the production pipeline: no budget ledger, no resume journal, no output lock
 (:func:`invink_audit.generation.generate` does those, for InvisibleInk). A fixed ``generator`` seed
 makes the texts reproducible and therefore not private: the run is marked as
 :func:`~invink_audit.generation.generate` marks a seeded release (``seeded``, ``void_reason``, and
 :meth:`MechanismRun.record_fields` writes ``"guarantee": null`` with ``"guarantee_void_reason"``). A
-data-dependent mechanism's per-text ``spend`` (AdaPMixED's) is computed from the references: it is
-private and must not be written per record.
+data-dependent mechanism's per-text spend (AdaPMixED's) is computed from the references: it is private, so
+the run does not keep it (the engine's :class:`~invink_audit.engine.FinishedText` has it, for tests).
 """
 
 from __future__ import annotations
@@ -21,30 +21,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from invink_audit.mechanisms.base import Mechanism, MechanismGuarantee
 from invink_audit.models import DtypeChoice
 
-__all__ = ["MechanismRun", "MechanismText", "generate_with_mechanism"]
+if TYPE_CHECKING:
+    from invink_audit.generation import GeneratedText
 
-
-@dataclasses.dataclass(frozen=True)
-class MechanismText:
-    """One text: its batch, decoded text, tokens, each token's mode, finish reason and spend (a
-    data-dependent spend is private: never write it per record)."""
-
-    batch_index: int
-    text: str
-    token_ids: tuple[int, ...]
-    modes: tuple[int, ...]
-    finish_reason: str
-    spend: float | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+__all__ = ["MechanismRun", "generate_with_mechanism"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +45,7 @@ class MechanismRun:
 
     mechanism: Mechanism
     guarantee: MechanismGuarantee
-    texts: tuple[MechanismText, ...]
+    texts: tuple[GeneratedText, ...]
     prompt: str
     prompt_fields: dict
     max_new_tokens: int
@@ -122,7 +109,7 @@ def generate_with_mechanism(
     """
     from invink_audit.data import partition_references
     from invink_audit.engine import Engine
-    from invink_audit.generation import SEEDED_VOID_REASON
+    from invink_audit.generation import SEEDED_VOID_REASON, GeneratedText
     from invink_audit.mechanism import is_seeded, make_generator
     from invink_audit.models import load_model
     from invink_audit.prompts import PromptTemplate, encode_request, get_preset, release_text
@@ -144,13 +131,15 @@ def generate_with_mechanism(
     texts = {}
     with torch.inference_mode():
         for f in engine.generate(requests, max_new_tokens=max_new_tokens, generator=gen):
-            texts[f.request_index] = MechanismText(
+            texts[f.request_index] = GeneratedText(
                 batch_index=f.request_index,
                 text=release_text(loaded.tokenizer, f.token_ids, template.stop),
                 token_ids=f.token_ids,
-                modes=f.modes,
                 finish_reason=f.finish_reason,
-                spend=f.spend,
+                topk_plus_size_mean=f.topk_plus_size_mean,  # the size of the outcome support
+                topk_plus_size_std=f.topk_plus_size_std,
+                expansion_tokens=f.expansion_tokens,
+                modes=f.modes,
             )
     return MechanismRun(
         mechanism=mechanism,
