@@ -186,7 +186,7 @@ def test_write_report_renders_whitebox(tmp_path):
     names = {f.name for f in files}
     assert {"report.json", "report.md", "renyi.png", "loss_histogram.png", "step_loss_range.png"} <= names
     data = json.loads((tmp_path / "report.json").read_text())
-    from invink_audit.audit.report import report_from_dict
+    from invink_audit.audit.records import report_from_dict
 
     again = report_from_dict(data)
     assert again.to_dict() == data  # JSON round trip (re-rendering committed reports)

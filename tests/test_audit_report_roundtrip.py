@@ -9,14 +9,7 @@ import pytest
 import torch
 
 from invink_audit.audit import analysis, synthetic
-from invink_audit.audit.report import (
-    AuditTimings,
-    LossHistogram,
-    ReportedClaim,
-    WhiteBoxReport,
-    WorstNeighbour,
-    report_from_dict,
-)
+from invink_audit.audit.records import AuditTimings, LossHistogram, ReportedClaim, WhiteBoxReport, WorstNeighbour, report_from_dict
 from invink_audit.audit.whitebox import Claim, WhiteBoxConfig
 
 REPORTS = Path(__file__).resolve().parents[1] / "audits" / "reports"

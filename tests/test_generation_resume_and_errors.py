@@ -370,7 +370,8 @@ def test_audit_reports_say_they_are_not_private_and_label_uncharged_samples(tiny
     from types import SimpleNamespace
 
     from invink_audit.audit.quick import QuickAuditReport, quick_audit
-    from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, report_from_dict, write_report
+    from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, report_from_dict
+    from invink_audit.audit.report import write_report
     from invink_audit.audit.stats import Verdict
 
     refs = ["The food was great.", "Mr Smith was admitted.", "", "Slow service."]

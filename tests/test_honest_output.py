@@ -196,7 +196,7 @@ REPORTS = Path(__file__).resolve().parents[1] / "audits" / "reports"
 
 
 def _committed(name):
-    from invink_audit.audit.report import report_from_dict
+    from invink_audit.audit.records import report_from_dict
 
     return report_from_dict(json.loads((REPORTS / name / "report.json").read_text()))
 

@@ -387,13 +387,14 @@ def test_evaluation_reports_are_owner_only_and_marked(tmp_path):
 
 
 def _committed_whitebox_report():
-    from invink_audit.audit.report import report_from_dict
+    from invink_audit.audit.records import report_from_dict
 
     return report_from_dict(json.loads((ROOT / "audits" / "reports" / "yelp_smollm2_adapmixed" / "report.json").read_text()))
 
 
 def test_audit_reports_are_owner_only_and_marked(tmp_path):
-    from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, report_from_dict, write_report
+    from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, report_from_dict
+    from invink_audit.audit.report import write_report
 
     report = _committed_whitebox_report()
     data = report.to_dict()

@@ -21,9 +21,10 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("Claim", "Direction", "WhiteBoxConfig"), "invink_audit.audit.whitebox"),
     **dict.fromkeys(
         ("WhiteBoxReport", "BlackBoxReport", "ReportedClaim", "WorstNeighbour", "LossHistogram", "AuditTimings",
-         "report_from_dict", "write_report"),
-        "invink_audit.audit.report",
+         "report_from_dict"),
+        "invink_audit.audit.records",
     ),
+    **dict.fromkeys(("write_report",), "invink_audit.audit.report"),
     **dict.fromkeys(("ModelAuditSettings", "audit_model"), "invink_audit.audit.model_audit"),
     **dict.fromkeys(("AuditedRelease", "QuickAuditReport", "quick_audit"), "invink_audit.audit.quick"),
     **dict.fromkeys(("blackbox_audit", "engine_generator", "invink_generator"), "invink_audit.audit.blackbox"),

@@ -22,18 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from invink_audit.audit import stats
-from invink_audit.audit.report import (
-    AccountantComparison,
-    AuditTimings,
-    DeltaEstimate,
-    LossHistogram,
-    ReportedClaim,
-    SequenceEstimate,
-    StepCheckSummary,
-    WhiteBoxReport,
-    WorstNeighbour,
-    sampled_confirmations,
-)
+from invink_audit.audit.records import AccountantComparison, AuditTimings, DeltaEstimate, LossHistogram, ReportedClaim, SequenceEstimate, StepCheckSummary, WhiteBoxReport, WorstNeighbour, sampled_confirmations
 from invink_audit.audit.whitebox import (
     KIND_ACTUAL,
     KIND_MIXTURE_FORWARD,

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from invink_audit.audit import stats
-from invink_audit.audit.report import BlackBoxReport
+from invink_audit.audit.records import BlackBoxReport
 
 __all__ = [
     "DEFAULT_SCORES",

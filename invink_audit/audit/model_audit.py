@@ -39,7 +39,7 @@ import torch
 from accounting import Accountant, as_accountant
 from invink_audit.audit.analysis import analyse
 from invink_audit.audit.parallel import TextShare
-from invink_audit.audit.report import AuditTimings, WhiteBoxReport
+from invink_audit.audit.records import AuditTimings, WhiteBoxReport
 from invink_audit.audit.synthetic import HARDEST_PUBLIC_PROBABILITY
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.distributed import current_cluster
@@ -156,7 +156,7 @@ def audit_model(
     their slots named in ``canaries`` {slot: label}); ``hardest_case_slot``: a slot whose reference
     must be null, turned into the logit-level hardest-case canary. ``progress(done, total)`` counts
     token slots of the sampled texts (texts × T; a text that ends early fills its remaining slots).
-    Returns a :class:`~invink_audit.audit.report.WhiteBoxReport`.
+    Returns a :class:`~invink_audit.audit.records.WhiteBoxReport`.
     """
     refs, canaries = _check_slots(references, canaries, hardest_case_slot)
     options = dict(

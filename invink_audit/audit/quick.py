@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, WhiteBoxReport, headline_lines, to_jsonable
+from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, WhiteBoxReport, headline_lines, to_jsonable
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.not_private import mark_not_private

@@ -31,7 +31,7 @@ import torch
 
 from invink_audit.audit import synthetic
 from invink_audit.audit.analysis import analyse
-from invink_audit.audit.report import WhiteBoxReport, to_jsonable
+from invink_audit.audit.records import WhiteBoxReport, to_jsonable
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import WhiteBoxConfig
 
@@ -341,7 +341,9 @@ def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) ->
     audit report, owner-only and marked NOT PRIVATE (:func:`~invink_audit.audit.report.write_report`)."""
     from pathlib import Path
 
-    from invink_audit.audit.report import REPORT_PRIVACY_NOTICE, whitebox_markdown, write_report
+    from invink_audit.audit.records import REPORT_PRIVACY_NOTICE
+
+    from invink_audit.audit.report import whitebox_markdown, write_report
     from invink_audit.not_private import write_not_private_json, write_not_private_text
 
     out = Path(output_dir)

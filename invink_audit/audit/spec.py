@@ -64,7 +64,7 @@ from accounting.limits import COUNT_RANGE, MAX_COUNT, RANGES, ParameterRange
 from invink_audit.audit.whitebox import Direction, WhiteBoxConfig
 
 if TYPE_CHECKING:
-    from invink_audit.audit.report import BlackBoxReport, WhiteBoxReport
+    from invink_audit.audit.records import BlackBoxReport, WhiteBoxReport
     from invink_audit.audit.selftest import SelfTestResult
 
 __all__ = [
@@ -796,8 +796,8 @@ def run_spec(
     progress: Callable[[int, int], None] | None = None,
     status: Callable[[str], None] | None = None,
 ) -> SpecResult:
-    """Run a spec; returns a :class:`~invink_audit.audit.report.WhiteBoxReport` (white-box), a
-    :class:`~invink_audit.audit.report.BlackBoxReport` (black-box) or a
+    """Run a spec; returns a :class:`~invink_audit.audit.records.WhiteBoxReport` (white-box), a
+    :class:`~invink_audit.audit.records.BlackBoxReport` (black-box) or a
     :class:`~invink_audit.audit.selftest.SelfTestResult` (selftest)."""
     if spec.kind == "selftest":
         from invink_audit.audit.selftest import run_selftest
