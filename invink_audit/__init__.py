@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 # public name -> submodule that defines it (filled in as the subpackages land)
 _LAZY: dict[str, str] = {
-    # the InvisibleInk mechanism, one decoding step
+    # the InvisibleInk mechanism, one decoding step (checked entry points only: the engine's unchecked hot-path
+    # kernels, gumbel_argmax, support_log_probs and topk_plus_support, stay in invink_audit.mechanism)
     **dict.fromkeys(
         (
             "ACCUMULATION_DTYPE",
@@ -21,18 +22,15 @@ _LAZY: dict[str, str] = {
             "SeededGeneratorWarning",
             "dclip_aggregate",
             "derive_key",
-            "gumbel_argmax",
             "is_seeded",
             "make_generator",
             "naive_clip_aggregate",
             "neighbour_log_probs",
             "run_key",
             "sample_tokens",
-            "support_log_probs",
             "token_log_probs",
             "topk_plus_columns",
             "topk_plus_mask",
-            "topk_plus_support",
         ),
         "invink_audit.mechanism",
     ),

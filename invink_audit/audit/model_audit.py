@@ -33,6 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +46,11 @@ from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, Whi
 from invink_audit.distributed import current_cluster
 from invink_audit.engine import Engine
 from invink_audit.mechanism import DEFAULT_TOP_K
+
+if TYPE_CHECKING:
+    from invink_audit.mechanisms import Mechanism
+    from invink_audit.models import LoadedModel
+    from invink_audit.prompts import PromptTemplate, TextRequest
 
 __all__ = ["ModelAuditSettings", "audit_model", "generic_audit_config", "hardest_case_row", "DEFAULT_CANARIES", "Slots"]
 
@@ -75,7 +81,7 @@ class ModelAuditSettings:
     epsilon: float | None = None
     delta: float = 1e-6
     accountant: Accountant = Accountant.BR_ADAPTIVE
-    mechanism: object | None = None
+    mechanism: Mechanism | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "accountant", as_accountant(self.accountant))
@@ -194,11 +200,11 @@ class _Session:
     """One audit's decoding state: the loaded model, the batch's prompt, the sampling plan, its recorder,
     the generator and this process's share of the plan's texts."""
 
-    loaded: object
+    loaded: LoadedModel
     load_seconds: float
     refs: list
-    template: object
-    request: object
+    template: PromptTemplate
+    request: TextRequest
     plan: SamplingPlan
     recorder: WhiteBoxRecorder
     generator: torch.Generator

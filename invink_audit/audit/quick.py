@@ -31,6 +31,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +40,14 @@ from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, WhiteBoxReport, he
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.not_private import mark_not_private
+
+if TYPE_CHECKING:
+    from accounting import GenerationEvent
+    from invink_audit.data import Partition
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.mechanisms import Mechanism, MechanismGuarantee
+    from invink_audit.models import DtypeChoice
+    from invink_audit.prompts import PromptTemplate
 
 __all__ = [
     "PHASE_EXACT",
@@ -176,15 +185,15 @@ class AuditedRelease:
     release's privacy event (:class:`accounting.GenerationEvent`), δ and the accountant's ε, the
     partition, and the prompt template (with each batch's labels in a label-conditioned release)."""
 
-    mechanism: object  # invink_audit.mechanism.MechanismConfig, or a generic invink_audit.mechanisms.Mechanism
-    event: object  # accounting.GenerationEvent (None for a generic mechanism: its guarantee says what it claims)
+    mechanism: MechanismConfig | Mechanism  # InvisibleInk's configuration, or a generic mechanism
+    event: GenerationEvent | None  # None for a generic mechanism: its guarantee says what it claims
     delta: float
     epsilon: float
-    partition: object  # invink_audit.data.Partition
-    template: object  # invink_audit.prompts.PromptTemplate
+    partition: Partition
+    template: PromptTemplate
     labels: tuple | None = None
     label_fields: Mapping[str, str] | None = None  # label column -> prompt field, as generate placed them
-    guarantee: object = None  # a generic mechanism's MechanismGuarantee
+    guarantee: MechanismGuarantee | None = None  # a generic mechanism's
     max_new_tokens: int | None = None
 
     @classmethod
@@ -547,7 +556,7 @@ class ReleaseFile:
 
     release: AuditedRelease
     texts: tuple[_ReleasedText, ...]
-    dtype_choice: object  # invink_audit.models.DtypeChoice
+    dtype_choice: DtypeChoice | None
     model_name: str
     release_id: str
 

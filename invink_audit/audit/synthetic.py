@@ -30,12 +30,16 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
 from invink_audit.audit.whitebox import Claim, RecordedAudit, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
+
+if TYPE_CHECKING:
+    from invink_audit.mechanisms import Mechanism
 
 __all__ = [
     "HARDEST_PUBLIC_PROBABILITY",
@@ -283,66 +287,76 @@ def mutants(*, clip_norm: float, temperature: float, top_k: int, batch_size: int
     """The four planted bugs (docs/auditing_notes.md, "Testing the auditor"), each with the claim its
     (wrong) accountant would make."""
     correct = _config(clip_norm, temperature, top_k, batch_size)
-    out = []
-    # (1) naive clipping (Amin et al. 2024) accounted with sensitivity C/B under replace-by-null, as
-    # the paper's baselines do (Appendix B.3.1): the true sensitivity is 2C/B (paper Property 9).
+    return [
+        _naive_clipping_mutant(clip_norm, temperature, batch_size, max_new_tokens),
+        _low_temperature_mutant(correct, clip_norm, temperature, top_k, batch_size, max_new_tokens),
+        _private_topk_mutant(correct, clip_norm, temperature, top_k, batch_size, max_new_tokens),
+        _data_dependent_budget_mutant(correct),
+    ]
+
+
+def _naive_clipping_mutant(clip_norm: float, temperature: float, batch_size: int, max_new_tokens: int) -> SyntheticMechanism:
+    """(1) naive clipping (Amin et al. 2024) accounted with sensitivity C/B under replace-by-null, as
+    the paper's baselines do (Appendix B.3.1): the true sensitivity is 2C/B (paper Property 9)."""
     naive = _config(clip_norm, temperature, None, batch_size, Clipping.NAIVE)
     wrong_sens = linf_sensitivity(clip_norm, batch_size, Clipping.NAIVE, Adjacency.ZERO_OUT)  # = C/B
-    out.append(
-        SyntheticMechanism(
-            "naive-clipping",
-            "naive clipping accounted with sensitivity C/B under replace-by-null (true: 2C/B)",
-            _as_step(naive),
-            lambda lengths, T=max_new_tokens: T,
-            2.0 * wrong_sens / temperature,
-            wrong_sens**2 / (2.0 * temperature**2),
-            "VIOLATION",
-        )
+    return SyntheticMechanism(
+        "naive-clipping",
+        "naive clipping accounted with sensitivity C/B under replace-by-null (true: 2C/B)",
+        _as_step(naive),
+        lambda lengths, T=max_new_tokens: T,
+        2.0 * wrong_sens / temperature,
+        wrong_sens**2 / (2.0 * temperature**2),
+        "VIOLATION",
     )
-    # (2) sampling at a lower temperature than the one accounted
+
+
+def _low_temperature_mutant(correct: MechanismConfig, clip_norm: float, temperature: float, top_k: int, batch_size: int,
+                            max_new_tokens: int) -> SyntheticMechanism:  # fmt: skip
+    """(2) sampling at a lower temperature than the one accounted."""
     cold = _config(clip_norm, temperature / 2.0, top_k, batch_size)
-    out.append(
-        SyntheticMechanism(
-            "low-temperature",
-            f"samples at temperature {temperature / 2:g}, accounted at {temperature:g}",
-            _as_step(cold),
-            lambda lengths, T=max_new_tokens: T,
-            correct.epsilon0,
-            correct.rho_token,
-            "VIOLATION",
-        )
+    return SyntheticMechanism(
+        "low-temperature",
+        f"samples at temperature {temperature / 2:g}, accounted at {temperature:g}",
+        _as_step(cold),
+        lambda lengths, T=max_new_tokens: T,
+        correct.epsilon0,
+        correct.rho_token,
+        "VIOLATION",
     )
-    # (3) top-k of the aggregated private logits (each dataset's own top-k: a token can jump out)
+
+
+def _private_topk_mutant(correct: MechanismConfig, clip_norm: float, temperature: float, top_k: int, batch_size: int,
+                         max_new_tokens: int) -> SyntheticMechanism:  # fmt: skip
+    """(3) top-k of the aggregated private logits (each dataset's own top-k: a token can jump out)."""
     full = _config(clip_norm, temperature, None, batch_size)
 
     def private_topk(private, public, cfg=full, k=top_k):
         o = cfg.neighbour_log_probs(private, public)
         return _topk_of_each(o.actual, k), _topk_of_each(o.neighbours, k)
 
-    out.append(
-        SyntheticMechanism(
-            "private-top-k",
-            f"top-{top_k} set computed from the aggregated private logits",
-            private_topk,
-            lambda lengths, T=max_new_tokens: T,
-            correct.epsilon0,
-            correct.rho_token,
-            "VIOLATION",
-        )
+    return SyntheticMechanism(
+        "private-top-k",
+        f"top-{top_k} set computed from the aggregated private logits",
+        private_topk,
+        lambda lengths, T=max_new_tokens: T,
+        correct.epsilon0,
+        correct.rho_token,
+        "VIOLATION",
     )
-    # (4) data-dependent token budget (the reference package's max_toks="auto")
-    out.append(
-        SyntheticMechanism(
-            "data-dependent-budget",
-            "token budget T = mean + 2 std of the non-empty references' lengths",
-            _as_step(correct),
-            auto_token_budget,
-            correct.epsilon0,
-            correct.rho_token,
-            "VIOLATION",
-        )
+
+
+def _data_dependent_budget_mutant(correct: MechanismConfig) -> SyntheticMechanism:
+    """(4) data-dependent token budget (the reference package's max_toks="auto")."""
+    return SyntheticMechanism(
+        "data-dependent-budget",
+        "token budget T = mean + 2 std of the non-empty references' lengths",
+        _as_step(correct),
+        auto_token_budget,
+        correct.epsilon0,
+        correct.rho_token,
+        "VIOLATION",
     )
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,7 +535,7 @@ class AuditedMechanism:
 
     name: str
     description: str
-    mechanism: object  # invink_audit.mechanisms.Mechanism
+    mechanism: Mechanism
     max_new_tokens: int
     expected: str
     claim_override: Claim | None = None
