@@ -868,14 +868,7 @@ class _StepMath:
                 log_probs=log_probs,
                 neighbours=neighbour_result,
             )
-        sampling = log_probs
-        if hooks.sampling_rule is not None:
-            sampling = hooks.sampling_rule(step)
-            if not isinstance(sampling, torch.Tensor) or sampling.shape != log_probs.shape:
-                raise ValueError(
-                    f"sampling_rule must return a tensor of shape {tuple(log_probs.shape)}; got "
-                    f"{getattr(sampling, 'shape', type(sampling).__name__)}"
-                )
+        sampling = _apply_sampling_rule(hooks, step, log_probs)
         code = _weights_code(sampling)
         tokens = gumbel_argmax(sampling.to(ACCUMULATION_DTYPE), uniforms)
         if step is not None:
@@ -896,6 +889,19 @@ class _StepMath:
             if v[3] != _OK:
                 raise ValueError(f"{_ERRORS[v[3]]} (text {text.request_index}, step {len(text.tokens)})")
         return [_Draw(int(v[0]), float(v[1]), int(v[2])) for v in values]
+
+
+def _apply_sampling_rule(hooks: _Hooks, step, log_probs: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities to draw from: the sampling rule's (checked for shape), else ``log_probs``."""
+    sampling = log_probs
+    if hooks.sampling_rule is not None:
+        sampling = hooks.sampling_rule(step)
+        if not isinstance(sampling, torch.Tensor) or sampling.shape != log_probs.shape:
+            raise ValueError(
+                f"sampling_rule must return a tensor of shape {tuple(log_probs.shape)}; got "
+                f"{getattr(sampling, 'shape', type(sampling).__name__)}"
+            )
+    return sampling
 
 
 # --------------------------------------------------------------------------------------------
@@ -923,20 +929,10 @@ class _OutcomeMath:
         """The ready texts' outcomes, in ``ready`` order (one host transfer)."""
         texts = [self.run.texts[s] for s in ready]
         device = rows.device
-        take = to_device(ready, device)
-        null = to_device([[p is None for p in t.prompts[1:]] for t in texts], device, torch.bool)
-        rows = rows.index_select(0, take)
-        public = rows[:, 0]
-        # a null reference's row IS the public row (its logits are the public logits, bitwise)
-        private = torch.where(null.unsqueeze(-1), rows[:, :1], rows[:, 1:])
+        public, private = self._ready_rows(rows, ready, texts)
         mech, exact, vocab = self.mechanism, self.run.exact, self.vocab_size
         width = mech.num_outcomes(vocab)
-        n_aux = mech.aux_size(exact=exact, at_start=False)
-        if n_aux:
-            aux = torch.stack([t.aux.uniforms(n_aux).to(device) for t in texts]).clamp_(*_AUX_RANGE)
-        else:
-            aux = torch.zeros((len(texts), 0), dtype=ACCUMULATION_DTYPE, device=device)
-        uniforms = torch.stack([t.stream.uniforms(width).to(device) for t in texts])
+        aux, uniforms = self._randomness(texts, width, device)
         state = torch.stack([t.mech_state for t in texts])
         code = torch.where(torch.isfinite(public).all(dim=-1), _OK, _BAD_PUBLIC)
         code = torch.where(torch.isfinite(private).all(dim=-1).all(dim=-1), code, _BAD_PRIVATE)
@@ -948,25 +944,8 @@ class _OutcomeMath:
         log_probs = result.log_probs
         if log_probs.shape != (len(texts), width):
             raise ValueError(f"{mech.name}: step returned log_probs of shape {tuple(log_probs.shape)}; expected {(len(texts), width)}")
-        step = None
-        if hooks.observer is not None or hooks.sampling_rule is not None:
-            step = GenericDecodeStep(
-                mechanism=mech,
-                request_indices=torch.tensor([t.request_index for t in texts], device=device),
-                positions=torch.tensor([len(t.tokens) for t in texts], device=device),
-                public_logits=public,
-                private_logits=private,
-                result=result,
-                vocab_size=vocab,
-            )
-        sampling = log_probs
-        if hooks.sampling_rule is not None:
-            sampling = hooks.sampling_rule(step)
-            if not isinstance(sampling, torch.Tensor) or sampling.shape != log_probs.shape:
-                raise ValueError(
-                    f"sampling_rule must return a tensor of shape {tuple(log_probs.shape)}; got "
-                    f"{getattr(sampling, 'shape', type(sampling).__name__)}"
-                )
+        step = self._hook_step(hooks, texts, public, private, result)
+        sampling = _apply_sampling_rule(hooks, step, log_probs)
         code = torch.where(code == _OK, _weights_code(sampling), code)
         outcomes = gumbel_argmax(sampling.to(ACCUMULATION_DTYPE), uniforms)
         new_state, stop_after = mech.advance(result, state, outcomes, aux, exact=exact)
@@ -981,6 +960,48 @@ class _OutcomeMath:
         sizes = torch.isfinite(log_probs).sum(dim=-1)
         columns = [outcomes, stop_after, sizes, code, torch.zeros_like(sizes) if spend is None else spend]
         values = torch.stack([c.to(ACCUMULATION_DTYPE) for c in columns], dim=-1).tolist()  # one host transfer
+        return self._settle(values, texts, new_state, spend)
+
+    @staticmethod
+    def _ready_rows(rows: torch.Tensor, ready: list[int], texts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ready texts' public logits ``(R, V)`` and private logits ``(R, B, V)``."""
+        device = rows.device
+        take = to_device(ready, device)
+        null = to_device([[p is None for p in t.prompts[1:]] for t in texts], device, torch.bool)
+        rows = rows.index_select(0, take)
+        public = rows[:, 0]
+        # a null reference's row IS the public row (its logits are the public logits, bitwise)
+        private = torch.where(null.unsqueeze(-1), rows[:, :1], rows[:, 1:])
+        return public, private
+
+    def _randomness(self, texts, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each text's auxiliary uniforms (inside :data:`_AUX_RANGE`) and its ``width`` Gumbel-max uniforms."""
+        n_aux = self.mechanism.aux_size(exact=self.run.exact, at_start=False)
+        if n_aux:
+            aux = torch.stack([t.aux.uniforms(n_aux).to(device) for t in texts]).clamp_(*_AUX_RANGE)
+        else:
+            aux = torch.zeros((len(texts), 0), dtype=ACCUMULATION_DTYPE, device=device)
+        uniforms = torch.stack([t.stream.uniforms(width).to(device) for t in texts])
+        return aux, uniforms
+
+    def _hook_step(self, hooks: _Hooks, texts, public, private, result) -> GenericDecodeStep | None:
+        """The step the observer and sampling rule see; ``None`` without either."""
+        if hooks.observer is None and hooks.sampling_rule is None:
+            return None
+        device = public.device
+        return GenericDecodeStep(
+            mechanism=self.mechanism,
+            request_indices=torch.tensor([t.request_index for t in texts], device=device),
+            positions=torch.tensor([len(t.tokens) for t in texts], device=device),
+            public_logits=public,
+            private_logits=private,
+            result=result,
+            vocab_size=self.vocab_size,
+        )
+
+    @staticmethod
+    def _settle(values, texts, new_state: torch.Tensor, spend) -> list[_Draw]:
+        """Advance each text's state (and spend) from the step's one transfer; raise on an error code."""
         for i, text in enumerate(texts):
             text.mech_state = new_state[i]
             if spend is not None:

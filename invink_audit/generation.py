@@ -666,32 +666,15 @@ def prepare_release(references, **options) -> _Release:
     """Every check that needs no model, then the release to run; ``options`` are :func:`generate`'s."""
     o = SimpleNamespace(**_bind(generate, references, options))
     config = _config(o)
-    if o.seed is not None and (isinstance(o.seed, bool) or not isinstance(o.seed, int) or o.seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None; got {o.seed!r}")
-    if o.max_batch_rows is not None and (
-        isinstance(o.max_batch_rows, bool) or not isinstance(o.max_batch_rows, int) or o.max_batch_rows < 1
-    ):
-        raise ValueError(f"max_batch_rows must be an integer >= 1 or None; got {o.max_batch_rows!r}")
-    if not isinstance(o.allow_all_null, bool):
-        raise ValueError(f"allow_all_null must be a bool; got {o.allow_all_null!r}")
-    for name, hook in (("on_tokens", o.on_tokens), ("on_text", o.on_text), ("on_start", o.on_start)):
-        if hook is not None and not callable(hook):
-            raise ValueError(f"{name} must be callable or None; got {type(hook).__name__}")
-    if o.prompt_fields is not None and not isinstance(o.prompt_fields, Mapping):
-        raise ValueError(f"prompt_fields must be a mapping of field names to strings; got {type(o.prompt_fields).__name__}")
+    _check_run_options(o)
     output_path = _check_output_path(o.output)
     ledger = _open_ledger(o.ledger)
     _check_model_source(o.model, o.gguf_file, o.device, o.dtype)
     template = get_preset(o.prompt, **dict(o.prompt_fields or {}))
     partition, labels, positions = _partition(o, config, template)
     _refuse_defaulted_fields(o, template)
-    num_batches = len(partition.batches)
-    if not o.allow_all_null and not any(reference for batch in partition.batches for reference in batch):
-        raise ValueError(
-            f"all {num_batches * config.batch_size} references in the {num_batches} batch(es) to generate are empty "
-            "(nulls): every text would come from the public prompt alone, and the ledger would still be charged. "
-            "Check the input column; pass allow_all_null=True (--allow-all-null) to generate public-only texts anyway"
-        )
+    if not o.allow_all_null:
+        _refuse_all_null(partition, config.batch_size)
     plan = config.plan()
     guarantee = Guarantee.from_plan(plan, config.top_k, void_reason=None if o.seed is None else SEEDED_VOID_REASON)
     mechanism = MechanismConfig.from_event(plan.event, top_k=config.top_k)
@@ -727,6 +710,34 @@ def prepare_release(references, **options) -> _Release:
         label_fields=None if o.label_fields is None else dict(o.label_fields),
         positions=positions,
     )
+
+
+def _check_run_options(o) -> None:
+    """Check the options outside :class:`GenerationConfig`: seed, rows per pass, all-null, hooks, prompt fields."""
+    if o.seed is not None and (isinstance(o.seed, bool) or not isinstance(o.seed, int) or o.seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None; got {o.seed!r}")
+    if o.max_batch_rows is not None and (
+        isinstance(o.max_batch_rows, bool) or not isinstance(o.max_batch_rows, int) or o.max_batch_rows < 1
+    ):
+        raise ValueError(f"max_batch_rows must be an integer >= 1 or None; got {o.max_batch_rows!r}")
+    if not isinstance(o.allow_all_null, bool):
+        raise ValueError(f"allow_all_null must be a bool; got {o.allow_all_null!r}")
+    for name, hook in (("on_tokens", o.on_tokens), ("on_text", o.on_text), ("on_start", o.on_start)):
+        if hook is not None and not callable(hook):
+            raise ValueError(f"{name} must be callable or None; got {type(hook).__name__}")
+    if o.prompt_fields is not None and not isinstance(o.prompt_fields, Mapping):
+        raise ValueError(f"prompt_fields must be a mapping of field names to strings; got {type(o.prompt_fields).__name__}")
+
+
+def _refuse_all_null(partition, batch_size: int) -> None:
+    """Refuse a release whose references to be used are all empty (without ``allow_all_null``)."""
+    num_batches = len(partition.batches)
+    if not any(reference for batch in partition.batches for reference in batch):
+        raise ValueError(
+            f"all {num_batches * batch_size} references in the {num_batches} batch(es) to generate are empty "
+            "(nulls): every text would come from the public prompt alone, and the ledger would still be charged. "
+            "Check the input column; pass allow_all_null=True (--allow-all-null) to generate public-only texts anyway"
+        )
 
 
 def _refuse_defaulted_fields(o, template: PromptTemplate) -> None:

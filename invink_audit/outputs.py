@@ -504,25 +504,7 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
     if state_file.exists():
         clear_pending(output)
     if not state_file.exists():
-        if output.exists() and output.stat().st_size > 0:
-            raise ValueError(
-                f"{str(output)!r} exists and is not empty, but its resume state {state_file.name!r} is missing: "
-                "refusing to overwrite or append to a file this tool did not start (use a new --output file)"
-            )
-        if journal_file.exists() and journal_file.stat().st_size > 0:
-            raise ValueError(
-                f"{journal_file.name!r} records sampled batches but {state_file.name!r} is missing: the release "
-                f"of {str(output)!r} cannot be resumed (use a new --output file)"
-            )
-        if shards:
-            raise ValueError(
-                f"shard files of {str(output)!r} exist ({shards[0].name!r}, …) but its resume state "
-                f"{state_file.name!r} is missing: refusing to resume (use a new --output file)"
-            )
-        pending = _read_pending(output, fingerprint)
-        if pending is not None:  # a run of this input charged (or was about to charge) this id, then stopped
-            return OutputState(pending["release_id"], True, pending["run"], [], 0, False)
-        return OutputState(uuid.uuid4().hex, True, None, [], 0, False)
+        return _fresh_output_state(output, fingerprint, state_file, journal_file, shards)
     state = read_state(output)
     old_run, old_fingerprint, release_id = state["run"], state["input_sha256"], state["release_id"]
     version = state.get("version", 1)
@@ -534,6 +516,41 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
         claims = _first_claims(_parse_journal(_read_no_follow(journal_file), journal_file, release_id, num_batches).records)
     records, main, recovered = _collect_records(output, release_id, num_batches, shards, claims)
     seen = {record["batch_index"] for record in records}
+    _check_no_sampled_batch_lost(output, state_file, journal_file, version, num_batches, claims, seen)
+    if recovered:
+        _LOG.warning("%d record(s) of %s are restored from its journal (written there before a crash)", recovered, output)
+    return OutputState(release_id, False, old_run, records, main.keep, main.needs_newline, tuple(shards), recovered)
+
+
+def _fresh_output_state(output: Path, fingerprint: str, state_file: Path, journal_file: Path, shards) -> OutputState:
+    """The state of an output without a resume state: a new release (or the pending one of this input),
+    refused when the output, its journal or shards hold anything."""
+    if output.exists() and output.stat().st_size > 0:
+        raise ValueError(
+            f"{str(output)!r} exists and is not empty, but its resume state {state_file.name!r} is missing: "
+            "refusing to overwrite or append to a file this tool did not start (use a new --output file)"
+        )
+    if journal_file.exists() and journal_file.stat().st_size > 0:
+        raise ValueError(
+            f"{journal_file.name!r} records sampled batches but {state_file.name!r} is missing: the release "
+            f"of {str(output)!r} cannot be resumed (use a new --output file)"
+        )
+    if shards:
+        raise ValueError(
+            f"shard files of {str(output)!r} exist ({shards[0].name!r}, …) but its resume state "
+            f"{state_file.name!r} is missing: refusing to resume (use a new --output file)"
+        )
+    pending = _read_pending(output, fingerprint)
+    if pending is not None:  # a run of this input charged (or was about to charge) this id, then stopped
+        return OutputState(pending["release_id"], True, pending["run"], [], 0, False)
+    return OutputState(uuid.uuid4().hex, True, None, [], 0, False)
+
+
+def _check_no_sampled_batch_lost(
+    output: Path, state_file: Path, journal_file: Path, version, num_batches: int, claims, seen: set
+) -> None:
+    """Refuse to resume when a batch may have been sampled (and released) but its record is gone, or when
+    the resume state's ``version`` is unknown."""
     if version == 1:
         # written before the journal existed: which batches were sampled is unknown, so all were
         missing = sorted(set(range(num_batches)) - seen)
@@ -561,9 +578,6 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
             )
     else:
         raise ValueError(f"resume state {str(state_file)!r} has an unknown version {version!r}")
-    if recovered:
-        _LOG.warning("%d record(s) of %s are restored from its journal (written there before a crash)", recovered, output)
-    return OutputState(release_id, False, old_run, records, main.keep, main.needs_newline, tuple(shards), recovered)
 
 
 def _diff(old: dict, new: dict) -> list[str]:

@@ -311,8 +311,9 @@ def _naive_clipping_mutant(clip_norm: float, temperature: float, batch_size: int
     )
 
 
-def _low_temperature_mutant(correct: MechanismConfig, clip_norm: float, temperature: float, top_k: int, batch_size: int,
-                            max_new_tokens: int) -> SyntheticMechanism:  # fmt: skip
+def _low_temperature_mutant(
+    correct, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int
+) -> SyntheticMechanism:
     """(2) sampling at a lower temperature than the one accounted."""
     cold = _config(clip_norm, temperature / 2.0, top_k, batch_size)
     return SyntheticMechanism(
@@ -326,8 +327,9 @@ def _low_temperature_mutant(correct: MechanismConfig, clip_norm: float, temperat
     )
 
 
-def _private_topk_mutant(correct: MechanismConfig, clip_norm: float, temperature: float, top_k: int, batch_size: int,
-                         max_new_tokens: int) -> SyntheticMechanism:  # fmt: skip
+def _private_topk_mutant(
+    correct, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int
+) -> SyntheticMechanism:
     """(3) top-k of the aggregated private logits (each dataset's own top-k: a token can jump out)."""
     full = _config(clip_norm, temperature, None, batch_size)
 
@@ -346,7 +348,7 @@ def _private_topk_mutant(correct: MechanismConfig, clip_norm: float, temperature
     )
 
 
-def _data_dependent_budget_mutant(correct: MechanismConfig) -> SyntheticMechanism:
+def _data_dependent_budget_mutant(correct) -> SyntheticMechanism:
     """(4) data-dependent token budget (the reference package's max_toks="auto")."""
     return SyntheticMechanism(
         "data-dependent-budget",

@@ -293,34 +293,7 @@ def _generate(args) -> int:
 
         references, column = selected_references(args, None)
         return generate_with_baseline(args, references, column)
-    kwargs = dict(
-        batch_size=parse_int("--batch-size", args.batch_size),
-        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
-        delta=parse_float("--delta", args.delta),
-        epsilon=None if args.epsilon is None else parse_float("--epsilon", args.epsilon),
-        clip_norm=None if args.clip_norm is None else parse_float("--clip-norm", args.clip_norm),
-        temperature=parse_float("--temperature", args.temperature),
-        top_k=parse_top_k(args.top_k),
-        num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
-        accountant=args.accountant,
-        prompt=prompt_template(args),
-        prompt_fields=parse_fields(args.prompt_field),
-        label_columns=None if args.label_columns is None else _label_columns(args.label_columns),
-        label_fields=None if args.label_field is None else parse_fields(args.label_field, "--label-field"),
-        num_texts_per_group=None
-        if args.num_texts_per_group is None
-        else parse_int("--num-texts-per-group", args.num_texts_per_group),
-        output=args.output,
-        ledger=args.ledger,
-        seed=seed,
-        max_batch_rows=max_batch_rows,
-        allow_all_null=args.allow_all_null,
-        # the model is loaded inside generate(), after every argument and the input file were checked
-        model=args.model,
-        gguf_file=args.gguf_file,
-        device=args.device,
-        dtype=args.dtype,
-    )
+    kwargs = _generate_kwargs(args, seed, max_batch_rows)
     references, kwargs["column"] = selected_references(args, kwargs["label_columns"])
     # under torchrun / accelerate launch, only rank 0 shows progress and prints the summary
     rank = launch_rank()
@@ -350,6 +323,38 @@ def _generate(args) -> int:
     else:
         print(format_summary(result, ledger=args.ledger))
     return 0
+
+
+def _generate_kwargs(args, seed: int | None, max_batch_rows: int | None) -> dict:
+    """``generate``'s keyword arguments from the parsed command line (each value checked, in this order)."""
+    return dict(
+        batch_size=parse_int("--batch-size", args.batch_size),
+        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
+        delta=parse_float("--delta", args.delta),
+        epsilon=None if args.epsilon is None else parse_float("--epsilon", args.epsilon),
+        clip_norm=None if args.clip_norm is None else parse_float("--clip-norm", args.clip_norm),
+        temperature=parse_float("--temperature", args.temperature),
+        top_k=parse_top_k(args.top_k),
+        num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
+        accountant=args.accountant,
+        prompt=prompt_template(args),
+        prompt_fields=parse_fields(args.prompt_field),
+        label_columns=None if args.label_columns is None else _label_columns(args.label_columns),
+        label_fields=None if args.label_field is None else parse_fields(args.label_field, "--label-field"),
+        num_texts_per_group=None
+        if args.num_texts_per_group is None
+        else parse_int("--num-texts-per-group", args.num_texts_per_group),
+        output=args.output,
+        ledger=args.ledger,
+        seed=seed,
+        max_batch_rows=max_batch_rows,
+        allow_all_null=args.allow_all_null,
+        # the model is loaded inside generate(), after every argument and the input file were checked
+        model=args.model,
+        gguf_file=args.gguf_file,
+        device=args.device,
+        dtype=args.dtype,
+    )
 
 
 def _label_columns(text: str) -> list[str]:

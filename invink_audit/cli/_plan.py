@@ -37,6 +37,16 @@ def _accountant_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
+    _register_plan(subparsers)
+    _register_epsilon(subparsers)
+    _register_max_tokens(subparsers)
+    _register_min_batch(subparsers)
+    _register_table(subparsers)
+    _register_memory(subparsers)
+
+
+def _register_plan(subparsers) -> None:
+    """``plan``: the clip norm C for (ε, δ), T, B and τ."""
     p = subparsers.add_parser(
         "plan",
         help="clip norm C for a privacy budget",
@@ -50,6 +60,9 @@ def register(subparsers) -> None:
     _accountant_arg(p)
     p.set_defaults(handler=_plan)
 
+
+def _register_epsilon(subparsers) -> None:
+    """``epsilon``: the ε at δ spent by a clip norm C."""
     p = subparsers.add_parser(
         "epsilon",
         help="epsilon spent by a clip norm",
@@ -63,6 +76,9 @@ def register(subparsers) -> None:
     _accountant_arg(p)
     p.set_defaults(handler=_epsilon)
 
+
+def _register_max_tokens(subparsers) -> None:
+    """``max-tokens``: the largest T for (ε, δ) and a clip norm C."""
     p = subparsers.add_parser(
         "max-tokens",
         help="largest token budget T for a budget and clip norm",
@@ -76,6 +92,9 @@ def register(subparsers) -> None:
     _accountant_arg(p)
     p.set_defaults(handler=_max_tokens)
 
+
+def _register_min_batch(subparsers) -> None:
+    """``min-batch-size``: the smallest B whose planned clip norm reaches C."""
     p = subparsers.add_parser(
         "min-batch-size",
         help="smallest B that reaches a target clip norm",
@@ -90,6 +109,9 @@ def register(subparsers) -> None:
     _accountant_arg(p)
     p.set_defaults(handler=_min_batch)
 
+
+def _register_table(subparsers) -> None:
+    """``table``: clip norms and compute cost over a grid of ε × B."""
     p = subparsers.add_parser(
         "table",
         help="clip norms over a grid of epsilon x B, with compute cost",
@@ -107,7 +129,6 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
     _accountant_arg(p)
     p.set_defaults(handler=_table)
-    _register_memory(subparsers)
 
 
 def _print_plan(plan, args, *, headline: str) -> int:

@@ -413,6 +413,14 @@ def write_sweep_plots(rows: Sequence[SweepPoint], directory: str | Path) -> list
     directory = Path(directory)
     private = [r for r in rows if r.kind == "invisibleink"]
     refs = {r.kind: r for r in rows if r.kind != "invisibleink"}
+    utility = _write_utility_plot(plt, rows, private, refs, directory / "sweep_utility.png")
+    cost = _write_cost_plot(plt, private, directory / "sweep_cost.png")
+    return [utility, cost]
+
+
+def _write_utility_plot(plt, rows: Sequence[SweepPoint], private: Sequence[SweepPoint],
+                        refs: Mapping[str, SweepPoint], utility: Path) -> Path:  # fmt: skip
+    """``sweep_utility.png``: one panel per metric against ε, one line per group (B, k, τ, T)."""
     metrics = [("mauve", "MAUVE (paper setting)"), ("mauve_c5", "MAUVE (c = 5)"), ("delta_ppl", "ΔPPL")]
     if any(r.evaluation.get("tstr_gap_closed") for r in rows):
         metrics.append(("tstr_gap_closed", "TSTR: gap closed"))
@@ -423,39 +431,49 @@ def write_sweep_plots(rows: Sequence[SweepPoint], directory: str | Path) -> list
         groups.setdefault(key, []).append(r)
     ordered = sorted(groups.items(), key=lambda kv: str(kv[0]))
     for ax, (key, label) in zip(axes, metrics):
-        estimates, intervals = [], []
-        for index, ((b, k, t, n), members) in enumerate(ordered):
-            members = sorted(members, key=lambda r: r.params["epsilon"])
-            pts = [(r.params["epsilon"], r.evaluation.get(key)) for r in members if r.evaluation.get(key)]
-            if not pts:
-                continue
-            shift = _SWEEP_SHIFT ** (index - (len(ordered) - 1) / 2)  # an offset along a log ε axis
-            xs = [x * shift for x, _ in pts]
-            ys = [m["estimate"] for _, m in pts]
-            err = [[m["estimate"] - m["lower"] for _, m in pts], [m["upper"] - m["estimate"] for _, m in pts]]
-            suffix = "" if len(groups) == len({g[0] for g in groups}) else f", k={k}, τ={t:g}, T={n}"
-            drawn = ax.errorbar(xs, ys, yerr=err, marker=_SWEEP_MARKERS[index % len(_SWEEP_MARKERS)], capsize=3,
-                                alpha=0.75, label=f"B={b}{suffix}")  # fmt: skip
-            colour = drawn.lines[0].get_color()
-            estimates += ys
-            intervals += [(x, m["lower"], m["upper"], colour) for x, (_, m) in zip(xs, pts)]
-        for kind, style in (("floor", ":"), ("ceiling", "--")):
-            metric = refs.get(kind) and refs[kind].evaluation.get(key)
-            if metric:
-                ax.axhline(metric["estimate"], linestyle=style, color="grey", label=kind)
-                estimates.append(metric["estimate"])
-        ax.set_xscale("log")
-        epsilons = sorted({r.params["epsilon"] for r in private})
-        ax.minorticks_off()
-        ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
-        ax.set_xlabel("ε")
-        cut = _clip_to_estimates(ax, estimates, intervals)
-        ax.set_title(label + (f"\n({cut} interval end(s) cut: arrows)" if cut else ""), fontsize=9)
+        _draw_utility_panel(ax, key, label, groups, ordered, private, refs)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    utility = directory / "sweep_utility.png"
     save_not_private_figure(fig, utility)
     plt.close(fig)
+    return utility
+
+
+def _draw_utility_panel(ax, key: str, label: str, groups: Mapping[tuple, list[SweepPoint]], ordered: Sequence[tuple],
+                        private: Sequence[SweepPoint], refs: Mapping[str, SweepPoint]) -> None:  # fmt: skip
+    """One panel of ``sweep_utility.png``: metric ``key`` against ε, with the floor and ceiling lines."""
+    estimates, intervals = [], []
+    for index, ((b, k, t, n), members) in enumerate(ordered):
+        members = sorted(members, key=lambda r: r.params["epsilon"])
+        pts = [(r.params["epsilon"], r.evaluation.get(key)) for r in members if r.evaluation.get(key)]
+        if not pts:
+            continue
+        shift = _SWEEP_SHIFT ** (index - (len(ordered) - 1) / 2)  # an offset along a log ε axis
+        xs = [x * shift for x, _ in pts]
+        ys = [m["estimate"] for _, m in pts]
+        err = [[m["estimate"] - m["lower"] for _, m in pts], [m["upper"] - m["estimate"] for _, m in pts]]
+        suffix = "" if len(groups) == len({g[0] for g in groups}) else f", k={k}, τ={t:g}, T={n}"
+        drawn = ax.errorbar(xs, ys, yerr=err, marker=_SWEEP_MARKERS[index % len(_SWEEP_MARKERS)], capsize=3,
+                            alpha=0.75, label=f"B={b}{suffix}")  # fmt: skip
+        colour = drawn.lines[0].get_color()
+        estimates += ys
+        intervals += [(x, m["lower"], m["upper"], colour) for x, (_, m) in zip(xs, pts)]
+    for kind, style in (("floor", ":"), ("ceiling", "--")):
+        metric = refs.get(kind) and refs[kind].evaluation.get(key)
+        if metric:
+            ax.axhline(metric["estimate"], linestyle=style, color="grey", label=kind)
+            estimates.append(metric["estimate"])
+    ax.set_xscale("log")
+    epsilons = sorted({r.params["epsilon"] for r in private})
+    ax.minorticks_off()
+    ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
+    ax.set_xlabel("ε")
+    cut = _clip_to_estimates(ax, estimates, intervals)
+    ax.set_title(label + (f"\n({cut} interval end(s) cut: arrows)" if cut else ""), fontsize=9)
+
+
+def _write_cost_plot(plt, private: Sequence[SweepPoint], cost: Path) -> Path:
+    """``sweep_cost.png``: MAUVE (paper setting) against forward rows per text, one colour per B."""
     fig, ax = plt.subplots(figsize=(3.6, 2.8), dpi=80)
     sizes = sorted({p.params["batch_size"] for p in private})
     estimates, intervals, labelled = [], [], set()
@@ -479,10 +497,9 @@ def write_sweep_plots(rows: Sequence[SweepPoint], directory: str | Path) -> list
     ax.set_xlabel("forward rows per text")
     ax.set_ylabel("MAUVE (paper)")
     fig.tight_layout()
-    cost = directory / "sweep_cost.png"
     save_not_private_figure(fig, cost)
     plt.close(fig)
-    return [utility, cost]
+    return cost
 
 
 #: one marker per group of a sweep plot, and the factor between neighbouring groups' ε offsets

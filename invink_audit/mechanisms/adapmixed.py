@@ -288,7 +288,7 @@ class AdaPMixEDMechanism(Mechanism):
     def step(self, private, public, state, aux, *, exact, neighbours) -> MechanismStep:
         check_stateful_step(private, public, self.batch_size, exact=exact, neighbours=neighbours)
         cfg = self.config
-        g, n, v = private.shape
+        v = private.shape[-1]
         tau = cfg.temperature
         members = torch.softmax(private.to(STATE_DTYPE) / tau, dim=-1)  # (G, N, V)
         p0 = torch.softmax(public.to(STATE_DTYPE) / tau, dim=-1)  # (G, V)
@@ -296,27 +296,41 @@ class AdaPMixEDMechanism(Mechanism):
         k = min(cfg.screen_top_k, v)
         index = torch.topk(p0, k, dim=-1).indices  # public: free
         mixed, p, _ = self._mixed(members, p0)
+        if not exact:
+            return self._step_sampled(members, p0, log_p0, index, mixed, p, state, aux)
+        return self._step_exact(members, p0, log_p0, index, mixed, state, aux, neighbours=neighbours)
+
+    def _step_sampled(self, members, p0, log_p0, index, mixed, p, state, aux) -> MechanismStep:
+        """The sampled state: one screening draw for ``R`` (its ``k`` normals from ``aux``), spend ``[spend_R]``."""
+        cfg = self.config
+        g, k = members.shape[0], index.shape[-1]
         budget = cfg.budget
         s_cost = cfg.screening_cost
-        neg = torch.full((g, 1), -math.inf, dtype=STATE_DTYPE, device=private.device)
-        if not exact:
-            normals = torch.special.ndtri(aux[:, :k].to(STATE_DTYPE))
-            screened = self._screen_statistic(members.mean(dim=-2), p0, index, normals) > cfg.screen_threshold
-            cost = s_cost + torch.where(screened, torch.zeros_like(p[:, 0]), self._mixing_cost(mixed, p, p0))
-            halt = (state[:, 0] + cost) > budget
-            chosen = torch.where(screened[:, None], log_p0, torch.log(p))
-            blank = torch.full_like(chosen, -math.inf)
-            log_probs = torch.cat(
-                [
-                    torch.where((screened & ~halt)[:, None], chosen, blank),
-                    torch.where((~screened & ~halt)[:, None], chosen, blank),
-                    torch.where(halt[:, None], torch.zeros_like(neg), neg),
-                ],
-                dim=-1,
-            )
-            return MechanismStep(log_probs, carry={"cost_screened": torch.full_like(cost, s_cost), "cost": cost})
-        # exact: every dataset d = R, R'_1..R'_N, with its own screening probability, mixture, cost and spend
-        eye = torch.eye(n, dtype=torch.bool, device=private.device)
+        neg = torch.full((g, 1), -math.inf, dtype=STATE_DTYPE, device=members.device)
+        normals = torch.special.ndtri(aux[:, :k].to(STATE_DTYPE))
+        screened = self._screen_statistic(members.mean(dim=-2), p0, index, normals) > cfg.screen_threshold
+        cost = s_cost + torch.where(screened, torch.zeros_like(p[:, 0]), self._mixing_cost(mixed, p, p0))
+        halt = (state[:, 0] + cost) > budget
+        chosen = torch.where(screened[:, None], log_p0, torch.log(p))
+        blank = torch.full_like(chosen, -math.inf)
+        log_probs = torch.cat(
+            [
+                torch.where((screened & ~halt)[:, None], chosen, blank),
+                torch.where((~screened & ~halt)[:, None], chosen, blank),
+                torch.where(halt[:, None], torch.zeros_like(neg), neg),
+            ],
+            dim=-1,
+        )
+        return MechanismStep(log_probs, carry={"cost_screened": torch.full_like(cost, s_cost), "cost": cost})
+
+    def _step_exact(self, members, p0, log_p0, index, mixed, state, aux, *, neighbours) -> MechanismStep:
+        """The exact state: every dataset d = R, R'_1..R'_N, with its own screening probability, mixture, cost
+        and spend."""
+        cfg = self.config
+        g, n, k = members.shape[0], members.shape[1], index.shape[-1]
+        budget = cfg.budget
+        s_cost = cfg.screening_cost
+        eye = torch.eye(n, dtype=torch.bool, device=members.device)
         # d = R'_j: member j is the public distribution (mixing leaves it public)
         mixed_all = torch.cat(
             [mixed.unsqueeze(1), torch.where(eye[None, :, :, None], p0[:, None, None, :], mixed.unsqueeze(1))], dim=1
