@@ -72,7 +72,7 @@ from types import SimpleNamespace
 
 import torch
 
-from accounting import Accountant, BudgetExceededError, LedgerError, as_accountant
+from accounting import Accountant, BudgetExceededError, LedgerError, Plan, as_accountant
 from invink_audit.data import (
     LabelledReferences,
     Partition,
@@ -211,58 +211,47 @@ class GenerationConfig:
         return epsilon_for_clip_norm(clip_norm=self.clip_norm, **common)
 
 
+def _plan_figure(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.plan, name), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True)
 class Guarantee:
     r"""The run's a-priori guarantee: (ε, δ)-DP under replace-by-null adjacency for texts of ≤ T tokens.
 
-    ``rho_sequence`` = T·ρ_tok zCDP (paper Theorem 2, thm:accounting); ``epsilon0`` = 2C/(Bτ) per-token bounded range;
-    ``epsilon`` is what ``accountant`` certifies at ``delta``. Independent of the number of texts
-    (disjoint batches, paper Corollary 11) and of their realised lengths.
+    It is its :class:`accounting.Plan` (whose event is the record of C, B, τ and T), the run's top-k and, for a
+    seeded run, why the guarantee is void: ``rho_sequence`` = T·ρ_tok zCDP (paper Theorem 2, thm:accounting);
+    ``epsilon0`` = 2C/(Bτ) per-token bounded range; ``epsilon`` is what ``accountant`` certifies at ``delta``.
+    Independent of the number of texts (disjoint batches, paper Corollary 11) and of their realised lengths.
     """
 
-    epsilon: float
-    delta: float
-    rho_sequence: float
-    rho_token: float
-    epsilon0: float
-    accountant: Accountant
-    clip_norm: float
-    batch_size: int
-    temperature: float
+    plan: Plan
     top_k: int | None
-    max_new_tokens: int
     void_reason: str | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "accountant", as_accountant(self.accountant))
+    epsilon = _plan_figure("epsilon", "ε the accountant certifies at δ.")
+    delta = _plan_figure("delta", "δ.")
+    rho_sequence = _plan_figure("rho_sequence", "zCDP of a text: T·ρ_tok.")
+    rho_token = _plan_figure("rho_token", "zCDP per token.")
+    epsilon0 = _plan_figure("epsilon0", "Per-token bounded range 2C/(Bτ).")
+    accountant = _plan_figure("accountant", "The accountant.")
+    clip_norm = _plan_figure("clip_norm", "Clip norm C.")
+    batch_size = _plan_figure("batch_size", "B references per text.")
+    temperature = _plan_figure("temperature", "Temperature τ.")
+    max_new_tokens = _plan_figure("max_new_tokens", "Token budget T.")
 
     @property
     def holds(self) -> bool:
         """Whether the run carries this guarantee (``False`` for a seeded run)."""
         return self.void_reason is None
 
-    @classmethod
-    def from_plan(cls, plan, top_k: int | None, void_reason: str | None = None) -> Guarantee:
-        return cls(
-            epsilon=plan.epsilon,
-            delta=plan.delta,
-            rho_sequence=plan.rho_sequence,
-            rho_token=plan.rho_token,
-            epsilon0=plan.epsilon0,
-            accountant=plan.accountant,
-            clip_norm=plan.clip_norm,
-            batch_size=plan.batch_size,
-            temperature=plan.temperature,
-            top_k=top_k,
-            max_new_tokens=plan.max_new_tokens,
-            void_reason=void_reason,
-        )
-
     def to_json(self) -> dict:
-        """The figures as a dict (``void_reason`` only when the guarantee is void)."""
-        data = dataclasses.asdict(self)
-        if data["void_reason"] is None:
-            del data["void_reason"]
+        """The figures as a dict (``void_reason`` only when the guarantee is void); the records' format."""
+        names = ("epsilon", "delta", "rho_sequence", "rho_token", "epsilon0", "accountant", "clip_norm", "batch_size",
+                 "temperature", "top_k", "max_new_tokens")  # fmt: skip
+        data = {name: getattr(self, name) for name in names}
+        if self.void_reason is not None:
+            data["void_reason"] = self.void_reason
         return data
 
     def record_fields(self) -> dict:
@@ -676,7 +665,7 @@ def prepare_release(references, **options) -> _Release:
     if not o.allow_all_null:
         _refuse_all_null(partition, config.batch_size)
     plan = config.plan()
-    guarantee = Guarantee.from_plan(plan, config.top_k, void_reason=None if o.seed is None else SEEDED_VOID_REASON)
+    guarantee = Guarantee(plan, config.top_k, void_reason=None if o.seed is None else SEEDED_VOID_REASON)
     mechanism = MechanismConfig.from_event(plan.event, top_k=config.top_k)
     if not math.isclose(mechanism.epsilon0, plan.epsilon0, rel_tol=1e-12):
         raise RuntimeError(

@@ -57,7 +57,9 @@ def test_references_or_prompt_that_disagree_are_refused(tiny, result):
 
 
 def test_an_inconsistent_result_is_refused(result):
-    bad = dataclasses.replace(result, guarantee=dataclasses.replace(result.guarantee, temperature=0.5))
+    # the guarantee is its plan, so a disagreeing one comes from another plan
+    other = dataclasses.replace(result.plan, event=dataclasses.replace(result.plan.event, temperature=0.5))
+    bad = dataclasses.replace(result, guarantee=Guarantee(other, result.guarantee.top_k))
     with pytest.raises(ValueError, match="guarantee and plan .temperature. do not match"):
         AuditedRelease.of(bad)
 
@@ -69,7 +71,7 @@ def test_texts_longer_than_the_recorded_plan_allows_are_rejected(tiny, result):
     short = epsilon_for_clip_norm(
         clip_norm=p.clip_norm, delta=p.delta, max_new_tokens=2, batch_size=p.batch_size, temperature=p.temperature
     )
-    bad = dataclasses.replace(result, plan=short, guarantee=Guarantee.from_plan(short, result.guarantee.top_k))
+    bad = dataclasses.replace(result, plan=short, guarantee=Guarantee(short, result.guarantee.top_k))
     with pytest.raises(ValueError, match="do not match this configuration"):
         quick_audit(bad, model=tiny, sampled_batch=None)
 

@@ -7,7 +7,6 @@ print it, and write it to JSON exactly as the plain strings did.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -22,13 +21,13 @@ from invink_audit.mechanism import MechanismConfig
 def test_records_hold_the_enum_and_read_and_write_as_its_name(name):
     plan = plan_clip_norm(epsilon=3.0, delta=1e-6, max_new_tokens=16, batch_size=4, temperature=1.0, accountant=name)
     config = GenerationConfig(batch_size=4, max_new_tokens=16, delta=1e-6, epsilon=3.0, accountant=name)
-    guarantee = Guarantee.from_plan(plan, top_k=100)
+    guarantee = Guarantee(plan, top_k=100)
     settings = ModelAuditSettings(max_new_tokens=16, epsilon=3.0, accountant=name)
     for record in (plan, config, guarantee, settings):
         assert record.accountant is Accountant(name)
         assert record.accountant == name and f"{record.accountant}" == name and str(record.accountant) == name
     # JSON as before: the name, never "Accountant.X"
-    assert json.loads(json.dumps(dataclasses.asdict(guarantee)))["accountant"] == name
+    assert json.loads(json.dumps(guarantee.to_json()))["accountant"] == name
     assert json.dumps({"accountant": plan.accountant}) == json.dumps({"accountant": name})
 
 
