@@ -1,5 +1,6 @@
 """Model audits through the engine (tiny random model), quick_audit of generated texts, specs and CLI."""
 
+import dataclasses
 import json
 import math
 import warnings
@@ -95,7 +96,8 @@ def test_quick_audit_of_generated_texts(tiny_in_dtype):
     assert rep.realised_loss_max <= rep.a_priori_loss_bound + 1e-9
     assert "audit verdict: PASS" in rep.summary()
     # texts that the configuration cannot have produced are rejected
-    bad = type(res)(**{**res.__dict__, "guarantee": type(res.guarantee)(**{**res.guarantee.__dict__, "max_new_tokens": 2})})
+    short = dataclasses.replace(res.plan, event=dataclasses.replace(res.plan.event, max_new_tokens=2))
+    bad = dataclasses.replace(res, guarantee=type(res.guarantee)(short, res.guarantee.top_k))
     with pytest.raises(ValueError, match="do not match"):
         quick_audit(bad, refs, model=tiny, sampled_batch=None)
 
