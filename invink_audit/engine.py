@@ -86,6 +86,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy
 import torch
 
+from accounting.limits import check_count
 from invink_audit.forward import ForwardStats, RowForward, check_packed_attention, output_layer_split, to_device
 from invink_audit.mechanism import (
     ACCUMULATION_DTYPE,
@@ -379,11 +380,9 @@ class Engine:
             mechanism = mechanism.topk_plus_columns()  # the capability, not the class, picks the fast path
         generic = isinstance(mechanism, Mechanism)
         rows = default_max_batch_rows(model.device) if max_batch_rows is None else max_batch_rows
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-            raise ValueError(f"max_batch_rows must be an integer >= 1; got {max_batch_rows!r}")
+        rows = check_count("max_batch_rows", rows)
         prefill = _DEFAULT_PREFILL_TOKENS if max_prefill_tokens is None else max_prefill_tokens
-        if isinstance(prefill, bool) or not isinstance(prefill, int) or prefill < 1:
-            raise ValueError(f"max_prefill_tokens must be an integer >= 1; got {max_prefill_tokens!r}")
+        prefill = check_count("max_prefill_tokens", prefill)
         for name, flag in (("support_only", support_only), ("share_prefill", share_prefill)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be a bool; got {flag!r}")
@@ -488,8 +487,7 @@ class Engine:
                 raise ValueError("stream_keys must be integers in [0, 2**128)")
             if len(set(keys)) != len(keys):
                 raise ValueError("stream_keys must be distinct: texts sharing a key would share their noise")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens)
         if not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator; got {type(generator).__name__}")
         if generator.device.type != self.model.device.type:

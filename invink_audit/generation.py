@@ -73,6 +73,7 @@ from types import SimpleNamespace
 import torch
 
 from accounting import Accountant, BudgetExceededError, LedgerError, Plan, as_accountant
+from accounting.limits import check_count
 from invink_audit.data import (
     LabelledReferences,
     Partition,
@@ -173,9 +174,7 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+            object.__setattr__(self, name, check_count(name, getattr(self, name)))
         if self.num_texts is not None and (
             isinstance(self.num_texts, bool) or not isinstance(self.num_texts, int) or self.num_texts < 1
         ):

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from accounting.limits import check_count
 from invink_audit.audit import stats
 from invink_audit.audit.records import BlackBoxReport
 
@@ -365,8 +366,7 @@ def invink_generator(model_path: str, *, batch_size: int, dataset_desc: str, eps
 
     import invink  # noqa: F401  (ImportError is the documented signal)
 
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+    batch_size = check_count("batch_size", batch_size)
 
     def generate(references):
         args = dict(kwargs)

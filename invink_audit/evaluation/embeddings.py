@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from accounting.limits import check_count
 from invink_audit.evaluation.cache import TextCache, text_digest
 
 __all__ = [
@@ -284,8 +285,7 @@ class Embedder:
         import torch
 
         self.spec = _spec(model)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+        batch_size = check_count("batch_size", batch_size)
         if dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16'; got {dtype!r}")
         if max_seq_length is not None and (isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length < 2):

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from accounting.limits import check_count
 from invink_audit.evaluation.cache import TextCache, text_digest
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval, wald_interval
 
@@ -163,8 +164,7 @@ def score_perplexity(
     length (right padding; about ``batch_tokens`` tokens per forward pass). ``progress``: called with
     the number of texts just scored (or found in the cache). ``cache``: a :func:`perplexity_cache`;
     texts scored before under the same scorer and settings are not scored again."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1; got {max_tokens!r}")
+    max_tokens = check_count("max_tokens", max_tokens)
     if isinstance(texts, str) or not isinstance(texts, Sequence):
         raise ValueError(f"texts must be a sequence of strings; got {type(texts).__name__}")
     for i, text in enumerate(texts):

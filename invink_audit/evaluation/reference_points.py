@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from accounting.limits import check_count
 from invink_audit.not_private import write_not_private_jsonl
 
 __all__ = ["REFERENCE_POINT_NOTICE", "ReferenceTexts", "generate_reference_points"]
@@ -123,8 +124,7 @@ def generate_reference_points(
     from invink_audit.models import load_model
     from invink_audit.prompts import encode_prompt, get_preset, template_for_labels
 
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens)
     if not batches:
         raise ValueError("batches must not be empty")
     labels = list(batch_labels) if batch_labels is not None else [None] * len(batches)
