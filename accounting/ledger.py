@@ -81,7 +81,7 @@ from accounting.accountants import (
     Accountant,
     as_accountant,
 )
-from accounting.conversions import ConversionMethod, zcdp_to_epsilon
+from accounting.conversions import ConversionMethod, epsilon_to_zcdp, zcdp_to_epsilon
 from accounting.events import GenerationEvent, ZcdpEvent, event_from_json
 from accounting.limits import RANGES
 
@@ -212,10 +212,21 @@ class LedgerStatus:
     releases: tuple[dict, ...]
     format_version: int = _FORMAT_VERSION
     head: str | None = None
+    rho_spent: float = 0.0
 
     @property
     def epsilon_remaining(self) -> float:
+        """Budget minus spend. Not what a next release may spend: ε does not add up across releases (they
+        compose by adding ρ, module docstring); :attr:`rho_remaining` says what still fits."""
         return max(0.0, self.epsilon_budget - self.epsilon_spent)
+
+    @property
+    def rho_remaining(self) -> float:
+        """The largest zCDP ρ a next release may cost and still fit the budget: ρ of the budget (the ledger's
+        conversion inverted at δ, its lower end) minus the ρ the recorded releases add up to. Conservative
+        when nothing is recorded yet (a first release alone is charged by the accountant's tighter rule)."""
+        conversion = ConversionMethod.CKS if self.accountant is Accountant.BR_ADAPTIVE else self.accountant.conversion
+        return max(0.0, epsilon_to_zcdp(self.epsilon_budget, self.delta, conversion) - self.rho_spent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,6 +576,7 @@ class BudgetLedger:
             releases=tuple(v.data["releases"]),
             format_version=int(v.data["format_version"]),
             head=v.data.get("head") if v.data["format_version"] >= 2 else None,
+            rho_spent=math.fsum(r.rho_sequence for r in v.releases),
         )
 
     def recorded(self, release_id: str) -> dict | None:

@@ -214,3 +214,22 @@ def test_a_bad_zcdp_event_is_refused_when_built(rho, mechanism):
 def test_an_unknown_release_kind_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown release kind 'gaussian'"):
         Release.from_json({"kind": "gaussian", "release_id": "x", "label": "", "num_batches": 1})
+
+
+def test_rho_remaining_says_what_a_next_release_can_spend(tmp_path):
+    """After an ε = 8 release of a budget of 10, "10 − 8 = 2" is not spendable (releases add ρ); rho_remaining
+    is: a zCDP release of just under it fits, one just over it is refused."""
+    from accounting import ZcdpEvent, epsilon_to_zcdp, plan_clip_norm
+
+    path = tmp_path / "l.json"
+    ledger = BudgetLedger.create(path, epsilon=10.0, delta=1e-6)
+    plan = plan_clip_norm(epsilon=8.0, delta=1e-6, max_new_tokens=48, batch_size=7, temperature=1.0)
+    ledger.charge(Release(plan.event, 3, "first"))
+    status = ledger.status()
+    assert status.rho_spent == pytest.approx(plan.rho_sequence, rel=1e-12)
+    assert status.rho_remaining == pytest.approx(epsilon_to_zcdp(10.0, 1e-6, "cks") - plan.rho_sequence, rel=1e-12)
+    with pytest.raises(BudgetExceededError):
+        ledger.charge(Release(ZcdpEvent(status.rho_remaining * 1.001, "next"), 1, "too-much"))
+    entry = ledger.charge(Release(ZcdpEvent(status.rho_remaining * 0.999, "next"), 1, "fits"))
+    assert entry["epsilon_spent_after"] <= 10.0
+    assert ledger.status().rho_remaining == pytest.approx(0.001 * status.rho_remaining, rel=1e-6)

@@ -107,6 +107,8 @@ def _show(args) -> int:
                     "accountant": status.accountant,
                     "epsilon_spent": status.epsilon_spent,
                     "epsilon_remaining": status.epsilon_remaining,
+                    "rho_spent": status.rho_spent,
+                    "rho_remaining": status.rho_remaining,
                     "format_version": status.format_version,
                     "head": status.head,
                     "releases": list(status.releases),
@@ -116,7 +118,11 @@ def _show(args) -> int:
         return EXIT_OK
     print(
         f"ledger {args.path}: spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g} "
-        f"at delta={status.delta:g} ({status.accountant}); remaining {status.epsilon_remaining:.6g}"
+        f"at delta={status.delta:g} ({status.accountant})"
+    )
+    print(
+        f"  a next release fits if it costs at most rho={status.rho_remaining:.6g} zCDP (releases add rho, not "
+        f"epsilon; an InvisibleInk release of T tokens fits if its eps0 <= sqrt(8*rho/T))"
     )
     if status.head is None:
         print(f"  format {status.format_version}: no hash chain yet; the next charge adds one")
