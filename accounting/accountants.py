@@ -67,6 +67,12 @@ class Accountant(enum.StrEnum):
         """The zCDP conversion this accountant uses (None for br-adaptive)."""
         return None if self is Accountant.BR_ADAPTIVE else ConversionMethod(self.value)
 
+    @property
+    def zcdp_conversion(self) -> ConversionMethod:
+        """The conversion this accountant applies to a zCDP ρ (a filter's sum, a zCDP release, a plan's first
+        guess): its own, CKS for br-adaptive (whose bounded-range rule needs a sequence of ε0-BR steps)."""
+        return ConversionMethod.CKS if self is Accountant.BR_ADAPTIVE else ConversionMethod(self.value)
+
 
 ACCOUNTANTS: tuple[str, ...] = tuple(a.value for a in Accountant)
 DEFAULT_ACCOUNTANT = Accountant.BR_ADAPTIVE
@@ -168,7 +174,7 @@ def fits_budget(epsilon: float, delta: float, epsilon0: float, num_steps: int, a
     rho = num_steps * br_to_zcdp(epsilon0)
     if not math.isfinite(rho):
         return False
-    if zcdp_to_delta(rho, epsilon, "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion) <= delta:
+    if zcdp_to_delta(rho, epsilon, acc.zcdp_conversion) <= delta:
         return True
     if acc is not Accountant.BR_ADAPTIVE or num_steps > BR_MAX_STEPS:
         return False
@@ -187,7 +193,7 @@ def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-ad
     delta = check_delta("delta", delta)
     acc = as_accountant(accountant)
     num_steps = check_count("num_steps", num_steps)
-    conversion = "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion
+    conversion = acc.zcdp_conversion
     from accounting.conversions import epsilon_to_zcdp
 
     rho_seq = epsilon_to_zcdp(epsilon, delta, conversion)

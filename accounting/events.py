@@ -24,11 +24,17 @@ from accounting.accountants import (
     bounded_range_epsilon,
     composed_epsilon,
 )
-from accounting.conversions import ConversionMethod, br_to_zcdp, zcdp_to_epsilon
+from accounting.conversions import br_to_zcdp, zcdp_to_epsilon
 from accounting.limits import RANGES
 from accounting.sensitivity import Adjacency, Clipping, coerce_enum, linf_sensitivity
 
-__all__ = ["GenerationEvent", "ZcdpEvent", "event_from_json"]
+__all__ = ["GenerationEvent", "ZcdpEvent", "event_from_json", "forwarded_property"]
+
+
+def forwarded_property(via: str, name: str, doc: str) -> property:
+    """A read-only property that reads ``name`` from the record's ``via`` attribute: a record that stores its
+    event (or plan) shows the event's figures without keeping a second copy that could disagree."""
+    return property(lambda self: getattr(getattr(self, via), name), doc=doc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +112,7 @@ class ZcdpEvent:
         """Certified ε at ``delta``: ρ converted by the accountant's zCDP conversion (CKS for ``br-adaptive``,
         which has no tighter rule for a release that is not a sequence of bounded-range steps), rounded up
         as :func:`accounting.composed_epsilon` rounds."""
-        acc = as_accountant(accountant)
-        conversion = ConversionMethod.CKS if acc is Accountant.BR_ADAPTIVE else acc.conversion
-        return zcdp_to_epsilon(self.rho, delta, conversion) * (1.0 + EPSILON_ROUNDING)
+        return zcdp_to_epsilon(self.rho, delta, as_accountant(accountant).zcdp_conversion) * (1.0 + EPSILON_ROUNDING)
 
     def to_json(self) -> dict:
         return {"kind": "zcdp", "mechanism": self.mechanism, "rho": self.rho}

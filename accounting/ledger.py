@@ -81,8 +81,8 @@ from accounting.accountants import (
     Accountant,
     as_accountant,
 )
-from accounting.conversions import ConversionMethod, epsilon_to_zcdp, zcdp_to_epsilon
-from accounting.events import GenerationEvent, ZcdpEvent, event_from_json
+from accounting.conversions import epsilon_to_zcdp, zcdp_to_epsilon
+from accounting.events import GenerationEvent, ZcdpEvent, event_from_json, forwarded_property
 from accounting.limits import RANGES
 
 __all__ = ["BudgetLedger", "BudgetExceededError", "ChargeOutcome", "LedgerError", "Release", "LedgerStatus"]
@@ -160,16 +160,16 @@ class Release:
         ids = {} if release_id is None else {"release_id": release_id}
         return cls(GenerationEvent(**event), num_batches, label=label, **ids)
 
-    clip_norm = property(lambda self: self.event.clip_norm, doc="Clip norm C.")
-    batch_size = property(lambda self: self.event.batch_size, doc="B private references per text.")
-    temperature = property(lambda self: self.event.temperature, doc="Temperature τ.")
-    max_new_tokens = property(lambda self: self.event.max_new_tokens, doc="Token budget T per text.")
-    texts_per_batch = property(lambda self: self.event.texts_per_batch, doc="Texts drawn from each batch.")
-    clipping = property(lambda self: self.event.clipping, doc="The clipping rule.")
-    adjacency = property(lambda self: self.event.adjacency, doc="The neighbouring relation.")
-    epsilon0 = property(lambda self: self.event.epsilon0, doc="Per-token bounded range 2Δ/τ.")
-    num_steps = property(lambda self: self.event.num_steps, doc="Token steps charged (batches compose in parallel).")
-    rho_sequence = property(lambda self: self.event.rho_sequence, doc="zCDP of the release (the ledger's term).")
+    clip_norm = forwarded_property("event", "clip_norm", "Clip norm C.")
+    batch_size = forwarded_property("event", "batch_size", "B private references per text.")
+    temperature = forwarded_property("event", "temperature", "Temperature τ.")
+    max_new_tokens = forwarded_property("event", "max_new_tokens", "Token budget T per text.")
+    texts_per_batch = forwarded_property("event", "texts_per_batch", "Texts drawn from each batch.")
+    clipping = forwarded_property("event", "clipping", "The clipping rule.")
+    adjacency = forwarded_property("event", "adjacency", "The neighbouring relation.")
+    epsilon0 = forwarded_property("event", "epsilon0", "Per-token bounded range 2Δ/τ.")
+    num_steps = forwarded_property("event", "num_steps", "Token steps charged (batches compose in parallel).")
+    rho_sequence = forwarded_property("event", "rho_sequence", "zCDP of the release (the ledger's term).")
 
     def _parameters(self) -> dict:
         if isinstance(self.event, ZcdpEvent):
@@ -225,8 +225,7 @@ class LedgerStatus:
         """The largest zCDP ρ a next release may cost and still fit the budget: ρ of the budget (the ledger's
         conversion inverted at δ, its lower end) minus the ρ the recorded releases add up to. Conservative
         when nothing is recorded yet (a first release alone is charged by the accountant's tighter rule)."""
-        conversion = ConversionMethod.CKS if self.accountant is Accountant.BR_ADAPTIVE else self.accountant.conversion
-        return max(0.0, epsilon_to_zcdp(self.epsilon_budget, self.delta, conversion) - self.rho_spent)
+        return max(0.0, epsilon_to_zcdp(self.epsilon_budget, self.delta, self.accountant.zcdp_conversion) - self.rho_spent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,8 +259,7 @@ def _single_release_spend(event: GenerationEvent | ZcdpEvent, delta: float, acco
 
 @functools.lru_cache(maxsize=4096)
 def _filter_spend(rho: float, delta: float, accountant: Accountant) -> float:
-    conversion = ConversionMethod.CKS if accountant is Accountant.BR_ADAPTIVE else accountant.conversion
-    return zcdp_to_epsilon(rho, delta, conversion)
+    return zcdp_to_epsilon(rho, delta, accountant.zcdp_conversion)
 
 
 def _now() -> str:

@@ -40,7 +40,7 @@ from accounting.accountants import (
     max_epsilon0,
 )
 from accounting.conversions import br_to_zcdp
-from accounting.events import GenerationEvent
+from accounting.events import GenerationEvent, forwarded_property
 from accounting.sensitivity import (
     Adjacency,
     Clipping,
@@ -58,10 +58,6 @@ __all__ = [
     "plan_min_batch_size",
     "planning_table",
 ]
-
-
-def _event_field(name: str, doc: str) -> property:
-    return property(lambda self: getattr(self.event, name), doc=doc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,16 +82,16 @@ class Plan:
         object.__setattr__(self, "delta", RANGES["delta"].check("delta", self.delta))
         object.__setattr__(self, "accountant", as_accountant(self.accountant))
 
-    clip_norm = _event_field("clip_norm", "Clip norm C.")
-    batch_size = _event_field("batch_size", "B private references per text.")
-    temperature = _event_field("temperature", "Temperature τ.")
-    max_new_tokens = _event_field("max_new_tokens", "Token budget T per text.")
-    clipping = _event_field("clipping", "The clipping rule (difference clipping by default).")
-    adjacency = _event_field("adjacency", "The neighbouring relation (replace-by-null by default).")
-    sensitivity = _event_field("sensitivity", "ℓ∞ sensitivity Δ of the aggregated logits.")
-    epsilon0 = _event_field("epsilon0", "Per-token bounded range ε0 = 2Δ/τ.")
-    rho_token = _event_field("rho_token", "Per-token zCDP ρ_tok = ε0²/8.")
-    rho_sequence = _event_field("rho_sequence", "zCDP of a text: T·ρ_tok.")
+    clip_norm = forwarded_property("event", "clip_norm", "Clip norm C.")
+    batch_size = forwarded_property("event", "batch_size", "B private references per text.")
+    temperature = forwarded_property("event", "temperature", "Temperature τ.")
+    max_new_tokens = forwarded_property("event", "max_new_tokens", "Token budget T per text.")
+    clipping = forwarded_property("event", "clipping", "The clipping rule (difference clipping by default).")
+    adjacency = forwarded_property("event", "adjacency", "The neighbouring relation (replace-by-null by default).")
+    sensitivity = forwarded_property("event", "sensitivity", "ℓ∞ sensitivity Δ of the aggregated logits.")
+    epsilon0 = forwarded_property("event", "epsilon0", "Per-token bounded range ε0 = 2Δ/τ.")
+    rho_token = forwarded_property("event", "rho_token", "Per-token zCDP ρ_tok = ε0²/8.")
+    rho_sequence = forwarded_property("event", "rho_sequence", "zCDP of a text: T·ρ_tok.")
 
     @property
     def forward_rows_per_token(self) -> int:
@@ -235,8 +231,7 @@ def plan_max_new_tokens(
         )
     from accounting.conversions import epsilon_to_zcdp
 
-    conversion = "cks" if acc is Accountant.BR_ADAPTIVE else acc.conversion
-    rho_seq = epsilon_to_zcdp(v["epsilon"], v["delta"], conversion)
+    rho_seq = epsilon_to_zcdp(v["epsilon"], v["delta"], acc.zcdp_conversion)
     # the zCDP answer as a first guess, clamped to [1, MAX_COUNT] (it can exceed 1e40 for tiny e0)
     guess = rho_seq / br_to_zcdp(e0)
     guess = MAX_COUNT if not guess < MAX_COUNT else max(1, int(math.floor(guess)))

@@ -73,6 +73,7 @@ from types import SimpleNamespace
 import torch
 
 from accounting import Accountant, BudgetExceededError, LedgerError, Plan, as_accountant
+from accounting.events import forwarded_property
 from accounting.limits import check_count
 from invink_audit.data import (
     LabelledReferences,
@@ -210,10 +211,6 @@ class GenerationConfig:
         return epsilon_for_clip_norm(clip_norm=self.clip_norm, **common)
 
 
-def _plan_figure(name: str, doc: str) -> property:
-    return property(lambda self: getattr(self.plan, name), doc=doc)
-
-
 @dataclasses.dataclass(frozen=True)
 class Guarantee:
     r"""The run's a-priori guarantee: (ε, δ)-DP under replace-by-null adjacency for texts of ≤ T tokens.
@@ -228,16 +225,16 @@ class Guarantee:
     top_k: int | None
     void_reason: str | None = None
 
-    epsilon = _plan_figure("epsilon", "ε the accountant certifies at δ.")
-    delta = _plan_figure("delta", "δ.")
-    rho_sequence = _plan_figure("rho_sequence", "zCDP of a text: T·ρ_tok.")
-    rho_token = _plan_figure("rho_token", "zCDP per token.")
-    epsilon0 = _plan_figure("epsilon0", "Per-token bounded range 2C/(Bτ).")
-    accountant = _plan_figure("accountant", "The accountant.")
-    clip_norm = _plan_figure("clip_norm", "Clip norm C.")
-    batch_size = _plan_figure("batch_size", "B references per text.")
-    temperature = _plan_figure("temperature", "Temperature τ.")
-    max_new_tokens = _plan_figure("max_new_tokens", "Token budget T.")
+    epsilon = forwarded_property("plan", "epsilon", "ε the accountant certifies at δ.")
+    delta = forwarded_property("plan", "delta", "δ.")
+    rho_sequence = forwarded_property("plan", "rho_sequence", "zCDP of a text: T·ρ_tok.")
+    rho_token = forwarded_property("plan", "rho_token", "zCDP per token.")
+    epsilon0 = forwarded_property("plan", "epsilon0", "Per-token bounded range 2C/(Bτ).")
+    accountant = forwarded_property("plan", "accountant", "The accountant.")
+    clip_norm = forwarded_property("plan", "clip_norm", "Clip norm C.")
+    batch_size = forwarded_property("plan", "batch_size", "B references per text.")
+    temperature = forwarded_property("plan", "temperature", "Temperature τ.")
+    max_new_tokens = forwarded_property("plan", "max_new_tokens", "Token budget T.")
 
     @property
     def holds(self) -> bool:
