@@ -454,6 +454,55 @@ class Engine:
         return self._texts(requests, max_new_tokens, generator, observer, sampling_rule, neighbours, stop_at_eos,
                            progress, stream_ids, key, stream_keys)
 
+    def force(
+        self,
+        requests: Sequence[TextRequest],
+        token_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        observer: Observer,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Teacher forcing: run the engine drawing ``token_ids[i]`` for ``requests[i]``, calling
+        ``observer(step)`` at every step (the mechanism's exact distribution, the logits of every row).
+
+        Each text must end where its forced tokens end: the last one is an end-of-sequence token (or,
+        for a generic mechanism, its stop outcome), or the text has ``max_new_tokens`` of them. With a
+        generic :class:`~invink_audit.mechanisms.Mechanism`, ``token_ids[i]`` are the text's *outcomes*
+        (``mode·V + token``, the stop outcome last when the mechanism's stop rule ended it). A forced
+        token of probability zero under the mechanism, or a text that ends elsewhere, is a
+        ``ValueError``: the texts do not match this configuration. ``progress(n)``: as for :meth:`generate`.
+        """
+        from invink_audit.mechanism import make_generator
+
+        requests = list(requests)
+        if len(token_ids) != len(requests):
+            raise ValueError(f"token_ids must give one sequence per request ({len(requests)}); got {len(token_ids)}")
+        what, n = ("outcome" if self.generic else "token"), len(requests)
+        device = self.model.device
+        longest = max([1, *(len(t) for t in token_ids)])
+        forced = torch.zeros((n, longest), dtype=torch.long, device=device)
+        for i, ids in enumerate(token_ids):
+            forced[i, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+
+        def rule(step):
+            out = forced[step.request_indices, step.positions]
+            if not bool(torch.isfinite(step.log_probs.gather(1, out[:, None])).all()):
+                raise ValueError(f"a forced {what} has probability 0 under the mechanism: the texts do not match this configuration")
+            return torch.full_like(step.log_probs, -math.inf).scatter_(1, out[:, None], 0.0)
+
+        stop_id = self.mechanism.stop_outcome(self.model.vocab_size) if self.generic else None
+        expected = {i: sum(1 for o in t if o != stop_id) for i, t in enumerate(token_ids)}
+        texts = self.generate(requests, max_new_tokens=max_new_tokens, generator=make_generator(device=device),
+                              observer=observer, sampling_rule=rule, progress=progress)
+        with torch.no_grad():
+            for f in texts:
+                if f.num_tokens != expected[f.request_index]:
+                    raise ValueError(
+                        f"text {f.request_index} ended after {f.num_tokens} tokens under teacher forcing, "
+                        f"but has {expected[f.request_index]}: the texts do not match this configuration"
+                    )
+
     def _texts(self, requests, max_new_tokens, generator, observer, sampling_rule, neighbours, stop_at_eos, progress,
                stream_ids, key, stream_keys) -> Iterator[FinishedText]:
         """:meth:`generate`'s texts, once its arguments were checked."""

@@ -132,45 +132,24 @@ def teacher_forced_losses(
     """
     from invink_audit.audit.model_audit import Slots
     from invink_audit.engine import Engine
-    from invink_audit.mechanism import make_generator
 
     engine = Engine(loaded, mechanism)
-    generic, what = engine.generic, "outcome" if engine.generic else "token"
+    generic = engine.generic
     n = len(requests)
     plan = SamplingPlan(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64))
     max_len = max(1, max(len(t) for t in token_ids))
     recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max_len, device=loaded.device)
-    forced = torch.zeros((n, max_len), dtype=torch.long, device=loaded.device)
-    for i, ids in enumerate(token_ids):
-        forced[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
 
-    def rule(step):
+    def observer(step):
         nlp = step.neighbour_log_probs()
         checks = {"check_actual": step.result.check_actual, "check_neighbours": step.result.check_neighbours} if generic else {}
         recorder.sampling_log_weights(step.request_indices, nlp.actual, nlp.neighbours, **checks)
-        out = forced[step.request_indices, step.positions]
-        if not bool(torch.isfinite(nlp.actual.gather(1, out[:, None])).all()):
-            raise ValueError(f"a forced {what} has probability 0 under the mechanism: the texts do not match this configuration")
-        weights = torch.full_like(nlp.actual, -math.inf)
-        weights.scatter_(1, out[:, None], 0.0)
-        return weights
-
-    def observer(step):
         recorder.record(step.request_indices, step.outcomes if generic else step.tokens)
 
     stop_id = engine.mechanism.stop_outcome(loaded.vocab_size) if generic else None
-    expected = {i: sum(1 for o in t if o != stop_id) for i, t in enumerate(token_ids)}
-    slots = Slots(progress, sum(expected.values()))
-    with torch.no_grad():
-        for f in engine.generate(
-            requests, max_new_tokens=claim.max_new_tokens, generator=make_generator(device=loaded.device),
-            observer=observer, sampling_rule=rule, progress=slots.add if progress is not None else None,
-        ):
-            if f.num_tokens != expected[f.request_index]:
-                raise ValueError(
-                    f"text {f.request_index} ended after {f.num_tokens} tokens under teacher forcing, "
-                    f"but has {expected[f.request_index]}: the texts do not match this configuration"
-                )
+    slots = Slots(progress, sum(1 for t in token_ids for o in t if o != stop_id))
+    engine.force(requests, token_ids, max_new_tokens=claim.max_new_tokens, observer=observer,
+                 progress=slots.add if progress is not None else None)
     slots.finish()
     return recorder.finish()
 

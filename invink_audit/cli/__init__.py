@@ -37,6 +37,7 @@ _SUBCOMMANDS = (
     "invink_audit.cli._audit",
     "invink_audit.cli._evaluate",
     "invink_audit.cli._sweep",
+    "invink_audit.cli._profile",
     "invink_audit.cli._preflight",
 )
 
@@ -158,7 +159,7 @@ def console_main() -> int:
 
 
 #: the commands that run a model (the others, e.g. ``plan`` and ``ledger``, never import torch)
-_MODEL_COMMANDS = frozenset({"generate", "evaluate", "sweep", "audit", "bench"})
+_MODEL_COMMANDS = frozenset({"generate", "evaluate", "sweep", "profile", "audit", "bench"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,10 +12,11 @@ import sys
 
 from invink_audit.cli import parse_float, parse_int, parse_list, plural
 from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, label_columns, tqdm_progress
-from invink_audit.cli._generate import add_prompt_arguments, add_where_argument, parse_where, prompt_template
+from invink_audit.cli._generate import add_prompt_arguments, add_where_argument, parse_fields, parse_where, prompt_template
 
 
-def _top_k(flag: str, text: str):
+def parse_top_k(flag: str, text: str):
+    """A k of ``--top-ks``: an integer, or ``full`` for the whole vocabulary (``None``)."""
     return None if text.strip().lower() == "full" else parse_int(flag, text)
 
 
@@ -61,16 +62,11 @@ def register(subparsers) -> None:
 def _sweep(args) -> int:
     from invink_audit.evaluation.sweep import SweepConfig, run_sweep
 
-    fields = {}
-    for item in args.prompt_field or ():
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ValueError(f"--prompt-field must be NAME=VALUE; got {item!r}")
-        fields[name] = value
+    fields = parse_fields(args.prompt_field)
     config = SweepConfig(
         epsilons=tuple(parse_list("--epsilons", args.epsilons, parse_float)),
         batch_sizes=tuple(parse_list("--batch-sizes", args.batch_sizes, parse_int)),
-        top_ks=tuple(parse_list("--top-ks", args.top_ks, _top_k)),
+        top_ks=tuple(parse_list("--top-ks", args.top_ks, parse_top_k)),
         temperatures=tuple(parse_list("--temperatures", args.temperatures, parse_float)),
         max_new_tokens=tuple(parse_list("--max-new-tokens", args.max_new_tokens, parse_int)),
         delta=parse_float("--delta", args.delta),

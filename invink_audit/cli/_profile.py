@@ -1,0 +1,86 @@
+"""``invink-audit profile``: plan (ε, B) by an exact, paired, sampling-free utility signal and a clip
+profile (:mod:`invink_audit.evaluation.profile`), on public or proxy data. Not a private release."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from invink_audit.cli import parse_float, parse_int, parse_list, plural
+from invink_audit.cli._evaluate import label_columns
+from invink_audit.cli._generate import add_prompt_arguments, parse_fields, prompt_template
+from invink_audit.cli._sweep import parse_top_k
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "profile",
+        help="plan epsilon and B by teacher forcing held-out texts: exact, paired, no sampling",
+        description="Teacher-force held-out real texts (--real) through the mechanism, each with B references of "
+        "its label group from --input, at every grid point at once, and report per point the held-out "
+        "cross-entropy, its paired gain over the public-only floor, the share of the floor-to-ensemble gap closed, "
+        "Top-k+ coverage and the share of logit differences the planned C clips; then which points the signal "
+        "separates, a recommendation, and a clip profile. Run it on public or proxy data: its output is not "
+        "differentially private, and run on private data it is not a private release.",
+    )
+    p.add_argument("--input", required=True, help="proxy references (.csv or .jsonl): public, or held out from the private data")
+    p.add_argument("--real", required=True, help="held-out real texts to teacher-force (.csv or .jsonl)")
+    p.add_argument("--column", default="text", help="text column of --input and --real (default: text)")
+    p.add_argument("--epsilons", required=True, help="comma-separated epsilons, e.g. 1,3,10")
+    p.add_argument("--batch-sizes", required=True, help="comma-separated B values, e.g. 4,8")
+    p.add_argument("--top-ks", default="100", help="comma-separated k values or 'full' (default 100)")
+    p.add_argument("--temperatures", default="1.0", help="comma-separated tau values (default 1.0)")
+    p.add_argument("--max-new-tokens", default="64", help="T: the token budget planned for, and tokens scored per text (default 64)")
+    p.add_argument("--delta", default="1e-6", help="delta of every point (default 1e-6)")
+    p.add_argument("--num-texts", default="30", help="held-out texts teacher-forced (default 30)")
+    p.add_argument("--seed", default="0", help="picks the texts and their references (default 0)")
+    p.add_argument("--label-column", action="append", default=[], metavar="NAME",
+                   help="label column (repeat): each text gets references of its own group and its labels' prompt")
+    p.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated")
+    add_prompt_arguments(p)
+    p.add_argument("--model", default=None, help="the generator's model (default: embedded SmolLM2)")
+    p.add_argument("--json", action="store_true", help='print {"points": [...], ...} instead of the table')
+    p.add_argument("--output", default=None, metavar="DIR", help="write profile.md, profile.json and plots here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_profile)
+
+
+def _profile(args) -> int:
+    from invink_audit.evaluation.profile import PLANNING_NOTICE, ProfileConfig, run_profile
+
+    config = ProfileConfig(
+        epsilons=tuple(parse_list("--epsilons", args.epsilons, parse_float)),
+        batch_sizes=tuple(parse_list("--batch-sizes", args.batch_sizes, parse_int)),
+        top_ks=tuple(parse_list("--top-ks", args.top_ks, parse_top_k)),
+        temperatures=tuple(parse_list("--temperatures", args.temperatures, parse_float)),
+        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
+        delta=parse_float("--delta", args.delta),
+        num_texts=parse_int("--num-texts", args.num_texts),
+        seed=parse_int("--seed", args.seed),
+        prompt=prompt_template(args),
+        prompt_fields=parse_fields(args.prompt_field) or None,
+        column=args.column,
+        label_columns=tuple(label_columns(args)),
+    )
+    points = len(config.points())
+    print(f"profile: {plural(points, 'grid point')} from one teacher-forced pass. {PLANNING_NOTICE}", file=sys.stderr)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=0, desc="teacher forcing", unit="tok", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        result = run_profile(args.input, args.real, config, model=args.model, progress=progress if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.output:
+        paths = result.write(args.output)
+        print(f"wrote {', '.join(str(p) for p in paths)} (NOT PRIVATE: keep them with the data)", file=sys.stderr)
+    print(json.dumps(result.to_json(), indent=1) if args.json else result.markdown())
+    return 0

@@ -1,0 +1,689 @@
+r"""Planning by teacher forcing: a paired, exact, sampling-free utility signal and a clip profile.
+
+InvisibleInk's next-token distribution is known exactly at every step (paper Algorithm 1, lines 3–5:
+:func:`invink_audit.mechanism.token_log_probs`), so what a budget buys can be measured without sampling
+a single text. :func:`run_profile` teacher-forces *held-out real texts* through the engine
+(:meth:`invink_audit.engine.Engine.force`), each text with a batch of ``B`` proxy references of its own
+label group in the private rows, and scores every real token under
+
+* the **private** distribution of every grid point (ε, B, k, τ; its clip norm C planned for the
+  point's (ε, δ, B, T, τ) by :func:`accounting.plan_clip_norm`);
+* the **public-only floor**: the public row alone at the same τ, over its top-k tokens (what a
+  release without private references would sample from);
+* the **non-private ensemble**: the B references' logits averaged, unclipped, over the full
+  vocabulary, at the same τ (the ceiling the mechanism approaches as ε grows).
+
+The forward passes do not depend on the grid point (only the mechanism's arithmetic does), so one pass
+serves every point, and every point scores *the same tokens of the same texts with the same batches*
+(the first ``B`` of each text's ``max(B)`` references): comparisons are paired, and their differences
+have far smaller variance than those of sampled metrics (MAUVE, perplexity of generated texts).
+
+Reported per point: held-out cross-entropy per token, its paired gain over the floor (floor CE minus
+the point's CE on the same tokens), the share of the floor–ensemble gap it closes, the share of real
+tokens inside the Top-k+ set (*coverage*), and the share of logit differences its C clips; every
+interval a percentile bootstrap over texts (Efron & Tibshirani 1993, §13.3) with the *same* resamples
+for every quantity, so that differences between points are bootstrapped paired too.
+
+Tokens outside the support. A token outside the Top-k+ set (or the floor's top-k) has probability 0,
+an infinite loss. Every distribution — each point's, the floor's and the ensemble's alike — is scored
+mixed with the uniform distribution at weight :data:`SMOOTHING` η:
+:math:`\tilde p = (1-\eta)\,p + \eta/|V|`, so every loss is finite (at most :math:`\log(|V|/\eta)`,
+17.7 nats for SmolLM2's 49,152 tokens), a token outside costs the same wherever it falls, and the
+comparison stays paired; over the full vocabulary the mixing moves a loss by at most
+:math:`-\log(1-\eta) \approx 0.001` nats. Coverage is reported beside it, unsmoothed.
+
+What is compared. Points are ranked only against points with the same floor (the same k and τ): along ε
+at a fixed (B, k, τ), and across B at a fixed (ε, k, τ). Held-out CE is not a measure of sample quality
+across k and τ: it favours the full vocabulary and τ near 1 by construction (truncation trades the
+coverage of real text for the quality of samples), so those are chosen by reading samples.
+
+The clip profile (the analogue of looking at per-example gradient norms before choosing a clip in
+DP-SGD): from the same pass, every reference's per-step logit difference to the public row,
+:math:`|\phi_i - \phi_{pub}|` coordinate-wise (what difference clipping clips, paper Eq. (ourclip)),
+as its ℓ∞ over the public top-k tokens per (reference, step) and per token; and at each point, the
+share of differences on its Top-k+ set that its C clips.
+
+Planning runs on public or proxy data. Its outputs are statistics of the references and the real
+texts, not differentially private: run on private data, it is not a private release (the report says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from accounting import DEFAULT_ACCOUNTANT, plan_clip_norm
+from accounting.limits import check_count
+from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval
+from invink_audit.mechanism import DEFAULT_TOP_K
+from invink_audit.not_private import save_not_private_figure, write_not_private_json, write_not_private_text
+
+__all__ = [
+    "PLANNING_NOTICE",
+    "SMOOTHING",
+    "ClipProfile",
+    "Comparison",
+    "ProfileConfig",
+    "ProfilePoint",
+    "ProfileResult",
+    "run_profile",
+]
+
+#: η: every distribution is scored mixed with the uniform one at this weight (module docstring).
+SMOOTHING = 1e-3
+#: the bins of the per-token clip profile's histogram of |φ_i − φ_pub| (log-spaced, nats of logit)
+_BINS = np.concatenate([[0.0], np.logspace(-3, 3, 241)])
+
+PLANNING_NOTICE = (
+    "Planning runs on public or proxy data: these figures are statistics of the references and the held-out "
+    "texts and are NOT differentially private. Run on private data, this is not a private release."
+)
+
+
+def _tuple(values, name: str) -> tuple:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+        raise ValueError(f"{name} must be a non-empty sequence; got {values!r}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{name} must not repeat a value; got {list(values)}")
+    return tuple(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """The grid (every combination of ``epsilons``, ``batch_sizes``, ``top_ks``, ``temperatures``) and
+    what is shared by its points: ``max_new_tokens`` (T: the planner's token budget, and the number of
+    real tokens scored per text), ``delta``, ``num_texts`` held-out texts, the prompt, the label columns
+    that pair each text with references of its own group, and the bootstrap (``num_resamples``,
+    ``confidence``). ``seed`` picks the texts and their references (reproducible, the same for every point)."""
+
+    epsilons: tuple[float, ...]
+    batch_sizes: tuple[int, ...]
+    top_ks: tuple[int | None, ...] = (DEFAULT_TOP_K,)
+    temperatures: tuple[float, ...] = (1.0,)
+    max_new_tokens: int = 64
+    delta: float = 1e-6
+    num_texts: int = 30
+    seed: int = 0
+    prompt: object = "generic"
+    prompt_fields: Mapping[str, str] | None = None
+    column: str = "text"
+    label_columns: tuple[str, ...] = ()
+    accountant: str = DEFAULT_ACCOUNTANT
+    num_resamples: int = 2000
+    confidence: float = DEFAULT_CONFIDENCE
+
+    def __post_init__(self) -> None:
+        for name in ("epsilons", "batch_sizes", "top_ks", "temperatures"):
+            object.__setattr__(self, name, _tuple(getattr(self, name), name))
+        for b in self.batch_sizes:
+            check_count("batch_sizes", b)
+        for k in self.top_ks:
+            if k is not None:
+                check_count("top_ks", k)
+        object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
+        object.__setattr__(self, "num_texts", check_count("num_texts", self.num_texts))
+        object.__setattr__(self, "num_resamples", check_count("num_resamples", self.num_resamples))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer; got {self.seed!r}")
+        if not isinstance(self.confidence, float) or not 0 < self.confidence < 1:
+            raise ValueError(f"confidence must be a float in (0, 1); got {self.confidence!r}")
+        object.__setattr__(self, "label_columns", tuple(self.label_columns))
+        self.points()  # every point's C is planned now: an out-of-range point fails before any model loads
+
+    def points(self) -> list[GridPoint]:
+        """Every grid point with its planned clip norm (:func:`accounting.plan_clip_norm`)."""
+        out = []
+        for eps in self.epsilons:
+            for b in self.batch_sizes:
+                for tau in self.temperatures:
+                    plan = plan_clip_norm(epsilon=eps, delta=self.delta, max_new_tokens=self.max_new_tokens,
+                                          batch_size=b, temperature=tau, accountant=self.accountant)
+                    out += [GridPoint(plan.epsilon, b, k, plan.temperature, plan.clip_norm) for k in self.top_ks]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPoint:
+    """One point of the grid: (ε, B, k, τ) and the clip norm C planned for it."""
+
+    epsilon: float
+    batch_size: int
+    top_k: int | None
+    temperature: float
+    clip_norm: float
+
+    @property
+    def label(self) -> str:
+        return f"eps={self.epsilon:g} B={self.batch_size} k={_k(self.top_k)} tau={self.temperature:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfilePoint:
+    """The signal at one grid point (all intervals paired: the same texts, tokens and resamples)."""
+
+    point: GridPoint
+    heldout_ce: Interval
+    floor_ce: Interval
+    ensemble_ce: Interval
+    gain_over_floor: Interval
+    gap_closed: Interval | None
+    coverage: float
+    floor_coverage: float
+    clipped_share: float
+
+    def to_json(self) -> dict:
+        p = self.point
+        return {
+            "epsilon": p.epsilon, "batch_size": p.batch_size, "top_k": p.top_k, "temperature": p.temperature,
+            "clip_norm": p.clip_norm, "heldout_ce": self.heldout_ce.to_json(), "floor_ce": self.floor_ce.to_json(),
+            "ensemble_ce": self.ensemble_ce.to_json(), "gain_over_floor": self.gain_over_floor.to_json(),
+            "gap_closed": None if self.gap_closed is None else self.gap_closed.to_json(),
+            "coverage": self.coverage, "floor_coverage": self.floor_coverage, "clipped_share": self.clipped_share,
+        }  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """``better`` against ``worse`` (gain of the first minus gain of the second, paired bootstrap):
+    ``separated`` when the interval excludes 0; ``texts_needed`` the texts per point at which an
+    interval of this width would exclude 0 (``n·(half-width/|difference|)²``), when it does not yet."""
+
+    better: GridPoint
+    worse: GridPoint
+    difference: Interval
+    separated: bool
+    texts_needed: int | None
+
+    def to_json(self) -> dict:
+        return {"better": self.better.label, "worse": self.worse.label, "difference": self.difference.to_json(),
+                "separated": self.separated, "texts_needed": self.texts_needed}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipProfile:
+    """Per-step ℓ∞ of each reference's logit difference to the public row over the public top-``top_k``
+    tokens (one value per text, reference and step), and a histogram of the per-token differences on the
+    same tokens (``bin_edges``, ``counts``)."""
+
+    top_k: int | None
+    linf: np.ndarray
+    bin_edges: np.ndarray
+    counts: np.ndarray
+
+    def share_clipped(self, clip_norm: float) -> float:
+        """Share of per-token differences above ``clip_norm`` (from the histogram: exact at bin edges)."""
+        total = self.counts.sum()
+        above = self.counts[np.searchsorted(self.bin_edges, clip_norm, side="right") - 1 :].sum()
+        return float(above / total) if total else math.nan
+
+    def to_json(self) -> dict:
+        q = np.quantile(self.linf, [0.05, 0.25, 0.5, 0.75, 0.95]) if self.linf.size else [math.nan] * 5
+        return {"top_k": self.top_k, "linf_quantiles": dict(zip(("p05", "p25", "p50", "p75", "p95"), map(float, q))),
+                "num_linf": int(self.linf.size), "bin_edges": self.bin_edges.tolist(), "counts": self.counts.tolist()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileResult:
+    """What :func:`run_profile` measured (``to_json``; :meth:`markdown`; :meth:`write` with plots)."""
+
+    config: ProfileConfig
+    points: tuple[ProfilePoint, ...]
+    comparisons: tuple[Comparison, ...]
+    recommendation: str
+    clip_profile: ClipProfile
+    num_texts: int
+    num_tokens: int
+    skipped_texts: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {
+            "points": [p.to_json() for p in self.points],
+            "comparisons": [c.to_json() for c in self.comparisons],
+            "recommendation": self.recommendation,
+            "clip_profile": self.clip_profile.to_json(),
+            "num_texts": self.num_texts, "num_tokens": self.num_tokens, "skipped_texts": self.skipped_texts,
+            "max_new_tokens": self.config.max_new_tokens, "delta": self.config.delta, "smoothing": SMOOTHING,
+            "seconds": self.seconds, "notice": PLANNING_NOTICE,
+        }  # fmt: skip
+
+    def markdown(self) -> str:
+        return profile_markdown(self)
+
+    def write(self, directory: str | Path) -> list[Path]:
+        """``profile.md``, ``profile.json`` and the plots into ``directory`` (owner-only, marked NOT PRIVATE)."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True, mode=0o700)
+        paths = [write_not_private_text(out / "profile.md", self.markdown(), markdown=True),
+                 write_not_private_json(out / "profile.json", self.to_json())]
+        return paths + write_profile_plots(self, out)
+
+
+# --------------------------------------------------------------------------------------------
+# the teacher-forced pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Text:
+    """One held-out text: its forced ids (the scored tokens, then an end-of-sequence token when shorter
+    than T), how many are scored, its references (``max(B)`` of them, best first) and its labels."""
+
+    forced: tuple[int, ...]
+    scored: int
+    references: tuple[str, ...]
+    labels: Mapping[str, str] | None
+
+
+class _Scores:
+    """Per-text sums filled by the observer, one array per quantity and key (length: number of texts)."""
+
+    def __init__(self, config: ProfileConfig, texts: Sequence[_Text], vocab_size: int) -> None:
+        self.config, self.texts, self.n, self.vocab = config, texts, len(texts), vocab_size
+        self.scored = np.array([t.scored for t in texts])
+        self.points = config.points()
+        self.sums: dict[tuple, np.ndarray] = {}
+        self.profile_k = config.top_ks[0]
+        self.linf: list[np.ndarray] = []
+        self.counts = np.zeros(len(_BINS) - 1, dtype=np.int64)
+
+    def add(self, key: tuple, index: np.ndarray, values) -> None:
+        array = self.sums.setdefault(key, np.zeros(self.n))
+        np.add.at(array, index, np.asarray(values, dtype=np.float64))
+
+    def observe(self, step) -> None:
+        import torch
+
+        from invink_audit.mechanism import ACCUMULATION_DTYPE, token_log_probs, topk_plus_mask
+
+        keep = step.positions < torch.as_tensor(self.scored, device=step.positions.device)[step.request_indices]
+        if not bool(keep.any()):
+            return
+        index = step.request_indices[keep].cpu().numpy()
+        tokens = step.tokens[keep][:, None]
+        public = step.public_logits[keep].to(ACCUMULATION_DTYPE)
+        private = step.private_logits[keep]
+        self.add(("tokens",), index, np.ones(len(index)))
+        for k in self.config.top_ks:
+            for tau in self.config.temperatures:
+                floor = _top_k_log_softmax(public / tau, k)
+                self.add(("floor", k, tau), index, _smoothed_loss(floor, tokens, self.vocab))
+                self.add(("floor_in", k, tau), index, torch.isfinite(floor.gather(1, tokens)).squeeze(1).cpu())
+        for b in self.config.batch_sizes:
+            for tau in self.config.temperatures:
+                mean = private[:, :b].to(ACCUMULATION_DTYPE).mean(dim=1) / tau
+                self.add(("ensemble", b, tau), index, _smoothed_loss(torch.log_softmax(mean, dim=-1), tokens, self.vocab))
+        differences = (private.to(ACCUMULATION_DTYPE) - public[:, None]).abs_()
+        for p in self.points:
+            b, key = p.batch_size, dataclasses.astuple(p)
+            lp = token_log_probs(private[:, :b], public, clip_norm=p.clip_norm, temperature=p.temperature, top_k=p.top_k)
+            self.add(("point", *key), index, _smoothed_loss(lp, tokens, self.vocab))
+            self.add(("in", *key), index, torch.isfinite(lp.gather(1, tokens)).squeeze(1).cpu())
+            support = topk_plus_mask(public, p.top_k, p.clip_norm, b)[:, None]
+            self.add(("clipped", *key), index, ((differences[:, :b] > p.clip_norm) & support).sum(dim=(1, 2)).cpu())
+            self.add(("entries", *key), index, (support.sum(dim=(1, 2)) * b).cpu())
+        self._profile(differences, public)
+
+    def _profile(self, differences, public) -> None:
+        import torch
+
+        k = self.profile_k
+        if k is None or k >= public.shape[-1]:
+            on = differences
+        else:
+            columns = torch.topk(public, k, dim=-1).indices[:, None].expand(-1, differences.shape[1], -1)
+            on = differences.gather(-1, columns)
+        self.linf.append(on.amax(dim=-1).flatten().cpu().numpy())
+        self.counts += np.histogram(on.flatten().cpu().numpy(), bins=_BINS)[0]
+
+
+def _top_k_log_softmax(scores, top_k: int | None):
+    """log-softmax over the ``top_k`` largest scores (ties at the k-th included, as in the Top-k+ set);
+    exactly -inf elsewhere (the public-only floor)."""
+    import torch
+
+    if top_k is None or top_k >= scores.shape[-1]:
+        return torch.log_softmax(scores, dim=-1)
+    kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+    return torch.log_softmax(scores.masked_fill(scores < kth, -math.inf), dim=-1)
+
+
+def _smoothed_loss(log_probs, tokens, vocab_size: int):
+    r""":math:`-\log((1-\eta)\,p + \eta/|V|)` of the forced tokens (module docstring, "Tokens outside the support")."""
+    import torch
+
+    lp = log_probs.gather(1, tokens).squeeze(1)
+    mixed = torch.logaddexp(lp + math.log1p(-SMOOTHING), torch.full_like(lp, math.log(SMOOTHING / vocab_size)))
+    return (-mixed).cpu()
+
+
+# --------------------------------------------------------------------------------------------
+# choosing the texts and their references
+
+
+def _read(path, config: ProfileConfig):
+    from invink_audit.data import read_labelled_references, read_references
+
+    if config.label_columns:
+        records = read_labelled_references(path, column=config.column, label_columns=config.label_columns)
+        return list(records.texts), [dict(m) for m in records.labels]
+    return read_references(path, column=config.column), None
+
+
+def _choose_texts(proxy: str, real: str, config: ProfileConfig, tokenizer, eos: int) -> tuple[list[_Text], int]:
+    """``num_texts`` held-out texts (seeded order) and, for each, ``max(B)`` distinct references of its label
+    group drawn from the proxy pool (never the text itself); texts whose group has too few are skipped."""
+    references, ref_labels = _read(proxy, config)
+    texts, labels = _read(real, config)
+    need, rng = max(config.batch_sizes), np.random.default_rng(config.seed)
+    groups: dict[tuple, list[int]] = {}
+    for i, text in enumerate(references):
+        if text.strip():
+            groups.setdefault(_group(ref_labels, i), []).append(i)
+    chosen, skipped = [], 0
+    for i in rng.permutation(len(texts)):
+        if len(chosen) == config.num_texts:
+            break
+        ids = tokenizer.encode(texts[i], add_special_tokens=False)[: config.max_new_tokens]
+        pool = [j for j in groups.get(_group(labels, i), []) if references[j] != texts[i]]
+        if not ids or len(pool) < need:
+            skipped += 1
+            continue
+        picked = tuple(references[pool[j]] for j in rng.permutation(len(pool))[:need])  # nested: B < max(B) takes a prefix
+        forced = tuple(ids) + (() if len(ids) == config.max_new_tokens else (eos,))
+        chosen.append(_Text(forced, len(ids), picked, None if labels is None else labels[i]))
+    if not chosen:
+        raise ValueError(
+            f"no held-out text could be profiled: each needs a non-empty text and {need} proxy references of its "
+            f"label group (max of --batch-sizes) in the proxy file; {skipped} were skipped"
+        )
+    return chosen, skipped
+
+
+def _group(labels, i: int) -> tuple:
+    return () if labels is None else tuple(sorted(labels[i].items()))
+
+
+def _requests(loaded, texts: Sequence[_Text], config: ProfileConfig):
+    import dataclasses as dc
+
+    from invink_audit.prompts import (
+        encode_request,
+        get_preset,
+        label_fields_for,
+        require_label_fields,
+        template_for_labels,
+    )
+
+    template = get_preset(config.prompt, **dict(config.prompt_fields or {}))
+    filled = tuple(r.field for r in label_fields_for(template, config.label_columns)) if config.label_columns else ()
+    require_label_fields(template, tuple(config.prompt_fields or ()), filled)
+    out = []
+    for i, t in enumerate(texts):
+        batch = template if t.labels is None else template_for_labels(template, t.labels)
+        # the real text is forced whole: no stop string may end it early
+        out.append(dc.replace(encode_request(loaded.tokenizer, batch, list(t.references), key=i), stop=()))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the profile
+
+
+def run_profile(
+    proxy: str | Path,
+    real: str | Path,
+    config: ProfileConfig,
+    *,
+    model=None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ProfileResult:
+    """Teacher-force ``config.num_texts`` texts of ``real`` (held out) with references from ``proxy`` through
+    every grid point at once (module docstring). ``model``: as :func:`invink_audit.load_model` takes it
+    (default: the embedded model). ``progress(done, total)``: forced tokens so far."""
+    import torch
+
+    from invink_audit.engine import Engine
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.models import load_model
+
+    if not isinstance(config, ProfileConfig):
+        raise ValueError(f"config must be a ProfileConfig; got {type(config).__name__}")
+    start = time.perf_counter()
+    loaded = load_model(model)
+    texts, skipped = _choose_texts(str(proxy), str(real), config, loaded.tokenizer, min(loaded.eos_token_ids))
+    requests = _requests(loaded, texts, config)
+    # the engine's own mechanism only has to give every forced token a positive probability: the full
+    # vocabulary; each grid point's distribution is computed from the logits by the observer
+    engine = Engine(loaded, MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=max(config.batch_sizes)))
+    scores = _Scores(config, texts, loaded.vocab_size)
+    total, done = sum(len(t.forced) for t in texts), [0]
+
+    def advance(n: int) -> None:
+        done[0] = min(done[0] + n, total)
+        progress(done[0], total)
+
+    if progress is not None:
+        progress(0, total)
+    with torch.no_grad():
+        engine.force(requests, [t.forced for t in texts], max_new_tokens=config.max_new_tokens,
+                     observer=scores.observe, progress=advance if progress is not None else None)
+    return _summarise(scores, config, skipped, time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------------------------
+# statistics
+
+
+def _summarise(scores: _Scores, config: ProfileConfig, skipped: int, seconds: float) -> ProfileResult:
+    n, s = scores.n, scores.sums
+    tokens = s[("tokens",)]
+    resamples = np.random.default_rng(config.seed + 1).integers(0, n, size=(config.num_resamples, n))
+    boot_tokens = tokens[resamples].sum(axis=1)
+
+    def ratio(numerator: np.ndarray, denominator: np.ndarray | None = None, method: str = "paired bootstrap") -> Interval:
+        den, boot_den = (tokens.sum(), boot_tokens) if denominator is None else (
+            denominator.sum(), denominator[resamples].sum(axis=1))
+        estimate = numerator.sum() / den
+        with np.errstate(divide="ignore", invalid="ignore"):
+            reps = numerator[resamples].sum(axis=1) / boot_den
+        reps = reps[np.isfinite(reps)]
+        return percentile_interval(float(estimate), reps, config.confidence, method)
+
+    points = []
+    for p in scores.points:
+        key, floor, ens = dataclasses.astuple(p), s[("floor", p.top_k, p.temperature)], s[("ensemble", p.batch_size, p.temperature)]
+        own = s[("point", *key)]
+        gap = floor - ens
+        closed = ratio(floor - own, gap) if gap.sum() > 0 else None
+        points.append(ProfilePoint(
+            point=p, heldout_ce=ratio(own), floor_ce=ratio(floor), ensemble_ce=ratio(ens), gain_over_floor=ratio(floor - own),
+            gap_closed=closed, coverage=float(s[("in", *key)].sum() / tokens.sum()),
+            floor_coverage=float(s[("floor_in", p.top_k, p.temperature)].sum() / tokens.sum()),
+            clipped_share=float(s[("clipped", *key)].sum() / max(s[("entries", *key)].sum(), 1)),
+        ))  # fmt: skip
+    comparisons = _comparisons(points, s, ratio, n)
+    profile = ClipProfile(scores.profile_k, np.concatenate(scores.linf) if scores.linf else np.zeros(0), _BINS, scores.counts)
+    return ProfileResult(config, tuple(points), tuple(comparisons), _recommendation(points, comparisons, n), profile,
+                         n, int(tokens.sum()), skipped, seconds)
+
+
+def _compare(a: ProfilePoint, b: ProfilePoint, sums, ratio, n: int) -> Comparison:
+    """``a`` against ``b`` by gain over the floor (paired: the same texts, tokens, resamples)."""
+    if b.gain_over_floor.estimate > a.gain_over_floor.estimate:
+        a, b = b, a
+    floor_a = sums[("floor", a.point.top_k, a.point.temperature)]
+    floor_b = sums[("floor", b.point.top_k, b.point.temperature)]
+    diff = (floor_a - sums[("point", *dataclasses.astuple(a.point))]) - (floor_b - sums[("point", *dataclasses.astuple(b.point))])
+    interval = ratio(diff)
+    separated = interval.lower > 0
+    needed = None
+    if not separated:
+        half = max(interval.estimate - interval.lower, interval.upper - interval.estimate)
+        needed = None if interval.estimate <= 0 else int(math.ceil(n * (half / interval.estimate) ** 2))
+    return Comparison(a.point, b.point, interval, separated, needed)
+
+
+def _comparisons(points: Sequence[ProfilePoint], sums, ratio, n: int) -> list[Comparison]:
+    """Neighbouring ε at every (B, k, τ), and the two best B at every (ε, k, τ): only points that share
+    their floor (k, τ) are ranked against each other (module docstring, "What is compared")."""
+    out = []
+    by_setting: dict[tuple, list[ProfilePoint]] = {}
+    by_budget: dict[tuple, list[ProfilePoint]] = {}
+    for p in points:
+        g = p.point
+        by_setting.setdefault((g.batch_size, g.top_k, g.temperature), []).append(p)
+        by_budget.setdefault((g.epsilon, g.top_k, g.temperature), []).append(p)
+    for row in by_setting.values():
+        row = sorted(row, key=lambda q: q.point.epsilon)
+        out += [_compare(low, high, sums, ratio, n) for low, high in zip(row, row[1:])]
+    for row in by_budget.values():
+        if len(row) > 1:
+            best, second = sorted(row, key=lambda q: -q.gain_over_floor.estimate)[:2]
+            out.append(_compare(best, second, sums, ratio, n))
+    return out
+
+
+def _recommendation(points: Sequence[ProfilePoint], comparisons: Sequence[Comparison], n: int) -> str:
+    """Per (ε, k, τ), the best B when it separates from the runner-up, else how many texts would tell;
+    then how many neighbouring ε the signal tells apart."""
+    lines = []
+    budgets = sorted({(p.point.epsilon, _order(p.point.top_k), p.point.temperature) for p in points})
+    for eps, k, tau in budgets:
+        row = [p for p in points if (p.point.epsilon, _order(p.point.top_k), p.point.temperature) == (eps, k, tau)]
+        best = max(row, key=lambda q: q.gain_over_floor.estimate)
+        where = f"eps={eps:g} k={_k(best.point.top_k)} tau={tau:g}"
+        if len(row) == 1:
+            lines.append(f"{where}: B={best.point.batch_size} (C={best.point.clip_norm:.3g}), gain over the floor "
+                         f"{best.gain_over_floor.format()} nats/token")
+            continue
+        c = next(c for c in comparisons if c.better == best.point and c.worse.epsilon == eps)
+        if c.separated:
+            lines.append(f"{where}: use B={c.better.batch_size} (C={c.better.clip_norm:.3g}, gain "
+                         f"{best.gain_over_floor.format()}): it beats B={c.worse.batch_size} by {c.difference.format()} nats/token")
+        else:
+            more = f"about {c.texts_needed} texts per point would" if c.texts_needed else "no number of texts in reach would"
+            lines.append(f"{where}: B={c.better.batch_size} and B={c.worse.batch_size} are not distinguishable at n={n} "
+                         f"({c.difference.format()}); {more}")
+    ladder = [c for c in comparisons if c.better.epsilon != c.worse.epsilon]
+    if ladder:
+        told = sum(c.separated for c in ladder)
+        lines.append(f"{told} of {len(ladder)} neighbouring-epsilon pairs are separated at n={n} texts")
+    if len({p.point.top_k for p in points}) > 1 or len({p.point.temperature for p in points}) > 1:
+        lines.append("k and tau are not ranked against each other: each has its own floor, and held-out CE favours the "
+                     "full vocabulary and tau near 1 by construction (truncation trades coverage of real text for the "
+                     "quality of samples); choose them by reading samples, and B and epsilon here")
+    return "\n".join(lines)
+
+
+def _order(top_k: int | None) -> float:
+    return math.inf if top_k is None else top_k
+
+
+def _k(top_k: int | None) -> str:
+    return "full" if top_k is None else str(top_k)
+
+
+# --------------------------------------------------------------------------------------------
+# rendering
+
+
+def profile_markdown(result: ProfileResult) -> str:
+    """The table per point, the comparisons, the recommendation and the clip profile, as Markdown."""
+    c = result.config
+    lines = [
+        "# Planning profile (teacher-forced, exact, paired)", "", f"> {PLANNING_NOTICE}", "",
+        f"{result.num_texts} held-out texts, {result.num_tokens} scored tokens (T = {c.max_new_tokens}, δ = {c.delta:g}"
+        f"{', ' + str(result.skipped_texts) + ' skipped' if result.skipped_texts else ''}); {result.seconds:.0f} s. "
+        f"Cross-entropies in nats per token; intervals: {c.confidence:.0%} paired bootstrap over texts; "
+        f"smoothing η = {SMOOTHING:g} for tokens outside the support.", "",
+        "| ε | B | k | τ | C | held-out CE | floor CE | ensemble CE | gain over floor | gap closed | coverage | clipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for p in result.points:
+        g = p.point
+        closed = "–" if p.gap_closed is None else p.gap_closed.format(2)
+        lines.append(
+            f"| {g.epsilon:g} | {g.batch_size} | {_k(g.top_k)} | {g.temperature:g} | "
+            f"{g.clip_norm:.3g} | {p.heldout_ce.format()} | {p.floor_ce.estimate:.3f} | {p.ensemble_ce.estimate:.3f} | "
+            f"{p.gain_over_floor.format()} | {closed} | {p.coverage:.1%} | {p.clipped_share:.1%} |"
+        )
+    lines += ["", "## Comparisons (paired)", ""]
+    for cmp in result.comparisons:
+        verdict = "separated" if cmp.separated else (
+            f"not separated; ~{cmp.texts_needed} texts per point would" if cmp.texts_needed else "not separated")
+        lines.append(f"- {cmp.better.label} vs {cmp.worse.label}: {cmp.difference.format()} ({verdict})")
+    lines += ["", "## Recommendation", "", *[f"- {x}" for x in result.recommendation.splitlines()], ""]
+    q = result.clip_profile.to_json()["linf_quantiles"]
+    top = "full vocabulary" if result.clip_profile.top_k is None else f"public top-{result.clip_profile.top_k}"
+    lines += [
+        "## Clip profile", "",
+        f"Per-step ℓ∞ of |φ_i − φ_pub| over the {top} tokens: median {q['p50']:.2f}, 5–95% [{q['p05']:.2f}, "
+        f"{q['p95']:.2f}]. Share of per-token differences each point's C clips (on its Top-k+ set) is the table's "
+        "last column; `clip_profile.png` shows where each C falls.", "",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_profile_plots(result: ProfileResult, directory: str | Path) -> list[Path]:
+    """``gain.png`` (gain over the floor against ε, one line per (B, k, τ)) and ``clip_profile.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series: dict[tuple, list[ProfilePoint]] = {}
+    for p in result.points:
+        series.setdefault((p.point.batch_size, p.point.top_k, p.point.temperature), []).append(p)
+    for (b, k, tau), row in series.items():
+        row = sorted(row, key=lambda q: q.point.epsilon)
+        x = [q.point.epsilon for q in row]
+        y = [q.gain_over_floor.estimate for q in row]
+        err = [[q.gain_over_floor.estimate - q.gain_over_floor.lower for q in row],
+               [q.gain_over_floor.upper - q.gain_over_floor.estimate for q in row]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"B={b} k={_k(k)} τ={tau:g}")
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("ε")
+    ax.set_ylabel("gain over the public floor (nats/token)")
+    ax.set_title("Held-out gain over the floor (paired, 95%)")
+    ax.legend(fontsize=8)
+    paths = [save_not_private_figure(fig, out / "gain.png", dpi=120, bbox_inches="tight")]
+    plt.close(fig)
+    paths.append(_clip_plot(plt, result, out / "clip_profile.png"))
+    return paths
+
+
+def _clip_plot(plt, result: ProfileResult, path: Path) -> Path:
+    profile = result.clip_profile
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    linf = np.sort(profile.linf)
+    if linf.size:
+        left.plot(linf, np.arange(1, linf.size + 1) / linf.size, color="black")
+    edges = profile.bin_edges[1:]
+    total = max(profile.counts.sum(), 1)
+    right.plot(edges, 1.0 - np.cumsum(profile.counts) / total, color="black")
+    seen = edges[profile.counts > 0]
+    if seen.size:
+        right.set_xlim(max(seen[0], 1e-3) / 2, seen[-1] * 2)
+    for p in result.points:
+        for ax in (left, right):
+            ax.axvline(p.point.clip_norm, ls="--", lw=0.8, color="tab:red")
+        right.annotate(f"ε={p.point.epsilon:g},B={p.point.batch_size}", (p.point.clip_norm, 0.5), rotation=90,
+                       fontsize=7, color="tab:red")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("|φ_i − φ_pub| (logit)")
+    left.set_ylabel("share of (reference, step)")
+    left.set_title("per-step ℓ∞ over the public top-k (CDF)")
+    right.set_ylabel("share of per-token differences above x")
+    right.set_title("clipped at C = x (dashed: each point's planned C)")
+    path = save_not_private_figure(fig, path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
