@@ -597,6 +597,54 @@ class BudgetLedger:
             return v.epsilon_spent
         return _spent_epsilon([*v.releases, release], v.data["budget"]["delta"], v.accountant)
 
+    def largest_clip_norm(
+        self, *, batch_size: int, max_new_tokens: int, temperature: float = 1.0, texts_per_batch: int = 1,
+        num_batches: int = 1,
+    ) -> Release | None:
+        """The next InvisibleInk release with these (B, T, τ, texts per batch) at the largest clip norm C
+        the budget still allows (:meth:`preview` at most the budget), or ``None`` when even the smallest
+        supported C does not fit. ``num_batches`` changes nothing (disjoint batches compose in parallel).
+
+        Empty ledger: the planner's inverse (:func:`accounting.plan_clip_norm` at the whole budget, errs
+        low). Otherwise the spend is the privacy filter over the summed ρ (module docstring), monotone in
+        C: bisection on C to the last representable step, keeping the side that fits. Either answer is
+        checked against :meth:`preview` before it is returned.
+        """
+        from accounting.limits import CLIP_NORM_RANGE
+        from accounting.planner import plan_clip_norm
+
+        v = self._load()
+        budget, delta = float(v.data["budget"]["epsilon"]), float(v.data["budget"]["delta"])
+
+        def release(c: float) -> Release:
+            return Release.of(clip_norm=c, batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens,
+                              texts_per_batch=texts_per_batch, num_batches=num_batches)
+
+        def fits(c: float) -> bool:
+            return _spent_epsilon([*v.releases, release(c)], delta, v.accountant) <= budget
+
+        low, high = CLIP_NORM_RANGE.low, CLIP_NORM_RANGE.high
+        first = release(low)  # every argument's range is checked here, before any search
+        if not v.releases:
+            try:
+                c = plan_clip_norm(epsilon=budget, delta=delta, max_new_tokens=first.event.num_steps,
+                                   batch_size=batch_size, temperature=temperature, accountant=v.accountant).clip_norm
+                if fits(c):
+                    return release(c)
+            except ValueError:  # the planned C is outside the supported range: search it instead
+                pass
+        if not fits(low):
+            return None
+        if fits(high):
+            return release(high)
+        while True:  # invariant: fits(low) and not fits(high)
+            middle = math.sqrt(low * high)
+            if not low < middle < high:
+                middle = math.nextafter(low, high)
+                if middle >= high:
+                    return release(low)
+            low, high = (middle, high) if fits(middle) else (low, middle)
+
     def charge(self, release: Release) -> dict:
         """Record ``release`` if the total budget allows it; otherwise raise :class:`BudgetExceededError`.
 

@@ -103,3 +103,52 @@ def test_ledger_commands(tmp_path, capsys):
     rc, out, _ = _run(["ledger", "show", path, "--json"], capsys)
     data = json.loads(out)
     assert rc == 0 and len(data["releases"]) == 1 and data["epsilon_spent"] == pytest.approx(spent)
+
+
+def _dry_run_fits(path, clip_norm, shape, capsys) -> bool:
+    status = main(["ledger", "charge", str(path), "--clip-norm", repr(clip_norm), *shape, "--dry-run", "--json"])
+    capsys.readouterr()
+    assert status in (0, EXIT_OVER_BUDGET)
+    return status == 0
+
+
+@pytest.mark.parametrize("charged", [(), ("0.5", "4", "64"), ("0.3", "2", "40")])
+def test_ledger_fits_is_the_largest_clip_norm_a_dry_run_accepts(tmp_path, capsys, charged):
+    """`ledger fits` against an independent bisection over `ledger charge --dry-run`."""
+    path = tmp_path / "l.json"
+    assert main(["ledger", "init", str(path), "--epsilon", "8", "--delta", "1e-6"]) == 0
+    for i in range(0, len(charged), 3):
+        c, b, t = charged[i : i + 3]
+        assert main(["ledger", "charge", str(path), "--clip-norm", c, "--batch-size", b, "--max-new-tokens", t]) == 0
+    shape = ["--batch-size", "7", "--max-new-tokens", "100", "--temperature", "1.2"]
+    capsys.readouterr()
+    assert main(["ledger", "fits", str(path), *shape, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["fits"] and answer["epsilon_spent_after"] <= 8.0
+    low, high = 1e-6, 1e6  # the bisection the user would run by hand
+    for _ in range(60):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if _dry_run_fits(path, middle, shape, capsys) else (low, middle)
+    assert answer["clip_norm"] == pytest.approx(low, rel=1e-6)
+    assert _dry_run_fits(path, answer["clip_norm"], shape, capsys)
+    assert not _dry_run_fits(path, answer["clip_norm"] * (1 + 1e-6), shape, capsys)
+    if charged:  # the release alone may spend more than the "remaining" epsilon: composition is not additive
+        assert main(["ledger", "show", str(path), "--json"]) == 0
+        remaining = json.loads(capsys.readouterr().out)["epsilon_remaining"]
+        assert answer["epsilon_release"] > remaining
+
+
+def test_ledger_fits_says_when_nothing_fits(tmp_path, capsys):
+    path = tmp_path / "l.json"
+    assert main(["ledger", "init", str(path), "--epsilon", "1", "--delta", "1e-6"]) == 0
+    shape = ["--batch-size", "1", "--max-new-tokens", "64"]
+    capsys.readouterr()
+    assert main(["ledger", "fits", str(path), *shape, "--json"]) == 0
+    largest = json.loads(capsys.readouterr().out)["clip_norm"]
+    assert main(["ledger", "charge", str(path), "--clip-norm", repr(largest), *shape]) == 0  # the whole budget
+    capsys.readouterr()
+    status = main(["ledger", "fits", str(path), "--batch-size", "1", "--max-new-tokens", "1000000000"])
+    assert status == EXIT_OVER_BUDGET
+    assert "nothing fits" in capsys.readouterr().out
+    assert main(["ledger", "show", str(path)]) == 0
+    assert "not what a next release can spend" in capsys.readouterr().out

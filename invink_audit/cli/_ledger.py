@@ -1,4 +1,4 @@
-"""``invink-audit ledger init | show | charge``: the persisted privacy odometer of one dataset.
+"""``invink-audit ledger init | show | charge | fits``: the persisted privacy odometer of one dataset.
 
 Exit statuses: 0 done (a replayed release id included), 2 bad input or an unusable ledger file,
 4 (``EXIT_OVER_BUDGET``) a release over the budget, also for ``--dry-run``.
@@ -53,6 +53,16 @@ def register(subparsers) -> None:
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(handler=_charge)
+
+    q = sub.add_parser("fits", help="the largest clip norm C (and its epsilon) a next release can use")
+    q.add_argument("path")
+    q.add_argument("--batch-size", required=True, help="B private references per text, 1 .. 1e9")
+    q.add_argument("--max-new-tokens", required=True, help="token budget T per text, 1 .. 1e9")
+    q.add_argument("--temperature", default="1.0", help="sampling temperature tau, in [1e-4, 1e4] (default 1.0)")
+    q.add_argument("--texts-per-batch", default="1", help="texts generated from each batch (default 1)")
+    q.add_argument("--num-batches", default="1", help="disjoint batches (parallel composition: changes nothing; default 1)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(handler=_fits)
 
 
 def _accountant(parser) -> None:
@@ -121,8 +131,9 @@ def _show(args) -> int:
         f"at delta={status.delta:g} ({status.accountant})"
     )
     print(
-        f"  a next release fits if it costs at most rho={status.rho_remaining:.6g} zCDP (releases add rho, not "
-        f"epsilon; an InvisibleInk release of T tokens fits if its eps0 <= sqrt(8*rho/T))"
+        f"  remaining epsilon {status.epsilon_remaining:.6g} is not what a next release can spend: epsilons do not "
+        f"add up (releases add zCDP rho); a next release fits if it costs at most rho={status.rho_remaining:.6g}. "
+        f"`invink-audit ledger fits {args.path} --batch-size B --max-new-tokens T` gives its largest C"
     )
     if status.head is None:
         print(f"  format {status.format_version}: no hash chain yet; the next charge adds one")
@@ -186,4 +197,41 @@ def _charge(args) -> int:
         )
     else:
         print(f"charged {name}: total epsilon spent {outcome.epsilon_spent:.6g}")
+    return EXIT_OK
+
+
+def _fits(args) -> int:
+    from accounting import epsilon_for_clip_norm
+
+    shape = dict(
+        batch_size=parse_int("--batch-size", args.batch_size),
+        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
+        temperature=parse_float("--temperature", args.temperature),
+        texts_per_batch=parse_int("--texts-per-batch", args.texts_per_batch),
+    )
+    ledger = _open(args.path)
+    release = ledger.largest_clip_norm(**shape, num_batches=parse_int("--num-batches", args.num_batches))
+    status = ledger.status()
+    if release is None:
+        if args.json:
+            print(json.dumps({"fits": False, "clip_norm": None, "epsilon_release": None,
+                              "epsilon_spent_after": None, "epsilon_budget": status.epsilon_budget}))
+        else:
+            print(f"nothing fits: even the smallest supported clip norm would exceed the budget of {args.path} "
+                  f"(spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g})")
+        return EXIT_OVER_BUDGET
+    event = release.event
+    alone = epsilon_for_clip_norm(clip_norm=event.clip_norm, max_new_tokens=event.num_steps, batch_size=event.batch_size,
+                                  temperature=event.temperature, delta=status.delta, accountant=status.accountant)
+    after = ledger.preview(release)
+    if args.json:
+        print(json.dumps({"fits": True, "clip_norm": event.clip_norm, "epsilon_release": alone.epsilon,
+                          "epsilon_spent_after": after, "epsilon_budget": status.epsilon_budget}))
+        return EXIT_OK
+    print(
+        f"the next release (B={event.batch_size}, T={event.max_new_tokens}, tau={event.temperature:g}"
+        f"{f', {event.texts_per_batch} texts per batch' if event.texts_per_batch > 1 else ''}) fits with clip norm "
+        f"C <= {event.clip_norm:.6g}: alone it is (epsilon={alone.epsilon:.6g}, delta={status.delta:g})-DP; the "
+        f"ledger's total after it is epsilon={after:.6g} of {status.epsilon_budget:g}"
+    )
     return EXIT_OK
