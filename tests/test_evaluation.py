@@ -64,6 +64,51 @@ def test_wald_interval_closed_form():
         wald_interval([1.0, math.inf])
 
 
+def test_wald_interval_on_the_log_scale_is_positive_and_asymmetric():
+    values = [3.0, 4.0, 5.0, 400.0]  # a heavy tail: the plain Wald interval goes below zero
+    plain, logged = wald_interval(values), wald_interval(values, log_scale=True)
+    assert plain.lower < 0 < logged.lower and logged.estimate == plain.estimate
+    half = plain.upper - plain.estimate  # the same standard error, on the log scale (delta method)
+    assert logged.upper == pytest.approx(plain.estimate * math.exp(half / plain.estimate))
+    assert logged.lower == pytest.approx(plain.estimate * math.exp(-half / plain.estimate))
+    with pytest.raises(ValueError, match="positive"):
+        wald_interval([1.0, -1.0], log_scale=True)
+
+
+def test_small_sample_warnings_name_each_metric_and_its_reason():
+    from invink_audit.evaluation.evaluator import MIN_TEXTS, small_sample_warnings
+    from invink_audit.evaluation.stats import Interval
+
+    class _Tstr:
+        gap_closed_note = "NOT INTERPRETABLE: the ceiling beats the floor in only 60% of replicates; ..."
+
+    class _Result:
+        num_synthetic = num_real = 12
+        perplexity_synthetic = Interval(5.0, 4.0, 6.0)
+        synthetic_perplexities = (5.0,) * 12
+        tstr = _Tstr()
+
+    lines = small_sample_warnings(_Result())
+    assert [line.split(":")[0] for line in lines] == ["MAUVE", "perplexity", "TSTR", "TSTR gap closed"]
+    assert all("12" in line for line in lines[:3])
+    _Result.num_synthetic = _Result.num_real = MIN_TEXTS["MAUVE"]
+    _Result.synthetic_perplexities = (5.0,) * MIN_TEXTS["MAUVE"]
+    _Tstr.gap_closed_note = "(acc_syn - acc_floor) / (acc_ceiling - acc_floor)"
+    assert small_sample_warnings(_Result()) == ()
+
+
+def test_tstr_gap_closed_is_flagged_when_the_ceiling_does_not_beat_the_floor():
+    real_train, real_train_y = _topic_texts(60, 1)
+    test, test_y = _topic_texts(80, 2)
+    noise, noise_y = _topic_texts(60, 4, noise=True)
+    # a ceiling trained on shuffled labels is no better than chance: its gap is noise
+    result = train_on_synthetic_test_on_real(noise, noise_y, noise, noise_y, test, test_y, num_bootstrap=40)
+    assert result.gap_closed is None or result.gap_closed_note.startswith("NOT INTERPRETABLE")
+    good, good_y = _topic_texts(60, 3)
+    fine = train_on_synthetic_test_on_real(good, good_y, real_train, real_train_y, test, test_y, num_bootstrap=40)
+    assert not fine.gap_closed_note.startswith("NOT INTERPRETABLE")
+
+
 def test_percentile_interval_and_widening():
     iv = percentile_interval(0.5, np.linspace(0, 1, 101), 0.9)
     assert iv.lower == pytest.approx(0.05) and iv.upper == pytest.approx(0.95)
@@ -377,8 +422,13 @@ def test_evaluate_end_to_end_offline(minilm, monkeypatch, tmp_path):
     scorer = build_tiny_model()
     assert data["scorer_dtype"]["dtype"] == scorer.dtype_choice.dtype and data["scorer_dtype"]["reason"]
     assert data["embedding_dtype"] == minilm.dtype in ("float32", "bfloat16")
+    # 60 texts: too few for MAUVE (500) and for TSTR (100), enough for perplexity (30); said per metric
+    names = [w.split(":")[0] for w in data["warnings"]]
+    assert names[:2] == ["MAUVE", "TSTR"] and "perplexity" not in names
+    assert data["perplexity_synthetic"]["lower"] > 0 and "log scale" in data["perplexity_synthetic"]["method"]
     write_evaluation_report(result, tmp_path / "report")
     report = (tmp_path / "report" / "report.md").read_text()
+    assert "Small samples" in report and "below 500" in report
     assert (tmp_path / "report" / "mauve.png").is_file() and "NOT PRIVATE" in report
     assert f"`minilm` ({minilm.dtype})" in report and f"({scorer.dtype_choice.dtype}: " in report
 

@@ -92,7 +92,14 @@ def test_sweep_charges_every_point_and_resumes(files, monkeypatch):
     assert {l["label2"] for l in labels} == {"Review Stars: 1.0", "Review Stars: 2.0"}
     for name in ("sweep.md", "sweep.jsonl", "sweep_utility.png", "sweep_cost.png"):
         assert (out / name).is_file()
-    assert "charged to the ledger" in (out / "sweep.md").read_text()
+    table = (out / "sweep.md").read_text()
+    assert "charged to the ledger" in table
+    # which sampled differences are significant, what n would tell, the small-sample warnings, the planning signal
+    assert "Which differences are significant" in table and ("texts per point" in table or "equal estimates" in table)
+    assert "## Small samples" in table and "MAUVE: " in table
+    assert "## Planning signal" in table and (out / "profile" / "profile.json").is_file()
+    ranked = [line for line in table.splitlines() if line[:3] in ("1. ", "2. ")]
+    assert len(ranked) == 2 and all("eps=" in line for line in ranked)
 
     # a rerun resumes: nothing is generated or charged again
     import invink_audit.generation as generation

@@ -127,6 +127,8 @@ def _evaluate(args) -> int:
     result = evaluate(synthetic, real, config, progress=tqdm_progress(not args.no_progress and not args.json))
     if args.output:
         write_evaluation_report(result, args.output)
+    for line in result.warnings:
+        print(f"invink-audit evaluate: small sample: {line}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_json()))
     else:

@@ -49,6 +49,8 @@ def register(subparsers) -> None:
                    help="label column (repeat): label-conditioned generation and TSTR")
     p.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated (as generate takes them)")
     p.add_argument("--no-reference-points", action="store_true", help="skip the floor and the ceiling")
+    p.add_argument("--profile-texts", default="30",
+                   help="held-out texts of the planning signal that ranks the points (invink-audit profile; 0: none; default 30)")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--ledger", default=None, help="budget ledger charged for every point (private references)")
     budget.add_argument("--public-proxy", action="store_true",
@@ -78,6 +80,7 @@ def _sweep(args) -> int:
         label_columns=tuple(label_columns(args)),
         reference_points=not args.no_reference_points,
         where=parse_where(args.where),
+        profile_texts=parse_int("--profile-texts", args.profile_texts),
     )
     evaluation = evaluation_config(args)
     total = len(config.points())
@@ -100,6 +103,9 @@ def _sweep(args) -> int:
     if bar is not None:
         bar.close()
     from pathlib import Path
+
+    for line in dict.fromkeys(w for r in rows for w in r.evaluation.get("warnings", ())):
+        print(f"invink-audit sweep: small sample: {line}", file=sys.stderr)
 
     print((Path(args.output) / "sweep.md").read_text())
     print(f"{plural(len(rows), 'row')}; table, jsonl and plots in {args.output} (NOT PRIVATE: keep them with the data)")

@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 
@@ -21,10 +22,13 @@ from invink_audit.evaluation.embeddings import DEFAULT_EMBEDDING_MODEL, EMBEDDIN
 from invink_audit.evaluation.mauve_metric import LIBRARY_SETTING, PAPER_SETTING, MauveResult, mauve_interval
 from invink_audit.evaluation.perplexity import delta_ppl_interval, score_perplexity
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, wald_interval
-from invink_audit.evaluation.tstr import TstrResult, train_on_synthetic_test_on_real
+from invink_audit.evaluation.tstr import NOT_INTERPRETABLE, TstrResult, train_on_synthetic_test_on_real
 from invink_audit.not_private import mark_not_private
 
-__all__ = ["EVALUATION_PRIVACY_NOTICE", "EvaluationConfig", "EvaluationResult", "TextSet", "evaluate", "read_text_set"]
+__all__ = [
+    "EVALUATION_PRIVACY_NOTICE", "MIN_TEXTS", "EvaluationConfig", "EvaluationResult", "TextSet", "evaluate", "read_text_set",
+    "small_sample_warnings",
+]
 
 #: The ``privacy_notice`` of every evaluation record (reports, sweep rows).
 EVALUATION_PRIVACY_NOTICE = (
@@ -240,6 +244,8 @@ class EvaluationResult:
     #: ``None`` without a scorer) and the dtype the embedder ran in (``"bfloat16"`` or ``"float32"``)
     scorer_dtype: Mapping | None = None
     embedding_dtype: str | None = None
+    #: what this sample is too small for, one line per metric with the reason (:func:`small_sample_warnings`)
+    warnings: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         """One JSON object, marked NOT PRIVATE (:func:`~invink_audit.not_private.mark_not_private`); each
@@ -270,6 +276,7 @@ class EvaluationResult:
                 "ppl_unscored_synthetic": self.ppl_unscored_synthetic,
                 "ppl_truncated": self.ppl_truncated,
                 "num_empty_synthetic": self.num_empty_synthetic,
+                "warnings": list(self.warnings),
                 "seconds": dict(self.seconds),
             }
         )
@@ -355,7 +362,7 @@ def evaluate(
         start = time.perf_counter()
         tstr = _tstr(synthetic, real, config)
         seconds["tstr"] = time.perf_counter() - start
-    return EvaluationResult(
+    result = EvaluationResult(
         mauve=mauve["paper"],
         mauve_c5=mauve["library"],
         perplexity_synthetic=ppl.ppl_synthetic,
@@ -379,6 +386,38 @@ def evaluate(
         scorer_dtype=ppl.scorer_dtype,
         embedding_dtype=getattr(embedder, "dtype", None),
     )
+    return dataclasses.replace(result, warnings=small_sample_warnings(result))
+
+
+#: The fewest texts each metric needs before its figure and interval mean what they say (the reasons are
+#: in :func:`small_sample_warnings`); below them every report says so.
+MIN_TEXTS = MappingProxyType({"MAUVE": 500, "perplexity": 30, "TSTR": 100})
+
+
+def small_sample_warnings(result: EvaluationResult) -> tuple[str, ...]:
+    """One line per metric whose sample is too small for it, with the reason (empty when none is)."""
+    out = []
+    n = min(result.num_synthetic, result.num_real)
+    if n < MIN_TEXTS["MAUVE"]:
+        out.append(
+            f"MAUVE: {n} texts per side, below {MIN_TEXTS['MAUVE']} (the paper's; MAUVE's authors use 5,000): "
+            "its k-means histogram has too few texts per bucket, so the score is biased and its interval understates "
+            "the error; do not compare points by it at this n"
+        )
+    if result.perplexity_synthetic is not None and len(result.synthetic_perplexities) < MIN_TEXTS["perplexity"]:
+        out.append(
+            f"perplexity: {len(result.synthetic_perplexities)} scored texts, below {MIN_TEXTS['perplexity']}: "
+            "per-text perplexities are heavy-tailed and a Wald interval assumes their mean is near normal"
+        )
+    if result.tstr is not None:
+        if result.num_synthetic < MIN_TEXTS["TSTR"]:
+            out.append(
+                f"TSTR: {result.num_synthetic} synthetic training texts, below {MIN_TEXTS['TSTR']}: the classifiers "
+                "are trained on too few texts for their accuracies to differ by more than noise"
+            )
+        if result.tstr.gap_closed_note.startswith(NOT_INTERPRETABLE):
+            out.append(f"TSTR gap closed: {result.tstr.gap_closed_note.split(';')[0]}")
+    return tuple(out)
 
 
 def _source(texts: TextSet) -> str:
@@ -447,7 +486,7 @@ def _perplexity(synthetic: TextSet, real_sample: TextSet, config: EvaluationConf
     syn, real = scored[0].defined, scored[1].defined
     ppl_syn = ppl_real = delta = None
     if syn.size and real.size:
-        ppl_syn, ppl_real = wald_interval(syn, config.confidence), wald_interval(real, config.confidence)
+        ppl_syn, ppl_real = (wald_interval(x, config.confidence, log_scale=True) for x in (syn, real))
         delta = delta_ppl_interval(syn, real, confidence=config.confidence, rng=np.random.default_rng([config.seed, 3]))
     return _PerplexityPhase(
         ppl_syn, ppl_real, delta,

@@ -113,6 +113,8 @@ class ProfileConfig:
     prompt_fields: Mapping[str, str] | None = None
     column: str = "text"
     label_columns: tuple[str, ...] = ()
+    #: only the proxy references whose columns have these values (``{column: value}``, as ``generate`` takes it)
+    where: Mapping[str, str] | None = None
     accountant: str = DEFAULT_ACCOUNTANT
     num_resamples: int = 2000
     confidence: float = DEFAULT_CONFIDENCE
@@ -365,9 +367,14 @@ def _smoothed_loss(log_probs, tokens, vocab_size: int):
 # choosing the texts and their references
 
 
-def _read(path, config: ProfileConfig):
-    from invink_audit.data import read_labelled_references, read_references
+def _read(path, config: ProfileConfig, *, where: Mapping[str, str] | None = None):
+    from invink_audit.data import read_labelled_references, read_references, select_references
 
+    if where:
+        records = select_references(path, where, column=config.column, label_columns=config.label_columns)
+        if config.label_columns:
+            return list(records.texts), [dict(m) for m in records.labels]
+        return list(records), None
     if config.label_columns:
         records = read_labelled_references(path, column=config.column, label_columns=config.label_columns)
         return list(records.texts), [dict(m) for m in records.labels]
@@ -377,7 +384,7 @@ def _read(path, config: ProfileConfig):
 def _choose_texts(proxy: str, real: str, config: ProfileConfig, tokenizer, eos: int) -> tuple[list[_Text], int]:
     """``num_texts`` held-out texts (seeded order) and, for each, ``max(B)`` distinct references of its label
     group drawn from the proxy pool (never the text itself); texts whose group has too few are skipped."""
-    references, ref_labels = _read(proxy, config)
+    references, ref_labels = _read(proxy, config, where=config.where)
     texts, labels = _read(real, config)
     need, rng = max(config.batch_sizes), np.random.default_rng(config.seed)
     groups: dict[tuple, list[int]] = {}

@@ -44,8 +44,8 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
         f"| MAUVE (library default: {result.mauve_c5.num_buckets} buckets = n/10, c = 5) | "
         f"{_fmt(result.mauve_c5.interval)} | {result.mauve_c5.interval.method} |",
         f"| ΔPPL | {_fmt(result.delta_ppl, 2)} | \\|mean PPL(synthetic) − mean PPL(real)\\| |",
-        f"| PPL synthetic | {_fmt(result.perplexity_synthetic, 2)} | Wald |",
-        f"| PPL real | {_fmt(result.perplexity_real, 2)} | Wald |",
+        f"| PPL synthetic | {_fmt(result.perplexity_synthetic, 2)} | Wald, log scale (never negative) |",
+        f"| PPL real | {_fmt(result.perplexity_real, 2)} | Wald, log scale (never negative) |",
         f"| length, synthetic (scorer tokens) | {_fmt(result.length_synthetic, 1)} | Wald |",
         f"| length, real (scorer tokens) | {_fmt(result.length_real, 1)} | Wald |",
     ]
@@ -63,6 +63,9 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
             f"| TSTR fraction of the gap closed | {_fmt(t.gap_closed)} | {t.gap_closed_note} |",
         ]
     lines += [""]
+    if result.warnings:
+        lines += ["**Small samples** (figures reported, but read them with this in mind):", ""]
+        lines += [f"- {w}" for w in result.warnings] + [""]
     if result.num_empty_synthetic:
         lines += [
             f"**Warning**: {result.num_empty_synthetic} of {result.num_synthetic} synthetic texts are empty; they are "

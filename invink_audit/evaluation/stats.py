@@ -64,19 +64,28 @@ def _check_confidence(confidence: float) -> None:
         raise ValueError(f"confidence must be a float in (0, 1); got {confidence!r}")
 
 
-def wald_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE) -> Interval:
+def wald_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE, *, log_scale: bool = False) -> Interval:
     r"""Mean of ``values`` with the Wald interval :math:`\bar x \pm z\, s/\sqrt m` (paper App. D.6,
-    "Confidence Intervals"; ``s`` the sample standard deviation). One value gives a zero-width interval."""
+    "Confidence Intervals"; ``s`` the sample standard deviation). One value gives a zero-width interval.
+
+    ``log_scale=True`` (positive quantities such as perplexity, whose means are heavy-tailed): the same
+    standard error taken on the log scale by the delta method, :math:`\bar x \exp(\pm z\, s/(\bar x\sqrt m))`,
+    an interval that is never negative and is wider above the mean than below it."""
     _check_confidence(confidence)
     data = np.asarray(values, dtype=np.float64)
     if data.ndim != 1 or data.size == 0:
         raise ValueError("values must be a non-empty 1-d sequence")
     if not np.all(np.isfinite(data)):
         raise ValueError("values must be finite")
+    if log_scale and not np.all(data > 0):
+        raise ValueError("log_scale needs positive values")
     mean = float(data.mean())
     if data.size == 1:
         return Interval(mean, mean, mean, confidence, "wald (one value)")
     half = float(norm.ppf(0.5 + confidence / 2) * data.std(ddof=1) / math.sqrt(data.size))
+    if log_scale:
+        factor = math.exp(half / mean)
+        return Interval(mean, mean / factor, mean * factor, confidence, "wald (log scale)")
     return Interval(mean, mean - half, mean + half, confidence, "wald")
 
 

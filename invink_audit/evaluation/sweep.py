@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -87,8 +88,13 @@ class SweepConfig:
     #: only the references whose columns have these values (public attributes, like labels:
     #: :func:`invink_audit.data.select_references`)
     where: Mapping[str, str] | None = None
+    #: held-out texts of the planning signal that ranks the points (:mod:`invink_audit.evaluation.profile`;
+    #: 0: none)
+    profile_texts: int = 30
 
     def __post_init__(self) -> None:
+        if isinstance(self.profile_texts, bool) or not isinstance(self.profile_texts, int) or self.profile_texts < 0:
+            raise ValueError(f"profile_texts must be an integer >= 0; got {self.profile_texts!r}")
         for name in ("epsilons", "batch_sizes", "top_ks", "temperatures", "max_new_tokens"):
             object.__setattr__(self, name, _tuple(getattr(self, name), name))
         for e in self.epsilons:
@@ -206,12 +212,36 @@ def run_sweep(
             run.private_point(params, ledger=ledger, on_tokens=on_tokens)
     finally:
         run.embedder.close()
+    profile = _profile(references, real, output, config, loaded, real_column)
     rows = [row.to_json() for row in run.rows]
     write_not_private_jsonl(output / "sweep.jsonl", rows, notice=EVALUATION_PRIVACY_NOTICE)
-    table = sweep_markdown(run.rows, ledger=ledger, public_proxy=public_proxy)
+    table = sweep_markdown(run.rows, ledger=ledger, public_proxy=public_proxy, profile=profile)
     write_not_private_text(output / "sweep.md", table, markdown=True)
     write_sweep_plots(run.rows, output)
     return run.rows
+
+
+def _profile(references, real, output: Path, config: SweepConfig, loaded, real_column: str | None):
+    """The planning signal on the sweep's grid (:mod:`invink_audit.evaluation.profile`, its first T), written to
+    ``OUTPUT/profile/``; ``None`` when ``config.profile_texts`` is 0, the real texts are in another column, or
+    there are too few references per group for its largest B (said in the log)."""
+    from invink_audit.evaluation.profile import ProfileConfig, run_profile
+
+    if not config.profile_texts or (real_column and real_column != config.column):
+        return None
+    profile_config = ProfileConfig(
+        epsilons=config.epsilons, batch_sizes=config.batch_sizes, top_ks=config.top_ks,
+        temperatures=config.temperatures, max_new_tokens=config.max_new_tokens[0], delta=config.delta,
+        num_texts=config.profile_texts, prompt=config.prompt, prompt_fields=config.prompt_fields, column=config.column,
+        label_columns=tuple(config.label_columns), where=config.where,
+    )  # fmt: skip
+    try:
+        result = run_profile(references, real, profile_config, model=loaded)
+    except ValueError as err:
+        _LOG.warning("sweep: no planning signal: %s", err)
+        return None
+    result.write(output / "profile")
+    return result
 
 
 def _cached_point(directory: Path) -> Mapping | None:
@@ -367,8 +397,10 @@ def _cell(metric: Mapping | None, digits: int = 3) -> str:
     return f"{metric['estimate']:.{digits}f} [{metric['lower']:.{digits}f}, {metric['upper']:.{digits}f}]"
 
 
-def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: bool = False) -> str:
-    """The sweep table (Markdown): one row per point, reference points first."""
+def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: bool = False, profile=None) -> str:
+    """The sweep table (Markdown): one row per point, reference points first; then which sampled differences
+    are significant, the n that would separate the closest points, the small-sample warnings, and (``profile``:
+    a :class:`~invink_audit.evaluation.profile.ProfileResult` on the same grid) the planning signal's ranking."""
     budget = (
         "References declared public/proxy: nothing was charged."
         if public_proxy
@@ -394,7 +426,43 @@ def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: boo
             f"{_cell(e.get('mauve_c5'))} | {_cell(e.get('delta_ppl'), 1)} | {_cell(e.get('tstr_gap_closed'), 2)} | "
             f"{r.seconds_generation:.0f} |"
         )
+    lines += _significance_lines(rows)
+    warned = dict.fromkeys(w for r in rows for w in r.evaluation.get("warnings", ()))
+    if warned:
+        lines += ["", "## Small samples", "", *[f"- {w}" for w in warned]]
+    if profile is not None:
+        lines += ["", "## Planning signal (teacher-forced, paired; OUTPUT/profile/)", "",
+                  "Points ranked by held-out gain over the public floor (nats/token), from one teacher-forced pass of "
+                  f"{profile.num_texts} held-out texts at T = {profile.config.max_new_tokens}:", ""]
+        ranked = sorted(profile.points, key=lambda q: -q.gain_over_floor.estimate)
+        lines += [f"{i}. {q.point.label}: {q.gain_over_floor.format()}" for i, q in enumerate(ranked, 1)]
+        lines += ["", *[f"- {x}" for x in profile.recommendation.splitlines()]]
     return "\n".join(lines) + "\n"
+
+
+def _significance_lines(rows: Sequence[SweepPoint]) -> list[str]:
+    """Which pairs of private points MAUVE (paper) separates (intervals that do not overlap), and about how
+    many texts per point the closest pair would need (``n·((h_a + h_b)/|Δ|)²``, h the half-widths)."""
+    private = [r for r in rows if r.kind == "invisibleink" and r.evaluation.get("mauve")]
+    pairs = [(a, b) for i, a in enumerate(private) for b in private[i + 1 :]]
+    if not pairs:
+        return []
+    separated = 0
+    closest = None
+    for a, b in pairs:
+        ma, mb = a.evaluation["mauve"], b.evaluation["mauve"]
+        separated += ma["lower"] > mb["upper"] or mb["lower"] > ma["upper"]
+        gap = abs(ma["estimate"] - mb["estimate"])
+        if closest is None or gap < closest[0]:
+            closest = (gap, a, b)
+    gap, a, b = closest
+    n = min(a.evaluation["num_synthetic"], b.evaluation["num_synthetic"])
+    half = sum((x.evaluation["mauve"]["upper"] - x.evaluation["mauve"]["lower"]) / 2 for x in (a, b))
+    need = "no number of texts (equal estimates)" if gap == 0 else f"about {math.ceil(n * (half / gap) ** 2)} texts per point"
+    return ["", "## Which differences are significant", "",
+            f"MAUVE (paper) separates {separated} of {len(pairs)} pairs of private points (intervals that do not overlap). "
+            f"The closest pair, {a.name} and {b.name}, differ by {gap:.3f} at n = {n}: their intervals would stop "
+            f"overlapping at {need}."]
 
 
 def write_sweep_plots(rows: Sequence[SweepPoint], directory: str | Path) -> list[Path]:

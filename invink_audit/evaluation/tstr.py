@@ -97,6 +97,10 @@ def _check(name: str, texts, labels) -> None:
         raise ValueError(f"{name}: no labelled texts")
 
 
+#: how a TSTR gap-closed fraction is flagged when the ceiling does not beat the floor significantly
+NOT_INTERPRETABLE = "NOT INTERPRETABLE"
+
+
 def _gap_closed(accuracy: dict[str, float], boot: dict[str, np.ndarray], confidence: float, how: str):
     """The fraction of the floor-to-ceiling gap the synthetic classifier closes, with its bootstrap
     interval over the replicates where the ceiling beats the floor (``None`` and why, when it does not)."""
@@ -111,6 +115,9 @@ def _gap_closed(accuracy: dict[str, float], boot: dict[str, np.ndarray], confide
     note = "(acc_syn - acc_floor) / (acc_ceiling - acc_floor)" + (
         f"; {dropped} replicates where the ceiling did not beat the floor were dropped" if dropped else ""
     )
+    if dropped / spread.size > (1 - confidence) / 2:  # the ceiling does not beat the floor at this confidence
+        note = (f"{NOT_INTERPRETABLE}: the ceiling beats the floor in only {usable.mean():.0%} of replicates, so the "
+                f"fraction of the gap is a ratio of noise; " + note)
     return percentile_interval(estimate, replicates, confidence, method=how), note
 
 
