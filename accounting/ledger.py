@@ -608,7 +608,7 @@ class BudgetLedger:
         Empty ledger: the planner's inverse (:func:`accounting.plan_clip_norm` at the whole budget, errs
         low). Otherwise the spend is the privacy filter over the summed ρ (module docstring), monotone in
         C: bisection on C to the last representable step, keeping the side that fits. Either answer is
-        checked against :meth:`preview` before it is returned.
+        checked against the spend :meth:`preview` computes (the same function) before it is returned.
         """
         from accounting.limits import CLIP_NORM_RANGE
         from accounting.planner import plan_clip_norm

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import warnings
 import tempfile
 import time
 from pathlib import Path
@@ -45,12 +46,14 @@ def main() -> None:
     from invink_audit.evaluation import EvaluationConfig, evaluate
     from invink_audit.evaluation.profile import ProfileConfig, run_profile
     from invink_audit.generation import generate
+    from invink_audit.mechanism import SeededGeneratorWarning
     from invink_audit.models import load_model
 
     work = Path(tempfile.mkdtemp(prefix="validate-profile-"))
     proxy, real = work / "proxy.csv", work / "real.csv"
     print(f"proxy references: {_subset(Path(args.yelp) / 'dev.csv', proxy)}, held-out texts: "
           f"{_subset(Path(args.yelp) / 'test.csv', real)} (4-star restaurant reviews)")
+    warnings.simplefilter("ignore", SeededGeneratorWarning)  # seeded on purpose: proxy data, a reproducible table
     loaded = load_model()
     columns = ("label1", "label2")
 
@@ -59,12 +62,14 @@ def main() -> None:
     start = time.perf_counter()
     profile = run_profile(proxy, real, config, model=loaded)
     seconds = time.perf_counter() - start
+    profile.write(work / "profile")  # the plots of docs/results/planning-signal.md
     print(f"\n## planning signal: {profile.num_texts} texts, {len(profile.points)} points, {seconds:.0f} s "
           f"({seconds / len(profile.points):.0f} s per point)\n")
     print(profile.markdown())
 
     references = read_labelled_references(proxy, label_columns=columns)
     held_out = read_labelled_references(real, label_columns=columns).texts
+    print(f"(profile report and plots: {work / 'profile'})")
     print(f"\n## MAUVE at {args.texts_per_point} generated texts per point (minilm embeddings)\n")
     print("| ε | C | generation s | MAUVE [95%] |\n|---|---|---|---|")
     evaluation = EvaluationConfig(embedding_model="minilm", perplexity=False)
@@ -72,7 +77,7 @@ def main() -> None:
         start = time.perf_counter()
         released = generate(references, batch_size=B, max_new_tokens=T, epsilon=eps, delta=1e-6, top_k=100,
                             model=loaded, prompt="yelp", label_columns=columns,
-                            num_texts_per_group=args.texts_per_point, seed=int(eps))
+                            num_texts_per_group=args.texts_per_point, seed=int(eps))  # reproducible; proxy data
         gen = time.perf_counter() - start
         texts = [t.text for t in released.texts]
         result = evaluate(texts, list(held_out), evaluation)  # n real texts: as many as synthetic

@@ -478,6 +478,8 @@ class Engine:
         requests = list(requests)
         if len(token_ids) != len(requests):
             raise ValueError(f"token_ids must give one sequence per request ({len(requests)}); got {len(token_ids)}")
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+        self._check_forced(token_ids, max_new_tokens)
         what, n = ("outcome" if self.generic else "token"), len(requests)
         device = self.model.device
         longest = max([1, *(len(t) for t in token_ids)])
@@ -502,6 +504,25 @@ class Engine:
                         f"text {f.request_index} ended after {f.num_tokens} tokens under teacher forcing, "
                         f"but has {expected[f.request_index]}: the texts do not match this configuration"
                     )
+
+    def _check_forced(self, token_ids, max_new_tokens: int) -> None:
+        """Each forced sequence is non-empty, in range, and ends where the engine ends it (:meth:`force`)."""
+        vocab = self.model.vocab_size
+        width = self.mechanism.num_outcomes(vocab) if self.generic else vocab
+        stop_id = self.mechanism.stop_outcome(vocab) if self.generic else None
+        eos = frozenset(self.model.eos_token_ids)
+        for i, ids in enumerate(token_ids):
+            ids = list(ids)
+            if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < width for t in ids):
+                raise ValueError(f"token_ids[{i}] must be a non-empty sequence of ids in [0, {width})")
+            drawn = [t for t in ids if t != stop_id]
+            ends = ids[-1] == stop_id or ids[-1] % vocab in eos
+            if len(drawn) > max_new_tokens or (len(drawn) < max_new_tokens and not ends) or stop_id in ids[:-1]:
+                raise ValueError(
+                    f"token_ids[{i}] has {len(drawn)} tokens: it must have max_new_tokens={max_new_tokens}, or fewer "
+                    "ending in an end-of-sequence token (or the mechanism's stop outcome, last): the texts do not match "
+                    "this configuration"
+                )
 
     def _texts(self, requests, max_new_tokens, generator, observer, sampling_rule, neighbours, stop_at_eos, progress,
                stream_ids, key, stream_keys) -> Iterator[FinishedText]:

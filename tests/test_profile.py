@@ -57,6 +57,8 @@ def _brute_force(tiny, point, *, kind="point"):
         tau, vocab = point["temperature"], public.shape[-1]
         if kind == "floor":
             scores, keep = public / tau, _top_k(public, point["top_k"], 0.0)
+        elif kind == "null":  # every reference null: the public row on the point's Top-k+ set
+            scores, keep = public / tau, _top_k(public, point["top_k"], 2 * point["clip_norm"] / private.shape[1])
         elif kind == "ensemble":
             scores, keep = private.mean(axis=1) / tau, np.ones_like(public, dtype=bool)
         else:
@@ -97,6 +99,8 @@ def test_teacher_forced_scores_match_a_brute_force_recomputation(tiny, profiled)
         assert p.ensemble_ce.estimate == pytest.approx(_brute_force(tiny, point, kind="ensemble"), abs=1e-5)
         gain = p.floor_ce.estimate - p.heldout_ce.estimate
         assert p.gain_over_floor.estimate == pytest.approx(gain, abs=1e-12)
+        null = _brute_force(tiny, point, kind="null")
+        assert p.gain_over_null.estimate == pytest.approx(null - p.heldout_ce.estimate, abs=1e-5)
         assert p.gain_over_floor.lower <= gain <= p.gain_over_floor.upper
 
 
@@ -144,6 +148,31 @@ def test_bad_input_is_refused_before_any_model_loads(reviews_csv, tiny):
     proxy, real = _files(reviews_csv)
     with pytest.raises(ValueError, match="proxy references of its label group"):
         run_profile(proxy, real, _config(batch_sizes=(4,)), model=tiny)  # every group has only 3
+    one = reviews_csv(REAL[:1], name="one.csv")
+    with pytest.raises(ValueError, match="at least 2"):
+        run_profile(proxy, one, _config(), model=tiny)
+
+
+def test_a_text_is_cut_at_an_end_of_sequence_token_it_spells(tiny, reviews_csv):
+    eos = tiny.tokenizer.decode([min(tiny.eos_token_ids)])
+    proxy = reviews_csv(PROXY, name="proxy.csv")
+    real = reviews_csv([(f"Good soup.{eos} Then more words", "food", "5"), REAL[2]], name="real.csv")
+    result = run_profile(proxy, real, _config(epsilons=(1.0,), top_ks=(None,)), model=tiny)
+    cut = len(tiny.tokenizer.encode("Good soup.", add_special_tokens=False))
+    whole = len(tiny.tokenizer.encode(REAL[2][0], add_special_tokens=False))
+    assert result.num_tokens == cut + min(whole, T)
+    assert result.warnings and "below 20" in result.warnings[0]  # 2 texts: the bootstrap under-covers
+
+
+def test_engine_force_refuses_sequences_that_cannot_end_where_they_end(tiny):
+    from invink_audit.engine import Engine
+    from invink_audit.mechanism import MechanismConfig
+
+    engine = Engine(tiny, MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=1))
+    request = encode_request(tiny.tokenizer, get_preset("generic", description="x"), ["a review"])
+    for bad, match in (([5, 6], "do not match"), ([], "non-empty"), ([tiny.vocab_size], r"ids in \[0,")):
+        with pytest.raises(ValueError, match=match):
+            engine.force([request], [bad], max_new_tokens=4, observer=lambda step: None)
 
 
 def test_cli_json_and_report(tiny_dir, reviews_csv, tmp_path, capsys):

@@ -129,6 +129,22 @@ def parse_list(flag: str, text: str, convert) -> list:
     return [convert(flag, t.strip()) for t in items]
 
 
+def parse_top_k(flag: str, text: str):
+    """A k of ``--top-ks``: an integer, or ``full`` for the whole vocabulary (``None``)."""
+    return None if text.strip().lower() == "full" else parse_int(flag, text)
+
+
+def label_columns(args) -> list[str]:
+    """``--label-column`` (repeated) and ``--label-columns A,B`` together, in order, without repeats."""
+    columns = list(args.label_column)
+    if args.label_columns is not None:
+        extra = [c.strip() for c in args.label_columns.split(",")]
+        if not all(extra):
+            raise ValueError(f"--label-columns must be comma-separated column names; got {args.label_columns!r}")
+        columns += extra
+    return list(dict.fromkeys(columns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="invink-audit",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from invink_audit.cli import parse_int
+from invink_audit.cli import label_columns, parse_int
 
 
 def add_evaluation_arguments(p) -> None:
@@ -73,17 +73,6 @@ def tqdm_progress(enabled: bool):
         return update
 
     return factory
-
-
-def label_columns(args) -> list[str]:
-    """``--label-column`` (repeated) and ``--label-columns A,B`` together, in order, without repeats."""
-    columns = list(args.label_column)
-    if args.label_columns is not None:
-        extra = [c.strip() for c in args.label_columns.split(",")]
-        if not all(extra):
-            raise ValueError(f"--label-columns must be comma-separated column names; got {args.label_columns!r}")
-        columns += extra
-    return list(dict.fromkeys(columns))
 
 
 def register(subparsers) -> None:

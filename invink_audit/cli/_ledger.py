@@ -231,7 +231,7 @@ def _fits(args) -> int:
     print(
         f"the next release (B={event.batch_size}, T={event.max_new_tokens}, tau={event.temperature:g}"
         f"{f', {event.texts_per_batch} texts per batch' if event.texts_per_batch > 1 else ''}) fits with clip norm "
-        f"C <= {event.clip_norm:.6g}: alone it is (epsilon={alone.epsilon:.6g}, delta={status.delta:g})-DP; the "
+        f"C <= {event.clip_norm!r}: alone it is (epsilon={alone.epsilon:.6g}, delta={status.delta:g})-DP; the "
         f"ledger's total after it is epsilon={after:.6g} of {status.epsilon_budget:g}"
     )
     return EXIT_OK

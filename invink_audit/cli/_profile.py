@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
-from invink_audit.cli import parse_float, parse_int, parse_list, plural
-from invink_audit.cli._evaluate import label_columns
+from invink_audit.cli import label_columns, parse_float, parse_int, parse_list, parse_top_k, plural
 from invink_audit.cli._generate import add_prompt_arguments, parse_fields, prompt_template
-from invink_audit.cli._sweep import parse_top_k
 
 
 def register(subparsers) -> None:
@@ -79,6 +77,8 @@ def _profile(args) -> int:
     finally:
         if bar is not None:
             bar.close()
+    for line in result.warnings:
+        print(f"invink-audit profile: small sample: {line}", file=sys.stderr)
     if args.output:
         paths = result.write(args.output)
         print(f"wrote {', '.join(str(p) for p in paths)} (NOT PRIVATE: keep them with the data)", file=sys.stderr)

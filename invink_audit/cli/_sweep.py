@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from invink_audit.cli import parse_float, parse_int, parse_list, plural
-from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, label_columns, tqdm_progress
+from invink_audit.cli import label_columns, parse_float, parse_int, parse_list, parse_top_k, plural
+from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, tqdm_progress
 from invink_audit.cli._generate import add_prompt_arguments, add_where_argument, parse_fields, parse_where, prompt_template
-
-
-def parse_top_k(flag: str, text: str):
-    """A k of ``--top-ks``: an integer, or ``full`` for the whole vocabulary (``None``)."""
-    return None if text.strip().lower() == "full" else parse_int(flag, text)
 
 
 def register(subparsers) -> None:

@@ -362,6 +362,11 @@ def evaluate(
         start = time.perf_counter()
         tstr = _tstr(synthetic, real, config)
         seconds["tstr"] = time.perf_counter() - start
+    return _result(synthetic, n_real, config, mauve, ppl, tstr, seconds, empty, embedder)
+
+
+def _result(synthetic: TextSet, n_real: int, config: EvaluationConfig, mauve, ppl, tstr, seconds, empty, embedder):
+    """The :class:`EvaluationResult` of :func:`evaluate`'s phases, with its small-sample warnings."""
     result = EvaluationResult(
         mauve=mauve["paper"],
         mauve_c5=mauve["library"],

@@ -71,6 +71,9 @@ __all__ = [
     "ProfileConfig",
     "ProfilePoint",
     "ProfileResult",
+    "GridPoint",
+    "MIN_PROFILE_TEXTS",
+    "grid_values",
     "run_profile",
 ]
 
@@ -85,7 +88,8 @@ PLANNING_NOTICE = (
 )
 
 
-def _tuple(values, name: str) -> tuple:
+def grid_values(values, name: str) -> tuple:
+    """One axis of a grid (``profile``'s, ``sweep``'s): a non-empty sequence without repeats, as a tuple."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
         raise ValueError(f"{name} must be a non-empty sequence; got {values!r}")
     if len(set(values)) != len(values):
@@ -121,7 +125,7 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         for name in ("epsilons", "batch_sizes", "top_ks", "temperatures"):
-            object.__setattr__(self, name, _tuple(getattr(self, name), name))
+            object.__setattr__(self, name, grid_values(getattr(self, name), name))
         for b in self.batch_sizes:
             check_count("batch_sizes", b)
         for k in self.top_ks:
@@ -173,6 +177,9 @@ class ProfilePoint:
     floor_ce: Interval
     ensemble_ce: Interval
     gain_over_floor: Interval
+    #: gain over the same mechanism with every reference replaced by null (the public row over the same
+    #: Top-k+ set): what the private references add, apart from the wider support a larger C gives
+    gain_over_null: Interval
     gap_closed: Interval | None
     coverage: float
     floor_coverage: float
@@ -184,6 +191,7 @@ class ProfilePoint:
             "epsilon": p.epsilon, "batch_size": p.batch_size, "top_k": p.top_k, "temperature": p.temperature,
             "clip_norm": p.clip_norm, "heldout_ce": self.heldout_ce.to_json(), "floor_ce": self.floor_ce.to_json(),
             "ensemble_ce": self.ensemble_ce.to_json(), "gain_over_floor": self.gain_over_floor.to_json(),
+            "gain_over_null": self.gain_over_null.to_json(),
             "gap_closed": None if self.gap_closed is None else self.gap_closed.to_json(),
             "coverage": self.coverage, "floor_coverage": self.floor_coverage, "clipped_share": self.clipped_share,
         }  # fmt: skip
@@ -210,18 +218,13 @@ class Comparison:
 class ClipProfile:
     """Per-step ℓ∞ of each reference's logit difference to the public row over the public top-``top_k``
     tokens (one value per text, reference and step), and a histogram of the per-token differences on the
-    same tokens (``bin_edges``, ``counts``)."""
+    same tokens (``bin_edges``, ``counts``: bucket i holds ``[bin_edges[i], bin_edges[i+1])``, the last one
+    everything from its lower edge up)."""
 
     top_k: int | None
     linf: np.ndarray
     bin_edges: np.ndarray
     counts: np.ndarray
-
-    def share_clipped(self, clip_norm: float) -> float:
-        """Share of per-token differences above ``clip_norm`` (from the histogram: exact at bin edges)."""
-        total = self.counts.sum()
-        above = self.counts[np.searchsorted(self.bin_edges, clip_norm, side="right") - 1 :].sum()
-        return float(above / total) if total else math.nan
 
     def to_json(self) -> dict:
         q = np.quantile(self.linf, [0.05, 0.25, 0.5, 0.75, 0.95]) if self.linf.size else [math.nan] * 5
@@ -242,6 +245,8 @@ class ProfileResult:
     num_tokens: int
     skipped_texts: int
     seconds: float
+    #: what this sample is too small for (said in the report and on stderr)
+    warnings: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {
@@ -251,7 +256,7 @@ class ProfileResult:
             "clip_profile": self.clip_profile.to_json(),
             "num_texts": self.num_texts, "num_tokens": self.num_tokens, "skipped_texts": self.skipped_texts,
             "max_new_tokens": self.config.max_new_tokens, "delta": self.config.delta, "smoothing": SMOOTHING,
-            "seconds": self.seconds, "notice": PLANNING_NOTICE,
+            "seconds": self.seconds, "warnings": list(self.warnings), "notice": PLANNING_NOTICE,
         }  # fmt: skip
 
     def markdown(self) -> str:
@@ -282,39 +287,53 @@ class _Text:
 
 
 class _Scores:
-    """Per-text sums filled by the observer, one array per quantity and key (length: number of texts)."""
+    """Per-text sums filled by the observer, one tensor per quantity and key (length: number of texts), kept
+    on the model's device until :meth:`finish` (no host transfer per step)."""
 
-    def __init__(self, config: ProfileConfig, texts: Sequence[_Text], vocab_size: int) -> None:
-        self.config, self.texts, self.n, self.vocab = config, texts, len(texts), vocab_size
-        self.scored = np.array([t.scored for t in texts])
+    def __init__(self, config: ProfileConfig, texts: Sequence[_Text], vocab_size: int, device) -> None:
+        import torch
+
+        self.config, self.n, self.vocab, self.device = config, len(texts), vocab_size, device
+        self.scored = torch.tensor([t.scored for t in texts], device=device)
         self.points = config.points()
-        self.sums: dict[tuple, np.ndarray] = {}
-        self.profile_k = config.top_ks[0]
-        self.linf: list[np.ndarray] = []
-        self.counts = np.zeros(len(_BINS) - 1, dtype=np.int64)
+        self.sums: dict[tuple, object] = {}
+        finite = [k for k in config.top_ks if k is not None]
+        #: the clip profile's tokens: the grid's smallest k (the default k when the grid has only the full vocabulary)
+        self.profile_k = min(finite) if finite else DEFAULT_TOP_K
+        self.linf: list = []
+        self.edges = torch.tensor(_BINS[1:-1], dtype=torch.float64, device=device)
+        self.counts = torch.zeros(len(_BINS) - 1, dtype=torch.int64, device=device)
 
-    def add(self, key: tuple, index: np.ndarray, values) -> None:
-        array = self.sums.setdefault(key, np.zeros(self.n))
-        np.add.at(array, index, np.asarray(values, dtype=np.float64))
+    def add(self, key: tuple, index, values) -> None:
+        import torch
+
+        if key not in self.sums:
+            self.sums[key] = torch.zeros(self.n, dtype=torch.float64, device=self.device)
+        self.sums[key].index_add_(0, index, values.to(torch.float64))
+
+    def finish(self) -> tuple[dict[tuple, np.ndarray], np.ndarray, np.ndarray]:
+        """The sums as numpy arrays, the per-step ℓ∞ values and the histogram counts (one transfer)."""
+        import torch
+
+        linf = torch.cat(self.linf).cpu().numpy() if self.linf else np.zeros(0)
+        return {k: v.cpu().numpy() for k, v in self.sums.items()}, linf, self.counts.cpu().numpy()
 
     def observe(self, step) -> None:
         import torch
 
         from invink_audit.mechanism import ACCUMULATION_DTYPE, token_log_probs, topk_plus_mask
 
-        keep = step.positions < torch.as_tensor(self.scored, device=step.positions.device)[step.request_indices]
-        if not bool(keep.any()):
-            return
-        index = step.request_indices[keep].cpu().numpy()
+        keep = step.positions < self.scored[step.request_indices]
+        index = step.request_indices[keep]
         tokens = step.tokens[keep][:, None]
         public = step.public_logits[keep].to(ACCUMULATION_DTYPE)
         private = step.private_logits[keep]
-        self.add(("tokens",), index, np.ones(len(index)))
+        self.add(("tokens",), index, torch.ones_like(tokens[:, 0]))
         for k in self.config.top_ks:
             for tau in self.config.temperatures:
                 floor = _top_k_log_softmax(public / tau, k)
                 self.add(("floor", k, tau), index, _smoothed_loss(floor, tokens, self.vocab))
-                self.add(("floor_in", k, tau), index, torch.isfinite(floor.gather(1, tokens)).squeeze(1).cpu())
+                self.add(("floor_in", k, tau), index, torch.isfinite(floor.gather(1, tokens)).squeeze(1))
         for b in self.config.batch_sizes:
             for tau in self.config.temperatures:
                 mean = private[:, :b].to(ACCUMULATION_DTYPE).mean(dim=1) / tau
@@ -324,23 +343,27 @@ class _Scores:
             b, key = p.batch_size, dataclasses.astuple(p)
             lp = token_log_probs(private[:, :b], public, clip_norm=p.clip_norm, temperature=p.temperature, top_k=p.top_k)
             self.add(("point", *key), index, _smoothed_loss(lp, tokens, self.vocab))
-            self.add(("in", *key), index, torch.isfinite(lp.gather(1, tokens)).squeeze(1).cpu())
-            support = topk_plus_mask(public, p.top_k, p.clip_norm, b)[:, None]
-            self.add(("clipped", *key), index, ((differences[:, :b] > p.clip_norm) & support).sum(dim=(1, 2)).cpu())
-            self.add(("entries", *key), index, (support.sum(dim=(1, 2)) * b).cpu())
+            self.add(("in", *key), index, torch.isfinite(lp.gather(1, tokens)).squeeze(1))
+            support = topk_plus_mask(public, p.top_k, p.clip_norm, b)
+            # every reference replaced by null: the public row over the same Top-k+ set (the support's share)
+            null = torch.log_softmax((public / p.temperature).masked_fill(~support, -math.inf), dim=-1)
+            self.add(("null", *key), index, _smoothed_loss(null, tokens, self.vocab))
+            self.add(("clipped", *key), index, ((differences[:, :b] > p.clip_norm) & support[:, None]).sum(dim=(1, 2)))
+            self.add(("entries", *key), index, support.sum(dim=1) * b)
         self._profile(differences, public)
 
     def _profile(self, differences, public) -> None:
         import torch
 
         k = self.profile_k
-        if k is None or k >= public.shape[-1]:
+        if k >= public.shape[-1]:
             on = differences
         else:
             columns = torch.topk(public, k, dim=-1).indices[:, None].expand(-1, differences.shape[1], -1)
             on = differences.gather(-1, columns)
-        self.linf.append(on.amax(dim=-1).flatten().cpu().numpy())
-        self.counts += np.histogram(on.flatten().cpu().numpy(), bins=_BINS)[0]
+        self.linf.append(on.amax(dim=-1).flatten())
+        # bucket i holds [_BINS[i], _BINS[i+1]); the last one everything from 1e3 up
+        self.counts += torch.bincount(torch.bucketize(on.flatten(), self.edges, right=True), minlength=len(self.counts))
 
 
 def _top_k_log_softmax(scores, top_k: int | None):
@@ -359,8 +382,7 @@ def _smoothed_loss(log_probs, tokens, vocab_size: int):
     import torch
 
     lp = log_probs.gather(1, tokens).squeeze(1)
-    mixed = torch.logaddexp(lp + math.log1p(-SMOOTHING), torch.full_like(lp, math.log(SMOOTHING / vocab_size)))
-    return (-mixed).cpu()
+    return -torch.logaddexp(lp + math.log1p(-SMOOTHING), torch.full_like(lp, math.log(SMOOTHING / vocab_size)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,9 +403,11 @@ def _read(path, config: ProfileConfig, *, where: Mapping[str, str] | None = None
     return read_references(path, column=config.column), None
 
 
-def _choose_texts(proxy: str, real: str, config: ProfileConfig, tokenizer, eos: int) -> tuple[list[_Text], int]:
+def _choose_texts(proxy: str, real: str, config: ProfileConfig, tokenizer, eos_ids) -> tuple[list[_Text], int]:
     """``num_texts`` held-out texts (seeded order) and, for each, ``max(B)`` distinct references of its label
-    group drawn from the proxy pool (never the text itself); texts whose group has too few are skipped."""
+    group drawn from the proxy pool (never the text itself); texts whose group has too few are skipped. A
+    text is cut at an end-of-sequence token it spells out (generation would have ended there)."""
+    eos = min(eos_ids)
     references, ref_labels = _read(proxy, config, where=config.where)
     texts, labels = _read(real, config)
     need, rng = max(config.batch_sizes), np.random.default_rng(config.seed)
@@ -396,6 +420,7 @@ def _choose_texts(proxy: str, real: str, config: ProfileConfig, tokenizer, eos: 
         if len(chosen) == config.num_texts:
             break
         ids = tokenizer.encode(texts[i], add_special_tokens=False)[: config.max_new_tokens]
+        ids = next((ids[:j] for j, t in enumerate(ids) if t in eos_ids), ids)
         pool = [j for j in groups.get(_group(labels, i), []) if references[j] != texts[i]]
         if not ids or len(pool) < need:
             skipped += 1
@@ -403,11 +428,6 @@ def _choose_texts(proxy: str, real: str, config: ProfileConfig, tokenizer, eos: 
         picked = tuple(references[pool[j]] for j in rng.permutation(len(pool))[:need])  # nested: B < max(B) takes a prefix
         forced = tuple(ids) + (() if len(ids) == config.max_new_tokens else (eos,))
         chosen.append(_Text(forced, len(ids), picked, None if labels is None else labels[i]))
-    if not chosen:
-        raise ValueError(
-            f"no held-out text could be profiled: each needs a non-empty text and {need} proxy references of its "
-            f"label group (max of --batch-sizes) in the proxy file; {skipped} were skipped"
-        )
     return chosen, skipped
 
 
@@ -416,8 +436,6 @@ def _group(labels, i: int) -> tuple:
 
 
 def _requests(loaded, texts: Sequence[_Text], config: ProfileConfig):
-    import dataclasses as dc
-
     from invink_audit.prompts import (
         encode_request,
         get_preset,
@@ -433,7 +451,7 @@ def _requests(loaded, texts: Sequence[_Text], config: ProfileConfig):
     for i, t in enumerate(texts):
         batch = template if t.labels is None else template_for_labels(template, t.labels)
         # the real text is forced whole: no stop string may end it early
-        out.append(dc.replace(encode_request(loaded.tokenizer, batch, list(t.references), key=i), stop=()))
+        out.append(dataclasses.replace(encode_request(loaded.tokenizer, batch, list(t.references), key=i), stop=()))
     return out
 
 
@@ -462,12 +480,18 @@ def run_profile(
         raise ValueError(f"config must be a ProfileConfig; got {type(config).__name__}")
     start = time.perf_counter()
     loaded = load_model(model)
-    texts, skipped = _choose_texts(str(proxy), str(real), config, loaded.tokenizer, min(loaded.eos_token_ids))
+    texts, skipped = _choose_texts(str(proxy), str(real), config, loaded.tokenizer, frozenset(loaded.eos_token_ids))
+    if len(texts) < 2:
+        raise ValueError(
+            f"{len(texts)} held-out text(s) could be profiled ({skipped} skipped: each needs a non-empty text and "
+            f"{max(config.batch_sizes)} proxy references of its label group, max of --batch-sizes); a paired bootstrap "
+            "over texts needs at least 2"
+        )
     requests = _requests(loaded, texts, config)
     # the engine's own mechanism only has to give every forced token a positive probability: the full
     # vocabulary; each grid point's distribution is computed from the logits by the observer
     engine = Engine(loaded, MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=max(config.batch_sizes)))
-    scores = _Scores(config, texts, loaded.vocab_size)
+    scores = _Scores(config, texts, loaded.vocab_size, loaded.device)
     total, done = sum(len(t.forced) for t in texts), [0]
 
     def advance(n: int) -> None:
@@ -486,37 +510,58 @@ def run_profile(
 # statistics
 
 
-def _summarise(scores: _Scores, config: ProfileConfig, skipped: int, seconds: float) -> ProfileResult:
-    n, s = scores.n, scores.sums
-    tokens = s[("tokens",)]
+def _bootstrap(sums: Mapping[tuple, np.ndarray], n: int, config: ProfileConfig):
+    """``ratio(numerator, denominator=tokens)``: the ratio of per-text sums with its percentile-bootstrap
+    interval over texts (Efron & Tibshirani 1993, §13.3), every call on the *same* resamples (paired)."""
+    tokens = sums[("tokens",)]
     resamples = np.random.default_rng(config.seed + 1).integers(0, n, size=(config.num_resamples, n))
     boot_tokens = tokens[resamples].sum(axis=1)
 
-    def ratio(numerator: np.ndarray, denominator: np.ndarray | None = None, method: str = "paired bootstrap") -> Interval:
+    def ratio(numerator: np.ndarray, denominator: np.ndarray | None = None) -> Interval | None:
         den, boot_den = (tokens.sum(), boot_tokens) if denominator is None else (
             denominator.sum(), denominator[resamples].sum(axis=1))
-        estimate = numerator.sum() / den
-        with np.errstate(divide="ignore", invalid="ignore"):
-            reps = numerator[resamples].sum(axis=1) / boot_den
-        reps = reps[np.isfinite(reps)]
-        return percentile_interval(float(estimate), reps, config.confidence, method)
+        usable = boot_den > 0
+        # a ratio whose denominator is not positive in more than α/2 of the resamples is noise: no interval
+        if den <= 0 or (~usable).mean() > (1 - config.confidence) / 2:
+            return None
+        reps = numerator[resamples].sum(axis=1)[usable] / boot_den[usable]
+        return percentile_interval(float(numerator.sum() / den), reps, config.confidence, "paired bootstrap over texts")
 
+    return ratio
+
+
+def _summarise(scores: _Scores, config: ProfileConfig, skipped: int, seconds: float) -> ProfileResult:
+    s, linf, counts = scores.finish()
+    n, tokens = scores.n, s[("tokens",)]
+    ratio = _bootstrap(s, n, config)
     points = []
     for p in scores.points:
         key, floor, ens = dataclasses.astuple(p), s[("floor", p.top_k, p.temperature)], s[("ensemble", p.batch_size, p.temperature)]
-        own = s[("point", *key)]
-        gap = floor - ens
-        closed = ratio(floor - own, gap) if gap.sum() > 0 else None
+        own, null = s[("point", *key)], s[("null", *key)]
         points.append(ProfilePoint(
             point=p, heldout_ce=ratio(own), floor_ce=ratio(floor), ensemble_ce=ratio(ens), gain_over_floor=ratio(floor - own),
-            gap_closed=closed, coverage=float(s[("in", *key)].sum() / tokens.sum()),
+            gain_over_null=ratio(null - own), gap_closed=ratio(floor - own, floor - ens),
+            coverage=float(s[("in", *key)].sum() / tokens.sum()),
             floor_coverage=float(s[("floor_in", p.top_k, p.temperature)].sum() / tokens.sum()),
             clipped_share=float(s[("clipped", *key)].sum() / max(s[("entries", *key)].sum(), 1)),
         ))  # fmt: skip
     comparisons = _comparisons(points, s, ratio, n)
-    profile = ClipProfile(scores.profile_k, np.concatenate(scores.linf) if scores.linf else np.zeros(0), _BINS, scores.counts)
+    profile = ClipProfile(scores.profile_k, linf, _BINS, counts)
     return ProfileResult(config, tuple(points), tuple(comparisons), _recommendation(points, comparisons, n), profile,
-                         n, int(tokens.sum()), skipped, seconds)
+                         n, int(tokens.sum()), skipped, seconds, _warnings(n, config))
+
+
+#: below this many held-out texts the percentile bootstrap over texts under-covers (Efron & Tibshirani
+#: 1993, §13.3, on small samples): the report says so
+MIN_PROFILE_TEXTS = 20
+
+
+def _warnings(n: int, config: ProfileConfig) -> tuple[str, ...]:
+    if n >= MIN_PROFILE_TEXTS:
+        return ()
+    short = f" (asked for {config.num_texts}: too few texts with enough references of their group)" if n < config.num_texts else ""
+    return (f"{n} held-out texts{short}, below {MIN_PROFILE_TEXTS}: a percentile bootstrap over so few texts "
+            "under-covers, so intervals are too narrow and separations may not hold",)
 
 
 def _compare(a: ProfilePoint, b: ProfilePoint, sums, ratio, n: int) -> Comparison:
@@ -526,12 +571,14 @@ def _compare(a: ProfilePoint, b: ProfilePoint, sums, ratio, n: int) -> Compariso
     floor_a = sums[("floor", a.point.top_k, a.point.temperature)]
     floor_b = sums[("floor", b.point.top_k, b.point.temperature)]
     diff = (floor_a - sums[("point", *dataclasses.astuple(a.point))]) - (floor_b - sums[("point", *dataclasses.astuple(b.point))])
-    interval = ratio(diff)
+    interval = ratio(diff)  # a difference over tokens: its denominator is always positive
     separated = interval.lower > 0
     needed = None
-    if not separated:
-        half = max(interval.estimate - interval.lower, interval.upper - interval.estimate)
-        needed = None if interval.estimate <= 0 else int(math.ceil(n * (half / interval.estimate) ** 2))
+    if not separated and interval.estimate > 0:
+        # the lower half-width shrinks as 1/√n (the bootstrap's standard error of a mean over texts), so it
+        # falls below the difference at n·(half/difference)² texts: a planning figure, not a guarantee
+        half = interval.estimate - interval.lower
+        needed = int(math.ceil(n * (half / interval.estimate) ** 2))
     return Comparison(a.point, b.point, interval, separated, needed)
 
 
@@ -578,8 +625,10 @@ def _recommendation(points: Sequence[ProfilePoint], comparisons: Sequence[Compar
                          f"({c.difference.format()}); {more}")
     ladder = [c for c in comparisons if c.better.epsilon != c.worse.epsilon]
     if ladder:
-        told = sum(c.separated for c in ladder)
-        lines.append(f"{told} of {len(ladder)} neighbouring-epsilon pairs are separated at n={n} texts")
+        told = sum(c.separated and c.better.epsilon > c.worse.epsilon for c in ladder)
+        reversed_ = sum(c.separated and c.better.epsilon < c.worse.epsilon for c in ladder)
+        lines.append(f"{told} of {len(ladder)} neighbouring-epsilon pairs are separated at n={n} texts, the larger "
+                     "epsilon ahead" + (f"; {reversed_} separated the other way round (check the data)" if reversed_ else ""))
     if len({p.point.top_k for p in points}) > 1 or len({p.point.temperature for p in points}) > 1:
         lines.append("k and tau are not ranked against each other: each has its own floor, and held-out CE favours the "
                      "full vocabulary and tau near 1 by construction (truncation trades coverage of real text for the "
@@ -608,8 +657,8 @@ def profile_markdown(result: ProfileResult) -> str:
         f"{', ' + str(result.skipped_texts) + ' skipped' if result.skipped_texts else ''}); {result.seconds:.0f} s. "
         f"Cross-entropies in nats per token; intervals: {c.confidence:.0%} paired bootstrap over texts; "
         f"smoothing η = {SMOOTHING:g} for tokens outside the support.", "",
-        "| ε | B | k | τ | C | held-out CE | floor CE | ensemble CE | gain over floor | gap closed | coverage | clipped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ε | B | k | τ | C | held-out CE | floor CE | ensemble CE | gain over floor | gain over null | gap closed | coverage | clipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for p in result.points:
         g = p.point
@@ -617,9 +666,13 @@ def profile_markdown(result: ProfileResult) -> str:
         lines.append(
             f"| {g.epsilon:g} | {g.batch_size} | {_k(g.top_k)} | {g.temperature:g} | "
             f"{g.clip_norm:.3g} | {p.heldout_ce.format()} | {p.floor_ce.estimate:.3f} | {p.ensemble_ce.estimate:.3f} | "
-            f"{p.gain_over_floor.format()} | {closed} | {p.coverage:.1%} | {p.clipped_share:.1%} |"
+            f"{p.gain_over_floor.format()} | {p.gain_over_null.format()} | {closed} | {p.coverage:.1%} | {p.clipped_share:.1%} |"
         )
-    lines += ["", "## Comparisons (paired)", ""]
+    lines += ["", "Gain over null: over the same mechanism with every reference null (the public row on the same Top-k+ "
+              "set), i.e. what the references add beyond the wider support a larger C allows.", ""]
+    if result.warnings:
+        lines += ["**Small sample**:", *[f"- {w}" for w in result.warnings], ""]
+    lines += ["## Comparisons (paired)", ""]
     for cmp in result.comparisons:
         verdict = "separated" if cmp.separated else (
             f"not separated; ~{cmp.texts_needed} texts per point would" if cmp.texts_needed else "not separated")

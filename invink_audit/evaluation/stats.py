@@ -69,8 +69,9 @@ def wald_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENC
     "Confidence Intervals"; ``s`` the sample standard deviation). One value gives a zero-width interval.
 
     ``log_scale=True`` (positive quantities such as perplexity, whose means are heavy-tailed): the same
-    standard error taken on the log scale by the delta method, :math:`\bar x \exp(\pm z\, s/(\bar x\sqrt m))`,
-    an interval that is never negative and is wider above the mean than below it."""
+    standard error taken on the log scale by the delta method (Casella & Berger 2002, §5.5.4:
+    :math:`\mathrm{se}(\log \bar x) \approx \mathrm{se}(\bar x)/\bar x`), back-transformed:
+    :math:`\bar x \exp(\pm z\, s/(\bar x\sqrt m))`, never negative and wider above the mean than below it."""
     _check_confidence(confidence)
     data = np.asarray(values, dtype=np.float64)
     if data.ndim != 1 or data.size == 0:

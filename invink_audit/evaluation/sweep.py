@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from invink_audit.evaluation.profile import grid_values
 from invink_audit.evaluation.evaluator import (
     EVALUATION_PRIVACY_NOTICE,
     EvaluationConfig,
@@ -56,12 +57,6 @@ _LOG = logging.getLogger(__name__)
 #: The sub-directory of a sweep's output that holds its non-private reference points (``floor/``,
 #: ``ceiling/``), apart from the grid points' release directories.
 REFERENCE_POINTS_DIR = "reference_points"
-
-
-def _tuple(values, name: str) -> tuple:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
-        raise ValueError(f"{name} must be a non-empty sequence; got {values!r}")
-    return tuple(values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +91,7 @@ class SweepConfig:
         if isinstance(self.profile_texts, bool) or not isinstance(self.profile_texts, int) or self.profile_texts < 0:
             raise ValueError(f"profile_texts must be an integer >= 0; got {self.profile_texts!r}")
         for name in ("epsilons", "batch_sizes", "top_ks", "temperatures", "max_new_tokens"):
-            object.__setattr__(self, name, _tuple(getattr(self, name), name))
+            object.__setattr__(self, name, grid_values(getattr(self, name), name))
         for e in self.epsilons:
             if isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0:
                 raise ValueError(f"every epsilon must be > 0; got {e!r}")
@@ -212,7 +207,8 @@ def run_sweep(
             run.private_point(params, ledger=ledger, on_tokens=on_tokens)
     finally:
         run.embedder.close()
-    profile = _profile(references, real, output, config, loaded, real_column)
+    # planning runs on proxy data only: on private references (a ledger) its statistics would be unaccounted
+    profile = _profile(references, real, output, config, loaded, real_column) if public_proxy else None
     rows = [row.to_json() for row in run.rows]
     write_not_private_jsonl(output / "sweep.jsonl", rows, notice=EVALUATION_PRIVACY_NOTICE)
     table = sweep_markdown(run.rows, ledger=ledger, public_proxy=public_proxy, profile=profile)
@@ -223,11 +219,11 @@ def run_sweep(
 
 def _profile(references, real, output: Path, config: SweepConfig, loaded, real_column: str | None):
     """The planning signal on the sweep's grid (:mod:`invink_audit.evaluation.profile`, its first T), written to
-    ``OUTPUT/profile/``; ``None`` when ``config.profile_texts`` is 0, the real texts are in another column, or
-    there are too few references per group for its largest B (said in the log)."""
+    ``OUTPUT/profile/``; ``None`` when ``config.profile_texts`` is 0, the real texts are read from another column
+    than the references, or there are too few references per group for its largest B (said in the log)."""
     from invink_audit.evaluation.profile import ProfileConfig, run_profile
 
-    if not config.profile_texts or (real_column and real_column != config.column):
+    if not config.profile_texts or (real_column or "text") != config.column:
         return None
     profile_config = ProfileConfig(
         epsilons=config.epsilons, batch_sizes=config.batch_sizes, top_ks=config.top_ks,
@@ -430,6 +426,9 @@ def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: boo
     warned = dict.fromkeys(w for r in rows for w in r.evaluation.get("warnings", ()))
     if warned:
         lines += ["", "## Small samples", "", *[f"- {w}" for w in warned]]
+    if profile is None and not public_proxy:
+        lines += ["", "Planning signal: not run on references charged to a ledger (they are private, and the signal's "
+                  "statistics are not); run `invink-audit profile` on proxy data."]
     if profile is not None:
         lines += ["", "## Planning signal (teacher-forced, paired; OUTPUT/profile/)", "",
                   "Points ranked by held-out gain over the public floor (nats/token), from one teacher-forced pass of "
@@ -442,7 +441,9 @@ def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: boo
 
 def _significance_lines(rows: Sequence[SweepPoint]) -> list[str]:
     """Which pairs of private points MAUVE (paper) separates (intervals that do not overlap), and about how
-    many texts per point the closest pair would need (``n·((h_a + h_b)/|Δ|)²``, h the half-widths)."""
+    many texts per point the closest pair would need: half-widths shrink as 1/√n (a mean's standard error;
+    MAUVE's is at best that, so the figure is a lower bound), so two intervals of half-widths h_a, h_b stop
+    overlapping at ``n·((h_a + h_b)/|Δ|)²`` texts."""
     private = [r for r in rows if r.kind == "invisibleink" and r.evaluation.get("mauve")]
     pairs = [(a, b) for i, a in enumerate(private) for b in private[i + 1 :]]
     if not pairs:
