@@ -1,0 +1,199 @@
+r"""Statistics of a black-box audit beyond one Clopper–Pearson point: the perfect-attack ceiling, a
+Gaussian-DP fit over all thresholds, and anytime-valid sequential stopping.
+
+* :func:`perfect_attack_ceiling`: the largest ε lower bound *any* attack can certify with this many
+  trials (every positive detected, no negative flagged): next to every bound, it says whether a low
+  bound means "private" or "too few trials".
+* :func:`gdp_delta`, :func:`gdp_epsilon`: the privacy profile of μ-Gaussian DP (Dong, Roth & Su 2022,
+  "Gaussian differential privacy", JRSS-B, Corollary 2.13:
+  :math:`\delta(\varepsilon) = \Phi(-\varepsilon/\mu + \mu/2) - e^{\varepsilon}\Phi(-\varepsilon/\mu - \mu/2)`).
+* :func:`fit_gdp`: μ from the audit's scores over all thresholds at once (Nasr et al. 2023, "Tight
+  auditing of differentially private machine learning", §4: fit the trade-off curve, not one point).
+  Under μ-GDP the ROC is a straight line in probit space, :math:`\Phi^{-1}(\mathrm{TPR}) -
+  \Phi^{-1}(\mathrm{FPR}) = \mu` at every threshold (Dong et al., Eq. (2.5)); the fit is the median of
+  that difference over the thresholds where both rates are strictly between 0 and 1, with a
+  bootstrap interval over trials, and the ε(δ) it implies. **An estimate, not a bound**: a composition
+  of T bounded-range steps is close to GDP (its central limit theorem, Dong et al. §3.2), so the fit
+  says how tight a claim is; only the Clopper–Pearson bound refutes one.
+* :func:`sequential_bound`: looks after 1/2^{L-1}, …, 1/2, all of the evaluation trials, spending
+  significance β/2^{L-i} at look i (Σ ≤ β: a union bound over looks, valid whatever the stopping
+  rule); it stops at the first look whose bound exceeds the claim (VIOLATION) or after which even a
+  perfect attack on the remaining trials could not reach the claim (the verdict cannot change).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from scipy import optimize, stats as scipy_stats
+
+from invink_audit.audit import stats
+from invink_audit.evaluation.stats import Interval as EstimateInterval
+from invink_audit.evaluation.stats import percentile_interval
+
+__all__ = [
+    "GdpFit",
+    "SequentialResult",
+    "fit_gdp",
+    "gdp_delta",
+    "gdp_epsilon",
+    "perfect_attack_ceiling",
+    "sequential_bound",
+]
+
+
+def perfect_attack_ceiling(positives: int, negatives: int, *, delta: float, significance: float) -> float:
+    """The ε lower bound of a perfect attack on ``positives`` + ``negatives`` trials (TPR = 1, FPR = 0):
+    no test on these trials certifies more (:func:`invink_audit.audit.stats.epsilon_lower_bound`)."""
+    return stats.epsilon_lower_bound(positives, positives, 0, negatives, delta=delta, significance=significance)
+
+
+def gdp_delta(epsilon: float, mu: float) -> float:
+    r"""δ(ε) of μ-GDP (Dong, Roth & Su 2022, Corollary 2.13); 0 for μ = 0, 1 for μ = ∞."""
+    if mu < 0 or epsilon < 0:
+        raise ValueError(f"need mu >= 0 and epsilon >= 0; got mu={mu!r}, epsilon={epsilon!r}")
+    if mu == 0:
+        return 0.0
+    if math.isinf(mu):
+        return 1.0
+    a = scipy_stats.norm.cdf(-epsilon / mu + mu / 2)
+    # e^ε Φ(−ε/μ − μ/2) in log space (it underflows and overflows separately for large ε)
+    b = math.exp(epsilon + scipy_stats.norm.logcdf(-epsilon / mu - mu / 2))
+    return max(0.0, float(a - b))
+
+
+def gdp_epsilon(delta: float, mu: float) -> float:
+    """The smallest ε with δ(ε) ≤ ``delta`` under μ-GDP (δ(ε) decreases in ε: a root by Brent's method)."""
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1); got {delta!r}")
+    if math.isinf(mu):
+        return math.inf
+    if gdp_delta(0.0, mu) <= delta:
+        return 0.0
+    high = 1.0
+    while gdp_delta(high, mu) > delta:
+        high *= 2.0
+    return float(optimize.brentq(lambda e: gdp_delta(e, mu) - delta, 0.0, high, xtol=1e-12, rtol=1e-12))
+
+
+@dataclasses.dataclass(frozen=True)
+class GdpFit:
+    """μ of the Gaussian-DP trade-off curve fitted to the scores (an estimate with its bootstrap
+    interval), the ε at ``delta`` it implies, and how many thresholds entered the fit. ``mu`` is
+    infinite when no threshold has both rates strictly between 0 and 1 (the scores separate perfectly:
+    only the trial count limits what can be shown)."""
+
+    mu: EstimateInterval
+    epsilon: EstimateInterval
+    delta: float
+    thresholds: int
+
+    def to_json(self) -> dict:
+        return {"mu": self.mu.to_json(), "epsilon": self.epsilon.to_json(), "delta": self.delta,
+                "thresholds": self.thresholds, "kind": "estimate (GDP fit), not a bound"}
+
+
+def _probit_mu(positive: np.ndarray, negative: np.ndarray) -> tuple[float, int]:
+    """Median over thresholds of Φ⁻¹(TPR) − Φ⁻¹(FPR), where both rates are in (0, 1)."""
+    thresholds = np.unique(np.concatenate([positive, negative]))
+    tpr = (positive[None, :] >= thresholds[:, None]).mean(axis=1)
+    fpr = (negative[None, :] >= thresholds[:, None]).mean(axis=1)
+    usable = (tpr > 0) & (tpr < 1) & (fpr > 0) & (fpr < 1)
+    if not usable.any():
+        separated = positive.min() > negative.max()
+        return (math.inf if separated else 0.0), 0
+    values = scipy_stats.norm.ppf(tpr[usable]) - scipy_stats.norm.ppf(fpr[usable])
+    return max(0.0, float(np.median(values))), int(usable.sum())
+
+
+def fit_gdp(
+    positive: Sequence[float],
+    negative: Sequence[float],
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    num_bootstrap: int = 200,
+    rng: np.random.Generator | None = None,
+) -> GdpFit:
+    """Fit μ-GDP to the scores of the trials with the canary (``positive``) and without (``negative``)
+    (module docstring); a percentile bootstrap over trials for μ and for the ε(δ) it implies."""
+    pos, neg = np.asarray(positive, dtype=float), np.asarray(negative, dtype=float)
+    if pos.size < 2 or neg.size < 2:
+        raise ValueError(f"need at least 2 trials of each kind; got {pos.size} and {neg.size}")
+    rng = rng if rng is not None else np.random.default_rng(0)
+    mu, used = _probit_mu(pos, neg)
+    reps = []
+    for _ in range(num_bootstrap):
+        reps.append(_probit_mu(rng.choice(pos, pos.size), rng.choice(neg, neg.size))[0])
+    reps = np.asarray(reps)
+    if math.isinf(mu):  # perfect separation: the estimate is infinite, its lower end what the resamples give
+        finite = reps[np.isfinite(reps)]
+        low = float(np.quantile(finite, (1 - confidence) / 2)) if finite.size else math.inf
+        how = "perfect separation: infinite estimate"
+        return GdpFit(EstimateInterval(math.inf, low, math.inf, confidence, how),
+                      EstimateInterval(math.inf, gdp_epsilon(delta, low), math.inf, confidence, how), delta, 0)
+    # a resample that separates perfectly counts as the largest finite μ seen (it only widens the upper end)
+    top = float(np.max(reps[np.isfinite(reps)], initial=mu))
+    mu_iv = percentile_interval(mu, np.where(np.isfinite(reps), reps, top), confidence, "bootstrap over trials")
+    eps = [gdp_epsilon(delta, m) for m in (mu_iv.estimate, mu_iv.lower, mu_iv.upper)]
+    return GdpFit(mu_iv, EstimateInterval(eps[0], eps[1], eps[2], confidence, "ε(δ) of the μ interval"), delta, used)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequentialResult:
+    """What :func:`sequential_bound` decided: the bound at the look where it stopped (at that look's
+    significance), the trials it used, each look's (trials, significance, bound), and why it stopped."""
+
+    epsilon_lower_bound: float
+    trials_used: int
+    looks: tuple[tuple[int, float, float], ...]
+    stopped: str
+
+    def to_json(self) -> dict:
+        return {"epsilon_lower_bound": self.epsilon_lower_bound, "trials_used": self.trials_used,
+                "looks": [list(x) for x in self.looks], "stopped": self.stopped}
+
+
+def sequential_bound(
+    detected: Sequence[bool],
+    is_positive: Sequence[bool],
+    *,
+    claimed_epsilon: float,
+    delta: float,
+    significance: float,
+    num_looks: int = 4,
+) -> SequentialResult:
+    """Clopper–Pearson bounds at ``num_looks`` growing prefixes of the evaluation trials (in their
+    order, e.g. batch order), each at significance β/2^{L-i} (module docstring); stops at the first
+    look that exceeds ``claimed_epsilon`` ("violation") or after which the trials seen so far with a
+    perfect attack on the rest cannot exceed it at the last look's significance ("futile"), else after
+    the last look ("all")."""
+    hit, pos = np.asarray(detected, dtype=bool), np.asarray(is_positive, dtype=bool)
+    n = hit.size
+    if n != pos.size or n < 2:
+        raise ValueError(f"need matching detected/is_positive of at least 2 trials; got {hit.size} and {pos.size}")
+    beta = stats.check_significance(significance)
+    looks = []
+    for i in range(1, num_looks + 1):
+        m = max(2, int(math.ceil(n / 2 ** (num_looks - i))))
+        level = beta / 2 ** (num_looks - i + 1)
+        p, q = pos[:m], ~pos[:m]
+        if not p.any() or not q.any():
+            continue
+        tp, fp = int((hit[:m] & p).sum()), int((hit[:m] & q).sum())
+        bound = stats.epsilon_lower_bound(tp, int(p.sum()), fp, int(q.sum()), delta=delta, significance=level)
+        looks.append((m, level, bound))
+        if bound > claimed_epsilon:
+            return SequentialResult(bound, m, tuple(looks), "violation")
+        # the best any later look could do: every remaining positive detected, no remaining negative flagged,
+        # at the last look's significance (the largest of the later ones)
+        rest_p = int(pos[m:].sum())
+        best_case = stats.epsilon_lower_bound(tp + rest_p, int(pos.sum()), fp, int((~pos).sum()), delta=delta,
+                                              significance=beta / 2)
+        if i < num_looks and best_case <= claimed_epsilon:
+            return SequentialResult(max(x[2] for x in looks), m, tuple(looks), "futile")
+    best = max((x[2] for x in looks), default=0.0)
+    return SequentialResult(best, n, tuple(looks), "all")

@@ -1,0 +1,85 @@
+"""The black-box statistics beyond one Clopper–Pearson point (invink_audit.audit.tradeoff), each against an
+independent computation: dp-accounting's PLD accountant for Gaussian DP, the closed form of Clopper–Pearson
+at k = n, simulated scores of known μ, and a simulation of sequential stopping at the claim's boundary."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting.pld import pld_privacy_accountant
+
+from invink_audit.audit.tradeoff import fit_gdp, gdp_delta, gdp_epsilon, perfect_attack_ceiling, sequential_bound
+
+
+@pytest.mark.parametrize("mu", [0.3, 1.0, 2.0, 4.0])
+@pytest.mark.parametrize("delta", [1e-5, 1e-8])
+def test_gdp_epsilon_matches_the_gaussian_mechanism_in_dp_accounting(mu, delta):
+    """A Gaussian mechanism of sensitivity 1 and noise σ is exactly (1/σ)-GDP (Dong, Roth & Su 2022, Thm 2.7)."""
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier=1 / mu))
+    assert gdp_epsilon(delta, mu) == pytest.approx(accountant.get_epsilon(delta), rel=1e-6, abs=1e-6)
+    assert gdp_delta(gdp_epsilon(delta, mu), mu) == pytest.approx(delta, rel=1e-6)
+
+
+def test_gdp_edges():
+    assert gdp_delta(1.0, 0.0) == 0.0 and gdp_delta(1.0, math.inf) == 1.0
+    assert gdp_epsilon(1e-6, math.inf) == math.inf
+    assert gdp_epsilon(0.5, 0.01) == 0.0  # δ(0) is already below 0.5
+    with pytest.raises(ValueError):
+        gdp_delta(-1.0, 1.0)
+
+
+@pytest.mark.parametrize("n", [10, 100, 5000])
+def test_perfect_attack_ceiling_is_the_clopper_pearson_closed_form(n):
+    beta, delta = 0.05, 1e-6
+    # with k = n (or 0) successes the one-sided Clopper–Pearson limit at β/2 is (β/2)^(1/n)
+    tpr_low = (beta / 2) ** (1 / n)
+    expected = math.log((tpr_low - delta) / (1 - tpr_low))
+    assert perfect_attack_ceiling(n, n, delta=delta, significance=beta) == pytest.approx(expected, rel=1e-9)
+
+
+def test_fit_gdp_recovers_a_known_mu_and_flags_perfect_separation():
+    rng = np.random.default_rng(7)
+    mu = 1.5
+    fit = fit_gdp(rng.normal(mu, 1, 3000), rng.normal(0, 1, 3000), delta=1e-6, rng=np.random.default_rng(1))
+    assert fit.mu.lower <= mu <= fit.mu.upper and fit.mu.upper - fit.mu.lower < 0.3
+    assert fit.epsilon.lower <= gdp_epsilon(1e-6, mu) <= fit.epsilon.upper
+    apart = fit_gdp(rng.normal(10, 1, 50), rng.normal(0, 1, 50), delta=1e-6)
+    assert apart.mu.estimate == math.inf and apart.thresholds == 0
+    same = fit_gdp(rng.normal(0, 1, 2000), rng.normal(0, 1, 2000), delta=1e-6, rng=np.random.default_rng(2))
+    assert same.mu.lower <= 0.1
+
+
+def _trials(rng, n, tpr, fpr):
+    positive = rng.random(n) < 0.5
+    detected = np.where(positive, rng.random(n) < tpr, rng.random(n) < fpr)
+    return detected, positive
+
+
+def test_sequential_stopping_keeps_its_significance_at_the_claims_boundary():
+    """A test exactly at the claim (TPR = e^ε·FPR, δ = 0) must be called a violation in at most β of the runs,
+    whatever look it stops at."""
+    rng = np.random.default_rng(3)
+    claim, beta, runs = 1.0, 0.1, 3000
+    fpr = 0.2
+    tpr = math.exp(claim) * fpr
+    false_alarms = sum(
+        sequential_bound(*_trials(rng, 200, tpr, fpr), claimed_epsilon=claim, delta=0.0, significance=beta).stopped
+        == "violation"
+        for _ in range(runs)
+    )
+    assert false_alarms / runs <= beta
+
+
+def test_sequential_stopping_stops_early_on_a_blatant_violation_and_when_nothing_can_change():
+    rng = np.random.default_rng(4)
+    blatant = sequential_bound(*_trials(rng, 4000, 0.99, 0.01), claimed_epsilon=1.0, delta=1e-6, significance=0.05)
+    assert blatant.stopped == "violation" and blatant.trials_used <= 1000 and blatant.epsilon_lower_bound > 1.0
+    hopeless = sequential_bound(*_trials(rng, 400, 0.5, 0.5), claimed_epsilon=8.0, delta=1e-6, significance=0.05)
+    assert hopeless.stopped == "futile" and hopeless.trials_used < 400
+    assert all(level <= 0.05 / 2 for _, level, _ in blatant.looks)
+    assert sum(level for _, level, _ in sequential_bound(*_trials(rng, 64, 0.5, 0.5), claimed_epsilon=50.0, delta=0.0,
+                                                          significance=0.05, num_looks=4).looks) <= 0.05
