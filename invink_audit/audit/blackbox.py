@@ -38,6 +38,9 @@ __all__ = [
     "char_count",
     "engine_generator",
     "exact_match",
+    "score_matrix",
+    "select_score",
+    "verdict_of",
     "invink_generator",
     "token_count",
     "word_count",
@@ -155,8 +158,8 @@ def blackbox_audit(
     reference lists) -> texts`` once for all, when given). ``references``: the batch with any text
     in ``canary_slot`` (it is replaced by the canary, or by ``""`` for the neighbour).
 
-    Phases: the trials (:func:`_run_trials`), the scores (:func:`_score_matrix`), the score and
-    threshold chosen on the selection split (:func:`_select`), the ε lower bound on the evaluation
+    Phases: the trials (:func:`_run_trials`), the scores (:func:`score_matrix`), the score and
+    threshold chosen on the selection split (:func:`select_score`), the ε lower bound on the evaluation
     split, and the verdict.
     """
     if generate is None and generate_many is None:
@@ -175,14 +178,14 @@ def blackbox_audit(
     n_sel = int(round(num_trials * selection_fraction))
     n_sel -= n_sel % 2
     sel, ev = np.arange(n_sel), np.arange(n_sel, num_trials)
-    score_names, score_matrix, selection_matrix = _score_matrix(scores, canary, texts, labels, sel)
-    k, thr = _select(selection_matrix, labels[sel], delta=claimed_delta, significance=beta)
-    ev_with = score_matrix[k, ev][labels[ev]]
-    ev_without = score_matrix[k, ev][~labels[ev]]
+    score_names, values, selection_matrix = score_matrix(scores, canary, texts, labels, sel)
+    k, thr = select_score(selection_matrix, labels[sel], delta=claimed_delta, significance=beta)
+    ev_with = values[k, ev][labels[ev]]
+    ev_without = values[k, ev][~labels[ev]]
     tp, fp = int((ev_with >= thr).sum()), int((ev_without >= thr).sum())
     eps_lb = stats.epsilon_lower_bound(tp, ev_with.size, fp, ev_without.size, delta=claimed_delta, significance=beta)
     distinct = {"with": len(set(t for t, lab in zip(texts, labels) if lab)), "without": len(set(t for t, lab in zip(texts, labels) if not lab))}
-    verdict, reason = _verdict(eps_lb, claimed_epsilon, beta)
+    verdict, reason = verdict_of(eps_lb, claimed_epsilon, beta)
     return BlackBoxReport(
         kind="black-box",
         mechanism=mechanism,
@@ -201,8 +204,8 @@ def blackbox_audit(
         negatives=int(ev_without.size),
         timings={"generation_seconds": gen_seconds, "seconds_per_trial": gen_seconds / num_trials},
         notes=tuple(list(notes) + _determinism_notes(texts, distinct)),
-        scores_with=tuple(float(x) for x in score_matrix[k][labels]),
-        scores_without=tuple(float(x) for x in score_matrix[k][~labels]),
+        scores_with=tuple(float(x) for x in values[k][labels]),
+        scores_without=tuple(float(x) for x in values[k][~labels]),
     )
 
 
@@ -246,7 +249,7 @@ def _run_trials(batches, generate, generate_many, progress) -> tuple[list[str], 
     return texts, gen_seconds
 
 
-def _score_matrix(scores, canary: str, texts: list[str], labels: np.ndarray, sel: np.ndarray):
+def score_matrix(scores, canary: str, texts: list[str], labels: np.ndarray, sel: np.ndarray):
     """Every score's name, its values on every trial (S, N), and its values on the selection split
     (``exact-match`` trained on the selection split, left out one text at a time there)."""
     score_fns, score_names = [], []
@@ -260,15 +263,15 @@ def _score_matrix(scores, canary: str, texts: list[str], labels: np.ndarray, sel
         else:
             score_fns.append(SCORES[s](canary))
             score_names.append(s)
-    score_matrix = np.array([[fn(t) for t in texts] for fn in score_fns], dtype=float)  # (S, N)
-    selection_matrix = score_matrix[:, sel].copy()
+    values = np.array([[fn(t) for t in texts] for fn in score_fns], dtype=float)  # (S, N)
+    selection_matrix = values[:, sel].copy()
     for k, name in enumerate(score_names):
         if name == "exact-match":  # its selection scores must not see the text they score
             selection_matrix[k] = _exact_match_leave_one_out([texts[i] for i in sel], labels[sel])
-    return score_names, score_matrix, selection_matrix
+    return score_names, values, selection_matrix
 
 
-def _select(selection_matrix: np.ndarray, sel_labels: np.ndarray, *, delta: float, significance: float) -> tuple[int, float]:
+def select_score(selection_matrix: np.ndarray, sel_labels: np.ndarray, *, delta: float, significance: float) -> tuple[int, float]:
     """The score and threshold with the largest ε lower bound on the selection split."""
     best = (-1.0, 0, math.inf)
     for k in range(selection_matrix.shape[0]):
@@ -290,7 +293,7 @@ def _determinism_notes(texts: list[str], distinct: dict) -> list[str]:
     return []
 
 
-def _verdict(eps_lb: float, claimed_epsilon: float, beta: float) -> tuple[stats.Verdict, str]:
+def verdict_of(eps_lb: float, claimed_epsilon: float, beta: float) -> tuple[stats.Verdict, str]:
     """VIOLATION when the ε lower bound exceeds the claim; otherwise INCONCLUSIVE (never a PASS)."""
     if eps_lb > claimed_epsilon:
         return stats.Verdict.VIOLATION, f"ε lower bound {eps_lb:.3f} > claimed ε {claimed_epsilon:g} (significance {beta:g})"

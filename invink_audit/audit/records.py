@@ -471,6 +471,12 @@ class BlackBoxReport:
     notes: tuple[str, ...] = ()
     scores_with: tuple[float, ...] = ()
     scores_without: tuple[float, ...] = ()
+    #: a batched audit (:mod:`invink_audit.audit.batched`): the ε lower bound a perfect attack on the trials
+    #: used would certify, the Gaussian-DP fit (an estimate), the sequential looks, and each batch's coin
+    ceiling: float | None = None
+    gdp: dict | None = None
+    sequential: dict | None = None
+    coins: tuple[bool, ...] = ()
 
     def to_dict(self) -> dict:
         """JSON-ready, marked first (``not_private``, ``privacy_notice``: the report is not private)."""
@@ -494,7 +500,7 @@ def report_from_dict(data: dict):
     d = _num(unmark(data))  # the NOT PRIVATE marker is a label, re-added by to_dict
     d["verdict"] = Verdict(d["verdict"])
     if d.get("kind") == "black-box":
-        for k in ("notes", "scores_with", "scores_without"):
+        for k in ("notes", "scores_with", "scores_without", "coins"):
             d[k] = tuple(d.get(k, ()))
         return BlackBoxReport(**d)
     if d.get("kind") != "white-box":

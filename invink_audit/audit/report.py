@@ -217,6 +217,20 @@ def _blackbox_markdown(r: BlackBoxReport) -> str:
         f"- evaluation: TP {r.true_positives}/{r.positives}, FP {r.false_positives}/{r.negatives}",
         f"- trials: {r.num_trials}",
     ]
+    if r.ceiling is not None:
+        lines.append(f"- ceiling: a perfect attack on these trials would certify ε ≥ {format_number(r.ceiling)} "
+                     "(a bound near it is limited by the trial count, not by the generator)")
+    if r.sequential is not None:
+        looks = "; ".join(f"{m} trials at β={format_number(b)}: ε ≥ {format_number(e)}" for m, b, e in r.sequential["looks"])
+        lines.append(f"- sequential looks ({r.sequential['stopped']}): {looks}")
+    if r.gdp is not None:
+        g = r.gdp
+        lines.append(f"- Gaussian-DP fit over all thresholds (an **estimate**, not a bound): μ = {format_number(g['mu']['estimate'])} "
+                     f"[{format_number(g['mu']['lower'])}, {format_number(g['mu']['upper'])}], ε(δ={format_number(g['delta'])}) = "
+                     f"{format_number(g['epsilon']['estimate'])} [{format_number(g['epsilon']['lower'])}, "
+                     f"{format_number(g['epsilon']['upper'])}]")
+    if r.coins:
+        lines.append(f"- coins (canary in the batch): {sum(r.coins)} of {len(r.coins)} batches, recorded in report.json")
     lines += ["", "## Timings", ""] + [f"- {k}: {format_number(v)}" for k, v in r.timings.items()]
     if r.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]

@@ -37,6 +37,7 @@ from invink_audit.evaluation.stats import percentile_interval
 __all__ = [
     "GdpFit",
     "SequentialResult",
+    "SequentialTest",
     "fit_gdp",
     "gdp_delta",
     "gdp_epsilon",
@@ -157,6 +158,53 @@ class SequentialResult:
                 "looks": [list(x) for x in self.looks], "stopped": self.stopped}
 
 
+class SequentialTest:
+    """The looks of :func:`sequential_bound` one at a time, for an audit that generates its evaluation
+    trials look by look (and so stops generating when the verdict cannot change). ``is_positive``: every
+    evaluation trial's coin, known before any is generated; :attr:`schedule`: (trials, significance) per look."""
+
+    def __init__(self, is_positive: Sequence[bool], *, claimed_epsilon: float, delta: float, significance: float,
+                 num_looks: int = 4) -> None:
+        self.positive = np.asarray(is_positive, dtype=bool)
+        n = self.positive.size
+        if n < 2:
+            raise ValueError(f"need at least 2 evaluation trials; got {n}")
+        self.beta = stats.check_significance(significance)
+        self.claim, self.delta = float(claimed_epsilon), float(delta)
+        marks = sorted({max(2, int(math.ceil(n / 2 ** (num_looks - i)))) for i in range(1, num_looks + 1)})
+        # look i of L spends β/2^(L−i+1): β/2 at the last, Σ < β whatever the stopping rule (union bound)
+        self.schedule = tuple((m, self.beta / 2 ** (len(marks) - i)) for i, m in enumerate(marks))
+        self.looks: list[tuple[int, float, float]] = []
+        self.stopped: str | None = None
+
+    def look(self, detected: Sequence[bool]) -> str | None:
+        """Decide at the next look from the detections of its first ``m`` trials: "violation", "futile",
+        "all" (the last look), or None (go on)."""
+        m, level = self.schedule[len(self.looks)]
+        hit, pos = np.asarray(detected, dtype=bool)[:m], self.positive[:m]
+        if hit.size < m:
+            raise ValueError(f"this look needs the detections of {m} trials; got {hit.size}")
+        tp, fp, p, q = int((hit & pos).sum()), int((hit & ~pos).sum()), int(pos.sum()), int((~pos).sum())
+        bound = stats.epsilon_lower_bound(tp, p, fp, q, delta=self.delta, significance=level) if p and q else 0.0
+        self.looks.append((m, level, bound))
+        last = len(self.looks) == len(self.schedule)
+        if bound > self.claim:
+            self.stopped = "violation"
+        elif last:
+            self.stopped = "all"
+        else:
+            # the best any later look could show: every remaining positive detected, no remaining negative
+            # flagged, at the last look's significance (the largest of the later ones)
+            best = stats.epsilon_lower_bound(tp + int(self.positive[m:].sum()), int(self.positive.sum()), fp,
+                                             int((~self.positive).sum()), delta=self.delta, significance=self.beta / 2)
+            self.stopped = "futile" if best <= self.claim else None
+        return self.stopped
+
+    def result(self) -> SequentialResult:
+        bound = self.looks[-1][2] if self.stopped == "violation" else max((x[2] for x in self.looks), default=0.0)
+        return SequentialResult(bound, self.looks[-1][0] if self.looks else 0, tuple(self.looks), self.stopped or "all")
+
+
 def sequential_bound(
     detected: Sequence[bool],
     is_positive: Sequence[bool],
@@ -167,33 +215,15 @@ def sequential_bound(
     num_looks: int = 4,
 ) -> SequentialResult:
     """Clopper–Pearson bounds at ``num_looks`` growing prefixes of the evaluation trials (in their
-    order, e.g. batch order), each at significance β/2^{L-i} (module docstring); stops at the first
+    order, e.g. batch order), each at significance β/2^{L-i+1} (module docstring); stops at the first
     look that exceeds ``claimed_epsilon`` ("violation") or after which the trials seen so far with a
     perfect attack on the rest cannot exceed it at the last look's significance ("futile"), else after
     the last look ("all")."""
-    hit, pos = np.asarray(detected, dtype=bool), np.asarray(is_positive, dtype=bool)
-    n = hit.size
-    if n != pos.size or n < 2:
-        raise ValueError(f"need matching detected/is_positive of at least 2 trials; got {hit.size} and {pos.size}")
-    beta = stats.check_significance(significance)
-    looks = []
-    for i in range(1, num_looks + 1):
-        m = max(2, int(math.ceil(n / 2 ** (num_looks - i))))
-        level = beta / 2 ** (num_looks - i + 1)
-        p, q = pos[:m], ~pos[:m]
-        if not p.any() or not q.any():
-            continue
-        tp, fp = int((hit[:m] & p).sum()), int((hit[:m] & q).sum())
-        bound = stats.epsilon_lower_bound(tp, int(p.sum()), fp, int(q.sum()), delta=delta, significance=level)
-        looks.append((m, level, bound))
-        if bound > claimed_epsilon:
-            return SequentialResult(bound, m, tuple(looks), "violation")
-        # the best any later look could do: every remaining positive detected, no remaining negative flagged,
-        # at the last look's significance (the largest of the later ones)
-        rest_p = int(pos[m:].sum())
-        best_case = stats.epsilon_lower_bound(tp + rest_p, int(pos.sum()), fp, int((~pos).sum()), delta=delta,
-                                              significance=beta / 2)
-        if i < num_looks and best_case <= claimed_epsilon:
-            return SequentialResult(max(x[2] for x in looks), m, tuple(looks), "futile")
-    best = max((x[2] for x in looks), default=0.0)
-    return SequentialResult(best, n, tuple(looks), "all")
+    hit = np.asarray(detected, dtype=bool)
+    if hit.size != np.asarray(is_positive).size:
+        raise ValueError(f"need one detection per trial; got {hit.size} for {np.asarray(is_positive).size} trials")
+    test = SequentialTest(is_positive, claimed_epsilon=claimed_epsilon, delta=delta, significance=significance,
+                          num_looks=num_looks)
+    while test.look(hit) is None:
+        pass
+    return test.result()

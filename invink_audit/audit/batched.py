@@ -1,0 +1,234 @@
+r"""Batched canary audit: one generation run, as many independent trials as it has batches.
+
+InvisibleInk (and the reference package) builds each text from its own batch of references with its own
+randomness, so the texts of one run are independent given their batches. :func:`batched_canary_audit`
+puts a canary slot in every batch and fills it, or empties it (replace-by-null), by a fair coin per batch,
+drawn before anything is generated and recorded in the report; each text is then one trial of "canary in"
+against "canary out" — no one-run interference penalty is needed (Steinke, Nasr & Jagielski 2023 need one
+because their canaries share a model; here the trials share nothing but the public model).
+
+Scores: the text scores of :mod:`invink_audit.audit.blackbox` (canary overlap, lengths, exact match) and,
+when the auditor knows the model and the other references (a pre-deployment audit of our engine:
+:class:`EngineTarget`), the **exact log-likelihood ratio** of each released text under the batch with the
+canary against the same batch with its slot emptied, by teacher forcing both in one pass
+(:meth:`invink_audit.engine.Engine.force`; the neighbour's distribution comes from the same logits). By
+Neyman–Pearson no score of the text separates the two better. As in the single-batch audit, the score and
+its threshold are chosen on the first batches (the selection split) and the bound is computed on the rest.
+
+Statistics (:mod:`invink_audit.audit.tradeoff`): the evaluation batches are generated look by look and the
+Clopper–Pearson bound is checked after each at a spent significance, so a blatant violation costs few
+trials and a hopeless one stops early (anytime-valid); next to the bound, the perfect-attack ceiling of
+the trials used, and a Gaussian-DP fit over all thresholds (an estimate of how tight the claim is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from accounting.limits import check_count
+from invink_audit.audit import stats
+from invink_audit.audit.blackbox import DEFAULT_SCORES, score_matrix, select_score, verdict_of
+from invink_audit.audit.records import BlackBoxReport
+from invink_audit.audit.tradeoff import SequentialTest, fit_gdp, perfect_attack_ceiling
+
+__all__ = ["LLR_SCORE", "EngineTarget", "batched_canary_audit"]
+
+#: the name of the exact log-likelihood-ratio score in reports
+LLR_SCORE = "log-likelihood-ratio"
+
+
+class EngineTarget:
+    """Our InvisibleInk engine as an audit target that the auditor can also teacher-force (gray box):
+    :meth:`generate_many` releases one text per batch and keeps its token ids; :meth:`log_likelihood_ratios`
+    scores released texts exactly. ``seed`` fixes the randomness (reproducible audits; OS entropy by default)."""
+
+    def __init__(self, *, model=None, clip_norm: float, temperature: float = 1.0, top_k: int | None = 100,
+                 batch_size: int, max_new_tokens: int, prompt="generic", prompt_fields: dict | None = None,
+                 seed: int | None = None) -> None:
+        from invink_audit.engine import Engine
+        from invink_audit.mechanism import MechanismConfig, make_generator
+        from invink_audit.models import load_model
+        from invink_audit.prompts import get_preset
+
+        self.loaded = load_model(model)
+        self.mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
+        self.engine = Engine(self.loaded, self.mechanism)
+        self.template = get_preset(prompt, **(prompt_fields or {}))
+        self.max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+        self.generator = make_generator(seed, device=self.loaded.device)
+        self.token_ids: list[tuple[int, ...]] = []  # of the last generate_many call
+
+    def _requests(self, batches):
+        from invink_audit.prompts import encode_request
+
+        # no stop strings: a text ends at its end-of-sequence token or T, so it can be teacher-forced as drawn
+        return [dataclasses.replace(encode_request(self.loaded.tokenizer, self.template, list(b), key=i), stop=())
+                for i, b in enumerate(batches)]
+
+    def generate_many(self, batches: Sequence[Sequence[str]]) -> list[str]:
+        ids: list = [()] * len(batches)
+        for f in self.engine.generate(self._requests(batches), max_new_tokens=self.max_new_tokens, generator=self.generator):
+            ids[f.request_index] = tuple(f.token_ids)
+        self.token_ids = ids
+        return [self.loaded.tokenizer.decode(list(t), skip_special_tokens=True) for t in ids]
+
+    def log_likelihood_ratios(self, batches_with_canary: Sequence[Sequence[str]], slot: int,
+                              token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        r""":math:`\log p(x_i \mid R_i) - \log p(x_i \mid R_i')` for each text ``token_ids[i]``: ``R_i`` the batch
+        with the canary in ``slot``, ``R_i'`` the same batch with it emptied (exact: summed per-step
+        log-probabilities of the mechanism, :func:`invink_audit.mechanism.neighbour_log_probs`)."""
+        import torch
+
+        llr = torch.zeros(len(token_ids), dtype=torch.float64, device=self.loaded.device)
+
+        def observer(step):
+            nlp = step.neighbour_log_probs()
+            token = step.tokens[:, None]
+            llr.index_add_(0, step.request_indices,
+                           nlp.actual.gather(1, token)[:, 0] - nlp.neighbours[:, slot].gather(1, token)[:, 0])
+
+        with torch.no_grad():
+            self.engine.force(self._requests(batches_with_canary), token_ids, max_new_tokens=self.max_new_tokens,
+                              observer=observer)
+        return llr.cpu().numpy()
+
+
+@dataclasses.dataclass
+class _Run:
+    """The batches of one audit and what was generated and scored so far (by batch index)."""
+
+    target: object
+    batches: list[list[str]]
+    with_canary: list[list[str]]
+    coins: np.ndarray
+    canary: str
+    slot: int
+    scores: tuple
+    texts: dict = dataclasses.field(default_factory=dict)
+    llr: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    def generate(self, indices: Sequence[int]) -> None:
+        start = time.perf_counter()
+        generate_many = getattr(self.target, "generate_many", self.target)
+        texts = list(generate_many([self.batches[i] for i in indices]))
+        if len(texts) != len(indices) or not all(isinstance(t, str) for t in texts):
+            raise ValueError(f"the generator must return one string per batch ({len(indices)}); got {len(texts)} items")
+        self.texts.update(zip(indices, texts))
+        if LLR_SCORE in self.scores:
+            ratios = self.target.log_likelihood_ratios([self.with_canary[i] for i in indices], self.slot,
+                                                       self.target.token_ids)
+            self.llr.update(zip(indices, ratios.tolist()))
+        self.seconds += time.perf_counter() - start
+
+    def matrix(self, indices: Sequence[int], selection: Sequence[int]):
+        """(names, values (S, len(indices)), values on ``selection``) for every score."""
+        texts, labels = [self.texts[i] for i in indices], self.coins[list(indices)]
+        text_scores = tuple(s for s in self.scores if s != LLR_SCORE)
+        position = {i: k for k, i in enumerate(indices)}
+        sel = np.array([position[i] for i in selection], dtype=int)
+        names, values, chosen = score_matrix(text_scores, self.canary, texts, labels, sel) if text_scores else (
+            [], np.zeros((0, len(indices))), np.zeros((0, sel.size)))
+        if LLR_SCORE in self.scores:
+            row = np.array([self.llr[i] for i in indices])[None, :]
+            names, values, chosen = [LLR_SCORE, *names], np.vstack([row, values]), np.vstack([row[:, sel], chosen])
+        return list(names), values, chosen
+
+
+def _batches(pool: Sequence[str], canary: str, batch_size: int, num_batches: int, slot: int, coins: np.ndarray):
+    """Batch i: the canary (or, by its coin, an empty slot) in ``slot``, the others cycled through ``pool``."""
+    others = batch_size - 1
+    filled, actual = [], []
+    for i in range(num_batches):
+        rest = [pool[(i * others + j) % len(pool)] for j in range(others)]
+        full = rest[:slot] + [canary] + rest[slot:]
+        filled.append(full)
+        actual.append(full if coins[i] else rest[:slot] + [""] + rest[slot:])
+    return actual, filled
+
+
+def batched_canary_audit(
+    target,
+    pool: Sequence[str],
+    canary: str,
+    *,
+    batch_size: int,
+    num_batches: int,
+    claimed_epsilon: float,
+    claimed_delta: float,
+    canary_slot: int = 0,
+    scores: Sequence[str | Callable[[str], float]] | None = None,
+    significance: float = 0.05,
+    selection_fraction: float = 0.25,
+    num_looks: int = 4,
+    seed: int | None = None,
+    mechanism: str = "black-box generator",
+) -> BlackBoxReport:
+    """Audit ``target`` (a ``generate_many(batches) -> texts`` callable, or an object with that method and,
+    for the :data:`LLR_SCORE`, ``log_likelihood_ratios`` and ``token_ids`` as :class:`EngineTarget` has) with
+    ``num_batches`` batches of ``batch_size`` references (module docstring). ``pool``: the other references,
+    cycled; ``scores``: default the exact log-likelihood ratio when the target offers it, and the text
+    scores. ``seed``: the coins (recorded either way)."""
+    batch_size, num_batches = check_count("batch_size", batch_size), check_count("num_batches", num_batches)
+    if num_batches < 16:
+        raise ValueError(f"num_batches must be at least 16 (selection and evaluation trials); got {num_batches}")
+    if not 0 <= canary_slot < batch_size or not pool or not all(isinstance(r, str) and r for r in pool):
+        raise ValueError("need canary_slot in [0, batch_size) and a pool of non-empty reference strings")
+    if not 0 < selection_fraction < 1:
+        raise ValueError(f"selection_fraction must be in (0, 1); got {selection_fraction!r}")
+    beta = stats.check_significance(significance)
+    gray = hasattr(target, "log_likelihood_ratios")
+    scores = tuple(scores) if scores is not None else ((LLR_SCORE,) if gray else ()) + tuple(DEFAULT_SCORES)
+    if LLR_SCORE in scores and not gray:
+        raise ValueError(f"the {LLR_SCORE!r} score needs a target that teacher-forces its texts (EngineTarget)")
+    coins = np.random.default_rng(seed).random(num_batches) < 0.5
+    actual, filled = _batches(list(pool), canary, batch_size, num_batches, canary_slot, coins)
+    run = _Run(target, actual, filled, coins, canary, canary_slot, scores)
+    n_sel = max(4, int(round(num_batches * selection_fraction)))
+    selection = list(range(n_sel))
+    run.generate(selection)
+    names, _, chosen = run.matrix(selection, selection)
+    k, threshold = select_score(chosen, coins[selection], delta=claimed_delta, significance=beta)
+    evaluation = list(range(n_sel, num_batches))
+    test = SequentialTest(coins[evaluation], claimed_epsilon=claimed_epsilon, delta=claimed_delta,
+                          significance=beta, num_looks=num_looks)
+    done = 0
+    while True:
+        m = test.schedule[len(test.looks)][0]
+        run.generate(evaluation[done:m])
+        done = m
+        values = run.matrix(evaluation[:m], [])[1][k]
+        if test.look(values >= threshold) is not None:
+            break
+    return _report(run, test, names[k], threshold, values, evaluation[:done], claimed_epsilon, claimed_delta, beta, mechanism)
+
+
+def _report(run: _Run, test: SequentialTest, score: str, threshold: float, values: np.ndarray, used: list[int],
+            claimed_epsilon: float, claimed_delta: float, beta: float, mechanism: str) -> BlackBoxReport:
+    result = test.result()
+    positive = run.coins[used]
+    detected = values >= threshold
+    level = test.looks[-1][1]
+    ceiling = perfect_attack_ceiling(int(positive.sum()), int((~positive).sum()), delta=claimed_delta, significance=level)
+    gdp = None
+    if positive.sum() >= 2 and (~positive).sum() >= 2:
+        gdp = fit_gdp(values[positive], values[~positive], delta=claimed_delta).to_json()
+    verdict, reason = verdict_of(result.epsilon_lower_bound, claimed_epsilon, beta)
+    n_trials = len(run.texts)
+    return BlackBoxReport(
+        kind="black-box", mechanism=mechanism, verdict=verdict, reason=reason, significance=beta,
+        claimed_epsilon=float(claimed_epsilon), claimed_delta=float(claimed_delta),
+        epsilon_lower_bound=float(result.epsilon_lower_bound), threshold=float(threshold), score=score,
+        num_trials={"selection": n_trials - len(used), "evaluation": len(used), "batches_planned": len(run.coins)},
+        true_positives=int((detected & positive).sum()), false_positives=int((detected & ~positive).sum()),
+        positives=int(positive.sum()), negatives=int((~positive).sum()),
+        timings={"generation_seconds": run.seconds, "seconds_per_trial": run.seconds / max(n_trials, 1)},
+        scores_with=tuple(float(x) for x in values[positive]), scores_without=tuple(float(x) for x in values[~positive]),
+        ceiling=float(ceiling), gdp=gdp, sequential=result.to_json(), coins=tuple(bool(c) for c in run.coins),
+        notes=(f"{len(run.coins)} batches planned, {n_trials} generated; sequential looks stopped: {result.stopped}",),
+    )  # fmt: skip
+

@@ -1,0 +1,125 @@
+"""The batched canary audit: the exact log-likelihood ratio against a brute-force recomputation, one recorded
+coin per batch, early stopping, and a planted bug caught on the tiny model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from accounting import epsilon_for_clip_norm, plan_clip_norm
+from invink_audit.audit.batched import LLR_SCORE, EngineTarget, batched_canary_audit
+from invink_audit.audit.stats import Verdict
+from invink_audit.prompts import encode_request, get_preset
+
+POOL = ["Great tacos, friendly staff.", "Slow service but good soup.", "The room was clean.", "Noisy hallway, comfy bed."]
+CANARY = "Zelphine Quorrick lives at 42 Violet Lane"
+B, T = 3, 6
+
+pytestmark = pytest.mark.filterwarnings("ignore:sampling with a fixed seed")
+
+
+def _log_prob(tiny, prompts, ids, *, clip_norm, drop=None):
+    """log p(ids | batch) from full forward passes of every row, the mechanism written out in numpy
+    (full vocabulary): row ``drop`` replaced by the public row (a null reference)."""
+    rows = []
+    for prompt in prompts:
+        with torch.no_grad():
+            logits = tiny.model(torch.tensor([list(prompt) + list(ids)])).logits[0].double().numpy()
+        rows.append(logits[len(prompt) - 1 : len(prompt) - 1 + len(ids)])
+    public, private = rows[0], np.stack(rows[1:], axis=1)
+    if drop is not None:
+        private[:, drop] = public
+    scores = public + np.clip(private - public[:, None], -clip_norm, clip_norm).mean(axis=1)
+    lp = scores - np.logaddexp.reduce(scores, axis=-1, keepdims=True)
+    return float(lp[np.arange(len(ids)), ids].sum())
+
+
+def test_log_likelihood_ratio_matches_brute_force(tiny):
+    target = EngineTarget(model=tiny, clip_norm=0.8, top_k=None, batch_size=B, max_new_tokens=T, seed=3)
+    batches = [[CANARY, POOL[0], POOL[1]], ["", POOL[2], POOL[3]]]
+    target.generate_many(batches)
+    filled = [[CANARY, *b[1:]] for b in batches]
+    llr = target.log_likelihood_ratios(filled, 0, target.token_ids)
+    template = get_preset("generic")
+    for i, batch in enumerate(filled):
+        request = encode_request(tiny.tokenizer, template, batch)
+        prompts = [request.public_ids, *request.private_ids]
+        ids = target.token_ids[i]
+        expected = _log_prob(tiny, prompts, ids, clip_norm=0.8) - _log_prob(tiny, prompts, ids, clip_norm=0.8, drop=0)
+        assert llr[i] == pytest.approx(expected, abs=1e-5)
+    assert np.all(np.abs(llr) <= T * 2 * 0.8 / B + 1e-9)  # each step's ratio is at most ε0 = 2C/(Bτ)
+
+
+class _Recording:
+    """A target that records the batches it was given; ``leak``: it prints the canary when it sees it."""
+
+    def __init__(self, leak: bool) -> None:
+        self.leak, self.seen = leak, []
+
+    def generate_many(self, batches):
+        self.seen += [list(b) for b in batches]
+        return [("Zelphine Quorrick" if self.leak and CANARY in b else "a review") for b in batches]
+
+
+def test_one_recorded_coin_per_batch_decides_its_canary_slot():
+    target = _Recording(leak=False)
+    report = batched_canary_audit(target, POOL, CANARY, batch_size=B, num_batches=64, claimed_epsilon=1.0,
+                                  claimed_delta=1e-6, seed=5, num_looks=1)
+    assert len(report.coins) == 64 and len(target.seen) == 64
+    for coin, batch in zip(report.coins, target.seen):
+        assert (batch[0] == CANARY) == coin and (batch[0] == "") == (not coin)
+        assert all(r in POOL for r in batch[1:])
+    assert 16 <= sum(report.coins) <= 48  # a fair coin: far inside its 99.99% range
+    again = batched_canary_audit(_Recording(False), POOL, CANARY, batch_size=B, num_batches=64, claimed_epsilon=1.0,
+                                 claimed_delta=1e-6, seed=5, num_looks=1)
+    assert again.coins == report.coins  # seeded coins are reproducible; the report records them either way
+
+
+def test_a_blatant_leak_stops_at_the_first_look_and_a_hopeless_claim_stops_early():
+    leak = _Recording(leak=True)
+    report = batched_canary_audit(leak, POOL, CANARY, batch_size=B, num_batches=2000, claimed_epsilon=1.0,
+                                  claimed_delta=1e-6, seed=1, scores=["canary-overlap"])
+    assert report.verdict is Verdict.VIOLATION and report.sequential["stopped"] == "violation"
+    assert report.num_trials["evaluation"] <= 1500 // 8 + 1 and len(leak.seen) < 1000  # 500 select, then one look
+    assert report.epsilon_lower_bound <= report.ceiling
+    quiet = _Recording(leak=False)
+    report = batched_canary_audit(quiet, POOL, CANARY, batch_size=B, num_batches=2000, claimed_epsilon=10.0,
+                                  claimed_delta=1e-6, seed=1, scores=["canary-overlap"])
+    assert report.verdict is Verdict.INCONCLUSIVE and report.sequential["stopped"] == "futile"
+    assert len(quiet.seen) < 2000
+
+
+def test_a_planted_clip_norm_bug_is_a_violation_and_the_correct_engine_is_not(tiny, tmp_path):
+    claim = 0.5
+    plan = plan_clip_norm(epsilon=claim, delta=1e-6, max_new_tokens=T, batch_size=B, temperature=1.0)
+    outcomes = {}
+    for factor in (1, 20):  # C twenty times the planned one: the true ε is far above the claim
+        c = plan.clip_norm * factor
+        target = EngineTarget(model=tiny, clip_norm=c, top_k=None, batch_size=B, max_new_tokens=T, seed=1)
+        outcomes[factor] = batched_canary_audit(target, POOL, CANARY, batch_size=B, num_batches=400,
+                                                claimed_epsilon=claim, claimed_delta=1e-6, seed=2)
+    true = epsilon_for_clip_norm(clip_norm=plan.clip_norm * 20, max_new_tokens=T, batch_size=B, temperature=1.0,
+                                 delta=1e-6).epsilon
+    assert true > 2 * claim
+    bug, ok = outcomes[20], outcomes[1]
+    assert bug.verdict is Verdict.VIOLATION and bug.score == LLR_SCORE and claim < bug.epsilon_lower_bound <= true
+    assert ok.verdict is Verdict.INCONCLUSIVE and ok.epsilon_lower_bound <= claim
+    assert bug.gdp["epsilon"]["estimate"] > claim and "estimate" in bug.gdp["kind"]
+    # the report round-trips through its JSON and renders the ceiling, the looks and the fit beside the bound
+    from invink_audit.audit.records import report_from_dict
+    from invink_audit.audit.report import write_report
+
+    assert report_from_dict(bug.to_dict()) == bug
+    write_report(bug, tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "ceiling" in text and "sequential looks (violation)" in text and "an **estimate**" in text
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="at least 16"):
+        batched_canary_audit(_Recording(False), POOL, CANARY, batch_size=B, num_batches=8, claimed_epsilon=1.0,
+                             claimed_delta=1e-6)
+    with pytest.raises(ValueError, match="teacher-forces"):
+        batched_canary_audit(_Recording(False), POOL, CANARY, batch_size=B, num_batches=32, claimed_epsilon=1.0,
+                             claimed_delta=1e-6, scores=[LLR_SCORE])
