@@ -123,3 +123,53 @@ def test_bad_input():
     with pytest.raises(ValueError, match="teacher-forces"):
         batched_canary_audit(_Recording(False), POOL, CANARY, batch_size=B, num_batches=32, claimed_epsilon=1.0,
                              claimed_delta=1e-6, scores=[LLR_SCORE])
+
+
+def test_blackbox_selftest_rows_on_the_planted_bugs():
+    """The self-test's planted bugs, black-box at 10^4 batches with the exact ratio: the correct mechanism is never a
+    violation and its GDP estimate is within 20% of its accountant's ε (the hardest-case canary makes the claim
+    nearly tight); the data-dependent budget is a violation; no bound passes its ceiling; the two mutants whose
+    ε0 is doubled show a GDP estimate above their claim even where the rigorous bound cannot refute it."""
+    from invink_audit.audit.selftest import blackbox_rows
+
+    rows = {r["mechanism"]: r for r in blackbox_rows(num_batches=10_000, seed=0)}
+    assert rows["correct"]["verdict"] != "VIOLATION"
+    assert abs(rows["correct"]["gdp_epsilon"] / rows["correct"]["claimed_epsilon"] - 1) <= 0.2
+    assert rows["data-dependent-budget"]["verdict"] == "VIOLATION"
+    for name in ("naive-clipping", "low-temperature"):
+        assert rows[name]["true_epsilon"] >= 2 * rows[name]["claimed_epsilon"]
+        assert rows[name]["gdp_epsilon"] > rows[name]["claimed_epsilon"]
+    assert all(r["epsilon_lower_bound"] <= r["ceiling"] + 1e-12 for r in rows.values())
+
+
+def test_a_spec_runs_the_batched_audit_of_the_engine(tiny_dir, tmp_path):
+    from invink_audit.audit.spec import load_spec, run_spec
+
+    body = f"""
+name = "batched-engine"
+kind = "black-box"
+[model]
+name = "{tiny_dir}"
+[data]
+inline = ["Great tacos, friendly staff.", "Slow service but good soup.", "The room was clean."]
+[mechanism]
+batch_size = 3
+clip_norm = 0.5
+max_new_tokens = 6
+delta = 1e-6
+[blackbox]
+canary = "{CANARY}"
+num_batches = 64
+"""
+    path = tmp_path / "spec.toml"
+    path.write_text(body)
+    spec = load_spec(path)
+    assert spec.blackbox.num_batches == 64 and spec.blackbox.sequential and spec.blackbox.scores[0] == LLR_SCORE
+    report = run_spec(spec, seed=3)
+    assert len(report.coins) == 64 and report.ceiling is not None and report.verdict is not Verdict.PASS
+    path.write_text(body.replace("num_batches = 64", "num_batches = 64\nnum_trials = 20"))
+    with pytest.raises(ValueError, match="not both"):
+        load_spec(path)
+    path.write_text(body.replace("num_batches = 64", "num_batches = 8"))
+    with pytest.raises(ValueError, match="num_batches"):
+        load_spec(path)

@@ -35,7 +35,7 @@ from invink_audit.audit.blackbox import DEFAULT_SCORES, score_matrix, select_sco
 from invink_audit.audit.records import BlackBoxReport
 from invink_audit.audit.tradeoff import SequentialTest, fit_gdp, perfect_attack_ceiling
 
-__all__ = ["LLR_SCORE", "EngineTarget", "batched_canary_audit"]
+__all__ = ["LLR_SCORE", "EngineTarget", "SyntheticTarget", "batched_canary_audit"]
 
 #: the name of the exact log-likelihood-ratio score in reports
 LLR_SCORE = "log-likelihood-ratio"
@@ -44,11 +44,12 @@ LLR_SCORE = "log-likelihood-ratio"
 class EngineTarget:
     """Our InvisibleInk engine as an audit target that the auditor can also teacher-force (gray box):
     :meth:`generate_many` releases one text per batch and keeps its token ids; :meth:`log_likelihood_ratios`
-    scores released texts exactly. ``seed`` fixes the randomness (reproducible audits; OS entropy by default)."""
+    scores released texts exactly. ``generator`` (on the model's device) or ``seed`` fixes the randomness
+    (reproducible audits; OS entropy by default)."""
 
     def __init__(self, *, model=None, clip_norm: float, temperature: float = 1.0, top_k: int | None = 100,
                  batch_size: int, max_new_tokens: int, prompt="generic", prompt_fields: dict | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, generator=None) -> None:
         from invink_audit.engine import Engine
         from invink_audit.mechanism import MechanismConfig, make_generator
         from invink_audit.models import load_model
@@ -59,7 +60,7 @@ class EngineTarget:
         self.engine = Engine(self.loaded, self.mechanism)
         self.template = get_preset(prompt, **(prompt_fields or {}))
         self.max_new_tokens = check_count("max_new_tokens", max_new_tokens)
-        self.generator = make_generator(seed, device=self.loaded.device)
+        self.generator = generator if generator is not None else make_generator(seed, device=self.loaded.device)
         self.token_ids: list[tuple[int, ...]] = []  # of the last generate_many call
 
     def _requests(self, batches):
@@ -95,6 +96,64 @@ class EngineTarget:
             self.engine.force(self._requests(batches_with_canary), token_ids, max_new_tokens=self.max_new_tokens,
                               observer=observer)
         return llr.cpu().numpy()
+
+
+class SyntheticTarget:
+    """A self-test mechanism (the correct one or a planted bug, :mod:`invink_audit.audit.synthetic`) on a
+    logit source, as an audit target: reference ``slot`` of the source is the canary; a batch whose slot
+    holds a text draws from the mechanism on R, one whose slot is empty from its neighbour R'_slot (each
+    text its own draw from ``seed``). Texts are token ids written as words; the exact log-likelihood
+    ratio of each drawn text is accumulated from the same distributions as it is drawn (gray box),
+    the stop at the token budget included (a length only one side's budget allows has a ratio of ±∞)."""
+
+    def __init__(self, source, mechanism, *, slot: int = 0, seed: int | None = None) -> None:
+        import torch
+
+        from invink_audit.audit.synthetic import token_budgets
+
+        self.source, self.mechanism, self.slot = source, mechanism, slot
+        self.budget_in, budgets = token_budgets(mechanism, source)
+        self.budget_out = budgets[slot]
+        self.generator = torch.Generator().manual_seed(seed if seed is not None else int(np.random.SeedSequence().entropy % 2**63))
+        self.token_ids: list = []
+        self._llr = np.zeros(0)
+
+    def generate_many(self, batches: Sequence[Sequence[str]]) -> list[str]:
+        import torch
+
+        from invink_audit.audit.synthetic import with_stop
+        from invink_audit.mechanism import sample_tokens
+
+        canary_in = torch.tensor([bool(b[self.slot]) for b in batches])
+        n, steps = len(batches), max(self.budget_in, self.budget_out) + 1
+        budgets = [self.budget_out] * self.source.batch_size
+        budgets[self.slot] = self.budget_in  # the "neighbour" column of the canary-out side is R'_slot
+        prefixes = torch.zeros(n, steps, dtype=torch.int64)
+        alive, llr = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.float64)
+        stop = self.source.vocab_size
+        lengths = torch.zeros(n, dtype=torch.int64)
+        for step in range(steps):
+            ids = alive.nonzero().reshape(-1)
+            if ids.numel() == 0:
+                break
+            private, public = self.source.logits(prefixes[ids, :step], step)
+            actual, neighbours = self.mechanism.step(private, public)
+            actual, neighbours = with_stop(actual, neighbours, step, self.budget_in, [self.budget_out] * neighbours.shape[1])
+            out = neighbours[:, self.slot]
+            tokens = sample_tokens(torch.where(canary_in[ids, None], actual, out), self.generator)
+            llr[ids] += actual.gather(1, tokens[:, None])[:, 0] - out.gather(1, tokens[:, None])[:, 0]
+            prefixes[ids, step] = tokens
+            lengths[ids] += 1
+            alive[ids] = (tokens != self.source.eos_token) & (tokens != stop)
+        self.token_ids = [tuple(prefixes[i, : lengths[i]].tolist()) for i in range(n)]
+        self._llr = llr.nan_to_num(nan=0.0).numpy()
+        return [" ".join(str(t) for t in ids) for ids in self.token_ids]
+
+    def log_likelihood_ratios(self, batches_with_canary, slot: int, token_ids) -> np.ndarray:
+        """The ratios of the texts of the last :meth:`generate_many` call (computed as they were drawn)."""
+        if slot != self.slot or len(token_ids) != self._llr.size:
+            raise ValueError("log_likelihood_ratios scores the texts of the last generate_many call, at the source's slot")
+        return self._llr.copy()
 
 
 @dataclasses.dataclass
@@ -139,9 +198,9 @@ class _Run:
         return list(names), values, chosen
 
 
-def _batches(pool: Sequence[str], canary: str, batch_size: int, num_batches: int, slot: int, coins: np.ndarray):
-    """Batch i: the canary (or, by its coin, an empty slot) in ``slot``, the others cycled through ``pool``."""
-    others = batch_size - 1
+def _batches(pool: Sequence[str], canary: str, width: int, num_batches: int, slot: int, coins: np.ndarray):
+    """Batch i: the canary (or, by its coin, an empty slot) in ``slot``, the ``width − 1`` others cycled through ``pool``."""
+    others = width - 1
     filled, actual = [], []
     for i in range(num_batches):
         rest = [pool[(i * others + j) % len(pool)] for j in range(others)]
@@ -167,12 +226,14 @@ def batched_canary_audit(
     num_looks: int = 4,
     seed: int | None = None,
     mechanism: str = "black-box generator",
+    spare_references: int = 0,
 ) -> BlackBoxReport:
     """Audit ``target`` (a ``generate_many(batches) -> texts`` callable, or an object with that method and,
     for the :data:`LLR_SCORE`, ``log_likelihood_ratios`` and ``token_ids`` as :class:`EngineTarget` has) with
     ``num_batches`` batches of ``batch_size`` references (module docstring). ``pool``: the other references,
     cycled; ``scores``: default the exact log-likelihood ratio when the target offers it, and the text
-    scores. ``seed``: the coins (recorded either way)."""
+    scores. ``seed``: the coins (recorded either way). ``spare_references``: more references in every batch
+    (a generator that drops empty slots, as the reference package does, pulls the next one in)."""
     batch_size, num_batches = check_count("batch_size", batch_size), check_count("num_batches", num_batches)
     if num_batches < 16:
         raise ValueError(f"num_batches must be at least 16 (selection and evaluation trials); got {num_batches}")
@@ -186,7 +247,7 @@ def batched_canary_audit(
     if LLR_SCORE in scores and not gray:
         raise ValueError(f"the {LLR_SCORE!r} score needs a target that teacher-forces its texts (EngineTarget)")
     coins = np.random.default_rng(seed).random(num_batches) < 0.5
-    actual, filled = _batches(list(pool), canary, batch_size, num_batches, canary_slot, coins)
+    actual, filled = _batches(list(pool), canary, batch_size + spare_references, num_batches, canary_slot, coins)
     run = _Run(target, actual, filled, coins, canary, canary_slot, scores)
     n_sel = max(4, int(round(num_batches * selection_fraction)))
     selection = list(range(n_sel))

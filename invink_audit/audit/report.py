@@ -212,7 +212,7 @@ def _blackbox_markdown(r: BlackBoxReport) -> str:
         f"**Verdict: {r.verdict.value}** at significance {r.significance:g}. {r.reason}.",
         "",
         f"- claimed (ε, δ) = ({format_number(r.claimed_epsilon)}, {format_number(r.claimed_delta)})",
-        f"- ε lower bound (Clopper–Pearson; score and threshold chosen on the selection half, bound computed on the held-out half): {format_number(r.epsilon_lower_bound)}",
+        f"- ε lower bound (Clopper–Pearson; score and threshold chosen on the selection trials, bound computed on the held-out evaluation trials): {format_number(r.epsilon_lower_bound)}",
         f"- score: {r.score}; threshold {format_number(r.threshold)}",
         f"- evaluation: TP {r.true_positives}/{r.positives}, FP {r.false_positives}/{r.negatives}",
         f"- trials: {r.num_trials}",

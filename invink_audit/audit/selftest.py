@@ -357,3 +357,40 @@ def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) ->
             sub = out / f"{r.mechanism}-{r.source}"
             written += write_report(r, sub, plots=True)
     return written
+
+
+def blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int = 10_000, seed: int = 0) -> list[dict]:
+    """The planted bugs audited **black-box** with the batched canary audit (:mod:`invink_audit.audit.batched`:
+    one trial per batch, the exact log-likelihood ratio as score, sequential looks) on the hardest-case
+    source, whose reference 0 is the canary. One row per mechanism: its claimed ε (its accountant's, at its
+    own T), the verdict, the rigorous bound, the perfect-attack ceiling of the trials used, the GDP estimate
+    and the true ε of a mutant whose per-token ε0 is known (twice the claimed one for naive clipping and the
+    halved temperature). Not part of :func:`run_selftest`'s pass criterion: a black box may fail to show a
+    violation that is there (the rows say which it shows at this number of trials)."""
+    from accounting import composed_epsilon
+    from invink_audit.audit.batched import LLR_SCORE, SyntheticTarget, batched_canary_audit
+
+    s = settings or SelfTestSettings()
+    kw = dict(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k, batch_size=s.batch_size,
+              max_new_tokens=s.max_new_tokens)
+    source = synthetic.HardestCaseSource(vocab_size=6, batch_size=s.batch_size, temperature=s.temperature)
+    rows = []
+    for mechanism in [synthetic.correct_mechanism(**kw), *synthetic.mutants(**kw)]:
+        steps = mechanism.budget(source.reference_lengths)
+        claim = composed_epsilon(1e-6, mechanism.claimed_epsilon0, steps, "br-adaptive")
+        doubled = mechanism.name in ("naive-clipping", "low-temperature")
+        true = composed_epsilon(1e-6, 2 * mechanism.claimed_epsilon0, steps, "br-adaptive") if doubled else None
+        start = time.perf_counter()
+        with synthetic.torch_threads(1):
+            report = batched_canary_audit(
+                SyntheticTarget(source, mechanism, seed=seed), ["(a null reference)"], "the canary",
+                batch_size=s.batch_size, num_batches=num_batches, claimed_epsilon=claim, claimed_delta=1e-6,
+                scores=[LLR_SCORE], significance=s.significance, seed=seed + 1,
+            )
+        rows.append({
+            "mechanism": mechanism.name, "expected": mechanism.expected, "claimed_epsilon": claim, "true_epsilon": true,
+            "verdict": report.verdict.value, "epsilon_lower_bound": report.epsilon_lower_bound, "ceiling": report.ceiling,
+            "gdp_epsilon": None if report.gdp is None else report.gdp["epsilon"]["estimate"],
+            "trials": report.num_trials, "stopped": report.sequential["stopped"], "seconds": time.perf_counter() - start,
+        })  # fmt: skip
+    return rows

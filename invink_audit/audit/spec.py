@@ -32,7 +32,10 @@ SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
     above and ``[blackbox]`` (``canary``, ``num_trials``, ``scores`` (names; ``"tokens"`` counts
     output tokens with the invink target's tokenizer), ``significance``,
     ``invink_kwargs``: keywords for ``invink.generate``; ``random_seed = "fresh"`` draws a new seed
-    per call).
+    per call). ``num_batches`` instead of ``num_trials`` runs the batched audit
+    (:mod:`invink_audit.audit.batched`: one trial per batch, a recorded coin each; the engine target
+    adds the exact ``log-likelihood-ratio`` score), ``sequential`` (default true) stopping at the first
+    look that decides, false running every batch for the highest bound they allow.
 
 Canary and data slots: the B references are the canaries in their slots and data references (in
 file order from ``offset``, a data-independent choice) everywhere else.
@@ -98,6 +101,7 @@ def yelp_dir() -> Path:
 _count = COUNT_RANGE.check
 _NON_NEGATIVE_COUNT = ParameterRange(0, MAX_COUNT, integer=True)
 _NUM_TRIALS_RANGE = ParameterRange(8, MAX_COUNT, integer=True)  # blackbox_audit's smallest num_trials
+_NUM_BATCHES_RANGE = ParameterRange(16, MAX_COUNT, integer=True)  # batched_canary_audit's smallest num_batches
 _SEED_RANGE = ParameterRange(0, 2**63 - 1, integer=True)  # any TOML integer >= 0 (make_generator's seeds)
 _UNIT_INTERVAL = ParameterRange(0.0, 1.0)
 
@@ -418,9 +422,14 @@ class BlackBoxSpec:
     significance: float
     scores: tuple
     invink_kwargs: dict
+    #: batched mode (:mod:`invink_audit.audit.batched`): this many batches, one independent trial each
+    num_batches: int | None = None
+    #: batched mode: stop at the first look that decides (True), or run every batch for the highest bound
+    sequential: bool = True
 
     @classmethod
     def from_sections(cls, target: dict, bb: dict) -> BlackBoxSpec:
+        from invink_audit.audit.batched import LLR_SCORE
         from invink_audit.audit.blackbox import DEFAULT_SCORES, SCORES
 
         t = _Section("target", target, ("kind", "model_path", "dataset_desc", "spare_references"))
@@ -435,14 +444,21 @@ class BlackBoxSpec:
                 raise ValueError(f"[target] model_path must be a directory, 'embedded' or 'tiny'; got {model_path!r}")
         elif model_path is not None:
             raise ValueError("[target] model_path is for kind = 'invink'; the engine's model is [model] name")
-        b = _Section("blackbox", bb, ("canary", "num_trials", "scores", "significance", "invink_kwargs"))
+        b = _Section("blackbox", bb, ("canary", "num_trials", "num_batches", "sequential", "scores", "significance",
+                                      "invink_kwargs"))
         names = (*SCORES, "tokens") if kind == "invink" else tuple(SCORES)  # "tokens": the invink target's tokenizer
+        if "num_batches" in bb:
+            if "num_trials" in bb:
+                raise ValueError("[blackbox] give num_trials (alternating trials of one batch) or num_batches (batched), not both")
+            names += (LLR_SCORE,) if kind == "engine" else ()
+        default_scores = ((LLR_SCORE,) if kind == "engine" and "num_batches" in bb else ()) + tuple(DEFAULT_SCORES)
         return cls(
             kind, model_path, t.get("dataset_desc", _string, "short texts"),
             t.get("spare_references", _NON_NEGATIVE_COUNT.check, 0),
             b.get("canary", _string, "My name is Zelphine Quorrick and my card number is 4929 7310 5528 1746."),
             b.get("num_trials", _NUM_TRIALS_RANGE.check, 200), b.get("significance", _significance, 0.05),
-            b.get("scores", _list_of(_choice(*names)), tuple(DEFAULT_SCORES)), b.get("invink_kwargs", _table, {}),
+            b.get("scores", _list_of(_choice(*names)), default_scores), b.get("invink_kwargs", _table, {}),
+            b.get("num_batches", _NUM_BATCHES_RANGE.check), b.get("sequential", _boolean, True),
         )
 
 
@@ -872,6 +888,7 @@ def _run_blackbox(spec: AuditSpec, seed, progress):
 def _run_engine_target(spec: AuditSpec, refs, seed, progress):
     """Black-box audit of our engine: the clip norm given (its ε reported) or planned for ε."""
     from accounting import epsilon_for_clip_norm, plan_clip_norm
+    from invink_audit.audit.batched import EngineTarget
     from invink_audit.audit.blackbox import blackbox_audit, engine_generator
 
     m, bb = spec.mechanism, spec.blackbox
@@ -889,6 +906,12 @@ def _run_engine_target(spec: AuditSpec, refs, seed, progress):
                 ).clip_norm
         except ValueError as err:
             raise ValueError(f"[mechanism] {err}") from err
+    if bb.num_batches is not None:
+        return _run_batched(spec, refs, float(epsilon), EngineTarget(
+            model=spec.model.model, clip_norm=clip_norm, temperature=tau, top_k=m.top_k, batch_size=m.batch_size,
+            max_new_tokens=T, prompt=spec.prompt.preset, prompt_fields=spec.prompt.fields,
+            generator=_generator(spec, seed, device=_device_of(spec.section("model"))),
+        ), seed, f"InvisibleInk engine ({spec.model.name})")
     many = engine_generator(
         model=spec.model.model,
         clip_norm=clip_norm, temperature=tau, top_k=m.top_k, batch_size=m.batch_size, max_new_tokens=T,
@@ -900,6 +923,19 @@ def _run_engine_target(spec: AuditSpec, refs, seed, progress):
         num_trials=bb.num_trials, significance=bb.significance, scores=bb.scores,
         mechanism=f"InvisibleInk engine ({spec.model.name}, {many.dtype_choice.dtype})", progress=progress,
         notes=(f"model dtype {many.dtype_choice.dtype}: {many.dtype_choice.reason}",),
+    )
+
+
+def _run_batched(spec: AuditSpec, refs, epsilon: float, target, seed, mechanism: str, scores=None):
+    """A batched canary audit (:func:`invink_audit.audit.batched.batched_canary_audit`): the spec's references
+    after the canary slot are every batch's others (with its spare references), cycled."""
+    from invink_audit.audit.batched import batched_canary_audit
+
+    bb, m = spec.blackbox, spec.mechanism
+    return batched_canary_audit(
+        target, [r for r in refs[1:] if r], bb.canary, batch_size=m.batch_size, num_batches=bb.num_batches,
+        claimed_epsilon=epsilon, claimed_delta=m.delta, scores=scores or bb.scores, significance=bb.significance,
+        spare_references=bb.spare_references, seed=seed, mechanism=mechanism, num_looks=4 if bb.sequential else 1,
     )
 
 
@@ -920,6 +956,9 @@ def _run_invink_target(spec: AuditSpec, refs, progress):
             str(path), batch_size=m.batch_size, dataset_desc=bb.dataset_desc, epsilon=float(m.epsilon), delta=m.delta,
             **bb.invink_kwargs,
         )
+        if bb.num_batches is not None:
+            return _run_batched(spec, refs, float(m.epsilon), lambda batches: [gen(b) for b in batches], None,
+                                "reference package invink 0.1.0", scores=tuple(scores))
         return blackbox_audit(
             gen, refs, bb.canary, claimed_epsilon=float(m.epsilon), claimed_delta=m.delta,
             num_trials=bb.num_trials, significance=bb.significance, scores=tuple(scores),

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from invink_audit.mechanisms import Mechanism
 
 __all__ = [
+    "token_budgets",
+    "with_stop",
     "HARDEST_PUBLIC_PROBABILITY",
     "LogitSource",
     "RandomSource",
@@ -365,7 +367,8 @@ def _data_dependent_budget_mutant(correct) -> SyntheticMechanism:
 # decoding with STOP
 
 
-def _budgets(mechanism: SyntheticMechanism, source: LogitSource) -> tuple[int, list[int]]:
+def token_budgets(mechanism: SyntheticMechanism, source: LogitSource) -> tuple[int, list[int]]:
+    """T of the mechanism on the source's dataset R, and on each neighbour R'_j (reference j nulled)."""
     lengths = list(source.reference_lengths)
     t_r = mechanism.budget(lengths)
     t_j = []
@@ -376,7 +379,7 @@ def _budgets(mechanism: SyntheticMechanism, source: LogitSource) -> tuple[int, l
     return t_r, t_j
 
 
-def _with_stop(actual, neighbours, step, t_r, t_j):
+def with_stop(actual, neighbours, step, t_r, t_j):
     """Append the STOP column: at ``step == T_D`` dataset D stops with probability 1."""
     b = neighbours.shape[1]
 
@@ -427,7 +430,7 @@ def _run_synthetic_audit(source, mechanism, config, *, generator, delta, progres
     from invink_audit.mechanism import sample_tokens
 
     claim = mechanism.claim(source, delta=delta)
-    t_r, t_j = _budgets(mechanism, source)
+    t_r, t_j = token_budgets(mechanism, source)
     max_steps = max([t_r, *t_j]) + 1
     plan = SamplingPlan.build(config, source.batch_size)
     recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max_steps)
@@ -441,7 +444,7 @@ def _run_synthetic_audit(source, mechanism, config, *, generator, delta, progres
             break
         private, public = source.logits(prefixes[ids, :step], step)
         actual, neighbours = mechanism.step(private, public)
-        actual, neighbours = _with_stop(actual, neighbours, step, t_r, t_j)
+        actual, neighbours = with_stop(actual, neighbours, step, t_r, t_j)
         weights = recorder.sampling_log_weights(ids, actual, neighbours)
         tokens = sample_tokens(weights, generator)
         recorder.record(ids, tokens)
@@ -491,7 +494,7 @@ def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max
     reference the Monte Carlo intervals must cover. Raises if more than ``max_outputs`` prefixes
     would be expanded (keep V and T small).
     """
-    t_r, t_j = _budgets(mechanism, source)
+    t_r, t_j = token_budgets(mechanism, source)
     max_steps = max([t_r, *t_j]) + 1
     b = source.batch_size
     stop = source.vocab_size
@@ -504,7 +507,7 @@ def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max
             break
         private, public = source.logits(prefixes, step)
         actual, neighbours = mechanism.step(private, public)
-        actual, neighbours = _with_stop(actual, neighbours, step, t_r, t_j)
+        actual, neighbours = with_stop(actual, neighbours, step, t_r, t_j)
         # every (prefix, token) with positive probability under R or under some R'_j
         possible = torch.isfinite(actual) | torch.isfinite(neighbours).any(1)
         rows, toks = possible.nonzero(as_tuple=True)

@@ -172,8 +172,10 @@ class SequentialTest:
         self.beta = stats.check_significance(significance)
         self.claim, self.delta = float(claimed_epsilon), float(delta)
         marks = sorted({max(2, int(math.ceil(n / 2 ** (num_looks - i)))) for i in range(1, num_looks + 1)})
-        # look i of L spends β/2^(L−i+1): β/2 at the last, Σ < β whatever the stopping rule (union bound)
-        self.schedule = tuple((m, self.beta / 2 ** (len(marks) - i)) for i, m in enumerate(marks))
+        # look i of L spends β/2^(L−i+1): β/2 at the last, Σ < β whatever the stopping rule (union bound);
+        # a single look spends all of β
+        self.schedule = ((n, self.beta),) if num_looks == 1 else tuple(
+            (m, self.beta / 2 ** (len(marks) - i)) for i, m in enumerate(marks))
         self.looks: list[tuple[int, float, float]] = []
         self.stopped: str | None = None
 
