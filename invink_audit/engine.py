@@ -466,8 +466,8 @@ class Engine:
         """Teacher forcing: run the engine drawing ``token_ids[i]`` for ``requests[i]``, calling
         ``observer(step)`` at every step (the mechanism's exact distribution, the logits of every row).
 
-        Each text must end where its forced tokens end: the last one is an end-of-sequence token (or,
-        for a generic mechanism, its stop outcome), or the text has ``max_new_tokens`` of them. With a
+        Each text must end where its forced tokens end (at an end-of-sequence token, a stop string of its
+        request, the mechanism's stop outcome, or ``max_new_tokens``). With a
         generic :class:`~invink_audit.mechanisms.Mechanism`, ``token_ids[i]`` are the text's *outcomes*
         (``mode·V + token``, the stop outcome last when the mechanism's stop rule ended it). A forced
         token of probability zero under the mechanism, or a text that ends elsewhere, is a
@@ -482,7 +482,9 @@ class Engine:
         self._check_forced(token_ids, max_new_tokens)
         what, n = ("outcome" if self.generic else "token"), len(requests)
         device = self.model.device
-        longest = max([1, *(len(t) for t in token_ids)])
+        # as wide as any text can run: a text that does not end where its ids end is forced on (id 0) until
+        # the engine ends it, and the length check below reports it (never an index past the tensor)
+        longest = max([max_new_tokens + 1, *(len(t) for t in token_ids)])
         forced = torch.zeros((n, longest), dtype=torch.long, device=device)
         for i, ids in enumerate(token_ids):
             forced[i, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
@@ -506,22 +508,20 @@ class Engine:
                     )
 
     def _check_forced(self, token_ids, max_new_tokens: int) -> None:
-        """Each forced sequence is non-empty, in range, and ends where the engine ends it (:meth:`force`)."""
+        """Each forced sequence is non-empty, in range and not longer than the budget (where it ends is
+        checked as the engine ends it: an end-of-sequence token, a stop string, the mechanism's stop rule)."""
         vocab = self.model.vocab_size
         width = self.mechanism.num_outcomes(vocab) if self.generic else vocab
         stop_id = self.mechanism.stop_outcome(vocab) if self.generic else None
-        eos = frozenset(self.model.eos_token_ids)
         for i, ids in enumerate(token_ids):
             ids = list(ids)
             if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < width for t in ids):
                 raise ValueError(f"token_ids[{i}] must be a non-empty sequence of ids in [0, {width})")
-            drawn = [t for t in ids if t != stop_id]
-            ends = ids[-1] == stop_id or ids[-1] % vocab in eos
-            if len(drawn) > max_new_tokens or (len(drawn) < max_new_tokens and not ends) or stop_id in ids[:-1]:
+            drawn = sum(1 for t in ids if t != stop_id)
+            if drawn > max_new_tokens or stop_id in ids[:-1]:
                 raise ValueError(
-                    f"token_ids[{i}] has {len(drawn)} tokens: it must have max_new_tokens={max_new_tokens}, or fewer "
-                    "ending in an end-of-sequence token (or the mechanism's stop outcome, last): the texts do not match "
-                    "this configuration"
+                    f"token_ids[{i}] has {drawn} tokens, more than max_new_tokens={max_new_tokens} (or the stop "
+                    "outcome before its end): the texts do not match this configuration"
                 )
 
     def _texts(self, requests, max_new_tokens, generator, observer, sampling_rule, neighbours, stop_at_eos, progress,

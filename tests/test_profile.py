@@ -170,7 +170,8 @@ def test_engine_force_refuses_sequences_that_cannot_end_where_they_end(tiny):
 
     engine = Engine(tiny, MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=1))
     request = encode_request(tiny.tokenizer, get_preset("generic", description="x"), ["a review"])
-    for bad, match in (([5, 6], "do not match"), ([], "non-empty"), ([tiny.vocab_size], r"ids in \[0,")):
+    for bad, match in (([5, 6, 7, 8, 9], "more than max_new_tokens"), ([], "non-empty"), ([tiny.vocab_size], r"ids in \[0,"),
+                       ([5, 6], "ended after")):
         with pytest.raises(ValueError, match=match):
             engine.force([request], [bad], max_new_tokens=4, observer=lambda step: None)
 

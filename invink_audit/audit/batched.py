@@ -35,10 +35,12 @@ from invink_audit.audit.blackbox import DEFAULT_SCORES, score_matrix, select_sco
 from invink_audit.audit.records import BlackBoxReport
 from invink_audit.audit.tradeoff import SequentialTest, fit_gdp, perfect_attack_ceiling
 
-__all__ = ["LLR_SCORE", "EngineTarget", "SyntheticTarget", "batched_canary_audit"]
+__all__ = ["LLR_SCORE", "SURROGATE_SCORE", "EngineTarget", "SurrogateScorer", "SyntheticTarget", "batched_canary_audit"]
 
 #: the name of the exact log-likelihood-ratio score in reports
 LLR_SCORE = "log-likelihood-ratio"
+#: the same ratio computed with a surrogate model (:class:`SurrogateScorer`: black box)
+SURROGATE_SCORE = "surrogate-log-likelihood-ratio"
 
 
 class EngineTarget:
@@ -96,6 +98,32 @@ class EngineTarget:
             self.engine.force(self._requests(batches_with_canary), token_ids, max_new_tokens=self.max_new_tokens,
                               observer=observer)
         return llr.cpu().numpy()
+
+
+class SurrogateScorer:
+    """The log-likelihood-ratio score of released *texts* computed with a model the auditor has, standing in
+    for the target's unknown one (black box): each text is tokenized by the surrogate, cut at T tokens or
+    ended by its end-of-sequence token, and teacher-forced under the batch with the canary and read under
+    its neighbour, through the surrogate's InvisibleInk engine at ``clip_norm`` over the full vocabulary (a
+    token the target drew is never impossible under the surrogate). A valid test whatever the surrogate
+    (its threshold is chosen on the selection batches); the further the surrogate from the target, the
+    weaker."""
+
+    def __init__(self, *, model=None, clip_norm: float, temperature: float = 1.0, batch_size: int, max_new_tokens: int,
+                 prompt="generic", prompt_fields: dict | None = None) -> None:
+        self.engine = EngineTarget(model=model, clip_norm=clip_norm, temperature=temperature, top_k=None,
+                                   batch_size=batch_size, max_new_tokens=max_new_tokens, prompt=prompt,
+                                   prompt_fields=prompt_fields, seed=0)
+
+    def __call__(self, batches_with_canary: Sequence[Sequence[str]], slot: int, texts: Sequence[str]) -> np.ndarray:
+        loaded, limit = self.engine.loaded, self.engine.max_new_tokens
+        eos = min(loaded.eos_token_ids)
+        ids = []
+        for text in texts:
+            tokens = loaded.tokenizer.encode(text, add_special_tokens=False)
+            tokens = next((tokens[:j] for j, t in enumerate(tokens) if t in loaded.eos_token_ids), tokens)[:limit]
+            ids.append(tuple(tokens) + (() if len(tokens) == limit else (eos,)))
+        return self.engine.log_likelihood_ratios(batches_with_canary, slot, ids)
 
 
 class SyntheticTarget:
@@ -167,7 +195,9 @@ class _Run:
     canary: str
     slot: int
     scores: tuple
+    surrogate: SurrogateScorer | None = None
     texts: dict = dataclasses.field(default_factory=dict)
+    surrogate_llr: dict = dataclasses.field(default_factory=dict)
     llr: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
 
@@ -182,19 +212,23 @@ class _Run:
             ratios = self.target.log_likelihood_ratios([self.with_canary[i] for i in indices], self.slot,
                                                        self.target.token_ids)
             self.llr.update(zip(indices, ratios.tolist()))
+        if self.surrogate is not None:
+            ratios = self.surrogate([self.with_canary[i] for i in indices], self.slot, texts)
+            self.surrogate_llr.update(zip(indices, ratios.tolist()))
         self.seconds += time.perf_counter() - start
 
     def matrix(self, indices: Sequence[int], selection: Sequence[int]):
         """(names, values (S, len(indices)), values on ``selection``) for every score."""
         texts, labels = [self.texts[i] for i in indices], self.coins[list(indices)]
-        text_scores = tuple(s for s in self.scores if s != LLR_SCORE)
+        text_scores = tuple(s for s in self.scores if s not in (LLR_SCORE, SURROGATE_SCORE))
         position = {i: k for k, i in enumerate(indices)}
         sel = np.array([position[i] for i in selection], dtype=int)
         names, values, chosen = score_matrix(text_scores, self.canary, texts, labels, sel) if text_scores else (
             [], np.zeros((0, len(indices))), np.zeros((0, sel.size)))
-        if LLR_SCORE in self.scores:
-            row = np.array([self.llr[i] for i in indices])[None, :]
-            names, values, chosen = [LLR_SCORE, *names], np.vstack([row, values]), np.vstack([row[:, sel], chosen])
+        for name, table in ((SURROGATE_SCORE, self.surrogate_llr), (LLR_SCORE, self.llr)):
+            if name in self.scores:
+                row = np.array([table[i] for i in indices])[None, :]
+                names, values, chosen = [name, *names], np.vstack([row, values]), np.vstack([row[:, sel], chosen])
         return list(names), values, chosen
 
 
@@ -227,13 +261,15 @@ def batched_canary_audit(
     seed: int | None = None,
     mechanism: str = "black-box generator",
     spare_references: int = 0,
+    surrogate: SurrogateScorer | None = None,
 ) -> BlackBoxReport:
     """Audit ``target`` (a ``generate_many(batches) -> texts`` callable, or an object with that method and,
     for the :data:`LLR_SCORE`, ``log_likelihood_ratios`` and ``token_ids`` as :class:`EngineTarget` has) with
     ``num_batches`` batches of ``batch_size`` references (module docstring). ``pool``: the other references,
     cycled; ``scores``: default the exact log-likelihood ratio when the target offers it, and the text
     scores. ``seed``: the coins (recorded either way). ``spare_references``: more references in every batch
-    (a generator that drops empty slots, as the reference package does, pulls the next one in)."""
+    (a generator that drops empty slots, as the reference package does, pulls the next one in). ``surrogate``:
+    adds the :data:`SURROGATE_SCORE` (:class:`SurrogateScorer`: the ratio under a model the auditor has)."""
     batch_size, num_batches = check_count("batch_size", batch_size), check_count("num_batches", num_batches)
     if num_batches < 16:
         raise ValueError(f"num_batches must be at least 16 (selection and evaluation trials); got {num_batches}")
@@ -243,12 +279,15 @@ def batched_canary_audit(
         raise ValueError(f"selection_fraction must be in (0, 1); got {selection_fraction!r}")
     beta = stats.check_significance(significance)
     gray = hasattr(target, "log_likelihood_ratios")
-    scores = tuple(scores) if scores is not None else ((LLR_SCORE,) if gray else ()) + tuple(DEFAULT_SCORES)
+    scores = tuple(scores) if scores is not None else (
+        ((LLR_SCORE,) if gray else ()) + ((SURROGATE_SCORE,) if surrogate is not None else ()) + tuple(DEFAULT_SCORES))
+    if SURROGATE_SCORE in scores and surrogate is None:
+        raise ValueError(f"the {SURROGATE_SCORE!r} score needs a surrogate (SurrogateScorer)")
     if LLR_SCORE in scores and not gray:
         raise ValueError(f"the {LLR_SCORE!r} score needs a target that teacher-forces its texts (EngineTarget)")
     coins = np.random.default_rng(seed).random(num_batches) < 0.5
     actual, filled = _batches(list(pool), canary, batch_size + spare_references, num_batches, canary_slot, coins)
-    run = _Run(target, actual, filled, coins, canary, canary_slot, scores)
+    run = _Run(target, actual, filled, coins, canary, canary_slot, scores, surrogate)
     n_sel = max(4, int(round(num_batches * selection_fraction)))
     selection = list(range(n_sel))
     run.generate(selection)
