@@ -173,3 +173,42 @@ num_batches = 64
     path.write_text(body.replace("num_batches = 64", "num_batches = 8"))
     with pytest.raises(ValueError, match="num_batches"):
         load_spec(path)
+
+
+def test_a_surrogate_with_the_targets_model_reproduces_the_exact_ratio(tiny):
+    """Black box: the ratio is computed from the released *strings* with a model the auditor has. With the target's
+    own model and C it equals the exact ratio on every text whose string tokenizes back to the drawn tokens."""
+    from invink_audit.audit.batched import SurrogateScorer
+
+    target = EngineTarget(model=tiny, clip_norm=0.8, top_k=None, batch_size=B, max_new_tokens=T, seed=1)
+    batches = [[CANARY, POOL[0], POOL[1]], ["", POOL[2], POOL[3]]] * 10
+    texts = target.generate_many(batches)
+    filled = [[CANARY, *b[1:]] for b in batches]
+    exact = target.log_likelihood_ratios(filled, 0, target.token_ids)
+    surrogate = SurrogateScorer(model=tiny, clip_norm=0.8, batch_size=B, max_new_tokens=T)(filled, 0, texts)
+    tok = tiny.tokenizer
+    same = [i for i, ids in enumerate(target.token_ids)
+            if tok.encode(texts[i], add_special_tokens=False) == [t for t in ids if t not in tiny.eos_token_ids]]
+    assert same  # the seeded draw has texts that round-trip (the random tiny model's others do not)
+    assert np.allclose(surrogate[same], exact[same], atol=1e-9)
+    with pytest.raises(ValueError, match="needs a surrogate"):
+        batched_canary_audit(_Recording(False), POOL, CANARY, batch_size=B, num_batches=32, claimed_epsilon=1.0,
+                             claimed_delta=1e-6, scores=["surrogate-log-likelihood-ratio"])
+
+
+@pytest.mark.parametrize("epsilon", [1.0, 2.0, 4.0])
+def test_the_gdp_estimate_of_the_correct_mechanism_is_within_20_percent_of_its_accountant(epsilon):
+    """With the worst-case (hardest-case) canary the claim is nearly tight, and the fit over all thresholds says so."""
+    from accounting import composed_epsilon
+    from invink_audit.audit import synthetic
+    from invink_audit.audit.batched import SyntheticTarget
+
+    steps = 10
+    c = plan_clip_norm(epsilon=epsilon, delta=1e-6, max_new_tokens=steps, batch_size=4, temperature=1.0).clip_norm
+    mechanism = synthetic.correct_mechanism(clip_norm=c, temperature=1.0, top_k=3, batch_size=4, max_new_tokens=steps)
+    claim = composed_epsilon(1e-6, mechanism.claimed_epsilon0, steps, "br-adaptive")
+    report = batched_canary_audit(SyntheticTarget(synthetic.HardestCaseSource(vocab_size=6, batch_size=4), mechanism, seed=1),
+                                  ["(null)"], "canary", batch_size=4, num_batches=10_000, claimed_epsilon=claim,
+                                  claimed_delta=1e-6, seed=2, scores=[LLR_SCORE], num_looks=1)
+    assert report.verdict is not Verdict.VIOLATION and report.epsilon_lower_bound <= report.ceiling
+    assert abs(report.gdp["epsilon"]["estimate"] / claim - 1) <= 0.2
