@@ -48,9 +48,26 @@ def test_fit_gdp_recovers_a_known_mu_and_flags_perfect_separation():
     assert fit.mu.lower <= mu <= fit.mu.upper and fit.mu.upper - fit.mu.lower < 0.3
     assert fit.epsilon.lower <= gdp_epsilon(1e-6, mu) <= fit.epsilon.upper
     apart = fit_gdp(rng.normal(10, 1, 50), rng.normal(0, 1, 50), delta=1e-6)
-    assert apart.mu.estimate == math.inf and apart.thresholds == 0
+    # perfect separation: a finite floor set by the trial count (continuity correction), flagged as such
+    floor = 2 * __import__("scipy.stats").stats.norm.ppf(50.5 / 51)
+    assert apart.separated and math.isfinite(apart.mu.estimate) and apart.mu.estimate <= floor + 1e-9
+    assert "floor" in apart.to_json()["kind"]
+    # discrete scores: every positive at the top value, 1% of negatives too: a large μ, never 0
+    ties = fit_gdp(np.full(200, 120.0), np.r_[np.full(2, 120.0), np.zeros(198)], delta=1e-6)
+    assert not ties.separated and ties.mu.estimate > 2.0
     same = fit_gdp(rng.normal(0, 1, 2000), rng.normal(0, 1, 2000), delta=1e-6, rng=np.random.default_rng(2))
     assert same.mu.lower <= 0.1
+
+
+@pytest.mark.parametrize("looks", [1, 2, 3, 4, 6])
+def test_the_looks_spend_at_most_the_significance(looks):
+    from invink_audit.audit.tradeoff import SequentialTest
+
+    test = SequentialTest(np.arange(500) % 2 == 0, claimed_epsilon=1.0, delta=1e-6, significance=0.05, num_looks=looks)
+    levels = [level for _, level in test.schedule]
+    assert sum(levels) <= 0.05 + 1e-15 and levels == sorted(levels) and test.schedule[-1][0] == 500
+    with pytest.raises(ValueError, match="num_looks"):
+        SequentialTest(np.arange(10) % 2 == 0, claimed_epsilon=1.0, delta=1e-6, significance=0.05, num_looks=0)
 
 
 def _trials(rng, n, tpr, fpr):

@@ -15,10 +15,11 @@ canary against the same batch with its slot emptied, by teacher forcing both in 
 Neyman–Pearson no score of the text separates the two better. As in the single-batch audit, the score and
 its threshold are chosen on the first batches (the selection split) and the bound is computed on the rest.
 
-Statistics (:mod:`invink_audit.audit.tradeoff`): the evaluation batches are generated look by look and the
-Clopper–Pearson bound is checked after each at a spent significance, so a blatant violation costs few
-trials and a hopeless one stops early (anytime-valid); next to the bound, the perfect-attack ceiling of
-the trials used, and a Gaussian-DP fit over all thresholds (an estimate of how tight the claim is).
+Statistics (:mod:`invink_audit.audit.tradeoff`): the evaluation batches are generated look by look (four
+scheduled looks by default) and the Clopper–Pearson bound is checked after each at a spent significance
+(a union bound over the looks), so a blatant violation costs few trials and a claim that can no longer be
+refuted stops early; next to the bound, the perfect-attack ceiling of the trials used, and a Gaussian-DP
+fit over all thresholds (an estimate of how tight the claim is).
 """
 
 from __future__ import annotations
@@ -154,8 +155,6 @@ class SyntheticTarget:
 
         canary_in = torch.tensor([bool(b[self.slot]) for b in batches])
         n, steps = len(batches), max(self.budget_in, self.budget_out) + 1
-        budgets = [self.budget_out] * self.source.batch_size
-        budgets[self.slot] = self.budget_in  # the "neighbour" column of the canary-out side is R'_slot
         prefixes = torch.zeros(n, steps, dtype=torch.int64)
         alive, llr = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.float64)
         stop = self.source.vocab_size
@@ -174,7 +173,8 @@ class SyntheticTarget:
             lengths[ids] += 1
             alive[ids] = (tokens != self.source.eos_token) & (tokens != stop)
         self.token_ids = [tuple(prefixes[i, : lengths[i]].tolist()) for i in range(n)]
-        self._llr = llr.nan_to_num(nan=0.0).numpy()
+        self._llr = llr.numpy()  # ±∞ where a length is possible on one side only; never NaN (each token is drawn
+        # from its own side, where its probability is positive)
         return [" ".join(str(t) for t in ids) for ids in self.token_ids]
 
     def log_likelihood_ratios(self, batches_with_canary, slot: int, token_ids) -> np.ndarray:
@@ -211,9 +211,11 @@ class _Run:
         if LLR_SCORE in self.scores:
             ratios = self.target.log_likelihood_ratios([self.with_canary[i] for i in indices], self.slot,
                                                        self.target.token_ids)
+            _check_count(ratios, indices, "the target's log_likelihood_ratios")
             self.llr.update(zip(indices, ratios.tolist()))
         if self.surrogate is not None:
             ratios = self.surrogate([self.with_canary[i] for i in indices], self.slot, texts)
+            _check_count(ratios, indices, "the surrogate")
             self.surrogate_llr.update(zip(indices, ratios.tolist()))
         self.seconds += time.perf_counter() - start
 
@@ -230,6 +232,21 @@ class _Run:
                 row = np.array([table[i] for i in indices])[None, :]
                 names, values, chosen = [name, *names], np.vstack([row, values]), np.vstack([row[:, sel], chosen])
         return list(names), values, chosen
+
+
+def _check_count(ratios, indices, what: str) -> None:
+    if np.asarray(ratios).shape != (len(indices),):
+        raise ValueError(f"{what} must return one ratio per text ({len(indices)}); got shape {np.asarray(ratios).shape}")
+
+
+def _coins(seed: int | None, num_batches: int, n_sel: int) -> np.ndarray:
+    """A fair coin per batch, redrawn (data-independently) until both splits hold both sides."""
+    rng = np.random.default_rng(seed)
+    for _ in range(100):
+        coins = rng.random(num_batches) < 0.5
+        if all(0 < part.sum() < part.size for part in (coins[:n_sel], coins[n_sel:])):
+            return coins
+    raise ValueError(f"{num_batches} batches cannot give both sides in the selection and evaluation splits; give more")
 
 
 def _batches(pool: Sequence[str], canary: str, width: int, num_batches: int, slot: int, coins: np.ndarray):
@@ -273,38 +290,63 @@ def batched_canary_audit(
     batch_size, num_batches = check_count("batch_size", batch_size), check_count("num_batches", num_batches)
     if num_batches < 16:
         raise ValueError(f"num_batches must be at least 16 (selection and evaluation trials); got {num_batches}")
-    if not 0 <= canary_slot < batch_size or not pool or not all(isinstance(r, str) and r for r in pool):
-        raise ValueError("need canary_slot in [0, batch_size) and a pool of non-empty reference strings")
-    if not 0 < selection_fraction < 1:
-        raise ValueError(f"selection_fraction must be in (0, 1); got {selection_fraction!r}")
+    _check_inputs(target, pool, canary, batch_size, canary_slot, selection_fraction, num_batches)
     beta = stats.check_significance(significance)
-    gray = hasattr(target, "log_likelihood_ratios")
-    scores = tuple(scores) if scores is not None else (
-        ((LLR_SCORE,) if gray else ()) + ((SURROGATE_SCORE,) if surrogate is not None else ()) + tuple(DEFAULT_SCORES))
-    if SURROGATE_SCORE in scores and surrogate is None:
-        raise ValueError(f"the {SURROGATE_SCORE!r} score needs a surrogate (SurrogateScorer)")
-    if LLR_SCORE in scores and not gray:
-        raise ValueError(f"the {LLR_SCORE!r} score needs a target that teacher-forces its texts (EngineTarget)")
-    coins = np.random.default_rng(seed).random(num_batches) < 0.5
+    scores = _scores(target, scores, surrogate)
+    n_sel = max(4, int(round(num_batches * selection_fraction)))
+    coins = _coins(seed, num_batches, n_sel)
+    test = SequentialTest(coins[n_sel:], claimed_epsilon=claimed_epsilon, delta=claimed_delta,
+                          significance=beta, num_looks=num_looks)  # checks num_looks before anything runs
     actual, filled = _batches(list(pool), canary, batch_size + spare_references, num_batches, canary_slot, coins)
     run = _Run(target, actual, filled, coins, canary, canary_slot, scores, surrogate)
-    n_sel = max(4, int(round(num_batches * selection_fraction)))
     selection = list(range(n_sel))
     run.generate(selection)
     names, _, chosen = run.matrix(selection, selection)
     k, threshold = select_score(chosen, coins[selection], delta=claimed_delta, significance=beta)
     evaluation = list(range(n_sel, num_batches))
-    test = SequentialTest(coins[evaluation], claimed_epsilon=claimed_epsilon, delta=claimed_delta,
-                          significance=beta, num_looks=num_looks)
     done = 0
     while True:
         m = test.schedule[len(test.looks)][0]
         run.generate(evaluation[done:m])
         done = m
-        values = run.matrix(evaluation[:m], [])[1][k]
+        # every score as trained on the selection batches (exact-match included), read on the evaluation ones
+        values = run.matrix(selection + evaluation[:m], selection)[1][k, n_sel:]
         if test.look(values >= threshold) is not None:
             break
     return _report(run, test, names[k], threshold, values, evaluation[:done], claimed_epsilon, claimed_delta, beta, mechanism)
+
+
+def _check_inputs(target, pool, canary, batch_size, canary_slot, selection_fraction, num_batches) -> None:
+    if not isinstance(canary, str) or not canary.strip():
+        raise ValueError("the canary must be a non-empty string")
+    if not 0 <= canary_slot < batch_size:
+        raise ValueError(f"canary_slot must be in [0, {batch_size}); got {canary_slot!r}")
+    if not pool or not all(isinstance(r, str) and r.strip() for r in pool) or canary in pool:
+        raise ValueError("pool must hold non-empty reference strings, the canary not among them")
+    if not 0 < selection_fraction < 1 or num_batches - max(4, int(round(num_batches * selection_fraction))) < 2:
+        raise ValueError(f"selection_fraction must be in (0, 1) and leave at least 2 evaluation batches; got {selection_fraction!r}")
+    if getattr(target, "slot", canary_slot) != canary_slot:
+        raise ValueError(f"the target's canary slot is {target.slot}, not canary_slot={canary_slot}")
+
+
+def _scores(target, scores, surrogate) -> tuple:
+    """The scores to choose from (default: the exact ratio when the target offers it, the surrogate's when
+    given, and the text scores), every name checked before anything runs."""
+    from invink_audit.audit.blackbox import SCORES
+
+    gray = hasattr(target, "log_likelihood_ratios")
+    scores = tuple(scores) if scores is not None else (
+        ((LLR_SCORE,) if gray else ()) + ((SURROGATE_SCORE,) if surrogate is not None else ()) + tuple(DEFAULT_SCORES))
+    if not scores:
+        raise ValueError("scores must name at least one score")
+    for s in scores:
+        if not callable(s) and s not in (*SCORES, LLR_SCORE, SURROGATE_SCORE):
+            raise ValueError(f"scores must be callables or names in {sorted((*SCORES, LLR_SCORE, SURROGATE_SCORE))}; got {s!r}")
+    if SURROGATE_SCORE in scores and surrogate is None:
+        raise ValueError(f"the {SURROGATE_SCORE!r} score needs a surrogate (SurrogateScorer)")
+    if LLR_SCORE in scores and not gray:
+        raise ValueError(f"the {LLR_SCORE!r} score needs a target that teacher-forces its texts (EngineTarget)")
+    return scores
 
 
 def _report(run: _Run, test: SequentialTest, score: str, threshold: float, values: np.ndarray, used: list[int],

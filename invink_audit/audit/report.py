@@ -225,7 +225,9 @@ def _blackbox_markdown(r: BlackBoxReport) -> str:
         lines.append(f"- sequential looks ({r.sequential['stopped']}): {looks}")
     if r.gdp is not None:
         g = r.gdp
-        lines.append(f"- Gaussian-DP fit over all thresholds (an **estimate**, not a bound): μ = {format_number(g['mu']['estimate'])} "
+        what = ("perfect separation: a **floor** set by the trial count, not a bound" if g.get("separated")
+                else "an **estimate**, not a bound")
+        lines.append(f"- Gaussian-DP fit over all thresholds ({what}): μ = {format_number(g['mu']['estimate'])} "
                      f"[{format_number(g['mu']['lower'])}, {format_number(g['mu']['upper'])}], ε(δ={format_number(g['delta'])}) = "
                      f"{format_number(g['epsilon']['estimate'])} [{format_number(g['epsilon']['lower'])}, "
                      f"{format_number(g['epsilon']['upper'])}]")

@@ -1,5 +1,5 @@
 r"""Statistics of a black-box audit beyond one Clopper–Pearson point: the perfect-attack ceiling, a
-Gaussian-DP fit over all thresholds, and anytime-valid sequential stopping.
+Gaussian-DP fit over all thresholds, and sequential stopping at scheduled looks.
 
 * :func:`perfect_attack_ceiling`: the largest ε lower bound *any* attack can certify with this many
   trials (every positive detected, no negative flagged): next to every bound, it says whether a low
@@ -11,13 +11,13 @@ Gaussian-DP fit over all thresholds, and anytime-valid sequential stopping.
   auditing of differentially private machine learning", §4: fit the trade-off curve, not one point).
   Under μ-GDP the ROC is a straight line in probit space, :math:`\Phi^{-1}(\mathrm{TPR}) -
   \Phi^{-1}(\mathrm{FPR}) = \mu` at every threshold (Dong et al., Eq. (2.5)); the fit is the median of
-  that difference over the thresholds where both rates are strictly between 0 and 1, with a
-  bootstrap interval over trials, and the ε(δ) it implies. **An estimate, not a bound**: a composition
+  that difference over the informative thresholds, each rate continuity-corrected to (k + ½)/(n + 1),
+  with a bootstrap interval over trials, and the ε(δ) it implies. **An estimate, not a bound**: a composition
   of T bounded-range steps is close to GDP (its central limit theorem, Dong et al. §3.2), so the fit
   says how tight a claim is; only the Clopper–Pearson bound refutes one.
-* :func:`sequential_bound`: looks after 1/2^{L-1}, …, 1/2, all of the evaluation trials, spending
-  significance β/2^{L-i} at look i (Σ ≤ β: a union bound over looks, valid whatever the stopping
-  rule); it stops at the first look whose bound exceeds the claim (VIOLATION) or after which even a
+* :func:`sequential_bound`, :class:`SequentialTest`: a group-sequential design with L scheduled looks
+  (after 1/2^{L-1}, …, 1/2, all of the evaluation trials), spending significance β/2^{L-i+1} at look i
+  (Σ < β: a union bound over the scheduled looks, valid whatever the stopping rule among them); it stops at the first look whose bound exceeds the claim (VIOLATION) or after which even a
   perfect attack on the remaining trials could not reach the claim (the verdict cannot change).
 """
 
@@ -83,31 +83,37 @@ def gdp_epsilon(delta: float, mu: float) -> float:
 @dataclasses.dataclass(frozen=True)
 class GdpFit:
     """μ of the Gaussian-DP trade-off curve fitted to the scores (an estimate with its bootstrap
-    interval), the ε at ``delta`` it implies, and how many thresholds entered the fit. ``mu`` is
-    infinite when no threshold has both rates strictly between 0 and 1 (the scores separate perfectly:
-    only the trial count limits what can be shown)."""
+    interval), the ε at ``delta`` it implies, and how many thresholds entered the fit. ``separated``: the
+    scores separate perfectly, so μ is a floor set by the trial count (only more trials show more)."""
 
     mu: EstimateInterval
     epsilon: EstimateInterval
     delta: float
     thresholds: int
+    separated: bool = False
 
     def to_json(self) -> dict:
+        kind = ("floor set by the trial count (the scores separate perfectly), not a bound" if self.separated
+                else "estimate (GDP fit), not a bound")
         return {"mu": self.mu.to_json(), "epsilon": self.epsilon.to_json(), "delta": self.delta,
-                "thresholds": self.thresholds, "kind": "estimate (GDP fit), not a bound"}
+                "thresholds": self.thresholds, "separated": self.separated, "kind": kind}
 
 
 def _probit_mu(positive: np.ndarray, negative: np.ndarray) -> tuple[float, int]:
-    """Median over thresholds of Φ⁻¹(TPR) − Φ⁻¹(FPR), where both rates are in (0, 1)."""
+    """Median over the informative thresholds (at least one rate strictly between 0 and 1) of
+    Φ⁻¹(TPR) − Φ⁻¹(FPR), each rate continuity-corrected to (k + ½)/(n + 1) so that it is never 0 or 1
+    (a perfectly separating threshold then gives a finite, n-limited figure instead of ∞)."""
     thresholds = np.unique(np.concatenate([positive, negative]))
-    tpr = (positive[None, :] >= thresholds[:, None]).mean(axis=1)
-    fpr = (negative[None, :] >= thresholds[:, None]).mean(axis=1)
-    usable = (tpr > 0) & (tpr < 1) & (fpr > 0) & (fpr < 1)
-    if not usable.any():
-        separated = positive.min() > negative.max()
-        return (math.inf if separated else 0.0), 0
-    values = scipy_stats.norm.ppf(tpr[usable]) - scipy_stats.norm.ppf(fpr[usable])
-    return max(0.0, float(np.median(values))), int(usable.sum())
+    hits = (positive[None, :] >= thresholds[:, None]).sum(axis=1)
+    false = (negative[None, :] >= thresholds[:, None]).sum(axis=1)
+    # uninformative: every trial flagged on both sides, or none on either
+    informative = ~(((hits == positive.size) & (false == negative.size)) | ((hits == 0) & (false == 0)))
+    tpr = (hits[informative] + 0.5) / (positive.size + 1)
+    fpr = (false[informative] + 0.5) / (negative.size + 1)
+    if tpr.size == 0:
+        return 0.0, 0
+    values = scipy_stats.norm.ppf(tpr) - scipy_stats.norm.ppf(fpr)
+    return max(0.0, float(np.median(values))), int(tpr.size)
 
 
 def fit_gdp(
@@ -120,27 +126,19 @@ def fit_gdp(
     rng: np.random.Generator | None = None,
 ) -> GdpFit:
     """Fit μ-GDP to the scores of the trials with the canary (``positive``) and without (``negative``)
-    (module docstring); a percentile bootstrap over trials for μ and for the ε(δ) it implies."""
+    (module docstring); a percentile bootstrap over trials for μ and for the ε(δ) it implies. When the
+    scores separate perfectly, ``separated`` is set: the fit is then limited by the trial count (the
+    continuity correction), a floor rather than an estimate of μ."""
     pos, neg = np.asarray(positive, dtype=float), np.asarray(negative, dtype=float)
     if pos.size < 2 or neg.size < 2:
         raise ValueError(f"need at least 2 trials of each kind; got {pos.size} and {neg.size}")
     rng = rng if rng is not None else np.random.default_rng(0)
     mu, used = _probit_mu(pos, neg)
-    reps = []
-    for _ in range(num_bootstrap):
-        reps.append(_probit_mu(rng.choice(pos, pos.size), rng.choice(neg, neg.size))[0])
-    reps = np.asarray(reps)
-    if math.isinf(mu):  # perfect separation: the estimate is infinite, its lower end what the resamples give
-        finite = reps[np.isfinite(reps)]
-        low = float(np.quantile(finite, (1 - confidence) / 2)) if finite.size else math.inf
-        how = "perfect separation: infinite estimate"
-        return GdpFit(EstimateInterval(math.inf, low, math.inf, confidence, how),
-                      EstimateInterval(math.inf, gdp_epsilon(delta, low), math.inf, confidence, how), delta, 0)
-    # a resample that separates perfectly counts as the largest finite μ seen (it only widens the upper end)
-    top = float(np.max(reps[np.isfinite(reps)], initial=mu))
-    mu_iv = percentile_interval(mu, np.where(np.isfinite(reps), reps, top), confidence, "bootstrap over trials")
+    reps = np.asarray([_probit_mu(rng.choice(pos, pos.size), rng.choice(neg, neg.size))[0] for _ in range(num_bootstrap)])
+    mu_iv = percentile_interval(mu, reps, confidence, "bootstrap over trials")
     eps = [gdp_epsilon(delta, m) for m in (mu_iv.estimate, mu_iv.lower, mu_iv.upper)]
-    return GdpFit(mu_iv, EstimateInterval(eps[0], eps[1], eps[2], confidence, "ε(δ) of the μ interval"), delta, used)
+    return GdpFit(mu_iv, EstimateInterval(eps[0], eps[1], eps[2], confidence, "ε(δ) of the μ interval"), delta, used,
+                  separated=bool(pos.min() > neg.max()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +167,8 @@ class SequentialTest:
         n = self.positive.size
         if n < 2:
             raise ValueError(f"need at least 2 evaluation trials; got {n}")
+        if isinstance(num_looks, bool) or not isinstance(num_looks, int) or num_looks < 1:
+            raise ValueError(f"num_looks must be an integer >= 1; got {num_looks!r}")
         self.beta = stats.check_significance(significance)
         self.claim, self.delta = float(claimed_epsilon), float(delta)
         marks = sorted({max(2, int(math.ceil(n / 2 ** (num_looks - i)))) for i in range(1, num_looks + 1)})
@@ -197,8 +197,9 @@ class SequentialTest:
         else:
             # the best any later look could show: every remaining positive detected, no remaining negative
             # flagged, at the last look's significance (the largest of the later ones)
-            best = stats.epsilon_lower_bound(tp + int(self.positive[m:].sum()), int(self.positive.sum()), fp,
-                                             int((~self.positive).sum()), delta=self.delta, significance=self.beta / 2)
+            p_all, q_all = int(self.positive.sum()), int((~self.positive).sum())
+            best = stats.epsilon_lower_bound(tp + int(self.positive[m:].sum()), p_all, fp, q_all, delta=self.delta,
+                                             significance=self.beta / 2) if p_all and q_all else 0.0
             self.stopped = "futile" if best <= self.claim else None
         return self.stopped
 
