@@ -104,8 +104,9 @@ def _probit_mu(positive: np.ndarray, negative: np.ndarray) -> tuple[float, int]:
     Φ⁻¹(TPR) − Φ⁻¹(FPR), each rate continuity-corrected to (k + ½)/(n + 1) so that it is never 0 or 1
     (a perfectly separating threshold then gives a finite, n-limited figure instead of ∞)."""
     thresholds = np.unique(np.concatenate([positive, negative]))
-    hits = (positive[None, :] >= thresholds[:, None]).sum(axis=1)
-    false = (negative[None, :] >= thresholds[:, None]).sum(axis=1)
+    # trials at or above each threshold, by binary search in the sorted scores (O(n log n))
+    hits = positive.size - np.searchsorted(np.sort(positive), thresholds, side="left")
+    false = negative.size - np.searchsorted(np.sort(negative), thresholds, side="left")
     # uninformative: every trial flagged on both sides, or none on either
     informative = ~(((hits == positive.size) & (false == negative.size)) | ((hits == 0) & (false == 0)))
     tpr = (hits[informative] + 0.5) / (positive.size + 1)
