@@ -233,3 +233,15 @@ def test_bad_arguments_are_refused_before_anything_is_generated(change, match):
     with pytest.raises(ValueError, match=match):
         batched_canary_audit(target, **arguments)
     assert target.seen == []
+
+
+def test_echo_canary_is_a_seeded_high_perplexity_suffix_after_an_ordinary_prefix(tiny):
+    from invink_audit.audit.batched import echo_canary
+
+    prefix = "The soup was hot and"
+    one, again, other = (echo_canary(tiny.tokenizer, prefix, num_suffix_tokens=5, seed=s) for s in (1, 1, 2))
+    assert one == again and one != other and one.startswith(prefix + " ")
+    suffix = one[len(prefix) + 1 :].split(" ")
+    assert len(suffix) == 5 and all(w.isalnum() for w in suffix)
+    with pytest.raises(ValueError, match="prefix"):
+        echo_canary(tiny.tokenizer, "  ")

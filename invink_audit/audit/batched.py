@@ -36,12 +36,38 @@ from invink_audit.audit.blackbox import DEFAULT_SCORES, score_matrix, select_sco
 from invink_audit.audit.records import BlackBoxReport
 from invink_audit.audit.tradeoff import SequentialTest, fit_gdp, perfect_attack_ceiling
 
-__all__ = ["LLR_SCORE", "SURROGATE_SCORE", "EngineTarget", "SurrogateScorer", "SyntheticTarget", "batched_canary_audit"]
+__all__ = [
+    "LLR_SCORE", "SURROGATE_SCORE", "EngineTarget", "SurrogateScorer", "SyntheticTarget", "batched_canary_audit",
+    "echo_canary",
+]
 
 #: the name of the exact log-likelihood-ratio score in reports
 LLR_SCORE = "log-likelihood-ratio"
 #: the same ratio computed with a surrogate model (:class:`SurrogateScorer`: black box)
 SURROGATE_SCORE = "surrogate-log-likelihood-ratio"
+
+
+def echo_canary(tokenizer, prefix: str, *, num_suffix_tokens: int = 8, seed: int = 0) -> str:
+    """A natural-text canary that the model can echo: an in-distribution ``prefix`` (e.g. the opening of a
+    real review of the kind audited) followed by a high-perplexity suffix of ``num_suffix_tokens`` tokens
+    drawn uniformly from the tokenizer's ordinary vocabulary (Meeus et al. 2025, "The Canary's Echo": a
+    canary the model would not write on its own, so a release that repeats its suffix reveals it). The
+    suffix is drawn from ``seed`` alone, never from data; decoded tokens that do not survive a round trip
+    are redrawn, so the canary tokenizes as drawn."""
+    check_count("num_suffix_tokens", num_suffix_tokens)
+    if not isinstance(prefix, str) or not prefix.strip():
+        raise ValueError("prefix must be a non-empty string")
+    special = set(tokenizer.all_special_ids)
+    rng = np.random.default_rng(seed)
+    words: list[str] = []
+    while len(words) < num_suffix_tokens:
+        token = int(rng.integers(0, len(tokenizer)))
+        text = tokenizer.decode([token])
+        # ordinary word pieces only: not special, printable, alphanumeric, tokenizing back to itself
+        if token in special or not text.strip().isalnum() or tokenizer.encode(text, add_special_tokens=False) != [token]:
+            continue
+        words.append(text.strip())
+    return f"{prefix.rstrip()} {' '.join(words)}"
 
 
 class EngineTarget:
