@@ -46,6 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
+from accounting.limits import check_count
 from invink_audit.distributed import assign_batches, current_cluster, request_cost
 from invink_audit.engine import Engine, ForwardStats
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
@@ -420,8 +421,7 @@ def _left_padded_efficiency(requests, max_batch_rows: int) -> float:
 def _check_counts(**counts: tuple[int, int]) -> None:
     """Each ``name=(value, minimum)`` must be an integer (not a bool) >= its minimum."""
     for name, (value, minimum) in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+        check_count(name, value, minimum=minimum)
 
 
 def _reference_pool(references: Sequence[str] | None) -> list[str]:

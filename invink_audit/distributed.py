@@ -37,6 +37,8 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
+from accounting.limits import check_count
+
 __all__ = [
     "Cluster",
     "RankFailure",
@@ -405,8 +407,7 @@ def assign_batches(costs: Mapping[int, float], world_size: int) -> list[list[int
     within 4/3 of the best makespan). Deterministic (ties by batch index, then rank); each rank's
     batches in index order. A batch's text does not depend on the rank that draws it (its random stream
     is keyed by the release key and its batch index), so any assignment gives the same release."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1; got {world_size!r}")
+    check_count("world_size", world_size)
     parts: list[list[int]] = [[] for _ in range(world_size)]
     loads = [(0.0, rank) for rank in range(world_size)]
     for index in sorted(costs, key=lambda i: (-float(costs[i]), i)):

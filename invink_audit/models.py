@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from accounting.limits import check_count
+
 __all__ = [
     "BFLOAT16_MAX_TOTAL_VARIATION",
     "BFLOAT16_PROBE_TEXTS",
@@ -157,8 +159,7 @@ class BFloat16Probe:
     seconds: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.positions, bool) or not isinstance(self.positions, int) or self.positions < 1:
-            raise ValueError(f"positions must be an integer >= 1; got {self.positions!r}")
+        check_count("positions", self.positions)
         if not 0 < self.bound <= 1:
             raise ValueError(f"bound must be in (0, 1]; got {self.bound!r}")
         for name in ("max_total_variation", "mean_total_variation"):

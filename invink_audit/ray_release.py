@@ -29,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+from accounting.limits import check_count
 from invink_audit.generation import ExternalRelease, GenerationResult, generate_texts, prepare_release
 
 __all__ = ["generate_on_ray"]
@@ -115,8 +116,7 @@ def generate_on_ray(
     called on the driver once the pipeline has finished (``on_tokens`` is refused).
     """
     for name, value in (("concurrency", concurrency), ("texts_per_call", texts_per_call)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        check_count(name, value)
     for name, value in (("num_gpus", num_gpus), ("num_cpus", num_cpus)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"{name} must be a number >= 0; got {value!r}")

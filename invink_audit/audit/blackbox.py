@@ -213,8 +213,7 @@ def _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, cl
     """Validate :func:`blackbox_audit`'s arguments; returns the significance."""
     if not 0 <= canary_slot < len(refs):
         raise ValueError(f"canary_slot must be in [0, {len(refs)}); got {canary_slot!r}")
-    if isinstance(num_trials, bool) or not isinstance(num_trials, int) or num_trials < 8:
-        raise ValueError(f"num_trials must be an integer >= 8; got {num_trials!r}")
+    check_count("num_trials", num_trials, minimum=8)
     if not 0.0 < selection_fraction < 1.0:
         raise ValueError(f"selection_fraction must be in (0, 1); got {selection_fraction!r}")
     if not (isinstance(claimed_epsilon, (int, float)) and claimed_epsilon >= 0):

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import optimize, stats as scipy_stats
 
+from accounting.limits import check_count
 from invink_audit.audit import stats
 from invink_audit.evaluation.stats import Interval as EstimateInterval
 from invink_audit.evaluation.stats import percentile_interval
@@ -168,8 +169,7 @@ class SequentialTest:
         n = self.positive.size
         if n < 2:
             raise ValueError(f"need at least 2 evaluation trials; got {n}")
-        if isinstance(num_looks, bool) or not isinstance(num_looks, int) or num_looks < 1:
-            raise ValueError(f"num_looks must be an integer >= 1; got {num_looks!r}")
+        check_count("num_looks", num_looks)
         self.beta = stats.check_significance(significance)
         self.claim, self.delta = float(claimed_epsilon), float(delta)
         marks = sorted({max(2, int(math.ceil(n / 2 ** (num_looks - i)))) for i in range(1, num_looks + 1)})

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from accounting.limits import check_count
 from invink_audit.audit import stats
 
 __all__ = [
@@ -79,12 +80,6 @@ def _check_positive(name, value) -> float:
     return x
 
 
-def _check_count(name, value, minimum=1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class Claim:
     r"""The guarantee the audited mechanism claims (what its accountant was told).
@@ -124,8 +119,8 @@ class Claim:
         if self.epsilon0 is not None:
             object.__setattr__(self, "epsilon0", _check_positive("epsilon0", self.epsilon0))
             object.__setattr__(self, "rho_token", _check_positive("rho_token", self.rho_token))
-        object.__setattr__(self, "max_new_tokens", _check_count("max_new_tokens", self.max_new_tokens))
-        object.__setattr__(self, "batch_size", _check_count("batch_size", self.batch_size))
+        object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
+        object.__setattr__(self, "batch_size", check_count("batch_size", self.batch_size))
         if not 0.0 < float(self.delta) < 1.0:
             raise ValueError(f"delta must be in (0, 1); got {self.delta!r}")
         if self.composition not in ("bounded-range", "zcdp", "renyi-filter"):
@@ -232,9 +227,9 @@ class WhiteBoxConfig:
         if not alphas or any(not (math.isfinite(a) and a > 1) for a in alphas):
             raise ValueError(f"alphas must be a non-empty sequence of finite numbers > 1; got {self.alphas!r}")
         object.__setattr__(self, "alphas", tuple(sorted(set(alphas))))
-        _check_count("num_samples", self.num_samples, 1)
-        _check_count("num_is_samples", self.num_is_samples, 0)
-        _check_count("min_samples", self.min_samples, 1)
+        check_count("num_samples", self.num_samples, minimum=1)
+        check_count("num_is_samples", self.num_is_samples, minimum=0)
+        check_count("min_samples", self.min_samples, minimum=1)
         if self.neighbours is not None:
             nb = tuple(int(j) for j in self.neighbours)
             if not nb or any(j < 0 for j in nb) or len(set(nb)) != len(nb):
@@ -468,7 +463,7 @@ class WhiteBoxRecorder:
         self.claim = claim
         self.config = config
         self.batch_size = claim.batch_size
-        self.max_steps = _check_count("max_steps", max_steps)
+        self.max_steps = check_count("max_steps", max_steps)
         self.device = torch.device(device)
         n, b = plan.num_texts, claim.batch_size
         dev = self.device

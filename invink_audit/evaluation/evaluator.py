@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from accounting.limits import check_count
 from invink_audit.evaluation.embeddings import DEFAULT_EMBEDDING_MODEL, EMBEDDING_MODELS, Embedder
 from invink_audit.evaluation.mauve_metric import LIBRARY_SETTING, PAPER_SETTING, MauveResult, mauve_interval
 from invink_audit.evaluation.perplexity import delta_ppl_interval, score_perplexity
@@ -192,9 +193,7 @@ class EvaluationConfig:
         for name, least in (
             ("mauve_seeds", 1), ("mauve_bootstrap", 0), ("ppl_max_tokens", 1), ("seed", 0), ("tstr_bootstrap", 1)
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
+            check_count(name, getattr(self, name), minimum=least)
         if self.max_real is not None and (isinstance(self.max_real, bool) or not isinstance(self.max_real, int) or self.max_real < 2):
             raise ValueError(f"max_real must be an integer >= 2 or None; got {self.max_real!r}")
         if not isinstance(self.confidence, float) or not 0 < self.confidence < 1:

@@ -29,6 +29,7 @@ import tempfile
 
 import numpy as np
 
+from accounting.limits import check_count
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval
 
 __all__ = ["LIBRARY_SETTING", "PAPER_SETTING", "MauveResult", "MauveSetting", "mauve_interval", "mauve_score"]
@@ -45,8 +46,7 @@ class MauveSetting:
     scaling_factor: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.bucket_divisor, bool) or not isinstance(self.bucket_divisor, int) or self.bucket_divisor < 1:
-            raise ValueError(f"bucket_divisor must be an integer >= 1; got {self.bucket_divisor!r}")
+        check_count("bucket_divisor", self.bucket_divisor)
         if not isinstance(self.scaling_factor, (int, float)) or not self.scaling_factor > 0:
             raise ValueError(f"scaling_factor must be > 0; got {self.scaling_factor!r}")
 
@@ -174,8 +174,7 @@ def mauve_interval(
     after each MAUVE computation (``num_seeds + num_bootstrap`` in all).
     """
     for name, value, least in (("num_seeds", num_seeds, 1), ("num_bootstrap", num_bootstrap, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
+        check_count(name, value, minimum=least)
     p = _check_features("p_features", p_features)
     q = _check_features("q_features", q_features)
     rng = rng if rng is not None else np.random.default_rng(20251)

@@ -134,8 +134,7 @@ class ProfileConfig:
         object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
         object.__setattr__(self, "num_texts", check_count("num_texts", self.num_texts))
         object.__setattr__(self, "num_resamples", check_count("num_resamples", self.num_resamples))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer; got {self.seed!r}")
+        check_count("seed", self.seed, minimum=0)
         if not isinstance(self.confidence, float) or not 0 < self.confidence < 1:
             raise ValueError(f"confidence must be a float in (0, 1); got {self.confidence!r}")
         object.__setattr__(self, "label_columns", tuple(self.label_columns))

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from invink_audit.evaluation.profile import grid_values
+from accounting.limits import check_count
 from invink_audit.evaluation.evaluator import (
     EVALUATION_PRIVACY_NOTICE,
     EvaluationConfig,
@@ -41,6 +41,7 @@ from invink_audit.evaluation.evaluator import (
     evaluate,
     read_text_set,
 )
+from invink_audit.evaluation.profile import grid_values
 from invink_audit.not_private import (
     save_not_private_figure,
     unmark,
@@ -88,8 +89,7 @@ class SweepConfig:
     profile_texts: int = 30
 
     def __post_init__(self) -> None:
-        if isinstance(self.profile_texts, bool) or not isinstance(self.profile_texts, int) or self.profile_texts < 0:
-            raise ValueError(f"profile_texts must be an integer >= 0; got {self.profile_texts!r}")
+        check_count("profile_texts", self.profile_texts, minimum=0)
         for name in ("epsilons", "batch_sizes", "top_ks", "temperatures", "max_new_tokens"):
             object.__setattr__(self, name, grid_values(getattr(self, name), name))
         for e in self.epsilons:
