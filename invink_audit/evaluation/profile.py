@@ -402,13 +402,13 @@ def _read(path, config: ProfileConfig, *, where: Mapping[str, str] | None = None
     return read_references(path, column=config.column), None
 
 
-def _choose_texts(proxy: str, real: str, config: ProfileConfig, tokenizer, eos_ids) -> tuple[list[_Text], int]:
-    """``num_texts`` held-out texts (seeded order) and, for each, ``max(B)`` distinct references of its label
-    group drawn from the proxy pool (never the text itself); texts whose group has too few are skipped. A
+def _choose_texts(proxy, real, config: ProfileConfig, tokenizer, eos_ids) -> tuple[list[_Text], int]:
+    """``num_texts`` held-out texts of ``real`` (seeded order) and, for each, ``max(B)`` distinct references of its
+    label group drawn from ``proxy`` (never the text itself; both as :func:`_read` gives them: texts and their
+    label mappings); texts whose group has too few are skipped. A
     text is cut at an end-of-sequence token it spells out (generation would have ended there)."""
     eos = min(eos_ids)
-    references, ref_labels = _read(proxy, config, where=config.where)
-    texts, labels = _read(real, config)
+    (references, ref_labels), (texts, labels) = proxy, real
     need, rng = max(config.batch_sizes), np.random.default_rng(config.seed)
     groups: dict[tuple, list[int]] = {}
     for i, text in enumerate(references):
@@ -478,8 +478,9 @@ def run_profile(
     if not isinstance(config, ProfileConfig):
         raise ValueError(f"config must be a ProfileConfig; got {type(config).__name__}")
     start = time.perf_counter()
+    records = _read(Path(proxy), config, where=config.where), _read(Path(real), config)  # a bad file fails before the model loads
     loaded = load_model(model)
-    texts, skipped = _choose_texts(str(proxy), str(real), config, loaded.tokenizer, frozenset(loaded.eos_token_ids))
+    texts, skipped = _choose_texts(*records, config, loaded.tokenizer, frozenset(loaded.eos_token_ids))
     if len(texts) < 2:
         raise ValueError(
             f"{len(texts)} held-out text(s) could be profiled ({skipped} skipped: each needs a non-empty text and "
