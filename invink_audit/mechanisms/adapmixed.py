@@ -64,6 +64,7 @@ import math
 
 import torch
 
+from accounting.limits import check_count
 from invink_audit.mechanisms.base import (
     STATE_DTYPE,
     GuaranteeKind,
@@ -185,8 +186,7 @@ class AdaPMixEDConfig:
     screen_samples: int = 512
 
     def __post_init__(self):
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1; got {self.batch_size!r}")
+        check_count("batch_size", self.batch_size)
         for name in ("epsilon", "temperature", "beta", "screen_threshold", "screen_noise"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -198,9 +198,7 @@ class AdaPMixEDConfig:
         if not 0.0 <= float(self.screen_mixing) <= 1.0:
             raise ValueError(f"screen_mixing must be in [0, 1]; got {self.screen_mixing!r}")
         for name in ("screen_top_k", "screen_samples"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
+            check_count(name, getattr(self, name))
 
     @property
     def screening_cost(self) -> float:

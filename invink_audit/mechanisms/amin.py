@@ -67,6 +67,7 @@ import torch
 
 from accounting.accountants import bounded_range_epsilon
 from accounting.conversions import br_to_zcdp
+from accounting.limits import check_count
 from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
 from invink_audit.mechanisms.base import (
     STATE_DTYPE,
@@ -128,9 +129,7 @@ class AminAccounting:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive finite number; got {v!r}")
         for name in ("batch_size", "max_private_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
+            check_count(name, getattr(self, name))
         object.__setattr__(self, "sensitivity", AminSensitivity(self.sensitivity))
 
     @property
@@ -242,8 +241,7 @@ class AminConfig:
                 raise ValueError(f"{name} must be a positive finite number; got {v!r}")
         if isinstance(self.svt_threshold, bool) or not isinstance(self.svt_threshold, (int, float)) or not math.isfinite(self.svt_threshold):
             raise ValueError(f"svt_threshold must be a finite number; got {self.svt_threshold!r}")
-        if isinstance(self.posterior_grid, bool) or not isinstance(self.posterior_grid, int) or self.posterior_grid < 16:
-            raise ValueError(f"posterior_grid must be an integer >= 16; got {self.posterior_grid!r}")
+        check_count("posterior_grid", self.posterior_grid, minimum=16)
         object.__setattr__(self, "sensitivity", AminSensitivity(self.sensitivity))
 
     @property
