@@ -45,6 +45,7 @@ __all__ = [
     "encode_messages",
     "encode_prompt",
     "encode_request",
+    "forced_text_ids",
     "get_preset",
     "label_fields_for",
     "reached_stop",
@@ -542,6 +543,17 @@ def release_text(tokenizer, token_ids: Sequence[int], stop: Sequence[str] = ()) 
     if cuts:
         text = text[: min(cuts)]
     return text.strip()
+
+
+def forced_text_ids(tokenizer, text: str, *, eos_token_ids, max_new_tokens: int) -> tuple[tuple[int, ...], int]:
+    """A text as a decoding run would have drawn it, for teacher forcing (:meth:`invink_audit.engine.Engine.force`):
+    its tokens (no special tokens added), cut at an end-of-sequence token it spells out (generation would have
+    ended there) and at ``max_new_tokens``, then ended by an end-of-sequence token when shorter. Returns the
+    forced ids and how many of them are the text's own (the end-of-sequence token appended is not)."""
+    tokens = tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens]
+    tokens = next((tokens[:j] for j, t in enumerate(tokens) if t in eos_token_ids), tokens)
+    ended = () if len(tokens) == max_new_tokens else (min(eos_token_ids),)
+    return tuple(tokens) + ended, len(tokens)
 
 
 def reached_stop(tokenizer, token_ids: Sequence[int], stop: Sequence[str]) -> bool:

@@ -143,13 +143,11 @@ class SurrogateScorer:
                                    prompt_fields=prompt_fields, seed=0)
 
     def __call__(self, batches_with_canary: Sequence[Sequence[str]], slot: int, texts: Sequence[str]) -> np.ndarray:
-        loaded, limit = self.engine.loaded, self.engine.max_new_tokens
-        eos = min(loaded.eos_token_ids)
-        ids = []
-        for text in texts:
-            tokens = loaded.tokenizer.encode(text, add_special_tokens=False)
-            tokens = next((tokens[:j] for j, t in enumerate(tokens) if t in loaded.eos_token_ids), tokens)[:limit]
-            ids.append(tuple(tokens) + (() if len(tokens) == limit else (eos,)))
+        from invink_audit.prompts import forced_text_ids
+
+        loaded = self.engine.loaded
+        ids = [forced_text_ids(loaded.tokenizer, text, eos_token_ids=loaded.eos_token_ids,
+                               max_new_tokens=self.engine.max_new_tokens)[0] for text in texts]
         return self.engine.log_likelihood_ratios(batches_with_canary, slot, ids)
 
 

@@ -405,9 +405,10 @@ def _read(path, config: ProfileConfig, *, where: Mapping[str, str] | None = None
 def _choose_texts(proxy, real, config: ProfileConfig, tokenizer, eos_ids) -> tuple[list[_Text], int]:
     """``num_texts`` held-out texts of ``real`` (seeded order) and, for each, ``max(B)`` distinct references of its
     label group drawn from ``proxy`` (never the text itself; both as :func:`_read` gives them: texts and their
-    label mappings); texts whose group has too few are skipped. A
-    text is cut at an end-of-sequence token it spells out (generation would have ended there)."""
-    eos = min(eos_ids)
+    label mappings); texts whose group has too few are skipped. Each text is forced as a run would have
+    drawn it (:func:`invink_audit.prompts.forced_text_ids`)."""
+    from invink_audit.prompts import forced_text_ids
+
     (references, ref_labels), (texts, labels) = proxy, real
     need, rng = max(config.batch_sizes), np.random.default_rng(config.seed)
     groups: dict[tuple, list[int]] = {}
@@ -418,15 +419,13 @@ def _choose_texts(proxy, real, config: ProfileConfig, tokenizer, eos_ids) -> tup
     for i in rng.permutation(len(texts)):
         if len(chosen) == config.num_texts:
             break
-        ids = tokenizer.encode(texts[i], add_special_tokens=False)[: config.max_new_tokens]
-        ids = next((ids[:j] for j, t in enumerate(ids) if t in eos_ids), ids)
+        forced, scored = forced_text_ids(tokenizer, texts[i], eos_token_ids=eos_ids, max_new_tokens=config.max_new_tokens)
         pool = [j for j in groups.get(_group(labels, i), []) if references[j] != texts[i]]
-        if not ids or len(pool) < need:
+        if not scored or len(pool) < need:
             skipped += 1
             continue
         picked = tuple(references[pool[j]] for j in rng.permutation(len(pool))[:need])  # nested: B < max(B) takes a prefix
-        forced = tuple(ids) + (() if len(ids) == config.max_new_tokens else (eos,))
-        chosen.append(_Text(forced, len(ids), picked, None if labels is None else labels[i]))
+        chosen.append(_Text(forced, scored, picked, None if labels is None else labels[i]))
     return chosen, skipped
 
 
