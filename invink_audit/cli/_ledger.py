@@ -37,15 +37,7 @@ def register(subparsers) -> None:
     q = sub.add_parser("charge", help="record a release (refused with exit status 4 when over budget)")
     q.add_argument("path")
     q.add_argument("--clip-norm", required=True, help="clip norm C, in [1e-6, 1e6]")
-    q.add_argument(
-        "--batch-size", required=True, help="B private references per text (B+1 rows per token), 1 .. 1e9"
-    )
-    q.add_argument("--temperature", default="1.0", help="sampling temperature tau, in [1e-4, 1e4] (default 1.0)")
-    q.add_argument("--max-new-tokens", required=True, help="token budget T per text, 1 .. 1e9")
-    q.add_argument("--texts-per-batch", default="1", help="texts generated from each batch, 1 .. 1e9 (default 1)")
-    q.add_argument(
-        "--num-batches", default="1", help="disjoint batches in the release (parallel), 1 .. 1e9 (default 1)"
-    )
+    _release_shape_arguments(q)
     q.add_argument("--label", default="")
     q.add_argument("--release-id", default=None, help="idempotency key (default: a new random id)")
     q.add_argument(
@@ -56,13 +48,34 @@ def register(subparsers) -> None:
 
     q = sub.add_parser("fits", help="the largest clip norm C (and its epsilon) a next release can use")
     q.add_argument("path")
-    q.add_argument("--batch-size", required=True, help="B private references per text, 1 .. 1e9")
-    q.add_argument("--max-new-tokens", required=True, help="token budget T per text, 1 .. 1e9")
-    q.add_argument("--temperature", default="1.0", help="sampling temperature tau, in [1e-4, 1e4] (default 1.0)")
-    q.add_argument("--texts-per-batch", default="1", help="texts generated from each batch (default 1)")
-    q.add_argument("--num-batches", default="1", help="disjoint batches (parallel composition: changes nothing; default 1)")
+    _release_shape_arguments(q)
     q.add_argument("--json", action="store_true")
     q.set_defaults(handler=_fits)
+
+
+def _release_shape_arguments(parser) -> None:
+    """What a release is besides its clip norm (``charge`` and ``fits``): B, τ, T, texts per batch, batches."""
+    parser.add_argument(
+        "--batch-size", required=True, help="B private references per text (B+1 rows per token), 1 .. 1e9"
+    )
+    parser.add_argument("--temperature", default="1.0", help="sampling temperature tau, in [1e-4, 1e4] (default 1.0)")
+    parser.add_argument("--max-new-tokens", required=True, help="token budget T per text, 1 .. 1e9")
+    parser.add_argument("--texts-per-batch", default="1", help="texts generated from each batch, 1 .. 1e9 (default 1)")
+    parser.add_argument(
+        "--num-batches", default="1",
+        help="disjoint batches in the release (parallel composition: they cost one batch's epsilon), 1 .. 1e9 (default 1)",
+    )
+
+
+def _release_shape(args) -> dict:
+    """:func:`_release_shape_arguments` parsed, as ``accounting.Release.of`` takes them."""
+    return dict(
+        batch_size=parse_int("--batch-size", args.batch_size),
+        temperature=parse_float("--temperature", args.temperature),
+        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
+        texts_per_batch=parse_int("--texts-per-batch", args.texts_per_batch),
+        num_batches=parse_int("--num-batches", args.num_batches),
+    )
 
 
 def _accountant(parser) -> None:
@@ -156,15 +169,7 @@ def _show(args) -> int:
 def _charge(args) -> int:
     from accounting import Release
 
-    kwargs = dict(
-        clip_norm=parse_float("--clip-norm", args.clip_norm),
-        batch_size=parse_int("--batch-size", args.batch_size),
-        temperature=parse_float("--temperature", args.temperature),
-        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
-        texts_per_batch=parse_int("--texts-per-batch", args.texts_per_batch),
-        num_batches=parse_int("--num-batches", args.num_batches),
-        label=args.label,
-    )
+    kwargs = dict(clip_norm=parse_float("--clip-norm", args.clip_norm), **_release_shape(args), label=args.label)
     if args.release_id is not None:
         kwargs["release_id"] = args.release_id
     release = Release.of(**kwargs)  # every range checked before the ledger is read
@@ -203,14 +208,9 @@ def _charge(args) -> int:
 def _fits(args) -> int:
     from accounting import epsilon_for_clip_norm
 
-    shape = dict(
-        batch_size=parse_int("--batch-size", args.batch_size),
-        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
-        temperature=parse_float("--temperature", args.temperature),
-        texts_per_batch=parse_int("--texts-per-batch", args.texts_per_batch),
-    )
+    shape = _release_shape(args)  # every range checked before the ledger is read
     ledger = _open(args.path)
-    release = ledger.largest_clip_norm(**shape, num_batches=parse_int("--num-batches", args.num_batches))
+    release = ledger.largest_clip_norm(**shape)
     status = ledger.status()
     if release is None:
         if args.json:
