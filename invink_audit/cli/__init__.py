@@ -134,6 +134,13 @@ def parse_top_k(flag: str, text: str):
     return None if text.strip().lower() == "full" else parse_int(flag, text)
 
 
+def add_label_arguments(parser, help: str) -> None:
+    """``--label-column NAME`` (repeatable; ``help`` says what labels do for the command) and ``--label-columns A,B``;
+    :func:`label_columns` reads them together."""
+    parser.add_argument("--label-column", action="append", default=[], metavar="NAME", help=help)
+    parser.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated (as generate takes them)")
+
+
 def label_columns(args) -> list[str]:
     """``--label-column`` (repeated) and ``--label-columns A,B`` together, in order, without repeats."""
     columns = list(args.label_column)

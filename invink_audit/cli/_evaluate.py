@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from invink_audit.cli import label_columns, parse_int
+from invink_audit.cli import add_label_arguments, label_columns, parse_int
 
 
 def add_evaluation_arguments(p) -> None:
@@ -89,15 +89,8 @@ def register(subparsers) -> None:
     p.add_argument("--real", required=True, help="real (held-out) texts: .csv or .jsonl")
     p.add_argument("--column", default="text", help="text column/field in both files (default: text)")
     p.add_argument("--real-column", default=None, help="text column of --real when it differs from --column")
-    p.add_argument(
-        "--label-column",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="label column (repeat for several; their values are joined): enables TSTR. In JSON Lines read from "
-        "the record or its 'labels' object",
-    )
-    p.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated (as generate takes them)")
+    add_label_arguments(p, "label column (repeat for several; their values are joined): enables TSTR. In JSON Lines "
+                        "read from the record or its 'labels' object")
     add_evaluation_arguments(p)
     p.add_argument("--output", default=None, help="directory for report.md, report.json and plots")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the Markdown table")

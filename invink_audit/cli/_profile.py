@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import sys
 
-from invink_audit.cli import label_columns, parse_float, parse_int, parse_list, parse_top_k, plural
+from invink_audit.cli import add_label_arguments, label_columns, parse_int, plural
 from invink_audit.cli._generate import add_prompt_arguments, parse_fields, prompt_template
+from invink_audit.cli._sweep import add_grid_arguments, grid_arguments
 
 
 def register(subparsers) -> None:
@@ -24,17 +25,11 @@ def register(subparsers) -> None:
     p.add_argument("--input", required=True, help="proxy references (.csv or .jsonl): public, or held out from the private data")
     p.add_argument("--real", required=True, help="held-out real texts to teacher-force (.csv or .jsonl)")
     p.add_argument("--column", default="text", help="text column of --input and --real (default: text)")
-    p.add_argument("--epsilons", required=True, help="comma-separated epsilons, e.g. 1,3,10")
-    p.add_argument("--batch-sizes", required=True, help="comma-separated B values, e.g. 4,8")
-    p.add_argument("--top-ks", default="100", help="comma-separated k values or 'full' (default 100)")
-    p.add_argument("--temperatures", default="1.0", help="comma-separated tau values (default 1.0)")
+    add_grid_arguments(p)
     p.add_argument("--max-new-tokens", default="64", help="T: the token budget planned for, and tokens scored per text (default 64)")
-    p.add_argument("--delta", default="1e-6", help="delta of every point (default 1e-6)")
     p.add_argument("--num-texts", default="30", help="held-out texts teacher-forced (default 30)")
     p.add_argument("--seed", default="0", help="picks the texts and their references (default 0)")
-    p.add_argument("--label-column", action="append", default=[], metavar="NAME",
-                   help="label column (repeat): each text gets references of its own group and its labels' prompt")
-    p.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated")
+    add_label_arguments(p, "label column (repeat): each text gets references of its own group and its labels' prompt")
     add_prompt_arguments(p)
     p.add_argument("--model", default=None, help="the generator's model (default: embedded SmolLM2)")
     p.add_argument("--json", action="store_true", help='print {"points": [...], ...} instead of the table')
@@ -47,12 +42,8 @@ def _profile(args) -> int:
     from invink_audit.evaluation.profile import PLANNING_NOTICE, ProfileConfig, run_profile
 
     config = ProfileConfig(
-        epsilons=tuple(parse_list("--epsilons", args.epsilons, parse_float)),
-        batch_sizes=tuple(parse_list("--batch-sizes", args.batch_sizes, parse_int)),
-        top_ks=tuple(parse_list("--top-ks", args.top_ks, parse_top_k)),
-        temperatures=tuple(parse_list("--temperatures", args.temperatures, parse_float)),
+        **grid_arguments(args),
         max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
-        delta=parse_float("--delta", args.delta),
         num_texts=parse_int("--num-texts", args.num_texts),
         seed=parse_int("--seed", args.seed),
         prompt=prompt_template(args),

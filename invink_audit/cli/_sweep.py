@@ -10,9 +10,29 @@ from __future__ import annotations
 
 import sys
 
-from invink_audit.cli import label_columns, parse_float, parse_int, parse_list, parse_top_k, plural
+from invink_audit.cli import add_label_arguments, label_columns, parse_float, parse_int, parse_list, parse_top_k, plural
 from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, tqdm_progress
 from invink_audit.cli._generate import add_prompt_arguments, add_where_argument, parse_fields, parse_where, prompt_template
+
+
+def add_grid_arguments(parser) -> None:
+    """The grid's axes and its δ, as ``sweep`` and ``profile`` take them (:func:`grid_arguments` reads them)."""
+    parser.add_argument("--epsilons", required=True, help="comma-separated epsilons, e.g. 1,3,10")
+    parser.add_argument("--batch-sizes", required=True, help="comma-separated B values, e.g. 4,8")
+    parser.add_argument("--top-ks", default="100", help="comma-separated k values or 'full' (default 100)")
+    parser.add_argument("--temperatures", default="1.0", help="comma-separated tau values (default 1.0)")
+    parser.add_argument("--delta", default="1e-6", help="delta of every point (default 1e-6)")
+
+
+def grid_arguments(args) -> dict:
+    """:func:`add_grid_arguments` parsed, as ``SweepConfig`` and ``ProfileConfig`` take them."""
+    return dict(
+        epsilons=tuple(parse_list("--epsilons", args.epsilons, parse_float)),
+        batch_sizes=tuple(parse_list("--batch-sizes", args.batch_sizes, parse_int)),
+        top_ks=tuple(parse_list("--top-ks", args.top_ks, parse_top_k)),
+        temperatures=tuple(parse_list("--temperatures", args.temperatures, parse_float)),
+        delta=parse_float("--delta", args.delta),
+    )
 
 
 def register(subparsers) -> None:
@@ -31,18 +51,12 @@ def register(subparsers) -> None:
     p.add_argument("--output", required=True, help="sweep directory (created; reused to resume)")
     p.add_argument("--column", default="text", help="text column of --input and --real (default: text)")
     add_where_argument(p)
-    p.add_argument("--epsilons", required=True, help="comma-separated epsilons, e.g. 1,3,8")
-    p.add_argument("--batch-sizes", required=True, help="comma-separated B values, e.g. 2,4")
-    p.add_argument("--top-ks", default="100", help="comma-separated k values or 'full' (default 100)")
-    p.add_argument("--temperatures", default="1.0", help="comma-separated tau values (default 1.0)")
+    add_grid_arguments(p)
     p.add_argument("--max-new-tokens", default="64", help="comma-separated T values (default 64)")
-    p.add_argument("--delta", default="1e-6", help="delta of every point (default 1e-6)")
     p.add_argument("--num-texts", default=None, help="texts per point (without labels; default every full batch)")
     p.add_argument("--num-texts-per-group", default=None, help="texts per label group per point (with labels)")
     add_prompt_arguments(p)
-    p.add_argument("--label-column", action="append", default=[], metavar="NAME",
-                   help="label column (repeat): label-conditioned generation and TSTR")
-    p.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated (as generate takes them)")
+    add_label_arguments(p, "label column (repeat): label-conditioned generation and TSTR")
     p.add_argument("--no-reference-points", action="store_true", help="skip the floor and the ceiling")
     p.add_argument("--profile-texts", default="30",
                    help="held-out texts of the planning signal that ranks the points (invink-audit profile; 0: none; default 30)")
@@ -61,12 +75,8 @@ def _sweep(args) -> int:
 
     fields = parse_fields(args.prompt_field)
     config = SweepConfig(
-        epsilons=tuple(parse_list("--epsilons", args.epsilons, parse_float)),
-        batch_sizes=tuple(parse_list("--batch-sizes", args.batch_sizes, parse_int)),
-        top_ks=tuple(parse_list("--top-ks", args.top_ks, parse_top_k)),
-        temperatures=tuple(parse_list("--temperatures", args.temperatures, parse_float)),
+        **grid_arguments(args),
         max_new_tokens=tuple(parse_list("--max-new-tokens", args.max_new_tokens, parse_int)),
-        delta=parse_float("--delta", args.delta),
         num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
         num_texts_per_group=None if args.num_texts_per_group is None else parse_int("--num-texts-per-group", args.num_texts_per_group),
         prompt=prompt_template(args),
