@@ -29,6 +29,7 @@ _LAZY: dict[str, str] = {
             "run_key",
             "sample_tokens",
             "token_log_probs",
+            "top_k_log_softmax",
             "topk_plus_columns",
             "topk_plus_mask",
         ),

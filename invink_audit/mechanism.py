@@ -66,6 +66,7 @@ __all__ = [
     "sample_tokens",
     "support_log_probs",
     "token_log_probs",
+    "top_k_log_softmax",
     "topk_plus_columns",
     "topk_plus_mask",
     "topk_plus_support",
@@ -475,6 +476,17 @@ def topk_plus_columns(
 
 # --------------------------------------------------------------------------------------------
 # the exponential mechanism
+
+
+def top_k_log_softmax(scores: torch.Tensor, top_k: int | None) -> torch.Tensor:
+    """log-softmax over each row's own ``top_k`` largest scores (ties at the k-th included, as in the Top-k+
+    set), exactly -inf elsewhere; the whole row for ``top_k=None`` or ``top_k >= V``. Plain top-k decoding,
+    not a private step: the public-only floor of the planning profile, and the private-top-k mutant of the
+    self-test (each dataset's own top-k, which is why that mutant leaks)."""
+    if top_k is None or top_k >= scores.shape[-1]:
+        return torch.log_softmax(scores, dim=-1)
+    kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+    return torch.log_softmax(scores.masked_fill(scores < kth, -math.inf), dim=-1)
 
 
 def _masked_log_softmax(scores: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:

@@ -277,14 +277,6 @@ def correct_mechanism(*, clip_norm: float, temperature: float, top_k: int | None
     )
 
 
-def _topk_of_each(log_probs: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Keep each distribution's own top-k tokens and renormalise (the mutant's private top-k)."""
-    k = min(top_k, log_probs.shape[-1])
-    kth = torch.topk(log_probs, k, dim=-1).values[..., -1:]
-    kept = torch.where(log_probs >= kth, log_probs, torch.full_like(log_probs, -math.inf))
-    return torch.log_softmax(kept, dim=-1)
-
-
 def mutants(*, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int) -> list[SyntheticMechanism]:
     """The four planted bugs (docs/auditing_notes.md, "Testing the auditor"), each with the claim its
     (wrong) accountant would make."""
@@ -333,11 +325,13 @@ def _private_topk_mutant(
     correct, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int
 ) -> SyntheticMechanism:
     """(3) top-k of the aggregated private logits (each dataset's own top-k: a token can jump out)."""
+    from invink_audit.mechanism import top_k_log_softmax
+
     full = _config(clip_norm, temperature, None, batch_size)
 
     def private_topk(private, public, cfg=full, k=top_k):
         o = cfg.neighbour_log_probs(private, public)
-        return _topk_of_each(o.actual, k), _topk_of_each(o.neighbours, k)
+        return top_k_log_softmax(o.actual, k), top_k_log_softmax(o.neighbours, k)
 
     return SyntheticMechanism(
         "private-top-k",

@@ -320,7 +320,7 @@ class _Scores:
     def observe(self, step) -> None:
         import torch
 
-        from invink_audit.mechanism import ACCUMULATION_DTYPE, token_log_probs, topk_plus_mask
+        from invink_audit.mechanism import ACCUMULATION_DTYPE, token_log_probs, top_k_log_softmax, topk_plus_mask
 
         keep = step.positions < self.scored[step.request_indices]
         index = step.request_indices[keep]
@@ -330,7 +330,7 @@ class _Scores:
         self.add(("tokens",), index, torch.ones_like(tokens[:, 0]))
         for k in self.config.top_ks:
             for tau in self.config.temperatures:
-                floor = _top_k_log_softmax(public / tau, k)
+                floor = top_k_log_softmax(public / tau, k)
                 self.add(("floor", k, tau), index, _smoothed_loss(floor, tokens, self.vocab))
                 self.add(("floor_in", k, tau), index, torch.isfinite(floor.gather(1, tokens)).squeeze(1))
         for b in self.config.batch_sizes:
@@ -363,17 +363,6 @@ class _Scores:
         self.linf.append(on.amax(dim=-1).flatten())
         # bucket i holds [_BINS[i], _BINS[i+1]); the last one everything from 1e3 up
         self.counts += torch.bincount(torch.bucketize(on.flatten(), self.edges, right=True), minlength=len(self.counts))
-
-
-def _top_k_log_softmax(scores, top_k: int | None):
-    """log-softmax over the ``top_k`` largest scores (ties at the k-th included, as in the Top-k+ set);
-    exactly -inf elsewhere (the public-only floor)."""
-    import torch
-
-    if top_k is None or top_k >= scores.shape[-1]:
-        return torch.log_softmax(scores, dim=-1)
-    kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
-    return torch.log_softmax(scores.masked_fill(scores < kth, -math.inf), dim=-1)
 
 
 def _smoothed_loss(log_probs, tokens, vocab_size: int):
