@@ -126,20 +126,47 @@ def test_bad_input():
 
 
 def test_blackbox_selftest_rows_on_the_planted_bugs():
-    """The self-test's planted bugs, black-box at 10^4 batches with the exact ratio: the correct mechanism is never a
-    violation and its GDP estimate is within 20% of its accountant's ε (the hardest-case canary makes the claim
-    nearly tight); the data-dependent budget is a violation; no bound passes its ceiling; the two mutants whose
-    ε0 is doubled show a GDP estimate above their claim even where the rigorous bound cannot refute it."""
+    """The self-test's planted bugs, black-box at 10^4 batches with the exact ratio, against the claim's curve:
+    every bug whose true ε is at least twice its claim is a VIOLATION (the halved temperature on the
+    hardest-case source, exactly; the private top-k on the random source, whose canary moves a token into a
+    support the public top-k never has; the data-dependent budget); the correct mechanism never is, and its GDP
+    estimate is within 20% of its accountant's ε; no bound passes its ceiling."""
     from invink_audit.audit.selftest import blackbox_rows
 
-    rows = {r["mechanism"]: r for r in blackbox_rows(num_batches=10_000, seed=0)}
-    assert rows["correct"]["verdict"] != "VIOLATION"
-    assert abs(rows["correct"]["gdp_epsilon"] / rows["correct"]["claimed_epsilon"] - 1) <= 0.2
-    assert rows["data-dependent-budget"]["verdict"] == "VIOLATION"
-    for name in ("naive-clipping", "low-temperature"):
-        assert rows[name]["epsilon_at_real_epsilon0"] >= 2 * rows[name]["claimed_epsilon"]
-        assert rows[name]["gdp_epsilon"] > rows[name]["claimed_epsilon"]
+    rows = {(r["mechanism"], r["source"]): r for r in blackbox_rows(num_batches=10_000, seed=0)}
+    assert {m for m, _ in rows} == {"correct", "naive-clipping", "low-temperature", "private-top-k", "data-dependent-budget"}
+    for source in ("random", "hardest-case"):
+        assert rows["correct", source]["verdict"] != "VIOLATION"
+    correct = rows["correct", "hardest-case"]
+    assert abs(correct["gdp_epsilon"] / correct["claimed_epsilon"] - 1) <= 0.2
+    assert correct["true_epsilon"] <= correct["claimed_epsilon"]
+    doubled = [k for k, r in rows.items() if r["true_epsilon"] is not None and r["true_epsilon"] >= 2 * r["claimed_epsilon"]]
+    assert doubled == [("low-temperature", "hardest-case")]
+    for key in (*doubled, ("private-top-k", "random"), ("data-dependent-budget", "hardest-case")):
+        assert rows[key]["verdict"] == "VIOLATION", key
+    low = rows["low-temperature", "hardest-case"]
+    assert low["epsilon_lower_bound"] < low["claimed_epsilon"]  # refuted on the curve, not at the quoted δ
+    assert low["curve_epsilon_lower_bound"] > low["curve_claimed_epsilon"] and low["curve_delta"] > 1e-4
     assert all(r["epsilon_lower_bound"] <= r["ceiling"] + 1e-12 for r in rows.values())
+
+
+def test_the_exact_epsilon_of_a_stationary_source_matches_full_enumeration():
+    """exact_epsilon_stationary (count vectors with multinomial weights) against enumerate_outputs (every
+    output, one by one): at the ε it returns the larger hockey-stick divergence is δ, and above δ a little below."""
+    from invink_audit.audit import synthetic
+
+    kw = dict(clip_norm=0.5, temperature=1.0, top_k=2, batch_size=3, max_new_tokens=4)
+    source = synthetic.HardestCaseSource(vocab_size=4, batch_size=3, offset=0.3)
+    for mechanism in [synthetic.correct_mechanism(**kw), *synthetic.mutants(**kw)[:3]]:
+        exact = synthetic.enumerate_outputs(source, mechanism)
+        for delta in (1e-3, 0.05):
+            eps = synthetic.exact_epsilon_stationary(source, mechanism, delta)
+            assert max(exact.delta(eps, 0), exact.delta(eps, 0, reverse=True)) == pytest.approx(delta, rel=1e-6)
+            assert max(exact.delta(0.99 * eps, 0), exact.delta(0.99 * eps, 0, reverse=True)) > delta
+    with pytest.raises(ValueError, match="budget differs"):
+        synthetic.exact_epsilon_stationary(source, synthetic.mutants(**kw)[3], 1e-3)
+    with pytest.raises(ValueError, match="depend on the prefix"):
+        synthetic.exact_epsilon_stationary(synthetic.RandomSource(batch_size=3), synthetic.correct_mechanism(**kw), 1e-3)
 
 
 def test_a_spec_runs_the_batched_audit_of_the_engine(tiny_dir, tmp_path):
@@ -167,6 +194,9 @@ num_batches = 64
     assert spec.blackbox.num_batches == 64 and spec.blackbox.sequential and spec.blackbox.scores[0] == LLR_SCORE
     report = run_spec(spec, seed=3)
     assert len(report.coins) == 64 and report.score == LLR_SCORE and report.epsilon_lower_bound <= report.ceiling
+    # our engine's claim is tested as its accountant's curve, quoted at the spec's δ
+    assert report.profile["deltas"][0] == 1e-6 and report.profile["epsilons"][0] == report.claimed_epsilon
+    assert report.sequential["profile"]["delta"] in report.profile["deltas"]
     path.write_text(body.replace("num_batches = 64", "num_batches = 64\nnum_trials = 20"))
     with pytest.raises(ValueError, match="not both"):
         load_spec(path)

@@ -100,3 +100,67 @@ def test_sequential_stopping_stops_early_on_a_blatant_violation_and_when_nothing
     assert all(level <= 0.05 / 2 for _, level, _ in blatant.looks)
     assert sum(level for _, level, _ in sequential_bound(*_trials(rng, 64, 0.5, 0.5), claimed_epsilon=50.0, delta=0.0,
                                                           significance=0.05, num_looks=4).looks) <= 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# the claim as a curve (PrivacyProfile)
+
+
+def _brute_force_refutes(tp, p, fp, q, deltas, epsilons, beta):
+    """Independent: the scalar Clopper–Pearson bound of stats at every δ' of the curve, one at a time."""
+    from invink_audit.audit import stats
+
+    return any(stats.epsilon_lower_bound(tp, p, fp, q, delta=d, significance=beta) > e for d, e in zip(deltas, epsilons))
+
+
+def test_a_profile_refutes_exactly_when_the_scalar_bound_does_at_some_delta():
+    from invink_audit.audit import stats
+    from invink_audit.audit.tradeoff import PrivacyProfile
+
+    rng = np.random.default_rng(0)
+    curve = PrivacyProfile.of(lambda d: gdp_epsilon(d, 0.8), 1e-6, num_points=12)
+    assert curve.deltas[0] == 1e-6 and curve.deltas[-1] == pytest.approx(0.5) and curve.epsilon == gdp_epsilon(1e-6, 0.8)
+    p, q = 400, 380
+    tp, fp = rng.integers(0, p + 1, 300), rng.integers(0, q + 1, 300)
+    points = curve.bounds(tp, p, fp, q, significance=0.05)
+    for t, f, pt in zip(tp, fp, points):
+        assert (pt.power_margin > 0) == _brute_force_refutes(int(t), p, int(f), q, curve.deltas, curve.epsilons, 0.05)
+        assert (pt.margin > 0) == (pt.power_margin > 0)
+        assert pt.epsilon_lower_bound == pytest.approx(
+            stats.epsilon_lower_bound(int(t), p, int(f), q, delta=pt.delta, significance=0.05), abs=1e-9)
+    # a point claim is the classic bound: its margin is the bound minus the claim
+    point = PrivacyProfile.point(1.0, 1e-6).bounds([300], p, [40], q, significance=0.05)[0]
+    assert point.margin == pytest.approx(stats.epsilon_lower_bound(300, p, 40, q, delta=1e-6, significance=0.05) - 1.0)
+    with pytest.raises(ValueError, match="as many epsilons"):
+        PrivacyProfile((1e-6, 1e-3), (1.0,))
+    with pytest.raises(ValueError, match="delta must be in"):
+        PrivacyProfile.of(lambda d: 1.0, 0.7)
+
+
+def test_testing_the_curve_keeps_its_significance_and_refutes_what_the_point_cannot():
+    """Scores of μ-Gaussian DP (a shift by μ of a standard normal) against a μ-GDP claim: at the boundary the
+    sequential test on the curve calls at most β of the runs a violation; at 2μ (the doubled per-token ε0
+    of a mutant, in GDP terms) it refutes nearly always with 2,000 trials, where the quoted point
+    ε(10⁻⁶) never can (its ceiling at these trials is below the claim)."""
+    from invink_audit.audit.tradeoff import PrivacyProfile, SequentialTest
+
+    rng = np.random.default_rng(5)
+    mu, beta, n = 0.5, 0.1, 2000
+    curve = PrivacyProfile.of(lambda d: gdp_epsilon(d, mu), 1e-6)
+
+    def run(true_mu):
+        positive = rng.random(n) < 0.5
+        scores = rng.normal(size=n) + np.where(positive, true_mu, 0.0)
+        # a fixed threshold (chosen before the trials, as the selection split does): FPR ≈ 0.16
+        test = SequentialTest(positive, claimed_epsilon=curve.epsilon, delta=curve.delta, significance=beta, profile=curve)
+        while test.look(scores >= 1.0) is None:
+            pass
+        return test.result()
+
+    at_claim = [run(mu).stopped == "violation" for _ in range(400)]
+    assert np.mean(at_claim) <= beta
+    doubled = [run(2 * mu) for _ in range(50)]
+    assert np.mean([r.stopped == "violation" for r in doubled]) >= 0.9
+    assert all(r.epsilon_lower_bound < curve.epsilon for r in doubled)  # the quoted point alone: never refuted
+    refuted = [r.profile for r in doubled if r.stopped == "violation"]
+    assert all(pt.delta > 1e-4 and pt.epsilon_lower_bound > pt.claimed_epsilon for pt in refuted)

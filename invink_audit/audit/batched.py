@@ -25,6 +25,7 @@ fit over all thresholds (an estimate of how tight the claim is).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -34,7 +35,7 @@ from accounting.limits import check_count
 from invink_audit.audit import stats
 from invink_audit.audit.blackbox import DEFAULT_SCORES, score_matrix, select_score, verdict_of
 from invink_audit.audit.records import BlackBoxReport
-from invink_audit.audit.tradeoff import SequentialTest, fit_gdp, perfect_attack_ceiling
+from invink_audit.audit.tradeoff import PrivacyProfile, SequentialTest, fit_gdp, perfect_attack_ceiling
 
 __all__ = [
     "LLR_SCORE", "SURROGATE_SCORE", "EngineTarget", "SurrogateScorer", "SyntheticTarget", "batched_canary_audit",
@@ -303,6 +304,7 @@ def batched_canary_audit(
     mechanism: str = "black-box generator",
     spare_references: int = 0,
     surrogate: SurrogateScorer | None = None,
+    claimed_profile: Callable[[float], float] | None = None,
 ) -> BlackBoxReport:
     """Audit ``target`` (a ``generate_many(batches) -> texts`` callable, or an object with that method and,
     for the :data:`LLR_SCORE`, ``log_likelihood_ratios`` and ``token_ids`` as :class:`EngineTarget` has) with
@@ -310,23 +312,28 @@ def batched_canary_audit(
     cycled; ``scores``: default the exact log-likelihood ratio when the target offers it, and the text
     scores. ``seed``: the coins (recorded either way). ``spare_references``: more references in every batch
     (a generator that drops empty slots, as the reference package does, pulls the next one in). ``surrogate``:
-    adds the :data:`SURROGATE_SCORE` (:class:`SurrogateScorer`: the ratio under a model the auditor has)."""
+    adds the :data:`SURROGATE_SCORE` (:class:`SurrogateScorer`: the ratio under a model the auditor has).
+    ``claimed_profile``: the claim's ε at every δ' (e.g. ``lambda d: event.epsilon(d)``: the release's
+    accountant), equal to ``claimed_epsilon`` at ``claimed_delta``; the score, the threshold and the verdict
+    then test the claim's whole curve (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`), not its one
+    quoted point."""
     batch_size, num_batches = check_count("batch_size", batch_size), check_count("num_batches", num_batches)
     if num_batches < 16:
         raise ValueError(f"num_batches must be at least 16 (selection and evaluation trials); got {num_batches}")
     _check_inputs(target, pool, canary, batch_size, canary_slot, selection_fraction, num_batches)
     beta = stats.check_significance(significance)
     scores = _scores(target, scores, surrogate)
+    profile = _profile(claimed_profile, claimed_epsilon, claimed_delta)
     n_sel = max(4, int(round(num_batches * selection_fraction)))
     coins = _coins(seed, num_batches, n_sel)
     test = SequentialTest(coins[n_sel:], claimed_epsilon=claimed_epsilon, delta=claimed_delta,
-                          significance=beta, num_looks=num_looks)  # checks num_looks before anything runs
+                          significance=beta, num_looks=num_looks, profile=profile)  # checks num_looks before anything runs
     actual, filled = _batches(list(pool), canary, batch_size + spare_references, num_batches, canary_slot, coins)
     run = _Run(target, actual, filled, coins, canary, canary_slot, scores, surrogate)
     selection = list(range(n_sel))
     run.generate(selection)
     names, _, chosen = run.matrix(selection, selection)
-    k, threshold = select_score(chosen, coins[selection], delta=claimed_delta, significance=beta)
+    k, threshold = select_score(chosen, coins[selection], delta=claimed_delta, significance=beta, profile=profile)
     evaluation = list(range(n_sel, num_batches))
     done = 0
     while True:
@@ -338,6 +345,18 @@ def batched_canary_audit(
         if test.look(values >= threshold) is not None:
             break
     return _report(run, test, names[k], threshold, values, evaluation[:done], claimed_epsilon, claimed_delta, beta, mechanism)
+
+
+def _profile(claimed_profile, claimed_epsilon: float, claimed_delta: float) -> PrivacyProfile:
+    """The claim's curve (:class:`PrivacyProfile`), quoted at exactly (``claimed_epsilon``, ``claimed_delta``)."""
+    if claimed_profile is None:
+        return PrivacyProfile.point(claimed_epsilon, claimed_delta)
+    if not callable(claimed_profile):
+        raise ValueError(f"claimed_profile must be a callable delta -> epsilon; got {claimed_profile!r}")
+    curve = PrivacyProfile.of(claimed_profile, claimed_delta)
+    if not math.isclose(curve.epsilon, claimed_epsilon, rel_tol=1e-9, abs_tol=1e-12):
+        raise ValueError(f"claimed_profile gives ε = {curve.epsilon!r} at δ = {claimed_delta!r}, not claimed_epsilon = {claimed_epsilon!r}")
+    return PrivacyProfile((curve.delta, *curve.deltas[1:]), (float(claimed_epsilon), *curve.epsilons[1:]))
 
 
 def _check_inputs(target, pool, canary, batch_size, canary_slot, selection_fraction, num_batches) -> None:
@@ -383,7 +402,7 @@ def _report(run: _Run, test: SequentialTest, score: str, threshold: float, value
     gdp = None
     if positive.sum() >= 2 and (~positive).sum() >= 2:
         gdp = fit_gdp(values[positive], values[~positive], delta=claimed_delta).to_json()
-    verdict, reason = verdict_of(result.epsilon_lower_bound, claimed_epsilon, beta)
+    verdict, reason = verdict_of(result.epsilon_lower_bound, claimed_epsilon, beta, result.profile)
     n_trials = len(run.texts)
     return BlackBoxReport(
         kind="black-box", mechanism=mechanism, verdict=verdict, reason=reason, significance=beta,
@@ -395,6 +414,7 @@ def _report(run: _Run, test: SequentialTest, score: str, threshold: float, value
         timings={"generation_seconds": run.seconds, "seconds_per_trial": run.seconds / max(n_trials, 1)},
         scores_with=tuple(float(x) for x in values[positive]), scores_without=tuple(float(x) for x in values[~positive]),
         ceiling=float(ceiling), gdp=gdp, sequential=result.to_json(), coins=tuple(bool(c) for c in run.coins),
+        profile=None if len(test.profile.deltas) == 1 else {"deltas": list(test.profile.deltas), "epsilons": list(test.profile.epsilons)},
         notes=(f"{len(run.coins)} batches planned, {n_trials} generated; sequential looks stopped: {result.stopped}",),
     )  # fmt: skip
 

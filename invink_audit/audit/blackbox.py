@@ -29,6 +29,7 @@ import numpy as np
 from accounting.limits import check_count
 from invink_audit.audit import stats
 from invink_audit.audit.records import BlackBoxReport
+from invink_audit.audit.tradeoff import PrivacyProfile, ProfileBound
 
 __all__ = [
     "DEFAULT_SCORES",
@@ -121,18 +122,30 @@ SCORES = {
 DEFAULT_SCORES = ("canary-overlap", "length", "characters", "exact-match")
 
 
-def _best_threshold(with_scores, without_scores, *, delta, significance):
-    """Threshold maximising the CP ε lower bound on these trials (selection split only)."""
-    w = np.asarray(with_scores, dtype=float)
-    o = np.asarray(without_scores, dtype=float)
+def _best_threshold(with_scores, without_scores, *, profile: PrivacyProfile, significance):
+    """The threshold whose Clopper–Pearson pair refutes ``profile`` by most on these trials (selection split
+    only): (its :class:`~invink_audit.audit.tradeoff.ProfileBound`, threshold). For a point claim the
+    largest ε lower bound (the classic objective), above every score (nothing flagged) unless some threshold
+    certifies a positive bound; for a curve the largest power margin. Ties go to the lowest threshold."""
+    w = np.sort(np.asarray(with_scores, dtype=float))
+    o = np.sort(np.asarray(without_scores, dtype=float))
     candidates = np.unique(np.concatenate([w, o]))
-    best = (0.0, float(candidates.max()) + 1.0 if candidates.size else 0.0)
-    for thr in candidates:
-        tp, fp = int((w >= thr).sum()), int((o >= thr).sum())
-        lb = stats.epsilon_lower_bound(tp, w.size, fp, o.size, delta=delta, significance=significance)
-        if lb > best[0]:
-            best = (lb, float(thr))
-    return best
+    best = (profile.bounds([0], w.size, [0], o.size, significance=significance)[0],
+            float(candidates.max()) + 1.0 if candidates.size else 0.0)
+    if not candidates.size:
+        return best
+    tp = w.size - np.searchsorted(w, candidates, side="left")  # trials with score >= threshold
+    fp = o.size - np.searchsorted(o, candidates, side="left")
+    points = profile.bounds(tp, w.size, fp, o.size, significance=significance)
+    key = _selection_key(profile)
+    i = int(np.argmax([key(pt) for pt in points]))
+    better = points[i].epsilon_lower_bound > 0 if len(profile.deltas) == 1 else key(points[i]) > key(best[0])
+    return (points[i], float(candidates[i])) if better else best
+
+
+def _selection_key(profile: PrivacyProfile):
+    """What a selection maximises: the ε lower bound's margin for a point claim, the power margin for a curve."""
+    return (lambda pt: pt.margin) if len(profile.deltas) == 1 else (lambda pt: pt.power_margin)
 
 
 def blackbox_audit(
@@ -179,7 +192,7 @@ def blackbox_audit(
     n_sel -= n_sel % 2
     sel, ev = np.arange(n_sel), np.arange(n_sel, num_trials)
     score_names, values, selection_matrix = score_matrix(scores, canary, texts, labels, sel)
-    k, thr = select_score(selection_matrix, labels[sel], delta=claimed_delta, significance=beta)
+    k, thr = select_score(selection_matrix, labels[sel], delta=claimed_delta, significance=beta, claimed_epsilon=claimed_epsilon)
     ev_with = values[k, ev][labels[ev]]
     ev_without = values[k, ev][~labels[ev]]
     tp, fp = int((ev_with >= thr).sum()), int((ev_without >= thr).sum())
@@ -270,15 +283,19 @@ def score_matrix(scores, canary: str, texts: list[str], labels: np.ndarray, sel:
     return score_names, values, selection_matrix
 
 
-def select_score(selection_matrix: np.ndarray, sel_labels: np.ndarray, *, delta: float, significance: float) -> tuple[int, float]:
-    """The score and threshold with the largest ε lower bound on the selection split."""
-    best = (-1.0, 0, math.inf)
+def select_score(selection_matrix: np.ndarray, sel_labels: np.ndarray, *, delta: float, significance: float,
+                 profile: PrivacyProfile | None = None, claimed_epsilon: float = 0.0) -> tuple[int, float]:
+    """The score and threshold that refute the claim by most on the selection split: ``profile`` (the
+    claim's curve), else the point (``claimed_epsilon``, ``delta``), whose largest margin is the largest
+    ε lower bound at ``delta``."""
+    profile = profile if profile is not None else PrivacyProfile.point(claimed_epsilon, delta)
+    best, key = (-math.inf, 0, math.inf), _selection_key(profile)
     for k in range(selection_matrix.shape[0]):
-        lb, thr = _best_threshold(
-            selection_matrix[k][sel_labels], selection_matrix[k][~sel_labels], delta=delta, significance=significance
+        point, thr = _best_threshold(
+            selection_matrix[k][sel_labels], selection_matrix[k][~sel_labels], profile=profile, significance=significance
         )
-        if lb > best[0]:
-            best = (lb, k, thr)
+        if key(point) > best[0]:
+            best = (key(point), k, thr)
     return best[1], best[2]
 
 
@@ -292,12 +309,22 @@ def _determinism_notes(texts: list[str], distinct: dict) -> list[str]:
     return []
 
 
-def verdict_of(eps_lb: float, claimed_epsilon: float, beta: float) -> tuple[stats.Verdict, str]:
-    """VIOLATION when the ε lower bound exceeds the claim; otherwise INCONCLUSIVE (never a PASS)."""
+def verdict_of(eps_lb: float, claimed_epsilon: float, beta: float, point: ProfileBound | None = None) -> tuple[stats.Verdict, str]:
+    """VIOLATION when the ε lower bound exceeds the claim, or (``point``: the claim's curve tested,
+    :class:`~invink_audit.audit.tradeoff.PrivacyProfile`) the bound at some δ' exceeds the ε the claim
+    certifies there; otherwise INCONCLUSIVE (never a PASS)."""
     if eps_lb > claimed_epsilon:
         return stats.Verdict.VIOLATION, f"ε lower bound {eps_lb:.3f} > claimed ε {claimed_epsilon:g} (significance {beta:g})"
+    if point is not None and point.power_margin > 0:
+        return stats.Verdict.VIOLATION, (
+            f"the claim's privacy curve is refuted at δ' = {point.delta:.3g}: ε lower bound {point.epsilon_lower_bound:.3f} > "
+            f"the ε = {point.claimed_epsilon:.3f} the claim certifies there (significance {beta:g}; at the quoted δ the "
+            f"bound is {eps_lb:.3f})"
+        )
+    closest = "" if point is None or point.epsilon_lower_bound <= 0 else (
+        f"; closest on the claim's curve at δ' = {point.delta:.3g}: {point.epsilon_lower_bound:.3f} ≤ {point.claimed_epsilon:.3f}")
     return stats.Verdict.INCONCLUSIVE, (
-        f"no violation detected: ε lower bound {eps_lb:.3f} ≤ claimed ε {claimed_epsilon:g}; "
+        f"no violation detected: ε lower bound {eps_lb:.3f} ≤ claimed ε {claimed_epsilon:g}{closest}; "
         "a black-box audit cannot confirm a claim"
     )
 

@@ -477,6 +477,9 @@ class BlackBoxReport:
     gdp: dict | None = None
     sequential: dict | None = None
     coins: tuple[bool, ...] = ()
+    #: the claim's privacy curve that was tested (``deltas``, ``epsilons``: :class:`~invink_audit.audit.tradeoff.PrivacyProfile`);
+    #: None when only the quoted (ε, δ) was; the tested point is ``sequential["profile"]``
+    profile: dict | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready, marked first (``not_private``, ``privacy_notice``: the report is not private)."""

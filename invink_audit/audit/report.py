@@ -223,6 +223,14 @@ def _blackbox_markdown(r: BlackBoxReport) -> str:
     if r.sequential is not None:
         looks = "; ".join(f"{m} trials at β={format_number(b)}: ε ≥ {format_number(e)}" for m, b, e in r.sequential["looks"])
         lines.append(f"- sequential looks ({r.sequential['stopped']}): {looks}")
+    point = (r.sequential or {}).get("profile")
+    if r.profile is not None and point is not None:
+        lines.append(
+            f"- the claim's privacy curve, tested at {len(r.profile['deltas'])} δ' from {format_number(r.profile['deltas'][0])} to "
+            f"{format_number(r.profile['deltas'][-1])} (its accountant's ε(δ'); one Clopper–Pearson pair refutes the curve if it "
+            f"lies above any point of it): strongest at δ' = {format_number(point['delta'])}, ε ≥ "
+            f"{format_number(point['epsilon_lower_bound'])} against the claim's {format_number(point['claimed_epsilon'])} there"
+        )
     if r.gdp is not None:
         g = r.gdp
         what = ("perfect separation: a **floor** set by the trial count, not a bound" if g.get("separated")

@@ -907,11 +907,15 @@ def _run_engine_target(spec: AuditSpec, refs, seed, progress):
         except ValueError as err:
             raise ValueError(f"[mechanism] {err}") from err
     if bb.num_batches is not None:
-        return _run_batched(spec, refs, float(epsilon), EngineTarget(
+        def curve(d: float) -> float:  # the release's accountant at every δ': the claim tested is its curve
+            return epsilon_for_clip_norm(clip_norm=clip_norm, max_new_tokens=T, batch_size=m.batch_size, temperature=tau,
+                                         delta=d).epsilon
+
+        return _run_batched(spec, refs, curve(m.delta), EngineTarget(
             model=spec.model.model, clip_norm=clip_norm, temperature=tau, top_k=m.top_k, batch_size=m.batch_size,
             max_new_tokens=T, prompt=spec.prompt.preset, prompt_fields=spec.prompt.fields,
             generator=_generator(spec, seed, device=_device_of(spec.section("model"))),
-        ), seed, f"InvisibleInk engine ({spec.model.name})")
+        ), seed, f"InvisibleInk engine ({spec.model.name})", claimed_profile=curve)
     many = engine_generator(
         model=spec.model.model,
         clip_norm=clip_norm, temperature=tau, top_k=m.top_k, batch_size=m.batch_size, max_new_tokens=T,
@@ -926,9 +930,10 @@ def _run_engine_target(spec: AuditSpec, refs, seed, progress):
     )
 
 
-def _run_batched(spec: AuditSpec, refs, epsilon: float, target, seed, mechanism: str, scores=None):
+def _run_batched(spec: AuditSpec, refs, epsilon: float, target, seed, mechanism: str, scores=None, claimed_profile=None):
     """A batched canary audit (:func:`invink_audit.audit.batched.batched_canary_audit`): the spec's references
-    after the canary slot are every batch's others (with its spare references), cycled."""
+    after the canary slot are every batch's others (with its spare references), cycled. ``claimed_profile``:
+    the claim's ε at every δ' (our engine's accountant); the reference package's claim is its quoted point."""
     from invink_audit.audit.batched import batched_canary_audit
 
     bb, m = spec.blackbox, spec.mechanism
@@ -936,6 +941,7 @@ def _run_batched(spec: AuditSpec, refs, epsilon: float, target, seed, mechanism:
         target, [r for r in refs[1:] if r], bb.canary, batch_size=m.batch_size, num_batches=bb.num_batches,
         claimed_epsilon=epsilon, claimed_delta=m.delta, scores=scores or bb.scores, significance=bb.significance,
         spare_references=bb.spare_references, seed=seed, mechanism=mechanism, num_looks=4 if bb.sequential else 1,
+        claimed_profile=claimed_profile,
     )
 
 

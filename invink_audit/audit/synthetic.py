@@ -55,6 +55,7 @@ __all__ = [
     "run_synthetic_audit",
     "torch_threads",
     "enumerate_outputs",
+    "exact_epsilon_stationary",
     "ExactOutputs",
     "AuditedMechanism",
     "run_mechanism_audit",
@@ -518,6 +519,76 @@ def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max
     if prefixes.shape[0]:
         raise RuntimeError("enumeration ended with unfinished prefixes (the budget logic is inconsistent)")
     return ExactOutputs(torch.cat(done_a).numpy(), torch.cat(done_n).numpy())
+
+
+def exact_epsilon_stationary(source: LogitSource, mechanism: SyntheticMechanism, delta: float, *, neighbour: int = 0) -> float:
+    r"""The **true** ε(δ) of ``mechanism`` on a source whose logits do not depend on the prefix (e.g.
+    :class:`HardestCaseSource`), between the dataset and its neighbour with reference ``neighbour`` nulled,
+    the larger of both directions: no accountant involved.
+
+    With stationary logits a text's probability depends only on how many times each class of tokens
+    occurs (tokens with the same pair of log-probabilities under the two datasets form a class) and on
+    how it ends (EOS before T, or the budget T), so the hockey-stick divergence
+    :math:`\delta(arepsilon) = \sum_x (P(x) - e^arepsilon Q(x))_+` (Dwork & Roth 2014, §3.5; the
+    tight δ of a pair) is an exact sum over count vectors with multinomial multiplicities; ε(δ) is its
+    root. Checked against :func:`enumerate_outputs` on small vocabularies (tests). A data-dependent budget
+    (different T on the two datasets) is refused: use :func:`enumerate_outputs`."""
+    from scipy import optimize
+    from scipy.special import gammaln
+
+    t_r, t_j = token_budgets(mechanism, source)
+    if t_j[neighbour] != t_r:
+        raise ValueError(f"the budget differs between the datasets ({t_r} vs {t_j[neighbour]}): not stationary")
+    prefixes = torch.zeros(2, 1, dtype=torch.int64)
+    private, public = source.logits(prefixes, 0)
+    again, _ = source.logits(prefixes + 1, 1)
+    if not torch.equal(private, again):
+        raise ValueError("the source's logits depend on the prefix: use enumerate_outputs")
+    actual, neighbours = mechanism.step(private, public)
+    a, q = actual[0].double().numpy(), neighbours[0, neighbour].double().numpy()
+    eos = source.eos_token
+    classes: dict[tuple[float, float], int] = {}
+    for v in range(a.size):
+        if v != eos and (np.isfinite(a[v]) or np.isfinite(q[v])):
+            key = (float(a[v]), float(q[v]))
+            classes[key] = classes.get(key, 0) + 1
+    keys = list(classes)
+    la, lq, size = np.array([k[0] for k in keys]), np.array([k[1] for k in keys]), np.array([classes[k] for k in keys], float)
+    outcomes_p, outcomes_q = [], []
+
+    def compositions(n: int, parts: int):
+        if parts == 1:
+            yield (n,)
+            return
+        for first in range(n + 1):
+            for rest in compositions(n - first, parts - 1):
+                yield (first, *rest)
+
+    for n in range(t_r + 1):
+        end_p, end_q = (a[eos], q[eos]) if n < t_r else (0.0, 0.0)  # EOS before T, else the budget stops it
+        for counts in compositions(n, len(keys)):
+            c = np.array(counts, float)
+            with np.errstate(invalid="ignore"):  # 0 · (−inf) of an absent class is 0
+                lp = float(np.where(c > 0, c * la, 0.0).sum()) + end_p
+                lqq = float(np.where(c > 0, c * lq, 0.0).sum()) + end_q
+            mult = gammaln(n + 1) - gammaln(c + 1).sum() + float((c * np.log(size)).sum())
+            outcomes_p.append(lp + mult)
+            outcomes_q.append(lqq + mult)
+    lp, lqv = np.array(outcomes_p), np.array(outcomes_q)
+
+    def eps_of(x, y):
+        def excess(eps):
+            return float(np.clip(np.exp(x) - np.exp(eps + y), 0, None).sum()) - delta
+        if excess(0.0) <= 0:
+            return 0.0
+        if np.any(np.isfinite(x) & ~np.isfinite(y)) and float(np.exp(x[np.isfinite(x) & ~np.isfinite(y)]).sum()) > delta:
+            return math.inf
+        hi = 1.0
+        while excess(hi) > 0:
+            hi *= 2.0
+        return float(optimize.brentq(excess, 0.0, hi, xtol=1e-12))
+
+    return max(eps_of(lp, lqv), eps_of(lqv, lp))
 
 
 # ---------------------------------------------------------------------------------------------
