@@ -41,7 +41,8 @@ def main(
 ):
     from accounting import BudgetLedger, plan_clip_norm
     from invink_audit.bench import demo_reviews_path
-    from invink_audit.generation import generate
+    from invink_audit.data import ReferencesFile
+    from invink_audit.generation import GenerationConfig, generate
     from invink_audit.models import load_model
 
     directory = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="invink-demo-"))
@@ -68,21 +69,10 @@ def main(
     model = load_model()
     print(f"model: {model.name} on {model.device} (loaded in {time.perf_counter() - started:.1f} s)")
     print(f"generating one review per star rating (3 disjoint batches x (B+1) = {3 * (batch_size + 1)} rows per step) ...")
-    result = generate(
-        references,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        delta=delta,
-        epsilon=epsilon,
-        temperature=temperature,
-        top_k=top_k,
-        model=model,
-        prompt="yelp",
-        label_columns=LABELS,
-        num_texts_per_group=1,
-        output=directory / "texts.jsonl",
-        ledger=ledger,
-    )
+    config = GenerationConfig(batch_size=batch_size, max_new_tokens=max_new_tokens, delta=delta, epsilon=epsilon,
+                              temperature=temperature, top_k=top_k, num_texts_per_group=1)
+    result = generate(ReferencesFile(references, label_columns=LABELS), config, model=model, prompt="yelp",
+                      output=directory / "texts.jsonl", ledger=ledger)
     for text in result.texts:
         stars = text.labels["label2"].removeprefix("Review Stars: ") if text.labels else "?"
         print(

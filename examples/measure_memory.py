@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import gc
 import json
 import os
@@ -139,7 +140,7 @@ def child(batch_size: int, rows: int, max_new_tokens: int, dtype: str, track: bo
     """One configuration, in this (fresh) process."""
     import torch
 
-    from invink_audit.generation import generate
+    from invink_audit.generation import GenerationConfig, ModelSpec, generate
     from invink_audit.mechanism import SeededGeneratorWarning
     from invink_audit.models import load_model
 
@@ -147,16 +148,16 @@ def child(batch_size: int, rows: int, max_new_tokens: int, dtype: str, track: bo
     loaded = load_model(None, device="cpu", dtype=dtype)
     texts = max(1, rows // (batch_size + 1))
     references = _references(REFERENCES, texts * batch_size)
-    options = dict(batch_size=batch_size, max_new_tokens=max_new_tokens, epsilon=3.0, delta=1e-6, model=loaded,
-                   seed=0, max_batch_rows=rows, prompt="generic")
+    config = GenerationConfig(batch_size=batch_size, max_new_tokens=max_new_tokens, epsilon=3.0, delta=1e-6)
+    options = dict(model=ModelSpec(loaded, max_batch_rows=rows), seed=0, prompt="generic")
     # warm-up: imports and one-time set-up of the release path, on one text of short references (what it
     # allocates and frees stays in the allocator's free lists, so it is kept small)
-    generate(["Good food, friendly staff."] * batch_size, **{**options, "max_new_tokens": 2})
+    generate(["Good food, friendly staff."] * batch_size, dataclasses.replace(config, max_new_tokens=2), **options)
     gc.collect()
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # reset VmHWM to the current RSS
-    result = generate(references, **options)
+    result = generate(references, config, **options)
     measured = _status("VmHWM") - before
     drawn = [0] * texts
     for text in result.texts:
@@ -167,7 +168,7 @@ def child(batch_size: int, rows: int, max_new_tokens: int, dtype: str, track: bo
         config = loaded.model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         with _KVTracker(config.num_key_value_heads, head_dim) as tracker:
-            generate(references, **options)
+            generate(references, config, **options)
         engine_kv = tracker.peak
     return {
         "batch_size": batch_size, "max_batch_rows": rows, "max_new_tokens": max_new_tokens, "measured": measured,

@@ -269,18 +269,21 @@ def reference_points(loaded, template, batches, labels, args, seed: int) -> tupl
 
 
 def private_point(loaded, template, references_csv: Path, args, epsilon: float, seed: int, per_group: int):
-    from invink_audit.generation import generate
+    from invink_audit.data import ReferencesFile
+    from invink_audit.generation import GenerationConfig, GenerationHooks, generate
     from invink_audit.mechanism import SeededGeneratorWarning
 
     done = []
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)  # deliberate: a measurement, not a release
+        config = GenerationConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, delta=args.delta,
+                                  epsilon=epsilon, temperature=args.temperature, top_k=args.top_k,
+                                  num_texts_per_group=per_group)
         result = generate(
-            str(references_csv), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, delta=args.delta,
-            epsilon=epsilon, temperature=args.temperature, top_k=args.top_k, model=loaded, prompt=template,
-            label_columns=LABEL_COLUMNS, num_texts_per_group=per_group, seed=seed,
-            on_text=lambda t: done.append(t) or (len(done) % 5 == 0 and say(f"   {len(done)} private texts")),
+            ReferencesFile(str(references_csv), label_columns=LABEL_COLUMNS), config, model=loaded, prompt=template,
+            seed=seed, hooks=GenerationHooks(
+                on_text=lambda t: done.append(t) or (len(done) % 5 == 0 and say(f"   {len(done)} private texts"))),
         )
     return result, time.perf_counter() - start
 
@@ -345,15 +348,15 @@ def run_generic(study: Study, loaded, args) -> None:
             t = points[kind]
             study.add(Point("smollm2", name, kind, list(t.texts), [""] * len(t.texts), list(t.num_tokens),
                             list(t.finish_reasons), seconds / 2), evaluate=False)
-        from invink_audit.generation import generate
+        from invink_audit.generation import GenerationConfig, generate
         from invink_audit.mechanism import SeededGeneratorWarning
 
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SeededGeneratorWarning)
-            result = generate(str(refs_file), batch_size=2, max_new_tokens=args.max_new_tokens, delta=args.delta,
-                              epsilon=epsilon, temperature=args.temperature, top_k=args.top_k, model=loaded,
-                              prompt=template, num_texts=n, seed=600 + k)
+            config = GenerationConfig(batch_size=2, max_new_tokens=args.max_new_tokens, delta=args.delta,
+                                      epsilon=epsilon, temperature=args.temperature, top_k=args.top_k, num_texts=n)
+            result = generate(str(refs_file), config, model=loaded, prompt=template, seed=600 + k)
         study.add(Point("smollm2", name, f"eps{epsilon:g}-B2", [t.text for t in result.texts], [""] * len(result.texts),
                         [t.num_tokens for t in result.texts], [t.finish_reason for t in result.texts],
                         time.perf_counter() - start, epsilon, result.guarantee.clip_norm), evaluate=False)

@@ -54,26 +54,27 @@ def draw() -> dict:
     import torch
 
     from invink_audit.audit.quick import quick_audit
-    from invink_audit.generation import generate
+    from invink_audit.data import ReferencesFile
+    from invink_audit.generation import GenerationConfig, PromptSpec, generate
     from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
     from invink_audit.mechanisms.run import generate_with_mechanism
     from invink_audit.models import build_tiny_model
 
     tiny = build_tiny_model(seed=5)
-    common = dict(batch_size=2, max_new_tokens=6, delta=1e-6, model=tiny)
+    common = dict(batch_size=2, max_new_tokens=6, delta=1e-6)
     cases = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # seeded: deliberately reproducible
-        topk = generate(REFERENCES, epsilon=5.0, top_k=8, prompt="generic", seed=11, **common)
+        topk = generate(REFERENCES, GenerationConfig(epsilon=5.0, top_k=8, **common), model=tiny, prompt="generic", seed=11)
         cases["invisibleink-topk-generic"] = _texts(topk.texts)
-        full = generate(REFERENCES, epsilon=5.0, top_k=None, prompt="yelp-paper",
-                        prompt_fields={"category": "Restaurants", "stars": "3.0"}, seed=12, **common)
+        full = generate(REFERENCES, GenerationConfig(epsilon=5.0, top_k=None, **common), model=tiny,
+                        prompt=PromptSpec("yelp-paper", fields={"category": "Restaurants", "stars": "3.0"}), seed=12)
         cases["invisibleink-full-vocabulary-yelp-paper"] = _texts(full.texts)
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "labelled.csv"
             path.write_text("text,stars\n" + "".join(f'"{t}",{s}\n' for t, s in LABELLED), encoding="utf-8")
-            labelled = generate(path, epsilon=8.0, top_k=8, prompt="yelp", label_columns=["stars"],
-                                prompt_fields={"category": "Restaurants"}, seed=13, **common)
+            labelled = generate(ReferencesFile(path, label_columns=["stars"]), GenerationConfig(epsilon=8.0, top_k=8, **common),
+                                model=tiny, prompt=PromptSpec("yelp", fields={"category": "Restaurants"}), seed=13)
         cases["invisibleink-labelled-yelp"] = _texts(labelled.texts)
         amin = generate_with_mechanism(REFERENCES, AminMechanism(AminConfig(clip_norm=2.0, batch_size=2)),
                                        max_new_tokens=6, model=tiny, generator=torch.Generator().manual_seed(14))

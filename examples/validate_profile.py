@@ -45,7 +45,7 @@ def main() -> None:
     from invink_audit.data import read_labelled_references
     from invink_audit.evaluation import EvaluationConfig, evaluate
     from invink_audit.evaluation.profile import ProfileConfig, run_profile
-    from invink_audit.generation import generate
+    from invink_audit.generation import GenerationConfig, generate
     from invink_audit.mechanism import SeededGeneratorWarning
     from invink_audit.models import load_model
 
@@ -75,9 +75,9 @@ def main() -> None:
     evaluation = EvaluationConfig(embedding_model="minilm", perplexity=False)
     for eps in EPSILONS:
         start = time.perf_counter()
-        released = generate(references, batch_size=B, max_new_tokens=T, epsilon=eps, delta=1e-6, top_k=100,
-                            model=loaded, prompt="yelp", label_columns=columns,
-                            num_texts_per_group=args.texts_per_point, seed=int(eps))  # reproducible; proxy data
+        config = GenerationConfig(batch_size=B, max_new_tokens=T, epsilon=eps, delta=1e-6, top_k=100,
+                                  num_texts_per_group=args.texts_per_point)
+        released = generate(references, config, model=loaded, prompt="yelp", seed=int(eps))  # reproducible; proxy data
         gen = time.perf_counter() - start
         texts = [t.text for t in released.texts]
         result = evaluate(texts, list(held_out), evaluation)  # n real texts: as many as synthetic

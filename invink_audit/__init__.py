@@ -38,15 +38,18 @@ _LAZY: dict[str, str] = {
     # generation backend
     **dict.fromkeys(("LoadedModel", "build_tiny_model", "load_model"), "invink_audit.models"),
     **dict.fromkeys(("PRESETS", "PromptTemplate", "TextRequest", "encode_request", "get_preset"), "invink_audit.prompts"),
-    **dict.fromkeys(("Partition", "partition_references", "read_references"), "invink_audit.data"),
+    **dict.fromkeys(("Partition", "ReferencesFile", "partition_references", "read_references"), "invink_audit.data"),
     **dict.fromkeys(("DecodeStep", "Engine", "FinishedText"), "invink_audit.engine"),
     **dict.fromkeys(("ForwardStats", "RowForward"), "invink_audit.forward"),
     **dict.fromkeys(
         (
             "GeneratedText",
             "GenerationConfig",
+            "GenerationHooks",
             "GenerationResult",
             "Guarantee",
+            "ModelSpec",
+            "PromptSpec",
             "OutputInUseError",
             "generate",
             "read_generation_output",

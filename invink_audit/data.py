@@ -26,6 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 __all__ = [
+    "ReferencesFile",
     "LabelGroup",
     "LabelledBatch",
     "LabelledPartition",
@@ -294,6 +295,30 @@ def _check_label_columns(label_columns: Sequence[str], column: str) -> tuple[str
     if column in columns:
         raise ValueError(f"the text column {column!r} cannot also be a label column")
     return columns
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferencesFile:
+    """A references file to read: ``path`` (``.csv`` or ``.jsonl``, UTF-8, with or without a byte-order mark),
+    the text ``column`` (default ``text``) and, for label-conditioned generation, its ``label_columns`` (e.g.
+    ``("label1", "label2")`` for Yelp)."""
+
+    path: str | os.PathLike
+    column: str | None = None
+    label_columns: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not str(os.fspath(self.path)).strip():
+            raise ValueError(f"path must be a file path; got {self.path!r}")
+        if self.label_columns is not None:
+            object.__setattr__(self, "label_columns", _check_label_columns(self.label_columns, self.column or "text"))
+
+    def read(self) -> list[str] | LabelledReferences:
+        """The references (:func:`read_references`), or with ``label_columns`` the labelled ones
+        (:func:`read_labelled_references`)."""
+        if self.label_columns is None:
+            return read_references(self.path, column=self.column)
+        return read_labelled_references(self.path, column=self.column, label_columns=self.label_columns)
 
 
 def read_labelled_references(

@@ -57,7 +57,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import inspect
 import json
 import logging
 import math
@@ -68,7 +67,6 @@ import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -77,6 +75,7 @@ from accounting.events import forwarded_property
 from accounting.limits import check_count
 from invink_audit.data import (
     LabelledReferences,
+    ReferencesFile,
     Partition,
     labelled_partition,
     partition_references,
@@ -128,7 +127,10 @@ __all__ = [
     "DEFAULT_TOP_K",
     "GeneratedText",
     "GenerationConfig",
+    "GenerationHooks",
     "GenerationResult",
+    "ModelSpec",
+    "PromptSpec",
     "Guarantee",
     "OutputInUseError",
     "ExternalRelease",
@@ -160,7 +162,14 @@ class GenerationConfig:
 
     Give the budget either as ``epsilon`` (the clip norm is planned) or as ``clip_norm`` (ε is
     reported); ``delta`` is always needed. ``top_k=None`` samples from the full vocabulary.
-    ``num_texts=None`` generates one text per full batch.
+    ``num_texts=None`` generates one text per full batch; with labelled references give
+    ``num_texts_per_group`` instead (default: every full batch of each group). ``allow_all_null``: generate
+    even when every reference to be used is empty (public-only texts that still charge the ledger);
+    refused by default.
+
+    Valid ranges: ``batch_size``, ``max_new_tokens``, ``num_texts``, ``num_texts_per_group``, ``top_k``:
+    integers >= 1 (``num_texts`` at most the number of full batches; the last three also ``None``);
+    ``delta`` in (0, 1); ``epsilon``, ``clip_norm``, ``temperature``: finite and > 0.
     """
 
     batch_size: int
@@ -172,14 +181,18 @@ class GenerationConfig:
     top_k: int | None = DEFAULT_TOP_K
     accountant: Accountant = Accountant.BR_ADAPTIVE
     num_texts: int | None = None
+    num_texts_per_group: int | None = None
+    allow_all_null: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens"):
             object.__setattr__(self, name, check_count(name, getattr(self, name)))
-        if self.num_texts is not None and (
-            isinstance(self.num_texts, bool) or not isinstance(self.num_texts, int) or self.num_texts < 1
-        ):
-            raise ValueError(f"num_texts must be an integer >= 1 or None; got {self.num_texts!r}")
+        for name in ("num_texts", "num_texts_per_group"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
+        if not isinstance(self.allow_all_null, bool):
+            raise ValueError(f"allow_all_null must be a bool; got {self.allow_all_null!r}")
         if (self.epsilon is None) == (self.clip_norm is None):
             raise ValueError(
                 f"give exactly one of epsilon (plan the clip norm) and clip_norm (report epsilon); got "
@@ -557,161 +570,143 @@ def _check_context(
 
 
 def generate(
-    references: Sequence[str | None] | str | os.PathLike,
-    config: GenerationConfig | None = None,
+    references: Sequence[str | None] | str | os.PathLike | ReferencesFile | LabelledReferences,
+    config: GenerationConfig,
     *,
-    batch_size: int | None = None,
-    max_new_tokens: int | None = None,
-    delta: float | None = None,
-    epsilon: float | None = None,
-    clip_norm: float | None = None,
-    temperature: float = DEFAULT_TEMPERATURE,
-    top_k: int | None = DEFAULT_TOP_K,
-    num_texts: int | None = None,
-    accountant: Accountant | str = Accountant.BR_ADAPTIVE,
-    model: str | os.PathLike | LoadedModel | None = None,
-    gguf_file: str | None = None,
-    prompt: str | PromptTemplate = "generic",
-    prompt_fields: Mapping[str, str] | None = None,
-    column: str | None = None,
-    label_columns: Sequence[str] | None = None,
-    label_fields: Mapping[str, str] | None = None,
-    num_texts_per_group: int | None = None,
+    model: str | os.PathLike | LoadedModel | ModelSpec | None = None,
+    prompt: str | PromptTemplate | PromptSpec = "generic",
     output: str | os.PathLike | None = None,
     ledger=None,
     seed: int | None = None,
-    device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
-    max_batch_rows: int | None = None,
-    allow_all_null: bool = False,
-    on_tokens: Callable[[int], None] | None = None,
-    on_text: Callable[[GeneratedText], None] | None = None,
-    on_start: Callable[[int], None] | None = None,
+    hooks: GenerationHooks | None = None,
 ) -> GenerationResult:
-    """Generate one DP synthetic text per disjoint batch of ``batch_size`` references.
+    """Generate one DP synthetic text per disjoint batch of ``config.batch_size`` references.
 
-    The release's public parameters come as a :class:`GenerationConfig` (``config``), or as the
-    keyword arguments of one (``batch_size``, ``max_new_tokens``, ``delta``, ``epsilon`` or
-    ``clip_norm``, ``temperature``, ``top_k``, ``num_texts``, ``accountant``), not both.
+    ``references``: a list of strings (``""``/``None`` are nulls), a path to a ``.csv`` / ``.jsonl`` file
+    (field ``text``), a :class:`~invink_audit.data.ReferencesFile` (another column, or ``label_columns``
+    for label-conditioned generation), or :class:`~invink_audit.data.LabelledReferences` already read
+    (e.g. the records :func:`~invink_audit.data.select_references` selected by public attributes:
+    ``--where``). Labelled references are grouped by their labels, each batch is drawn from one group
+    (:func:`invink_audit.data.partition_by_labels`: input order within a group, leftovers unused) and
+    prompted with its labels, which fill the template's public fields (:func:`invink_audit.prompts.label_fields_for`:
+    the preset's rule, a field of the column's name, or ``PromptSpec.label_fields``); records carry
+    ``labels``. Labels are treated as public attributes of each slot: a neighbouring dataset under
+    replace-by-null empties one record's text and keeps its label.
 
-    ``references``: a list of strings (``""``/``None`` are nulls) or a path to a ``.csv`` / ``.jsonl``
-    file (``column``, default ``text``; UTF-8, with or without a byte-order mark), or, with
-    ``label_columns``, :class:`~invink_audit.data.LabelledReferences` already read (e.g. the records
-    :func:`~invink_audit.data.select_references` selected by public attributes: ``--where``). Budget: ``epsilon``
-    and ``delta`` (the clip norm is planned with ``accountant``) or ``clip_norm`` and ``delta`` (ε is
-    reported). ``max_new_tokens`` is T.
-    ``model``: see :func:`invink_audit.models.load_model` (default: the embedded SmolLM2-135M), with
-    ``gguf_file`` for a GGUF file inside a model directory.
-    ``prompt``: a preset name (``generic``, ``yelp``, ``tab``, ``mimic``) or a
-    :class:`~invink_audit.prompts.PromptTemplate`, with ``prompt_fields`` values. A preset's fields that
-    describe the data's labels (``yelp``: ``category``, ``stars``) must be given in ``prompt_fields`` or
-    filled by ``label_columns``: their example values ("Restaurants", "4.0") would prompt every text as a
-    4-star restaurant review, and are refused (:func:`~invink_audit.prompts.defaulted_label_fields`).
-    Each record's ``prompt_fields`` holds the fields its batch was prompted with.
-    ``label_columns``: label-conditioned generation (the paper's Yelp setup): the references file's
-    label columns (e.g. ``("label1", "label2")``); references are grouped by their labels, each batch
-    is drawn from one group (:func:`invink_audit.data.partition_by_labels`: input order within a group,
-    leftovers unused) and prompted with its labels, which fill the template's public fields
-    (:func:`invink_audit.prompts.label_fields_for`: the preset's rule, a field of the column's name, or
-    ``label_fields`` {column: field}); records carry ``labels``. ``num_texts_per_group`` limits each
-    group's batches (``num_texts`` is refused with labels). Labels are treated as public attributes of
-    each slot: a neighbouring dataset under replace-by-null empties one record's text and keeps its label.
+    ``config``: the release's public parameters (:class:`GenerationConfig`: B, T, δ, ε or C, τ, top-k, the
+    accountant, how many texts, whether an all-null release is allowed).
+    ``model``: a path or name, a loaded model, or a :class:`ModelSpec` (GGUF file, device, dtype, rows per
+    forward pass); default the embedded SmolLM2-135M-Instruct.
+    ``prompt``: a preset name (``generic``, ``yelp``, ``tab``, ``mimic``), a
+    :class:`~invink_audit.prompts.PromptTemplate`, or a :class:`PromptSpec` (its field values and label
+    mapping). A preset's fields that describe the data's labels (``yelp``: ``category``, ``stars``) must be
+    given or filled by labels: their example values ("Restaurants", "4.0") would prompt every text as a
+    4-star restaurant review, and are refused (:func:`~invink_audit.prompts.defaulted_label_fields`). Each
+    record's ``prompt_fields`` holds the fields its batch was prompted with.
     ``output``: JSON Lines file, written as texts finish and resumed when it exists (see the module
     docstring: its lock, state file and sampled-batch journal).
     ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged after every check passed and
     before any decoding.
-    ``device``/``dtype``: see :func:`~invink_audit.models.load_model` (ignored for a loaded model).
-    ``seed``: ``None`` (OS entropy, the private default) or a fixed seed, which warns: seeded output
-    is reproducible and therefore not private (``guarantee.void_reason`` is set; records write
-    ``guarantee: null``). ``allow_all_null``: generate even when every reference to be used is empty
-    (public-only texts that still charge the ledger); refused by default.
-    ``on_tokens(n)`` / ``on_text(text)`` / ``on_start(num_texts)``: progress hooks (``on_start``: once per
-    process, before decoding, with the number of texts this process will generate, each of at most T
-    tokens: what a progress bar's total needs).
+    ``seed``: ``None`` (OS entropy, the private default) or a fixed seed, which warns: seeded output is
+    reproducible and therefore not private (``guarantee.void_reason`` is set; records write ``guarantee:
+    null``).
+    ``hooks``: :class:`GenerationHooks` (``on_tokens(n)``, ``on_text(text)``, ``on_start(num_texts)``).
 
-    Valid ranges: ``batch_size``, ``max_new_tokens``, ``num_texts``, ``top_k``, ``max_batch_rows``:
-    integers ≥ 1 (``num_texts`` at most the number of full batches; ``top_k``/``max_batch_rows``
-    also ``None``); ``delta`` in (0, 1); ``epsilon``, ``clip_norm``, ``temperature``: finite and > 0;
-    ``seed``: an integer ≥ 0 or ``None``; every prompt must fit the model's context with T new
-    tokens. Anything else raises ``ValueError`` before the model is loaded (the context check: after
-    loading, before the ledger is charged).
+    Anything invalid raises ``ValueError`` before the model is loaded (the context check: after loading,
+    before the ledger is charged).
     """
-    return prepare_release(**locals()).run()
+    return prepare_release(references, config, model=model, prompt=prompt, output=output, ledger=ledger, seed=seed,
+                           hooks=hooks).run()
 
 
-def _bind(function, references, options: dict) -> dict:
-    """``options`` as keyword arguments of ``function``, with its defaults filled in (a ``TypeError``
-    for an unknown name, as the call itself would raise)."""
-    bound = inspect.signature(function).bind(references, **options)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def prepare_release(references, **options) -> _Release:
-    """Every check that needs no model, then the release to run; ``options`` are :func:`generate`'s."""
-    o = SimpleNamespace(**_bind(generate, references, options))
-    config = _config(o)
-    _check_run_options(o)
-    output_path = _check_output_path(o.output)
-    ledger = _open_ledger(o.ledger)
-    _check_model_source(o.model, o.gguf_file, o.device, o.dtype)
-    template = get_preset(o.prompt, **dict(o.prompt_fields or {}))
-    partition, labels, positions = _partition(o, config, template)
-    _refuse_defaulted_fields(o, template)
-    if not o.allow_all_null:
+def prepare_release(
+    references,
+    config: GenerationConfig,
+    *,
+    model=None,
+    prompt="generic",
+    output=None,
+    ledger=None,
+    seed: int | None = None,
+    hooks: GenerationHooks | None = None,
+) -> _Release:
+    """Every check that needs no model, then the release to run; the arguments are :func:`generate`'s."""
+    if not isinstance(config, GenerationConfig):
+        raise ValueError(f"config must be a GenerationConfig; got {type(config).__name__}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
+    hooks = GenerationHooks() if hooks is None else hooks
+    if not isinstance(hooks, GenerationHooks):
+        raise ValueError(f"hooks must be GenerationHooks or None; got {type(hooks).__name__}")
+    load = model if isinstance(model, ModelSpec) else ModelSpec(model)
+    prompt = prompt if isinstance(prompt, PromptSpec) else PromptSpec(prompt)
+    output_path = _check_output_path(output)
+    ledger = _open_ledger(ledger)
+    template = prompt.resolved()
+    partition, labels, positions, label_columns = _partition(references, config, template, prompt.label_fields)
+    filled = tuple(rule.field for rule in label_fields_for(template, list(label_columns), prompt.label_fields)) if label_columns else ()
+    require_label_fields(template, given=tuple(prompt.fields or ()), filled=filled)
+    if not config.allow_all_null:
         _refuse_all_null(partition, config.batch_size)
     plan = config.plan()
-    guarantee = Guarantee(plan, config.top_k, void_reason=None if o.seed is None else SEEDED_VOID_REASON)
+    guarantee = Guarantee(plan, config.top_k, void_reason=None if seed is None else SEEDED_VOID_REASON)
     mechanism = MechanismConfig.from_event(plan.event, top_k=config.top_k)
     if not math.isclose(mechanism.epsilon0, plan.epsilon0, rel_tol=1e-12):
         raise RuntimeError(
             f"internal inconsistency: mechanism epsilon0={mechanism.epsilon0!r} but plan epsilon0={plan.epsilon0!r}"
         )
     fingerprint = input_fingerprint(partition, labels)
-    if o.seed is not None:
+    if seed is not None:
         warnings.warn(
-            f"generating with a fixed seed ({o.seed}): the output is reproducible and carries no privacy guarantee",
+            f"generating with a fixed seed ({seed}): the output is reproducible and carries no privacy guarantee",
             SeededGeneratorWarning,
             stacklevel=3,
         )
-
     return _Release(
-        config=config,
-        plan=plan,
-        guarantee=guarantee,
-        mechanism=mechanism,
-        partition=partition,
-        template=template,
-        fingerprint=fingerprint,
-        seed=o.seed,
-        output=output_path,
-        ledger=ledger,
-        cluster=current_cluster(),
-        load=_LoadSpec(o.model, o.gguf_file, o.device, o.dtype, o.max_batch_rows),
-        on_tokens=o.on_tokens,
-        on_text=o.on_text,
-        on_start=o.on_start,
-        labels=labels,
-        label_fields=None if o.label_fields is None else dict(o.label_fields),
+        config=config, plan=plan, guarantee=guarantee, mechanism=mechanism, partition=partition, template=template,
+        fingerprint=fingerprint, seed=seed, output=output_path, ledger=ledger, cluster=current_cluster(), load=load,
+        hooks=hooks, labels=labels, label_fields=None if prompt.label_fields is None else dict(prompt.label_fields),
         positions=positions,
-    )
+    )  # fmt: skip
 
 
-def _check_run_options(o) -> None:
-    """Check the options outside :class:`GenerationConfig`: seed, rows per pass, all-null, hooks, prompt fields."""
-    if o.seed is not None and (isinstance(o.seed, bool) or not isinstance(o.seed, int) or o.seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None; got {o.seed!r}")
-    if o.max_batch_rows is not None and (
-        isinstance(o.max_batch_rows, bool) or not isinstance(o.max_batch_rows, int) or o.max_batch_rows < 1
-    ):
-        raise ValueError(f"max_batch_rows must be an integer >= 1 or None; got {o.max_batch_rows!r}")
-    if not isinstance(o.allow_all_null, bool):
-        raise ValueError(f"allow_all_null must be a bool; got {o.allow_all_null!r}")
-    for name, hook in (("on_tokens", o.on_tokens), ("on_text", o.on_text), ("on_start", o.on_start)):
-        if hook is not None and not callable(hook):
-            raise ValueError(f"{name} must be callable or None; got {type(hook).__name__}")
-    if o.prompt_fields is not None and not isinstance(o.prompt_fields, Mapping):
-        raise ValueError(f"prompt_fields must be a mapping of field names to strings; got {type(o.prompt_fields).__name__}")
+@dataclasses.dataclass(frozen=True)
+class GenerationHooks:
+    """Progress hooks of a release: ``on_tokens(n)`` after every step with the tokens drawn, ``on_text(text)``
+    for each released :class:`GeneratedText`, ``on_start(num_texts)`` once per process before decoding, with
+    the number of texts it will generate, each of at most T tokens (what a progress bar's total needs)."""
+
+    on_tokens: Callable[[int], None] | None = None
+    on_text: Callable[[GeneratedText], None] | None = None
+    on_start: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            hook = getattr(self, field.name)
+            if hook is not None and not callable(hook):
+                raise ValueError(f"{field.name} must be callable or None; got {type(hook).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSpec:
+    """The prompts of a release: ``template`` (a preset name or a :class:`~invink_audit.prompts.PromptTemplate`),
+    ``fields`` (values of its public fields) and ``label_fields`` ({label column: prompt field}, for labels
+    whose column is not named by the preset's rule or after a field)."""
+
+    template: str | PromptTemplate = "generic"
+    fields: Mapping[str, str] | None = None
+    label_fields: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("fields", "label_fields"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Mapping):
+                raise ValueError(f"{name} must be a mapping of names to strings; got {type(value).__name__}")
+        self.resolved()  # an unknown preset or field fails here
+
+    def resolved(self) -> PromptTemplate:
+        """The template with its field values."""
+        return get_preset(self.template, **dict(self.fields or {}))
 
 
 def _refuse_all_null(partition, batch_size: int) -> None:
@@ -725,76 +720,50 @@ def _refuse_all_null(partition, batch_size: int) -> None:
         )
 
 
-def _refuse_defaulted_fields(o, template: PromptTemplate) -> None:
-    """Refuse a preset whose label fields (Yelp's ``category``, ``stars``) would keep their example values:
-    every text would be prompted as, say, a 4-star restaurant review whatever the references are, and
-    nothing would say so. The values must be given (``prompt_fields``) or filled by ``label_columns``."""
-    filled = ()
-    if o.label_columns is not None:
-        filled = tuple(rule.field for rule in label_fields_for(template, list(o.label_columns), o.label_fields))
-    require_label_fields(template, given=tuple(o.prompt_fields or ()), filled=filled)
-
-
-def _config(o) -> GenerationConfig:
-    """The release's :class:`GenerationConfig`: the one given, or one built from the keyword arguments."""
-    loose = {f.name: getattr(o, f.name) for f in dataclasses.fields(GenerationConfig)}
-    if o.config is None:
-        return GenerationConfig(**loose)
-    if not isinstance(o.config, GenerationConfig):
-        raise ValueError(f"config must be a GenerationConfig or None; got {type(o.config).__name__}")
-    defaults = {f.name: None if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(GenerationConfig)}
-    given = sorted(name for name, value in loose.items() if value != defaults.get(name, None))
-    if given:
-        raise ValueError(f"give the release's parameters either as config or as keywords, not both; got config and {given}")
-    return o.config
-
-
-def _partition(o, config: GenerationConfig, template: PromptTemplate):
-    """The batches, each batch's labels (``None`` without ``label_columns``) and each batch's reference
-    positions in the input (``None``: batch ``i`` holds positions ``i·B ..``)."""
-    if o.label_columns is None:
-        for name in ("label_fields", "num_texts_per_group"):
-            if getattr(o, name) is not None:
-                raise ValueError(f"{name} is only used with label_columns")
-        if isinstance(o.references, (str, os.PathLike)):
-            o.references = read_references(o.references, column=o.column)
-        elif o.column is not None:
-            raise ValueError(f"column is only used when references is a file path; got column={o.column!r}")
-        return partition_references(o.references, config.batch_size, num_texts=config.num_texts), None, None
+def _partition(references, config: GenerationConfig, template: PromptTemplate, label_fields):
+    """The batches, each batch's labels (``None`` for unlabelled references), each batch's reference
+    positions in the input (``None``: batch ``i`` holds positions ``i·B ..``) and the label columns."""
+    if isinstance(references, ReferencesFile):
+        references = references.read()
+    elif isinstance(references, (str, os.PathLike)):
+        references = read_references(references)
+    if not isinstance(references, LabelledReferences):
+        if config.num_texts_per_group is not None:
+            raise ValueError("num_texts_per_group is only used with labelled references (ReferencesFile with label_columns)")
+        if label_fields is not None:
+            raise ValueError("label_fields is only used with labelled references (ReferencesFile with label_columns)")
+        return partition_references(references, config.batch_size, num_texts=config.num_texts), None, None, ()
     if config.num_texts is not None:
-        raise ValueError("with label_columns, give num_texts_per_group (texts per label group), not num_texts")
-    if isinstance(o.label_columns, str):
-        raise ValueError(f"label_columns must be a sequence of column names, not one string; got {o.label_columns!r}")
-    if isinstance(o.references, LabelledReferences):  # already read (e.g. select_references: --where)
-        if tuple(o.references.label_columns) != tuple(o.label_columns):
-            raise ValueError(f"references carry label columns {list(o.references.label_columns)}, "
-                             f"label_columns are {list(o.label_columns)}")
-        if o.column is not None:
-            raise ValueError(f"column is only used when references is a file path; got column={o.column!r}")
-    elif not isinstance(o.references, (str, os.PathLike)):
-        raise ValueError("label_columns needs references as a file path (.csv or .jsonl) holding those columns, "
-                         "or as LabelledReferences")
-    if o.label_fields is not None and not isinstance(o.label_fields, Mapping):
-        raise ValueError(f"label_fields must map label columns to prompt fields; got {type(o.label_fields).__name__}")
-    label_fields_for(template, list(o.label_columns), o.label_fields)  # every label reaches the prompt
-    labelled = (o.references if isinstance(o.references, LabelledReferences)
-                else read_labelled_references(o.references, column=o.column, label_columns=o.label_columns))
-    partition, labels, positions = labelled_partition(labelled, config.batch_size,
-                                                      num_texts_per_group=o.num_texts_per_group)
+        raise ValueError("with labelled references, give num_texts_per_group (texts per label group), not num_texts")
+    label_fields_for(template, list(references.label_columns), label_fields)  # every label reaches the prompt
+    partition, labels, positions = labelled_partition(references, config.batch_size,
+                                                      num_texts_per_group=config.num_texts_per_group)
     for batch_labels in labels:  # every group's labels fill the prompt (an empty label is refused here)
-        template_for_labels(template, batch_labels, o.label_fields)
-    return partition, labels, positions
+        template_for_labels(template, batch_labels, label_fields)
+    return partition, labels, positions, tuple(references.label_columns)
 
 
 @dataclasses.dataclass(frozen=True)
-class _LoadSpec:
-    """How a process loads the model and builds its engine (every process, and every Ray actor)."""
+class ModelSpec:
+    """Which model a release loads and how; every process (and every Ray actor) builds its engine from it.
+    ``model``: a path or hub-cache name (default: the embedded SmolLM2-135M-Instruct) or a loaded model;
+    ``gguf_file``: a GGUF file inside a model directory; ``device`` / ``dtype``: see
+    :func:`~invink_audit.models.load_model` (ignored for a loaded model); ``max_batch_rows``: forward rows
+    per pass, an integer >= 1 (``None``: no limit). Checked without loading anything."""
 
-    model: object
-    gguf_file: str | None
-    device: object
-    dtype: object
-    max_batch_rows: int | None
+    model: str | os.PathLike | LoadedModel | None = None
+    gguf_file: str | None = None
+    device: str | torch.device | None = None
+    dtype: str | torch.dtype | None = None
+    max_batch_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_rows is not None and (
+            isinstance(self.max_batch_rows, bool) or not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 1
+        ):
+            raise ValueError(f"max_batch_rows must be an integer >= 1 or None; got {self.max_batch_rows!r}")
+        # a DtypeChoice is a decision already made (an external release's workers follow the driver's)
+        _check_model_source(self.model, self.gguf_file, self.device, None if isinstance(self.dtype, DtypeChoice) else self.dtype)
 
     def build(self, mechanism: MechanismConfig, device) -> tuple[LoadedModel, Engine]:
         loaded = _load(self.model, self.gguf_file, device, self.dtype)
@@ -895,10 +864,8 @@ class _Release:
     output: Path | None
     ledger: object
     cluster: Cluster
-    load: _LoadSpec
-    on_tokens: Callable[[int], None] | None = None
-    on_text: Callable[[GeneratedText], None] | None = None
-    on_start: Callable[[int], None] | None = None
+    load: ModelSpec
+    hooks: GenerationHooks = dataclasses.field(default_factory=lambda: GenerationHooks())
     labels: tuple[Mapping[str, str], ...] | None = None
     label_fields: Mapping[str, str] | None = None
     positions: tuple[tuple[int, ...], ...] | None = None
@@ -1082,9 +1049,9 @@ class _Release:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", SeededGeneratorWarning)  # warned above, at the caller
                     generator = make_generator(self.seed, device=loaded.device)
-                releaser = _StepReleaser(journal, sink, self.on_text, self.on_tokens)
-                if self.on_start is not None:
-                    self.on_start(len(requests))
+                releaser = _StepReleaser(journal, sink, self.hooks.on_text, self.hooks.on_tokens)
+                if self.hooks.on_start is not None:
+                    self.hooks.on_start(len(requests))
                 for finished in () if not requests else engine.generate(
                     requests,
                     max_new_tokens=self.config.max_new_tokens,
@@ -1198,7 +1165,7 @@ class ExternalRelease:
             )
         if isinstance(release.load.model, LoadedModel):
             raise ValueError("give the model as a path or name (each worker loads its own copy), not a LoadedModel")
-        if release.on_tokens is not None:
+        if release.hooks.on_tokens is not None:
             raise ValueError("on_tokens is not available when workers generate (the executor reports progress)")
         release.cluster = Cluster()  # the driver is one process, even inside a torchrun job
         self.release = release
@@ -1213,8 +1180,8 @@ class ExternalRelease:
         # the workers follow the driver's dtype decision (on a device of its kind; on another, they decide)
         release.load = dataclasses.replace(release.load, dtype=self.loaded.dtype_choice)
         self.admission = release._admit(self.loaded)
-        if release.on_start is not None:
-            release.on_start(len(self.admission.assignment[0]))
+        if release.hooks.on_start is not None:
+            release.hooks.on_start(len(self.admission.assignment[0]))
         return self.admission.assignment[0]
 
     def references(self, index: int) -> tuple[str | None, ...]:
@@ -1256,9 +1223,9 @@ class ExternalRelease:
         if missing:
             raise ReleaseIncompleteError(release._incomplete(f"{len(missing)} batch(es) have no text (first: {missing[0]})"))
         fresh = [texts[i] for i in (admission.assignment[0] if released is None else sorted(released))]
-        if release.on_text is not None:
+        if release.hooks.on_text is not None:
             for text in fresh:
-                release.on_text(text)
+                release.hooks.on_text(text)
         tokens = sum(t.num_tokens for t in fresh)
         ordered = [texts[i] for i in sorted(texts)]
         stats = ProcessStats(0, "ray", len(fresh), tokens, seconds)

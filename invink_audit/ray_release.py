@@ -99,6 +99,7 @@ def _init_ray(ray) -> None:
 
 def generate_on_ray(
     references,
+    config,
     *,
     concurrency: int = 1,
     num_gpus: float = 0.0,
@@ -111,9 +112,10 @@ def generate_on_ray(
 
     ``concurrency``: actors (each loads the model once); ``num_gpus`` / ``num_cpus``: per actor;
     ``texts_per_call``: batches per actor call (texts the engine decodes together). ``options``: the
-    keyword arguments of :func:`~invink_audit.generation.generate`; ``output`` is required (its journal
-    keeps one text per batch under task retries), ``model`` must be a path or name, and ``on_text`` is
-    called on the driver once the pipeline has finished (``on_tokens`` is refused).
+    keyword arguments of :func:`~invink_audit.generation.generate` (``config`` its release parameters);
+    ``output`` is required (its journal keeps one text per batch under task retries), ``model`` must be a path
+    or name, and ``hooks.on_text`` is called on the driver once the pipeline has finished (``hooks.on_tokens``
+    is refused).
     """
     for name, value in (("concurrency", concurrency), ("texts_per_call", texts_per_call)):
         check_count(name, value)
@@ -124,7 +126,7 @@ def generate_on_ray(
         import ray
     except ImportError as err:
         raise ValueError("Ray is not installed: pip install 'invink-audit[ray]'") from err
-    external = ExternalRelease(prepare_release(references, **options))
+    external = ExternalRelease(prepare_release(references, config, **options))
     holder = None
     try:
         todo = external.admit()

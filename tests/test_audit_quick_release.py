@@ -11,9 +11,10 @@ import pytest
 
 from invink_audit.audit.quick import AuditedRelease, quick_audit
 from invink_audit.audit.stats import Verdict
-from invink_audit.generation import Guarantee, generate
+from invink_audit.generation import GenerationConfig, Guarantee, generate
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.prompts import template_for_labels
+from releases import generate_flat
 
 REFS = ["The food was great.", "Mr Smith was admitted.", "", "Slow service.", "Nice place.", "Cold soup.", "x"]
 
@@ -29,7 +30,7 @@ def tiny():
 def result(tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)
-        return generate(REFS, batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=3.0, model=tiny, top_k=20, seed=3)
+        return generate(REFS, GenerationConfig(batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=3.0, top_k=20), model=tiny, seed=3)
 
 
 def _numbers(report):
@@ -94,8 +95,8 @@ def _labelled_release(tiny, path, categories, **kwargs):
             writer.writerow([f"review {i}", f"Business Category: {category}", "Review Stars: 5.0"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return generate(path, label_columns=["label1", "label2"], batch_size=2, max_new_tokens=3, delta=1e-6,
-                        epsilon=8.0, model=tiny, prompt="yelp", seed=3, **kwargs)  # fmt: skip
+        return generate_flat(path, label_columns=["label1", "label2"], batch_size=2, max_new_tokens=3, delta=1e-6,
+                             epsilon=8.0, model=tiny, prompt="yelp", seed=3, **kwargs)  # fmt: skip
 
 
 def test_a_label_conditioned_release_is_audited_with_each_batch_prompt(tiny, tmp_path):

@@ -14,6 +14,7 @@ from invink_audit.cli import main
 from invink_audit.generation import generate
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.models import build_tiny_model
+from releases import generate_flat
 
 ROWS = [(f"Review {i}: the soup was {'great' if i % 2 else 'cold'}.", "Restaurants" if i % 5 else "Bars", f"{1 + i % 2}.0")
         for i in range(17)]  # fmt: skip
@@ -27,7 +28,7 @@ def reviews(reviews_csv):
 def _release(path, output, tiny_dir, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)
-        return generate(path, output=output, batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=6.0, top_k=8,
+        return generate_flat(path, output=output, batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=6.0, top_k=8,
                         model=str(tiny_dir), prompt="yelp", label_columns=["label2"],
                         prompt_fields={"category": "Restaurants"}, seed=3, **kwargs)
 

@@ -33,6 +33,7 @@ from invink_audit.engine import Engine
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, derive_key, make_generator
 from invink_audit.outputs import journal_path, read_generation_output
 from invink_audit.prompts import encode_request, get_preset
+from invink_audit.generation import GenerationConfig
 
 MASTER = 0x0123_4567_89AB_CDEF_FEDC_BA98_7654_3210  # a known master key, to look for in what is sent
 REFERENCES = [
@@ -123,7 +124,8 @@ def test_each_process_receives_its_own_batches_stream_keys_and_never_the_master_
     monkeypatch.setattr(generation, "release_key", lambda seed: MASTER)
     references = [f"Review {i}: the soup was {'great' if i % 2 else 'cold'}." for i in range(21)]
     release = generation.prepare_release(
-        references, batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=8.0, model=tiny, output=tmp_path / "o.jsonl"
+        references, generation.GenerationConfig(batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=8.0), model=tiny,
+        output=tmp_path / "o.jsonl",
     )
     release.cluster = cluster = _RecordingCluster(rank=0, world_size=3)
     with contextlib.ExitStack() as stack:
@@ -274,10 +276,7 @@ def test_generate_refuses_a_launch_across_machines_before_any_process_group_or_c
     launch_env(WORLD_SIZE=4, RANK=0, LOCAL_RANK=0, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500)
     output = tmp_path / "out.jsonl"
     with pytest.raises(ValueError, match="spans more than one machine"):
-        generation.generate(
-            [f"review {i}" for i in range(6)], batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=8.0, model=tiny,
-            output=output, ledger=ledger,
-        )  # fmt: skip
+        generation.generate([f"review {i}" for i in range(6)], GenerationConfig(batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=8.0), model=tiny, output=output, ledger=ledger)  # fmt: skip
     assert ledger.read_bytes() == before and not output.exists()
     assert not dist.is_initialized()
 

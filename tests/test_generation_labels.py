@@ -9,6 +9,7 @@ a changed label is a different input, never silently resumed.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import warnings
 
@@ -16,7 +17,8 @@ import pytest
 
 import invink_audit.generation as generation_module
 from invink_audit.cli import main
-from invink_audit.generation import generate, read_generation_output
+from invink_audit.generation import GenerationConfig, PromptSpec, generate, read_generation_output
+from releases import generate_flat
 
 CATEGORIES = ["Business Category: Restaurants", "Business Category: Shopping"]
 STARS = ["Review Stars: 5.0", "Review Stars: 1.0"]
@@ -44,7 +46,7 @@ def _generate(tiny, path, **kwargs):
     options.update(kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return generate(path, label_columns=["label1", "label2"], **options)
+        return generate_flat(path, label_columns=["label1", "label2"], **options)
 
 
 def test_each_batch_is_one_label_group_prompted_with_its_labels(tiny, reviews, tmp_path, monkeypatch):
@@ -107,7 +109,7 @@ def test_a_resumed_labelled_release_keeps_its_texts_and_a_changed_label_is_refus
         ({"num_texts": 1}, "num_texts_per_group"),
         ({"label_fields": {"label1": "no_such_field"}}, "has no field 'no_such_field'"),
         ({"label_columns": ["label1", "missing"]}, "missing"),
-        ({"label_columns": "label1"}, "not one string"),
+        ({"label_columns": "label1"}, "sequence of column names"),
     ],
 )
 def test_bad_label_options_are_refused_before_the_model_loads(tiny, reviews, monkeypatch, kwargs, message):
@@ -121,13 +123,16 @@ def test_bad_label_options_are_refused_before_the_model_loads(tiny, reviews, mon
     options.update({"label_columns": ["label1", "label2"], **kwargs})
     with warnings.catch_warnings(), pytest.raises(ValueError, match=message):
         warnings.simplefilter("ignore")
-        generate(path, **options)
+        generate_flat(path, **options)
 
 
 def test_label_options_without_label_columns_are_refused(tiny, reviews):
     path, _ = reviews
-    with pytest.raises(ValueError, match="only used with label_columns"):
-        generate(path, batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=8.0, model=tiny, num_texts_per_group=1)
+    config = GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=8.0)
+    with pytest.raises(ValueError, match="only used with labelled references"):
+        generate(path, dataclasses.replace(config, num_texts_per_group=1), model=tiny)
+    with pytest.raises(ValueError, match="only used with labelled references"):
+        generate(path, config, model=tiny, prompt=PromptSpec("generic", label_fields={"label1": "category"}))
 
 
 def test_the_cli_generates_label_conditioned_texts(tiny_dir, reviews, tmp_path, capsys):

@@ -27,6 +27,7 @@ from invink_audit.generation import (
     read_generation_output,
 )
 from invink_audit.mechanism import SeededGeneratorWarning
+from releases import generate_flat
 
 REFERENCES = [
     "Marguerite Lindqvist has a dry cough since the new tablets.",
@@ -75,7 +76,7 @@ def _generate(tiny, references=REFERENCES, **kwargs):
     # finishes are released together, test_texts_of_one_step_are_released_together)
     options = dict(batch_size=B, max_new_tokens=T, delta=1e-6, epsilon=5.0, model=tiny, top_k=8, max_batch_rows=B + 1)
     options.update(kwargs)
-    return generate(references, **options)
+    return generate_flat(references, **options)
 
 
 def _ledger(tmp_path, epsilon=20.0):

@@ -20,8 +20,9 @@ import pytest
 
 import invink_audit.generation as generation_module
 from invink_audit.cli import main
-from invink_audit.generation import generate, read_generation_output
+from invink_audit.generation import GenerationConfig, GenerationHooks, generate, read_generation_output
 from invink_audit.outputs import journal_path
+from releases import generate_flat
 
 CATEGORY = "Business Category: Restaurants"
 STARS = ("Review Stars: 5.0", "Review Stars: 1.0")
@@ -41,7 +42,7 @@ def reviews(tmp_path):
 
 def _labelled(tiny, path, **kwargs):
     options = dict(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0, model=tiny, prompt="yelp")
-    return generate(path, label_columns=["label1", "label2"], **{**options, **kwargs})
+    return generate_flat(path, label_columns=["label1", "label2"], **{**options, **kwargs})
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,19 +96,19 @@ def test_the_yelp_presets_example_fields_are_refused_unless_given_or_filled(tiny
     options = dict(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0, model="smollm2")
     for preset in ("yelp", "yelp-paper", "yelp-completion"):
         with pytest.raises(ValueError, match=r"example value.*'category', 'stars'.*--prompt-field"):
-            generate(reviews, prompt=preset, **options)
+            generate_flat(reviews, prompt=preset, **options)
     # labels that fill one field leave the other one defaulted
     with pytest.raises(ValueError, match=r"field\(s\) \['category'\]"):
-        generate(reviews, prompt="yelp", label_columns=["label2"], **options)
+        generate_flat(reviews, prompt="yelp", label_columns=["label2"], **options)
     # given (the preset's own values, on purpose) or filled by labels, the preset runs
     monkeypatch.undo()
     options["model"] = tiny
     fields = {"category": "Restaurants", "stars": "4.0"}
-    given = generate(reviews, prompt="yelp", prompt_fields=fields, num_texts=1, **options)
+    given = generate_flat(reviews, prompt="yelp", prompt_fields=fields, num_texts=1, **options)
     assert len(given.texts) == 1 and dict(given.template.fields) == fields
     assert len(_labelled(tiny, reviews, num_texts_per_group=1).texts) == 2
     # a preset without label fields (generic: a description of the collection) needs nothing
-    assert len(generate(reviews, num_texts=1, **options).texts) == 1
+    assert len(generate_flat(reviews, num_texts=1, **options).texts) == 1
 
 
 def test_the_cli_refuses_the_yelp_preset_without_fields(tiny_dir, reviews, tmp_path, capsys):
@@ -183,10 +184,10 @@ def test_the_generate_progress_bar_has_a_total_and_ends_full(tiny, tiny_dir, tmp
     # 2 texts x T = 3 token slots; without a total tqdm prints "6tok [..., ...]" and no ETA
     assert re.search(r"\b6/6 \[\d\d:\d\d<\d\d:\d\d", err), err
     starts = []
-    generate(["a", "b", "c", "d"], batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0, model=tiny, on_start=starts.append)
+    generate(["a", "b", "c", "d"], GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0), model=tiny, hooks=GenerationHooks(on_start=starts.append))
     assert starts == [2]
     with pytest.raises(ValueError, match="on_start must be callable"):
-        generate(["a", "b"], batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0, model=tiny, on_start=3)
+        generate(["a", "b"], GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0), model=tiny, hooks=GenerationHooks(on_start=3))
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,7 +380,7 @@ def test_quick_audit_reports_each_phase_from_zero_to_its_total(tiny, capsys):
     from invink_audit.audit.quick import quick_audit
 
     refs = ["The soup was cold.", "Great tacos!", "Slow service.", "Lovely staff."]
-    result = generate(refs, batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0, model=tiny)
+    result = generate(refs, GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0), model=tiny)
     calls = []
     quick_audit(result, model=tiny, num_samples=16, progress=lambda *call: calls.append(call))
     from invink_audit.audit.quick import PHASE_EXACT, PHASE_SAMPLED

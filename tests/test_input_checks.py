@@ -31,6 +31,7 @@ from invink_audit.cli import EXIT_BAD_INPUT, main
 from invink_audit.generation import SEEDED_VOID_REASON
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, is_seeded, make_generator
 from invink_audit.models import build_tiny_model
+from releases import call_flat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -410,14 +411,14 @@ def test_a_local_ray_session_folder_is_owner_only(tiny_dir, tmp_path, monkeypatc
     options = dict(model=str(tiny_dir), batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=8.0, device="cpu")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(Started):
-        generate_on_ray(refs, output=tmp_path / "a.jsonl", **options)
+        call_flat(generate_on_ray, refs, output=tmp_path / "a.jsonl", **options)
     root = Path(calls[-1]["_temp_dir"])
     assert root.parent.parent == temp
     for folder in (root.parent, root, *root.glob("session_*")):  # a private folder, and Ray's made private
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # joining a cluster: its own folders
     with pytest.raises(Started):
-        generate_on_ray(refs, output=tmp_path / "b.jsonl", **options)
+        call_flat(generate_on_ray, refs, output=tmp_path / "b.jsonl", **options)
     assert "_temp_dir" not in calls[-1]
 
 

@@ -24,6 +24,7 @@ import invink_audit.outputs as outputs_module
 from invink_audit.generation import generate
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.not_private import NOT_PRIVATE_BANNER
+from releases import generate_flat
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCES = [
@@ -52,7 +53,7 @@ def _mode(path: Path) -> int:
 def _generate(tiny, **kwargs):
     options = dict(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, model=tiny, top_k=8)
     options.update(kwargs)
-    return generate(REFERENCES, **options)
+    return generate_flat(REFERENCES, **options)
 
 
 def _ledger(tmp_path):

@@ -178,7 +178,7 @@ def _references_and_generator(namespace: dict, workdir: Path) -> None:
 
 #: distinctive substring of a block -> what the reader would have before running it
 SETUPS: dict[str, Callable[[dict, Path], None]] = {
-    'generate(Path("my.csv")': _reviews_and_ledger,
+    'ReferencesFile(Path("my.csv")': _reviews_and_ledger,
     'read_text_set("texts.jsonl"': _evaluation_inputs,
     "audit = quick_audit(result)": _references,
     "blackbox_audit(my_generate, references": _references_and_generator,

@@ -35,6 +35,7 @@ from invink_audit.outputs import (
     shard_path,
     start_output,
 )
+from releases import generate_flat
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +172,10 @@ def test_a_failure_right_after_the_charge_does_not_charge_the_rerun_again(tiny, 
 
     monkeypatch.setattr(generation_module, "start_output", crash)
     with pytest.raises(OSError):
-        generate(refs, **options)
+        generate_flat(refs, **options)
     monkeypatch.setattr(generation_module, "start_output", real)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        generate(refs, **options)
+        generate_flat(refs, **options)
     assert len(ledger.status().releases) == 1
     assert not (tmp_path / "out.jsonl.pending.json").exists()

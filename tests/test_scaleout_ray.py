@@ -17,6 +17,7 @@ from accounting import BudgetLedger
 from invink_audit.generation import ExternalRelease, generate, generate_texts, prepare_release
 from invink_audit.mechanism import derive_key
 from invink_audit.outputs import journal_path, read_generation_output, shard_paths
+from releases import call_flat
 
 ray = pytest.importorskip("ray")
 
@@ -60,16 +61,16 @@ def test_a_ray_release_equals_the_single_process_release(cluster, tiny_dir, refs
     from invink_audit.ray_release import generate_on_ray
 
     single = tmp_path / "single.jsonl"
-    _quiet(generate, refs, model=str(tiny_dir), output=single, **OPTIONS)
+    _quiet(call_flat, generate, refs, model=str(tiny_dir), output=single, **OPTIONS)
     ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=100.0, delta=1e-5)
     output = tmp_path / "ray.jsonl"
     result = _quiet(
-        generate_on_ray, refs, model=str(tiny_dir), output=output, ledger=ledger, concurrency=2, texts_per_call=4, **OPTIONS
+        call_flat, generate_on_ray, refs, model=str(tiny_dir), output=output, ledger=ledger, concurrency=2, texts_per_call=4, **OPTIONS
     )
     assert _texts(output) == _texts(single)  # same texts, ordered by batch index
     assert [t.batch_index for t in result.texts] == list(range(NUM_REFERENCES // 3))
     assert len(ledger.status().releases) == 1 and shard_paths(output) == []
-    again = _quiet(generate_on_ray, refs, model=str(tiny_dir), output=output, ledger=ledger, concurrency=2, **OPTIONS)
+    again = _quiet(call_flat, generate_on_ray, refs, model=str(tiny_dir), output=output, ledger=ledger, concurrency=2, **OPTIONS)
     assert again.num_resumed == NUM_REFERENCES // 3 and again.tokens_generated == 0
     assert len(ledger.status().releases) == 1  # a resumed release is not charged again
 
@@ -77,7 +78,7 @@ def test_a_ray_release_equals_the_single_process_release(cluster, tiny_dir, refs
 def test_a_retried_task_never_releases_a_second_text(tiny_dir, refs, tmp_path):
     # what Ray does when an actor dies after writing: the task runs again on another actor
     output = tmp_path / "retry.jsonl"
-    external = ExternalRelease(_quiet(prepare_release, refs, model=str(tiny_dir), output=output, **OPTIONS))
+    external = ExternalRelease(_quiet(call_flat, prepare_release, refs, model=str(tiny_dir), output=output, **OPTIONS))
     try:
         todo = external.admit()
         state = external.worker_state()
@@ -107,13 +108,13 @@ def test_ray_refuses_what_it_cannot_guard(tiny, tiny_dir, refs, tmp_path):
     from invink_audit.ray_release import generate_on_ray
 
     with pytest.raises(ValueError, match="needs an output file"):
-        _quiet(generate_on_ray, refs, model=str(tiny_dir), **OPTIONS)
+        _quiet(call_flat, generate_on_ray, refs, model=str(tiny_dir), **OPTIONS)
     with pytest.raises(ValueError, match="not a LoadedModel"):
-        _quiet(generate_on_ray, refs, model=tiny, output=tmp_path / "x.jsonl", **OPTIONS)
+        _quiet(call_flat, generate_on_ray, refs, model=tiny, output=tmp_path / "x.jsonl", **OPTIONS)
     with pytest.raises(ValueError, match="concurrency must be"):
-        generate_on_ray(refs, concurrency=0, model=str(tiny_dir), output=tmp_path / "x.jsonl", **OPTIONS)
+        call_flat(generate_on_ray, refs, concurrency=0, model=str(tiny_dir), output=tmp_path / "x.jsonl", **OPTIONS)
     with pytest.raises(TypeError):
-        _quiet(generate_on_ray, refs, model=str(tiny_dir), output=tmp_path / "x.jsonl", no_such_option=1, **OPTIONS)
+        _quiet(call_flat, generate_on_ray, refs, model=str(tiny_dir), output=tmp_path / "x.jsonl", no_such_option=1, **OPTIONS)
     assert not (tmp_path / "x.jsonl").exists()
 
 

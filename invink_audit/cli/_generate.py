@@ -276,7 +276,7 @@ def register(subparsers) -> None:
 
 
 def _generate(args) -> int:
-    from invink_audit.generation import generate
+    from invink_audit.generation import GenerationHooks, generate
 
     if args.epsilon is None and args.clip_norm is None:
         raise CliError("give --epsilon (plan the clip norm) or --clip-norm")
@@ -293,13 +293,13 @@ def _generate(args) -> int:
 
         references, column = selected_references(args, None)
         return generate_with_baseline(args, references, column)
-    kwargs = _generate_kwargs(args, seed, max_batch_rows)
-    references, kwargs["column"] = selected_references(args, kwargs["label_columns"])
+    config, label_columns = _generation_config(args)
+    references = _references(args, label_columns)
+    options = _release_options(args, seed, max_batch_rows)
     # under torchrun / accelerate launch, only rank 0 shows progress and prints the summary
     rank = launch_rank()
-    progress = _Progress(enabled=not args.no_progress and rank == 0, max_new_tokens=kwargs["max_new_tokens"])
+    progress = _Progress(enabled=not args.no_progress and rank == 0, max_new_tokens=config.max_new_tokens)
     try:
-        # a Path, so that a missing input is named in the error (a str could be a reference and is not echoed)
         if args.ray_actors is not None:
             from invink_audit.ray_release import generate_on_ray
 
@@ -307,11 +307,10 @@ def _generate(args) -> int:
                 concurrency=parse_int("--ray-actors", args.ray_actors),
                 num_gpus=parse_float("--ray-gpus-per-actor", args.ray_gpus_per_actor),
             )
-            result = generate_on_ray(references, on_text=progress.text, **ray, **kwargs)
+            result = generate_on_ray(references, config, hooks=GenerationHooks(on_text=progress.text), **ray, **options)
         else:
-            result = generate(
-                references, on_tokens=progress.update, on_text=progress.text, on_start=progress.start, **kwargs
-            )
+            hooks = GenerationHooks(on_tokens=progress.update, on_text=progress.text, on_start=progress.start)
+            result = generate(references, config, hooks=hooks, **options)
     finally:
         progress.close()
     if result.rank != 0:
@@ -325,9 +324,14 @@ def _generate(args) -> int:
     return 0
 
 
-def _generate_kwargs(args, seed: int | None, max_batch_rows: int | None) -> dict:
-    """``generate``'s keyword arguments from the parsed command line (each value checked, in this order)."""
-    return dict(
+def _generation_config(args):
+    """The release's :class:`~invink_audit.generation.GenerationConfig` from the command line (each value
+    checked, in this order), and the label columns."""
+    from invink_audit.generation import GenerationConfig
+
+    label_columns = None if args.label_columns is None else _label_columns(args.label_columns)
+    per_group = None if args.num_texts_per_group is None else parse_int("--num-texts-per-group", args.num_texts_per_group)
+    values = dict(
         batch_size=parse_int("--batch-size", args.batch_size),
         max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
         delta=parse_float("--delta", args.delta),
@@ -337,23 +341,42 @@ def _generate_kwargs(args, seed: int | None, max_batch_rows: int | None) -> dict
         top_k=parse_top_k(args.top_k),
         num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
         accountant=args.accountant,
-        prompt=prompt_template(args),
-        prompt_fields=parse_fields(args.prompt_field),
-        label_columns=None if args.label_columns is None else _label_columns(args.label_columns),
-        label_fields=None if args.label_field is None else parse_fields(args.label_field, "--label-field"),
-        num_texts_per_group=None
-        if args.num_texts_per_group is None
-        else parse_int("--num-texts-per-group", args.num_texts_per_group),
+        num_texts_per_group=per_group,
+        allow_all_null=args.allow_all_null,
+    )
+    if per_group is not None and label_columns is None:
+        raise CliError("--num-texts-per-group is only used with --label-columns")
+    if label_columns is not None and values["num_texts"] is not None:
+        raise CliError("with --label-columns, give --num-texts-per-group (texts per label group), not --num-texts")
+    return GenerationConfig(**values), label_columns
+
+
+def _references(args, label_columns):
+    """``--input`` as ``generate`` takes it: a :class:`~invink_audit.data.ReferencesFile` (a Path, so that a
+    missing input is named in the error), or with ``--where`` the selected records."""
+    from invink_audit.data import ReferencesFile
+
+    references, column = selected_references(args, label_columns)
+    if column is None and not isinstance(references, Path):
+        return references
+    return ReferencesFile(references, column=column, label_columns=label_columns)
+
+
+def _release_options(args, seed: int | None, max_batch_rows: int | None) -> dict:
+    """``generate``'s other keyword arguments: the model (loaded inside generate(), after every argument
+    and the input file were checked), the prompt, the output, the ledger and the seed."""
+    from invink_audit.generation import ModelSpec, PromptSpec
+
+    label_fields = None if args.label_field is None else parse_fields(args.label_field, "--label-field")
+    if label_fields is not None and args.label_columns is None:
+        raise CliError("--label-field is only used with --label-columns")
+    return dict(
+        model=ModelSpec(args.model, gguf_file=args.gguf_file, device=args.device, dtype=args.dtype,
+                        max_batch_rows=max_batch_rows),
+        prompt=PromptSpec(prompt_template(args), fields=parse_fields(args.prompt_field), label_fields=label_fields),
         output=args.output,
         ledger=args.ledger,
         seed=seed,
-        max_batch_rows=max_batch_rows,
-        allow_all_null=args.allow_all_null,
-        # the model is loaded inside generate(), after every argument and the input file were checked
-        model=args.model,
-        gguf_file=args.gguf_file,
-        device=args.device,
-        dtype=args.dtype,
     )
 
 

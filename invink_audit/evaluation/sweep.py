@@ -352,7 +352,7 @@ class _SweepRun:
 
     def private_point(self, params: Mapping, *, ledger, on_tokens) -> None:
         """One InvisibleInk release at ``params`` (resumed through ``generate``'s own resume) and its evaluation."""
-        from invink_audit.generation import generate
+        from invink_audit.generation import GenerationConfig, GenerationHooks, PromptSpec, generate
 
         config, name = self.config, _point_name(params)
         directory = self.output / name
@@ -364,17 +364,16 @@ class _SweepRun:
         timing = directory / "generation.json"  # generation seconds, summed over resumed runs
         before = json.loads(timing.read_text())["seconds"] if timing.is_file() else 0.0
         start = time.perf_counter()
-        kwargs = dict(
+        labelled = bool(config.label_columns)
+        release = GenerationConfig(
             batch_size=params["batch_size"], max_new_tokens=params["max_new_tokens"], delta=config.delta,
             epsilon=params["epsilon"], temperature=params["temperature"], top_k=params["top_k"],
-            model=self.loaded, prompt=config.prompt, prompt_fields=config.prompt_fields,
-            output=directory / "texts.jsonl", ledger=ledger, on_tokens=on_tokens,
+            num_texts=None if labelled else config.num_texts,
+            num_texts_per_group=config.num_texts_per_group if labelled else None,
         )  # fmt: skip
-        if config.label_columns:
-            kwargs.update(label_columns=tuple(config.label_columns), num_texts_per_group=config.num_texts_per_group)
-        else:
-            kwargs.update(num_texts=config.num_texts)
-        released = generate(self._input(), **kwargs)
+        released = generate(self._input(), release, model=self.loaded,
+                            prompt=PromptSpec(config.prompt, fields=config.prompt_fields),
+                            output=directory / "texts.jsonl", ledger=ledger, hooks=GenerationHooks(on_tokens=on_tokens))
         seconds = before + time.perf_counter() - start
         timing.write_text(json.dumps({"seconds": seconds}) + "\n")
         result, synthetic = self.evaluate_file(directory / "texts.jsonl")
