@@ -560,6 +560,15 @@ def _comparison_runs(
     return _Comparisons(alone, bare, full)
 
 
+def _bench_model(model, cluster, device, dtype) -> LoadedModel:
+    """The model :func:`benchmark` decodes with; under torchrun every process runs in process 0's dtype."""
+    loaded = load_model(model, device=cluster.device(device), dtype=dtype)
+    if cluster.distributed and not isinstance(model, LoadedModel):
+        reload = lambda choice: load_model(model, device=loaded.device, dtype=choice)  # noqa: E731
+        loaded = follow_dtype(loaded, cluster.broadcast(loaded.dtype_choice), reload)
+    return loaded
+
+
 def benchmark(
     model: str | LoadedModel | None = None,
     *,
@@ -597,10 +606,7 @@ def benchmark(
     cluster = current_cluster()
     if cluster.distributed:  # the workload only: its texts shared by the processes
         repeats, one_at_a_time, floor, compare_full_logits = 0, False, False, False
-    loaded = load_model(model, device=cluster.device(device), dtype=dtype)
-    if cluster.distributed and not isinstance(model, LoadedModel):  # every process in process 0's dtype
-        reload = lambda choice: load_model(model, device=loaded.device, dtype=choice)  # noqa: E731
-        loaded = follow_dtype(loaded, cluster.broadcast(loaded.dtype_choice), reload)
+    loaded = _bench_model(model, cluster, device, dtype)
     mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     rows = num_texts * (batch_size + 1)
     engine = Engine(loaded, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
@@ -726,6 +732,39 @@ class DtypeComparison:
         return out
 
 
+def _compared_dtypes(model, dtypes: Sequence[str], device) -> list[torch.dtype]:
+    """:func:`compare_dtypes`'s model and dtypes checked: the torch dtypes to load, distinct, in one process."""
+    if isinstance(model, LoadedModel):
+        raise ValueError("compare_dtypes loads the model once per dtype: give its name or path, not a LoadedModel")
+    if isinstance(dtypes, str) or any(not isinstance(name, str) or name == "auto" for name in dtypes):
+        raise ValueError(f"dtypes must be a sequence of dtype names (not 'auto'); got {dtypes!r}")
+    wanted = [resolve_dtype(name, resolve_device(device)) for name in dtypes]
+    if not wanted or len(set(wanted)) != len(wanted):
+        raise ValueError(f"dtypes must name distinct dtypes; got {list(dtypes)!r}")
+    if current_cluster().distributed:
+        raise ValueError("compare_dtypes runs in one process: run it without torchrun")
+    return wanted
+
+
+def _alternated_runs(loaded: dict, mechanism_args: dict, texts, prompt, max_new_tokens: int, rounds: int, device,
+                     max_batch_rows: int) -> dict:
+    """Each dtype's engine, warmed up on one short text, then the whole workload ``rounds`` times per dtype,
+    alternating the order (:func:`compare_dtypes`): {dtype: (engine, requests, [workload runs])}."""
+    mechanism = MechanismConfig(**mechanism_args)
+    runs = {}
+    for name, model_in_dtype in loaded.items():
+        engine = Engine(model_in_dtype, mechanism, max_batch_rows=max_batch_rows)
+        requests, _ = _encode_workload(model_in_dtype, get_preset(prompt), texts)
+        list(engine.generate(requests[:1], max_new_tokens=2, generator=_generator(device)))  # warm-up
+        runs[name] = (engine, requests, [])
+    order = list(loaded)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            engine, requests, measured = runs[name]
+            measured.append(_workload_run(engine, requests, max_new_tokens, device))
+    return runs
+
+
 def compare_dtypes(
     model: str | None = None,
     *,
@@ -751,37 +790,19 @@ def compare_dtypes(
     _check_counts(
         batch_size=(batch_size, 1), max_new_tokens=(max_new_tokens, 3), num_texts=(num_texts, 1), rounds=(rounds, 1)
     )
-    if isinstance(model, LoadedModel):
-        raise ValueError("compare_dtypes loads the model once per dtype: give its name or path, not a LoadedModel")
-    if isinstance(dtypes, str) or any(not isinstance(name, str) or name == "auto" for name in dtypes):
-        raise ValueError(f"dtypes must be a sequence of dtype names (not 'auto'); got {dtypes!r}")
-    wanted = [resolve_dtype(name, resolve_device(device)) for name in dtypes]
-    if not wanted or len(set(wanted)) != len(wanted):
-        raise ValueError(f"dtypes must name distinct dtypes; got {list(dtypes)!r}")
-    if current_cluster().distributed:
-        raise ValueError("compare_dtypes runs in one process: run it without torchrun")
+    wanted = _compared_dtypes(model, dtypes, device)
     pool = _reference_pool(references)
     if not pool or not any(pool):
         raise ValueError("references must hold at least one non-empty text")
     auto = load_model(model, device=device, dtype="auto")
-    loaded = {}
+    loaded = {}  # the auto-loaded model serves its own dtype
     for name, torch_dtype in zip(dtypes, wanted):
         in_dtype = auto if auto.dtype == torch_dtype else load_model(model, device=auto.device, dtype=name)
         loaded[in_dtype.dtype_choice.dtype] = in_dtype
-    mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
-    rows = num_texts * (batch_size + 1)
+    mechanism = dict(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
+    rows = num_texts * (batch_size + 1) if max_batch_rows is None else max_batch_rows
     texts = _workload_texts(pool, batch_size, num_texts)
-    runs = {}
-    for name, model_in_dtype in loaded.items():
-        engine = Engine(model_in_dtype, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
-        requests, _ = _encode_workload(model_in_dtype, get_preset(prompt), texts)
-        list(engine.generate(requests[:1], max_new_tokens=2, generator=_generator(auto.device)))  # warm-up
-        runs[name] = (engine, requests, [])
-    order = list(loaded)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else reversed(order):
-            engine, requests, measured = runs[name]
-            measured.append(_workload_run(engine, requests, max_new_tokens, auto.device))
+    runs = _alternated_runs(loaded, mechanism, texts, prompt, max_new_tokens, rounds, auto.device, rows)
     return DtypeComparison(
         model=auto.name,
         device=str(auto.device),

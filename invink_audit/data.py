@@ -309,7 +309,8 @@ class ReferencesFile:
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(os.fspath(self.path)).strip():
-            raise ValueError(f"path must be a file path; got {self.path!r}")
+            # a list of references given here by mistake is private: it is named by its type only
+            raise ValueError(f"path must be a file path (str or os.PathLike); got {type(self.path).__name__}")
         if self.label_columns is not None:
             object.__setattr__(self, "label_columns", _check_label_columns(self.label_columns, self.column or "text"))
 

@@ -33,7 +33,7 @@ Resuming (:mod:`invink_audit.outputs`): the output is append-only, one record pe
 small files next to it hold the resume state: ``<output>.state.json`` (the release id and a
 fingerprint of the input, written only once the ledger charge has succeeded) and ``<output>.sampled``
 (an append-only, fsynced journal with one line per batch whose text has been drawn, holding its
-record, appended *before* that text is written to the output or handed to ``on_text``, first claim
+record, appended *before* that text is written to the output or handed to ``hooks.on_text``, first claim
 wins). Re-running with the same output file, input and configuration, on any number of processes,
 keeps the finished texts and generates only the batches that were never sampled; a sampled batch
 whose record is missing from the output (deleted, torn by a crash in mid-write, or never written
@@ -79,7 +79,6 @@ from invink_audit.data import (
     Partition,
     labelled_partition,
     partition_references,
-    read_labelled_references,
     read_references,
 )
 from invink_audit.distributed import (
@@ -716,7 +715,7 @@ def _refuse_all_null(partition, batch_size: int) -> None:
         raise ValueError(
             f"all {num_batches * batch_size} references in the {num_batches} batch(es) to generate are empty "
             "(nulls): every text would come from the public prompt alone, and the ledger would still be charged. "
-            "Check the input column; pass allow_all_null=True (--allow-all-null) to generate public-only texts anyway"
+            "Check the input column; pass GenerationConfig(allow_all_null=True) (--allow-all-null) to generate public-only texts anyway"
         )
 
 

@@ -413,7 +413,7 @@ def require_label_fields(template: PromptTemplate, given: Sequence[str] = (), fi
     raise ValueError(
         f"prompt {template.name!r} would prompt every text with its example value(s) {values} for field(s) "
         f"{list(defaulted)}, whatever the references are. Give the values that describe your references "
-        f"(prompt_fields={values!r}, or {flags} on the command line; the same values are accepted once given), "
+        f"(PromptSpec(fields={values!r}) in Python, or {flags} on the command line; the same values are accepted once given), "
         "or label columns (--label-columns) so that each batch is prompted with its own labels. Nothing was charged."
     )
 
@@ -446,7 +446,7 @@ def label_fields_for(
         else:
             raise ValueError(
                 f"label column {column!r} fills no field of prompt {template.name!r} (its fields are "
-                f"{sorted(template.field_names)}); map it with fields={{column: field}} / --label-field COLUMN=FIELD"
+                f"{sorted(template.field_names)}); map it with PromptSpec(label_fields={{column: field}}) / --label-field COLUMN=FIELD"
             )
         if rule.field not in template.field_names:
             raise ValueError(

@@ -114,7 +114,7 @@ def generate_on_ray(
     ``texts_per_call``: batches per actor call (texts the engine decodes together). ``options``: the
     keyword arguments of :func:`~invink_audit.generation.generate` (``config`` its release parameters);
     ``output`` is required (its journal keeps one text per batch under task retries), ``model`` must be a path
-    or name, and ``hooks.on_text`` is called on the driver once the pipeline has finished (``hooks.on_tokens``
+    or name (or a :class:`~invink_audit.generation.ModelSpec` of one), and ``hooks.on_text`` is called on the driver once the pipeline has finished (``hooks.on_tokens``
     is refused).
     """
     for name, value in (("concurrency", concurrency), ("texts_per_call", texts_per_call)):

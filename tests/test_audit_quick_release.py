@@ -11,7 +11,8 @@ import pytest
 
 from invink_audit.audit.quick import AuditedRelease, quick_audit
 from invink_audit.audit.stats import Verdict
-from invink_audit.generation import GenerationConfig, Guarantee, generate
+from invink_audit.data import ReferencesFile
+from invink_audit.generation import GenerationConfig, Guarantee, PromptSpec, generate
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.prompts import template_for_labels
 from releases import generate_flat
@@ -110,6 +111,13 @@ def test_a_label_conditioned_release_is_audited_with_each_batch_prompt(tiny, tmp
     assert report.verdict is Verdict.PASS and report.texts_audited == len(labelled.texts)
     with pytest.raises(ValueError, match="references given disagree"):
         AuditedRelease.of(labelled, ["review 0"])
+    # the references and the prompt in the forms generate took them
+    typed = AuditedRelease.of(labelled, ReferencesFile(path, label_columns=["label1", "label2"]), prompt=PromptSpec("yelp"))
+    assert typed.partition == release.partition and typed.template == release.template
+    with pytest.raises(ValueError, match="disagrees with the template"):
+        AuditedRelease.of(labelled, prompt=PromptSpec("generic"))
+    with pytest.raises(ValueError, match="not also as prompt_fields"):
+        AuditedRelease.of(labelled, prompt=PromptSpec("yelp"), prompt_fields={"category": "Bars"})
 
 
 def test_the_audit_places_labels_where_generate_placed_them(tiny, tmp_path):

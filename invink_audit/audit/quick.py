@@ -197,13 +197,12 @@ class AuditedRelease:
     def of_run(cls, run, references, *, prompt_fields=None) -> AuditedRelease:
         """The release of a :class:`~invink_audit.mechanisms.run.MechanismRun` (any mechanism), which records no
         partition: ``references`` are those given to ``generate_with_mechanism``."""
-        from invink_audit.data import partition_references, read_references
+        from invink_audit.data import partition_references
         from invink_audit.prompts import get_preset
 
         if references is None:
             raise ValueError("a MechanismRun records no partition: give the references given to generate_with_mechanism")
-        if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
-            references = read_references(references)
+        references = _reference_texts(references)
         fields = prompt_fields if prompt_fields is not None else run.prompt_fields
         return cls(
             run.mechanism, None, run.guarantee.delta, run.guarantee.epsilon, partition_references(references, run.batch_size),
@@ -213,9 +212,8 @@ class AuditedRelease:
     @classmethod
     def _rebuilt(cls, result, references, *, prompt, prompt_fields) -> AuditedRelease:
         from accounting import GenerationEvent
-        from invink_audit.data import partition_references, read_references
+        from invink_audit.data import partition_references
         from invink_audit.mechanism import MechanismConfig
-        from invink_audit.prompts import get_preset
 
         if references is None:
             raise ValueError("this result records no plan, partition or template: give the references given to generate")
@@ -225,12 +223,11 @@ class AuditedRelease:
                 "be rebuilt from the references; audit the result generate returned"
             )
         g = result.guarantee
-        if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
-            references = read_references(references)
+        references = _reference_texts(references)
         event = GenerationEvent(g.clip_norm, g.batch_size, g.temperature, g.max_new_tokens)
         return cls(
             MechanismConfig.from_event(event, top_k=g.top_k), event, g.delta, g.epsilon,
-            partition_references(references, g.batch_size), get_preset(prompt or result.prompt, **(prompt_fields or {})),
+            partition_references(references, g.batch_size), _template(prompt or result.prompt, prompt_fields),
         )
 
     def batch_template(self, index: int):
@@ -279,14 +276,38 @@ def _check_recorded(result) -> None:
         raise _disagree("partition and plan (batch_size)", result.partition.batch_size, event.batch_size)
 
 
+def _reference_texts(references) -> list:
+    """References in any form :func:`~invink_audit.generation.generate` takes (a list, a path, a
+    :class:`~invink_audit.data.ReferencesFile`, :class:`~invink_audit.data.LabelledReferences`) as their texts."""
+    from invink_audit.data import LabelledReferences, ReferencesFile, read_references
+
+    if isinstance(references, ReferencesFile):
+        references = references.read()
+    elif isinstance(references, str) or hasattr(references, "__fspath__"):
+        references = read_references(references)
+    return list(references.texts) if isinstance(references, LabelledReferences) else references
+
+
+def _template(prompt, prompt_fields):
+    """The template of a prompt in any form ``generate`` takes (a preset name, a template, a
+    :class:`~invink_audit.generation.PromptSpec`), with ``prompt_fields``."""
+    from invink_audit.generation import PromptSpec
+    from invink_audit.prompts import get_preset
+
+    if isinstance(prompt, PromptSpec):
+        if prompt_fields:
+            raise ValueError("give the prompt's fields in its PromptSpec, not also as prompt_fields")
+        return prompt.resolved()
+    return get_preset(prompt, **(prompt_fields or {}))
+
+
 def _check_references(result, references) -> None:
     """``references`` (a list or a file path) are those the generation partitioned."""
     from collections import Counter
 
-    from invink_audit.data import partition_references, read_references
+    from invink_audit.data import partition_references
 
-    if isinstance(references, (str,)) or hasattr(references, "__fspath__"):
-        references = read_references(references)
+    references = _reference_texts(references)
     recorded = result.partition.batches
     if result.labels is None:
         given = partition_references(references, result.partition.batch_size).batches[: len(recorded)]
@@ -310,9 +331,7 @@ def _check_references(result, references) -> None:
 
 def _check_prompt(result, prompt, prompt_fields) -> None:
     """``prompt``/``prompt_fields`` give the template the generation used."""
-    from invink_audit.prompts import get_preset
-
-    given = get_preset(prompt if prompt is not None else result.template, **(prompt_fields or {}))
+    given = _template(prompt if prompt is not None else result.template, prompt_fields)
     if given != result.template:
         raise ValueError(
             f"the prompt given ({given.name!r}, fields {dict(given.fields)}) disagrees with the template the generation "
@@ -445,7 +464,8 @@ def quick_audit(
     partition), and the audit uses exactly that (:class:`AuditedRelease`): ``references``, ``prompt``
     and ``prompt_fields`` are optional, and when given they must be those given to ``generate`` (a
     list or file path; a preset name or template, and its fields), or a ``ValueError`` says they
-    disagree. ``model``: the same model (a loaded model is reused). ``sampled_batch``: which batch
+    disagree (the forms ``generate`` takes: a list, a path, a :class:`~invink_audit.data.ReferencesFile`;
+    a preset name, a template, a :class:`~invink_audit.generation.PromptSpec`). ``model``: the same model (a loaded model is reused). ``sampled_batch``: which batch
     gets the sampled audit (``None`` skips it). Its size: ``num_samples`` texts from R (and, with
     ``"reverse"`` in ``directions``, as many from each R'_j) plus ``num_is_samples`` per α, neighbour
     and direction; the defaults (16 forward texts) keep it to about the cost of generating 16 texts.

@@ -529,7 +529,7 @@ def exact_epsilon_stationary(source: LogitSource, mechanism: SyntheticMechanism,
     With stationary logits a text's probability depends only on how many times each class of tokens
     occurs (tokens with the same pair of log-probabilities under the two datasets form a class) and on
     how it ends (EOS before T, or the budget T), so the hockey-stick divergence
-    :math:`\delta(arepsilon) = \sum_x (P(x) - e^arepsilon Q(x))_+` (Dwork & Roth 2014, §3.5; the
+    :math:`\delta(\varepsilon) = \sum_x (P(x) - e^\varepsilon Q(x))_+` (Dwork & Roth 2014, §3.5; the
     tight δ of a pair) is an exact sum over count vectors with multinomial multiplicities; ε(δ) is its
     root. Checked against :func:`enumerate_outputs` on small vocabularies (tests). A data-dependent budget
     (different T on the two datasets) is refused: use :func:`enumerate_outputs`."""

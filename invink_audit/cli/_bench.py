@@ -310,6 +310,23 @@ def _references(args, needed: int) -> list[str] | None:
     return texts[:needed]
 
 
+def _process_lines(result) -> list[str]:
+    """The per-process lines of a benchmark under torchrun (none for one process)."""
+    if not result.processes:
+        return []
+    lines = [
+        f"  {len(result.processes)} processes          {result.workload_tokens_per_second:.1f} tokens/s in all "
+        f"(total tokens / slowest process); prefill / decode and padding efficiency above are process 0's; lockstep, one-at-a-time, floor and reference runs are skipped"
+    ]
+    for p in result.processes:
+        rate = p["tokens"] / p["seconds"] if p["seconds"] > 0 else float("nan")
+        lines.append(
+            f"    process {p['rank']:<14} {plural(p['texts'], 'text')}, {plural(p['tokens'], 'token')} in "
+            f"{p['seconds']:.1f} s ({rate:.1f} tokens/s) on {p['device']}"
+        )
+    return lines
+
+
 def format_bench(result) -> str:
     """The benchmark's report: the workload, its split, efficiency, and every ratio against it."""
     ms = 1e3
@@ -327,18 +344,7 @@ def format_bench(result) -> str:
         f"decode rows {result.decode_row_efficiency:.2f} (left-padded layout: prefill "
         f"{result.left_padded_prefill_efficiency:.2f}, KV {result.left_padded_kv_efficiency:.2f})",
     ]
-    if result.processes:
-        lines.append(
-            f"  {len(result.processes)} processes          {result.workload_tokens_per_second:.1f} tokens/s in all "
-            f"(total tokens / slowest process); prefill / decode and padding efficiency above are process 0's; lockstep, one-at-a-time, floor and reference runs are skipped"
-        )
-        for p in result.processes:
-            rate = p["tokens"] / p["seconds"] if p["seconds"] > 0 else float("nan")
-            lines.append(
-                f"    process {p['rank']:<14} {plural(p['texts'], 'text')}, {plural(p['tokens'], 'token')} in "
-                f"{p['seconds']:.1f} s "
-                f"({rate:.1f} tokens/s) on {p['device']}"
-            )
+    lines += _process_lines(result)
     if result.one_at_a_time_tokens:
         lines.append(
             f"  one text at a time       {result.one_at_a_time_token_seconds * ms:.1f} ms per token "

@@ -26,6 +26,7 @@ sample, not the test sample, is the larger source of variation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Sequence
 
@@ -121,6 +122,24 @@ def _gap_closed(accuracy: dict[str, float], boot: dict[str, np.ndarray], confide
     return percentile_interval(estimate, replicates, confidence, method=how), note
 
 
+def _accuracies(syn_counts, synthetic_labels, ceiling_counts, ceiling_labels, test, truth, syn_idx, ceiling_idx,
+                test_idx) -> dict[str, float]:
+    """The three accuracies on one (re)sample: the classifier trained on the synthetic texts ``syn_idx``, the
+    ceiling trained on the real texts ``ceiling_idx``, both scored on the test texts ``test_idx``, and the
+    stratified guess's expected accuracy."""
+    syn_labels = [synthetic_labels[i] for i in syn_idx]
+    predicted_syn = _fit_predict(syn_counts[syn_idx], syn_labels, test)
+    predicted_ceiling = _fit_predict(ceiling_counts[ceiling_idx], [ceiling_labels[i] for i in ceiling_idx], test)
+    # the stratified guess is right on text i with probability p_syn(label_i): its expected accuracy
+    frequencies = Counter(syn_labels)
+    floor = np.asarray([frequencies.get(t, 0) / len(syn_labels) for t in truth], dtype=np.float64)
+    return {
+        "synthetic": float((predicted_syn == truth)[test_idx].mean()),
+        "ceiling": float((predicted_ceiling == truth)[test_idx].mean()),
+        "floor": float(floor[test_idx].mean()),
+    }
+
+
 def train_on_synthetic_test_on_real(
     synthetic_texts: Sequence[str],
     synthetic_labels: Sequence[str],
@@ -145,22 +164,10 @@ def train_on_synthetic_test_on_real(
     ceiling_texts = [real_train_texts[i] for i in chosen]
     ceiling_labels = [real_train_labels[i] for i in chosen]
     truth = np.asarray(list(real_test_labels), dtype=object)
-    test = _hashed_counts(real_test_texts)
-    syn_counts, ceiling_counts = _hashed_counts(synthetic_texts), _hashed_counts(ceiling_texts)
-
-    def accuracies(syn_idx, ceiling_idx, test_idx) -> dict[str, float]:
-        syn_labels = [synthetic_labels[i] for i in syn_idx]
-        predicted_syn = _fit_predict(syn_counts[syn_idx], syn_labels, test)
-        predicted_ceiling = _fit_predict(ceiling_counts[ceiling_idx], [ceiling_labels[i] for i in ceiling_idx], test)
-        # the stratified guess is right on text i with probability p_syn(label_i): its expected accuracy
-        frequencies = Counter(syn_labels)
-        floor = np.asarray([frequencies.get(t, 0) / len(syn_labels) for t in truth], dtype=np.float64)
-        return {
-            "synthetic": float((predicted_syn == truth)[test_idx].mean()),
-            "ceiling": float((predicted_ceiling == truth)[test_idx].mean()),
-            "floor": float(floor[test_idx].mean()),
-        }
-
+    accuracies = functools.partial(
+        _accuracies, _hashed_counts(synthetic_texts), list(synthetic_labels), _hashed_counts(ceiling_texts), ceiling_labels,
+        _hashed_counts(real_test_texts), truth,
+    )
     m = len(truth)
     from threadpoolctl import threadpool_limits
 
