@@ -87,7 +87,8 @@ def test_quick_audit_of_generated_texts(tiny_in_dtype):
     refs = ["The food was great.", "Mr Smith was admitted.", "", "Slow service.", "Nice place.", "Cold soup."]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)
-        res = generate(refs, GenerationConfig(batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=3.0, top_k=20), model=tiny, seed=3)
+        res = generate(refs, GenerationConfig(batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=3.0, top_k=20),
+                       model=tiny, seed=3)
     rep = quick_audit(res, refs, model=tiny, sampled_batch=None)
     assert rep.verdict is Verdict.PASS
     assert rep.texts_audited == 2

@@ -31,7 +31,8 @@ def tiny():
 def result(tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)
-        return generate(REFS, GenerationConfig(batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=3.0, top_k=20), model=tiny, seed=3)
+        return generate(REFS, GenerationConfig(batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=3.0, top_k=20),
+                        model=tiny, seed=3)
 
 
 def _numbers(report):

@@ -11,7 +11,6 @@ import pytest
 
 from invink_audit.audit.quick import ReleaseFile, audit_release_file, quick_audit, write_quick_report
 from invink_audit.cli import main
-from invink_audit.generation import generate
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.models import build_tiny_model
 from releases import generate_flat

@@ -276,7 +276,9 @@ def test_generate_refuses_a_launch_across_machines_before_any_process_group_or_c
     launch_env(WORLD_SIZE=4, RANK=0, LOCAL_RANK=0, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500)
     output = tmp_path / "out.jsonl"
     with pytest.raises(ValueError, match="spans more than one machine"):
-        generation.generate([f"review {i}" for i in range(6)], GenerationConfig(batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=8.0), model=tiny, output=output, ledger=ledger)  # fmt: skip
+        generation.generate([f"review {i}" for i in range(6)],
+                            GenerationConfig(batch_size=3, max_new_tokens=4, delta=1e-6, epsilon=8.0), model=tiny,
+                            output=output, ledger=ledger)  # fmt: skip
     assert ledger.read_bytes() == before and not output.exists()
     assert not dist.is_initialized()
 

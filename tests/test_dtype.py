@@ -254,7 +254,8 @@ def test_baselines_quick_audit_and_black_box_say_which_dtype_ran(native, tiny_di
     assert run.dtype_choice.dtype == "bfloat16" and run.dtype_choice.probe.passed
     assert run.record_fields()["model_dtype"] == run.dtype_choice.to_json()
 
-    float32 = generate(REFERENCES, GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, top_k=8), model=ModelSpec(str(tiny_dir), dtype="float32"))
+    float32 = generate(REFERENCES, GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, top_k=8),
+                       model=ModelSpec(str(tiny_dir), dtype="float32"))
     report = quick_audit(float32, REFERENCES, model=str(tiny_dir), sampled_batch=None)
     assert report.model_dtype == float32.dtype_choice.to_json()  # not the bfloat16 that "auto" would pick here
     assert "model dtype float32" in report.summary() and report.to_dict()["model_dtype"]["dtype"] == "float32"

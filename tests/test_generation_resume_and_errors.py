@@ -23,7 +23,6 @@ from invink_audit.data import partition_references, read_references
 from invink_audit.generation import (
     SEEDED_VOID_REASON,
     OutputInUseError,
-    generate,
     read_generation_output,
 )
 from invink_audit.mechanism import SeededGeneratorWarning

@@ -184,10 +184,12 @@ def test_the_generate_progress_bar_has_a_total_and_ends_full(tiny, tiny_dir, tmp
     # 2 texts x T = 3 token slots; without a total tqdm prints "6tok [..., ...]" and no ETA
     assert re.search(r"\b6/6 \[\d\d:\d\d<\d\d:\d\d", err), err
     starts = []
-    generate(["a", "b", "c", "d"], GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0), model=tiny, hooks=GenerationHooks(on_start=starts.append))
+    generate(["a", "b", "c", "d"], GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0),
+             model=tiny, hooks=GenerationHooks(on_start=starts.append))
     assert starts == [2]
     with pytest.raises(ValueError, match="on_start must be callable"):
-        generate(["a", "b"], GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0), model=tiny, hooks=GenerationHooks(on_start=3))
+        generate(["a", "b"], GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=8.0), model=tiny,
+                 hooks=GenerationHooks(on_start=3))
 
 
 # --------------------------------------------------------------------------------------------

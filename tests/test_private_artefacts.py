@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 import invink_audit.outputs as outputs_module
-from invink_audit.generation import generate
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.not_private import NOT_PRIVATE_BANNER
 from releases import generate_flat

@@ -118,9 +118,11 @@ def test_a_base_model_is_accepted_with_a_completion_template_and_refused_with_a_
     base.tokenizer.chat_template = None
     references = ["The soup was cold.", "Great tacos!", "Slow service.", "Lovely staff."]
     with pytest.raises(ValueError, match="no chat template"):
-        generate(references, GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8), model=base, prompt=PromptSpec("yelp", fields=FIELDS))
+        generate(references, GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8),
+                 model=base, prompt=PromptSpec("yelp", fields=FIELDS))
     output = tmp_path / "out.jsonl"
-    result = generate(references, GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8), model=base, prompt=PromptSpec("yelp-completion", fields=FIELDS), output=output)
+    result = generate(references, GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8),
+                      model=base, prompt=PromptSpec("yelp-completion", fields=FIELDS), output=output)
     assert len(result.texts) == 2
     record = json.loads(output.read_text().splitlines()[0])
     assert record["run"]["prompt"]["completion"] is True and record["run"]["prompt"]["stop"] == ['"']
@@ -204,10 +206,13 @@ def test_a_base_model_release_is_audited_with_its_completion_prompt(tmp_path):
     base = build_tiny_model(seed=5)
     base.tokenizer.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
-        generate(["a b", "c d"], GenerationConfig(batch_size=2, max_new_tokens=2, delta=1e-6, epsilon=5.0), model=base, prompt="generic")
+        generate(["a b", "c d"], GenerationConfig(batch_size=2, max_new_tokens=2, delta=1e-6, epsilon=5.0), model=base,
+                 prompt="generic")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)
-        result = generate(["Anna liked the soup.", "", "Bo found the waiter rude.", "Cy came back twice."], GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8), model=base, prompt=PromptSpec("generic-completion", fields={"description": "reviews"}), seed=1)
+        result = generate(["Anna liked the soup.", "", "Bo found the waiter rude.", "Cy came back twice."],
+                          GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8),
+                          model=base, prompt=PromptSpec("generic-completion", fields={"description": "reviews"}), seed=1)
     report = quick_audit(result, model=base, sampled_batch=0, num_samples=16, generator=_generator(2))
     assert report.step_checks > 0 and sum(report.step_failures.values()) == 0
     assert report.verdict.value != "VIOLATION"

@@ -22,7 +22,6 @@ import pytest
 
 import invink_audit.generation as generation_module
 from accounting import BudgetLedger
-from invink_audit.generation import generate
 from invink_audit.outputs import (
     Journal,
     OutputInUseError,
