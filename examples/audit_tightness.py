@@ -105,8 +105,10 @@ def _markdown(tight: list[dict], power: list[dict]) -> str:
         lines.append(
             f"| {num(r['claimed_epsilon'])} | {r['T']} | {num(r['true_epsilon'])} | {num(r['gdp_epsilon'])} "
             f"[{num(r['gdp_lower'])}, {num(r['gdp_upper'])}] | {r['gdp_epsilon'] / r['claimed_epsilon']:.2f} | "
-            f"{num(r['epsilon_lower_bound'])} | {p['delta']:.2g}: {num(p['epsilon_lower_bound'])} vs {num(p['claimed_epsilon'])} "
-            f"| {num(r['ceiling'])} |"
+            f"{num(r['epsilon_lower_bound'])} | "
+            + ("– (nothing certified)" if p["epsilon_lower_bound"] <= 0 else
+               f"{p['delta']:.2g}: {num(p['epsilon_lower_bound'])} vs {num(p['claimed_epsilon'])}")
+            + f" | {num(r['ceiling'])} |"
         )
     lines += [
         "", f"## Planted bugs: VIOLATION in how many runs (10,000 batches, four looks, the claim's curve, {power[0]['runs']} seeds)", "",

@@ -349,9 +349,10 @@ def selftest_markdown(result: SelfTestResult) -> str:
         for r in result.blackbox:
             gdp = "–" if r["gdp_epsilon"] is None else f"{r['gdp_epsilon']:.3g}"
             true = "–" if r["true_epsilon"] is None else f"{r['true_epsilon']:.3g}"
+            curve = ("– (nothing certified)" if r["curve_epsilon_lower_bound"] <= 0 else
+                     f"{r['curve_delta']:.2g}: {r['curve_epsilon_lower_bound']:.3g} vs {r['curve_claimed_epsilon']:.3g}")
             lines.append(f"| {r['mechanism']} | {r['source']} | {r['claimed_epsilon']:.3g} | {true} | {r['verdict']} | "
-                         f"{r['epsilon_lower_bound']:.3g} | {r['ceiling']:.3g} | {r['curve_delta']:.2g}: "
-                         f"{r['curve_epsilon_lower_bound']:.3g} vs {r['curve_claimed_epsilon']:.3g} | {gdp} |")
+                         f"{r['epsilon_lower_bound']:.3g} | {r['ceiling']:.3g} | {curve} | {gdp} |")
     c = result.coverage
     lines += [
         "",
