@@ -128,6 +128,8 @@ __all__ = [
     "GenerationConfig",
     "GenerationHooks",
     "GenerationResult",
+    "MechanismRelease",
+    "MechanismReleaseGuarantee",
     "ModelSpec",
     "PromptSpec",
     "Guarantee",
@@ -271,6 +273,96 @@ class Guarantee:
 
 
 @dataclasses.dataclass(frozen=True)
+class MechanismRelease:
+    """The public parameters of a release of any :class:`~invink_audit.mechanisms.Mechanism` (the paper's
+    baselines, Amin et al. 2024 and AdaPMixED, or yours) through :func:`generate`, the same pipeline as an
+    InvisibleInk release (:class:`GenerationConfig`): disjoint batches of ``mechanism.batch_size`` (paper
+    Corollary 11), label conditioning, resume, lock and journal, the ledger charge, torchrun and Ray.
+
+    ``max_new_tokens`` (T) and ``delta`` fix the mechanism's guarantee (``mechanism.guarantee(T, δ)``). An
+    a-priori guarantee is charged to a ledger as a zCDP release of its ``rho_sequence``
+    (:class:`accounting.ZcdpEvent`); a data-dependent one (AdaPMixED's stop rule) is refused with a ledger:
+    its spend is not a guarantee a ledger can compose. ``num_texts``, ``num_texts_per_group``,
+    ``allow_all_null``: as in :class:`GenerationConfig`."""
+
+    mechanism: object
+    max_new_tokens: int
+    delta: float
+    num_texts: int | None = None
+    num_texts_per_group: int | None = None
+    allow_all_null: bool = False
+
+    def __post_init__(self) -> None:
+        from accounting.limits import RANGES
+        from invink_audit.mechanisms import Mechanism
+
+        if not isinstance(self.mechanism, Mechanism):
+            raise ValueError(f"mechanism must be an invink_audit.mechanisms.Mechanism; got {type(self.mechanism).__name__}")
+        object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
+        object.__setattr__(self, "delta", RANGES["delta"].check("delta", self.delta))
+        for name in ("num_texts", "num_texts_per_group"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
+        if not isinstance(self.allow_all_null, bool):
+            raise ValueError(f"allow_all_null must be a bool; got {self.allow_all_null!r}")
+        object.__setattr__(self, "_guarantee", self.mechanism.guarantee(self.max_new_tokens, self.delta))
+
+    @property
+    def batch_size(self) -> int:
+        return self.mechanism.batch_size
+
+    def guarantee(self):
+        """The mechanism's :class:`~invink_audit.mechanisms.MechanismGuarantee` for texts of at most T tokens."""
+        return self._guarantee
+
+    def to_json(self) -> dict:
+        """What a record's ``run`` and the resume check compare (:func:`invink_audit.mechanisms.mechanism_to_json`)."""
+        from invink_audit.mechanisms import mechanism_to_json
+
+        return {"mechanism": mechanism_to_json(self.mechanism), "max_new_tokens": self.max_new_tokens,
+                "delta": self.delta, "num_texts": self.num_texts, "num_texts_per_group": self.num_texts_per_group,
+                "allow_all_null": self.allow_all_null}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class MechanismReleaseGuarantee:
+    """The guarantee of a :class:`MechanismRelease` run: the mechanism's guarantee and, for a seeded run, why
+    it is void (as :class:`Guarantee` for InvisibleInk)."""
+
+    guarantee: object  # MechanismGuarantee
+    void_reason: str | None = None
+
+    epsilon = forwarded_property("guarantee", "epsilon", "ε (a-priori, or a data-dependent budget).")
+    delta = forwarded_property("guarantee", "delta", "δ.")
+    rho_sequence = forwarded_property("guarantee", "rho_sequence", "a-priori zCDP of a text (None: data-dependent).")
+    max_new_tokens = forwarded_property("guarantee", "max_new_tokens", "Token budget T.")
+
+    @property
+    def holds(self) -> bool:
+        return self.void_reason is None
+
+    @property
+    def a_priori(self) -> bool:
+        return self.guarantee.a_priori
+
+    def to_json(self) -> dict:
+        g = self.guarantee
+        data = {"mechanism": g.mechanism, "kind": g.kind.value, "epsilon": g.epsilon, "delta": g.delta,
+                "rho_sequence": g.rho_sequence, "max_new_tokens": g.max_new_tokens, "composition": g.composition,
+                "description": g.description}  # fmt: skip
+        if self.void_reason is not None:
+            data["void_reason"] = self.void_reason
+        return data
+
+    def record_fields(self) -> dict:
+        """As :meth:`Guarantee.record_fields`: no ε a reader could take at face value for a seeded run."""
+        if self.void_reason is not None:
+            return {"guarantee": None, "guarantee_void_reason": self.void_reason}
+        return {"guarantee": self.to_json()}
+
+
+@dataclasses.dataclass(frozen=True)
 class GeneratedText:
     """One synthetic text (from batch ``batch_index``) and its after-the-fact measurements: the one text record
     of a release, whatever the mechanism (``modes``: each token's mode for a mechanism with several, e.g. 0
@@ -319,7 +411,7 @@ class GenerationResult:
     """
 
     texts: tuple[GeneratedText, ...]
-    guarantee: Guarantee
+    guarantee: Guarantee | MechanismReleaseGuarantee
     release_id: str
     model: str
     prompt: str
@@ -336,8 +428,8 @@ class GenerationResult:
     #: what the release was, so that an audit of it derives nothing: the plan (accounting), the
     #: mechanism's configuration, the prompt template (each batch's, with its labels placed by
     #: ``label_fields``) and the partition
-    plan: object = None
-    mechanism: MechanismConfig | None = None
+    plan: object = None  # None for a MechanismRelease (its guarantee is the mechanism's)
+    mechanism: object = None  # MechanismConfig (InvisibleInk) or a Mechanism
     template: PromptTemplate | None = None
     partition: Partition | None = None
     labels: tuple[Mapping[str, str], ...] | None = None
@@ -395,6 +487,7 @@ def _record(
         "topk_plus_size_std": text.topk_plus_size_std,
         "expansion_tokens": text.expansion_tokens,
         "token_ids": list(text.token_ids),
+        **({"modes": list(text.modes)} if text.modes else {}),  # a mechanism with several modes (Amin et al.)
         **({} if text.labels is None else {"labels": dict(text.labels)}),
         "prompt_fields": dict(template.fields),
         "model_dtype": model_dtype,
@@ -415,6 +508,7 @@ def _from_record(record: dict) -> GeneratedText:
         topk_plus_size_std=float(record["topk_plus_size_std"]),
         expansion_tokens=int(record["expansion_tokens"]),
         labels=record.get("labels"),
+        modes=tuple(int(m) for m in record.get("modes", ())),
     )
 
 
@@ -630,8 +724,8 @@ def prepare_release(
     hooks: GenerationHooks | None = None,
 ) -> _Release:
     """Every check that needs no model, then the release to run; the arguments are :func:`generate`'s."""
-    if not isinstance(config, GenerationConfig):
-        raise ValueError(f"config must be a GenerationConfig; got {type(config).__name__}")
+    if not isinstance(config, (GenerationConfig, MechanismRelease)):
+        raise ValueError(f"config must be a GenerationConfig or a MechanismRelease; got {type(config).__name__}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
     hooks = GenerationHooks() if hooks is None else hooks
@@ -647,13 +741,7 @@ def prepare_release(
     require_label_fields(template, given=tuple(prompt.fields or ()), filled=filled)
     if not config.allow_all_null:
         _refuse_all_null(partition, config.batch_size)
-    plan = config.plan()
-    guarantee = Guarantee(plan, config.top_k, void_reason=None if seed is None else SEEDED_VOID_REASON)
-    mechanism = MechanismConfig.from_event(plan.event, top_k=config.top_k)
-    if not math.isclose(mechanism.epsilon0, plan.epsilon0, rel_tol=1e-12):
-        raise RuntimeError(
-            f"internal inconsistency: mechanism epsilon0={mechanism.epsilon0!r} but plan epsilon0={plan.epsilon0!r}"
-        )
+    plan, guarantee, mechanism = _release_mechanism(config, seed, ledger)
     fingerprint = input_fingerprint(partition, labels)
     if seed is not None:
         warnings.warn(
@@ -667,6 +755,27 @@ def prepare_release(
         hooks=hooks, labels=labels, label_fields=None if prompt.label_fields is None else dict(prompt.label_fields),
         positions=positions,
     )  # fmt: skip
+
+
+def _release_mechanism(config, seed: int | None, ledger):
+    """(plan, guarantee, mechanism) of a release: InvisibleInk's plan and :class:`Guarantee`, or a generic
+    mechanism's guarantee (no plan). A data-dependent guarantee with a ledger is refused here."""
+    void = None if seed is None else SEEDED_VOID_REASON
+    if isinstance(config, MechanismRelease):
+        guarantee = MechanismReleaseGuarantee(config.guarantee(), void)
+        if ledger is not None and not guarantee.a_priori:
+            raise ValueError(
+                f"{config.mechanism.name}'s guarantee is data-dependent (its spend is computed from the references), "
+                "not an a-priori guarantee a ledger can compose: run it without a ledger"
+            )
+        return None, guarantee, config.mechanism
+    plan = config.plan()
+    mechanism = MechanismConfig.from_event(plan.event, top_k=config.top_k)
+    if not math.isclose(mechanism.epsilon0, plan.epsilon0, rel_tol=1e-12):
+        raise RuntimeError(
+            f"internal inconsistency: mechanism epsilon0={mechanism.epsilon0!r} but plan epsilon0={plan.epsilon0!r}"
+        )
+    return plan, Guarantee(plan, config.top_k, void_reason=void), mechanism
 
 
 @dataclasses.dataclass(frozen=True)
@@ -852,10 +961,10 @@ class _Release:
     alone, to the output); rank 0 collects the results and merges the shards, ordered by batch index.
     """
 
-    config: GenerationConfig
+    config: GenerationConfig | MechanismRelease
     plan: object
-    guarantee: Guarantee
-    mechanism: MechanismConfig
+    guarantee: Guarantee | MechanismReleaseGuarantee
+    mechanism: object
     partition: Partition
     template: PromptTemplate
     fingerprint: str
@@ -960,8 +1069,8 @@ class _Release:
         """A digest of everything that makes this process's texts and records what they are."""
         identity = {
             "input": self.fingerprint,
-            "config": dataclasses.asdict(self.config),
-            "clip_norm": self.plan.clip_norm,
+            "config": self.config.to_json() if isinstance(self.config, MechanismRelease) else dataclasses.asdict(self.config),
+            "clip_norm": None if self.plan is None else self.plan.clip_norm,
             "guarantee": self.guarantee.record_fields(),
             "seed": self.seed,
             "prompt": self.template.as_json(),
@@ -972,22 +1081,32 @@ class _Release:
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
+    def _event(self):
+        """The privacy event the ledger is charged: InvisibleInk's :class:`accounting.GenerationEvent`, or a
+        generic mechanism's a-priori zCDP (:class:`accounting.ZcdpEvent` of its ``rho_sequence``)."""
+        if self.plan is not None:
+            return self.plan.event
+        from accounting import ZcdpEvent
+
+        return ZcdpEvent(self.guarantee.rho_sequence, self.guarantee.guarantee.mechanism)
+
+    def _run_parameters(self) -> dict:
+        """The mechanism's public parameters as the records' ``run`` holds them (compared on resume)."""
+        config, plan = self.config, self.plan
+        if isinstance(config, MechanismRelease):
+            from invink_audit.mechanisms import mechanism_to_json
+
+            return {"batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens, "delta": config.delta,
+                    "mechanism": mechanism_to_json(config.mechanism)}  # fmt: skip
+        return {"batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens,
+                "temperature": config.temperature, "top_k": config.top_k, "clip_norm": plan.clip_norm,
+                "delta": plan.delta, "accountant": plan.accountant}  # fmt: skip
+
     def _admit(self, loaded: LoadedModel) -> _Admission:
         """Rank 0: check the settings and every prompt, charge, persist the resume state, assign batches."""
-        config, plan = self.config, self.plan
-        run = {
-            "model": loaded.name,
-            "prompt": self.template.as_json(),
-            "batch_size": config.batch_size,
-            "max_new_tokens": config.max_new_tokens,
-            "temperature": config.temperature,
-            "top_k": config.top_k,
-            "clip_norm": plan.clip_norm,
-            "delta": plan.delta,
-            "accountant": plan.accountant,
-            "num_batches": self.num_batches,
-            "seeded": self.seed is not None,
-        }
+        config = self.config
+        run = {"model": loaded.name, "prompt": self.template.as_json(), **self._run_parameters(),
+               "num_batches": self.num_batches, "seeded": self.seed is not None}
         if self.labels is not None:
             run["label_columns"] = sorted(self.labels[0])
             run["label_fields"] = None if self.label_fields is None else dict(sorted(self.label_fields.items()))
@@ -1010,7 +1129,7 @@ class _Release:
             release_id = pending_release_id(self.io_path, self.state, run, self.fingerprint)
         if self.ledger is not None:
             try:
-                _charge(self.ledger, plan, self.num_batches, release_id, self.output)
+                _charge(self.ledger, self._event(), self.num_batches, release_id, self.output)
             except (ValueError, BudgetExceededError, LedgerError):
                 if new_output:
                     clear_pending(self.io_path)  # refused: nothing was charged, nothing is left behind
@@ -1284,13 +1403,14 @@ def _to_text(finished: FinishedText, loaded: LoadedModel, stop: Sequence[str] = 
         topk_plus_size_mean=finished.topk_plus_size_mean,
         topk_plus_size_std=finished.topk_plus_size_std,
         expansion_tokens=finished.expansion_tokens,
+        modes=tuple(finished.modes),
     )
 
 
-def _charge(ledger, plan, num_batches: int, release_id: str, output: Path | None) -> None:
-    """Charge the release to the ledger before anything is generated (idempotent on ``release_id``): the
-    plan's event (:meth:`GenerationConfig.plan`, one text per batch), drawn from ``num_batches`` batches."""
+def _charge(ledger, event, num_batches: int, release_id: str, output: Path | None) -> None:
+    """Charge the release to the ledger before anything is generated (idempotent on ``release_id``): its
+    event (one text per batch), drawn from ``num_batches`` batches."""
     from accounting import Release
 
     label = f"generate -> {output.name}" if output is not None else "generate"
-    ledger.charge(Release(plan.event, num_batches, release_id, label))
+    ledger.charge(Release(event, num_batches, release_id, label))

@@ -180,17 +180,29 @@ class AuditedRelease:
         """The release a :class:`~invink_audit.generation.GenerationResult` records. ``references``,
         ``prompt`` and ``prompt_fields`` are optional; when given they must agree with what the
         generation used (a ``ValueError`` otherwise). A result that records no plan (built by hand or
-        by an older version) is rebuilt from its guarantee, ``references`` (needed then) and the prompt."""
-        if any(getattr(result, name, None) is None for name in ("plan", "mechanism", "template", "partition")):
+        by an older version) is rebuilt from its guarantee, ``references`` (needed then) and the prompt. A
+        release of any :class:`~invink_audit.mechanisms.Mechanism` (a :class:`~invink_audit.generation.MechanismRelease`)
+        records no plan: its guarantee is the mechanism's."""
+        from invink_audit.mechanisms import Mechanism
+
+        generic = isinstance(getattr(result, "mechanism", None), Mechanism)
+        needed = ("mechanism", "template", "partition") if generic else ("plan", "mechanism", "template", "partition")
+        if any(getattr(result, name, None) is None for name in needed):
             return cls._rebuilt(result, references, prompt=prompt, prompt_fields=prompt_fields)
-        _check_recorded(result)
+        if not generic:
+            _check_recorded(result)
         if references is not None:
             _check_references(result, references)
         if prompt is not None or prompt_fields is not None:
             _check_prompt(result, prompt, prompt_fields)
+        label_fields = getattr(result, "label_fields", None)
+        if generic:
+            g = result.guarantee
+            return cls(result.mechanism, None, g.delta, g.epsilon, result.partition, result.template, result.labels,
+                       label_fields, guarantee=g.guarantee, max_new_tokens=g.max_new_tokens)
         return cls(
             result.mechanism, result.plan.event, result.plan.delta, result.guarantee.epsilon, result.partition,
-            result.template, result.labels, getattr(result, "label_fields", None),
+            result.template, result.labels, label_fields,
         )
 
     @classmethod
@@ -413,11 +425,11 @@ def _sampled_config(*, alphas, num_samples, num_is_samples, significance, direct
 # any mechanism of the interface (a MechanismRun)
 
 
-def _forced_outcomes(run, vocab: int) -> list[list[int]]:
+def _forced_outcomes(texts, mechanism, vocab: int) -> list[list[int]]:
     """Each text's outcomes: ``mode·V + token``, and the stop outcome when the stop rule ended it."""
-    stop_id = run.mechanism.stop_outcome(vocab)
+    stop_id = mechanism.stop_outcome(vocab)
     outcomes = []
-    for t in run.texts:
+    for t in texts:
         ids = [m * vocab + tok for tok, m in zip(t.token_ids, t.modes)]
         if stop_id is not None and t.finish_reason == "budget":
             ids.append(stop_id)
@@ -514,7 +526,7 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
     forced = [list(t.token_ids) for t in result.texts]
     if release.guarantee is not None:
         config, _ = generic_audit_config(config, claim)
-        forced = _forced_outcomes(result, loaded.vocab_size)
+        forced = _forced_outcomes(result.texts, release.mechanism, loaded.vocab_size)
     requests = [
         encode_request(loaded.tokenizer, release.batch_template(t.batch_index),
                        [r if r else None for r in release.partition.batches[t.batch_index]], key=t.batch_index)
@@ -543,6 +555,8 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
 class _ReleasedText:
     batch_index: int
     token_ids: tuple[int, ...]
+    modes: tuple[int, ...] = ()  # a generic mechanism's (Amin et al.: public or private)
+    finish_reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,7 +593,8 @@ class ReleaseFile:
             raise ValueError(f"{output}: records of other releases ({len(ids)} release ids): audit one release's file")
         run = state["run"]
         release = _release_of_run(run, records[0]["guarantee"], references, column, where, state["input_sha256"])
-        texts = tuple(_ReleasedText(int(r["batch_index"]), tuple(r["token_ids"])) for r in records)
+        texts = tuple(_ReleasedText(int(r["batch_index"]), tuple(r["token_ids"]), tuple(r.get("modes", ())),
+                                    r["finish_reason"]) for r in records)
         return cls(release, texts, _dtype_choice(records[0].get("model_dtype")), run.get("model", ""), state["release_id"])
 
 
@@ -600,6 +615,14 @@ def _release_of_run(run: Mapping, guarantee, references, column, where, fingerpr
     from invink_audit.prompts import PromptTemplate
 
     template = PromptTemplate.from_json(run["prompt"])
+    if "mechanism" in run:  # a MechanismRelease: the mechanism its records name, and its own guarantee
+        from invink_audit.mechanisms import mechanism_from_json
+
+        mechanism = mechanism_from_json(run["mechanism"])
+        g = mechanism.guarantee(run["max_new_tokens"], run["delta"])
+        partition, labels = _recorded_partition(run, references, column, where, fingerprint)
+        return AuditedRelease(mechanism, None, g.delta, g.epsilon, partition, template, labels, run.get("label_fields"),
+                              guarantee=g, max_new_tokens=run["max_new_tokens"])
     event = GenerationEvent(run["clip_norm"], run["batch_size"], run["temperature"], run["max_new_tokens"])
     epsilon = guarantee["epsilon"] if guarantee else epsilon_for_clip_norm(
         clip_norm=run["clip_norm"], max_new_tokens=run["max_new_tokens"], batch_size=run["batch_size"],

@@ -288,11 +288,6 @@ def _generate(args) -> int:
         raise CliError("--input must name a .csv or .jsonl file; got an empty path")
     if not args.output.strip():
         raise CliError("--output must name a .jsonl file; got an empty path")
-    if args.mechanism != "invisibleink":
-        from invink_audit.cli._baselines import generate_with_baseline
-
-        references, column = selected_references(args, None)
-        return generate_with_baseline(args, references, column)
     config, label_columns = _generation_config(args)
     references = _references(args, label_columns)
     options = _release_options(args, seed, max_batch_rows)
@@ -348,6 +343,10 @@ def _generation_config(args):
         raise CliError("--num-texts-per-group is only used with --label-columns")
     if label_columns is not None and values["num_texts"] is not None:
         raise CliError("with --label-columns, give --num-texts-per-group (texts per label group), not --num-texts")
+    if args.mechanism != "invisibleink":  # the paper's baselines: the same release, another mechanism
+        from invink_audit.cli._baselines import baseline_release
+
+        return baseline_release(args, values["num_texts"], per_group, args.allow_all_null), label_columns
     return GenerationConfig(**values), label_columns
 
 
@@ -453,17 +452,28 @@ def summarise(result, ledger: str | None = None) -> dict:
     }
 
 
-def format_summary(result, ledger: str | None = None) -> str:
-    """The run summary as text; ``ledger``: the ledger file charged (``None``: none was, and it says so)."""
+def _mechanism_lines(result) -> tuple[str, str]:
+    """The guarantee and mechanism lines of a summary: InvisibleInk's figures, or a baseline's guarantee."""
     g = result.guarantee
-    top_k = "full vocabulary" if g.top_k is None else f"k = {g.top_k}"
-    if g.holds:
+    if not g.holds:
+        guarantee = f"  guarantee        NONE ({g.void_reason})"
+    elif result.plan is None:  # a MechanismRelease
+        guarantee = f"  guarantee        {g.guarantee.label()} for texts of at most T = {g.max_new_tokens} tokens"
+    else:
         guarantee = (
             f"  guarantee        ({g.epsilon:.6g}, {g.delta:g})-DP for texts of at most T = {g.max_new_tokens} tokens "
             f"({g.accountant}); rho_sequence = {g.rho_sequence:.6g}"
         )
-    else:
-        guarantee = f"  guarantee        NONE ({g.void_reason})"
+    if result.plan is None:
+        return guarantee, f"  mechanism        {g.guarantee.description}"
+    top_k = "full vocabulary" if g.top_k is None else f"k = {g.top_k}"
+    return guarantee, (f"  mechanism        C = {g.clip_norm:.6g}, tau = {g.temperature:g}, Top-k+ with {top_k}, "
+                       f"epsilon0 = {g.epsilon0:.6g} per token")
+
+
+def format_summary(result, ledger: str | None = None) -> str:
+    """The run summary as text; ``ledger``: the ledger file charged (``None``: none was, and it says so)."""
+    guarantee, mechanism = _mechanism_lines(result)
     if ledger is None:
         charged = f"  ledger           NOT CHARGED: {NOT_CHARGED}"
     else:
@@ -473,11 +483,10 @@ def format_summary(result, ledger: str | None = None) -> str:
         f"({result.num_resumed} kept from an earlier run, {plural(result.tokens_generated, 'token')} generated in "
         f"{result.seconds:.1f} s)",
         f"  references       {result.num_references} read, {plural(result.num_batches, 'batch', 'batches')} of "
-        f"B = {g.batch_size}, {result.num_unused_references} unused",
+        f"B = {result.partition.batch_size}, {result.num_unused_references} unused",
         guarantee,
         charged,
-        f"  mechanism        C = {g.clip_norm:.6g}, tau = {g.temperature:g}, Top-k+ with {top_k}, "
-        f"epsilon0 = {g.epsilon0:.6g} per token",
+        mechanism,
         f"  model            {result.model}",
     ]
     if result.dtype_choice is not None:

@@ -9,6 +9,9 @@
   to generation, with its **data-dependent** guarantee.
 """
 
+import dataclasses
+import enum
+
 from invink_audit.mechanisms.adapmixed import AdaPMixEDConfig, AdaPMixEDMechanism
 from invink_audit.mechanisms.amin import (
     AminAccounting,
@@ -35,6 +38,38 @@ __all__ = [
     "MechanismGuarantee",
     "MechanismStep",
     "as_mechanism",
+    "mechanism_from_json",
+    "mechanism_to_json",
     "plan_amin",
 ]
+
+#: the mechanisms a release file can name and be audited from: name -> (mechanism class, its config class)
+_RECORDED = {AminMechanism.name: (AminMechanism, AminConfig), AdaPMixEDMechanism.name: (AdaPMixEDMechanism, AdaPMixEDConfig)}
+
+
+def mechanism_to_json(mechanism: Mechanism) -> dict:
+    """``{"name", "config"}``: what a release's records say of its mechanism (``config``: the mechanism's
+    config dataclass as JSON, ``None`` for a mechanism without one). Public parameters only."""
+    config = getattr(mechanism, "config", None)
+    data = None
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        data = {}
+        for field in dataclasses.fields(config):
+            value = getattr(config, field.name)
+            data[field.name] = value.value if isinstance(value, enum.Enum) else value
+    return {"name": mechanism.name, "config": data}
+
+
+def mechanism_from_json(data: dict) -> Mechanism:
+    """The mechanism :func:`mechanism_to_json` described (Amin et al., AdaPMixED); any other is refused: its
+    release can be audited from the result ``generate`` returned, not from its file."""
+    name = data.get("name") if isinstance(data, dict) else None
+    if name not in _RECORDED or not isinstance(data.get("config"), dict):
+        raise ValueError(f"mechanism {name!r} cannot be rebuilt from its record (only {sorted(_RECORDED)}): audit the "
+                         "result generate returned")
+    mechanism, config = _RECORDED[name]
+    fields = dict(data["config"])
+    if config is AminConfig and "sensitivity" in fields:
+        fields["sensitivity"] = AminSensitivity(fields["sensitivity"])
+    return mechanism(config(**fields))
 
