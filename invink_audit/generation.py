@@ -298,6 +298,8 @@ class MechanismRelease:
 
         if not isinstance(self.mechanism, Mechanism):
             raise ValueError(f"mechanism must be an invink_audit.mechanisms.Mechanism; got {type(self.mechanism).__name__}")
+        if self.mechanism.topk_plus_columns() is not None:  # the engine's InvisibleInk fast path: one mode, no outcomes
+            raise ValueError("InvisibleInk is released with a GenerationConfig (its plan and ledger event), not a MechanismRelease")
         object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
         object.__setattr__(self, "delta", RANGES["delta"].check("delta", self.delta))
         for name in ("num_texts", "num_texts_per_group"):
@@ -1096,8 +1098,12 @@ class _Release:
         if isinstance(config, MechanismRelease):
             from invink_audit.mechanisms import mechanism_to_json
 
+            g = config.guarantee()
+            # the guarantee too: a custom mechanism without a config dataclass is told apart by what it claims
             return {"batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens, "delta": config.delta,
-                    "mechanism": mechanism_to_json(config.mechanism)}  # fmt: skip
+                    "mechanism": mechanism_to_json(config.mechanism),
+                    "mechanism_guarantee": {"kind": g.kind.value, "epsilon": g.epsilon, "rho_sequence": g.rho_sequence,
+                                            "composition": g.composition, "description": g.description}}  # fmt: skip
         return {"batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens,
                 "temperature": config.temperature, "top_k": config.top_k, "clip_norm": plan.clip_norm,
                 "delta": plan.delta, "accountant": plan.accountant}  # fmt: skip

@@ -3,8 +3,10 @@ get InvisibleInk's partition, labels, resume, ledger charge and audit, with thei
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -14,12 +16,14 @@ from invink_audit.audit import quick_audit
 from invink_audit.audit.quick import audit_release_file
 from invink_audit.audit.stats import Verdict
 from invink_audit.data import ReferencesFile
-from invink_audit.generation import SEEDED_VOID_REASON, MechanismRelease, PromptSpec, generate
+from invink_audit.generation import SEEDED_VOID_REASON, GenerationHooks, MechanismRelease, ModelSpec, PromptSpec, generate
+from invink_audit.mechanism import MechanismConfig
 from invink_audit.mechanisms import (
     AdaPMixEDConfig,
     AdaPMixEDMechanism,
     AminConfig,
     AminMechanism,
+    InvisibleInk,
     Mechanism,
     mechanism_from_json,
     mechanism_to_json,
@@ -56,6 +60,9 @@ def test_a_mechanism_release_is_checked_at_construction():
         MechanismRelease(_amin(), max_new_tokens=6, delta=1.5)
     with pytest.raises(ValueError, match="num_texts_per_group"):
         MechanismRelease(_amin(), max_new_tokens=6, delta=1e-6, num_texts_per_group=0)
+    invisibleink = InvisibleInk(MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=8, batch_size=3))
+    with pytest.raises(ValueError, match="released with a GenerationConfig"):
+        MechanismRelease(invisibleink, max_new_tokens=6, delta=1e-6)
 
 
 def test_a_label_conditioned_amin_release_is_charged_resumed_and_audited(tiny, labelled, tmp_path):
@@ -120,3 +127,32 @@ def test_a_mechanism_is_rebuilt_from_its_record_only_when_known():
 
     with pytest.raises(ValueError, match="cannot be rebuilt from its record"):
         mechanism_from_json({"name": Custom.name, "config": None})
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_custom_mechanism_release_does_not_resume_with_other_parameters(tiny, tmp_path):
+    """A mechanism without a config dataclass (the custom-mechanism example) is told apart on resume by its
+    guarantee: an interrupted release does not resume with another clip norm."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_mechanism.py"
+    spec = importlib.util.spec_from_file_location("custom_mechanism_for_resume", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    output = tmp_path / "custom.jsonl"
+
+    def release(clip_norm):
+        return MechanismRelease(example.FullVocabularyDClip(clip_norm=clip_norm, batch_size=3, temperature=1.0),
+                                max_new_tokens=4, delta=1e-6)
+
+    def stop(text):
+        raise _Stop
+
+    with pytest.raises(_Stop):  # one text written, the release interrupted
+        generate(TEXTS, release(1.0), model=ModelSpec(tiny, max_batch_rows=4), output=output,
+                 hooks=GenerationHooks(on_text=stop))
+    with pytest.raises(ValueError):
+        generate(TEXTS, release(50.0), model=ModelSpec(tiny, max_batch_rows=4), output=output)
+    resumed = generate(TEXTS, release(1.0), model=ModelSpec(tiny, max_batch_rows=4), output=output)
+    assert resumed.num_resumed >= 1 and len(resumed.texts) == 4

@@ -279,6 +279,8 @@ def _generate(args) -> int:
     from invink_audit.generation import GenerationHooks, generate
 
     if args.epsilon is None and args.clip_norm is None:
+        if args.mechanism == "adapmixed":
+            raise CliError("--mechanism adapmixed needs --epsilon (its stop rule's budget)")
         raise CliError("give --epsilon (plan the clip norm) or --clip-norm")
     if args.epsilon is not None and args.clip_norm is not None:
         raise CliError("give only one of --epsilon and --clip-norm")
@@ -311,7 +313,7 @@ def _generate(args) -> int:
     if result.rank != 0:
         return 0
     if args.ledger is None:
-        print(f"invink-audit generate: {NOT_CHARGED}", file=sys.stderr)
+        print(f"invink-audit generate: {_not_charged(result)}", file=sys.stderr)
     if args.json:
         print(json.dumps(summarise(result, ledger=args.ledger)))
     else:
@@ -426,6 +428,14 @@ class _Progress:
             self.bar.close()
 
 
+def _not_charged(result) -> str:
+    """Why no ledger was charged, and what to do: record the release, unless its guarantee is data-dependent."""
+    if result.plan is None and not result.guarantee.a_priori:
+        return ("no ledger was charged, and none can be: this guarantee is data-dependent (computed from the "
+                "references), not an a-priori spend a ledger composes")
+    return NOT_CHARGED
+
+
 def summarise(result, ledger: str | None = None) -> dict:
     """The run summary as a JSON object; ``ledger``: the ledger file charged (``None``: none was, which
     the summary says, ``ledger_notice``)."""
@@ -446,7 +456,8 @@ def summarise(result, ledger: str | None = None) -> dict:
         "processes": [dataclasses.asdict(p) | {"tokens_per_second": p.tokens_per_second} for p in result.processes],
         "ledger": ledger,
         "charged": ledger is not None,
-        **({} if ledger is not None else {"ledger_notice": NOT_CHARGED}),
+        "mechanism": getattr(result.mechanism, "name", "invisibleink"),
+        **({} if ledger is not None else {"ledger_notice": _not_charged(result)}),
         # a seeded run: "guarantee": null and "guarantee_void_reason" (no epsilon to take at face value)
         **result.guarantee.record_fields(),
     }
@@ -475,7 +486,7 @@ def format_summary(result, ledger: str | None = None) -> str:
     """The run summary as text; ``ledger``: the ledger file charged (``None``: none was, and it says so)."""
     guarantee, mechanism = _mechanism_lines(result)
     if ledger is None:
-        charged = f"  ledger           NOT CHARGED: {NOT_CHARGED}"
+        charged = f"  ledger           NOT CHARGED: {_not_charged(result)}"
     else:
         charged = f"  ledger           charged to {ledger} (once per release: a resumed run is not charged again)"
     lines = [
