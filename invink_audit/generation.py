@@ -157,6 +157,17 @@ SEEDED_VOID_REASON = "seeded: a fixed seed makes the texts reproducible, so they
 # configuration and results
 
 
+def _check_release_options(config) -> None:
+    """The options every release config shares: ``num_texts``, ``num_texts_per_group`` (integers >= 1 or
+    ``None``) and ``allow_all_null`` (a bool)."""
+    for name in ("num_texts", "num_texts_per_group"):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
+    if not isinstance(config.allow_all_null, bool):
+        raise ValueError(f"allow_all_null must be a bool; got {config.allow_all_null!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
     """The public parameters of a generation run, validated at construction.
@@ -188,12 +199,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens"):
             object.__setattr__(self, name, check_count(name, getattr(self, name)))
-        for name in ("num_texts", "num_texts_per_group"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
-        if not isinstance(self.allow_all_null, bool):
-            raise ValueError(f"allow_all_null must be a bool; got {self.allow_all_null!r}")
+        _check_release_options(self)
         if (self.epsilon is None) == (self.clip_norm is None):
             raise ValueError(
                 f"give exactly one of epsilon (plan the clip norm) and clip_norm (report epsilon); got "
@@ -225,8 +231,27 @@ class GenerationConfig:
         return epsilon_for_clip_norm(clip_norm=self.clip_norm, **common)
 
 
+class _RunGuarantee:
+    """What a run's guarantee (:class:`Guarantee`, :class:`MechanismReleaseGuarantee`) adds to its figures: a
+    seeded run's ``void_reason``, and the records' form of it."""
+
+    void_reason: str | None
+
+    @property
+    def holds(self) -> bool:
+        """Whether the run carries this guarantee (``False`` for a seeded run)."""
+        return self.void_reason is None
+
+    def record_fields(self) -> dict:
+        """What an output record or summary writes: ``{"guarantee": {...}}``, or for a void guarantee
+        ``{"guarantee": None, "guarantee_void_reason": ...}`` (no ε that a reader could take at face value)."""
+        if self.void_reason is not None:
+            return {"guarantee": None, "guarantee_void_reason": self.void_reason}
+        return {"guarantee": self.to_json()}
+
+
 @dataclasses.dataclass(frozen=True)
-class Guarantee:
+class Guarantee(_RunGuarantee):
     r"""The run's a-priori guarantee: (ε, δ)-DP under replace-by-null adjacency for texts of ≤ T tokens.
 
     It is its :class:`accounting.Plan` (whose event is the record of C, B, τ and T), the run's top-k and, for a
@@ -250,11 +275,6 @@ class Guarantee:
     temperature = forwarded_property("plan", "temperature", "Temperature τ.")
     max_new_tokens = forwarded_property("plan", "max_new_tokens", "Token budget T.")
 
-    @property
-    def holds(self) -> bool:
-        """Whether the run carries this guarantee (``False`` for a seeded run)."""
-        return self.void_reason is None
-
     def to_json(self) -> dict:
         """The figures as a dict (``void_reason`` only when the guarantee is void); the records' format."""
         names = ("epsilon", "delta", "rho_sequence", "rho_token", "epsilon0", "accountant", "clip_norm", "batch_size",
@@ -263,14 +283,6 @@ class Guarantee:
         if self.void_reason is not None:
             data["void_reason"] = self.void_reason
         return data
-
-    def record_fields(self) -> dict:
-        """What an output record or summary writes: ``{"guarantee": {...}}``, or for a void guarantee
-        ``{"guarantee": None, "guarantee_void_reason": ...}`` (no ε that a reader could take at face value)."""
-        if self.void_reason is not None:
-            return {"guarantee": None, "guarantee_void_reason": self.void_reason}
-        return {"guarantee": self.to_json()}
-
 
 @dataclasses.dataclass(frozen=True)
 class MechanismRelease:
@@ -302,12 +314,7 @@ class MechanismRelease:
             raise ValueError("InvisibleInk is released with a GenerationConfig (its plan and ledger event), not a MechanismRelease")
         object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
         object.__setattr__(self, "delta", RANGES["delta"].check("delta", self.delta))
-        for name in ("num_texts", "num_texts_per_group"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
-        if not isinstance(self.allow_all_null, bool):
-            raise ValueError(f"allow_all_null must be a bool; got {self.allow_all_null!r}")
+        _check_release_options(self)
         object.__setattr__(self, "_guarantee", self.mechanism.guarantee(self.max_new_tokens, self.delta))
 
     @property
@@ -328,7 +335,7 @@ class MechanismRelease:
 
 
 @dataclasses.dataclass(frozen=True)
-class MechanismReleaseGuarantee:
+class MechanismReleaseGuarantee(_RunGuarantee):
     """The guarantee of a :class:`MechanismRelease` run: the mechanism's guarantee and, for a seeded run, why
     it is void (as :class:`Guarantee` for InvisibleInk)."""
 
@@ -339,10 +346,6 @@ class MechanismReleaseGuarantee:
     delta = forwarded_property("guarantee", "delta", "δ.")
     rho_sequence = forwarded_property("guarantee", "rho_sequence", "a-priori zCDP of a text (None: data-dependent).")
     max_new_tokens = forwarded_property("guarantee", "max_new_tokens", "Token budget T.")
-
-    @property
-    def holds(self) -> bool:
-        return self.void_reason is None
 
     @property
     def a_priori(self) -> bool:
@@ -356,13 +359,6 @@ class MechanismReleaseGuarantee:
         if self.void_reason is not None:
             data["void_reason"] = self.void_reason
         return data
-
-    def record_fields(self) -> dict:
-        """As :meth:`Guarantee.record_fields`: no ε a reader could take at face value for a seeded run."""
-        if self.void_reason is not None:
-            return {"guarantee": None, "guarantee_void_reason": self.void_reason}
-        return {"guarantee": self.to_json()}
-
 
 @dataclasses.dataclass(frozen=True)
 class GeneratedText:
