@@ -75,6 +75,26 @@ def test_a_ray_release_equals_the_single_process_release(cluster, tiny_dir, refs
     assert len(ledger.status().releases) == 1  # a resumed release is not charged again
 
 
+def test_a_mechanism_release_on_ray_equals_the_single_process_one(cluster, tiny_dir, refs, tmp_path):
+    """Amin et al. through the same Ray pipeline: same texts and modes as one process, one zCDP charge."""
+    from invink_audit.generation import MechanismRelease, ModelSpec
+    from invink_audit.mechanisms import AminConfig, AminMechanism
+    from invink_audit.ray_release import generate_on_ray
+
+    config = MechanismRelease(AminMechanism(AminConfig(clip_norm=2.0, batch_size=3, max_private_tokens=4, svt_noise=2.0)),
+                              max_new_tokens=6, delta=1e-6, num_texts=6)
+    model = ModelSpec(str(tiny_dir), device="cpu")
+    single = tmp_path / "single.jsonl"
+    _quiet(generate, refs, config, model=model, output=single, seed=7)
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=1000.0, delta=1e-6)
+    output = tmp_path / "ray.jsonl"
+    _quiet(generate_on_ray, refs, config, model=model, output=output, ledger=ledger, seed=7, concurrency=2, texts_per_call=2)
+    modes = [r["modes"] for r in read_generation_output(output)]
+    assert _texts(output) == _texts(single) and modes == [r["modes"] for r in read_generation_output(single)]
+    entry = ledger.status().releases[0]
+    assert entry["release"]["kind"] == "zcdp" and entry["rho"] == pytest.approx(config.guarantee().rho_sequence)
+
+
 def test_a_retried_task_never_releases_a_second_text(tiny_dir, refs, tmp_path):
     # what Ray does when an actor dies after writing: the task runs again on another actor
     output = tmp_path / "retry.jsonl"
