@@ -27,6 +27,7 @@ from types import MappingProxyType
 
 __all__ = [
     "ReferencesFile",
+    "as_references",
     "LabelGroup",
     "LabelledBatch",
     "LabelledPartition",
@@ -320,6 +321,17 @@ class ReferencesFile:
         if self.label_columns is None:
             return read_references(self.path, column=self.column)
         return read_labelled_references(self.path, column=self.column, label_columns=self.label_columns)
+
+
+def as_references(references) -> Sequence[str | None] | LabelledReferences:
+    """References in any form ``generate`` takes, read: a :class:`ReferencesFile` is read, a path is read
+    with :func:`read_references` (field ``text``), anything else (a list, :class:`LabelledReferences`) is
+    returned as given."""
+    if isinstance(references, ReferencesFile):
+        return references.read()
+    if isinstance(references, (str, os.PathLike)):
+        return read_references(references)
+    return references
 
 
 def read_labelled_references(

@@ -75,11 +75,11 @@ from accounting.events import forwarded_property
 from accounting.limits import check_count
 from invink_audit.data import (
     LabelledReferences,
-    ReferencesFile,
     Partition,
+    ReferencesFile,
+    as_references,
     labelled_partition,
     partition_references,
-    read_references,
 )
 from invink_audit.distributed import (
     Cluster,
@@ -662,7 +662,7 @@ def _check_context(
 
 def generate(
     references: Sequence[str | None] | str | os.PathLike | ReferencesFile | LabelledReferences,
-    config: GenerationConfig,
+    config: GenerationConfig | MechanismRelease,
     *,
     model: str | os.PathLike | LoadedModel | ModelSpec | None = None,
     prompt: str | PromptTemplate | PromptSpec = "generic",
@@ -685,7 +685,8 @@ def generate(
     replace-by-null empties one record's text and keeps its label.
 
     ``config``: the release's public parameters (:class:`GenerationConfig`: B, T, δ, ε or C, τ, top-k, the
-    accountant, how many texts, whether an all-null release is allowed).
+    accountant, how many texts, whether an all-null release is allowed), or a :class:`MechanismRelease`: any
+    other :class:`~invink_audit.mechanisms.Mechanism` (the paper's baselines) through the same pipeline.
     ``model``: a path or name, a loaded model, or a :class:`ModelSpec` (GGUF file, device, dtype, rows per
     forward pass); default the embedded SmolLM2-135M-Instruct.
     ``prompt``: a preset name (``generic``, ``yelp``, ``tab``, ``mimic``), a
@@ -712,7 +713,7 @@ def generate(
 
 def prepare_release(
     references,
-    config: GenerationConfig,
+    config: GenerationConfig | MechanismRelease,
     *,
     model=None,
     prompt="generic",
@@ -734,8 +735,7 @@ def prepare_release(
     output_path = _check_output_path(output)
     ledger = _open_ledger(ledger)
     template = prompt.resolved()
-    partition, labels, positions, label_columns = _partition(references, config, template, prompt.label_fields)
-    filled = tuple(rule.field for rule in label_fields_for(template, list(label_columns), prompt.label_fields)) if label_columns else ()
+    partition, labels, positions, filled = _partition(references, config, template, prompt.label_fields)
     require_label_fields(template, given=tuple(prompt.fields or ()), filled=filled)
     if not config.allow_all_null:
         _refuse_all_null(partition, config.batch_size)
@@ -828,11 +828,9 @@ def _refuse_all_null(partition, batch_size: int) -> None:
 
 def _partition(references, config: GenerationConfig, template: PromptTemplate, label_fields):
     """The batches, each batch's labels (``None`` for unlabelled references), each batch's reference
-    positions in the input (``None``: batch ``i`` holds positions ``i·B ..``) and the label columns."""
-    if isinstance(references, ReferencesFile):
-        references = references.read()
-    elif isinstance(references, (str, os.PathLike)):
-        references = read_references(references)
+    positions in the input (``None``: batch ``i`` holds positions ``i·B ..``) and the prompt fields the
+    labels fill."""
+    references = as_references(references)
     if not isinstance(references, LabelledReferences):
         if config.num_texts_per_group is not None:
             raise ValueError("num_texts_per_group is only used with labelled references (ReferencesFile with label_columns)")
@@ -841,12 +839,12 @@ def _partition(references, config: GenerationConfig, template: PromptTemplate, l
         return partition_references(references, config.batch_size, num_texts=config.num_texts), None, None, ()
     if config.num_texts is not None:
         raise ValueError("with labelled references, give num_texts_per_group (texts per label group), not num_texts")
-    label_fields_for(template, list(references.label_columns), label_fields)  # every label reaches the prompt
+    rules = label_fields_for(template, list(references.label_columns), label_fields)  # every label reaches the prompt
     partition, labels, positions = labelled_partition(references, config.batch_size,
                                                       num_texts_per_group=config.num_texts_per_group)
     for batch_labels in labels:  # every group's labels fill the prompt (an empty label is refused here)
         template_for_labels(template, batch_labels, label_fields)
-    return partition, labels, positions, tuple(references.label_columns)
+    return partition, labels, positions, tuple(rule.field for rule in rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -971,7 +969,7 @@ class _Release:
     ledger: object
     cluster: Cluster
     load: ModelSpec
-    hooks: GenerationHooks = dataclasses.field(default_factory=lambda: GenerationHooks())
+    hooks: GenerationHooks = dataclasses.field(default_factory=GenerationHooks)
     labels: tuple[Mapping[str, str], ...] | None = None
     label_fields: Mapping[str, str] | None = None
     positions: tuple[tuple[int, ...], ...] | None = None

@@ -356,7 +356,7 @@ def _profile(claimed_profile, claimed_epsilon: float, claimed_delta: float) -> P
     curve = PrivacyProfile.of(claimed_profile, claimed_delta)
     if not math.isclose(curve.epsilon, claimed_epsilon, rel_tol=1e-9, abs_tol=1e-12):
         raise ValueError(f"claimed_profile gives ε = {curve.epsilon!r} at δ = {claimed_delta!r}, not claimed_epsilon = {claimed_epsilon!r}")
-    return PrivacyProfile((curve.delta, *curve.deltas[1:]), (float(claimed_epsilon), *curve.epsilons[1:]))
+    return PrivacyProfile(curve.deltas, (float(claimed_epsilon), *curve.epsilons[1:]))
 
 
 def _check_inputs(target, pool, canary, batch_size, canary_slot, selection_fraction, num_batches) -> None:
@@ -414,7 +414,7 @@ def _report(run: _Run, test: SequentialTest, score: str, threshold: float, value
         timings={"generation_seconds": run.seconds, "seconds_per_trial": run.seconds / max(n_trials, 1)},
         scores_with=tuple(float(x) for x in values[positive]), scores_without=tuple(float(x) for x in values[~positive]),
         ceiling=float(ceiling), gdp=gdp, sequential=result.to_json(), coins=tuple(bool(c) for c in run.coins),
-        profile=None if len(test.profile.deltas) == 1 else {"deltas": list(test.profile.deltas), "epsilons": list(test.profile.epsilons)},
+        profile=None if test.profile.is_point else {"deltas": list(test.profile.deltas), "epsilons": list(test.profile.epsilons)},
         notes=(f"{len(run.coins)} batches planned, {n_trials} generated; sequential looks stopped: {result.stopped}",),
     )  # fmt: skip
 

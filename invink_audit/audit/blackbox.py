@@ -139,13 +139,13 @@ def _best_threshold(with_scores, without_scores, *, profile: PrivacyProfile, sig
     points = profile.bounds(tp, w.size, fp, o.size, significance=significance)
     key = _selection_key(profile)
     i = int(np.argmax([key(pt) for pt in points]))
-    better = points[i].epsilon_lower_bound > 0 if len(profile.deltas) == 1 else key(points[i]) > key(best[0])
+    better = points[i].epsilon_lower_bound > 0 if profile.is_point else key(points[i]) > key(best[0])
     return (points[i], float(candidates[i])) if better else best
 
 
 def _selection_key(profile: PrivacyProfile):
     """What a selection maximises: the ε lower bound's margin for a point claim, the power margin for a curve."""
-    return (lambda pt: pt.margin) if len(profile.deltas) == 1 else (lambda pt: pt.power_margin)
+    return (lambda pt: pt.margin) if profile.is_point else (lambda pt: pt.power_margin)
 
 
 def blackbox_audit(

@@ -291,12 +291,9 @@ def _check_recorded(result) -> None:
 def _reference_texts(references) -> list:
     """References in any form :func:`~invink_audit.generation.generate` takes (a list, a path, a
     :class:`~invink_audit.data.ReferencesFile`, :class:`~invink_audit.data.LabelledReferences`) as their texts."""
-    from invink_audit.data import LabelledReferences, ReferencesFile, read_references
+    from invink_audit.data import LabelledReferences, as_references
 
-    if isinstance(references, ReferencesFile):
-        references = references.read()
-    elif isinstance(references, str) or hasattr(references, "__fspath__"):
-        references = read_references(references)
+    references = as_references(references)
     return list(references.texts) if isinstance(references, LabelledReferences) else references
 
 

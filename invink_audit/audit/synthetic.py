@@ -481,6 +481,25 @@ class ExactOutputs:
             lp, lq = lq, lp
         return float(np.clip(np.exp(lp) - math.exp(epsilon) * np.exp(lq), 0, None).sum())
 
+    def epsilon(self, delta: float, neighbour: int, reverse: bool = False) -> float:
+        """The smallest ε with :meth:`delta` (ε) ≤ ``delta`` (the tight ε of the pair at δ; a root of the
+        monotone hockey-stick divergence), ``inf`` when outputs possible under one dataset only carry more
+        than ``delta``."""
+        from scipy import optimize
+
+        lp, lq = self.log_prob_actual, self.log_prob_neighbours[:, neighbour]
+        if reverse:
+            lp, lq = lq, lp
+        if self.delta(0.0, neighbour, reverse) <= delta:
+            return 0.0
+        mismatch = np.isfinite(lp) & ~np.isfinite(lq)
+        if float(np.exp(lp[mismatch]).sum()) > delta:
+            return math.inf
+        high = 1.0
+        while self.delta(high, neighbour, reverse) > delta:
+            high *= 2.0
+        return float(optimize.brentq(lambda e: self.delta(e, neighbour, reverse) - delta, 0.0, high, xtol=1e-12))
+
 
 def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max_outputs: int = 200_000) -> ExactOutputs:
     """Enumerate every output of ``mechanism`` on ``source`` (a breadth-first walk over prefixes).
@@ -531,9 +550,8 @@ def exact_epsilon_stationary(source: LogitSource, mechanism: SyntheticMechanism,
     how it ends (EOS before T, or the budget T), so the hockey-stick divergence
     :math:`\delta(\varepsilon) = \sum_x (P(x) - e^\varepsilon Q(x))_+` (Dwork & Roth 2014, §3.5; the
     tight δ of a pair) is an exact sum over count vectors with multinomial multiplicities; ε(δ) is its
-    root. Checked against :func:`enumerate_outputs` on small vocabularies (tests). A data-dependent budget
+    root (:meth:`ExactOutputs.epsilon`). Checked against :func:`enumerate_outputs` on small vocabularies (tests). A data-dependent budget
     (different T on the two datasets) is refused: use :func:`enumerate_outputs`."""
-    from scipy import optimize
     from scipy.special import gammaln
 
     t_r, t_j = token_budgets(mechanism, source)
@@ -574,21 +592,8 @@ def exact_epsilon_stationary(source: LogitSource, mechanism: SyntheticMechanism,
             mult = gammaln(n + 1) - gammaln(c + 1).sum() + float((c * np.log(size)).sum())
             outcomes_p.append(lp + mult)
             outcomes_q.append(lqq + mult)
-    lp, lqv = np.array(outcomes_p), np.array(outcomes_q)
-
-    def eps_of(x, y):
-        def excess(eps):
-            return float(np.clip(np.exp(x) - np.exp(eps + y), 0, None).sum()) - delta
-        if excess(0.0) <= 0:
-            return 0.0
-        if np.any(np.isfinite(x) & ~np.isfinite(y)) and float(np.exp(x[np.isfinite(x) & ~np.isfinite(y)]).sum()) > delta:
-            return math.inf
-        hi = 1.0
-        while excess(hi) > 0:
-            hi *= 2.0
-        return float(optimize.brentq(excess, 0.0, hi, xtol=1e-12))
-
-    return max(eps_of(lp, lqv), eps_of(lqv, lp))
+    exact = ExactOutputs(np.array(outcomes_p), np.array(outcomes_q)[:, None])
+    return max(exact.epsilon(delta, 0), exact.epsilon(delta, 0, reverse=True))
 
 
 # ---------------------------------------------------------------------------------------------

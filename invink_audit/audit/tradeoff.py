@@ -119,6 +119,11 @@ class PrivacyProfile:
         return cls(tuple(float(d) for d in deltas), tuple(float(epsilon_at(float(d))) for d in deltas))
 
     @property
+    def is_point(self) -> bool:
+        """Whether the claim is known at its quoted (ε, δ) only (no curve)."""
+        return len(self.deltas) == 1
+
+    @property
     def epsilon(self) -> float:
         """The quoted ε (at :attr:`delta`)."""
         return self.epsilons[0]

@@ -35,31 +35,29 @@ def add_baseline_arguments(p) -> None:
     amin.add_argument("--public-temperature", default="1.0", help="temperature of public tokens (default 1.0)")
 
 
-def baseline_release(args, num_texts: int | None, num_texts_per_group: int | None, allow_all_null: bool):
-    """The :class:`~invink_audit.generation.MechanismRelease` of ``--mechanism amin|adapmixed`` (``--top-k`` is
-    InvisibleInk's and refused; AdaPMixED with ``--ledger`` is refused)."""
+def baseline_release(args, values: dict):
+    """The :class:`~invink_audit.generation.MechanismRelease` of ``--mechanism amin|adapmixed`` from the release
+    parameters the command line gave (``values``: parsed by ``_generation_config``, each checked once);
+    ``--top-k`` is InvisibleInk's and refused, AdaPMixED with ``--ledger`` is refused."""
     from invink_audit.generation import MechanismRelease
 
     if args.top_k != "100":
         raise CliError(f"--top-k applies to --mechanism invisibleink only; remove it for --mechanism {args.mechanism}")
     if args.mechanism == "adapmixed" and args.ledger is not None:
         raise CliError(_DATA_DEPENDENT_LEDGER)
-    batch_size = parse_int("--batch-size", args.batch_size)
-    max_new_tokens = parse_int("--max-new-tokens", args.max_new_tokens)
-    delta = parse_float("--delta", args.delta)
-    mechanism = _mechanism(args, batch_size, max_new_tokens, delta)
+    mechanism = _mechanism(args, values)
     try:
-        return MechanismRelease(mechanism, max_new_tokens, delta, num_texts=num_texts,
-                                num_texts_per_group=num_texts_per_group, allow_all_null=allow_all_null)
+        return MechanismRelease(mechanism, values["max_new_tokens"], values["delta"], num_texts=values["num_texts"],
+                                num_texts_per_group=values["num_texts_per_group"], allow_all_null=values["allow_all_null"])
     except ValueError as err:
         raise CliError(str(err)) from err
 
 
-def _mechanism(args, batch_size: int, max_new_tokens: int, delta: float):
+def _mechanism(args, values: dict):
     from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminInfeasibleError, AminMechanism
 
-    temperature = parse_float("--temperature", args.temperature)
-    epsilon = None if args.epsilon is None else parse_float("--epsilon", args.epsilon)
+    batch_size, max_new_tokens, delta = values["batch_size"], values["max_new_tokens"], values["delta"]
+    temperature, epsilon = values["temperature"], values["epsilon"]
     try:
         if args.mechanism == "adapmixed":
             if epsilon is None:
@@ -74,7 +72,7 @@ def _mechanism(args, batch_size: int, max_new_tokens: int, delta: float):
         if epsilon is not None:
             config = AminConfig.planned(epsilon=epsilon, delta=delta, batch_size=batch_size, max_private_tokens=r, **options)
         else:
-            config = AminConfig(parse_float("--clip-norm", args.clip_norm), batch_size, max_private_tokens=r, **options)
+            config = AminConfig(values["clip_norm"], batch_size, max_private_tokens=r, **options)
         return AminMechanism(config)
     except (ValueError, AminInfeasibleError) as err:
         raise CliError(str(err)) from err

@@ -348,7 +348,7 @@ def _generation_config(args):
     if args.mechanism != "invisibleink":  # the paper's baselines: the same release, another mechanism
         from invink_audit.cli._baselines import baseline_release
 
-        return baseline_release(args, values["num_texts"], per_group, args.allow_all_null), label_columns
+        return baseline_release(args, values), label_columns
     return GenerationConfig(**values), label_columns
 
 
