@@ -20,8 +20,8 @@ private tokens and AdaPMixED's mixed-mode tokens, and ΔPPL against real reviews
 seeds: tokens, mean ± t-quantile × standard error clipped to [0, T]; perplexity, geometric mean with a
 t-interval on log-perplexity. Seed-paired comparisons, because the methods share streams per seed.
 Infeasible Amin et al. cells are computed by its accountant (``plan_amin``), not generated; the table
-of feasible batch sizes also covers the paper's r = 100 private tokens. Prefill is computed once per
-batch and shared by every method (``Engine(prefill_cache=...)``: bitwise the same rows).
+of feasible batch sizes also covers the paper's r = 100 private tokens. Every method runs through the one
+release pipeline (``generate`` with a ``MechanismRelease``).
 
 **Null-reference anchors** (``--anchors``, ``anchors.jsonl``): for every feasible cell, the text the same
 mechanism releases with the same seed and streams when every reference is null (from the public prompt
@@ -111,8 +111,8 @@ def build_mechanism(method: str, epsilon: float, batch_size: int, max_new_tokens
 def run(args) -> None:
     import torch
 
-    from invink_audit.mechanism import SeededGeneratorWarning, make_generator
-    from invink_audit.mechanisms.run import generate_with_mechanism
+    from invink_audit.generation import MechanismRelease, PromptSpec, generate
+    from invink_audit.mechanism import SeededGeneratorWarning
     from invink_audit.models import load_model
 
     warnings.simplefilter("ignore", SeededGeneratorWarning)
@@ -135,7 +135,6 @@ def run(args) -> None:
         b = rows - 1
         for seed in range(args.seeds):
             batch = refs[seed * b : (seed + 1) * b]
-            cache: dict = {}  # this batch's prefilled prompts, shared by every method and epsilon
             for epsilon in epsilons:
                 for method in methods:
                     if (method, epsilon, rows, seed) in done:
@@ -147,14 +146,13 @@ def run(args) -> None:
                         cell.update({"feasible": False, "reason": mech, "texts": []})
                     else:
                         t0 = time.perf_counter()
-                        result = generate_with_mechanism(
-                            batch, mech, max_new_tokens=args.max_new_tokens, delta=DELTA, model=loaded, prompt="yelp",
-                            prompt_fields=fields, generator=make_generator(1000 + seed), prefill_cache=cache,
-                        )
+                        result = generate(batch, MechanismRelease(mech, max_new_tokens=args.max_new_tokens, delta=DELTA),
+                                          model=loaded, prompt=PromptSpec("yelp", fields=fields), seed=1000 + seed)
                         cell.update({
                             "feasible": True,
                             "seconds": time.perf_counter() - t0,
-                            **result.record_fields(),  # seeded: "guarantee": null and why
+                            **result.guarantee.record_fields(),  # seeded: "guarantee": null and why
+                            "model_dtype": result.dtype_choice.to_json(),
                             "mechanism": mech.describe(),
                             "texts": [  # never AdaPMixED's spend: it is computed from the references (private)
                                 {"text": t.text, "num_tokens": t.num_tokens, "finish_reason": t.finish_reason,
@@ -167,7 +165,6 @@ def run(args) -> None:
                     print(f"{method:22s} eps={epsilon:<4g} rows={rows:<3d} seed={seed} "
                           + (f"{cell['texts'][0]['num_tokens']} tokens, {cell['seconds']:.1f} s" if cell["feasible"] else "infeasible"),
                           flush=True)
-            cache.clear()
 
 
 def anchor_mechanism(method: str, epsilon: float, batch_size: int, max_new_tokens: int):
@@ -202,8 +199,8 @@ def anchors(args) -> None:
     (ε, seed), Amin et al. one per cell (``_anchor_key``)."""
     import torch
 
-    from invink_audit.mechanism import SeededGeneratorWarning, make_generator
-    from invink_audit.mechanisms.run import generate_with_mechanism
+    from invink_audit.generation import MechanismRelease, PromptSpec, generate
+    from invink_audit.mechanism import SeededGeneratorWarning
     from invink_audit.models import load_model
 
     warnings.simplefilter("ignore", SeededGeneratorWarning)
@@ -218,7 +215,6 @@ def anchors(args) -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(None)
     fields = {"category": "Restaurants", "stars": "5.0"}
-    cache: dict = {}
     for c in cells:
         if not c["feasible"]:
             continue
@@ -228,10 +224,8 @@ def anchors(args) -> None:
             continue
         mech = anchor_mechanism(method, epsilon, rows - 1, c["max_new_tokens"])
         t0 = time.perf_counter()
-        result = generate_with_mechanism(
-            [None], mech, max_new_tokens=c["max_new_tokens"], delta=DELTA, model=loaded, prompt="yelp",
-            prompt_fields=fields, generator=make_generator(1000 + seed), prefill_cache=cache,
-        )
+        result = generate([None], MechanismRelease(mech, max_new_tokens=c["max_new_tokens"], delta=DELTA, allow_all_null=True),
+                          model=loaded, prompt=PromptSpec("yelp", fields=fields), seed=1000 + seed)
         t = result.texts[0]
         a = {"anchor_key": key, "method": method, "epsilon": epsilon, "rows": rows, "seed": seed,
              "seconds": time.perf_counter() - t0, "mechanism": mech.describe(),

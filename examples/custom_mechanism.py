@@ -77,16 +77,17 @@ class FullVocabularyDClip(Mechanism):
 def main(tiny: bool = False, seed: int = 7) -> dict:
     from invink_audit import build_tiny_model, load_model, make_generator
     from invink_audit.audit import ModelAuditSettings, WhiteBoxConfig, audit_model
+    from invink_audit.generation import MechanismRelease, PromptSpec, generate
     from invink_audit.mechanism import SeededGeneratorWarning
-    from invink_audit.mechanisms.run import generate_with_mechanism
 
     warnings.simplefilter("ignore", SeededGeneratorWarning)  # a fixed seed: reproducible, not private
     model = build_tiny_model(seed=1) if tiny else load_model(None)
     references = ["Great tacos and friendly staff.", "", "The soup was cold but the bread was fresh."]
     ours = FullVocabularyDClip(clip_norm=1.0, batch_size=3, temperature=1.0)
-    run = generate_with_mechanism(references, ours, max_new_tokens=8, model=model, prompt="yelp",
-                                  prompt_fields={"category": "Restaurants", "stars": "4.0"}, generator=make_generator(seed))
-    print("generated:", [t.text for t in run.texts], "|", run.guarantee.label())
+    # the same release pipeline as InvisibleInk's (partition, labels, resume, ledger charge, quick audit)
+    run = generate(references, MechanismRelease(ours, max_new_tokens=8, delta=1e-6), model=model,
+                   prompt=PromptSpec("yelp", fields={"category": "Restaurants", "stars": "4.0"}), seed=seed)
+    print("generated:", [t.text for t in run.texts], "|", run.guarantee.guarantee.label())
     verdicts = {}
     for label, mech in (("correct", ours), ("sampled colder than accounted", FullVocabularyDClip(
             clip_norm=1.0, batch_size=3, temperature=1.0, sample_temperature=0.5))):

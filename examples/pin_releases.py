@@ -51,13 +51,10 @@ def _texts(texts) -> list[dict]:
 
 def draw() -> dict:
     """Every case, drawn now."""
-    import torch
-
     from invink_audit.audit.quick import quick_audit
     from invink_audit.data import ReferencesFile
-    from invink_audit.generation import GenerationConfig, PromptSpec, generate
+    from invink_audit.generation import GenerationConfig, MechanismRelease, PromptSpec, generate
     from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
-    from invink_audit.mechanisms.run import generate_with_mechanism
     from invink_audit.models import build_tiny_model
 
     tiny = build_tiny_model(seed=5)
@@ -76,13 +73,11 @@ def draw() -> dict:
             labelled = generate(ReferencesFile(path, label_columns=["stars"]), GenerationConfig(epsilon=8.0, top_k=8, **common),
                                 model=tiny, prompt=PromptSpec("yelp", fields={"category": "Restaurants"}), seed=13)
         cases["invisibleink-labelled-yelp"] = _texts(labelled.texts)
-        amin = generate_with_mechanism(REFERENCES, AminMechanism(AminConfig(clip_norm=2.0, batch_size=2)),
-                                       max_new_tokens=6, model=tiny, generator=torch.Generator().manual_seed(14))
+        amin = AminMechanism(AminConfig(clip_norm=2.0, batch_size=2))
+        amin = generate(REFERENCES, MechanismRelease(amin, max_new_tokens=6, delta=1e-6), model=tiny, seed=14)
         cases["amin"] = _texts(amin.texts)
-        adap = generate_with_mechanism(
-            REFERENCES, AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=2, epsilon=50.0)), max_new_tokens=6, model=tiny,
-            generator=torch.Generator().manual_seed(15),
-        )
+        adap = AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=2, epsilon=50.0))
+        adap = generate(REFERENCES, MechanismRelease(adap, max_new_tokens=6, delta=1e-6), model=tiny, seed=15)
         cases["adapmixed"] = _texts(adap.texts)
         report = quick_audit(topk, model=tiny, sampled_batch=None)
     cases["quick-audit-of-invisibleink-topk-generic"] = {

@@ -22,7 +22,6 @@ _LAZY: dict[str, str] = {
             "SeededGeneratorWarning",
             "dclip_aggregate",
             "derive_key",
-            "is_seeded",
             "make_generator",
             "naive_clip_aggregate",
             "neighbour_log_probs",

@@ -356,9 +356,6 @@ class Engine:
     nothing needs the full rows and the model passes the output-layer probe (module docstring);
     ``False`` always computes full logits. ``share_prefill``: prefill each distinct prompt once per
     :meth:`generate` call and copy its cache (bitwise the same; for audits, which repeat prompts).
-    ``prefill_cache``: a dict that keeps those prefilled prompts across
-    :meth:`generate` calls and across engines of the same model (implies ``share_prefill``; comparisons
-    that run several mechanisms on the same references); the caller owns it and clears it.
     """
 
     def __init__(
@@ -370,7 +367,6 @@ class Engine:
         max_prefill_tokens: int | None = None,
         support_only: bool = True,
         share_prefill: bool = False,
-        prefill_cache: dict | None = None,
     ):
         if not isinstance(model, LoadedModel):
             raise ValueError(f"model must be a LoadedModel (see invink_audit.load_model); got {type(model).__name__}")
@@ -396,10 +392,7 @@ class Engine:
         self.generic = generic
         self.max_batch_rows = rows
         self.max_prefill_tokens = prefill
-        if prefill_cache is not None and not isinstance(prefill_cache, dict):
-            raise ValueError(f"prefill_cache must be a dict or None; got {type(prefill_cache).__name__}")
-        self.prefill_cache = prefill_cache
-        self.share_prefill = share_prefill or prefill_cache is not None
+        self.share_prefill = share_prefill
         check_packed_attention(model)
         self.forward = RowForward(model)
         #: the model as (decoder, output layer) when private logits use the Top-k+ columns only, else None
@@ -620,9 +613,8 @@ class _Run:
         self.device = engine.model.device
         self.pending = collections.deque(range(len(requests)))
         self.texts: list[_Text] = []
-        # prefilled prompts shared by the run's texts, keyed by (model, hidden states?, prompt): the engine's own
-        # dict per call, or the caller's prefill_cache (kept across calls and engines of one model)
-        self.shared: dict = {} if engine.prefill_cache is None else engine.prefill_cache
+        # prefilled prompts shared by the run's texts (share_prefill), keyed by (hidden states?, prompt)
+        self.shared: dict = {}
         self.prefixes: dict[tuple[int, ...], RowKV] = {}  # template prefixes' caches (public tokens)
         self.eos = frozenset(engine.model.eos_token_ids)
         # decoding rows' caches: public rows apart, so their attention never shares a call with a private row
@@ -662,7 +654,7 @@ class _Run:
     def _prefill_chunk(self, text: _Text, chunk: int, hidden: bool) -> int:
         index = text.next_row
         row, prompt = text.rows[index], text.prompts[index]
-        key = (id(self.engine.model), hidden, prompt)
+        key = (hidden, prompt)
         if self.engine.share_prefill and row.length == 0 and key in self.shared:
             cached, state = self.shared[key]
             text.rows[index] = cached.copy(self.max_new_tokens)

@@ -287,9 +287,10 @@ class Guarantee(_RunGuarantee):
 @dataclasses.dataclass(frozen=True)
 class MechanismRelease:
     """The public parameters of a release of any :class:`~invink_audit.mechanisms.Mechanism` (the paper's
-    baselines, Amin et al. 2024 and AdaPMixED, or yours) through :func:`generate`, the same pipeline as an
-    InvisibleInk release (:class:`GenerationConfig`): disjoint batches of ``mechanism.batch_size`` (paper
-    Corollary 11), label conditioning, resume, lock and journal, the ledger charge, torchrun and Ray.
+    baselines, Amin et al. 2024 and AdaPMixED, InvisibleInk with a given clip norm, or yours) through
+    :func:`generate`, the same pipeline as a planned InvisibleInk release (:class:`GenerationConfig`): disjoint
+    batches of ``mechanism.batch_size`` (paper Corollary 11), label conditioning, resume, lock and journal, the
+    ledger charge, torchrun and Ray.
 
     ``max_new_tokens`` (T) and ``delta`` fix the mechanism's guarantee (``mechanism.guarantee(T, δ)``). An
     a-priori guarantee is charged to a ledger as a zCDP release of its ``rho_sequence``
@@ -310,8 +311,6 @@ class MechanismRelease:
 
         if not isinstance(self.mechanism, Mechanism):
             raise ValueError(f"mechanism must be an invink_audit.mechanisms.Mechanism; got {type(self.mechanism).__name__}")
-        if self.mechanism.topk_plus_columns() is not None:  # the engine's InvisibleInk fast path: one mode, no outcomes
-            raise ValueError("InvisibleInk is released with a GenerationConfig (its plan and ledger event), not a MechanismRelease")
         object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
         object.__setattr__(self, "delta", RANGES["delta"].check("delta", self.delta))
         _check_release_options(self)

@@ -58,7 +58,6 @@ __all__ = [
     "dclip_aggregate",
     "gumbel_argmax",
     "derive_key",
-    "is_seeded",
     "make_generator",
     "naive_clip_aggregate",
     "neighbour_log_probs",
@@ -654,19 +653,18 @@ def neighbour_log_probs(
 
 class _KeyedGenerator(torch.Generator):
     """A ``torch.Generator`` from :func:`make_generator`, carrying its 128-bit key (from the OS, or the seed),
-    how many runs have drawn from it, and whether it was seeded. torch's CPU generator keeps only 32 bits of a
+    and how many runs have drawn from it. torch's CPU generator keeps only 32 bits of a
     seed, so the engine takes its randomness from this key, not from the generator's state (:func:`run_key`).
     The key lives on the object: CUDA generators of some torch builds (2.11) cannot be weakly referenced, so
     a side table keyed by generator would fail there."""
 
     key: int
     runs: int
-    seeded: bool
 
     @classmethod
-    def make(cls, device: torch.device | str, key: int, *, seeded: bool) -> _KeyedGenerator:
+    def make(cls, device: torch.device | str, key: int) -> _KeyedGenerator:
         generator = cls(device=device)
-        generator.key, generator.runs, generator.seeded = key, 0, seeded
+        generator.key, generator.runs = key, 0
         return generator
 
 
@@ -680,7 +678,7 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
     """
     if seed is None:
         key = secrets.randbits(128)
-        generator = _KeyedGenerator.make(device, key, seeded=False)
+        generator = _KeyedGenerator.make(device, key)
         generator.manual_seed(key >> 65)
     else:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
@@ -690,16 +688,9 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
             SeededGeneratorWarning,
             stacklevel=2,
         )
-        generator = _KeyedGenerator.make(device, int(seed), seeded=True)
+        generator = _KeyedGenerator.make(device, int(seed))
         generator.manual_seed(int(seed))
     return generator
-
-
-def is_seeded(generator: torch.Generator) -> bool:
-    """Whether what ``generator`` draws is reproducible, and so carries no privacy: ``False`` only for a
-    generator :func:`make_generator` seeded from the OS; ``True`` for one it made with a fixed seed and for
-    any other ``torch.Generator`` (seeded by its caller, or with torch's default seed, a constant)."""
-    return not isinstance(generator, _KeyedGenerator) or generator.seeded
 
 
 def run_key(generator: torch.Generator) -> int:

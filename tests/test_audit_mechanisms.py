@@ -22,9 +22,9 @@ import torch
 from invink_audit.audit import ModelAuditSettings, WhiteBoxConfig, audit_model, quick_audit, synthetic, write_report
 from invink_audit.audit.analysis import analyse
 from invink_audit.audit.whitebox import Claim
+from invink_audit.generation import MechanismRelease, generate
 from invink_audit.mechanism import SeededGeneratorWarning, make_generator
 from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
-from invink_audit.mechanisms.run import generate_with_mechanism
 from invink_audit.models import build_tiny_model
 
 REFS = ["Great tacos and friendly staff.", None, "The soup was cold."]
@@ -120,14 +120,13 @@ def test_model_audit_of_amin_passes_and_of_adapmixed_is_labelled_data_dependent(
 
 def test_quick_audit_of_texts_generated_with_any_mechanism(tiny):
     refs = REFS + ["Nice.", "", "Bad food."]
-    run = generate_with_mechanism(refs, _amin(), max_new_tokens=6, model=tiny, generator=_gen(1))
-    assert len(run.texts) == 2 and run.forward_rows_per_token == 4
-    assert sum(run.mode_counts().values()) == sum(t.num_tokens for t in run.texts)
+    run = generate(refs, MechanismRelease(_amin(), max_new_tokens=6, delta=1e-6), model=tiny)
+    assert len(run.texts) == 2 and all(len(t.modes) == t.num_tokens for t in run.texts)
     report = quick_audit(run, refs, model=tiny, generator=_gen(2))
     assert report.verdict.value == "PASS" and report.mechanism == "amin2024" and report.step_failures == {
         "support": 0, "range": 0, "renyi": 0, "delta": 0}
     ada = AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=3, epsilon=6.0, screen_samples=32))
-    run = generate_with_mechanism(refs, ada, max_new_tokens=6, model=tiny, generator=_gen(1))
+    run = generate(refs, MechanismRelease(ada, max_new_tokens=6, delta=1e-6), model=tiny)
     report = quick_audit(run, refs, model=tiny, sampled_batch=None)
     assert report.verdict.value != "PASS" and report.guarantee == "data-dependent"
     assert "DATA-DEPENDENT" in report.summary()

@@ -240,19 +240,19 @@ def test_cli_generate_with_dtype_float32_gives_float32(native, tiny_dir, tmp_pat
     assert {r["model_dtype"]["dtype"] for r in read_generation_output(output)} == {"float32"}
 
 
-def test_baselines_quick_audit_and_black_box_say_which_dtype_ran(native, tiny_dir):
+def test_baselines_quick_audit_and_black_box_say_which_dtype_ran(native, tiny_dir, tmp_path):
     """The other users of a model record its dtype too: a baseline's run and records, the quick audit
     (teacher-forced in the dtype the release ran in, not re-chosen), and the engine as a black box."""
     from invink_audit.audit.blackbox import engine_generator
     from invink_audit.audit.quick import quick_audit
     from invink_audit.mechanisms import AminConfig, AminMechanism
-    from invink_audit.mechanisms.run import generate_with_mechanism
+    from invink_audit.generation import MechanismRelease
 
     amin = AminMechanism(AminConfig(clip_norm=2.0, batch_size=2))
-    run = generate_with_mechanism(REFERENCES, amin, max_new_tokens=3, model=str(tiny_dir),
-                                  generator=torch.Generator().manual_seed(0))
+    output = tmp_path / "amin.jsonl"
+    run = generate(REFERENCES, MechanismRelease(amin, max_new_tokens=3, delta=1e-6), model=str(tiny_dir), output=output)
     assert run.dtype_choice.dtype == "bfloat16" and run.dtype_choice.probe.passed
-    assert run.record_fields()["model_dtype"] == run.dtype_choice.to_json()
+    assert all(r["model_dtype"] == run.dtype_choice.to_json() for r in read_generation_output(output))
 
     float32 = generate(REFERENCES, GenerationConfig(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, top_k=8),
                        model=ModelSpec(str(tiny_dir), dtype="float32"))

@@ -60,9 +60,31 @@ def test_a_mechanism_release_is_checked_at_construction():
         MechanismRelease(_amin(), max_new_tokens=6, delta=1.5)
     with pytest.raises(ValueError, match="num_texts_per_group"):
         MechanismRelease(_amin(), max_new_tokens=6, delta=1e-6, num_texts_per_group=0)
-    invisibleink = InvisibleInk(MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=8, batch_size=3))
-    with pytest.raises(ValueError, match="released with a GenerationConfig"):
-        MechanismRelease(invisibleink, max_new_tokens=6, delta=1e-6)
+
+
+def test_invisibleink_is_an_ordinary_mechanism_release(tiny, tmp_path, reviews_csv):
+    """InvisibleInk with a given clip norm through a MechanismRelease is token for token the planned release of
+    the same C (one pipeline, the engine's Top-k+ fast path from the capability), its guarantee the planner's
+    ε, and its file audits from the mechanism it records."""
+    from invink_audit.generation import GenerationConfig
+
+    mechanism = InvisibleInk(MechanismConfig(clip_norm=1.5, temperature=1.1, top_k=8, batch_size=3))
+    release = MechanismRelease(mechanism, max_new_tokens=6, delta=1e-6)
+    planned = GenerationConfig(clip_norm=1.5, temperature=1.1, top_k=8, batch_size=3, max_new_tokens=6, delta=1e-6)
+    output = tmp_path / "invisibleink.jsonl"
+    references = reviews_csv([(t,) for t in TEXTS], columns=("text",))
+    ours = _quiet(generate, references, release, model=tiny, output=output, seed=9)
+    theirs = _quiet(generate, TEXTS, planned, model=tiny, seed=9)
+    assert [t.token_ids for t in ours.texts] == [t.token_ids for t in theirs.texts]
+    assert ours.guarantee.epsilon == theirs.guarantee.epsilon
+    record = json.loads(output.read_text().splitlines()[0])
+    assert mechanism_from_json(record["run"]["mechanism"]).config == mechanism.config
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=1000.0, delta=1e-6)
+    charged = generate(TEXTS, release, model=tiny, ledger=ledger)
+    assert ledger.status().releases[0]["rho"] == pytest.approx(release.guarantee().rho_sequence)
+    report = audit_release_file(output, references, model=tiny, sampled_batch=None)
+    assert report.mechanism == "invisibleink" and sum(report.step_failures.values()) == 0
+    assert quick_audit(charged, model=tiny, sampled_batch=None).verdict is Verdict.PASS
 
 
 def test_a_label_conditioned_amin_release_is_charged_resumed_and_audited(tiny, labelled, tmp_path):
@@ -118,9 +140,11 @@ def test_a_seeded_mechanism_release_carries_no_guarantee(tiny, tmp_path):
 
 
 def test_a_mechanism_is_rebuilt_from_its_record_only_when_known():
-    for mechanism in (_amin(), AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=2, epsilon=5.0))):
+    for mechanism in (_amin(sensitivity="paper"), AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=2, epsilon=5.0)),
+                      InvisibleInk(MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=2), accountant="cks")):
         again = mechanism_from_json(json.loads(json.dumps(mechanism_to_json(mechanism))))
         assert type(again) is type(mechanism) and again.config == mechanism.config
+        assert getattr(again, "accountant", None) == getattr(mechanism, "accountant", None)
 
     class Custom(Mechanism):  # only its name matters here
         name = "custom"

@@ -29,7 +29,7 @@ from accounting import BudgetLedger, LedgerError, Release
 from invink_audit.audit import spec
 from invink_audit.cli import EXIT_BAD_INPUT, main
 from invink_audit.generation import SEEDED_VOID_REASON
-from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, is_seeded, make_generator
+from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
 from invink_audit.models import build_tiny_model
 from releases import call_flat
 
@@ -450,25 +450,6 @@ def test_the_engine_runs_a_model_whose_parameters_require_grad(top_k):
 
 
 # -- seeded and data-dependent figures ----------------------------------------------------------------
-
-
-def test_generate_with_mechanism_marks_a_seeded_run_void(tiny):
-    from invink_audit.mechanisms import InvisibleInk
-    from invink_audit.mechanisms.run import generate_with_mechanism
-
-    mechanism = InvisibleInk(MechanismConfig(clip_norm=1.0, batch_size=2, temperature=1.0, top_k=10))
-    refs = ["the soup was cold", "great tacos", "slow wifi", ""]
-    with pytest.warns(SeededGeneratorWarning):
-        seeded_generator = make_generator(5)
-    for generator in (seeded_generator, torch.Generator().manual_seed(5)):
-        assert is_seeded(generator)
-        run = generate_with_mechanism(refs, mechanism, max_new_tokens=3, model=tiny, generator=generator)
-        assert run.seeded and not run.holds and run.void_reason == SEEDED_VOID_REASON
-        assert run.record_fields() == {"guarantee": None, "guarantee_void_reason": SEEDED_VOID_REASON,
-                                   "model_dtype": run.dtype_choice.to_json()}
-    run = generate_with_mechanism(refs, mechanism, max_new_tokens=3, model=tiny)  # from the OS
-    assert not is_seeded(make_generator()) and not run.seeded and run.holds
-    assert run.record_fields() == {"guarantee": run.guarantee.label(), "model_dtype": run.dtype_choice.to_json()}
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ Two parts, both white-box:
 
 The verdict is VIOLATION if either part finds one, PASS if both pass, INCONCLUSIVE otherwise.
 
-Any mechanism: ``result`` may also be a :class:`invink_audit.mechanisms.run.MechanismRun` (texts of
-:func:`~invink_audit.mechanisms.run.generate_with_mechanism` with Amin et al., AdaPMixED or one's own
-mechanism); each text is teacher-forced as the outcomes it released (its tokens in their modes, and
+Any mechanism: ``result`` may be the release of a :class:`~invink_audit.generation.MechanismRelease`
+(Amin et al., AdaPMixED, InvisibleInk with a given clip norm, or one's own mechanism); each text is teacher-forced as the outcomes it released (its tokens in their modes, and
 the stop outcome when a data-dependent stop rule ended it), and the claim is the mechanism's own
 (:meth:`~invink_audit.mechanisms.Mechanism.guarantee`). A data-dependent guarantee is never a PASS.
 
@@ -203,22 +202,6 @@ class AuditedRelease:
         return cls(
             result.mechanism, result.plan.event, result.plan.delta, result.guarantee.epsilon, result.partition,
             result.template, result.labels, label_fields,
-        )
-
-    @classmethod
-    def of_run(cls, run, references, *, prompt_fields=None) -> AuditedRelease:
-        """The release of a :class:`~invink_audit.mechanisms.run.MechanismRun` (any mechanism), which records no
-        partition: ``references`` are those given to ``generate_with_mechanism``."""
-        from invink_audit.data import partition_references
-        from invink_audit.prompts import get_preset
-
-        if references is None:
-            raise ValueError("a MechanismRun records no partition: give the references given to generate_with_mechanism")
-        references = _reference_texts(references)
-        fields = prompt_fields if prompt_fields is not None else run.prompt_fields
-        return cls(
-            run.mechanism, None, run.guarantee.delta, run.guarantee.epsilon, partition_references(references, run.batch_size),
-            get_preset(run.prompt, **fields), guarantee=run.guarantee, max_new_tokens=run.max_new_tokens,
         )
 
     @classmethod
@@ -419,15 +402,16 @@ def _sampled_config(*, alphas, num_samples, num_is_samples, significance, direct
 
 
 # ---------------------------------------------------------------------------------------------
-# any mechanism of the interface (a MechanismRun)
+# any mechanism of the interface
 
 
 def _forced_outcomes(texts, mechanism, vocab: int) -> list[list[int]]:
-    """Each text's outcomes: ``mode·V + token``, and the stop outcome when the stop rule ended it."""
+    """Each text's outcomes: ``mode·V + token``, and the stop outcome when the stop rule ended it (a text of the
+    engine's Top-k+ fast path records no modes: its one mode is 0, its outcomes its tokens)."""
     stop_id = mechanism.stop_outcome(vocab)
     outcomes = []
     for t in texts:
-        ids = [m * vocab + tok for tok, m in zip(t.token_ids, t.modes)]
+        ids = [m * vocab + tok for tok, m in zip(t.token_ids, t.modes or [0] * len(t.token_ids))]
         if stop_id is not None and t.finish_reason == "budget":
             ids.append(stop_id)
         outcomes.append(ids)
@@ -478,8 +462,7 @@ def quick_audit(
     gets the sampled audit (``None`` skips it). Its size: ``num_samples`` texts from R (and, with
     ``"reverse"`` in ``directions``, as many from each R'_j) plus ``num_is_samples`` per α, neighbour
     and direction; the defaults (16 forward texts) keep it to about the cost of generating 16 texts.
-    Below 16 samples the sampled verdict is INCONCLUSIVE. A
-    :class:`~invink_audit.mechanisms.run.MechanismRun` records no partition: give its references.
+    Below 16 samples the sampled verdict is INCONCLUSIVE.
 
     The sampled texts are drawn outside the ledger: they are not charged and the release's guarantee
     does not cover them (``uncharged_samples`` counts them). The report is a non-private function of
@@ -490,15 +473,9 @@ def quick_audit(
     generated texts' tokens teacher-forced so far, :data:`PHASE_SAMPLED` the sampled texts' token slots
     (texts × T). Each phase starts with ``done = 0`` and ends with ``done = total``.
     """
-    from invink_audit.mechanisms.run import MechanismRun
-
     start = time.perf_counter()
     _phase(progress, "")  # a progress that is not callable is refused before anything is loaded
-    if isinstance(result, MechanismRun):
-        release = AuditedRelease.of_run(result, references, prompt_fields=prompt_fields)
-        num_is_samples = 0  # its bound needs the bounded-range step claim of InvisibleInk's tokens
-    else:
-        release = AuditedRelease.of(result, references, prompt=prompt, prompt_fields=prompt_fields)
+    release = AuditedRelease.of(result, references, prompt=prompt, prompt_fields=prompt_fields)
     return _quick_audit_release(
         result, release, model=model, sampled_batch=sampled_batch,
         sampled_config=_sampled_config(alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples,

@@ -11,7 +11,9 @@
 
 import dataclasses
 import enum
+import typing
 
+from invink_audit.mechanism import MechanismConfig
 from invink_audit.mechanisms.adapmixed import AdaPMixEDConfig, AdaPMixEDMechanism
 from invink_audit.mechanisms.amin import (
     AminAccounting,
@@ -44,12 +46,17 @@ __all__ = [
 ]
 
 #: the mechanisms a release file can name and be audited from: name -> (mechanism class, its config class)
-_RECORDED = {AminMechanism.name: (AminMechanism, AminConfig), AdaPMixEDMechanism.name: (AdaPMixEDMechanism, AdaPMixEDConfig)}
+_RECORDED = {
+    AminMechanism.name: (AminMechanism, AminConfig),
+    AdaPMixEDMechanism.name: (AdaPMixEDMechanism, AdaPMixEDConfig),
+    InvisibleInk.name: (InvisibleInk, MechanismConfig),
+}
 
 
 def mechanism_to_json(mechanism: Mechanism) -> dict:
     """``{"name", "config"}``: what a release's records say of its mechanism (``config``: the mechanism's
-    config dataclass as JSON, ``None`` for a mechanism without one). Public parameters only."""
+    config dataclass as JSON, ``None`` for a mechanism without one; InvisibleInk adds its ``accountant``).
+    Public parameters only."""
     config = getattr(mechanism, "config", None)
     data = None
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
@@ -57,19 +64,25 @@ def mechanism_to_json(mechanism: Mechanism) -> dict:
         for field in dataclasses.fields(config):
             value = getattr(config, field.name)
             data[field.name] = value.value if isinstance(value, enum.Enum) else value
-    return {"name": mechanism.name, "config": data}
+    out = {"name": mechanism.name, "config": data}
+    if isinstance(mechanism, InvisibleInk):
+        out["accountant"] = mechanism.accountant.value
+    return out
 
 
 def mechanism_from_json(data: dict) -> Mechanism:
-    """The mechanism :func:`mechanism_to_json` described (Amin et al., AdaPMixED); any other is refused: its
-    release can be audited from the result ``generate`` returned, not from its file."""
+    """The mechanism :func:`mechanism_to_json` described (InvisibleInk, Amin et al., AdaPMixED); any other is
+    refused: its release can be audited from the result ``generate`` returned, not from its file."""
     name = data.get("name") if isinstance(data, dict) else None
     if name not in _RECORDED or not isinstance(data.get("config"), dict):
         raise ValueError(f"mechanism {name!r} cannot be rebuilt from its record (only {sorted(_RECORDED)}): audit the "
                          "result generate returned")
     mechanism, config = _RECORDED[name]
-    fields = dict(data["config"])
-    if config is AminConfig and "sensitivity" in fields:
-        fields["sensitivity"] = AminSensitivity(fields["sensitivity"])
+    hints = typing.get_type_hints(config)
+    fields = {}
+    for key, value in data["config"].items():  # enum fields (clipping, sensitivity) from their values
+        kind = hints.get(key)
+        fields[key] = kind(value) if isinstance(kind, type) and issubclass(kind, enum.Enum) else value
+    if mechanism is InvisibleInk:
+        return InvisibleInk(config(**fields), accountant=data.get("accountant", "br-adaptive"))
     return mechanism(config(**fields))
-
