@@ -8,7 +8,7 @@ are exactly the kind of user text a platform must not leak. The demo
 2. creates a budget ledger for the dataset and charges the run to it before generating,
 3. generates one review per star rating, each from a disjoint batch of ``B`` reviews of that rating
    (label-conditioned: the rating is a public field of the prompt), with InvisibleInk and the ``yelp``
-   prompt (the model's answer starts as a quoted review and ends at the closing quote: issue 19,
+   prompt (the model's answer starts as a quoted review and ends at the closing quote:
    ``docs/results/templates.md``), streamed to JSON Lines,
 4. prints the texts and the a-priori guarantee.
 

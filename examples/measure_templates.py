@@ -1,4 +1,4 @@
-"""Which prompt template keeps a small model's private texts in the genre of the data? (issue 19)
+"""Which prompt template keeps a small model's private texts in the genre of the data?
 
 On Yelp restaurant reviews (``../shared/data/yelp``, read in place), label-conditioned on ``label1``,
 ``label2`` (five star groups), the embedded SmolLM2-135M-Instruct writes, for each template,

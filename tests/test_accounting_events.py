@@ -1,4 +1,4 @@
-"""The one privacy event (issue 13): ε0, ρ_tok and ρ_sequence of a release computed in one place, and
+"""The one privacy event: ε0, ρ_tok and ρ_sequence of a release computed in one place, and
 every record (plan, ledger release) built on it, checked against independent computations."""
 
 from __future__ import annotations

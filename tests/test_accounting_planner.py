@@ -21,7 +21,7 @@ from profiles import examples
 
 PAPER = dict(delta=1e-6, max_new_tokens=500, batch_size=7, temperature=1.2)
 PAPER_CLIP_NORMS = {1.0: 0.0829, 3.0: 0.2285, 5.0: 0.3615, 10.0: 0.6591}
-BR_MIN_GAIN = 1.05  # issue 2: br-adaptive must give >= 5% larger C than cks at T=500, delta=1e-6
+BR_MIN_GAIN = 1.05  # br-adaptive must give >= 5% larger C than cks at T=500, delta=1e-6
 
 epsilons = st.floats(min_value=0.05, max_value=20.0, allow_nan=False)
 deltas = st.floats(min_value=1e-10, max_value=1e-2, allow_nan=False)

@@ -1,4 +1,4 @@
-"""The white-box auditor and quick_audit on any mechanism of the interface (issue 11).
+"""The white-box auditor and quick_audit on any mechanism of the interface.
 
 Oracles: exact enumeration of a small mechanism's whole output distribution (the Monte Carlo
 intervals must cover the exact Rényi divergences; the exact divergences respect a correct claim);

@@ -236,7 +236,7 @@ def test_selftest_pass_on_correct_and_violation_on_every_mutant():
         "low-temperature": "VIOLATION",
         "private-top-k": "VIOLATION",
         "data-dependent-budget": "VIOLATION",
-        # the paper's baselines through the mechanism interface (issue 11)
+        # the paper's baselines through the mechanism interface
         "amin-paper-sensitivity": "VIOLATION",
         "amin-correct": "PASS",
         "adapmixed-stop-rule": "VIOLATION",

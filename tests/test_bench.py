@@ -110,7 +110,7 @@ def test_cli_bench_checks_reference_options_before_the_long_run(monkeypatch, cap
     assert "not importable" in err and len(err.strip().splitlines()) == 1
 
 
-# ------------------------------------------------------------------ dtypes side by side (issue 25)
+# ------------------------------------------------------------------ dtypes side by side
 
 
 def test_benchmark_says_which_dtype_ran_and_why(tiny):

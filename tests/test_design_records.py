@@ -1,4 +1,4 @@
-"""One record per concept (issue 13): the accountant is an enum end to end, the mechanism is built from
+"""One record per concept: the accountant is an enum end to end, the mechanism is built from
 the privacy event, and one default top-k serves generation and audits.
 
 The accountant enum must change nothing a user sees: records compare equal to the accountant's name,

@@ -1,4 +1,4 @@
-"""What the processes of one release agree on and send each other (issue 18, R2 and R10).
+"""What the processes of one release agree on and send each other.
 
 R10: the master key stays on rank 0. Each process receives the stream keys of its own batches only
 (``derive_key(master, batch)``, the keys the engine derived itself before, so the texts are the same);

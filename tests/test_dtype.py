@@ -1,4 +1,4 @@
-"""The model's dtype (issue 25): ``auto`` on a CPU with native bfloat16 decides by a probe on public text,
+"""The model's dtype: ``auto`` on a CPU with native bfloat16 decides by a probe on public text,
 every choice says why, records and reports carry it, an explicit dtype is kept, and every process of a
 launch follows process 0's choice.
 

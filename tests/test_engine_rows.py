@@ -1,6 +1,6 @@
 """Rows do not leak into each other, texts do not depend on their schedule, one host sync per step.
 
-* Row independence (issue 9): the public row's logits are bitwise identical whether a private
+* Row independence: the public row's logits are bitwise identical whether a private
   reference (of the same text or another) is changed, made null, or left alone, in the engine's real
   batching (texts decoded together, texts joining as others finish), on the default Top-k+ path and
   the full-logits path.

@@ -1,5 +1,5 @@
 """The engine's schedule and the published file's order depend on public information and released
-tokens only, never on the private references (issue 18, R1).
+tokens only, never on the private references.
 
 The probe: a text admitted while others decode used to be prefilled at most ``4 * max_prefill_tokens``
 tokens per step, so a long private reference delayed it; replacing that reference by null then

@@ -1,4 +1,4 @@
-"""Utility evaluation (issue 10): intervals, MAUVE from features, TSTR, embeddings, files, CLI.
+"""Utility evaluation: intervals, MAUVE from features, TSTR, embeddings, files, CLI.
 
 Independent checks: MAUVE of a sample against itself / another sample of the same distribution is high
 and against a shifted or word-shuffled sample low; TSTR's ceiling beats chance; the MiniLM embeddings
@@ -418,7 +418,7 @@ def test_evaluate_end_to_end_offline(minilm, monkeypatch, tmp_path):
     for key in ("mauve", "mauve_c5", "delta_ppl", "tstr_gap_closed"):
         assert {"estimate", "lower", "upper"} <= set(data[key] or {"estimate", "lower", "upper"}), key
     assert data["eos_share"] == 0.5 and result.num_real == 60
-    # the report names the dtype each model ran in (issue 25): the scorer's choice with its reason
+    # the report names the dtype each model ran in: the scorer's choice with its reason
     scorer = build_tiny_model()
     assert data["scorer_dtype"]["dtype"] == scorer.dtype_choice.dtype and data["scorer_dtype"]["reason"]
     assert data["embedding_dtype"] == minilm.dtype in ("float32", "bfloat16")

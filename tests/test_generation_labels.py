@@ -1,4 +1,4 @@
-"""Label-conditioned generation (issue 10, item 2): batches within one label group, prompted with it.
+"""Label-conditioned generation: batches within one label group, prompted with it.
 
 References are grouped by their label columns (the paper's Yelp setup: business category and stars);
 each batch holds references of one group only (input order within the group), its labels fill the

@@ -1,4 +1,4 @@
-"""The off-genre rule (issue 19): what it flags, why, and what it lets through.
+"""The off-genre rule: what it flags, why, and what it lets through.
 
 Positives are the issue's quoted texts and texts SmolLM2 wrote under the paper's Yelp prompt
 (docs/results/templates.md); negatives are review-like texts, including real-review habits that

@@ -1,4 +1,4 @@
-"""Nothing misleading (issue 22, item 3): what the tools print, record and draw says what happened.
+"""Nothing misleading: what the tools print, record and draw says what happened.
 
 * a record says which public fields its batch was prompted with (``prompt_fields``), not the preset's;
 * a preset's example label values ("a 4-star restaurant review") are never used silently;

@@ -1,4 +1,4 @@
-"""Bad input is refused at the boundary, in one line (issue 18, privacy hygiene).
+"""Bad input is refused at the boundary, in one line.
 
 Each test reproduces a probe: an audit spec that skipped the command line's range checks (a traceback
 after the model loaded, a silently truncated T, ``batch_size = true``, an unknown key, a missing

@@ -1,4 +1,4 @@
-"""Property-based tests of the InvisibleInk mechanism (issue 3, properties 1–4).
+"""Property-based tests of the InvisibleInk mechanism.
 
 Each property is checked with the project's own test kit (``invink_audit.testing``) against an
 independent computation: neighbours are built explicitly and re-aggregated, the Top-k+ superset

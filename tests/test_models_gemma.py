@@ -243,7 +243,7 @@ def test_gemma3_runs_through_the_engine(gemma):
 @pytest.mark.slow
 @NEEDS_GEMMA
 def test_gemma3_generates_from_the_cli_with_a_completion_prompt(gemma, tmp_path, capsys):
-    """`invink-audit generate --model gemma3-270m` end to end (issue 19): the base model takes the
+    """`invink-audit generate --model gemma3-270m` end to end: the base model takes the
     completion-style preset, label-conditioned on Yelp-style labels; a chat preset is refused up front."""
     import json
 

@@ -1,4 +1,4 @@
-"""Non-private artefacts are marked and closed (issue 18, items R3, R4, R8, R9): each test reproduces a probe.
+"""Non-private artefacts are marked and closed: each test reproduces a probe.
 
 * R3: the sweep's reference points (the ceiling copies a private reference in the clear) are written
   owner-only, every record marked, in ``reference_points/``, never beside a release.

@@ -1,4 +1,4 @@
-"""Templates that fit small models (issue 19): a public answer start, public stop strings, public
+"""Templates that fit small models: a public answer start, public stop strings, public
 few-shot examples and completion-style prompts for base models, none of which reads private data."""
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ def test_the_paper_prompt_stays_available_and_unchanged():
 
 def test_a_base_model_release_is_audited_with_its_completion_prompt(tmp_path):
     """A model without a chat template generates with a completion preset and the quick audit (exact
-    checks and a sampled batch) replays it with the same plain-text prompt (issue 19: base models are
-    accepted by generate, sweep and audit)."""
+    checks and a sampled batch) replays it with the same plain-text prompt (base models are accepted by
+    generate, sweep and audit)."""
     from invink_audit.audit.quick import quick_audit
 
     base = build_tiny_model(seed=5)

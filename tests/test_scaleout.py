@@ -1,4 +1,4 @@
-"""Scale-out (issue 14): one release over many processes, keyed by batch, at most one text per batch.
+"""Scale-out: one release over many processes, keyed by batch, at most one text per batch.
 
 Unit tests of the pieces (batch assignment, the first-wins journal across processes, shard merge,
 deferred termination), then end-to-end runs under ``torchrun`` (gloo, CPU, the tiny model): 1, 2 and

@@ -1,4 +1,4 @@
-"""Scale-out on Ray (issue 14, item 4): the same release as a Ray Data pipeline, on CPU.
+"""Scale-out on Ray: the same release as a Ray Data pipeline, on CPU.
 
 ``ray.init(num_cpus=2)`` and the tiny model: the Ray release equals the single-process one for a fixed
 seed (one ledger charge, one output file ordered by batch); a retried task never releases a second

@@ -1,4 +1,4 @@
-"""Sweep (issue 10, item 4) and reference points (item 3), on the tiny model and MiniLM embeddings."""
+"""Sweep and reference points, on the tiny model and MiniLM embeddings."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_reference_points_follow_labels(tiny):
 @pytest.mark.filterwarnings("ignore:.*synthetic texts.* are empty:UserWarning")  # the tiny model may stop at once
 def test_a_base_model_sweeps_with_a_completion_prompt_on_selected_records(tmp_path):
     """A model without a chat template (a base model, as Gemma-3-270M) sweeps with a completion-style
-    preset, and ``where`` selects the references by a public column (issue 19, issue 22)."""
+    preset, and ``where`` selects the references by a public column."""
     from invink_audit.models import build_tiny_model
 
     base = build_tiny_model(seed=5)
