@@ -14,6 +14,7 @@ __all__ = [
     "check_nonnegative",
     "check_delta",
     "check_count",
+    "check_order",
 ]
 
 
@@ -54,11 +55,17 @@ def check_delta(name: str, value) -> float:
     return x
 
 
-def check_count(name: str, value, *, minimum: int = 1) -> int:
-    """An integer >= ``minimum`` (bool and floats such as 3.0 are rejected)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    n = int(value)
-    if n < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return n
+def check_count(name: str, value, *, minimum: int = 1, allow_none: bool = False) -> int | None:
+    """An integer >= ``minimum`` (bool and floats such as 3.0 are rejected), or ``None`` with ``allow_none``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}; got {value!r}")
+    return int(value)
+
+
+def check_order(name: str, value, *, allow_inf: bool = False) -> float:
+    """A Rényi order α: a finite (or, with ``allow_inf``, +inf) number > 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value > 1 and (allow_inf or math.isfinite(value))):
+        raise ValueError(f"{name} must be a {'' if allow_inf else 'finite '}number > 1; got {value!r}")
+    return float(value)

@@ -33,13 +33,14 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from accounting._validation import check_count, check_delta, check_nonnegative, check_positive
+from accounting._validation import check_count, check_delta, check_nonnegative, check_order, check_positive
 
 __all__ = [
     # the checks every record's constructor and every boundary uses (one line naming the argument and its value)
     "check_count",
     "check_delta",
     "check_nonnegative",
+    "check_order",
     "check_positive",
     "ParameterRange",
     "EPSILON_RANGE",

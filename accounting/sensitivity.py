@@ -34,7 +34,8 @@ recentered naive mechanism with the replace-by-null factor 2.
 from __future__ import annotations
 
 import enum
-import math
+
+from accounting._validation import check_count, check_positive
 
 __all__ = [
     "Adjacency",
@@ -83,22 +84,6 @@ def coerce_enum(value, enum_type):
         raise ValueError(f"{enum_type.__name__.lower()} must be one of {choices}; got {value!r}") from err
 
 
-def _check_positive_finite(name: str, value) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{name} must be a positive finite number; got {value!r}") from err
-    if not math.isfinite(x) or x <= 0:
-        raise ValueError(f"{name} must be a positive finite number; got {value!r}")
-    return x
-
-
-def _check_batch_size(batch_size) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
-    return batch_size
-
-
 def sensitivity_factor(
     clipping: Clipping | str = Clipping.DIFFERENCE,
     adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
@@ -117,9 +102,7 @@ def linf_sensitivity(
 
     ``batch_size`` is the number of private references ``B`` per generated text (not ``B + 1``).
     """
-    c = _check_positive_finite("clip_norm", clip_norm)
-    b = _check_batch_size(batch_size)
-    return sensitivity_factor(clipping, adjacency) * c / b
+    return sensitivity_factor(clipping, adjacency) * check_positive("clip_norm", clip_norm) / check_count("batch_size", batch_size)
 
 
 def clip_norm_for_sensitivity(
@@ -129,6 +112,4 @@ def clip_norm_for_sensitivity(
     adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
 ) -> float:
     """Inverse of :func:`linf_sensitivity`: the clip norm ``C`` whose sensitivity is ``sensitivity``."""
-    s = _check_positive_finite("sensitivity", sensitivity)
-    b = _check_batch_size(batch_size)
-    return s * b / sensitivity_factor(clipping, adjacency)
+    return check_positive("sensitivity", sensitivity) * check_count("batch_size", batch_size) / sensitivity_factor(clipping, adjacency)

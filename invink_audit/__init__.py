@@ -38,7 +38,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("LoadedModel", "build_tiny_model", "load_model"), "invink_audit.models"),
     **dict.fromkeys(("PRESETS", "PromptTemplate", "TextRequest", "encode_request", "get_preset"), "invink_audit.prompts"),
     **dict.fromkeys(("Partition", "ReferencesFile", "partition_references", "read_references"), "invink_audit.data"),
-    **dict.fromkeys(("DecodeStep", "Engine", "FinishedText"), "invink_audit.engine"),
+    **dict.fromkeys(("DecodeStep", "Engine"), "invink_audit.engine"),
     **dict.fromkeys(("ForwardStats", "RowForward"), "invink_audit.forward"),
     **dict.fromkeys(
         (
@@ -63,12 +63,17 @@ _LAZY: dict[str, str] = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'invink_audit' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+def _lazy_hooks(package: str, lazy: dict[str, str], *names: str):
+    """The module ``__getattr__`` and ``__dir__`` (PEP 562) of ``package``, whose public names (``lazy``: name ->
+    submodule, relative to ``package`` or absolute) are imported on first use; ``names``: its other public names."""
+
+    def __getattr__(name: str):
+        module = lazy.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module, package), name)
+
+    return __getattr__, lambda: sorted([*names, *lazy])
 
 
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = _lazy_hooks(__name__, _LAZY, "__version__")

@@ -49,6 +49,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+from accounting.limits import check_count
 from invink_audit.rows import MIN_BUCKET_ROWS, bucket_length
 
 __all__ = [
@@ -83,13 +84,6 @@ PREFILL_CHUNK = 512
 GIB = 1024**3
 
 
-def _positive_int(name: str, value, *, allow_none: bool = False, minimum: int = 1) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}; got {value!r}")
-
-
 def dtype_name(dtype) -> str:
     """The canonical name (``"float32"``, ``"bfloat16"``, ...) of a dtype name or ``torch.dtype``."""
     text = str(dtype).removeprefix("torch.").lower()
@@ -122,7 +116,7 @@ class ModelShape:
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size",
                       "intermediate_size", "vocab_size", "num_parameters"):
-            _positive_int(field, getattr(self, field))
+            check_count(field, getattr(self, field))
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_kv_heads "
@@ -232,13 +226,10 @@ class Workload:
     top_k: int | None = 100
 
     def __post_init__(self) -> None:
-        _positive_int("batch_size", self.batch_size)
-        _positive_int("max_new_tokens", self.max_new_tokens)
-        _positive_int("prompt_tokens", self.prompt_tokens)
-        _positive_int("max_batch_rows", self.max_batch_rows)
-        _positive_int("public_prompt_tokens", self.public_prompt_tokens, allow_none=True)
-        _positive_int("num_texts", self.num_texts, allow_none=True)
-        _positive_int("top_k", self.top_k, allow_none=True)
+        for name in ("batch_size", "max_new_tokens", "prompt_tokens", "max_batch_rows"):
+            check_count(name, getattr(self, name))
+        for name in ("public_prompt_tokens", "num_texts", "top_k"):
+            check_count(name, getattr(self, name), allow_none=True)
         if self.public_prompt_tokens is None:
             object.__setattr__(self, "public_prompt_tokens", self.prompt_tokens)
 
@@ -271,7 +262,7 @@ def kv_bytes_per_token(shape: ModelShape) -> int:
 def bucket_rows(rows: int) -> int:
     """Rows a bucket holding ``rows`` rows is allocated for: ``max(4, 2**ceil(log2 rows))`` (``rows.py:
     _Bucket._room``: 4 at first, doubled when full); 0 for none."""
-    _positive_int("rows", rows, minimum=0)
+    check_count("rows", rows, minimum=0)
     return 0 if rows == 0 else max(MIN_BUCKET_ROWS, 1 << (rows - 1).bit_length())
 
 
@@ -400,7 +391,7 @@ def growth_layers(num_layers: int) -> int:
     (``rows.py: _Bucket._room`` replaces them layer by layer in a ``for ... in enumerate(zip(keys, values))``
     loop): one, the layer being copied; two in a two-layer model, where the iteration's reused tuple keeps
     the first layer's old buffers until the loop ends (measured on the engine: ``tests/test_capacity.py``)."""
-    _positive_int("num_layers", num_layers)
+    check_count("num_layers", num_layers)
     return 2 if num_layers == 2 else 1
 
 
@@ -412,7 +403,7 @@ def _text_rows(texts: Sequence[Sequence[int | None]]) -> list[list[tuple[bool, i
         if not lengths or lengths[0] is None:
             raise ValueError(f"texts[{i}] must start with the public prompt's length; got {text!r}")
         for n in lengths:
-            _positive_int(f"texts[{i}] lengths", n, allow_none=True)
+            check_count(f"texts[{i}] lengths", n, allow_none=True)
         rows_of.append([(r == 0, n) for r, n in enumerate(lengths) if n is not None])
     return rows_of
 
@@ -422,7 +413,7 @@ def _drawn_counts(drawn: Sequence[int] | None, texts: int, max_new_tokens: int) 
     if len(counts) != texts:
         raise ValueError(f"drawn must give one count per text ({texts}); got {len(counts)}")
     for count in counts:
-        _positive_int("drawn", count)
+        check_count("drawn", count)
         if count > max_new_tokens:
             raise ValueError(f"drawn counts must be at most max_new_tokens ({max_new_tokens}); got {count}")
     return counts
@@ -448,11 +439,11 @@ def simulate_kv(
     ``"prefill"``, ``"first decoding pass"`` or ``"decoding"``). ``num_layers`` (L, dividing κ): also
     count the old buffers of :func:`growth_layers` layers a bucket keeps while it doubles (``rows.py:
     _Bucket._room``, ``κ/L`` per slot); ``None``: not (as the closed form :func:`kv_peak_tokens`)."""
-    _positive_int("max_new_tokens", max_new_tokens)
-    _positive_int("texts_in_flight", texts_in_flight)
-    _positive_int("kv_bytes_per_token", kv_bytes_per_token)
-    _positive_int("num_layers", num_layers, allow_none=True)
-    _positive_int("prefix_tokens", prefix_tokens, minimum=0)
+    check_count("max_new_tokens", max_new_tokens)
+    check_count("texts_in_flight", texts_in_flight)
+    check_count("kv_bytes_per_token", kv_bytes_per_token)
+    check_count("num_layers", num_layers, allow_none=True)
+    check_count("prefix_tokens", prefix_tokens, minimum=0)
     layers = num_layers or 1
     if kv_bytes_per_token % layers:
         raise ValueError(f"kv_bytes_per_token ({kv_bytes_per_token}) must be a multiple of num_layers ({layers})")
@@ -600,7 +591,7 @@ class MemoryEstimate:
             raise ValueError("shape must be a ModelShape and workload a Workload")
         for name in ("kv_bytes_per_token", "kv_text_bytes", "kv_peak_bytes", "kv_growth_bytes", "kv_unshared_bytes",
                      "sampling_bytes", "activation_bytes"):
-            _positive_int(name, getattr(self, name), minimum=0)
+            check_count(name, getattr(self, name), minimum=0)
         if self.kv_peak_phase not in _PHASES:
             raise ValueError(f"kv_peak_phase must be one of {_PHASES}; got {self.kv_peak_phase!r}")
 
@@ -664,7 +655,7 @@ def max_batch_rows_for_budget(
     fits ``budget_bytes`` (``unshared``: :attr:`MemoryEstimate.peak_unshared_bytes`, else ``peak_bytes``);
     ``workload.max_batch_rows`` is ignored. 0 when even one text does not fit. With ``num_texts`` set,
     at most ``num_texts × (B + 1)``."""
-    _positive_int("budget_bytes", budget_bytes)
+    check_count("budget_bytes", budget_bytes)
 
     def fits(texts: int) -> bool:
         trial = estimate_memory(shape, dataclasses.replace(workload, max_batch_rows=texts * workload.rows_per_text))

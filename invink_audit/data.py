@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
+from accounting.limits import check_count
+
 __all__ = [
     "ReferencesFile",
     "as_references",
@@ -138,33 +140,38 @@ def _read_csv(path: Path, text: str, column: str) -> list[str]:
     return references
 
 
-def _read_jsonl(path: Path, text: str, field: str) -> list[str]:
-    references = []
+def jsonl_records(path: Path, text: str, field: str, hint: str):
+    """Each ``(where, record, value)`` of the JSON Lines ``text`` read from ``path``: ``where`` names the file and
+    the line, ``value`` is the record's ``field`` (``""`` for null). Blank lines are not records; a line that is
+    not a JSON object, or whose ``field`` is missing (``hint``: how to name another) or not a string or null, is
+    refused with a message naming the line, never its text or its keys (they may be data)."""
     # split on "\n" only: a JSON string may hold U+2028 or U+0085, which str.splitlines() would split on
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
-            continue  # blank lines are not records
+            continue
+        where = f"{str(path)!r} line {number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             # the decoder's message names a position (line/column/char), never the text
-            raise ValueError(f"{str(path)!r} line {number} is not valid JSON: {err.msg} (column {err.colno})") from None
+            raise ValueError(f"{where} is not valid JSON: {err.msg} (column {err.colno})") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{str(path)!r} line {number}: expected a JSON object; got {type(record).__name__}")
+            raise ValueError(f"{where}: expected a JSON object; got {type(record).__name__}")
         if field not in record:
-            # keys are not echoed: they may be data
             raise ValueError(
-                f"{str(path)!r} line {number}: field {field!r} missing (the record has {len(record)} other field(s); "
-                "their names are not shown); give the field holding the references with --column / column="
+                f"{where}: field {field!r} missing (the record has {len(record)} other field(s); their names are not "
+                f"shown); {hint}"
             )
-        value = record[field]
-        if value is None:
-            value = ""
+        value = "" if record[field] is None else record[field]
         if not isinstance(value, str):
-            raise ValueError(
-                f"{str(path)!r} line {number}: field {field!r} must be a string or null; got {type(value).__name__}"
-            )
-        _check_unicode(value, f"{str(path)!r} line {number}")
+            raise ValueError(f"{where}: field {field!r} must be a string or null; got {type(value).__name__}")
+        yield where, record, value
+
+
+def _read_jsonl(path: Path, text: str, field: str) -> list[str]:
+    references = []
+    for where, _, value in jsonl_records(path, text, field, "give the field holding the references with --column / column="):
+        _check_unicode(value, where)
         references.append(value)
     return references
 
@@ -196,16 +203,6 @@ class Partition:
         return self.num_references - len(self.batches) * self.batch_size
 
 
-def _is_count(value) -> bool:
-    """Whether ``value`` is an integer >= 1 (a bool is not)."""
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
-
-
-def _check_batch_size(batch_size) -> None:
-    if not _is_count(batch_size):
-        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
-
-
 def _check_references(references) -> None:
     if isinstance(references, str) or not isinstance(references, Sequence):
         raise ValueError(f"references must be a sequence of strings; got {type(references).__name__}")
@@ -229,21 +226,17 @@ def partition_references(
     ``num_texts``: use the first ``num_texts`` batches (one text each); ``None`` uses every full batch.
     ``None`` references become ``""`` (null); nothing else is changed, dropped or reordered.
     """
-    _check_batch_size(batch_size)
+    check_count("batch_size", batch_size)
     _check_references(references)
     cleaned = [_clean_reference(i, reference) for i, reference in enumerate(references)]
     available = len(cleaned) // batch_size
-    if num_texts is None:
-        count = available
-    elif not _is_count(num_texts):
-        raise ValueError(f"num_texts must be an integer >= 1 or None; got {num_texts!r}")
-    elif num_texts > available:
+    num_texts = check_count("num_texts", num_texts, allow_none=True)
+    count = available if num_texts is None else num_texts
+    if count > available:
         raise ValueError(
             f"num_texts={num_texts} needs {num_texts * batch_size} references at batch_size={batch_size}; "
             f"got {len(cleaned)} (enough for {available})"
         )
-    else:
-        count = num_texts
     if count == 0:
         raise ValueError(f"batch_size={batch_size} needs at least {batch_size} references; got {len(cleaned)}")
     batches = tuple(tuple(cleaned[i * batch_size : (i + 1) * batch_size]) for i in range(count))
@@ -452,9 +445,8 @@ class LabelledPartition:
 
 def _check_labelled_arguments(references, labels, batch_size, num_texts_per_group) -> None:
     """The checks of :func:`partition_by_labels` that need no record: sizes, types, lengths."""
-    _check_batch_size(batch_size)
-    if num_texts_per_group is not None and not _is_count(num_texts_per_group):
-        raise ValueError(f"num_texts_per_group must be an integer >= 1 or None; got {num_texts_per_group!r}")
+    check_count("batch_size", batch_size)
+    check_count("num_texts_per_group", num_texts_per_group, allow_none=True)
     _check_references(references)
     if isinstance(labels, (str, Mapping)) or not isinstance(labels, Sequence):
         raise ValueError("labels must be a sequence of mappings (label column -> value), one per reference")

@@ -81,7 +81,7 @@ import collections
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy
 import torch
@@ -100,10 +100,10 @@ from invink_audit.mechanism import (
 )
 from invink_audit.mechanisms.base import Mechanism
 from invink_audit.models import LoadedModel
-from invink_audit.prompts import TextRequest, reached_stop
+from invink_audit.prompts import TextRequest, reached_stop, release_text
 from invink_audit.rows import RowKV, StoredRow
 
-__all__ = ["DecodeStep", "Engine", "FinishedText", "ForwardStats", "GenericDecodeStep", "RowForward", "default_max_batch_rows"]
+__all__ = ["DecodeStep", "Engine", "ForwardStats", "GeneratedText", "GenericDecodeStep", "RowForward", "default_max_batch_rows"]
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -121,35 +121,51 @@ def default_max_batch_rows(device: torch.device) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class FinishedText:
-    """One generated text and its after-the-fact measurements.
+class GeneratedText:
+    r"""One generated text and its after-the-fact measurements: the one text record, from the engine's
+    :meth:`Engine.generate` to a release's :class:`~invink_audit.generation.GenerationResult` and file.
 
+    * ``key``: the request's key (:attr:`~invink_audit.prompts.TextRequest.key`; a release keys each text by
+      its batch index, :attr:`batch_index`);
+    * ``text``: the released string (:func:`~invink_audit.prompts.release_text`: decoded, cut before the
+      request's first public stop string, stripped);
     * ``token_ids``: the sampled tokens, the end-of-sequence token included when one was drawn;
-    * ``finish_reason``: ``"eos"``, ``"length"`` (``max_new_tokens`` reached) or ``"budget"`` (a generic
-      mechanism's stop rule: Amin et al.'s last private token, AdaPMixED's spend);
+    * ``finish_reason``: ``"eos"``, ``"length"`` (``max_new_tokens`` reached), ``"stop"`` (a public stop
+      string) or ``"budget"`` (a generic mechanism's stop rule: Amin et al.'s last private token,
+      AdaPMixED's spend);
     * ``topk_plus_size_mean`` / ``_std``: mean and (population) standard deviation of :math:`|V_k^+|`
-      over the steps of this text;
-    * ``expansion_tokens``: tokens drawn from :math:`V_k^+ \\setminus V_k`, i.e. whose public logit is
-      below :math:`\\ell_k` (0 for the full-vocabulary variant).
+      over the steps of this text (for a generic mechanism: the size of the outcome support);
+    * ``expansion_tokens``: tokens drawn from :math:`V_k^+ \setminus V_k`, i.e. whose public logit is
+      below :math:`\ell_k` (0 for the full-vocabulary variant);
     * ``modes``: for a generic :class:`~invink_audit.mechanisms.Mechanism`, each token's mode
       (e.g. 0 public, 1 private for Amin et al.); empty for InvisibleInk (one mode);
-    * ``spend``: a data-dependent mechanism's running spend at the end (its accountant's unit), else ``None``.
-      (For generic mechanisms ``topk_plus_size_*`` is the size of the outcome support.)
+    * ``labels``: the batch's labels (label column → value) in a label-conditioned release, else ``None``;
+    * ``request_index``: the text's position in the requests of the :meth:`Engine.generate` call that drew
+      it (``None`` for a text read back from a file; not compared);
+    * ``spend``: a data-dependent mechanism's running spend at the end (its accountant's unit), else
+      ``None``. It is a function of the references, so **private**: a release drops it (not compared).
     """
 
-    request_index: int
     key: object
+    text: str
     token_ids: tuple[int, ...]
     finish_reason: str
     topk_plus_size_mean: float
     topk_plus_size_std: float
     expansion_tokens: int
     modes: tuple[int, ...] = ()
-    spend: float | None = None
+    labels: Mapping[str, str] | None = None
+    request_index: int | None = dataclasses.field(default=None, compare=False)
+    spend: float | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def batch_index(self) -> int:
+        """The release's batch this text was drawn from (its key)."""
+        return int(self.key)
 
 
 class DecodeStep:
@@ -169,8 +185,7 @@ class DecodeStep:
     With a generic :class:`~invink_audit.mechanisms.Mechanism` (``generic`` is True), ``log_probs``,
     ``sampling_log_probs`` and the neighbours are over the mechanism's **outcomes** (G, W)
     (``W = num_modes·V``, + 1 for its stop outcome), a sampling rule returns (G, W) log-weights,
-    ``outcomes`` (G,) holds the drawn outcomes, ``tokens`` their tokens (−1 for the stop outcome), and
-    ``check_log_probs()`` the distributions the per-step claim is about.
+    ``outcomes`` (G,) holds the drawn outcomes and ``tokens`` their tokens (−1 for the stop outcome).
     """
 
     generic = False
@@ -220,16 +235,6 @@ class GenericDecodeStep(DecodeStep):
             support = torch.isfinite(self.result.log_probs) | torch.isfinite(self.result.neighbours).any(dim=-2)
             self._neighbours = NeighbourLogProbs(self.result.log_probs, self.result.neighbours, support)
         return self._neighbours
-
-    def check_log_probs(self) -> NeighbourLogProbs:
-        """The distributions under R and every R'_j on which the mechanism's per-step claim holds
-        (the outcome distributions unless the mechanism names a component, e.g. Amin et al.'s
-        exponential mechanism)."""
-        r = self.result
-        if r.check_actual is None:
-            return self.neighbour_log_probs()
-        support = torch.isfinite(r.check_actual) | torch.isfinite(r.check_neighbours).any(dim=-2)
-        return NeighbourLogProbs(r.check_actual, r.check_neighbours, support)
 
 
 Observer = Callable[[DecodeStep], None]
@@ -319,19 +324,20 @@ class _Text:
         self.next_row += 1
         self._skip_nulls()
 
-    def finished_text(self, reason: str) -> FinishedText:
+    def finished_text(self, reason: str, tokenizer) -> GeneratedText:
         n = max(len(self.tokens), 1)  # a generic mechanism may stop before its first token
         mean = self.size_sum / n
         variance = max(self.size_sq_sum / n - mean * mean, 0.0)
-        return FinishedText(
-            request_index=self.request_index,
+        return GeneratedText(
             key=self.request.key,
+            text=release_text(tokenizer, self.tokens, self.request.stop),
             token_ids=tuple(self.tokens),
             finish_reason=reason,
             topk_plus_size_mean=mean,
             topk_plus_size_std=math.sqrt(variance),
             expansion_tokens=self.expansion,
             modes=tuple(self.modes) if self.mech_state is not None else (),
+            request_index=self.request_index,
             spend=self.spend,
         )
 
@@ -424,7 +430,7 @@ class Engine:
         stream_ids: Sequence[int] | None = None,
         key: int | None = None,
         stream_keys: Sequence[int] | None = None,
-    ) -> Iterator[FinishedText]:
+    ) -> Iterator[GeneratedText]:
         """Generate one text per request; yields texts as they finish (not in request order).
 
         ``max_new_tokens`` (T) is given by the caller, never derived from the data. ``generator`` is a
@@ -518,7 +524,7 @@ class Engine:
                 )
 
     def _texts(self, requests, max_new_tokens, generator, observer, sampling_rule, neighbours, stop_at_eos, progress,
-               stream_ids, key, stream_keys) -> Iterator[FinishedText]:
+               stream_ids, key, stream_keys) -> Iterator[GeneratedText]:
         """:meth:`generate`'s texts, once its arguments were checked."""
         if not requests:
             return
@@ -683,7 +689,7 @@ class _Run:
 
     # ---------------------------------------------------------------- one step
 
-    def step(self, hooks: _Hooks) -> tuple[list[FinishedText], int]:
+    def step(self, hooks: _Hooks) -> tuple[list[GeneratedText], int]:
         """Admit and prefill, then one token for every text that is ready; returns (finished, drawn)."""
         mechanism = self.engine.mechanism
         hidden = self.engine.support_only and not hooks.any
@@ -724,7 +730,7 @@ class _Run:
             return FINISH_LENGTH
         return None
 
-    def _record(self, ready: list[int], draws: list[_Draw]) -> tuple[list[FinishedText], int]:
+    def _record(self, ready: list[int], draws: list[_Draw]) -> tuple[list[GeneratedText], int]:
         """Record each ready text's draw (its token and mode, or the stop outcome of a mechanism's stop rule);
         the texts that finish leave the run. Returns (finished, tokens drawn)."""
         vocab = self.engine.model.vocab_size
@@ -734,7 +740,7 @@ class _Run:
             text = self.texts[slot]
             text.states = [None] * len(text.states)
             if stop_outcome is not None and draw.outcome == stop_outcome:
-                finished.append(text.finished_text(FINISH_BUDGET))  # ended by its stop rule, no token
+                finished.append(text.finished_text(FINISH_BUDGET, self.engine.model.tokenizer))  # ended by its stop rule, no token
                 gone.add(slot)
                 continue
             token = draw.outcome % vocab
@@ -749,7 +755,7 @@ class _Run:
             if reason is None and draw.stop_after:
                 reason = FINISH_BUDGET
             if reason is not None:
-                finished.append(text.finished_text(reason))
+                finished.append(text.finished_text(reason, self.engine.model.tokenizer))
                 gone.add(slot)
         for slot in gone:
             for row in self.texts[slot].stored or ():

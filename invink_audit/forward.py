@@ -150,7 +150,6 @@ class ForwardStats:
     decode_seconds: float = 0.0
     decode_rows: int = 0
     placeholder_rows: int = 0
-    decode_calls: int = 0
     kv_tokens: int = 0
     kv_processed: int = 0
 
@@ -234,7 +233,6 @@ class RowForward:
         if self.stats is not None:
             stats = self.stats
             stats.decode_seconds += self._clock() - started
-            stats.decode_calls += 1
             real = [row for row in rows if row is not None]
             stats.decode_rows += len(real)
             stats.placeholder_rows += len(rows) - len(real)

@@ -89,7 +89,7 @@ from invink_audit.distributed import (
     current_cluster,
     request_cost,
 )
-from invink_audit.engine import Engine, FinishedText
+from invink_audit.engine import Engine, GeneratedText
 from invink_audit.mechanism import DEFAULT_TOP_K, MechanismConfig, SeededGeneratorWarning, derive_key, make_generator
 from invink_audit.outputs import (
     Journal,
@@ -115,7 +115,6 @@ from invink_audit.prompts import (
     encode_request,
     get_preset,
     label_fields_for,
-    release_text,
     require_label_fields,
     template_for_batch,
     template_for_labels,
@@ -360,28 +359,6 @@ class MechanismReleaseGuarantee(_RunGuarantee):
         return data
 
 @dataclasses.dataclass(frozen=True)
-class GeneratedText:
-    """One synthetic text (from batch ``batch_index``) and its after-the-fact measurements: the one text record
-    of a release, whatever the mechanism (``modes``: each token's mode for a mechanism with several, e.g. 0
-    public and 1 private for Amin et al.; empty for InvisibleInk's one mode)."""
-
-    batch_index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    topk_plus_size_mean: float
-    topk_plus_size_std: float
-    expansion_tokens: int
-    #: the batch's labels (label column → value) in a label-conditioned release, else ``None``
-    labels: Mapping[str, str] | None = None
-    modes: tuple[int, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclasses.dataclass(frozen=True)
 class ProcessStats:
     """What one process of a run generated: ``texts`` and ``tokens`` in ``seconds`` on ``device``."""
 
@@ -497,7 +474,7 @@ def _record(
 
 def _from_record(record: dict) -> GeneratedText:
     return GeneratedText(
-        batch_index=int(record["batch_index"]),
+        key=int(record["batch_index"]),
         text=record["text"],
         token_ids=tuple(record["token_ids"]),
         finish_reason=record["finish_reason"],
@@ -1176,7 +1153,7 @@ class _Release:
                     progress=releaser.progress,
                     stream_keys=[admission.stream_keys[i] for i in mine],
                 ):
-                    text = self._labelled(_to_text(finished, loaded, self.template.stop))
+                    text = _released(finished, self.labels)
                     template = self.batch_template(text.batch_index)
                     record = _record(text, self.guarantee, admission.release_id, admission.run, template,
                                      model_dtype=loaded.dtype_choice.to_json())
@@ -1191,9 +1168,6 @@ class _Release:
         stats = ProcessStats(self.cluster.rank, str(loaded.device), len(fresh), tokens, time.perf_counter() - started)
         dropped = () if releaser is None else tuple(releaser.dropped)
         return _RankReport(stats, tuple(fresh), dropped, failure)
-
-    def _labelled(self, text: GeneratedText) -> GeneratedText:
-        return _with_labels(text, self.labels)
 
     def _collect(self, report: _RankReport) -> list[_RankReport]:
         try:
@@ -1377,7 +1351,7 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
             requests, max_new_tokens=state["max_new_tokens"], generator=generator,
             stream_keys=[int(stream_keys[i]) for i in indices], progress=releaser.progress,
         ):  # fmt: skip
-            text = _with_labels(_to_text(finished, loaded, state["template"].stop), state["labels"])
+            text = _released(finished, state["labels"])
             record = _record(text, state["guarantee"], state["release_id"], state["run"], template(text.batch_index),
                              model_dtype=loaded.dtype_choice.to_json())
             releaser.add(text, record)
@@ -1388,22 +1362,11 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
         yield index, False, 0
 
 
-def _with_labels(text: GeneratedText, labels) -> GeneratedText:
-    return text if labels is None else dataclasses.replace(text, labels=dict(labels[text.batch_index]))
-
-
-def _to_text(finished: FinishedText, loaded: LoadedModel, stop: Sequence[str] = ()) -> GeneratedText:
-    text = release_text(loaded.tokenizer, finished.token_ids, stop)
-    return GeneratedText(
-        batch_index=int(finished.key),
-        text=text,
-        token_ids=finished.token_ids,
-        finish_reason=finished.finish_reason,
-        topk_plus_size_mean=finished.topk_plus_size_mean,
-        topk_plus_size_std=finished.topk_plus_size_std,
-        expansion_tokens=finished.expansion_tokens,
-        modes=tuple(finished.modes),
-    )
+def _released(text: GeneratedText, labels) -> GeneratedText:
+    """The engine's text as a release keeps it: its key the batch index, its batch's labels, and never a
+    data-dependent spend (a function of the references)."""
+    return dataclasses.replace(text, key=int(text.key), spend=None,
+                               labels=None if labels is None else dict(labels[int(text.key)]))
 
 
 def _charge(ledger, event, num_batches: int, release_id: str, output: Path | None) -> None:

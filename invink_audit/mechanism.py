@@ -37,6 +37,7 @@ costs no privacy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import numbers
@@ -47,7 +48,8 @@ import torch
 
 from accounting.accountants import bounded_range_epsilon
 from accounting.conversions import br_to_zcdp
-from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
+from accounting.limits import check_count, check_positive
+from accounting.sensitivity import Adjacency, Clipping, coerce_enum, linf_sensitivity
 
 __all__ = [
     "ACCUMULATION_DTYPE",
@@ -93,25 +95,12 @@ class SeededGeneratorWarning(UserWarning):
 
 
 # --------------------------------------------------------------------------------------------
-# validation helpers
+# validation helpers: the accounting package's checks (one message vocabulary, accounting/_validation.py)
 
-
-def _check_clip_norm(clip_norm) -> float:
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real):
-        raise ValueError(f"clip_norm must be a positive finite number; got {clip_norm!r}")
-    value = float(clip_norm)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"clip_norm must be a positive finite number; got {clip_norm!r}")
-    return value
-
-
-def _check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise ValueError(f"temperature must be a positive finite number; got {temperature!r}")
-    value = float(temperature)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"temperature must be a positive finite number; got {temperature!r}")
-    return value
+_check_clip_norm = functools.partial(check_positive, "clip_norm")
+_check_temperature = functools.partial(check_positive, "temperature")
+_check_batch_size = functools.partial(check_count, "batch_size")
+_check_clipping = functools.partial(coerce_enum, enum_type=Clipping)
 
 
 def _check_top_k(top_k) -> int | None:
@@ -120,22 +109,6 @@ def _check_top_k(top_k) -> int | None:
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
         raise ValueError(f"top_k must be an integer >= 1 or None (full vocabulary); got {top_k!r}")
     return int(top_k)
-
-
-def _check_batch_size(batch_size) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
-    return int(batch_size)
-
-
-def _check_clipping(clipping) -> Clipping:
-    if isinstance(clipping, Clipping):
-        return clipping
-    try:
-        return Clipping(clipping)
-    except ValueError as err:
-        choices = ", ".join(repr(m.value) for m in Clipping)
-        raise ValueError(f"clipping must be one of {choices}; got {clipping!r}") from err
 
 
 def _check_tensor(name: str, tensor, *, min_ndim: int) -> torch.Tensor:

@@ -597,23 +597,28 @@ def _gemma3_source() -> _SplitGGUF:
     return _SplitGGUF(file_name=file_name, parts=parts, sha256=sha256, source=", ".join(versions))
 
 
-def _assemble(split: _SplitGGUF, destination: Path) -> int:
-    """Concatenate ``split.parts`` into ``destination``; its size in bytes once the SHA-256 matches.
-
-    The digest is taken while writing, so the 250 MB file is read once.
-    """
+def concatenate_parts(parts, destination: Path) -> tuple[str, int]:
+    """Write the files ``parts`` one after another into ``destination`` (a plain byte split joined again);
+    the SHA-256 and the size in bytes of what was written. The digest is taken while writing, so the
+    data is read once."""
     digest, size = hashlib.sha256(), 0
     with destination.open("wb") as out:
-        for part in split.parts:
-            with part.open("rb") as chunk:
-                while block := chunk.read(1 << 20):
+        for part in parts:
+            with Path(part).open("rb") as chunk:
+                while block := chunk.read(1 << 22):
                     digest.update(block)
                     out.write(block)
                     size += len(block)
-    if digest.hexdigest() != split.sha256:
+    return digest.hexdigest(), size
+
+
+def _assemble(split: _SplitGGUF, destination: Path) -> int:
+    """Concatenate ``split.parts`` into ``destination``; its size in bytes once the SHA-256 matches."""
+    sha256, size = concatenate_parts(split.parts, destination)
+    if sha256 != split.sha256:
         raise ValueError(
             f"{split.file_name} assembled from {len(split.parts)} parts ({size} bytes) has SHA-256 "
-            f"{digest.hexdigest()}, expected {split.sha256}: a part is corrupt or from another version "
+            f"{sha256}, expected {split.sha256}: a part is corrupt or from another version "
             f"({split.source}); reinstall the packages"
         )
     return size

@@ -27,7 +27,7 @@ import json
 import os
 import stat
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from accounting.atomic import atomic_write_bytes
@@ -36,7 +36,9 @@ __all__ = [
     "NOT_PRIVATE_BANNER",
     "NOT_PRIVATE_KEY",
     "PRIVACY_NOTICE_KEY",
+    "agg_pyplot",
     "mark_not_private",
+    "md_table",
     "open_no_follow",
     "owner_only_file",
     "refuse_symlink",
@@ -178,3 +180,24 @@ def save_not_private_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> P
     buffer = io.BytesIO()
     fig.savefig(buffer, format=path.suffix.lstrip(".").lower() or "png", **savefig_kwargs)
     return _write(path, buffer.getvalue())
+
+
+def agg_pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display), imported on first use."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def md_table(header: str | Sequence, rows: Iterable[Sequence] = ()) -> list[str]:
+    """The lines of a Markdown table: ``header`` (its cells, or one string ``"a | b"``), the ``|---|``
+    separator, then one line per row, each cell formatted as an f-string formats it."""
+    cells = header.split(" | ") if isinstance(header, str) else header
+
+    def line(row) -> str:
+        return "| " + " | ".join(map(format, row)) + " |"
+
+    return [line(cells), "|" + "---|" * len(cells), *map(line, rows)]

@@ -101,10 +101,6 @@ class RowKV:
                 twin.values[layer] = self._grow(v, v, self.length, size)
         return twin
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
-
 
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:

@@ -306,9 +306,9 @@ def test_a_long_reference_is_prefilled_in_chunks_and_the_cache_holds_real_tokens
     cached = []
     real = engine_module._Text.finished_text
 
-    def spy(text, reason):
+    def spy(text, reason, tokenizer):
         cached.append([(row.length, row.bucket.width) for row in text.stored if row is not None])
-        return real(text, reason)
+        return real(text, reason, tokenizer)
 
     try:
         engine_module._Text.finished_text = spy

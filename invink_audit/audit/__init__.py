@@ -13,7 +13,7 @@ Submodules are imported lazily: :mod:`invink_audit.audit.stats` is torch-free.
 
 from __future__ import annotations
 
-import importlib
+from invink_audit import _lazy_hooks
 
 # public name -> submodule that defines it
 _LAZY: dict[str, str] = {
@@ -34,13 +34,4 @@ _LAZY: dict[str, str] = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'invink_audit.audit' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = _lazy_hooks(__name__, _LAZY)

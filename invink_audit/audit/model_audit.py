@@ -29,7 +29,6 @@ hooks synchronise the device to time themselves.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -54,7 +53,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelAuditSettings", "audit_model", "generic_audit_config", "hardest_case_row", "DEFAULT_CANARIES", "Slots"]
 
-logger = logging.getLogger(__name__)
 
 #: Text canaries: a secret the model would not produce otherwise, and an instruction to repeat it.
 DEFAULT_CANARIES = {

@@ -270,10 +270,6 @@ class StepCheckSummary:
     max_loss_range_per_step: tuple[float, ...]
     max_renyi_ratio_per_step: tuple[tuple[float, ...], ...]
 
-    @property
-    def total_failures(self) -> int:
-        return int(sum(self.failures.values()))
-
 
 @dataclasses.dataclass(frozen=True)
 class SequenceEstimate:

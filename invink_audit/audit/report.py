@@ -26,7 +26,7 @@ from invink_audit.audit.records import (
     CLAIM_BASE_FIELDS,
     format_number,
 )
-from invink_audit.not_private import save_not_private_figure, write_not_private_json, write_not_private_text
+from invink_audit.not_private import agg_pyplot, md_table, save_not_private_figure, write_not_private_json, write_not_private_text
 
 __all__ = ["whitebox_markdown", "write_report"]
 
@@ -57,15 +57,11 @@ def _md_claim(c: ReportedClaim) -> list[str]:
         f"## Claim ({guarantee}"
         + (": holds only for the audited references, never a PASS)" if guarantee == "data-dependent" else ")"),
         "",
-        "| quantity | value |",
-        "|---|---|",
     ]
     fields = c.json_fields()
-    lines += [f"| {k} | {format_number(fields[k], 6)} |" for k in CLAIM_BASE_FIELDS if k in fields]
-    lines += [
-        f"| {k} | {format_number(v, 6) if isinstance(v, (int, float)) else v} |" for k, v in fields.items() if k not in CLAIM_BASE_FIELDS
-    ]
-    return lines
+    rows = [(k, format_number(fields[k], 6)) for k in CLAIM_BASE_FIELDS if k in fields]
+    rows += [(k, format_number(v, 6) if isinstance(v, (int, float)) else v) for k, v in fields.items() if k not in CLAIM_BASE_FIELDS]
+    return lines + md_table("quantity | value", rows)
 
 
 def _md_step_checks(sc: StepCheckSummary) -> list[str]:
@@ -100,20 +96,15 @@ def _md_sequence(r: WhiteBoxReport) -> list[str]:
         f"Worst neighbour: {r.worst_neighbour.index} ({r.worst_neighbour.label}), "
         f"max estimate/claim {format_number(r.worst_neighbour.ratio)}.",
         "",
-        "| neighbour | direction | α | estimator | n | lower | estimate | upper | claimed α·ρ_seq | headroom | p | rejected |"
-        + (" exact |" if with_exact else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_exact else ""),
     ]
-    for s in r.sequence:
-        row = (
-            f"| {s.neighbour} | {s.direction} | {format_number(s.alpha)} | {s.estimator} | {s.num_samples} | {format_number(s.lower)} | "
-            f"{format_number(s.estimate)} | {format_number(s.upper)} | {format_number(s.claimed)} | {format_number(s.headroom)} | {format_number(s.p_value, 3)} | "
-            f"{'yes' if s.rejected else 'no'} |"
-        )
-        if with_exact:
-            row += f" {format_number(s.exact)} |"
-        lines.append(row)
-    return lines
+    rows = [
+        (s.neighbour, s.direction, format_number(s.alpha), s.estimator, s.num_samples,
+         *map(format_number, (s.lower, s.estimate, s.upper, s.claimed, s.headroom)), format_number(s.p_value, 3),
+         "yes" if s.rejected else "no", *([format_number(s.exact)] if with_exact else []))
+        for s in r.sequence
+    ]
+    return lines + md_table("neighbour | direction | α | estimator | n | lower | estimate | upper | claimed α·ρ_seq | headroom | p | "
+                            "rejected" + (" | exact" if with_exact else ""), rows)
 
 
 #: δ(ε) rows with δ̂ > 0 shown in the Markdown report (the others are counted; all are in report.json)
@@ -131,16 +122,14 @@ def _md_accountants(r: WhiteBoxReport) -> list[str]:
         "claimed curve is in the last columns (a claimed-grid ε above the accountant's means the conversion is "
         "loose on this grid, and the measured ε overstates the loss by as much).",
         "",
-        "| accountant | δ | ε (accountant) | ε (measured) | ε (measured, upper) | accountant / measured | "
-        "ε (claimed curve, α grid) | claimed grid / measured |",
-        "|---|---|---|---|---|---|---|---|",
+        *md_table(
+            "accountant | δ | ε (accountant) | ε (measured) | ε (measured, upper) | accountant / measured | "
+            "ε (claimed curve, α grid) | claimed grid / measured",
+            [(a.accountant, *map(format_number, (a.delta, a.epsilon, a.epsilon_measured, a.epsilon_measured_upper,
+                                                 a.epsilon / a.epsilon_measured if a.epsilon_measured > 0 else math.inf,
+                                                 a.epsilon_claimed_grid, a.headroom))) for a in r.accountants],
+        ),
     ]
-    for a in r.accountants:
-        ratio = a.epsilon / a.epsilon_measured if a.epsilon_measured > 0 else math.inf
-        lines.append(
-            f"| {a.accountant} | {format_number(a.delta)} | {format_number(a.epsilon)} | {format_number(a.epsilon_measured)} | "
-            f"{format_number(a.epsilon_measured_upper)} | {format_number(ratio)} | {format_number(a.epsilon_claimed_grid)} | {format_number(a.headroom)} |"
-        )
     lines += [""] + [f"{line}." for line in r.headline()]
     if r.delta:
         lines += _md_delta(r.delta)
@@ -154,15 +143,11 @@ def _md_delta(rows: Sequence[DeltaEstimate]) -> list[str]:
     zero = [d for d in rows if d.delta_estimate <= 0]
     lines = ["", "## δ(ε) at the accountants' ε (DKW band, simultaneous over ε)", ""]
     if positive:
-        lines += [
-            "| neighbour | direction | accountant | target δ | ε | δ̂ | band lower | band upper |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for d in positive[:_MD_DELTA_ROWS]:
-            lines.append(
-                f"| {d.neighbour} | {d.direction} | {d.accountant} | {format_number(d.target_delta)} | {format_number(d.epsilon)} | "
-                f"{format_number(d.delta_estimate)} | {format_number(d.band_lower)} | {format_number(d.band_upper)} |"
-            )
+        lines += md_table("neighbour | direction | accountant | target δ | ε | δ̂ | band lower | band upper", [
+            (d.neighbour, d.direction, d.accountant,
+             *map(format_number, (d.target_delta, d.epsilon, d.delta_estimate, d.band_lower, d.band_upper)))
+            for d in positive[:_MD_DELTA_ROWS]
+        ])
         lines.append("")
         if len(positive) > _MD_DELTA_ROWS:
             lines.append(f"{len(positive) - _MD_DELTA_ROWS} more row(s) with δ̂ > 0 are in report.json.")
@@ -248,19 +233,10 @@ def _blackbox_markdown(r: BlackBoxReport) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig, out: Path, name: str) -> str:
     fig.tight_layout()
     save_not_private_figure(fig, out / name, dpi=110)
-    _pyplot().close(fig)
+    agg_pyplot().close(fig)
     return name
 
 
@@ -299,7 +275,7 @@ def _plot_renyi_estimates(ax, r: WhiteBoxReport, alphas: list[float]) -> None:
 
 def _plot_renyi(r: WhiteBoxReport, out: Path) -> str:
     """``renyi.png``: Rényi estimates with intervals vs the claimed curve."""
-    fig, ax = _pyplot().subplots(figsize=(6, 4))
+    fig, ax = agg_pyplot().subplots(figsize=(6, 4))
     alphas = sorted({s.alpha for s in r.sequence})
     if alphas:
         _plot_renyi_estimates(ax, r, alphas)
@@ -329,7 +305,7 @@ def _plot_loss_histogram(r: WhiteBoxReport, out: Path) -> str:
     one text's loss (T·ε0, bounded-range claims) and the release's ε as vertical lines (a line beyond
     the losses' range by more than the range itself is drawn at the right edge, marked as such)."""
     h = r.loss_histogram
-    fig, ax = _pyplot().subplots(figsize=(6, 4))
+    fig, ax = agg_pyplot().subplots(figsize=(6, 4))
     right = None
     if h.counts:
         edges = np.asarray(h.edges, dtype=float)
@@ -363,7 +339,7 @@ def _plot_loss_histogram(r: WhiteBoxReport, out: Path) -> str:
 
 def _plot_step_loss_range(r: WhiteBoxReport, out: Path) -> str:
     """``step_loss_range.png``: per-step maximum loss range vs ε0."""
-    fig, ax = _pyplot().subplots(figsize=(6, 4))
+    fig, ax = agg_pyplot().subplots(figsize=(6, 4))
     per = np.asarray(r.step_checks.max_loss_range_per_step, dtype=float)
     if per.size:
         finite = np.where(np.isfinite(per), per, np.nan)
@@ -389,12 +365,7 @@ def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
 
 
 def _plots_blackbox(r: BlackBoxReport, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = agg_pyplot().subplots(figsize=(6, 4))
     if r.scores_with or r.scores_without:
         allv = np.asarray(list(r.scores_with) + list(r.scores_without), dtype=float)
         bins = np.linspace(allv.min(), allv.max() + 1e-9, 30)
@@ -404,10 +375,7 @@ def _plots_blackbox(r: BlackBoxReport, out: Path) -> list[str]:
     ax.set_xlabel(f"score ({r.score})")
     ax.set_ylabel("trials")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_not_private_figure(fig, out / "scores.png", dpi=110)
-    plt.close(fig)
-    return ["scores.png"]
+    return [_save(fig, out, "scores.png")]
 
 
 def write_report(report, output_dir: str | Path, *, plots: bool = True) -> list[Path]:

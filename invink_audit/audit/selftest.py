@@ -34,6 +34,7 @@ from invink_audit.audit.analysis import analyse
 from invink_audit.audit.records import WhiteBoxReport, to_jsonable
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import WhiteBoxConfig
+from invink_audit.not_private import md_table
 
 __all__ = ["SelfTestSettings", "SelfTestEntry", "SelfTestResult", "run_selftest", "coverage_check"]
 
@@ -305,6 +306,12 @@ def _source_row(rep: WhiteBoxReport, rec, source, guarantee: str) -> dict:
 
 def selftest_markdown(result: SelfTestResult) -> str:
     """A Markdown summary: one row per mechanism, then the coverage check."""
+    rows = [
+        (e.mechanism, e.guarantee, e.expected, f"**{e.verdict}**", "; ".join(
+            f"{s['source']}: {s['verdict']}, {s['max_loss_range_over_epsilon0']:.3g}, {s['rejected_tests']}/{s['tests']}, "
+            f"{sum(s['step_failures'].values())}" for s in e.sources), e.description)
+        for e in result.entries
+    ]
     lines = [
         "# Auditor self-test on planted bugs",
         "",
@@ -312,16 +319,9 @@ def selftest_markdown(result: SelfTestResult) -> str:
         f"VIOLATION; Amin et al. PASS when correctly accounted and VIOLATION with the paper's C/B; AdaPMixED's "
         f"data-dependent guarantee is compared with the measurement and never gets a PASS ({result.seconds:.1f} s).",
         "",
-        "| mechanism | guarantee | expected | verdict | per source (verdict, max loss range / ε0, rejected tests, step failures) | what it does |",
-        "|---|---|---|---|---|---|",
+        *md_table("mechanism | guarantee | expected | verdict | per source (verdict, max loss range / ε0, rejected tests, "
+                  "step failures) | what it does", rows),
     ]
-    for e in result.entries:
-        per = "; ".join(
-            f"{s['source']}: {s['verdict']}, {s['max_loss_range_over_epsilon0']:.3g}, {s['rejected_tests']}/{s['tests']}, "
-            f"{sum(s['step_failures'].values())}"
-            for s in e.sources
-        )
-        lines.append(f"| {e.mechanism} | {e.guarantee} | {e.expected} | **{e.verdict}** | {per} | {e.description} |")
     dd = [e for e in result.entries if e.guarantee == "data-dependent"]
     if dd:
         lines += ["", "Data-dependent guarantees, reported against the white-box measurement (never a PASS):", ""]
@@ -339,20 +339,21 @@ def selftest_markdown(result: SelfTestResult) -> str:
                     "(the stop outcome possible under one dataset only)"
                 )
     if result.blackbox:
-        lines += [
-            "", "Black-box, batched (one trial per batch, the exact likelihood ratio, 10⁴ batches per source, tested "
-            "against the claim's whole privacy curve ε(δ'); reported, not part of PASSED: a black box may miss a "
-            "violation that is there):", "",
-            "| mechanism | source | claimed ε (δ = 1e-6) | true ε (exact) | verdict | ε lower bound at 1e-6 | ceiling | "
-            "tested on the curve: δ', ε lower bound vs claimed | GDP estimate of ε |", "|---|---|---|---|---|---|---|---|---|",
-        ]
+        rows = []
         for r in result.blackbox:
             gdp = "–" if r["gdp_epsilon"] is None else f"{r['gdp_epsilon']:.3g}"
             true = "–" if r["true_epsilon"] is None else f"{r['true_epsilon']:.3g}"
             curve = ("– (nothing certified)" if r["curve_epsilon_lower_bound"] <= 0 else
                      f"{r['curve_delta']:.2g}: {r['curve_epsilon_lower_bound']:.3g} vs {r['curve_claimed_epsilon']:.3g}")
-            lines.append(f"| {r['mechanism']} | {r['source']} | {r['claimed_epsilon']:.3g} | {true} | {r['verdict']} | "
-                         f"{r['epsilon_lower_bound']:.3g} | {r['ceiling']:.3g} | {curve} | {gdp} |")
+            rows.append((r["mechanism"], r["source"], f"{r['claimed_epsilon']:.3g}", true, r["verdict"],
+                         f"{r['epsilon_lower_bound']:.3g}", f"{r['ceiling']:.3g}", curve, gdp))
+        lines += [
+            "", "Black-box, batched (one trial per batch, the exact likelihood ratio, 10⁴ batches per source, tested "
+            "against the claim's whole privacy curve ε(δ'); reported, not part of PASSED: a black box may miss a "
+            "violation that is there):", "",
+            *md_table("mechanism | source | claimed ε (δ = 1e-6) | true ε (exact) | verdict | ε lower bound at 1e-6 | ceiling | "
+                      "tested on the curve: δ', ε lower bound vs claimed | GDP estimate of ε", rows),
+        ]
     c = result.coverage
     lines += [
         "",

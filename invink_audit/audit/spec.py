@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from accounting import Accountant, as_accountant
-from accounting.limits import COUNT_RANGE, MAX_COUNT, RANGES, ParameterRange
+from accounting.limits import COUNT_RANGE, MAX_COUNT, RANGES, ParameterRange, check_order, check_positive
 from invink_audit.audit.whitebox import Direction, WhiteBoxConfig
 
 if TYPE_CHECKING:
@@ -121,19 +121,6 @@ def _boolean(key: str, value) -> bool:
 def _number(key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{key} must be a finite number; got {value!r}")
-    return float(value)
-
-
-def _positive(key: str, value) -> float:
-    if not _number(key, value) > 0:
-        raise ValueError(f"{key} must be a finite number > 0; got {value!r}")
-    return float(value)
-
-
-def _order(key: str, value) -> float:
-    """A Rényi order α: finite and > 1."""
-    if not _number(key, value) > 1:
-        raise ValueError(f"{key} must be a finite number > 1; got {value!r}")
     return float(value)
 
 
@@ -332,16 +319,16 @@ _MECHANISM_CHECKS = {
     # Amin et al. 2024
     "public_temperature": RANGES["temperature"].check,
     "svt_threshold": _number,
-    "svt_noise": _positive,
+    "svt_noise": check_positive,
     "max_private_tokens": _count,
     "sensitivity": _choice("replace-by-null", "paper"),
     "posterior_grid": _count,
     # AdaPMixED
-    "renyi_order": _order,
-    "beta": _positive,
+    "renyi_order": check_order,
+    "beta": check_positive,
     "screen_top_k": _count,
-    "screen_threshold": _positive,
-    "screen_noise": _positive,
+    "screen_threshold": check_positive,
+    "screen_noise": check_positive,
     "screen_mixing": _UNIT_INTERVAL.check,
     "screen_samples": _count,
 }
@@ -508,11 +495,11 @@ _SELFTEST_CHECKS = {
     "max_new_tokens": _count,
     "num_samples": _count,
     "num_is_samples": _NON_NEGATIVE_COUNT.check,
-    "alphas": _list_of(_order),
+    "alphas": _list_of(check_order),
     "significance": _significance,
     "baselines": _boolean,
     "amin_svt_threshold": _number,
-    "amin_svt_noise": _positive,
+    "amin_svt_noise": check_positive,
     "amin_max_private_tokens": _count,
     "amin_posterior_grid": _count,
     "adapmixed_stop_epsilon": RANGES["epsilon"].check,
@@ -620,7 +607,7 @@ def parse_spec(raw: dict, *, path: Path | None = None) -> AuditSpec:
 
 #: the check of every [audit] key
 _AUDIT_CHECKS = {
-    "alphas": _list_of(_order),
+    "alphas": _list_of(check_order),
     "num_samples": _count,
     "num_is_samples": _NON_NEGATIVE_COUNT.check,
     "neighbours": _neighbours,

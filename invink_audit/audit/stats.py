@@ -34,12 +34,15 @@ family-wise error rate at the stated significance level under any dependence.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import special, stats
+
+from accounting.limits import check_delta, check_order
 
 __all__ = [
     "Interval",
@@ -70,23 +73,10 @@ MIN_P_VALUE = 1e-300
 
 def check_significance(significance) -> float:
     """The significance level as a float in (0, 1); ``ValueError`` otherwise."""
-    try:
-        s = float(significance)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"significance must be in (0, 1); got {significance!r}") from err
-    if not 0.0 < s < 1.0:
-        raise ValueError(f"significance must be in (0, 1); got {significance!r}")
-    return s
+    return check_delta("significance", significance)
 
 
-def _check_alpha(alpha) -> float:
-    try:
-        a = float(alpha)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"alpha (Rényi order) must be a finite number > 1; got {alpha!r}") from err
-    if not (math.isfinite(a) and a > 1.0):
-        raise ValueError(f"alpha (Rényi order) must be a finite number > 1; got {alpha!r}")
-    return a
+_check_alpha = functools.partial(check_order, "alpha (Rényi order)")
 
 
 def _as_samples(name: str, values, *, allow_posinf: bool = False) -> np.ndarray:
@@ -491,13 +481,6 @@ def hockey_stick_delta(losses, epsilons: Sequence[float], significance: float) -
         tuple(float(e) for e in eps_arr), tuple(est), tuple(plo), tuple(phi), tuple(blo),
         tuple(bhi), beta, n,
     )
-
-
-def delta_band_lower(losses, epsilon: float, significance: float) -> float:
-    """DKW lower bound of δ(ε) (one ε; the band is simultaneous, so reuse over a grid is free)."""
-    arr = np.sort(_as_samples("losses", losses, allow_posinf=True))
-    eta = min(dkw_radius(arr.size, check_significance(significance)), 1.0)
-    return delta_band(arr, float(epsilon), eta)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -422,33 +422,120 @@ def run_synthetic_audit(
 
 
 def _run_synthetic_audit(source, mechanism, config, *, generator, delta, progress):
+    walker = _TokenWalker(source, mechanism)
+    return _sample(source, walker, mechanism.claim(source, delta=delta), config, generator=generator, progress=progress)
+
+
+class _TokenWalker:
+    """How a :class:`SyntheticMechanism` decodes on a source, for :func:`_sample` and :func:`_enumerate`: its
+    distributions over V tokens and STOP (:func:`with_stop` at each dataset's budget), no state, and a text
+    ends at EOS or STOP."""
+
+    def __init__(self, source: LogitSource, mechanism: SyntheticMechanism):
+        self.t_r, self.t_j = token_budgets(mechanism, source)
+        self.horizon = max([self.t_r, *self.t_j]) + 1
+        self.mechanism, self.source = mechanism, source
+
+    def start(self, count: int, generator):
+        return None
+
+    def aux(self, count: int, generator):
+        return None
+
+    def step(self, private, public, state, aux, step: int) -> _WalkStep:
+        actual, neighbours = self.mechanism.step(private, public)
+        actual, neighbours = with_stop(actual, neighbours, step, self.t_r, self.t_j)
+        return _WalkStep(actual, neighbours)
+
+    def advance(self, out, state, outcomes, aux, step: int):
+        """(state, tokens to append, which texts end)."""
+        ended = (outcomes == self.source.eos_token) | (outcomes == self.source.vocab_size)
+        return None, outcomes, ended
+
+    def extra(self) -> dict:
+        return {"budget_actual": self.t_r, "budget_neighbours": self.t_j, "source": self.source.name}
+
+
+@dataclasses.dataclass
+class _WalkStep:
+    """One step's distributions of a walk (the fields of :class:`~invink_audit.mechanisms.MechanismStep` the
+    walks read)."""
+
+    log_probs: torch.Tensor
+    neighbours: torch.Tensor
+    check_actual: torch.Tensor | None = None
+    check_neighbours: torch.Tensor | None = None
+
+
+def _sample(source: LogitSource, walker, claim: Claim, config: WhiteBoxConfig, *, generator, progress) -> RecordedAudit:
+    """Decode every text of the config's sampling plan through ``walker`` on ``source``, all texts together
+    (one batched step per position), recording each text's log-probabilities and the per-step checks."""
     from invink_audit.mechanism import sample_tokens
 
-    claim = mechanism.claim(source, delta=delta)
-    t_r, t_j = token_budgets(mechanism, source)
-    max_steps = max([t_r, *t_j]) + 1
     plan = SamplingPlan.build(config, source.batch_size)
-    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max_steps)
+    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=walker.horizon)
     n = plan.num_texts
-    prefixes = torch.zeros(n, max_steps, dtype=torch.int64)
+    state = walker.start(n, generator)
+    prefixes = torch.zeros(n, walker.horizon, dtype=torch.int64)
     alive = torch.ones(n, dtype=torch.bool)
-    stop = source.vocab_size
-    for step in range(max_steps):
+    for step in range(walker.horizon):
         ids = alive.nonzero().reshape(-1)
         if ids.numel() == 0:
             break
         private, public = source.logits(prefixes[ids, :step], step)
-        actual, neighbours = mechanism.step(private, public)
-        actual, neighbours = with_stop(actual, neighbours, step, t_r, t_j)
-        weights = recorder.sampling_log_weights(ids, actual, neighbours)
-        tokens = sample_tokens(weights, generator)
-        recorder.record(ids, tokens)
+        aux = walker.aux(ids.numel(), generator)
+        rows = None if state is None else state[ids]
+        out = walker.step(private, public, rows, aux, step)
+        weights = recorder.sampling_log_weights(
+            ids, out.log_probs, out.neighbours, check_actual=out.check_actual, check_neighbours=out.check_neighbours
+        )
+        outcomes = sample_tokens(weights, generator)
+        recorder.record(ids, outcomes)
+        new_state, tokens, ended = walker.advance(out, rows, outcomes, aux, step)
+        if state is not None:
+            state[ids] = new_state
         prefixes[ids, step] = tokens
-        alive[ids] = (tokens != source.eos_token) & (tokens != stop)
+        alive[ids] = ~ended
         if progress is not None:
-            progress(step + 1, max_steps)
-    result = recorder.finish()
-    return dataclasses.replace(result, extra={"budget_actual": t_r, "budget_neighbours": t_j, "source": source.name})
+            progress(step + 1, walker.horizon)
+    return dataclasses.replace(recorder.finish(), extra=walker.extra())
+
+
+def _enumerate(source: LogitSource, walker, *, max_outputs: int) -> ExactOutputs:
+    """Every complete output of ``walker`` on ``source`` with its exact log-probability under R and every
+    R'_j: a breadth-first walk over prefixes (and their state), no sampling."""
+    generator = torch.Generator().manual_seed(0)  # a walk's auxiliary draws: one per step, shared by all prefixes
+    prefixes = torch.zeros(1, 0, dtype=torch.int64)
+    state = walker.start(1, generator)
+    lp_a = torch.zeros(1, dtype=_DTYPE)
+    lp_n = torch.zeros(1, source.batch_size, dtype=_DTYPE)
+    done_a, done_n = [], []
+    for step in range(walker.horizon):
+        if prefixes.shape[0] == 0:
+            break
+        private, public = source.logits(prefixes, step)
+        aux = walker.aux(1, generator)
+        aux = None if aux is None else aux.expand(prefixes.shape[0], -1)
+        out = walker.step(private, public, state, aux, step)
+        # every (prefix, outcome) with positive probability under R or under some R'_j
+        possible = torch.isfinite(out.log_probs) | torch.isfinite(out.neighbours).any(1)
+        rows, outs = possible.nonzero(as_tuple=True)
+        if rows.numel() > max_outputs:
+            raise ValueError(f"enumeration would expand {rows.numel()} prefixes (> max_outputs={max_outputs})")
+        new_a = lp_a[rows] + out.log_probs[rows, outs]
+        new_n = lp_n[rows] + out.neighbours[rows, :, outs]
+        new_state, tokens, ended = walker.advance(
+            _rows_of(out, rows), None if state is None else state[rows], outs, None if aux is None else aux[rows], step
+        )
+        done_a.append(new_a[ended])
+        done_n.append(new_n[ended])
+        keep = ~ended
+        prefixes = torch.cat([prefixes[rows[keep]], tokens[keep].unsqueeze(-1)], dim=1)
+        state = None if new_state is None else new_state[keep]
+        lp_a, lp_n = new_a[keep], new_n[keep]
+    if prefixes.shape[0]:
+        raise RuntimeError("enumeration ended with unfinished prefixes (the budget logic is inconsistent)")
+    return ExactOutputs(torch.cat(done_a).numpy(), torch.cat(done_n).numpy())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,36 +595,7 @@ def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max
     reference the Monte Carlo intervals must cover. Raises if more than ``max_outputs`` prefixes
     would be expanded (keep V and T small).
     """
-    t_r, t_j = token_budgets(mechanism, source)
-    max_steps = max([t_r, *t_j]) + 1
-    b = source.batch_size
-    stop = source.vocab_size
-    prefixes = torch.zeros(1, 0, dtype=torch.int64)
-    lp_a = torch.zeros(1, dtype=_DTYPE)
-    lp_n = torch.zeros(1, b, dtype=_DTYPE)
-    done_a, done_n = [], []
-    for step in range(max_steps):
-        if prefixes.shape[0] == 0:
-            break
-        private, public = source.logits(prefixes, step)
-        actual, neighbours = mechanism.step(private, public)
-        actual, neighbours = with_stop(actual, neighbours, step, t_r, t_j)
-        # every (prefix, token) with positive probability under R or under some R'_j
-        possible = torch.isfinite(actual) | torch.isfinite(neighbours).any(1)
-        rows, toks = possible.nonzero(as_tuple=True)
-        if rows.numel() > max_outputs:
-            raise ValueError(f"enumeration would expand {rows.numel()} prefixes (> max_outputs={max_outputs})")
-        new_a = lp_a[rows] + actual[rows, toks]
-        new_n = lp_n[rows] + neighbours[rows, :, toks]
-        ended = (toks == source.eos_token) | (toks == stop)
-        done_a.append(new_a[ended])
-        done_n.append(new_n[ended])
-        keep = ~ended
-        prefixes = torch.cat([prefixes[rows[keep]], toks[keep].unsqueeze(-1)], dim=1)
-        lp_a, lp_n = new_a[keep], new_n[keep]
-    if prefixes.shape[0]:
-        raise RuntimeError("enumeration ended with unfinished prefixes (the budget logic is inconsistent)")
-    return ExactOutputs(torch.cat(done_a).numpy(), torch.cat(done_n).numpy())
+    return _enumerate(source, _TokenWalker(source, mechanism), max_outputs=max_outputs)
 
 
 def exact_epsilon_stationary(source: LogitSource, mechanism: SyntheticMechanism, delta: float, *, neighbour: int = 0) -> float:
@@ -647,43 +705,40 @@ def run_mechanism_audit(
 
 
 def _run_mechanism_audit(source, audited, config, *, generator, delta, progress):
-    from invink_audit.mechanism import sample_tokens
+    walker = _MechanismWalker(source, audited)
+    return _sample(source, walker, audited.claim(source, delta=delta), config, generator=generator, progress=progress)
 
-    mech = audited.mechanism
-    claim = audited.claim(source, delta=delta)
-    horizon = audited.max_new_tokens
-    plan = SamplingPlan.build(config, source.batch_size)
-    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=horizon)
-    n = plan.num_texts
-    v = source.vocab_size
-    stop_id = mech.stop_outcome(v)
-    state = mech.initial_state(_mechanism_aux(mech, n, at_start=True, generator=generator), exact=True)
-    prefixes = torch.zeros(n, horizon, dtype=torch.int64)
-    alive = torch.ones(n, dtype=torch.bool)
-    for step in range(horizon):
-        ids = alive.nonzero().reshape(-1)
-        if ids.numel() == 0:
-            break
-        private, public = source.logits(prefixes[ids, :step], step)
-        aux = _mechanism_aux(mech, ids.numel(), at_start=False, generator=generator)
-        out = mech.step(private, public, state[ids], aux, exact=True, neighbours=True)
-        weights = recorder.sampling_log_weights(
-            ids, out.log_probs, out.neighbours, check_actual=out.check_actual, check_neighbours=out.check_neighbours
-        )
-        outcomes = sample_tokens(weights, generator)
-        recorder.record(ids, outcomes)
-        new_state, stop_after = mech.advance(out, state[ids], outcomes, aux, exact=True)
-        state[ids] = new_state
-        tokens = outcomes % v
-        prefixes[ids, step] = tokens
-        ended = (tokens == source.eos_token) | stop_after
-        if stop_id is not None:
-            ended |= outcomes == stop_id
-        alive[ids] = ~ended
-        if progress is not None:
-            progress(step + 1, horizon)
-    result = recorder.finish()
-    return dataclasses.replace(result, extra={"budget_actual": horizon, "budget_neighbours": [horizon] * source.batch_size, "source": source.name})
+
+class _MechanismWalker:
+    """How a generic mechanism decodes on a source, for :func:`_sample` and :func:`_enumerate`: in its exact
+    state (outcome distributions under R and every R'_j given the released history), its auxiliary
+    uniforms drawn per step; a text ends at EOS, at the stop outcome or stop rule, or after
+    ``max_new_tokens`` outcomes (a public, fixed budget)."""
+
+    def __init__(self, source: LogitSource, audited: AuditedMechanism):
+        self.mechanism, self.source, self.horizon = audited.mechanism, source, audited.max_new_tokens
+        self.stop_id = self.mechanism.stop_outcome(source.vocab_size)
+
+    def start(self, count: int, generator):
+        return self.mechanism.initial_state(_mechanism_aux(self.mechanism, count, at_start=True, generator=generator), exact=True)
+
+    def aux(self, count: int, generator):
+        return _mechanism_aux(self.mechanism, count, at_start=False, generator=generator)
+
+    def step(self, private, public, state, aux, step: int):
+        return self.mechanism.step(private, public, state, aux, exact=True, neighbours=True)
+
+    def advance(self, out, state, outcomes, aux, step: int):
+        new_state, stop_after = self.mechanism.advance(out, state, outcomes, aux, exact=True)
+        tokens = outcomes % self.source.vocab_size
+        ended = (tokens == self.source.eos_token) | stop_after | (step + 1 >= self.horizon)
+        if self.stop_id is not None:
+            ended |= outcomes == self.stop_id
+        return new_state, tokens, ended
+
+    def extra(self) -> dict:
+        return {"budget_actual": self.horizon, "budget_neighbours": [self.horizon] * self.source.batch_size,
+                "source": self.source.name}  # fmt: skip
 
 
 def enumerate_mechanism_outputs(
@@ -696,51 +751,15 @@ def enumerate_mechanism_outputs(
     auxiliary randomness in its exact state (AdaPMixED's screening estimate) is enumerated for one
     fixed draw of it per step, shared by all prefixes.
     """
-    mech = audited.mechanism
-    horizon = audited.max_new_tokens
-    b, v = source.batch_size, source.vocab_size
-    stop_id = mech.stop_outcome(v)
-    gen = torch.Generator().manual_seed(0)
-    prefixes = torch.zeros(1, 0, dtype=torch.int64)
-    state = mech.initial_state(_mechanism_aux(mech, 1, at_start=True, generator=gen), exact=True)
-    lp_a = torch.zeros(1, dtype=_DTYPE)
-    lp_n = torch.zeros(1, b, dtype=_DTYPE)
-    done_a, done_n = [], []
-    for step in range(horizon):
-        if prefixes.shape[0] == 0:
-            break
-        private, public = source.logits(prefixes, step)
-        aux = _mechanism_aux(mech, 1, at_start=False, generator=gen).expand(prefixes.shape[0], -1)
-        out = mech.step(private, public, state, aux, exact=True, neighbours=True)
-        possible = torch.isfinite(out.log_probs) | torch.isfinite(out.neighbours).any(1)
-        rows, outs = possible.nonzero(as_tuple=True)
-        if rows.numel() > max_outputs:
-            raise ValueError(f"enumeration would expand {rows.numel()} prefixes (> max_outputs={max_outputs})")
-        new_a = lp_a[rows] + out.log_probs[rows, outs]
-        new_n = lp_n[rows] + out.neighbours[rows, :, outs]
-        sub = MechanismStepView(out, rows)
-        new_state, stop_after = mech.advance(sub, state[rows], outs, aux[rows], exact=True)
-        tokens = outs % v
-        ended = (tokens == source.eos_token) | stop_after | torch.full_like(stop_after, step + 1 >= horizon)
-        if stop_id is not None:
-            ended |= outs == stop_id
-        done_a.append(new_a[ended])
-        done_n.append(new_n[ended])
-        keep = ~ended
-        prefixes = torch.cat([prefixes[rows[keep]], tokens[keep].unsqueeze(-1)], dim=1)
-        state = new_state[keep]
-        lp_a, lp_n = new_a[keep], new_n[keep]
-    if prefixes.shape[0]:
-        raise RuntimeError("enumeration ended with unfinished prefixes")
-    return ExactOutputs(torch.cat(done_a).numpy(), torch.cat(done_n).numpy())
+    return _enumerate(source, _MechanismWalker(source, audited), max_outputs=max_outputs)
 
 
-class MechanismStepView:
-    """A :class:`invink_audit.mechanisms.MechanismStep` restricted to some of its rows (enumeration)."""
-
-    def __init__(self, step, rows: torch.Tensor):
-        self.log_probs = step.log_probs[rows]
-        self.neighbours = None if step.neighbours is None else step.neighbours[rows]
-        self.check_actual = None if step.check_actual is None else step.check_actual[rows]
-        self.check_neighbours = None if step.check_neighbours is None else step.check_neighbours[rows]
-        self.carry = {k: val[rows] for k, val in (step.carry or {}).items()}
+def _rows_of(step, rows: torch.Tensor):
+    """A step's distributions (and a mechanism's carry) restricted to some of its rows (enumeration)."""
+    if isinstance(step, _WalkStep):
+        return step
+    view = _WalkStep(step.log_probs[rows], None if step.neighbours is None else step.neighbours[rows],
+                     None if step.check_actual is None else step.check_actual[rows],
+                     None if step.check_neighbours is None else step.check_neighbours[rows])  # fmt: skip
+    view.carry = {k: val[rows] for k, val in (step.carry or {}).items()}
+    return view

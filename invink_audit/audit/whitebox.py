@@ -30,7 +30,6 @@ nothing leaves the device until :meth:`WhiteBoxRecorder.finish`.
 from __future__ import annotations
 
 import enum
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from accounting.limits import check_count
+from accounting.limits import check_count, check_delta, check_order, check_positive
 from invink_audit.audit import stats
 
 __all__ = [
@@ -54,8 +53,6 @@ __all__ = [
     "RecordedAudit",
 ]
 
-logger = logging.getLogger(__name__)
-
 #: Absolute tolerance (nats) of the exact checks. The mechanism computes in float64, whose rounding
 #: on logits of magnitude ≤ 1e3 is ≤ 1e-12; a planted bug moves the checked quantities by far more.
 EXACT_TOLERANCE = 1e-9
@@ -68,16 +65,6 @@ class Direction(enum.Enum):
 
     FORWARD = "forward"
     REVERSE = "reverse"
-
-
-def _check_positive(name, value) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{name} must be a positive finite number; got {value!r}") from err
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"{name} must be a positive finite number; got {value!r}")
-    return x
 
 
 @dataclass(frozen=True)
@@ -117,12 +104,11 @@ class Claim:
         if (self.epsilon0 is None) != (self.rho_token is None):
             raise ValueError("give both epsilon0 and rho_token, or neither (no per-step claim)")
         if self.epsilon0 is not None:
-            object.__setattr__(self, "epsilon0", _check_positive("epsilon0", self.epsilon0))
-            object.__setattr__(self, "rho_token", _check_positive("rho_token", self.rho_token))
+            object.__setattr__(self, "epsilon0", check_positive("epsilon0", self.epsilon0))
+            object.__setattr__(self, "rho_token", check_positive("rho_token", self.rho_token))
         object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
         object.__setattr__(self, "batch_size", check_count("batch_size", self.batch_size))
-        if not 0.0 < float(self.delta) < 1.0:
-            raise ValueError(f"delta must be in (0, 1); got {self.delta!r}")
+        check_delta("delta", self.delta)
         if self.composition not in ("bounded-range", "zcdp", "renyi-filter"):
             raise ValueError(f"composition must be 'bounded-range', 'zcdp' or 'renyi-filter'; got {self.composition!r}")
         if self.guarantee not in ("a-priori", "data-dependent"):
@@ -134,10 +120,9 @@ class Claim:
         if self.composition == "renyi-filter":
             if self.renyi_order is None or self.renyi_budget is None:
                 raise ValueError("a renyi-filter claim needs renyi_order and renyi_budget")
-            if not (math.isfinite(float(self.renyi_order)) and float(self.renyi_order) > 1):
-                raise ValueError(f"renyi_order must be a finite number > 1; got {self.renyi_order!r}")
+            check_order("renyi_order", self.renyi_order)
         if self.rho_sequence_bound is not None:
-            object.__setattr__(self, "rho_sequence_bound", _check_positive("rho_sequence_bound", self.rho_sequence_bound))
+            object.__setattr__(self, "rho_sequence_bound", check_positive("rho_sequence_bound", self.rho_sequence_bound))
 
     @property
     def step_checks(self) -> bool:
@@ -498,7 +483,6 @@ class WhiteBoxRecorder:
         self._worst_range = torch.tensor([-1.0, -1, -1, -1], dtype=_DTYPE, device=dev)
         self._worst_renyi = torch.tensor([-1.0, -1, -1, -1], dtype=_DTYPE, device=dev)
         self._pending = None
-        self._step_index = 0
         self.check_seconds = 0.0
 
     # -- per step ---------------------------------------------------------------------------
@@ -619,7 +603,6 @@ class WhiteBoxRecorder:
         self._tokens[ids, pos] = tok
         self._length[ids] += 1
         self._pending = None
-        self._step_index += 1
         self.check_seconds += time.perf_counter() - start
 
     # -- end --------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ exit codes"):
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import json
 import os
 import re
 import sys
@@ -93,11 +95,11 @@ def plural(count: int, singular: str, plural_form: str | None = None) -> str:
     return f"{count} {singular if count == 1 else plural_form or singular + 's'}"
 
 
-def phase_progress(enabled: bool = True):
+def phase_progress(enabled: bool = True, *, unit: str = "tok", leave: bool = True):
     """A ``progress(phase, done, total)`` callback that draws one tqdm bar per phase on stderr (with its
     total, so an ETA), e.g. for :func:`invink_audit.audit.quick_audit`; returns ``(progress, close)``
     (``(None, close)`` when not ``enabled``). A bar closes when its phase reaches its total or the next
-    phase starts."""
+    phase starts (``unit``, ``leave``: tqdm's). Every progress bar of the command line is drawn here."""
     bars: dict = {}
 
     def close() -> None:
@@ -113,13 +115,27 @@ def phase_progress(enabled: bool = True):
 
         if phase not in bars:
             close()
-            bars[phase] = tqdm(total=total, desc=phase, unit="tok", file=sys.stderr, dynamic_ncols=True)
+            bars[phase] = tqdm(total=total, desc=phase, unit=unit, leave=leave, file=sys.stderr, dynamic_ncols=True)
         bar = bars[phase]
         bar.update(done - bar.n)
         if done >= total:
             close()
 
     return progress, close
+
+
+def progress_bar(desc: str, enabled: bool = True, **options):
+    """One bar of :func:`phase_progress`: ``(update(done, total), close)``; ``(None, close)`` when not ``enabled``."""
+    progress, close = phase_progress(enabled, **options)
+    return progress and functools.partial(progress, desc), close
+
+
+def print_report(args, data, text, *, indent: int | None = None, written: str = "report") -> None:
+    """A command's report on stdout: ``data()`` as JSON with ``--json``, else ``text()`` and, with ``--output``,
+    where the report files are."""
+    print(json.dumps(data(), indent=indent) if args.json else text())
+    if args.output and not args.json:
+        print(f"{written} written to {args.output}")
 
 
 def parse_list(flag: str, text: str, convert) -> list:
@@ -129,9 +145,23 @@ def parse_list(flag: str, text: str, convert) -> list:
     return [convert(flag, t.strip()) for t in items]
 
 
-def parse_top_k(flag: str, text: str):
-    """A k of ``--top-ks``: an integer, or ``full`` for the whole vocabulary (``None``)."""
-    return None if text.strip().lower() == "full" else parse_int(flag, text)
+def parse_top_k(flag: str, text: str, word: str = "full"):
+    """A k of the Top-k+ set (``--top-k``, each of ``--top-ks``): an integer >= 1, or ``full`` (also ``none``,
+    ``all``) for the whole vocabulary (``None``); ``word``: the one the error names."""
+    if text.strip().lower() in {"full", "none", "all"}:
+        return None
+    value = parse_int(flag, text)
+    if value < 1:
+        raise ValueError(f"{flag} must be an integer >= 1 or {word!r}; got {text!r}")
+    return value
+
+
+def add_accountant_argument(parser) -> None:
+    """``--accountant``, as every command that accounts a release takes it."""
+    from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
+
+    parser.add_argument("--accountant", default=DEFAULT_ACCOUNTANT.value, choices=ACCOUNTANTS,
+                        help=f"privacy accountant (default: {DEFAULT_ACCOUNTANT.value})")
 
 
 def add_label_arguments(parser, help: str) -> None:
@@ -141,15 +171,18 @@ def add_label_arguments(parser, help: str) -> None:
     parser.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated (as generate takes them)")
 
 
+def column_names(flag: str, text: str) -> list[str]:
+    """``A,B``: comma-separated column names, none empty."""
+    columns = [c.strip() for c in text.split(",")]
+    if not all(columns):
+        raise ValueError(f"{flag} must be comma-separated column names; got {text!r}")
+    return columns
+
+
 def label_columns(args) -> list[str]:
     """``--label-column`` (repeated) and ``--label-columns A,B`` together, in order, without repeats."""
-    columns = list(args.label_column)
-    if args.label_columns is not None:
-        extra = [c.strip() for c in args.label_columns.split(",")]
-        if not all(extra):
-            raise ValueError(f"--label-columns must be comma-separated column names; got {args.label_columns!r}")
-        columns += extra
-    return list(dict.fromkeys(columns))
+    extra = [] if args.label_columns is None else column_names("--label-columns", args.label_columns)
+    return list(dict.fromkeys(args.label_column + extra))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,10 +6,9 @@ Exit status: 0 when the verdict is PASS (self-test: every mechanism got its expe
 
 from __future__ import annotations
 
-import json
 import sys
 
-from invink_audit.cli import CliError, parse_int
+from invink_audit.cli import CliError, parse_int, phase_progress, print_report, progress_bar
 from invink_audit.cli._generate import add_where_argument, parse_where
 from invink_audit.distributed import launch_rank
 
@@ -45,23 +44,6 @@ def register(subparsers) -> None:
     p.set_defaults(handler=_audit)
 
 
-def _progress_bar(desc: str):
-    from tqdm import tqdm
-
-    bar = {"bar": None}
-
-    def update(done: int, total: int) -> None:
-        if bar["bar"] is None:
-            bar["bar"] = tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
-        bar["bar"].update(done - bar["bar"].n)
-
-    def close() -> None:
-        if bar["bar"] is not None:
-            bar["bar"].close()
-
-    return update, close
-
-
 def _audit(args) -> int:
     from invink_audit.audit.spec import load_spec, parse_spec, run_spec
 
@@ -75,7 +57,7 @@ def _audit(args) -> int:
     spec = parse_spec({"kind": "selftest", "name": "selftest"}) if args.selftest else load_spec(args.spec)
     quiet = args.json or launch_rank() != 0  # under torchrun, rank 0 reports
     status = None if quiet else (lambda msg: print(f"  auditing {msg} ...", file=sys.stderr))
-    update, close = _progress_bar(f"audit {spec.name}") if not quiet else (None, lambda: None)
+    update, close = progress_bar(f"audit {spec.name}", not quiet, unit="it", leave=False)
     try:
         result = run_spec(spec, seed=seed, progress=update, status=status)
     finally:
@@ -87,38 +69,32 @@ def _audit(args) -> int:
 
         if args.output:
             write_selftest(result, args.output, plots=not args.no_plots)
-        if args.json:
-            print(json.dumps(result.to_json(), indent=2))
-        else:
-            print(selftest_markdown(result))
-            if args.output:
-                print(f"reports written to {args.output}")
+        print_report(args, result.to_json, lambda: selftest_markdown(result), indent=2, written="reports")
         return 0 if result.passed else 1
     from invink_audit.audit.report import write_report
 
     if args.output:
         write_report(result, args.output, plots=not args.no_plots)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(f"{spec.name}: {result.verdict.value} — {result.reason}")
-        if hasattr(result, "headroom_summary"):
-            h = result.headroom_summary()
-            print(
-                f"  per-step range headroom ε0/max {h['per_step_range']:.4g}; sequence Rényi headroom (min claim/estimate) "
-                f"{h['sequence_renyi_min']:.4g}; accountants' ε "
-                + ", ".join(f"{k} {v:.3g}" for k, v in h["accountant_epsilon"].items())
-            )
-            for line in result.headline():  # ε against the release's claim; whether sampling confirmed anything
-                print(f"  {line}")
-            t = result.timings
-            if "audit_overhead_ratio" in t:
-                print(f"  per-step checks cost {t['audit_overhead_ratio']:.1%} of generation time")
-        else:
-            print(f"  ε lower bound {result.epsilon_lower_bound:.4g} (claimed {result.claimed_epsilon:g})")
-        if args.output:
-            print(f"report written to {args.output}")
+    print_report(args, result.to_dict, lambda: _summary(spec, result), indent=2)
     return _EXIT[result.verdict.value]
+
+
+def _summary(spec, result) -> str:
+    """A spec's audit result as text: its verdict and its figures."""
+    lines = [f"{spec.name}: {result.verdict.value} — {result.reason}"]
+    if hasattr(result, "headroom_summary"):
+        h = result.headroom_summary()
+        lines.append(
+            f"  per-step range headroom ε0/max {h['per_step_range']:.4g}; sequence Rényi headroom (min claim/estimate) "
+            f"{h['sequence_renyi_min']:.4g}; accountants' ε "
+            + ", ".join(f"{k} {v:.3g}" for k, v in h["accountant_epsilon"].items())
+        )
+        lines += [f"  {line}" for line in result.headline()]  # ε against the claim; whether sampling confirmed anything
+        if "audit_overhead_ratio" in result.timings:
+            lines.append(f"  per-step checks cost {result.timings['audit_overhead_ratio']:.1%} of generation time")
+    else:
+        lines.append(f"  ε lower bound {result.epsilon_lower_bound:.4g} (claimed {result.claimed_epsilon:g})")
+    return "\n".join(lines)
 
 
 def _audit_release(args) -> int:
@@ -128,26 +104,18 @@ def _audit_release(args) -> int:
     if args.input is None:
         raise CliError("--release needs --input: the references file the release was made from")
     sampled = None if args.sampled_batch.strip().lower() == "none" else parse_int("--sampled-batch", args.sampled_batch)
-    bars = {}
-
-    def progress(phase: str, done: int, total: int) -> None:
-        if phase not in bars:
-            bars[phase] = _progress_bar("exact checks" if phase == PHASE_EXACT else "sampled audit")
-        bars[phase][0](done, total)
-
+    bars, close = phase_progress(not args.json, unit="it", leave=False)
+    progress = bars and (lambda phase, *done: bars("exact checks" if phase == PHASE_EXACT else "sampled audit", *done))
     seed = parse_int("--seed", args.seed) if args.seed is not None else None
     try:
         report = audit_release_file(
             args.release, args.input, column=args.column, where=parse_where(args.where), model=args.model,
             sampled_batch=sampled, num_samples=parse_int("--num-samples", args.num_samples),
-            seed=seed, progress=None if args.json else progress,
+            seed=seed, progress=progress,
         )  # fmt: skip
     finally:
-        for _, close in bars.values():
-            close()
+        close()
     if args.output:
         write_quick_report(report, args.output, plots=not args.no_plots)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
-    if args.output and not args.json:
-        print(f"report written to {args.output}")
+    print_report(args, report.to_dict, report.summary, indent=2)
     return _EXIT[report.verdict.value]

@@ -45,34 +45,27 @@ def baseline_release(args, values: dict):
         raise CliError(f"--top-k applies to --mechanism invisibleink only; remove it for --mechanism {args.mechanism}")
     if args.mechanism == "adapmixed" and args.ledger is not None:
         raise CliError(_DATA_DEPENDENT_LEDGER)
-    mechanism = _mechanism(args, values)
-    try:
-        return MechanismRelease(mechanism, values["max_new_tokens"], values["delta"], num_texts=values["num_texts"],
-                                num_texts_per_group=values["num_texts_per_group"], allow_all_null=values["allow_all_null"])
-    except ValueError as err:
-        raise CliError(str(err)) from err
+    return MechanismRelease(_mechanism(args, values), values["max_new_tokens"], values["delta"], num_texts=values["num_texts"],
+                            num_texts_per_group=values["num_texts_per_group"], allow_all_null=values["allow_all_null"])
 
 
 def _mechanism(args, values: dict):
-    from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminInfeasibleError, AminMechanism
+    from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
 
     batch_size, max_new_tokens, delta = values["batch_size"], values["max_new_tokens"], values["delta"]
     temperature, epsilon = values["temperature"], values["epsilon"]
-    try:
-        if args.mechanism == "adapmixed":
-            if epsilon is None:
-                raise CliError("--mechanism adapmixed needs --epsilon (its stop rule's budget); --clip-norm does not apply")
-            return AdaPMixEDMechanism(AdaPMixEDConfig(batch_size, epsilon, delta, temperature))
-        r = max_new_tokens if args.max_private_tokens is None else parse_int("--max-private-tokens", args.max_private_tokens)
-        options = dict(
-            temperature=temperature, public_temperature=parse_float("--public-temperature", args.public_temperature),
-            svt_threshold=parse_float("--svt-threshold", args.svt_threshold),
-            svt_noise=parse_float("--svt-noise", args.svt_noise),
-        )  # fmt: skip
-        if epsilon is not None:
-            config = AminConfig.planned(epsilon=epsilon, delta=delta, batch_size=batch_size, max_private_tokens=r, **options)
-        else:
-            config = AminConfig(values["clip_norm"], batch_size, max_private_tokens=r, **options)
-        return AminMechanism(config)
-    except (ValueError, AminInfeasibleError) as err:
-        raise CliError(str(err)) from err
+    if args.mechanism == "adapmixed":
+        if epsilon is None:
+            raise CliError("--mechanism adapmixed needs --epsilon (its stop rule's budget); --clip-norm does not apply")
+        return AdaPMixEDMechanism(AdaPMixEDConfig(batch_size, epsilon, delta, temperature))
+    r = max_new_tokens if args.max_private_tokens is None else parse_int("--max-private-tokens", args.max_private_tokens)
+    options = dict(
+        temperature=temperature, public_temperature=parse_float("--public-temperature", args.public_temperature),
+        svt_threshold=parse_float("--svt-threshold", args.svt_threshold),
+        svt_noise=parse_float("--svt-noise", args.svt_noise),
+    )  # fmt: skip
+    if epsilon is not None:
+        config = AminConfig.planned(epsilon=epsilon, delta=delta, batch_size=batch_size, max_private_tokens=r, **options)
+    else:
+        config = AminConfig(values["clip_norm"], batch_size, max_private_tokens=r, **options)
+    return AminMechanism(config)

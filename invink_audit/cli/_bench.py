@@ -6,7 +6,7 @@ import dataclasses
 import json
 import sys
 
-from invink_audit.cli import CliError, parse_float, parse_int, plural
+from invink_audit.cli import CliError, parse_float, parse_int, parse_top_k, plural
 from invink_audit.cli._generate import add_where_argument, parse_where
 from invink_audit.distributed import launch_world_size
 
@@ -125,11 +125,9 @@ def _options(args) -> _Options:
     if max_batch_rows is not None and max_batch_rows < 1:
         raise CliError(f"--max-batch-rows must be an integer >= 1; got {max_batch_rows}")
     references = _references(args, num_texts * batch_size)
-    top_k = None if args.top_k.strip().lower() == "none" else parse_int("--top-k", args.top_k)
+    top_k = parse_top_k("--top-k", args.top_k, "none")
     clip_norm = parse_float("--clip-norm", args.clip_norm)
     temperature = parse_float("--temperature", args.temperature)
-    if top_k is not None and top_k < 1:
-        raise CliError(f"--top-k must be an integer >= 1 or 'none'; got {top_k}")
     for flag, value in (("--clip-norm", clip_norm), ("--temperature", temperature)):
         if not (value > 0 and value < float("inf")):
             raise CliError(f"{flag} must be a finite number > 0; got {value}")
@@ -214,22 +212,19 @@ def _compare_dtypes(args, options: _Options, rounds: int, reference_model_dir: s
             f"{options.max_new_tokens} tokens, {rounds} round(s) ...",
             file=sys.stderr,
         )
-    try:
-        result = compare_dtypes(
-            args.model,
-            rounds=rounds,
-            batch_size=options.batch_size,
-            max_new_tokens=options.max_new_tokens,
-            num_texts=options.num_texts,
-            clip_norm=options.clip_norm,
-            temperature=options.temperature,
-            top_k=options.top_k,
-            references=options.references,
-            device=args.device,
-            max_batch_rows=options.max_batch_rows,
-        )
-    except ValueError as err:
-        raise CliError(str(err)) from err
+    result = compare_dtypes(
+        args.model,
+        rounds=rounds,
+        batch_size=options.batch_size,
+        max_new_tokens=options.max_new_tokens,
+        num_texts=options.num_texts,
+        clip_norm=options.clip_norm,
+        temperature=options.temperature,
+        top_k=options.top_k,
+        references=options.references,
+        device=args.device,
+        max_batch_rows=options.max_batch_rows,
+    )
     if args.reference:
         timings = []
         for run in result.runs:
@@ -295,13 +290,10 @@ def _references(args, needed: int) -> list[str] | None:
             raise CliError("--column and --where need --references")
         return None
     where = parse_where(args.where)
-    try:
-        if where is None:
-            texts = read_references(Path(args.references), column=args.column)
-        else:
-            texts = select_references(Path(args.references), where, column=args.column)
-    except ValueError as err:
-        raise CliError(str(err)) from err
+    if where is None:
+        texts = read_references(Path(args.references), column=args.column)
+    else:
+        texts = select_references(Path(args.references), where, column=args.column)
     texts = [t for t in texts if t]
     if not texts:
         raise CliError("--references: no non-empty text is selected")

@@ -5,10 +5,9 @@ The report is not private (it reads the real texts in the clear): evaluate again
 
 from __future__ import annotations
 
-import json
 import sys
 
-from invink_audit.cli import add_label_arguments, label_columns, parse_int
+from invink_audit.cli import add_label_arguments, label_columns, parse_int, phase_progress, print_report
 
 
 def add_evaluation_arguments(p) -> None:
@@ -57,18 +56,21 @@ def evaluation_config(args):
 
 
 def tqdm_progress(enabled: bool):
-    """A progress factory for :func:`invink_audit.evaluation.evaluate`: one tqdm bar per stage on stderr."""
-    if not enabled:
+    """A progress factory for :func:`invink_audit.evaluation.evaluate`: one tqdm bar per stage on stderr
+    (:func:`~invink_audit.cli.phase_progress`'s); ``factory(stage, total)`` returns ``update(n)``, n items done."""
+    progress, close = phase_progress(enabled, unit="it", leave=False)
+    if progress is None:
         return None
-    from tqdm import tqdm
 
     def factory(stage: str, total: int):
-        bar = tqdm(total=total, desc=stage, file=sys.stderr, dynamic_ncols=True, leave=False)
+        close()  # a new stage: a bar of its own, even under the name of the last one
+        done = [0]
+        progress(stage, 0, total)
 
         def update(n: int) -> None:
-            bar.update(n)
-            if bar.n >= bar.total:
-                bar.close()
+            done[0] += n
+            if done[0] - n < total:  # its bar ends at the total (a count past it draws no new one)
+                progress(stage, min(done[0], total), total)
 
         return update
 
@@ -111,10 +113,5 @@ def _evaluate(args) -> int:
         write_evaluation_report(result, args.output)
     for line in result.warnings:
         print(f"invink-audit evaluate: small sample: {line}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(result.to_json()))
-    else:
-        print(evaluation_markdown(result))
-        if args.output:
-            print(f"report written to {args.output}")
+    print_report(args, result.to_json, lambda: evaluation_markdown(result))
     return 0

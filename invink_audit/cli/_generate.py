@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from invink_audit.cli import CliError, parse_float, parse_int, plural
+from invink_audit.cli import CliError, add_accountant_argument, column_names, parse_float, parse_int, parse_top_k, plural
 from invink_audit.distributed import launch_rank
 
 #: What a run without ``--ledger`` says (on stderr, in the text summary and as ``ledger_notice`` in the JSON).
@@ -26,24 +26,20 @@ _B_HELP = (
 )
 
 
-def parse_top_k(text: str) -> int | None:
-    """``--top-k``: a positive integer, or ``full`` for the full vocabulary."""
-    if text.strip().lower() in {"full", "none", "all"}:
-        return None
-    value = parse_int("--top-k", text)
-    if value < 1:
-        raise ValueError(f"--top-k must be an integer >= 1 or 'full'; got {text!r}")
-    return value
+def _pairs(items, flag: str, form: str) -> list[tuple[str, str]]:
+    """The ``NAME=VALUE`` items of a repeatable flag as ``(name, value)`` pairs; ``form``: how the error says it."""
+    pairs = []
+    for item in items or ():
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise CliError(f"{flag} must {form}; got {item!r}")
+        pairs.append((name, value))
+    return pairs
 
 
 def parse_fields(items: list[str] | None, flag: str = "--prompt-field") -> dict[str, str]:
-    fields = {}
-    for item in items or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"{flag} must look like NAME=VALUE; got {item!r}")
-        fields[name.strip()] = value
-    return fields
+    """``--prompt-field NAME=VALUE`` (repeated; or ``flag``) as ``{name: value}``, the last value of a name kept."""
+    return {name.strip(): value for name, value in _pairs(items, flag, "look like NAME=VALUE")}
 
 
 def add_model_arguments(parser) -> None:
@@ -165,17 +161,11 @@ def add_where_argument(p) -> None:
 
 def parse_where(items) -> dict[str, str] | None:
     """``--where COLUMN=VALUE`` (repeated) as ``{column: value}``; ``None`` when not given."""
-    if not items:
-        return None
     where: dict[str, str] = {}
-    for item in items:
-        column, sep, value = item.partition("=")
-        if not sep or not column:
-            raise CliError(f"--where must be COLUMN=VALUE; got {item!r}")
-        if column in where and where[column] != value:
+    for column, value in _pairs(items, "--where", "be COLUMN=VALUE"):
+        if where.setdefault(column, value) != value:
             raise CliError(f"--where gives two values for {column!r}: no record can have both")
-        where[column] = value
-    return where
+    return where or None
 
 
 def selected_references(args, label_columns):
@@ -265,9 +255,7 @@ def register(subparsers) -> None:
     _add_privacy_arguments(p)
     add_prompt_arguments(p)
     _add_run_arguments(p)
-    from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
-
-    p.add_argument("--accountant", default=DEFAULT_ACCOUNTANT.value, choices=ACCOUNTANTS)
+    add_accountant_argument(p)
     add_model_arguments(p)
     from invink_audit.cli._baselines import add_baseline_arguments
 
@@ -314,10 +302,7 @@ def _generate(args) -> int:
         return 0
     if args.ledger is None:
         print(f"invink-audit generate: {_not_charged(result)}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(summarise(result, ledger=args.ledger)))
-    else:
-        print(format_summary(result, ledger=args.ledger))
+    print(json.dumps(summarise(result, ledger=args.ledger)) if args.json else format_summary(result, ledger=args.ledger))
     return 0
 
 
@@ -326,7 +311,7 @@ def _generation_config(args):
     checked, in this order), and the label columns."""
     from invink_audit.generation import GenerationConfig
 
-    label_columns = None if args.label_columns is None else _label_columns(args.label_columns)
+    label_columns = None if args.label_columns is None else column_names("--label-columns", args.label_columns)
     per_group = None if args.num_texts_per_group is None else parse_int("--num-texts-per-group", args.num_texts_per_group)
     values = dict(
         batch_size=parse_int("--batch-size", args.batch_size),
@@ -335,7 +320,7 @@ def _generation_config(args):
         epsilon=None if args.epsilon is None else parse_float("--epsilon", args.epsilon),
         clip_norm=None if args.clip_norm is None else parse_float("--clip-norm", args.clip_norm),
         temperature=parse_float("--temperature", args.temperature),
-        top_k=parse_top_k(args.top_k),
+        top_k=parse_top_k("--top-k", args.top_k),
         num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
         accountant=args.accountant,
         num_texts_per_group=per_group,
@@ -379,13 +364,6 @@ def _release_options(args, seed: int | None, max_batch_rows: int | None) -> dict
         ledger=args.ledger,
         seed=seed,
     )
-
-
-def _label_columns(text: str) -> list[str]:
-    columns = [c.strip() for c in text.split(",")]
-    if not all(columns):
-        raise CliError(f"--label-columns must be comma-separated column names; got {text!r}")
-    return columns
 
 
 class _Progress:

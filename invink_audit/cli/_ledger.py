@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from invink_audit.cli import EXIT_OK, EXIT_OVER_BUDGET, CliError, parse_float, parse_int, plural
+from invink_audit.cli import EXIT_OK, EXIT_OVER_BUDGET, CliError, add_accountant_argument, parse_float, parse_int, plural
 
 
 def register(subparsers) -> None:
@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     q.add_argument("--epsilon", required=True, help="total epsilon budget of the dataset, in [1e-6, 1e4]")
     q.add_argument("--delta", required=True, help="delta of the dataset's guarantee, in [1e-300, 1)")
     q.add_argument("--dataset", default="", help="free-text name of the dataset")
-    _accountant(q)
+    add_accountant_argument(q)
     q.set_defaults(handler=_init)
 
     q = sub.add_parser("show", help="budget, spend, recorded releases and the hash-chain head")
@@ -78,19 +78,19 @@ def _release_shape(args) -> dict:
     )
 
 
-def _accountant(parser) -> None:
-    from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
-
-    parser.add_argument("--accountant", default=DEFAULT_ACCOUNTANT.value, choices=ACCOUNTANTS)
+def _ledger_file(path: str) -> Path:
+    """``path`` as a ledger file's path: refused when it is a directory, with the file path to give instead."""
+    target = Path(path)
+    if target.is_dir():
+        raise CliError(f"{path!r} is a directory, not a ledger file; give a file path such as {str(target / 'ledger.json')!r}")
+    return target
 
 
 def _open(path: str):
     """The ledger at ``path``, with a command-line hint when there is none."""
     from accounting import BudgetLedger
 
-    target = Path(path)
-    if target.is_dir():
-        raise CliError(f"{path!r} is a directory, not a ledger file; give a file path such as {str(target / 'ledger.json')!r}")
+    target = _ledger_file(path)
     if not target.exists():
         hint = "a dangling symbolic link" if target.is_symlink() else "no such file"
         raise CliError(
@@ -102,12 +102,7 @@ def _open(path: str):
 def _init(args) -> int:
     from accounting import BudgetLedger
 
-    target = Path(args.path)
-    if target.is_dir():
-        raise CliError(
-            f"{args.path!r} is a directory, not a ledger file; give a file path such as "
-            f"{str(target / 'ledger.json')!r}"
-        )
+    _ledger_file(args.path)
     epsilon = parse_float("--epsilon", args.epsilon)
     delta = parse_float("--delta", args.delta)
     ledger = BudgetLedger.create(args.path, epsilon=epsilon, delta=delta, accountant=args.accountant, dataset=args.dataset)
@@ -122,22 +117,9 @@ def _init(args) -> int:
 def _show(args) -> int:
     status = _open(args.path).status()
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "epsilon_budget": status.epsilon_budget,
-                    "delta": status.delta,
-                    "accountant": status.accountant,
-                    "epsilon_spent": status.epsilon_spent,
-                    "epsilon_remaining": status.epsilon_remaining,
-                    "rho_spent": status.rho_spent,
-                    "rho_remaining": status.rho_remaining,
-                    "format_version": status.format_version,
-                    "head": status.head,
-                    "releases": list(status.releases),
-                }
-            )
-        )
+        fields = ("epsilon_budget", "delta", "accountant", "epsilon_spent", "epsilon_remaining", "rho_spent",
+                  "rho_remaining", "format_version", "head")
+        print(json.dumps({**{name: getattr(status, name) for name in fields}, "releases": list(status.releases)}))
         return EXIT_OK
     print(
         f"ledger {args.path}: spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g} "

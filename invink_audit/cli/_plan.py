@@ -8,10 +8,10 @@ a value outside it is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import sys
 
-from invink_audit.cli import parse_float, parse_int, parse_list, plural
+from invink_audit.cli import add_accountant_argument, parse_float, parse_int, parse_list, parse_top_k, plural
 
 _B_HELP = (
     "B: private references per generated text (the paper's B), 1 .. 1e9. Each token costs B+1 forward rows "
@@ -25,89 +25,52 @@ _C_HELP = "clip norm C, in [1e-6, 1e6]"
 
 
 def _accountant_arg(parser: argparse.ArgumentParser) -> None:
-    from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
-
-    parser.add_argument(
-        "--accountant",
-        default=DEFAULT_ACCOUNTANT.value,
-        choices=ACCOUNTANTS,
-        help=f"privacy accountant (default: {DEFAULT_ACCOUNTANT.value})",
-    )
+    add_accountant_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
+#: the arguments of the planners, as the command line parses them and their help
+_ARGUMENTS = {
+    "--epsilon": (parse_float, _EPSILON_HELP),
+    "--delta": (parse_float, _DELTA_HELP),
+    "--max-new-tokens": (parse_int, _T_HELP),
+    "--batch-size": (parse_int, _B_HELP),
+    "--clip-norm": (parse_float, _C_HELP),
+    "--temperature": (parse_float, _TAU_HELP),
+}
+
+#: command: (planner in :mod:`accounting`, its arguments in order (each required but --temperature), help,
+#: description, headline, the field the JSON adds to the plan's summary)
+_PLANNERS = {
+    "plan": ("plan_clip_norm", ("--epsilon", "--delta", "--max-new-tokens", "--batch-size", "--temperature"),
+             "clip norm C for a privacy budget",
+             "The largest clip norm C for which T tokens are (epsilon, delta)-DP. ", "Clip norm for the budget", None),
+    "epsilon": ("epsilon_for_clip_norm", ("--clip-norm", "--max-new-tokens", "--batch-size", "--temperature", "--delta"),
+                "epsilon spent by a clip norm",
+                "The certified epsilon at delta of texts of at most T tokens with clip norm C. ",
+                "Privacy spent by this clip norm", None),
+    "max-tokens": ("plan_max_new_tokens", ("--epsilon", "--delta", "--clip-norm", "--batch-size", "--temperature"),
+                   "largest token budget T for a budget and clip norm",
+                   "The largest T (at most 1e9) for which clip norm C stays within (epsilon, delta). ",
+                   "Largest token budget", "max_new_tokens"),
+    "min-batch-size": ("plan_min_batch_size", ("--epsilon", "--delta", "--max-new-tokens", "--clip-norm", "--temperature"),
+                       "smallest B that reaches a target clip norm",
+                       "The smallest number of references B (at most 1e9) whose planned clip norm reaches C. ",
+                       "Smallest number of references", "batch_size"),
+}
+
+
 def register(subparsers) -> None:
-    _register_plan(subparsers)
-    _register_epsilon(subparsers)
-    _register_max_tokens(subparsers)
-    _register_min_batch(subparsers)
+    for name, (_, flags, help, description, _, _) in _PLANNERS.items():
+        p = subparsers.add_parser(name, help=help, description=description + _B_HELP)
+        for flag in flags:
+            target = "target " if name == "min-batch-size" and flag == "--clip-norm" else ""  # B is planned for it
+            optional = flag == "--temperature"
+            p.add_argument(flag, required=not optional, default="1.0" if optional else None, help=target + _ARGUMENTS[flag][1])
+        _accountant_arg(p)
+        p.set_defaults(handler=functools.partial(_planned, name))
     _register_table(subparsers)
     _register_memory(subparsers)
-
-
-def _register_plan(subparsers) -> None:
-    """``plan``: the clip norm C for (ε, δ), T, B and τ."""
-    p = subparsers.add_parser(
-        "plan",
-        help="clip norm C for a privacy budget",
-        description="The largest clip norm C for which T tokens are (epsilon, delta)-DP. " + _B_HELP,
-    )
-    p.add_argument("--epsilon", required=True, help=_EPSILON_HELP)
-    p.add_argument("--delta", required=True, help=_DELTA_HELP)
-    p.add_argument("--max-new-tokens", required=True, help=_T_HELP)
-    p.add_argument("--batch-size", required=True, help=_B_HELP)
-    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
-    _accountant_arg(p)
-    p.set_defaults(handler=_plan)
-
-
-def _register_epsilon(subparsers) -> None:
-    """``epsilon``: the ε at δ spent by a clip norm C."""
-    p = subparsers.add_parser(
-        "epsilon",
-        help="epsilon spent by a clip norm",
-        description="The certified epsilon at delta of texts of at most T tokens with clip norm C. " + _B_HELP,
-    )
-    p.add_argument("--clip-norm", required=True, help=_C_HELP)
-    p.add_argument("--max-new-tokens", required=True, help=_T_HELP)
-    p.add_argument("--batch-size", required=True, help=_B_HELP)
-    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
-    p.add_argument("--delta", required=True, help=_DELTA_HELP)
-    _accountant_arg(p)
-    p.set_defaults(handler=_epsilon)
-
-
-def _register_max_tokens(subparsers) -> None:
-    """``max-tokens``: the largest T for (ε, δ) and a clip norm C."""
-    p = subparsers.add_parser(
-        "max-tokens",
-        help="largest token budget T for a budget and clip norm",
-        description="The largest T (at most 1e9) for which clip norm C stays within (epsilon, delta). " + _B_HELP,
-    )
-    p.add_argument("--epsilon", required=True, help=_EPSILON_HELP)
-    p.add_argument("--delta", required=True, help=_DELTA_HELP)
-    p.add_argument("--clip-norm", required=True, help=_C_HELP)
-    p.add_argument("--batch-size", required=True, help=_B_HELP)
-    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
-    _accountant_arg(p)
-    p.set_defaults(handler=_max_tokens)
-
-
-def _register_min_batch(subparsers) -> None:
-    """``min-batch-size``: the smallest B whose planned clip norm reaches C."""
-    p = subparsers.add_parser(
-        "min-batch-size",
-        help="smallest B that reaches a target clip norm",
-        description="The smallest number of references B (at most 1e9) whose planned clip norm reaches C. "
-        + _B_HELP,
-    )
-    p.add_argument("--epsilon", required=True, help=_EPSILON_HELP)
-    p.add_argument("--delta", required=True, help=_DELTA_HELP)
-    p.add_argument("--max-new-tokens", required=True, help=_T_HELP)
-    p.add_argument("--clip-norm", required=True, help="target " + _C_HELP)
-    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
-    _accountant_arg(p)
-    p.set_defaults(handler=_min_batch)
 
 
 def _register_table(subparsers) -> None:
@@ -131,14 +94,6 @@ def _register_table(subparsers) -> None:
     p.set_defaults(handler=_table)
 
 
-def _print_plan(plan, args, *, headline: str) -> int:
-    if args.json:
-        print(json.dumps(plan.summary()))
-        return 0
-    print(format_plan(plan, headline=headline))
-    return 0
-
-
 def format_plan(plan, *, headline: str = "InvisibleInk privacy plan") -> str:
     """A human-readable block describing a :class:`accounting.Plan`."""
     B = plan.batch_size
@@ -155,66 +110,17 @@ def format_plan(plan, *, headline: str = "InvisibleInk privacy plan") -> str:
     return "\n".join(lines)
 
 
-def _plan(args) -> int:
-    from accounting import plan_clip_norm
+def _planned(name: str, args) -> int:
+    """``plan``, ``epsilon``, ``max-tokens`` and ``min-batch-size``: one planner of :data:`_PLANNERS`."""
+    import accounting
 
-    plan = plan_clip_norm(
-        epsilon=parse_float("--epsilon", args.epsilon),
-        delta=parse_float("--delta", args.delta),
-        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
-        batch_size=parse_int("--batch-size", args.batch_size),
-        temperature=parse_float("--temperature", args.temperature),
-        accountant=args.accountant,
-    )
-    return _print_plan(plan, args, headline="Clip norm for the budget")
-
-
-def _epsilon(args) -> int:
-    from accounting import epsilon_for_clip_norm
-
-    plan = epsilon_for_clip_norm(
-        clip_norm=parse_float("--clip-norm", args.clip_norm),
-        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
-        batch_size=parse_int("--batch-size", args.batch_size),
-        temperature=parse_float("--temperature", args.temperature),
-        delta=parse_float("--delta", args.delta),
-        accountant=args.accountant,
-    )
-    return _print_plan(plan, args, headline="Privacy spent by this clip norm")
-
-
-def _max_tokens(args) -> int:
-    from accounting import plan_max_new_tokens
-
-    plan = plan_max_new_tokens(
-        epsilon=parse_float("--epsilon", args.epsilon),
-        delta=parse_float("--delta", args.delta),
-        clip_norm=parse_float("--clip-norm", args.clip_norm),
-        batch_size=parse_int("--batch-size", args.batch_size),
-        temperature=parse_float("--temperature", args.temperature),
-        accountant=args.accountant,
-    )
-    if args.json:
-        print(json.dumps({**plan.summary(), "max_new_tokens": plan.max_new_tokens}))
-        return 0
-    return _print_plan(plan, args, headline="Largest token budget")
-
-
-def _min_batch(args) -> int:
-    from accounting import plan_min_batch_size
-
-    plan = plan_min_batch_size(
-        epsilon=parse_float("--epsilon", args.epsilon),
-        delta=parse_float("--delta", args.delta),
-        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
-        clip_norm=parse_float("--clip-norm", args.clip_norm),
-        temperature=parse_float("--temperature", args.temperature),
-        accountant=args.accountant,
-    )
-    if args.json:
-        print(json.dumps({**plan.summary(), "batch_size": plan.batch_size}))
-        return 0
-    return _print_plan(plan, args, headline="Smallest number of references")
+    planner, flags, _, _, headline, field = _PLANNERS[name]
+    names = {flag: flag[2:].replace("-", "_") for flag in flags}  # the planner's keywords, in the command's order
+    values = {names[flag]: _ARGUMENTS[flag][0](flag, getattr(args, names[flag])) for flag in flags}
+    plan = getattr(accounting, planner)(**values, accountant=args.accountant)
+    added = {} if field is None else {field: getattr(plan, field)}
+    print(json.dumps({**plan.summary(), **added}) if args.json else format_plan(plan, headline=headline))
+    return 0
 
 
 def format_table(rows) -> str:
@@ -245,12 +151,8 @@ def _table(args) -> int:
         print(json.dumps([{**r.plan.summary(), **r.as_dict()} for r in rows]))
         return 0
     first = rows[0].plan
-    print(
-        f"Planning table: delta={first.delta:g}, T={first.max_new_tokens}, tau={first.temperature:g}, "
-        f"accountant={first.accountant} (rows = forward rows; B+1 per token)",
-        file=sys.stdout,
-    )
-    print(format_table(rows))
+    print(f"Planning table: delta={first.delta:g}, T={first.max_new_tokens}, tau={first.temperature:g}, "
+          f"accountant={first.accountant} (rows = forward rows; B+1 per token)\n{format_table(rows)}")
     return 0
 
 
@@ -318,7 +220,7 @@ def _memory(args) -> int:
         prompt_tokens=parse_int("--prompt-tokens", args.prompt_tokens),
         public_prompt_tokens=_optional_int("--public-prompt-tokens", args.public_prompt_tokens),
         max_batch_rows=rows, num_texts=_optional_int("--num-texts", args.num_texts),
-        top_k=_optional_int("--top-k", args.top_k),
+        top_k=parse_top_k("--top-k", args.top_k, "none"),
     )
     shape = read_model_shape(args.model, dtype=args.dtype, device=args.device)
     if budget is not None:
@@ -330,11 +232,9 @@ def _memory(args) -> int:
                              f"more than --memory-budget {budget:g} GiB")
         workload = dataclasses.replace(workload, max_batch_rows=fitted)
     estimate = estimate_memory(shape, workload)
-    if args.json:
-        fit = None if budget is None else "equal prompts" if args.equal_prompts else "unshared"
-        print(json.dumps({**estimate.to_json(), "memory_budget_gib": budget, "fitted_with": fit}))
-        return 0
-    print(format_memory(estimate, budget, equal_prompts=args.equal_prompts))
+    fit = None if budget is None else "equal prompts" if args.equal_prompts else "unshared"
+    print(json.dumps({**estimate.to_json(), "memory_budget_gib": budget, "fitted_with": fit}) if args.json
+          else format_memory(estimate, budget, equal_prompts=args.equal_prompts))
     return 0
 
 

@@ -46,10 +46,7 @@ def _check_locks(args) -> int:
         result = probe_lock(args.directory)
     else:
         result = check_locks(args.directory)
-    if args.json:
-        print(json.dumps(result.to_json()))
-    else:
-        print(format_check(result))
+    print(json.dumps(result.to_json()) if args.json else format_check(result))
     return {FAIL: EXIT_FAILURE, INCONCLUSIVE: EXIT_INCONCLUSIVE}.get(result.status, EXIT_OK)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from invink_audit.cli import add_label_arguments, label_columns, parse_int, plural
+from invink_audit.cli import add_label_arguments, label_columns, parse_int, plural, progress_bar
 from invink_audit.cli._generate import add_prompt_arguments, parse_fields, prompt_template
 from invink_audit.cli._sweep import add_grid_arguments, grid_arguments
 
@@ -53,21 +53,11 @@ def _profile(args) -> int:
     )
     points = len(config.points())
     print(f"profile: {plural(points, 'grid point')} from one teacher-forced pass. {PLANNING_NOTICE}", file=sys.stderr)
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=0, desc="teacher forcing", unit="tok", file=sys.stderr, dynamic_ncols=True)
-
-    def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
+    progress, close = progress_bar("teacher forcing", not args.no_progress)
     try:
-        result = run_profile(args.input, args.real, config, model=args.model, progress=progress if bar is not None else None)
+        result = run_profile(args.input, args.real, config, model=args.model, progress=progress)
     finally:
-        if bar is not None:
-            bar.close()
+        close()
     for line in result.warnings:
         print(f"invink-audit profile: small sample: {line}", file=sys.stderr)
     if args.output:

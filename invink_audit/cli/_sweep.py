@@ -8,9 +8,12 @@ Every grid point is a separate release: on private references give ``--ledger`` 
 
 from __future__ import annotations
 
+import itertools
 import sys
 
-from invink_audit.cli import add_label_arguments, label_columns, parse_float, parse_int, parse_list, parse_top_k, plural
+from invink_audit.cli import (
+    add_label_arguments, label_columns, parse_float, parse_int, parse_list, parse_top_k, plural, progress_bar,
+)
 from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, tqdm_progress
 from invink_audit.cli._generate import add_prompt_arguments, add_where_argument, parse_fields, parse_where, prompt_template
 
@@ -95,18 +98,16 @@ def _sweep(args) -> int:
         + (" on references declared public/proxy: nothing is charged" if args.public_proxy else ""),
         file=sys.stderr,
     )
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total + (0 if args.no_reference_points else 2), desc="sweep points", file=sys.stderr)
+    update, close = progress_bar("sweep points", not args.no_progress, unit="it")
+    points, bars = itertools.count(), total + (0 if args.no_reference_points else 2)
+    if update is not None:
+        update(next(points), bars)  # drawn at once: a point takes a while
     rows = run_sweep(
         args.input, args.real, args.output, config, evaluation, ledger=args.ledger, public_proxy=args.public_proxy,
-        model=args.model, on_point=(lambda _p: bar.update(1)) if bar is not None else None,
+        model=args.model, on_point=update and (lambda _p: update(next(points), bars)),
         progress=tqdm_progress(not args.no_progress),
     )
-    if bar is not None:
-        bar.close()
+    close()
     from pathlib import Path
 
     for line in dict.fromkeys(w for r in rows for w in r.evaluation.get("warnings", ())):

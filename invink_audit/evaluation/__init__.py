@@ -16,7 +16,7 @@ Evaluation reports are **not private**: they are computed from the real texts in
 
 from __future__ import annotations
 
-import importlib
+from invink_audit import _lazy_hooks
 
 _LAZY = {
     **dict.fromkeys(("EvaluationConfig", "EvaluationResult", "TextSet", "evaluate", "read_text_set"), ".evaluator"),
@@ -33,13 +33,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'invink_audit.evaluation' has no attribute {name!r}")
-    return getattr(importlib.import_module(module, __name__), name)
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = _lazy_hooks(__name__, _LAZY)

@@ -148,14 +148,12 @@ def _check_safetensors(path: Path, spec: EmbeddingModelSpec, source: str) -> Non
 def assemble_split_zip(parts: Sequence[Path], destination: Path, spec: EmbeddingModelSpec) -> None:
     """Concatenate the zip ``parts`` (a plain byte split, ``zip.001`` .. ``zip.005``), extract the model
     files into ``destination`` and check ``model.safetensors`` against ``spec``'s SHA-256."""
+    from invink_audit.models import concatenate_parts
+
     destination.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".assemble.", dir=destination.parent) as scratch:
         joined = Path(scratch) / "model.zip"
-        with joined.open("wb") as out:
-            for part in parts:
-                with Path(part).open("rb") as chunk:
-                    while block := chunk.read(1 << 22):
-                        out.write(block)
+        concatenate_parts(parts, joined)
         try:
             _extract(joined, destination, spec)
         except (zipfile.BadZipFile, OSError, EOFError) as err:
@@ -293,7 +291,6 @@ class Embedder:
         self.max_seq_length = max_seq_length or self.spec.max_seq_length
         self.batch_size = batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self._requested_dtype = dtype
         self.dtype = "float32" if dtype == "auto" else dtype
         self._dtype_checked = dtype != "auto"
         self._cache_enabled = bool(cache)

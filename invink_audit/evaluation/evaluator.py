@@ -9,7 +9,6 @@ report with the data, and never treat it as part of a release.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +17,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from accounting.limits import check_count
+from accounting.limits import check_count, check_delta
 from invink_audit.evaluation.embeddings import DEFAULT_EMBEDDING_MODEL, EMBEDDING_MODELS, Embedder
 from invink_audit.evaluation.mauve_metric import LIBRARY_SETTING, PAPER_SETTING, MauveResult, mauve_interval
 from invink_audit.evaluation.perplexity import delta_ppl_interval, score_perplexity
@@ -100,7 +99,7 @@ def read_text_set(path: str | Path, *, column: str = "text", label_columns: Sequ
     In JSON Lines, a label column is read from the record or from its ``labels`` object. CSV files are
     read by :func:`invink_audit.data.read_labelled_references` (same encodings and error rules).
     """
-    from invink_audit.data import read_labelled_references, read_references, read_text
+    from invink_audit.data import jsonl_records, read_labelled_references, read_references, read_text
 
     path = Path(path)
     columns = tuple(label_columns)
@@ -116,23 +115,7 @@ def read_text_set(path: str | Path, *, column: str = "text", label_columns: Sequ
         raise ValueError(f"{str(path)!r} must be a .csv or .jsonl file")
     texts, labels, tokens, reasons = [], [], [], []
     text = read_text(path)  # a byte sequence that is not UTF-8: the file and its line
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{str(path)!r} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where} is not valid JSON: {err.msg} (column {err.colno})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object; got {type(record).__name__}")
-        if column not in record:
-            raise ValueError(f"{where}: field {column!r} missing; name the text field with --column")
-        value = record[column]
-        if value is None:
-            value = ""
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: field {column!r} must be a string; got {type(value).__name__}")
+    for where, record, value in jsonl_records(path, text, column, "name the text field with --column"):
         texts.append(value)
         if columns:
             labels.append(LABEL_SEPARATOR.join(_label_value(record, c, where) for c in columns))
@@ -194,12 +177,9 @@ class EvaluationConfig:
             ("mauve_seeds", 1), ("mauve_bootstrap", 0), ("ppl_max_tokens", 1), ("seed", 0), ("tstr_bootstrap", 1)
         ):
             check_count(name, getattr(self, name), minimum=least)
-        if self.max_real is not None and (isinstance(self.max_real, bool) or not isinstance(self.max_real, int) or self.max_real < 2):
-            raise ValueError(f"max_real must be an integer >= 2 or None; got {self.max_real!r}")
-        if not isinstance(self.confidence, float) or not 0 < self.confidence < 1:
-            raise ValueError(f"confidence must be a float in (0, 1); got {self.confidence!r}")
-        if not isinstance(self.tstr_test_fraction, float) or not 0 < self.tstr_test_fraction < 1:
-            raise ValueError(f"tstr_test_fraction must be a float in (0, 1); got {self.tstr_test_fraction!r}")
+        check_count("max_real", self.max_real, minimum=2, allow_none=True)
+        check_delta("confidence", self.confidence)
+        check_delta("tstr_test_fraction", self.tstr_test_fraction)
 
     def make_embedder(self) -> Embedder:
         """The :class:`Embedder` these settings describe (model, dtype, cache on or off, cache directory)."""

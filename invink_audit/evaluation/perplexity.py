@@ -34,7 +34,7 @@ import numpy as np
 
 from accounting.limits import check_count
 from invink_audit.evaluation.cache import TextCache, text_digest
-from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval, wald_interval
+from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval
 
 __all__ = ["PerplexityScores", "delta_ppl_interval", "perplexity_cache", "score_perplexity", "scorer_digest"]
 
@@ -227,8 +227,3 @@ def delta_ppl_interval(
     xs = x[rng.integers(0, x.size, size=(num_bootstrap, x.size))].mean(axis=1)
     rs = r[rng.integers(0, r.size, size=(num_bootstrap, r.size))].mean(axis=1)
     return percentile_interval(float(estimate), np.abs(xs - rs), confidence, method="bootstrap over texts")
-
-
-def mean_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE) -> Interval | None:
-    """Wald interval of a mean (paper App. D.4), ``None`` for no values."""
-    return wald_interval(values, confidence) if len(values) else None

@@ -61,7 +61,7 @@ from accounting import DEFAULT_ACCOUNTANT, plan_clip_norm
 from accounting.limits import check_count
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval
 from invink_audit.mechanism import DEFAULT_TOP_K
-from invink_audit.not_private import save_not_private_figure, write_not_private_json, write_not_private_text
+from invink_audit.not_private import agg_pyplot, md_table, save_not_private_figure, write_not_private_json, write_not_private_text
 
 __all__ = [
     "PLANNING_NOTICE",
@@ -645,17 +645,15 @@ def profile_markdown(result: ProfileResult) -> str:
         f"{', ' + str(result.skipped_texts) + ' skipped' if result.skipped_texts else ''}); {result.seconds:.0f} s. "
         f"Cross-entropies in nats per token; intervals: {c.confidence:.0%} paired bootstrap over texts; "
         f"smoothing η = {SMOOTHING:g} for tokens outside the support.", "",
-        "| ε | B | k | τ | C | held-out CE | floor CE | ensemble CE | gain over floor | gain over null | gap closed | coverage | clipped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *md_table("ε | B | k | τ | C | held-out CE | floor CE | ensemble CE | gain over floor | gain over null | gap closed | "
+                  "coverage | clipped", [
+            (f"{p.point.epsilon:g}", p.point.batch_size, _k(p.point.top_k), f"{p.point.temperature:g}", f"{p.point.clip_norm:.3g}",
+             p.heldout_ce.format(), f"{p.floor_ce.estimate:.3f}", f"{p.ensemble_ce.estimate:.3f}", p.gain_over_floor.format(),
+             p.gain_over_null.format(), "–" if p.gap_closed is None else p.gap_closed.format(2), f"{p.coverage:.1%}",
+             f"{p.clipped_share:.1%}")
+            for p in result.points
+        ]),
     ]  # fmt: skip
-    for p in result.points:
-        g = p.point
-        closed = "–" if p.gap_closed is None else p.gap_closed.format(2)
-        lines.append(
-            f"| {g.epsilon:g} | {g.batch_size} | {_k(g.top_k)} | {g.temperature:g} | "
-            f"{g.clip_norm:.3g} | {p.heldout_ce.format()} | {p.floor_ce.estimate:.3f} | {p.ensemble_ce.estimate:.3f} | "
-            f"{p.gain_over_floor.format()} | {p.gain_over_null.format()} | {closed} | {p.coverage:.1%} | {p.clipped_share:.1%} |"
-        )
     lines += ["", "Gain over null: over the same mechanism with every reference null (the public row on the same Top-k+ "
               "set), i.e. what the references add beyond the wider support a larger C allows.", ""]
     if result.warnings:
@@ -679,11 +677,7 @@ def profile_markdown(result: ProfileResult) -> str:
 
 def write_profile_plots(result: ProfileResult, directory: str | Path) -> list[Path]:
     """``gain.png`` (gain over the floor against ε, one line per (B, k, τ)) and ``clip_profile.png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     out = Path(directory)
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict[tuple, list[ProfilePoint]] = {}

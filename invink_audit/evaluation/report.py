@@ -7,7 +7,7 @@ from pathlib import Path
 
 from invink_audit.evaluation.evaluator import EvaluationResult
 from invink_audit.evaluation.stats import Interval
-from invink_audit.not_private import save_not_private_figure, write_not_private_json, write_not_private_text
+from invink_audit.not_private import agg_pyplot, md_table, save_not_private_figure, write_not_private_json, write_not_private_text
 
 __all__ = ["evaluation_markdown", "write_evaluation_report"]
 
@@ -37,8 +37,7 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
         f"{_dtype_note(result.scorer_dtype and result.scorer_dtype.get('dtype'), result.scorer_dtype)}. "
         f"Intervals: {conf}%.",
         "",
-        "| metric | estimate [interval] | how |",
-        "|---|---|---|",
+        *md_table("metric | estimate [interval] | how"),
         f"| MAUVE (paper: {result.mauve.num_buckets} buckets = n/20, c = 0.9) | {_fmt(result.mauve.interval)} | "
         f"mean of {len(result.mauve.seed_scores)} k-means seeds; {result.mauve.interval.method} |",
         f"| MAUVE (library default: {result.mauve_c5.num_buckets} buckets = n/10, c = 5) | "
@@ -83,11 +82,7 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
 
 
 def _plots(result: EvaluationResult, directory: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     written = []
     fig, ax = plt.subplots(figsize=(4.5, 2.6), dpi=90)
     for y, (name, res) in enumerate((("paper (c=0.9)", result.mauve), ("library (c=5)", result.mauve_c5))):

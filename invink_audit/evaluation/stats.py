@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.stats import norm
 
+from accounting.limits import check_delta
+
 __all__ = ["DEFAULT_CONFIDENCE", "Interval", "percentile_interval", "wald_interval"]
 
 #: Confidence level of every interval unless told otherwise (the paper's main figures use 95%).
@@ -40,8 +42,7 @@ class Interval:
             object.__setattr__(self, name, float(value))
         if self.lower > self.upper:
             raise ValueError(f"lower must be <= upper; got [{self.lower}, {self.upper}]")
-        if not 0 < self.confidence < 1:
-            raise ValueError(f"confidence must be in (0, 1); got {self.confidence!r}")
+        check_delta("confidence", self.confidence)
 
     def to_json(self) -> dict:
         return {
@@ -59,11 +60,6 @@ class Interval:
         )
 
 
-def _check_confidence(confidence: float) -> None:
-    if not isinstance(confidence, float) or not 0 < confidence < 1:
-        raise ValueError(f"confidence must be a float in (0, 1); got {confidence!r}")
-
-
 def wald_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENCE, *, log_scale: bool = False) -> Interval:
     r"""Mean of ``values`` with the Wald interval :math:`\bar x \pm z\, s/\sqrt m` (paper App. D.6,
     "Confidence Intervals"; ``s`` the sample standard deviation). One value gives a zero-width interval.
@@ -72,7 +68,7 @@ def wald_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDENC
     standard error taken on the log scale by the delta method (Casella & Berger 2002, §5.5.4:
     :math:`\mathrm{se}(\log \bar x) \approx \mathrm{se}(\bar x)/\bar x`), back-transformed:
     :math:`\bar x \exp(\pm z\, s/(\bar x\sqrt m))`, never negative and wider above the mean than below it."""
-    _check_confidence(confidence)
+    check_delta("confidence", confidence)
     data = np.asarray(values, dtype=np.float64)
     if data.ndim != 1 or data.size == 0:
         raise ValueError("values must be a non-empty 1-d sequence")
@@ -96,7 +92,7 @@ def percentile_interval(
     """``estimate`` with the percentile-bootstrap ends of ``replicates`` (linear interpolation of the
     empirical quantiles). The ends are widened to contain ``estimate`` if a biased statistic put every
     replicate on one side of it (said in ``method``)."""
-    _check_confidence(confidence)
+    check_delta("confidence", confidence)
     data = np.asarray(replicates, dtype=np.float64)
     if data.ndim != 1 or data.size == 0 or not np.all(np.isfinite(data)):
         raise ValueError("replicates must be a non-empty 1-d sequence of finite numbers")

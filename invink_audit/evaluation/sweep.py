@@ -43,6 +43,8 @@ from invink_audit.evaluation.evaluator import (
 )
 from invink_audit.evaluation.profile import grid_values
 from invink_audit.not_private import (
+    agg_pyplot,
+    md_table,
     save_not_private_figure,
     unmark,
     write_not_private_json,
@@ -401,26 +403,25 @@ def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: boo
         if public_proxy
         else f"Every InvisibleInk row is a separate release charged to the ledger {ledger} (sequential composition)."
     )
+    table = []
+    for r in rows:
+        p, g, e = r.params, r.guarantee or {}, r.evaluation
+        eps = f"{g['epsilon']:.3g}" if g else ("0 (no refs)" if r.kind == "floor" else "∞ (non-private)")
+        tokens = e.get("generated_tokens") or e.get("length_synthetic_tokens")
+        table.append((
+            r.name, eps, f"{g['clip_norm']:.3g}" if g else "–", p["batch_size"] if r.kind == "invisibleink" else "–",
+            p["top_k"] or "full", f"{p['temperature']:g}", p["max_new_tokens"], f"{r.forward_rows_per_text:.0f}",
+            f"{tokens['estimate']:.1f}", _cell(e.get("mauve")), _cell(e.get("mauve_c5")), _cell(e.get("delta_ppl"), 1),
+            _cell(e.get("tstr_gap_closed"), 2), f"{r.seconds_generation:.0f}",
+        ))
     lines = [
         "# Sweep",
         "",
         "NOT PRIVATE: evaluations are computed from the real texts in the clear. " + budget,
         "",
-        "| point | ε (certified) | C | B | k | τ | T | fwd rows/text | tokens | MAUVE (paper) | MAUVE (c=5) | ΔPPL | TSTR gap closed | gen s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *md_table("point | ε (certified) | C | B | k | τ | T | fwd rows/text | tokens | MAUVE (paper) | MAUVE (c=5) | ΔPPL | "
+                  "TSTR gap closed | gen s", table),
     ]
-    for r in rows:
-        p, g, e = r.params, r.guarantee or {}, r.evaluation
-        eps = f"{g['epsilon']:.3g}" if g else ("0 (no refs)" if r.kind == "floor" else "∞ (non-private)")
-        clip = f"{g['clip_norm']:.3g}" if g else "–"
-        tokens = e.get("generated_tokens") or e.get("length_synthetic_tokens")
-        lines.append(
-            f"| {r.name} | {eps} | {clip} | {p['batch_size'] if r.kind == 'invisibleink' else '–'} | "
-            f"{p['top_k'] or 'full'} | {p['temperature']:g} | {p['max_new_tokens']} | "
-            f"{r.forward_rows_per_text:.0f} | {tokens['estimate']:.1f} | {_cell(e.get('mauve'))} | "
-            f"{_cell(e.get('mauve_c5'))} | {_cell(e.get('delta_ppl'), 1)} | {_cell(e.get('tstr_gap_closed'), 2)} | "
-            f"{r.seconds_generation:.0f} |"
-        )
     lines += _significance_lines(rows)
     warned = dict.fromkeys(w for r in rows for w in r.evaluation.get("warnings", ()))
     if warned:
@@ -473,11 +474,7 @@ def write_sweep_plots(rows: Sequence[SweepPoint], directory: str | Path) -> list
     another at the same ε. Each y axis spans the estimates (and the intervals up to one span beyond
     them): an interval cut by the axis ends in an arrow at the edge with its end written beside it, and
     the panel's title says so (an interval is never cut silently)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     directory = Path(directory)
     private = [r for r in rows if r.kind == "invisibleink"]
     refs = {r.kind: r for r in rows if r.kind != "invisibleink"}

@@ -397,10 +397,6 @@ class AminMechanism(Mechanism):
         stop = new[:, 0] >= cfg.max_private_tokens
         return new, stop
 
-    def private_tokens(self, state: torch.Tensor) -> torch.Tensor:
-        """(G,) private tokens released so far."""
-        return state[:, 0]
-
     def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         acc = self.accounting
         cfg = self.config

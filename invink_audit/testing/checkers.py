@@ -25,6 +25,7 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
+from accounting.limits import check_order
 from accounting.sensitivity import Adjacency
 from invink_audit.mechanism import MechanismConfig
 from invink_audit.testing import strategies as _s
@@ -297,13 +298,6 @@ def check_topk_superset(
 # per-token privacy
 
 
-def _check_alpha(alpha: float) -> float:
-    alpha = float(alpha)
-    if not alpha > 1:
-        raise ValueError(f"alpha must be > 1; got {alpha!r}")
-    return alpha
-
-
 def renyi_divergence(log_p: torch.Tensor, log_q: torch.Tensor, alpha: float) -> torch.Tensor:
     r"""Exact Rényi divergence :math:`D_\alpha(p \Vert q)` over the last dimension, float64 (...).
 
@@ -312,7 +306,7 @@ def renyi_divergence(log_p: torch.Tensor, log_q: torch.Tensor, alpha: float) -> 
     ``alpha = inf`` gives :math:`D_\infty = \max_y \log p(y)/q(y)`. Inputs are log-probabilities
     (``-inf`` for zero).
     """
-    alpha = _check_alpha(alpha)
+    alpha = check_order("alpha", alpha, allow_inf=True)
     lp = log_p.to(torch.float64)
     lq = log_q.to(torch.float64)
     on_p = lp > -math.inf
