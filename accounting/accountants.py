@@ -1,28 +1,13 @@
-r"""Accountants for exponential-mechanism decoding: ε0-bounded-range tokens composed over T steps.
+"""Accountants for exponential-mechanism decoding: ε0-bounded-range tokens composed over T steps.
 
-Per token, InvisibleInk samples from an exponential mechanism on scores with ℓ∞ sensitivity Δ
-(:mod:`accounting.sensitivity`; Δ = C/B for difference clipping under replace-by-null) at temperature
-τ. Its privacy loss ranges over an interval of width
+Each token is ε0 = 2Δ/τ bounded-range (Durfee & Rogers 2019, arXiv:1905.04273), hence ε0²/8-zCDP (Cesar &
+Rogers 2021, Lemma 3.2; the paper's ρ_tok = C²/(2B²τ²), paper Theorem 2, thm:accounting), composed over at
+most T tokens. :data:`ACCOUNTANTS`: ``br-adaptive`` (default; Dong, Durfee & Rogers 2020, arXiv:1909.13830,
+via :mod:`accounting.bounded_range`, never looser than ``cks``), ``cks`` (T·ρ_tok, Bun & Steinke 2016,
+Lemma 2.3, converted by Canonne–Kamath–Steinke 2020), ``bun-steinke``, ``rdp``; :func:`composed_epsilon`,
+:func:`composed_delta`, :func:`max_epsilon0`, :func:`fits_budget`.
 
-.. math:: \varepsilon_0 = 2\Delta/\tau \quad(= 2C/(B\tau)),
-
-so each token is ε0-bounded-range (Durfee & Rogers 2019, arXiv:1905.04273) and therefore
-:math:`\rho_{tok} = \varepsilon_0^2/8`-zCDP (Cesar & Rogers 2021, arXiv:2004.07223, Lemma 3.2; this
-is the paper's :math:`\rho_{tok} = C^2/(2B^2\tau^2)`, paper Theorem 2, thm:accounting). Decoding composes adaptively over
-at most T tokens (an early EOS is dominated by padding to T).
-
-Accountants (by name):
-
-``br-adaptive`` (default)
-    the certified optimal adaptive composition of ε0-BR mechanisms (DDR 2020, arXiv:1909.13830;
-    :mod:`accounting.bounded_range`), planned on the DP's *upper* bound. Because every ε0-BR step is
-    also ρ_tok-zCDP, the CKS conversion of T·ρ_tok is another valid bound; this accountant reports the
-    smaller of the two δ's, so it is never looser than ``cks``.
-``cks``
-    ρ_seq = T·ρ_tok (zCDP composition, Bun & Steinke 2016, Lemma 2.3) converted with
-    Canonne–Kamath–Steinke 2020 (the paper's and reference code's choice).
-``bun-steinke``, ``rdp``
-    the same ρ_seq with the other conversions of :mod:`accounting.conversions`.
+Design: docs/accounting_notes.md §1–§4; choosing one: docs/guide/planning.md (§"Accountants").
 """
 
 from __future__ import annotations
@@ -228,7 +213,7 @@ def max_epsilon0(epsilon: float, delta: float, num_steps: int, accountant="br-ad
         return base
     # No ε0 above ``ceiling`` is feasible: one step played at t = ε0 − s (the others at t = 0, loss 0)
     # has δ(ε) >= p_t (1 − e^(ε − t)) >= (1 − e^(−s))² at ε0 = ε + 2s, and that exceeds δ for
-    # s = −log(1 − √δ) (module docstring of accounting.bounded_range for p_t). A bound that reports
+    # s = −log(1 − √δ) (docs/accounting_notes.md §4 for p_t). A bound that reports
     # such an ε0 feasible has lost its precision (ε / h beyond ~1e15): fall back to CKS, always valid.
     ceiling = epsilon + 2.0 * -math.log1p(-math.sqrt(delta))
     hi = base * 1.08

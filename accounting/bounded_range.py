@@ -1,51 +1,12 @@
 r"""Optimal adaptive composition of ε0-bounded-range mechanisms (the ``br-adaptive`` accountant).
 
-Each token of InvisibleInk is drawn by an exponential mechanism whose privacy loss
-:math:`\log P(y)/Q(y)` ranges over an interval of width :math:`\varepsilon_0 = 2\Delta/\tau`
-(ε0-*bounded range*, Durfee & Rogers 2019, arXiv:1905.04273, Def. 3.1; here Δ = C/B from
-:mod:`accounting.sensitivity`).
+Each token is ε0-bounded range (Durfee & Rogers 2019, arXiv:1905.04273, Def. 3.1). Dong, Durfee & Rogers
+2020 (ICML 2020, arXiv:1909.13830, Lemma 3.2 and §5): the optimal adaptive δ(ε_g) of T such steps is the
+value :math:`V_T(\varepsilon_g)` of a one-dimensional dynamic programme over the remaining budget.
+:func:`br_adaptive_delta` returns a certified :class:`DeltaBracket` on a lattice (plan on its upper bound
+only; numba kernel, about O(T^1.7 m²)); also :func:`br_adaptive_epsilon`, :func:`br_nonadaptive_delta`.
 
-Dong, Durfee & Rogers 2020 ("Optimal Differential Privacy Composition for Exponential Mechanisms",
-ICML 2020, arXiv:1909.13830, Lemma 3.2 and §5): the worst case of one ε0-BR step is a two-outcome pair
-with privacy losses ``t`` and ``t − ε0`` for some ``t ∈ [0, ε0]``, where under the first distribution the
-loss is ``t`` with probability
-
-.. math:: p_t = \frac{e^{\varepsilon_0} - e^{t}}{e^{\varepsilon_0} - 1}.
-
-Under adaptive composition the adversary picks ``t`` at every step from the history, so the optimal
-δ at total ε_g is the value of a one-dimensional dynamic programme over the remaining budget
-``x = ε_g − (loss so far)`` (docs/accounting_notes.md §4; DDR 2020, arXiv:1909.13830):
-
-.. math::
-    V_0(x) = (1 - e^{x})_+,\qquad
-    V_j(x) = \sup_{t\in[0,\varepsilon_0]} p_t V_{j-1}(x-t) + (1-p_t) V_{j-1}(x-t+\varepsilon_0),
-    \qquad \delta(\varepsilon_g) = V_T(\varepsilon_g).
-
-Each :math:`V_j` is non-increasing in ``x`` and convex in :math:`y = e^{x}` (true for
-:math:`V_0 = (1-y)_+`, and preserved by the recursion, which rescales ``y`` and takes mixtures and
-suprema). It is *not* convex in ``x``: :math:`(1-e^x)_+` is concave for x < 0.
-
-Exact facts used (both bounds keep them exactly): the loss after ``j`` steps lies in
-``[−jε0, jε0]``, so :math:`V_j(x) = 0` for :math:`x \ge j\varepsilon_0` and, because
-:math:`E_P[e^{-L}] = 1`, :math:`V_j(x) = 1 - e^{x}` for :math:`x \le -j\varepsilon_0`.
-
-Certified bracket on a lattice of step ``h = ε0/m`` (shifts by ``t = s·h`` and ``ε0 = m·h`` are exact):
-
-* **lower bound**: restrict ``t`` to the lattice. The restricted adversary's value is computed exactly,
-  so it is a valid lower bound on the true δ.
-* **upper bound**: for ``t`` in the interval ``[s h, (s+1) h]`` parametrise by the position
-  ν ∈ [0, 1] of :math:`y = e^{x-t}` between the two lattice points; bound :math:`V_{j-1}` by its chord
-  in ``y`` (convexity in ``y``) and :math:`p_t`, which is concave in ν, by its tangent at ν = 1/2; the
-  resulting quadratic in ν is maximised exactly. The upper values are then made non-increasing in ``x`` (a running maximum, which only raises
-  them) so that :math:`V(x-t) \ge V(x-t+\varepsilon_0)` holds for the bounds too; a relative slack of
-  ``_ROUNDING_SLACK`` per step absorbs floating-point error.
-
-Plan only on the upper bound. Cost about O(T^1.7 m²) with the truncation; the kernel is compiled with
-numba.
-
-Steps may have different ε0 (the budget ledger composes releases with different clip norms): each
-step's ε0 is rounded *up* to a whole number of lattice steps, which is safe because an ε-BR mechanism
-is ε'-BR for every ε' ≥ ε.
+Design: docs/accounting_notes.md §4 (the programme, the facts it uses, the bracket's construction).
 """
 
 from __future__ import annotations
@@ -97,12 +58,12 @@ class DeltaBracket:
 
 @njit(cache=True)
 def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
-    """Backward DP of the module docstring on the lattice ``x0 + i h``, |i| ≤ w_out at the top.
+    """Backward DP of docs/accounting_notes.md §4 on the lattice ``x0 + i h``, |i| ≤ w_out at the top.
 
     ``steps[k]`` is the number of lattice intervals n_k of the step added at level k (level k adds one
     step in front of the k−1 already composed). ``eta`` is the truncation tolerance: lattice points
     whose upper value is ≤ eta above the active window, or within eta of 1 − e^x below it, are frozen
-    at a certified bound (module docstring); the final upper bound is inflated by at most T·eta.
+    at a certified bound (docs/accounting_notes.md §4); the final upper bound is inflated by at most T·eta.
     Returns (lower, upper) arrays of length ``2 w_out + 1``.
     """
     T = steps.shape[0]
@@ -274,7 +235,7 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
 
 # --- Python wrappers ------------------------------------------------------------------------------
 
-#: Truncation tolerance relative to the δ of interest, per composed step (module docstring).
+#: Truncation tolerance relative to the δ of interest, per composed step (docs/accounting_notes.md §4).
 _RELATIVE_ETA = 1e-9
 
 
@@ -347,7 +308,7 @@ def br_adaptive_delta(
 ) -> DeltaBracket:
     r"""Certified bracket on the optimal δ(ε) of the adaptive composition of ε0-BR mechanisms.
 
-    DDR 2020 (arXiv:1909.13830) dynamic programme, bounds as in the module docstring. ``epsilon0`` is
+    DDR 2020 (arXiv:1909.13830) dynamic programme, bounds as in docs/accounting_notes.md §4. ``epsilon0`` is
     one per-step range (with ``num_steps`` steps) or an array of per-step ranges in release order.
     """
     epsilon = check_nonnegative("epsilon", epsilon)
@@ -403,7 +364,7 @@ def br_adaptive_epsilon(
     r"""Certified ε at which the composition is (ε, δ)-DP: the smallest ε whose *upper* δ bound is ≤ δ.
 
     Between lattice points the upper curve is interpolated by chords, which bound the convex
-    :math:`V_T` from above (module docstring); the result errs upwards. ``start`` is a valid ε to start
+    :math:`V_T` from above (docs/accounting_notes.md §4); the result errs upwards. ``start`` is a valid ε to start
     from (default: the CKS conversion of ρ = Σ ε0²/8, which this accountant never exceeds).
     """
     from accounting._validation import check_delta

@@ -1,28 +1,12 @@
-r"""Conversions between ρ-zCDP and (ε, δ)-DP.
+"""Conversions between ρ-zCDP and (ε, δ)-DP.
 
-Three methods, selectable by name (:class:`ConversionMethod`):
+:class:`ConversionMethod`: ``bun-steinke`` (Bun & Steinke 2016, arXiv:1605.02065, Prop. 1.3), ``cks``
+(Canonne, Kamath & Steinke 2020, arXiv:2004.00010, Prop. 12; the paper's and the reference package's
+choice), ``rdp`` (dp-accounting's ``RdpAccountant``, an independent cross-check); :func:`zcdp_to_epsilon`,
+:func:`zcdp_to_delta`, :func:`epsilon_to_zcdp`, and ε0-BR → ρ (:func:`br_to_zcdp`). Results are rounded to
+the safe side. Never use the Gaussian profile with μ = √(2ρ) (Balle & Wang 2018) as a zCDP conversion.
 
-``bun-steinke``
-    Bun & Steinke 2016 (arXiv:1605.02065, Prop. 1.3): a ρ-zCDP mechanism is
-    :math:`(\rho + 2\sqrt{\rho \log(1/\delta)}, \delta)`-DP. Closed form, loose.
-``cks``
-    Canonne, Kamath & Steinke 2020 (arXiv:2004.00010, Prop. 12 applied to the Rényi curve
-    :math:`\varepsilon(\alpha) = \alpha\rho` of ρ-zCDP):
-
-    .. math:: \delta(\varepsilon) = \inf_{\alpha > 1}
-              \frac{e^{(\alpha-1)(\alpha\rho-\varepsilon)}}{\alpha}\Big(1-\frac1\alpha\Big)^{\alpha-1}.
-
-    This is the reference package's and the paper's choice. Any α gives a valid bound, so an
-    approximate minimiser errs on the safe side.
-``rdp``
-    dp-accounting's ``RdpAccountant`` composed with one ``ZCDpEvent(rho)``: the same CKS bound restricted
-    to dp-accounting's finite grid of orders (plus its KL shortcut), an independent implementation.
-
-Never use the Gaussian privacy profile with μ = √(2ρ) (Balle & Wang 2018) as a zCDP conversion: it is
-not valid for a general ρ-zCDP mechanism (docs/accounting_notes.md §3).
-
-Rounding: every returned ε and δ is rounded up by one ulp and every returned ρ is the lower end of a
-bisection, so floating-point error never reports less privacy loss than the method proves.
+Design: docs/accounting_notes.md §3.
 """
 
 from __future__ import annotations

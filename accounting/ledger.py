@@ -1,63 +1,12 @@
-r"""A persisted privacy odometer for one dataset: the budget ledger.
+"""A persisted privacy odometer for one dataset: the budget ledger.
 
-Every release that reads the dataset is charged *before* any work starts. A release is a run of
-InvisibleInk over disjoint, data-independently formed batches of B references, each batch producing
-``texts_per_batch`` texts of at most T tokens.
+:class:`BudgetLedger` charges every :class:`Release` before it runs (paper Theorem 2, thm:accounting, and
+Corollary 11, coro:parallel-batches: disjoint batches in parallel, releases sequentially). Several releases
+compose as a privacy filter by summing ρ (Feldman & Zrnic 2021, arXiv:2008.11193, Thm. 3.1; Whitehouse,
+Ramdas, Rogers & Wu 2023, arXiv:2203.05481). The file is rewritten atomically under a lock, charges are
+idempotent on ``release_id``, and every load re-checks every figure and a SHA-256 hash chain (no secret key).
 
-Composition (paper Theorem 2, thm:accounting, and Corollary 11, coro:parallel-batches):
-
-* within one release, disjoint batches compose in **parallel**: n texts from n disjoint batches cost one
-  sequence of T tokens (each reference influences one text); ``num_batches`` is recorded, not charged;
-* a batch used for ``texts_per_batch`` texts composes sequentially: T·texts_per_batch token steps;
-* separate releases on the same dataset compose **sequentially**, and their parameters may be chosen
-  after seeing earlier outputs (fully adaptive composition), so the ledger is a *privacy filter*.
-
-Every token step is ε0-bounded-range with its release's ε0 = 2Δ/τ and ρ = ε0²/8-zCDP. A release of another
-mechanism that is accounted in zCDP as a whole (Amin et al. 2024) is recorded by its ρ
-(:class:`accounting.ZcdpEvent`, ``"kind": "zcdp"``). The spend is:
-
-* **one release**: its T·texts_per_batch steps form a sequence fixed before it runs, so the ledger's
-  accountant applies as for a plan (``br-adaptive`` included); a zCDP release's ρ converts at δ;
-* **several releases**: ρ_total = Σ ρ over all steps, converted to ε at the ledger's δ with the ledger's
-  zCDP conversion (CKS for ``br-adaptive``). Summing ρ is a valid filter when each release's
-  parameters are chosen adaptively (Feldman & Zrnic 2021, "Individual Privacy Accounting via a Rényi
-  Filter", arXiv:2008.11193, Thm. 3.1; Whitehouse, Ramdas, Rogers & Wu 2023, "Fully-Adaptive
-  Composition in Differential Privacy", arXiv:2203.05481). The optimal bounded-range composition of a
-  *fixed* sequence is not: an analyst who picks the next release's ε0 from the previous output can
-  exceed it (``tests/test_accounting_oracles.py`` builds such an interaction).
-
-Durability: the ledger is a JSON file rewritten atomically (temporary file, fsync, ``os.replace``,
-directory fsync), so a crash leaves either the old or the new file, never a torn one; the rewrite keeps
-the file's permission bits (a new ledger is created 0600). Concurrency: every read-check-write holds an
-exclusive lock on ``<path>.lock`` (``filelock``), so two processes never both spend the last of the
-budget; reading (``status``, ``preview``) takes no lock, because a reader always sees a whole file, so
-a ledger in a read-only directory can be shown. Links: a symbolic link is resolved before locking and
-replacing, so the link's target is charged and locked, and the link stays a link; a ledger with more
-than one hard link is refused for writing, because ``os.replace`` would give this name a new file
-and leave the other names on the old one, silently splitting the ledger (the refusal removes the lock
-file if it created it); a symbolic link at ``<path>.lock`` is refused, as a lock never follows a link.
-Idempotence: a release carries a ``release_id``; charging the same id again with the same parameters
-returns the recorded entry without spending twice (a resumed run), and with different parameters is an
-error. A crash after the charge keeps the spend: outputs may already have been released, so the budget
-is never given back.
-
-Integrity (format 2). Every load recomputes every stored figure and refuses a file that does not add
-up: the budget and every release parameter must be in their valid ranges (:mod:`accounting.limits`),
-``releases`` a list without duplicate ids, each entry's ``epsilon0`` and ``num_steps`` (ρ for a zCDP
-release) must follow from its parameters, and each ``epsilon_spent_after`` must be the recomputed spend of the releases up to it
-(so a shrunk clip norm, an edited adjacency or a negative spend is caught). The entries form a SHA-256
-hash chain that starts from the header (budget, δ, accountant, dataset, creation time) and ends in
-``head``: raising the budget, changing the accountant, or editing, reordering or deleting any release
-(first, last or all) breaks the chain unless every later hash and ``head`` are recomputed too.
-
-What it does *not* protect against: the chain has no secret key, so anyone who can write the file and
-run SHA-256 can rewrite the whole ledger consistently (fewer releases, a larger budget) and it will load.
-To detect that, keep ``head`` (``invink-audit ledger show`` prints it) somewhere its writers cannot
-change (a signed commit, a ticket) and compare; use file permissions or append-only storage to prevent
-it. A ledger written in format 1 (before the chain) loads after the same cross-checks of its figures
-and gains a chain at its next charge (migration); ``LedgerStatus.head`` is ``None`` until then. The
-chain covers the file as it was at migration, so an edit made before it is caught only by the figure
-cross-checks, and a format-2 file stripped back to format 1 also loads: compare ``head`` as above.
+Design: docs/accounting_notes.md §6; the file, locks and integrity: docs/guide/planning.md (§"Budget ledger").
 """
 
 from __future__ import annotations
@@ -243,7 +192,7 @@ class ChargeOutcome:
 
 
 def _spent_epsilon(releases: list[Release], delta: float, accountant: Accountant) -> float:
-    """Spend of the recorded releases (module docstring: one release vs a privacy filter over several)."""
+    """Spend of the recorded releases (docs/accounting_notes.md §6: one release vs a privacy filter over several)."""
     if not releases:
         return 0.0
     if len(releases) == 1:
@@ -459,7 +408,7 @@ def _verify_chain(data: dict, releases: list[Release], where: str) -> None:
 
 
 def _verify(data, where: str) -> _Verified:
-    """Recompute and cross-check every stored figure (module docstring, "Integrity"); LedgerError if not."""
+    """Recompute and cross-check every stored figure (docs/guide/planning.md, "Integrity"); LedgerError if not."""
     header = _verify_header(data, where)
     releases = _verify_releases(data, header, where)
     if header.version >= 2:

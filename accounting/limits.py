@@ -1,31 +1,12 @@
-r"""The documented valid range of every public parameter of a plan, a release and a ledger.
+"""The documented valid range of every public parameter of a plan, a release and a ledger.
 
-Each range is wide enough for any real deployment and narrow enough that every quantity the
-accountants derive from it stays a finite double: with the extremes below the per-token range is
-:math:`\varepsilon_0 = 2fC/(B\tau) \in [2\cdot10^{-19}, 4\cdot10^{10}]` and the zCDP cost of a release is
-at most :math:`10^{18}\varepsilon_0^2/8 \approx 2\cdot10^{38}`, far from overflow (``1.8e308``) and
-underflow. Values outside a range are refused at the boundary with one ``ValueError`` naming the
-argument, its value and the range instead of overflowing, allocating O(T) memory or
-searching forever (``tests/test_accounting_limits.py`` probes each: hangs, memory, overflow).
+One :class:`ParameterRange` per parameter (ε, δ, C, τ, T, B, texts per batch, batches, a zCDP release's ρ),
+wide enough for any deployment and narrow enough that every derived quantity stays a finite double; a
+value outside is refused with one ``ValueError`` naming the argument, its value and the range.
+:func:`check_parameter_ranges` checks any subset in microseconds (the planner, :class:`accounting.Release`
+and the ledger call it); ``check_*`` are the shared argument checks.
 
-================  ======================  =====================================================
-parameter         range                   why this end
-================  ======================  =====================================================
-epsilon           [1e-6, 1e4]             ε = 1e4 is vacuous already (e^ε); below 1e-6 the
-                                          planned clip norm underflows
-delta             [1e-300, 1)             1 carries no guarantee; below 1e-300, 1/δ overflows
-clip_norm         [1e-6, 1e6]             logit differences of real models are < 1e3
-temperature       [1e-4, 1e4]             τ → 0 is greedy decoding and spends ε0 → ∞
-max_new_tokens    integer in [1, 1e9]     no model's context comes near 1e9 tokens
-batch_size        integer in [1, 1e9]
-texts_per_batch   integer in [1, 1e9]
-num_batches       integer in [1, 1e9]
-rho               [1e-300, 1e40]          a zCDP release's ρ (Amin et al.); above any ρ the
-                                          other ranges produce
-================  ======================  =====================================================
-
-:func:`check_parameter_ranges` checks any subset of them in microseconds, before a model loads or a
-ledger is read; the planner, :class:`accounting.Release` and the ledger call the same checks.
+Design: docs/guide/planning.md (§"Valid ranges and exit codes": each range and why it ends there).
 """
 
 from __future__ import annotations

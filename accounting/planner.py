@@ -1,18 +1,12 @@
-r"""Hyperparameter planning for InvisibleInk: every inverse of (C, T, B, τ) ↔ (ε, δ).
+"""Hyperparameter planning for InvisibleInk: every inverse of (C, T, B, τ) ↔ (ε, δ).
 
-The paper's recipe (§4, the paragraph after Theorem 2; also §5.3 "Practical Recommendations"): given (ε, δ), T and B, pick τ ≈ 1 and set
-:math:`C = B\tau\sqrt{2\rho_{seq}/T}`. Generalised to any accountant of :mod:`accounting.accountants`:
-each accountant gives the largest per-token range ε0* for (ε, δ, T), and
+The paper's recipe (§4, the paragraph after Theorem 2; also §5.3 "Practical Recommendations"),
+C = Bτ√(2ρ_seq/T), generalised to every accountant of :mod:`accounting.accountants`:
+:func:`plan_clip_norm`, :func:`epsilon_for_clip_norm`, :func:`plan_max_new_tokens`,
+:func:`plan_min_batch_size`, :func:`planning_table`. ``B`` is the number of private references (``B + 1``
+forward rows per token). Every function returns the conservative side: never more than the budget.
 
-.. math:: \Delta = \varepsilon_0^*\,\tau / 2, \qquad C = \Delta \cdot B / f,
-
-with f the sensitivity factor of :mod:`accounting.sensitivity` (f = 1 for difference clipping under
-replace-by-null). ``B`` is the number of private references per generated text; every token costs
-``B + 1`` forward rows (B private prompts and one public prompt). The reference package's
-``batch_size`` is ``B + 1``.
-
-Every function returns the conservative side: a planned clip norm, token budget or batch size never
-spends more than the budget, and a reported ε is never below what the accountant proves.
+Design: docs/accounting_notes.md §5; usage: docs/guide/planning.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
-r"""ℓ∞ sensitivity of the aggregated next-token logits.
+"""ℓ∞ sensitivity of the aggregated next-token logits.
 
-The one place where the factor between clip norm and sensitivity lives: the generator, the
-accountants and the auditor all take it from here, never from a literal.
+The one place where the factor between clip norm and sensitivity lives: the generator, the accountants
+and the auditor all take it from here, never from a literal. :func:`linf_sensitivity` and
+:func:`sensitivity_factor` for :class:`Clipping` (difference clipping, paper Eq. (4), eq:aggregated-logits;
+naive, Amin et al. 2024) × :class:`Adjacency` (replace-by-null, paper §3; zero-out): paper Property 1 (§4),
+Property 9 (App. B.3.1), Property 12 (App. C.1); numbering in docs/paper_map.md.
 
-With ``B`` private references, clip norm ``C`` and the coordinate-wise projection
-:math:`\mathrm{clip}_C` onto :math:`[-C, C]`:
-
-* difference clipping (InvisibleInk, paper Eq. (4), eq:aggregated-logits):
-  :math:`\bar\phi = \phi_{pub} + \frac1B \sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})`;
-* naive clipping (Amin et al. 2024): :math:`\bar\phi = \frac1B \sum_i \mathrm{clip}_C(\phi_i)`.
-
-Adjacency:
-
-* replace-by-null: one reference is replaced by the empty string, whose logits are exactly
-  :math:`\phi_{pub}` (paper §3, Definition of adjacency);
-* zero-out: one reference's logit row is replaced by the zero vector.
-
-Sensitivities (paper Property 1, §4; Property 9, App. B.3.1; Property 12, App. C.1; numbering in docs/paper_map.md):
-
-=================  ===============  ==========
-clipping           replace-by-null  zero-out
-=================  ===============  ==========
-difference (DClip)  C/B              2C/B
-naive (Amin 2024)   2C/B             C/B
-=================  ===============  ==========
-
-The naive zero-out entry assumes no recentering. Amin et al.'s optional recentering (shifting each row
-so its maximum is C before clipping) maps a zero row to the constant C, so under zero-out it moves the
-aggregate by up to 2C/B (shown and attained in ``tests/test_mechanism_properties.py``); account for a
-recentered naive mechanism with the replace-by-null factor 2.
+Design: docs/accounting_notes.md §1 (the table, and recentering under zero-out).
 """
 
 from __future__ import annotations

@@ -617,6 +617,19 @@ def benchmark(
         engine, requests, max_new_tokens, workload.run.text_tokens, one_at_a_time=one_at_a_time, floor=floor,
         compare_full_logits=compare_full_logits,
     )  # fmt: skip
+    return _bench_result(
+        loaded, engine, requests, cluster, steps, workload, comparisons, batch_size=batch_size, num_texts=num_texts,
+        max_new_tokens=max_new_tokens, rows=rows, repeats=repeats, plain=plain,
+    )  # fmt: skip
+
+
+def _bench_result(
+    loaded: LoadedModel, engine: Engine, requests, cluster, steps: _Steps, workload: _SharedWorkload,
+    comparisons: _Comparisons, *, batch_size: int, num_texts: int, max_new_tokens: int, rows: int, repeats: int,
+    plain: bool,
+) -> BenchResult:  # fmt: skip
+    """:func:`benchmark`'s result from its measurements: the run's settings, the lockstep medians, the
+    workload (the processes' figures when distributed), its efficiencies and the comparison runs."""
     return BenchResult(
         model=loaded.name,
         device=str(loaded.device),
@@ -908,27 +921,11 @@ def time_reference(
     options = {name: value for name, value in (("dtype", dtype), ("device_map", device_map)) if value is not None}
     with _clocked(reference) as clock:
         started = time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = reference.generate(
-                texts,
-                model_name_or_path=model_dir,
-                dataset_desc=description,
-                system_prompt=template.system,
-                pub_prompt=public,
-                prv_prompt=private,
-                epsilon=10.0,
-                batch_size=batch_size + 1,
-                num=num_texts,
-                max_toks=max_new_tokens,
-                temperature=temperature,
-                topk=top_k,
-                drop_empty=False,
-                allow_download=False,
-                trust_remote_code=False,
-                random_seed=0,
-                **options,
-            )
+        out = _call_reference(
+            reference, texts, model_dir=model_dir, system=template.system, prompts=(description, private, public),
+            batch_size=batch_size, num_texts=num_texts, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, options=options,
+        )  # fmt: skip
     total = time.perf_counter() - started
     if len(clock.loop) != 1:
         raise RuntimeError("could not time the reference package's decode loop (its tqdm loop was not used)")
@@ -943,6 +940,38 @@ def time_reference(
         requested_dtype=dtype,
         requested_device_map=device_map,
     )
+
+
+def _call_reference(
+    reference, texts: list[str], *, model_dir: str, system, prompts: tuple[str, str, str], batch_size: int,
+    num_texts: int, max_new_tokens: int, temperature: float, top_k: int, options: dict,
+):  # fmt: skip
+    """One call of the reference package's ``generate`` on the workload (:func:`time_reference`), its
+    output and warnings silenced: ``prompts`` = (dataset description, private, public) in its positional
+    format, ``batch_size + 1`` rows per text (it counts the public row), ε = 10, seed 0, no download;
+    ``options``: its ``dtype`` / ``device_map`` where forced. Returns its output."""
+    description, private, public = prompts
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return reference.generate(
+            texts,
+            model_name_or_path=model_dir,
+            dataset_desc=description,
+            system_prompt=system,
+            pub_prompt=public,
+            prv_prompt=private,
+            epsilon=10.0,
+            batch_size=batch_size + 1,
+            num=num_texts,
+            max_toks=max_new_tokens,
+            temperature=temperature,
+            topk=top_k,
+            drop_empty=False,
+            allow_download=False,
+            trust_remote_code=False,
+            random_seed=0,
+            **options,
+        )
 
 
 def _has_metadata(name: str) -> bool:

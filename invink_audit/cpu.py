@@ -1,23 +1,11 @@
 """CPU threads chosen for the machine as it is when a command starts, so that a shared CPU is not a trap.
 
-On a CPU shared with another busy process, torch's default (one OpenMP thread per core, spinning a while
-before it sleeps) makes every parallel region wait for a thread that has no core: measured on the
-project's 2-core machine, a SmolLM2 decode step took 0.67-0.78 s on 2 threads against 0.10-0.11 s on 1
-while one other CPU-bound process ran, and ``make demo`` took 397 s instead of 135 s
-(docs/results/cpu_threads.md). :func:`configure_cpu_threads`, called before ``torch`` is imported (the
-command line and the demo call it first), decides only where the user has not:
+:func:`configure_cpu_threads` (call it before importing ``torch``; the command line and the demo do)
+measures the cores other processes keep busy (:func:`busy_cores`), uses as many torch threads as they
+leave free and, when some core is busy, ``OMP_WAIT_POLICY=PASSIVE`` (:func:`choose_cpu_threads`);
+``INVINK_CPU_THREADS``, ``OMP_NUM_THREADS`` and ``OMP_WAIT_POLICY`` already set are respected.
 
-* how many cores other processes keep busy, measured over 0.25 s from ``/proc/stat`` while this process
-  sleeps (Linux; elsewhere nothing is changed);
-* as many torch threads as the cores they leave free, at least one;
-* when some core is busy, ``OMP_WAIT_POLICY=PASSIVE`` too (waiting threads sleep at once instead of
-  spinning; the OpenMP specification's wait policy, read once when the runtime starts). Not on an idle
-  machine: there the passive policy made a decode step about twice as slow (the same file).
-
-``INVINK_CPU_THREADS=N`` fixes the count; ``OMP_NUM_THREADS`` (torch's own setting) and an
-``OMP_WAIT_POLICY`` already set are respected as they are. Threads change the order of floating-point
-reductions, so a seeded run reproduces bitwise only at the same thread count (a seeded run carries no
-privacy; a release is unaffected).
+Design: docs/guide/generating.md (§"CPU threads"); figures: docs/results/cpu_threads.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """The processes of one release: ranks under ``torchrun`` / ``accelerate launch``, and who does what.
 
-The unit of distribution is the batch. Inside a batch the B+1 rows run in lock-step; across batches
-the texts are independent and their privacy composes in parallel (disjoint batches, paper Corollary 11, coro:parallel-batches),
-so each process takes whole batches, never part of one. Rank 0 validates, plans and charges the ledger
-once, before any process decodes; the other ranks wait for its decision (:meth:`Cluster.lead`).
+Each process takes whole batches (disjoint batches compose in parallel, paper Corollary 11,
+coro:parallel-batches); rank 0 validates, plans and charges the ledger once (:meth:`Cluster.lead`) and
+sends each process only its own batches' stream keys (:meth:`Cluster.scatter`). :class:`Cluster`,
+:func:`current_cluster`, :func:`assign_batches`, :func:`check_single_machine` (a launch across machines
+is refused unless ``INVINK_ALLOW_MULTI_MACHINE=1``), :func:`shutdown`, :func:`exit_process`.
 
-Processes find each other through ``torch.distributed`` (the environment ``torchrun`` and
-``accelerate launch`` set: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
-with the gloo backend: the processes exchange only small Python objects (the plan, the batch
-assignment, per-process results), never tensors, so no NCCL group is needed even on GPUs. A process
-group the caller initialised is used as it is (with a gloo side group when its backend is not gloo).
-Without those variables, or with ``WORLD_SIZE=1``, a run is a single process and nothing here
-communicates.
-
-What travels, and to whom. torch.distributed neither authenticates nor encrypts: every collective
-here is a pickled Python object over a gloo connection (found through the launcher's TCPStore at
-``MASTER_ADDR:MASTER_PORT``), and every process unpickles what it receives. A release sends each
-process the random stream keys of its own batches (:meth:`Cluster.scatter`; never the release's master
-key), the release id and the batch assignment; the processes send rank 0 a digest of their settings and
-ledger, their texts and their failures. Whoever reads that traffic learns the sampling noise of those
-texts; whoever reaches the ports can make a process unpickle (run) anything. On one machine the traffic
-stays inside it; a launch that spans machines is refused unless ``INVINK_ALLOW_MULTI_MACHINE=1`` says
-that the network between them is trusted (:func:`check_single_machine`).
+Design: docs/guide/scaling-out.md (§"How a multi-process run goes", §"What travels over the process group").
 """
 
 from __future__ import annotations

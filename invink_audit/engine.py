@@ -1,78 +1,11 @@
-r"""The batched decoding engine: many texts × (B+1) rows, one forward pass per token, no padding.
+"""The batched decoding engine: many texts × (B+1) rows, one forward pass per token, no padding.
 
-For each text (paper Algorithm 1) the engine keeps ``B + 1`` rows: the public prompt and one private
-prompt per reference. A null reference has no row of its own: it *is* the public row, so its logits
-equal the public logits exactly (replace-by-null adjacency, paper §3). The pieces:
+:class:`Engine` runs paper Algorithm 1 (§4) for many texts at once: per text the public row and one
+private row per reference (a null reference *is* the public row: replace-by-null adjacency, paper §3),
+yielding :class:`GeneratedText` records. It takes a :class:`~invink_audit.mechanism.MechanismConfig` or
+any :class:`~invink_audit.mechanisms.Mechanism`; auditors' hooks see every step as a :class:`DecodeStep`.
 
-* :mod:`invink_audit.rows`: each row's key/value cache, and the attention that packs the rows' new
-  tokens into one sequence (no padding) and lets each row attend to its own tokens only;
-* :class:`~invink_audit.forward.RowForward` (:mod:`invink_audit.forward`): the model's forward passes
-  over rows (chunked prefill of one row, one decoding pass over many), the public extension point;
-* ``_Text``: one text's rows, prefill progress, random stream and drawn tokens;
-* ``_Run``: admission, prefill scheduling and the decoding step of one :meth:`Engine.generate` call;
-* ``_StepMath``: the mechanism and the draw of one step, on the device, with one host transfer.
-
-**Cost proportional to real tokens.** Prompts are prefilled row by row, in chunks of at most
-``max_prefill_tokens`` (so a huge reference does not blow memory). A text's rows are prefilled
-completely in the step that admits it, whatever their lengths: the step at which a text starts
-decoding must not depend on how long its private references are (see below), so a long reference
-lengthens that one step for the texts already decoding instead of delaying its own text. A decoding step is one forward pass over every row of
-every text in progress, packed without padding; for attention, rows sit in buckets of their own
-length rounded up by at most 1/8 (:class:`~invink_audit.rows.KVStore`).
-
-**Rows do not leak into each other.** Every operation that touches the public row has shapes fixed by
-public information: prefill is per row; a decoding pass always has ``B + 1`` rows per text in
-progress (a null reference contributes a placeholder row); the schedule (which texts are admitted,
-when they draw their first token, when they leave) depends only on the request order, ``max_new_tokens``
-and the tokens drawn, never on a private prompt's length or content: texts are admitted in request
-order when a slot frees, prefilled in full in that step, and leave when they draw EOS or their
-``max_new_tokens``-th token; each public row has an attention call of its own; the step's
-arithmetic runs over every text in progress. So the public row's logits are bitwise the same whatever
-the private references are (``tests/test_engine_rows.py``), and the null row is the public row of the
-neighbouring dataset, as the analysis assumes. Private rows of one length bucket share a batched
-attention call; on CPU its products compute each row bitwise independently of the others (tested).
-
-**Randomness per text.** One 128-bit key per :meth:`Engine.generate` call comes from the caller's
-generator (:func:`invink_audit.mechanism.run_key`); text ``i`` samples from its own stream keyed by
-that key and its stream id (``_Stream``: Philox with the whole key on CPU) (Gumbel-max over the
-vocabulary, :func:`invink_audit.mechanism.gumbel_argmax`), so a text's tokens do not depend on which
-texts share its forward passes (with a fixed seed: the same tokens together, alone, or with another
-``max_batch_rows``, up to the matrix kernels' batch effects in the last bit).
-
-**One host synchronisation per step.** Tokens, Top-k+ set sizes, expansion flags and error codes
-(non-finite logits, an empty support) come back in one transfer; nothing else waits for the device.
-(With hooks, the mechanism's validated functions run and may synchronise more: audits only.)
-
-**Private logits on the Top-k+ set only.** Outside :math:`V_k^+` a token's probability is exactly zero
-whatever the private logits are, and :math:`V_k^+` depends on the public row alone (paper §4,
-Algorithm 1), so when no hook needs full private logits the engine runs the model up to its last
-hidden states, applies the output layer to the public rows (G × V), and computes the private rows'
-logits on the top ``m`` public columns only (G × B × m, ``m`` ≥ every text's |V_k^+|; a step whose set
-is wider is redone with more columns and the same uniforms). This is enabled per model only after a
-probe shows that the model's logits are exactly its output layer applied to its last hidden state (no
-logit scaling or soft-capping); otherwise, and whenever a hook is set, every row's full logits are
-computed.
-
-**Any mechanism.** ``Engine(model, mechanism)`` takes a
-:class:`~invink_audit.mechanism.MechanismConfig` (InvisibleInk: the paths above, unchanged) or any
-:class:`~invink_audit.mechanisms.Mechanism` (Amin et al., AdaPMixED, one's own). For the latter the
-engine computes every row's full logits (the same forward passes: the public row stays independent of
-the private data), keeps each text's mechanism state (``_Text.mech_state``) and auxiliary random
-stream (keyed by the text's stream key and :data:`_AUX_LABEL`, so it never shifts the token stream),
-and draws each text's *outcome* (mode and token, or the mechanism's stop) by Gumbel-max over the
-mechanism's outcome distribution with the text's own uniforms (``_OutcomeMath``). With hooks the
-mechanism runs in its exact state (the conditional distribution under R and every R'_j); without,
-in its sampled state, as deployed.
-
-Hooks, both optional and free when unused:
-
-* ``observer(step)``: called once per step with a :class:`DecodeStep` holding the public and private
-  logits, the mechanism's log-probabilities, the distribution actually sampled from and the sampled
-  tokens of every text drawing; :meth:`DecodeStep.neighbour_log_probs` gives the log-probabilities
-  under every replace-by-null neighbour ``R'_j`` (computed once, on demand).
-* ``sampling_rule(step)``: returns the log-weights ``(G, V)`` to sample from instead of the
-  mechanism's (e.g. neighbour ``j``'s distribution for an audit, or a one-hot for teacher forcing);
-  the engine still computes every row, so the observer sees the mechanism's distribution as well.
+Design: docs/design/engine.md (its guarantees; §"Inside the code" for ``_Text``, ``_Run``, ``_StepMath``).
 """
 
 from __future__ import annotations
@@ -350,7 +283,7 @@ class Engine:
     """Private decoding of many texts at once with one model and one mechanism configuration.
 
     ``mechanism``: a :class:`~invink_audit.mechanism.MechanismConfig` (InvisibleInk, the engine's own
-    paths) or any :class:`~invink_audit.mechanisms.Mechanism` (module docstring, "Any mechanism"); a mechanism
+    paths) or any :class:`~invink_audit.mechanisms.Mechanism` (docs/design/engine.md, "Inside the code"); a mechanism
     that declares the Top-k+ column capability (:meth:`~invink_audit.mechanisms.Mechanism.topk_plus_columns`,
     InvisibleInk's) runs on the engine's own paths.
 
@@ -358,8 +291,8 @@ class Engine:
     most ``max(1, max_batch_rows // (B + 1))`` texts are in progress at once. ``max_prefill_tokens``:
     tokens per prefill forward pass (a longer prompt is prefilled in chunks; default 512); every
     admitted text is prefilled in full in the step that admits it, so when it starts decoding never
-    depends on its private prompts' lengths (module docstring). ``support_only``: compute private logits on the Top-k+ columns only when
-    nothing needs the full rows and the model passes the output-layer probe (module docstring);
+    depends on its private prompts' lengths (docs/design/engine.md). ``support_only``: compute private
+    logits on the Top-k+ columns only when nothing needs the full rows and the model passes the output-layer probe (docs/design/engine.md);
     ``False`` always computes full logits. ``share_prefill``: prefill each distinct prompt once per
     :meth:`generate` call and copy its cache (bitwise the same; for audits, which repeat prompts).
     """

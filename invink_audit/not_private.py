@@ -1,22 +1,11 @@
 """Files derived from private data that carry no privacy guarantee: marked and closed.
 
-Evaluation and audit reports, their plots, the per-text evaluation caches and the sweep's reference
-points (the ceiling samples from a private reference in the clear) are computed from private texts
-without privacy protection. Every such file this package writes goes through this module, so that each one
-is:
+Every evaluation or audit report, plot, per-text cache and reference point this package writes goes
+through here: owner-only, never through a symbolic link (:func:`refuse_symlink`, :func:`open_no_follow`,
+:func:`owner_only_file`), and marked (:func:`mark_not_private`, :data:`NOT_PRIVATE_BANNER`,
+``write_not_private_*``). A release's journal, locks and shards use :func:`open_no_follow` too.
 
-* **closed**: created owner-only (mode 0600; an existing file is replaced by an owner-only one), and
-  never written or opened through a symbolic link planted at its path (a link could send the data to
-  a place others read, or truncate a file it points to): :func:`refuse_symlink`,
-  :func:`open_no_follow`;
-* **marked**: every JSON record carries ``"not_private": true`` and a ``"privacy_notice"`` that starts
-  with ``NOT PRIVATE`` (:func:`mark_not_private`), and every Markdown file opens with the one-line
-  :data:`NOT_PRIVATE_BANNER`;
-* **never beside a release**: callers write them into their own directories (the sweep's
-  ``reference_points/``), not into a release's.
-
-Bookkeeping files next to a release (its journal, locks and shards, :mod:`invink_audit.outputs`) are
-opened with :func:`open_no_follow` too.
+Design: docs/design/release-protocol.md (§"What is private, and what is not").
 """
 
 from __future__ import annotations

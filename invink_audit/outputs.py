@@ -1,38 +1,11 @@
 """A release's files on disk: its records, resume state, sampled-batch journal, shards and their merge.
 
-Next to the JSON Lines output ``<output>``:
+Next to ``<output>``: ``.state.json`` and ``.pending.json`` (:class:`OutputState`, :func:`start_output`),
+the ``.sampled`` journal whose first claim per batch wins (:class:`Journal`, :func:`release_text`),
+``.lock``, and the per-process shards (:class:`RecordSink`) merged by :func:`merge_shards`;
+:func:`inspect_output` reads them. Nothing is written before the ledger charge succeeded.
 
-* ``<output>.state.json``: the release id, a fingerprint of the input and the run's settings, written
-  once the ledger charge has succeeded. It holds a hash of the private input: bookkeeping, not part of
-  the release.
-* ``<output>.sampled``: the sampled-batch journal, one fsynced line per batch whose text has been
-  drawn, holding that text's whole record. A process appends a batch's line (under
-  ``<output>.sampled.lock``) *before* the text is written anywhere, and only if no line for that batch
-  exists yet: the first claim wins, and a process that loses drops its text unseen (readers apply the
-  same rule: the first line for a batch is its text). So at most one text per batch is ever released,
-  whatever crashes, reruns, Ray task retries or stray processes of an earlier run do; and since the
-  claim carries the record, a crash after it loses nothing: a record missing from the output and its
-  shards is restored from the journal, never drawn again. (Journals written before records were
-  journaled hold bare claims; a bare claim whose record is missing is refused, never redrawn.)
-* ``<output>.pending.json``: the release id about to be charged, with the same fields as the state file
-  (input fingerprint, settings), written just *before* the ledger charge. Once the charge succeeded it
-  becomes the state file by one atomic rename (:func:`start_output`), so the two never exist together.
-  It is honoured only when no state file exists and it names the same input and settings (a run stopped
-  between the charge and the rename: the rerun charges the same id, which the ledger records once); a
-  pending file beside a state file (left by an earlier version) is removed, and one for another input or
-  settings is replaced, so a new release (output, state and journal deleted) gets a fresh id and is charged.
-* ``<output>.lock``: held by the coordinating process (rank 0) for the whole run.
-* ``<output>.shard-<attempt>-<rank>.jsonl`` (and its ``.lock``, held while it is written): the records of
-  one process of a multi-process run. When every process has finished, rank 0 merges the shards and any
-  record only the journal holds into ``<output>``, ordered by batch index, atomically
-  (:func:`merge_shards`); a later run reads and merges what an interrupted run left. A single-process
-  run appends to ``<output>`` directly. Locks are ``flock`` locks; a filesystem without them is refused
-  rather than silently given a weaker lock.
-
-Reading is read-only (:func:`inspect_output`; it only removes a stale pending file); nothing is written
-before the ledger charge succeeded. The journal, the shards and every lock file are opened without
-following a symbolic link planted at their path (:func:`invink_audit.not_private.open_no_follow`): such a
-link is refused with an :class:`OSError`, never written through. The journal is owner-only (0600).
+Design: docs/design/release-protocol.md (§"The files next to the output").
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
-r"""Chat prompts with a private form (description + one reference) and a public form (description only).
+"""Chat prompts with a private form (description + one reference) and a public form (description only).
 
-Paper Appendix D, Table 4 (``tab:prompts``): for each dataset a *private* prompt that embeds one
-reference and a *public* prompt without it; the system prompt is "You are a chatbot". The public
-form is what the model sees for :math:`\phi_{pub}`, and a null (empty) reference must give exactly
-the public prompt (replace-by-null adjacency, paper §3): :meth:`PromptTemplate.messages` returns the
-public messages for ``""``, so the two encodings are the same token ids.
+Paper Appendix D, Table 4 (``tab:prompts``); a null reference renders exactly the public prompt
+(replace-by-null adjacency, paper §3). :class:`PromptTemplate` (with the public devices ``answer_prefix``,
+``stop``, ``examples``, ``completion``), the presets (:data:`PRESETS`, :func:`get_preset`), label fields
+(:func:`template_for_labels`), and encoding into a :class:`TextRequest` (:func:`encode_request`).
 
-Templates are ``str.format`` strings. The private one contains the ``{reference}`` field; both may
-contain further public fields (e.g. Yelp's business category and review score), whose values come
-from :attr:`PromptTemplate.fields` or are given when rendering. Field values are public: they are the
-same for every reference and never derived from the private data.
-
-Templates that fit small models. A 135M chat model answers the paper's prompts like a
-chatbot ("Here's a mock review..."); three public devices keep it in the genre:
-
-* ``answer_prefix``: the start of the model's answer (e.g. ``Review (4.0 stars): "``), appended after the
-  chat turn (or after a completion prompt) in *every* row, public and private, so the model continues
-  a review instead of replying to a request;
-* ``stop``: public stop strings (e.g. the closing quote): a text ends at the first one it draws, which
-  is cut from the released text (:func:`release_text`); stopping reads released tokens only;
-* ``examples``: public few-shot texts (declared public by the user, e.g. a published proxy set; never
-  the private input), shown in every row's user message;
-* ``completion=True``: the messages are rendered as plain text to continue (no chat template), for
-  base models such as Gemma-3-270M.
-
-Every one of them is a function of the template and its public fields alone: the private rows differ
-from the public row only by the reference inside the user message.
+Design: docs/guide/generating.md (§"Prompt templates").
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """One release as a Ray Data pipeline: ``pip install 'invink-audit[ray]'``.
 
-:func:`generate_on_ray` runs the same release as :func:`invink_audit.generation.generate` (same
-checks, one ledger charge, one output file, same texts for a fixed seed) with its batches spread over
-Ray actors: the batches are the rows of a dataset, and a callable class loads the model once per actor
-(``map_batches(..., concurrency=n, num_gpus=...)``). The driver does rank 0's part (validation, the
-charge, the resume state); each actor claims a text's batch in the shared journal before writing it to
-its own shard, so when Ray retries a task (an actor died, a node was lost) a batch that was already
-released keeps its first text and the retry's text is dropped unseen. The driver merges the shards,
-ordered by batch index, when the pipeline has finished.
+:func:`generate_on_ray` runs the same release as :func:`invink_audit.generation.generate` (same checks,
+one ledger charge, one output file, same texts for a fixed seed) with its batches as the rows of a
+dataset mapped over Ray actors; the driver does rank 0's part, each actor claims a batch in the shared
+journal before writing it, and the master key stays in one key-holder actor (``_KeyHolder``).
 
-What Ray holds: the rows carry each batch's references (Ray's object store may spill blocks to its
-spill directory on local disk under memory pressure, as it does for any dataset). The release's master
-key never leaves one small key-holder actor, which draws it from the OS (or derives it from a fixed
-seed) in its own memory: for each call, a worker asks it for the stream keys of that call's batches only
-(``derive_key(master, batch_index)``; a small return value travels inline, from process memory to
-process memory), so no worker holds the key from which every other batch's stream follows, and no key
-enters the object store or a task's arguments (Ray Data keeps a callable class's constructor arguments
-in an object it may spill). The output directory must be
-shared by the driver and every actor (one machine, or a shared filesystem with ``flock`` locks).
+Design: docs/guide/scaling-out.md; the key and the journal: docs/design/release-protocol.md (§"Randomness").
 """
 
 from __future__ import annotations

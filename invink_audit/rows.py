@@ -1,24 +1,10 @@
-r"""Rows and their key/value caches, without padding: each row attends to its own tokens only.
+"""Rows and their key/value caches, without padding: each row attends to its own tokens only.
 
-A *row* is one prompt (the public prompt, or the prompt with one reference) and the tokens sampled
-after it. A row is prefilled alone (:class:`PrefillChunk`, into its :class:`RowKV`), so prefill costs
-its real tokens and never shares a pass with another row. A decoding pass packs one new token per row
-into one sequence of shape ``(1, N)`` (each with its own position id), so the model's linear layers see
-``N`` real tokens and no padding. Attention is the only operation that mixes tokens, and it is done
-here: decoding rows live in a :class:`KVStore`, grouped by :func:`bucket_length` (a function of the
-row's own length), and each bucket's rows attend, in one batched call, to their own keys over the
-bucket's width (positions beyond a row's length masked). So
+:class:`RowKV` and :class:`PrefillChunk` (one row's cache and prefill), :class:`KVStore` with
+:func:`bucket_length` (decoding rows in length buckets), and the packed attention registered with
+transformers under :data:`ATTENTION_NAME` (:func:`packed_attention`).
 
-* the cost is proportional to real tokens (prefill exactly; KV reads within 1/8), and
-* a row's attention has shapes set by its own length only; whether rows sharing a batched call
-  change each other's result in the last bit is the matrix kernels' batch invariance (true on CPU,
-  tested), and a store with ``solo=True`` (the engine's public rows) gives every row its own call.
-
-The attention function is registered with transformers' ``AttentionInterface`` under the name
-:data:`ATTENTION_NAME` and switched on only for the engine's own forward passes
-(:func:`packed_attention`); the pass's layout reaches it through the forward's keyword arguments,
-which transformers passes down to every attention call. Sliding-window layers (``sliding_window`` on
-the module or in the call, e.g. Gemma 3's local layers) attend to the last ``W`` keys of the row.
+Design: docs/design/engine.md (§"Inside the code", and "No padding between rows").
 """
 
 from __future__ import annotations

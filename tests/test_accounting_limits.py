@@ -233,7 +233,7 @@ def test_check_parameter_ranges():
 
 
 def test_ranges_keep_every_derived_quantity_finite():
-    # the module docstring's claim, at the corners: epsilon0 and rho stay far from overflow and underflow
+    # the valid ranges' claim (docs/guide/planning.md), at the corners: epsilon0 and rho stay far from overflow and underflow
     lo = RANGES["clip_norm"].low, RANGES["batch_size"].high, RANGES["temperature"].high
     hi = RANGES["clip_norm"].high, RANGES["batch_size"].low, RANGES["temperature"].low
     e0_min, e0_max = 2 * lo[0] / (lo[1] * lo[2]), 2 * 2 * hi[0] / (hi[1] * hi[2])  # factor 2: naive/zero-out

@@ -111,7 +111,7 @@ def _delta_lower(epsilon, eps0s, m):
 
 
 def _crude_upper(epsilon, eps0s, m):
-    """Certified first-order upper bound on the optimal adaptive δ(ε) (module docstring)."""
+    """Certified first-order upper bound on the optimal adaptive δ(ε) (docs/accounting_notes.md §4)."""
     eps0s = np.asarray(eps0s, dtype=float)
     h = float(eps0s.min()) / m
     n = np.ceil(eps0s / h).astype(int)

@@ -339,6 +339,55 @@ def _loss_histogram(losses_by_key: dict, worst: int) -> LossHistogram:
     return _histogram(hist_losses, worst)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tested:
+    """What :func:`_tested` decides: the verdict, every test with its Holm decision, the reason, the report's
+    sequence and δ(ε) rows, and the Monte Carlo losses by (neighbour, direction)."""
+
+    verdict: stats.Verdict
+    decided: list
+    reason: str
+    sequence: list[SequenceEstimate]
+    delta: list[DeltaEstimate]
+    losses_by_key: dict
+
+    def fields(self) -> dict:
+        """The :class:`WhiteBoxReport` fields of the tests: verdict, reason, sequence and δ(ε) rows, tests."""
+        return {
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "sequence": tuple(self.sequence),
+            "delta": tuple(self.delta),
+            "tests": tuple(self.decided),
+        }
+
+
+def _tested(rec: RecordedAudit, audited, exact) -> _Tested:
+    r"""Every hypothesis in one Holm family and the verdict: :math:`D_\alpha \le \alpha\rho_{seq}` per Rényi
+    estimate (:func:`_renyi_estimates`, :func:`_renyi_tests`), then :math:`\delta(\varepsilon_{acc}(\delta)) \le
+    \delta` per (neighbour, direction) with the DKW band (:func:`_delta_tests`), decided by :func:`_verdict`. A PASS
+    that no sampled estimate confirms says it rests on the exact per-step checks."""
+    rows, losses_by_key = _renyi_estimates(rec, audited, exact)
+    delta_tests, delta_rows = _delta_tests(rec, losses_by_key)
+    verdict, decided, reason = _verdict(rec, _renyi_tests(rows) + delta_tests)
+    seq_rows = _sequence_estimates(rows, decided)
+    if verdict is stats.Verdict.PASS and not sampled_confirmations(seq_rows, delta_rows):
+        reason += (
+            f"; the sampled part ({rec.plan.num_texts} texts) is too small to confirm anything (no upper confidence "
+            "end falls below its claim): this PASS rests on the exact per-step checks"
+        )
+    return _Tested(verdict, decided, reason, seq_rows, delta_rows, losses_by_key)
+
+
+def _analysis_timings(rec: RecordedAudit, timings: Mapping | AuditTimings | None, t0: float) -> AuditTimings:
+    """The caller's timings (a mapping or :class:`AuditTimings`) with the analysis's own seconds since ``t0``
+    and, unless given, the exact checks' seconds."""
+    measured = dict(timings.json_fields() if isinstance(timings, AuditTimings) else (timings or {}))
+    measured["analysis_seconds"] = time.perf_counter() - t0
+    measured.setdefault("check_seconds", rec.check_seconds)
+    return AuditTimings.from_json(measured)
+
+
 def analyse(
     rec: RecordedAudit,
     *,
@@ -355,10 +404,10 @@ def analyse(
 ) -> WhiteBoxReport:
     """Turn a :class:`RecordedAudit` into a :class:`WhiteBoxReport` with a verdict.
 
-    Phases: the sequence-level Rényi estimates and their tests (:func:`_renyi_estimates`), the δ(ε)
-    tests against every accountant (:func:`_delta_tests`), the verdict with Holm's decisions
-    (:func:`_verdict`), then the report's rows: sequence estimates, worst neighbour, accountant
-    comparisons, step-check summary, loss histogram.
+    Phases: the tests and the verdict (:func:`_tested`: the sequence-level Rényi estimates and their
+    tests, :func:`_renyi_estimates`; the δ(ε) tests against every accountant, :func:`_delta_tests`; the
+    verdict with Holm's decisions, :func:`_verdict`), then the report's rows: worst neighbour, accountant
+    comparisons, step-check summary, timings (:func:`_analysis_timings`), loss histogram.
 
     ``prefix_decoder(tokens) -> str`` renders the worst prefix (e.g. a tokenizer's decode);
     ``exact``: an :class:`invink_audit.audit.synthetic.ExactOutputs` to attach exact divergences
@@ -369,40 +418,26 @@ def analyse(
     audited = rec.config.audited_neighbours(rec.batch_size)
     canaries = dict(canaries or {})
     labels = {**dict(neighbour_labels or {}), **canaries}
-    rows, losses_by_key = _renyi_estimates(rec, audited, exact)
-    delta_tests, delta_rows = _delta_tests(rec, losses_by_key)
-    verdict, decided, reason = _verdict(rec, _renyi_tests(rows) + delta_tests)
-    seq_rows = _sequence_estimates(rows, decided)
-    if verdict is stats.Verdict.PASS and not sampled_confirmations(seq_rows, delta_rows):
-        reason += (
-            f"; the sampled part ({rec.plan.num_texts} texts) is too small to confirm anything (no upper confidence "
-            "end falls below its claim): this PASS rests on the exact per-step checks"
-        )
-    worst = _worst_neighbour(audited, seq_rows, labels)
-    comparisons = _accountant_comparisons(rec, seq_rows)
+    tested = _tested(rec, audited, exact)
+    worst = _worst_neighbour(audited, tested.sequence, labels)
+    comparisons = _accountant_comparisons(rec, tested.sequence)
     summary = _step_check_summary(rec, prefix_decoder)
     claim = ReportedClaim.of(rec.claim, {a.accountant: a.epsilon for a in comparisons}, claim_details)
-    measured = dict(timings.json_fields() if isinstance(timings, AuditTimings) else (timings or {}))
-    measured["analysis_seconds"] = time.perf_counter() - t0
-    measured.setdefault("check_seconds", rec.check_seconds)
+    measured = _analysis_timings(rec, timings, t0)
     return WhiteBoxReport(
         kind="white-box",
         mechanism=mechanism,
         source=source,
-        verdict=verdict,
-        reason=reason,
+        **tested.fields(),
         significance=rec.config.significance,
         claim=claim,
         step_checks=summary,
-        sequence=tuple(seq_rows),
-        delta=tuple(delta_rows),
         accountants=tuple(comparisons),
         worst_neighbour=worst,
         canaries=canaries,
-        tests=tuple(decided),
         num_texts=rec.plan.num_texts,
-        timings=AuditTimings.from_json(measured),
-        loss_histogram=_loss_histogram(losses_by_key, worst.index),
+        timings=measured,
+        loss_histogram=_loss_histogram(tested.losses_by_key, worst.index),
         settings=dict(settings or {}),
         notes=tuple(notes),
     )

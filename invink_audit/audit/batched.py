@@ -1,25 +1,12 @@
-r"""Batched canary audit: one generation run, as many independent trials as it has batches.
+"""Batched canary audit: one generation run, as many independent trials as it has batches.
 
-InvisibleInk (and the reference package) builds each text from its own batch of references with its own
-randomness, so the texts of one run are independent given their batches. :func:`batched_canary_audit`
-puts a canary slot in every batch and fills it, or empties it (replace-by-null), by a fair coin per batch,
-drawn before anything is generated and recorded in the report; each text is then one trial of "canary in"
-against "canary out" — no one-run interference penalty is needed (Steinke, Nasr & Jagielski 2023 need one
-because their canaries share a model; here the trials share nothing but the public model).
+:func:`batched_canary_audit` puts a canary slot in every batch, filled or emptied (replace-by-null) by a
+fair coin per batch; each text is one trial (no one-run penalty, unlike Steinke, Nasr & Jagielski 2023).
+Scores: the black-box text scores, or for an :class:`EngineTarget` the exact log-likelihood ratio by
+teacher forcing (optimal by Neyman–Pearson; :class:`SurrogateScorer` otherwise); sequential looks, the
+ceiling and a GDP fit come from :mod:`invink_audit.audit.tradeoff`. :func:`echo_canary` builds canaries.
 
-Scores: the text scores of :mod:`invink_audit.audit.blackbox` (canary overlap, lengths, exact match) and,
-when the auditor knows the model and the other references (a pre-deployment audit of our engine:
-:class:`EngineTarget`), the **exact log-likelihood ratio** of each released text under the batch with the
-canary against the same batch with its slot emptied, by teacher forcing both in one pass
-(:meth:`invink_audit.engine.Engine.force`; the neighbour's distribution comes from the same logits). By
-Neyman–Pearson no score of the text separates the two better. As in the single-batch audit, the score and
-its threshold are chosen on the first batches (the selection split) and the bound is computed on the rest.
-
-Statistics (:mod:`invink_audit.audit.tradeoff`): the evaluation batches are generated look by look (four
-scheduled looks by default) and the Clopper–Pearson bound is checked after each at a spent significance
-(a union bound over the looks), so a blatant violation costs few trials and a claim that can no longer be
-refuted stops early; next to the bound, the perfect-attack ceiling of the trials used, and a Gaussian-DP
-fit over all thresholds (an estimate of how tight the claim is).
+Design: docs/guide/auditing.md (§"Batched black-box audits: one trial per batch").
 """
 
 from __future__ import annotations

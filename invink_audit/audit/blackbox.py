@@ -19,6 +19,7 @@ the canary; detects deterministic generators and verbatim leaks), or any callabl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -171,34 +172,21 @@ def blackbox_audit(
     reference lists) -> texts`` once for all, when given). ``references``: the batch with any text
     in ``canary_slot`` (it is replaced by the canary, or by ``""`` for the neighbour).
 
-    Phases: the trials (:func:`_run_trials`), the scores (:func:`score_matrix`), the score and
-    threshold chosen on the selection split (:func:`select_score`), the ε lower bound on the evaluation
-    split, and the verdict.
+    Phases: the alternating trial batches (:func:`_alternating_trials`), the trials (:func:`_run_trials`),
+    the selection / evaluation split (:func:`_selection_split`), the scores (:func:`score_matrix`), the
+    score and threshold chosen on the selection split (:func:`select_score`), the ε lower bound on the
+    evaluation split (:func:`_evaluate`), and the verdict.
     """
-    if generate is None and generate_many is None:
-        raise ValueError("give generate or generate_many")
-    refs = list(references)
-    beta = _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, claimed_epsilon, significance, scores)
-    with_canary = list(refs)
-    with_canary[canary_slot] = canary
-    without = list(refs)
-    without[canary_slot] = ""
-    # trials alternate (with, without, with, ...): no drift between the two arms
-    batches = [with_canary if i % 2 == 0 else without for i in range(num_trials)]
-    labels = np.array([i % 2 == 0 for i in range(num_trials)])
+    refs, beta = _checked_arguments(generate, generate_many, references, canary_slot, num_trials, selection_fraction,
+                                    claimed_epsilon, significance, scores)
+    batches, labels = _alternating_trials(refs, canary, canary_slot, num_trials)
     texts, gen_seconds = _run_trials(batches, generate, generate_many, progress)
-    # split: first selection_fraction of the (alternating) trials select, the rest evaluate
-    n_sel = int(round(num_trials * selection_fraction))
-    n_sel -= n_sel % 2
-    sel, ev = np.arange(n_sel), np.arange(n_sel, num_trials)
+    sel, ev = _selection_split(num_trials, selection_fraction)
     score_names, values, selection_matrix = score_matrix(scores, canary, texts, labels, sel)
     k, thr = select_score(selection_matrix, labels[sel], delta=claimed_delta, significance=beta, claimed_epsilon=claimed_epsilon)
-    ev_with = values[k, ev][labels[ev]]
-    ev_without = values[k, ev][~labels[ev]]
-    tp, fp = int((ev_with >= thr).sum()), int((ev_without >= thr).sum())
-    eps_lb = stats.epsilon_lower_bound(tp, ev_with.size, fp, ev_without.size, delta=claimed_delta, significance=beta)
-    distinct = {"with": len(set(t for t, lab in zip(texts, labels) if lab)), "without": len(set(t for t, lab in zip(texts, labels) if not lab))}
-    verdict, reason = verdict_of(eps_lb, claimed_epsilon, beta)
+    evaluation = _evaluate(values[k], labels, ev, thr, delta=claimed_delta, significance=beta)
+    distinct = _distinct_texts(texts, labels)
+    verdict, reason = verdict_of(evaluation.epsilon_lower_bound, claimed_epsilon, beta)
     return BlackBoxReport(
         kind="black-box",
         mechanism=mechanism,
@@ -207,19 +195,25 @@ def blackbox_audit(
         significance=beta,
         claimed_epsilon=float(claimed_epsilon),
         claimed_delta=float(claimed_delta),
-        epsilon_lower_bound=float(eps_lb),
-        threshold=float(thr),
         score=score_names[k],
         num_trials={"selection": int(sel.size), "evaluation": int(ev.size), "distinct_texts": distinct},
-        true_positives=tp,
-        false_positives=fp,
-        positives=int(ev_with.size),
-        negatives=int(ev_without.size),
+        **evaluation.fields(),
         timings={"generation_seconds": gen_seconds, "seconds_per_trial": gen_seconds / num_trials},
         notes=tuple(list(notes) + _determinism_notes(texts, distinct)),
         scores_with=tuple(float(x) for x in values[k][labels]),
         scores_without=tuple(float(x) for x in values[k][~labels]),
     )
+
+
+def _checked_arguments(generate, generate_many, references, canary_slot, num_trials, selection_fraction,
+                       claimed_epsilon, significance, scores) -> tuple[list[str], float]:
+    """Validate :func:`blackbox_audit`'s arguments (a generator given first); returns (the references as a
+    list, the significance)."""
+    if generate is None and generate_many is None:
+        raise ValueError("give generate or generate_many")
+    refs = list(references)
+    return refs, _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, claimed_epsilon,
+                                        significance, scores)
 
 
 def _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, claimed_epsilon, significance, scores) -> float:
@@ -236,6 +230,68 @@ def _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, cl
         if not callable(s) and s not in SCORES:
             raise ValueError(f"scores must be callables or names in {sorted(SCORES)}; got {s!r}")
     return beta
+
+
+def _alternating_trials(refs: list[str], canary: str, canary_slot: int, num_trials: int) -> tuple[list, np.ndarray]:
+    """The trials' reference batches and labels (``True``: with the canary): the canary in ``canary_slot``,
+    and its replace-by-null neighbour (that slot emptied), alternating (with, without, with, ...) so that
+    no drift falls between the two arms."""
+    with_canary = list(refs)
+    with_canary[canary_slot] = canary
+    without = list(refs)
+    without[canary_slot] = ""
+    batches = [with_canary if i % 2 == 0 else without for i in range(num_trials)]
+    labels = np.array([i % 2 == 0 for i in range(num_trials)])
+    return batches, labels
+
+
+def _selection_split(num_trials: int, selection_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The trial indices (selection, evaluation): the first ``selection_fraction`` of the (alternating)
+    trials, rounded down to an even count so both arms are equal there, select; the rest evaluate."""
+    n_sel = int(round(num_trials * selection_fraction))
+    n_sel -= n_sel % 2
+    return np.arange(n_sel), np.arange(n_sel, num_trials)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Evaluation:
+    """The chosen score at its threshold on the evaluation split (:func:`_evaluate`)."""
+
+    threshold: float
+    true_positives: int
+    false_positives: int
+    positives: int
+    negatives: int
+    epsilon_lower_bound: float
+
+    def fields(self) -> dict:
+        """The :class:`~invink_audit.audit.records.BlackBoxReport` fields of the evaluation."""
+        return {
+            "epsilon_lower_bound": float(self.epsilon_lower_bound),
+            "threshold": float(self.threshold),
+            "true_positives": self.true_positives,
+            "false_positives": self.false_positives,
+            "positives": self.positives,
+            "negatives": self.negatives,
+        }
+
+
+def _evaluate(values: np.ndarray, labels: np.ndarray, ev: np.ndarray, thr: float, *, delta: float,
+              significance: float) -> _Evaluation:
+    r"""The chosen score (``values``, one per trial) at threshold ``thr`` on the evaluation split ``ev``:
+    true and false positives among its with / without trials, and the ε lower bound. The bound is Clopper–Pearson's
+    (DP-Sniper / Jagielski et al. 2020 style, :func:`invink_audit.audit.stats.epsilon_lower_bound`):
+    :math:`\varepsilon \ge \log\frac{\underline{TPR}-\delta}{\overline{FPR}}` (and the complement)."""
+    ev_with = values[ev][labels[ev]]
+    ev_without = values[ev][~labels[ev]]
+    tp, fp = int((ev_with >= thr).sum()), int((ev_without >= thr).sum())
+    eps_lb = stats.epsilon_lower_bound(tp, ev_with.size, fp, ev_without.size, delta=delta, significance=significance)
+    return _Evaluation(thr, tp, fp, int(ev_with.size), int(ev_without.size), eps_lb)
+
+
+def _distinct_texts(texts: list[str], labels: np.ndarray) -> dict:
+    """How many distinct texts each arm produced: {"with": ..., "without": ...}."""
+    return {"with": len(set(t for t, lab in zip(texts, labels) if lab)), "without": len(set(t for t, lab in zip(texts, labels) if not lab))}
 
 
 def _run_trials(batches, generate, generate_many, progress) -> tuple[list[str], float]:

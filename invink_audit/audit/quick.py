@@ -1,27 +1,12 @@
 r"""A short audit of texts that were just generated (used by ``make demo``).
 
-Two parts, both white-box:
+:func:`quick_audit` (and :func:`audit_release_file` for a finished output) teacher-forces every released
+text through the engine (exact per-step checks for all B neighbours, and the realised sequence loss
+:math:`L_j(x) = \log P_R(x)/P_{R'_j}(x)`, :func:`teacher_forced_losses`), then runs a small sampled audit
+of batch 0 (:func:`invink_audit.audit.model_audit.audit_model`), for InvisibleInk or any mechanism's
+release. The :class:`QuickAuditReport` is **not private**: keep it with the data, never publish it.
 
-1. **teacher forcing** of every generated text through the engine: at every prefix of every text
-   the exact per-step checks run for all B neighbours of its batch, and the exact sequence privacy
-   loss :math:`L_j(x) = \log P_R(x)/P_{R'_j}(x)` of the *released* text is computed for every
-   neighbour (the realised privacy loss of what was published, to compare with the a-priori
-   :math:`T\varepsilon_0` and the accountant's ε);
-2. a small sampled audit (:func:`invink_audit.audit.model_audit.audit_model`) of one batch, which
-   gives the statistical verdict.
-
-The verdict is VIOLATION if either part finds one, PASS if both pass, INCONCLUSIVE otherwise.
-
-Any mechanism: ``result`` may be the release of a :class:`~invink_audit.generation.MechanismRelease`
-(Amin et al., AdaPMixED, InvisibleInk with a given clip norm, or one's own mechanism); each text is teacher-forced as the outcomes it released (its tokens in their modes, and
-the stop outcome when a data-dependent stop rule ended it), and the claim is the mechanism's own
-(:meth:`~invink_audit.mechanisms.Mechanism.guarantee`). A data-dependent guarantee is never a PASS.
-
-The report is **not private**: the realised losses are per-reference functions of the references, the
-worst prefix is chosen by its loss, and the sampled audit draws ``num_samples`` extra texts from batch 0
-outside the ledger (they are not charged to it, and the release's guarantee does not cover them). The
-summary and the JSON say so (``privacy_notice``, ``uncharged_samples``); keep the report with the
-private data, never publish it with the texts.
+Design: docs/guide/auditing.md (§"Auditing texts you just generated").
 """
 
 from __future__ import annotations

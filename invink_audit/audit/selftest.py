@@ -1,23 +1,12 @@
 """The auditor's self-test on planted bugs (docs/auditing_notes.md, "Testing the auditor") and on the paper's baselines.
 
-The white-box auditor runs on synthetic logit sources (:mod:`invink_audit.audit.synthetic`) against
-the correct InvisibleInk mechanism and four mutants; a working auditor says PASS for the first and
-VIOLATION for every mutant. A mechanism's verdict is VIOLATION if any source shows one, PASS if
-every source passes, INCONCLUSIVE otherwise. A last part enumerates a small mechanism's whole
-output distribution and counts how many Monte Carlo / importance-sampling intervals cover the
-exact divergences.
+:func:`run_selftest` audits, on the synthetic sources of :mod:`invink_audit.audit.synthetic`, the correct
+InvisibleInk mechanism (must PASS) and four mutants (each must get VIOLATION), optionally the baseline rows
+(Amin et al. 2024 with both accountings, AdaPMixED's data-dependent claim: :func:`baseline_mechanisms`);
+:func:`coverage_check` counts the Monte Carlo / importance-sampling intervals that cover exact divergences.
 
-Baseline rows (``baselines=True``), through the generic mechanism interface:
-
-* ``amin-paper-sensitivity``: Amin et al. 2024 accounted with C/B (and 1/B for the SVT query) under
-  replace-by-null, the paper's convention: must get VIOLATION (its exponential mechanism moves by 2C/B);
-* ``amin-correct``: the same mechanism accounted with 2C/B and 2/B: must PASS;
-* ``adapmixed-stop-rule``: AdaPMixED with a budget its stop rule reaches within T: its reported
-  **data-dependent** ε is compared with the white-box measurement; the released length is a
-  deterministic function of the references, so the measurement exceeds it (VIOLATION of the
-  data-dependent claim);
-* ``adapmixed-within-budget``: AdaPMixED whose budget is never reached: the measurement stays
-  below the reported data-dependent ε, which is still never a PASS (INCONCLUSIVE).
+Design: docs/auditing_notes.md ("Testing the auditor"); the baseline rows: docs/guide/baselines.md
+("Audits of the baselines").
 """
 
 from __future__ import annotations
@@ -114,7 +103,8 @@ def _combine(verdicts: list[Verdict]) -> Verdict:
 
 
 def baseline_mechanisms(s: SelfTestSettings) -> list:
-    """The baseline rows (module docstring) as :class:`~invink_audit.audit.synthetic.AuditedMechanism`."""
+    """The baseline rows (docs/guide/baselines.md, "Audits of the baselines") as
+    :class:`~invink_audit.audit.synthetic.AuditedMechanism`."""
     from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism, AminSensitivity
 
     def amin(sensitivity):

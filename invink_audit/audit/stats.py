@@ -1,34 +1,13 @@
-r"""Statistics of the privacy auditor: divergence estimators, confidence bounds, tests, verdicts.
+"""Statistics of the privacy auditor: divergence estimators, confidence bounds, tests, verdicts.
 
-Torch-free (numpy/scipy only). Everything here works on *privacy-loss samples* produced by the
-white-box auditor (exact per-token log-probabilities) or on *trial outcomes* of the black-box
-auditor, and every bound states its significance level: an interval at ``significance`` β holds
-with probability at least 1 − β (β is a significance level, 1 − β the confidence level).
+Torch-free. Rényi divergence by plain Monte Carlo (:func:`renyi_monte_carlo`, docs/auditing_notes.md §3)
+and geometric-mixture importance sampling (:func:`renyi_importance_sampling`, §4); δ(ε)
+(:func:`hockey_stick_delta`, §5); mean bounds by Anderson (1969) from the DKW inequality with Massart's
+constant (Massart 1990, Thm. 1), empirical Bernstein (Maurer & Pontil 2009, Thm. 4), Clopper–Pearson
+(1934); Holm (1979) over all tests of an audit (:func:`holm`, :func:`decide_verdict`). Every bound states
+its significance level β.
 
-Estimators (notation of docs/auditing_notes.md):
-
-* plain Monte Carlo Rényi divergence (docs/auditing_notes.md §3): with :math:`x\sim P`, :math:`L(x)=\log P(x)/P'(x)`,
-  :math:`D_\alpha(P\|P') = \frac{1}{\alpha-1}\log \mathbb E_P[e^{(\alpha-1)L}]`;
-* geometric-mixture importance sampling (docs/auditing_notes.md §4): sampling every token from
-  :math:`g_t\propto p_t^\alpha p_t'^{1-\alpha}` gives
-  :math:`e^{(\alpha-1)D_\alpha(P\|P')} = \mathbb E_{G_\alpha}[e^{(\alpha-1)S}]` with
-  :math:`S=\sum_t D_\alpha(p_t\|p'_t)` (the telescoping identity
-  :math:`\prod_t p_t^\alpha p_t'^{1-\alpha} = \prod_t Z_t g_t`), a *bounded* integrand;
-* hockey-stick divergence (docs/auditing_notes.md §5): :math:`\delta(\varepsilon) = \mathbb E_P[(1-e^{\varepsilon-L})_+]`.
-
-Confidence bounds on a mean:
-
-* Anderson (1969) bound from the Dvoretzky–Kiefer–Wolfowitz inequality with Massart's constant
-  (Massart 1990, Ann. Probab. 18(3), Thm. 1): if :math:`\sup_x |F_n(x)-F(x)| \le \eta` then
-  :math:`a + \int_a^b (S_n(x)-\eta)_+\,dx \le \mathbb E X \le a + \int_a^b \min(1, S_n(x)+\eta)\,dx`.
-  The lower bound needs only :math:`X \ge a` (no upper range), which is what makes plain Monte
-  Carlo usable for *detecting* violations; it equals the sample mean with the top η of the mass
-  moved down to ``a``. The upper bound moves the bottom η of the mass up to ``b``.
-* empirical Bernstein (Maurer & Pontil 2009, arXiv:0907.3740, Thm. 4) for :math:`X\in[a,b]`.
-* Clopper–Pearson (1934) exact binomial intervals (black-box audits).
-
-Multiple comparisons: Holm (1979) step-down over all tests of an audit, which controls the
-family-wise error rate at the stated significance level under any dependence.
+Design: docs/auditing_notes.md (§3–§5, "Verdicts").
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 r"""Synthetic logit sources and audited mechanisms: the white-box auditor without a model.
 
-A *source* gives, for a batch of prefixes, the private logits of ``B`` references and the public
-logits — small-vocabulary functions of the prefix (last token and position), so that audits,
-self-tests and exact enumeration of whole output distributions run in seconds.
+Sources (:class:`RandomSource`; :class:`HardestCaseSource`, the worst case of docs/accounting_notes.md §8:
+per-token loss pair :math:`(t, t-\varepsilon_0)` with :math:`t\approx 0.53\,\varepsilon_0`, Dong, Durfee &
+Rogers 2020), the correct InvisibleInk mechanism and the self-test's four planted bugs (:func:`mutants`),
+any :class:`~invink_audit.mechanisms.Mechanism` (:class:`AuditedMechanism`), audits on them
+(:func:`run_synthetic_audit`, :func:`run_mechanism_audit`) and exact enumeration (:func:`enumerate_outputs`).
 
-* :class:`RandomSource`: random logit tables with a large spread (so that clipping binds, in both
-  directions, for difference and naive clipping) and an EOS token.
-* :class:`HardestCaseSource`: the worst case of docs/accounting_notes.md §8: one canary reference
-  moves its group of tokens by the full clip norm while every other reference is null (contributes
-  exactly nothing); under the canary's neighbour the up-weighted group has probability
-  :data:`HARDEST_PUBLIC_PROBABILITY` ≈ 0.45, i.e. the per-token privacy-loss pair is
-  :math:`(t, t-\varepsilon_0)` with :math:`t\approx 0.53\,\varepsilon_0` (Dong, Durfee & Rogers 2020).
-
-A *mechanism* maps one step's logits to the next-token log-probabilities under ``R`` and under every
-replace-by-null neighbour ``R'_j`` (:class:`invink_audit.mechanism.NeighbourLogProbs`), decides the
-token budget ``T`` from the references, and states the claim its accountant makes. Besides the
-correct InvisibleInk mechanism, :func:`mutants` builds the four planted bugs of the self-test
-(docs/auditing_notes.md, "Testing the auditor"): naive clipping accounted as C/B; sampling
-temperature below the accounted one; a top-k set computed from the aggregated private logits; a
-data-dependent token budget.
-
-The token budget is part of the output: every text ends with EOS or, after ``T`` tokens, with an
-explicit STOP token (index ``V``), so that different budgets under R and R'_j are a support mismatch.
+Design: docs/auditing_notes.md ("Testing the auditor").
 """
 
 from __future__ import annotations

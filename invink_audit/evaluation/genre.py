@@ -1,42 +1,10 @@
-r"""Is a synthetic text in the genre of its data, or a chatbot talking about the task?
+"""Is a synthetic text in the genre of its data, or a chatbot talking about the task?
 
-A 135M chat model prompted with the paper's Yelp prompt (App. D, Table 4) often answers like an
-assistant ("Sure! Here's a mock review...", "I'm an AI model...", "I'm sorry, but I'm unable to help
-with that."), echoes the prompt ("Business Category: Restaurants"), or writes lists and links instead
-of a review. MAUVE sees such texts only as "far from the real ones"; :func:`off_genre` names what is
-wrong with one text, so that a template's effect can be counted (docs/results/templates.md).
+:func:`off_genre` names the first of a fixed, ordered set of surface patterns that a text matches
+(:class:`OffGenre`: empty, refusal, assistant preamble, url, list, meta-text), so that a template's
+effect can be counted; :func:`off_genre_share` gives the flagged share with its interval.
 
-The rule is a fixed set of surface patterns, checked in this order (the first that matches is the
-reason):
-
-* ``empty``: empty, or a fragment of fewer than six words (of letters), such as a bare name: no
-  review is that short (of the 7,500 Yelp reviews of ``dev.csv`` and ``test.csv``, one, a junk text);
-* ``refusal``: the model declines the task ("I'm sorry, but I can't...", "I'm unable to help with
-  that", "I cannot provide...");
-* ``assistant preamble``: the text opens like an assistant's reply ("Sure, here's...", "Certainly!
-  Below is", "Here's a mock review", "I'd be happy to provide you with..."), or, anywhere, speaks of
-  itself as an AI ("I'm an AI model", "as a language model"), offers help ("I would be happy to
-  assist you"), apologises for confusion or asks "what you're talking about";
-* ``url``: a link (``http://``, ``https://``, ``www.``);
-* ``list``: two or more lines that start with a bullet or a number ("- ", "* ", "1. ");
-* ``meta-text``: talk about the task rather than the thing: the prompt's words echoed ("Business
-  Category", "Review Stars", ``Review (4.0 stars)``, a rating written "1.0", "the score is", "good
-  reviews have higher scores"), a label or role line (``Text:``, ``Title:``, ``The original:``,
-  ``Fake Yelp review:``, ``assistant``), a text that calls itself fictional, fake, mock, sample or
-  example ("a fictional restaurant", "Here is a review...", "Here is the response"), placeholders
-  (``[Restaurant Name]``, ``[type]``), markdown headings and bold labels, an instruction to the reader
-  ("Please provide...", "I need a user that...") or an assistant's sign-off ("I hope this helps",
-  "Let me know if...", "Feel free to modify...").
-
-The patterns are written for English texts of any genre (reviews, messages, summaries); those that are
-the Yelp prompts' own words are named as such. They were written against the 3,062 real restaurant
-reviews of Yelp ``dev.csv`` and texts SmolLM2 wrote from the Yelp prompts, and checked on the 1,564
-held-out restaurant reviews of ``test.csv``, of which the rule flags 0.32% (5: four for a link the
-reviewer pasted, one junk text, "2. A ... Ya Tyytytttrre."); over all 7,500 reviews of both files, 8 are
-flagged for something other than a link (a quoted "I'm sorry, but I can't help u!!", "let me know if
-you do", "Okay, here's my story", that junk text).
-A rule of this kind misses off-genre texts that use none of its words (a chatbot's answer that talks
-about "your business", a news story, a poem): the hand check in docs/results/templates.md counts those.
+Design: docs/results/templates.md (§"The off-genre rule": every pattern, how it was written and checked).
 """
 
 from __future__ import annotations
@@ -190,8 +158,9 @@ _QUOTES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u201c": '"', "\u201d": 
 def off_genre(text: str) -> str | None:
     """Why ``text`` is off-genre (an :class:`OffGenre`, which is a ``str``), or ``None`` when it passes.
 
-    The checks and their order are in the module docstring. Curly quotes count as straight ones. A
-    ``None`` answer says only that none of the patterns matched, not that the text is a good review.
+    The checks and their order are in docs/results/templates.md ("The off-genre rule"). Curly quotes
+    count as straight ones. A ``None`` answer says only that none of the patterns matched, not that the
+    text is a good review.
     """
     if not isinstance(text, str):
         raise ValueError(f"text must be a string; got {type(text).__name__}")

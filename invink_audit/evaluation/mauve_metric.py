@@ -1,22 +1,12 @@
-r"""MAUVE (Pillutla et al., NeurIPS 2021; JMLR 2023) of synthetic against real texts, with intervals.
+"""MAUVE (Pillutla et al., NeurIPS 2021; JMLR 2023) of synthetic against real texts, with intervals.
 
-Computed by the ``mauve-text`` package (``mauve.compute_mauve``) from *features only*
-(``p_features``/``q_features``): the package is never given texts or tokens, so it never loads or
-downloads a featuriser (its ``gpt2-large`` default). The features are sentence embeddings
-(:mod:`invink_audit.evaluation.embeddings`); P is the synthetic set, Q the real set.
+:func:`mauve_score` calls ``mauve-text`` on sentence-embedding *features only* (it never loads a
+featuriser); :data:`PAPER_SETTING` is the paper's (App. D.4 (sec:expt:eval-metrics), "MAUVE score":
+n/20 buckets, c = 0.9), :data:`LIBRARY_SETTING` the library's defaults (n/10, c = 5).
+:func:`mauve_interval`: the mean over k-means seeds, with a percentile bootstrap that resamples both sets
+and reseeds k-means in every replicate.
 
-Two settings, each a :class:`MauveSetting`:
-
-* :data:`PAPER_SETTING`: the InvisibleInk paper's (App. D.4 (sec:expt:eval-metrics), "MAUVE score"): ``num_buckets = n/20``
-  for n texts on each side, scaling factor ``c = 0.9``;
-* :data:`LIBRARY_SETTING`: ``mauve-text``'s defaults: ``num_buckets = "auto"`` (n/10) and ``c = 5``.
-
-MAUVE moves with the k-means seed (Pillutla et al., JMLR 2023, §6 report it over five seeds). So the
-estimate is the mean over ``num_seeds`` k-means seeds on the full sets, and the interval is the
-percentile bootstrap over ``num_bootstrap`` replicates that each resample both sets with replacement
-*and* use their own k-means seed (both sources of variation at once). MAUVE of a resample is biased
-low (a duplicated text is one point twice); when every replicate falls below the estimate the interval
-is widened to contain it, and its ``method`` says so.
+Design: docs/guide/evaluating.md (§"invink-audit evaluate", rows ``mauve``, ``mauve_c5``, "interval of both").
 """
 
 from __future__ import annotations
@@ -167,7 +157,8 @@ def mauve_interval(
     rng: np.random.Generator | None = None,
     progress=None,
 ) -> MauveResult:
-    """MAUVE with an interval over k-means seeds and bootstrap resamples (module docstring).
+    """MAUVE with an interval over k-means seeds and bootstrap resamples (docs/guide/evaluating.md,
+    "interval of both").
 
     ``rng`` draws the resamples (default: a fixed seed, so an evaluation is reproducible: the
     evaluation is not a private release, nothing needs OS randomness). ``progress``: called with 1

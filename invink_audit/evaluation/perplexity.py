@@ -1,24 +1,12 @@
-r"""Perplexity of texts under a scorer LM, ΔPPL, and lengths.
+"""Perplexity of texts under a scorer LM, ΔPPL, and lengths.
 
-Paper App. D.4 (sec:expt:eval-metrics), "Generation Perplexity":
+Paper App. D.4 (sec:expt:eval-metrics), "Generation Perplexity": PPL(x) = exp(−(1/|x|) Σ_t log P̂(x_t | x_<t)),
+ΔPPL = |mean PPL(synthetic) − mean PPL(real)| (Holtzman et al. 2020 for ΔPPL). :func:`score_perplexity`
+scores every token after one context token, on at most ``max_tokens`` tokens, under any causal LM (default
+the embedded SmolLM2-135M, not the paper's GPT-2 small: compare only under one scorer), cached per text
+under :func:`scorer_digest` (:func:`perplexity_cache`); :func:`delta_ppl_interval`.
 
-.. math::
-
-    \mathrm{PPL}(x) = \exp\Big(-\frac{1}{|x|}\sum_{t=1}^{|x|} \log \hat P(x_t \mid x_{<t})\Big),\qquad
-    \Delta\mathrm{PPL} = \Big|\frac{1}{|X|}\sum_{x\in X}\mathrm{PPL}(x) - \frac{1}{|R|}\sum_{r\in R}\mathrm{PPL}(r)\Big|
-
-(Holtzman et al. 2020 for ΔPPL). ``x_{<1} = ∅`` is realised by one context token before the text (the
-tokenizer's BOS when it adds one itself, else ``<|endoftext|>``, the document separator of GPT-2-style
-and SmolLM2 vocabularies, else EOS), so every token of the text is scored. The paper's scorer is GPT-2
-small; ours is any causal LM of :func:`invink_audit.models.load_model` (default the embedded
-SmolLM2-135M), so absolute values differ from the paper's and only comparisons under one scorer mean
-anything. Texts are scored on at most ``max_tokens`` tokens (default 512; said in the result).
-
-Scoring is the cost of an evaluation on a CPU (a forward pass over every token of every text), and a
-sweep scores the same real texts at every point: :func:`score_perplexity` takes a
-:class:`~invink_audit.evaluation.cache.TextCache` (:func:`perplexity_cache`) that keeps each text's
-score under a key naming the scorer (:func:`scorer_digest`: its name, configuration and a sample of its
-weights), the token limit, the context token and the text's SHA-256.
+Design: docs/guide/evaluating.md (§"invink-audit evaluate", rows ``perplexity_*``, ``delta_ppl``; §"Caches").
 """
 
 from __future__ import annotations

@@ -1,50 +1,12 @@
-r"""Planning by teacher forcing: a paired, exact, sampling-free utility signal and a clip profile.
+"""Planning by teacher forcing: a paired, exact, sampling-free utility signal and a clip profile.
 
-InvisibleInk's next-token distribution is known exactly at every step (paper Algorithm 1, lines 3–5:
-:func:`invink_audit.mechanism.token_log_probs`), so what a budget buys can be measured without sampling
-a single text. :func:`run_profile` teacher-forces *held-out real texts* through the engine
-(:meth:`invink_audit.engine.Engine.force`), each text with a batch of ``B`` proxy references of its own
-label group in the private rows, and scores every real token under
+InvisibleInk's next-token distribution is known exactly (paper Algorithm 1, lines 3–5), so
+:func:`run_profile` teacher-forces held-out real texts through the engine with proxy references and
+scores every real token under each grid point (ε, B, k, τ), the public-only floor and the non-private
+ensemble, all from one pass (paired); plus the clip profile of |φ_i − φ_pub| (paper Eq. (ourclip)).
+Outputs are statistics of the data, not differentially private (:data:`PLANNING_NOTICE`).
 
-* the **private** distribution of every grid point (ε, B, k, τ; its clip norm C planned for the
-  point's (ε, δ, B, T, τ) by :func:`accounting.plan_clip_norm`);
-* the **public-only floor**: the public row alone at the same τ, over its top-k tokens (what a
-  release without private references would sample from);
-* the **non-private ensemble**: the B references' logits averaged, unclipped, over the full
-  vocabulary, at the same τ (the ceiling the mechanism approaches as ε grows).
-
-The forward passes do not depend on the grid point (only the mechanism's arithmetic does), so one pass
-serves every point, and every point scores *the same tokens of the same texts with the same batches*
-(the first ``B`` of each text's ``max(B)`` references): comparisons are paired, and their differences
-have far smaller variance than those of sampled metrics (MAUVE, perplexity of generated texts).
-
-Reported per point: held-out cross-entropy per token, its paired gain over the floor (floor CE minus
-the point's CE on the same tokens), the share of the floor–ensemble gap it closes, the share of real
-tokens inside the Top-k+ set (*coverage*), and the share of logit differences its C clips; every
-interval a percentile bootstrap over texts (Efron & Tibshirani 1993, §13.3) with the *same* resamples
-for every quantity, so that differences between points are bootstrapped paired too.
-
-Tokens outside the support. A token outside the Top-k+ set (or the floor's top-k) has probability 0,
-an infinite loss. Every distribution — each point's, the floor's and the ensemble's alike — is scored
-mixed with the uniform distribution at weight :data:`SMOOTHING` η:
-:math:`\tilde p = (1-\eta)\,p + \eta/|V|`, so every loss is finite (at most :math:`\log(|V|/\eta)`,
-17.7 nats for SmolLM2's 49,152 tokens), a token outside costs the same wherever it falls, and the
-comparison stays paired; over the full vocabulary the mixing moves a loss by at most
-:math:`-\log(1-\eta) \approx 0.001` nats. Coverage is reported beside it, unsmoothed.
-
-What is compared. Points are ranked only against points with the same floor (the same k and τ): along ε
-at a fixed (B, k, τ), and across B at a fixed (ε, k, τ). Held-out CE is not a measure of sample quality
-across k and τ: it favours the full vocabulary and τ near 1 by construction (truncation trades the
-coverage of real text for the quality of samples), so those are chosen by reading samples.
-
-The clip profile (the analogue of looking at per-example gradient norms before choosing a clip in
-DP-SGD): from the same pass, every reference's per-step logit difference to the public row,
-:math:`|\phi_i - \phi_{pub}|` coordinate-wise (what difference clipping clips, paper Eq. (ourclip)),
-as its ℓ∞ over the public top-k tokens per (reference, step) and per token; and at each point, the
-share of differences on its Top-k+ set that its C clips.
-
-Planning runs on public or proxy data. Its outputs are statistics of the references and the real
-texts, not differentially private: run on private data, it is not a private release (the report says so).
+Design: docs/guide/evaluating.md (§"Planning by teacher forcing"); results: docs/results/planning-signal.md.
 """
 
 from __future__ import annotations
@@ -77,7 +39,7 @@ __all__ = [
     "run_profile",
 ]
 
-#: η: every distribution is scored mixed with the uniform one at this weight (module docstring).
+#: η: every distribution is scored mixed with the uniform one at this weight (docs/guide/evaluating.md, "coverage").
 SMOOTHING = 1e-3
 #: the bins of the per-token clip profile's histogram of |φ_i − φ_pub| (log-spaced, nats of logit)
 _BINS = np.concatenate([[0.0], np.logspace(-3, 3, 241)])
@@ -366,7 +328,7 @@ class _Scores:
 
 
 def _smoothed_loss(log_probs, tokens, vocab_size: int):
-    r""":math:`-\log((1-\eta)\,p + \eta/|V|)` of the forced tokens (module docstring, "Tokens outside the support")."""
+    r""":math:`-\log((1-\eta)\,p + \eta/|V|)` of the forced tokens (docs/guide/evaluating.md, "coverage")."""
     import torch
 
     lp = log_probs.gather(1, tokens).squeeze(1)
@@ -455,7 +417,7 @@ def run_profile(
     progress: Callable[[int, int], None] | None = None,
 ) -> ProfileResult:
     """Teacher-force ``config.num_texts`` texts of ``real`` (held out) with references from ``proxy`` through
-    every grid point at once (module docstring). ``model``: as :func:`invink_audit.load_model` takes it
+    every grid point at once (docs/guide/evaluating.md). ``model``: as :func:`invink_audit.load_model` takes it
     (default: the embedded model). ``progress(done, total)``: forced tokens so far."""
     import torch
 
@@ -572,7 +534,7 @@ def _compare(a: ProfilePoint, b: ProfilePoint, sums, ratio, n: int) -> Compariso
 
 def _comparisons(points: Sequence[ProfilePoint], sums, ratio, n: int) -> list[Comparison]:
     """Neighbouring ε at every (B, k, τ), and the two best B at every (ε, k, τ): only points that share
-    their floor (k, τ) are ranked against each other (module docstring, "What is compared")."""
+    their floor (k, τ) are ranked against each other (docs/guide/evaluating.md, "comparisons")."""
     out = []
     by_setting: dict[tuple, list[ProfilePoint]] = {}
     by_budget: dict[tuple, list[ProfilePoint]] = {}

@@ -1,19 +1,11 @@
-r"""Reference points for a privacy budget's utility, on the same prompts as the private texts.
+"""Reference points for a privacy budget's utility, on the same prompts as the private texts.
 
-* **floor** (public only): what the model writes from the public prompt alone, with no reference:
-  the ε → 0 end (InvisibleInk with every reference null samples exactly this, up to Top-k+'s band);
-* **ceiling** (non-private): what the model writes when it sees a reference, with no privacy: each text
-  is sampled from the private prompt with the first reference of its batch (B = 1, no clipping).
+:func:`generate_reference_points`: the **floor** (public prompt only: the ε → 0 end) and the **ceiling**
+(the private prompt with one reference, B = 1, no clipping, no privacy), both by ordinary top-k sampling
+at the private texts' k, τ and T. The ceiling is **not private** (it can copy a reference): written like
+every NOT PRIVATE artefact (:mod:`invink_audit.not_private`), never beside a release.
 
-Both decode with ordinary top-k sampling at the same temperature τ, k and token budget T as the private
-texts (``transformers``' ``generate`` with ``do_sample=True, top_k=k, temperature=τ``; a baseline, not the
-private decode loop). The ceiling's texts are **not private** (they are the model conditioned on one
-reference each, in the clear, and can copy it nearly verbatim): they exist to be evaluated and must never
-be released. The floor reads no reference; it still follows the batches' labels when the release is
-label-conditioned. Both are written like every NOT PRIVATE artefact (:mod:`invink_audit.not_private`):
-owner-only (0600), never through a symbolic link, each record marked ``"not_private": true`` with a
-``privacy_notice``; keep them out of any release's directory (``sweep`` writes them to
-``reference_points/``).
+Design: docs/guide/evaluating.md (§"Reference points: floor and ceiling").
 """
 
 from __future__ import annotations

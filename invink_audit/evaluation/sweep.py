@@ -1,25 +1,12 @@
-r"""A sweep: private generation + evaluation over a grid of (ε, B, k, τ, T), with reference points.
+"""A sweep: private generation + evaluation over a grid of (ε, B, k, τ, T), with reference points.
 
-Each grid point is **one release**: :func:`invink_audit.generation.generate` on the references with that
-point's parameters, then :func:`~invink_audit.evaluation.evaluator.evaluate` against held-out real texts.
-The points are separate releases of the same data, so their privacy costs add up (sequential
-composition): a sweep on private references spends budget for *every* point. :func:`run_sweep` therefore
-needs either a ledger (every point is charged to it before it runs, and refused when the budget would be
-exceeded) or ``public_proxy=True``, the caller's statement that the references are public or a proxy
-(held-out, or data whose privacy does not matter), in which case nothing is charged. The recommended
-practice (docs/guide/evaluating.md) is to sweep on proxy data and then make one release on the private data.
+:func:`run_sweep`: each grid point is one release (:func:`invink_audit.generation.generate`) and one
+:func:`~invink_audit.evaluation.evaluator.evaluate`; the points' costs add up (sequential composition),
+so it needs a ledger that charges every point or ``public_proxy=True``. Resumable per point; the
+reference points, table and plots are NOT PRIVATE (``reference_points/``, :func:`sweep_markdown`,
+:func:`write_sweep_plots`). Forward rows per text: (B + 1) × generated tokens (paper §4, Algorithm 1).
 
-Resumable: every point writes into its own directory (``texts.jsonl`` through ``generate``'s own resume,
-then ``point.json``); a rerun with the same directory skips evaluated points and resumes the rest
-(a resumed release is not charged twice: the ledger charge is idempotent on its release id).
-
-NOT PRIVATE (:mod:`invink_audit.not_private`): the reference points (the ceiling copies private
-references in the clear) live in ``reference_points/floor/`` and ``reference_points/ceiling/``, never
-beside a release's directory; they, every evaluation record (``point.json``, ``sweep.jsonl``), the table
-and the plots are written owner-only (0600), marked ``"not_private": true`` (Markdown: a banner line).
-
-Compute cost of a point: forward rows per text = (B + 1) × the mean number of generated tokens (every
-token runs B private rows and one public row, paper §4, Algorithm 1).
+Design: docs/guide/evaluating.md (§"invink-audit sweep").
 """
 
 from __future__ import annotations

@@ -1,60 +1,14 @@
-r"""AdaPMixED (Flemings, Razaviyayn & Annavaram 2024, "Adaptively Private Next-Token Prediction of
+"""AdaPMixED (Flemings, Razaviyayn & Annavaram 2024, "Adaptively Private Next-Token Prediction of
 Large Language Models", arXiv:2410.02016; the successor of their PMixED, NAACL 2024, arXiv:2403.15638)
 adapted to text generation as in the InvisibleInk paper (§5 "Baselines and Hyperparameters",
 App. B.3.2, D.5, E.5): a :class:`~invink_audit.mechanisms.base.Mechanism`.
 
-**Its guarantee is data-dependent**: the privacy spend is computed from the references themselves,
-holds only for the dataset it was computed on, and is never certified a priori (paper App. B.3.2).
+**Its guarantee is data-dependent** (paper App. B.3.2), and its stop rule leaks. One step: noisy
+screening (Gaussian RDP, Mironov 2017, Prop. 7), per-member mixing into a Rényi ball by bisection
+(:func:`adapmixed_member_weights`; van Erven & Harremoës 2014, Thm. 13), the replace-by-null spend
+(:func:`symmetric_renyi`, :func:`rdp_to_epsilon`: Balle et al. 2020, Thm. 21), the stop rule.
 
-Adaptation (paper App. D.5, "AdaPMixED"): each reference-conditioned prompt is one ensemble *member*
-(:math:`p_i = \mathrm{softmax}(\phi_i/\tau)`, ``N = B`` members), the public prompt is the "pretrained
-model" :math:`p_0 = \mathrm{softmax}(\phi_{pub}/\tau)`, and tokens are drawn one at a time from the
-predicted next-token distribution. One step (Flemings et al. Alg. 1):
-
-1. **Noisy screening**: :math:`p_s = \lambda_s\bar p + (1-\lambda_s)p_0` with :math:`\bar p` the
-   members' mean; on the ``k`` largest entries of :math:`p_0` (public), add :math:`\mathcal N(0,
-   \sigma^2)` noise to :math:`p_s`, renormalise both; if the symmetric Rényi divergence
-   :math:`D^{sym}_\alpha` of the two exceeds the threshold, release a token from :math:`p_0`
-   (*screened*). Cost: the Gaussian mechanism's RDP :math:`\alpha\Delta_2^2/(2\sigma^2)` with
-   :math:`\Delta_2 = \sqrt2\lambda_s/N` (replacing a member by :math:`p_0` moves :math:`\lambda_s\bar p`
-   by :math:`\lambda_s\|p_i - p_0\|_2/N \le \sqrt2\lambda_s/N`; Mironov 2017, Prop. 7), i.e.
-   :math:`\alpha\lambda_s^2/(N^2\sigma^2)`, charged at every step.
-2. **Per-member mixing into a Rényi ball**: :math:`\bar p_i = \lambda_i p_i + (1-\lambda_i)p_0` with
-   :math:`\lambda_i` the largest in [0, 1] such that :math:`D^{sym}_\alpha(p_0, \bar p_i) \le \alpha\beta`
-   (found by bisection: :math:`D^{sym}_\alpha` is non-decreasing in λ because Rényi divergence is
-   jointly quasi-convex, van Erven & Harremoës 2014, Thm. 13); release a token from
-   :math:`p = \frac1N\sum_i\bar p_i` (*mixed*).
-3. **Data-dependent accounting** under replace-by-null (paper App. E.5: the modified Alg. 1
-   line 15; the data-dependent guarantee is defined in App. B.3.2): :math:`p_{-i} = \frac1N(\sum_{j\ne i}\bar p_j + p_0)` and the step costs
-   :math:`\max_i D^{sym}_\alpha(p_{-i}, p)` more when mixed. The running RDP spend at order α
-   converts to :math:`\varepsilon = D + \log(1-1/\alpha) - (\log\delta + \log\alpha)/(\alpha-1)`
-   (Balle et al. 2020, Thm. 21; Canonne, Kamath & Steinke 2020, Prop. 12).
-4. **Stop rule**: before releasing, if the spend after this step would exceed the budget ε, the
-   text ends without the token (the re-implementation's order of operations).
-
-Defaults follow the paper (App. D.5: τ = 1, σ = 0.01, λ_s = 1e-4; the rest from Flemings et al.'s
-PubMed defaults as the paper's re-implementation ``cerai-iitm/InvisibleInk-Experiments``
-``generate_adapmixed.py`` sets them: α = 15, β = 0.3, k = 60, threshold 4.5). Where that
-re-implementation departs from the method we follow the method and say so:
-
-* it sets :math:`\lambda_i = 0` (the member is dropped to the public distribution) whenever its
-  root finder sees no sign change, which includes a member already *inside* the ball at λ = 1; we
-  take the largest feasible λ (λ = 1 then), as Flemings et al.'s Alg. 1 line 11 does;
-* noisy probabilities can be negative; the re-implementation raises them to the power
-  :math:`1-\alpha = -14` (an even power: it uses their absolute values) in :math:`D_\alpha(p_0\|\cdot)`;
-  we use absolute values in both directions of :math:`D^{sym}_\alpha` (the other direction, with the
-  odd power α, is ill-defined there) and floor them at 1e-300.
-
-**The stop rule leaks.** The spend is a deterministic function of the references, so the step at
-which a text stops differs between ``R`` and a neighbour ``R'_j``: the released length can separate
-them with certainty. The white-box auditor measures exactly this (an outcome possible under one
-dataset and impossible under the other), and reports it against the data-dependent ε.
-
-Exact (audit) mode: the state tracks the spend of ``R`` and of every ``R'_j`` (whose own stop rule
-uses *its* neighbours, two slots nulled); the screening probability, a ``k``-dimensional Gaussian
-integral with no closed form, is estimated with ``screen_samples`` draws shared by all datasets
-(common random numbers) and add-half smoothing, so the audited screening bit is approximate (the
-mixing and the stop rule are exact).
+Design: docs/guide/baselines.md (§"AdaPMixED"); accounting: docs/accounting_notes.md §7.
 """
 
 from __future__ import annotations
@@ -125,8 +79,8 @@ def adapmixed_member_weights(members: torch.Tensor, public: torch.Tensor, order:
     :math:`m_\lambda = p_0(1 + \lambda(p_i/p_0 - 1))`, both directions are one pass over V:
     :math:`D_\alpha(p_0\|m_\lambda) = \frac1{\alpha-1}\log\sum p_0 (m_\lambda/p_0)^{1-\alpha}` and
     :math:`D_\alpha(m_\lambda\|p_0) = \frac1{\alpha-1}\log\sum p_0 (m_\lambda/p_0)^{\alpha}`. The root of the
-    non-decreasing :math:`D^{sym}_\alpha(\lambda) - r` (module docstring) is bracketed in [0, 1], narrowed
-    by 12 halvings (robust where the function is very steep) and then by 14 steps of the Illinois
+    non-decreasing :math:`D^{sym}_\alpha(\lambda) - r` (docs/guide/baselines.md, "AdaPMixED") is bracketed
+    in [0, 1], narrowed by 12 halvings (robust where the function is very steep) and then by 14 steps of the Illinois
     variant of regula falsi (superlinear); the returned λ is the bracket's feasible end
     (:math:`D^{sym}_\alpha \le r`, the ball is never left), within ~1e-12 of the root (tested).
     """
@@ -170,8 +124,8 @@ def adapmixed_member_weights(members: torch.Tensor, public: torch.Tensor, order:
 
 @dataclasses.dataclass(frozen=True)
 class AdaPMixEDConfig:
-    """Parameters of :class:`AdaPMixEDMechanism` (module docstring). ``epsilon``/``delta``: the budget of
-    the stop rule (a data-dependent guarantee)."""
+    """Parameters of :class:`AdaPMixEDMechanism` (defaults: docs/guide/baselines.md, "AdaPMixED").
+    ``epsilon``/``delta``: the budget of the stop rule (a data-dependent guarantee)."""
 
     batch_size: int
     epsilon: float

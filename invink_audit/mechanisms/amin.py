@@ -1,60 +1,14 @@
-r"""Amin et al. 2024 ("Private prediction for large-scale synthetic text generation", EMNLP Findings,
+"""Amin et al. 2024 ("Private prediction for large-scale synthetic text generation", EMNLP Findings,
 arXiv:2407.12108) as a :class:`~invink_audit.mechanisms.base.Mechanism`, under replace-by-null adjacency.
 
-One step, for references :math:`R = (r_1..r_B)` (a fixed batch of ``B`` references: the fixed
-batch-size denominator of the InvisibleInk paper, App. B.3.1, "Adjacency notion of Amin et al.", which
-is how both Amin et al.'s and the paper's experiments run it):
+One step: recentred naive clipping (InvisibleInk paper Eq. (8) (eq:amin-avg)), a sparse-vector step that
+picks a public or a private token (AboveThreshold, Dwork & Roth 2014, Alg. 1), the exponential mechanism
+for a private one (paper Eq. (2) (eq:expo-mech)); stop after ``r`` private tokens. :class:`AminAccounting`:
+a-priori ρ_seq = r(ρ_em + ρ_svt) (paper Theorem 2 (thm:accounting); Dwork & Roth 2014, Thm. 3.23, with
+Lyu, Su & Li 2017's noise split; Bun & Steinke 2016, Prop. 1.4), under :class:`AminSensitivity`
+``REPLACE_BY_NULL`` (2C/B, 2/B: paper Property 9 (prop:amin-sens)) or ``PAPER`` (C/B, 1/B, understated).
 
-1. **Clipping with recentering** (InvisibleInk paper Eq. (8) (eq:amin-avg) and its footnote; Amin et al. 2024):
-   :math:`\bar\phi = \frac1B\sum_i \mathrm{clip}_C(\phi_i - \max_y\phi_i(y) + C)`, each row shifted so
-   that its maximum is ``C`` and clipped coordinate-wise to :math:`[-C, C]`; a null reference's row is
-   the public row, :math:`\phi_{pub}`.
-2. **Sparse-vector step** (Amin et al. 2024's public tokens; AboveThreshold, Dwork & Roth 2014, Alg. 1): the
-   query is the :math:`\ell_1` distance between the mean of the *unclipped* private softmaxes and the
-   public softmax, :math:`q = \|\frac1B\sum_i \mathrm{softmax}(\phi_i) - \mathrm{softmax}(\phi_{pub})\|_1`
-   (our choice: under replace-by-null its sensitivity is 2/B, which the SVT accounting covers; the
-   InvisibleInk paper's §3, "Drawbacks of Prior Work", uses public tokens "if they are close enough to
-   the aggregated private logits" :math:`\bar\phi`, the clipped aggregate of step 1, Eq. (8), which is
-   what the re-implementation computes, see below). A noisy threshold :math:`\hat\theta = \theta +
-   \mathrm{Lap}(\sigma)` is drawn at the start and after every private token; at each step
-   :math:`q + \mathrm{Lap}(2\sigma) \ge \hat\theta` releases a **private** token, else a **public** one.
-3. **Private token**: the exponential mechanism :math:`x_t \sim \mathrm{softmax}(\bar\phi/\tau)`
-   (InvisibleInk paper Eq. (2) (eq:expo-mech) with :math:`\sqrt{2\rho}/\Delta = 1/\tau`). **Public token**:
-   :math:`x_t \sim \mathrm{softmax}(\phi_{pub}/\tau_{pub})`, free (a function of the public row).
-4. **Stop rule**: the text ends after ``max_private_tokens`` (r) private tokens (or at EOS, or at T).
-
-**Accounting** (a-priori, by the number of private tokens; :class:`AminAccounting`). With ℓ∞
-sensitivity :math:`\Delta` of :math:`\bar\phi` and sensitivity :math:`\Delta_q` of the query:
-each private token costs :math:`\rho_{em} = \Delta^2/(2\tau^2)` (ε0 = 2Δ/τ bounded range, ε0²/8-zCDP:
-Cesar & Rogers 2021; InvisibleInk paper Theorem 2 (thm:accounting)) and each AboveThreshold run (one per private
-token; a run cut short by EOS or T costs no more) is :math:`\varepsilon_{svt} = 2\Delta_q/\sigma`-DP
-(threshold noise Lap(Δ_q/ε1), query noise Lap(2Δ_q/ε2) with ε1 = ε2 = Δ_q/σ; Dwork & Roth 2014,
-Thm. 3.23; Lyu, Su & Li 2017) hence :math:`\varepsilon_{svt}^2/2`-zCDP (Bun & Steinke 2016,
-Prop. 1.4): :math:`\rho_{seq} = r(\rho_{em} + \rho_{svt})`, as in the re-implementation's
-``compute_rho``. Two choices of the sensitivities (:class:`AminSensitivity`):
-
-* ``REPLACE_BY_NULL`` (**correct**): :math:`\Delta = 2C/B` (InvisibleInk paper Property 9 (prop:amin-sens);
-  recentering keeps it, ``accounting.sensitivity``) and :math:`\Delta_q = 2/B` (replacing
-  :math:`p_j` by :math:`p_{pub}` moves the mean by :math:`\|p_j - p_{pub}\|_1/B \le 2/B`, triangle
-  inequality; attained by disjoint supports);
-* ``PAPER``: :math:`\Delta = C/B` and :math:`\Delta_q = 1/B`, the zero-out / add-or-remove values the
-  paper's experiments use under replace-by-null (paper §5 "Baselines", App. B.3.1 "Convention in our
-  experiments": "we give it an advantage by (incorrectly) taking the sensitivity to be C/B"). Under
-  replace-by-null this **understates** both by 2: the auditor must (and does) find it.
-
-Where the paper and its public re-implementation (``cerai-iitm/InvisibleInk-Experiments``,
-``generate_amin.py``; it is the only one we could find) differ, or where we depart from both:
-
-* the re-implementation computes the SVT distance on the softmax of the *clipped, recentred*
-  aggregate :math:`\bar\phi`, as the paper's §3 words it (it computes the unclipped mean and leaves it
-  unused); we use the unclipped softmaxes, whose distance has sensitivity 2/B under replace-by-null;
-  the clipped distance's sensitivity is not bounded by 1/B (nor 2/B), so the re-implementation's SVT
-  accounting does not cover it;
-* it reports a per-text ε from the *realised* number of private tokens; we report the a-priori
-  guarantee for ``r`` private tokens (the stop rule makes it a bound for every text).
-
-Defaults θ = 0.7, σ = 0.3, r = 100, τ = τ_pub = 1 are the re-implementation's command-line defaults
-(the paper's App. D.5, "Amin et al.", Table 9 (tab:hp_amin), states r = 100 and tunes τ ∈ {0.8, 1.0, 1.2}).
+Design: docs/guide/baselines.md (§"Amin et al. 2024"); accounting: docs/accounting_notes.md §7.
 """
 
 from __future__ import annotations
@@ -101,7 +55,7 @@ MODE_PUBLIC, MODE_PRIVATE = 0, 1
 
 
 class AminSensitivity(enum.Enum):
-    """Which sensitivities the accountant is told (module docstring)."""
+    """Which sensitivities the accountant is told (docs/guide/baselines.md, "Amin et al. 2024")."""
 
     REPLACE_BY_NULL = "replace-by-null"  # correct: aggregate 2C/B, SVT query 2/B
     PAPER = "paper"  # the paper's experiments: C/B and 1/B under replace-by-null (understated by 2)
@@ -220,7 +174,8 @@ def plan_amin(
 
 @dataclasses.dataclass(frozen=True)
 class AminConfig:
-    """Parameters of :class:`AminMechanism` (see the module docstring; defaults: the re-implementation's)."""
+    """Parameters of :class:`AminMechanism` (docs/guide/baselines.md, "Amin et al. 2024"; defaults: the
+    re-implementation's)."""
 
     clip_norm: float
     batch_size: int

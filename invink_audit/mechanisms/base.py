@@ -1,40 +1,12 @@
-r"""The mechanism interface: what the engine and the auditor need from a private decoding step.
+"""The mechanism interface: what the engine and the auditor need from a private decoding step.
 
-A *mechanism* turns one decoding step's logits into the distribution of what the step releases.
-The engine gives it, for ``G`` texts in progress, the ``B`` private rows ``private (G, B, V)`` (one
-per reference; a null reference's row **is** the public row) and the public row ``public (G, V)``,
-all on the model's device, plus the text's own state and auxiliary uniforms; it returns
-log-probabilities over the step's **outcomes**, from which the engine draws one per text with the
-text's own random stream (Gumbel-max, :func:`invink_audit.mechanism.gumbel_argmax`).
+:class:`Mechanism` turns one step's ``B`` private rows ``(G, B, V)`` and public row ``(G, V)`` into
+log-probabilities over the step's **outcomes** (a token in one of ``num_modes`` modes, or a stop),
+carries a per-text state (**sampled** for generation, **exact** for audits: every replace-by-null
+neighbour's distribution from the same logits), and states its guarantee (:meth:`Mechanism.guarantee`:
+a-priori, or data-dependent, never a PASS). Example: ``examples/custom_mechanism.py``.
 
-Outcomes. A step releases a token in one of ``num_modes`` *modes* (how it was produced: InvisibleInk
-has one; Amin et al. release a public or a private token; AdaPMixED a screened or a mixed one), so
-the outcome space is ``num_modes × V`` columns, outcome ``o`` meaning token ``o % V`` in mode
-``o // V``. A mechanism whose stop rule may refuse to release anything more (a data-dependent budget)
-has one more column, :meth:`Mechanism.stop_outcome` (the text ends without a token). The mode is part
-of what the step releases: the auditor measures the privacy loss of (mode, token) pairs, which is the
-release the baselines' accountants compose (the SVT bits of Amin et al., the screening decisions of
-AdaPMixED), and never less than the loss of the token alone (post-processing).
-
-State. Each text carries a flat float64 state vector (``state_size``; empty for InvisibleInk), so
-texts can join and leave the engine's batch freely. Two kinds of state:
-
-* **sampled** (generation): the mechanism's own random variables are drawn (e.g. the noisy SVT
-  threshold), as a deployment would run it;
-* **exact** (audits, whenever the engine has hooks): the state tracks, for ``R`` and for every
-  replace-by-null neighbour ``R'_j``, what is needed to give the *exact* conditional distribution of
-  the next outcome given the released history (e.g. the posterior of the SVT threshold), so the
-  step returns the outcome distributions under ``R`` and every ``R'_j`` from the same logits.
-  Drawing from the exact conditional distribution step by step produces the same output
-  distribution as the sampled mechanism (chain rule); the tests check it.
-
-Accounting. :meth:`Mechanism.guarantee` states the guarantee: **a-priori** (a zCDP ρ for a whole
-text, fixed before anything runs) or **data-dependent** (a running spend with a stop rule, which holds
-only for the dataset it was computed on). The auditor turns it into its claim
-(:func:`invink_audit.audit.whitebox.Claim.from_guarantee`); a data-dependent guarantee never gets a
-PASS.
-
-See ``examples/custom_mechanism.py`` for a mechanism written against this interface.
+Design: docs/guide/baselines.md (§"The mechanism interface"); the engine's side: docs/design/engine.md.
 """
 
 from __future__ import annotations
@@ -150,7 +122,7 @@ class MechanismStep:
 
 
 class Mechanism(abc.ABC):
-    """A private decoding step with per-text state (see the module docstring).
+    """A private decoding step with per-text state (docs/guide/baselines.md, "The mechanism interface").
 
     Subclasses set ``name``, ``num_modes``, ``mode_names`` and ``can_halt``, and implement
     :attr:`batch_size`, :meth:`state_size`, :meth:`aux_size`, :meth:`initial_state`, :meth:`step`,

@@ -1,34 +1,13 @@
-"""The behaviour every :class:`~invink_audit.mechanisms.Mechanism` owes the engine and the auditor, as a pytest
-base class.
+"""The behaviour every :class:`~invink_audit.mechanisms.Mechanism` owes the engine and the auditor, as a
+pytest base class.
 
-Subclass :class:`MechanismContract` in a test module (the subclass's name starts with ``Test``) and say how to
-build the mechanism; pytest collects the inherited checks::
+Subclass :class:`MechanismContract` in a test module (as ``Test...``) and define ``make_mechanism``; pytest
+collects the inherited checks, run on seeded random logits: a consistent outcome space, normalised float64
+steps, exact neighbour distributions, the per-step claim against every neighbour
+(:func:`~invink_audit.testing.assert_token_privacy`), independent texts, ``advance``'s shapes and a
+well-formed guarantee. Class attributes set the vocabulary size, texts per step, seeds and scales.
 
-    from invink_audit.testing import MechanismContract
-
-    class TestMyMechanism(MechanismContract):
-        def make_mechanism(self):
-            return MyMechanism(clip_norm=1.0, batch_size=3, temperature=1.0)
-
-Every check runs the mechanism's own step on seeded random logits (one reference of each text null, so its row
-is the public row; moderate and saturating scales) and holds it to what the interface and its own
-:meth:`~invink_audit.mechanisms.Mechanism.guarantee` state (the module docstring of
-:mod:`invink_audit.mechanisms.base`):
-
-* it declares a consistent outcome space (modes, stop outcome);
-* each step returns float64 log-probabilities on the logits' device that sum to one, never NaN;
-* with the exact state, the distributions under every replace-by-null neighbour, that of an already-null
-  reference equal to the actual one;
-* its per-step claim (``step_epsilon0``, ``step_rho``) holds exactly against every neighbour: identical
-  supports, privacy-loss span <= ε0 (bounded range) and Rényi divergences <= αρ in both directions
-  (:func:`~invink_audit.testing.assert_token_privacy`);
-* texts do not depend on each other: one text's step is the same alone and among others;
-* ``advance`` keeps the state's shape and returns one stop flag per text;
-* its guarantee is well formed: the δ and T it was asked for, ε > 0; an a-priori one with ρ > 0, a
-  ``"zcdp"`` one never below the CKS conversion of its ρ (no accountant certifies less), a
-  ``"bounded-range"`` one with ρ = T·ρ_step.
-
-Override the class attributes to change the vocabulary size, the texts per step, the seeds or the scales.
+Design: docs/guide/testing-kit.md (§"The mechanism contract"); the interface: docs/guide/baselines.md.
 """
 
 from __future__ import annotations
