@@ -5,7 +5,8 @@ Layers: :mod:`~accounting.sensitivity` (ℓ∞ sensitivity of the aggregated log
 composition of ε0-bounded-range mechanisms), :mod:`~accounting.accountants` (named accountants),
 :mod:`~accounting.planner` (every inverse of C, T, B, τ ↔ ε, δ), :mod:`~accounting.ledger`
 (a persisted privacy odometer) and :mod:`~accounting.limits` (the documented valid range of every
-parameter, :func:`check_parameter_ranges`).
+parameter, :func:`check_parameter_ranges`). :mod:`~accounting.augpe` accounts the AugPE baseline (T Gaussian
+nearest-neighbour histograms).
 """
 
 from accounting.accountants import (
@@ -17,6 +18,14 @@ from accounting.accountants import (
     composed_delta,
     composed_epsilon,
     max_epsilon0,
+)
+from accounting.augpe import (
+    AugPEEvent,
+    AugPESensitivity,
+    augpe_l2_sensitivity,
+    gaussian_dp_delta,
+    gaussian_dp_epsilon,
+    plan_augpe_noise_std,
 )
 from accounting.bounded_range import DeltaBracket, br_adaptive_delta, br_nonadaptive_delta
 from accounting.conversions import (
@@ -56,7 +65,10 @@ __all__ = [
     "DEFAULT_ACCOUNTANT",
     "Accountant",
     "as_accountant",
+    "augpe_l2_sensitivity",
     "Adjacency",
+    "AugPEEvent",
+    "AugPESensitivity",
     "BudgetExceededError",
     "BudgetLedger",
     "ChargeOutcome",
@@ -78,11 +90,14 @@ __all__ = [
     "composed_epsilon",
     "epsilon_for_clip_norm",
     "epsilon_to_zcdp",
+    "gaussian_dp_delta",
+    "gaussian_dp_epsilon",
     "linf_sensitivity",
     "max_epsilon0",
     "plan_clip_norm",
     "plan_max_new_tokens",
     "plan_min_batch_size",
+    "plan_augpe_noise_std",
     "planning_table",
     "sensitivity_factor",
     "zcdp_to_delta",

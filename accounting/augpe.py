@@ -1,0 +1,313 @@
+r"""Accounting for AugPE (Xie et al. 2024, "Differentially Private Synthetic Data via Foundation Model APIs 2:
+Text", arXiv:2403.01749, Alg. 1): ``T`` adaptively composed Gaussian mechanisms on a nearest-neighbour histogram.
+
+Each AugPE iteration releases one noisy histogram (the InvisibleInk paper's Eq. (eq:hiso-augpe), App. B.3.3
+(sec:adj-augpe)): every private reference votes for its nearest candidate, and Gaussian noise of standard
+deviation ``noise_std`` (σ, in counts, the same for every bin) is added to every count. What a neighbouring
+dataset can change is one vote, so the histogram's ℓ2 sensitivity Δ is (paper Property prop:augpe-sens):
+
+=====================  ======  ====================================================================
+``AugPESensitivity``   Δ       status
+=====================  ======  ====================================================================
+``REPLACE_BY_NULL``    √2      correct under replace-by-null (the project's adjacency): the nulled
+                               reference's vote moves from one bin to another (the empty text votes too)
+``ADD_OR_REMOVE``      1       correct under add-or-remove (AugPE's own adjacency): one vote appears
+``PAPER``              1       the InvisibleInk paper's experiments (App. B.3.3, "Convention in our
+                               Experiments"): replace-by-null data with the add-or-remove value. **Not a
+                               valid guarantee**: under replace-by-null it understates Δ by √2 (ρ by 2)
+=====================  ======  ====================================================================
+
+**One definition of σ.** ``noise_std`` σ is the standard deviation of the noise added to each count. The
+official implementation's ``--noise_multiplier`` z is σ/Δ for its Δ = √k = 1 (``dpsda/dp_counter.py``,
+``dp_nn_histogram``: noise ``normal * sqrt(num_nearest_neighbor) * noise_multiplier``);
+:attr:`AugPEEvent.noise_multiplier` is σ/Δ, dp-accounting's ``GaussianDpEvent(noise_multiplier=σ/Δ)``.
+
+**zCDP.** A Gaussian mechanism of ℓ2 sensitivity Δ and standard deviation σ is Δ²/(2σ²)-zCDP (Bun & Steinke
+2016, arXiv:1605.02065, Prop. 1.6), and zCDP composes adaptively by adding ρ (ibid., Lemma 2.3), so T
+iterations are
+
+.. math:: \rho = \frac{T\,\Delta^2}{2\sigma^2},
+
+converted to (ε, δ) by the project's conversions (:mod:`accounting.conversions`; CKS by default) and rounded up
+as every reported ε is (:data:`accounting.accountants.EPSILON_ROUNDING`). The ledger charges this ρ
+(:meth:`AugPEEvent.zcdp_event`).
+
+**Exact (tight) alternative.** A Gaussian mechanism is (Δ/σ)-GDP and T of them compose adaptively to
+μ-GDP with :math:`\mu = \sqrt{T}\,\Delta/\sigma` (Dong, Roth & Su 2019, arXiv:1905.02383, Thm. 2.7 and Cor. 3.3);
+μ-GDP is exactly the (ε, δ(ε)) curve of the analytic Gaussian mechanism (ibid., Cor. 2.13; Balle & Wang 2018,
+arXiv:1805.06530, Thm. 8):
+
+.. math:: \delta(\varepsilon) = \Phi\Big(-\frac{\varepsilon}{\mu} + \frac{\mu}{2}\Big)
+          - e^{\varepsilon}\,\Phi\Big(-\frac{\varepsilon}{\mu} - \frac{\mu}{2}\Big).
+
+:meth:`AugPEEvent.gaussian_epsilon` inverts it; it is never above the zCDP value and agrees with dp-accounting's
+PLD accountant (``tests/test_accounting_augpe.py``). It is a valid conversion *for this mechanism* (a
+composition of Gaussians), not for a general ρ-zCDP mechanism (:mod:`accounting.conversions`).
+
+Inverses (:func:`plan_augpe_noise_std`) return the safe side: a σ at least as large as the budget needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+from scipy import optimize, special
+
+from accounting._validation import check_delta, check_nonnegative, check_positive
+from accounting.accountants import DEFAULT_ACCOUNTANT, EPSILON_ROUNDING, Accountant, as_accountant
+from accounting.conversions import epsilon_to_zcdp, zcdp_to_epsilon
+from accounting.events import ZcdpEvent
+from accounting.limits import COUNT_RANGE, RANGES, ParameterRange
+from accounting.sensitivity import coerce_enum
+
+__all__ = [
+    "AugPEEvent",
+    "AugPESensitivity",
+    "NOISE_STD_RANGE",
+    "augpe_l2_sensitivity",
+    "gaussian_dp_delta",
+    "gaussian_dp_epsilon",
+    "plan_augpe_noise_std",
+]
+
+#: The accepted noise standard deviation σ (counts): below 1e-6 the histogram is in the clear; with
+#: T ≤ 1e9 and Δ ≤ √2 every ρ = TΔ²/(2σ²) in this range lies in the ledger's ρ range (1e-300, 1e40).
+NOISE_STD_RANGE = ParameterRange(1e-6, 1e12)
+
+#: Relative upward rounding of the exact Gaussian ε (:func:`gaussian_dp_epsilon`): it covers the floating-point
+#: error of δ(ε), which is a few ulps relative, many times over.
+_GDP_ROUNDING = 1e-9
+#: Above this relative closeness of the two terms of δ(ε) the bound μ·φ(m) replaces the difference.
+_CANCELLATION = 1e-6
+
+
+class AugPESensitivity(enum.Enum):
+    """Which ℓ2 sensitivity of the nearest-neighbour histogram the accountant is told (module docstring)."""
+
+    REPLACE_BY_NULL = "replace-by-null"  # correct under replace-by-null: √2
+    ADD_OR_REMOVE = "add-or-remove"  # correct under add-or-remove: 1
+    PAPER = "paper"  # the paper's experiments: 1 under replace-by-null, NOT a valid guarantee (understated by √2)
+
+
+_L2_SENSITIVITY = {
+    # paper Property prop:augpe-sens, replace-by-null: the nulled reference's vote leaves one bin (−1) and the
+    # empty text's vote lands in another (+1): ‖(−1, +1)‖₂ = √2
+    AugPESensitivity.REPLACE_BY_NULL: math.sqrt(2.0),
+    # paper Property prop:augpe-sens, add-or-remove: one vote appears or disappears
+    AugPESensitivity.ADD_OR_REMOVE: 1.0,
+    # paper App. B.3.3, "Convention in our Experiments": the add-or-remove value under replace-by-null (invalid)
+    AugPESensitivity.PAPER: 1.0,
+}
+
+
+def augpe_l2_sensitivity(sensitivity: AugPESensitivity | str = AugPESensitivity.REPLACE_BY_NULL) -> float:
+    """ℓ2 sensitivity Δ of the nearest-neighbour histogram (paper Property prop:augpe-sens; table above)."""
+    return _L2_SENSITIVITY[coerce_enum(sensitivity, AugPESensitivity)]
+
+
+def _check_mu(mu) -> float:
+    return check_positive("mu", mu)
+
+
+def _log_gaussian_dp_delta(mu: float, epsilon: float) -> float:
+    """log δ(ε) of μ-GDP (module docstring) in log space, log Φ(a) + log(1 − e^ε Φ(b)/Φ(a)) with a − b = μ.
+
+    Where the two terms nearly cancel (ratio above 1 − 1e-6: tiny μ), the difference would lose its digits;
+    there it returns the upper bound δ ≤ Φ(a) − Φ(b) ≤ μ·φ(m), m the distance of [b, a] from 0 (errs high).
+    """
+    a = -epsilon / mu + mu / 2.0
+    b = -epsilon / mu - mu / 2.0
+    log_phi_a = float(special.log_ndtr(a))
+    ratio = math.exp(min(0.0, epsilon + float(special.log_ndtr(b)) - log_phi_a))
+    if ratio <= 1.0 - _CANCELLATION:
+        return log_phi_a + math.log1p(-ratio)
+    m = 0.0 if b <= 0.0 <= a else min(abs(a), abs(b))
+    return min(0.0, math.log(mu) - 0.5 * m * m - 0.5 * math.log(2.0 * math.pi))
+
+
+def gaussian_dp_delta(mu: float, epsilon: float) -> float:
+    r"""δ(ε) of μ-GDP: :math:`\Phi(-\varepsilon/\mu + \mu/2) - e^\varepsilon\Phi(-\varepsilon/\mu - \mu/2)`
+    (Dong, Roth & Su 2019, arXiv:1905.02383, Cor. 2.13; Balle & Wang 2018, arXiv:1805.06530, Thm. 8)."""
+    mu = _check_mu(mu)
+    epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
+    if math.isinf(epsilon):
+        return 0.0
+    return math.exp(_log_gaussian_dp_delta(mu, epsilon))
+
+
+def gaussian_dp_epsilon(mu: float, delta: float) -> float:
+    r"""The smallest ε with :func:`gaussian_dp_delta` ``(mu, ε) ≤ delta`` (Dong, Roth & Su 2019, Cor. 2.13).
+
+    δ(ε) decreases in ε. The bracket's upper end is the zCDP bound of the same Gaussian, ρ = μ²/2:
+    :math:`\mu^2/2 + \mu\sqrt{2\log(1/\delta)}` (Bun & Steinke 2016, Prop. 1.3), always feasible; Brent's
+    method then finds the root, the upper end is kept and rounded up by a relative 1e-9 (errs high: safe).
+    """
+    mu = _check_mu(mu)
+    delta = check_delta("delta", delta)
+    log_target = math.log(delta)
+
+    def excess(epsilon: float) -> float:
+        return _log_gaussian_dp_delta(mu, epsilon) - log_target
+
+    if excess(0.0) <= 0.0:
+        return 0.0
+    hi = mu * mu / 2.0 + mu * math.sqrt(2.0 * math.log(1.0 / delta))
+    while excess(hi) > 0.0:  # pragma: no cover - the zCDP bound is always feasible; a guard on rounding
+        hi *= 2.0
+    root = optimize.brentq(excess, 0.0, hi, xtol=1e-14, rtol=1e-14, maxiter=500)
+    epsilon = max(root, 0.0) * (1.0 + _GDP_ROUNDING)
+    return min(epsilon, hi) if excess(epsilon) <= 0.0 else hi
+
+
+@dataclasses.dataclass(frozen=True)
+class AugPEEvent:
+    r"""One AugPE release as a privacy event: ``iterations`` (T) noisy histograms, each with Gaussian noise of
+    standard deviation ``noise_std`` (σ, counts) on every count, accounted with ``sensitivity``. The event is the
+    record: Δ, ρ, μ and ε are derived from these three fields (module docstring gives the formulas)."""
+
+    noise_std: float
+    iterations: int
+    sensitivity: AugPESensitivity = AugPESensitivity.REPLACE_BY_NULL
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_std", NOISE_STD_RANGE.check("noise_std", self.noise_std))
+        object.__setattr__(self, "iterations", COUNT_RANGE.check("iterations", self.iterations))
+        object.__setattr__(self, "sensitivity", coerce_enum(self.sensitivity, AugPESensitivity))
+
+    @property
+    def valid(self) -> bool:
+        """False for the paper's convention (``PAPER``): its figures are not a valid guarantee."""
+        return self.sensitivity is not AugPESensitivity.PAPER
+
+    @property
+    def l2_sensitivity(self) -> float:
+        """Δ the accountant is told (:func:`augpe_l2_sensitivity`)."""
+        return augpe_l2_sensitivity(self.sensitivity)
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ/Δ: dp-accounting's ``GaussianDpEvent(noise_multiplier)`` of one iteration."""
+        return self.noise_std / self.l2_sensitivity
+
+    @property
+    def rho(self) -> float:
+        r""":math:`\rho = T\Delta^2/(2\sigma^2)` (Bun & Steinke 2016, Prop. 1.6 and Lemma 2.3)."""
+        return self.iterations * self.l2_sensitivity**2 / (2.0 * self.noise_std**2)
+
+    @property
+    def rho_replace_by_null(self) -> float:
+        """ρ that the same noise actually spends under replace-by-null (Δ = √2): for ``PAPER`` twice :attr:`rho`."""
+        return self.iterations * augpe_l2_sensitivity(AugPESensitivity.REPLACE_BY_NULL) ** 2 / (2.0 * self.noise_std**2)
+
+    @property
+    def mu(self) -> float:
+        r"""GDP parameter :math:`\mu = \sqrt{T}\,\Delta/\sigma` (Dong, Roth & Su 2019, Thm. 2.7, Cor. 3.3)."""
+        return math.sqrt(self.iterations) * self.l2_sensitivity / self.noise_std
+
+    def epsilon(self, delta: float, accountant: Accountant | str = DEFAULT_ACCOUNTANT) -> float:
+        """ε at ``delta`` from ρ with the accountant's zCDP conversion (CKS for ``br-adaptive``), rounded up as
+        :meth:`accounting.ZcdpEvent.epsilon` rounds: the figure the ledger charges."""
+        conversion = as_accountant(accountant).zcdp_conversion
+        return zcdp_to_epsilon(self.rho, delta, conversion) * (1.0 + EPSILON_ROUNDING)
+
+    def gaussian_epsilon(self, delta: float) -> float:
+        """The exact ε at ``delta`` of T composed Gaussian mechanisms (μ-GDP, :func:`gaussian_dp_epsilon`)."""
+        return gaussian_dp_epsilon(self.mu, delta)
+
+    def describe(self) -> str:
+        """One line for reports; the paper's convention says it is not a guarantee."""
+        head = f"AugPE: T={self.iterations} Gaussian histograms, noise std {self.noise_std:.6g}, rho={self.rho:.6g}"
+        if self.valid:
+            return f"{head} zCDP ({self.sensitivity.value}, l2 sensitivity {self.l2_sensitivity:.6g})"
+        return (f"{head} as the paper accounts it (l2 sensitivity 1 under replace-by-null): NOT A VALID GUARANTEE; "
+                f"replace-by-null spends rho={self.rho_replace_by_null:.6g}")  # fmt: skip
+
+    def zcdp_event(self) -> ZcdpEvent:
+        """The ledger's record of this release (:class:`accounting.ZcdpEvent` of :attr:`rho`). The ledger composes
+        replace-by-null guarantees, so only ``REPLACE_BY_NULL`` has one: ``PAPER`` is not a guarantee, and an
+        add-or-remove ρ does not bound a replace-by-null neighbour (that one moves two votes)."""
+        if self.sensitivity is not AugPESensitivity.REPLACE_BY_NULL:
+            why = "an add-or-remove guarantee does not compose with the ledger's replace-by-null releases"
+            if self.sensitivity is AugPESensitivity.PAPER:
+                why = "the paper's convention is not a valid guarantee"
+            raise ValueError(f"sensitivity={self.sensitivity.value!r} cannot be charged to a ledger: {why}; "
+                             "use AugPESensitivity.REPLACE_BY_NULL")  # fmt: skip
+        return ZcdpEvent(self.rho, f"augpe (T={self.iterations}, noise_std={self.noise_std:.6g}, replace-by-null)")
+
+    def to_json(self) -> dict:
+        return {"noise_std": self.noise_std, "iterations": self.iterations, "sensitivity": self.sensitivity.value,
+                "l2_sensitivity": self.l2_sensitivity, "rho": self.rho, "valid": self.valid}  # fmt: skip
+
+
+def _in_noise_range(sigma: float) -> float:
+    """σ raised to :data:`NOISE_STD_RANGE`'s lower end (more noise: safe); above its upper end, a ``ValueError``."""
+    if not math.isfinite(sigma) or sigma > NOISE_STD_RANGE.high:
+        raise ValueError(f"the budget needs a noise std of {sigma!r}, above {NOISE_STD_RANGE.high:g}: epsilon is too small")
+    return max(sigma, NOISE_STD_RANGE.low)
+
+
+def plan_augpe_noise_std(
+    epsilon: float,
+    delta: float,
+    iterations: int,
+    sensitivity: AugPESensitivity | str = AugPESensitivity.REPLACE_BY_NULL,
+    accountant: Accountant | str = DEFAULT_ACCOUNTANT,
+    *,
+    exact_gaussian: bool = False,
+) -> float:
+    r"""The noise std σ for which ``iterations`` histograms are (ε, δ)-DP: the safe (upper) side.
+
+    zCDP (default, what a ledger charges): :math:`\sigma = \Delta\sqrt{T/(2\rho^*)}` with ρ* the largest ρ the
+    accountant's zCDP conversion allows (:func:`accounting.conversions.epsilon_to_zcdp`, its lower end).
+    ``exact_gaussian=True``: the largest μ with :func:`gaussian_dp_delta` ``(μ, ε) ≤ δ`` by bisection (kept on the
+    feasible side), :math:`\sigma = \sqrt{T}\Delta/\mu`. Either σ is then raised until the event's own ε (the same
+    function reports it) is at most ``epsilon``.
+    """
+    epsilon = RANGES["epsilon"].check("epsilon", epsilon)
+    delta = RANGES["delta"].check("delta", delta)
+    iterations = COUNT_RANGE.check("iterations", iterations)
+    sensitivity = coerce_enum(sensitivity, AugPESensitivity)
+    acc = as_accountant(accountant)
+    if not isinstance(exact_gaussian, bool):
+        raise ValueError(f"exact_gaussian must be a bool; got {exact_gaussian!r}")
+    rho_star = epsilon_to_zcdp(epsilon, delta, acc.zcdp_conversion)
+    if not rho_star > 0.0:
+        raise ValueError(f"epsilon={epsilon!r} at delta={delta!r} allows no zCDP budget (rho rounds to 0)")
+    delta_l2 = augpe_l2_sensitivity(sensitivity)
+    if exact_gaussian:
+        mu = _largest_feasible_mu(epsilon, delta, math.sqrt(2.0 * rho_star))
+        sigma = _in_noise_range(math.sqrt(iterations) * delta_l2 / mu)
+    else:
+        sigma = _in_noise_range(delta_l2 * math.sqrt(iterations / (2.0 * rho_star)))
+
+    def spends(s: float) -> float:
+        event = AugPEEvent(s, iterations, sensitivity)
+        return event.gaussian_epsilon(delta) if exact_gaussian else event.epsilon(delta, acc)
+
+    step = 2.0**-52  # floating-point guard: grows geometrically, so it ends in a few steps
+    while spends(sigma) > epsilon:
+        sigma = _in_noise_range(sigma * (1.0 + step))
+        step = min(2.0 * step, 0.5)
+    return sigma
+
+
+def _largest_feasible_mu(epsilon: float, delta: float, start: float) -> float:
+    """The largest μ with δ(ε; μ) ≤ δ, to a relative 1e-12, on the feasible side. ``start`` = √(2ρ*) of a valid
+    zCDP conversion is feasible (the Gaussian is μ²/2-zCDP), so it brackets the answer from below."""
+    log_target = math.log(delta)
+
+    def feasible(mu: float) -> bool:
+        return _log_gaussian_dp_delta(mu, epsilon) <= log_target
+
+    lo = start
+    while not feasible(lo):  # pragma: no cover - a valid conversion's μ is feasible; a guard on rounding
+        lo *= 0.5
+    hi = 2.0 * lo
+    while feasible(hi):
+        lo, hi = hi, 2.0 * hi
+    while hi - lo > 1e-12 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,383 @@
+r"""AugPE (Xie et al. 2024, arXiv:2403.01749, Alg. 1): the paper's API-access baseline, end to end.
+
+:func:`augpe_generate` runs the algorithm as the official implementation does (``AI-secure/aug-pe`` at a3f292f,
+``main.py``; the settings of its ``scripts/hf/template/*.sh``: L = 7, ``init_combine_divide_L`` = L,
+``lookahead_degree`` = 0, ``select_syn_mode`` = rank, ``save_syn_mode`` = selected), with n = ``num_texts``:
+
+1. **RANDOM_API** (Alg. 1's first step; ``main.py`` l. 80–83): n texts sampled from the public generation prompt.
+2. **Initial variations** (``main.py`` l. 105–141): L − 1 paraphrases of each seed, so L·n candidates
+   (each seed followed by its own paraphrases, the official order).
+3. For t = 1..T (``main.py`` l. 153–318):
+
+   a. **embed** the candidates (self-embedding, ``lookahead_degree`` = 0: l. 156–157, 179–189);
+   b. **DP nearest-neighbour histogram** of the private references over the candidates, Gaussian noise,
+      threshold H (:func:`~invink_audit.augpe.histogram.dp_nn_histogram`; ``dpsda/dp_counter.py``);
+   c. **select** n candidates (:class:`~invink_audit.augpe.histogram.Selection`; l. 235–250);
+   d. unless t = T, the next candidates are the selected texts and L − 1 paraphrases of each (**VARIATION_API**,
+      l. 269–299, ``donnot_keep_last_iter`` off). The official loop also paraphrases at t = T, then saves the
+      *selected* texts (l. 301–303): the same release, so we skip that unused round.
+
+4. The release is the n texts selected at t = T.
+
+**Private data touches only step 3b.** The references are embedded once and enter nothing but the votes; every
+prompt, every paraphrase and the number of texts are public. The guarantee is the event's
+(:class:`accounting.AugPEEvent`): T Gaussian histograms, ρ = TΔ²/(2σ²)-zCDP, Δ = √2 under replace-by-null.
+
+Departures from the official implementation, each a public choice:
+
+* no label conditioning: the official code generates per class in proportion to the *private* label counts
+  (``apis/hf_api.py`` l. 128–149), a data-dependent choice; one public prompt here (:mod:`.prompts`);
+* an empty paraphrase keeps its parent text (the official code substitutes the prompt itself, ``hf_api.py``
+  l. 316–317); an empty seed text stays empty (the official code over-generates and drops empties, l. 189–227);
+* chat models get the prompts through their chat template, with the system prompt of the preset
+  (the official HF API feeds raw text to GPT-2; its Azure API uses system prompts);
+* whitespace is collapsed as the official code does (``" ".join(text.split())``, l. 221 and 312).
+
+Randomness: one 128-bit key (from the OS, or from a fixed ``seed``: reproducible, **no privacy**), with independent
+streams derived from it for the sampling of each round, the style draws and each iteration's noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+
+from accounting import DEFAULT_ACCOUNTANT, Accountant, AugPEEvent, AugPESensitivity, as_accountant, plan_augpe_noise_std
+from accounting.limits import COUNT_RANGE, RANGES, check_count, check_nonnegative
+from accounting.sensitivity import coerce_enum
+from invink_audit.augpe.histogram import Selection, dp_nn_histogram, select_candidates
+from invink_audit.augpe.prompts import AugPEPrompts, get_augpe_prompts
+from invink_audit.mechanism import SeededGeneratorWarning, derive_key
+from invink_audit.models import load_model
+from invink_audit.prompts import encode_messages
+
+__all__ = ["AugPEConfig", "AugPEGuarantee", "AugPEResult", "AugPEStats", "SamplingSettings", "augpe_generate"]
+
+_LOG = logging.getLogger(__name__)
+
+#: derived-key labels of the random streams (one key per stream and round: independent, reproducible)
+_SEED_ROUND, _VARIATION_ROUND, _STYLE_DRAW, _NOISE, _SELECTION = 0, 1, 2, 3, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """How RANDOM_API and VARIATION_API sample (public generation). Defaults: the official HF API's
+    (``apis/hf_api.py`` l. 95–101, 204–216): temperature 1, top-k 50, top-p 0.9, no repeated bigram.
+    ``top_k = 0`` and ``no_repeat_ngram_size = 0`` turn those off (transformers' convention)."""
+
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.9
+    no_repeat_ngram_size: int = 2
+
+    def __post_init__(self) -> None:
+        RANGES["temperature"].check("temperature", self.temperature)
+        check_count("top_k", self.top_k, minimum=0)
+        check_count("no_repeat_ngram_size", self.no_repeat_ngram_size, minimum=0)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AugPEConfig:
+    """One AugPE release: n = ``num_texts`` texts after T = ``iterations`` histograms over L·n candidates
+    (L = ``variations``, the paper's 7). The noise is ``noise_std`` σ (counts; :class:`accounting.AugPEEvent`) or
+    planned for ``epsilon`` (:func:`accounting.plan_augpe_noise_std`, safe side); ``delta`` is required in both
+    cases (the guarantee is reported at it). ``sensitivity`` ``PAPER`` is the paper's convention and **not a valid
+    guarantee** (refused with a ledger). ``event`` is computed here, once: the record of the release."""
+
+    num_texts: int
+    iterations: int
+    delta: float
+    noise_std: float | None = None
+    epsilon: float | None = None
+    variations: int = 7
+    max_new_tokens: int = 64
+    sensitivity: AugPESensitivity = AugPESensitivity.REPLACE_BY_NULL
+    threshold: float = 0.0
+    selection: Selection = Selection.RANK
+    prompts: AugPEPrompts | str = "mimic"
+    sampling: SamplingSettings = dataclasses.field(default_factory=SamplingSettings)
+    batch_size: int = 16
+    accountant: Accountant = DEFAULT_ACCOUNTANT
+    event: AugPEEvent = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_texts", "iterations", "max_new_tokens", "batch_size"):
+            COUNT_RANGE.check(name, getattr(self, name))
+        check_count("variations", self.variations, minimum=2)  # L = 1: every candidate selected, none varied
+        COUNT_RANGE.check("candidates (num_texts * variations)", self.num_texts * self.variations)
+        RANGES["delta"].check("delta", self.delta)
+        check_nonnegative("threshold", self.threshold)
+        if (self.noise_std is None) == (self.epsilon is None):
+            raise ValueError(
+                f"give exactly one of noise_std and epsilon; got noise_std={self.noise_std!r}, epsilon={self.epsilon!r}"
+            )
+        if not isinstance(self.sampling, SamplingSettings):
+            raise ValueError(f"sampling must be a SamplingSettings; got {type(self.sampling).__name__}")
+        for name, kind in (("sensitivity", AugPESensitivity), ("selection", Selection)):
+            object.__setattr__(self, name, coerce_enum(getattr(self, name), kind))
+        object.__setattr__(self, "accountant", as_accountant(self.accountant))
+        object.__setattr__(self, "prompts", get_augpe_prompts(self.prompts))
+        noise_std = self.noise_std
+        if noise_std is None:
+            noise_std = plan_augpe_noise_std(self.epsilon, self.delta, self.iterations, self.sensitivity, self.accountant)
+        object.__setattr__(self, "event", AugPEEvent(noise_std, self.iterations, self.sensitivity))
+
+    @property
+    def num_candidates(self) -> int:
+        """L·n: the histogram's bins in every iteration."""
+        return self.num_texts * self.variations
+
+    @property
+    def num_generations(self) -> int:
+        """Full-sequence LLM generations of a release: n seeds, (L − 1)·n paraphrases per round, T rounds."""
+        return self.num_texts + self.iterations * (self.variations - 1) * self.num_texts
+
+
+@dataclasses.dataclass(frozen=True)
+class AugPEGuarantee:
+    """The a-priori guarantee of a release: its event at ``delta`` under ``accountant``. ``void_reason``: why it does
+    not hold although the event is valid (a fixed seed). The paper's convention holds no guarantee either."""
+
+    event: AugPEEvent
+    delta: float
+    accountant: Accountant
+    void_reason: str | None = None
+
+    @property
+    def holds(self) -> bool:
+        return self.event.valid and self.void_reason is None
+
+    @property
+    def rho(self) -> float:
+        return self.event.rho
+
+    @property
+    def epsilon(self) -> float:
+        """ε at δ from ρ (the figure a ledger charges; :meth:`accounting.AugPEEvent.epsilon`)."""
+        return self.event.epsilon(self.delta, self.accountant)
+
+    @property
+    def gaussian_epsilon(self) -> float:
+        """The exact ε of T composed Gaussians (μ-GDP), never above :attr:`epsilon`."""
+        return self.event.gaussian_epsilon(self.delta)
+
+    def describe(self) -> str:
+        if not self.event.valid:
+            return f"NOT A VALID GUARANTEE: {self.event.describe()}"
+        claim = f"({self.epsilon:.6g}, {self.delta:g})-DP, {self.event.describe()}"
+        return claim if self.void_reason is None else f"VOID ({self.void_reason}); would be {claim}"
+
+    def to_json(self) -> dict:
+        return {"epsilon": self.epsilon, "delta": self.delta, "rho": self.rho, "gaussian_epsilon": self.gaussian_epsilon,
+                "accountant": self.accountant.value, "adjacency": self.event.sensitivity.value, "holds": self.holds,
+                "void_reason": self.void_reason, "description": self.describe(), "event": self.event.to_json()}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class AugPEStats:
+    """After-the-fact measurements of a release (public): LLM generations made, wall-clock seconds, the model."""
+
+    generations: int
+    seconds: float
+    model: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AugPEResult:
+    """The released texts (the last iteration's selection), the a-priori ``guarantee``, each iteration's released
+    noisy histogram (DP outputs: post-processing keeps them private), and ``stats``."""
+
+    texts: tuple[str, ...]
+    guarantee: AugPEGuarantee
+    noisy_counts: tuple[tuple[float, ...], ...]
+    stats: AugPEStats
+
+
+# --------------------------------------------------------------------------------------------
+# checks that need nothing loaded
+
+
+def _check_references(references) -> list[str]:
+    if isinstance(references, str) or not isinstance(references, Sequence) or not references:
+        raise ValueError(f"references must be a non-empty sequence of strings; got {type(references).__name__}")
+    for i, text in enumerate(references):
+        if not isinstance(text, str):
+            raise ValueError(
+                f"references[{i}] must be a string (an empty one is a null reference); got {type(text).__name__}"
+            )
+    return list(references)
+
+
+def _open_ledger(ledger):
+    if ledger is None:
+        return None
+    from accounting import BudgetLedger
+
+    if isinstance(ledger, BudgetLedger):
+        return ledger
+    if not isinstance(ledger, (str, os.PathLike)) or not str(os.fspath(ledger)).strip():
+        raise ValueError(f"ledger must be a BudgetLedger, a path to one, or None; got {ledger!r}")
+    return BudgetLedger(ledger)
+
+
+def _resolve_embedder(embedder):
+    """An object with ``embed(texts) -> (n, d) array``: a name (``"mpnet"``, ``"minilm"``) gives an
+    :class:`~invink_audit.evaluation.Embedder` that keeps nothing on disk (it loads at its first use)."""
+    if isinstance(embedder, str):
+        from invink_audit.evaluation.embeddings import Embedder
+
+        return Embedder(embedder, cache=False)
+    if not callable(getattr(embedder, "embed", None)):
+        raise ValueError(f"embedder must be 'mpnet', 'minilm' or an object with embed(texts); got {embedder!r}")
+    return embedder
+
+
+# --------------------------------------------------------------------------------------------
+# the entrance
+
+
+def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpnet", seed: int | None = None,
+                   ledger=None) -> AugPEResult:  # fmt: skip
+    """Run AugPE on ``references`` (private texts; ``""`` is a null reference) and release ``config.num_texts`` texts.
+
+    ``model``: a :class:`~invink_audit.models.LoadedModel`, a name or path for :func:`~invink_audit.models.load_model`,
+    or ``None`` for the embedded SmolLM2. ``embedder``: ``"mpnet"`` (the official default, all-mpnet-base-v2),
+    ``"minilm"``, or an object with ``embed(texts)`` (an Embedder with a cache keeps the private embeddings on disk).
+    ``seed``: a fixed seed makes the run reproducible and its guarantee void (:class:`SeededGeneratorWarning`).
+    ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged once with the event's ρ
+    (:class:`accounting.ZcdpEvent`) after every check and before anything is generated or embedded; refused for the
+    paper's convention (no guarantee) and for add-or-remove (it does not compose with replace-by-null releases).
+    """
+    references = _check_references(references)
+    if not isinstance(config, AugPEConfig):
+        raise ValueError(f"config must be an AugPEConfig; got {type(config).__name__}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
+    ledger = _open_ledger(ledger)
+    record = config.event.zcdp_event() if ledger is not None else None  # refuses PAPER / add-or-remove
+    embed = _resolve_embedder(embedder)
+    loaded = load_model(model)
+    encode_messages(loaded.tokenizer, config.prompts.generation_messages())  # a model without a chat template: now
+    void_reason = None
+    if seed is not None:
+        from invink_audit.generation import SEEDED_VOID_REASON
+
+        void_reason = SEEDED_VOID_REASON
+        warnings.warn(f"AugPE with a fixed seed ({seed}): the output is reproducible and carries no privacy guarantee",
+                      SeededGeneratorWarning, stacklevel=2)  # fmt: skip
+    if ledger is not None:
+        from accounting import Release
+
+        ledger.charge(Release(record, 1, uuid.uuid4().hex, "augpe"))
+    from invink_audit.generation import release_key
+
+    start = time.perf_counter()
+    texts, histograms = _evolve(references, config, loaded, embed, release_key(seed))
+    guarantee = AugPEGuarantee(config.event, config.delta, config.accountant, void_reason)
+    stats = AugPEStats(config.num_generations, time.perf_counter() - start, loaded.name)
+    return AugPEResult(tuple(texts), guarantee, tuple(histograms), stats)
+
+
+# --------------------------------------------------------------------------------------------
+# the algorithm
+
+
+def _evolve(references: list[str], config: AugPEConfig, loaded, embed, key: int) -> tuple[list[str], list]:
+    """Steps 1–4 of the module docstring; returns the released texts and each iteration's noisy histogram."""
+    n, event = config.num_texts, config.event
+    private = _embeddings(embed, references)  # the one use of the references (step 3b below)
+    seed_prompts = [config.prompts.generation_messages()] * n
+    selected = _sample(loaded, seed_prompts, config, derive_key(key, _SEED_ROUND))
+    selected_vectors = None
+    histograms = []
+    for t in range(config.iterations):
+        round_keys = derive_key(key, _VARIATION_ROUND, t), derive_key(key, _STYLE_DRAW, t)
+        candidates = selected + _paraphrase(loaded, selected, config, *round_keys)
+        candidates = _grouped(candidates, n, config.variations)
+        fresh = [c for i, c in enumerate(candidates) if selected_vectors is None or i % config.variations]
+        vectors = _candidate_vectors(embed, fresh, selected_vectors, n, config.variations)
+        noise_rng = np.random.default_rng(derive_key(key, _NOISE, t))
+        noisy = dp_nn_histogram(private, vectors, event.noise_std, config.threshold, noise_rng)
+        chosen = select_candidates(noisy, n, config.selection, np.random.default_rng(derive_key(key, _SELECTION, t)))
+        histograms.append(tuple(float(c) for c in noisy))
+        selected, selected_vectors = [candidates[i] for i in chosen], vectors[chosen]
+        _LOG.info("AugPE iteration %d/%d: %d candidates, %d selected", t + 1, config.iterations, len(candidates), n)
+    return selected, histograms
+
+
+def _grouped(candidates: list[str], n: int, variations: int) -> list[str]:
+    """``[s_1..s_n, v_1^1..v_1^{L-1}, v_2^1, ...]`` reordered to ``[s_1, v_1^1..v_1^{L-1}, s_2, ...]``: each parent
+    followed by its own paraphrases (``main.py`` l. 134–136), so candidate ``i`` is a kept parent iff ``i % L == 0``."""
+    parents, children = candidates[:n], candidates[n:]
+    out = []
+    for i, parent in enumerate(parents):
+        out += [parent, *children[i * (variations - 1) : (i + 1) * (variations - 1)]]
+    return out
+
+
+def _candidate_vectors(embed, fresh: list[str], kept, n: int, variations: int) -> np.ndarray:
+    """The candidates' embeddings: the kept parents' rows reused from the last iteration, the rest embedded."""
+    new = _embeddings(embed, fresh)
+    if kept is None:
+        return new
+    vectors = np.empty((n * variations, new.shape[1]), dtype=np.float64)
+    parent = np.arange(n * variations) % variations == 0
+    vectors[parent], vectors[~parent] = kept, new
+    return vectors
+
+
+def _embeddings(embed, texts: list[str]) -> np.ndarray:
+    vectors = np.asarray(embed.embed(texts), dtype=np.float64)
+    if vectors.ndim != 2 or vectors.shape[0] != len(texts) or not np.all(np.isfinite(vectors)):
+        raise ValueError(f"the embedder returned shape {vectors.shape} (or non-finite values) for {len(texts)} texts")
+    return vectors
+
+
+def _paraphrase(loaded, parents: list[str], config: AugPEConfig, sample_key: int, style_key: int) -> list[str]:
+    """VARIATION_API: L − 1 paraphrases of each parent, parent-major, each in a uniformly drawn public style
+    (``apis/hf_api.py`` l. 248); an empty paraphrase keeps its parent (module docstring)."""
+    styles = config.prompts.styles
+    per_parent = config.variations - 1
+    draws = np.random.default_rng(style_key).integers(len(styles), size=len(parents) * per_parent)
+    messages = [config.prompts.variation_messages(parents[k // per_parent], styles[int(s)]) for k, s in enumerate(draws)]
+    texts = _sample(loaded, messages, config, sample_key)
+    return [text or parents[k // per_parent] for k, text in enumerate(texts)]
+
+
+def _sample(loaded, messages: list, config: AugPEConfig, key: int) -> list[str]:
+    """One text per chat in ``messages``, sampled with ``model.generate`` in batches of ``config.batch_size`` (left
+    padded); batch b draws from torch's generator seeded with ``derive_key(key, b)`` inside ``fork_rng``, so the
+    process's global generator is left as it was."""
+    import torch
+
+    prompts = [encode_messages(loaded.tokenizer, m) for m in messages]
+    devices = [loaded.device.index or 0] if loaded.device.type == "cuda" else []
+    sampling, texts = config.sampling, []
+    for b, begin in enumerate(range(0, len(prompts), config.batch_size)):
+        batch = prompts[begin : begin + config.batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), loaded.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):
+            ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
+        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+            torch.manual_seed(derive_key(key, b) % 2**63)
+            out = loaded.model.generate(
+                input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), do_sample=True,
+                max_new_tokens=config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                top_p=sampling.top_p, no_repeat_ngram_size=sampling.no_repeat_ngram_size,
+                pad_token_id=loaded.pad_token_id, eos_token_id=list(loaded.eos_token_ids),
+            )  # fmt: skip
+        decoded = loaded.tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
+        texts += [" ".join(text.split()) for text in decoded]
+    return texts

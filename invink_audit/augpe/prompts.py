@@ -1,0 +1,163 @@
+r"""AugPE's two public prompts: RANDOM_API's generation prompt and VARIATION_API's paraphrase prompt.
+
+Both are public: they contain no reference. The variation prompt holds one *candidate* text (itself public:
+generated from public prompts and selected by the DP histogram) in ``{text}`` and a rephrase style in
+``{style}``, drawn uniformly from the preset's public list for every paraphrase (official implementation,
+``apis/hf_api.py`` l. 245–262, ``_rephrase``).
+
+Presets:
+
+* ``mimic`` — the InvisibleInk paper's Table ``tab:augpe_prompts`` (App. C, ``sec:augpe-expt``), verbatim: system
+  prompt, generation prompt and variation prompt for MIMIC discharge summaries. The table does not list its
+  rephrase styles ("information about the style ... is inserted"); we take the official implementation's
+  medical-domain list (``apis/utils.py`` l. 61–63, ``ALL_PUBMED_styles``), our assumption.
+* ``yelp`` — the official implementation's Yelp prompts (``variation_type=yelp_rephrase_tone``): the system prompt
+  ``init_yelp`` (``apis/utils.py`` l. 10–13), the label line as the generation prompt (``apis/hf_api.py``
+  l. 152–158, without its random sub-category keyword), the paraphrase prompt of ``_rephrase`` (l. 247–250) and
+  its style list (``apis/utils.py`` l. 53–57, ``ALL_styles``). ``{category}`` and ``{stars}`` are public fields
+  (defaults ``Restaurants`` and ``4.0``). The official implementation generates per class in proportion to the
+  *private* label counts (``text_random_sampling``, l. 128–149): a data-dependent choice, not made here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from collections.abc import Mapping
+from types import MappingProxyType
+
+__all__ = ["AUGPE_PRESETS", "AugPEPrompts", "get_augpe_prompts"]
+
+TEXT_FIELD, STYLE_FIELD = "text", "style"
+
+
+def _fields(template: str, what: str) -> frozenset[str]:
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:
+        raise ValueError(f"{what} is not a valid format string: {err}; got {template!r}") from err
+    names = set()
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier() or spec or conversion:
+            raise ValueError(f"{what} may only use plain named fields such as {{text}}; got {{{name}}}")
+        names.add(name)
+    return frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class AugPEPrompts:
+    """The public prompts of one AugPE run, validated at construction.
+
+    * ``generation``: RANDOM_API's user message (no ``{text}``, no ``{style}``);
+    * ``variation``: VARIATION_API's user message, with ``{text}`` (the candidate) and ``{style}``;
+    * ``styles``: the rephrase styles, one drawn uniformly per paraphrase;
+    * ``system``: the system message of both (``None``: none); ``fields``: values of the other public fields.
+    """
+
+    name: str
+    generation: str
+    variation: str
+    styles: tuple[str, ...]
+    system: str | None = None
+    fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for attr in ("name", "generation", "variation"):
+            if not isinstance(getattr(self, attr), str) or not getattr(self, attr).strip():
+                raise ValueError(f"{attr} must be a non-empty string; got {getattr(self, attr)!r}")
+        if self.system is not None and (not isinstance(self.system, str) or not self.system.strip()):
+            raise ValueError(f"system must be a non-empty string or None; got {self.system!r}")
+        if isinstance(self.styles, str) or not all(isinstance(s, str) and s.strip() for s in self.styles or ()):
+            raise ValueError(f"styles must be a non-empty sequence of non-empty strings; got {self.styles!r}")
+        object.__setattr__(self, "styles", tuple(self.styles))
+        if not self.styles:
+            raise ValueError("styles must be a non-empty sequence of non-empty strings; got ()")
+        if not isinstance(self.fields, Mapping) or not all(isinstance(v, str) for v in self.fields.values()):
+            raise ValueError(f"fields must map field names to strings; got {self.fields!r}")
+        object.__setattr__(self, "fields", MappingProxyType(dict(self.fields)))
+        generation, variation = _fields(self.generation, "generation"), _fields(self.variation, "variation")
+        if generation & {TEXT_FIELD, STYLE_FIELD}:
+            raise ValueError(
+                f"generation must not contain {{text}} or {{style}}: it is the public seed prompt; got {self.generation!r}"
+            )
+        if not {TEXT_FIELD, STYLE_FIELD} <= variation:
+            raise ValueError(f"variation must contain {{text}} and {{style}}; got {self.variation!r}")
+        needed = (generation | variation) - {TEXT_FIELD, STYLE_FIELD}
+        if needed - set(self.fields) or set(self.fields) - needed or set(self.fields) & {TEXT_FIELD, STYLE_FIELD}:
+            raise ValueError(f"prompts {self.name!r} use fields {sorted(needed)}; fields gives {sorted(self.fields)}")
+
+    def _messages(self, user: str) -> list[dict[str, str]]:
+        message = {"role": "user", "content": user}
+        return [message] if self.system is None else [{"role": "system", "content": self.system}, message]
+
+    def generation_messages(self) -> list[dict[str, str]]:
+        """RANDOM_API's chat messages (the same for every seed text)."""
+        return self._messages(self.generation.format(**self.fields))
+
+    def variation_messages(self, text: str, style: str) -> list[dict[str, str]]:
+        """VARIATION_API's chat messages for one candidate ``text`` in one ``style``."""
+        if not isinstance(text, str) or not isinstance(style, str):
+            raise ValueError("text and style must be strings")
+        return self._messages(self.variation.format(**self.fields, text=text, style=style))
+
+    def with_fields(self, **fields: str) -> AugPEPrompts:
+        """A copy with some public field values replaced (only fields the prompts use)."""
+        unknown = set(fields) - set(self.fields)
+        if unknown:
+            raise ValueError(f"prompts {self.name!r} have no field(s) {sorted(unknown)}; theirs are {sorted(self.fields)}")
+        return dataclasses.replace(self, fields={**self.fields, **fields})
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "system": self.system, "generation": self.generation, "variation": self.variation,
+                "styles": list(self.styles), "fields": dict(self.fields)}  # fmt: skip
+
+
+_MEDICAL_STYLES = (
+    "in a professional way", "in a professional tone", "in a professional style", "in a concise manner",
+    "in a creative style", "using imagination", "in a storytelling tone", "in a formal manner",
+    "using a variety of sentence structures",
+)  # fmt: skip
+_YELP_STYLES = (
+    "in a casual way", "in a creative style", "in an informal way", "casually", "in a detailed way",
+    "in a professional way", "with more details", "with a professional tone", "in a casual style",
+    "in a professional style", "in a short way", "in a concise manner", "concisely", "briefly", "orally",
+    "with imagination", "with a tone of earnestness", "in a grammarly-incorrect way", "with grammatical errors",
+    "in a non-standard grammar fashion", "in an oral way", "in a spoken manner", "articulately", "by word of mouth",
+    "in a storytelling tone", "in a formal manner", "with an informal tone", "in a laid-back manner",
+)  # fmt: skip
+_YELP_LABEL = "Business Category: {category}\tReview Stars: {stars}"
+
+AUGPE_PRESETS: Mapping[str, AugPEPrompts] = MappingProxyType({
+    "mimic": AugPEPrompts(
+        name="mimic",
+        system=("Please act as a sentence generator for the medical domain. Generated sentences should mimic the "
+                "style of medical discharge summaries, using a variety of sentence structures."),
+        generation=("Using a variety of sentence structures, write a patient discharge summary. Begin the output "
+                    'with the phrase: "Discharge Instructions:"'),
+        variation=('Please rephrase the following sentences "{text}" as a patient discharge summary: "{style}"\n'
+                   'Begin the output with the phrase: "Discharge Instructions:"'),
+        styles=_MEDICAL_STYLES,
+    ),
+    "yelp": AugPEPrompts(
+        name="yelp",
+        system=("You are required to write an example of review based on the provided Business Category and Review "
+                "Stars that fall within the range of 1.0-5.0."),
+        generation=_YELP_LABEL,
+        variation="Based on " + _YELP_LABEL + ", please rephrase the following sentences {style}:\n{text}",
+        styles=_YELP_STYLES,
+        fields={"category": "Restaurants", "stars": "4.0"},
+    ),
+})  # fmt: skip
+
+
+def get_augpe_prompts(prompts: str | AugPEPrompts = "mimic", **fields: str) -> AugPEPrompts:
+    """A preset by name (``mimic``, ``yelp``) or the given :class:`AugPEPrompts`, with optional field values."""
+    if isinstance(prompts, AugPEPrompts):
+        resolved = prompts
+    elif isinstance(prompts, str) and prompts.lower() in AUGPE_PRESETS:
+        resolved = AUGPE_PRESETS[prompts.lower()]
+    else:
+        raise ValueError(f"prompts must be one of {sorted(AUGPE_PRESETS)} or an AugPEPrompts; got {prompts!r}")
+    return resolved.with_fields(**fields) if fields else resolved
