@@ -241,6 +241,9 @@ def test_selftest_pass_on_correct_and_violation_on_every_mutant():
         "amin-correct": "PASS",
         "adapmixed-stop-rule": "VIOLATION",
         "adapmixed-within-budget": "INCONCLUSIVE",
+        # AugPE's histogram, exactly (invink_audit.augpe.audit; tests/test_augpe_audit.py)
+        "augpe-correct": "PASS",
+        "augpe-paper-sensitivity": "VIOLATION",
     }
     assert result.passed
     assert result.coverage["passed"]

@@ -2,7 +2,8 @@
 
 :func:`run_selftest` audits, on the synthetic sources of :mod:`invink_audit.audit.synthetic`, the correct
 InvisibleInk mechanism (must PASS) and four mutants (each must get VIOLATION), optionally the baseline rows
-(Amin et al. 2024 with both accountings, AdaPMixED's data-dependent claim: :func:`baseline_mechanisms`);
+(Amin et al. 2024 with both accountings, AdaPMixED's data-dependent claim: :func:`baseline_mechanisms`; AugPE's
+histogram with both sensitivities, exactly and black-box: :func:`augpe_entries`, :func:`augpe_blackbox_rows`);
 :func:`coverage_check` counts the Monte Carlo / importance-sampling intervals that cover exact divergences.
 
 Design: docs/auditing_notes.md ("Testing the auditor"); the baseline rows: docs/guide/baselines.md
@@ -227,13 +228,16 @@ def run_selftest(
                 tuple(per_source), time.perf_counter() - t0, guarantee,
             )
         )
+    if s.baselines:
+        entries += augpe_entries(s)
     if progress is not None:
         progress("coverage against exact enumeration")
     coverage = coverage_check(generator=gen, significance=s.significance)
     if progress is not None:
         progress("planted bugs, black-box (batched, 10^4 batches per mechanism and source)")
-    rows = tuple(blackbox_rows(s, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen))))
-    return SelfTestResult(tuple(entries), coverage, tuple(reports), time.perf_counter() - start, rows)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    rows = blackbox_rows(s, seed=seed) + (augpe_blackbox_rows(s, seed=seed) if s.baselines else [])
+    return SelfTestResult(tuple(entries), coverage, tuple(reports), time.perf_counter() - start, tuple(rows))
 
 
 def _audit_on_source(mech, source, config: WhiteBoxConfig, s: SelfTestSettings, gen, guarantee: str):
@@ -294,20 +298,27 @@ def _source_row(rep: WhiteBoxReport, rec, source, guarantee: str) -> dict:
     return row
 
 
+def _source_cell(s: dict) -> str:
+    """One source of a row in the Markdown table: (verdict, max loss range / ε0, rejected tests, step failures), or
+    for AugPE's exact histogram check (no loss range, no statistical test) the realised ρ over the claimed ρ."""
+    if "realised_over_claimed_rho" in s:
+        return (f"{s['source']}: {s['verdict']}, realised/claimed ρ {s['realised_over_claimed_rho']:.3g} (exact), "
+                f"{sum(s['step_failures'].values())}")
+    return (f"{s['source']}: {s['verdict']}, {s['max_loss_range_over_epsilon0']:.3g}, {s['rejected_tests']}/{s['tests']}, "
+            f"{sum(s['step_failures'].values())}")
+
+
 def selftest_markdown(result: SelfTestResult) -> str:
     """A Markdown summary: one row per mechanism, then the coverage check."""
-    rows = [
-        (e.mechanism, e.guarantee, e.expected, f"**{e.verdict}**", "; ".join(
-            f"{s['source']}: {s['verdict']}, {s['max_loss_range_over_epsilon0']:.3g}, {s['rejected_tests']}/{s['tests']}, "
-            f"{sum(s['step_failures'].values())}" for s in e.sources), e.description)
-        for e in result.entries
-    ]
+    rows = [(e.mechanism, e.guarantee, e.expected, f"**{e.verdict}**", "; ".join(_source_cell(s) for s in e.sources),
+             e.description) for e in result.entries]
     lines = [
         "# Auditor self-test on planted bugs",
         "",
         f"{'PASSED' if result.passed else 'FAILED'}: the correct mechanism must get PASS and every mutant "
         f"VIOLATION; Amin et al. PASS when correctly accounted and VIOLATION with the paper's C/B; AdaPMixED's "
-        f"data-dependent guarantee is compared with the measurement and never gets a PASS ({result.seconds:.1f} s).",
+        f"data-dependent guarantee is compared with the measurement and never gets a PASS"
+        f"{_AUGPE_SENTENCE if any(e.mechanism in AUGPE_ROWS for e in result.entries) else ''} ({result.seconds:.1f} s).",
         "",
         *md_table("mechanism | guarantee | expected | verdict | per source (verdict, max loss range / ε0, rejected tests, "
                   "step failures) | what it does", rows),
@@ -427,4 +438,69 @@ def blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int 
                 "gdp_epsilon": None if report.gdp is None else report.gdp["epsilon"]["estimate"],
                 "trials": report.num_trials, "stopped": report.sequential["stopped"], "seconds": time.perf_counter() - start,
             })  # fmt: skip
+    return rows
+
+
+#: AugPE's self-test rows (mechanism name → (sensitivity accounted, expected verdict, description))
+AUGPE_ROWS = {
+    "augpe-correct": ("replace-by-null", "PASS",
+                      "AugPE's noisy histogram accounted with Δ = √2 under replace-by-null (correct)"),
+    "augpe-paper-sensitivity": ("paper", "VIOLATION",
+                                "AugPE's noisy histogram accounted with Δ = 1 under replace-by-null (the paper's "
+                                "convention; true: √2)"),
+}
+_AUGPE_SENTENCE = "; AugPE's histogram PASS with Δ = √2 and VIOLATION with the paper's Δ = 1 (exact check)"
+
+
+def augpe_entries(settings: SelfTestSettings | None = None) -> list[SelfTestEntry]:
+    """AugPE's histogram release checked exactly (:func:`invink_audit.augpe.audit.exact_histogram_check`: every
+    replace-by-null neighbour, the exact Rényi divergence of the released Gaussians against the claim's α·ρ) on the
+    self-test's embeddings (:func:`~invink_audit.augpe.audit.selftest_datasets`), one entry per accounting of
+    :data:`AUGPE_ROWS` with the claim :func:`~invink_audit.augpe.audit.selftest_claim`. Exact: no sampling."""
+    from invink_audit.augpe.audit import exact_histogram_check, selftest_claim, selftest_datasets
+
+    s = settings or SelfTestSettings()
+    entries = []
+    for name, (sensitivity, expected, description) in AUGPE_ROWS.items():
+        t0, claim = time.perf_counter(), selftest_claim(sensitivity)
+        per_source, verdicts = [], []
+        for source, references, candidates, null in selftest_datasets():
+            check = exact_histogram_check(references, candidates, null, claim, alphas=s.alphas)
+            verdicts.append(check.verdict)
+            per_source.append({
+                "source": source, "verdict": check.verdict.value, "reason": check.reason,
+                "step_failures": {"renyi": check.failures}, "rejected_tests": 0, "tests": 0,
+                "realised_over_claimed_rho": check.ratio, "max_l2_shift": check.max_l2_shift,
+                "claimed_l2_sensitivity": claim.l2_sensitivity, "worst_neighbour": check.worst_neighbour,
+                "renyi": check.renyi_table(),
+            })  # fmt: skip
+        verdict = _combine(verdicts)
+        entries.append(SelfTestEntry(name, f"{description}; {claim.describe()}", expected, verdict.value,
+                                     verdict.value == expected, tuple(per_source), time.perf_counter() - t0))
+    return entries
+
+
+def augpe_blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int = 10_000, seed: int = 0) -> list[dict]:
+    """AugPE's histogram audited **black-box** (:func:`invink_audit.augpe.audit.histogram_canary_audit`: one trial
+    per batch, the exact log-likelihood ratio, the claim's exact μ-GDP curve) on the worst-case canary, one row per
+    accounting of :data:`AUGPE_ROWS`, in :func:`blackbox_rows`' format. The true ε is exact (μ-GDP of the realised
+    shift); reported, not part of :func:`run_selftest`'s pass criterion."""
+    from invink_audit.augpe.audit import HistogramTarget, histogram_canary_audit, selftest_claim, true_epsilon, worst_case_canary
+
+    s = settings or SelfTestSettings()
+    rows = []
+    for name, (sensitivity, expected, _) in AUGPE_ROWS.items():
+        claim, start = selftest_claim(sensitivity), time.perf_counter()
+        target = HistogramTarget(worst_case_canary(), noise_std=claim.noise_std, iterations=claim.iterations, seed=seed)
+        report = histogram_canary_audit(target, claim, num_batches=num_batches, significance=s.significance, seed=seed + 1)
+        point = report.sequential["profile"]
+        rows.append({
+            "mechanism": name, "source": "worst-case canary", "expected": expected,
+            "claimed_epsilon": report.claimed_epsilon, "true_epsilon": true_epsilon(target, report.claimed_delta),
+            "verdict": report.verdict.value, "epsilon_lower_bound": report.epsilon_lower_bound,
+            "curve_delta": point["delta"], "curve_epsilon_lower_bound": point["epsilon_lower_bound"],
+            "curve_claimed_epsilon": point["claimed_epsilon"], "ceiling": report.ceiling,
+            "gdp_epsilon": None if report.gdp is None else report.gdp["epsilon"]["estimate"],
+            "trials": report.num_trials, "stopped": report.sequential["stopped"], "seconds": time.perf_counter() - start,
+        })  # fmt: skip
     return rows

@@ -3,7 +3,9 @@
 * :func:`augpe_generate`, :class:`AugPEConfig`, :class:`AugPEResult` — the algorithm end to end (:mod:`.generator`);
 * :func:`dp_nn_histogram`, :func:`nearest_neighbour_votes`, :func:`select_candidates`, :class:`Selection` — the
   DP nearest-neighbour histogram and the selection (numpy; :mod:`.histogram`);
-* :class:`AugPEPrompts`, :data:`AUGPE_PRESETS` — the public generation and paraphrase prompts (:mod:`.prompts`).
+* :class:`AugPEPrompts`, :data:`AUGPE_PRESETS` — the public generation and paraphrase prompts (:mod:`.prompts`);
+* :func:`exact_histogram_check`, :func:`histogram_canary_audit`, :class:`HistogramTarget` — audits of the
+  histogram's privacy claim, exact and black-box (:mod:`.audit`).
 
 The accounting (T Gaussian histograms, the sensitivity and the paper's convention) is torch-free:
 :class:`accounting.AugPEEvent`, :func:`accounting.plan_augpe_noise_std`.
@@ -23,6 +25,11 @@ _LAZY = {
         ".histogram",
     ),
     **dict.fromkeys(("AUGPE_PRESETS", "AugPEPrompts", "get_augpe_prompts"), ".prompts"),
+    **dict.fromkeys(
+        ("CanaryEmbeddings", "HistogramCheck", "HistogramTarget", "exact_histogram_check", "histogram_canary_audit",
+         "worst_case_canary"),
+        ".audit",
+    ),
 }
 
 __all__ = sorted(_LAZY)

@@ -132,6 +132,17 @@ class AugPEConfig:
             noise_std = plan_augpe_noise_std(self.epsilon, self.delta, self.iterations, self.sensitivity, self.accountant)
         object.__setattr__(self, "event", AugPEEvent(noise_std, self.iterations, self.sensitivity))
 
+    def to_json(self) -> dict:
+        """The release's public settings, as an output record's ``run`` holds them (σ, Δ and the sensitivity are the
+        event's; ``epsilon``: the target σ was planned for, ``None`` when ``noise_std`` was given)."""
+        event = self.event
+        return {"mechanism": "augpe", "num_texts": self.num_texts, "iterations": self.iterations,
+                "variations": self.variations, "noise_std": event.noise_std, "sensitivity": event.sensitivity.value,
+                "l2_sensitivity": event.l2_sensitivity, "epsilon": self.epsilon, "delta": self.delta,
+                "accountant": self.accountant.value, "threshold": self.threshold, "selection": self.selection.value,
+                "max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size,
+                "sampling": dataclasses.asdict(self.sampling), "prompts": self.prompts.to_json()}  # fmt: skip
+
     @property
     def num_candidates(self) -> int:
         """L·n: the histogram's bins in every iteration."""
@@ -177,6 +188,20 @@ class AugPEGuarantee:
         claim = f"({self.epsilon:.6g}, {self.delta:g})-DP, {self.event.describe()}"
         return claim if self.void_reason is None else f"VOID ({self.void_reason}); would be {claim}"
 
+    @property
+    def why_not(self) -> str | None:
+        """Why the release carries no guarantee (``None`` when it :attr:`holds`): a fixed seed, the paper's convention,
+        or both."""
+        reasons = [self.void_reason, None if self.event.valid else self.event.describe()]
+        return "; ".join(r for r in reasons if r) or None
+
+    def record_fields(self) -> dict:
+        """What an output record writes, as every release's records do: ``{"guarantee": {...}}``, or when it does not
+        hold ``{"guarantee": None, "guarantee_void_reason": ...}`` (no ε that a reader could take at face value)."""
+        if self.holds:
+            return {"guarantee": self.to_json()}
+        return {"guarantee": None, "guarantee_void_reason": self.why_not}
+
     def to_json(self) -> dict:
         return {"epsilon": self.epsilon, "delta": self.delta, "rho": self.rho, "gaussian_epsilon": self.gaussian_epsilon,
                 "accountant": self.accountant.value, "adjacency": self.event.sensitivity.value, "holds": self.holds,
@@ -195,12 +220,14 @@ class AugPEStats:
 @dataclasses.dataclass(frozen=True)
 class AugPEResult:
     """The released texts (the last iteration's selection), the a-priori ``guarantee``, each iteration's released
-    noisy histogram (DP outputs: post-processing keeps them private), and ``stats``."""
+    noisy histogram (DP outputs: post-processing keeps them private), ``stats``, and the ``release_id`` (the one a
+    ledger was charged with, when one was)."""
 
     texts: tuple[str, ...]
     guarantee: AugPEGuarantee
     noisy_counts: tuple[tuple[float, ...], ...]
     stats: AugPEStats
+    release_id: str
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +274,7 @@ def _resolve_embedder(embedder):
 
 
 def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpnet", seed: int | None = None,
-                   ledger=None) -> AugPEResult:  # fmt: skip
+                   ledger=None, progress=None) -> AugPEResult:  # fmt: skip
     """Run AugPE on ``references`` (private texts; ``""`` is a null reference) and release ``config.num_texts`` texts.
 
     ``model``: a :class:`~invink_audit.models.LoadedModel`, a name or path for :func:`~invink_audit.models.load_model`,
@@ -257,12 +284,16 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
     ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged once with the event's ρ
     (:class:`accounting.ZcdpEvent`) after every check and before anything is generated or embedded; refused for the
     paper's convention (no guarantee) and for add-or-remove (it does not compose with replace-by-null releases).
+    ``progress``: ``progress(phase, done, total)`` (e.g. :func:`invink_audit.cli.phase_progress`'s), told when the
+    references are embedded and after each batch of LLM generations (of :attr:`AugPEConfig.num_generations`).
     """
     references = _check_references(references)
     if not isinstance(config, AugPEConfig):
         raise ValueError(f"config must be an AugPEConfig; got {type(config).__name__}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be callable or None; got {type(progress).__name__}")
     ledger = _open_ledger(ledger)
     record = config.event.zcdp_event() if ledger is not None else None  # refuses PAPER / add-or-remove
     embed = _resolve_embedder(embedder)
@@ -275,34 +306,47 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
         void_reason = SEEDED_VOID_REASON
         warnings.warn(f"AugPE with a fixed seed ({seed}): the output is reproducible and carries no privacy guarantee",
                       SeededGeneratorWarning, stacklevel=2)  # fmt: skip
+    release_id = uuid.uuid4().hex
     if ledger is not None:
         from accounting import Release
 
-        ledger.charge(Release(record, 1, uuid.uuid4().hex, "augpe"))
+        ledger.charge(Release(record, 1, release_id, "augpe"))
     from invink_audit.generation import release_key
 
     start = time.perf_counter()
-    texts, histograms = _evolve(references, config, loaded, embed, release_key(seed))
+    texts, histograms = _evolve(references, config, loaded, embed, release_key(seed), progress or _no_progress)
     guarantee = AugPEGuarantee(config.event, config.delta, config.accountant, void_reason)
     stats = AugPEStats(config.num_generations, time.perf_counter() - start, loaded.name)
-    return AugPEResult(tuple(texts), guarantee, tuple(histograms), stats)
+    return AugPEResult(tuple(texts), guarantee, tuple(histograms), stats, release_id)
 
 
 # --------------------------------------------------------------------------------------------
 # the algorithm
 
 
-def _evolve(references: list[str], config: AugPEConfig, loaded, embed, key: int) -> tuple[list[str], list]:
+def _no_progress(phase: str, done: int, total: int) -> None:
+    pass
+
+
+def _evolve(references: list[str], config: AugPEConfig, loaded, embed, key: int, progress) -> tuple[list[str], list]:
     """Steps 1–4 of the module docstring; returns the released texts and each iteration's noisy histogram."""
     n, event = config.num_texts, config.event
+    progress("AugPE: embedding the references", 0, 1)
     private = _embeddings(embed, references)  # the one use of the references (step 3b below)
+    progress("AugPE: embedding the references", 1, 1)
+    done = [0]
+
+    def generated(count: int) -> None:  # public: a count of the generations made, fixed by the config
+        done[0] += count
+        progress("AugPE: generations", done[0], config.num_generations)
+
     seed_prompts = [config.prompts.generation_messages()] * n
-    selected = _sample(loaded, seed_prompts, config, derive_key(key, _SEED_ROUND))
+    selected = _sample(loaded, seed_prompts, config, derive_key(key, _SEED_ROUND), generated)
     selected_vectors = None
     histograms = []
     for t in range(config.iterations):
         round_keys = derive_key(key, _VARIATION_ROUND, t), derive_key(key, _STYLE_DRAW, t)
-        candidates = selected + _paraphrase(loaded, selected, config, *round_keys)
+        candidates = selected + _paraphrase(loaded, selected, config, *round_keys, generated)
         candidates = _grouped(candidates, n, config.variations)
         fresh = [c for i, c in enumerate(candidates) if selected_vectors is None or i % config.variations]
         vectors = _candidate_vectors(embed, fresh, selected_vectors, n, config.variations)
@@ -343,21 +387,21 @@ def _embeddings(embed, texts: list[str]) -> np.ndarray:
     return vectors
 
 
-def _paraphrase(loaded, parents: list[str], config: AugPEConfig, sample_key: int, style_key: int) -> list[str]:
+def _paraphrase(loaded, parents: list[str], config: AugPEConfig, sample_key: int, style_key: int, generated) -> list[str]:
     """VARIATION_API: L − 1 paraphrases of each parent, parent-major, each in a uniformly drawn public style
     (``apis/hf_api.py`` l. 248); an empty paraphrase keeps its parent (module docstring)."""
     styles = config.prompts.styles
     per_parent = config.variations - 1
     draws = np.random.default_rng(style_key).integers(len(styles), size=len(parents) * per_parent)
     messages = [config.prompts.variation_messages(parents[k // per_parent], styles[int(s)]) for k, s in enumerate(draws)]
-    texts = _sample(loaded, messages, config, sample_key)
+    texts = _sample(loaded, messages, config, sample_key, generated)
     return [text or parents[k // per_parent] for k, text in enumerate(texts)]
 
 
-def _sample(loaded, messages: list, config: AugPEConfig, key: int) -> list[str]:
+def _sample(loaded, messages: list, config: AugPEConfig, key: int, generated) -> list[str]:
     """One text per chat in ``messages``, sampled with ``model.generate`` in batches of ``config.batch_size`` (left
     padded); batch b draws from torch's generator seeded with ``derive_key(key, b)`` inside ``fork_rng``, so the
-    process's global generator is left as it was."""
+    process's global generator is left as it was; ``generated(count)`` after each batch."""
     import torch
 
     prompts = [encode_messages(loaded.tokenizer, m) for m in messages]
@@ -380,4 +424,5 @@ def _sample(loaded, messages: list, config: AugPEConfig, key: int) -> list[str]:
             )  # fmt: skip
         decoded = loaded.tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
         texts += [" ".join(text.split()) for text in decoded]
+        generated(len(batch))
     return texts

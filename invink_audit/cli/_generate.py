@@ -97,7 +97,7 @@ def _add_privacy_arguments(p) -> None:
         "--clip-norm", default=None, help="clip norm C (finite, > 0) instead of --epsilon (epsilon is reported)"
     )
     p.add_argument("--delta", required=True, help="target delta, in (0, 1)")
-    p.add_argument("--batch-size", required=True, help=_B_HELP + " An integer >= 1.")
+    p.add_argument("--batch-size", default=None, help=_B_HELP + " An integer >= 1 (required; not for --mechanism augpe).")
     p.add_argument(
         "--max-new-tokens",
         required=True,
@@ -115,9 +115,10 @@ def add_prompt_arguments(p) -> None:
     """The prompt preset, its public fields, and the public devices that keep a small model in the genre."""
     p.add_argument(
         "--prompt",
-        default="generic",
+        default=None,
         help="prompt preset: generic, yelp (answer started as a quoted review), yelp-paper (the paper's Table 4), "
-        "tab, mimic; base models (no chat template): yelp-completion, generic-completion (default generic)",
+        "tab, mimic; base models (no chat template): yelp-completion, generic-completion (default generic; "
+        "--mechanism augpe: its own presets mimic (default) and yelp)",
     )
     p.add_argument(
         "--prompt-field",
@@ -190,9 +191,10 @@ def prompt_template(args):
 
     from invink_audit.prompts import get_preset
 
+    name = "generic" if args.prompt is None else args.prompt
     if args.answer_prefix is None and args.stop is None and args.public_examples is None:
-        return args.prompt
-    template = get_preset(args.prompt)
+        return name
+    template = get_preset(name)
     changes = {}
     if args.answer_prefix is not None:
         changes["answer_prefix"] = args.answer_prefix
@@ -248,8 +250,8 @@ def register(subparsers) -> None:
         "as nulls), generate one text per batch with InvisibleInk and stream them to a JSON Lines file. "
         "Re-running with the same --output resumes (batches already sampled are never drawn again; the output "
         "is locked while a run writes it). Under torchrun or accelerate launch, the processes share the batches of one "
-        "release (one ledger charge, one output file). --mechanism amin|adapmixed runs the paper's baselines instead "
-        "(docs/guide/baselines.md). " + _B_HELP,
+        "release (one ledger charge, one output file). --mechanism amin|adapmixed|augpe runs the paper's baselines "
+        "instead (docs/guide/baselines.md; AugPE writes its texts once, at its end, and does not resume). " + _B_HELP,
     )
     _add_input_arguments(p)
     _add_privacy_arguments(p)
@@ -264,8 +266,14 @@ def register(subparsers) -> None:
 
 
 def _generate(args) -> int:
+    from invink_audit.cli._baselines import refuse_augpe_options, run_augpe
     from invink_audit.generation import GenerationHooks, generate
 
+    if args.mechanism == "augpe":  # not a batched release: its own run (docs/guide/baselines.md, "AugPE")
+        return run_augpe(args)
+    refuse_augpe_options(args)
+    if args.batch_size is None:
+        raise CliError("the following arguments are required: --batch-size")
     if args.epsilon is None and args.clip_norm is None:
         if args.mechanism == "adapmixed":
             raise CliError("--mechanism adapmixed needs --epsilon (its stop rule's budget)")
