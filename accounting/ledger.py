@@ -458,6 +458,15 @@ class BudgetLedger:
         self._load()  # validate now, not at the first charge
 
     @classmethod
+    def of(cls, ledger) -> BudgetLedger | None:
+        """``ledger`` as a :class:`BudgetLedger`: one already open, a path to one, or ``None`` (no ledger)."""
+        if ledger is None or isinstance(ledger, cls):
+            return ledger
+        if not isinstance(ledger, (str, os.PathLike)) or not str(os.fspath(ledger)).strip():
+            raise ValueError(f"ledger must be a BudgetLedger, a path to one, or None; got {ledger!r}")
+        return cls(ledger)
+
+    @classmethod
     def create(
         cls,
         path: str | os.PathLike,

@@ -70,7 +70,7 @@ from pathlib import Path
 
 import torch
 
-from accounting import Accountant, BudgetExceededError, LedgerError, Plan, as_accountant
+from accounting import Accountant, BudgetExceededError, BudgetLedger, LedgerError, Plan, as_accountant
 from accounting.events import forwarded_property
 from accounting.limits import check_count
 from invink_audit.data import (
@@ -513,18 +513,6 @@ def _check_output_path(output) -> Path | None:
     return path
 
 
-def _open_ledger(ledger):
-    if ledger is None:
-        return None
-    from accounting import BudgetLedger
-
-    if isinstance(ledger, BudgetLedger):
-        return ledger
-    if not isinstance(ledger, (str, os.PathLike)) or not str(os.fspath(ledger)).strip():
-        raise ValueError(f"ledger must be a BudgetLedger, a path to one, or None; got {ledger!r}")
-    return BudgetLedger(ledger)
-
-
 def _looks_like_path(model: str) -> bool:
     """A model string that can only be a local path (hub ids are ``name`` or ``owner/name``)."""
     return (
@@ -709,7 +697,7 @@ def prepare_release(
     load = model if isinstance(model, ModelSpec) else ModelSpec(model)
     prompt = prompt if isinstance(prompt, PromptSpec) else PromptSpec(prompt)
     output_path = _check_output_path(output)
-    ledger = _open_ledger(ledger)
+    ledger = BudgetLedger.of(ledger)
     template = prompt.resolved()
     partition, labels, positions, filled = _partition(references, config, template, prompt.label_fields)
     require_label_fields(template, given=tuple(prompt.fields or ()), filled=filled)

@@ -32,6 +32,7 @@ __all__ = [
     "release_text",
     "require_label_fields",
     "template_for_batch",
+    "template_field_names",
     "template_for_labels",
 ]
 
@@ -39,7 +40,9 @@ REFERENCE_FIELD = "reference"
 PAPER_SYSTEM_PROMPT = "You are a chatbot"
 
 
-def _field_names(template: str, what: str) -> frozenset[str]:
+def template_field_names(template: str, what: str) -> frozenset[str]:
+    """The named fields of a format-string template (``what`` names it in errors); positional, spec'd or converted
+    fields are refused."""
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as err:
@@ -49,7 +52,7 @@ def _field_names(template: str, what: str) -> frozenset[str]:
         if name is None:
             continue
         if not name.isidentifier():
-            raise ValueError(f"{what} may only use named fields like {{reference}}; got field {name!r}")
+            raise ValueError(f"{what} may only use named fields ({{name}}); got field {name!r}")
         if spec or conversion:
             raise ValueError(f"{what} field {{{name}}} must not have a format spec or conversion")
         names.add(name)
@@ -84,7 +87,7 @@ class PromptTemplate:
             raise ValueError(f"system must be a string or None; got {self.system!r}")
         if not isinstance(self.answer_prefix, str):
             raise ValueError(f"answer_prefix must be a string; got {self.answer_prefix!r}")
-        if REFERENCE_FIELD in _field_names(self.answer_prefix, "answer prefix"):
+        if REFERENCE_FIELD in template_field_names(self.answer_prefix, "answer prefix"):
             raise ValueError(f"answer_prefix must not contain {{{REFERENCE_FIELD}}}: every row starts its answer alike")
         for attr in ("stop", "examples"):
             value = getattr(self, attr)
@@ -95,8 +98,8 @@ class PromptTemplate:
             object.__setattr__(self, attr, tuple(value))
         if not isinstance(self.completion, bool):
             raise ValueError(f"completion must be a bool; got {self.completion!r}")
-        private_names = _field_names(self.private, "private template")
-        public_names = _field_names(self.public, "public template")
+        private_names = template_field_names(self.private, "private template")
+        public_names = template_field_names(self.public, "public template")
         if REFERENCE_FIELD not in private_names:
             raise ValueError(f"private template must contain {{{REFERENCE_FIELD}}}; got {self.private!r}")
         if REFERENCE_FIELD in public_names:
@@ -114,8 +117,8 @@ class PromptTemplate:
     @property
     def field_names(self) -> frozenset[str]:
         """Public fields used by either template (``reference`` excluded)."""
-        names = _field_names(self.private, "private template") | _field_names(self.public, "public template")
-        return (names | _field_names(self.answer_prefix, "answer prefix")) - {REFERENCE_FIELD}
+        names = template_field_names(self.private, "private template") | template_field_names(self.public, "public template")
+        return (names | template_field_names(self.answer_prefix, "answer prefix")) - {REFERENCE_FIELD}
 
     def with_fields(self, **fields: str) -> PromptTemplate:
         """A copy with some public field values set or replaced."""

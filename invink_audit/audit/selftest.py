@@ -427,18 +427,22 @@ def blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int 
                     batch_size=s.batch_size, num_batches=num_batches, claimed_epsilon=curve(1e-6), claimed_delta=1e-6,
                     scores=[LLR_SCORE], significance=s.significance, seed=seed + 1, claimed_profile=curve,
                 )
-            point = report.sequential["profile"]
-            rows.append({
-                "mechanism": mechanism.name, "source": source.name, "expected": mechanism.expected,
-                "claimed_epsilon": report.claimed_epsilon,
-                "true_epsilon": true_epsilon,
-                "verdict": report.verdict.value, "epsilon_lower_bound": report.epsilon_lower_bound,
-                "curve_delta": point["delta"], "curve_epsilon_lower_bound": point["epsilon_lower_bound"],
-                "curve_claimed_epsilon": point["claimed_epsilon"], "ceiling": report.ceiling,
-                "gdp_epsilon": None if report.gdp is None else report.gdp["epsilon"]["estimate"],
-                "trials": report.num_trials, "stopped": report.sequential["stopped"], "seconds": time.perf_counter() - start,
-            })  # fmt: skip
+            rows.append(_blackbox_row(mechanism.name, source.name, mechanism.expected, true_epsilon, report, start))
     return rows
+
+
+def _blackbox_row(mechanism: str, source: str, expected: str, true_epsilon, report, start: float) -> dict:
+    """One black-box self-test row: the batched audit's verdict, its bounds at the quoted δ and on the claim's
+    curve, its ceiling and GDP estimate, beside the exact true ε where known."""
+    point = report.sequential["profile"]
+    return {
+        "mechanism": mechanism, "source": source, "expected": expected, "claimed_epsilon": report.claimed_epsilon,
+        "true_epsilon": true_epsilon, "verdict": report.verdict.value, "epsilon_lower_bound": report.epsilon_lower_bound,
+        "curve_delta": point["delta"], "curve_epsilon_lower_bound": point["epsilon_lower_bound"],
+        "curve_claimed_epsilon": point["claimed_epsilon"], "ceiling": report.ceiling,
+        "gdp_epsilon": None if report.gdp is None else report.gdp["epsilon"]["estimate"],
+        "trials": report.num_trials, "stopped": report.sequential["stopped"], "seconds": time.perf_counter() - start,
+    }  # fmt: skip
 
 
 #: AugPE's self-test rows (mechanism name → (sensitivity accounted, expected verdict, description))
@@ -493,14 +497,6 @@ def augpe_blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches
         claim, start = selftest_claim(sensitivity), time.perf_counter()
         target = HistogramTarget(worst_case_canary(), noise_std=claim.noise_std, iterations=claim.iterations, seed=seed)
         report = histogram_canary_audit(target, claim, num_batches=num_batches, significance=s.significance, seed=seed + 1)
-        point = report.sequential["profile"]
-        rows.append({
-            "mechanism": name, "source": "worst-case canary", "expected": expected,
-            "claimed_epsilon": report.claimed_epsilon, "true_epsilon": true_epsilon(target, report.claimed_delta),
-            "verdict": report.verdict.value, "epsilon_lower_bound": report.epsilon_lower_bound,
-            "curve_delta": point["delta"], "curve_epsilon_lower_bound": point["epsilon_lower_bound"],
-            "curve_claimed_epsilon": point["claimed_epsilon"], "ceiling": report.ceiling,
-            "gdp_epsilon": None if report.gdp is None else report.gdp["epsilon"]["estimate"],
-            "trials": report.num_trials, "stopped": report.sequential["stopped"], "seconds": time.perf_counter() - start,
-        })  # fmt: skip
+        rows.append(_blackbox_row(name, "worst-case canary", expected, true_epsilon(target, report.claimed_delta), report,
+                                  start))  # fmt: skip
     return rows

@@ -36,6 +36,17 @@ SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
     (:mod:`invink_audit.audit.batched`: one trial per batch, a recorded coin each; the engine target
     adds the exact ``log-likelihood-ratio`` score), ``sequential`` (default true) stopping at the first
     look that decides, false running every batch for the highest bound they allow.
+``augpe-histogram``
+    a black-box audit of AugPE's DP core, its T noisy nearest-neighbour histograms on fixed public candidate
+    embeddings (:func:`~invink_audit.augpe.audit.histogram_canary_audit`), with the exact white-box check of the
+    same embeddings (:func:`~invink_audit.augpe.audit.exact_histogram_check`) and the canary's exact true ε in the
+    report's notes. Sections: ``[mechanism]`` (``kind = "augpe"``, optional; ``iterations`` T; ``noise_std`` σ or
+    ``epsilon``, σ then planned by :func:`accounting.plan_augpe_noise_std` on the exact μ-GDP curve under the
+    claimed sensitivity; ``delta``; ``sensitivity``: ``"replace-by-null"`` (Δ = √2) or ``"paper"`` (Δ = 1 under
+    replace-by-null, not a valid guarantee); ``threshold`` H), ``[canary]`` (``kind = "worst-case"``:
+    :func:`~invink_audit.augpe.audit.worst_case_canary` with ``others_per_candidate`` and ``num_candidates``) and
+    ``[blackbox]`` (``num_batches``, ``significance``, ``sequential``). The top-level ``seed`` fixes the noise
+    (``seed``) and the coins (``seed + 1``).
 
 Canary and data slots: the B references are the canaries in their slots and data references (in
 file order from ``offset``, a data-independent choice) everywhere else.
@@ -71,17 +82,18 @@ if TYPE_CHECKING:
     from invink_audit.audit.selftest import SelfTestResult
 
 __all__ = [
-    "AuditSpec", "BlackBoxSpec", "MechanismSpec", "ModelSpec", "PromptSpec", "SpecResult", "load_spec",
+    "AuditSpec", "AugPEHistogramSpec", "BlackBoxSpec", "MechanismSpec", "ModelSpec", "PromptSpec", "SpecResult", "load_spec",
     "mechanism_from_section", "run_spec", "yelp_dir",
 ]
 
-KINDS = ("selftest", "white-box", "black-box")
+KINDS = ("selftest", "white-box", "black-box", "augpe-histogram")
 _TOP_LEVEL = ("name", "kind", "description", "seed")
 #: the sections each kind reads; any other key of a spec is refused
 _KIND_SECTIONS = {
     "selftest": ("selftest",),
     "white-box": ("model", "prompt", "data", "mechanism", "canaries", "audit"),
     "black-box": ("model", "prompt", "data", "mechanism", "canaries", "target", "blackbox"),
+    "augpe-histogram": ("mechanism", "canary", "blackbox"),
 }
 
 

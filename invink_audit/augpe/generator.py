@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
-import os
 import time
 import uuid
 import warnings
@@ -50,7 +49,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from accounting import DEFAULT_ACCOUNTANT, Accountant, AugPEEvent, AugPESensitivity, as_accountant, plan_augpe_noise_std
+from accounting import (
+    DEFAULT_ACCOUNTANT,
+    Accountant,
+    AugPEEvent,
+    AugPESensitivity,
+    BudgetLedger,
+    as_accountant,
+    plan_augpe_noise_std,
+)
 from accounting.limits import COUNT_RANGE, RANGES, check_count, check_nonnegative
 from accounting.sensitivity import coerce_enum
 from invink_audit.augpe.histogram import Selection, dp_nn_histogram, select_candidates
@@ -245,18 +252,6 @@ def _check_references(references) -> list[str]:
     return list(references)
 
 
-def _open_ledger(ledger):
-    if ledger is None:
-        return None
-    from accounting import BudgetLedger
-
-    if isinstance(ledger, BudgetLedger):
-        return ledger
-    if not isinstance(ledger, (str, os.PathLike)) or not str(os.fspath(ledger)).strip():
-        raise ValueError(f"ledger must be a BudgetLedger, a path to one, or None; got {ledger!r}")
-    return BudgetLedger(ledger)
-
-
 def _resolve_embedder(embedder):
     """An object with ``embed(texts) -> (n, d) array``: a name (``"mpnet"``, ``"minilm"``) gives an
     :class:`~invink_audit.evaluation.Embedder` that keeps nothing on disk (it loads at its first use)."""
@@ -294,7 +289,7 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
         raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be callable or None; got {type(progress).__name__}")
-    ledger = _open_ledger(ledger)
+    ledger = BudgetLedger.of(ledger)
     record = config.event.zcdp_event() if ledger is not None else None  # refuses PAPER / add-or-remove
     embed = _resolve_embedder(embedder)
     loaded = load_model(model)

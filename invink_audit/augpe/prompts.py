@@ -22,28 +22,14 @@ Presets:
 from __future__ import annotations
 
 import dataclasses
-import string
 from collections.abc import Mapping
 from types import MappingProxyType
+
+from invink_audit.prompts import template_field_names
 
 __all__ = ["AUGPE_PRESETS", "AugPEPrompts", "get_augpe_prompts"]
 
 TEXT_FIELD, STYLE_FIELD = "text", "style"
-
-
-def _fields(template: str, what: str) -> frozenset[str]:
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as err:
-        raise ValueError(f"{what} is not a valid format string: {err}; got {template!r}") from err
-    names = set()
-    for _, name, spec, conversion in parsed:
-        if name is None:
-            continue
-        if not name.isidentifier() or spec or conversion:
-            raise ValueError(f"{what} may only use plain named fields such as {{text}}; got {{{name}}}")
-        names.add(name)
-    return frozenset(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +63,8 @@ class AugPEPrompts:
         if not isinstance(self.fields, Mapping) or not all(isinstance(v, str) for v in self.fields.values()):
             raise ValueError(f"fields must map field names to strings; got {self.fields!r}")
         object.__setattr__(self, "fields", MappingProxyType(dict(self.fields)))
-        generation, variation = _fields(self.generation, "generation"), _fields(self.variation, "variation")
+        generation = template_field_names(self.generation, "generation")
+        variation = template_field_names(self.variation, "variation")
         if generation & {TEXT_FIELD, STYLE_FIELD}:
             raise ValueError(
                 f"generation must not contain {{text}} or {{style}}: it is the public seed prompt; got {self.generation!r}"
