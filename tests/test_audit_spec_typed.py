@@ -19,6 +19,9 @@ def test_committed_specs_load_into_typed_sections(path):
     if s.kind == "selftest":
         assert isinstance(s.selftest, SelfTestSettings) and s.mechanism is None
         return
+    if s.kind == "augpe-histogram":  # the AugPE histogram audit reads no model, prompt or data
+        assert isinstance(s.augpe, spec.AugPEHistogramSpec) and s.mechanism is None and s.model is None
+        return
     assert isinstance(s.model, spec.ModelSpec) and isinstance(s.prompt, spec.PromptSpec)
     assert isinstance(s.mechanism, spec.MechanismSpec)
     assert s.mechanism.batch_size == int(s.section("mechanism")["batch_size"])

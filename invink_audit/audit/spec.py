@@ -73,8 +73,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from accounting import Accountant, as_accountant
-from accounting.limits import COUNT_RANGE, MAX_COUNT, RANGES, ParameterRange, check_order, check_positive
+from accounting import Accountant, AugPEEvent, as_accountant, plan_augpe_noise_std
+from accounting.augpe import NOISE_STD_RANGE
+from accounting.limits import (
+    COUNT_RANGE, MAX_COUNT, RANGES, ParameterRange, check_nonnegative, check_order, check_positive,
+)
 from invink_audit.audit.whitebox import Direction, WhiteBoxConfig
 
 if TYPE_CHECKING:
@@ -527,11 +530,79 @@ def _selftest_settings(section: dict):
     return SelfTestSettings(**{key: s.get(key, _SELFTEST_CHECKS[key]) for key in section})
 
 
+#: the check of every [mechanism] key of an augpe-histogram spec
+_AUGPE_MECHANISM_CHECKS = {
+    "kind": _choice("augpe"),
+    "iterations": ParameterRange(1, 100, integer=True).check,  # the paper's T is 1-10; the target keeps every release
+    "noise_std": NOISE_STD_RANGE.check,
+    "epsilon": RANGES["epsilon"].check,
+    "delta": RANGES["delta"].check,
+    "sensitivity": _choice("replace-by-null", "paper"),  # add-or-remove is not a claim about replace-by-null data
+    "threshold": check_nonnegative,
+}
+#: the worst-case canary's sizes: the exact check recomputes the histogram for each of its 1 + k·m references
+_OTHERS_PER_CANDIDATE_RANGE = ParameterRange(1, 500, integer=True)
+_NUM_CANDIDATES_RANGE = ParameterRange(2, 16, integer=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class AugPEHistogramSpec:
+    """The sections of an ``augpe-histogram`` spec. ``event`` is the claim audited (σ given or planned, T, the
+    claimed sensitivity), ``delta`` the δ it is quoted at, ``epsilon`` the ε σ was planned for (``None``: σ given);
+    the mechanism run adds the ``threshold`` H. ``others_per_candidate`` and ``num_candidates`` shape
+    :func:`~invink_audit.augpe.audit.worst_case_canary`; ``num_batches``, ``significance`` and ``sequential`` are the
+    batched audit's (as in a black-box spec's ``[blackbox]``)."""
+
+    event: AugPEEvent
+    delta: float
+    epsilon: float | None
+    threshold: float
+    others_per_candidate: int
+    num_candidates: int
+    num_batches: int
+    significance: float
+    sequential: bool
+
+    @classmethod
+    def from_sections(cls, mechanism: dict, canary: dict, blackbox: dict) -> AugPEHistogramSpec:
+        m = _Section("mechanism", mechanism, _AUGPE_MECHANISM_CHECKS)
+        values = {key: m.get(key, _AUGPE_MECHANISM_CHECKS[key]) for key in mechanism}
+        iterations = m.require("iterations", _AUGPE_MECHANISM_CHECKS["iterations"], " (T: the histograms released)")
+        delta, sensitivity = values.get("delta", 1e-6), values.get("sensitivity", "replace-by-null")
+        if ("noise_std" in values) == ("epsilon" in values):
+            raise ValueError("[mechanism] give one of noise_std (σ) and epsilon (σ is planned)")
+        try:
+            if "noise_std" in values:
+                sigma = values["noise_std"]
+            else:  # planned on the exact μ-GDP curve, the curve the audit tests (the safe, larger σ)
+                sigma = plan_augpe_noise_std(values["epsilon"], delta, iterations, sensitivity, exact_gaussian=True)
+            event = AugPEEvent(sigma, iterations, sensitivity)
+        except ValueError as err:
+            raise ValueError(f"[mechanism] {err}") from err
+        c = _Section("canary", canary, ("kind", "others_per_candidate", "num_candidates"))
+        c.get("kind", _choice("worst-case"))
+        b = _Section("blackbox", blackbox, ("num_batches", "significance", "sequential"))
+        return cls(
+            event, delta, values.get("epsilon"), values.get("threshold", 0.0),
+            c.get("others_per_candidate", _OTHERS_PER_CANDIDATE_RANGE.check, 50),
+            c.get("num_candidates", _NUM_CANDIDATES_RANGE.check, 4),
+            b.get("num_batches", _NUM_BATCHES_RANGE.check, 10_000), b.get("significance", _significance, 0.05),
+            b.get("sequential", _boolean, True),
+        )
+
+    def embeddings(self):
+        """The audit's public data: :func:`~invink_audit.augpe.audit.worst_case_canary` of this spec's sizes."""
+        from invink_audit.augpe.audit import worst_case_canary
+
+        return worst_case_canary(others_per_candidate=self.others_per_candidate, num_candidates=self.num_candidates)
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditSpec:
     """A parsed, validated audit specification: ``raw`` is the TOML table; the typed sections are parsed
     from it at construction (``selftest``: the self-test's settings; ``model``, ``prompt``,
-    ``mechanism``, and ``audit`` (white-box) or ``blackbox`` (black-box) for a model audit). Every value
+    ``mechanism``, and ``audit`` (white-box) or ``blackbox`` (black-box) for a model audit; ``augpe`` for an
+    ``augpe-histogram`` audit). Every value
     is checked here, before any model loads; an error is one ``ValueError`` line naming the spec's file,
     the section and the key."""
 
@@ -545,6 +616,7 @@ class AuditSpec:
     audit: WhiteBoxConfig | None = dataclasses.field(default=None, init=False)
     blackbox: BlackBoxSpec | None = dataclasses.field(default=None, init=False)
     selftest: object | None = dataclasses.field(default=None, init=False)  # SelfTestSettings
+    augpe: AugPEHistogramSpec | None = dataclasses.field(default=None, init=False)
     seed: int | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self):
@@ -557,6 +629,10 @@ class AuditSpec:
         object.__setattr__(self, "seed", None if seed is None else _SEED_RANGE.check("seed", seed))
         if self.kind == "selftest":
             object.__setattr__(self, "selftest", _selftest_settings(self.section("selftest")))
+            return
+        if self.kind == "augpe-histogram":
+            sections = (self.section(name) for name in ("mechanism", "canary", "blackbox"))
+            object.__setattr__(self, "augpe", AugPEHistogramSpec.from_sections(*sections))
             return
         mechanism = MechanismSpec.from_section(self.section("mechanism"))
         object.__setattr__(self, "model", ModelSpec.from_section(self.section("model")))
@@ -812,12 +888,14 @@ def run_spec(
     status: Callable[[str], None] | None = None,
 ) -> SpecResult:
     """Run a spec; returns a :class:`~invink_audit.audit.records.WhiteBoxReport` (white-box), a
-    :class:`~invink_audit.audit.records.BlackBoxReport` (black-box) or a
+    :class:`~invink_audit.audit.records.BlackBoxReport` (black-box, augpe-histogram) or a
     :class:`~invink_audit.audit.selftest.SelfTestResult` (selftest)."""
     if spec.kind == "selftest":
         from invink_audit.audit.selftest import run_selftest
 
         return run_selftest(spec.selftest, generator=_generator(spec, seed), progress=status)
+    if spec.kind == "augpe-histogram":
+        return _run_augpe_histogram(spec.augpe, seed if seed is not None else spec.seed)
     if spec.kind == "white-box":
         return _run_whitebox(spec, seed, progress)
     return _run_blackbox(spec, seed, progress)
@@ -969,3 +1047,50 @@ def _run_invink_target(spec: AuditSpec, refs, progress):
             num_trials=bb.num_trials, significance=bb.significance, scores=tuple(scores),
             mechanism="reference package invink 0.1.0", progress=progress,
         )
+
+
+def _run_augpe_histogram(a: AugPEHistogramSpec, seed: int | None):
+    """The batched canary audit of AugPE's histogram releases on the worst-case canary, the noise seeded by ``seed``
+    and the coins by ``seed + 1`` (OS entropy for both when ``None``); the exact check of the same embeddings, the
+    canary's exact true ε and the claim go into the report's notes, beside (not into) its black-box verdict."""
+    import time
+
+    import numpy as np
+
+    from invink_audit.augpe.audit import HistogramTarget, exact_histogram_check, histogram_canary_audit
+
+    data, event, start = a.embeddings(), a.event, time.perf_counter()
+    check = exact_histogram_check(np.vstack([data.canary, data.others]), data.candidates, data.null, event)
+    exact_seconds = time.perf_counter() - start
+    target = HistogramTarget(data, noise_std=event.noise_std, iterations=event.iterations, threshold=a.threshold,
+                             seed=seed)
+    report = histogram_canary_audit(
+        target, event, claimed_delta=a.delta, num_batches=a.num_batches, significance=a.significance,
+        num_looks=4 if a.sequential else 1, seed=None if seed is None else seed + 1,
+    )
+    notes = (*report.notes, *_augpe_notes(a, target, check, seed))
+    return dataclasses.replace(report, notes=notes, timings={**report.timings, "exact_check_seconds": exact_seconds})
+
+
+def _augpe_notes(a: AugPEHistogramSpec, target, check, seed: int | None) -> tuple[str, ...]:
+    """What an augpe-histogram report says beside its verdict: the claim, the exact check, the true ε, the seed."""
+    from invink_audit.augpe.audit import true_epsilon
+
+    event, n = a.event, 1 + a.num_candidates * a.others_per_candidate
+    planned = (f"σ planned for ε = {a.epsilon:g} at δ = {a.delta:g} on the exact μ-GDP curve" if a.epsilon is not None
+               else "σ given")
+    notes = [
+        f"claim: {event.describe()}; {planned}; claimed ε(δ = {a.delta:g}) = {event.gaussian_epsilon(a.delta):.4g}, "
+        f"μ = {event.mu:.4g}; threshold H = {a.threshold:g}",
+        f"audited release: the T = {event.iterations} thresholded noisy histograms on fixed public candidate embeddings "
+        f"(worst-case canary: {a.num_candidates} basis candidates, the canary on e_0, the empty text on e_1, "
+        f"{a.others_per_candidate} other references on each candidate); generation, paraphrasing and selection are "
+        "post-processing of the released counts",
+        f"exact check on the same embeddings (exact_histogram_check: all {n} replace-by-null neighbours, no sampling): "
+        f"{check.verdict.value}, realised/claimed ρ = {check.ratio:.4g}: {check.reason}",
+        f"true ε of this canary at δ = {a.delta:g}: {true_epsilon(target, a.delta):.4g} (exact μ-GDP of the realised "
+        f"shift, μ = {target.true_mu:.4g})",
+    ]
+    if seed is not None:
+        notes.append(f"seed {seed} (noise) and {seed + 1} (coins): a reproducible audit; seeded output carries no privacy")
+    return tuple(notes)

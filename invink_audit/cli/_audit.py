@@ -21,8 +21,9 @@ def register(subparsers) -> None:
         help="audit the realised privacy loss (white-box, black-box) or self-test the auditor",
         description="Run an audit spec (TOML, see audits/) and write report.json, report.md and PNG plots to "
         "--output; or, with --selftest, run the auditor against the correct mechanism, four planted bugs and "
-        "the paper's baselines (Amin et al. 2024 with both accountings, AdaPMixED's data-dependent guarantee). "
-        "A spec's [mechanism] kind may be invisibleink, amin or adapmixed. A data-dependent guarantee is never a "
+        "the paper's baselines (Amin et al. 2024 with both accountings, AdaPMixED's data-dependent guarantee, AugPE's "
+        "histogram with both sensitivities). A spec's [mechanism] kind may be invisibleink, amin or adapmixed; a spec of "
+        "kind augpe-histogram audits AugPE's noisy histogram. A data-dependent guarantee is never a "
         "PASS. Exit status: 0 PASS, 1 VIOLATION, 3 INCONCLUSIVE, 2 bad input.",
     )
     p.add_argument("spec", nargs="?", default=None, help="audit spec (TOML)")
