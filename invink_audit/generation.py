@@ -567,16 +567,6 @@ def _load(model, gguf_file, device, dtype) -> LoadedModel:
         raise
 
 
-def _max_positions(loaded: LoadedModel) -> int | None:
-    """The model's context length from its config (``None`` when the config does not say)."""
-    config = getattr(loaded.model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 def _check_context(
     loaded: LoadedModel,
     template: PromptTemplate,
@@ -590,7 +580,7 @@ def _check_context(
     Names the reference's position in the input (``position(batch, slot)``; default ``batch·B + slot``),
     never its text.
     """
-    positions = _max_positions(loaded)
+    positions = loaded.context_length
     if positions is None or not requests:
         return
     room = positions - max_new_tokens

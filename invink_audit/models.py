@@ -238,6 +238,16 @@ class LoadedModel:
             raise ValueError(f"eos_token_ids must be non-negative integers; got {self.eos_token_ids!r}")
 
     @property
+    def context_length(self) -> int | None:
+        """The model's context length from its config (``None`` when the config does not say)."""
+        config = getattr(self.model, "config", None)
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+
+    @property
     def vocab_size(self) -> int:
         """Number of logits per position."""
         return int(self.model.get_output_embeddings().weight.shape[0])

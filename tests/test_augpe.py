@@ -156,6 +156,20 @@ def test_over_budget_nothing_is_generated_or_embedded(tiny, minilm, tmp_path, mo
     assert spy.generated == 0 and spy.embedded == [] and ledger.status().releases == ()
 
 
+def test_a_context_too_short_for_the_longest_prompt_is_refused_before_the_charge(tiny, minilm, tmp_path, monkeypatch):
+    """The longest variation prompt (a candidate of T tokens) plus T answer tokens must fit the model's context;
+    otherwise the run is refused after loading and before the ledger is charged or anything is generated."""
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=100.0, delta=1e-6)
+    spy = Spy(tiny, minilm, monkeypatch)
+    monkeypatch.setattr(tiny.model.config, "max_position_embeddings", 40)
+    with pytest.raises(ValueError, match="cannot hold AugPE's longest prompt"):
+        augpe_generate(list(REFERENCES), AugPEConfig(epsilon=4.0, **SMALL), model=tiny, embedder=minilm, ledger=ledger)
+    assert spy.generated == 0 and spy.embedded == [] and ledger.status().releases == ()
+    monkeypatch.setattr(tiny.model.config, "max_position_embeddings", 4096)
+    augpe_generate(list(REFERENCES), AugPEConfig(epsilon=4.0, **SMALL), model=tiny, embedder=minilm, ledger=ledger)
+    assert len(ledger.status().releases) == 1
+
+
 def test_the_papers_convention_holds_no_guarantee_and_is_never_charged(tiny, minilm, tmp_path):
     paper = AugPEConfig(noise_std=4.0, sensitivity=AugPESensitivity.PAPER, **{**SMALL, "iterations": 1})
     result = run(paper, tiny, minilm)

@@ -40,6 +40,7 @@ streams derived from it for the sampling of each round, the style draws and each
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 import numbers
 import time
@@ -293,7 +294,7 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
     record = config.event.zcdp_event() if ledger is not None else None  # refuses PAPER / add-or-remove
     embed = _resolve_embedder(embedder)
     loaded = load_model(model)
-    encode_messages(loaded.tokenizer, config.prompts.generation_messages())  # a model without a chat template: now
+    _check_context(loaded, config)  # a model without a chat template, or too short a context: refused now
     void_reason = None
     if seed is not None:
         from invink_audit.generation import SEEDED_VOID_REASON
@@ -313,6 +314,23 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
     guarantee = AugPEGuarantee(config.event, config.delta, config.accountant, void_reason)
     stats = AugPEStats(config.num_generations, time.perf_counter() - start, loaded.name)
     return AugPEResult(tuple(texts), guarantee, tuple(histograms), stats, release_id)
+
+
+def _check_context(loaded, config: AugPEConfig) -> None:
+    """Refuse, before the charge, a model whose context cannot hold the longest prompt plus its answer: the longest
+    variation prompt (template, longest style, a candidate of at most T tokens) and T generated tokens. A candidate
+    re-encoded may take a few more tokens than it was drawn with, so the check keeps a 10% margin on the T's."""
+    generation = len(encode_messages(loaded.tokenizer, config.prompts.generation_messages()))
+    style = max(config.prompts.styles, key=len)
+    variation = len(encode_messages(loaded.tokenizer, config.prompts.variation_messages("", style)))
+    needed = max(generation, variation) + math.ceil(2.2 * config.max_new_tokens)
+    context = loaded.context_length
+    if context is not None and needed > context:
+        raise ValueError(
+            f"{loaded.name}'s context ({context} tokens) cannot hold AugPE's longest prompt and answer (about {needed} "
+            f"tokens: a variation prompt with a candidate of T = {config.max_new_tokens} tokens, then T more): lower "
+            "--max-new-tokens or use a model with a longer context"
+        )
 
 
 # --------------------------------------------------------------------------------------------
