@@ -41,6 +41,7 @@ __all__ = [
     "shard_paths",
     "start_output",
     "state_path",
+    "write_records",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -661,6 +662,15 @@ def output_lock(output: Path):
         lock.release()
 
 
+def write_records(path: Path, records, *, keep_mode: bool = True, allow_nan: bool = True) -> None:
+    """``records`` as JSON Lines at ``path``, replaced atomically; a new file gets the usual mode of a release file
+    (``0o666`` less the umask; ``keep_mode=False``: that mode even over an existing file's)."""
+    data = b"".join((json.dumps(r, ensure_ascii=False, allow_nan=allow_nan) + "\n").encode("utf-8") for r in records)
+    umask = os.umask(0)
+    os.umask(umask)
+    atomic_write_bytes(path, data, mode=0o666 & ~umask, keep_mode=keep_mode)
+
+
 def merge_shards(output: Path, release_id: str, num_batches: int) -> int:
     """Fold every idle shard and every record only the journal holds into ``output``, ordered by batch
     index, atomically; then remove the merged shards. Returns the number of records in the output.
@@ -696,10 +706,7 @@ def merge_shards(output: Path, release_id: str, num_batches: int) -> int:
         in_order = [r["batch_index"] for r in main.records] == sorted(r["batch_index"] for r in main.records)
         if not shards and not recovered and in_order and not main.needs_newline and main.keep == _file_size(output):
             return len(records)
-        data = b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records)
-        umask = os.umask(0)
-        os.umask(umask)
-        atomic_write_bytes(output, data, mode=0o666 & ~umask)
+        write_records(output, records)
         for shard in shards:
             shard.unlink(missing_ok=True)
         fsync_directory(output.parent)

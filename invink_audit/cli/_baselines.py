@@ -22,7 +22,6 @@ outputs too) are not written.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -258,22 +257,19 @@ def run_augpe(args) -> int:
 def _write_augpe_release(output: Path, result, run: dict, model_dtype) -> Path:
     """One JSON record per text, written at once and atomically (the usual mode of a release file). Should the
     output have appeared while AugPE ran, the texts go beside it (``<output>.<release_id>.jsonl``), never over it."""
-    from accounting.atomic import atomic_write_bytes
+    from invink_audit.outputs import write_records
 
     records = [
         {"index": i, "text": text, **result.guarantee.record_fields(), "release_id": result.release_id, "run": run,
          "model_dtype": model_dtype, "version": 1}
         for i, text in enumerate(result.texts)
     ]  # fmt: skip
-    data = b"".join((json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8") for r in records)
     if output.exists() or output.is_symlink():
         beside = output.with_name(f"{output.name}.{result.release_id}.jsonl")
         print(f"invink-audit generate: {str(output)!r} appeared while AugPE ran; writing to {str(beside)!r}",
               file=sys.stderr)  # fmt: skip
         output = beside
-    umask = os.umask(0)
-    os.umask(umask)
-    atomic_write_bytes(output, data, mode=0o666 & ~umask, keep_mode=False)
+    write_records(output, records, keep_mode=False, allow_nan=False)
     return output
 
 
