@@ -43,7 +43,7 @@ from accounting import AugPEEvent, gaussian_dp_epsilon, plan_augpe_noise_std
 from accounting.limits import check_count, check_nonnegative, check_order, check_positive
 from invink_audit.audit.records import BlackBoxReport
 from invink_audit.audit.stats import Verdict
-from invink_audit.augpe.histogram import nearest_neighbour_votes, vote_counts
+from invink_audit.augpe.histogram import nearest_neighbour_votes, noisy_counts, vote_counts
 
 __all__ = [
     "CanaryEmbeddings",
@@ -319,9 +319,8 @@ class HistogramTarget:
         canary_in = np.array([bool(b[self.slot]) for b in batches])
         llr, self.released = np.zeros(canary_in.size), []
         for h, h_out in zip(self.with_canary, self.without):
-            counts = np.where(canary_in[:, None], h[None, :], h_out[None, :]).astype(np.float64)
-            noisy = counts + self.noise_std * self.rng.standard_normal(counts.shape)  # noisy_counts, row by row
-            released = np.maximum(noisy - self.threshold, 0.0)
+            counts = np.where(canary_in[:, None], h[None, :], h_out[None, :])
+            released = noisy_counts(counts, self.noise_std, self.threshold, self.rng)  # one row per trial
             self.released.append(released)
             llr += self._log_ratio(released, h.astype(np.float64), h_out.astype(np.float64))
         self._llr = llr

@@ -101,16 +101,17 @@ def noisy_counts(counts, noise_std: float, threshold: float, rng: np.random.Gene
     r"""The released histogram: :math:`\max(H + \mathcal N(0, \sigma^2 I) - H_{thr}, 0)` (``dp_counter.py`` l. 53–59).
 
     ``noise_std`` σ is the noise's standard deviation in counts (:class:`accounting.AugPEEvent`), ``threshold``
-    the official ``--count_threshold`` H (0 keeps every positive noisy count). ``rng`` draws the noise.
+    the official ``--count_threshold`` H (0 keeps every positive noisy count). ``rng`` draws the noise. ``counts``
+    may be 2-d, one row per independent release (an audit's trials), drawn in row order.
     """
     counts = np.asarray(counts, dtype=np.float64)
     noise_std = check_positive("noise_std", noise_std)
     threshold = check_nonnegative("threshold", threshold)
-    if counts.ndim != 1 or counts.size == 0:
-        raise ValueError(f"counts must be a non-empty 1-d array; got shape {counts.shape}")
+    if counts.ndim not in (1, 2) or counts.size == 0:
+        raise ValueError(f"counts must be a non-empty 1-d (or 2-d: one row per release) array; got shape {counts.shape}")
     if not isinstance(rng, np.random.Generator):
         raise ValueError(f"rng must be a numpy.random.Generator; got {type(rng).__name__}")
-    noisy = counts + noise_std * rng.standard_normal(counts.size)
+    noisy = counts + noise_std * rng.standard_normal(counts.shape)
     return np.maximum(noisy - threshold, 0.0)
 
 
