@@ -432,8 +432,9 @@ class _TokenWalker:
         actual, neighbours = with_stop(actual, neighbours, step, self.t_r, self.t_j)
         return _WalkStep(actual, neighbours)
 
-    def advance(self, out, state, outcomes, aux, step: int):
-        """(state, tokens to append, which texts end)."""
+    def advance(self, out, state, outcomes, aux, step: int, rows=None):
+        """(state, tokens to append, which texts end); ``rows``: the rows of ``out`` the outcomes were drawn on
+        (enumeration; ``None``: all of them). A text's end does not read ``out``."""
         ended = (outcomes == self.source.eos_token) | (outcomes == self.source.vocab_size)
         return None, outcomes, ended
 
@@ -510,7 +511,7 @@ def _enumerate(source: LogitSource, walker, *, max_outputs: int) -> ExactOutputs
         new_a = lp_a[rows] + out.log_probs[rows, outs]
         new_n = lp_n[rows] + out.neighbours[rows, :, outs]
         new_state, tokens, ended = walker.advance(
-            _rows_of(out, rows), None if state is None else state[rows], outs, None if aux is None else aux[rows], step
+            out, None if state is None else state[rows], outs, None if aux is None else aux[rows], step, rows=rows
         )
         done_a.append(new_a[ended])
         done_n.append(new_n[ended])
@@ -713,7 +714,9 @@ class _MechanismWalker:
     def step(self, private, public, state, aux, step: int):
         return self.mechanism.step(private, public, state, aux, exact=True, neighbours=True)
 
-    def advance(self, out, state, outcomes, aux, step: int):
+    def advance(self, out, state, outcomes, aux, step: int, rows=None):
+        """As :meth:`_TokenWalker.advance`; the mechanism's advance reads ``out``, restricted to ``rows``."""
+        out = out if rows is None else _rows_of(out, rows)
         new_state, stop_after = self.mechanism.advance(out, state, outcomes, aux, exact=True)
         tokens = outcomes % self.source.vocab_size
         ended = (tokens == self.source.eos_token) | stop_after | (step + 1 >= self.horizon)
@@ -741,8 +744,6 @@ def enumerate_mechanism_outputs(
 
 def _rows_of(step, rows: torch.Tensor):
     """A step's distributions (and a mechanism's carry) restricted to some of its rows (enumeration)."""
-    if isinstance(step, _WalkStep):
-        return step
     view = _WalkStep(step.log_probs[rows], None if step.neighbours is None else step.neighbours[rows],
                      None if step.check_actual is None else step.check_actual[rows],
                      None if step.check_neighbours is None else step.check_neighbours[rows])  # fmt: skip
