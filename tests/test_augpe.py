@@ -97,6 +97,7 @@ def test_the_config_plans_its_event_once_and_checks_itself():
            ({"noise_std": 1.0, "selection": "top"}, "selection must be one of"),
            ({"noise_std": 1.0, "prompts": "tab"}, "prompts must be one of"),
            ({"noise_std": 1.0, "num_texts": 0}, "num_texts must be"),
+           ({"noise_std": 1.0, "allow_all_null": "yes"}, "allow_all_null must be a bool"),
            ({"noise_std": 1.0, "sampling": SamplingSettings(top_p=1.0), "accountant": "moments"},
             "accountant must be")]  # fmt: skip
     for change, message in bad:
@@ -122,6 +123,16 @@ def test_a_run_releases_n_texts_and_a_seeded_run_repeats(tiny, minilm, monkeypat
     assert again.texts == first.texts and again.noisy_counts == first.noisy_counts
     other = run(config, tiny, minilm, seed=12)
     assert other.noisy_counts != first.noisy_counts
+
+
+def test_all_null_references_run_only_when_allowed(tiny, minilm):
+    config = AugPEConfig(epsilon=4.0, allow_all_null=True, **SMALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededGeneratorWarning)
+        result = augpe_generate([""] * len(REFERENCES), config, model=tiny, embedder=minilm, seed=3)
+    assert len(result.texts) == 3 and config.to_json()["allow_all_null"] is True
+    with pytest.raises(ValueError, match="are empty"):
+        augpe_generate([""] * len(REFERENCES), AugPEConfig(epsilon=4.0, **SMALL), model=tiny, embedder=minilm)
 
 
 def test_the_references_enter_only_the_histogram(tiny, minilm, monkeypatch):
@@ -198,6 +209,7 @@ def test_the_papers_convention_holds_no_guarantee_and_is_never_charged(tiny, min
         (["a"], {"embedder": "bert"}, "embedding model must be one of"),
         (["a"], {"embedder": 3}, "embedder must be"),
         (["a"], {"config": AugPEConfig(noise_std=1.0, sensitivity="paper", **SMALL), "ledger": "L"}, "not a valid"),
+        (["", ""], {"ledger": "L"}, r"all 2 references are empty \(nulls\).*allow_all_null=True"),
     ],
 )
 def test_bad_input_is_refused_before_anything_loads(references, kwargs, message, monkeypatch, tmp_path):
@@ -214,3 +226,5 @@ def test_bad_input_is_refused_before_anything_loads(references, kwargs, message,
     with pytest.raises(Exception, match=message) as raised:
         augpe_generate(references, config, **kwargs)
     assert not isinstance(raised.value, AssertionError)
+    if kwargs.get("ledger") == "L":
+        assert BudgetLedger(tmp_path / "L").status().releases == ()  # refused before the charge

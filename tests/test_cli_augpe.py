@@ -115,6 +115,17 @@ def test_a_seeded_release_repeats_and_is_marked_void(notes, tiny_dir, tmp_path, 
     for record in first:
         assert record["guarantee"] is None and record["guarantee_void_reason"] == SEEDED_VOID_REASON
         assert record["run"]["prompts"]["fields"] == {"category": "Bars", "stars": "4.0"}
+    # the command line is the Python entrance: the same settings and seed give the same texts
+    # (examples/compare_augpe.py measures AugPE through augpe_generate)
+    from invink_audit.augpe import AugPEConfig, augpe_generate, get_augpe_prompts
+    from invink_audit.evaluation import Embedder
+
+    config = AugPEConfig(num_texts=NUM_TEXTS, iterations=ITERATIONS, delta=DELTA, epsilon=EPSILON, variations=VARIATIONS,
+                         max_new_tokens=6, prompts=get_augpe_prompts("yelp", category="Bars"))  # fmt: skip
+    assert config.to_json() == {k: first[0]["run"][k] for k in config.to_json()}
+    with pytest.warns(SeededGeneratorWarning):
+        python = augpe_generate(REFERENCES, config, model=str(tiny_dir), embedder=Embedder("minilm", cache=False), seed=7)
+    assert list(python.texts) == [r["text"] for r in first]
 
 
 def test_an_existing_output_is_refused_and_kept(notes, tiny_dir, tmp_path, capsys, no_model_load):
@@ -132,7 +143,9 @@ def test_an_existing_output_is_refused_and_kept(notes, tiny_dir, tmp_path, capsy
     (["--clip-norm", "1"], "--clip-norm does not apply to --mechanism augpe"),
     (["--label-columns", "unit"], "--label-columns does not apply to --mechanism augpe"),
     (["--stop", "."], "--stop does not apply to --mechanism augpe"),
-    (["--svt-noise", "2"], "--svt-noise does not apply to --mechanism augpe"),
+    (["--svt-noise", "2"], "--svt-noise applies to --mechanism amin only; remove it for --mechanism augpe"),
+    (["--top-k", "100"], "--top-k does not apply"),  # given, even at its default: refused, not ignored
+    (["--ray-gpus-per-actor", "0"], "--ray-gpus-per-actor does not apply"),
     (["--ray-actors", "2"], "--ray-actors does not apply to --mechanism augpe"),
     (["--noise-std", "3"], "exactly one of --epsilon"),
     (["--prompt", "generic"], "prompts must be one of ['mimic', 'yelp']"),
@@ -169,6 +182,9 @@ def test_a_missing_input_or_empty_references_are_refused(reviews_csv, tiny_dir, 
      "--iterations applies to --mechanism augpe only"),
     (["--epsilon", "8", "--embedder", "minilm", "--batch-size", "2"], "--embedder applies to --mechanism augpe only"),
     (["--epsilon", "8"], "required: --batch-size"),
+    (["--epsilon", "8", "--batch-size", "2", "--svt-threshold", "0.7"], "--svt-threshold applies to --mechanism amin only"),
+    (["--mechanism", "adapmixed", "--epsilon", "8", "--batch-size", "2", "--max-private-tokens", "2"],
+     "--max-private-tokens applies to --mechanism amin only"),
 ])  # fmt: skip
 def test_augpe_options_are_refused_for_the_other_mechanisms(notes, tiny_dir, tmp_path, capsys, no_model_load, argv,
                                                            message):

@@ -108,6 +108,7 @@ def test_adapmixed_runs_uncharged_and_is_refused_with_a_ledger(reviews, tiny_dir
 
 @pytest.mark.parametrize("extra, message", [
     (["--top-k", "8"], "--top-k applies to --mechanism invisibleink only"),
+    (["--top-k", "100"], "--top-k applies to --mechanism invisibleink only"),  # its default, given: still refused
     (["--svt-noise", "0.01"], "infeasible"),
 ])  # fmt: skip
 def test_flags_that_do_not_apply_or_cannot_work_are_refused_before_loading(reviews, tiny_dir, tmp_path, capsys, extra,

@@ -192,6 +192,29 @@ def test_the_generate_progress_bar_has_a_total_and_ends_full(tiny, tiny_dir, tmp
                  hooks=GenerationHooks(on_start=3))
 
 
+def test_progress_bars_redraw_rarely_into_a_log_and_often_on_a_terminal(monkeypatch, capsys):
+    import io
+    import sys
+
+    from invink_audit.cli import LOG_REDRAW_SECONDS, tqdm_bar
+
+    log = tqdm_bar(total=1000, desc="log")  # capsys: stderr is not a terminal
+    for _ in range(1000):
+        log.update(1)
+    log.close()
+    assert log.mininterval == LOG_REDRAW_SECONDS
+    assert capsys.readouterr().err.count("\r") <= 3, "one draw at the start and one at the end, not one per update"
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = tqdm_bar(total=10, desc="tty")
+    assert bar.mininterval < 1.0
+    bar.close()
+
+
 # --------------------------------------------------------------------------------------------
 # e. audit headlines: against the release's ε; a sampled part too small to confirm anything says so
 

@@ -100,7 +100,9 @@ class AugPEConfig:
     (L = ``variations``, the paper's 7). The noise is ``noise_std`` σ (counts; :class:`accounting.AugPEEvent`) or
     planned for ``epsilon`` (:func:`accounting.plan_augpe_noise_std`, safe side); ``delta`` is required in both
     cases (the guarantee is reported at it). ``sensitivity`` ``PAPER`` is the paper's convention and **not a valid
-    guarantee** (refused with a ledger). ``event`` is computed here, once: the record of the release."""
+    guarantee** (refused with a ledger). ``allow_all_null``: run even when every reference is empty (a null), as
+    :class:`~invink_audit.generation.GenerationConfig`'s (refused by default: a wrong column, charged for nothing).
+    ``event`` is computed here, once: the record of the release."""
 
     num_texts: int
     iterations: int
@@ -116,11 +118,14 @@ class AugPEConfig:
     sampling: SamplingSettings = dataclasses.field(default_factory=SamplingSettings)
     batch_size: int = 16
     accountant: Accountant = DEFAULT_ACCOUNTANT
+    allow_all_null: bool = False
     event: AugPEEvent = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         for name in ("num_texts", "iterations", "max_new_tokens", "batch_size"):
             COUNT_RANGE.check(name, getattr(self, name))
+        if not isinstance(self.allow_all_null, bool):
+            raise ValueError(f"allow_all_null must be a bool; got {self.allow_all_null!r}")
         check_count("variations", self.variations, minimum=2)  # L = 1: every candidate selected, none varied
         COUNT_RANGE.check("candidates (num_texts * variations)", self.num_texts * self.variations)
         RANGES["delta"].check("delta", self.delta)
@@ -149,7 +154,8 @@ class AugPEConfig:
                 "l2_sensitivity": event.l2_sensitivity, "epsilon": self.epsilon, "delta": self.delta,
                 "accountant": self.accountant.value, "threshold": self.threshold, "selection": self.selection.value,
                 "max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size,
-                "sampling": dataclasses.asdict(self.sampling), "prompts": self.prompts.to_json()}  # fmt: skip
+                "sampling": dataclasses.asdict(self.sampling), "prompts": self.prompts.to_json(),
+                "allow_all_null": self.allow_all_null}  # fmt: skip
 
     @property
     def num_candidates(self) -> int:
@@ -253,6 +259,17 @@ def _check_references(references) -> list[str]:
     return list(references)
 
 
+def check_not_all_null(references: Sequence[str], allow_all_null: bool) -> None:
+    """Refuse references that are all empty (nulls) unless ``allow_all_null``: every vote would go to the empty
+    text's nearest candidate, and the ledger would still be charged (the command line checks it before loading)."""
+    if not allow_all_null and not any(references):
+        raise ValueError(
+            f"all {len(references)} references are empty (nulls): every vote would be the empty text's, and the "
+            "ledger would still be charged. Check the input column; pass AugPEConfig(allow_all_null=True) "
+            "(--allow-all-null) to run anyway"
+        )
+
+
 def _resolve_embedder(embedder):
     """An object with ``embed(texts) -> (n, d) array``: a name (``"mpnet"``, ``"minilm"``) gives an
     :class:`~invink_audit.evaluation.Embedder` that keeps nothing on disk (it loads at its first use)."""
@@ -286,6 +303,7 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
     references = _check_references(references)
     if not isinstance(config, AugPEConfig):
         raise ValueError(f"config must be an AugPEConfig; got {type(config).__name__}")
+    check_not_all_null(references, config.allow_all_null)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
     if progress is not None and not callable(progress):

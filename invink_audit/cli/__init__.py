@@ -95,11 +95,27 @@ def plural(count: int, singular: str, plural_form: str | None = None) -> str:
     return f"{count} {singular if count == 1 else plural_form or singular + 's'}"
 
 
+#: seconds between redraws when stderr is not a terminal (a log file, CI): one line per bar every so often
+#: instead of one per update
+LOG_REDRAW_SECONDS = 30.0
+
+
+def tqdm_bar(**options):
+    """A tqdm bar on stderr; when stderr is not a terminal it redraws at most every :data:`LOG_REDRAW_SECONDS`
+    (tqdm's ``mininterval``), so a log gets a line now and then, not one per update. Every bar of the
+    command line is made here."""
+    from tqdm import tqdm
+
+    if not sys.stderr.isatty():
+        options.setdefault("mininterval", LOG_REDRAW_SECONDS)
+    return tqdm(file=sys.stderr, dynamic_ncols=True, **options)
+
+
 def phase_progress(enabled: bool = True, *, unit: str = "tok", leave: bool = True):
     """A ``progress(phase, done, total)`` callback that draws one tqdm bar per phase on stderr (with its
     total, so an ETA), e.g. for :func:`invink_audit.audit.quick_audit`; returns ``(progress, close)``
     (``(None, close)`` when not ``enabled``). A bar closes when its phase reaches its total or the next
-    phase starts (``unit``, ``leave``: tqdm's). Every progress bar of the command line is drawn here."""
+    phase starts (``unit``, ``leave``: tqdm's)."""
     bars: dict = {}
 
     def close() -> None:
@@ -111,11 +127,9 @@ def phase_progress(enabled: bool = True, *, unit: str = "tok", leave: bool = Tru
         return None, close
 
     def progress(phase: str, done: int, total: int) -> None:
-        from tqdm import tqdm
-
         if phase not in bars:
             close()
-            bars[phase] = tqdm(total=total, desc=phase, unit=unit, leave=leave, file=sys.stderr, dynamic_ncols=True)
+            bars[phase] = tqdm_bar(total=total, desc=phase, unit=unit, leave=leave)
         bar = bars[phase]
         bar.update(done - bar.n)
         if done >= total:

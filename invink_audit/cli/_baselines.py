@@ -46,9 +46,9 @@ def add_baseline_arguments(p) -> None:
     p.add_argument("--mechanism", default="invisibleink", choices=MECHANISMS, help="the mechanism (default invisibleink)")
     amin = p.add_argument_group("Amin et al. 2024 (--mechanism amin)")
     amin.add_argument("--max-private-tokens", default=None, help="r: private tokens per text at most (default: T)")
-    amin.add_argument("--svt-threshold", default="0.7", help="sparse-vector threshold (default 0.7)")
-    amin.add_argument("--svt-noise", default="0.3", help="sparse-vector noise scale sigma (default 0.3)")
-    amin.add_argument("--public-temperature", default="1.0", help="temperature of public tokens (default 1.0)")
+    amin.add_argument("--svt-threshold", default=None, help="sparse-vector threshold (default 0.7)")
+    amin.add_argument("--svt-noise", default=None, help="sparse-vector noise scale sigma (default 0.3)")
+    amin.add_argument("--public-temperature", default=None, help="temperature of public tokens (default 1.0)")
     augpe = p.add_argument_group(
         "AugPE, Xie et al. 2024 (--mechanism augpe; also --num-texts n (required), --epsilon or --noise-std, --delta, "
         "--max-new-tokens, --temperature, --max-batch-rows: sequences per generate call, default 16)"
@@ -72,7 +72,7 @@ def baseline_release(args, values: dict):
     ``--top-k`` is InvisibleInk's and refused, AdaPMixED with ``--ledger`` is refused."""
     from invink_audit.generation import MechanismRelease
 
-    if args.top_k != "100":
+    if args.top_k is not None:
         raise CliError(f"--top-k applies to --mechanism invisibleink only; remove it for --mechanism {args.mechanism}")
     if args.mechanism == "adapmixed" and args.ledger is not None:
         raise CliError(_DATA_DEPENDENT_LEDGER)
@@ -90,11 +90,10 @@ def _mechanism(args, values: dict):
             raise CliError("--mechanism adapmixed needs --epsilon (its stop rule's budget); --clip-norm does not apply")
         return AdaPMixEDMechanism(AdaPMixEDConfig(batch_size, epsilon, delta, temperature))
     r = max_new_tokens if args.max_private_tokens is None else parse_int("--max-private-tokens", args.max_private_tokens)
-    options = dict(
-        temperature=temperature, public_temperature=parse_float("--public-temperature", args.public_temperature),
-        svt_threshold=parse_float("--svt-threshold", args.svt_threshold),
-        svt_noise=parse_float("--svt-noise", args.svt_noise),
-    )  # fmt: skip
+    options = {"temperature": temperature} | {
+        name: parse_float(flag, default if getattr(args, name) is None else getattr(args, name))
+        for name, flag, default in _AMIN_DEFAULTS
+    }
     if epsilon is not None:
         config = AminConfig.planned(epsilon=epsilon, delta=delta, batch_size=batch_size, max_private_tokens=r, **options)
     else:
@@ -109,7 +108,7 @@ def _mechanism(args, values: dict):
 _NOT_FOR_AUGPE = (
     ("batch_size", "--batch-size", None, "every reference votes in every histogram; there are no batches"),
     ("clip_norm", "--clip-norm", None, "give --epsilon or --noise-std"),
-    ("top_k", "--top-k", "100", "it is InvisibleInk's"),
+    ("top_k", "--top-k", None, "it is InvisibleInk's"),
     ("label_columns", "--label-columns", None, "AugPE generates from one public prompt (use --where to select)"),
     ("label_field", "--label-field", None, "AugPE generates from one public prompt"),
     ("num_texts_per_group", "--num-texts-per-group", None, "give --num-texts"),
@@ -117,26 +116,29 @@ _NOT_FOR_AUGPE = (
     ("stop", "--stop", None, "AugPE's prompts are its presets (--prompt mimic|yelp)"),
     ("public_examples", "--public-examples", None, "AugPE's prompts are its presets (--prompt mimic|yelp)"),
     ("ray_actors", "--ray-actors", None, "AugPE runs in one process"),
-    ("ray_gpus_per_actor", "--ray-gpus-per-actor", "0", "AugPE runs in one process"),
-    ("max_private_tokens", "--max-private-tokens", None, "it is Amin et al.'s"),
-    ("svt_threshold", "--svt-threshold", "0.7", "it is Amin et al.'s"),
-    ("svt_noise", "--svt-noise", "0.3", "it is Amin et al.'s"),
-    ("public_temperature", "--public-temperature", "1.0", "it is Amin et al.'s"),
+    ("ray_gpus_per_actor", "--ray-gpus-per-actor", None, "AugPE runs in one process"),
 )
-#: AugPE's own options, refused for the other mechanisms
+#: each mechanism's own options (attribute, flag), refused for the others: given, never ignored
 _AUGPE_ONLY = (("iterations", "--iterations"), ("variations", "--variations"), ("noise_std", "--noise-std"),
                ("augpe_sensitivity", "--augpe-sensitivity"), ("embedder", "--embedder"))  # fmt: skip
+_AMIN_ONLY = (("max_private_tokens", "--max-private-tokens"), ("svt_threshold", "--svt-threshold"),
+              ("svt_noise", "--svt-noise"), ("public_temperature", "--public-temperature"))  # fmt: skip
+#: Amin et al.'s options with a default: (AminConfig field = attribute, flag, default), the paper's re-implementation
+_AMIN_DEFAULTS = (("svt_threshold", "--svt-threshold", "0.7"), ("svt_noise", "--svt-noise", "0.3"),
+                  ("public_temperature", "--public-temperature", "1.0"))  # fmt: skip
+_OWN_OPTIONS = {"augpe": _AUGPE_ONLY, "amin": _AMIN_ONLY}
 _PAPER_LEDGER = (
     "--augpe-sensitivity paper cannot be charged to a ledger: the paper's convention (l2 sensitivity 1 under "
     "replace-by-null) is NOT A VALID GUARANTEE (it understates rho by 2); use --augpe-sensitivity replace-by-null"
 )
 
 
-def refuse_augpe_options(args) -> None:
-    """For the other mechanisms: AugPE's own options are refused, not ignored."""
-    for attribute, flag in _AUGPE_ONLY:
-        if getattr(args, attribute) is not None:
-            raise CliError(f"{flag} applies to --mechanism augpe only; remove it for --mechanism {args.mechanism}")
+def refuse_other_mechanisms_options(args) -> None:
+    """AugPE's and Amin et al.'s own options, given with another ``--mechanism``, are refused, not ignored."""
+    for mechanism, options in _OWN_OPTIONS.items():
+        for attribute, flag in options:
+            if mechanism != args.mechanism and getattr(args, attribute) is not None:
+                raise CliError(f"{flag} applies to --mechanism {mechanism} only; remove it for --mechanism {args.mechanism}")
 
 
 def _refuse_not_for_augpe(args) -> None:
@@ -177,6 +179,7 @@ def _augpe_config(args):
         prompts=prompts,
         sampling=SamplingSettings(temperature=parse_float("--temperature", args.temperature)),
         accountant=args.accountant,
+        allow_all_null=args.allow_all_null,
         **{name: value for name, value in optional.items() if value is not None},
     )
 
@@ -201,6 +204,7 @@ def _new_output(text: str) -> Path:
 def _augpe_references(args) -> list[str]:
     """``--input`` (with ``--column`` and ``--where``) as a list of texts; empty input, or only nulls without
     ``--allow-all-null``, is refused."""
+    from invink_audit.augpe.generator import check_not_all_null
     from invink_audit.cli._generate import selected_references
     from invink_audit.data import read_references
 
@@ -210,11 +214,7 @@ def _augpe_references(args) -> list[str]:
     references = read_references(source, column=column) if isinstance(source, Path) else list(source)
     if not references:
         raise CliError(f"--input {args.input!r} holds no reference")
-    if not any(references) and not args.allow_all_null:
-        raise CliError(
-            f"all {len(references)} references are empty (nulls): every vote would be the empty text's, and the "
-            "ledger would still be charged. Check --column; pass --allow-all-null to run anyway"
-        )
+    check_not_all_null(references, args.allow_all_null)  # before the model loads; augpe_generate checks it again
     return references
 
 

@@ -11,7 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from invink_audit.cli import CliError, add_accountant_argument, column_names, parse_float, parse_int, parse_top_k, plural
+from invink_audit.cli import (
+    CliError, add_accountant_argument, column_names, parse_float, parse_int, parse_top_k, plural, tqdm_bar,
+)
 from invink_audit.distributed import launch_rank
 
 #: What a run without ``--ledger`` says (on stderr, in the text summary and as ``ledger_notice`` in the JSON).
@@ -107,7 +109,7 @@ def _add_privacy_arguments(p) -> None:
     p.add_argument(
         "--num-texts", default=None, help="texts to generate, 1 .. full batches (default: one per full batch)"
     )
-    p.add_argument("--top-k", default="100", help="k of the Top-k+ set, an integer >= 1, or 'full' (default 100)")
+    p.add_argument("--top-k", default=None, help="k of the Top-k+ set, an integer >= 1, or 'full' (default 100)")
     p.add_argument("--temperature", default="1.0", help="sampling temperature tau (finite, > 0; default 1.0)")
 
 
@@ -237,7 +239,7 @@ def _add_run_arguments(p) -> None:
         help="run the release as a Ray Data pipeline with this many actors (pip install 'invink-audit[ray]'; joins "
         "the cluster in RAY_ADDRESS, or starts a local one)",
     )
-    p.add_argument("--ray-gpus-per-actor", default="0", help="GPUs per Ray actor (default 0)")
+    p.add_argument("--ray-gpus-per-actor", default=None, help="GPUs per Ray actor (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
 
@@ -266,12 +268,12 @@ def register(subparsers) -> None:
 
 
 def _generate(args) -> int:
-    from invink_audit.cli._baselines import refuse_augpe_options, run_augpe
+    from invink_audit.cli._baselines import refuse_other_mechanisms_options, run_augpe
     from invink_audit.generation import GenerationHooks, generate
 
+    refuse_other_mechanisms_options(args)
     if args.mechanism == "augpe":  # not a batched release: its own run (docs/guide/baselines.md, "AugPE")
         return run_augpe(args)
-    refuse_augpe_options(args)
     if args.batch_size is None:
         raise CliError("the following arguments are required: --batch-size")
     if args.epsilon is None and args.clip_norm is None:
@@ -296,10 +298,8 @@ def _generate(args) -> int:
         if args.ray_actors is not None:
             from invink_audit.ray_release import generate_on_ray
 
-            ray = dict(
-                concurrency=parse_int("--ray-actors", args.ray_actors),
-                num_gpus=parse_float("--ray-gpus-per-actor", args.ray_gpus_per_actor),
-            )
+            gpus = "0" if args.ray_gpus_per_actor is None else args.ray_gpus_per_actor  # None: not given (AugPE refuses it)
+            ray = dict(concurrency=parse_int("--ray-actors", args.ray_actors), num_gpus=parse_float("--ray-gpus-per-actor", gpus))
             result = generate_on_ray(references, config, hooks=GenerationHooks(on_text=progress.text), **ray, **options)
         else:
             hooks = GenerationHooks(on_tokens=progress.update, on_text=progress.text, on_start=progress.start)
@@ -328,7 +328,7 @@ def _generation_config(args):
         epsilon=None if args.epsilon is None else parse_float("--epsilon", args.epsilon),
         clip_norm=None if args.clip_norm is None else parse_float("--clip-norm", args.clip_norm),
         temperature=parse_float("--temperature", args.temperature),
-        top_k=parse_top_k("--top-k", args.top_k),
+        top_k=parse_top_k("--top-k", "100" if args.top_k is None else args.top_k),
         num_texts=None if args.num_texts is None else parse_int("--num-texts", args.num_texts),
         accountant=args.accountant,
         num_texts_per_group=per_group,
@@ -390,13 +390,9 @@ class _Progress:
     def start(self, num_texts: int) -> None:
         if not self.enabled or num_texts < 1 or self.bar is not None:
             return
-        from tqdm import tqdm
-
         self.num_texts = num_texts
-        self.bar = tqdm(
-            total=num_texts * self.max_new_tokens, unit="tok", desc=f"generating (T = {self.max_new_tokens} per text)",
-            file=sys.stderr, dynamic_ncols=True,
-        )  # fmt: skip
+        desc = f"generating (T = {self.max_new_tokens} per text)"
+        self.bar = tqdm_bar(total=num_texts * self.max_new_tokens, unit="tok", desc=desc)
         self.bar.set_postfix_str(f"texts 0/{num_texts}")
 
     def update(self, tokens: int) -> None:
