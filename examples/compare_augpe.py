@@ -654,8 +654,8 @@ def parse_args(argv=None):
     parser.add_argument("--rows", default="4,8,16", help="InvisibleInk's B + 1 values")
     parser.add_argument("--iterations", default="1,3,5", help="AugPE's T_AugPE values")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--num-texts", type=int, default=32, help="synthetic texts per cell (fewer where the data is short)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-texts", type=int, default=16, help="synthetic texts per cell (fewer where the data is short)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--top-k", type=int, default=100, help="InvisibleInk's k (and the reference points')")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--augpe-batch", type=int, default=16, help="AugPE's texts per model.generate call")
@@ -663,7 +663,7 @@ def parse_args(argv=None):
                         help="for AugPE's histogram and for MAUVE (one instance, no disk cache)")  # fmt: skip
     parser.add_argument("--mauve-seeds", type=int, default=5)
     parser.add_argument("--mauve-bootstrap", type=int, default=20)
-    parser.add_argument("--profile-texts", type=int, default=30, help="held-out texts for the planning signal (0: skip)")
+    parser.add_argument("--profile-texts", type=int, default=16, help="held-out texts for the planning signal (0: skip)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny grid (1 seed, 4 texts, 16 tokens, B + 1 = 4, T_AugPE = 1, MiniLM, 3 profile texts): "

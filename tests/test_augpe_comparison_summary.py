@@ -187,3 +187,22 @@ def test_texts_per_cell_follow_the_papers_reference_budget(ca):
     assert ca.texts_for("invisibleink", 16, 32, 16) == (1, 15)  # the 16 medical references
     assert ca.texts_for("augpe-paper", 1, 4, 16) == (2, 14)
     assert ca.texts_for("floor", None, 4, 16) == (4, 12)
+
+
+def test_the_committed_run_reproduces_its_summary_and_table(ca):
+    """``audits/reports/augpe_comparison``: its summary and table are what its cells and profiles give (what
+    ``--summarise-only`` rebuilds), and its grid is complete: 3 seeds of every setting, 16 Yelp texts per cell."""
+    from invink_audit.not_private import NOT_PRIVATE_BANNER, unmark
+
+    out = ROOT / "audits" / "reports" / "augpe_comparison"
+    cells = [unmark(c) for c in ca.read_cells(out / "cells.jsonl")]
+    profiles = {d: unmark(json.loads((out / f"profile_{d}.json").read_text(encoding="utf-8"))) for d in ca.DATASETS}
+    summary = ca.summarise_cells(cells, profiles)
+    committed = unmark(json.loads((out / "summary.json").read_text(encoding="utf-8")))
+    assert json.loads(json.dumps(summary)) == committed
+    assert (out / "comparison.md").read_text(encoding="utf-8") == f"{NOT_PRIVATE_BANNER}\n\n{ca.markdown(summary)}"
+    expected = ca.grid(datasets=ca.DATASETS, methods=("invisibleink", "augpe"), epsilons=(3, 10), rows=(4, 8, 16),
+                       iterations=(1, 3, 5), seeds=3, max_new_tokens=48, num_texts=16)  # fmt: skip
+    assert ca.pending(expected, [ca.cell_key(c) for c in cells]) == [] and len(cells) == 84
+    assert all(c["guarantee"] is None for c in cells) and not summary["smoke"]
+    assert {c["num_texts"] for c in cells if c["dataset"] == "yelp"} == {16}
