@@ -536,7 +536,7 @@ def markdown(summary: dict) -> str:
         f"Each entry: mean ± t·se over seeds ({summary['confidence']:.0%} t-interval half-width; `(1 seed)`: no "
         "interval). **s/text**: wall-clock seconds per synthetic text (model and embedder loaded; AugPE's includes its "
         "embeddings), on a shared machine: see the load average. **MAUVE** against as many held-out real texts, "
-        "paper setting (n/20 buckets, c = 0.9) and c = 5. **ΔPPL**: |mean PPL(synthetic) − mean PPL(real)| under "
+        "paper setting (n/20 buckets, c = 0.9) and c = 5. **ΔPPL**: |PPL(synthetic) − PPL(real)|, geometric means, under "
         "the scorer. **signal**: InvisibleInk's planning signal, gain over the public-only floor in nats per token "
         "[bootstrap 95%] (`profile`, one pass, no seeds). Every cell is seeded: no privacy guarantee (`guarantee: "
         "null`); AugPE (paper's Δ = 1) would not be private even unseeded.",
