@@ -121,11 +121,10 @@ _NOT_FOR_AUGPE = (
 #: each mechanism's own options (attribute, flag), refused for the others: given, never ignored
 _AUGPE_ONLY = (("iterations", "--iterations"), ("variations", "--variations"), ("noise_std", "--noise-std"),
                ("augpe_sensitivity", "--augpe-sensitivity"), ("embedder", "--embedder"))  # fmt: skip
-_AMIN_ONLY = (("max_private_tokens", "--max-private-tokens"), ("svt_threshold", "--svt-threshold"),
-              ("svt_noise", "--svt-noise"), ("public_temperature", "--public-temperature"))  # fmt: skip
 #: Amin et al.'s options with a default: (AminConfig field = attribute, flag, default), the paper's re-implementation
 _AMIN_DEFAULTS = (("svt_threshold", "--svt-threshold", "0.7"), ("svt_noise", "--svt-noise", "0.3"),
                   ("public_temperature", "--public-temperature", "1.0"))  # fmt: skip
+_AMIN_ONLY = (("max_private_tokens", "--max-private-tokens"), *((name, flag) for name, flag, _ in _AMIN_DEFAULTS))
 _OWN_OPTIONS = {"augpe": _AUGPE_ONLY, "amin": _AMIN_ONLY}
 _PAPER_LEDGER = (
     "--augpe-sensitivity paper cannot be charged to a ledger: the paper's convention (l2 sensitivity 1 under "
