@@ -90,7 +90,14 @@ from invink_audit.distributed import (
     request_cost,
 )
 from invink_audit.engine import Engine, GeneratedText
-from invink_audit.mechanism import DEFAULT_TOP_K, MechanismConfig, SeededGeneratorWarning, derive_key, make_generator
+from invink_audit.mechanism import (
+    DEFAULT_TOP_K,
+    MechanismConfig,
+    SeededGeneratorWarning,
+    check_seed,
+    derive_key,
+    make_generator,
+)
 from invink_audit.outputs import (
     Journal,
     OutputInUseError,
@@ -115,6 +122,7 @@ from invink_audit.prompts import (
     encode_request,
     get_preset,
     label_fields_for,
+    refuse_private_in_public,
     require_label_fields,
     template_for_batch,
     template_for_labels,
@@ -679,8 +687,7 @@ def prepare_release(
     """Every check that needs no model, then the release to run; the arguments are :func:`generate`'s."""
     if not isinstance(config, (GenerationConfig, MechanismRelease)):
         raise ValueError(f"config must be a GenerationConfig or a MechanismRelease; got {type(config).__name__}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
+    check_seed(seed)
     hooks = GenerationHooks() if hooks is None else hooks
     if not isinstance(hooks, GenerationHooks):
         raise ValueError(f"hooks must be GenerationHooks or None; got {type(hooks).__name__}")
@@ -785,6 +792,7 @@ def _partition(references, config: GenerationConfig, template: PromptTemplate, l
     positions in the input (``None``: batch ``i`` holds positions ``i·B ..``) and the prompt fields the
     labels fill."""
     references = as_references(references)
+    refuse_private_in_public(template, references.texts if isinstance(references, LabelledReferences) else references)
     if not isinstance(references, LabelledReferences):
         if config.num_texts_per_group is not None:
             raise ValueError("num_texts_per_group is only used with labelled references (ReferencesFile with label_columns)")

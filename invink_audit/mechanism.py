@@ -29,9 +29,11 @@ from accounting.sensitivity import Adjacency, Clipping, coerce_enum, linf_sensit
 __all__ = [
     "ACCUMULATION_DTYPE",
     "DEFAULT_TOP_K",
+    "MAX_SEED",
     "MechanismConfig",
     "NeighbourLogProbs",
     "SeededGeneratorWarning",
+    "check_seed",
     "dclip_aggregate",
     "gumbel_argmax",
     "derive_key",
@@ -616,6 +618,20 @@ class _KeyedGenerator(torch.Generator):
         return generator
 
 
+#: The largest fixed seed: ``torch.Generator.manual_seed`` takes 64 bits.
+MAX_SEED = 2**64 - 1
+
+
+def check_seed(seed) -> int | None:
+    """``seed`` when it is ``None`` or an integer in ``[0, MAX_SEED]`` (what ``torch.Generator.manual_seed``
+    takes), else a ``ValueError``; every release checks it before anything is loaded or charged."""
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED
+    ):
+        raise ValueError(f"seed must be an integer in [0, 2**64 - 1] or None; got {seed!r}")
+    return seed
+
+
 def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu") -> torch.Generator:
     """A ``torch.Generator`` on ``device``, seeded from the OS (``secrets``) unless ``seed`` is given.
 
@@ -629,8 +645,7 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
         generator = _KeyedGenerator.make(device, key)
         generator.manual_seed(key >> 65)
     else:
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
+        check_seed(seed)
         warnings.warn(
             f"sampling with a fixed seed ({seed}) is reproducible: seeded outputs carry no privacy guarantee",
             SeededGeneratorWarning,

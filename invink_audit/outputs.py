@@ -473,7 +473,9 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
     stale pending file beside a state file is removed first, whatever is refused after: its id belongs to
     the release the state file records, and must never be charged, or not charged, for another one)."""
     state_file, journal_file, shards = state_path(output), journal_path(output), shard_paths(output)
-    for path in (state_file, journal_file, pending_path(output)):
+    journal_lock = journal_file.with_name(journal_file.name + ".lock")
+    shard_files = [path for shard in shards for path in (shard, shard.with_name(shard.name + ".lock"))]
+    for path in (output, state_file, journal_file, journal_lock, pending_path(output), *shard_files):
         refuse_symlink(path)  # bookkeeping files are this tool's own, never links (refused before the charge)
     if state_file.exists():
         clear_pending(output)

@@ -29,6 +29,7 @@ __all__ = [
     "get_preset",
     "label_fields_for",
     "reached_stop",
+    "refuse_private_in_public",
     "release_text",
     "require_label_fields",
     "template_for_batch",
@@ -399,6 +400,55 @@ def require_label_fields(template: PromptTemplate, given: Sequence[str] = (), fi
         f"(PromptSpec(fields={values!r}) in Python, or {flags} on the command line; the same values are accepted once given), "
         "or label columns (--label-columns) so that each batch is prompted with its own labels. Nothing was charged."
     )
+
+
+# --------------------------------------------------------------------------------------------
+# public inputs must not come from the private references (docs/guide/generating.md, "Public inputs")
+
+#: A reference of at least this many characters (whitespace collapsed, case folded) found inside a public input
+#: is refused; a shorter one only when it is the whole public input (a one-word review inside a long public
+#: example is a coincidence more often than a copy, and the whole-input rule still catches a copied short one).
+MIN_CONTAINED_REFERENCE_CHARS = 20
+#: A public input of at least this many characters found inside a reference is refused (a multi-line reference
+#: copied line by line into a file of public examples).
+MIN_QUOTED_PUBLIC_CHARS = 64
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def public_inputs(template: PromptTemplate) -> list[tuple[str, str]]:
+    """Every public string a template puts into a prompt or a release, as ``(name, text)``: its system
+    message, both prompts (without their fields), field values, answer prefix, stop strings and examples."""
+    named = [("the system message", template.system or ""), ("the private prompt", template.private),
+             ("the public prompt", template.public), ("the answer prefix", template.answer_prefix)]
+    named += [(f"prompt field {name!r}", value) for name, value in template.fields.items()]
+    named += [(f"stop string {i + 1}", value) for i, value in enumerate(template.stop)]
+    named += [(f"public example {i + 1}", value) for i, value in enumerate(template.examples)]
+    return [(name, _normalised(text)) for name, text in named if text.strip()]
+
+
+def refuse_private_in_public(template: PromptTemplate, references: Sequence[str | None]) -> None:
+    """Refuse a template whose public inputs come from ``references`` (the private input): a public string
+    equal to a reference, containing one of at least :data:`MIN_CONTAINED_REFERENCE_CHARS` characters, or
+    (of at least :data:`MIN_QUOTED_PUBLIC_CHARS` characters) contained in one. Public inputs are shown in every
+    prompt and written into every record of the published output; from the private data, they would publish
+    it verbatim. The ``ValueError`` names the public input and the reference's position (1-based), never the
+    text."""
+    publics = public_inputs(template)
+    for position, reference in enumerate(references, start=1):
+        if not reference or not reference.strip():
+            continue
+        text = _normalised(reference)
+        for name, public in publics:
+            copied = public == text or (len(text) >= MIN_CONTAINED_REFERENCE_CHARS and text in public)
+            if copied or (len(public) >= MIN_QUOTED_PUBLIC_CHARS and public in text):
+                raise ValueError(
+                    f"{name} of prompt {template.name!r} repeats private reference {position} of the input: public "
+                    "inputs (examples, answer prefix, stop strings, field values) are published with every text and "
+                    "must not come from the private data. Nothing was charged."
+                )
 
 
 def label_fields_for(

@@ -63,7 +63,7 @@ from accounting.limits import COUNT_RANGE, RANGES, check_count, check_nonnegativ
 from accounting.sensitivity import coerce_enum
 from invink_audit.augpe.histogram import Selection, dp_nn_histogram, select_candidates
 from invink_audit.augpe.prompts import AugPEPrompts, get_augpe_prompts
-from invink_audit.mechanism import SeededGeneratorWarning, derive_key
+from invink_audit.mechanism import SeededGeneratorWarning, check_seed, derive_key
 from invink_audit.models import load_model
 from invink_audit.prompts import encode_messages
 
@@ -304,8 +304,7 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
     if not isinstance(config, AugPEConfig):
         raise ValueError(f"config must be an AugPEConfig; got {type(config).__name__}")
     check_not_all_null(references, config.allow_all_null)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
+    check_seed(seed)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be callable or None; got {type(progress).__name__}")
     ledger = BudgetLedger.of(ledger)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -203,12 +204,28 @@ def prompt_template(args):
     if args.stop is not None:
         changes["stop"] = tuple(s for s in args.stop if s)
     if args.public_examples is not None:
-        changes["examples"] = read_public_examples(args.public_examples)
-    return dataclasses.replace(template, **changes)
+        changes["examples"] = read_public_examples(args.public_examples, private_input=getattr(args, "input", None))
+    template = dataclasses.replace(template, **changes)
+    if getattr(args, "where", None):  # the release checks the records it reads; these come from the whole file
+        _refuse_public_from_whole_input(template, args.input, args.column)
+    return template
 
 
-def read_public_examples(path: str) -> tuple[str, ...]:
-    """The non-blank lines of a UTF-8 text file of public examples (a clear error names the file)."""
+def _refuse_public_from_whole_input(template, path: str, column: str | None) -> None:
+    from invink_audit.data import read_references
+    from invink_audit.prompts import refuse_private_in_public
+
+    try:
+        refuse_private_in_public(template, read_references(path, column=column))
+    except ValueError as err:
+        raise CliError(f"--input {path!r}: {err}") from err
+
+
+def read_public_examples(path: str, private_input: str | None = None) -> tuple[str, ...]:
+    """The non-blank lines of a UTF-8 text file of public examples (a clear error names the file), refused when
+    they come from ``private_input`` (:func:`refuse_private_file`)."""
+    if private_input is not None:
+        refuse_private_file("--public-examples", path, private_input)
     try:
         with open(path, encoding="utf-8-sig") as handle:
             lines = [line.strip() for line in handle]
@@ -220,6 +237,26 @@ def read_public_examples(path: str) -> tuple[str, ...]:
     if not examples:
         raise CliError(f"--public-examples: {path!r} holds no example (one per non-blank line)")
     return examples
+
+
+def refuse_private_file(flag: str, path: str, private_input: str) -> None:
+    """Refuse a public input file that is the private ``--input``: the same file (by path, a symbolic or hard
+    link) or a byte-for-byte copy. Examples that repeat some of its records (a subset) are refused by the
+    release, which checks every public input against the references it reads
+    (:func:`~invink_audit.prompts.refuse_private_in_public`), and with ``--where`` against the whole file."""
+    import filecmp
+
+    public, private = Path(path), Path(private_input)
+    if not public.is_file() or not private.is_file():
+        return  # a missing file is named by the reader that opens it
+    why = None
+    if public.resolve() == private.resolve() or os.path.samefile(public, private):
+        why = "is the private --input file"
+    elif filecmp.cmp(public, private, shallow=False):
+        why = "is a copy of the private --input file"
+    if why is not None:
+        raise CliError(f"{flag}: {path!r} {why}; public inputs are published with every text and must not come "
+                       "from the private data. Nothing was charged.")
 
 
 def _add_run_arguments(p) -> None:
