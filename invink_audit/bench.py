@@ -45,6 +45,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from accounting.limits import check_count
 from invink_audit.distributed import assign_batches, current_cluster, request_cost
@@ -55,11 +56,13 @@ from invink_audit.prompts import PromptTemplate, encode_request, get_preset
 
 __all__ = [
     "BenchResult",
+    "DecodeOps",
     "DtypeComparison",
     "DtypeRun",
     "ReferenceTiming",
     "benchmark",
     "compare_dtypes",
+    "count_decode_ops",
     "demo_references",
     "time_reference",
 ]
@@ -158,6 +161,8 @@ class BenchResult:
     rank: int = 0
     #: why the model ran in ``dtype`` (``auto``: the bfloat16 probe's figures on a CPU with native bfloat16)
     dtype_choice: DtypeChoice | None = None
+    #: kernel-launching operations per decoding step, ours and a plain padded decode's (``None``: not counted)
+    decode_ops: DecodeOps | None = None
 
     @property
     def workload_token_seconds(self) -> float:
@@ -215,6 +220,7 @@ class BenchResult:
             {**dataclasses.asdict(reference), "configuration": reference.configuration, "speedup": self.speedup(reference)}
             for reference in self.references
         ]
+        out["decode_ops"] = None if self.decode_ops is None else self.decode_ops.to_json()
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
@@ -336,6 +342,90 @@ def _workload_run(
     finally:
         engine.forward.stats = None
     return _Workload(seconds, sum(counts), tuple(counts), stats)
+
+
+# --------------------------------------------------------------------------------------------
+# kernel-launching operations per decoding step (what bounds a step on a GPU: docs/design/engine.md, "On a GPU")
+
+_ATEN = torch.ops.aten
+#: operations that allocate or alias without running a kernel (views are recognised by their schema)
+_NO_KERNEL = frozenset(
+    getattr(_ATEN, name) for name in ("empty", "empty_strided", "detach", "alias", "lift_fresh", "set_", "resize_")
+)
+
+
+class _KernelOpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched that launch a kernel: every one, less views (``OpOverload.is_view``:
+    they only alias a tensor's storage) and the allocating or aliasing operations of :data:`_NO_KERNEL`. The
+    count is the same on every device: one launch per operation on CUDA (more for a few composite ones), one
+    kernel call on a CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket not in _NO_KERNEL:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOps:
+    """Kernel-launching operations per decoding step (medians over ``steps`` steps after the first): the
+    engine's private step (forward passes, the mechanism's math and sampling) and a plain padded transformers
+    decode of the same rows (one left-padded batch, its attention mask and cache, one forward, a softmax and a
+    multinomial draw per step)."""
+
+    engine: float
+    padded: float
+    steps: int
+
+    @property
+    def ratio(self) -> float:
+        return self.engine / self.padded
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "padded": self.padded, "ratio": self.ratio, "steps": self.steps}
+
+
+def count_decode_ops(engine: Engine, requests, steps: int = 4) -> DecodeOps:
+    """:class:`DecodeOps` of ``requests`` (each row's prompt as the workload has it), over ``steps`` decoding
+    steps of each (the first step, which prefills, is not counted)."""
+    check_count("steps", steps, minimum=1)
+    device = engine.model.device
+    counter, ticks = _KernelOpCounter(), []
+    with counter:
+        for _ in engine.generate(requests, max_new_tokens=steps + 1, generator=_generator(device), stop_at_eos=False,
+                                 progress=lambda _n: ticks.append(counter.count)):
+            pass
+    ours = [after - before for before, after in zip(ticks, ticks[1:])]
+    return DecodeOps(statistics.median(ours), _padded_decode_ops(engine, requests, steps), steps)
+
+
+def _padded_decode_ops(engine: Engine, requests, steps: int) -> float:
+    """Median operations per step of a plain padded transformers decode of the workload's rows."""
+    network, device = engine.model.model, engine.model.device
+    prompts = _prompts(requests)
+    width = max(len(p) for p in prompts)
+    pad = engine.model.eos_token_ids[0]
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    name, gen = cache_argument(network), _generator(device)
+    with torch.inference_mode():
+        out = network(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        cache, logits, counts = getattr(out, name), out.logits[:, -1], []
+        for _ in range(steps):
+            counter = _KernelOpCounter()
+            with counter:
+                token = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=gen)
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                positions = mask.sum(dim=1, keepdim=True) - 1
+                out = network(input_ids=token, attention_mask=mask, position_ids=positions, use_cache=True,
+                              logits_to_keep=1, **{name: cache})
+            cache, logits = getattr(out, name), out.logits[:, -1]
+            counts.append(counter.count)
+    return statistics.median(counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -587,6 +677,7 @@ def benchmark(
     one_at_a_time: bool = True,
     floor: bool = True,
     compare_full_logits: bool = False,
+    count_ops: bool = True,
 ) -> BenchResult:
     """Measure private decoding on ``num_texts`` × (``batch_size`` + 1) rows (module docstring).
 
@@ -594,8 +685,10 @@ def benchmark(
     fewer); default the shipped fictional demo dataset. The mechanism's parameters do not change the
     cost; the defaults are typical values. ``repeats=0`` skips the lockstep step measurements.
     ``compare_full_logits`` also runs the workload with full private logits (``Engine(support_only=False)``)
-    to show what the Top-k+ columns save. A model whose tokenizer has no chat template (a base model)
-    gets plain-text prompts (:func:`~invink_audit.prompts.encode_messages` with ``plain=True``).
+    to show what the Top-k+ columns save. ``count_ops``: count the kernel-launching operations per decoding
+    step, ours and a plain padded decode's (:func:`count_decode_ops`; one more prefill of each). A model whose
+    tokenizer has no chat template (a base model) gets plain-text prompts
+    (:func:`~invink_audit.prompts.encode_messages` with ``plain=True``).
     """
     _check_counts(
         batch_size=(batch_size, 1), max_new_tokens=(max_new_tokens, 3), num_texts=(num_texts, 1), repeats=(repeats, 0)
@@ -605,7 +698,7 @@ def benchmark(
         raise ValueError("references must hold at least one non-empty text")
     cluster = current_cluster()
     if cluster.distributed:  # the workload only: its texts shared by the processes
-        repeats, one_at_a_time, floor, compare_full_logits = 0, False, False, False
+        repeats, one_at_a_time, floor, compare_full_logits, count_ops = 0, False, False, False, False
     loaded = _bench_model(model, cluster, device, dtype)
     mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     rows = num_texts * (batch_size + 1)
@@ -617,10 +710,11 @@ def benchmark(
         engine, requests, max_new_tokens, workload.run.text_tokens, one_at_a_time=one_at_a_time, floor=floor,
         compare_full_logits=compare_full_logits,
     )  # fmt: skip
-    return _bench_result(
+    result = _bench_result(
         loaded, engine, requests, cluster, steps, workload, comparisons, batch_size=batch_size, num_texts=num_texts,
         max_new_tokens=max_new_tokens, rows=rows, repeats=repeats, plain=plain,
     )  # fmt: skip
+    return dataclasses.replace(result, decode_ops=count_decode_ops(engine, requests)) if count_ops else result
 
 
 def _bench_result(

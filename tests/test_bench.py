@@ -33,6 +33,45 @@ def test_benchmark_measures_lockstep_steps_and_the_whole_workload(tiny):
     assert report["references"] == [] and report["workload_token_seconds"] > 0
 
 
+def test_the_kernel_op_counter_counts_operations_and_not_views():
+    import torch
+
+    from invink_audit.bench import _KernelOpCounter
+
+    x = torch.arange(6.0)
+    with _KernelOpCounter() as counter:
+        y = (x + 1).view(2, 3).t()  # add: one kernel; view and transpose alias it
+        torch.empty(4)  # allocation only
+        (y * 2).sum()  # two kernels
+    assert counter.count == 3
+
+
+def _decode_ops(tiny, num_texts):
+    result = benchmark(tiny, batch_size=3, max_new_tokens=4, num_texts=num_texts, repeats=0, top_k=8,
+                       one_at_a_time=False, floor=False)
+    return result
+
+
+def test_bench_counts_kernel_ops_per_decoding_step_ours_and_a_plain_padded_decodes(tiny):
+    result = _decode_ops(tiny, 1)
+    ops = result.decode_ops
+    assert ops.steps == 4 and ops.padded > 0
+    assert ops.engine > ops.padded  # the mechanism's math and the private rows' extra work
+    assert result.to_json()["decode_ops"] == {"engine": ops.engine, "padded": ops.padded,
+                                              "ratio": pytest.approx(ops.engine / ops.padded), "steps": 4}
+    # a plain padded decode issues the same operations whatever the number of rows
+    assert _decode_ops(tiny, 3).decode_ops.padded == ops.padded
+    skipped = benchmark(tiny, batch_size=2, max_new_tokens=3, num_texts=1, repeats=0, top_k=8, one_at_a_time=False,
+                        floor=False, count_ops=False)
+    assert skipped.decode_ops is None and skipped.to_json()["decode_ops"] is None
+
+
+@pytest.mark.xfail(strict=True, reason="the engine decodes each length bucket with its own attention: the step's "
+                   "operations grow with the number of texts (docs/results/engine-benchmarks.md, kernel operations)")
+def test_the_engines_kernel_ops_per_step_do_not_grow_with_the_number_of_texts(tiny):
+    assert _decode_ops(tiny, 4).decode_ops.engine <= 1.1 * _decode_ops(tiny, 1).decode_ops.engine
+
+
 class _FakeModel:
     def __init__(self, dtype):
         self.dtype = dtype

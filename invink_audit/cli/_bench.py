@@ -9,6 +9,7 @@ import sys
 from invink_audit.cli import CliError, parse_float, parse_int, parse_top_k, plural
 from invink_audit.cli._generate import add_where_argument, parse_where
 from invink_audit.distributed import launch_world_size
+from invink_audit.not_private import NOT_PRIVATE_BANNER, mark_not_private
 
 #: the smallest value of each count flag: the same bounds as :func:`invink_audit.bench.benchmark`, checked before
 #: anything is printed or loaded
@@ -47,6 +48,12 @@ def register(subparsers) -> None:
     add_where_argument(p)
     p.add_argument("--no-one-at-a-time", action="store_true", help="skip the one-text-at-a-time run")
     p.add_argument("--no-floor", action="store_true", help="skip the bare unpadded forward (floor) run")
+    p.add_argument(
+        "--no-op-count",
+        action="store_true",
+        help="skip counting kernel-launching operations per decoding step (ours and a plain padded decode's; "
+        "one more prefill of each)",
+    )
     p.add_argument(
         "--compare-full-logits",
         action="store_true",
@@ -234,7 +241,7 @@ def _compare_dtypes(args, options: _Options, rounds: int, reference_model_dir: s
             shipped = dataclasses.replace(options, reference_configs=["shipped"])
             timings += _reference_timings(result.runs[0], shipped, reference_model_dir, quiet=args.json)
         result = dataclasses.replace(result, references=tuple(timings))
-    print(json.dumps(result.to_json()) if args.json else format_dtype_comparison(result))
+    _print_result(args, result.to_json, lambda: format_dtype_comparison(result))
     return 0
 
 
@@ -269,14 +276,25 @@ def _bench(args) -> int:
         one_at_a_time=not args.no_one_at_a_time,
         floor=not args.no_floor,
         compare_full_logits=args.compare_full_logits,
+        count_ops=not args.no_op_count,
     )
     if args.reference:
         timings = _reference_timings(result, options, reference_model_dir, quiet=args.json)
         result = dataclasses.replace(result, references=timings)
     if result.rank != 0:  # under torchrun / accelerate launch, rank 0 reports for all
         return 0
-    print(json.dumps(result.to_json()) if args.json else format_bench(result))
+    _print_result(args, result.to_json, lambda: format_bench(result))
     return 0
+
+
+def _print_result(args, data, text) -> None:
+    """``data()`` as JSON with ``--json``, else ``text()``; measured on ``--references`` (their lengths and the
+    tokens generated from them show in it), marked NOT PRIVATE (:mod:`invink_audit.not_private`)."""
+    private = args.references is not None
+    if args.json:
+        print(json.dumps(mark_not_private(data()) if private else data()))
+    else:
+        print(f"{NOT_PRIVATE_BANNER}\n\n{text()}" if private else text())
 
 
 def _references(args, needed: int) -> list[str] | None:
@@ -362,6 +380,12 @@ def format_bench(result) -> str:
             f"  non-private step         {result.nonprivate_step_seconds * ms:.1f} ms (one text, one row); "
             f"private costs {result.relative_to_nonprivate:.2f}x per token of one text",
         ]
+    if result.decode_ops is not None:
+        ops = result.decode_ops
+        lines.append(
+            f"  kernel ops per step      {ops.engine:.0f} (forward + mechanism + sampling) against {ops.padded:.0f} "
+            f"for a plain padded transformers decode of the same rows: {ops.ratio:.2f}x"
+        )
     for reference in result.references:
         lines += [
             f"  reference invink         {reference.token_seconds * ms:.1f} ms per token in its decode loop "
