@@ -10,17 +10,23 @@ Design: docs/guide/scaling-out.md; the key and the journal: docs/design/release-
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 from accounting.limits import check_count
 from invink_audit.generation import ExternalRelease, GenerationResult, generate_texts, prepare_release
 
 __all__ = ["generate_on_ray"]
+
+#: tries at removing the temporary folder of a local Ray after it has stopped
+_REMOVE_ATTEMPTS = 5
 
 
 class _KeyHolder:
@@ -67,22 +73,51 @@ class _Worker:
         return out
 
 
-def _init_ray(ray) -> None:
-    """``ray.init()``: join the cluster in ``RAY_ADDRESS``, or start a local one whose session files
-    (logs, sockets, spilled blocks of the references) live in a new owner-only (0700) directory. Ray
-    makes its own temporary directories world-writable (0777, shared ``/tmp/ray`` by default), so the
-    local one is put inside a private directory that no other user can enter, and its root and session
-    directories are made 0700 once it has started."""
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(include_dashboard=False)
+@contextlib.contextmanager
+def _ray_session(ray):
+    """Ray for one call: the caller's, when Ray is initialised; else ``ray.init()``, shut down on the way out.
+
+    With ``RAY_ADDRESS`` it joins that cluster. Otherwise it starts a local one whose session files (logs,
+    sockets, spilled blocks that carry the references) live in a new owner-only (0700) folder, removed after
+    ``ray.shutdown()``, also on error. Ray makes its folders world-writable (0777), so every folder in it is
+    made 0700 once Ray has started; the ones Ray adds later keep its modes, inside that closed folder.
+    """
+    if ray.is_initialized():
+        yield
         return
-    # mode 0700; under /tmp on macOS as Ray does, since its long $TMPDIR overflows Unix socket paths
-    private = tempfile.mkdtemp(prefix="invink-ray-", dir="/tmp" if sys.platform == "darwin" else None)
-    root = Path(private) / "ray"
-    ray.init(include_dashboard=False, _temp_dir=str(root))
-    for folder in (root, *root.glob("session_*")):
-        if folder.is_dir() and not folder.is_symlink():
-            folder.chmod(0o700)
+    private = None
+    try:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(include_dashboard=False)
+        else:
+            # under /tmp on macOS as Ray does, since its long $TMPDIR overflows Unix socket paths
+            private = Path(tempfile.mkdtemp(prefix="invink-ray-", dir="/tmp" if sys.platform == "darwin" else None))
+            ray.init(include_dashboard=False, _temp_dir=str(private / "ray"))
+            _close_folders(private)
+        yield
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if private is not None:
+            _remove_folder(private)
+
+
+def _close_folders(top: Path) -> None:
+    """Every folder under ``top`` (not through symbolic links) made owner-only (0700)."""
+    for folder, _, _ in os.walk(top):
+        if not os.path.islink(folder):
+            with contextlib.suppress(FileNotFoundError):  # Ray may remove a folder of its own meanwhile
+                os.chmod(folder, 0o700)
+
+
+def _remove_folder(folder: Path) -> None:
+    """``rmtree(folder)``; Ray's processes may write their last logs while they stop, so it tries again."""
+    for attempt in range(_REMOVE_ATTEMPTS):
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            return
+        time.sleep(0.2 * (attempt + 1))
+    warnings.warn(f"Ray's temporary folder {str(folder)!r} (owner only) could not be removed: remove it by hand", stacklevel=3)
 
 
 def generate_on_ray(
@@ -95,8 +130,9 @@ def generate_on_ray(
     texts_per_call: int = 8,
     **options,
 ) -> GenerationResult:
-    """:func:`~invink_audit.generation.generate` on a Ray cluster (``ray.init()`` is called when Ray is
-    not initialised; call it yourself to join a cluster).
+    """:func:`~invink_audit.generation.generate` on a Ray cluster. When Ray is not initialised, ``ray.init()``
+    is called (``RAY_ADDRESS``: that cluster; else a local one in an owner-only temporary folder) and
+    ``ray.shutdown()`` when the call returns, the folder then removed; call ``ray.init()`` yourself to keep Ray.
 
     ``concurrency``: actors (each loads the model once); ``num_gpus`` / ``num_cpus``: per actor;
     ``texts_per_call``: batches per actor call (texts the engine decodes together). ``options``: the
@@ -115,33 +151,34 @@ def generate_on_ray(
     except ImportError as err:
         raise ValueError("Ray is not installed: pip install 'invink-audit[ray]'") from err
     external = ExternalRelease(prepare_release(references, config, **options))
-    holder = None
     try:
         todo = external.admit()
         started = time.perf_counter()
+        released = ()
         if todo:
-            if not ray.is_initialized():
-                _init_ray(ray)
-            rows = [{"batch_index": i, "references": list(external.references(i))} for i in todo]
-            holder = ray.remote(num_cpus=0)(_KeyHolder).remote(external.release.seed, external.release.num_batches)
-            results = (
-                ray.data.from_items(rows)
-                .map_batches(
-                    _Worker,
-                    fn_constructor_kwargs={"state": external.worker_state(), "key_holder": holder},
-                    batch_size=texts_per_call,
-                    concurrency=concurrency,
-                    num_gpus=num_gpus,
-                    num_cpus=num_cpus,
-                )
-                .take_all()
-            )
-            released = sorted(int(r["batch_index"]) for r in results if r["released"])
-            if len(released) != len(set(released)):  # cannot happen: claims are first-wins
-                raise RuntimeError("a batch was released twice")
-            return external.finish(time.perf_counter() - started, released)
-        return external.finish(time.perf_counter() - started, ())
+            with _ray_session(ray):
+                released = _run_pipeline(ray, external, todo, dict(concurrency=concurrency, num_gpus=num_gpus,
+                                                                   num_cpus=num_cpus, batch_size=texts_per_call))
+        return external.finish(time.perf_counter() - started, released)
     finally:
-        if holder is not None:
-            ray.kill(holder)
         external.close()
+
+
+def _run_pipeline(ray, external: ExternalRelease, todo, map_options: dict) -> list[int]:
+    """The batches ``todo`` through Ray Data (``map_options``: ``map_batches``'s sizes and resources), with
+    one key-holder actor killed afterwards; the batch indices released, in order."""
+    rows = [{"batch_index": i, "references": list(external.references(i))} for i in todo]
+    holder = ray.remote(num_cpus=0)(_KeyHolder).remote(external.release.seed, external.release.num_batches)
+    try:
+        results = (
+            ray.data.from_items(rows)
+            .map_batches(_Worker, fn_constructor_kwargs={"state": external.worker_state(), "key_holder": holder},
+                         **map_options)
+            .take_all()
+        )
+    finally:
+        ray.kill(holder)
+    released = sorted(int(r["batch_index"]) for r in results if r["released"])
+    if len(released) != len(set(released)):  # cannot happen: claims are first-wins
+        raise RuntimeError("a batch was released twice")
+    return released

@@ -5,6 +5,8 @@
 * R4: a stale ``<output>.pending.json`` never hands its release id (already charged) to a new release.
 * R8: the journal, locks and shards next to an output are never opened through a planted symbolic link.
 * R9: the evaluation cache refuses a link and tightens a loose file; every report is owner-only and marked.
+* L: a local Ray's temporary folders are 0700 throughout and removed at exit; ``profile --json`` is marked;
+  the sweep's timing and evaluation records are owner-only, marked, and not in a release's directory.
 
 Files are checked under umask 022, where a plain ``open(..., "w")`` gives mode 0644.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import stat
 import warnings
 from pathlib import Path
@@ -147,11 +150,11 @@ def _evaluation_result():
     )  # fmt: skip
 
 
-def test_sweep_keeps_reference_points_out_of_the_releases_owner_only_and_marked(tiny, tmp_path, monkeypatch):
+def test_sweep_keeps_reference_points_and_records_out_of_the_releases_owner_only_and_marked(tiny, tmp_path, monkeypatch):
     import invink_audit.evaluation.sweep as sweep_module
     import invink_audit.generation as generation_module
     from invink_audit.evaluation import EvaluationConfig
-    from invink_audit.evaluation.sweep import REFERENCE_POINTS_DIR, SweepConfig, run_sweep
+    from invink_audit.evaluation.sweep import EVALUATIONS_DIR, REFERENCE_POINTS_DIR, SweepConfig, run_sweep
 
     # the generation (tiny model) is real; the evaluation's models are not needed to see where files go
     monkeypatch.setattr(EvaluationConfig, "make_embedder", lambda self: type("E", (), {"close": lambda s: None})())
@@ -176,19 +179,34 @@ def test_sweep_keeps_reference_points_out_of_the_releases_owner_only_and_marked(
     ceiling = [json.loads(line) for line in (reference_points / "ceiling" / "texts.jsonl").read_text().splitlines()]
     assert len(ceiling) == 2 and all(r["reference_point"] == "ceiling" for r in ceiling)
 
-    # the sweep's own reports and the evaluation record next to the release are owner-only and marked too
+    # the sweep's own reports are owner-only and marked too
     for name in ("sweep.md", "sweep.jsonl", "sweep_utility.png", "sweep_cost.png"):
         assert _mode(out / name) == OWNER_ONLY, name
     assert (out / "sweep.md").read_text().splitlines()[0] == NOT_PRIVATE_BANNER
     for line in (out / "sweep.jsonl").read_text().splitlines():
         _assert_marked_json(json.loads(line))
-    assert _mode(release / "point.json") == OWNER_ONLY
-    _assert_marked_json(json.loads((release / "point.json").read_text()))
+
+    # the probe: generation.json beside the release, 0644 and unmarked (and point.json beside it too)
+    records = out / EVALUATIONS_DIR / rows[2].name
+    assert not {p.name for p in release.iterdir()} & {"point.json", "generation.json"}
+    assert _mode(out / EVALUATIONS_DIR) == 0o700 and _mode(records) == 0o700
+    assert {p.name for p in _assert_closed_and_marked(records)} == {"point.json", "generation.json"}
 
     # a rerun resumes every point from its marked record: nothing is generated again
     monkeypatch.setattr(generation_module, "generate", lambda *a, **k: pytest.fail("a finished point was generated again"))
     again = run_sweep(refs, real, out, config, EvaluationConfig(), public_proxy=True, model=tiny)
     assert [r.to_json() for r in again] == [r.to_json() for r in rows]
+
+    # an earlier version's records beside the release (0644, generation.json unmarked) are moved out, closed
+    point, seconds = (records / "point.json").read_text(), json.loads((records / "generation.json").read_text())["seconds"]
+    shutil.rmtree(records)
+    (release / "point.json").write_text(point)
+    (release / "generation.json").write_text(json.dumps({"seconds": seconds}) + "\n")
+    (release / "point.json").chmod(0o644)
+    moved = run_sweep(refs, real, out, config, EvaluationConfig(), public_proxy=True, model=tiny)
+    assert [r.to_json() for r in moved] == [r.to_json() for r in rows]
+    assert not {p.name for p in release.iterdir()} & {"point.json", "generation.json"}
+    assert {p.name for p in _assert_closed_and_marked(records)} == {"point.json", "generation.json"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +402,59 @@ def test_evaluation_reports_are_owner_only_and_marked(tmp_path):
     write_evaluation_report(result, tmp_path / "report")
     files = _assert_closed_and_marked(tmp_path / "report")
     assert {p.name for p in files} == {"report.json", "report.md", "mauve.png", "perplexity.png"}
+    assert _mode(tmp_path / "report") == 0o700  # a new report directory is owner-only too
+
+
+def test_profile_json_is_marked_and_its_files_are_owner_only_and_marked(tiny_dir, tmp_path, capsys):
+    from invink_audit.cli import main
+
+    proxy = _write_csv(tmp_path / "proxy.csv", REFERENCES)
+    real = _write_csv(tmp_path / "real.csv", ["Ines Okafor has a sore throat.", "Bruno Salgado twisted an ankle."])
+    out = tmp_path / "profile"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a sample this small is warned about
+        status = main(["profile", "--input", str(proxy), "--real", str(real), "--epsilons", "5", "--batch-sizes", "2",
+                       "--top-ks", "8", "--max-new-tokens", "4", "--num-texts", "2", "--model", str(tiny_dir),
+                       "--json", "--output", str(out), "--no-progress"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    # the probe: profile --json printed {"points": ...} with no NOT PRIVATE marker
+    payload = json.loads(captured.out)
+    assert list(payload)[:2] == ["not_private", "privacy_notice"]
+    _assert_marked_json(payload)
+    assert payload["points"] and "NOT differentially private" in payload["notice"]
+    files = _assert_closed_and_marked(out)
+    assert {p.name for p in files} >= {"profile.json", "profile.md"}
+
+
+def test_selftest_json_is_marked_like_its_report():
+    from invink_audit.audit.selftest import SelfTestEntry, SelfTestResult
+
+    entry = SelfTestEntry(mechanism="correct", description="d", expected="PASS", verdict="PASS", passed=True,
+                          sources=({"source": "demo"},), seconds=0.1)  # fmt: skip
+    result = SelfTestResult(entries=(entry,), coverage={"passed": True}, reports=(), seconds=0.1)
+    # the probe: audit --selftest --json printed [{"mechanism": ...}] with no NOT PRIVATE marker
+    payload = result.to_json()
+    _assert_marked_json(payload)
+    assert payload[0]["mechanism"] == "correct" and payload[0]["coverage"] == {"passed": True}
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_bench_on_given_references_is_marked(tiny_dir, tmp_path, capsys, as_json):
+    from invink_audit.cli import main
+
+    refs = _write_csv(tmp_path / "refs.csv", REFERENCES)
+    args = ["bench", "--model", str(tiny_dir), "--references", str(refs), "--batch-size", "2", "--max-new-tokens", "3",
+            "--repeats", "0", "--no-one-at-a-time", "--no-floor", "--dtype", "float32"]  # fmt: skip
+    assert main(args + (["--json"] if as_json else [])) == 0
+    out = capsys.readouterr().out
+    # the probe: bench --references private.csv printed the prompts' token counts with no NOT PRIVATE marker
+    if as_json:
+        payload = json.loads(out)
+        _assert_marked_json(payload)
+        assert payload["prompt_tokens"] > 0
+    else:
+        assert out.splitlines()[0] == NOT_PRIVATE_BANNER
 
 
 def _committed_whitebox_report():
@@ -402,6 +473,7 @@ def test_audit_reports_are_owner_only_and_marked(tmp_path):
     assert data["privacy_notice"] == REPORT_PRIVACY_NOTICE and report_from_dict(data).to_dict() == data
     written = write_report(report, tmp_path / "audit")
     files = _assert_closed_and_marked(tmp_path / "audit")
+    assert _mode(tmp_path / "audit") == 0o700  # a new report directory is owner-only too
     assert {p.name for p in files} == {p.name for p in written} >= {"report.json", "report.md", "renyi.png"}
 
 
@@ -429,3 +501,50 @@ def test_reports_are_never_written_through_a_symbolic_link(tmp_path):
     with pytest.raises(OSError, match="symbolic link"):
         write_report(_committed_whitebox_report(), out, plots=False)
     assert published.read_text() == "public page"
+
+
+# ---------------------------------------------------------------------------------------------
+# L: a local Ray's temporary folders are owner-only throughout and removed at exit, also on error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outcome", ["finishes", "fails"])
+def test_a_local_ray_keeps_its_folders_owner_only_and_removes_them_at_exit(tiny_dir, tmp_path, monkeypatch, outcome):
+    import tempfile
+
+    from invink_audit.ray_release import generate_on_ray
+    from releases import call_flat
+
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialised in this process: generate_on_ray would use it")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    scratch = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    from_items, seen = ray.data.from_items, {}
+
+    def probe(rows):  # the pipeline's first step, while Ray runs: every folder it has made so far
+        seen.update({folder: _mode(Path(folder)) for folder, _, _ in os.walk(scratch)})
+        if outcome == "fails":
+            raise RuntimeError("the pipeline failed")
+        return from_items(rows)
+
+    monkeypatch.setattr(ray.data, "from_items", probe)
+    options = dict(batch_size=2, max_new_tokens=3, delta=1e-6, epsilon=5.0, top_k=8, seed=1, device="cpu")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Ray's own deprecation notices; the seeded-generator warning
+            if outcome == "fails":
+                with pytest.raises(RuntimeError, match="the pipeline failed"):
+                    call_flat(generate_on_ray, REFERENCES, model=str(tiny_dir), output=tmp_path / "out.jsonl", **options)
+            else:
+                result = call_flat(generate_on_ray, REFERENCES, model=str(tiny_dir), output=tmp_path / "out.jsonl", **options)
+                assert len(result.texts) == len(REFERENCES) // 2
+        # the probe: session folders 0777 (sockets/, logs/, runtime_resources/), left behind after the run
+        assert any("session_" in folder for folder in seen), seen
+        assert {folder: mode for folder, mode in seen.items() if mode != 0o700} == {}
+        assert not ray.is_initialized() and list(scratch.iterdir()) == []
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -387,7 +387,7 @@ def write_report(report, output_dir: str | Path, *, plots: bool = True) -> list[
     Markdown opening with the banner (:mod:`invink_audit.not_private`).
     """
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)  # a new one: owner-only, like its files
     reports: Sequence = report if isinstance(report, (list, tuple)) else [report]
     payload = [r.to_dict() for r in reports]
     write_not_private_json(out / "report.json", payload if len(payload) > 1 else payload[0], indent=2)

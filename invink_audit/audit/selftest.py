@@ -21,10 +21,10 @@ import torch
 
 from invink_audit.audit import synthetic
 from invink_audit.audit.analysis import analyse
-from invink_audit.audit.records import WhiteBoxReport, to_jsonable
+from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, WhiteBoxReport, to_jsonable
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import WhiteBoxConfig
-from invink_audit.not_private import md_table
+from invink_audit.not_private import mark_not_private, md_table
 
 __all__ = ["SelfTestSettings", "SelfTestEntry", "SelfTestResult", "run_selftest", "coverage_check"]
 
@@ -79,8 +79,8 @@ class SelfTestResult:
         return all(e.passed for e in self.entries) and self.coverage.get("passed", False)
 
     def to_json(self) -> list[dict]:
-        """The issue's JSON: a list of {"mechanism", "verdict", ...}; coverage rides on "correct", each
-        mechanism's black-box row on its entry (``"blackbox"``)."""
+        """The issue's JSON: a list of {"mechanism", "verdict", ...}, each marked NOT PRIVATE like every audit
+        report; coverage rides on "correct", each mechanism's black-box row on its entry (``"blackbox"``)."""
         rows: dict[str, list] = {}
         for r in self.blackbox:
             rows.setdefault(r["mechanism"], []).append(r)
@@ -91,7 +91,7 @@ class SelfTestResult:
                 d["coverage"] = to_jsonable(self.coverage)
             if e.mechanism in rows:
                 d["blackbox"] = to_jsonable(rows[e.mechanism])
-            out.append(d)
+            out.append(mark_not_private(d, REPORT_PRIVACY_NOTICE))
         return out
 
 
@@ -371,13 +371,11 @@ def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) ->
     audit report, owner-only and marked NOT PRIVATE (:func:`~invink_audit.audit.report.write_report`)."""
     from pathlib import Path
 
-    from invink_audit.audit.records import REPORT_PRIVACY_NOTICE
-
     from invink_audit.audit.report import whitebox_markdown, write_report
     from invink_audit.not_private import write_not_private_json, write_not_private_text
 
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_not_private_json(out / "report.json", result.to_json(), indent=2, notice=REPORT_PRIVACY_NOTICE)
     md = selftest_markdown(result) + "\n\n" + "\n\n".join(whitebox_markdown(r) for r in result.reports)
     write_not_private_text(out / "report.md", md, markdown=True)

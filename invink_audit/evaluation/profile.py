@@ -23,7 +23,14 @@ from accounting import DEFAULT_ACCOUNTANT, plan_clip_norm
 from accounting.limits import check_count
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval
 from invink_audit.mechanism import DEFAULT_TOP_K
-from invink_audit.not_private import agg_pyplot, md_table, save_not_private_figure, write_not_private_json, write_not_private_text
+from invink_audit.not_private import (
+    agg_pyplot,
+    mark_not_private,
+    md_table,
+    save_not_private_figure,
+    write_not_private_json,
+    write_not_private_text,
+)
 
 __all__ = [
     "PLANNING_NOTICE",
@@ -210,7 +217,9 @@ class ProfileResult:
     warnings: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {
+        """One JSON object, marked NOT PRIVATE (:func:`~invink_audit.not_private.mark_not_private`): what
+        ``profile --json`` prints and ``profile.json`` holds."""
+        return mark_not_private({
             "points": [p.to_json() for p in self.points],
             "comparisons": [c.to_json() for c in self.comparisons],
             "recommendation": self.recommendation,
@@ -218,7 +227,7 @@ class ProfileResult:
             "num_texts": self.num_texts, "num_tokens": self.num_tokens, "skipped_texts": self.skipped_texts,
             "max_new_tokens": self.config.max_new_tokens, "delta": self.config.delta, "smoothing": SMOOTHING,
             "seconds": self.seconds, "warnings": list(self.warnings), "notice": PLANNING_NOTICE,
-        }  # fmt: skip
+        })  # fmt: skip
 
     def markdown(self) -> str:
         return profile_markdown(self)
@@ -602,7 +611,7 @@ def profile_markdown(result: ProfileResult) -> str:
     """The table per point, the comparisons, the recommendation and the clip profile, as Markdown."""
     c = result.config
     lines = [
-        "# Planning profile (teacher-forced, exact, paired)", "", f"> {PLANNING_NOTICE}", "",
+        "# Planning profile (teacher-forced, exact, paired)", "", f"> **NOT PRIVATE**: {PLANNING_NOTICE}", "",
         f"{result.num_texts} held-out texts, {result.num_tokens} scored tokens (T = {c.max_new_tokens}, δ = {c.delta:g}"
         f"{', ' + str(result.skipped_texts) + ' skipped' if result.skipped_texts else ''}); {result.seconds:.0f} s. "
         f"Cross-entropies in nats per token; intervals: {c.confidence:.0%} paired bootstrap over texts; "

@@ -120,7 +120,7 @@ def write_evaluation_report(result: EvaluationResult, directory: str | Path, *, 
     ``"not_private": true`` and the Markdown opens with the NOT PRIVATE banner.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # a new one: owner-only, like its files
     write_not_private_json(directory / "report.json", result.to_json(), indent=1)
     plots = _plots(result, directory)
     markdown = evaluation_markdown(result, title=title) + "\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n"

@@ -3,8 +3,9 @@
 :func:`run_sweep`: each grid point is one release (:func:`invink_audit.generation.generate`) and one
 :func:`~invink_audit.evaluation.evaluator.evaluate`; the points' costs add up (sequential composition),
 so it needs a ledger that charges every point or ``public_proxy=True``. Resumable per point; the
-reference points, table and plots are NOT PRIVATE (``reference_points/``, :func:`sweep_markdown`,
-:func:`write_sweep_plots`). Forward rows per text: (B + 1) × generated tokens (paper §4, Algorithm 1).
+reference points, the points' evaluation and timing records, the table and the plots are NOT PRIVATE
+(``reference_points/``, ``evaluations/``, :func:`sweep_markdown`, :func:`write_sweep_plots`), never in a
+release's directory. Forward rows per text: (B + 1) × generated tokens (paper §4, Algorithm 1).
 
 Design: docs/guide/evaluating.md (§"invink-audit sweep").
 """
@@ -40,13 +41,18 @@ from invink_audit.not_private import (
 )
 from invink_audit.prompts import PromptTemplate
 
-__all__ = ["REFERENCE_POINTS_DIR", "SweepConfig", "SweepPoint", "run_sweep", "sweep_markdown", "write_sweep_plots"]
+__all__ = ["EVALUATIONS_DIR", "REFERENCE_POINTS_DIR", "SweepConfig", "SweepPoint", "run_sweep", "sweep_markdown", "write_sweep_plots"]
 
 _LOG = logging.getLogger(__name__)
 
 #: The sub-directory of a sweep's output that holds its non-private reference points (``floor/``,
 #: ``ceiling/``), apart from the grid points' release directories.
 REFERENCE_POINTS_DIR = "reference_points"
+#: The sub-directory of a sweep's output that holds each grid point's non-private records (``NAME/point.json``,
+#: its evaluation; ``NAME/generation.json``, its generation seconds), apart from its release ``NAME/texts.jsonl``.
+EVALUATIONS_DIR = "evaluations"
+#: what an earlier version wrote into a grid point's release directory, beside ``texts.jsonl``
+_LEGACY_RECORDS = ("point.json", "generation.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +173,9 @@ def run_sweep(
     on_tokens: Callable[[int], None] | None = None,
 ) -> list[SweepPoint]:
     """Run (or resume) the sweep into ``output_dir``: the NOT PRIVATE ``reference_points/floor/`` and
-    ``reference_points/ceiling/`` (when ``config.reference_points``), one directory per grid point, and
-    ``sweep.jsonl`` (one :class:`SweepPoint` per line). ``ledger`` or ``public_proxy=True`` is required
+    ``reference_points/ceiling/`` (when ``config.reference_points``), one release directory per grid point
+    (``NAME/texts.jsonl``) and its NOT PRIVATE records (``evaluations/NAME/``), and ``sweep.jsonl`` (one
+    :class:`SweepPoint` per line). ``ledger`` or ``public_proxy=True`` is required
     (module docstring)."""
     from invink_audit.models import load_model
 
@@ -334,8 +341,7 @@ class _SweepRun:
         )  # fmt: skip
         seconds = (time.perf_counter() - start) / 2
         for kind, ref in texts.items():
-            directories[kind].parent.mkdir(exist_ok=True, mode=0o700)  # owner only, like the files in it
-            directories[kind].mkdir(exist_ok=True, mode=0o700)
+            _closed_directory(directories[kind])
             ref.write_jsonl(directories[kind] / "texts.jsonl")  # owner-only, marked NOT PRIVATE
             write_not_private_json(generated[kind], {"seconds": seconds}, indent=None)
 
@@ -344,13 +350,14 @@ class _SweepRun:
         from invink_audit.generation import GenerationConfig, GenerationHooks, PromptSpec, generate
 
         config, name = self.config, _point_name(params)
-        directory = self.output / name
-        previous = _cached_point(directory)
+        directory, records = self.output / name, _closed_directory(self.output / EVALUATIONS_DIR / name)
+        _move_legacy_records(directory, records)
+        previous = _cached_point(records)
         if previous is not None:
             self.finish(SweepPoint(**previous))
             return
         directory.mkdir(exist_ok=True)
-        timing = directory / "generation.json"  # generation seconds, summed over resumed runs
+        timing = records / "generation.json"  # generation seconds, summed over resumed runs
         before = json.loads(timing.read_text())["seconds"] if timing.is_file() else 0.0
         start = time.perf_counter()
         labelled = bool(config.label_columns)
@@ -364,7 +371,7 @@ class _SweepRun:
                             prompt=PromptSpec(config.prompt, fields=config.prompt_fields),
                             output=directory / "texts.jsonl", ledger=ledger, hooks=GenerationHooks(on_tokens=on_tokens))
         seconds = before + time.perf_counter() - start
-        timing.write_text(json.dumps({"seconds": seconds}) + "\n")
+        write_not_private_json(timing, {"seconds": seconds}, indent=None)
         result, synthetic = self.evaluate_file(directory / "texts.jsonl")
         tokens = None if synthetic.num_tokens is None else sum(synthetic.num_tokens) / len(synthetic.num_tokens)
         point = SweepPoint(
@@ -372,7 +379,29 @@ class _SweepRun:
             forward_rows_per_text=None if tokens is None else float(tokens) * (params["batch_size"] + 1),
             evaluation=result, seconds_generation=seconds,
         )  # fmt: skip
-        self.finish(point, directory)
+        self.finish(point, records)
+
+
+def _closed_directory(directory: Path) -> Path:
+    """``directory`` and its parent, created owner-only (0700) like the NOT PRIVATE files they hold."""
+    directory.parent.mkdir(exist_ok=True, mode=0o700)
+    directory.mkdir(exist_ok=True, mode=0o700)
+    return directory
+
+
+def _move_legacy_records(release: Path, records: Path) -> None:
+    """An earlier version's ``point.json`` and ``generation.json`` (0644 and unmarked) in the release directory
+    ``release``, rewritten owner-only and marked into ``records`` (unless already there), then removed."""
+    for name in _LEGACY_RECORDS:
+        legacy = release / name
+        if legacy.is_symlink() or not legacy.is_file():
+            continue
+        if not (records / name).exists():
+            notice = EVALUATION_PRIVACY_NOTICE if name == "point.json" else None
+            write_not_private_json(records / name, unmark(json.loads(legacy.read_text())), notice=notice)
+        legacy.unlink()
+        _LOG.warning("%s: a NOT PRIVATE record beside the release, written by an earlier version: moved to %s",
+                     legacy, records / name)
 
 
 def _cell(metric: Mapping | None, digits: int = 3) -> str:
