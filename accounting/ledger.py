@@ -4,7 +4,17 @@
 Corollary 11, coro:parallel-batches: disjoint batches in parallel, releases sequentially). Several releases
 compose as a privacy filter by summing ρ (Feldman & Zrnic 2021, arXiv:2008.11193, Thm. 3.1; Whitehouse,
 Ramdas, Rogers & Wu 2023, arXiv:2203.05481). The file is rewritten atomically under a lock, charges are
-idempotent on ``release_id``, and every load re-checks every figure and a SHA-256 hash chain (no secret key).
+idempotent on ``release_id``, and every load re-checks every figure and a SHA-256 hash chain (no secret key)
+whose ``head`` also commits to the number of releases.
+
+What the checks detect, and what they cannot: an edit, reordering, insertion or deletion of releases (the
+last ones included: ``head`` is not a value stored anywhere else in the file, so a truncated ledger needs a
+newly computed SHA-256 to load) unless whoever edits also recomputes the chain; the chain has no secret, so
+a deliberate forger who runs SHA-256 (or this code) over a rewritten ledger makes it load, and an earlier
+copy of the whole file put back is a valid ledger. Only a ``head`` kept where the ledger's writers cannot
+change it detects those. Format-1 files (before the chain) and format-2 files (before ``head`` bound the
+count) load with the checks their format allows: a format-2 ledger truncated with its previous chain value
+copied into ``head``, or any ledger stripped back to format 1, loads. The next charge writes format 3.
 
 Design: docs/accounting_notes.md §6; the file, locks and integrity: docs/guide/planning.md (§"Budget ledger").
 """
@@ -36,9 +46,10 @@ from accounting.limits import RANGES
 
 __all__ = ["BudgetLedger", "BudgetExceededError", "ChargeOutcome", "LedgerError", "Release", "LedgerStatus"]
 
-#: Format written by this version (2: hash chain). Format 1 files are read and migrated at the next charge.
-_FORMAT_VERSION = 2
-_READABLE_FORMATS = (1, 2)
+#: Format written by this version (2: hash chain; 3: ``head`` binds the release count and the chain starts
+#: from the format version). Format 1 and 2 files are read and migrated at the next charge.
+_FORMAT_VERSION = 3
+_READABLE_FORMATS = (1, 2, 3)
 _LOCK_TIMEOUT_SECONDS = 60.0
 #: Relative tolerance between a stored ``epsilon_spent_after`` and its recomputation. The same code
 #: recomputes the same floats, so they agree to the last bit; the tolerance only absorbs a different
@@ -46,6 +57,7 @@ _LOCK_TIMEOUT_SECONDS = 60.0
 #: spend by far more.
 _SPEND_RTOL = 1e-6
 _CHAIN_DOMAIN = b"invink-audit ledger chain v2\n"
+_HEAD_DOMAIN = b"invink-audit ledger head v3\n"
 _RELEASE_KEYS = (
     "release_id",
     "label",
@@ -150,8 +162,9 @@ class Release:
 class LedgerStatus:
     """What the ledger has spent and what remains, at its δ.
 
-    ``head`` is the hash-chain value after the last release (``None`` for a format-1 ledger not yet
-    migrated); write it down somewhere safe to detect a consistently rewritten ledger later.
+    ``head`` commits to the hash chain and the number of releases (format 3; in format 2 it is the chain
+    value after the last release; ``None`` for a format-1 ledger not yet migrated); write it down somewhere
+    the ledger's writers cannot change it, to detect a consistently rewritten ledger later.
     """
 
     epsilon_budget: float
@@ -224,8 +237,9 @@ def _canonical(obj) -> bytes:
 
 
 def _header(data: dict) -> dict:
+    # the file's own version (2 or 3): a format-3 chain relabelled as format 2 no longer verifies
     return {
-        "format_version": _FORMAT_VERSION,
+        "format_version": data["format_version"],
         "dataset": data["dataset"],
         "created_at": data["created_at"],
         "budget": data["budget"],
@@ -240,6 +254,15 @@ def _genesis(data: dict) -> str:
 def _link(previous: str, entry: dict) -> str:
     body = {k: v for k, v in entry.items() if k != "chain"}
     return hashlib.sha256(_CHAIN_DOMAIN + previous.encode() + b"\n" + _canonical(body)).hexdigest()
+
+
+def _head(data: dict, chain: list[str]) -> str:
+    """``head`` of ``data`` from its chain: format 3 hashes the last chain value with the number of releases,
+    so a truncated ledger needs a value stored nowhere in the file; format 2 stored the last chain value."""
+    if data["format_version"] < 3:
+        return chain[-1]
+    count = len(data["releases"])
+    return hashlib.sha256(_HEAD_DOMAIN + chain[-1].encode() + b"\n" + str(count).encode()).hexdigest()
 
 
 def _chain_values(data: dict) -> list[str]:
@@ -258,7 +281,7 @@ def _with_chain(data: dict) -> dict:
         {**{k: v for k, v in entry.items() if k != "chain"}, "chain": value}
         for entry, value in zip(data["releases"], chain[1:])
     ]
-    out["head"] = chain[-1]
+    out["head"] = _head(out, chain)
     return out
 
 
@@ -390,20 +413,22 @@ def _verify_releases(data: dict, header: _Header, where: str) -> list[Release]:
 
 
 def _verify_chain(data: dict, releases: list[Release], where: str) -> None:
-    """Format 2 on: each entry's stored chain value and ``head`` against the recomputed hash chain."""
+    """Format 2 on: each entry's stored chain value and ``head`` against the recomputed hash chain (format 3:
+    and the number of releases)."""
     chain = _chain_values(data)
     for index, entry in enumerate(data["releases"]):
         if entry.get("chain") != chain[index + 1]:
             raise _corrupt(
                 where,
                 f"the hash chain breaks at release #{index + 1} ({releases[index].release_id!r}): the header "
-                "(budget, delta, accountant, dataset) or a release up to this one was changed, or a release "
-                "before it was removed",
+                "(format version, budget, delta, accountant, dataset) or a release up to this one was changed, "
+                "or a release before it was removed",
             )
-    if data.get("head") != chain[-1]:
+    if data.get("head") != _head(data, chain):
         raise _corrupt(
             where,
-            "'head' does not match the hash chain: releases were removed from the end, or the header was changed",
+            f"'head' does not match the hash chain and its {len(data['releases'])} release(s): releases were "
+            "removed from the end, or the header or format version was changed",
         )
 
 

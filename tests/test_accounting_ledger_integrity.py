@@ -26,6 +26,9 @@ from invink_audit.cli import (
 DATA = Path(__file__).parent / "data"
 #: Format-1 ledgers written by the code before the hash chain (commit 92b9310), two releases each.
 FORMAT1_FIXTURES = ["ledger_v1_cks.json", "ledger_v1_br-adaptive.json"]
+#: A format-2 ledger written by the code before ``head`` bound the release count (commit 29f9563): three
+#: releases, the last a zCDP one.
+FORMAT2_FIXTURE = "ledger_v2_cks.json"
 
 
 def _release(**kw):
@@ -106,6 +109,28 @@ def _delete_all(d):
     d["releases"] = []
 
 
+def _truncate_with_previous_chain_as_head(d):
+    # probe (privacy-hygiene issue): the last release deleted and the chain value before it copied into
+    # 'head' loaded, because a format-2 head was the last chain value, which the file also stores
+    del d["releases"][-1]
+    d["head"] = d["releases"][-1]["chain"]
+
+
+def _truncate_two_with_first_chain_as_head(d):
+    del d["releases"][-2:]
+    d["head"] = d["releases"][0]["chain"]
+
+
+def _truncate_and_relabel_as_format2(d):
+    # the same truncation relabelled as a format-2 file, whose head was the last chain value
+    _truncate_with_previous_chain_as_head(d)
+    d["format_version"] = 2
+
+
+def _drop_head(d):
+    del d["head"]
+
+
 def _releases_wrong_type(d):
     d["releases"] = {}
 
@@ -159,6 +184,10 @@ TAMPERS = [
     (_delete_first, r"release #1 \('b'\) stores epsilon_spent_after"),
     (_delete_last, "'head' does not match"),
     (_delete_all, "'head' does not match"),
+    (_truncate_with_previous_chain_as_head, "'head' does not match the hash chain and its 2 release"),
+    (_truncate_two_with_first_chain_as_head, "'head' does not match the hash chain and its 1 release"),
+    (_truncate_and_relabel_as_format2, "hash chain breaks at release #1"),
+    (_drop_head, "'head' does not match"),
     (_releases_wrong_type, "'releases' must be a JSON array"),
     (_duplicate_id, "recorded twice"),
     (_shrink_clip_norm, r"release #2 \('b'\) stores epsilon0"),
@@ -196,9 +225,23 @@ def test_consistent_rewrite_loads_but_changes_the_head(ledger):
 
 def test_chain_and_head_are_recorded(ledger):
     data = json.loads(ledger.path.read_text())
-    assert data["format_version"] == 2
-    assert data["head"] == data["releases"][-1]["chain"] == ledger.status().head
-    assert len({e["chain"] for e in data["releases"]}) == 3
+    assert data["format_version"] == 3
+    assert data["head"] == ledger.status().head
+    chains = {e["chain"] for e in data["releases"]}
+    assert len(chains) == 3
+    assert data["head"] not in chains  # a truncated ledger needs a head stored nowhere in the file
+
+
+def test_head_commits_to_the_release_count(ledger):
+    import hashlib
+
+    data = json.loads(ledger.path.read_text())
+    last = data["releases"][-1]["chain"]
+    expected = hashlib.sha256(b"invink-audit ledger head v3\n" + last.encode() + b"\n3").hexdigest()
+    assert data["head"] == expected  # an independent recomputation of the documented construction
+    empty = BudgetLedger.create(ledger.path.parent / "empty.json", epsilon=1.0, delta=1e-6)
+    stored = json.loads(empty.path.read_text())
+    assert stored["releases"] == [] and stored["head"] == empty.status().head
 
 
 # --- format 1 ledgers (written before the chain) --------------------------------------------------------
@@ -218,14 +261,64 @@ def test_format1_ledger_loads_and_migrates_at_the_next_charge(tmp_path, name):
     assert outcome.already_recorded and path.read_bytes() == before
     BudgetLedger(path).charge(_release(release_id="third", clip_norm=0.05, max_new_tokens=10))
     migrated = json.loads(path.read_text())
-    assert migrated["format_version"] == 2 and migrated["head"] == migrated["releases"][-1]["chain"]
+    assert migrated["format_version"] == 3 and migrated["head"] == BudgetLedger(path).status().head
     for old, new in zip(original["releases"], migrated["releases"]):
         assert {k: v for k, v in new.items() if k != "chain"} == old
     status = BudgetLedger(path).status()
-    assert status.format_version == 2 and len(status.releases) == 3
+    assert status.format_version == 3 and len(status.releases) == 3
     _edit(path, _delete_last)  # the chain now protects the migrated ledger
     with pytest.raises(LedgerError, match="head"):
         BudgetLedger(path)
+
+
+def test_format1_strip_of_a_truncated_ledger_loads_as_documented(ledger):
+    # documented limit (docs/guide/planning.md, "Integrity"): format 1 has no chain to check, so a ledger
+    # stripped back to format 1 loads; its status says so (no head), and the next charge rechains it
+    def strip(d):
+        del d["releases"][-1], d["head"]
+        for entry in d["releases"]:
+            del entry["chain"]
+        d["format_version"] = 1
+
+    _edit(ledger.path, strip)
+    status = BudgetLedger(ledger.path).status()
+    assert status.format_version == 1 and status.head is None and len(status.releases) == 2
+
+
+# --- format 2 ledgers (written before the head bound the release count) ---------------------------------
+
+
+def test_format2_ledger_loads_and_migrates_at_the_next_charge(tmp_path):
+    path = tmp_path / FORMAT2_FIXTURE
+    shutil.copy(DATA / FORMAT2_FIXTURE, path)
+    original = json.loads(path.read_text())
+    status = BudgetLedger(path).status()
+    assert status.format_version == 2 and status.head == original["head"] == original["releases"][-1]["chain"]
+    assert len(status.releases) == 3 and status.rho_spent > 0
+    before = path.read_bytes()
+    assert BudgetLedger(path).charge_once(Release.from_json(original["releases"][0]["release"])).already_recorded
+    assert path.read_bytes() == before  # a replay writes nothing, so it does not migrate either
+    BudgetLedger(path).charge(_release(release_id="fourth", clip_norm=0.05, max_new_tokens=10))
+    migrated = json.loads(path.read_text())
+    assert migrated["format_version"] == 3 and migrated["head"] == BudgetLedger(path).status().head
+    for old, new in zip(original["releases"], migrated["releases"]):
+        assert {k: v for k, v in new.items() if k != "chain"} == {k: v for k, v in old.items() if k != "chain"}
+    _edit(path, _truncate_with_previous_chain_as_head)  # now detected
+    with pytest.raises(LedgerError, match="'head' does not match the hash chain and its 3 release"):
+        BudgetLedger(path)
+
+
+def test_format2_ledger_is_still_checked_by_its_chain(tmp_path):
+    path = tmp_path / FORMAT2_FIXTURE
+    shutil.copy(DATA / FORMAT2_FIXTURE, path)
+    _edit(path, _delete_last)
+    with pytest.raises(LedgerError, match="'head' does not match"):
+        BudgetLedger(path)
+    shutil.copy(DATA / FORMAT2_FIXTURE, path)
+    _edit(path, _truncate_with_previous_chain_as_head)
+    # documented limit: a format-2 head is the last chain value, so this truncation of a format-2 file
+    # (never charged since the upgrade) loads; the next charge writes format 3
+    assert len(BudgetLedger(path).status().releases) == 2
 
 
 def test_format1_ledger_figures_are_cross_checked(tmp_path):

@@ -132,8 +132,12 @@ def _show(args) -> int:
     )
     if status.head is None:
         print(f"  format {status.format_version}: no hash chain yet; the next charge adds one")
+    elif status.format_version < 3:
+        print(f"  head {status.head} (format {status.format_version}: it does not bind the number of releases; "
+              "the next charge writes format 3 and a new head)")
     else:
-        print(f"  head {status.head} (keep it elsewhere to detect a rewritten ledger)")
+        print(f"  head {status.head} after {len(status.releases)} release(s) (keep both elsewhere to detect a "
+              "rewritten or truncated ledger)")
     for entry in status.releases:
         r = entry["release"]
         if r.get("kind") == "zcdp":

@@ -2,7 +2,10 @@
 other processes (before a multi-process or multi-machine release)? Torch-free.
 
 Exit status: 0 the check passed, 1 it failed (the locks do not exclude: do not release there), 3
-inconclusive (``--probe`` while nobody holds the lock), 2 bad input (not a writable directory).
+inconclusive (``--probe`` while nobody holds the lock; ``same-host``: the probe ran on the holder's own
+machine, which proves nothing about other machines; ``stale``: the holder record was left by a ``--hold``
+that was killed, and is removed), 2 bad input (not a writable directory). Everything printed as text has
+its non-printable characters escaped (holder records are written by whoever can write DIR).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ _DESCRIPTION = (
     "that it is excluded while the lock is held and gets the lock once released. This proves that flock works on "
     "that filesystem from this machine; it cannot prove that two machines exclude each other (NFS may implement "
     "flock in each client's kernel only). Run it on every machine, and the two-machine variant: "
-    "`check-locks DIR --hold 30` on machine A, then `check-locks DIR --probe` on machine B within those 30 s."
+    "`check-locks DIR --hold 30` on machine A, then `check-locks DIR --probe` on machine B within those 30 s "
+    "(a probe on machine A itself says SAME-HOST; after a killed --hold it says STALE and removes its record)."
 )
 
 
@@ -35,7 +39,7 @@ def register(subparsers) -> None:
 
 
 def _check_locks(args) -> int:
-    from invink_audit.preflight import FAIL, INCONCLUSIVE, check_locks, hold_lock, probe_lock
+    from invink_audit.preflight import FAIL, PASS, check_locks, hold_lock, probe_lock
 
     if args.hold is not None:
         def held(message: str) -> None:
@@ -47,16 +51,23 @@ def _check_locks(args) -> int:
     else:
         result = check_locks(args.directory)
     print(json.dumps(result.to_json()) if args.json else format_check(result))
-    return {FAIL: EXIT_FAILURE, INCONCLUSIVE: EXIT_INCONCLUSIVE}.get(result.status, EXIT_OK)
+    return {PASS: EXIT_OK, FAIL: EXIT_FAILURE}.get(result.status, EXIT_INCONCLUSIVE)
 
 
 def format_check(result) -> str:
-    """A :class:`~invink_audit.preflight.LockCheck` as a few lines of text."""
-    lines = [f"check-locks ({result.mode}) on {result.directory} from {result.host}: {result.status.upper()}"]
-    failed = "--" if result.status == "inconclusive" else "FAIL"
+    """A :class:`~invink_audit.preflight.LockCheck` as a few lines of text, every field with its non-printable
+    characters escaped (a line per field: no control character or escape sequence reaches the terminal)."""
+    from invink_audit.preflight import FAIL, printable
+
+    def show(text) -> str:
+        return printable(text, limit=None)
+
+    lines = [f"check-locks ({result.mode}) on {show(result.directory)} from {show(result.host)}: "
+             f"{result.status.upper()}"]
+    failed = "FAIL" if result.status == FAIL else "--"
     for step in result.steps:
-        lines.append(f"  [{'ok' if step.ok else failed}] {step.name}: {step.detail}")
-    lines.append(f"  {result.message}")
-    lines.append(f"  proves:       {result.proves}")
-    lines.append(f"  cannot prove: {result.cannot_prove}")
+        lines.append(f"  [{'ok' if step.ok else failed}] {show(step.name)}: {show(step.detail)}")
+    lines.append(f"  {show(result.message)}")
+    lines.append(f"  proves:       {show(result.proves)}")
+    lines.append(f"  cannot prove: {show(result.cannot_prove)}")
     return "\n".join(lines)
