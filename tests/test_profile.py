@@ -198,3 +198,56 @@ def test_cli_json_and_report(tiny_dir, reviews_csv, tmp_path, capsys):
     assert {p.name for p in out.iterdir()} == {"profile.md", "profile.json", "gain.png", "clip_profile.png"}
     assert all(p.stat().st_mode & 0o077 == 0 for p in out.iterdir())  # owner-only
     assert "not a private release" in (out / "profile.md").read_text()
+
+
+def test_scored_tokens_are_separate_from_the_planned_budget(tiny, reviews_csv):
+    """--scored-tokens changes how much real text is scored, not the clip norms planned for T."""
+    proxy, real = _files(reviews_csv)
+    short = run_profile(proxy, real, _config(top_ks=(None,), scored_tokens=4), model=tiny)
+    full = run_profile(proxy, real, _config(top_ks=(None,)), model=tiny)
+    assert [p.point.clip_norm for p in short.points] == [p.point.clip_norm for p in full.points]
+    assert short.num_tokens <= 4 * short.num_texts < full.num_tokens
+    assert short.to_json()["scored_tokens"] == 4 and short.to_json()["max_new_tokens"] == T
+    with pytest.raises(ValueError, match="scored_tokens"):
+        _config(scored_tokens=0)
+
+
+def test_cli_where_selects_the_proxy_references(tiny_dir, reviews_csv, tmp_path, capsys):
+    """``profile --where`` takes the proxy records whose column has the value, as generate does: with only the
+    hotel references left, no food text has references of its group and is skipped."""
+    from invink_audit.cli import main
+
+    proxy, real = _files(reviews_csv)
+    argv = ["profile", "--input", str(proxy), "--real", str(real), "--epsilons", "1", "--batch-sizes", "2", "--top-ks",
+            "full", "--max-new-tokens", str(T), "--label-columns", "label1,label2", "--prompt", "yelp", "--model",
+            str(tiny_dir), "--json", "--no-progress"]
+    assert main([*argv, "--where", "label1=hotel"]) == 2  # one text left: a paired bootstrap needs 2
+    assert "1 held-out text(s) could be profiled (2 skipped" in capsys.readouterr().err
+    assert main([*argv, "--where", "label1=nowhere"]) == 2
+    assert "label1" in capsys.readouterr().err
+
+
+def _point(batch_size, gain, half=0.01, epsilon=3.0):
+    from invink_audit.evaluation.profile import GridPoint, ProfilePoint
+    from invink_audit.evaluation.stats import Interval
+
+    ce = Interval(2.0, 1.9, 2.1)
+    return ProfilePoint(GridPoint(epsilon, batch_size, None, 1.0, 0.5), ce, ce, ce,
+                        Interval(gain, gain - half, gain + half), ce, None, 1.0, 1.0, 0.0)
+
+
+def test_the_recommendation_weighs_cost():
+    """The cheapest point whose gain interval overlaps the best one's, with rows per token beside each gain."""
+    from invink_audit.evaluation.profile import Comparison, _recommendation
+    from invink_audit.evaluation.stats import Interval
+
+    points = [_point(3, 0.090), _point(7, 0.115), _point(15, 0.120)]  # B=7 overlaps B=15; B=3 lies below
+    close = Comparison(points[2].point, points[1].point, Interval(0.005, -0.01, 0.02), False, 90)
+    text = _recommendation(points, [close], 30)
+    assert text.startswith("eps=3 k=full tau=1: use B=7 (8 rows per token")
+    assert "B=15 (16 rows per token, 2.0x the cost" in text and "not distinguishable" in text
+    alone = [_point(3, 0.100), _point(15, 0.200)]
+    apart = Comparison(alone[1].point, alone[0].point, Interval(0.1, 0.08, 0.12), True, None)
+    text = _recommendation(alone, [apart], 30)
+    assert "use B=15 (16 rows per token" in text and "no cheaper point's gain interval reaches it" in text
+    assert "beats B=3" in text

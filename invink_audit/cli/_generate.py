@@ -187,9 +187,10 @@ def selected_references(args, label_columns):
     return selected, None
 
 
-def prompt_template(args):
+def prompt_template(args, *, private_input: bool = True):
     """The preset of ``--prompt`` with ``--answer-prefix``, ``--stop`` and ``--public-examples`` applied
-    (all public); a preset name when none is given."""
+    (all public); a preset name when none is given. ``private_input``: ``--input`` is private (``generate``,
+    ``sweep``), so public inputs from it are refused (:func:`refuse_private_file`); ``profile`` reads proxy data."""
     import dataclasses
 
     from invink_audit.prompts import get_preset
@@ -204,9 +205,9 @@ def prompt_template(args):
     if args.stop is not None:
         changes["stop"] = tuple(s for s in args.stop if s)
     if args.public_examples is not None:
-        changes["examples"] = read_public_examples(args.public_examples, private_input=getattr(args, "input", None))
+        changes["examples"] = read_public_examples(args.public_examples, args.input if private_input else None)
     template = dataclasses.replace(template, **changes)
-    if getattr(args, "where", None):  # the release checks the records it reads; these come from the whole file
+    if private_input and args.where:  # the release checks the records it reads; these come from the whole file
         _refuse_public_from_whole_input(template, args.input, args.column)
     return template
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 from invink_audit.cli import add_label_arguments, label_columns, parse_int, plural, progress_bar
-from invink_audit.cli._generate import add_prompt_arguments, parse_fields, prompt_template
+from invink_audit.cli._generate import add_prompt_arguments, add_where_argument, parse_fields, parse_where, prompt_template
 from invink_audit.cli._sweep import add_grid_arguments, grid_arguments
 
 
@@ -26,7 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--real", required=True, help="held-out real texts to teacher-force (.csv or .jsonl)")
     p.add_argument("--column", default="text", help="text column of --input and --real (default: text)")
     add_grid_arguments(p)
-    p.add_argument("--max-new-tokens", default="64", help="T: the token budget planned for, and tokens scored per text (default 64)")
+    p.add_argument("--max-new-tokens", default="64", help="T: the token budget each point's C is planned for (default 64)")
+    p.add_argument("--scored-tokens", default=None, help="real tokens teacher-forced and scored per text (default: T)")
+    add_where_argument(p)
     p.add_argument("--num-texts", default="30", help="held-out texts teacher-forced (default 30)")
     p.add_argument("--seed", default="0", help="picks the texts and their references (default 0)")
     add_label_arguments(p, "label column (repeat): each text gets references of its own group and its labels' prompt")
@@ -44,9 +46,11 @@ def _profile(args) -> int:
     config = ProfileConfig(
         **grid_arguments(args),
         max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
+        scored_tokens=None if args.scored_tokens is None else parse_int("--scored-tokens", args.scored_tokens),
+        where=parse_where(args.where),
         num_texts=parse_int("--num-texts", args.num_texts),
         seed=parse_int("--seed", args.seed),
-        prompt=prompt_template(args),
+        prompt=prompt_template(args, private_input=False),  # proxy data: a profile is not a release
         prompt_fields=parse_fields(args.prompt_field) or None,
         column=args.column,
         label_columns=tuple(label_columns(args)),

@@ -69,8 +69,8 @@ def grid_values(values, name: str) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
     """The grid (every combination of ``epsilons``, ``batch_sizes``, ``top_ks``, ``temperatures``) and
-    what is shared by its points: ``max_new_tokens`` (T: the planner's token budget, and the number of
-    real tokens scored per text), ``delta``, ``num_texts`` held-out texts, the prompt, the label columns
+    what is shared by its points: ``max_new_tokens`` (T: the token budget each point's C is planned for),
+    ``scored_tokens`` (the real tokens scored per text; default T), ``delta``, ``num_texts`` held-out texts, the prompt, the label columns
     that pair each text with references of its own group, and the bootstrap (``num_resamples``,
     ``confidence``). ``seed`` picks the texts and their references (reproducible, the same for every point)."""
 
@@ -80,6 +80,8 @@ class ProfileConfig:
     temperatures: tuple[float, ...] = (1.0,)
     max_new_tokens: int = 64
     delta: float = 1e-6
+    #: real tokens teacher-forced and scored per held-out text (``None``: ``max_new_tokens``)
+    scored_tokens: int | None = None
     num_texts: int = 30
     seed: int = 0
     prompt: object = "generic"
@@ -101,6 +103,8 @@ class ProfileConfig:
             if k is not None:
                 check_count("top_ks", k)
         object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
+        if self.scored_tokens is not None:
+            object.__setattr__(self, "scored_tokens", check_count("scored_tokens", self.scored_tokens))
         object.__setattr__(self, "num_texts", check_count("num_texts", self.num_texts))
         object.__setattr__(self, "num_resamples", check_count("num_resamples", self.num_resamples))
         check_count("seed", self.seed, minimum=0)
@@ -108,6 +112,11 @@ class ProfileConfig:
             raise ValueError(f"confidence must be a float in (0, 1); got {self.confidence!r}")
         object.__setattr__(self, "label_columns", tuple(self.label_columns))
         self.points()  # every point's C is planned now: an out-of-range point fails before any model loads
+
+    @property
+    def tokens_scored(self) -> int:
+        """Real tokens scored per held-out text: ``scored_tokens``, or T when it is not given."""
+        return self.max_new_tokens if self.scored_tokens is None else self.scored_tokens
 
     def points(self) -> list[GridPoint]:
         """Every grid point with its planned clip norm (:func:`accounting.plan_clip_norm`)."""
@@ -225,7 +234,8 @@ class ProfileResult:
             "recommendation": self.recommendation,
             "clip_profile": self.clip_profile.to_json(),
             "num_texts": self.num_texts, "num_tokens": self.num_tokens, "skipped_texts": self.skipped_texts,
-            "max_new_tokens": self.config.max_new_tokens, "delta": self.config.delta, "smoothing": SMOOTHING,
+            "max_new_tokens": self.config.max_new_tokens, "scored_tokens": self.config.tokens_scored,
+            "delta": self.config.delta, "smoothing": SMOOTHING,
             "seconds": self.seconds, "warnings": list(self.warnings), "notice": PLANNING_NOTICE,
         })  # fmt: skip
 
@@ -379,7 +389,7 @@ def _choose_texts(proxy, real, config: ProfileConfig, tokenizer, eos_ids) -> tup
     for i in rng.permutation(len(texts)):
         if len(chosen) == config.num_texts:
             break
-        forced, scored = forced_text_ids(tokenizer, texts[i], eos_token_ids=eos_ids, max_new_tokens=config.max_new_tokens)
+        forced, scored = forced_text_ids(tokenizer, texts[i], eos_token_ids=eos_ids, max_new_tokens=config.tokens_scored)
         pool = [j for j in groups.get(_group(labels, i), []) if references[j] != texts[i]]
         if not scored or len(pool) < need:
             skipped += 1
@@ -460,7 +470,7 @@ def run_profile(
     if progress is not None:
         progress(0, total)
     with torch.no_grad():
-        engine.force(requests, [t.forced for t in texts], max_new_tokens=config.max_new_tokens,
+        engine.force(requests, [t.forced for t in texts], max_new_tokens=config.tokens_scored,
                      observer=scores.observe, progress=advance if progress is not None else None)
     return _summarise(scores, config, skipped, time.perf_counter() - start)
 
@@ -562,26 +572,14 @@ def _comparisons(points: Sequence[ProfilePoint], sums, ratio, n: int) -> list[Co
 
 
 def _recommendation(points: Sequence[ProfilePoint], comparisons: Sequence[Comparison], n: int) -> str:
-    """Per (ε, k, τ), the best B when it separates from the runner-up, else how many texts would tell;
-    then how many neighbouring ε the signal tells apart."""
+    """Per (ε, k, τ), the cheapest B whose gain interval overlaps the best point's (each token costs B + 1
+    forward rows) and whether the best separates from the runner-up; then how many neighbouring ε the signal
+    tells apart."""
     lines = []
     budgets = sorted({(p.point.epsilon, _order(p.point.top_k), p.point.temperature) for p in points})
     for eps, k, tau in budgets:
         row = [p for p in points if (p.point.epsilon, _order(p.point.top_k), p.point.temperature) == (eps, k, tau)]
-        best = max(row, key=lambda q: q.gain_over_floor.estimate)
-        where = f"eps={eps:g} k={_k(best.point.top_k)} tau={tau:g}"
-        if len(row) == 1:
-            lines.append(f"{where}: B={best.point.batch_size} (C={best.point.clip_norm:.3g}), gain over the floor "
-                         f"{best.gain_over_floor.format()} nats/token")
-            continue
-        c = next(c for c in comparisons if c.better == best.point and c.worse.epsilon == eps)
-        if c.separated:
-            lines.append(f"{where}: use B={c.better.batch_size} (C={c.better.clip_norm:.3g}, gain "
-                         f"{best.gain_over_floor.format()}): it beats B={c.worse.batch_size} by {c.difference.format()} nats/token")
-        else:
-            more = f"about {c.texts_needed} texts per point would" if c.texts_needed else "no number of texts in reach would"
-            lines.append(f"{where}: B={c.better.batch_size} and B={c.worse.batch_size} are not distinguishable at n={n} "
-                         f"({c.difference.format()}); {more}")
+        lines.append(_budget_line(row, comparisons, n))
     ladder = [c for c in comparisons if c.better.epsilon != c.worse.epsilon]
     if ladder:
         told = sum(c.separated and c.better.epsilon > c.worse.epsilon for c in ladder)
@@ -593,6 +591,36 @@ def _recommendation(points: Sequence[ProfilePoint], comparisons: Sequence[Compar
                      "full vocabulary and tau near 1 by construction (truncation trades coverage of real text for the "
                      "quality of samples); choose them by reading samples, and B and epsilon here")
     return "\n".join(lines)
+
+
+def _cost(point: GridPoint) -> str:
+    return f"{point.batch_size + 1} rows per token"
+
+
+def _budget_line(row: Sequence[ProfilePoint], comparisons: Sequence[Comparison], n: int) -> str:
+    """The recommendation at one (ε, k, τ): the cheapest point whose gain interval overlaps the best one's
+    (a point whose interval lies wholly below the best's is worse at this sample size; among the rest the
+    cheapest costs least), with every cost beside its gain."""
+    best = max(row, key=lambda q: q.gain_over_floor.estimate)
+    where = f"eps={best.point.epsilon:g} k={_k(best.point.top_k)} tau={best.point.temperature:g}"
+    near = [q for q in row if q.gain_over_floor.upper >= best.gain_over_floor.lower]
+    cheap = min(near, key=lambda q: q.point.batch_size)
+    line = (f"{where}: use B={cheap.point.batch_size} ({_cost(cheap.point)}, C={cheap.point.clip_norm:.3g}, gain "
+            f"{cheap.gain_over_floor.format()} nats/token)")
+    if cheap is not best:
+        ratio = (best.point.batch_size + 1) / (cheap.point.batch_size + 1)
+        line += (f": the cheapest point whose gain interval overlaps the best one's, B={best.point.batch_size} "
+                 f"({_cost(best.point)}, {ratio:.1f}x the cost, gain {best.gain_over_floor.format()})")
+    elif len(row) > 1:
+        line += ": the best gain, and no cheaper point's gain interval reaches it"
+    if len(row) == 1:
+        return line
+    c = next(c for c in comparisons if c.better == best.point and c.worse.epsilon == best.point.epsilon)
+    if c.separated:
+        return line + f"; B={c.better.batch_size} beats B={c.worse.batch_size} by {c.difference.format()} nats/token (paired)"
+    more = f"about {c.texts_needed} texts per point would tell" if c.texts_needed else "no number of texts in reach would tell"
+    return line + (f"; B={c.better.batch_size} and B={c.worse.batch_size} are not distinguishable at n={n} "
+                   f"({c.difference.format()}, paired); {more}")
 
 
 def _order(top_k: int | None) -> float:
@@ -612,13 +640,14 @@ def profile_markdown(result: ProfileResult) -> str:
     c = result.config
     lines = [
         "# Planning profile (teacher-forced, exact, paired)", "", f"> **NOT PRIVATE**: {PLANNING_NOTICE}", "",
-        f"{result.num_texts} held-out texts, {result.num_tokens} scored tokens (T = {c.max_new_tokens}, δ = {c.delta:g}"
+        f"{result.num_texts} held-out texts, {result.num_tokens} scored tokens (at most {c.tokens_scored} per text; "
+        f"C planned for T = {c.max_new_tokens}, δ = {c.delta:g}"
         f"{', ' + str(result.skipped_texts) + ' skipped' if result.skipped_texts else ''}); {result.seconds:.0f} s. "
         f"Cross-entropies in nats per token; intervals: {c.confidence:.0%} paired bootstrap over texts; "
         f"smoothing η = {SMOOTHING:g} for tokens outside the support.", "",
-        *md_table("ε | B | k | τ | C | held-out CE | floor CE | ensemble CE | gain over floor | gain over null | gap closed | "
+        *md_table("ε | B | rows/token | k | τ | C | held-out CE | floor CE | ensemble CE | gain over floor | gain over null | gap closed | "
                   "coverage | clipped", [
-            (f"{p.point.epsilon:g}", p.point.batch_size, _k(p.point.top_k), f"{p.point.temperature:g}", f"{p.point.clip_norm:.3g}",
+            (f"{p.point.epsilon:g}", p.point.batch_size, p.point.batch_size + 1, _k(p.point.top_k), f"{p.point.temperature:g}", f"{p.point.clip_norm:.3g}",
              p.heldout_ce.format(), f"{p.floor_ce.estimate:.3f}", f"{p.ensemble_ce.estimate:.3f}", p.gain_over_floor.format(),
              p.gain_over_null.format(), "–" if p.gap_closed is None else p.gap_closed.format(2), f"{p.coverage:.1%}",
              f"{p.clipped_share:.1%}")
