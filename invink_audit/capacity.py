@@ -46,8 +46,10 @@ bucket of its own as ``kv_unshared_bytes``). Measured against the real engine in
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from accounting.limits import check_count
 from invink_audit.rows import MIN_BUCKET_ROWS, bucket_length
@@ -137,23 +139,31 @@ class ModelShape:
     def from_config(cls, config, *, num_parameters: int, dtype, name: str, vocab_size: int | None = None) -> ModelShape:
         """From a transformers config: ``num_hidden_layers``, ``num_attention_heads``,
         ``num_key_value_heads`` (default: the attention heads), ``head_dim`` (default: hidden / heads),
-        ``hidden_size``, ``intermediate_size`` (default 4 × hidden), ``vocab_size``."""
+        ``hidden_size``, ``intermediate_size`` (default 4 × hidden), ``vocab_size``; each an integer >= 1 (a
+        float or a string is refused, not rounded)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        hidden = int(text.hidden_size)
-        heads = int(text.num_attention_heads)
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or hidden // heads
-        intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
+        hidden, heads = _config_count(text, "hidden_size"), _config_count(text, "num_attention_heads")
         return cls(
-            name=name, num_layers=int(text.num_hidden_layers), num_attention_heads=heads, num_kv_heads=int(kv_heads),
-            head_dim=int(head_dim), hidden_size=hidden, intermediate_size=int(intermediate),
-            vocab_size=int(vocab_size if vocab_size is not None else text.vocab_size),
+            name=name, num_layers=_config_count(text, "num_hidden_layers"), num_attention_heads=heads,
+            num_kv_heads=_config_count(text, "num_key_value_heads", heads),
+            head_dim=_config_count(text, "head_dim", hidden // heads), hidden_size=hidden,
+            intermediate_size=_config_count(text, "intermediate_size", 4 * hidden),
+            vocab_size=int(vocab_size) if vocab_size is not None else _config_count(text, "vocab_size"),
             num_parameters=int(num_parameters), dtype=dtype,
         )
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "dtype_bytes": self.dtype_bytes, "weights_bytes": self.weights_bytes,
                 "kv_bytes_per_token": kv_bytes_per_token(self)}
+
+
+def _config_count(config, attribute: str, default: int | None = None) -> int:
+    """``config.attribute`` (``default`` when it is absent or ``None``), an integer >= 1."""
+    value = getattr(config, attribute, None)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute} must be an integer >= 1; got {value!r}")
+    return value
 
 
 def shape_of(loaded) -> ModelShape:
@@ -180,30 +190,100 @@ def read_model_shape(
 ) -> ModelShape:
     """The :class:`ModelShape` of ``model`` (as :func:`~invink_audit.models.load_model` names it) without
     loading its weights: its config is read, and its parameters are counted on the ``meta`` device.
-    A ``.gguf`` file is converted (cached) by :func:`~invink_audit.models.load_model`, which loads it."""
+    A ``.gguf`` file is converted (cached) by :func:`~invink_audit.models.load_model`, which loads it.
+
+    A missing folder, a folder without ``config.json``, a ``config.json`` that is not a JSON object, and a
+    configuration no model can be built from (an unknown ``model_type``, a size that is not an integer >= 1,
+    hidden size not a multiple of the heads) are refused in one ``ValueError`` naming the file. Keys that are
+    absent take the architecture's defaults, as in transformers (``save_pretrained`` omits the values equal to
+    them): the shape planned for names every size it used."""
     from invink_audit.models import EMBEDDED_MODEL, GEMMA3_MODEL, load_model, named_model_dir
 
     resolved = _resolve_dtype(dtype, device)
     if model is not None and str(model).lower().endswith(".gguf"):
         loaded = load_model(model, device="cpu", dtype="float32")
         return dataclasses.replace(shape_of(loaded), dtype=resolved)
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     key = None if model is None else str(model).lower()
     if key is None or key in (EMBEDDED_MODEL, "embedded", "default", GEMMA3_MODEL, "gemma-3-270m"):
         source = named_model_dir(GEMMA3_MODEL if key in (GEMMA3_MODEL, "gemma-3-270m") else EMBEDDED_MODEL)
-        name = str(model or EMBEDDED_MODEL)
+        name, where = str(model or EMBEDDED_MODEL), f"model {str(model or EMBEDDED_MODEL)!r}"
     else:
         if not str(model).strip():
             raise ValueError(f"model must be a non-empty path or hub id, or None for the default; got {model!r}")
         source, name = str(model), str(model)
-    config = AutoConfig.from_pretrained(source)
-    with torch.device("meta"):
-        network = AutoModelForCausalLM.from_config(config)
-    vocab = network.get_output_embeddings().weight.shape[0]
-    count = sum(p.numel() for p in network.parameters())
-    return ModelShape.from_config(config, num_parameters=count, dtype=resolved, name=name, vocab_size=int(vocab))
+        config_file = _checked_config_file(name)
+        where = f"model {name!r}" if config_file is None else repr(str(config_file))
+    return _shape_from_config(source, name, where, resolved)
+
+
+def _shape_from_config(source, name: str, where: str, dtype: str) -> ModelShape:
+    """The shape of the model whose config ``source`` holds, built on the ``meta`` device; an error names ``where``."""
+    import torch
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+        with torch.device("meta"):
+            network = AutoModelForCausalLM.from_config(config)
+        vocab = network.get_output_embeddings().weight.shape[0]
+        count = sum(p.numel() for p in network.parameters())
+        return ModelShape.from_config(config, num_parameters=count, dtype=dtype, name=name, vocab_size=int(vocab))
+    except OSError as err:
+        if Path(str(source)).expanduser().exists():
+            raise ValueError(f"{where} cannot be read: {_one_line(err)}") from err
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        raise ValueError(
+            f"{where}: no local folder of that name exists, and it could not be read as a Hugging Face hub id"
+            f"{' (HF_HUB_OFFLINE is set: only cached hub models are read)' if offline else ''}"
+        ) from err
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, StrictDataclassError) as err:
+        raise ValueError(f"{where} is not a model configuration this tool can plan for: {_one_line(err)}") from err
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, at most ``limit`` characters (transformers' can list every architecture)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _could_only_be_a_path(model: str) -> bool:
+    """A model string that names no hub id (hub ids are ``name`` or ``owner/name``)."""
+    return (model.startswith(("/", "./", "../", "~", "\\")) or model in (".", "..") or model.count("/") > 1
+            or "\\" in model)  # fmt: skip
+
+
+def _checked_config_file(model: str) -> Path | None:
+    """The ``config.json`` of the local model folder ``model``, checked to hold a JSON object; ``None`` for a
+    string that names nothing local and may be a hub id. A missing folder, a file, a missing or unreadable
+    ``config.json`` are refused in one line naming the path."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        if _could_only_be_a_path(model):
+            raise ValueError(f"model folder {model!r} does not exist")
+        return None
+    if not path.is_dir():
+        raise ValueError(
+            f"model {model!r} is a file: give a model folder (holding config.json), a .gguf file or a hub id"
+        )
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"model folder {model!r} has no config.json (the model's configuration)")
+    try:
+        data = json.loads(config.read_bytes())
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{str(config)!r} is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})"
+        ) from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{str(config)!r} is not UTF-8 text") from None
+    except OSError as err:
+        raise ValueError(f"{str(config)!r} cannot be read: {err.strerror or err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{str(config)!r} must hold a JSON object (the model's configuration); got {type(data).__name__}"
+        )
+    return config
 
 
 # --------------------------------------------------------------------------------------------

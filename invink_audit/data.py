@@ -9,7 +9,9 @@ changes exactly one batch (or none), which is what the accounting assumes; the r
 ``drop_empty=True`` shifts every later reference into another batch instead.
 
 Readers: a list of strings, a CSV file (one column), or a JSON Lines file (one field). A missing CSV
-cell or a JSON ``null`` reads as the empty string (a null reference).
+cell or a JSON ``null`` reads as the empty string (a null reference). Files are read a line at a time
+(:func:`text_lines`), with quotes read strictly and every field bounded (:data:`MAX_FIELD_CHARS`): bad
+input is refused in one line naming the file and the line, in memory bounded by one line.
 """
 
 from __future__ import annotations
@@ -17,19 +19,21 @@ from __future__ import annotations
 import codecs
 import csv
 import dataclasses
-import io
 import json
 import os
-import sys
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
 from accounting.limits import check_count
 
 __all__ = [
+    "MAX_FIELD_CHARS",
+    "MAX_LINE_BYTES",
     "ReferencesFile",
     "as_references",
+    "check_unicode",
     "LabelGroup",
     "LabelledBatch",
     "LabelledPartition",
@@ -42,10 +46,21 @@ __all__ = [
     "read_references",
     "read_text",
     "select_references",
+    "text_lines",
 ]
 
 _CSV_SUFFIXES = (".csv",)
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+#: The longest field a references file may hold, in characters (a CSV cell, a JSON Lines record's text): about
+#: 250,000 tokens, beyond the context of any model this package runs. A longer one is refused while the file is
+#: read, before it is held in memory whole (it would only be refused later, as too long for the model, after
+#: seconds to minutes of tokenizing and gigabytes of memory).
+MAX_FIELD_CHARS = 1_000_000
+#: The longest physical line a references file may hold, in bytes: room for a field of :data:`MAX_FIELD_CHARS`
+#: characters written as JSON ``\uXXXX`` escapes (6 bytes each) and the record's other fields. Lines are read
+#: one at a time, each at most this long, so a file is refused in memory bounded by it, whatever its size.
+MAX_LINE_BYTES = 8 * MAX_FIELD_CHARS
 
 
 def read_references(source: str | os.PathLike, *, column: str | None = None) -> list[str]:
@@ -76,10 +91,9 @@ def read_references(source: str | os.PathLike, *, column: str | None = None) -> 
     suffix = path.suffix.lower()
     if suffix not in _CSV_SUFFIXES + _JSONL_SUFFIXES:
         raise ValueError(f"input must be a .csv or .jsonl file; got {str(path)!r}")
-    text = read_text(path)
     if suffix in _CSV_SUFFIXES:
-        return _read_csv(path, text, name)
-    return _read_jsonl(path, text, name)
+        return _read_csv(path, name)
+    return _read_jsonl(path, name)
 
 
 def read_text(path: Path) -> str:
@@ -90,15 +104,12 @@ def read_text(path: Path) -> str:
         return data[skip:].decode("utf-8")
     except UnicodeDecodeError as err:
         offset = skip + err.start
-        line = data.count(b"\n", 0, offset) + 1
-        raise ValueError(
-            f"{str(path)!r} is not valid UTF-8: line {line} (byte offset {offset}) holds a byte sequence that is not "
-            "UTF-8 (re-save the file as UTF-8; an encoded lone surrogate is not valid UTF-8 either)"
-        ) from None
+        raise _not_utf8(path, data.count(b"\n", 0, offset) + 1, offset) from None
 
 
-def _check_unicode(value: str, where: str) -> None:
-    """Refuse strings that are not valid Unicode text (lone surrogates, e.g. from a JSON ``\\ud800``)."""
+def check_unicode(value: str, where: str) -> None:
+    """Refuse strings that are not valid Unicode text (lone surrogates, e.g. from a JSON ``\\ud800``): a
+    ``ValueError`` naming ``where`` and the character's position, never the text."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:
@@ -107,46 +118,131 @@ def _check_unicode(value: str, where: str) -> None:
         ) from None
 
 
-def _read_csv(path: Path, text: str, column: str) -> list[str]:
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long references (e.g. court cases)
-    reader = csv.reader(io.StringIO(text, newline=""))
+def _not_utf8(path: Path, line: int, offset: int) -> ValueError:
+    return ValueError(
+        f"{str(path)!r} is not valid UTF-8: line {line} (byte offset {offset}) holds a byte sequence that is not "
+        "UTF-8 (re-save the file as UTF-8; an encoded lone surrogate is not valid UTF-8 either)"
+    )
+
+
+def text_lines(path: str | os.PathLike) -> Iterator[str]:
+    """The file's lines (split on ``"\\n"`` only, each with its line ending), decoded as UTF-8 (a leading
+    byte-order mark dropped), read one at a time. A line longer than :data:`MAX_LINE_BYTES` is refused after
+    reading at most that many bytes of it, so the memory it takes is bounded whatever the file holds; a byte
+    sequence that is not UTF-8 is refused naming its line. Messages name the file and the line, never its text."""
+    path = Path(path)
+    with path.open("rb") as stream:
+        number, offset = 0, 0
+        while raw := stream.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(
+                    f"{str(path)!r} line {number} is longer than {MAX_LINE_BYTES:,} bytes (refused without reading the "
+                    f"rest of it: a field may hold at most {MAX_FIELD_CHARS:,} characters, beyond any model's "
+                    "context); truncate every reference to one fixed length first (a rule that does not depend on the data)"
+                )
+            skip = len(codecs.BOM_UTF8) if number == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+            try:
+                line = raw[skip:].decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, number, offset + skip + err.start) from None
+            offset += len(raw)
+            yield line
+
+
+def _csv_lines(lines: Iterable[str]) -> Iterator[str]:
+    """``lines`` with a lone ``"\\r"`` also ending a line (old Mac files), as a file opened with ``newline=""``
+    gives them to the csv module."""
+    for line in lines:
+        if "\r" in line.rstrip("\r\n"):
+            yield from re.split(r"(?<=\r)(?!\n)", line)
+        else:
+            yield line
+
+
+def _csv_error(path: Path, start: int, end: int, err: csv.Error) -> ValueError:
+    """The one-line message of a CSV parse error in the record that starts on line ``start`` (read up to ``end``)."""
+    where, reason = f"{str(path)!r} line {start}", str(err)
+    if "field limit" in reason:
+        return ValueError(
+            f"{where}: the record starting on this line holds a field longer than {MAX_FIELD_CHARS:,} characters (the "
+            "bound on one field, beyond any model's context; refused without reading the rest), or a quote opened in "
+            "it is never closed; truncate every reference to one fixed length first, or close the quote (a quote "
+            'inside a quoted field is written twice: "")'
+        )
+    if "unexpected end of data" in reason:
+        return ValueError(
+            f"{where}: a quote opened in the record starting on this line is never closed (the file ends inside it, "
+            f"at line {end}), so every line after it would read as one field; close the quote, or write a quote "
+            'inside a quoted field twice ("")'
+        )
+    if "expected after" in reason:
+        return ValueError(
+            f"{where}: a quoted field opened in the record starting on this line closes on line {end} but text follows "
+            "its closing quote before the next delimiter (a stray or unescaped quote: a field that starts with a quote "
+            'must be quoted whole, with each quote inside it written twice: "")'
+        )
+    return ValueError(f"{where} is not valid CSV: {reason}")  # the csv module names characters, never a cell
+
+
+def _csv_records(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """``(line, row)`` of each CSV record of ``path``, ``line`` the line it starts on. Strict quoting (a quote that
+    opens a field must close it, right before a delimiter or the line's end) and :data:`MAX_FIELD_CHARS`, checked
+    as the file is read: a stray quote is refused naming the line where its record starts, instead of swallowing
+    the lines after it into one field."""
+    reader = csv.reader(_csv_lines(text_lines(path)), strict=True)
+    previous = csv.field_size_limit(MAX_FIELD_CHARS)
     try:
-        header = next(reader, None)
-        if header is None:
-            raise ValueError(f"{str(path)!r} is empty: no CSV header")
-        # header names are not echoed: in a file without a header, the "header" is a private record
-        positions = [i for i, field in enumerate(header) if field == column]
-        if not positions:
-            raise ValueError(
-                f"column {column!r} not found in the header (line 1) of {str(path)!r}, which has {len(header)} "
-                f"column(s) (their names are not shown: in a file without a header they would be a record); "
-                "give the column holding the references with --column / column="
-            )
-        if len(positions) > 1:
-            raise ValueError(
-                f"column {column!r} appears {len(positions)} times in the header of {str(path)!r} (columns "
-                f"{', '.join(str(p + 1) for p in positions)}); rename the duplicates so the column is unambiguous"
-            )
-        position = positions[0]
-        references = []
-        for row in reader:
-            if not row:
-                continue  # a blank line is not a record (csv.DictReader skips it too)
-            value = row[position] if position < len(row) else ""
-            _check_unicode(value, f"{str(path)!r} line {reader.line_num}")
-            references.append(value)
-    except csv.Error as err:
-        raise ValueError(f"{str(path)!r} line {reader.line_num} is not valid CSV: {err}") from None
+        while True:
+            start = reader.line_num + 1
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as err:
+                raise _csv_error(path, start, reader.line_num, err) from None
+            yield start, row
+    finally:
+        csv.field_size_limit(previous)
+
+
+def _read_csv(path: Path, column: str) -> list[str]:
+    records = _csv_records(path)
+    first = next(records, None)
+    if first is None:
+        raise ValueError(f"{str(path)!r} is empty: no CSV header")
+    header = first[1]
+    # header names are not echoed: in a file without a header, the "header" is a private record
+    positions = [i for i, field in enumerate(header) if field == column]
+    if not positions:
+        raise ValueError(
+            f"column {column!r} not found in the header (line 1) of {str(path)!r}, which has {len(header)} "
+            f"column(s) (their names are not shown: in a file without a header they would be a record); "
+            "give the column holding the references with --column / column="
+        )
+    if len(positions) > 1:
+        raise ValueError(
+            f"column {column!r} appears {len(positions)} times in the header of {str(path)!r} (columns "
+            f"{', '.join(str(p + 1) for p in positions)}); rename the duplicates so the column is unambiguous"
+        )
+    position = positions[0]
+    references = []
+    for _, row in records:
+        if not row:
+            continue  # a blank line is not a record (csv.DictReader skips it too)
+        references.append(row[position] if position < len(row) else "")
     return references
 
 
-def jsonl_records(path: Path, text: str, field: str, hint: str):
-    """Each ``(where, record, value)`` of the JSON Lines ``text`` read from ``path``: ``where`` names the file and
-    the line, ``value`` is the record's ``field`` (``""`` for null). Blank lines are not records; a line that is
-    not a JSON object, or whose ``field`` is missing (``hint``: how to name another) or not a string or null, is
-    refused with a message naming the line, never its text or its keys (they may be data)."""
+def jsonl_records(path: Path, lines: str | Iterable[str], field: str, hint: str):
+    """Each ``(where, record, value)`` of the JSON Lines read from ``path`` (``lines``: its :func:`text_lines`, or
+    its whole text): ``where`` names the file and the line, ``value`` is the record's ``field`` (``""`` for null).
+    Blank lines are not records; a line that is not a JSON object, or whose ``field`` is missing (``hint``: how to
+    name another), not a string or null, longer than :data:`MAX_FIELD_CHARS` or not valid Unicode (a lone
+    surrogate, e.g. a JSON ``"\\ud800"`` escape), is refused with a message naming the line, never its text or its
+    keys (they may be data)."""
     # split on "\n" only: a JSON string may hold U+2028 or U+0085, which str.splitlines() would split on
-    for number, line in enumerate(text.split("\n"), start=1):
+    for number, line in enumerate(lines.split("\n") if isinstance(lines, str) else lines, start=1):
         if not line.strip():
             continue
         where = f"{str(path)!r} line {number}"
@@ -165,15 +261,19 @@ def jsonl_records(path: Path, text: str, field: str, hint: str):
         value = "" if record[field] is None else record[field]
         if not isinstance(value, str):
             raise ValueError(f"{where}: field {field!r} must be a string or null; got {type(value).__name__}")
+        if len(value) > MAX_FIELD_CHARS:
+            raise ValueError(
+                f"{where}: field {field!r} holds {len(value):,} characters, more than the {MAX_FIELD_CHARS:,} "
+                "characters a field may hold (beyond any model's context); truncate every reference to one fixed "
+                "length first"
+            )
+        check_unicode(value, where)
         yield where, record, value
 
 
-def _read_jsonl(path: Path, text: str, field: str) -> list[str]:
-    references = []
-    for where, _, value in jsonl_records(path, text, field, "give the field holding the references with --column / column="):
-        _check_unicode(value, where)
-        references.append(value)
-    return references
+def _read_jsonl(path: Path, field: str) -> list[str]:
+    hint = "give the field holding the references with --column / column="
+    return [value for _, _, value in jsonl_records(path, text_lines(path), field, hint)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +314,7 @@ def _clean_reference(i: int, reference: str | None) -> str:
         reference = ""
     if not isinstance(reference, str):
         raise ValueError(f"references[{i}] must be a string or None; got {type(reference).__name__}")
-    _check_unicode(reference, f"references[{i}]")
+    check_unicode(reference, f"references[{i}]")
     return reference
 
 
@@ -470,7 +570,7 @@ def _label_key(i: int, mapping, columns: tuple[str, ...] | None) -> tuple[tuple[
         value = mapping[name]
         if not isinstance(value, str):
             raise ValueError(f"labels[{i}][{name!r}] must be a string; got {type(value).__name__}")
-        _check_unicode(value, f"labels[{i}][{name!r}]")
+        check_unicode(value, f"labels[{i}][{name!r}]")
         key.append(value)
     return columns, tuple(key)
 

@@ -70,7 +70,7 @@ def test_the_presets_are_the_papers_table_and_the_official_prompts():
     assert mimic.generation.endswith('Begin the output with the phrase: "Discharge Instructions:"')
     variation = mimic.variation_messages("TEXT", "STYLE")[1]["content"]
     assert variation.startswith('Please rephrase the following sentences "TEXT" as a patient discharge summary: "STYLE"')
-    yelp = get_augpe_prompts("yelp", category="Bars")
+    yelp = get_augpe_prompts("yelp", category="Bars", stars="4.0")
     assert yelp.generation_messages()[1]["content"] == "Business Category: Bars\tReview Stars: 4.0"
     assert yelp.variation_messages("x", "briefly")[1]["content"].startswith("Based on Business Category: Bars\t")
     assert len(yelp.styles) == 28 and len(mimic.styles) == 9
@@ -82,6 +82,12 @@ def test_the_presets_are_the_papers_table_and_the_official_prompts():
         AugPEPrompts("bad", "write about {topic}", "{text} {style}", ("briefly",))
     with pytest.raises(ValueError, match="have no field"):
         get_augpe_prompts("mimic", category="Bars")
+    # the label fields' example values are refused unless given (as generate refuses InvisibleInk's), in Python too
+    with pytest.raises(ValueError, match=r"example value\(s\) \{'stars': '4.0'\} for field\(s\) \['stars'\]"):
+        get_augpe_prompts("yelp", category="Bars")
+    with pytest.raises(ValueError, match="example value"):
+        AugPEConfig(epsilon=4.0, **{**SMALL, "prompts": "yelp"})
+    assert get_augpe_prompts("yelp", category="Restaurants", stars="4.0") == AUGPE_PRESETS["yelp"]  # given: accepted
 
 
 def test_the_config_plans_its_event_once_and_checks_itself():
@@ -202,8 +208,9 @@ def test_the_papers_convention_holds_no_guarantee_and_is_never_charged(tiny, min
         ([], {}, "references must be a non-empty sequence"),
         (["a", None], {}, r"references\[1\] must be a string"),
         (["a"], {"config": "config"}, "config must be an AugPEConfig"),
-        (["a"], {"seed": -1}, "seed must be a non-negative integer"),
-        (["a"], {"seed": True}, "seed must be a non-negative integer"),
+        (["a"], {"seed": -1}, r"seed must be an integer in \[0, 2\*\*64 - 1\]"),
+        (["a"], {"seed": True}, "seed must be an integer in"),
+        (["a"], {"seed": 2**64}, "seed must be an integer in"),
         (["a"], {"ledger": 3}, "ledger must be a BudgetLedger"),
         (["a"], {"ledger": "/nonexistent/ledger.json"}, "no ledger at"),
         (["a"], {"embedder": "bert"}, "embedding model must be one of"),

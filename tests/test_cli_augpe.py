@@ -107,7 +107,7 @@ def test_a_seeded_release_repeats_and_is_marked_void(notes, tiny_dir, tmp_path, 
     for output in outputs:
         with pytest.warns(SeededGeneratorWarning):
             assert _augpe(notes, output, tiny_dir, "--epsilon", str(EPSILON), "--seed", "7", "--prompt", "yelp",
-                          "--prompt-field", "category=Bars") == 0  # fmt: skip
+                          "--prompt-field", "category=Bars", "--prompt-field", "stars=4.0") == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "WARNING          fixed seed" in out and "NOT CHARGED" in out
     first, second = (_records(output) for output in outputs)
@@ -121,11 +121,28 @@ def test_a_seeded_release_repeats_and_is_marked_void(notes, tiny_dir, tmp_path, 
     from invink_audit.evaluation import Embedder
 
     config = AugPEConfig(num_texts=NUM_TEXTS, iterations=ITERATIONS, delta=DELTA, epsilon=EPSILON, variations=VARIATIONS,
-                         max_new_tokens=6, prompts=get_augpe_prompts("yelp", category="Bars"))  # fmt: skip
+                         max_new_tokens=6, prompts=get_augpe_prompts("yelp", category="Bars", stars="4.0"))  # fmt: skip
     assert config.to_json() == {k: first[0]["run"][k] for k in config.to_json()}
     with pytest.warns(SeededGeneratorWarning):
         python = augpe_generate(REFERENCES, config, model=str(tiny_dir), embedder=Embedder("minilm", cache=False), seed=7)
     assert list(python.texts) == [r["text"] for r in first]
+
+
+@pytest.mark.parametrize("fields", [[], ["--prompt-field", "category=Bars"], ["--prompt-field", "stars=2.0"]])
+def test_the_yelp_preset_s_example_label_values_are_refused_as_generate_refuses_them(notes, tiny_dir, tmp_path, capsys,
+                                                                                    no_model_load, fields):
+    # probe: --prompt yelp silently prompted every text as a 4.0-star restaurant review (the preset's example values),
+    # which generate refuses for InvisibleInk; refused here too, before anything is loaded or charged
+    ledger = tmp_path / "ledger.json"
+    BudgetLedger.create(ledger, epsilon=10.0, delta=DELTA)
+    before = ledger.read_bytes()
+    output = tmp_path / "augpe.jsonl"
+    code = _augpe(notes, output, tiny_dir, "--epsilon", str(EPSILON), "--prompt", "yelp", "--ledger", str(ledger), *fields)
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and err.count("\n") == 1 and "would prompt every text with the example value" in err
+    defaulted = {"category", "stars"} - {f.split("=")[0] for f in fields[1::2]}
+    assert all(f"--prompt-field {name}=" in err for name in defaulted) and "Nothing was charged" in err
+    assert ledger.read_bytes() == before and not output.exists()
 
 
 def test_an_existing_output_is_refused_and_kept(notes, tiny_dir, tmp_path, capsys, no_model_load):

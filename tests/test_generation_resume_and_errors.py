@@ -569,7 +569,7 @@ def _cli_args(tmp_path, tiny_dir, **overrides):
         ({"--top-k": "0"}, "--top-k must be"),
         ({"--num-texts": "0"}, "num_texts must be"),
         ({"--num-texts": "9"}, "num_texts=9 needs 18 references"),
-        ({"--seed": "-1"}, "seed must be a non-negative integer"),
+        ({"--seed": "-1"}, "seed must be an integer in"),
         ({"--max-batch-rows": "0"}, "max_batch_rows must be an integer >= 1"),
         ({"--device": "tpu9"}, "device must be"),
         ({"--dtype": "int8"}, "dtype must be"),

@@ -4,18 +4,23 @@ Each test reproduces a probe: an audit spec that skipped the command line's rang
 after the model loaded, a silently truncated T, ``batch_size = true``, an unknown key, a missing
 optional package leaving a temporary folder), a file that is not UTF-8 named without its file, a
 symbolic link at a lock's path, an all-empty synthetic set scored, a world-writable Ray session
-folder, a model whose parameters require gradients, and seeded or data-dependent figures written as if
-they were private.
+folder, a model whose parameters require gradients, seeded or data-dependent figures written as if
+they were private, a stray CSV quote that swallowed the rest of the file into one reference, a 21.6 MB
+field that took 50 s and 5.2 GB to refuse, and a lone surrogate that gave ``evaluate`` a traceback.
 """
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import io
 import json
 import os
+import re
 import stat
 import sys
 import tempfile
+import tracemalloc
 import types
 import warnings
 from argparse import Namespace
@@ -28,6 +33,7 @@ import torch
 from accounting import BudgetLedger, LedgerError, Release
 from invink_audit.audit import spec
 from invink_audit.cli import EXIT_BAD_INPUT, main
+from invink_audit.data import MAX_FIELD_CHARS, MAX_LINE_BYTES, read_labelled_references, read_references
 from invink_audit.generation import SEEDED_VOID_REASON
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
 from invink_audit.models import build_tiny_model
@@ -382,14 +388,14 @@ def test_a_symlinked_output_lock_is_refused(tmp_path):
 # -- Ray's session folder -----------------------------------------------------------------------------
 
 
-def test_a_local_ray_session_folder_is_owner_only(tiny_dir, tmp_path, monkeypatch):
-    # probe: a local Ray started by generate_on_ray kept its session in a 0777 folder (/tmp/ray)
+def test_a_local_ray_session_folder_is_owner_only_and_removed(tiny_dir, tmp_path, monkeypatch):
+    # probe: a local Ray started by generate_on_ray kept its session in a 0777 folder (/tmp/ray), never removed
     from invink_audit.ray_release import generate_on_ray
 
     class Started(Exception):
         pass
 
-    calls = []
+    calls, modes = [], {}
 
     def init(**kwargs):  # Ray, faked: it makes its folders world-writable, as ray._common.utils does
         calls.append(kwargs)
@@ -398,7 +404,10 @@ def test_a_local_ray_session_folder_is_owner_only(tiny_dir, tmp_path, monkeypatc
                 folder.mkdir()
                 folder.chmod(0o777)
 
-    def remote(*args, **kwargs):  # the pipeline: not what is tested
+    def remote(*args, **kwargs):  # the pipeline starts: the folders' modes now, then stop
+        if "_temp_dir" in calls[-1]:
+            root = Path(calls[-1]["_temp_dir"])
+            modes.update({folder: stat.S_IMODE(folder.stat().st_mode) for folder in (root.parent, root, *root.glob("session_*"))})
         raise Started
 
     fake = types.SimpleNamespace(is_initialized=lambda: False, init=init, remote=remote)
@@ -413,9 +422,9 @@ def test_a_local_ray_session_folder_is_owner_only(tiny_dir, tmp_path, monkeypatc
     with pytest.raises(Started):
         call_flat(generate_on_ray, refs, output=tmp_path / "a.jsonl", **options)
     root = Path(calls[-1]["_temp_dir"])
-    assert root.parent.parent == temp
-    for folder in (root.parent, root, *root.glob("session_*")):  # a private folder, and Ray's made private
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    assert root.parent.parent == temp and len(modes) == 3
+    assert modes == dict.fromkeys(modes, 0o700)  # a private folder, and Ray's made private
+    assert not root.parent.exists()  # removed when the call returned (here: on error)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # joining a cluster: its own folders
     with pytest.raises(Started):
         call_flat(generate_on_ray, refs, output=tmp_path / "b.jsonl", **options)
@@ -485,3 +494,111 @@ def test_the_committed_cells_hold_no_spend_and_no_seeded_guarantee():
         assert all("spend" not in t for t in cell["texts"])
         if cell["feasible"]:  # every generated cell is seeded (make_generator(1000 + seed))
             assert cell["guarantee"] is None and cell["guarantee_void_reason"] == SEEDED_VOID_REASON
+
+
+# -- references files: stray quotes, oversized fields, lone surrogates -------------------------------
+
+
+def _reviews(count: int) -> list[str]:
+    return [f"review {i} was fine,Business Category: Bars,Review Stars: 3.0\n" for i in range(count)]
+
+
+_QUOTED = '"a quoted review, with a comma",Business Category: Bars,Review Stars: 3.0\n'
+
+
+@pytest.mark.parametrize(
+    ("stray", "later", "message"),
+    [
+        # a field opens a quote that is never closed: every later line read as one field (40 records became 6)
+        ('"the stray quote is never closed,Business Category: Bars,Review Stars: 3.0\n', False, "is never closed"),
+        ('review six,"Business Category: Bars,Review Stars: 3.0\n', False, "is never closed"),
+        # the stray quote closes at the next quoted field, with text after it: a shifted, garbled read
+        ('"stray,Business Category: Bars,Review Stars: 3.0\n', True, "closes on line 22 but text follows"),
+    ],
+)
+def test_a_stray_quote_is_refused_naming_the_line_where_it_opened(tmp_path, capsys, stray, later, message):
+    # probe: a stray CSV quote silently swallowed the rest of the file into one reference
+    rows = _reviews(40)
+    rows[2] = _QUOTED  # a quoted field before it is read as usual
+    rows[5] = stray
+    if later:
+        rows[20] = _QUOTED
+    path = tmp_path / "stray.csv"
+    path.write_text("text,label1,label2\n" + "".join(rows), encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(path)))} line 7: .*{message}"):
+        read_references(path)
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--input", str(path), "--batch-size", "2", "--epsilon", "1", "--delta", "1e-6",
+            "--max-new-tokens", "4", "--output", str(out), "--no-progress"]
+    assert main(argv) == EXIT_BAD_INPUT
+    line = _one_line_error(capsys)
+    assert str(path) in line and "line 7" in line and not out.exists()
+
+
+def test_quoted_fields_over_several_lines_and_quotes_inside_fields_are_still_read(tmp_path):
+    # the strict reading of quotes refuses stray quotes only: what the csv module reads correctly is read as before
+    text = ('text,label\r\n"first line\r\nsecond line, with a comma\r\n\r\nand ""quoted"" words",a\r\n'
+            'a 5" screen and he said "hi",b\r\n\r\nplain,c\r\nold mac\rline,d\r')
+    path = tmp_path / "multi.csv"
+    path.write_bytes(text.encode("utf-8"))
+    expected = list(csv.DictReader(io.StringIO(text, newline="")))
+    labelled = read_labelled_references(path, label_columns=["label"])
+    assert list(labelled.texts) == [row["text"] for row in expected] and len(expected) == 5
+    assert [m["label"] for m in labelled.labels] == [row["label"] or "" for row in expected]
+    assert labelled.texts[0] == 'first line\r\nsecond line, with a comma\r\n\r\nand "quoted" words'
+
+
+@pytest.mark.parametrize("layout", ["one line", "many lines", "jsonl line", "jsonl escaped"])
+def test_an_oversized_field_is_refused_while_reading_in_bounded_memory(tmp_path, layout):
+    # probe: a 21.6 MB field took 50 s and 5.2 GB to refuse (read whole, then tokenized, then "too long for the model")
+    size = 21_600_000
+    if layout == "one line":
+        path, body = tmp_path / "big.csv", "text\nshort\n" + "x" * size + "\nshort\n"
+    elif layout == "many lines":  # one quoted field of 21,600 lines: each short, the field not
+        path, body = tmp_path / "big.csv", "text\nshort\n\"" + ("y" * 999 + "\n") * (size // 1000) + "\"\n"
+    elif layout == "jsonl line":
+        path, body = tmp_path / "big.jsonl", '{"text": "short"}\n' + json.dumps({"text": "z" * size}) + "\n"
+    else:  # under the line bound, over the field bound
+        path, body = tmp_path / "big.jsonl", '{"text": "short"}\n' + json.dumps({"text": "é" * 1_200_000}) + "\n"
+    path.write_text(body, encoding="utf-8")
+    del body
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(path)))} line \d+.*(1,000,000 characters|bytes)"):
+            read_references(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * MAX_LINE_BYTES  # bounded by one line, not by the file or the field (21.6 MB here)
+    assert MAX_FIELD_CHARS == 1_000_000
+
+
+def test_a_field_of_the_bound_is_read(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"text": "a" * MAX_FIELD_CHARS}) + "\n", encoding="utf-8")
+    assert len(read_references(path)[0]) == MAX_FIELD_CHARS
+    path = tmp_path / "long.csv"
+    path.write_text("text\n" + "b" * MAX_FIELD_CHARS + "\n", encoding="utf-8")
+    limit = csv.field_size_limit()
+    assert len(read_references(path)[0]) == MAX_FIELD_CHARS
+    assert csv.field_size_limit() == limit  # the csv module's limit is the caller's again after reading
+
+
+@pytest.mark.parametrize("where", ["text", "label"])
+def test_evaluate_refuses_a_lone_surrogate_naming_the_file_and_line(tmp_path, capsys, where):
+    # probe: a JSON "\ud800" escape in a synthetic JSON Lines file gave a tokenizer TypeError traceback in evaluate
+    synthetic = tmp_path / "synthetic.jsonl"
+    lines = [json.dumps({"text": f"fine text {i}", "stars": "4"}) for i in range(6)]
+    lines[3] = '{"text": "bad \\udc80 text", "stars": "4"}' if where == "text" else '{"text": "ok", "stars": "4 \\ud800"}'
+    synthetic.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    real = tmp_path / "real.csv"
+    real.write_text("text,stars\n" + "".join(f"real {i},4\n" for i in range(6)), encoding="utf-8")
+    from invink_audit.evaluation import read_text_set
+
+    labels = ["--label-column", "stars"] if where == "label" else []
+    with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(synthetic)))} line 4.* lone surrogate"):
+        read_text_set(synthetic, label_columns=["stars"] if labels else ())
+    argv = ["evaluate", "--synthetic", str(synthetic), "--real", str(real), "--no-progress", "--no-perplexity", *labels]
+    assert main(argv) == EXIT_BAD_INPUT
+    line = _one_line_error(capsys)
+    assert str(synthetic) in line and "line 4" in line and "lone surrogate" in line

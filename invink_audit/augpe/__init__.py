@@ -24,7 +24,7 @@ _LAZY = {
         ("Selection", "dp_nn_histogram", "nearest_neighbour_votes", "noisy_counts", "select_candidates", "vote_counts"),
         ".histogram",
     ),
-    **dict.fromkeys(("AUGPE_PRESETS", "AugPEPrompts", "get_augpe_prompts"), ".prompts"),
+    **dict.fromkeys(("AUGPE_PRESETS", "AugPEPrompts", "defaulted_augpe_fields", "get_augpe_prompts"), ".prompts"),
     **dict.fromkeys(
         ("CanaryEmbeddings", "HistogramCheck", "HistogramTarget", "exact_histogram_check", "histogram_canary_audit",
          "worst_case_canary"),

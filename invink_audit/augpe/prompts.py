@@ -15,8 +15,11 @@ Presets:
   ``init_yelp`` (``apis/utils.py`` l. 10–13), the label line as the generation prompt (``apis/hf_api.py``
   l. 152–158, without its random sub-category keyword), the paraphrase prompt of ``_rephrase`` (l. 247–250) and
   its style list (``apis/utils.py`` l. 53–57, ``ALL_styles``). ``{category}`` and ``{stars}`` are public fields
-  (defaults ``Restaurants`` and ``4.0``). The official implementation generates per class in proportion to the
-  *private* label counts (``text_random_sampling``, l. 128–149): a data-dependent choice, not made here.
+  that describe the data's labels: the preset holds example values (``Restaurants`` and ``4.0``), which
+  :func:`get_augpe_prompts` refuses unless they are given (as ``generate`` refuses InvisibleInk's, see
+  :func:`invink_audit.prompts.defaulted_label_fields`). The official implementation generates per class in
+  proportion to the *private* label counts (``text_random_sampling``, l. 128–149): a data-dependent choice, not
+  made here.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from invink_audit.prompts import template_field_names
+from invink_audit.prompts import PRESET_LABEL_FIELDS, template_field_names
 
-__all__ = ["AUGPE_PRESETS", "AugPEPrompts", "get_augpe_prompts"]
+__all__ = ["AUGPE_PRESETS", "AugPEPrompts", "defaulted_augpe_fields", "get_augpe_prompts"]
 
 TEXT_FIELD, STYLE_FIELD = "text", "style"
 
@@ -139,12 +142,37 @@ AUGPE_PRESETS: Mapping[str, AugPEPrompts] = MappingProxyType({
 })  # fmt: skip
 
 
+def defaulted_augpe_fields(preset: AugPEPrompts, given=()) -> tuple[str, ...]:
+    """The fields of ``preset`` that describe the data's labels (those InvisibleInk's preset of the same name fills
+    from labels, :data:`invink_audit.prompts.PRESET_LABEL_FIELDS`: Yelp's ``category`` and ``stars``) and are not
+    ``given``: the preset's example values would prompt every text as, say, a 4-star restaurant review."""
+    described = {rule.field for rule in PRESET_LABEL_FIELDS.get(preset.name, ())}
+    return tuple(sorted(name for name in described & set(preset.fields) if name not in given))
+
+
 def get_augpe_prompts(prompts: str | AugPEPrompts = "mimic", **fields: str) -> AugPEPrompts:
-    """A preset by name (``mimic``, ``yelp``) or the given :class:`AugPEPrompts`, with optional field values."""
+    """A preset by name (``mimic``, ``yelp``) or the given :class:`AugPEPrompts`, with optional field values.
+
+    A preset named with a field that describes the data's labels left out (:func:`defaulted_augpe_fields`:
+    ``yelp`` without ``category`` and ``stars``) is refused, as ``generate`` refuses InvisibleInk's: give the
+    values that describe the references (the example values too, once given, are accepted). An
+    :class:`AugPEPrompts` is taken as given, fields and all."""
     if isinstance(prompts, AugPEPrompts):
         resolved = prompts
     elif isinstance(prompts, str) and prompts.lower() in AUGPE_PRESETS:
         resolved = AUGPE_PRESETS[prompts.lower()]
+        defaulted = defaulted_augpe_fields(resolved, given=fields)
+        if defaulted:
+            values = {name: resolved.fields[name] for name in defaulted}
+            flags = " ".join(f"--prompt-field {name}={value}" for name, value in values.items())
+            python = ", ".join(f"{name}={value!r}" for name, value in values.items())
+            raise ValueError(
+                f"prompts {resolved.name!r} would prompt every text with the example value(s) {values} for field(s) "
+                f"{list(defaulted)}, whatever the references are. Give the values that describe your references "
+                f"(get_augpe_prompts({resolved.name!r}, {python}) in Python, or {flags} on the command line, with "
+                "--where to select the references they describe; the same values are accepted once given). Nothing "
+                "was charged."
+            )
     else:
         raise ValueError(f"prompts must be one of {sorted(AUGPE_PRESETS)} or an AugPEPrompts; got {prompts!r}")
     return resolved.with_fields(**fields) if fields else resolved

@@ -18,6 +18,7 @@ from types import MappingProxyType
 import numpy as np
 
 from accounting.limits import check_count, check_delta
+from invink_audit.data import check_unicode
 from invink_audit.evaluation.embeddings import DEFAULT_EMBEDDING_MODEL, EMBEDDING_MODELS, Embedder
 from invink_audit.evaluation.mauve_metric import LIBRARY_SETTING, PAPER_SETTING, MauveResult, mauve_interval
 from invink_audit.evaluation.perplexity import delta_ppl_interval, score_perplexity
@@ -89,6 +90,7 @@ def _label_value(record: Mapping, column: str, where: str) -> str:
         return str(value)
     if not isinstance(value, str):
         raise ValueError(f"{where}: label field {column!r} must be a string or number; got {type(value).__name__}")
+    check_unicode(value, f"{where}: label field {column!r}")
     return value
 
 
@@ -99,7 +101,7 @@ def read_text_set(path: str | Path, *, column: str = "text", label_columns: Sequ
     In JSON Lines, a label column is read from the record or from its ``labels`` object. CSV files are
     read by :func:`invink_audit.data.read_labelled_references` (same encodings and error rules).
     """
-    from invink_audit.data import jsonl_records, read_labelled_references, read_references, read_text
+    from invink_audit.data import jsonl_records, read_labelled_references, read_references, text_lines
 
     path = Path(path)
     columns = tuple(label_columns)
@@ -114,8 +116,8 @@ def read_text_set(path: str | Path, *, column: str = "text", label_columns: Sequ
     if path.suffix.lower() not in (".jsonl", ".ndjson"):
         raise ValueError(f"{str(path)!r} must be a .csv or .jsonl file")
     texts, labels, tokens, reasons = [], [], [], []
-    text = read_text(path)  # a byte sequence that is not UTF-8: the file and its line
-    for where, record, value in jsonl_records(path, text, column, "name the text field with --column"):
+    lines = text_lines(path)  # a line that is not UTF-8, or too long to be a text: the file and its line
+    for where, record, value in jsonl_records(path, lines, column, "name the text field with --column"):
         texts.append(value)
         if columns:
             labels.append(LABEL_SEPARATOR.join(_label_value(record, c, where) for c in columns))
