@@ -36,6 +36,7 @@ from invink_audit.evaluation import (
     train_on_synthetic_test_on_real,
     wald_interval,
 )
+from invink_audit.evaluation.genre import off_genre
 from invink_audit.evaluation.embeddings import EMBEDDING_MODELS, EmbeddingModelSpec, assemble_split_zip
 
 YELP_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "yelp" / "test.csv"
@@ -429,6 +430,12 @@ def test_evaluate_end_to_end_offline(minilm, monkeypatch, tmp_path):
     write_evaluation_report(result, tmp_path / "report")
     report = (tmp_path / "report" / "report.md").read_text()
     assert "Small samples" in report and "below 500" in report
+    assert report.index("Small samples") < report.index("| MAUVE")  # the warnings come before the figures
+    # the off-genre share: real Yelp reviews pass the rule (the synthetic side here is real reviews too)
+    flagged = [off_genre(t) is not None for t in synthetic.texts]
+    assert data["off_genre_synthetic"]["estimate"] == pytest.approx(sum(flagged) / 60)
+    assert data["off_genre_synthetic"]["method"] == "wilson" and data["off_genre_real"]["estimate"] <= 0.05
+    assert "| off-genre texts, synthetic |" in report
     assert (tmp_path / "report" / "mauve.png").is_file() and "NOT PRIVATE" in report
     assert f"`minilm` ({minilm.dtype})" in report and f"({scorer.dtype_choice.dtype}: " in report
 

@@ -20,6 +20,7 @@ import numpy as np
 from accounting.limits import check_count, check_delta
 from invink_audit.data import check_unicode
 from invink_audit.evaluation.embeddings import DEFAULT_EMBEDDING_MODEL, EMBEDDING_MODELS, Embedder
+from invink_audit.evaluation.genre import off_genre_share
 from invink_audit.evaluation.mauve_metric import LIBRARY_SETTING, PAPER_SETTING, MauveResult, mauve_interval
 from invink_audit.evaluation.perplexity import delta_ppl_interval, score_perplexity
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, wald_interval
@@ -227,6 +228,10 @@ class EvaluationResult:
     embedding_dtype: str | None = None
     #: what this sample is too small for, one line per metric with the reason (:func:`small_sample_warnings`)
     warnings: tuple[str, ...] = ()
+    #: the share of texts the off-genre rule flags (:func:`~invink_audit.evaluation.genre.off_genre_share`:
+    #: a chatbot talking about the task, a refusal, a list, a url, an empty text), synthetic and real
+    off_genre_synthetic: Interval | None = None
+    off_genre_real: Interval | None = None
 
     def to_json(self) -> dict:
         """One JSON object, marked NOT PRIVATE (:func:`~invink_audit.not_private.mark_not_private`); each
@@ -258,6 +263,8 @@ class EvaluationResult:
                 "ppl_truncated": self.ppl_truncated,
                 "num_empty_synthetic": self.num_empty_synthetic,
                 "warnings": list(self.warnings),
+                "off_genre_synthetic": None if self.off_genre_synthetic is None else self.off_genre_synthetic.to_json(),
+                "off_genre_real": None if self.off_genre_real is None else self.off_genre_real.to_json(),
                 "seconds": dict(self.seconds),
             }
         )
@@ -343,11 +350,12 @@ def evaluate(
         start = time.perf_counter()
         tstr = _tstr(synthetic, real, config)
         seconds["tstr"] = time.perf_counter() - start
-    return _result(synthetic, n_real, config, mauve, ppl, tstr, seconds, empty, embedder)
+    return _result(synthetic, real_sample, config, mauve, ppl, tstr, seconds, empty, embedder)
 
 
-def _result(synthetic: TextSet, n_real: int, config: EvaluationConfig, mauve, ppl, tstr, seconds, empty, embedder):
-    """The :class:`EvaluationResult` of :func:`evaluate`'s phases, with its small-sample warnings."""
+def _result(synthetic: TextSet, real: TextSet, config: EvaluationConfig, mauve, ppl, tstr, seconds, empty, embedder):
+    """The :class:`EvaluationResult` of :func:`evaluate`'s phases (``real``: the real texts sampled for MAUVE and
+    perplexity), with the off-genre shares and its small-sample warnings."""
     result = EvaluationResult(
         mauve=mauve["paper"],
         mauve_c5=mauve["library"],
@@ -360,7 +368,7 @@ def _result(synthetic: TextSet, n_real: int, config: EvaluationConfig, mauve, pp
         eos_share=_eos_share(synthetic),
         tstr=tstr,
         num_synthetic=len(synthetic.texts),
-        num_real=n_real,
+        num_real=len(real.texts),
         embedding_model=config.embedding_model,
         scorer=ppl.scorer,
         ppl_unscored_synthetic=ppl.unscored,
@@ -371,6 +379,8 @@ def _result(synthetic: TextSet, n_real: int, config: EvaluationConfig, mauve, pp
         num_empty_synthetic=empty,
         scorer_dtype=ppl.scorer_dtype,
         embedding_dtype=getattr(embedder, "dtype", None),
+        off_genre_synthetic=off_genre_share(synthetic.texts, config.confidence),
+        off_genre_real=off_genre_share(real.texts, config.confidence),
     )
     return dataclasses.replace(result, warnings=small_sample_warnings(result))
 

@@ -37,6 +37,11 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
         f"{_dtype_note(result.scorer_dtype and result.scorer_dtype.get('dtype'), result.scorer_dtype)}. "
         f"Intervals: {conf}%.",
         "",
+    ]
+    if result.warnings:  # before the figures: they are to be read with it in mind
+        lines += ["**Small samples** (figures reported below, but read them with this in mind):", ""]
+        lines += [f"- {w}" for w in result.warnings] + [""]
+    lines += [
         *md_table("metric | estimate [interval] | how"),
         f"| MAUVE (paper: {result.mauve.num_buckets} buckets = n/20, c = 0.9) | {_fmt(result.mauve.interval)} | "
         f"mean of {len(result.mauve.seed_scores)} k-means seeds; {result.mauve.interval.method} |",
@@ -61,10 +66,14 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
             f"| TSTR floor (chance: labels alone) | {_fmt(t.accuracy_floor)} | |",
             f"| TSTR fraction of the gap closed | {_fmt(t.gap_closed)} | {t.gap_closed_note} |",
         ]
+    if result.off_genre_synthetic is not None:
+        lines += [
+            f"| off-genre texts, synthetic | {_fmt(result.off_genre_synthetic, scale=100, digits=0)} % | the off-genre "
+            "rule (a chatbot about the task, refusal, list, url, under 6 words); Wilson |",
+            f"| off-genre texts, real | {_fmt(result.off_genre_real, scale=100, digits=0)} % | the same rule on the "
+            "real texts sampled |",
+        ]
     lines += [""]
-    if result.warnings:
-        lines += ["**Small samples** (figures reported, but read them with this in mind):", ""]
-        lines += [f"- {w}" for w in result.warnings] + [""]
     if result.num_empty_synthetic:
         lines += [
             f"**Warning**: {result.num_empty_synthetic} of {result.num_synthetic} synthetic texts are empty; they are "
