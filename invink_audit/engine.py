@@ -36,7 +36,16 @@ from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest, reached_stop, release_text
 from invink_audit.rows import RowKV, StoredRow
 
-__all__ = ["DecodeStep", "Engine", "ForwardStats", "GeneratedText", "GenericDecodeStep", "RowForward", "default_max_batch_rows"]
+__all__ = [
+    "DecodeStep",
+    "Engine",
+    "ForcedTextMismatch",
+    "ForwardStats",
+    "GeneratedText",
+    "GenericDecodeStep",
+    "RowForward",
+    "default_max_batch_rows",
+]
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -46,6 +55,11 @@ FINISH_BUDGET = "budget"
 FINISH_STOP = "stop"
 # label of each text's auxiliary stream (mechanisms with their own noise), derived from its stream key
 _AUX_LABEL = 0x5D
+
+
+class ForcedTextMismatch(ValueError):
+    """Texts forced through :meth:`Engine.force` that this mechanism and model could not have drawn (a token of
+    probability zero, out of range, past the budget, or a text that ends elsewhere)."""
 
 
 def default_max_batch_rows(device: torch.device) -> int:
@@ -424,7 +438,9 @@ class Engine:
         def rule(step):
             out = forced[step.request_indices, step.positions]
             if not bool(torch.isfinite(step.log_probs.gather(1, out[:, None])).all()):
-                raise ValueError(f"a forced {what} has probability 0 under the mechanism: the texts do not match this configuration")
+                raise ForcedTextMismatch(
+                    f"a forced {what} has probability 0 under the mechanism: the texts do not match this configuration"
+                )
             return torch.full_like(step.log_probs, -math.inf).scatter_(1, out[:, None], 0.0)
 
         stop_id = self.mechanism.stop_outcome(self.model.vocab_size) if self.generic else None
@@ -434,7 +450,7 @@ class Engine:
         with torch.no_grad():
             for f in texts:
                 if f.num_tokens != expected[f.request_index]:
-                    raise ValueError(
+                    raise ForcedTextMismatch(
                         f"text {f.request_index} ended after {f.num_tokens} tokens under teacher forcing, "
                         f"but has {expected[f.request_index]}: the texts do not match this configuration"
                     )
@@ -448,10 +464,10 @@ class Engine:
         for i, ids in enumerate(token_ids):
             ids = list(ids)
             if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < width for t in ids):
-                raise ValueError(f"token_ids[{i}] must be a non-empty sequence of ids in [0, {width})")
+                raise ForcedTextMismatch(f"token_ids[{i}] must be a non-empty sequence of ids in [0, {width})")
             drawn = sum(1 for t in ids if t != stop_id)
             if drawn > max_new_tokens or stop_id in ids[:-1]:
-                raise ValueError(
+                raise ForcedTextMismatch(
                     f"token_ids[{i}] has {drawn} tokens, more than max_new_tokens={max_new_tokens} (or the stop "
                     "outcome before its end): the texts do not match this configuration"
                 )

@@ -114,7 +114,15 @@ from invink_audit.outputs import (
     shard_path,
     start_output,
 )
-from invink_audit.models import DtypeChoice, LoadedModel, follow_dtype, load_model, resolve_device, resolve_dtype
+from invink_audit.models import (
+    DtypeChoice,
+    LoadedModel,
+    follow_dtype,
+    load_model,
+    model_fingerprint,
+    resolve_device,
+    resolve_dtype,
+)
 from invink_audit.prompts import (
     PromptTemplate,
     TextRequest,
@@ -1068,7 +1076,10 @@ class _Release:
         """Rank 0: check the settings and every prompt, charge, persist the resume state, assign batches."""
         config = self.config
         run = {"model": loaded.name, "prompt": self.template.as_json(), **self._run_parameters(),
-               "num_batches": self.num_batches, "seeded": self.seed is not None}
+               "num_batches": self.num_batches, "seeded": self.seed is not None,
+               "model_fingerprint": model_fingerprint(loaded)}  # fmt: skip
+        if self.state is not None and self.state.run is not None and "model_fingerprint" not in self.state.run:
+            del run["model_fingerprint"]  # a release begun before fingerprints were recorded resumes with its settings
         if self.labels is not None:
             run["label_columns"] = sorted(self.labels[0])
             run["label_fields"] = None if self.label_fields is None else dict(sorted(self.label_fields.items()))

@@ -34,6 +34,8 @@ __all__ = [
     "merge_shards",
     "output_lock",
     "read_generation_output",
+    "read_journal_claims",
+    "read_numbered_records",
     "read_state",
     "release_text",
     "release_texts",
@@ -466,6 +468,36 @@ def read_state(output: Path) -> dict:
     if not isinstance(release_id, str) or not isinstance(run, dict):
         raise ValueError(f"resume state {str(state_file)!r} is corrupt")
     return state
+
+
+def read_numbered_records(path: str | os.PathLike) -> list[tuple[int, dict]]:
+    """``(line_number, record)`` for every non-blank line of a published output, strictly: a line that is not
+    a JSON object, a torn last line included, is a ``ValueError`` naming the file and the line (an audit reads
+    what was published, all of it; :func:`read_generation_output` is the lenient reader a resume uses)."""
+    path = Path(path)
+    numbered = []
+    for number, line, _complete in _split_lines(_read_no_follow(path)):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}:{number}: not a JSON line ({getattr(err, 'msg', type(err).__name__)})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a text record (a JSON {type(record).__name__}, not an object)")
+        numbered.append((number, record))
+    return numbered
+
+
+def read_journal_claims(output: Path, release_id: str, num_batches: int) -> dict | None:
+    """Batch index → the record its first journal line holds (``None`` for a bare claim of an older journal),
+    as a resume reads them; ``None`` when the release has no journal (a corrupt one is a ``ValueError``)."""
+    journal_file = journal_path(Path(output))
+    try:
+        data = _read_no_follow(journal_file)
+    except FileNotFoundError:
+        return None
+    return _first_claims(_parse_journal(data, journal_file, release_id, num_batches).records)
 
 
 def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputState:

@@ -12,6 +12,7 @@ Design: docs/guide/auditing.md (§"Auditing texts you just generated").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -69,6 +70,10 @@ class QuickAuditReport:
     guarantee: str = "a-priori"  # or "data-dependent" (never a PASS)
     # the dtype the model was teacher-forced in, and why (DtypeChoice.to_json(); the release's own)
     model_dtype: dict | None = None
+    # a release file's: the ε its records claim (None: no claim, or not read from a file), and each way the
+    # published file is not the release its state and journal record (release_checks.Finding; none: a PASS stands)
+    claimed_epsilon: float | None = None
+    findings: tuple = ()
 
     def to_dict(self) -> dict:
         """JSON-ready, marked first (``not_private``, ``privacy_notice``: the report is not private)."""
@@ -86,8 +91,11 @@ class QuickAuditReport:
             f"{self.realised_loss_mean:.4f} nats ("
             + (f"a-priori bound T*eps0 = {self.a_priori_loss_bound:.3f}; " if math.isfinite(self.a_priori_loss_bound)
                else "no a-priori bound on one text's loss; ")
-            + f"accountant eps = {self.accountant_epsilon:.3f})",
+            + f"the settings certify eps = {self.accountant_epsilon:.3f})",
         ]
+        if self.claimed_epsilon is not None:
+            lines.append(f"  the release claims eps = {self.claimed_epsilon:g} (its published records)")
+        lines += [f"  finding {f.line()}" for f in self.findings]
         if self.sampled is not None:
             h = self.sampled.headroom_summary()
             lines.append(
@@ -95,8 +103,12 @@ class QuickAuditReport:
                 "not covered by the release's guarantee, never to be published): "
                 f"{self.sampled.verdict.value}; sequence Renyi headroom (claim/estimate) min {h['sequence_renyi_min']:.3g}"
             )
-            # eps against the release's claimed eps (the accountant's), and whether sampling confirmed anything
-            lines += [f"    {line}" for line in headline_lines(h, self.sampled.verdict)]
+            # eps against the release's claimed eps (the accountant's), and whether sampling confirmed anything; for a
+            # release file the claim is its records' (printed above), and this figure is what its settings certify
+            headline = headline_lines(h, self.sampled.verdict)
+            if self.claimed_epsilon is not None:
+                headline = [line.replace("ε: the release claims ", "ε: its settings certify ", 1) for line in headline]
+            lines += [f"    {line}" for line in headline]
         lines.append(f"  ({self.seconds:.1f} s)")
         return "\n".join(lines)
 
@@ -355,11 +367,23 @@ def _verdict(failures: dict, sampled: WhiteBoxReport | None, claim: Claim) -> tu
     return verdict, reason
 
 
+def _with_findings(verdict: Verdict, reason: str, findings) -> tuple[Verdict, str]:
+    """The verdict once the release file's findings are counted: each makes a PASS its own verdict (VIOLATION or
+    INCONCLUSIVE), the worst one wins, and every finding is named in the reason."""
+    if not findings:
+        return verdict, reason
+    rank = {Verdict.PASS: 0, Verdict.INCONCLUSIVE: 1, Verdict.VIOLATION: 2}
+    worst = max((f.verdict for f in findings), key=rank.__getitem__)
+    kinds = ", ".join(dict.fromkeys(f.kind for f in findings))
+    combined = max(verdict, worst, key=rank.__getitem__)
+    return combined, f"the release file is not the release it records ({kinds}); {reason}"
+
+
 def _quick_report(rec, claim: Claim, sampled, *, texts: int, accountant_epsilon: float, start: float,
-                  **labels) -> QuickAuditReport:
+                  findings: tuple = (), **labels) -> QuickAuditReport:
     """The :class:`QuickAuditReport` of the teacher-forced record and the sampled audit."""
     losses, failures, max_range = _realised(rec)
-    verdict, reason = _verdict(failures, sampled, claim)
+    verdict, reason = _with_findings(*_verdict(failures, sampled, claim), findings)
     finite = losses[np.isfinite(losses)]
     return QuickAuditReport(
         verdict=verdict,
@@ -375,6 +399,7 @@ def _quick_report(rec, claim: Claim, sampled, *, texts: int, accountant_epsilon:
         sampled=sampled,
         seconds=time.perf_counter() - start,
         uncharged_samples=0 if sampled is None else int(sampled.num_texts),
+        findings=tuple(findings),
         **labels,
     )
 
@@ -470,9 +495,9 @@ def quick_audit(
 
 
 def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batch, sampled_config, alphas, significance,
-                         generator, start, progress) -> QuickAuditReport:
+                         generator, start, progress, **found) -> QuickAuditReport:
     """:func:`quick_audit` of a release: teacher forcing of its texts (a generic mechanism's outcomes), then the
-    sampled audit of one batch."""
+    sampled audit of one batch. ``found``: a release file's ``findings`` and ``claimed_epsilon``, for the report."""
     from invink_audit.audit.model_audit import audit_model, generic_audit_config
     from invink_audit.models import load_model
     from invink_audit.prompts import encode_request
@@ -503,7 +528,7 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
         )
     generic = {} if release.guarantee is None else {"mechanism": release.mechanism.name, "guarantee": claim.guarantee}
     return _quick_report(rec, claim, sampled, texts=len(result.texts), accountant_epsilon=release.epsilon, start=start,
-                         model_dtype=loaded.dtype_choice.to_json(), **generic)
+                         model_dtype=loaded.dtype_choice.to_json(), **generic, **found)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,55 +545,92 @@ class _ReleasedText:
 
 @dataclasses.dataclass(frozen=True)
 class ReleaseFile:
-    """A release read back from what ``generate`` wrote: its records (``<output>``), its state file
-    (``<output>.state.json``: the input's fingerprint) and the references it was made from, rebuilt into
-    the :class:`AuditedRelease` the quick audit needs. The partition is rebuilt from ``references`` as
-    ``generate`` built it and accepted only when its fingerprint equals the recorded one: the audit is of
-    the released batches, or nothing."""
+    """A release read back from what ``generate`` wrote: its published records (``<output>``), checked against its
+    state file (``<output>.state.json``: the settings and the input's fingerprint) and its journal
+    (``<output>.sampled``: the texts drawn), and the references it was made from, rebuilt into the
+    :class:`AuditedRelease` the quick audit needs. The partition is rebuilt from ``references`` as ``generate``
+    built it and accepted only when its fingerprint equals the recorded one: the audit is of the released batches,
+    or nothing. ``texts``: one per published batch whose text was drawn (those to teacher-force); ``findings``:
+    each way the published file is not the release its state and journal record
+    (:mod:`invink_audit.audit.release_checks`); ``claimed_epsilon``: the ε the published records claim."""
 
     release: AuditedRelease
     texts: tuple[_ReleasedText, ...]
     dtype_choice: DtypeChoice | None
     model_name: str
     release_id: str
+    run: Mapping = dataclasses.field(default_factory=dict)  # the state's settings
+    findings: tuple = ()
+    claimed_epsilon: float | None = None
 
     @classmethod
     def read(cls, output, references, *, column: str | None = None, where: Mapping[str, str] | None = None) -> ReleaseFile:
         """``output``: the ``.jsonl`` file a release wrote; ``references``: its input file, with the ``column``
-        and ``where`` selection ``generate`` was given (``ValueError`` when they do not give the recorded input)."""
+        and ``where`` selection ``generate`` was given (``ValueError`` when they do not give the recorded input,
+        and, naming the file and line, for a line that is not a text record of this release)."""
         from pathlib import Path
 
-        from invink_audit.outputs import read_generation_output, read_state, state_path
+        from invink_audit.audit.release_checks import check_published_records, record_findings
+        from invink_audit.outputs import read_journal_claims, read_numbered_records, read_state, state_path
 
         output = Path(output)
         if not output.is_file() or not state_path(output).is_file():
             raise ValueError(f"{output}: no release output with its state file ({state_path(output).name}) here")
-        records = read_generation_output(output)
-        if not records:
-            raise ValueError(f"{output}: the release has no text yet")
         state = read_state(output)
-        ids = {r["release_id"] for r in records}
-        if ids != {state["release_id"]}:
-            raise ValueError(f"{output}: records of other releases ({len(ids)} release ids): audit one release's file")
-        run = state["run"]
-        release = _release_of_run(run, records[0]["guarantee"], references, column, where, state["input_sha256"])
-        texts = tuple(_ReleasedText(int(r["batch_index"]), tuple(r["token_ids"]), tuple(r.get("modes", ())),
-                                    r["finish_reason"]) for r in records)
-        return cls(release, texts, _dtype_choice(records[0].get("model_dtype")), run.get("model", ""), state["release_id"])
+        run, release_id = state["run"], state["release_id"]
+        num_batches = _recorded_num_batches(output, run)
+        records = check_published_records(output, read_numbered_records(output), num_batches, release_id)
+        claims = read_journal_claims(output, release_id, num_batches)
+        findings, not_drawn = record_findings(records, run, claims, num_batches)
+        release = _release_of_run(run, references, column, where, state["input_sha256"])
+        first: dict = {}
+        for published in records:
+            first.setdefault(published.batch_index, published)
+        forced = [p for i, p in sorted(first.items()) if i not in not_drawn]
+        texts = tuple(_ReleasedText(p.batch_index, tuple(p.record["token_ids"]), tuple(p.record.get("modes", ())),
+                                    p.record["finish_reason"]) for p in forced)  # fmt: skip
+        dtype = _dtype_choice(forced[0] if forced else records[0])
+        return cls(release, texts, dtype, run.get("model", ""), release_id, run, findings, _claimed_epsilon(records))
 
 
-def _dtype_choice(recorded):
+def _recorded_num_batches(output, run: Mapping) -> int:
+    n = run.get("num_batches")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"resume state of {output} is corrupt: num_batches must be a positive integer; got {n!r}")
+    return n
+
+
+def _claimed_epsilon(records) -> float | None:
+    """The ε the first published record claims (``None``: it claims none, e.g. a seeded release's)."""
+    g = records[0].record.get("guarantee")
+    epsilon = g.get("epsilon") if isinstance(g, dict) else None
+    return float(epsilon) if isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool) else None
+
+
+def _dtype_choice(published):
+    """The dtype choice a published record names (``None``: it names none); a ``ValueError`` naming its line."""
     from invink_audit.models import DtypeChoice
 
+    recorded = published.record.get("model_dtype")
     if not recorded:
         return None
-    return DtypeChoice(recorded["requested"], recorded["dtype"], recorded["device_type"], recorded["reason"])
+    try:
+        return DtypeChoice(recorded["requested"], recorded["dtype"], recorded["device_type"], recorded["reason"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{published.source}:{published.line}: model_dtype is not a dtype record ({err})") from None
 
 
-def _release_of_run(run: Mapping, guarantee, references, column, where, fingerprint: str) -> AuditedRelease:
+def _release_of_run(run: Mapping, references, column, where, fingerprint: str) -> AuditedRelease:
     """The :class:`AuditedRelease` of a recorded run: its template, event and mechanism, δ and ε (the
-    accountant's, recomputed for a seeded run, which records none), and the partition whose fingerprint
-    is the recorded one."""
+    accountant's, recomputed from the settings, never the ε a record claims), and the partition whose
+    fingerprint is the recorded one (settings that cannot be read are a ``ValueError``)."""
+    try:
+        return _rebuilt_release(run, references, column, where, fingerprint)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"the release's state cannot be read ({type(err).__name__}: {err})") from None
+
+
+def _rebuilt_release(run: Mapping, references, column, where, fingerprint: str) -> AuditedRelease:
     from accounting import GenerationEvent, epsilon_for_clip_norm
     from invink_audit.mechanism import MechanismConfig
     from invink_audit.prompts import PromptTemplate
@@ -583,7 +645,7 @@ def _release_of_run(run: Mapping, guarantee, references, column, where, fingerpr
         return AuditedRelease(mechanism, None, g.delta, g.epsilon, partition, template, labels, run.get("label_fields"),
                               guarantee=g, max_new_tokens=run["max_new_tokens"])
     event = GenerationEvent(run["clip_norm"], run["batch_size"], run["temperature"], run["max_new_tokens"])
-    epsilon = guarantee["epsilon"] if guarantee else epsilon_for_clip_norm(
+    epsilon = epsilon_for_clip_norm(
         clip_norm=run["clip_norm"], max_new_tokens=run["max_new_tokens"], batch_size=run["batch_size"],
         temperature=run["temperature"], delta=run["delta"], accountant=run["accountant"],
     ).epsilon  # fmt: skip
@@ -641,26 +703,79 @@ def audit_release_file(
     seed: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> QuickAuditReport:
-    """:func:`quick_audit` of a release from its output file (:class:`ReleaseFile`), in the dtype it ran in,
-    with the model it names (``model``: the same model, a ``ValueError`` otherwise). ``seed``: a fixed seed
-    for the sampled audit (reproducible; default OS entropy)."""
+    """:func:`quick_audit` of a release from its output file (:class:`ReleaseFile`), in the dtype it ran in, with
+    the model it names (``model``: the same model; another name and another fingerprint is a ``ValueError``).
+    What was published is checked first against the state and the journal, and the model loaded against the
+    fingerprint the release recorded (:mod:`invink_audit.audit.release_checks`): each finding is named in the
+    report and makes its verdict VIOLATION or INCONCLUSIVE, never PASS. A published text that the recorded
+    mechanism and model could not have drawn is a finding, and the others are still audited; with another model
+    than the release's, nothing is teacher-forced. ``seed``: a fixed seed for the sampled audit (reproducible;
+    default OS entropy)."""
+    from invink_audit.audit.release_checks import model_findings
+    from invink_audit.engine import ForcedTextMismatch
     from invink_audit.mechanism import make_generator
-    from invink_audit.models import load_model
+    from invink_audit.models import load_model, model_fingerprint
 
     start = time.perf_counter()
     found = ReleaseFile.read(output, references, column=column, where=where)
     loaded = load_model(model, dtype=found.dtype_choice)
-    if found.model_name and loaded.name != found.model_name:
-        raise ValueError(f"the release was generated with {found.model_name!r}, not {loaded.name!r}: give --model")
+    findings = (*found.findings, *model_findings(found.run, loaded.name, model_fingerprint(loaded)))
     if sampled_batch is not None and not 0 <= sampled_batch < len(found.release.partition.batches):
         raise ValueError(f"sampled_batch must be a batch of the release (0 .. {len(found.release.partition.batches) - 1})")
-    result = _ReleaseTexts(found.texts, loaded.dtype_choice)
+    if any(f.kind == "model-mismatch" for f in findings):
+        return _unaudited(found, loaded, findings, start, "nothing was teacher-forced: the model is not the release's")
     generator = None if seed is None else make_generator(seed, device=loaded.device)
-    return _quick_audit_release(
-        result, found.release, model=loaded, sampled_batch=sampled_batch,
+    audit = functools.partial(
+        _quick_audit_release, release=found.release, model=loaded, sampled_batch=sampled_batch,
         sampled_config=_sampled_config(alphas=alphas, num_samples=num_samples, num_is_samples=0,
                                        significance=significance, directions=("forward",)),
         alphas=alphas, significance=significance, generator=generator, start=start, progress=progress,
+        claimed_epsilon=found.claimed_epsilon,
+    )  # fmt: skip
+    texts = found.texts
+    if texts:
+        try:
+            return audit(_ReleaseTexts(texts, loaded.dtype_choice), findings=findings)
+        except ForcedTextMismatch:  # some published text cannot come from this mechanism: find which, audit the rest
+            texts, undrawable = _drawable(found, loaded)
+            findings = (*findings, *undrawable)
+    if not texts:
+        return _unaudited(found, loaded, findings, start, "no published text could be teacher-forced")
+    return audit(_ReleaseTexts(texts, loaded.dtype_choice), findings=findings)
+
+
+def _drawable(found: ReleaseFile, loaded) -> tuple[tuple[_ReleasedText, ...], tuple]:
+    """The texts that teacher forcing accepts one by one, and a finding naming those it refuses (a token of
+    probability zero under the recorded mechanism and model, or a text that ends elsewhere)."""
+    from invink_audit.audit.release_checks import Finding
+    from invink_audit.engine import ForcedTextMismatch
+
+    kept, refused = [], []
+    for text in found.texts:
+        try:
+            _quick_audit_release(_ReleaseTexts((text,), loaded.dtype_choice), found.release, model=loaded,
+                                 sampled_batch=None, sampled_config=None, alphas=(2.0,), significance=0.05,
+                                 generator=None, start=0.0, progress=None)  # fmt: skip
+            kept.append(text)
+        except ForcedTextMismatch:
+            refused.append(text.batch_index)
+    message = (f"the published tokens of batch(es) {', '.join(map(str, refused))} cannot have been drawn by the "
+               "recorded mechanism and model (teacher forcing refuses them)")  # fmt: skip
+    return tuple(kept), ((Finding("text-not-drawn", message, tuple(refused)),) if refused else ())
+
+
+def _unaudited(found: ReleaseFile, loaded, findings, start: float, why: str) -> QuickAuditReport:
+    """The report of a release file none of whose texts was teacher-forced: its findings, no measurement."""
+    claim = found.release.claim()
+    verdict, reason = _with_findings(Verdict.INCONCLUSIVE, why, findings)
+    generic = {} if found.release.guarantee is None else {"mechanism": found.release.mechanism.name,
+                                                          "guarantee": claim.guarantee}  # fmt: skip
+    return QuickAuditReport(
+        verdict=verdict, reason=reason, texts_audited=0, step_checks=0, step_failures={},
+        max_loss_range_over_epsilon0=math.nan, realised_loss_max=math.nan, realised_loss_mean=math.nan,
+        a_priori_loss_bound=claim.loss_upper(), accountant_epsilon=float(found.release.epsilon), sampled=None,
+        seconds=time.perf_counter() - start, model_dtype=loaded.dtype_choice.to_json(),
+        claimed_epsilon=found.claimed_epsilon, findings=tuple(findings), **generic,
     )  # fmt: skip
 
 

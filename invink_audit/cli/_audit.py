@@ -29,8 +29,10 @@ def register(subparsers) -> None:
     p.add_argument("spec", nargs="?", default=None, help="audit spec (TOML)")
     p.add_argument("--selftest", action="store_true", help="self-test on synthetic logits (about a minute)")
     p.add_argument("--release", default=None, metavar="OUT.jsonl",
-                   help="quick-audit a release that `generate` wrote: exact checks of every released token against "
-                   "every replace-by-null neighbour, then a sampled audit of one batch (texts drawn outside the ledger); "
+                   help="quick-audit a release that `generate` wrote: every published record checked against its state "
+                   "and journal (text drawn, claim, settings, missing or duplicated batches) and the model against its "
+                   "recorded fingerprint, each finding named (never a PASS); exact checks of every released token "
+                   "against every replace-by-null neighbour, then a sampled audit of one batch (texts drawn outside the ledger); "
                    "needs --input (and --column/--where) as generate was given, and the same --model")
     p.add_argument("--input", default=None, help="with --release: the references file the release was made from")
     p.add_argument("--column", default=None, help="with --release: the text column generate was given")
