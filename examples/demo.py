@@ -2,13 +2,12 @@
 
 Three steps, each a part of the toolkit:
 
-1. **plan** (``accounting``): the clip norm C for a realistic budget, compared across accountants, and
-   the planning table an ML engineer uses to pick the number of references B (compute: B+1 forward
-   rows per token);
-2. **generate** (``invink_audit.generation``): InvisibleInk on the embedded SmolLM2-135M-Instruct from
-   a small dataset of fictional restaurant reviews, one review per star rating, charged to a budget
-   ledger first
-   (``examples/demo_generate.py``);
+1. **plan** (``accounting``): the demo's own clip norm C for its budget, and what each token costs
+   (B+1 forward rows);
+2. **generate** (``invink_audit.generation``): InvisibleInk on the default generator (Gemma-3-270M,
+   prompted with the completion twin of the ``yelp`` preset) from a small dataset of fictional restaurant
+   reviews, one review per star rating, charged to a budget ledger first (``examples/demo_generate.py``),
+   then each text read back with the off-genre rule;
 3. **audit** (``invink_audit.audit``): teacher-forced exact per-step checks of the released texts for
    every replace-by-null neighbour and a short sampled audit, ending in a verdict.
 """
@@ -29,41 +28,40 @@ EPSILON, DELTA, T, B, TAU = 8.0, 1e-6, 48, 4, 1.0
 
 
 def plan_section() -> None:
-    from accounting import plan_clip_norm, planning_table
-    from invink_audit.cli._plan import format_plan, format_table
+    from accounting import plan_clip_norm
+    from invink_audit.cli._plan import format_plan
 
-    print("== 1. Plan: a realistic deployment budget ==")
-    print("Paper setting: T = 500 tokens, B = 7 references, tau = 1.2, delta = 1e-6.\n")
-    print(f"{'epsilon':>8} {'C (bun-steinke)':>16} {'C (cks, paper)':>15} {'C (br-adaptive)':>16} {'gain':>6}")
-    for eps in (1.0, 3.0, 5.0, 10.0):
-        row = {
-            acc: plan_clip_norm(epsilon=eps, delta=1e-6, max_new_tokens=500, batch_size=7, temperature=1.2,
-                                accountant=acc).clip_norm
-            for acc in ("bun-steinke", "cks", "br-adaptive")
-        }
-        gain = row["br-adaptive"] / row["cks"] - 1
-        print(f"{eps:>8g} {row['bun-steinke']:>16.4f} {row['cks']:>15.4f} {row['br-adaptive']:>16.4f} {gain:>+6.1%}")
-    print("\nbr-adaptive (default) is the certified optimal composition of the per-token exponential mechanisms;")
-    print("a larger C at the same (epsilon, delta) means less distortion of the model's distribution.\n")
-    rows = planning_table(epsilons=[1.0, 3.0, 10.0], batch_sizes=[4, 8, 16, 32], delta=1e-6,
-                          max_new_tokens=500, temperature=1.0)
-    print("Planning table (T = 500, tau = 1, delta = 1e-6): a larger B buys a larger C (less clipping distortion)")
-    print("at the same privacy, and costs B+1 forward rows per token.")
-    print(format_table(rows))
-    print()
+    print("== 1. Plan: the demo's own budget ==")
     demo = plan_clip_norm(epsilon=EPSILON, delta=DELTA, max_new_tokens=T, batch_size=B, temperature=TAU)
-    print(format_plan(demo, headline="The demo's own plan"))
-    print()
+    print(format_plan(demo, headline=f"({EPSILON:g}, {DELTA:g})-DP, texts of at most T = {T} tokens, B = {B} references each"))
+    print(f"Each token costs B+1 = {B + 1} forward rows. To plan your own deployment: `invink-audit plan`, "
+          "`invink-audit table` (C against epsilon and B) and `invink-audit profile` (utility by teacher forcing).\n")
+
+
+def read_back(result) -> None:
+    """Each text read back with the off-genre rule (a chatbot talking about the task, a refusal, a list...)."""
+    from invink_audit.evaluation.genre import off_genre
+
+    print("\n== Read back: does each text read as a review? (the off-genre rule) ==")
+    flagged = 0
+    for text in result.texts:
+        stars = text.labels["label2"].removeprefix("Review Stars: ") if text.labels else "?"
+        why = off_genre(text.text)
+        flagged += why is not None
+        print(f"  {stars}-star text: {'reads as a review' if why is None else f'off-genre ({why})'}")
+    print(f"  {len(result.texts) - flagged} of {len(result.texts)} read as reviews by the rule (it cannot tell whether a "
+          "review matches its star rating: read them above)")
 
 
 def main() -> int:
     started = time.perf_counter()
     print(f"CPU: {CPU_THREADS.threads} torch thread(s) ({CPU_THREADS.reason})\n")
     plan_section()
-    print("== 2. Generate: InvisibleInk on the embedded SmolLM2-135M-Instruct ==")
+    print("== 2. Generate: InvisibleInk on the default generator, Gemma-3-270M ==")
     import demo_generate
 
     result = demo_generate.main(epsilon=EPSILON, delta=DELTA, batch_size=B, max_new_tokens=T, temperature=TAU)
+    read_back(result)
     print("\n== 3. Audit: does the claimed guarantee hold on these texts? ==")
     from invink_audit.audit.quick import quick_audit
     from invink_audit.cli import phase_progress

@@ -1,4 +1,4 @@
-"""Demo, generation part: private synthetic restaurant reviews on the embedded SmolLM2-135M model.
+"""Demo, generation part: private synthetic restaurant reviews on the default generator (Gemma-3-270M).
 
 The shipped dataset (``invink_audit/resources/demo_reviews.jsonl``) holds 24 short restaurant reviews,
 8 each at 1, 3 and 5 stars, with Yelp-style label columns: names and places are invented, but reviews
@@ -8,12 +8,12 @@ are exactly the kind of user text a platform must not leak. The demo
 2. creates a budget ledger for the dataset and charges the run to it before generating,
 3. generates one review per star rating, each from a disjoint batch of ``B`` reviews of that rating
    (label-conditioned: the rating is a public field of the prompt), with InvisibleInk and the ``yelp``
-   prompt (the model's answer starts as a quoted review and ends at the closing quote:
-   ``docs/results/templates.md``), streamed to JSON Lines,
+   preset, which a base model is prompted with as its completion twin ``yelp-completion`` (a quoted review to
+   continue, ending at the closing quote: ``docs/results/templates.md``), streamed to JSON Lines,
 4. prints the texts and the a-priori guarantee.
 
 Run it with ``python examples/demo_generate.py`` (a few minutes at most on 2 CPU cores; the first run
-also converts the embedded GGUF model once, about 30 s). ``main()`` returns the
+also converts the GGUF model once, about a minute). ``main()`` returns the
 :class:`~invink_audit.generation.GenerationResult` so that a caller can audit the texts.
 """
 
@@ -43,7 +43,7 @@ def main(
     from invink_audit.bench import demo_reviews_path
     from invink_audit.data import ReferencesFile
     from invink_audit.generation import GenerationConfig, generate
-    from invink_audit.models import load_model
+    from invink_audit.models import DEFAULT_GENERATOR, load_model
 
     directory = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="invink-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,7 @@ def main(
     print(f"ledger: total budget epsilon = 10 at delta = {delta:g} ({directory / 'ledger.json'})")
 
     started = time.perf_counter()
-    model = load_model()
+    model = load_model(DEFAULT_GENERATOR)
     print(f"model: {model.name} on {model.device} (loaded in {time.perf_counter() - started:.1f} s)")
     print(f"generating one review per star rating (3 disjoint batches x (B+1) = {3 * (batch_size + 1)} rows per step) ...")
     config = GenerationConfig(batch_size=batch_size, max_new_tokens=max_new_tokens, delta=delta, epsilon=epsilon,

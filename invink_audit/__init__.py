@@ -17,9 +17,11 @@ _LAZY: dict[str, str] = {
         (
             "ACCUMULATION_DTYPE",
             "DEFAULT_TOP_K",
+            "MAX_SEED",
             "MechanismConfig",
             "NeighbourLogProbs",
             "SeededGeneratorWarning",
+            "check_seed",
             "dclip_aggregate",
             "derive_key",
             "make_generator",

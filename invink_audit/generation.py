@@ -115,6 +115,7 @@ from invink_audit.outputs import (
     start_output,
 )
 from invink_audit.models import (
+    DEFAULT_GENERATOR,
     DtypeChoice,
     LoadedModel,
     follow_dtype,
@@ -134,6 +135,7 @@ from invink_audit.prompts import (
     require_label_fields,
     template_for_batch,
     template_for_labels,
+    template_for_model,
 )
 
 __all__ = [
@@ -658,7 +660,8 @@ def generate(
     accountant, how many texts, whether an all-null release is allowed), or a :class:`MechanismRelease`: any
     other :class:`~invink_audit.mechanisms.Mechanism` (the paper's baselines) through the same pipeline.
     ``model``: a path or name, a loaded model, or a :class:`ModelSpec` (GGUF file, device, dtype, rows per
-    forward pass); default the embedded SmolLM2-135M-Instruct.
+    forward pass); default :data:`~invink_audit.models.DEFAULT_GENERATOR` (Gemma-3-270M, a base model: the
+    ``yelp`` and ``generic`` presets run as their completion twins, :func:`~invink_audit.prompts.template_for_model`).
     ``prompt``: a preset name (``generic``, ``yelp``, ``tab``, ``mimic``), a
     :class:`~invink_audit.prompts.PromptTemplate`, or a :class:`PromptSpec` (its field values and label
     mapping). A preset's fields that describe the data's labels (``yelp``: ``category``, ``stars``) must be
@@ -820,7 +823,9 @@ def _partition(references, config: GenerationConfig, template: PromptTemplate, l
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Which model a release loads and how; every process (and every Ray actor) builds its engine from it.
-    ``model``: a path or hub-cache name (default: the embedded SmolLM2-135M-Instruct) or a loaded model;
+    ``model``: a path or hub-cache name (default: :data:`~invink_audit.models.DEFAULT_GENERATOR`, Gemma-3-270M,
+    prompted with the completion twin of a chat preset: :func:`~invink_audit.prompts.template_for_model`) or a
+    loaded model;
     ``gguf_file``: a GGUF file inside a model directory; ``device`` / ``dtype``: see
     :func:`~invink_audit.models.load_model` (ignored for a loaded model); ``max_batch_rows``: forward rows
     per pass, an integer >= 1 (``None``: no limit). Checked without loading anything."""
@@ -840,7 +845,7 @@ class ModelSpec:
         _check_model_source(self.model, self.gguf_file, self.device, None if isinstance(self.dtype, DtypeChoice) else self.dtype)
 
     def build(self, mechanism: MechanismConfig, device) -> tuple[LoadedModel, Engine]:
-        loaded = _load(self.model, self.gguf_file, device, self.dtype)
+        loaded = _load(DEFAULT_GENERATOR if self.model is None else self.model, self.gguf_file, device, self.dtype)
         return loaded, Engine(loaded, mechanism, max_batch_rows=self.max_batch_rows)
 
 
@@ -984,6 +989,7 @@ class _Release:
             error = err
         self.cluster.agree(error)
         loaded, engine = self._follow_dtype(loaded, engine)
+        self.template = template_for_model(self.template, loaded.tokenizer)  # a base model: the completion twin
         # every process must run the release rank 0 admits: same input, settings, prompt, seed and model
         self.cluster.check_same(self._identity_digest(loaded), "settings, input, prompt, seed, model or output")
         # ... and charge the ledger rank 0 charges: a process with no ledger, or another one, would run a
@@ -1265,6 +1271,7 @@ class ExternalRelease:
         release = self.release
         release._open_output(self.stack)
         self.loaded, _ = release.load.build(release.mechanism, device)
+        release.template = template_for_model(release.template, self.loaded.tokenizer)  # the workers prompt with it
         # the workers follow the driver's dtype decision (on a device of its kind; on another, they decide)
         release.load = dataclasses.replace(release.load, dtype=self.loaded.dtype_choice)
         self.admission = release._admit(self.loaded)

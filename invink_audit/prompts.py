@@ -11,7 +11,9 @@ Design: docs/guide/generating.md (§"Prompt templates").
 from __future__ import annotations
 
 import dataclasses
+import re
 import string
+import unicodedata
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
@@ -30,11 +32,13 @@ __all__ = [
     "label_fields_for",
     "reached_stop",
     "refuse_private_in_public",
+    "refuse_private_strings",
     "release_text",
     "require_label_fields",
     "template_for_batch",
     "template_field_names",
     "template_for_labels",
+    "template_for_model",
 ]
 
 REFERENCE_FIELD = "reference"
@@ -315,6 +319,26 @@ def get_preset(name: str | PromptTemplate, **fields: str) -> PromptTemplate:
     return template.with_fields(**fields) if fields else template
 
 
+#: The completion-style twin of a chat preset, which a base model (no chat template) is prompted with instead:
+#: the same public fields, a plain text to continue (measured in docs/results/templates.md).
+COMPLETION_PRESETS: Mapping[str, str] = MappingProxyType({"yelp": "yelp-completion", "generic": "generic-completion"})
+
+
+def template_for_model(template: PromptTemplate, tokenizer) -> PromptTemplate:
+    """The template a model is prompted with: ``template`` itself, except that a base model (its tokenizer has
+    no chat template) given a chat preset of :data:`COMPLETION_PRESETS`, unchanged but for its field values and
+    examples, gets the preset's completion twin with those fields and examples. Any other chat template on a
+    base model is left as it is (encoding it is refused, naming the completion presets)."""
+    if getattr(tokenizer, "chat_template", None) is not None or template.completion:
+        return template
+    twin = COMPLETION_PRESETS.get(template.name)
+    preset = _PRESETS.get(template.name)
+    if twin is None or dataclasses.replace(template, fields=preset.fields, examples=preset.examples) != preset:
+        return template
+    return dataclasses.replace(_PRESETS[twin], fields={**_PRESETS[twin].fields, **template.fields},
+                               examples=template.examples)
+
+
 # --------------------------------------------------------------------------------------------
 # labels as public fields (label-conditioned generation; paper App. D.1, Table 4 (tab:prompts): Yelp prompts carry the
 # business category and review score; App. D.2 (sec:datasets), "Yelp Reviews": 10 categories x 5 scores)
@@ -414,8 +438,17 @@ MIN_CONTAINED_REFERENCE_CHARS = 20
 MIN_QUOTED_PUBLIC_CHARS = 64
 
 
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|([nrtbf\"\\/]))")
+_ESCAPED = {"n": "\n", "r": "\r", "t": "\t", "b": " ", "f": " ", '"': '"', "\\": "\\", "/": "/"}
+
+
 def _normalised(text: str) -> str:
-    return " ".join(text.split()).casefold()
+    """The words of ``text``, case folded, one space apart, after undoing the escapes that a copy of the data in
+    another file format carries (JSON's ``\\n``, ``\\"``, ``\\uXXXX``; CSV's doubled quotes vanish with the
+    punctuation) and Unicode compatibility forms (NFKC): a copy in another encoding, spacing or case compares
+    equal."""
+    text = _ESCAPE.sub(lambda m: chr(int(m[1], 16)) if m[1] else _ESCAPED[m[2]], text)
+    return " ".join(re.findall(r"\w+", unicodedata.normalize("NFKC", text).casefold()))
 
 
 def public_inputs(template: PromptTemplate) -> list[tuple[str, str]]:
@@ -426,26 +459,33 @@ def public_inputs(template: PromptTemplate) -> list[tuple[str, str]]:
     named += [(f"prompt field {name!r}", value) for name, value in template.fields.items()]
     named += [(f"stop string {i + 1}", value) for i, value in enumerate(template.stop)]
     named += [(f"public example {i + 1}", value) for i, value in enumerate(template.examples)]
-    return [(name, _normalised(text)) for name, text in named if text.strip()]
+    return [(name, text) for name, text in named if text.strip()]
 
 
 def refuse_private_in_public(template: PromptTemplate, references: Sequence[str | None]) -> None:
-    """Refuse a template whose public inputs come from ``references`` (the private input): a public string
-    equal to a reference, containing one of at least :data:`MIN_CONTAINED_REFERENCE_CHARS` characters, or
-    (of at least :data:`MIN_QUOTED_PUBLIC_CHARS` characters) contained in one. Public inputs are shown in every
-    prompt and written into every record of the published output; from the private data, they would publish
-    it verbatim. The ``ValueError`` names the public input and the reference's position (1-based), never the
-    text."""
-    publics = public_inputs(template)
+    """Refuse a template whose public inputs come from ``references`` (the private input):
+    :func:`refuse_private_strings` of :func:`public_inputs`."""
+    refuse_private_strings(public_inputs(template), references, f"of prompt {template.name!r}")
+
+
+def refuse_private_strings(named: Sequence[tuple[str, str]], references: Sequence[str | None], owner: str = "") -> None:
+    """Refuse public strings (``(name, text)`` pairs) that come from ``references`` (the private input): one equal
+    to a reference, containing one of at least :data:`MIN_CONTAINED_REFERENCE_CHARS` characters, or (of at least
+    :data:`MIN_QUOTED_PUBLIC_CHARS` characters) contained in one, compared word by word after undoing another file
+    format's escapes (:func:`_normalised`). Public inputs are shown in every prompt and written into every record of
+    the published output; from the private data, they would publish it verbatim. The ``ValueError`` names the
+    public input and the reference's position (1-based), never the text."""
+    publics = [(name, f" {_normalised(text)} ") for name, text in named]
+    publics = [(name, public) for name, public in publics if public.strip()]
     for position, reference in enumerate(references, start=1):
-        if not reference or not reference.strip():
+        text = f" {_normalised(reference)} " if reference else " "
+        if not text.strip():
             continue
-        text = _normalised(reference)
         for name, public in publics:
-            copied = public == text or (len(text) >= MIN_CONTAINED_REFERENCE_CHARS and text in public)
-            if copied or (len(public) >= MIN_QUOTED_PUBLIC_CHARS and public in text):
+            copied = public == text or (len(text) - 2 >= MIN_CONTAINED_REFERENCE_CHARS and text in public)
+            if copied or (len(public) - 2 >= MIN_QUOTED_PUBLIC_CHARS and public in text):
                 raise ValueError(
-                    f"{name} of prompt {template.name!r} repeats private reference {position} of the input: public "
+                    f"{name} {owner + ' ' if owner else ''}repeats private reference {position} of the input: public "
                     "inputs (examples, answer prefix, stop strings, field values) are published with every text and "
                     "must not come from the private data. Nothing was charged."
                 )

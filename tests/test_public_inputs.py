@@ -147,3 +147,68 @@ def test_coincidences_are_not_refused():
     refuse_private_in_public(template, ["Great food", "The cold soup. was awful", None, ""])
     with pytest.raises(ValueError, match="public example 2"):
         refuse_private_in_public(template, ["  COLD   soup. "])
+
+
+QUOTED = [
+    'The manager said "we are just here for the free breakfast" and walked off while we waited.',
+    "Line one of a review about the noodles,\nand line two about the very slow service at lunch.",
+    "Great tacos, friendly staff, and the salsa bar is worth the trip every single time.",
+    "Lovely staff who remembered our names after one visit to the little bakery downtown.",
+]
+
+
+def _quoted_files(tmp_path):
+    import csv
+    import io
+    import json
+
+    rows = io.StringIO()
+    csv.writer(rows).writerows([["text"], *[[t] for t in QUOTED]])
+    private = tmp_path / "private.csv"
+    private.write_text(rows.getvalue(), encoding="utf-8")
+    lines = tmp_path / "csv-lines.txt"  # the CSV's own lines: quotes doubled, a field over two lines
+    lines.write_text(rows.getvalue().split("\n", 1)[1], encoding="utf-8")
+    jsonl = tmp_path / "copy.jsonl"  # the same rows as JSON lines: \" and \n escapes
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in QUOTED), encoding="utf-8")
+    return private, lines, jsonl
+
+
+@pytest.mark.parametrize("copy", ["csv-lines", "jsonl"])
+def test_a_copy_of_the_private_rows_in_another_file_format_is_refused(copy, tiny_dir, tmp_path, capsys):
+    # probe: the private rows written as CSV lines (quotes doubled) or as JSON lines (\" and \n escapes) were taken
+    # as public examples, charged, and published in every record
+    private, lines, jsonl = _quoted_files(tmp_path)
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=10.0, delta=1e-6)
+    code = _cli(tiny_dir, tmp_path, private, lines if copy == "csv-lines" else jsonl, ledger.path)
+    err = capsys.readouterr().err
+    assert code == 2 and "repeats private reference" in err, err
+    assert ledger.status().releases == ()
+
+
+def test_a_prompt_field_from_a_record_left_out_by_where_is_refused(tiny_dir, tmp_path, capsys):
+    # probe: --where plus a --prompt-field value copied from a record that is not selected was charged and published
+    private = tmp_path / "labelled.csv"
+    rows = [(review, "A" if i < 2 else "B") for i, review in enumerate(REVIEWS)]
+    private.write_text("text,group\n" + "".join(f'"{text}",{group}\n' for text, group in rows), encoding="utf-8")
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=10.0, delta=1e-6)
+    code = main([
+        "generate", "--input", str(private), "--where", "group=A", "--output", str(tmp_path / "out.jsonl"),
+        "--model", str(tiny_dir), "--batch-size", "2", "--max-new-tokens", "4", "--epsilon", "5", "--delta", "1e-6",
+        "--top-k", "8", "--prompt-field", f"description={REVIEWS[3]}", "--ledger", str(ledger.path), "--no-progress",
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "--prompt-field description repeats private reference 4" in err, err
+    assert ledger.status().releases == ()
+
+
+def test_augpe_prompt_fields_from_the_private_data_are_refused_before_the_charge(tmp_path):
+    # probe: AugPE took a --prompt-field category equal to a private review, was charged and published it
+    from invink_audit.augpe import AugPEConfig, augpe_generate
+    from invink_audit.augpe.prompts import get_augpe_prompts
+
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=10.0, delta=1e-6)
+    prompts = get_augpe_prompts("yelp", category=REVIEWS[1], stars="4.0")
+    config = AugPEConfig(epsilon=4.0, delta=1e-6, num_texts=2, iterations=1, variations=2, max_new_tokens=8, prompts=prompts)
+    with pytest.raises(ValueError, match="prompt field 'category' of AugPE prompts 'yelp' repeats private reference 2"):
+        augpe_generate(REVIEWS, config, ledger=ledger)  # refused before any model or embedder loads
+    assert ledger.status().releases == ()

@@ -65,7 +65,7 @@ from invink_audit.augpe.histogram import Selection, dp_nn_histogram, select_cand
 from invink_audit.augpe.prompts import AugPEPrompts, get_augpe_prompts
 from invink_audit.mechanism import SeededGeneratorWarning, check_seed, derive_key
 from invink_audit.models import load_model
-from invink_audit.prompts import encode_messages
+from invink_audit.prompts import encode_messages, refuse_private_strings
 
 __all__ = ["AugPEConfig", "AugPEGuarantee", "AugPEResult", "AugPEStats", "SamplingSettings", "augpe_generate"]
 
@@ -304,6 +304,7 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
     if not isinstance(config, AugPEConfig):
         raise ValueError(f"config must be an AugPEConfig; got {type(config).__name__}")
     check_not_all_null(references, config.allow_all_null)
+    refuse_private_strings(config.prompts.public_inputs(), references, f"of AugPE prompts {config.prompts.name!r}")
     check_seed(seed)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be callable or None; got {type(progress).__name__}")

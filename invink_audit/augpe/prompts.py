@@ -82,6 +82,15 @@ class AugPEPrompts:
         message = {"role": "user", "content": user}
         return [message] if self.system is None else [{"role": "system", "content": self.system}, message]
 
+    def public_inputs(self) -> list[tuple[str, str]]:
+        """Every public string of these prompts, as ``(name, text)``: the system message, both user messages,
+        the styles and the field values (:func:`invink_audit.prompts.refuse_private_strings` checks them)."""
+        named = [("the system message", self.system or ""), ("the generation prompt", self.generation),
+                 ("the variation prompt", self.variation)]
+        named += [(f"style {i + 1}", style) for i, style in enumerate(self.styles)]
+        named += [(f"prompt field {name!r}", value) for name, value in self.fields.items()]
+        return [(name, text) for name, text in named if text.strip()]
+
     def generation_messages(self) -> list[dict[str, str]]:
         """RANDOM_API's chat messages (the same for every seed text)."""
         return self._messages(self.generation.format(**self.fields))

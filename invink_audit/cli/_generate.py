@@ -49,7 +49,8 @@ def add_model_arguments(parser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="HF model directory or hub id, or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        help="HF model directory or hub id, a .gguf file, gemma3-270m or smollm2-135m-instruct (default: the default "
+        "generator, Gemma-3-270M, prompted with the completion twin of --prompt yelp or generic)",
     )
     parser.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model directory")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
@@ -196,7 +197,8 @@ def prompt_template(args, *, private_input: bool = True):
     from invink_audit.prompts import get_preset
 
     name = "generic" if args.prompt is None else args.prompt
-    if args.answer_prefix is None and args.stop is None and args.public_examples is None:
+    changed = not (args.answer_prefix is None and args.stop is None and args.public_examples is None)
+    if not changed and not (private_input and args.where):
         return name
     template = get_preset(name)
     changes = {}
@@ -208,16 +210,21 @@ def prompt_template(args, *, private_input: bool = True):
         changes["examples"] = read_public_examples(args.public_examples, args.input if private_input else None)
     template = dataclasses.replace(template, **changes)
     if private_input and args.where:  # the release checks the records it reads; these come from the whole file
-        _refuse_public_from_whole_input(template, args.input, args.column)
-    return template
+        _refuse_public_from_whole_input(template, parse_fields(getattr(args, "prompt_field", None)), args.input,
+                                        args.column)
+    return template if changed else name
 
 
-def _refuse_public_from_whole_input(template, path: str, column: str | None) -> None:
+def _refuse_public_from_whole_input(template, fields: dict[str, str], path: str, column: str | None) -> None:
+    """Public inputs (the template's, and ``--prompt-field`` values) against every record of ``--input``, those
+    ``--where`` leaves out included."""
     from invink_audit.data import read_references
-    from invink_audit.prompts import refuse_private_in_public
+    from invink_audit.prompts import refuse_private_in_public, refuse_private_strings
 
     try:
-        refuse_private_in_public(template, read_references(path, column=column))
+        references = read_references(path, column=column)
+        refuse_private_in_public(template, references)
+        refuse_private_strings([(f"--prompt-field {name}", value) for name, value in fields.items()], references)
     except ValueError as err:
         raise CliError(f"--input {path!r}: {err}") from err
 

@@ -33,7 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", default="0", help="picks the texts and their references (default 0)")
     add_label_arguments(p, "label column (repeat): each text gets references of its own group and its labels' prompt")
     add_prompt_arguments(p)
-    p.add_argument("--model", default=None, help="the generator's model (default: embedded SmolLM2)")
+    p.add_argument("--model", default=None, help="the generator's model (default: generate's, Gemma-3-270M)")
     p.add_argument("--json", action="store_true", help='print {"points": [...], ...} instead of the table')
     p.add_argument("--output", default=None, metavar="DIR", help="write profile.md, profile.json and plots here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

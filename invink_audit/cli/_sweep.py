@@ -67,7 +67,7 @@ def register(subparsers) -> None:
     budget.add_argument("--ledger", default=None, help="budget ledger charged for every point (private references)")
     budget.add_argument("--public-proxy", action="store_true",
                         help="the references are public or a proxy: charge nothing (say so only if it is true)")
-    p.add_argument("--model", default=None, help="generator and perplexity scorer (default: embedded SmolLM2)")
+    p.add_argument("--model", default=None, help="generator and perplexity scorer (default: generate's, Gemma-3-270M)")
     add_evaluation_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=_sweep)

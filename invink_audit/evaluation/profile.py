@@ -410,9 +410,10 @@ def _requests(loaded, texts: Sequence[_Text], config: ProfileConfig):
         label_fields_for,
         require_label_fields,
         template_for_labels,
+        template_for_model,
     )
 
-    template = get_preset(config.prompt, **dict(config.prompt_fields or {}))
+    template = template_for_model(get_preset(config.prompt, **dict(config.prompt_fields or {})), loaded.tokenizer)
     filled = tuple(r.field for r in label_fields_for(template, config.label_columns)) if config.label_columns else ()
     require_label_fields(template, tuple(config.prompt_fields or ()), filled)
     out = []
@@ -437,18 +438,19 @@ def run_profile(
 ) -> ProfileResult:
     """Teacher-force ``config.num_texts`` texts of ``real`` (held out) with references from ``proxy`` through
     every grid point at once (docs/guide/evaluating.md). ``model``: as :func:`invink_audit.load_model` takes it
-    (default: the embedded model). ``progress(done, total)``: forced tokens so far."""
+    (default: :data:`~invink_audit.models.DEFAULT_GENERATOR`, the model ``generate`` releases with, prompted as
+    it is: :func:`~invink_audit.prompts.template_for_model`). ``progress(done, total)``: forced tokens so far."""
     import torch
 
     from invink_audit.engine import Engine
     from invink_audit.mechanism import MechanismConfig
-    from invink_audit.models import load_model
+    from invink_audit.models import DEFAULT_GENERATOR, load_model
 
     if not isinstance(config, ProfileConfig):
         raise ValueError(f"config must be a ProfileConfig; got {type(config).__name__}")
     start = time.perf_counter()
     records = _read(Path(proxy), config, where=config.where), _read(Path(real), config)  # a bad file fails before the model loads
-    loaded = load_model(model)
+    loaded = load_model(DEFAULT_GENERATOR if model is None else model)
     texts, skipped = _choose_texts(*records, config, loaded.tokenizer, frozenset(loaded.eos_token_ids))
     if len(texts) < 2:
         raise ValueError(

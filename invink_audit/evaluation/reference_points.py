@@ -113,8 +113,8 @@ def generate_reference_points(
     text, e.g. ``partition.batches``): one floor text and one ceiling text per batch, prompted like the
     private text (its labels fill the template when ``batch_labels`` is given). Seeded: these texts are
     reference points for evaluation, not releases."""
-    from invink_audit.models import load_model
-    from invink_audit.prompts import encode_prompt, get_preset, template_for_labels
+    from invink_audit.models import DEFAULT_GENERATOR, load_model
+    from invink_audit.prompts import encode_prompt, get_preset, template_for_labels, template_for_model
 
     max_new_tokens = check_count("max_new_tokens", max_new_tokens)
     if not batches:
@@ -122,8 +122,8 @@ def generate_reference_points(
     labels = list(batch_labels) if batch_labels is not None else [None] * len(batches)
     if len(labels) != len(batches):
         raise ValueError(f"batch_labels has {len(labels)} entries for {len(batches)} batches")
-    loaded = load_model(model)
-    base = get_preset(prompt, **dict(prompt_fields or {}))
+    loaded = load_model(DEFAULT_GENERATOR if model is None else model)  # the releases' default generator
+    base = template_for_model(get_preset(prompt, **dict(prompt_fields or {})), loaded.tokenizer)
     public, private = [], []
     for references, batch_label in zip(batches, labels):
         template = base if batch_label is None else template_for_labels(base, batch_label, label_fields)

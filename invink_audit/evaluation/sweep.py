@@ -177,7 +177,7 @@ def run_sweep(
     (``NAME/texts.jsonl``) and its NOT PRIVATE records (``evaluations/NAME/``), and ``sweep.jsonl`` (one
     :class:`SweepPoint` per line). ``ledger`` or ``public_proxy=True`` is required
     (module docstring)."""
-    from invink_audit.models import load_model
+    from invink_audit.models import DEFAULT_GENERATOR, load_model
 
     if (ledger is None) == (not public_proxy):
         raise ValueError(
@@ -189,7 +189,8 @@ def run_sweep(
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     real_set = read_text_set(real, column=real_column or "text", label_columns=tuple(config.label_columns))
-    loaded = load_model(model)  # after the real texts: a bad file fails before the model load
+    # after the real texts: a bad file fails before the model load; by default the generator generate uses
+    loaded = load_model(DEFAULT_GENERATOR if model is None else model)
     run = _SweepRun(
         references=Path(references), output=output, config=config, evaluation=evaluation, real=real_set,
         loaded=loaded, scorer=loaded if evaluation.scorer is None else None,
