@@ -43,6 +43,7 @@ from accounting.accountants import (
 from accounting.conversions import epsilon_to_zcdp, zcdp_to_epsilon
 from accounting.events import GenerationEvent, ZcdpEvent, event_from_json, forwarded_property
 from accounting.limits import RANGES
+from accounting.strict_json import DuplicateKeyError, loads_strict
 
 __all__ = ["BudgetLedger", "BudgetExceededError", "ChargeOutcome", "LedgerError", "Release", "LedgerStatus"]
 
@@ -535,9 +536,12 @@ class BudgetLedger:
         if self._cache is not None and self._cache[0] == raw:
             return self._cache[1]
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = loads_strict(raw.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise LedgerError(f"ledger {str(self.path)!r} is not valid JSON: {err}") from err
+        except DuplicateKeyError as err:  # json.loads would read its last value, another reader its first
+            raise LedgerError(f"ledger {str(self.path)!r} is corrupt: an object repeats the key "
+                              f"{err.key_shown()}") from None
         verified = _verify(data, repr(str(self.path)))
         self._cache = (raw, verified)
         return verified

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from accounting.limits import check_count
+from accounting.strict_json import DuplicateKeyError, loads_strict
 
 __all__ = [
     "MAX_FIELD_CHARS",
@@ -237,7 +238,8 @@ def _read_csv(path: Path, column: str) -> list[str]:
 def jsonl_records(path: Path, lines: str | Iterable[str], field: str, hint: str):
     """Each ``(where, record, value)`` of the JSON Lines read from ``path`` (``lines``: its :func:`text_lines`, or
     its whole text): ``where`` names the file and the line, ``value`` is the record's ``field`` (``""`` for null).
-    Blank lines are not records; a line that is not a JSON object, or whose ``field`` is missing (``hint``: how to
+    Blank lines are not records; a line that is not a JSON object, repeats a key in any of its objects (read as
+    its last value by ``json.loads``, its first by other readers), or whose ``field`` is missing (``hint``: how to
     name another), not a string or null, longer than :data:`MAX_FIELD_CHARS` or not valid Unicode (a lone
     surrogate, e.g. a JSON ``"\\ud800"`` escape), is refused with a message naming the line, never its text or its
     keys (they may be data)."""
@@ -247,10 +249,13 @@ def jsonl_records(path: Path, lines: str | Iterable[str], field: str, hint: str)
             continue
         where = f"{str(path)!r} line {number}"
         try:
-            record = json.loads(line)
+            record = loads_strict(line)
         except json.JSONDecodeError as err:
             # the decoder's message names a position (line/column/char), never the text
             raise ValueError(f"{where} is not valid JSON: {err.msg} (column {err.colno})") from None
+        except DuplicateKeyError:  # json.loads would keep the last value, another reader the first
+            raise ValueError(f"{where}: a JSON object repeats a key (its name is not shown: it may be data); give "
+                             "each field once") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object; got {type(record).__name__}")
         if field not in record:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from accounting.atomic import atomic_write_bytes, atomic_write_json, fsync_directory
+from accounting.strict_json import DuplicateKeyError, loads_strict
 from invink_audit.not_private import open_no_follow, refuse_symlink
 
 __all__ = [
@@ -143,6 +144,13 @@ def _split_lines(data: bytes):
         position = end + 1
 
 
+def _repeats(err: DuplicateKeyError) -> str:
+    """What a line repeating a key is, for a message: the key is a field name of the project's own files, shown
+    escaped (one printable line)."""
+    return (f"repeats the key {err.key_shown()} in one JSON object (a reader keeping the first value would read "
+            "another record)")
+
+
 def _read_records(path: Path) -> _Lines:
     """Records of the output ``path``; a last line without newline is kept when it parses as a record."""
     if not path.exists():
@@ -153,9 +161,11 @@ def _read_records(path: Path) -> _Lines:
         if line.strip():
             record, problem = None, None
             try:
-                record = json.loads(line)
+                record = loads_strict(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 problem = f"line {number} is not JSON ({getattr(err, 'msg', type(err).__name__)})"
+            except DuplicateKeyError as err:
+                problem = f"line {number} {_repeats(err)}"
             if problem is None and (not isinstance(record, dict) or "batch_index" not in record):
                 problem = f"line {number} is not a text record (no batch_index)"
             if problem is not None:
@@ -215,8 +225,11 @@ def _parse_journal(data: bytes, path: Path, release_id: str, num_batches: int, f
             break
         number += first_line - 1
         try:
-            entry = json.loads(line)
+            entry = loads_strict(line)
             index, recorded_release = entry["batch_index"], entry["release_id"]
+        except DuplicateKeyError as err:
+            raise ValueError(f"sampled-batch journal {str(path)!r} is corrupt at line {number}: it "
+                             f"{_repeats(err)}") from None
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"sampled-batch journal {str(path)!r} is corrupt at line {number}: {err}") from None
         if recorded_release != release_id:
@@ -461,8 +474,10 @@ def read_state(output: Path) -> dict:
     (a ``ValueError`` names a corrupt one)."""
     state_file = state_path(output)
     try:
-        state = json.loads(state_file.read_text(encoding="utf-8"))
+        state = loads_strict(state_file.read_text(encoding="utf-8"))
         run, release_id, _fingerprint = state["run"], state["release_id"], state["input_sha256"]
+    except DuplicateKeyError as err:
+        raise ValueError(f"resume state {str(state_file)!r} is corrupt: it {_repeats(err)}") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"resume state {str(state_file)!r} is corrupt: {err}") from None
     if not isinstance(release_id, str) or not isinstance(run, dict):
@@ -480,9 +495,11 @@ def read_numbered_records(path: str | os.PathLike) -> list[tuple[int, dict]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = loads_strict(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path}:{number}: not a JSON line ({getattr(err, 'msg', type(err).__name__)})") from None
+        except DuplicateKeyError as err:
+            raise ValueError(f"{path}:{number}: not a text record: it {_repeats(err)}") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{number}: not a text record (a JSON {type(record).__name__}, not an object)")
         numbered.append((number, record))
@@ -612,7 +629,7 @@ def _read_pending(output: Path, fingerprint: str) -> dict | None:
     release gets a fresh id and is charged)."""
     path = pending_path(output)
     try:
-        pending = json.loads(path.read_text(encoding="utf-8"))
+        pending = loads_strict(path.read_text(encoding="utf-8"))
         if isinstance(pending.get("release_id"), str) and isinstance(pending.get("run"), dict):
             if pending.get("input_sha256") == fingerprint:
                 return pending
@@ -620,7 +637,7 @@ def _read_pending(output: Path, fingerprint: str) -> dict | None:
             return None
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, DuplicateKeyError):
         pass
     _LOG.warning("ignoring an unreadable %s", path.name)
     return None

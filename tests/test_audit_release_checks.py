@@ -110,7 +110,8 @@ def test_tokens_the_mechanism_cannot_draw_are_a_finding_without_a_journal(copy, 
     _edit_records(copy, lambda rs: rs[2].update(token_ids=[eos, 5, 6], num_tokens=3) and None)
     report = _audit(copy, tiny_dir)
     assert report.verdict is Verdict.VIOLATION and _kinds(report) == {"text-not-drawn", "unverified-text"}
-    assert [f.batches for f in report.findings if f.kind == "text-not-drawn"] == [(2,)] and report.texts_audited == 3
+    # named twice: its text is not its tokens' decoding, and its tokens are not what the mechanism could draw
+    assert {f.batches for f in report.findings if f.kind == "text-not-drawn"} == {(2,)} and report.texts_audited == 3
 
 
 def test_a_dropped_record_is_named(copy, tiny_dir):
@@ -231,3 +232,117 @@ def test_with_a_sampled_audit_the_claim_printed_is_the_records(copy, tiny_dir):
     summary = report.summary()
     assert report.verdict is Verdict.VIOLATION and "the release claims eps = 0.5" in summary
     assert "the release claims 4" not in summary and "ε: its settings certify 4" in summary
+
+
+# ---------------------------------------------------------------------------------------------
+# labels and prompt fields: the state's input fingerprint fixes each batch's labels (adversarial probe F5)
+
+LABELLED = [("Bars", "5.0"), ("Bars", "5.0"), ("Restaurants", "1.0"), ("Restaurants", "1.0")]
+
+
+@pytest.fixture(scope="module")
+def labelled_release(tiny_dir, tmp_path_factory):
+    """A label-conditioned ``yelp`` release of 2 batches (batch 0: Bars, 5.0), as ``--label-columns label1,label2
+    --prompt yelp`` writes it."""
+    import warnings
+
+    root = tmp_path_factory.mktemp("labelled")
+    rows = [{"text": f"Review {i} of the {c.lower()}.", "label1": f"Business Category: {c}",
+             "label2": f"Review Stars: {s}"} for i, (c, s) in enumerate(LABELLED)]  # fmt: skip
+    _write(root / "refs.jsonl", rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the yelp preset on a tiny model
+        generate_flat(root / "refs.jsonl", output=root / "out.jsonl", model=str(tiny_dir), prompt="yelp",
+                      label_columns=["label1", "label2"], **dict(OPTIONS, batch_size=2))  # fmt: skip
+    return root
+
+
+def _edit_both(root, edit):
+    """``edit(record)`` applied to every published record and to the journal's copy of each."""
+    _edit_records(root, lambda rs: [edit(r) for r in rs] and None)
+    journal = _lines(root / "out.jsonl.sampled")
+    for line in journal:
+        edit(line["record"])
+    _write(root / "out.jsonl.sampled", journal)
+
+
+def test_a_labelled_release_untouched_passes(labelled_release, tiny_dir):
+    report = _audit(labelled_release, tiny_dir)
+    assert report.verdict is Verdict.PASS and report.findings == ()
+
+
+def test_labels_edited_in_the_output_and_the_journal_are_a_violation(labelled_release, tmp_path, tiny_dir):
+    for name in FILES:
+        shutil.copy(labelled_release / name, tmp_path / name)
+    batch0 = next(r for r in _lines(tmp_path / "out.jsonl") if r["batch_index"] == 0)
+    assert batch0["labels"]["label2"] == "Review Stars: 5.0" and batch0["prompt_fields"]["stars"] == "5.0"
+
+    def edit(record):  # the probe: batch 0 said to be a 1-star review, the state untouched
+        if record["batch_index"] == 0:
+            record["labels"]["label2"] = "Review Stars: 1.0"
+            record["prompt_fields"]["stars"] = "1.0"
+
+    _edit_both(tmp_path, edit)
+    report = _audit(tmp_path, tiny_dir)
+    assert report.verdict is Verdict.VIOLATION and _kinds(report) == {"edited-labels"}
+    assert report.findings[0].batches == (0,) and "labels and prompt_fields" in report.findings[0].message
+    code = main(["audit", "--release", str(tmp_path / "out.jsonl"), "--input", str(tmp_path / "refs.jsonl"),
+                 "--model", str(tiny_dir), "--sampled-batch", "none"])  # fmt: skip
+    assert code == 1  # VIOLATION
+
+
+def test_prompt_fields_edited_in_the_output_and_the_journal_are_a_violation(copy, tiny_dir):
+    # an unlabelled release: its records' prompt_fields are the template's; a record stating labels is edited too
+    _edit_both(copy, lambda r: r["batch_index"] == 2 and r["prompt_fields"].update(topic="a private topic"))
+    _edit_both(copy, lambda r: r["batch_index"] == 3 and r.update(labels={"label1": "Business Category: Bars"}))
+    report = _audit(copy, tiny_dir)
+    assert report.verdict is Verdict.VIOLATION and _kinds(report) == {"edited-labels"}
+    assert report.findings[0].batches == (2, 3)
+
+
+def test_a_record_without_prompt_fields_is_compared_by_its_labels(copy, tiny_dir):
+    # records written before they carried prompt_fields still audit (and still pass)
+    _edit_both(copy, lambda r: r.pop("prompt_fields") and None)
+    assert _audit(copy, tiny_dir).verdict is Verdict.PASS
+
+
+# ---------------------------------------------------------------------------------------------
+# a repeated JSON key (adversarial probe F6): json.loads keeps the last value, another reader the first
+
+
+def _repeat_text_key(line: str, first: str) -> str:
+    """``line`` (one record) with ``"text": first`` inserted before its own ``"text"``."""
+    return line.replace('"text": ', f'"text": {json.dumps(first)}, "text": ', 1)
+
+
+@pytest.mark.parametrize(("name", "where"), [("out.jsonl", "out.jsonl:2: "), ("out.jsonl.sampled", "corrupt at line 2"),
+                                           ("out.jsonl.state.json", "out.jsonl.state.json' is corrupt")])
+def test_a_repeated_key_in_any_release_file_is_one_line_of_bad_input(copy, tiny_dir, capsys, name, where):
+    path = copy / name
+    if name.endswith(".json"):
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text.replace('"release_id": ', '"release_id": "another", "release_id": ', 1), encoding="utf-8")
+    else:  # the probe: line 2 gets a first "text", a private review; json.loads read the last one and passed
+        lines = path.read_text(encoding="utf-8").split("\n")
+        lines[1] = _repeat_text_key(lines[1], "<a private review>")
+        path.write_text("\n".join(lines), encoding="utf-8")
+    code = main(["audit", "--release", str(copy / "out.jsonl"), "--input", str(copy / "refs.jsonl"),
+                 "--model", str(tiny_dir), "--sampled-batch", "none"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_BAD_INPUT and err[-1].startswith("invink-audit audit: error: ") and where in err[-1]
+    key = "'release_id'" if name.endswith(".json") else "'text'"
+    assert f"repeats the key {key}" in err[-1] and "private review" not in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_a_text_edited_in_the_output_and_the_journal_with_its_tokens_kept_is_a_violation(copy, tiny_dir):
+    """The published text must be the decoding of its own token ids: edited in both copies (tokens kept, so the
+    journal agrees and teacher forcing accepts them), it would publish words nobody drew, e.g. a private review."""
+    def edit(record):
+        if record["batch_index"] == 2:
+            record["text"] = "A private review the mechanism never drew."
+
+    _edit_both(copy, edit)
+    report = _audit(copy, tiny_dir)
+    assert report.verdict is Verdict.VIOLATION and _kinds(report) == {"text-not-drawn"}
+    assert report.findings[0].batches == (2,) and "decoding of its own token ids" in report.findings[0].message

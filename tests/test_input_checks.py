@@ -602,3 +602,61 @@ def test_evaluate_refuses_a_lone_surrogate_naming_the_file_and_line(tmp_path, ca
     assert main(argv) == EXIT_BAD_INPUT
     line = _one_line_error(capsys)
     assert str(synthetic) in line and "line 4" in line and "lone surrogate" in line
+
+
+# -- a repeated JSON key (adversarial probe F7): json.loads keeps the last value, another reader the first ----------
+
+
+def test_a_label_column_given_twice_in_a_record_is_refused_naming_the_line(tmp_path, capsys):
+    # probe: {"label1": "A", "label1": "B"} was read as B, so --where label1=B selected a record a reader keeping the
+    # first value says is A
+    path = tmp_path / "refs.jsonl"
+    path.write_text('{"text": "one", "label1": "A"}\n{"text": "two", "label1": "A", "label1": "B"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(path)))} line 2: a JSON object repeats a key"):
+        read_labelled_references(path, label_columns=["label1"])
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--input", str(path), "--where", "label1=B", "--batch-size", "1", "--epsilon", "1",
+            "--delta", "1e-6", "--max-new-tokens", "4", "--output", str(out), "--no-progress"]
+    assert main(argv) == EXIT_BAD_INPUT
+    line = _one_line_error(capsys)
+    assert str(path) in line and "line 2" in line and "label1" not in line and not out.exists()
+
+
+def test_a_text_given_twice_is_refused_before_anything_is_charged(tmp_path, capsys):
+    # probe: {"text": "first secret", "text": "second secret"} as --input, then "first secret" as a public example:
+    # the run was charged and published a string of the private file as public
+    path, examples = tmp_path / "refs.jsonl", tmp_path / "examples.txt"
+    path.write_text('{"text": "first secret", "text": "second secret"}\n', encoding="utf-8")
+    examples.write_text("first secret\n", encoding="utf-8")
+    ledger = tmp_path / "ledger.json"
+    BudgetLedger.create(ledger, epsilon=10.0, delta=1e-5)
+    argv = ["generate", "--input", str(path), "--public-examples", str(examples), "--ledger", str(ledger),
+            "--batch-size", "1", "--epsilon", "1", "--delta", "1e-6", "--max-new-tokens", "4",
+            "--output", str(tmp_path / "out.jsonl"), "--no-progress"]  # fmt: skip
+    assert main(argv) == EXIT_BAD_INPUT
+    line = _one_line_error(capsys)
+    assert "line 1: a JSON object repeats a key" in line and "secret" not in line
+    assert BudgetLedger(ledger).status().releases == ()
+    for nested in ('{"text": "t", "meta": {"k": 1, "k": 2}}\n', '{"text": "t", "text": "t"}\n'):  # at any depth
+        path.write_text(nested, encoding="utf-8")
+        with pytest.raises(ValueError, match="line 1: a JSON object repeats a key"):
+            read_references(path)
+
+
+def test_a_ledger_repeating_a_key_is_refused(tmp_path):
+    path = tmp_path / "ledger.json"
+    BudgetLedger.create(path, epsilon=10.0, delta=1e-5)
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace('"budget": {', '"budget": {"epsilon": 0.1, ', 1), encoding="utf-8")
+    with pytest.raises(LedgerError, match=r"corrupt: an object repeats the key 'epsilon'"):
+        BudgetLedger(path).status()
+
+
+def test_a_repeated_key_is_named_escaped():
+    from accounting.strict_json import DuplicateKeyError, loads_strict
+
+    with pytest.raises(DuplicateKeyError) as info:
+        loads_strict('{"a\\nb\\u001b": 1, "a\\nb\\u001b": 2}')
+    assert info.value.key == "a\nb\x1b" and info.value.key_shown() == "'a\\nb\\x1b'"
+    assert "a\nb" not in str(info.value)
+    assert loads_strict('{"a": {"a": 1}, "b": [{"a": 2}]}') == {"a": {"a": 1}, "b": [{"a": 2}]}  # per object

@@ -468,7 +468,7 @@ def quick_audit(
     and ``prompt_fields`` are optional, and when given they must be those given to ``generate`` (a
     list or file path; a preset name or template, and its fields), or a ``ValueError`` says they
     disagree (the forms ``generate`` takes: a list, a path, a :class:`~invink_audit.data.ReferencesFile`;
-    a preset name, a template, a :class:`~invink_audit.generation.PromptSpec`). ``model``: the same model (a loaded model is reused). ``sampled_batch``: which batch
+    a preset name, a template, a :class:`~invink_audit.generation.PromptSpec`). ``model``: the same model (a loaded model is reused; default: the one the result names). ``sampled_batch``: which batch
     gets the sampled audit (``None`` skips it). Its size: ``num_samples`` texts from R (and, with
     ``"reverse"`` in ``directions``, as many from each R'_j) plus ``num_is_samples`` per α, neighbour
     and direction; the defaults (16 forward texts) keep it to about the cost of generating 16 texts.
@@ -499,9 +499,11 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
     """:func:`quick_audit` of a release: teacher forcing of its texts (a generic mechanism's outcomes), then the
     sampled audit of one batch. ``found``: a release file's ``findings`` and ``claimed_epsilon``, for the report."""
     from invink_audit.audit.model_audit import audit_model, generic_audit_config
-    from invink_audit.models import load_model
+    from invink_audit.models import load_model, loadable_name
     from invink_audit.prompts import encode_request
 
+    if model is None and getattr(result, "model", None):  # the model the release ran on, by its recorded name
+        model = loadable_name(result.model)
     # teacher-forced in the dtype the release ran in (its recorded choice), so the exact log-probabilities
     # are those of the distributions the texts were drawn from
     loaded = load_model(model, dtype=getattr(result, "dtype_choice", None))
@@ -541,6 +543,7 @@ class _ReleasedText:
     token_ids: tuple[int, ...]
     modes: tuple[int, ...] = ()  # a generic mechanism's (Amin et al.: public or private)
     finish_reason: str = ""
+    text: str | None = None  # the published text (a release file's), checked against its tokens' decoding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -570,7 +573,7 @@ class ReleaseFile:
         and, naming the file and line, for a line that is not a text record of this release)."""
         from pathlib import Path
 
-        from invink_audit.audit.release_checks import check_published_records, record_findings
+        from invink_audit.audit.release_checks import check_published_records, label_findings, record_findings
         from invink_audit.outputs import read_journal_claims, read_numbered_records, read_state, state_path
 
         output = Path(output)
@@ -583,12 +586,14 @@ class ReleaseFile:
         claims = read_journal_claims(output, release_id, num_batches)
         findings, not_drawn = record_findings(records, run, claims, num_batches)
         release = _release_of_run(run, references, column, where, state["input_sha256"])
+        # the labels and prompt fields each batch gets from the input the state's fingerprint fixes
+        findings = (*findings, *label_findings(records, release.template, release.labels, release.label_fields))
         first: dict = {}
         for published in records:
             first.setdefault(published.batch_index, published)
         forced = [p for i, p in sorted(first.items()) if i not in not_drawn]
         texts = tuple(_ReleasedText(p.batch_index, tuple(p.record["token_ids"]), tuple(p.record.get("modes", ())),
-                                    p.record["finish_reason"]) for p in forced)  # fmt: skip
+                                    p.record["finish_reason"], p.record.get("text")) for p in forced)  # fmt: skip
         dtype = _dtype_choice(forced[0] if forced else records[0])
         return cls(release, texts, dtype, run.get("model", ""), release_id, run, findings, _claimed_epsilon(records))
 
@@ -714,12 +719,16 @@ def audit_release_file(
     from invink_audit.audit.release_checks import model_findings
     from invink_audit.engine import ForcedTextMismatch
     from invink_audit.mechanism import make_generator
-    from invink_audit.models import load_model, model_fingerprint
+    from invink_audit.models import load_model, loadable_name, model_fingerprint
 
     start = time.perf_counter()
     found = ReleaseFile.read(output, references, column=column, where=where)
-    loaded = load_model(model, dtype=found.dtype_choice)
+    # no model named: the one the release recorded (an empty or unknown name loads the default, and its
+    # fingerprint then decides)
+    recorded = loadable_name(found.model_name) if found.model_name else None
+    loaded = load_model(model if model is not None else recorded, dtype=found.dtype_choice)
     findings = (*found.findings, *model_findings(found.run, loaded.name, model_fingerprint(loaded)))
+    findings = (*findings, *_undecoded_texts(found, loaded.tokenizer))
     if sampled_batch is not None and not 0 <= sampled_batch < len(found.release.partition.batches):
         raise ValueError(f"sampled_batch must be a batch of the release (0 .. {len(found.release.partition.batches) - 1})")
     if any(f.kind == "model-mismatch" for f in findings):
@@ -742,6 +751,21 @@ def audit_release_file(
     if not texts:
         return _unaudited(found, loaded, findings, start, "no published text could be teacher-forced")
     return audit(_ReleaseTexts(texts, loaded.dtype_choice), findings=findings)
+
+
+def _undecoded_texts(found: ReleaseFile, tokenizer) -> tuple:
+    """A finding naming the published texts that are not the released text of their own token ids
+    (:func:`~invink_audit.prompts.release_text` with the batch's stop strings): a text edited in the output (and
+    the journal) while its tokens were kept would publish words the mechanism never drew."""
+    from invink_audit.audit.release_checks import Finding
+    from invink_audit.prompts import release_text
+
+    edited = [t.batch_index for t in found.texts if t.text is not None
+              and t.text != release_text(tokenizer, t.token_ids, found.release.batch_template(t.batch_index).stop)]
+    if not edited:
+        return ()
+    return (Finding("text-not-drawn", f"the published text of batch(es) {', '.join(map(str, edited[:10]))} is not the "
+                    "decoding of its own token ids: words the mechanism did not draw", tuple(edited)),)
 
 
 def _drawable(found: ReleaseFile, loaded) -> tuple[tuple[_ReleasedText, ...], tuple]:

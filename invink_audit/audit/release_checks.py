@@ -3,14 +3,20 @@ was published (the JSON Lines output) is the release its operator's bookkeeping 
 ``<output>.sampled`` journal of the texts drawn) records, and that each claim is the one its settings certify.
 
 Every record's text, token ids, guarantee and settings are compared with the journal's copy of the text drawn
-for its batch; the records' claim is recomputed from their settings with the accountant, and the state's
-settings from the journal's; missing, duplicated and unpublished batches are counted; the model loaded for the
+for its batch, and its ``labels`` and ``prompt_fields`` with those its batch gets from the input (rebuilt from
+``--input`` and accepted only by the state's fingerprint of it: :func:`label_findings`); the records' claim is
+recomputed from their settings with the accountant, and the state's settings from the journal's; missing, duplicated and unpublished batches are counted; the model loaded for the
 audit is compared with the fingerprint of the model that drew the texts
 (:func:`invink_audit.models.model_fingerprint`). Each disagreement is a :class:`Finding`, named by its kind; a
 record that is not a text record at all is a ``ValueError`` naming its file and line (bad input, not a finding).
 
 The state and the journal are bookkeeping for an honest operator, not a tamper-proof record: whoever edits the
-output, the state and the journal alike is not caught here (docs/design/release-protocol.md).
+output, the state and the journal alike is not caught here (docs/design/release-protocol.md), except in what the
+state fixes through the input's fingerprint (each batch's references, hence its labels and prompt fields). The
+state records nothing of the texts: tokens replaced in both the output and the journal are caught only when
+teacher forcing refuses them (the mechanism could not have drawn them for that batch); a record's ``text`` string
+is compared with the decoding of its tokens once the model is loaded (:mod:`invink_audit.audit.quick`;
+docs/guide/auditing.md lists what is and is not detected).
 
 Design: docs/guide/auditing.md (§"Auditing texts you just generated", a finished output file).
 """
@@ -30,6 +36,7 @@ __all__ = [
     "PublishedRecord",
     "certified_guarantee",
     "check_published_records",
+    "label_findings",
     "model_findings",
     "record_findings",
 ]
@@ -46,6 +53,7 @@ FINDING_KINDS: Mapping[str, Verdict] = {
     "edited-claim": Verdict.VIOLATION,  # a record's guarantee is not the one drawn, or not what its settings certify
     "edited-settings": Verdict.VIOLATION,  # a record's settings (``run``) are not those of the release
     "edited-record": Verdict.VIOLATION,  # another field of a record differs from the journal's copy
+    "edited-labels": Verdict.VIOLATION,  # a record states labels or prompt fields the input does not give its batch
     "weaker-claim": Verdict.INCONCLUSIVE,  # a record claims no guarantee, or a larger ε than its settings certify
     "state-inconsistent": Verdict.INCONCLUSIVE,  # the state's settings are not the release's: the audit is not of it
     "missing-record": Verdict.INCONCLUSIVE,  # a batch drawn (journal) but not published
@@ -351,6 +359,44 @@ def record_findings(records: Sequence[PublishedRecord], state_run: Mapping, clai
     findings = [*journal, *_count_findings(records, claims, num_batches), *_claim_findings(records),
                 *_state_findings(state_run, claims, records)]  # fmt: skip
     return tuple(findings), frozenset(not_drawn)
+
+
+# ---------------------------------------------------------------------------------------------
+# the labels and prompt fields each batch gets from the input
+
+
+def _expected_prompt(template, labels: Sequence[Mapping[str, str]] | None, label_fields: Mapping | None,
+                     index: int) -> tuple[dict | None, dict]:
+    """``(labels, prompt_fields)`` that ``generate`` writes in the record of batch ``index``."""
+    from invink_audit.prompts import template_for_batch
+
+    batch_labels = None if labels is None else dict(labels[index])
+    return batch_labels, dict(template_for_batch(template, labels, label_fields, index).fields)
+
+
+def label_findings(records: Sequence[PublishedRecord], template, labels: Sequence[Mapping[str, str]] | None,
+                   label_fields: Mapping[str, str] | None) -> list[Finding]:
+    """Each published record's ``labels`` and ``prompt_fields`` against those its batch gets from the input:
+    ``labels`` (one mapping per batch, ``None`` for an unlabelled release) rebuilt from ``--input`` and accepted by
+    the state's fingerprint, placed in the release's ``template`` by ``label_fields``
+    (:func:`~invink_audit.prompts.template_for_batch`). A record without ``prompt_fields`` (written before records
+    carried them) is compared by its labels only. An ``edited-labels`` finding names the batches and fields."""
+    batches, fields = set(), set()
+    for published in records:
+        expected_labels, expected_fields = _expected_prompt(template, labels, label_fields, published.batch_index)
+        record = published.record
+        differing = ["labels"] if record.get("labels") != expected_labels else []
+        if "prompt_fields" in record and record["prompt_fields"] != expected_fields:
+            differing.append("prompt_fields")
+        if differing:
+            batches.add(published.batch_index)
+            fields.update(differing)
+    if not batches:
+        return []
+    shown = sorted(batches)
+    return [Finding("edited-labels", f"the published record(s) of batch(es) {_short(shown)} state "
+                    f"{' and '.join(sorted(fields))} that the input does not give their batch (rebuilt from --input, "
+                    "whose fingerprint the state records)", tuple(shown))]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
