@@ -46,12 +46,12 @@ bucket of its own as ``kv_unshared_bytes``). Measured against the real engine in
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from accounting.limits import check_count
+from invink_audit.model_sizes import cached_hub_config, check_config_file, read_config_file
 from invink_audit.rows import MIN_BUCKET_ROWS, bucket_length
 
 __all__ = [
@@ -194,7 +194,9 @@ def read_model_shape(
 
     A missing folder, a folder without ``config.json``, a ``config.json`` that is not a JSON object, and a
     configuration no model can be built from (an unknown ``model_type``, a size that is not an integer >= 1,
-    hidden size not a multiple of the heads) are refused in one ``ValueError`` naming the file. Keys that are
+    hidden size not a multiple of the heads, a size larger than any model's:
+    :data:`~invink_audit.model_sizes.SIZE_BOUNDS`, checked before a layer is built) are refused in one
+    ``ValueError`` naming the file. Keys that are
     absent take the architecture's defaults, as in transformers (``save_pretrained`` omits the values equal to
     them): the shape planned for names every size it used."""
     from invink_audit.models import EMBEDDED_MODEL, GEMMA3_MODEL, load_model, named_model_dir
@@ -213,6 +215,9 @@ def read_model_shape(
         source, name = str(model), str(model)
         config_file = _checked_config_file(name)
         where = f"model {name!r}" if config_file is None else repr(str(config_file))
+        config_file = config_file or cached_hub_config(name)
+        if config_file is not None:  # sizes no model has, refused before a layer is built (even on meta)
+            check_config_file(config_file, dtype_bytes=None)
     return _shape_from_config(source, name, where, resolved)
 
 
@@ -254,8 +259,9 @@ def _could_only_be_a_path(model: str) -> bool:
 
 
 def _checked_config_file(model: str) -> Path | None:
-    """The ``config.json`` of the local model folder ``model``, checked to hold a JSON object; ``None`` for a
-    string that names nothing local and may be a hub id. A missing folder, a file, a missing or unreadable
+    """The ``config.json`` of the local model folder ``model``, checked to hold a JSON object
+    (:func:`~invink_audit.model_sizes.read_config_file`); ``None`` for a string that names nothing local and
+    may be a hub id. A missing folder, a file, a missing or unreadable
     ``config.json`` are refused in one line naming the path."""
     path = Path(model).expanduser()
     if not path.exists():
@@ -269,20 +275,7 @@ def _checked_config_file(model: str) -> Path | None:
     config = path / "config.json"
     if not config.is_file():
         raise ValueError(f"model folder {model!r} has no config.json (the model's configuration)")
-    try:
-        data = json.loads(config.read_bytes())
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{str(config)!r} is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})"
-        ) from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{str(config)!r} is not UTF-8 text") from None
-    except OSError as err:
-        raise ValueError(f"{str(config)!r} cannot be read: {err.strerror or err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"{str(config)!r} must hold a JSON object (the model's configuration); got {type(data).__name__}"
-        )
+    read_config_file(config)
     return config
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from accounting.limits import check_count
+from invink_audit.model_sizes import cached_hub_config, check_config_file
 
 __all__ = [
     "BFLOAT16_MAX_TOTAL_VARIATION",
@@ -491,8 +492,13 @@ def _convert_gguf(gguf_path: Path, destination: Path) -> None:
     """De-quantise ``gguf_path`` with transformers and write it as safetensors + tokenizer to ``destination``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     folder, name = str(gguf_path.parent), gguf_path.name
     with quiet_transformers():
+        # the sizes in the file's metadata, as transformers maps them, checked before it builds the model
+        metadata = load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"]
+        check_config_file(metadata, dtype_bytes=4, where=repr(str(gguf_path)))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         # transformers refuses to save a model that still carries its GGUF quantizer, so the
@@ -727,6 +733,17 @@ def _finish(model, tokenizer, name: str, device: torch.device, choice: DtypeChoi
     )
 
 
+def _check_sizes(source, torch_dtype: torch.dtype) -> None:
+    """Refuse, before transformers builds anything, the model at ``source`` (a local folder, or a hub id
+    whose ``config.json`` is in the local cache) when its configuration gives a size no model has or weights
+    (in ``torch_dtype``) beyond this machine's memory: :func:`~invink_audit.model_sizes.check_config_file`.
+    A hub id not in the cache is left to transformers (offline, it refuses it)."""
+    folder = Path(source).expanduser()
+    config = folder / "config.json" if folder.is_dir() else cached_hub_config(str(source))
+    if config is not None and config.is_file():
+        check_config_file(config, dtype_bytes=torch_dtype.itemsize)
+
+
 def load_model(
     model: str | os.PathLike | LoadedModel | None = None,
     *,
@@ -744,6 +761,8 @@ def load_model(
     :func:`resolve_device`. ``dtype``: a dtype name, ``"auto"``/``None`` (bfloat16 on CUDA; on a CPU with
     native bfloat16, bfloat16 when the :class:`BFloat16Probe` on this model passes, else float32), or a
     :class:`DtypeChoice` to follow (another process's). The result's ``dtype_choice`` says which and why.
+    A configuration with a size no model has, or weights beyond this machine's memory, is refused in one
+    ``ValueError`` naming its file before anything is built (:mod:`invink_audit.model_sizes`).
     """
     if isinstance(model, LoadedModel):
         return model
@@ -778,8 +797,10 @@ def load_model(
         with quiet_transformers():
             if convert is not None:
                 folder = convert()
+                _check_sizes(folder, torch_dtype)
                 tokenizer = AutoTokenizer.from_pretrained(folder)
                 return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype), tokenizer
+            _check_sizes(name, torch_dtype)
             tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
             network = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code)
             return network, tokenizer

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from accounting.atomic import atomic_write_json
 from invink_audit.outputs import OutputInUseError, lock_path, output_lock
+from invink_audit.terminal import printable
 
 __all__ = [
     "ACQUIRED",
@@ -56,7 +57,7 @@ __all__ = [
     "LockStep",
     "check_locks",
     "hold_lock",
-    "printable",
+    "printable",  # invink_audit.terminal's, where it lives since the CLI escapes every message with it
     "probe_lock",
     "try_lock",
 ]
@@ -221,17 +222,6 @@ def check_locks(directory: str | os.PathLike, *, timeout: float = 60.0) -> LockC
                      PROVES_LOCAL, CANNOT_PROVE_LOCAL)
 
 
-def printable(value, limit: int | None = _SHOWN_CHARS) -> str:
-    """``value`` as text safe for a terminal: every non-printable character (control characters, escape
-    sequences, bidirectional overrides) written as its Python escape, as ``repr`` does, and at most
-    ``limit`` characters kept (``None``: all)."""
-    text = value if isinstance(value, str) else repr(value)
-    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[: None if limit is None else limit + 1])
-    if limit is not None and len(shown) > limit:
-        return f"{shown[:limit]}... ({len(text)} characters)"
-    return shown
-
-
 def _holder_path(path: Path) -> Path:
     return path / (LOCK_NAME + _HOLDER_SUFFIX)
 
@@ -273,7 +263,7 @@ class _Holder:
 
     @property
     def who(self) -> str:
-        return f"{printable(self.host)} (pid {self.pid})"
+        return f"{printable(self.host, _SHOWN_CHARS)} (pid {self.pid})"
 
     def same_kernel(self, here: dict) -> bool:
         """Whether the holder ran on this kernel: the same boot id; without one on either side, the same host name."""
@@ -292,11 +282,12 @@ def _holder_from(record) -> _Holder | str:
              "beat": int, "interval": (int, float)}
     for key, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, kinds[key]):
-            return f"its {key!r} is {printable(value)}"
+            return f"its {key!r} is {printable(value, _SHOWN_CHARS)}"
     if not {"host", "pid", "until"} <= set(fields) or not math.isfinite(fields["until"]) or fields["pid"] <= 0:
         return "it lacks a host, a pid > 0 or a finite 'until'"
     if not 0 < fields.get("interval", HEARTBEAT_SECONDS) <= _MAX_INTERVAL:  # bounds a probe's wait
-        return f"its heartbeat interval {printable(fields['interval'])} is not in (0, {_MAX_INTERVAL:g}] s"
+        interval = printable(fields["interval"], _SHOWN_CHARS)
+        return f"its heartbeat interval {interval} is not in (0, {_MAX_INTERVAL:g}] s"
     return _Holder(**fields)
 
 

@@ -4,7 +4,9 @@ Each subcommand lives in its own module exposing ``register(subparsers)``; its h
 ``parser.set_defaults(handler=fn)`` and returns an exit status. Modules are imported only to build the
 parser; anything heavy (torch, transformers) is imported inside the handlers.
 
-Errors become one readable line on stderr, never a traceback. Exit statuses (docs/guide/planning.md, "Valid ranges and
+Errors become one readable line on stderr, never a traceback, with every character a terminal would interpret
+(escape sequences, bidirectional overrides, newlines) escaped (:func:`invink_audit.terminal.printable`; paths in
+reports: :func:`shown`). Exit statuses (docs/guide/planning.md, "Valid ranges and
 exit codes"):
 
 * ``EXIT_OK`` (0): success;
@@ -29,6 +31,7 @@ import re
 import sys
 
 from invink_audit import __version__
+from invink_audit.terminal import printable
 
 # subcommand modules, in the order they appear in --help
 _SUBCOMMANDS = (
@@ -71,7 +74,13 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {printable(message)} (see --help)\n")
+
+
+def shown(path) -> str:
+    """A path (or any user-supplied name) as the command line prints it in a report or summary: characters a
+    terminal would interpret escaped (:func:`invink_audit.terminal.printable`); files keep the name as given."""
+    return printable(str(path))
 
 
 def parse_float(flag: str, text: str) -> float:
@@ -149,7 +158,7 @@ def print_report(args, data, text, *, indent: int | None = None, written: str = 
     where the report files are."""
     print(json.dumps(data(), indent=indent) if args.json else text())
     if args.output and not args.json:
-        print(f"{written} written to {args.output}")
+        print(f"{written} written to {shown(args.output)}")
 
 
 def parse_list(flag: str, text: str, convert) -> list:
@@ -270,13 +279,13 @@ def _run(argv: list[str] | None) -> int:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
     except BudgetExceededError as err:
-        print(f"invink-audit {args.command}: over budget: {err}", file=sys.stderr)
+        print(f"invink-audit {args.command}: over budget: {printable(str(err))}", file=sys.stderr)
         return EXIT_OVER_BUDGET
     except (ValueError, CliError, OSError) as err:
-        print(f"invink-audit {args.command}: error: {err}", file=sys.stderr)
+        print(f"invink-audit {args.command}: error: {printable(str(err))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ReleaseIncompleteError as err:
-        print(f"invink-audit {args.command}: incomplete: {err}", file=sys.stderr)
+        print(f"invink-audit {args.command}: incomplete: {printable(str(err))}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"invink-audit {args.command}: interrupted", file=sys.stderr)

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from accounting.augpe import AugPESensitivity
-from invink_audit.cli import CliError, parse_float, parse_int, phase_progress, plural
+from invink_audit.cli import CliError, parse_float, parse_int, phase_progress, plural, shown
 
 #: the sensitivities ``--augpe-sensitivity`` offers (add-or-remove does not compose with the ledger's releases)
 _AUGPE_SENSITIVITIES = (AugPESensitivity.REPLACE_BY_NULL, AugPESensitivity.PAPER)
@@ -309,18 +309,18 @@ def _format_augpe(summary: dict, result) -> str:
     g, run = result.guarantee, summary["run"]
     guarantee = g.describe() if g.holds else f"NONE ({g.why_not})"
     if summary["charged"]:
-        charged = f"charged to {summary['ledger']} (once, before anything was generated)"
+        charged = f"charged to {shown(summary['ledger'])} (once, before anything was generated)"
     else:
         charged = f"NOT CHARGED: {summary['ledger_notice']}"
     lines = [
-        f"wrote {plural(summary['texts'], 'text')} to {summary['output']} ({plural(summary['generations'], 'generation')} "
+        f"wrote {plural(summary['texts'], 'text')} to {shown(summary['output'])} ({plural(summary['generations'], 'generation')} "
         f"in {summary['seconds']:.1f} s)",
         f"  references       {summary['num_references']} read, all voting in each of the T histograms",
         f"  guarantee        {guarantee}",
         f"  ledger           {charged}",
         f"  mechanism        AugPE: n = {run['num_texts']}, T = {run['iterations']}, L = {run['variations']}, noise std "
         f"{run['noise_std']:.6g} ({run['sensitivity']}), prompts {run['prompts']['name']}, embedder {run['embedder']}",
-        f"  model            {summary['model']}",
+        f"  model            {shown(summary['model'])}",
     ]
     if summary["seeded"]:
         lines.append("  WARNING          fixed seed: these texts are reproducible and carry NO privacy guarantee")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from invink_audit.cli import (
-    CliError, add_accountant_argument, column_names, parse_float, parse_int, parse_top_k, plural, tqdm_bar,
+    CliError, add_accountant_argument, column_names, parse_float, parse_int, parse_top_k, plural, shown, tqdm_bar,
 )
 from invink_audit.distributed import launch_rank
 
@@ -515,9 +515,9 @@ def format_summary(result, ledger: str | None = None) -> str:
     if ledger is None:
         charged = f"  ledger           NOT CHARGED: {_not_charged(result)}"
     else:
-        charged = f"  ledger           charged to {ledger} (once per release: a resumed run is not charged again)"
+        charged = f"  ledger           charged to {shown(ledger)} (once per release: a resumed run is not charged again)"
     lines = [
-        f"wrote {plural(len(result.texts), 'text')} to {result.output} "
+        f"wrote {plural(len(result.texts), 'text')} to {shown(result.output)} "
         f"({result.num_resumed} kept from an earlier run, {plural(result.tokens_generated, 'token')} generated in "
         f"{result.seconds:.1f} s)",
         f"  references       {result.num_references} read, {plural(result.num_batches, 'batch', 'batches')} of "
@@ -525,7 +525,7 @@ def format_summary(result, ledger: str | None = None) -> str:
         guarantee,
         charged,
         mechanism,
-        f"  model            {result.model}",
+        f"  model            {shown(result.model)}",
     ]
     if result.dtype_choice is not None:
         lines.append(f"  dtype            {result.dtype_choice.dtype} ({result.dtype_choice.reason})")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from invink_audit.cli import EXIT_OK, EXIT_OVER_BUDGET, CliError, add_accountant_argument, parse_float, parse_int, plural
+from invink_audit.cli import (
+    EXIT_OK, EXIT_OVER_BUDGET, CliError, add_accountant_argument, parse_float, parse_int, plural, shown,
+)
 
 
 def register(subparsers) -> None:
@@ -108,7 +110,7 @@ def _init(args) -> int:
     ledger = BudgetLedger.create(args.path, epsilon=epsilon, delta=delta, accountant=args.accountant, dataset=args.dataset)
     status = ledger.status()
     print(
-        f"created ledger {args.path} (budget epsilon={status.epsilon_budget:g}, delta={status.delta:g}, "
+        f"created ledger {shown(args.path)} (budget epsilon={status.epsilon_budget:g}, delta={status.delta:g}, "
         f"{status.accountant}); head {status.head}"
     )
     return EXIT_OK
@@ -122,13 +124,13 @@ def _show(args) -> int:
         print(json.dumps({**{name: getattr(status, name) for name in fields}, "releases": list(status.releases)}))
         return EXIT_OK
     print(
-        f"ledger {args.path}: spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g} "
+        f"ledger {shown(args.path)}: spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g} "
         f"at delta={status.delta:g} ({status.accountant})"
     )
     print(
         f"  remaining epsilon {status.epsilon_remaining:.6g} is not what a next release can spend: epsilons do not "
         f"add up (releases add zCDP rho); a next release fits if it costs at most rho={status.rho_remaining:.6g}. "
-        f"`invink-audit ledger fits {args.path} --batch-size B --max-new-tokens T` gives its largest C"
+        f"`invink-audit ledger fits {shown(args.path)} --batch-size B --max-new-tokens T` gives its largest C"
     )
     if status.head is None:
         print(f"  format {status.format_version}: no hash chain yet; the next charge adds one")
@@ -187,7 +189,7 @@ def _charge(args) -> int:
             f"(total epsilon spent {outcome.epsilon_spent:.6g})"
         )
     else:
-        print(f"charged {name}: total epsilon spent {outcome.epsilon_spent:.6g}")
+        print(f"charged {shown(name)}: total epsilon spent {outcome.epsilon_spent:.6g}")
     return EXIT_OK
 
 
@@ -203,7 +205,7 @@ def _fits(args) -> int:
             print(json.dumps({"fits": False, "clip_norm": None, "epsilon_release": None,
                               "epsilon_spent_after": None, "epsilon_budget": status.epsilon_budget}))
         else:
-            print(f"nothing fits: even the smallest supported clip norm would exceed the budget of {args.path} "
+            print(f"nothing fits: even the smallest supported clip norm would exceed the budget of {shown(args.path)} "
                   f"(spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g})")
         return EXIT_OVER_BUDGET
     event = release.event

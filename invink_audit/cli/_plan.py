@@ -11,7 +11,7 @@ import argparse
 import functools
 import json
 
-from invink_audit.cli import add_accountant_argument, parse_float, parse_int, parse_list, parse_top_k, plural
+from invink_audit.cli import add_accountant_argument, parse_float, parse_int, parse_list, parse_top_k, plural, shown
 
 _B_HELP = (
     "B: private references per generated text (the paper's B), 1 .. 1e9. Each token costs B+1 forward rows "
@@ -247,7 +247,7 @@ def format_memory(estimate, budget: float | None = None, *, equal_prompts: bool 
     figure = "equal prompts" if equal_prompts else "prompts of any lengths"
     chosen = "given or the default" if budget is None else f"the largest that fits {budget:g} GiB, {figure}"
     lines = [
-        f"Memory plan: {m.name} in {m.dtype} ({m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}, "
+        f"Memory plan: {shown(m.name)} in {m.dtype} ({m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}, "
         f"hidden {m.hidden_size}, vocabulary {m.vocab_size}, {m.num_parameters / 1e6:.1f}M parameters)",
         f"  workload           B = {w.batch_size}, T = {w.max_new_tokens}, prompts P = {w.prompt_tokens} tokens "
         f"(public P0 = {w.public_prompt_tokens}), top_k = {w.top_k}",

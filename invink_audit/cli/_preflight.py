@@ -57,7 +57,8 @@ def _check_locks(args) -> int:
 def format_check(result) -> str:
     """A :class:`~invink_audit.preflight.LockCheck` as a few lines of text, every field with its non-printable
     characters escaped (a line per field: no control character or escape sequence reaches the terminal)."""
-    from invink_audit.preflight import FAIL, printable
+    from invink_audit.preflight import FAIL
+    from invink_audit.terminal import printable
 
     def show(text) -> str:
         return printable(text, limit=None)

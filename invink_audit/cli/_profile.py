@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from invink_audit.cli import add_label_arguments, label_columns, parse_int, plural, progress_bar
+from invink_audit.cli import add_label_arguments, label_columns, parse_int, plural, progress_bar, shown
 from invink_audit.cli._generate import add_prompt_arguments, add_where_argument, parse_fields, parse_where, prompt_template
 from invink_audit.cli._sweep import add_grid_arguments, grid_arguments
 
@@ -66,6 +66,6 @@ def _profile(args) -> int:
         print(f"invink-audit profile: small sample: {line}", file=sys.stderr)
     if args.output:
         paths = result.write(args.output)
-        print(f"wrote {', '.join(str(p) for p in paths)} (NOT PRIVATE: keep them with the data)", file=sys.stderr)
+        print(f"wrote {', '.join(shown(p) for p in paths)} (NOT PRIVATE: keep them with the data)", file=sys.stderr)
     print(json.dumps(result.to_json(), indent=1) if args.json else result.markdown())
     return 0

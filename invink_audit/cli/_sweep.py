@@ -13,6 +13,7 @@ import sys
 
 from invink_audit.cli import (
     add_label_arguments, label_columns, parse_float, parse_int, parse_list, parse_top_k, plural, progress_bar,
+    shown,
 )
 from invink_audit.cli._evaluate import add_evaluation_arguments, evaluation_config, tqdm_progress
 from invink_audit.cli._generate import add_prompt_arguments, add_where_argument, parse_fields, parse_where, prompt_template
@@ -94,7 +95,7 @@ def _sweep(args) -> int:
     total = len(config.points())
     print(
         f"sweep: {plural(total, 'grid point')}"
-        + ("" if args.public_proxy else f", each a separate release charged to {args.ledger} (sequential composition)")
+        + ("" if args.public_proxy else f", each a separate release charged to {shown(args.ledger)} (sequential composition)")
         + (" on references declared public/proxy: nothing is charged" if args.public_proxy else ""),
         file=sys.stderr,
     )
@@ -114,5 +115,5 @@ def _sweep(args) -> int:
         print(f"invink-audit sweep: small sample: {line}", file=sys.stderr)
 
     print((Path(args.output) / "sweep.md").read_text())
-    print(f"{plural(len(rows), 'row')}; table, jsonl and plots in {args.output} (NOT PRIVATE: keep them with the data)")
+    print(f"{plural(len(rows), 'row')}; table, jsonl and plots in {shown(args.output)} (NOT PRIVATE: keep them with the data)")
     return 0
