@@ -15,8 +15,8 @@ its file and the line of its opening fence (``docs/guide/planning.md:73``).
   ``references``, ``my_generate``). A small setup per block, keyed by a distinctive substring of the
   block (:data:`SETUPS`), writes or defines them; every key must match exactly one block across all
   the files, so a setup cannot outlive its block unnoticed.
-* **The tiny model.** Blocks keyed in :data:`TINY_DEFAULT_MODEL` load the default model (``model=None``,
-  the embedded SmolLM2-135M-Instruct) for many texts: the model audit (``num_samples=32``) took 143 s
+* **The tiny model.** Blocks keyed in :data:`TINY_DEFAULT_MODEL` load the default model (``model=None``, or
+  the default generator Gemma-3-270M that ``generate`` names) for many texts: the model audit (``num_samples=32``) took 143 s
   with it on a 2-core CPU, and a quick audit generates and then samples 16 more texts at B = 7. For
   those blocks the test replaces ``invink_audit.models.load_model``'s default (``None``) by
   :func:`invink_audit.models.build_tiny_model` (every invink_audit module that imported
@@ -292,11 +292,14 @@ def _default_model(loaded, monkeypatch):
     """``load_model(None)`` returns ``loaded`` in every invink_audit module that holds ``load_model``;
     a module first imported meanwhile (and so holding the replacement) gets the original back after."""
     import invink_audit.models
+    from invink_audit.models import DEFAULT_GENERATOR
 
     original = invink_audit.models.load_model
 
     def load_model(model=None, **kwargs):
-        return loaded if model is None else original(model, **kwargs)
+        # the default (None, or the default generator generate names) and the tiny model's own recorded name
+        # (what quick_audit loads a result's model by)
+        return loaded if model in (None, DEFAULT_GENERATOR, loaded.name) else original(model, **kwargs)
 
     def holding(function):
         return [
