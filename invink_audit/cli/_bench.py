@@ -46,19 +46,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--column", default=None, help="column/field of --references holding the text (default text)")
     add_where_argument(p)
-    p.add_argument("--no-one-at-a-time", action="store_true", help="skip the one-text-at-a-time run")
-    p.add_argument("--no-floor", action="store_true", help="skip the bare unpadded forward (floor) run")
-    p.add_argument(
-        "--no-op-count",
-        action="store_true",
-        help="skip counting kernel-launching operations per decoding step (ours and a plain padded decode's; "
-        "one more prefill of each)",
-    )
-    p.add_argument(
-        "--compare-full-logits",
-        action="store_true",
-        help="also run the workload with full private logits, to show what the Top-k+ columns save",
-    )
+    _add_comparison_arguments(p)
     p.add_argument("--max-batch-rows", default=None, help="rows per decoding forward pass (default G x (B+1))")
     p.add_argument(
         "--compare-dtypes",
@@ -82,6 +70,23 @@ def register(subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_bench)
+
+
+def _add_comparison_arguments(p) -> None:
+    """The runs measured beside the workload, each skipped or added by its flag."""
+    p.add_argument("--no-one-at-a-time", action="store_true", help="skip the one-text-at-a-time run")
+    p.add_argument("--no-floor", action="store_true", help="skip the bare unpadded forward (floor) run")
+    p.add_argument(
+        "--no-op-count",
+        action="store_true",
+        help="skip counting kernel-launching operations per decoding step (ours and a plain padded decode's; "
+        "one more prefill of each)",
+    )
+    p.add_argument(
+        "--compare-full-logits",
+        action="store_true",
+        help="also run the workload with full private logits, to show what the Top-k+ columns save",
+    )
 
 
 def _reference_model_dir(model: str | None) -> str:

@@ -66,14 +66,7 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
             f"| TSTR floor (chance: labels alone) | {_fmt(t.accuracy_floor)} | |",
             f"| TSTR fraction of the gap closed | {_fmt(t.gap_closed)} | {t.gap_closed_note} |",
         ]
-    if result.off_genre_synthetic is not None:
-        lines += [
-            f"| off-genre texts, synthetic | {_fmt(result.off_genre_synthetic, scale=100, digits=0)} % | the off-genre "
-            "rule (a chatbot about the task, refusal, list, url, under 6 words); Wilson |",
-            f"| off-genre texts, real | {_fmt(result.off_genre_real, scale=100, digits=0)} % | the same rule on the "
-            "real texts sampled |",
-        ]
-    lines += [""]
+    lines += [*_off_genre_rows(result), ""]
     if result.num_empty_synthetic:
         lines += [
             f"**Warning**: {result.num_empty_synthetic} of {result.num_synthetic} synthetic texts are empty; they are "
@@ -88,6 +81,18 @@ def evaluation_markdown(result: EvaluationResult, *, title: str = "Utility evalu
         "",
     ]
     return "\n".join(lines)
+
+
+def _off_genre_rows(result: EvaluationResult) -> list[str]:
+    """The off-genre shares' table rows (none for a result without them)."""
+    if result.off_genre_synthetic is None:
+        return []
+    return [
+        f"| off-genre texts, synthetic | {_fmt(result.off_genre_synthetic, scale=100, digits=0)} % | the off-genre "
+        "rule (a chatbot about the task, refusal, list, url, under 6 words); Wilson |",
+        f"| off-genre texts, real | {_fmt(result.off_genre_real, scale=100, digits=0)} % | the same rule on the "
+        "real texts sampled |",
+    ]
 
 
 def _plots(result: EvaluationResult, directory: Path) -> list[str]:
