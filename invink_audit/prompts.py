@@ -11,9 +11,12 @@ Design: docs/guide/generating.md (§"Prompt templates").
 from __future__ import annotations
 
 import dataclasses
+import html
 import re
 import string
+import sys
 import unicodedata
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
@@ -438,17 +441,44 @@ MIN_CONTAINED_REFERENCE_CHARS = 20
 MIN_QUOTED_PUBLIC_CHARS = 64
 
 
-_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|([nrtbf\"\\/]))")
+#: A run of this many consecutive words shared by a public input and a reference is a copy (a slice cut mid-word
+#: at both ends, a review wrapped over several example lines or with a few characters changed still shares such
+#: runs; ordinary phrases are shorter).
+COPY_RUN_WORDS = 10
+
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|x([0-9a-fA-F]{2})|([nrtbf\"\\/]))")
 _ESCAPED = {"n": "\n", "r": "\r", "t": "\t", "b": " ", "f": " ", '"': '"', "\\": "\\", "/": "/"}
 
 
+#: invisible format characters (Unicode category Cf: soft hyphen, zero-width and bidirectional marks, word joiners,
+#: the byte-order mark)
+_FORMAT = re.compile("[" + "".join(re.escape(chr(c)) for c in range(0x30000) if unicodedata.category(chr(c)) == "Cf") + "]")
+
+
+def _unescaped(m: re.Match) -> str:
+    code = m[1] or m[2] or m[3]
+    if code is None:
+        return _ESCAPED[m[4]]
+    return chr(int(code, 16)) if int(code, 16) <= sys.maxunicode else " "
+
+
+def _words(text: str) -> list[str]:
+    """The words of ``text``, case folded, after undoing the escapes a copy of the data in another format carries
+    (JSON's and Python's backslash escapes, HTML entities, percent-encoding; CSV's doubled quotes vanish with the
+    punctuation), Unicode compatibility forms (NFKC), invisible format characters (zero-width spaces, soft
+    hyphens) and apostrophes (``don't`` and ``dont`` are one word)."""
+    text = urllib.parse.unquote(html.unescape(_ESCAPE.sub(_unescaped, text)))
+    text = _FORMAT.sub("", unicodedata.normalize("NFKC", text))
+    return re.findall(r"\w+", re.sub(r"['\u2019\u02bc`]", "", text.casefold()))
+
+
 def _normalised(text: str) -> str:
-    """The words of ``text``, case folded, one space apart, after undoing the escapes that a copy of the data in
-    another file format carries (JSON's ``\\n``, ``\\"``, ``\\uXXXX``; CSV's doubled quotes vanish with the
-    punctuation) and Unicode compatibility forms (NFKC): a copy in another encoding, spacing or case compares
-    equal."""
-    text = _ESCAPE.sub(lambda m: chr(int(m[1], 16)) if m[1] else _ESCAPED[m[2]], text)
-    return " ".join(re.findall(r"\w+", unicodedata.normalize("NFKC", text).casefold()))
+    """:func:`_words` joined by single spaces."""
+    return " ".join(_words(text))
+
+
+def _runs(words: Sequence[str]) -> set[tuple[str, ...]]:
+    return {tuple(words[i : i + COPY_RUN_WORDS]) for i in range(len(words) - COPY_RUN_WORDS + 1)}
 
 
 def public_inputs(template: PromptTemplate) -> list[tuple[str, str]]:
@@ -469,21 +499,26 @@ def refuse_private_in_public(template: PromptTemplate, references: Sequence[str 
 
 
 def refuse_private_strings(named: Sequence[tuple[str, str]], references: Sequence[str | None], owner: str = "") -> None:
-    """Refuse public strings (``(name, text)`` pairs) that come from ``references`` (the private input): one equal
-    to a reference, containing one of at least :data:`MIN_CONTAINED_REFERENCE_CHARS` characters, or (of at least
-    :data:`MIN_QUOTED_PUBLIC_CHARS` characters) contained in one, compared word by word after undoing another file
-    format's escapes (:func:`_normalised`). Public inputs are shown in every prompt and written into every record of
-    the published output; from the private data, they would publish it verbatim. The ``ValueError`` names the
-    public input and the reference's position (1-based), never the text."""
-    publics = [(name, f" {_normalised(text)} ") for name, text in named]
-    publics = [(name, public) for name, public in publics if public.strip()]
+    """Refuse public strings (``(name, text)`` pairs) that come from ``references`` (the private input), compared
+    as words (:func:`_words`): one that shares a run of :data:`COPY_RUN_WORDS` consecutive words with a reference
+    (the strings are also tried joined, so a reference spread over several examples is found), equals a shorter
+    reference, contains one of at least :data:`MIN_CONTAINED_REFERENCE_CHARS` characters, or (of at least
+    :data:`MIN_QUOTED_PUBLIC_CHARS` characters) is contained in one. Public inputs are shown in every prompt and
+    written into every record of the published output; from the private data, they would publish it verbatim. The
+    ``ValueError`` names the public input and the reference's position (1-based), never the text."""
+    named = [(name, _words(text)) for name, text in named]
+    named = [(name, words) for name, words in named if words]
+    if len(named) > 1:
+        named.append(("the public inputs together", [w for _, words in named for w in words]))
+    publics = [(name, f" {' '.join(words)} ", _runs(words)) for name, words in named]
     for position, reference in enumerate(references, start=1):
-        text = f" {_normalised(reference)} " if reference else " "
-        if not text.strip():
+        words = _words(reference) if reference else []
+        if not words:
             continue
-        for name, public in publics:
+        text, runs = f" {' '.join(words)} ", _runs(words)
+        for name, public, public_runs in publics:
             copied = public == text or (len(text) - 2 >= MIN_CONTAINED_REFERENCE_CHARS and text in public)
-            if copied or (len(public) - 2 >= MIN_QUOTED_PUBLIC_CHARS and public in text):
+            if copied or (len(public) - 2 >= MIN_QUOTED_PUBLIC_CHARS and public in text) or not runs.isdisjoint(public_runs):
                 raise ValueError(
                     f"{name} {owner + ' ' if owner else ''}repeats private reference {position} of the input: public "
                     "inputs (examples, answer prefix, stop strings, field values) are published with every text and "

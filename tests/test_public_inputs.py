@@ -212,3 +212,44 @@ def test_augpe_prompt_fields_from_the_private_data_are_refused_before_the_charge
     with pytest.raises(ValueError, match="prompt field 'category' of AugPE prompts 'yelp' repeats private reference 2"):
         augpe_generate(REVIEWS, config, ledger=ledger)  # refused before any model or embedder loads
     assert ledger.status().releases == ()
+
+
+LONG = ("I don't usually write reviews, but the ramen at this tiny counter was the best I've had outside Tokyo: "
+        "rich pork broth, springy noodles, a perfectly jammy egg, and the chef remembered my order on the second "
+        "visit even though the line was out the door.")
+
+
+def _near_copies():
+    import html
+    import textwrap
+    import urllib.parse
+
+    return {
+        "cut-mid-word": [LONG[3:150]],
+        "last-two-characters-dropped": [LONG[:-2]],
+        "wrapped-over-lines": textwrap.wrap(LONG, 60),
+        "html-escaped": [html.escape(LONG)],
+        "apostrophes-removed": [LONG.replace("'", "")],
+        "zero-width-spaces": [LONG.replace("ve", "v\u200be").replace("no", "n\u00ado")],
+        "percent-encoded": [urllib.parse.quote(LONG)],
+        "python-escapes": [LONG.encode("unicode_escape").decode().replace(" ", "\\x20")],
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(_near_copies()))
+def test_near_copies_of_a_reference_are_refused(kind):
+    # probe: a slice cut mid-word, a review wrapped at 60 columns, HTML-escaped, without apostrophes or with
+    # zero-width spaces inside words got through, were charged and published
+    template = dataclasses.replace(get_preset("yelp"), examples=tuple(_near_copies()[kind]))
+    with pytest.raises(ValueError, match="repeats private reference 2"):
+        refuse_private_in_public(template, [REVIEWS[0], LONG, None])
+
+
+def test_common_phrases_shorter_than_a_copy_run_are_kept():
+    """Phrases every review uses, shorter than COPY_RUN_WORDS words, are not a copy."""
+    from invink_audit.prompts import COPY_RUN_WORDS
+
+    phrase = "the food was great and the service was"
+    assert len(phrase.split()) < COPY_RUN_WORDS
+    template = dataclasses.replace(get_preset("yelp"), examples=(f"Honestly {phrase} quick, five stars from me.",))
+    refuse_private_in_public(template, [f"We came on a Tuesday; {phrase} slow but friendly overall.", LONG])
