@@ -6,8 +6,11 @@ build layer after layer (even on the ``meta`` device) until the machine runs out
 configuration as plain JSON (no transformers), refuses a size larger than any model has
 (:data:`SIZE_BOUNDS`) and estimates the parameter count; :func:`check_config_file` also refuses a model
 whose weights alone would need more than all of this machine's memory (:func:`machine_memory_bytes`),
-each in one ``ValueError`` naming the file. Sizes that are not integers or are below 1 are left to the
-readers downstream (transformers' own validation, :class:`~invink_audit.capacity.ModelShape`).
+each in one ``ValueError`` naming the file. A size that is not an integer >= 1 (a bool, a float such as
+``4.5``, a string such as ``"32"``, ``-32``; ``null`` is left to the architecture's default, and an expert count
+may be 0: no experts) is refused the same way, before transformers builds anything (its own checks would end in
+a traceback). The file is read strictly: larger than :data:`MAX_CONFIG_BYTES`, or an object repeating a key
+(:func:`accounting.strict_json.loads_strict`), it is refused unread or unparsed.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import resource
 from collections.abc import Mapping
 from pathlib import Path
 
+from accounting.strict_json import DuplicateKeyError, loads_strict
+
 __all__ = [
     "FALLBACK_MEMORY_BYTES",
+    "MAX_CONFIG_BYTES",
     "SIZE_BOUNDS",
     "cached_hub_config",
     "check_config_file",
@@ -43,6 +49,11 @@ SIZE_BOUNDS: dict[str, tuple[int, tuple[str, ...]]] = {
     "head_dim": (2**14, ("head_dim",)),
     "max_position_embeddings": (2**30, ("max_position_embeddings", "n_positions")),
 }
+#: The largest ``config.json`` read (real ones are a few kB; the largest, with per-layer lists, well under 1 MiB):
+#: a larger file is refused before it is read.
+MAX_CONFIG_BYTES = 16 * 2**20
+#: The sizes that may be 0 (a model without experts); every other size is an integer >= 1.
+_MAY_BE_ZERO = frozenset({"num_experts", "moe_intermediate_size"})
 #: The machine's memory when the operating system does not say (not Linux): generous, so that only a
 #: configuration beyond any machine is refused.
 FALLBACK_MEMORY_BYTES = 2**40
@@ -52,10 +63,22 @@ _NO_POSITION_TABLE = ("rope_theta", "rope_parameters", "rope_scaling", "rotary_d
 
 
 def read_config_file(config: Path) -> dict:
-    """The JSON object in the file ``config``; invalid JSON, text that is not UTF-8, an unreadable file or
-    anything but an object is refused in one ``ValueError`` naming the file."""
+    """The JSON object in the file ``config``; a file larger than :data:`MAX_CONFIG_BYTES` (refused before it is
+    read), invalid JSON, an object repeating a key, text that is not UTF-8, an unreadable file or anything but an
+    object is refused in one ``ValueError`` naming the file."""
     try:
-        data = json.loads(Path(config).read_bytes())
+        with open(config, "rb") as handle:
+            text = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(
+                f"{str(config)!r} is larger than {MAX_CONFIG_BYTES:,} bytes: not a model configuration "
+                "(real ones are a few kB); refused unread"
+            )
+        data = loads_strict(text)
+    except RecursionError:
+        raise ValueError(f"{str(config)!r} nests its JSON too deeply to be a model configuration") from None
+    except DuplicateKeyError as err:
+        raise ValueError(f"{str(config)!r} repeats the key {err.key_shown()} in one object: refused") from None
     except json.JSONDecodeError as err:
         raise ValueError(
             f"{str(config)!r} is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})"
@@ -72,22 +95,33 @@ def read_config_file(config: Path) -> dict:
 
 
 def _sizes(config: Mapping, where: str) -> dict[str, int]:
-    """The sizes ``config`` gives (the largest entry of a per-layer list), each checked against
-    :data:`SIZE_BOUNDS`; values that are not numbers are skipped (validated downstream)."""
+    """The sizes ``config`` gives (the largest entry of a per-layer list), each checked to be an integer >= 1
+    (0 allowed for an expert count; ``null`` is skipped: the architecture's default) and against
+    :data:`SIZE_BOUNDS`."""
     sizes = {}
     for size, (bound, names) in SIZE_BOUNDS.items():
+        least = 0 if size in _MAY_BE_ZERO else 1
         for name in names:
             values = config.get(name)
             values = values if isinstance(values, list) else [values]
-            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            if not numbers:
+            given = [v for v in values if v is not None]
+            for value in given:
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if number and not value <= bound:  # NaN and inf too
+                    raise ValueError(
+                        f"{where}: {name} is {value!r}, larger than any model's (at most {bound}): "
+                        "not a configuration a model can be built from"
+                    )
+                if not number or not isinstance(value, int) or value < least:
+                    shown = json.dumps(value)[:40] if isinstance(value, (str, int, float, bool)) else "a JSON " + (
+                        "object" if isinstance(value, Mapping) else "array" if isinstance(value, list) else "value")
+                    raise ValueError(
+                        f"{where}: {name} is {shown}, not an integer >= {least}: "
+                        "not a configuration a model can be built from"
+                    )
+            if not given:
                 continue
-            largest = max(numbers)
-            if not largest <= bound:  # NaN and inf too
-                raise ValueError(
-                    f"{where}: {name} is {largest!r}, larger than any model's (at most {bound}): "
-                    "not a configuration a model can be built from"
-                )
+            largest = max(given)
             sizes.setdefault(size, max(0, int(largest)))
     return sizes
 

@@ -346,3 +346,27 @@ def test_a_text_edited_in_the_output_and_the_journal_with_its_tokens_kept_is_a_v
     report = _audit(copy, tiny_dir)
     assert report.verdict is Verdict.VIOLATION and _kinds(report) == {"text-not-drawn"}
     assert report.findings[0].batches == (2,) and "decoding of its own token ids" in report.findings[0].message
+
+
+def test_a_seeded_release_is_named_and_never_a_pass(tiny_dir, tmp_path, capsys):
+    # probe F8: a release drawn with --seed (records `guarantee: null`, state `run.seeded: true`) audited PASS
+    import warnings
+
+    from invink_audit.mechanism import SeededGeneratorWarning
+
+    (tmp_path / "refs.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in REFERENCES[:4]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededGeneratorWarning)
+        generate_flat(tmp_path / "refs.jsonl", output=tmp_path / "out.jsonl", model=str(tiny_dir), seed=3,
+                      **OPTIONS)  # fmt: skip
+    state = json.loads((tmp_path / "out.jsonl.state.json").read_text())
+    assert state["run"]["seeded"] is True and all(r["guarantee"] is None for r in _lines(tmp_path / "out.jsonl"))
+    report = _audit(tmp_path, tiny_dir)
+    assert report.verdict is Verdict.INCONCLUSIVE and _kinds(report) == {"seeded-release"}, report.findings
+    assert report.texts_audited == 2 and "fixed seed" in report.findings[0].message
+    code = main(["audit", "--release", str(tmp_path / "out.jsonl"), "--input", str(tmp_path / "refs.jsonl"),
+                 "--model", str(tiny_dir), "--sampled-batch", "none", "--output", str(tmp_path / "report"),
+                 "--no-plots"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 3 and "audit verdict: INCONCLUSIVE (the release was drawn with a fixed seed" in out, out
+    assert "finding seeded-release (INCONCLUSIVE)" in out and "is not the release it records" not in out

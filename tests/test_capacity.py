@@ -303,9 +303,10 @@ _LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "n
         # probes: a traceback (a string where an int belongs), a raw transformers message (invalid JSON), a size
         # silently truncated (64.5), a negative layer count, a JSON array, no model_type, heads that do not divide
         ('{"model_type": "llama", ', "config.json' is not valid JSON: Expecting property name"),
-        ({**_LLAMA, "hidden_size": "big"}, "config.json' is not a model configuration this tool can plan for"),
-        ({**_LLAMA, "hidden_size": 64.5}, "expected int, got float"),
-        ({**_LLAMA, "num_hidden_layers": -2}, "num_hidden_layers must be an integer >= 1; got -2"),
+        # (sizes that are not integers >= 1 are refused before transformers reads them: invink_audit.model_sizes)
+        ({**_LLAMA, "hidden_size": "big"}, "config.json': hidden_size is \"big\", not an integer >= 1"),
+        ({**_LLAMA, "hidden_size": 64.5}, "config.json': hidden_size is 64.5, not an integer >= 1"),
+        ({**_LLAMA, "num_hidden_layers": -2}, "config.json': num_hidden_layers is -2, not an integer >= 1"),
         ({**_LLAMA, "num_attention_heads": 5}, "not a multiple of the number of attention heads"),
         ([1, 2], "config.json' must hold a JSON object"),
         ({"hidden_size": 64}, "Should have a `model_type` key"),

@@ -160,8 +160,8 @@ def test_bounds_are_inclusive_and_only_numbers_are_bounded():
             estimated_parameters({names[-1]: bound + 1}, "edge")
         with pytest.raises(ValueError, match=f"edge: {names[0]} is inf"):
             estimated_parameters({names[0]: float("inf")}, "edge")
-    # not numbers, or below 1: left to transformers' validation and ModelShape (their messages name the field)
-    assert estimated_parameters({"num_hidden_layers": "many", "hidden_size": True, "vocab_size": -3}, "edge") == 0
+    # null is the architecture's default; an expert count may be 0 (no experts)
+    assert estimated_parameters({"head_dim": None, "intermediate_size": None, "num_local_experts": 0}, "edge") == 0
     with pytest.raises(ValueError, match=r"edge \(text_config\): num_hidden_layers is 1000000000000"):
         estimated_parameters({"model_type": "llava", "text_config": {"num_hidden_layers": 10**12}}, "edge")
     with pytest.raises(ValueError, match="intermediate_size is 2000000"):  # a per-layer list: its largest entry
@@ -177,3 +177,86 @@ def test_the_memory_bound_is_this_machines(monkeypatch):
         check_config_file(config, dtype_bytes=4, where="small")
     assert check_config_file(config, dtype_bytes=None, where="small") == parameters  # no dtype: sizes only
     assert check_config_file(config, dtype_bytes=torch.bfloat16.itemsize, where="small") == parameters
+
+
+# probe F4: sizes that are not integers >= 1 crashed `generate` inside transformers (a traceback, exit 1)
+_NOT_SIZES = [
+    ({"hidden_size": -32}, "hidden_size is -32, not an integer >= 1"),
+    ({"num_attention_heads": 4.5}, "num_attention_heads is 4.5, not an integer >= 1"),
+    ({"hidden_size": "32"}, 'hidden_size is "32", not an integer >= 1'),
+    ({"num_hidden_layers": 0}, "num_hidden_layers is 0, not an integer >= 1"),
+    ({"vocab_size": True}, "vocab_size is true, not an integer >= 1"),
+    ({"intermediate_size": [64, -1]}, "intermediate_size is -1, not an integer >= 1"),
+    ({"num_local_experts": -2}, "num_local_experts is -2, not an integer >= 0"),
+]
+
+
+@pytest.mark.parametrize(("sizes", "needle"), _NOT_SIZES)
+def test_a_size_that_is_not_a_positive_integer_is_refused_in_every_path(sizes, needle, tiny_dir, tmp_path, capsys,
+                                                                         no_model_is_built):  # fmt: skip
+    folder = _model_folder(tiny_dir, tmp_path, **sizes)
+    with pytest.raises(ValueError, match="config.json'") as caught:
+        load_model(folder, device="cpu", dtype="float32")
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+    rc, out, err = _memory(folder, capsys)
+    assert rc == EXIT_BAD_INPUT and out == "" and err.count("\n") == 1 and needle in err, err
+    with pytest.raises(ValueError, match=r"edge \(text_config\): "):
+        estimated_parameters({"text_config": sizes}, "edge")
+
+
+def _generate(folder, tmp_path, ledger):
+    references = tmp_path / "refs.csv"
+    references.write_text("text\n" + "\n".join(REFERENCES) + "\n")
+    return main([
+        "generate", "--input", str(references), "--output", str(tmp_path / "out.jsonl"), "--model", str(folder),
+        "--batch-size", "2", "--max-new-tokens", "4", "--epsilon", "5", "--delta", "1e-6", "--top-k", "8",
+        "--ledger", str(ledger.path), "--no-progress",
+    ])  # fmt: skip
+
+
+def test_generate_refuses_a_size_that_is_not_a_positive_integer_uncharged(tiny_dir, tmp_path, capsys,
+                                                                          no_model_is_built):  # fmt: skip
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=10.0, delta=1e-6)
+    before = ledger.path.read_bytes()
+    for i, (sizes, needle) in enumerate(_NOT_SIZES[:3]):
+        folder = _model_folder(tiny_dir, tmp_path / str(i), **sizes)
+        rc = _generate(folder, tmp_path, ledger)
+        err = capsys.readouterr().err
+        assert rc == EXIT_BAD_INPUT and err.count("\n") == 1 and needle in err and str(folder) in err, err
+    assert ledger.path.read_bytes() == before and not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_config_repeating_a_key_is_refused(tiny_dir, tmp_path, capsys, no_model_is_built):
+    # probe F5: `..., "num_hidden_layers": 2, ..., "num_hidden_layers": 1}` ran and was charged
+    folder = _model_folder(tiny_dir, tmp_path)
+    text = (folder / "config.json").read_text().rstrip()
+    (folder / "config.json").write_text(text[:-1] + ', "num_hidden_layers": 1}')
+    needle = "repeats the key 'num_hidden_layers'"
+    with pytest.raises(ValueError, match="config.json' repeats the key 'num_hidden_layers'"):
+        load_model(folder, device="cpu", dtype="float32")
+    rc, out, err = _memory(folder, capsys)
+    assert rc == EXIT_BAD_INPUT and err.count("\n") == 1 and needle in err, err
+    ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=10.0, delta=1e-6)
+    before = ledger.path.read_bytes()
+    assert _generate(folder, tmp_path, ledger) == EXIT_BAD_INPUT and needle in capsys.readouterr().err
+    assert ledger.path.read_bytes() == before
+
+
+def test_a_config_larger_than_the_bound_is_refused_unread(tiny_dir, tmp_path, capsys, monkeypatch, no_model_is_built):
+    # probe F6: a 300 MB config.json was read whole (1.37 GB peak); the bound is lowered here to keep the test small
+    monkeypatch.setattr(model_sizes, "MAX_CONFIG_BYTES", 4096)
+    folder = _model_folder(tiny_dir, tmp_path, padding="x" * 5000)
+    with pytest.raises(ValueError, match="config.json' is larger than"):
+        load_model(folder, device="cpu", dtype="float32")
+    rc, out, err = _memory(folder, capsys)
+    assert rc == EXIT_BAD_INPUT and err.count("\n") == 1 and "is larger than" in err, err
+    monkeypatch.undo()
+    assert model_sizes.MAX_CONFIG_BYTES == 16 * 2**20  # real configurations are a few kB
+    assert model_sizes.read_config_file(folder / "config.json")["padding"] == "x" * 5000  # within the real bound
+
+
+def test_a_config_nested_too_deeply_is_one_line(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"a": ' + "[" * 200_000)
+    with pytest.raises(ValueError, match="config.json' nests its JSON too deeply"):
+        model_sizes.read_config_file(config)

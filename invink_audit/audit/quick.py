@@ -374,9 +374,12 @@ def _with_findings(verdict: Verdict, reason: str, findings) -> tuple[Verdict, st
         return verdict, reason
     rank = {Verdict.PASS: 0, Verdict.INCONCLUSIVE: 1, Verdict.VIOLATION: 2}
     worst = max((f.verdict for f in findings), key=rank.__getitem__)
-    kinds = ", ".join(dict.fromkeys(f.kind for f in findings))
+    kinds = ", ".join(dict.fromkeys(f.kind for f in findings if f.kind != "seeded-release"))
     combined = max(verdict, worst, key=rank.__getitem__)
-    return combined, f"the release file is not the release it records ({kinds}); {reason}"
+    said = [f"the release file is not the release it records ({kinds})"] if kinds else []
+    if any(f.kind == "seeded-release" for f in findings):  # not a disagreement: what the release itself records
+        said.insert(0, "the release was drawn with a fixed seed and carries no guarantee (seeded-release)")
+    return combined, f"{'; '.join(said)}; {reason}"
 
 
 def _quick_report(rec, claim: Claim, sampled, *, texts: int, accountant_epsilon: float, start: float,
@@ -573,7 +576,8 @@ class ReleaseFile:
         and, naming the file and line, for a line that is not a text record of this release)."""
         from pathlib import Path
 
-        from invink_audit.audit.release_checks import check_published_records, label_findings, record_findings
+        from invink_audit.audit.release_checks import (check_published_records, label_findings, record_findings,
+                                                       seeded_findings)
         from invink_audit.outputs import read_journal_claims, read_numbered_records, read_state, state_path
 
         output = Path(output)
@@ -585,6 +589,7 @@ class ReleaseFile:
         records = check_published_records(output, read_numbered_records(output), num_batches, release_id)
         claims = read_journal_claims(output, release_id, num_batches)
         findings, not_drawn = record_findings(records, run, claims, num_batches)
+        findings = (*seeded_findings(run), *findings)  # a seeded release is never a PASS, whatever else holds
         release = _release_of_run(run, references, column, where, state["input_sha256"])
         # the labels and prompt fields each batch gets from the input the state's fingerprint fixes
         findings = (*findings, *label_findings(records, release.template, release.labels, release.label_fields))
@@ -712,7 +717,8 @@ def audit_release_file(
     the model it names (``model``: the same model; another name and another fingerprint is a ``ValueError``).
     What was published is checked first against the state and the journal, and the model loaded against the
     fingerprint the release recorded (:mod:`invink_audit.audit.release_checks`): each finding is named in the
-    report and makes its verdict VIOLATION or INCONCLUSIVE, never PASS. A published text that the recorded
+    report and makes its verdict VIOLATION or INCONCLUSIVE, never PASS; a release drawn with a fixed seed (its state's
+    ``run.seeded``) is a ``seeded-release`` finding, never a PASS. A published text that the recorded
     mechanism and model could not have drawn is a finding, and the others are still audited; with another model
     than the release's, nothing is teacher-forced. ``seed``: a fixed seed for the sampled audit (reproducible;
     default OS entropy)."""

@@ -39,6 +39,7 @@ __all__ = [
     "label_findings",
     "model_findings",
     "record_findings",
+    "seeded_findings",
 ]
 
 #: A recorded ε may exceed the ε its settings certify by this much (relative): the planner returns the largest
@@ -54,6 +55,7 @@ FINDING_KINDS: Mapping[str, Verdict] = {
     "edited-settings": Verdict.VIOLATION,  # a record's settings (``run``) are not those of the release
     "edited-record": Verdict.VIOLATION,  # another field of a record differs from the journal's copy
     "edited-labels": Verdict.VIOLATION,  # a record states labels or prompt fields the input does not give its batch
+    "seeded-release": Verdict.INCONCLUSIVE,  # drawn with a fixed seed: reproducible, it carries no guarantee
     "weaker-claim": Verdict.INCONCLUSIVE,  # a record claims no guarantee, or a larger ε than its settings certify
     "state-inconsistent": Verdict.INCONCLUSIVE,  # the state's settings are not the release's: the audit is not of it
     "missing-record": Verdict.INCONCLUSIVE,  # a batch drawn (journal) but not published
@@ -359,6 +361,16 @@ def record_findings(records: Sequence[PublishedRecord], state_run: Mapping, clai
     findings = [*journal, *_count_findings(records, claims, num_batches), *_claim_findings(records),
                 *_state_findings(state_run, claims, records)]  # fmt: skip
     return tuple(findings), frozenset(not_drawn)
+
+
+def seeded_findings(state_run: Mapping) -> tuple[Finding, ...]:
+    """A ``seeded-release`` finding when the state's settings record that the release was drawn with a fixed seed
+    (``run.seeded``): its texts are reproducible from the seed, so it carries no privacy guarantee whatever its
+    teacher forcing shows, and its audit is never a PASS."""
+    if not state_run.get("seeded"):
+        return ()
+    return (Finding("seeded-release", "the release was drawn with a fixed seed: reproducible, it carries no privacy "
+                    "guarantee; the checks measure its settings' claim, not a guarantee it has"),)
 
 
 # ---------------------------------------------------------------------------------------------
