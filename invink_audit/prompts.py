@@ -11,6 +11,7 @@ Design: docs/guide/generating.md (§"Prompt templates").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import re
 import string
@@ -432,8 +433,8 @@ def require_label_fields(template: PromptTemplate, given: Sequence[str] = (), fi
 # --------------------------------------------------------------------------------------------
 # public inputs must not come from the private references (docs/guide/generating.md, "Public inputs")
 
-#: A reference of at least this many characters (whitespace collapsed, case folded) found inside a public input
-#: is refused; a shorter one only when it is the whole public input (a one-word review inside a long public
+#: A reference of at least this many characters (its words, one space apart: :func:`_words`) found inside a public
+#: input is refused; a shorter one only when it is the whole public input (a one-word review inside a long public
 #: example is a coincidence more often than a copy, and the whole-input rule still catches a copied short one).
 MIN_CONTAINED_REFERENCE_CHARS = 20
 #: A public input of at least this many characters found inside a reference is refused (a multi-line reference
@@ -450,9 +451,11 @@ _ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|x([0-9a-fA-F]{2}
 _ESCAPED = {"n": "\n", "r": "\r", "t": "\t", "b": " ", "f": " ", '"': '"', "\\": "\\", "/": "/"}
 
 
-#: invisible format characters (Unicode category Cf: soft hyphen, zero-width and bidirectional marks, word joiners,
-#: the byte-order mark)
-_FORMAT = re.compile("[" + "".join(re.escape(chr(c)) for c in range(0x30000) if unicodedata.category(chr(c)) == "Cf") + "]")
+@functools.cache
+def _format_characters() -> re.Pattern:
+    """Invisible format characters (Unicode category Cf: soft hyphen, zero-width and bidirectional marks, word
+    joiners, the byte-order mark), compiled on first use rather than when the module is imported."""
+    return re.compile("[" + "".join(re.escape(chr(c)) for c in range(0x30000) if unicodedata.category(chr(c)) == "Cf") + "]")
 
 
 def _unescaped(m: re.Match) -> str:
@@ -468,13 +471,8 @@ def _words(text: str) -> list[str]:
     punctuation), Unicode compatibility forms (NFKC), invisible format characters (zero-width spaces, soft
     hyphens) and apostrophes (``don't`` and ``dont`` are one word)."""
     text = urllib.parse.unquote(html.unescape(_ESCAPE.sub(_unescaped, text)))
-    text = _FORMAT.sub("", unicodedata.normalize("NFKC", text))
+    text = _format_characters().sub("", unicodedata.normalize("NFKC", text))
     return re.findall(r"\w+", re.sub(r"['\u2019\u02bc`]", "", text.casefold()))
-
-
-def _normalised(text: str) -> str:
-    """:func:`_words` joined by single spaces."""
-    return " ".join(_words(text))
 
 
 def _runs(words: Sequence[str]) -> set[tuple[str, ...]]:

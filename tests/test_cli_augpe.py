@@ -145,6 +145,22 @@ def test_the_yelp_preset_s_example_label_values_are_refused_as_generate_refuses_
     assert ledger.read_bytes() == before and not output.exists()
 
 
+@pytest.mark.parametrize("where", [[], ["--where", "unit=ward"]], ids=["all", "where"])
+def test_a_prompt_field_from_the_private_input_is_refused_before_the_model_loads(notes, tiny_dir, tmp_path, capsys,
+                                                                                  no_model_load, where):
+    # probe: AugPE took --prompt-field category=<a private review>, was charged and published it in every record;
+    # with --where, a review the selection leaves out (REFERENCES[1] is unit "er") is refused too
+    ledger = tmp_path / "ledger.json"
+    BudgetLedger.create(ledger, epsilon=10.0, delta=DELTA)
+    before = ledger.read_bytes()
+    output = tmp_path / "augpe.jsonl"
+    code = _augpe(notes, output, tiny_dir, "--epsilon", str(EPSILON), "--prompt", "yelp", "--ledger", str(ledger),
+                  "--prompt-field", f"category={REFERENCES[1]}", "--prompt-field", "stars=4.0", *where)
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and "prompt field 'category' of AugPE prompts 'yelp' repeats private reference" in err
+    assert REFERENCES[1] not in err and ledger.read_bytes() == before and not output.exists()
+
+
 def test_an_existing_output_is_refused_and_kept(notes, tiny_dir, tmp_path, capsys, no_model_load):
     output = tmp_path / "augpe.jsonl"
     output.write_text("keep me\n")

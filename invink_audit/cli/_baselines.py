@@ -217,15 +217,16 @@ def _augpe_references(args) -> list[str]:
     return references
 
 
-def _refuse_private_prompts(prompts, args) -> None:
-    """AugPE's public prompts (field values included) against every record of ``--input`` (those ``--where``
-    leaves out included): from the private data, they would be published with every text."""
+def _refuse_private_prompts(prompts, args, references: list[str]) -> None:
+    """AugPE's public prompts (field values included) against every record of ``--input``: ``references`` as read,
+    or with ``--where`` the whole file again (the records it leaves out included). From the private data, they
+    would be published with every text."""
     from invink_audit.data import read_references
     from invink_audit.prompts import refuse_private_strings
 
+    every = read_references(Path(args.input), column=args.column) if args.where else references
     try:
-        refuse_private_strings(prompts.public_inputs(), read_references(Path(args.input), column=args.column),
-                               f"of AugPE prompts {prompts.name!r}")
+        refuse_private_strings(prompts.public_inputs(), every, f"of AugPE prompts {prompts.name!r}")
     except ValueError as err:
         raise CliError(f"--input {args.input!r}: {err}") from err
 
@@ -245,7 +246,7 @@ def run_augpe(args) -> int:
     seed = None if args.seed is None else parse_int("--seed", args.seed)
     spec = ModelSpec(args.model, gguf_file=args.gguf_file, device=args.device, dtype=args.dtype)  # checked, not loaded
     references = _augpe_references(args)
-    _refuse_private_prompts(config.prompts, args)  # before the model loads; augpe_generate checks the selected again
+    _refuse_private_prompts(config.prompts, args, references)  # before the model loads
     ledger = None if args.ledger is None else BudgetLedger(args.ledger)  # read and verified now; charged in augpe_generate
     embedder_name = args.embedder or "mpnet"
     embedding_model_dir(embedder_name)  # a missing embedder fails here, before the ledger is charged

@@ -219,12 +219,12 @@ def _refuse_public_from_whole_input(template, fields: dict[str, str], path: str,
     """Public inputs (the template's, and ``--prompt-field`` values) against every record of ``--input``, those
     ``--where`` leaves out included."""
     from invink_audit.data import read_references
-    from invink_audit.prompts import refuse_private_in_public, refuse_private_strings
+    from invink_audit.prompts import public_inputs, refuse_private_strings
 
+    named = [(f"{name} of prompt {template.name!r}", text) for name, text in public_inputs(template)]
+    named += [(f"--prompt-field {name}", value) for name, value in fields.items()]
     try:
-        references = read_references(path, column=column)
-        refuse_private_in_public(template, references)
-        refuse_private_strings([(f"--prompt-field {name}", value) for name, value in fields.items()], references)
+        refuse_private_strings(named, read_references(path, column=column))  # every reference read once
     except ValueError as err:
         raise CliError(f"--input {path!r}: {err}") from err
 
