@@ -59,6 +59,8 @@ test-thorough: $(STAMP)
 # (and pandas), put on PYTHONPATH to time it side by side (see docs/design/engine.md, "Benchmark on real data").
 # `gpu-run GPU_PY=python3` runs the same steps with a Python that already has torch and the project's
 # dependencies (a lent GPU machine with no network: `make gpu-bundle` here, docs/design/engine.md "On a GPU").
+# `bench` runs the harness in this checkout's benchmarks/ folder (beside invink_audit/; the copy of the working
+# tree a lent machine gets carries it, so the bundle does not).
 YELP ?= ../shared/data/yelp/dev.csv
 GPU_PY ?= $(PY)
 BENCH_WORKLOAD := --references $(YELP) --where "label1=Business Category: Restaurants" --batch-size 7 \

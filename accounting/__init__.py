@@ -1,7 +1,7 @@
 r"""Privacy accounting for InvisibleInk decoding (torch-free: numpy, scipy, dp-accounting, numba).
 
 Layers: :mod:`~accounting.sensitivity` (ℓ∞ sensitivity of the aggregated logits),
-:mod:`~accounting.conversions` (ρ-zCDP ↔ (ε, δ)), :mod:`~accounting.bounded_range` (optimal adaptive
+:mod:`~accounting.conversions` (ρ-zCDP, μ-GDP ↔ (ε, δ)), :mod:`~accounting.bounded_range` (optimal adaptive
 composition of ε0-bounded-range mechanisms), :mod:`~accounting.accountants` (named accountants),
 :mod:`~accounting.planner` (every inverse of C, T, B, τ ↔ ε, δ), :mod:`~accounting.ledger`
 (a persisted privacy odometer) and :mod:`~accounting.limits` (the documented valid range of every
@@ -23,8 +23,6 @@ from accounting.augpe import (
     AugPEEvent,
     AugPESensitivity,
     augpe_l2_sensitivity,
-    gaussian_dp_delta,
-    gaussian_dp_epsilon,
     plan_augpe_noise_std,
 )
 from accounting.bounded_range import DeltaBracket, br_adaptive_delta, br_nonadaptive_delta
@@ -32,7 +30,10 @@ from accounting.conversions import (
     ConversionMethod,
     br_to_zcdp,
     br_to_zcdp_total,
+    epsilon_to_gdp,
     epsilon_to_zcdp,
+    gdp_to_delta,
+    gdp_to_epsilon,
     zcdp_to_delta,
     zcdp_to_epsilon,
 )
@@ -89,9 +90,10 @@ __all__ = [
     "composed_delta",
     "composed_epsilon",
     "epsilon_for_clip_norm",
+    "epsilon_to_gdp",
     "epsilon_to_zcdp",
-    "gaussian_dp_delta",
-    "gaussian_dp_epsilon",
+    "gdp_to_delta",
+    "gdp_to_epsilon",
     "linf_sensitivity",
     "max_epsilon0",
     "plan_clip_norm",

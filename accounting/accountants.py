@@ -79,14 +79,6 @@ def bounded_range_epsilon(sensitivity: float, temperature: float) -> float:
     return 2.0 * check_positive("sensitivity", sensitivity) / check_positive("temperature", temperature)
 
 
-def _steps(epsilon0, num_steps) -> np.ndarray:
-    return bounded_range.epsilon0_array(epsilon0, num_steps)
-
-
-def _rho(epsilon0s: np.ndarray) -> float:
-    return br_to_zcdp_total(epsilon0s)
-
-
 def _composition(epsilon0, num_steps) -> tuple[float, np.ndarray | None]:
     """(ρ, per-step array or None): the array only when the br-adaptive programme could use it.
 
@@ -99,8 +91,8 @@ def _composition(epsilon0, num_steps) -> tuple[float, np.ndarray | None]:
         n = check_count("num_steps", num_steps)
         rho = n * (e0 * e0) / 8.0  # float product: overflows to inf (reported as ε = inf), never raises
         return rho, (np.full(n, e0) if n <= BR_MAX_STEPS else None)
-    e0s = _steps(epsilon0, num_steps)
-    return _rho(e0s), e0s
+    e0s = bounded_range.epsilon0_array(epsilon0, num_steps)
+    return br_to_zcdp_total(e0s), e0s
 
 
 def _up(x: float) -> float:

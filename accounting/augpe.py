@@ -35,14 +35,10 @@ as every reported ε is (:data:`accounting.accountants.EPSILON_ROUNDING`). The l
 **Exact (tight) alternative.** A Gaussian mechanism is (Δ/σ)-GDP and T of them compose adaptively to
 μ-GDP with :math:`\mu = \sqrt{T}\,\Delta/\sigma` (Dong, Roth & Su 2019, arXiv:1905.02383, Thm. 2.7 and Cor. 3.3);
 μ-GDP is exactly the (ε, δ(ε)) curve of the analytic Gaussian mechanism (ibid., Cor. 2.13; Balle & Wang 2018,
-arXiv:1805.06530, Thm. 8):
-
-.. math:: \delta(\varepsilon) = \Phi\Big(-\frac{\varepsilon}{\mu} + \frac{\mu}{2}\Big)
-          - e^{\varepsilon}\,\Phi\Big(-\frac{\varepsilon}{\mu} - \frac{\mu}{2}\Big).
-
-:meth:`AugPEEvent.gaussian_epsilon` inverts it; it is never above the zCDP value and agrees with dp-accounting's
+arXiv:1805.06530, Thm. 8), :func:`accounting.conversions.gdp_to_delta`. :meth:`AugPEEvent.gaussian_epsilon` inverts
+it (:func:`~accounting.conversions.gdp_to_epsilon`); it is never above the zCDP value and agrees with dp-accounting's
 PLD accountant (``tests/test_accounting_augpe.py``). It is a valid conversion *for this mechanism* (a
-composition of Gaussians), not for a general ρ-zCDP mechanism (:mod:`accounting.conversions`).
+composition of Gaussians), not for a general ρ-zCDP mechanism.
 
 Inverses (:func:`plan_augpe_noise_std`) return the safe side: a σ at least as large as the budget needs.
 """
@@ -53,11 +49,8 @@ import dataclasses
 import enum
 import math
 
-from scipy import optimize, special
-
-from accounting._validation import check_delta, check_nonnegative, check_positive
 from accounting.accountants import DEFAULT_ACCOUNTANT, EPSILON_ROUNDING, Accountant, as_accountant
-from accounting.conversions import epsilon_to_zcdp, zcdp_to_epsilon
+from accounting.conversions import epsilon_to_gdp, epsilon_to_zcdp, gdp_to_epsilon, zcdp_to_epsilon
 from accounting.events import ZcdpEvent
 from accounting.limits import COUNT_RANGE, RANGES, ParameterRange
 from accounting.sensitivity import coerce_enum
@@ -67,20 +60,12 @@ __all__ = [
     "AugPESensitivity",
     "NOISE_STD_RANGE",
     "augpe_l2_sensitivity",
-    "gaussian_dp_delta",
-    "gaussian_dp_epsilon",
     "plan_augpe_noise_std",
 ]
 
 #: The accepted noise standard deviation σ (counts): below 1e-6 the histogram is in the clear; with
 #: T ≤ 1e9 and Δ ≤ √2 every ρ = TΔ²/(2σ²) in this range lies in the ledger's ρ range (1e-300, 1e40).
 NOISE_STD_RANGE = ParameterRange(1e-6, 1e12)
-
-#: Relative upward rounding of the exact Gaussian ε (:func:`gaussian_dp_epsilon`): it covers the floating-point
-#: error of δ(ε), which is a few ulps relative, many times over.
-_GDP_ROUNDING = 1e-9
-#: Above this relative closeness of the two terms of δ(ε) the bound μ·φ(m) replaces the difference.
-_CANCELLATION = 1e-6
 
 
 class AugPESensitivity(enum.Enum):
@@ -105,60 +90,6 @@ _L2_SENSITIVITY = {
 def augpe_l2_sensitivity(sensitivity: AugPESensitivity | str = AugPESensitivity.REPLACE_BY_NULL) -> float:
     """ℓ2 sensitivity Δ of the nearest-neighbour histogram (paper Property prop:augpe-sens; table above)."""
     return _L2_SENSITIVITY[coerce_enum(sensitivity, AugPESensitivity)]
-
-
-def _check_mu(mu) -> float:
-    return check_positive("mu", mu)
-
-
-def _log_gaussian_dp_delta(mu: float, epsilon: float) -> float:
-    """log δ(ε) of μ-GDP (module docstring) in log space, log Φ(a) + log(1 − e^ε Φ(b)/Φ(a)) with a − b = μ.
-
-    Where the two terms nearly cancel (ratio above 1 − 1e-6: tiny μ), the difference would lose its digits;
-    there it returns the upper bound δ ≤ Φ(a) − Φ(b) ≤ μ·φ(m), m the distance of [b, a] from 0 (errs high).
-    """
-    a = -epsilon / mu + mu / 2.0
-    b = -epsilon / mu - mu / 2.0
-    log_phi_a = float(special.log_ndtr(a))
-    ratio = math.exp(min(0.0, epsilon + float(special.log_ndtr(b)) - log_phi_a))
-    if ratio <= 1.0 - _CANCELLATION:
-        return log_phi_a + math.log1p(-ratio)
-    m = 0.0 if b <= 0.0 <= a else min(abs(a), abs(b))
-    return min(0.0, math.log(mu) - 0.5 * m * m - 0.5 * math.log(2.0 * math.pi))
-
-
-def gaussian_dp_delta(mu: float, epsilon: float) -> float:
-    r"""δ(ε) of μ-GDP: :math:`\Phi(-\varepsilon/\mu + \mu/2) - e^\varepsilon\Phi(-\varepsilon/\mu - \mu/2)`
-    (Dong, Roth & Su 2019, arXiv:1905.02383, Cor. 2.13; Balle & Wang 2018, arXiv:1805.06530, Thm. 8)."""
-    mu = _check_mu(mu)
-    epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
-    if math.isinf(epsilon):
-        return 0.0
-    return math.exp(_log_gaussian_dp_delta(mu, epsilon))
-
-
-def gaussian_dp_epsilon(mu: float, delta: float) -> float:
-    r"""The smallest ε with :func:`gaussian_dp_delta` ``(mu, ε) ≤ delta`` (Dong, Roth & Su 2019, Cor. 2.13).
-
-    δ(ε) decreases in ε. The bracket's upper end is the zCDP bound of the same Gaussian, ρ = μ²/2:
-    :math:`\mu^2/2 + \mu\sqrt{2\log(1/\delta)}` (Bun & Steinke 2016, Prop. 1.3), always feasible; Brent's
-    method then finds the root, the upper end is kept and rounded up by a relative 1e-9 (errs high: safe).
-    """
-    mu = _check_mu(mu)
-    delta = check_delta("delta", delta)
-    log_target = math.log(delta)
-
-    def excess(epsilon: float) -> float:
-        return _log_gaussian_dp_delta(mu, epsilon) - log_target
-
-    if excess(0.0) <= 0.0:
-        return 0.0
-    hi = mu * mu / 2.0 + mu * math.sqrt(2.0 * math.log(1.0 / delta))
-    while excess(hi) > 0.0:  # pragma: no cover - the zCDP bound is always feasible; a guard on rounding
-        hi *= 2.0
-    root = optimize.brentq(excess, 0.0, hi, xtol=1e-14, rtol=1e-14, maxiter=500)
-    epsilon = max(root, 0.0) * (1.0 + _GDP_ROUNDING)
-    return min(epsilon, hi) if excess(epsilon) <= 0.0 else hi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +144,9 @@ class AugPEEvent:
         return zcdp_to_epsilon(self.rho, delta, conversion) * (1.0 + EPSILON_ROUNDING)
 
     def gaussian_epsilon(self, delta: float) -> float:
-        """The exact ε at ``delta`` of T composed Gaussian mechanisms (μ-GDP, :func:`gaussian_dp_epsilon`)."""
-        return gaussian_dp_epsilon(self.mu, delta)
+        """The exact ε at ``delta`` of T composed Gaussian mechanisms (μ-GDP,
+        :func:`~accounting.conversions.gdp_to_epsilon`, which errs high)."""
+        return gdp_to_epsilon(self.mu, delta)
 
     def describe(self) -> str:
         """One line for reports; the paper's convention says it is not a guarantee."""
@@ -261,7 +193,7 @@ def plan_augpe_noise_std(
 
     zCDP (default, what a ledger charges): :math:`\sigma = \Delta\sqrt{T/(2\rho^*)}` with ρ* the largest ρ the
     accountant's zCDP conversion allows (:func:`accounting.conversions.epsilon_to_zcdp`, its lower end).
-    ``exact_gaussian=True``: the largest μ with :func:`gaussian_dp_delta` ``(μ, ε) ≤ δ`` by bisection (kept on the
+    ``exact_gaussian=True``: the largest μ with δ(ε; μ) ≤ δ (:func:`~accounting.conversions.epsilon_to_gdp`, on the
     feasible side), :math:`\sigma = \sqrt{T}\Delta/\mu`. Either σ is then raised until the event's own ε (the same
     function reports it) is at most ``epsilon``.
     """
@@ -277,7 +209,7 @@ def plan_augpe_noise_std(
         raise ValueError(f"epsilon={epsilon!r} at delta={delta!r} allows no zCDP budget (rho rounds to 0)")
     delta_l2 = augpe_l2_sensitivity(sensitivity)
     if exact_gaussian:
-        mu = _largest_feasible_mu(epsilon, delta, math.sqrt(2.0 * rho_star))
+        mu = epsilon_to_gdp(epsilon, delta)
         sigma = _in_noise_range(math.sqrt(iterations) * delta_l2 / mu)
     else:
         sigma = _in_noise_range(delta_l2 * math.sqrt(iterations / (2.0 * rho_star)))
@@ -292,22 +224,3 @@ def plan_augpe_noise_std(
         step = min(2.0 * step, 0.5)
     return sigma
 
-
-def _largest_feasible_mu(epsilon: float, delta: float, start: float) -> float:
-    """The largest μ with δ(ε; μ) ≤ δ, to a relative 1e-12, on the feasible side. ``start`` = √(2ρ*) of a valid
-    zCDP conversion is feasible (the Gaussian is μ²/2-zCDP), so it brackets the answer from below."""
-    log_target = math.log(delta)
-
-    def feasible(mu: float) -> bool:
-        return _log_gaussian_dp_delta(mu, epsilon) <= log_target
-
-    lo = start
-    while not feasible(lo):  # pragma: no cover - a valid conversion's μ is feasible; a guard on rounding
-        lo *= 0.5
-    hi = 2.0 * lo
-    while feasible(hi):
-        lo, hi = hi, 2.0 * hi
-    while hi - lo > 1e-12 * hi:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
-    return lo

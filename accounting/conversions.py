@@ -1,10 +1,13 @@
-"""Conversions between ρ-zCDP and (ε, δ)-DP.
+"""Conversions between ρ-zCDP, μ-Gaussian DP and (ε, δ)-DP.
 
 :class:`ConversionMethod`: ``bun-steinke`` (Bun & Steinke 2016, arXiv:1605.02065, Prop. 1.3), ``cks``
 (Canonne, Kamath & Steinke 2020, arXiv:2004.00010, Prop. 12; the paper's and the reference package's
 choice), ``rdp`` (dp-accounting's ``RdpAccountant``, an independent cross-check); :func:`zcdp_to_epsilon`,
 :func:`zcdp_to_delta`, :func:`epsilon_to_zcdp`, and ε0-BR → ρ (:func:`br_to_zcdp`). Results are rounded to
 the safe side. Never use the Gaussian profile with μ = √(2ρ) (Balle & Wang 2018) as a zCDP conversion.
+
+μ-GDP (Dong, Roth & Su 2022, JRSS-B, arXiv:1905.02383), for μ-GDP mechanisms only (composed Gaussians):
+:func:`gdp_to_delta`, :func:`gdp_to_epsilon` (errs high), :func:`epsilon_to_gdp` (errs low).
 
 Design: docs/accounting_notes.md §3.
 """
@@ -15,7 +18,7 @@ import enum
 import math
 
 import numpy as np
-from scipy import optimize
+from scipy import optimize, special
 
 from accounting._validation import check_delta, check_nonnegative
 
@@ -23,7 +26,10 @@ __all__ = [
     "ConversionMethod",
     "br_to_zcdp",
     "br_to_zcdp_total",
+    "epsilon_to_gdp",
     "epsilon_to_zcdp",
+    "gdp_to_delta",
+    "gdp_to_epsilon",
     "zcdp_to_delta",
     "zcdp_to_epsilon",
 ]
@@ -256,4 +262,93 @@ def epsilon_to_zcdp(epsilon: float, delta: float, method: ConversionMethod | str
             hi = mid
         if hi - lo <= 1e-13 * hi:
             break
+    return lo
+
+
+# --- μ-Gaussian DP ---------------------------------------------------------------------------------
+
+#: Relative upward rounding of the root in :func:`gdp_to_epsilon`: many times δ(ε)'s few ulps of rounding error.
+_GDP_ROUNDING = 1e-9
+#: Above this relative closeness of the two terms of δ(ε) the bound μ·φ(m) replaces their difference.
+_CANCELLATION = 1e-6
+
+
+def _gdp_log_delta(mu: float, epsilon: float) -> float:
+    """log δ(ε) of μ-GDP (:func:`gdp_to_delta`), log Φ(a) + log(1 − e^ε Φ(b)/Φ(a)) with a − b = μ; −inf for μ = 0.
+
+    Where the two terms nearly cancel (ratio above 1 − 1e-6: tiny μ), the difference would lose its digits;
+    there it returns the upper bound δ ≤ Φ(a) − Φ(b) ≤ μ·φ(m), m the distance of [b, a] from 0 (errs high).
+    """
+    if mu == 0.0 or math.isinf(epsilon):
+        return -math.inf
+    if math.isinf(mu):
+        return 0.0
+    a = -epsilon / mu + mu / 2.0
+    b = -epsilon / mu - mu / 2.0
+    log_phi_a = float(special.log_ndtr(a))
+    ratio = math.exp(min(0.0, epsilon + float(special.log_ndtr(b)) - log_phi_a))
+    if ratio <= 1.0 - _CANCELLATION:
+        return log_phi_a + math.log1p(-ratio)
+    m = 0.0 if b <= 0.0 <= a else min(abs(a), abs(b))
+    return min(0.0, math.log(mu) - 0.5 * m * m - 0.5 * math.log(2.0 * math.pi))
+
+
+def gdp_to_delta(mu: float, epsilon: float) -> float:
+    r"""δ(ε) of μ-GDP: :math:`\Phi(-\varepsilon/\mu + \mu/2) - e^\varepsilon\Phi(-\varepsilon/\mu - \mu/2)`
+    (Dong, Roth & Su 2022, JRSS-B, Cor. 2.13; the analytic Gaussian mechanism, Balle & Wang 2018,
+    arXiv:1805.06530, Thm. 8). μ = 0 (nothing learned) gives 0, μ = ∞ (no privacy) gives 1 at every finite ε,
+    ε = ∞ gives 0. Computed in log space; never below the curve (where its terms cancel it errs high)."""
+    mu = check_nonnegative("mu", mu, allow_inf=True)
+    epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
+    return math.exp(_gdp_log_delta(mu, epsilon))
+
+
+def gdp_to_epsilon(mu: float, delta: float) -> float:
+    r"""The smallest ε with :func:`gdp_to_delta` ``(mu, ε) ≤ delta`` (Dong, Roth & Su 2022, Cor. 2.13); μ = 0 gives 0,
+    μ = ∞ gives ∞. **Errs high** (never understates ε), the side an accountant and a claim curve need (AugPE's
+    :meth:`~accounting.AugPEEvent.gaussian_epsilon`; the black-box GDP fit takes it as an estimate); an auditor's
+    lower bound on ε must not come from it. Brent's root in :math:`[0, \mu^2/2 + \mu\sqrt{2\log(1/\delta)}]` (the
+    zCDP bound of the same Gaussian, ρ = μ²/2: Bun & Steinke 2016, Prop. 1.3, always feasible), rounded up by a
+    relative 1e-9 and kept only where δ(ε) ≤ ``delta`` holds, else the bracket's upper end."""
+    mu = check_nonnegative("mu", mu, allow_inf=True)
+    delta = check_delta("delta", delta)
+    if mu == 0.0 or math.isinf(mu):
+        return mu
+    log_target = math.log(delta)
+
+    def excess(epsilon: float) -> float:
+        return _gdp_log_delta(mu, epsilon) - log_target
+
+    if excess(0.0) <= 0.0:
+        return 0.0
+    hi = mu * mu / 2.0 + mu * math.sqrt(2.0 * math.log(1.0 / delta))
+    while excess(hi) > 0.0:  # pragma: no cover - the zCDP bound is always feasible; a guard on rounding
+        hi *= 2.0
+    root = optimize.brentq(excess, 0.0, hi, xtol=1e-14, rtol=1e-14, maxiter=500)
+    epsilon = max(root, 0.0) * (1.0 + _GDP_ROUNDING)
+    return min(epsilon, hi) if excess(epsilon) <= 0.0 else hi
+
+
+def epsilon_to_gdp(epsilon: float, delta: float) -> float:
+    """The largest μ with :func:`gdp_to_delta` ``(μ, epsilon) ≤ delta``, to a relative 1e-12 (ε = ∞ gives ∞). **Errs
+    low** (never overstates μ: a noise planned from it is never too small): a bisection kept on the feasible side,
+    from μ = √(2ρ*), ρ* the CKS inverse (:func:`epsilon_to_zcdp`; a Gaussian is μ²/2-zCDP, so it is feasible)."""
+    epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
+    delta = check_delta("delta", delta)
+    if math.isinf(epsilon):
+        return math.inf
+    log_target = math.log(delta)
+
+    def feasible(mu: float) -> bool:
+        return _gdp_log_delta(mu, epsilon) <= log_target
+
+    lo = math.sqrt(2.0 * epsilon_to_zcdp(epsilon, delta))
+    while not feasible(lo):  # pragma: no cover - a valid conversion's μ is feasible; a guard on rounding
+        lo *= 0.5
+    hi = 2.0 * lo if lo > 0.0 else 1.0
+    while feasible(hi):
+        lo, hi = hi, 2.0 * hi
+    while hi - lo > 1e-12 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
     return lo

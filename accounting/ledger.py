@@ -35,11 +35,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from accounting.atomic import atomic_write_json
-from accounting.accountants import (
-    DEFAULT_ACCOUNTANT,
-    Accountant,
-    as_accountant,
-)
+from accounting.accountants import DEFAULT_ACCOUNTANT, Accountant, as_accountant
 from accounting.conversions import epsilon_to_zcdp, zcdp_to_epsilon
 from accounting.events import GenerationEvent, ZcdpEvent, event_from_json, forwarded_property
 from accounting.limits import RANGES
@@ -396,18 +392,13 @@ def _verify_releases(data: dict, header: _Header, where: str) -> list[Release]:
     releases: list[Release] = []
     seen: set[str] = set()
     spent_before = 0.0
-    terms: list[float] = []
     for index, entry in enumerate(data["releases"]):
         release = _verify_entry(index, entry, seen, where)
         seen.add(release.release_id)
         releases.append(release)
-        terms.append(release.rho_sequence)
         at = f"release #{index + 1} ({release.release_id!r})"
         stored = _stored_spend(at, entry, where)
-        if len(releases) == 1:
-            recomputed = _single_release_spend(release.event, header.delta, header.accountant)
-        else:
-            recomputed = _filter_spend(math.fsum(terms), header.delta, header.accountant)
+        recomputed = _spent_epsilon(releases, header.delta, header.accountant)
         _verify_spend(at, stored, recomputed, spent_before, header, where)
         spent_before = stored
     return releases
@@ -521,7 +512,7 @@ class BudgetLedger:
                 "accountant": acc.value,
                 "releases": [],
             }
-            _atomic_write_json(target, _with_chain(data))
+            atomic_write_json(target, _with_chain(data))
         return cls(target)
 
     # -- reading (no lock: the file is only ever replaced whole) -------------------------------------
@@ -675,7 +666,7 @@ class BudgetLedger:
         }
         data = {**v.data, "releases": [*v.data["releases"], entry]}
         data = _with_chain(data)  # also migrates a format-1 ledger
-        _atomic_write_json(self.path, data)
+        atomic_write_json(self.path, data)
         return ChargeOutcome(entry=data["releases"][-1], already_recorded=False, epsilon_spent=spent_after)
 
 
@@ -741,5 +732,3 @@ def _symlinked_lock(lock_file: Path, path: Path) -> str:
         "(remove the link: the lock is a plain file beside the ledger)"
     )
 
-
-_atomic_write_json = atomic_write_json  # the one crash-safe writer (accounting.atomic)

@@ -23,17 +23,18 @@ from pathlib import Path
 
 from accounting import composed_epsilon, plan_clip_norm
 from invink_audit.audit import synthetic
-from invink_audit.audit.batched import LLR_SCORE, SyntheticTarget, batched_canary_audit
+from invink_audit.audit.batched import LLR_SCORE, batched_canary_audit
 from invink_audit.audit.selftest import SelfTestSettings, selftest_sources
+from invink_audit.audit.targets import SyntheticTarget
 
 DELTA = 1e-6
 
 
 def _audit(source, mechanism, *, seed: int, num_looks: int):
-    steps = mechanism.budget(source.reference_lengths)
+    claim = mechanism.claim()
 
     def curve(d):
-        return composed_epsilon(d, mechanism.claimed_epsilon0, steps, "br-adaptive")
+        return composed_epsilon(d, claim.epsilon0, claim.max_new_tokens, "br-adaptive")
 
     with synthetic.torch_threads(1):
         return batched_canary_audit(
@@ -75,7 +76,7 @@ def power_rows(num_seeds: int) -> list[dict]:
               max_new_tokens=s.max_new_tokens)
     rows = []
     for source in selftest_sources(s):
-        for mechanism in [synthetic.correct_mechanism(**kw), *synthetic.mutants(**kw)]:
+        for mechanism in [synthetic.correct_mechanism(**kw), *synthetic.mutants(**kw, reference_lengths=source.reference_lengths)]:
             start = time.perf_counter()
             reports = [_audit(source, mechanism, seed=seed, num_looks=4) for seed in range(num_seeds)]
             rows.append({

@@ -265,12 +265,12 @@ def _run_invisibleink(spec: CellSpec, data: Dataset, loaded, n: int, used: int, 
     t0 = time.perf_counter()
     result = generate(list(data.references[:used]), config, model=loaded, prompt=data.prompt, seed=SEED_OFFSET + spec.seed)
     seconds = time.perf_counter() - t0
-    plan = config.plan()
+    mechanism = config.mechanism.config
     return {
         "seconds": seconds,
         **result.guarantee.record_fields(),  # seeded: "guarantee": null and why
-        "mechanism": {"batch_size": config.batch_size, "clip_norm": plan.clip_norm, "temperature": config.temperature,
-                      "top_k": config.top_k, "accountant": config.accountant.value, "planned_epsilon": spec.epsilon},
+        "mechanism": {"batch_size": config.batch_size, "clip_norm": mechanism.clip_norm, "temperature": mechanism.temperature,
+                      "top_k": mechanism.top_k, "accountant": config.mechanism.accountant.value, "planned_epsilon": spec.epsilon},
         "tokens_generated": result.tokens_generated,
         "texts": [{"text": t.text, "num_tokens": t.num_tokens, "finish_reason": t.finish_reason} for t in result.texts],
     }  # fmt: skip

@@ -21,7 +21,7 @@ seeds: tokens, mean ± t-quantile × standard error clipped to [0, T]; perplexit
 t-interval on log-perplexity. Seed-paired comparisons, because the methods share streams per seed.
 Infeasible Amin et al. cells are computed by its accountant (``plan_amin``), not generated; the table
 of feasible batch sizes also covers the paper's r = 100 private tokens. Every method runs through the one
-release pipeline (``generate`` with a ``MechanismRelease``).
+release pipeline (``generate`` with a ``ReleaseConfig``).
 
 **Null-reference anchors** (``--anchors``, ``anchors.jsonl``): for every feasible cell, the text the same
 mechanism releases with the same seed and streams when every reference is null (from the public prompt
@@ -111,7 +111,7 @@ def build_mechanism(method: str, epsilon: float, batch_size: int, max_new_tokens
 def run(args) -> None:
     import torch
 
-    from invink_audit.generation import MechanismRelease, PromptSpec, generate
+    from invink_audit.generation import PromptSpec, ReleaseConfig, generate
     from invink_audit.mechanism import SeededGeneratorWarning
     from invink_audit.models import load_model
 
@@ -146,7 +146,7 @@ def run(args) -> None:
                         cell.update({"feasible": False, "reason": mech, "texts": []})
                     else:
                         t0 = time.perf_counter()
-                        result = generate(batch, MechanismRelease(mech, max_new_tokens=args.max_new_tokens, delta=DELTA),
+                        result = generate(batch, ReleaseConfig(mech, max_new_tokens=args.max_new_tokens, delta=DELTA),
                                           model=loaded, prompt=PromptSpec("yelp", fields=fields), seed=1000 + seed)
                         cell.update({
                             "feasible": True,
@@ -199,7 +199,7 @@ def anchors(args) -> None:
     (ε, seed), Amin et al. one per cell (``_anchor_key``)."""
     import torch
 
-    from invink_audit.generation import MechanismRelease, PromptSpec, generate
+    from invink_audit.generation import PromptSpec, ReleaseConfig, generate
     from invink_audit.mechanism import SeededGeneratorWarning
     from invink_audit.models import load_model
 
@@ -224,7 +224,7 @@ def anchors(args) -> None:
             continue
         mech = anchor_mechanism(method, epsilon, rows - 1, c["max_new_tokens"])
         t0 = time.perf_counter()
-        result = generate([None], MechanismRelease(mech, max_new_tokens=c["max_new_tokens"], delta=DELTA, allow_all_null=True),
+        result = generate([None], ReleaseConfig(mech, max_new_tokens=c["max_new_tokens"], delta=DELTA, allow_all_null=True),
                           model=loaded, prompt=PromptSpec("yelp", fields=fields), seed=1000 + seed)
         t = result.texts[0]
         a = {"anchor_key": key, "method": method, "epsilon": epsilon, "rows": rows, "seed": seed,

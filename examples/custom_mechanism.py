@@ -77,7 +77,7 @@ class FullVocabularyDClip(Mechanism):
 def main(tiny: bool = False, seed: int = 7) -> dict:
     from invink_audit import build_tiny_model, load_model, make_generator
     from invink_audit.audit import ModelAuditSettings, WhiteBoxConfig, audit_model
-    from invink_audit.generation import MechanismRelease, PromptSpec, generate
+    from invink_audit.generation import PromptSpec, ReleaseConfig, generate
     from invink_audit.mechanism import SeededGeneratorWarning
 
     warnings.simplefilter("ignore", SeededGeneratorWarning)  # a fixed seed: reproducible, not private
@@ -85,9 +85,9 @@ def main(tiny: bool = False, seed: int = 7) -> dict:
     references = ["Great tacos and friendly staff.", "", "The soup was cold but the bread was fresh."]
     ours = FullVocabularyDClip(clip_norm=1.0, batch_size=3, temperature=1.0)
     # the same release pipeline as InvisibleInk's (partition, labels, resume, ledger charge, quick audit)
-    run = generate(references, MechanismRelease(ours, max_new_tokens=8, delta=1e-6), model=model,
+    run = generate(references, ReleaseConfig(ours, max_new_tokens=8, delta=1e-6), model=model,
                    prompt=PromptSpec("yelp", fields={"category": "Restaurants", "stars": "4.0"}), seed=seed)
-    print("generated:", [t.text for t in run.texts], "|", run.guarantee.guarantee.label())
+    print("generated:", [t.text for t in run.texts], "|", run.guarantee.label())
     verdicts = {}
     for label, mech in (("correct", ours), ("sampled colder than accounted", FullVocabularyDClip(
             clip_norm=1.0, batch_size=3, temperature=1.0, sample_temperature=0.5))):

@@ -19,6 +19,7 @@ also converts the GGUF model once, about a minute). ``main()`` returns the
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import sys
 import tempfile
@@ -40,7 +41,6 @@ def main(
     output_dir: str | Path | None = None,
 ):
     from accounting import BudgetLedger, plan_clip_norm
-    from invink_audit.bench import demo_reviews_path
     from invink_audit.data import ReferencesFile
     from invink_audit.generation import GenerationConfig, generate
     from invink_audit.models import DEFAULT_GENERATOR, load_model
@@ -48,7 +48,8 @@ def main(
     directory = Path(output_dir) if output_dir is not None else Path(tempfile.mkdtemp(prefix="invink-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
     references = directory / "reviews.jsonl"  # a copy of the shipped file (its path may be inside a wheel)
-    references.write_text(demo_reviews_path().read_text("utf-8"), encoding="utf-8")
+    shipped = importlib.resources.files("invink_audit") / "resources" / "demo_reviews.jsonl"
+    references.write_text(shipped.read_text("utf-8"), encoding="utf-8")
     records = [json.loads(line) for line in references.read_text("utf-8").splitlines() if line.strip()]
     plan = plan_clip_norm(
         epsilon=epsilon, delta=delta, max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature

@@ -1,4 +1,4 @@
-"""Check the capacity formula (invink_audit/capacity.py) against the engine's real memory on CPU.
+"""Check the capacity bound (invink_audit/capacity.py) against the engine's real memory on CPU.
 
 For each configuration (B references per text, max_batch_rows R) a fresh process loads the embedded
 model (SmolLM2-135M-Instruct), warms the release path up on one text of short references, records its resident set
@@ -10,12 +10,12 @@ size (RSS), resets the kernel's high-water mark (``/proc/self/clear_refs``) and 
 * ``KV engine``: the engine's own KV-cache tensors at their peak, counted as they are allocated and
   freed (a second run in the same process, with ``torch.Tensor.new_zeros`` wrapped; ``--no-track``
   skips it);
-* ``KV predicted``: :func:`invink_audit.capacity.simulate_kv` on the real prompts' token counts and
-  the number of tokens each text drew (texts that draw EOS early leave early);
+* ``KV bound``: :func:`invink_audit.capacity.kv_bound_bytes` on the real prompts' token counts (an upper
+  bound for any end-of-sequence pattern);
 * ``predicted``: that plus :func:`~invink_audit.capacity.sampling_bytes` and
   :func:`~invink_audit.capacity.activation_bytes`; ``ratio`` = measured / predicted;
-* ``CLI estimate`` / ``CLI unshared``: what ``invink-audit memory`` says with the prompts' mean length
-  (equal prompts; every row in a bucket of its own), less the weights.
+* ``CLI estimate``: what ``invink-audit memory`` says with the longest private prompt as ``--prompt-tokens``,
+  less the weights.
 
 Run from the repository root (the references are read in place, never copied)::
 
@@ -97,8 +97,8 @@ class _KVTracker:
         torch.Tensor.new_zeros = self.original
 
 
-def _predict(loaded, references: list[str], batch_size: int, rows: int, max_new_tokens: int, drawn: list[int]) -> dict:
-    """The formula's numbers for these prompts (their real token counts) and the tokens each text drew."""
+def _predict(loaded, references: list[str], batch_size: int, rows: int, max_new_tokens: int) -> dict:
+    """The bound's numbers for these prompts (their real token counts)."""
     from invink_audit import capacity
     from invink_audit.prompts import encode_request, get_preset
 
@@ -118,19 +118,12 @@ def _predict(loaded, references: list[str], batch_size: int, rows: int, max_new_
         batch_size=batch_size, max_new_tokens=max_new_tokens, prompt_tokens=max(private),
         public_prompt_tokens=texts[0][0], max_batch_rows=rows, num_texts=len(texts),
     )
-    kv, phase = capacity.simulate_kv(
-        texts, max_new_tokens, workload.texts_in_flight, kv_bytes_per_token=kappa, num_layers=shape.num_layers,
-        prefix_tokens=sum(len(p) for p in prefixes), drawn=drawn,
-    )
+    kv = capacity.kv_bound_bytes(shape, texts, max_new_tokens, workload.texts_in_flight,
+                                 prefix_tokens=sum(len(p) for p in prefixes))
     working = capacity.sampling_bytes(shape, workload) + capacity.activation_bytes(shape, workload)
-    mean = capacity.Workload(
-        batch_size=batch_size, max_new_tokens=max_new_tokens, prompt_tokens=round(sum(private) / len(private)),
-        public_prompt_tokens=texts[0][0], max_batch_rows=rows, num_texts=len(texts),
-    )
-    cli = capacity.estimate_memory(shape, mean)
+    cli = capacity.estimate_memory(shape, workload)
     return {
-        "kv_predicted": kv, "kv_phase": phase, "working": working, "predicted": kv + working,
-        "cli_estimate": cli.peak_bytes - cli.weights_bytes, "cli_unshared": cli.peak_unshared_bytes - cli.weights_bytes,
+        "kv_bound": kv, "working": working, "predicted": kv + working, "cli_estimate": cli.peak_bytes - cli.weights_bytes,
         "prompt_mean": sum(private) / len(private), "prompt_min": min(private), "prompt_max": max(private),
         "public_prompt": texts[0][0], "texts": len(texts), "kappa": kappa, "dtype": shape.dtype,
     }
@@ -165,29 +158,29 @@ def child(batch_size: int, rows: int, max_new_tokens: int, dtype: str, track: bo
     engine_kv = None
     if track:
         gc.collect()
-        config = loaded.model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        with _KVTracker(config.num_key_value_heads, head_dim) as tracker:
+        shape = loaded.model.config  # (not `config`: the release's, used just below)
+        head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
+        with _KVTracker(shape.num_key_value_heads, head_dim) as tracker:
             generate(references, config, **options)
         engine_kv = tracker.peak
     return {
         "batch_size": batch_size, "max_batch_rows": rows, "max_new_tokens": max_new_tokens, "measured": measured,
         "rss_before": before, "engine_kv": engine_kv, "tokens": sum(drawn), "torch": torch.__version__,
-        **_predict(loaded, references, batch_size, rows, max_new_tokens, drawn),
+        **_predict(loaded, references, batch_size, rows, max_new_tokens),
     }
 
 
 def _table(results: list[dict]) -> str:
-    header = ("| B | max_batch_rows | texts | prompt tokens (mean, min-max) | KV predicted | KV engine | predicted "
-              "| measured | ratio | CLI estimate | CLI unshared |")
+    header = ("| B | max_batch_rows | texts | prompt tokens (mean, min-max) | KV bound | KV engine | predicted "
+              "| measured | ratio | CLI estimate |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
         engine = "n/a" if r["engine_kv"] is None else f"{r['engine_kv'] / MIB:.1f}"
         lines.append(
             f"| {r['batch_size']} | {r['max_batch_rows']} | {r['texts']} | {r['prompt_mean']:.0f} "
-            f"({r['prompt_min']}-{r['prompt_max']}), public {r['public_prompt']} | {r['kv_predicted'] / MIB:.1f} "
-            f"({r['kv_phase']}) | {engine} | {r['predicted'] / MIB:.1f} | {r['measured'] / MIB:.1f} "
-            f"| {r['measured'] / r['predicted']:.2f} | {r['cli_estimate'] / MIB:.1f} | {r['cli_unshared'] / MIB:.1f} |"
+            f"({r['prompt_min']}-{r['prompt_max']}), public {r['public_prompt']} | {r['kv_bound'] / MIB:.1f} "
+            f"| {engine} | {r['predicted'] / MIB:.1f} | {r['measured'] / MIB:.1f} "
+            f"| {r['measured'] / r['predicted']:.2f} | {r['cli_estimate'] / MIB:.1f} |"
         )
     return "\n".join(lines)
 

@@ -313,7 +313,7 @@ def run_yelp_template(study: Study, loaded, model_name: str, name: str, template
         texts = result.texts
         study.add(Point(model_name, name, f"eps{epsilon:g}", [t.text for t in texts], [star(t.labels) for t in texts],
                         [t.num_tokens for t in texts], [t.finish_reason for t in texts], seconds, epsilon,
-                        result.guarantee.clip_norm))
+                        result.mechanism.config.clip_norm))
 
 
 def run_generic(study: Study, loaded, args) -> None:
@@ -359,7 +359,7 @@ def run_generic(study: Study, loaded, args) -> None:
             result = generate(str(refs_file), config, model=loaded, prompt=template, seed=600 + k)
         study.add(Point("smollm2", name, f"eps{epsilon:g}-B2", [t.text for t in result.texts], [""] * len(result.texts),
                         [t.num_tokens for t in result.texts], [t.finish_reason for t in result.texts],
-                        time.perf_counter() - start, epsilon, result.guarantee.clip_norm), evaluate=False)
+                        time.perf_counter() - start, epsilon, result.mechanism.config.clip_norm), evaluate=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def draw() -> dict:
     """Every case, drawn now."""
     from invink_audit.audit.quick import quick_audit
     from invink_audit.data import ReferencesFile
-    from invink_audit.generation import GenerationConfig, MechanismRelease, PromptSpec, generate
+    from invink_audit.generation import GenerationConfig, PromptSpec, ReleaseConfig, generate
     from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
     from invink_audit.models import build_tiny_model
 
@@ -74,10 +74,10 @@ def draw() -> dict:
                                 model=tiny, prompt=PromptSpec("yelp", fields={"category": "Restaurants"}), seed=13)
         cases["invisibleink-labelled-yelp"] = _texts(labelled.texts)
         amin = AminMechanism(AminConfig(clip_norm=2.0, batch_size=2))
-        amin = generate(REFERENCES, MechanismRelease(amin, max_new_tokens=6, delta=1e-6), model=tiny, seed=14)
+        amin = generate(REFERENCES, ReleaseConfig(amin, max_new_tokens=6, delta=1e-6), model=tiny, seed=14)
         cases["amin"] = _texts(amin.texts)
         adap = AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=2, epsilon=50.0))
-        adap = generate(REFERENCES, MechanismRelease(adap, max_new_tokens=6, delta=1e-6), model=tiny, seed=15)
+        adap = generate(REFERENCES, ReleaseConfig(adap, max_new_tokens=6, delta=1e-6), model=tiny, seed=15)
         cases["adapmixed"] = _texts(adap.texts)
         report = quick_audit(topk, model=tiny, sampled_batch=None)
     cases["quick-audit-of-invisibleink-topk-generic"] = {

@@ -81,7 +81,7 @@ def main() -> None:
         gen = time.perf_counter() - start
         texts = [t.text for t in released.texts]
         result = evaluate(texts, list(held_out), evaluation)  # n real texts: as many as synthetic
-        print(f"| {eps:g} | {released.plan.clip_norm:.3g} | {gen:.0f} | {result.mauve.interval.format()} |", flush=True)
+        print(f"| {eps:g} | {released.mechanism.config.clip_norm:.3g} | {gen:.0f} | {result.mauve.interval.format()} |", flush=True)
 
 
 if __name__ == "__main__":

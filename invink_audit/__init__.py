@@ -48,16 +48,15 @@ _LAZY: dict[str, str] = {
             "GenerationConfig",
             "GenerationHooks",
             "GenerationResult",
-            "Guarantee",
             "ModelSpec",
             "PromptSpec",
             "OutputInUseError",
+            "ReleaseConfig",
             "generate",
             "read_generation_output",
         ),
         "invink_audit.generation",
     ),
-    **dict.fromkeys(("BenchResult", "benchmark"), "invink_audit.bench"),
     # empirical privacy auditor
     **dict.fromkeys(("quick_audit", "audit_model", "blackbox_audit", "run_selftest", "load_spec", "run_spec"), "invink_audit.audit"),
 }
@@ -65,7 +64,7 @@ _LAZY: dict[str, str] = {
 __all__ = ["__version__", *_LAZY]
 
 
-def _lazy_hooks(package: str, lazy: dict[str, str], *names: str):
+def lazy_exports(package: str, lazy: dict[str, str], *names: str):
     """The module ``__getattr__`` and ``__dir__`` (PEP 562) of ``package``, whose public names (``lazy``: name ->
     submodule, relative to ``package`` or absolute) are imported on first use; ``names``: its other public names."""
 
@@ -78,4 +77,4 @@ def _lazy_hooks(package: str, lazy: dict[str, str], *names: str):
     return __getattr__, lambda: sorted([*names, *lazy])
 
 
-__getattr__, __dir__ = _lazy_hooks(__name__, _LAZY, "__version__")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, "__version__")

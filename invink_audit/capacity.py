@@ -1,46 +1,33 @@
-r"""Capacity planning: the peak memory of a release, from the model's shape and the workload.
+r"""Capacity planning: an upper bound on the peak memory of a release, from the model's shape and the workload.
 
-What the engine allocates (read from the code, each term cited where it is computed):
+What the engine allocates (docs/guide/capacity.md tabulates each term with the code that allocates it):
 
 * **Weights**: ``num_parameters × s`` bytes (``s``: bytes per element of the model's dtype; tied
   embeddings counted once).
-* **KV cache** (:mod:`invink_audit.rows`). One row stores, per layer, keys and values
-  ``(kv_heads, tokens, head_dim)``: :math:`\kappa = 2 \cdot L \cdot H_{kv} \cdot d \cdot s` bytes per
-  token (:func:`kv_bytes_per_token`). Every layer keeps every token, sliding-window layers included.
-  A row lives in two places in turn:
+* **KV cache** (:mod:`invink_audit.rows`): :math:`\kappa = 2 \cdot L \cdot H_{kv} \cdot d \cdot s` bytes per
+  row and token (:func:`kv_bytes_per_token`; sliding-window layers keep every token too). 1. *Prefill*: every
+  row of an admitted text (at most ``G`` in progress) is allocated for its prompt **and** the ``T`` tokens to
+  come (``engine.py: _Text.__init__``, ``_Run._admit``). 2. *Cached prefix*: prefilled once per run and kept
+  (``engine.py: _Run._prefix_row``), doubled in chunks of 512 (``rows.py: RowKV.append``). 3. *Decoding*: a
+  row of ``n`` cached tokens sits in a bucket of width :func:`~invink_audit.rows.bucket_length` ``(n + 1)``, at
+  most ``W(p + T − 1)`` for prompt ``p``; a public row has a bucket of its own (4 slots,
+  :data:`~invink_audit.rows.MIN_BUCKET_ROWS`), private rows of one width share one of ``max(4, 2^⌈log2 rows⌉)``
+  slots (at most 4 per row); one text at a time holds both its prefill buffers and its bucket rows
+  (``engine.py: _Run._forward``; ``rows.py: KVStore.insert``, ``KVStore.ready``, ``_Bucket._room``).
+  4. *Moves*: a row that outgrows its bucket is copied before it leaves (one at a time,
+  ``forward.py: RowForward.decode``), and a doubling bucket holds the old buffers of at most two layers.
+* **Sampling buffers** of one step, per text in flight (``engine.py: _StepMath.draw``; ``mechanism.py:
+  topk_plus_support``): the public row's logits (``V × s``), two float64 copies, the support mask, the uniforms
+  and their copy, and on the ``m = min(V, max(4·top_k, 256))`` gathered columns the output layer's rows and the
+  private logits. **Activations** of one forward pass over ``N = G·(B+1)`` packed tokens or a prefill chunk of
+  at most 512 tokens: an approximation (:func:`activation_bytes`).
 
-  - while its text is prefilled and draws its first token, in a :class:`~invink_audit.rows.RowKV`
-    sized for its prompt **and** the ``T`` tokens to come (``engine.py: _Text.__init__``,
-    ``capacity=len(p) + reserve`` with ``reserve = max_new_tokens`` from ``_Run._admit``);
-  - from its first decoding pass on, in a :class:`~invink_audit.rows.KVStore` bucket of width
-    :func:`~invink_audit.rows.bucket_length` ``(length + 1)`` (``rows.py: KVStore.insert``,
-    ``KVStore.ready``); a bucket is allocated for ``max(4, 2·rows)`` rows and doubles when full
-    (``rows.py: _Bucket._room``: at least :data:`MIN_BUCKET_ROWS` slots). Public rows are each in a
-    bucket of their own (``engine.py: _Run.__init__``, ``new_store(solo=True)``), so a public row
-    always takes 4 slots; private rows of equal length share one bucket. When a row outgrows its
-    bucket it is copied into the next one, and the old bucket is freed once empty
-    (``rows.py: KVStore.ready``, ``KVStore._take_out``): both exist during that pass.
-
-* **Texts in flight**: ``G = max(1, max_batch_rows // (B + 1))`` (``engine.py: Engine.max_texts``),
-  each with ``B + 1`` rows (a null reference has none). All ``G`` are admitted and prefilled in the
-  first step (``engine.py: _Run._admit``, ``_Run._prefill``).
-* **Sampling buffers** of one step, per text in flight (``engine.py: _StepMath.draw``,
-  ``_draw_support``, ``_support_report``; ``mechanism.py: topk_plus_support``): the public row's full
-  logits (``V × s``), two float64 copies of them, the support mask (``V`` bools), the uniforms and
-  their copy (``2 × V × 8``), and on the ``m = min(V, max(4·top_k, 256))`` gathered columns the output
-  layer's rows (``m × hidden × s``) and the private logits and their float64 arithmetic.
-* **Activations** of one forward pass (transient, one layer at a time): a decoding pass over
-  ``N = G·(B+1)`` packed tokens, or a prefill chunk of at most 512 tokens of one row
-  (``engine.py: _DEFAULT_PREFILL_TOKENS``); an approximation (:func:`activation_bytes`).
-
-:func:`estimate_memory` puts them together for prompts of equal length (the closed form of
-:func:`simulate_kv`, which replays the engine's KV allocations for any prompt lengths). Left out:
-the allocator's own overhead (CPU malloc fragmentation; the CUDA caching allocator's reserve and the
-CUDA context), Python objects, the tokenizer, a bucket's per-layer copy while it doubles (at most
-``1/L`` of it), and texts that end early (EOS) and let new ones in while others decode (then rows of
-different lengths share buckets: :func:`estimate_memory` reports the case where every row has a
-bucket of its own as ``kv_unshared_bytes``). Measured against the real engine in
-``docs/results/capacity.md``; the guide is ``docs/guide/capacity.md``.
+:func:`kv_bound_bytes` turns rules 1–4 into an upper bound on the KV cache for any prompt lengths and
+end-of-sequence pattern. Left out (the bound can be exceeded there): a shared bucket keeps the capacity of its
+fullest moment while rows leave it, so a run built for it (texts ending together while one stays, again and
+again within one width) could exceed the bound (real runs keep well inside: ``tests/test_capacity.py``); the
+allocator's overhead, the CUDA context, Python objects, the tokenizer and an audit's shared prompt copies
+(``Engine(share_prefill=True)``). ``Engine.kv_bytes`` reports what a run holds.
 """
 
 from __future__ import annotations
@@ -66,16 +53,14 @@ __all__ = [
     "dtype_name",
     "estimate_memory",
     "format_bytes",
-    "growth_layers",
+    "kv_bound_bytes",
     "kv_bytes_per_token",
-    "kv_growth_bytes",
-    "kv_peak_tokens",
-    "kv_unshared_tokens",
     "max_batch_rows_for_budget",
+    "prefix_slots",
     "read_model_shape",
     "sampling_bytes",
     "shape_of",
-    "simulate_kv",
+    "text_kv_tokens",
 ]
 
 #: Bytes per element of the dtypes a model can be loaded in (``models.py: load_model``'s names).
@@ -160,10 +145,7 @@ class ModelShape:
 def _config_count(config, attribute: str, default: int | None = None) -> int:
     """``config.attribute`` (``default`` when it is absent or ``None``), an integer >= 1."""
     value = getattr(config, attribute, None)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute} must be an integer >= 1; got {value!r}")
-    return value
+    return check_count(attribute, default if value is None else value)
 
 
 def shape_of(loaded) -> ModelShape:
@@ -373,260 +355,75 @@ def activation_bytes(shape: ModelShape, workload: Workload) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# the KV cache over a run
+# the KV cache's upper bound
 
 
-class _KVReplay:
-    """The engine's KV allocations, counted in layer-token slots (one token of one row in one layer; ``κ/L``
-    bytes): prefill buffers (``rows.py: RowKV``), public rows' solo buckets (``MIN_BUCKET_ROWS × width``
-    each) and private buckets by width (``rows.py: KVStore``, ``_Bucket._room``). ``growth``: count a
-    bucket's old and new buffers of one layer together while it doubles (``_Bucket._room`` grows layer
-    by layer)."""
-
-    def __init__(self, layers: int, growth: bool, held: int = 0) -> None:
-        self.layers, self.growth = layers, growth
-        self.loose = held * layers
-        self.public = 0
-        self.private: dict[int, tuple[int, int]] = {}  # width -> (rows, rows allocated)
-        self.peak, self.phase = 0, ""
-
-    def note(self, phase: str, extra: int = 0) -> None:
-        stores = sum(width * slots for width, (_, slots) in self.private.items())
-        total = self.loose + self.public + self.layers * stores
-        if total + extra > self.peak:
-            self.peak, self.phase = total + extra, phase
-
-    def add(self, public: bool, width: int, phase: str) -> None:
-        if public:  # KVStore(solo=True): a bucket of its own, allocated for MIN_BUCKET_ROWS rows
-            self.public += self.layers * MIN_BUCKET_ROWS * width
-            return
-        rows, slots = self.private.get(width, (0, 0))
-        if rows >= slots:  # _Bucket._room: max(4, 2·count) when full, copied layer by layer
-            self.private[width] = (rows, max(MIN_BUCKET_ROWS, 2 * rows))
-            if self.growth and slots:  # old buffers of the layer being copied are still held
-                self.note(phase, extra=growth_layers(self.layers) * slots * width)
-            slots = self.private[width][1]
-        self.private[width] = (rows + 1, slots)
-
-    def remove(self, public: bool, width: int) -> None:
-        if public:
-            self.public -= self.layers * MIN_BUCKET_ROWS * width
-            return
-        rows, slots = self.private[width]
-        if rows == 1:  # KVStore._take_out: an empty bucket is freed
-            del self.private[width]
-        else:
-            self.private[width] = (rows - 1, slots)
-
-    def run(self, texts: list[list[tuple[bool, int]]], drawn: list[int], max_new_tokens: int, in_flight: int) -> None:
-        """The engine's schedule (``engine.py: _Run.step``): admit texts in order while fewer than
-        ``in_flight`` are in progress and prefill them (rows sized for prompt + T); in the decoding pass,
-        move the rows of texts that drew their first token into the stores (then drop their prefill
-        buffers), and move every row whose bucket width changes; each text draws one token per step and
-        leaves after ``drawn[i]`` tokens."""
-        pending, live = list(range(len(texts)))[::-1], []  # live: [text, stored, tokens drawn]
-        reserve = [self.layers * sum(n + max_new_tokens for _, n in rows) for rows in texts]
-        while pending or live:
-            while pending and len(live) < in_flight:  # _Run._admit, _Run._prefill
-                live.append([pending.pop(), False, 0])
-                self.loose += reserve[live[-1][0]]
-            self.note("prefill")
-            for entry in live:  # _Run._forward: rows of a text that drew its first token move into the stores
-                if entry[2] and not entry[1]:
-                    for public, n in texts[entry[0]]:
-                        self.add(public, bucket_length(n + 1), "first decoding pass")
-                    self.note("first decoding pass")
-                    self.loose -= reserve[entry[0]]
-                    entry[1] = True
-            for index, stored, tokens in live:  # RowForward.decode: KVStore.ready before the pass
-                for public, n in texts[index] if stored and tokens >= 2 else ():
-                    old, new = bucket_length(n + tokens - 1), bucket_length(n + tokens)
-                    if new != old:
-                        self.add(public, new, "decoding")
-                        self.note("decoding")
-                        self.remove(public, old)
-            for entry in live:  # every text in progress draws a token; _Run._record drops finished texts
-                entry[2] += 1
-                if entry[2] >= drawn[entry[0]]:
-                    self._finish(texts[entry[0]], entry, reserve[entry[0]])
-            live = [entry for entry in live if entry[2] < drawn[entry[0]]]
-
-    def _finish(self, rows: list[tuple[bool, int]], entry: list, reserved: int) -> None:
-        if not entry[1]:  # ended on its first token: only its prefill buffers existed
-            self.loose -= reserved
-            return
-        for public, n in rows:
-            self.remove(public, bucket_length(n + entry[2] - 1))
+def prefix_slots(tokens: int) -> int:
+    """Tokens a cached template prefix of ``tokens`` is allocated for (rule 2): prefilled in chunks of
+    :data:`PREFILL_CHUNK` into a row with no reserve, whose buffer doubles when a chunk does not fit
+    (``rows.py: RowKV.append``): ``tokens`` up to one chunk, less than ``2·tokens`` beyond."""
+    check_count("tokens", tokens, minimum=0)
+    return tokens if tokens <= PREFILL_CHUNK else 2 * tokens
 
 
-def growth_layers(num_layers: int) -> int:
-    """Layers whose old buffers are still held, at the worst moment, while a bucket doubles
-    (``rows.py: _Bucket._room`` replaces them layer by layer in a ``for ... in enumerate(zip(keys, values))``
-    loop): one, the layer being copied; two in a two-layer model, where the iteration's reused tuple keeps
-    the first layer's old buffers until the loop ends (measured on the engine: ``tests/test_capacity.py``)."""
-    check_count("num_layers", num_layers)
-    return 2 if num_layers == 2 else 1
-
-
-def _text_rows(texts: Sequence[Sequence[int | None]]) -> list[list[tuple[bool, int]]]:
-    """Each text's rows as (public?, prompt length), a null reference's row left out."""
-    rows_of = []
-    for i, text in enumerate(texts):
-        lengths = list(text)
-        if not lengths or lengths[0] is None:
-            raise ValueError(f"texts[{i}] must start with the public prompt's length; got {text!r}")
-        for n in lengths:
-            check_count(f"texts[{i}] lengths", n, allow_none=True)
-        rows_of.append([(r == 0, n) for r, n in enumerate(lengths) if n is not None])
-    return rows_of
-
-
-def _drawn_counts(drawn: Sequence[int] | None, texts: int, max_new_tokens: int) -> list[int]:
-    counts = [max_new_tokens] * texts if drawn is None else list(drawn)
-    if len(counts) != texts:
-        raise ValueError(f"drawn must give one count per text ({texts}); got {len(counts)}")
-    for count in counts:
-        check_count("drawn", count)
-        if count > max_new_tokens:
-            raise ValueError(f"drawn counts must be at most max_new_tokens ({max_new_tokens}); got {count}")
-    return counts
-
-
-def simulate_kv(
-    texts: Sequence[Sequence[int | None]],
-    max_new_tokens: int,
-    texts_in_flight: int,
-    *,
-    kv_bytes_per_token: int = 1,
-    num_layers: int | None = None,
-    prefix_tokens: int = 0,
-    drawn: Sequence[int] | None = None,
-) -> tuple[int, str]:
-    """Replay the engine's KV allocations (:class:`_KVReplay`, ``engine.py: _Run.step``) for texts whose
-    rows' prompts have the given lengths (public row first; ``None``: a null reference, no row), each
-    drawing ``drawn[i]`` tokens (default ``max_new_tokens``: no early EOS), at most ``texts_in_flight``
-    at once, admitted in order; ``prefix_tokens``: the template prefix cached for the run
-    (``engine.py: _Run._prefix_row``).
-
-    Returns (peak KV bytes, with ``kv_bytes_per_token`` κ per row and token; the phase it is reached in:
-    ``"prefill"``, ``"first decoding pass"`` or ``"decoding"``). ``num_layers`` (L, dividing κ): also
-    count the old buffers of :func:`growth_layers` layers a bucket keeps while it doubles (``rows.py:
-    _Bucket._room``, ``κ/L`` per slot); ``None``: not (as the closed form :func:`kv_peak_tokens`)."""
+def text_kv_tokens(lengths: Sequence[int | None], max_new_tokens: int) -> tuple[int, int]:
+    """(prefill, stores) of one text whose rows' prompts have ``lengths`` tokens (public row first;
+    ``None``: a null reference, which has no row): the tokens its rows are allocated while it is
+    prefilled, ``Σ (p + T)`` (rule 1), and the slots they may take while it decodes, ``Σ 4·W(p + T − 1)``
+    (rule 3; 0 when ``T = 1``: a text of one token never decodes)."""
     check_count("max_new_tokens", max_new_tokens)
+    if not lengths or lengths[0] is None:
+        raise ValueError(f"a text's lengths must start with the public prompt's; got {lengths!r}")
+    rows = [check_count("prompt lengths", p) for p in lengths if p is not None]
+    prefill = sum(p + max_new_tokens for p in rows)
+    stores = 0 if max_new_tokens == 1 else sum(MIN_BUCKET_ROWS * bucket_length(p + max_new_tokens - 1) for p in rows)
+    return prefill, stores
+
+
+def kv_bound_bytes(
+    shape: ModelShape, texts: Sequence[Sequence[int | None]], max_new_tokens: int, texts_in_flight: int, *,
+    prefix_tokens: int = 0,
+) -> int:  # fmt: skip
+    r"""An upper bound on the KV cache's peak bytes of a run of ``texts`` (each its rows' prompt lengths,
+    public row first, ``None`` for a null reference; :func:`text_kv_tokens` gives each text's prefill size
+    :math:`R_i` and store allowance :math:`S_i`), ``T = max_new_tokens``, at most ``G = texts_in_flight``
+    in progress, ``prefix_tokens`` the cached template prefix (rules 1–4 of the module docstring):
+
+    .. math:: \kappa \Big(\sum_{\text{the } G \text{ largest}} \max(R_i, S_i) + \max_i \min(R_i, S_i)
+       + \mathrm{prefix} + 4 W_{\max}\Big) + \tfrac{1}{2} A(G B) \, W_{\max} \, \min(2, L) \, \kappa / L
+
+    (``W_max = W(p_max + T − 1)``; the last two terms: one moving row's second bucket and a doubling
+    bucket's old layers, none when ``T = 1``; ``A`` = :func:`bucket_rows`, no doubling under 5 rows).
+    Texts that end early only lower it; the one case it leaves out is in the module docstring."""
     check_count("texts_in_flight", texts_in_flight)
-    check_count("kv_bytes_per_token", kv_bytes_per_token)
-    check_count("num_layers", num_layers, allow_none=True)
-    check_count("prefix_tokens", prefix_tokens, minimum=0)
-    layers = num_layers or 1
-    if kv_bytes_per_token % layers:
-        raise ValueError(f"kv_bytes_per_token ({kv_bytes_per_token}) must be a multiple of num_layers ({layers})")
-    rows_of = _text_rows(texts)
-    counts = _drawn_counts(drawn, len(rows_of), max_new_tokens)
-    replay = _KVReplay(layers, num_layers is not None, prefix_tokens)
-    replay.run(rows_of, counts, max_new_tokens, texts_in_flight)
-    return replay.peak * (kv_bytes_per_token // layers), replay.phase
-
-
-def _crossings(prompt: int, last: int) -> list[int]:
-    """Decoding passes ``j`` in ``2..last`` at which a row of ``prompt`` tokens changes bucket
-    (``bucket_length(prompt + j) != bucket_length(prompt + j - 1)``), jumping from width to width."""
-    passes, j = [], 1
-    while True:
-        j = bucket_length(prompt + j) + 1 - prompt  # first pass past the current bucket's width
-        if j > last:
-            return passes
-        passes.append(j)
-
-
-def _conversion_candidates(texts: int, batch_size: int) -> set[int]:
-    """``k`` at which the first decoding pass's total can peak: the ends of the ranges where the
-    private bucket's allocation :func:`bucket_rows` (``k·B``) is constant (linear in ``k`` between)."""
-    ks = {1, texts}
-    m = 2
-    while (1 << m) + 1 <= texts * batch_size:
-        k = -(-((1 << m) + 1) // batch_size)  # first k with k·B > 2**m: the allocation doubles
-        ks.update(x for x in (k - 1, k) if 1 <= x <= texts)
-        m += 1
-    return ks
-
-
-def kv_peak_tokens(workload: Workload) -> tuple[int, str]:
-    """:func:`simulate_kv` in closed form for prompts of equal length (``P0`` public, ``P`` private),
-    ``G`` texts in flight, ``n = G·B`` private rows sharing one bucket, ``W(x) = bucket_length(x)``,
-    ``A(r) = bucket_rows(r)``; the largest of
-
-    * prefill: ``G·((P0 + T) + B·(P + T))``;
-    * first decoding pass, text ``k`` moved into the stores before its prefill buffers are dropped:
-      ``(G − k + 1)·((P0 + T) + B·(P + T)) + 4k·W(P0 + 1) + A(k·B)·W(P + 1)``;
-    * decoding pass ``j`` (row length ``P + j − 1`` before it, ``j ≤ T − 1``): ``4G·W(P0 + j) + A(n)·W(P + j)``,
-      and at a pass where the private rows change bucket, the old bucket too, ``+ A(n)·W(P + j − 1)``
-      (freed once its last row left); at one where the public rows do, the last public row's old
-      bucket ``+ 4·W(P0 + j − 1)`` (with the private rows of the other ``G − 1`` texts moved already).
-
-    Widths grow with ``j``, so only the passes where a width changes are evaluated."""
-    g, b, t = workload.texts_in_flight, workload.batch_size, workload.max_new_tokens
-    p0, p = workload.public_prompt_tokens, workload.prompt_tokens
-    per_text = (p0 + t) + b * (p + t)
-    best = (g * per_text, "prefill")
-    if t == 1:
-        return best
-    n, w = g * b, bucket_length
-    for k in sorted(_conversion_candidates(g, b)):
-        value = (g - k + 1) * per_text + MIN_BUCKET_ROWS * k * w(p0 + 1) + bucket_rows(k * b) * w(p + 1)
-        best = max(best, (value, "first decoding pass"), key=lambda pair: pair[0])
-    last = t - 1
-    private_moves, public_moves = set(_crossings(p, last)), set(_crossings(p0, last))
-    for j in sorted(private_moves | public_moves | {last}):
-        if j < 2:
-            continue
-        public = MIN_BUCKET_ROWS * g * w(p0 + j)
-        if j in public_moves:  # the last text's public row is copied before its old bucket is freed
-            private = bucket_rows(n) * w(p + j)
-            if j in private_moves:  # the other texts' private rows have moved already, the last text's not
-                private = bucket_rows(n) * w(p + j - 1) + bucket_rows(n - b) * w(p + j)
-            best = max(best, (public + MIN_BUCKET_ROWS * w(p0 + j - 1) + private, "decoding"), key=lambda pair: pair[0])
-        private = bucket_rows(n) * (w(p + j) + (w(p + j - 1) if j in private_moves else 0))
-        best = max(best, (public + private, "decoding"), key=lambda pair: pair[0])
-    return best
+    if not texts:
+        raise ValueError("texts must hold at least one text")
+    sizes = [text_kv_tokens(text, max_new_tokens) for text in texts]
+    largest = sorted(max(size) for size in sizes)[-texts_in_flight:]
+    tokens = sum(largest) + max(min(size) for size in sizes) + prefix_slots(prefix_tokens)
+    kappa, grown = kv_bytes_per_token(shape), 0
+    if max_new_tokens > 1:
+        widest = bucket_length(max(p for text in texts for p in text if p is not None) + max_new_tokens - 1)
+        tokens += MIN_BUCKET_ROWS * widest
+        private = min(texts_in_flight, len(texts)) * max(sum(p is not None for p in text[1:]) for text in texts)
+        old = bucket_rows(private) // 2 if private > MIN_BUCKET_ROWS else 0
+        grown = old * widest * min(2, shape.num_layers) * (kappa // shape.num_layers)
+    return tokens * kappa + grown
 
 
 # --------------------------------------------------------------------------------------------
 # the estimate
 
 
-def kv_growth_bytes(shape: ModelShape, workload: Workload) -> int:
-    """What :func:`kv_peak_tokens` leaves out: the shared private bucket's old buffers of
-    :func:`growth_layers` layers while it doubles (``rows.py: _Bucket._room``), at most
-    ``A(n)/2 · W(P + T − 1) · growth_layers(L) · κ/L`` (0 when the ``n = G·B`` rows fit 4 slots)."""
-    rows = workload.texts_in_flight * workload.batch_size
-    if rows <= MIN_BUCKET_ROWS or workload.max_new_tokens == 1:  # no bucket ever doubles (or none exists)
-        return 0
-    width = bucket_length(workload.prompt_tokens + workload.max_new_tokens - 1)
-    layer_bytes = kv_bytes_per_token(shape) // shape.num_layers
-    return bucket_rows(rows) // 2 * width * growth_layers(shape.num_layers) * layer_bytes
-
-
-def kv_unshared_tokens(workload: Workload) -> int:
-    """KV token slots when every row has a bucket of its own at the last pass (prompts of many lengths):
-    ``G·4·(W(P0 + T − 1) + B·W(P + T − 1))``, or the prefill buffers if larger."""
-    g, b, t = workload.texts_in_flight, workload.batch_size, workload.max_new_tokens
-    p0, p = workload.public_prompt_tokens, workload.prompt_tokens
-    prefill = g * ((p0 + t) + b * (p + t))
-    if t == 1:
-        return prefill
-    stores = g * MIN_BUCKET_ROWS * (bucket_length(p0 + t - 1) + b * bucket_length(p + t - 1))
-    return max(prefill, stores)
-
-
 FORMULA = (
     "peak = weights + KV + sampling + activations, where weights = parameters x s; "
     "KV per row and token kappa = 2 x layers x kv_heads x head_dim x s; "
     "texts in flight G = max(1, max_batch_rows // (B+1)); "
-    "KV while a text is prefilled = ((P0+T) + B x (P+T)) x kappa per text "
-    "(every row sized for its prompt and T tokens); "
-    "KV while it decodes = buckets of width W(length) (length rounded up by at most 1/8, to a multiple of 16 at least) "
-    "allocated for max(4, 2^ceil(log2 rows)) rows: 4 slots per public row, and for the G x B private rows of equal "
-    "length one shared bucket, doubled while rows move to the next width; "
+    "KV while a text is prefilled = R = ((P0+T) + B x (P+T)) x kappa (every row sized for its prompt and T tokens); "
+    "while it decodes at most S = 4 x (W(P0+T-1) + B x W(P+T-1)) x kappa (length buckets of width W(length), "
+    "length rounded up by at most 1/8, to a multiple of 16 at least, of 4 slots per public row and at most 4 per "
+    "private row); KV upper bound = G x max(R, S) + min(R, S) (one text copied into the buckets at a time) "
+    "+ the cached template prefix + one moving row's second bucket + a doubling bucket's old layers; "
     "sampling = G x (V x (s + 33) + m x (hidden x s + B x (s + 24) + 40)), m = min(V, max(4 top_k, 256)); "
     "activations = the larger of a decoding pass over G(B+1) tokens and a 512-token prefill chunk"
 )
@@ -638,53 +435,36 @@ class MemoryEstimate:
 
     * ``kv_bytes_per_token``: κ (:func:`kv_bytes_per_token`); ``kv_text_bytes``: one text's rows sized
       for prompt and T tokens, ``((P0 + T) + B·(P + T))·κ``, what a text holds while it is prefilled;
-    * ``kv_peak_bytes``: the KV cache's peak for prompts of equal length (:func:`kv_peak_tokens`, reached
-      in ``kv_peak_phase``) and ``kv_growth_bytes`` (:func:`kv_growth_bytes`) on top;
-    * ``kv_unshared_bytes``: the KV cache when every row has a bucket of its own
-      (:func:`kv_unshared_tokens`): the figure to plan with when prompts vary widely;
+      ``kv_decoding_bytes``: the most its rows take in the length buckets while it decodes;
+    * ``kv_peak_bytes``: the KV cache's upper bound (:func:`kv_bound_bytes`, prompts of at most P tokens);
     * ``sampling_bytes`` (:func:`sampling_bytes`), ``activation_bytes`` (:func:`activation_bytes`).
 
-    ``peak_bytes`` = weights + KV peak + growth + sampling + activations; ``peak_unshared_bytes`` the same
-    with the larger of the KV peak and ``kv_unshared_bytes``.
+    ``peak_bytes`` = weights + KV bound + sampling + activations.
     """
 
     shape: ModelShape
     workload: Workload
     kv_bytes_per_token: int
     kv_text_bytes: int
+    kv_decoding_bytes: int
     kv_peak_bytes: int
-    kv_peak_phase: str
-    kv_growth_bytes: int
-    kv_unshared_bytes: int
     sampling_bytes: int
     activation_bytes: int
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, ModelShape) or not isinstance(self.workload, Workload):
             raise ValueError("shape must be a ModelShape and workload a Workload")
-        for name in ("kv_bytes_per_token", "kv_text_bytes", "kv_peak_bytes", "kv_growth_bytes", "kv_unshared_bytes",
-                     "sampling_bytes", "activation_bytes"):
+        for name in ("kv_bytes_per_token", "kv_text_bytes", "kv_decoding_bytes", "kv_peak_bytes", "sampling_bytes",
+                     "activation_bytes"):
             check_count(name, getattr(self, name), minimum=0)
-        if self.kv_peak_phase not in _PHASES:
-            raise ValueError(f"kv_peak_phase must be one of {_PHASES}; got {self.kv_peak_phase!r}")
 
     @property
     def weights_bytes(self) -> int:
         return self.shape.weights_bytes
 
     @property
-    def working_bytes(self) -> int:
-        """Everything but the KV cache and the weights: sampling buffers and activations."""
-        return self.sampling_bytes + self.activation_bytes
-
-    @property
     def peak_bytes(self) -> int:
-        return self.weights_bytes + self.kv_peak_bytes + self.kv_growth_bytes + self.working_bytes
-
-    @property
-    def peak_unshared_bytes(self) -> int:
-        kv = max(self.kv_peak_bytes + self.kv_growth_bytes, self.kv_unshared_bytes)
-        return self.weights_bytes + kv + self.working_bytes
+        return self.weights_bytes + self.kv_peak_bytes + self.sampling_bytes + self.activation_bytes
 
     def to_json(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -695,44 +475,37 @@ class MemoryEstimate:
             **fields,
             "weights_bytes": self.weights_bytes,
             "peak_bytes": self.peak_bytes,
-            "peak_unshared_bytes": self.peak_unshared_bytes,
             "formula": FORMULA,
         }
 
 
-_PHASES = ("prefill", "first decoding pass", "decoding")
-
-
 def estimate_memory(shape: ModelShape, workload: Workload) -> MemoryEstimate:
-    """The peak memory of ``workload`` on a model of ``shape`` (module docstring for each term)."""
+    """The peak memory of ``workload`` on a model of ``shape`` (module docstring for each term); the
+    template prefix is counted at its largest, ``P − 1`` tokens."""
     if not isinstance(shape, ModelShape):
         raise ValueError(f"shape must be a ModelShape; got {type(shape).__name__}")
     if not isinstance(workload, Workload):
         raise ValueError(f"workload must be a Workload; got {type(workload).__name__}")
-    kappa = kv_bytes_per_token(shape)
-    tokens, phase = kv_peak_tokens(workload)
-    t = workload.max_new_tokens
-    per_text = (workload.public_prompt_tokens + t) + workload.batch_size * (workload.prompt_tokens + t)
+    kappa, g = kv_bytes_per_token(shape), workload.texts_in_flight
+    text = [workload.public_prompt_tokens] + [workload.prompt_tokens] * workload.batch_size  # each of the G in flight
+    prefill, stores = text_kv_tokens(text, workload.max_new_tokens)
+    bound = kv_bound_bytes(shape, [text] * g, workload.max_new_tokens, g, prefix_tokens=workload.prompt_tokens - 1)
     return MemoryEstimate(
-        shape=shape, workload=workload, kv_bytes_per_token=kappa, kv_text_bytes=per_text * kappa,
-        kv_peak_bytes=tokens * kappa, kv_peak_phase=phase, kv_growth_bytes=kv_growth_bytes(shape, workload),
-        kv_unshared_bytes=kv_unshared_tokens(workload) * kappa, sampling_bytes=sampling_bytes(shape, workload),
+        shape=shape, workload=workload, kv_bytes_per_token=kappa, kv_text_bytes=prefill * kappa,
+        kv_decoding_bytes=stores * kappa, kv_peak_bytes=bound, sampling_bytes=sampling_bytes(shape, workload),
         activation_bytes=activation_bytes(shape, workload),
     )
 
 
-def max_batch_rows_for_budget(
-    shape: ModelShape, workload: Workload, budget_bytes: int, *, unshared: bool = True
-) -> int:
-    """The largest ``max_batch_rows`` (a multiple of ``B + 1``: rows beyond one are never used) whose peak
-    fits ``budget_bytes`` (``unshared``: :attr:`MemoryEstimate.peak_unshared_bytes`, else ``peak_bytes``);
-    ``workload.max_batch_rows`` is ignored. 0 when even one text does not fit. With ``num_texts`` set,
-    at most ``num_texts × (B + 1)``."""
+def max_batch_rows_for_budget(shape: ModelShape, workload: Workload, budget_bytes: int) -> int:
+    """The largest ``max_batch_rows`` (a multiple of ``B + 1``: rows beyond one are never used) whose
+    :attr:`MemoryEstimate.peak_bytes` fits ``budget_bytes``; ``workload.max_batch_rows`` is ignored. 0 when
+    even one text does not fit. With ``num_texts`` set, at most ``num_texts × (B + 1)``."""
     check_count("budget_bytes", budget_bytes)
 
     def fits(texts: int) -> bool:
-        trial = estimate_memory(shape, dataclasses.replace(workload, max_batch_rows=texts * workload.rows_per_text))
-        return (trial.peak_unshared_bytes if unshared else trial.peak_bytes) <= budget_bytes
+        trial = dataclasses.replace(workload, max_batch_rows=texts * workload.rows_per_text)
+        return estimate_memory(shape, trial).peak_bytes <= budget_bytes
 
     if not fits(1):
         return 0

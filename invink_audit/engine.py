@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy
@@ -363,6 +364,13 @@ class Engine:
         """Texts in progress at once: ``max(1, max_batch_rows // (B + 1))``."""
         return max(1, self.max_batch_rows // (self.mechanism.batch_size + 1))
 
+    def kv_bytes(self) -> int:
+        """KV-cache bytes held now by the run of this engine's latest :meth:`generate` (0 once it is gone): its
+        texts' prefill rows, its stores' buckets, cached prefixes and prompts. A read-only report, e.g. from a
+        ``progress`` callback (``invink_audit.capacity`` bounds its peak)."""
+        run = getattr(self, "_run", lambda: None)()
+        return 0 if run is None else run.kv_bytes()
+
     def generate(
         self,
         requests: Sequence[TextRequest],
@@ -486,6 +494,7 @@ class Engine:
             keys = [derive_key(key, s) for s in streams]
         hooks = _Hooks(observer, sampling_rule, neighbours)
         run = _Run(self, requests, keys, max_new_tokens, stop_at_eos, exact=hooks.any)
+        self._run = weakref.ref(run)  # for kv_bytes
         while not run.done:
             finished, drawn = run.step(hooks)
             if progress is not None:
@@ -581,6 +590,13 @@ class _Run:
     @property
     def done(self) -> bool:
         return not self.pending and not self.texts
+
+    def kv_bytes(self) -> int:
+        """Bytes of every KV buffer this run holds now (:meth:`Engine.kv_bytes`)."""
+        rows = [r for t in self.texts for r in t.rows if r is not None]
+        rows += [*self.prefixes.values(), *(row for row, _ in self.shared.values())]
+        stores = self.public_store.allocated_bytes() + self.private_store.allocated_bytes()
+        return stores + sum(row.allocated_bytes() for row in rows)
 
     # ---------------------------------------------------------------- admission and prefill
 

@@ -1,54 +1,23 @@
 r"""Private synthetic text generation: references in, DP texts and their a-priori guarantee out.
 
-One call (:func:`generate`) does what the paper's experiments do (Algorithm 1 over a partition,
-Corollary 11, coro:parallel-batches): read the references, partition them into disjoint batches of ``B`` in input order
-(:func:`invink_audit.data.partition_references`), plan the clip norm for the budget
-(:func:`accounting.plan_clip_norm`) or report the budget of a given clip norm
-(:func:`accounting.epsilon_for_clip_norm`), charge the ledger, and generate one text per batch with
-the batched engine, streaming JSON Lines as texts finish.
+One call (:func:`generate`) does what the paper's experiments do (Algorithm 1 over a partition, Corollary 11,
+coro:parallel-batches) for any :class:`~invink_audit.mechanisms.Mechanism` (:class:`ReleaseConfig`; InvisibleInk's
+planned by :func:`GenerationConfig`): read the references, partition them into disjoint batches of ``B`` in input
+order (:func:`invink_audit.data.partition_references`), check everything, charge the ledger once, and generate one
+text per batch with the batched engine, streaming JSON Lines as texts finish.
 
-The guarantee is a-priori: (ε, δ) for texts of at most ``T = max_new_tokens`` tokens, whatever their
-realised lengths (a length-dependent "ε spent" would depend on the data). ``T`` is always given by
-the caller. Texts from disjoint batches compose in parallel, so the whole run costs one sequence.
+The guarantee is the mechanism's, a-priori, for texts of at most ``T = max_new_tokens`` tokens whatever their
+realised lengths (a length-dependent "ε spent" would depend on the data); texts from disjoint batches compose in
+parallel, so the whole run costs one text's. Randomness is keyed by batch: one 128-bit master key per release (from
+the OS, or derived from an explicit ``seed``, which voids the guarantee), batch ``i`` sampling from the stream keyed
+by ``(key, i)``, so a batch's text does not depend on which process draws it, or when. Several processes
+(``torchrun``, :mod:`invink_audit.distributed`) or a Ray cluster (:mod:`invink_audit.ray_release`) share whole
+batches: rank 0 validates and charges once and hands each process only its own batches' stream keys (the master key
+never leaves it, and no key is written to disk); a launch spanning machines is refused unless
+``INVINK_ALLOW_MULTI_MACHINE=1``.
 
-Randomness is keyed by batch: one 128-bit master key per release (from the OS, or derived from an
-explicit ``seed``, which voids the guarantee), and batch ``i`` samples from the stream keyed by
-``(key, i)``. So a batch's text does not depend on which process draws it, or when: with a fixed seed,
-one, two or three processes release the same texts.
-
-Several processes (``torchrun`` / ``accelerate launch``, :mod:`invink_audit.distributed`): each takes
-whole batches; rank 0 validates, plans and charges the ledger once, before any process decodes, once
-every process has shown it runs the same settings, input, model, output and ledger (its file, or none,
-and its head). Each process then receives, in memory and from rank 0 alone, the release id, the batch
-assignment and the stream keys of its own batches (derived by rank 0 from the master key, which never
-leaves rank 0; no key is written to disk). A launch that spans machines is refused unless
-``INVINK_ALLOW_MULTI_MACHINE=1`` (:func:`invink_audit.distributed.check_single_machine`: the process
-group is neither authenticated nor encrypted). Each process appends its texts to its own shard
-file, and rank 0 merges the shards
-into the output, ordered by batch index, when all have finished. One process appends to the output
-directly, as texts finish, and rewrites it in batch order at the end: the published file's line order
-is never the engine's finishing order.
-
-Resuming (:mod:`invink_audit.outputs`): the output is append-only, one record per finished text, and
-small files next to it hold the resume state: ``<output>.state.json`` (the release id and a
-fingerprint of the input, written only once the ledger charge has succeeded) and ``<output>.sampled``
-(an append-only, fsynced journal with one line per batch whose text has been drawn, holding its
-record, appended *before* that text is written to the output or handed to ``hooks.on_text``, first claim
-wins). Re-running with the same output file, input and configuration, on any number of processes,
-keeps the finished texts and generates only the batches that were never sampled; a sampled batch
-whose record is missing from the output (deleted, torn by a crash in mid-write, or never written
-because the process died after its claim) is restored from the journal, never drawn again: a second
-draw would be a second, uncharged release. The release id is written to ``<output>.pending.json``
-(with the input's fingerprint and the settings) before the charge, and the ledger charge is idempotent
-on it, so neither a resumed run nor a rerun after a stop right after the charge is charged twice; the
-pending file becomes the state file by one rename, and is honoured only for the same input and
-settings with no state file, so a new release on the same path always gets a fresh id and is charged. ``<output>.lock`` is held for the whole run: a
-second run on the same output is refused (:class:`OutputInUseError`). The state file contains a hash
-of the private input and the journal a copy of the texts: bookkeeping, not part of the release.
-
-Everything is validated before the ledger is charged: arguments, the input file, the output's resume
-state, and (after the model is loaded, before any decoding) that every prompt fits the model's
-context. Arguments and files are checked before the model is loaded.
+The steps, the files next to the output (lock, pending and state files, the sampled-batch journal whose first claim
+per batch wins, shards; :mod:`invink_audit.outputs`) and what resuming keeps: docs/design/release-protocol.md.
 """
 
 from __future__ import annotations
@@ -70,9 +39,8 @@ from pathlib import Path
 
 import torch
 
-from accounting import Accountant, BudgetExceededError, BudgetLedger, LedgerError, Plan, as_accountant
-from accounting.events import forwarded_property
-from accounting.limits import check_count
+from accounting import Accountant, BudgetExceededError, BudgetLedger, LedgerError, as_accountant, epsilon_for_clip_norm
+from accounting.limits import RANGES, check_count
 from invink_audit.data import (
     LabelledReferences,
     Partition,
@@ -98,6 +66,7 @@ from invink_audit.mechanism import (
     derive_key,
     make_generator,
 )
+from invink_audit.mechanisms import InvisibleInk, Mechanism, MechanismGuarantee
 from invink_audit.outputs import (
     Journal,
     OutputInUseError,
@@ -145,16 +114,15 @@ __all__ = [
     "GenerationConfig",
     "GenerationHooks",
     "GenerationResult",
-    "MechanismRelease",
-    "MechanismReleaseGuarantee",
     "ModelSpec",
     "PromptSpec",
-    "Guarantee",
     "OutputInUseError",
     "ExternalRelease",
     "ProcessStats",
+    "ReleaseConfig",
     "ReleaseIncompleteError",
     "SEEDED_VOID_REASON",
+    "charge_release",
     "generate",
     "input_fingerprint",
     "prepare_release",
@@ -174,148 +142,36 @@ SEEDED_VOID_REASON = "seeded: a fixed seed makes the texts reproducible, so they
 # configuration and results
 
 
-def _check_release_options(config) -> None:
-    """The options every release config shares: ``num_texts``, ``num_texts_per_group`` (integers >= 1 or
-    ``None``) and ``allow_all_null`` (a bool)."""
-    for name in ("num_texts", "num_texts_per_group"):
-        value = getattr(config, name)
+def _check_options(num_texts, num_texts_per_group, allow_all_null) -> None:
+    """The options of every release: ``num_texts``, ``num_texts_per_group`` (integers >= 1 or ``None``) and
+    ``allow_all_null`` (a bool)."""
+    for name, value in (("num_texts", num_texts), ("num_texts_per_group", num_texts_per_group)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
-    if not isinstance(config.allow_all_null, bool):
-        raise ValueError(f"allow_all_null must be a bool; got {config.allow_all_null!r}")
+    if not isinstance(allow_all_null, bool):
+        raise ValueError(f"allow_all_null must be a bool; got {allow_all_null!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerationConfig:
-    """The public parameters of a generation run, validated at construction.
+class ReleaseConfig:
+    """The public parameters of a release through :func:`generate`: one text per disjoint batch of
+    ``mechanism.batch_size`` references (paper Corollary 11), from any :class:`~invink_audit.mechanisms.Mechanism`:
+    InvisibleInk (planned from ε by :meth:`~invink_audit.mechanisms.InvisibleInk.planned`, or with a given clip norm;
+    :func:`GenerationConfig` builds its config), the paper's baselines (Amin et al. 2024, AdaPMixED) or yours. Label
+    conditioning, resume, lock and journal, the ledger charge, torchrun and Ray are the same for every mechanism.
 
-    Give the budget either as ``epsilon`` (the clip norm is planned) or as ``clip_norm`` (ε is
-    reported); ``delta`` is always needed. ``top_k=None`` samples from the full vocabulary.
-    ``num_texts=None`` generates one text per full batch; with labelled references give
-    ``num_texts_per_group`` instead (default: every full batch of each group). ``allow_all_null``: generate
-    even when every reference to be used is empty (public-only texts that still charge the ledger);
-    refused by default.
+    ``max_new_tokens`` (T) and ``delta`` fix the release's guarantee (:meth:`guarantee`, the mechanism's). An
+    a-priori guarantee is charged to a ledger (:meth:`event`); a data-dependent one (AdaPMixED's stop rule) is
+    refused with a ledger: its spend is not a guarantee a ledger can compose. ``num_texts=None`` generates one text
+    per full batch; with labelled references give ``num_texts_per_group`` instead (default: every full batch of each
+    group). ``allow_all_null``: generate even when every reference to be used is empty (public-only texts that still
+    charge the ledger); refused by default.
 
-    Valid ranges: ``batch_size``, ``max_new_tokens``, ``num_texts``, ``num_texts_per_group``, ``top_k``:
-    integers >= 1 (``num_texts`` at most the number of full batches; the last three also ``None``);
-    ``delta`` in (0, 1); ``epsilon``, ``clip_norm``, ``temperature``: finite and > 0.
+    Valid ranges: ``max_new_tokens``, ``num_texts``, ``num_texts_per_group``: integers >= 1 (the last two also
+    ``None``; ``num_texts`` at most the number of full batches); ``delta`` in (0, 1).
     """
 
-    batch_size: int
-    max_new_tokens: int
-    delta: float
-    epsilon: float | None = None
-    clip_norm: float | None = None
-    temperature: float = DEFAULT_TEMPERATURE
-    top_k: int | None = DEFAULT_TOP_K
-    accountant: Accountant = Accountant.BR_ADAPTIVE
-    num_texts: int | None = None
-    num_texts_per_group: int | None = None
-    allow_all_null: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "max_new_tokens"):
-            object.__setattr__(self, name, check_count(name, getattr(self, name)))
-        _check_release_options(self)
-        if (self.epsilon is None) == (self.clip_norm is None):
-            raise ValueError(
-                f"give exactly one of epsilon (plan the clip norm) and clip_norm (report epsilon); got "
-                f"epsilon={self.epsilon!r}, clip_norm={self.clip_norm!r}"
-            )
-        top_k = self.top_k
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1 or None (full vocabulary); got {self.top_k!r}")
-        object.__setattr__(self, "accountant", as_accountant(self.accountant))
-        # validates epsilon/clip_norm, delta and temperature through the planner, once
-        object.__setattr__(self, "_plan", self._make_plan())
-
-    def plan(self):
-        """The a-priori :class:`accounting.Plan` of this configuration."""
-        return self._plan
-
-    def _make_plan(self):
-        from accounting import epsilon_for_clip_norm, plan_clip_norm
-
-        common = dict(
-            delta=self.delta,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=self.batch_size,
-            temperature=self.temperature,
-            accountant=self.accountant,
-        )
-        if self.epsilon is not None:
-            return plan_clip_norm(epsilon=self.epsilon, **common)
-        return epsilon_for_clip_norm(clip_norm=self.clip_norm, **common)
-
-
-class _RunGuarantee:
-    """What a run's guarantee (:class:`Guarantee`, :class:`MechanismReleaseGuarantee`) adds to its figures: a
-    seeded run's ``void_reason``, and the records' form of it."""
-
-    void_reason: str | None
-
-    @property
-    def holds(self) -> bool:
-        """Whether the run carries this guarantee (``False`` for a seeded run)."""
-        return self.void_reason is None
-
-    def record_fields(self) -> dict:
-        """What an output record or summary writes: ``{"guarantee": {...}}``, or for a void guarantee
-        ``{"guarantee": None, "guarantee_void_reason": ...}`` (no ε that a reader could take at face value)."""
-        if self.void_reason is not None:
-            return {"guarantee": None, "guarantee_void_reason": self.void_reason}
-        return {"guarantee": self.to_json()}
-
-
-@dataclasses.dataclass(frozen=True)
-class Guarantee(_RunGuarantee):
-    r"""The run's a-priori guarantee: (ε, δ)-DP under replace-by-null adjacency for texts of ≤ T tokens.
-
-    It is its :class:`accounting.Plan` (whose event is the record of C, B, τ and T), the run's top-k and, for a
-    seeded run, why the guarantee is void: ``rho_sequence`` = T·ρ_tok zCDP (paper Theorem 2, thm:accounting);
-    ``epsilon0`` = 2C/(Bτ) per-token bounded range; ``epsilon`` is what ``accountant`` certifies at ``delta``.
-    Independent of the number of texts (disjoint batches, paper Corollary 11) and of their realised lengths.
-    """
-
-    plan: Plan
-    top_k: int | None
-    void_reason: str | None = None
-
-    epsilon = forwarded_property("plan", "epsilon", "ε the accountant certifies at δ.")
-    delta = forwarded_property("plan", "delta", "δ.")
-    rho_sequence = forwarded_property("plan", "rho_sequence", "zCDP of a text: T·ρ_tok.")
-    rho_token = forwarded_property("plan", "rho_token", "zCDP per token.")
-    epsilon0 = forwarded_property("plan", "epsilon0", "Per-token bounded range 2C/(Bτ).")
-    accountant = forwarded_property("plan", "accountant", "The accountant.")
-    clip_norm = forwarded_property("plan", "clip_norm", "Clip norm C.")
-    batch_size = forwarded_property("plan", "batch_size", "B references per text.")
-    temperature = forwarded_property("plan", "temperature", "Temperature τ.")
-    max_new_tokens = forwarded_property("plan", "max_new_tokens", "Token budget T.")
-
-    def to_json(self) -> dict:
-        """The figures as a dict (``void_reason`` only when the guarantee is void); the records' format."""
-        names = ("epsilon", "delta", "rho_sequence", "rho_token", "epsilon0", "accountant", "clip_norm", "batch_size",
-                 "temperature", "top_k", "max_new_tokens")  # fmt: skip
-        data = {name: getattr(self, name) for name in names}
-        if self.void_reason is not None:
-            data["void_reason"] = self.void_reason
-        return data
-
-@dataclasses.dataclass(frozen=True)
-class MechanismRelease:
-    """The public parameters of a release of any :class:`~invink_audit.mechanisms.Mechanism` (the paper's
-    baselines, Amin et al. 2024 and AdaPMixED, InvisibleInk with a given clip norm, or yours) through
-    :func:`generate`, the same pipeline as a planned InvisibleInk release (:class:`GenerationConfig`): disjoint
-    batches of ``mechanism.batch_size`` (paper Corollary 11), label conditioning, resume, lock and journal, the
-    ledger charge, torchrun and Ray.
-
-    ``max_new_tokens`` (T) and ``delta`` fix the mechanism's guarantee (``mechanism.guarantee(T, δ)``). An
-    a-priori guarantee is charged to a ledger as a zCDP release of its ``rho_sequence``
-    (:class:`accounting.ZcdpEvent`); a data-dependent one (AdaPMixED's stop rule) is refused with a ledger:
-    its spend is not a guarantee a ledger can compose. ``num_texts``, ``num_texts_per_group``,
-    ``allow_all_null``: as in :class:`GenerationConfig`."""
-
-    mechanism: object
+    mechanism: Mechanism
     max_new_tokens: int
     delta: float
     num_texts: int | None = None
@@ -323,58 +179,71 @@ class MechanismRelease:
     allow_all_null: bool = False
 
     def __post_init__(self) -> None:
-        from accounting.limits import RANGES
-        from invink_audit.mechanisms import Mechanism
-
         if not isinstance(self.mechanism, Mechanism):
             raise ValueError(f"mechanism must be an invink_audit.mechanisms.Mechanism; got {type(self.mechanism).__name__}")
         object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
         object.__setattr__(self, "delta", RANGES["delta"].check("delta", self.delta))
-        _check_release_options(self)
-        object.__setattr__(self, "_guarantee", self.mechanism.guarantee(self.max_new_tokens, self.delta))
+        _check_options(self.num_texts, self.num_texts_per_group, self.allow_all_null)
+        guarantee = self.mechanism.release_guarantee(self.max_new_tokens, self.delta)
+        object.__setattr__(self, "_guarantee", guarantee)
 
     @property
     def batch_size(self) -> int:
         return self.mechanism.batch_size
 
-    def guarantee(self):
-        """The mechanism's :class:`~invink_audit.mechanisms.MechanismGuarantee` for texts of at most T tokens."""
+    def guarantee(self) -> MechanismGuarantee:
+        """The mechanism's guarantee for texts of at most T tokens at δ (one per disjoint batch: the release's)."""
         return self._guarantee
 
-    def to_json(self) -> dict:
-        """What a record's ``run`` and the resume check compare (:func:`invink_audit.mechanisms.mechanism_to_json`)."""
-        from invink_audit.mechanisms import mechanism_to_json
+    def event(self):
+        """The privacy event a ledger is charged, once, before anything is generated (the mechanism's
+        :meth:`~invink_audit.mechanisms.Mechanism.ledger_event`: InvisibleInk's :class:`accounting.GenerationEvent`,
+        another's a-priori zCDP; a data-dependent guarantee has none, ``ValueError``)."""
+        return self.mechanism.ledger_event(self._guarantee)
 
-        return {"mechanism": mechanism_to_json(self.mechanism), "max_new_tokens": self.max_new_tokens,
-                "delta": self.delta, "num_texts": self.num_texts, "num_texts_per_group": self.num_texts_per_group,
-                "allow_all_null": self.allow_all_null}  # fmt: skip
+    def run_parameters(self) -> dict:
+        """The mechanism's public parameters as the records' ``run`` holds them (compared on resume;
+        :meth:`~invink_audit.mechanisms.Mechanism.release_settings`)."""
+        return self.mechanism.release_settings(self._guarantee)
 
 
-@dataclasses.dataclass(frozen=True)
-class MechanismReleaseGuarantee(_RunGuarantee):
-    """The guarantee of a :class:`MechanismRelease` run: the mechanism's guarantee and, for a seeded run, why
-    it is void (as :class:`Guarantee` for InvisibleInk)."""
+def GenerationConfig(  # noqa: N802 - a constructor of the one release config, under the name InvisibleInk's had
+    batch_size: int,
+    max_new_tokens: int,
+    delta: float,
+    epsilon: float | None = None,
+    clip_norm: float | None = None,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_k: int | None = DEFAULT_TOP_K,
+    accountant: Accountant | str = Accountant.BR_ADAPTIVE,
+    num_texts: int | None = None,
+    num_texts_per_group: int | None = None,
+    allow_all_null: bool = False,
+) -> ReleaseConfig:
+    """InvisibleInk's :class:`ReleaseConfig`: B, T and δ, the budget as ``epsilon`` (the clip norm is planned,
+    :meth:`~invink_audit.mechanisms.InvisibleInk.planned`) or as ``clip_norm`` (its ε is what the accountant
+    certifies), τ, ``top_k`` (``None``: the full vocabulary), the accountant, and the release options of
+    :class:`ReleaseConfig`.
 
-    guarantee: object  # MechanismGuarantee
-    void_reason: str | None = None
+    Valid ranges: ``batch_size``, ``max_new_tokens``, ``top_k``: integers >= 1; ``epsilon``, ``clip_norm``,
+    ``temperature``: finite and > 0; the rest as :class:`ReleaseConfig`'s.
+    """
+    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+        check_count(name, value)  # the planner's message would name another range
+    if (epsilon is None) == (clip_norm is None):
+        raise ValueError(
+            f"give exactly one of epsilon (plan the clip norm) and clip_norm (report epsilon); got "
+            f"epsilon={epsilon!r}, clip_norm={clip_norm!r}"
+        )
+    common = dict(delta=delta, max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
+                  accountant=as_accountant(accountant))  # fmt: skip
+    if epsilon is not None:
+        mechanism = InvisibleInk.planned(epsilon=epsilon, top_k=top_k, **common)
+    else:  # the planner's checks of C, B, T, δ and τ, and its event
+        plan = epsilon_for_clip_norm(clip_norm=clip_norm, **common)
+        mechanism = InvisibleInk(MechanismConfig.from_event(plan.event, top_k=top_k), accountant=plan.accountant)
+    return ReleaseConfig(mechanism, max_new_tokens, delta, num_texts, num_texts_per_group, allow_all_null)
 
-    epsilon = forwarded_property("guarantee", "epsilon", "ε (a-priori, or a data-dependent budget).")
-    delta = forwarded_property("guarantee", "delta", "δ.")
-    rho_sequence = forwarded_property("guarantee", "rho_sequence", "a-priori zCDP of a text (None: data-dependent).")
-    max_new_tokens = forwarded_property("guarantee", "max_new_tokens", "Token budget T.")
-
-    @property
-    def a_priori(self) -> bool:
-        return self.guarantee.a_priori
-
-    def to_json(self) -> dict:
-        g = self.guarantee
-        data = {"mechanism": g.mechanism, "kind": g.kind.value, "epsilon": g.epsilon, "delta": g.delta,
-                "rho_sequence": g.rho_sequence, "max_new_tokens": g.max_new_tokens, "composition": g.composition,
-                "description": g.description}  # fmt: skip
-        if self.void_reason is not None:
-            data["void_reason"] = self.void_reason
-        return data
 
 @dataclasses.dataclass(frozen=True)
 class ProcessStats:
@@ -393,7 +262,7 @@ class ProcessStats:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
-    """The texts of a run (sorted by batch), its a-priori guarantee, and what was measured.
+    """The texts of a run (sorted by batch), its guarantee (the mechanism's), and what was measured.
 
     ``num_resumed`` texts were read back from an earlier run's output; ``tokens_generated`` and
     ``seconds`` measure this call only (the slowest process, for a multi-process run). ``seeded`` runs
@@ -403,7 +272,7 @@ class GenerationResult:
     """
 
     texts: tuple[GeneratedText, ...]
-    guarantee: Guarantee | MechanismReleaseGuarantee
+    guarantee: MechanismGuarantee
     release_id: str
     model: str
     prompt: str
@@ -417,11 +286,9 @@ class GenerationResult:
     output: str | None = None
     rank: int = 0
     processes: tuple[ProcessStats, ...] = ()
-    #: what the release was, so that an audit of it derives nothing: the plan (accounting), the
-    #: mechanism's configuration, the prompt template (each batch's, with its labels placed by
-    #: ``label_fields``) and the partition
-    plan: object = None  # None for a MechanismRelease (its guarantee is the mechanism's)
-    mechanism: object = None  # MechanismConfig (InvisibleInk) or a Mechanism
+    #: what the release was, so that an audit of it derives nothing: the mechanism, the prompt template
+    #: (each batch's, with its labels placed by ``label_fields``) and the partition
+    mechanism: Mechanism | None = None
     template: PromptTemplate | None = None
     partition: Partition | None = None
     labels: tuple[Mapping[str, str], ...] | None = None
@@ -461,7 +328,7 @@ def input_fingerprint(partition: Partition, labels: Sequence[Mapping[str, str]] 
 
 
 def _record(
-    text: GeneratedText, guarantee: Guarantee, release_id: str, run: dict, template: PromptTemplate, *, model_dtype: dict
+    text: GeneratedText, guarantee: MechanismGuarantee, release_id: str, run: dict, template: PromptTemplate, *, model_dtype: dict
 ) -> dict:
     """One output record. ``run`` is the release-wide settings (compared on resume, so the same for every
     record: ``run["prompt"]`` is the release's template, before any batch's labels fill it); ``template``
@@ -634,7 +501,7 @@ def _check_context(
 
 def generate(
     references: Sequence[str | None] | str | os.PathLike | ReferencesFile | LabelledReferences,
-    config: GenerationConfig | MechanismRelease,
+    config: ReleaseConfig,
     *,
     model: str | os.PathLike | LoadedModel | ModelSpec | None = None,
     prompt: str | PromptTemplate | PromptSpec = "generic",
@@ -656,9 +523,9 @@ def generate(
     ``labels``. Labels are treated as public attributes of each slot: a neighbouring dataset under
     replace-by-null empties one record's text and keeps its label.
 
-    ``config``: the release's public parameters (:class:`GenerationConfig`: B, T, δ, ε or C, τ, top-k, the
-    accountant, how many texts, whether an all-null release is allowed), or a :class:`MechanismRelease`: any
-    other :class:`~invink_audit.mechanisms.Mechanism` (the paper's baselines) through the same pipeline.
+    ``config``: the release's public parameters (:class:`ReleaseConfig`: the mechanism, T, δ, how many texts,
+    whether an all-null release is allowed); InvisibleInk's from B, T, δ, ε or C, τ, top-k and the accountant by
+    :func:`GenerationConfig`, any other :class:`~invink_audit.mechanisms.Mechanism` (the paper's baselines) the same.
     ``model``: a path or name, a loaded model, or a :class:`ModelSpec` (GGUF file, device, dtype, rows per
     forward pass); default :data:`~invink_audit.models.DEFAULT_GENERATOR` (Gemma-3-270M, a base model: the
     ``yelp`` and ``generic`` presets run as their completion twins, :func:`~invink_audit.prompts.template_for_model`).
@@ -674,7 +541,7 @@ def generate(
     before any decoding.
     ``seed``: ``None`` (OS entropy, the private default) or a fixed seed, which warns: seeded output is
     reproducible and therefore not private (``guarantee.void_reason`` is set; records write ``guarantee:
-    null``).
+    null``). ``ledger`` with a data-dependent guarantee is refused (:meth:`ReleaseConfig.event`).
     ``hooks``: :class:`GenerationHooks` (``on_tokens(n)``, ``on_text(text)``, ``on_start(num_texts)``).
 
     Anything invalid raises ``ValueError`` before the model is loaded (the context check: after loading,
@@ -686,7 +553,7 @@ def generate(
 
 def prepare_release(
     references,
-    config: GenerationConfig | MechanismRelease,
+    config: ReleaseConfig,
     *,
     model=None,
     prompt="generic",
@@ -696,8 +563,8 @@ def prepare_release(
     hooks: GenerationHooks | None = None,
 ) -> _Release:
     """Every check that needs no model, then the release to run; the arguments are :func:`generate`'s."""
-    if not isinstance(config, (GenerationConfig, MechanismRelease)):
-        raise ValueError(f"config must be a GenerationConfig or a MechanismRelease; got {type(config).__name__}")
+    if not isinstance(config, ReleaseConfig):
+        raise ValueError(f"config must be a ReleaseConfig (GenerationConfig builds InvisibleInk's); got {type(config).__name__}")
     check_seed(seed)
     hooks = GenerationHooks() if hooks is None else hooks
     if not isinstance(hooks, GenerationHooks):
@@ -711,7 +578,11 @@ def prepare_release(
     require_label_fields(template, given=tuple(prompt.fields or ()), filled=filled)
     if not config.allow_all_null:
         _refuse_all_null(partition, config.batch_size)
-    plan, guarantee, mechanism = _release_mechanism(config, seed, ledger)
+    if ledger is not None:
+        config.event()  # a guarantee no ledger can compose (data-dependent) is refused now
+    guarantee = config.guarantee()
+    if seed is not None:
+        guarantee = dataclasses.replace(guarantee, void_reason=SEEDED_VOID_REASON)
     fingerprint = input_fingerprint(partition, labels)
     if seed is not None:
         warnings.warn(
@@ -720,32 +591,11 @@ def prepare_release(
             stacklevel=3,
         )
     return _Release(
-        config=config, plan=plan, guarantee=guarantee, mechanism=mechanism, partition=partition, template=template,
+        config=config, guarantee=guarantee, partition=partition, template=template,
         fingerprint=fingerprint, seed=seed, output=output_path, ledger=ledger, cluster=current_cluster(), load=load,
         hooks=hooks, labels=labels, label_fields=None if prompt.label_fields is None else dict(prompt.label_fields),
         positions=positions,
     )  # fmt: skip
-
-
-def _release_mechanism(config, seed: int | None, ledger):
-    """(plan, guarantee, mechanism) of a release: InvisibleInk's plan and :class:`Guarantee`, or a generic
-    mechanism's guarantee (no plan). A data-dependent guarantee with a ledger is refused here."""
-    void = None if seed is None else SEEDED_VOID_REASON
-    if isinstance(config, MechanismRelease):
-        guarantee = MechanismReleaseGuarantee(config.guarantee(), void)
-        if ledger is not None and not guarantee.a_priori:
-            raise ValueError(
-                f"{config.mechanism.name}'s guarantee is data-dependent (its spend is computed from the references), "
-                "not an a-priori guarantee a ledger can compose: run it without a ledger"
-            )
-        return None, guarantee, config.mechanism
-    plan = config.plan()
-    mechanism = MechanismConfig.from_event(plan.event, top_k=config.top_k)
-    if not math.isclose(mechanism.epsilon0, plan.epsilon0, rel_tol=1e-12):
-        raise RuntimeError(
-            f"internal inconsistency: mechanism epsilon0={mechanism.epsilon0!r} but plan epsilon0={plan.epsilon0!r}"
-        )
-    return plan, Guarantee(plan, config.top_k, void_reason=void), mechanism
 
 
 @dataclasses.dataclass(frozen=True)
@@ -899,8 +749,18 @@ class _StepReleaser:
         if self.on_tokens is not None:
             self.on_tokens(drawn)
 
-    def add(self, text: GeneratedText, record: dict) -> None:
-        self.pending.append((text, record))
+    def release(self, engine: Engine, requests, stream_keys, *, seed, max_new_tokens: int, released) -> None:
+        """Generate ``requests`` (each from its batch's stream key) and release the texts of each step together;
+        ``released(finished)``: the released text and its output record. A fixed ``seed`` was warned of already."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SeededGeneratorWarning)
+            generator = make_generator(seed, device=engine.model.device)
+        for finished in () if not requests else engine.generate(
+            requests, max_new_tokens=max_new_tokens, generator=generator, progress=self.progress,
+            stream_keys=list(stream_keys),
+        ):  # fmt: skip
+            self.pending.append(released(finished))
+        self.flush()
 
     def flush(self) -> None:
         items, self.pending = self.pending, []
@@ -932,10 +792,8 @@ class _Release:
     alone, to the output); rank 0 collects the results and merges the shards, ordered by batch index.
     """
 
-    config: GenerationConfig | MechanismRelease
-    plan: object
-    guarantee: Guarantee | MechanismReleaseGuarantee
-    mechanism: object
+    config: ReleaseConfig
+    guarantee: MechanismGuarantee  # the config's, void for a seeded run
     partition: Partition
     template: PromptTemplate
     fingerprint: str
@@ -951,6 +809,10 @@ class _Release:
     state: OutputState | None = None
     done: dict = dataclasses.field(default_factory=dict)
     requests: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def mechanism(self) -> Mechanism:
+        return self.config.mechanism
 
     @property
     def io_path(self) -> Path | None:
@@ -1041,8 +903,8 @@ class _Release:
         """A digest of everything that makes this process's texts and records what they are."""
         identity = {
             "input": self.fingerprint,
-            "config": self.config.to_json() if isinstance(self.config, MechanismRelease) else dataclasses.asdict(self.config),
-            "clip_norm": None if self.plan is None else self.plan.clip_norm,
+            "config": [self.config.run_parameters(), self.config.num_texts, self.config.num_texts_per_group,
+                       self.config.allow_all_null],
             "guarantee": self.guarantee.record_fields(),
             "seed": self.seed,
             "prompt": self.template.as_json(),
@@ -1053,35 +915,10 @@ class _Release:
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
-    def _event(self):
-        """The privacy event the ledger is charged: InvisibleInk's :class:`accounting.GenerationEvent`, or a
-        generic mechanism's a-priori zCDP (:class:`accounting.ZcdpEvent` of its ``rho_sequence``)."""
-        if self.plan is not None:
-            return self.plan.event
-        from accounting import ZcdpEvent
-
-        return ZcdpEvent(self.guarantee.rho_sequence, self.guarantee.guarantee.mechanism)
-
-    def _run_parameters(self) -> dict:
-        """The mechanism's public parameters as the records' ``run`` holds them (compared on resume)."""
-        config, plan = self.config, self.plan
-        if isinstance(config, MechanismRelease):
-            from invink_audit.mechanisms import mechanism_to_json
-
-            g = config.guarantee()
-            # the guarantee too: a custom mechanism without a config dataclass is told apart by what it claims
-            return {"batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens, "delta": config.delta,
-                    "mechanism": mechanism_to_json(config.mechanism),
-                    "mechanism_guarantee": {"kind": g.kind.value, "epsilon": g.epsilon, "rho_sequence": g.rho_sequence,
-                                            "composition": g.composition, "description": g.description}}  # fmt: skip
-        return {"batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens,
-                "temperature": config.temperature, "top_k": config.top_k, "clip_norm": plan.clip_norm,
-                "delta": plan.delta, "accountant": plan.accountant}  # fmt: skip
-
     def _admit(self, loaded: LoadedModel) -> _Admission:
         """Rank 0: check the settings and every prompt, charge, persist the resume state, assign batches."""
         config = self.config
-        run = {"model": loaded.name, "prompt": self.template.as_json(), **self._run_parameters(),
+        run = {"model": loaded.name, "prompt": self.template.as_json(), **config.run_parameters(),
                "num_batches": self.num_batches, "seeded": self.seed is not None,
                "model_fingerprint": model_fingerprint(loaded)}  # fmt: skip
         if self.state is not None and self.state.run is not None and "model_fingerprint" not in self.state.run:
@@ -1108,7 +945,8 @@ class _Release:
             release_id = pending_release_id(self.io_path, self.state, run, self.fingerprint)
         if self.ledger is not None:
             try:
-                _charge(self.ledger, self._event(), self.num_batches, release_id, self.output)
+                label = f"generate -> {self.output.name}" if self.output is not None else "generate"
+                charge_release(self.ledger, config.event(), self.num_batches, release_id, label)
             except (ValueError, BudgetExceededError, LedgerError):
                 if new_output:
                     clear_pending(self.io_path)  # refused: nothing was charged, nothing is left behind
@@ -1143,25 +981,17 @@ class _Release:
                     journal = Journal(self.io_path, admission.release_id, self.num_batches)
                     sink = files.enter_context(self._sink(admission))
                 requests = [self.requests.get(i) or self._request(loaded, i) for i in mine]
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", SeededGeneratorWarning)  # warned above, at the caller
-                    generator = make_generator(self.seed, device=loaded.device)
                 releaser = _StepReleaser(journal, sink, self.hooks.on_text, self.hooks.on_tokens)
                 if self.hooks.on_start is not None:
                     self.hooks.on_start(len(requests))
-                for finished in () if not requests else engine.generate(
-                    requests,
-                    max_new_tokens=self.config.max_new_tokens,
-                    generator=generator,
-                    progress=releaser.progress,
-                    stream_keys=[admission.stream_keys[i] for i in mine],
-                ):
+
+                def released(finished):
                     text = _released(finished, self.labels)
-                    template = self.batch_template(text.batch_index)
-                    record = _record(text, self.guarantee, admission.release_id, admission.run, template,
-                                     model_dtype=loaded.dtype_choice.to_json())
-                    releaser.add(text, record)
-                releaser.flush()
+                    return text, _record(text, self.guarantee, admission.release_id, admission.run,
+                                         self.batch_template(text.batch_index), model_dtype=loaded.dtype_choice.to_json())
+
+                releaser.release(engine, requests, [admission.stream_keys[i] for i in mine], seed=self.seed,
+                                 max_new_tokens=self.config.max_new_tokens, released=released)  # fmt: skip
             except Exception as err:  # noqa: BLE001 - reported to rank 0, re-raised below
                 if not self.cluster.distributed:
                     raise
@@ -1214,7 +1044,7 @@ class _Release:
     ) -> GenerationResult:  # fmt: skip
         """The :class:`GenerationResult` of this release: ``texts`` by batch index, what this run generated
         (``tokens`` in ``seconds``, per process, with the model's ``dtype_choice``), and what the release was
-        (plan, mechanism, template, partition, labels)."""
+        (mechanism, template, partition, labels)."""
         return GenerationResult(
             texts=tuple(texts),
             guarantee=self.guarantee,
@@ -1231,7 +1061,6 @@ class _Release:
             output=str(self.output) if self.output is not None else None,
             rank=self.cluster.rank,
             processes=tuple(processes),
-            plan=self.plan,
             mechanism=self.mechanism,
             template=self.template,
             partition=self.partition,
@@ -1346,20 +1175,16 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
     template = functools.partial(template_for_batch, state["template"], state["labels"], state["label_fields"])
     requests = [encode_request(loaded.tokenizer, template(index), list(refs), key=index) for index, refs in items]
     journal = Journal(state["output"], state["release_id"], state["num_batches"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SeededGeneratorWarning)
-        generator = make_generator(state["seed"], device=loaded.device)
+
+    def released(finished):
+        text = _released(finished, state["labels"])
+        return text, _record(text, state["guarantee"], state["release_id"], state["run"], template(text.batch_index),
+                             model_dtype=loaded.dtype_choice.to_json())
+
     with RecordSink(shard, lock=True) as sink:
         releaser = _StepReleaser(journal, sink, None, None)
-        for finished in engine.generate(
-            requests, max_new_tokens=state["max_new_tokens"], generator=generator,
-            stream_keys=[int(stream_keys[i]) for i in indices], progress=releaser.progress,
-        ):  # fmt: skip
-            text = _released(finished, state["labels"])
-            record = _record(text, state["guarantee"], state["release_id"], state["run"], template(text.batch_index),
-                             model_dtype=loaded.dtype_choice.to_json())
-            releaser.add(text, record)
-        releaser.flush()
+        releaser.release(engine, requests, [int(stream_keys[i]) for i in indices], seed=state["seed"],
+                         max_new_tokens=state["max_new_tokens"], released=released)  # fmt: skip
     for text in releaser.fresh:
         yield text.batch_index, True, text.num_tokens
     for index in releaser.dropped:
@@ -1373,10 +1198,10 @@ def _released(text: GeneratedText, labels) -> GeneratedText:
                                labels=None if labels is None else dict(labels[int(text.key)]))
 
 
-def _charge(ledger, event, num_batches: int, release_id: str, output: Path | None) -> None:
-    """Charge the release to the ledger before anything is generated (idempotent on ``release_id``): its
-    event (one text per batch), drawn from ``num_batches`` batches."""
+def charge_release(ledger, event, num_batches: int, release_id: str, label: str) -> None:
+    """Charge a release to the ledger, once, after every check and before anything is generated (idempotent on
+    ``release_id``): its ``event`` (one text per batch, :meth:`ReleaseConfig.event`; AugPE's ρ), drawn from
+    ``num_batches`` batches. Over budget: :class:`accounting.BudgetExceededError`, and nothing was charged."""
     from accounting import Release
 
-    label = f"generate -> {output.name}" if output is not None else "generate"
     ledger.charge(Release(event, num_batches, release_id, label))

@@ -201,6 +201,13 @@ class MechanismConfig:
             clipping=event.clipping,
         )  # fmt: skip
 
+    def event(self, max_new_tokens: int):
+        """The privacy event of one text of at most ``max_new_tokens`` tokens from each batch
+        (:class:`accounting.GenerationEvent`, replace-by-null): what a ledger is charged for a release."""
+        from accounting import GenerationEvent
+
+        return GenerationEvent(self.clip_norm, self.batch_size, self.temperature, max_new_tokens, 1, self.clipping)
+
     @property
     def sensitivity(self) -> float:
         """ℓ∞ sensitivity of the aggregate under replace-by-null adjacency (``accounting.linf_sensitivity``)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from accounting.limits import check_count
+from accounting.limits import check_count, check_nonnegative
 from invink_audit.model_sizes import cached_hub_config, check_config_file
 
 __all__ = [
@@ -161,8 +161,7 @@ class BFloat16Probe:
             value = getattr(self, name)
             if not (value != value or 0 <= value <= 1 + 1e-9):  # NaN: non-finite logits
                 raise ValueError(f"{name} must be in [0, 1] or NaN; got {value!r}")
-        if not self.seconds >= 0:
-            raise ValueError(f"seconds must be >= 0; got {self.seconds!r}")
+        check_nonnegative("seconds", self.seconds)
 
     @property
     def passed(self) -> bool:
@@ -598,13 +597,8 @@ def _gemma3_source() -> _SplitGGUF:
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"parts of {file_name} are missing: {', '.join(missing)}; {_GEMMA3_INSTALL}")
-    versions = []
-    for distribution in [_GEMMA3_DISTRIBUTION] + [f"{_GEMMA3_DISTRIBUTION}-part{i}" for i in range(1, 5)]:
-        try:
-            versions.append(f"{distribution} {importlib.metadata.version(distribution)}")
-        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - importable but no metadata
-            versions.append(f"{distribution} unknown")
-    return _SplitGGUF(file_name=file_name, parts=parts, sha256=sha256, source=", ".join(versions))
+    distributions = [_GEMMA3_DISTRIBUTION] + [f"{_GEMMA3_DISTRIBUTION}-part{i}" for i in range(1, 5)]
+    return _SplitGGUF(file_name, parts, sha256, source=", ".join(map(_version, distributions)))
 
 
 def concatenate_parts(parts, destination: Path) -> tuple[str, int]:
@@ -658,20 +652,12 @@ def _cached_split_gguf_conversion(split: _SplitGGUF, root: Path | None = None) -
     return cached_conversion(entry, convert)
 
 
-def _embedded_name() -> str:
+def _version(distribution: str) -> str:
+    """``"<distribution> <version>"``, ``unknown`` for a package found by path but without metadata."""
     try:
-        version = importlib.metadata.version(_EMBEDDED_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - found by path but no metadata
-        version = "unknown"
-    return f"SmolLM2-135M-Instruct (Q4_1 GGUF from {_EMBEDDED_DISTRIBUTION} {version})"
-
-
-def _gemma3_name() -> str:
-    try:
-        version = importlib.metadata.version(_GEMMA3_DISTRIBUTION)
+        return f"{distribution} {importlib.metadata.version(distribution)}"
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - importable but no metadata
-        version = "unknown"
-    return f"Gemma-3-270M base (Q4_K_M GGUF from {_GEMMA3_DISTRIBUTION} {version})"
+        return f"{distribution} unknown"
 
 
 def loadable_name(recorded: str) -> str:
@@ -780,7 +766,11 @@ def load_model(
         if gguf_file is not None:
             raise ValueError(f"gguf_file must not be given with a named model ({model!r}); got {gguf_file!r}")
         gemma = key in _GEMMA3_ALIASES
-        name = _gemma3_name() if gemma else _embedded_name()
+        name = (
+            f"Gemma-3-270M base (Q4_K_M GGUF from {_version(_GEMMA3_DISTRIBUTION)})"
+            if gemma
+            else f"SmolLM2-135M-Instruct (Q4_1 GGUF from {_version(_EMBEDDED_DISTRIBUTION)})"
+        )
         convert = functools.partial(named_model_dir, GEMMA3_MODEL if gemma else EMBEDDED_MODEL)
     elif not isinstance(model, (str, os.PathLike)) or not str(model).strip():
         raise ValueError(f"model must be a non-empty path or hub id, or None for the default; got {model!r}")

@@ -603,11 +603,7 @@ def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]], *, plain: 
     text to continue (the tokenizer's own special tokens, e.g. BOS, included).
     """
     if plain:
-        text = "\n\n".join(m["content"] for m in messages if m.get("content")) + "\n\n"
-        ids = tuple(int(i) for i in tokenizer(text)["input_ids"])
-        if not ids:
-            raise ValueError("the plain prompt is empty")
-        return ids
+        return _plain_ids(tokenizer, messages)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"the tokenizer of this model has no chat template (a base model; tokenizer: {type(tokenizer).__name__}): "
@@ -622,19 +618,23 @@ def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]], *, plain: 
     return ids
 
 
+def _plain_ids(tokenizer, messages: Sequence[Mapping[str, str]], answer: str = "") -> tuple[int, ...]:
+    """The messages' contents joined by blank lines, then ``answer``, tokenised as one text to continue."""
+    text = "\n\n".join(m["content"] for m in messages if m.get("content")) + "\n\n" + answer
+    ids = tuple(int(i) for i in tokenizer(text)["input_ids"])
+    if not ids:
+        raise ValueError("the plain prompt is empty")
+    return ids
+
+
 def encode_prompt(tokenizer, template: PromptTemplate, reference: str | None, *, plain: bool = False) -> tuple[int, ...]:
     """Token ids of one row's prompt: ``template``'s messages for ``reference`` (``None``: the public row)
     rendered with the chat template, or as plain text when ``plain`` or ``template.completion`` (base
     models), then the template's public answer start (:meth:`PromptTemplate.answer_start`), the same
     in every row."""
-    plain = plain or template.completion
     answer = template.answer_start()
-    if plain:
-        text = "\n\n".join(m["content"] for m in template.messages(reference) if m.get("content")) + "\n\n" + answer
-        ids = tuple(int(i) for i in tokenizer(text)["input_ids"])
-        if not ids:
-            raise ValueError("the plain prompt is empty")
-        return ids
+    if plain or template.completion:
+        return _plain_ids(tokenizer, template.messages(reference), answer)
     ids = encode_messages(tokenizer, template.messages(reference))
     if answer:
         ids += tuple(int(i) for i in tokenizer(answer, add_special_tokens=False)["input_ids"])
@@ -693,25 +693,23 @@ class TextRequest:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        def bad(ids) -> bool:
+            return any(not isinstance(t, int) or t < 0 for t in ids)
+
         public = tuple(self.public_ids)
-        if not public or any(not isinstance(t, int) or t < 0 for t in public):
+        if not public or bad(public):
             raise ValueError("public_ids must be a non-empty sequence of non-negative token ids")
-        private = []
-        for i, ids in enumerate(self.private_ids):
-            if ids is None:
-                private.append(None)
-                continue
-            ids = tuple(ids)
-            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+        private = tuple(None if ids is None else tuple(ids) for ids in self.private_ids)
+        for i, ids in enumerate(private):
+            if ids is not None and (not ids or bad(ids)):
                 raise ValueError(f"private_ids[{i}] must be None or a non-empty sequence of non-negative token ids")
-            private.append(ids)
         if not private:
             raise ValueError("private_ids must hold at least one reference (B >= 1)")
-        object.__setattr__(self, "public_ids", public)
-        object.__setattr__(self, "private_ids", tuple(private))
         prefix = tuple(self.private_prefix)
-        if any(not isinstance(t, int) or t < 0 for t in prefix):
+        if bad(prefix):
             raise ValueError("private_prefix must be a sequence of non-negative token ids")
+        object.__setattr__(self, "public_ids", public)
+        object.__setattr__(self, "private_ids", private)
         object.__setattr__(self, "private_prefix", prefix)
         if isinstance(self.stop, str) or any(not isinstance(v, str) or not v for v in self.stop):
             raise ValueError(f"stop must be a sequence of non-empty strings; got {self.stop!r}")

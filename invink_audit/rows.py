@@ -75,6 +75,10 @@ class RowKV:
             grown[:, :, :filled].copy_(buffer[:, :, :filled])
         return grown
 
+    def allocated_bytes(self) -> int:
+        """Bytes of the key/value buffers this row has allocated (a read-only report)."""
+        return sum(t.nbytes for t in (*self.keys, *self.values) if t is not None)
+
     def copy(self, reserve: int, capacity: int = 0) -> RowKV:
         """An independent copy of the filled part (bitwise), with room for ``reserve`` more tokens (or
         ``capacity`` tokens in all, if more)."""
@@ -203,6 +207,10 @@ class KVStore:
         bucket.remove(row)
         if not bucket.rows:  # an empty bucket frees its memory
             del self.buckets[bucket.key]
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the key/value buffers of this store's buckets, every slot allocated (a read-only report)."""
+        return sum(t.nbytes for b in self.buckets.values() for t in (*b.keys, *b.values) if t is not None)
 
     def insert(self, row: RowKV) -> StoredRow:
         """Move a prefilled row in (its cache is copied; the :class:`RowKV` can be dropped)."""

@@ -4,11 +4,12 @@ arguments: for tests that vary one option at a time (``dict(options, seed=3)``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 from invink_audit.data import ReferencesFile
 from invink_audit.generation import GenerationConfig, GenerationHooks, ModelSpec, PromptSpec, generate
 
-_CONFIG = {f.name for f in dataclasses.fields(GenerationConfig)}
+_CONFIG = set(inspect.signature(GenerationConfig).parameters)
 _MODEL = {"model", "gguf_file", "device", "dtype", "max_batch_rows"}
 _PROMPT = {"prompt": "template", "prompt_fields": "fields", "label_fields": "label_fields"}
 _REFERENCES = {"column", "label_columns"}

@@ -1,5 +1,6 @@
 """AugPE's accounting (accounting.augpe): T Gaussian histograms, checked against dp-accounting (RDP curve, RDP and
-PLD accountants), the closed forms, the planner's round trips and its never-overspend property, and input checks."""
+PLD accountants), the closed forms, the planner's round trips and its never-overspend property, and input checks.
+The μ-GDP profile it uses: tests/test_accounting_gdp.py."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ from accounting import (
     AugPESensitivity,
     ZcdpEvent,
     augpe_l2_sensitivity,
-    gaussian_dp_delta,
-    gaussian_dp_epsilon,
+    gdp_to_delta,
     plan_augpe_noise_std,
     zcdp_to_epsilon,
 )
@@ -85,23 +85,6 @@ def test_epsilon_is_between_the_exact_pld_and_the_rdp_accountant(noise_std, num_
     assert ours == ZcdpEvent(event.rho, "augpe").epsilon(delta)  # what a ledger reports for the same rho
 
 
-def test_the_gaussian_profile_is_the_analytic_gaussian_and_decreases():
-    # mu = 1, eps = 1: Phi(-1/2) - e Phi(-3/2) (Balle & Wang 2018, Thm. 8), by scipy's normal cdf
-    from scipy.stats import norm
-
-    assert gaussian_dp_delta(1.0, 1.0) == pytest.approx(norm.cdf(-0.5) - math.e * norm.cdf(-1.5), rel=1e-12)
-    assert gaussian_dp_delta(2.0, 0.0) == pytest.approx(2 * norm.cdf(1.0) - 1, rel=1e-12)
-    deltas = [gaussian_dp_delta(1.3, e) for e in (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)]
-    assert all(a > b for a, b in zip(deltas, deltas[1:]))
-    assert gaussian_dp_delta(1.0, math.inf) == 0.0
-    for mu, delta in [(0.5, 1e-6), (1.0, 1e-5), (3.0, 1e-9), (1e-12, 1e-300)]:
-        eps = gaussian_dp_epsilon(mu, delta)
-        assert gaussian_dp_delta(mu, eps) <= delta  # never below the curve
-        if eps > 0:
-            assert gaussian_dp_delta(mu, eps * (1 - 1e-6)) > delta  # and tight
-    assert gaussian_dp_epsilon(1e-3, 0.5) == 0.0  # delta(0) = 2 Phi(mu/2) - 1 < 0.5
-
-
 @given(st.floats(min_value=0.01, max_value=50.0), st.sampled_from([1e-3, 1e-6, 1e-10]), iterations, sensitivities,
        st.booleans())  # fmt: skip
 @example(1e-2, 1e-10, 1000, AugPESensitivity.REPLACE_BY_NULL, False)
@@ -112,6 +95,8 @@ def test_the_planned_noise_never_overspends_and_is_tight(epsilon, delta, num_ite
     assert spent <= epsilon
     less = AugPEEvent(noise_std * (1 - 1e-6), num_iterations, sensitivity)
     assert (less.gaussian_epsilon(delta) if exact else less.epsilon(delta)) > epsilon  # the safe side, but close
+    if exact:  # the exact plan's μ-GDP curve holds at (ε, δ) (accounting.conversions.epsilon_to_gdp errs low)
+        assert gdp_to_delta(event.mu, epsilon) <= delta
     if not exact:  # epsilon -> sigma -> epsilon round trip, and sigma -> epsilon -> sigma
         assert spent == pytest.approx(epsilon, rel=1e-6)
         again = plan_augpe_noise_std(spent, delta, num_iterations, sensitivity)
@@ -175,8 +160,6 @@ def test_a_bad_plan_is_refused_with_its_name(args, kwargs, message):
         plan_augpe_noise_std(*args, **kwargs)
     with pytest.raises(ValueError, match="delta must be in"):
         AugPEEvent(1.0, 1).epsilon(1.5)
-    with pytest.raises(ValueError, match="mu must be > 0"):
-        gaussian_dp_epsilon(0.0, 1e-6)
 
 
 def test_the_edges_t_one_and_large_budgets():

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from accounting import epsilon_for_clip_norm, plan_clip_norm
-from invink_audit.audit.batched import LLR_SCORE, EngineTarget, batched_canary_audit
+from invink_audit.audit.batched import LLR_SCORE, batched_canary_audit
 from invink_audit.audit.stats import Verdict
+from invink_audit.audit.targets import BlackBoxTarget, EngineTarget
+from invink_audit.mechanism import MechanismConfig
 from invink_audit.prompts import encode_request, get_preset
 
 POOL = ["Great tacos, friendly staff.", "Slow service but good soup.", "The room was clean.", "Noisy hallway, comfy bed."]
@@ -17,6 +19,12 @@ CANARY = "Zelphine Quorrick lives at 42 Violet Lane"
 B, T = 3, 6
 
 pytestmark = pytest.mark.filterwarnings("ignore:sampling with a fixed seed")
+
+
+def _engine(tiny, clip_norm: float, seed: int, **kwargs) -> EngineTarget:
+    """InvisibleInk over the full vocabulary on the tiny model, seeded."""
+    return EngineTarget(MechanismConfig(clip_norm=clip_norm, temperature=1.0, top_k=None, batch_size=B), model=tiny,
+                        max_new_tokens=T, seed=seed, **kwargs)
 
 
 def _log_prob(tiny, prompts, ids, *, clip_norm, drop=None):
@@ -36,28 +44,28 @@ def _log_prob(tiny, prompts, ids, *, clip_norm, drop=None):
 
 
 def test_log_likelihood_ratio_matches_brute_force(tiny):
-    target = EngineTarget(model=tiny, clip_norm=0.8, top_k=None, batch_size=B, max_new_tokens=T, seed=3)
+    target = _engine(tiny, 0.8, 3)
     batches = [[CANARY, POOL[0], POOL[1]], ["", POOL[2], POOL[3]]]
-    target.generate_many(batches)
+    target.generate(batches)
     filled = [[CANARY, *b[1:]] for b in batches]
-    llr = target.log_likelihood_ratios(filled, 0, target.token_ids)
+    llr = target.log_likelihood_ratios(filled, 0)
     template = get_preset("generic")
     for i, batch in enumerate(filled):
         request = encode_request(tiny.tokenizer, template, batch)
         prompts = [request.public_ids, *request.private_ids]
-        ids = target.token_ids[i]
+        ids = target.drawn[i].token_ids
         expected = _log_prob(tiny, prompts, ids, clip_norm=0.8) - _log_prob(tiny, prompts, ids, clip_norm=0.8, drop=0)
         assert llr[i] == pytest.approx(expected, abs=1e-5)
     assert np.all(np.abs(llr) <= T * 2 * 0.8 / B + 1e-9)  # each step's ratio is at most ε0 = 2C/(Bτ)
 
 
-class _Recording:
+class _Recording(BlackBoxTarget):
     """A target that records the batches it was given; ``leak``: it prints the canary when it sees it."""
 
     def __init__(self, leak: bool) -> None:
         self.leak, self.seen = leak, []
 
-    def generate_many(self, batches):
+    def generate(self, batches):
         self.seen += [list(b) for b in batches]
         return [("Zelphine Quorrick" if self.leak and CANARY in b else "a review") for b in batches]
 
@@ -96,7 +104,7 @@ def test_a_planted_clip_norm_bug_is_a_violation_and_the_correct_engine_is_not(ti
     outcomes = {}
     for factor in (1, 20):  # C twenty times the planned one: the true ε is far above the claim
         c = plan.clip_norm * factor
-        target = EngineTarget(model=tiny, clip_norm=c, top_k=None, batch_size=B, max_new_tokens=T, seed=1)
+        target = _engine(tiny, c, 1)
         outcomes[factor] = batched_canary_audit(target, POOL, CANARY, batch_size=B, num_batches=400,
                                                 claimed_epsilon=claim, claimed_delta=1e-6, seed=2)
     true = epsilon_for_clip_norm(clip_norm=plan.clip_norm * 20, max_new_tokens=T, batch_size=B, temperature=1.0,
@@ -157,14 +165,15 @@ def test_the_exact_epsilon_of_a_stationary_source_matches_full_enumeration():
 
     kw = dict(clip_norm=0.5, temperature=1.0, top_k=2, batch_size=3, max_new_tokens=4)
     source = synthetic.HardestCaseSource(vocab_size=4, batch_size=3, offset=0.3)
-    for mechanism in [synthetic.correct_mechanism(**kw), *synthetic.mutants(**kw)[:3]]:
+    bugs = synthetic.mutants(**kw, reference_lengths=source.reference_lengths)
+    for mechanism in [synthetic.correct_mechanism(**kw), *bugs[:3]]:
         exact = synthetic.enumerate_outputs(source, mechanism)
         for delta in (1e-3, 0.05):
             eps = synthetic.exact_epsilon_stationary(source, mechanism, delta)
             assert max(exact.delta(eps, 0), exact.delta(eps, 0, reverse=True)) == pytest.approx(delta, rel=1e-6)
             assert max(exact.delta(0.99 * eps, 0), exact.delta(0.99 * eps, 0, reverse=True)) > delta
     with pytest.raises(ValueError, match="budget differs"):
-        synthetic.exact_epsilon_stationary(source, synthetic.mutants(**kw)[3], 1e-3)
+        synthetic.exact_epsilon_stationary(source, bugs[3], 1e-3)
     with pytest.raises(ValueError, match="depend on the prefix"):
         synthetic.exact_epsilon_stationary(synthetic.RandomSource(batch_size=3), synthetic.correct_mechanism(**kw), 1e-3)
 
@@ -210,15 +219,16 @@ def test_a_surrogate_with_the_targets_model_reproduces_the_exact_ratio(tiny):
     own model and C it equals the exact ratio on every text whose string tokenizes back to the drawn tokens."""
     from invink_audit.audit.batched import SurrogateScorer
 
-    target = EngineTarget(model=tiny, clip_norm=0.8, top_k=None, batch_size=B, max_new_tokens=T, seed=1)
+    target = _engine(tiny, 0.8, 1, stop_strings=False)  # texts end at their end-of-sequence token or T
     batches = [[CANARY, POOL[0], POOL[1]], ["", POOL[2], POOL[3]]] * 10
-    texts = target.generate_many(batches)
+    target.generate(batches)
+    texts = [tiny.tokenizer.decode(f.token_ids, skip_special_tokens=True) for f in target.drawn]  # as drawn, unstripped
     filled = [[CANARY, *b[1:]] for b in batches]
-    exact = target.log_likelihood_ratios(filled, 0, target.token_ids)
+    exact = target.log_likelihood_ratios(filled, 0)
     surrogate = SurrogateScorer(model=tiny, clip_norm=0.8, batch_size=B, max_new_tokens=T)(filled, 0, texts)
     tok = tiny.tokenizer
-    same = [i for i, ids in enumerate(target.token_ids)
-            if tok.encode(texts[i], add_special_tokens=False) == [t for t in ids if t not in tiny.eos_token_ids]]
+    same = [i for i, f in enumerate(target.drawn)
+            if tok.encode(texts[i], add_special_tokens=False) == [t for t in f.token_ids if t not in tiny.eos_token_ids]]
     assert same  # the seeded draw has texts that round-trip (the random tiny model's others do not)
     assert np.allclose(surrogate[same], exact[same], atol=1e-9)
     with pytest.raises(ValueError, match="needs a surrogate"):
@@ -231,12 +241,12 @@ def test_the_gdp_estimate_of_the_correct_mechanism_is_within_20_percent_of_its_a
     """With the worst-case (hardest-case) canary the claim is nearly tight, and the fit over all thresholds says so."""
     from accounting import composed_epsilon
     from invink_audit.audit import synthetic
-    from invink_audit.audit.batched import SyntheticTarget
+    from invink_audit.audit.targets import SyntheticTarget
 
     steps = 10
     c = plan_clip_norm(epsilon=epsilon, delta=1e-6, max_new_tokens=steps, batch_size=4, temperature=1.0).clip_norm
     mechanism = synthetic.correct_mechanism(clip_norm=c, temperature=1.0, top_k=3, batch_size=4, max_new_tokens=steps)
-    claim = composed_epsilon(1e-6, mechanism.claimed_epsilon0, steps, "br-adaptive")
+    claim = composed_epsilon(1e-6, mechanism.claim().epsilon0, steps, "br-adaptive")
     report = batched_canary_audit(SyntheticTarget(synthetic.HardestCaseSource(vocab_size=6, batch_size=4), mechanism, seed=1),
                                   ["(null)"], "canary", batch_size=4, num_batches=10_000, claimed_epsilon=claim,
                                   claimed_delta=1e-6, seed=2, scores=[LLR_SCORE], num_looks=1)

@@ -1,8 +1,10 @@
 """Black-box canary auditor: validity on a mechanism with known epsilon, power on a leaky one,
-held-out threshold selection, the invink adapter (when importable)."""
+held-out threshold selection; the targets (invink_audit.audit.targets): a callable (from a spec too), the engine
+for any mechanism, the reference package (when importable)."""
 
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ from scipy import stats as sps
 
 from invink_audit.audit import blackbox
 from invink_audit.audit.stats import Verdict
+from invink_audit.audit.targets import CallableTarget, EngineTarget, ReferencePackageTarget
+from invink_audit.mechanism import MechanismConfig
 
 CANARY = "the zebra named Quorrick lives at 42 Violet Lane"
 
@@ -114,7 +118,7 @@ def test_bad_input(kwargs, match):
         blackbox.blackbox_audit(lambda r: "x", ["a", "b"], CANARY, **args)
 
 
-def test_engine_generator_black_box_on_tiny_model_finds_no_violation():
+def test_the_engine_target_on_the_tiny_model_finds_no_violation():
     """Our own engine as a black box: the bound stays below the claim (no false alarm)."""
     import warnings
 
@@ -124,13 +128,98 @@ def test_engine_generator_black_box_on_tiny_model_finds_no_violation():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededGeneratorWarning)
         gen = make_generator(7)
-    many = blackbox.engine_generator(
-        model=build_tiny_model(), clip_norm=0.5, temperature=1.0, top_k=20, batch_size=3, max_new_tokens=3, generator=gen
-    )
-    rep = blackbox.blackbox_audit(None, ["The food was great.", "Slow service.", "Nice staff."], CANARY,
-                                  claimed_epsilon=2.0, claimed_delta=1e-6, num_trials=16, generate_many=many)
+    target = EngineTarget(MechanismConfig(clip_norm=0.5, temperature=1.0, top_k=20, batch_size=3), model=build_tiny_model(),
+                          max_new_tokens=3, generator=gen)
+    rep = blackbox.blackbox_audit(target, ["The food was great.", "Slow service.", "Nice staff."], CANARY,
+                                  claimed_epsilon=2.0, claimed_delta=1e-6, num_trials=16)
     assert rep.verdict is Verdict.INCONCLUSIVE
     assert rep.epsilon_lower_bound <= 2.0
+    assert rep.mechanism.startswith("InvisibleInk engine (") and target.batched
+
+
+@pytest.mark.filterwarnings("ignore:sampling with a fixed seed")
+def test_the_engine_target_runs_any_mechanism(tiny):
+    """A generic mechanism (Amin et al.) on the engine: texts released by its stop rule, and exact ratios by teacher
+    forcing its outcomes; a null canary (the slot emptied on both sides) has a ratio of exactly 0."""
+    from invink_audit.mechanisms import AminConfig, AminMechanism
+
+    amin = AminMechanism(AminConfig(clip_norm=2.0, batch_size=2, max_private_tokens=2, svt_noise=1.0))
+    target = EngineTarget(amin, model=tiny, max_new_tokens=4, seed=1)
+    batches = [[CANARY, "Cold soup."], ["", "Slow wifi."]] * 3
+    texts = target.generate(batches)
+    assert len(texts) == 6 and all(isinstance(t, str) for t in texts) and target.label.startswith("amin")
+    llr = target.log_likelihood_ratios([[CANARY, b[1]] for b in batches], 0)
+    assert llr.shape == (6,) and np.all(np.isfinite(llr)) and np.any(llr != 0)
+    assert np.all(target.log_likelihood_ratios([["", b[1]] for b in batches], 0) == 0)
+
+
+def test_a_callable_target_gets_none_in_the_null_slot_and_a_partition_when_batched():
+    seen = []
+    one = CallableTarget(lambda refs: seen.append(refs) or "x")
+    assert one.texts([["a", ""], ["", "b"]]) == ["x", "x"] and seen == [["a", None], [None, "b"]]
+    many = CallableTarget(lambda batches: [str(len(batches))] * len(batches), batched=True)
+    assert many.texts([["a"], [""], ["c"]]) == ["3", "3", "3"]
+    with pytest.raises(ValueError, match="one string per batch"):
+        CallableTarget(lambda batches: ["only one"], batched=True).texts([["a"], ["b"]])
+    with pytest.raises(ValueError, match="module:function"):
+        CallableTarget.named("no_colon")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        CallableTarget.named("no_such_module_here:generate")
+
+
+LEAKY = """
+def generate(references):  # one batch; the emptied slot is None
+    return " ".join(r for r in references if r is not None)
+
+
+def generate_all(batches):  # a partition: every batch at once
+    return [generate(b) for b in batches]
+"""
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-batch", "partition"])
+def test_a_spec_audits_a_python_callable(tmp_path, monkeypatch, batched):
+    """``[target] kind = "callable"`` imports ``module:function`` at run time; a generator that prints its references
+    is refuted (alternating trials, or batched with ``batched = true``), against the ε of ``[mechanism]``."""
+    from invink_audit.audit.spec import load_spec, run_spec
+
+    (tmp_path / "leaky_generator.py").write_text(LEAKY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    function, trials = ("generate_all", "num_batches = 64") if batched else ("generate", "num_trials = 100")
+    path = tmp_path / "callable.toml"
+    path.write_text(
+        f'kind = "black-box"\nseed = 1\n[target]\nkind = "callable"\nfunction = "leaky_generator:{function}"\n'
+        f"batched = {str(batched).lower()}\n"
+        '[data]\ninline = ["Great tacos.", "Cold soup.", "Slow wifi."]\n[mechanism]\nbatch_size = 3\nepsilon = 1.0\n'
+        f'[blackbox]\ncanary = "{CANARY}"\n{trials}\n'
+    )
+    spec = load_spec(path)
+    assert spec.target.function == f"leaky_generator:{function}" and spec.mechanism is None
+    report = run_spec(spec)
+    assert report.verdict is Verdict.VIOLATION and report.claimed_epsilon == 1.0
+    assert report.mechanism == f"callable leaky_generator:{function}"
+    path.write_text(path.read_text().replace('function = "leaky_generator', 'function = "leaky_generator.nope'))
+    with pytest.raises(ValueError, match=rf"^audit spec {re.escape(repr(str(path)))}: .*cannot be imported"):
+        run_spec(load_spec(path))  # imported at run time (the spec itself loads), named in one line
+
+
+@pytest.mark.parametrize("edit, match", [
+    ('function = "leaky_generator:generate"\n', "needs function"),
+    ('kind = "callable"\n', "are for kind = 'callable'"),
+    ('function = "leaky_generator:generate"\n', "must be 'module:function'"),
+], ids=["no-function", "function-for-engine", "not-module-function"])
+def test_callable_target_keys_are_checked_at_load(tmp_path, edit, match):
+    from invink_audit.audit.spec import load_spec
+
+    body = ('kind = "black-box"\n[target]\nkind = "callable"\nfunction = "leaky_generator:generate"\n'
+            '[data]\ninline = ["a"]\n[mechanism]\nbatch_size = 1\nepsilon = 1.0\n')
+    replacement = {"needs function": "", "are for kind = 'callable'": 'kind = "engine"\n',
+                   "must be 'module:function'": 'function = "leaky_generator"\n'}[match]
+    path = tmp_path / "bad.toml"
+    path.write_text(body.replace(edit, replacement))
+    with pytest.raises(ValueError, match=match) as err:
+        load_spec(path)
+    assert str(err.value).startswith(f"audit spec {str(path)!r}: [target] ")
 
 
 def test_invink_adapter_when_importable(tmp_path):
@@ -144,15 +233,15 @@ def test_invink_adapter_when_importable(tmp_path):
     tiny = build_tiny_model()
     tiny.model.save_pretrained(tmp_path)
     tiny.tokenizer.save_pretrained(tmp_path)
-    gen = blackbox.invink_generator(
+    target = ReferencePackageTarget(
         str(tmp_path), batch_size=2, dataset_desc="reviews", epsilon=1.0, delta=1e-6,
         max_toks=3, device_map=-1, dtype="float32", topk=10,
     )
     refs = ["Great tacos.", "Cold soup.", "Slow wifi."]
-    first, second = gen(refs), gen(refs)
+    first, second = target.generate([refs, refs])
     assert isinstance(first, str) and first == second  # random_seed=42 by default: reproducible
     with pytest.raises(ValueError, match="batch_size"):
-        blackbox.invink_generator(str(tmp_path), batch_size=0, dataset_desc="x", epsilon=1.0, delta=1e-6)
+        ReferencePackageTarget(str(tmp_path), batch_size=0, dataset_desc="x", epsilon=1.0, delta=1e-6)
 
 
 def test_exact_match_does_not_overfit_unique_outputs():

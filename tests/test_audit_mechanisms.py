@@ -22,9 +22,16 @@ import torch
 from invink_audit.audit import ModelAuditSettings, WhiteBoxConfig, audit_model, quick_audit, synthetic, write_report
 from invink_audit.audit.analysis import analyse
 from invink_audit.audit.whitebox import Claim
-from invink_audit.generation import MechanismRelease, generate
+from invink_audit.generation import ReleaseConfig, generate
 from invink_audit.mechanism import SeededGeneratorWarning, make_generator
-from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
+from invink_audit.mechanisms import (
+    AdaPMixEDConfig,
+    AdaPMixEDMechanism,
+    AminConfig,
+    AminMechanism,
+    GuaranteeKind,
+    MechanismGuarantee,
+)
 from invink_audit.models import build_tiny_model
 
 REFS = ["Great tacos and friendly staff.", None, "The soup was cold."]
@@ -48,35 +55,46 @@ def _amin(sensitivity="replace-by-null", b=3, grid=256, **kw):
 
 
 def test_claims_from_guarantees():
-    amin = Claim.from_guarantee(_amin().guarantee(6, 1e-6), 3)
-    assert amin.composition == "zcdp" and amin.a_priori and amin.step_checks
+    amin = Claim.from_mechanism(_amin(), 6, 1e-6)
+    assert amin.composition == "zcdp" and amin.a_priori and amin.step_checks and amin.batch_size == 3
     assert amin.rho_sequence == pytest.approx(_amin().accounting.rho_sequence)
     assert amin.renyi(2.0) == pytest.approx(2.0 * amin.rho_sequence) and math.isinf(amin.loss_upper())
-    ada = Claim.from_guarantee(AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=3, epsilon=4.0)).guarantee(6, 1e-6), 3)
-    assert not ada.a_priori and not ada.step_checks and ada.rho_sequence is None
+    assert amin.epsilon_claimed == amin.guarantee.epsilon  # stated by a report: not an a-priori bounded-range claim
+    ada = Claim.from_mechanism(AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=3, epsilon=4.0)), 6, 1e-6)
+    assert not ada.a_priori and not ada.step_checks and ada.rho_sequence is None and ada.kind == "data-dependent"
     assert ada.renyi(15.0) == pytest.approx(ada.renyi_budget) and math.isinf(ada.renyi(2.0))
+
+    def guarantee(**kw):
+        fields = dict(kind=GuaranteeKind.DATA_DEPENDENT, mechanism="m", epsilon=1.0, delta=1e-6, max_new_tokens=5,
+                      composition="zcdp", rho_sequence=None)
+        return MechanismGuarantee(**{**fields, **kw})
+
+    with pytest.raises(ValueError, match="renyi_order"):  # the guarantee's own check
+        guarantee(composition="renyi-filter")
     with pytest.raises(ValueError, match="renyi_order"):
-        Claim(None, None, 5, 3, composition="renyi-filter", guarantee="data-dependent")
-    with pytest.raises(ValueError, match="rho_sequence_bound"):
-        Claim(0.1, 0.01, 5, 3, composition="zcdp")
-    with pytest.raises(ValueError, match="both epsilon0"):
-        Claim(0.1, None, 5, 3)
+        Claim(guarantee(composition="renyi-filter", renyi_order=1.0, renyi_budget=2.0), 3)
+    with pytest.raises(ValueError, match="rho_sequence"):
+        Claim(guarantee(), 3)
+    with pytest.raises(ValueError, match="both"):
+        guarantee(step_epsilon0=0.1)
+    with pytest.raises(ValueError, match="bounded-range claim needs epsilon0"):
+        Claim(guarantee(kind=GuaranteeKind.A_PRIORI, composition="bounded-range", rho_sequence=0.1), 3)
 
 
 def test_amin_exact_enumeration_sums_to_one_respects_the_claim_and_covers_the_intervals():
     source = synthetic.RandomSource(vocab_size=3, batch_size=2, period=2, scale=1.5, private_scale=2.0, eos_shift=1.0, seed=3)
     mech = _amin(b=2, r=2, clip_norm=1.5, svt_threshold=0.4, svt_noise=0.5)
     audited = synthetic.AuditedMechanism("amin", "", mech, 3, "PASS")
-    exact = synthetic.enumerate_mechanism_outputs(source, audited)
+    exact = synthetic.enumerate_outputs(source, audited)
     assert np.exp(exact.log_prob_actual).sum() == pytest.approx(1.0, abs=1e-9)
-    claim = audited.claim(source)
+    claim = audited.claim()
     for j in range(2):
         assert np.exp(exact.log_prob_neighbours[:, j]).sum() == pytest.approx(1.0, abs=1e-9)
         for a in (2.0, 8.0):
             for reverse in (False, True):
                 assert exact.renyi(a, j, reverse) <= claim.renyi(a)  # the correct accounting holds exactly
     config = WhiteBoxConfig(alphas=(1.5, 2.0, 4.0), num_samples=400, num_is_samples=0, significance=0.05)
-    rec = synthetic.run_mechanism_audit(source, audited, config, generator=torch.Generator().manual_seed(8))
+    rec = synthetic.run_synthetic_audit(source, audited, config, generator=torch.Generator().manual_seed(8))
     report = analyse(rec, mechanism="amin", source="random", exact=exact)
     assert report.verdict.value == "PASS"
     rows = [s for s in report.sequence if s.exact is not None]
@@ -90,8 +108,8 @@ def test_amin_paper_accounting_is_caught_exactly_by_the_per_step_checks():
     found = {}
     for mode in ("paper", "replace-by-null"):
         audited = synthetic.AuditedMechanism(mode, "", _amin(mode, clip_norm=0.5), 5, "?")
-        rec = synthetic.run_mechanism_audit(source, audited, config, generator=torch.Generator().manual_seed(1))
-        found[mode] = (rec.failures, float(rec.max_loss_range_per_step.max()) / audited.claim(source).epsilon0)
+        rec = synthetic.run_synthetic_audit(source, audited, config, generator=torch.Generator().manual_seed(1))
+        found[mode] = (rec.failures, float(rec.max_loss_range_per_step.max()) / audited.claim().epsilon0)
     assert found["paper"][0]["range"] > 0 and found["paper"][1] == pytest.approx(2.0, abs=1e-9)
     assert sum(found["replace-by-null"][0].values()) == 0 and found["replace-by-null"][1] == pytest.approx(1.0, abs=1e-9)
 
@@ -120,13 +138,13 @@ def test_model_audit_of_amin_passes_and_of_adapmixed_is_labelled_data_dependent(
 
 def test_quick_audit_of_texts_generated_with_any_mechanism(tiny):
     refs = REFS + ["Nice.", "", "Bad food."]
-    run = generate(refs, MechanismRelease(_amin(), max_new_tokens=6, delta=1e-6), model=tiny)
+    run = generate(refs, ReleaseConfig(_amin(), max_new_tokens=6, delta=1e-6), model=tiny)
     assert len(run.texts) == 2 and all(len(t.modes) == t.num_tokens for t in run.texts)
     report = quick_audit(run, refs, model=tiny, generator=_gen(2))
     assert report.verdict.value == "PASS" and report.mechanism == "amin2024" and report.step_failures == {
         "support": 0, "range": 0, "renyi": 0, "delta": 0}
     ada = AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=3, epsilon=6.0, screen_samples=32))
-    run = generate(refs, MechanismRelease(ada, max_new_tokens=6, delta=1e-6), model=tiny)
+    run = generate(refs, ReleaseConfig(ada, max_new_tokens=6, delta=1e-6), model=tiny)
     report = quick_audit(run, refs, model=tiny, sampled_batch=None)
     assert report.verdict.value != "PASS" and report.guarantee == "data-dependent"
     assert "DATA-DEPENDENT" in report.summary()
@@ -141,8 +159,10 @@ def test_custom_mechanism_example_runs(monkeypatch):
 
 def test_spec_mechanism_sections():
     from invink_audit.audit.spec import load_spec, mechanism_from_section
+    from invink_audit.mechanisms import InvisibleInk
 
-    assert mechanism_from_section({"batch_size": 7}, 7) is None  # InvisibleInk on the engine's own path
+    invink = mechanism_from_section({"clip_norm": 1.0}, 7)  # InvisibleInk, a Mechanism like every other
+    assert isinstance(invink, InvisibleInk) and invink.config.clip_norm == 1.0 and invink.batch_size == 7
     amin = mechanism_from_section({"kind": "amin", "epsilon": 10.0, "max_private_tokens": 4, "svt_noise": 1.0}, 7)
     assert isinstance(amin, AminMechanism) and amin.guarantee(12, 1e-6).epsilon <= 10.0 * (1 + 1e-9)
     paper = mechanism_from_section({"kind": "amin", "epsilon": 10.0, "max_private_tokens": 4, "svt_noise": 1.0,

@@ -43,7 +43,11 @@ def test_hardest_case_row_is_the_worst_pair():
     public = torch.randn(3, 40, dtype=torch.float64)
     neighbour = torch.log_softmax(public, -1)
     c = 0.3
-    row = model_audit.hardest_case_row(public, neighbour, c)
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.mechanisms import InvisibleInk
+
+    row = InvisibleInk(MechanismConfig(clip_norm=c, temperature=1.0, top_k=None, batch_size=2)).hardest_case_logits(
+        public, neighbour)
     diff = torch.clamp(row - public, -c, c)
     assert set(torch.unique(diff.abs()).tolist()) == {c}  # clipped to exactly +-C
     up = diff > 0
@@ -98,8 +102,7 @@ def test_quick_audit_of_generated_texts(tiny_in_dtype):
     assert rep.realised_loss_max <= rep.a_priori_loss_bound + 1e-9
     assert "audit verdict: PASS" in rep.summary()
     # texts that the configuration cannot have produced are rejected
-    short = dataclasses.replace(res.plan, event=dataclasses.replace(res.plan.event, max_new_tokens=2))
-    bad = dataclasses.replace(res, guarantee=type(res.guarantee)(short, res.guarantee.top_k))
+    bad = dataclasses.replace(res, guarantee=res.mechanism.guarantee(2, res.guarantee.delta))
     with pytest.raises(ValueError, match="do not match"):
         quick_audit(bad, refs, model=tiny, sampled_batch=None)
 
@@ -125,7 +128,7 @@ def test_spec_batch_fills_non_canary_slots_in_file_order(tmp_path):
     p = tmp_path / "s.toml"
     p.write_text(
         'kind = "white-box"\n[data]\npath = "refs.csv"\noffset = 1\n'
-        '[canaries]\nsecret = 0\nhardest_case = 2\n[mechanism]\nbatch_size = 4\n'
+        '[canaries]\nsecret = 0\nhardest_case = 2\n[mechanism]\nbatch_size = 4\nmax_new_tokens = 3\nclip_norm = 1.0\n'
     )
     refs, labels, hardest = spec._batch(spec.load_spec(p), 4)
     assert refs[0] == model_audit.DEFAULT_CANARIES["secret"]

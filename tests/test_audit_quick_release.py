@@ -11,8 +11,9 @@ import pytest
 
 from invink_audit.audit.quick import AuditedRelease, quick_audit
 from invink_audit.audit.stats import Verdict
-from invink_audit.data import ReferencesFile
-from invink_audit.generation import GenerationConfig, Guarantee, PromptSpec, generate
+from invink_audit.data import ReferencesFile, partition_references
+from invink_audit.generation import GenerationConfig, PromptSpec, generate
+from invink_audit.mechanisms import InvisibleInk
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.prompts import template_for_labels
 from releases import generate_flat
@@ -47,7 +48,8 @@ def test_the_result_alone_is_enough_and_gives_the_same_audit(tiny, result):
     assert alone.verdict is Verdict.PASS and _numbers(alone) == _numbers(given)
     release = AuditedRelease.of(result)
     assert release.partition is result.partition and release.template is result.template
-    assert release.event == result.plan.event and release.claim().max_new_tokens == 4
+    assert isinstance(release.mechanism, InvisibleInk) and release.mechanism.config == result.mechanism.config
+    assert release.claim().max_new_tokens == 4 and release.claim().guarantee == result.mechanism.guarantee(4, 1e-6)
 
 
 def test_references_or_prompt_that_disagree_are_refused(tiny, result):
@@ -60,27 +62,23 @@ def test_references_or_prompt_that_disagree_are_refused(tiny, result):
 
 
 def test_an_inconsistent_result_is_refused(result):
-    # the guarantee is its plan, so a disagreeing one comes from another plan
-    other = dataclasses.replace(result.plan, event=dataclasses.replace(result.plan.event, temperature=0.5))
-    bad = dataclasses.replace(result, guarantee=Guarantee(other, result.guarantee.top_k))
-    with pytest.raises(ValueError, match="guarantee and plan .temperature. do not match"):
+    # the guarantee is its mechanism's, so a disagreeing one comes from another mechanism
+    other = InvisibleInk(dataclasses.replace(result.mechanism.config, temperature=0.5))
+    bad = dataclasses.replace(result, guarantee=other.guarantee(4, 1e-6))
+    with pytest.raises(ValueError, match="guarantee and mechanism .epsilon. do not match"):
         AuditedRelease.of(bad)
+    with pytest.raises(ValueError, match="partition and mechanism .batch_size. do not match"):
+        AuditedRelease.of(dataclasses.replace(result, partition=partition_references(REFS, 2)))
 
 
 def test_texts_longer_than_the_recorded_plan_allows_are_rejected(tiny, result):
-    from accounting import epsilon_for_clip_norm
-
-    p = result.plan
-    short = epsilon_for_clip_norm(
-        clip_norm=p.clip_norm, delta=p.delta, max_new_tokens=2, batch_size=p.batch_size, temperature=p.temperature
-    )
-    bad = dataclasses.replace(result, plan=short, guarantee=Guarantee(short, result.guarantee.top_k))
+    bad = dataclasses.replace(result, guarantee=result.mechanism.guarantee(2, result.guarantee.delta))
     with pytest.raises(ValueError, match="do not match this configuration"):
         quick_audit(bad, model=tiny, sampled_batch=None)
 
 
 def test_a_result_without_a_recorded_plan_needs_its_references(tiny, result):
-    legacy = dataclasses.replace(result, plan=None, mechanism=None, template=None, partition=None)
+    legacy = dataclasses.replace(result, mechanism=None, template=None, partition=None)
     with pytest.raises(ValueError, match="give the references"):
         quick_audit(legacy, model=tiny, sampled_batch=None)
     assert _numbers(quick_audit(legacy, REFS, model=tiny, sampled_batch=None)) == _numbers(
@@ -135,6 +133,6 @@ def test_the_audit_places_labels_where_generate_placed_them(tiny, tmp_path):
 
 def test_a_label_conditioned_result_without_its_record_is_refused(tiny, tmp_path):
     labelled = _labelled_release(tiny, tmp_path / "reviews.csv", ["Restaurants", "Shopping"] * 2)
-    bare = dataclasses.replace(labelled, plan=None, template=None, partition=None)
-    with pytest.raises(ValueError, match="label-conditioned result records no plan"):
+    bare = dataclasses.replace(labelled, template=None, partition=None)
+    with pytest.raises(ValueError, match="label-conditioned result records no mechanism"):
         AuditedRelease.of(bare, tmp_path / "reviews.csv")

@@ -11,6 +11,7 @@ import torch
 from invink_audit.audit import analysis, synthetic
 from invink_audit.audit.records import AuditTimings, LossHistogram, ReportedClaim, WhiteBoxReport, WorstNeighbour, report_from_dict
 from invink_audit.audit.whitebox import Claim, WhiteBoxConfig
+from invink_audit.mechanisms import GuaranteeKind, MechanismGuarantee
 
 REPORTS = Path(__file__).resolve().parents[1] / "audits" / "reports"
 
@@ -66,19 +67,19 @@ def test_fresh_report_typed_json_typed_identical_json():
     assert list(data["worst_neighbour"]) == ["index", "label", "ratio"]
     assert list(data["loss_histogram"]) == ["neighbour", "edges", "counts", "num_infinite", "mean"]
     assert list(data["timings"]) == ["decode_seconds", "analysis_seconds", "check_seconds"]
-    # records still read as the mappings they replace
+    # records still read as the mappings they replace; the claim reads as the claim it states
     assert report.claim["epsilon0"] == report.claim.epsilon0 and "guarantee" not in report.claim
+    assert isinstance(again.claim.claim, Claim) and again.claim.claim.rho_sequence == report.claim.claim.rho_sequence
     assert report.timings.get("decode_seconds") == 0.5
 
 
 def test_reported_claim_keeps_a_mechanism_detail_in_its_place():
     """A data-dependent claim whose mechanism details also carry renyi_order / renyi_budget (AdaPMixED)."""
-    claim = Claim(
-        None, None, 8, 4, 1e-6, composition="renyi-filter", guarantee="data-dependent", renyi_order=15.0,
-        renyi_budget=2.5, epsilon_claimed=3.0,
-    )
+    guarantee = MechanismGuarantee(GuaranteeKind.DATA_DEPENDENT, "adapmixed", 3.0, 1e-6, 8, "renyi-filter",
+                                   renyi_order=15.0, renyi_budget=2.5)
+    claim = Claim(guarantee, 4)
     details = {"mechanism": "adapmixed", "renyi_order": 15.0, "beta": 0.3, "renyi_budget": 2.5}
-    reported = ReportedClaim.of(claim, {"rdp-filter": 3.0}, details)
+    reported = ReportedClaim(claim, {"rdp-filter": 3.0}, details)
     keys = list(reported.json_fields())
     assert keys[6:] == [
         "epsilon[rdp-filter]", "mechanism", "renyi_order", "beta", "renyi_budget", "guarantee", "composition",
@@ -86,7 +87,9 @@ def test_reported_claim_keeps_a_mechanism_detail_in_its_place():
     ]
     back = ReportedClaim.from_json(reported.json_fields())
     assert back == reported and list(back.json_fields()) == keys
-    assert back.guarantee == "data-dependent" and back.renyi_budget == 2.5
+    assert back["guarantee"] == back.kind == "data-dependent" and back.renyi_budget == 2.5
+    # read back, it is the same claim: the guarantee's figures and B, its epsilon the one claimed
+    assert back.claim.guarantee.epsilon == 3.0 and back.claim.batch_size == 4 and back.claim.renyi(15.0) == 2.5
 
 
 def test_extra_timings_are_kept_after_the_known_ones():

@@ -15,7 +15,8 @@ from accounting import AugPEEvent, AugPESensitivity, plan_augpe_noise_std
 from invink_audit.audit.records import BlackBoxReport, report_from_dict
 from invink_audit.audit.spec import AugPEHistogramSpec, load_spec, parse_spec, run_spec
 from invink_audit.audit.stats import Verdict
-from invink_audit.augpe.audit import HistogramTarget, exact_histogram_check, true_epsilon, worst_case_canary
+from invink_audit.audit.augpe import exact_histogram_check, true_epsilon, worst_case_canary
+from invink_audit.audit.targets import HistogramTarget
 
 AUDITS = Path(__file__).resolve().parents[1] / "audits"
 CORRECT, PAPER = AUDITS / "blackbox_augpe_correct.toml", AUDITS / "blackbox_augpe_paper.toml"

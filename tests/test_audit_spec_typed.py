@@ -1,4 +1,4 @@
-"""Audit specs are parsed into typed sections when they are loaded."""
+"""Audit specs are read into the library's own records when they are loaded (no shadow records)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import pytest
 from invink_audit.audit import spec
 from invink_audit.audit.selftest import SelfTestSettings
 from invink_audit.audit.whitebox import WhiteBoxConfig
+from invink_audit.generation import ModelSpec, PromptSpec
+from invink_audit.mechanisms import Mechanism
 
 AUDITS = Path(__file__).resolve().parents[1] / "audits"
 
@@ -22,15 +24,17 @@ def test_committed_specs_load_into_typed_sections(path):
     if s.kind == "augpe-histogram":  # the AugPE histogram audit reads no model, prompt or data
         assert isinstance(s.augpe, spec.AugPEHistogramSpec) and s.mechanism is None and s.model is None
         return
-    assert isinstance(s.model, spec.ModelSpec) and isinstance(s.prompt, spec.PromptSpec)
-    assert isinstance(s.mechanism, spec.MechanismSpec)
-    assert s.mechanism.batch_size == int(s.section("mechanism")["batch_size"])
-    assert s.model.name == s.section("model").get("name", "embedded")
+    assert isinstance(s.model, ModelSpec) and isinstance(s.prompt, PromptSpec)
+    assert s.batch_size == int(s.section("mechanism")["batch_size"])
+    assert s.model.model == s.section("model").get("name", "embedded")
+    assert s.prompt.template == s.section("prompt").get("preset", "generic")
     if s.kind == "white-box":
+        assert isinstance(s.mechanism, Mechanism) and s.mechanism.batch_size == s.batch_size
         assert isinstance(s.audit, WhiteBoxConfig) and s.blackbox is None
-        assert s.audit == spec._whitebox_config(s.section("audit"), s.mechanism.batch_size)
+        assert s.audit == spec._whitebox_config(s.section("audit"), s.batch_size)
     else:
-        assert isinstance(s.blackbox, spec.BlackBoxSpec) and s.audit is None
+        assert isinstance(s.blackbox, spec.BlackBoxSpec) and isinstance(s.target, spec.TargetSpec) and s.audit is None
+        assert s.mechanism is None and s.epsilon == s.section("mechanism")["epsilon"]  # the reference package's claim
 
 
 def test_spec_errors_are_found_at_load_time(tmp_path):
@@ -49,7 +53,8 @@ def test_spec_errors_are_found_at_load_time(tmp_path):
 def test_a_model_audit_needs_max_new_tokens(tmp_path):
     p = tmp_path / "s.toml"
     p.write_text('kind = "white-box"\n[mechanism]\nbatch_size = 2\nclip_norm = 1.0\n')
+    with pytest.raises(ValueError, match=r"\[mechanism\] max_new_tokens is required"):
+        spec.load_spec(p)
+    p.write_text('kind = "white-box"\n[mechanism]\nbatch_size = 2\nclip_norm = 1.0\nmax_new_tokens = 3\n')
     s = spec.load_spec(p)
-    assert s.mechanism.max_new_tokens is None and s.mechanism.clip_norm == 1.0
-    with pytest.raises(ValueError, match="max_new_tokens is required"):
-        spec._model_audit_settings(s)
+    assert s.max_new_tokens == 3 and s.mechanism.config.clip_norm == 1.0 and s.epsilon is None

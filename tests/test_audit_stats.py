@@ -214,6 +214,12 @@ def test_delta_with_infinite_losses_counts_them_fully():
     assert curve.estimate[0] == pytest.approx(0.5)
 
 
+#: (k, n, β, lower, upper) of the hand-written scalar Clopper–Pearson this module had (computed before its removal)
+OLD_CLOPPER_PEARSON = [(0, 10, 0.05, 0.0, 0.3084971078187607), (3, 10, 0.05, 0.06673951117773447, 0.6524528500599973),
+                       (10, 10, 0.05, 0.6915028921812392, 1.0), (17, 40, 0.01, 0.23079054982871228, 0.6373783434032138),
+                       (1, 1, 0.3, 0.15, 1.0), (250, 1000, 1e-6, 0.18696036048800804, 0.32120494149208306)]  # fmt: skip
+
+
 @given(st.integers(0, 40), st.integers(1, 40), st.sampled_from([0.01, 0.05, 0.3]))
 def test_clopper_pearson_matches_scipy(k, n, beta):
     k = min(k, n)
@@ -221,6 +227,18 @@ def test_clopper_pearson_matches_scipy(k, n, beta):
     ref = sps.binomtest(k, n).proportion_ci(confidence_level=1 - beta, method="exact")
     assert ours.lower == pytest.approx(ref.low, abs=1e-9)
     assert ours.upper == pytest.approx(ref.high, abs=1e-9)
+    assert ours.estimate == k / n and ours.confidence == 1 - beta and ours.contains(k / n)
+
+
+@pytest.mark.parametrize(("k", "n", "beta", "lower", "upper"), OLD_CLOPPER_PEARSON)
+def test_clopper_pearson_keeps_its_values_and_the_vectorised_limits_are_the_scalar_ones(k, n, beta, lower, upper):
+    iv = stats.clopper_pearson(k, n, beta)
+    assert (iv.lower, iv.upper) == pytest.approx((lower, upper), rel=1e-13, abs=1e-300)
+    counts = np.array([0, k, n])
+    lows, highs = stats.clopper_pearson_limits(counts, n, beta)
+    for c, lo, hi in zip(counts, lows, highs):
+        scalar = stats.clopper_pearson(int(c), n, beta)
+        assert (lo, hi) == (scalar.lower, scalar.upper)
 
 
 def test_epsilon_lower_bound_is_valid_for_randomized_response():

@@ -1,35 +1,20 @@
 """The black-box statistics beyond one Clopper–Pearson point (invink_audit.audit.tradeoff), each against an
-independent computation: dp-accounting's PLD accountant for Gaussian DP, the closed form of Clopper–Pearson
-at k = n, simulated scores of known μ, and a simulation of sequential stopping at the claim's boundary."""
+independent computation: the closed form of Clopper–Pearson at k = n, simulated scores of known μ, the
+hand-written bootstrap's values, and a simulation of sequential stopping at the claim's boundary. The μ-GDP
+profile itself (against dp-accounting's PLD accountant): tests/test_accounting_gdp.py."""
 
 from __future__ import annotations
 
 import math
 
-import dp_accounting
 import numpy as np
 import pytest
-from dp_accounting.pld import pld_privacy_accountant
 
-from invink_audit.audit.tradeoff import fit_gdp, gdp_delta, gdp_epsilon, perfect_attack_ceiling, sequential_bound
+from accounting import gdp_to_epsilon
+from invink_audit.audit.tradeoff import fit_gdp, perfect_attack_ceiling, sequential_bound
 
-
-@pytest.mark.parametrize("mu", [0.3, 1.0, 2.0, 4.0])
-@pytest.mark.parametrize("delta", [1e-5, 1e-8])
-def test_gdp_epsilon_matches_the_gaussian_mechanism_in_dp_accounting(mu, delta):
-    """A Gaussian mechanism of sensitivity 1 and noise σ is exactly (1/σ)-GDP (Dong, Roth & Su 2022, Thm 2.7)."""
-    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
-    accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier=1 / mu))
-    assert gdp_epsilon(delta, mu) == pytest.approx(accountant.get_epsilon(delta), rel=1e-6, abs=1e-6)
-    assert gdp_delta(gdp_epsilon(delta, mu), mu) == pytest.approx(delta, rel=1e-6)
-
-
-def test_gdp_edges():
-    assert gdp_delta(1.0, 0.0) == 0.0 and gdp_delta(1.0, math.inf) == 1.0
-    assert gdp_epsilon(1e-6, math.inf) == math.inf
-    assert gdp_epsilon(0.5, 0.01) == 0.0  # δ(0) is already below 0.5
-    with pytest.raises(ValueError):
-        gdp_delta(-1.0, 1.0)
+#: bootstrap noise of an end of fit_gdp's 95% interval at 4,000 resamples (its width is 0.32; the ends moved 0.007)
+BOOTSTRAP_ATOL = 0.03
 
 
 @pytest.mark.parametrize("n", [10, 100, 5000])
@@ -46,7 +31,7 @@ def test_fit_gdp_recovers_a_known_mu_and_flags_perfect_separation():
     mu = 1.5
     fit = fit_gdp(rng.normal(mu, 1, 3000), rng.normal(0, 1, 3000), delta=1e-6, rng=np.random.default_rng(1))
     assert fit.mu.lower <= mu <= fit.mu.upper and fit.mu.upper - fit.mu.lower < 0.3
-    assert fit.epsilon.lower <= gdp_epsilon(1e-6, mu) <= fit.epsilon.upper
+    assert fit.epsilon.lower <= gdp_to_epsilon(mu, 1e-6) <= fit.epsilon.upper
     apart = fit_gdp(rng.normal(10, 1, 50), rng.normal(0, 1, 50), delta=1e-6)
     # perfect separation: a finite floor set by the trial count (continuity correction), flagged as such
     floor = 2 * __import__("scipy.stats").stats.norm.ppf(50.5 / 51)
@@ -57,6 +42,23 @@ def test_fit_gdp_recovers_a_known_mu_and_flags_perfect_separation():
     assert not ties.separated and ties.mu.estimate > 2.0
     same = fit_gdp(rng.normal(0, 1, 2000), rng.normal(0, 1, 2000), delta=1e-6, rng=np.random.default_rng(2))
     assert same.mu.lower <= 0.1
+
+
+def test_the_scipy_bootstrap_keeps_the_hand_written_ones_values():
+    """fit_gdp's interval by scipy.stats.bootstrap against the values of the hand-written loop it replaced (each
+    sample resampled with rng.choice per replicate; computed before its removal): the estimate is the same, the
+    ends the same up to bootstrap noise, and the ε ends follow the μ ends."""
+    rng = np.random.default_rng(7)
+    fit = fit_gdp(rng.normal(1.5, 1, 400), rng.normal(0, 1, 400), delta=1e-6, num_bootstrap=4000,
+                  rng=np.random.default_rng(1))  # fmt: skip
+    assert fit.mu.estimate == 1.5767384891160032 and fit.mu.method == "bootstrap over trials, 4000 replicates"
+    assert fit.mu.lower == pytest.approx(1.4061663806492164, abs=BOOTSTRAP_ATOL)
+    assert fit.mu.upper == pytest.approx(1.7292806279321022, abs=BOOTSTRAP_ATOL)
+    assert fit.epsilon.estimate == pytest.approx(8.278947504671134, rel=2e-9)  # ε(δ) now rounds up by 1e-9
+    assert [fit.epsilon.lower, fit.epsilon.upper] == [gdp_to_epsilon(m, 1e-6) for m in (fit.mu.lower, fit.mu.upper)]
+    pos, neg = rng.normal(1.0, 1, 60), rng.normal(0, 1, 60)
+    seeded = [fit_gdp(pos, neg, delta=1e-6, num_bootstrap=50, rng=np.random.default_rng(3)) for _ in range(2)]
+    assert seeded[0] == seeded[1]  # a seeded bootstrap is reproducible
 
 
 @pytest.mark.parametrize("looks", [1, 2, 3, 4, 6])
@@ -118,8 +120,8 @@ def test_a_profile_refutes_exactly_when_the_scalar_bound_does_at_some_delta():
     from invink_audit.audit.tradeoff import PrivacyProfile
 
     rng = np.random.default_rng(0)
-    curve = PrivacyProfile.of(lambda d: gdp_epsilon(d, 0.8), 1e-6, num_points=12)
-    assert curve.deltas[0] == 1e-6 and curve.deltas[-1] == pytest.approx(0.5) and curve.epsilon == gdp_epsilon(1e-6, 0.8)
+    curve = PrivacyProfile.of(lambda d: gdp_to_epsilon(0.8, d), 1e-6, num_points=12)
+    assert curve.deltas[0] == 1e-6 and curve.deltas[-1] == pytest.approx(0.5) and curve.epsilon == gdp_to_epsilon(0.8, 1e-6)
     p, q = 400, 380
     tp, fp = rng.integers(0, p + 1, 300), rng.integers(0, q + 1, 300)
     points = curve.bounds(tp, p, fp, q, significance=0.05)
@@ -146,7 +148,7 @@ def test_testing_the_curve_keeps_its_significance_and_refutes_what_the_point_can
 
     rng = np.random.default_rng(5)
     mu, beta, n = 0.5, 0.1, 2000
-    curve = PrivacyProfile.of(lambda d: gdp_epsilon(d, mu), 1e-6)
+    curve = PrivacyProfile.of(lambda d: gdp_to_epsilon(mu, d), 1e-6)
 
     def run(true_mu):
         positive = rng.random(n) < 0.5

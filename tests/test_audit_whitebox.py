@@ -23,9 +23,23 @@ from invink_audit.audit.whitebox import (
     step_quantities,
 )
 from invink_audit.mechanism import sample_tokens
+from invink_audit.mechanisms import GuaranteeKind, MechanismGuarantee
 from profiles import examples
 
 TOL = 1e-9
+
+
+def _claim(epsilon0, rho_token, max_new_tokens, batch_size, delta=1e-6):
+    """The claim of a bounded-range guarantee with per-step ``epsilon0`` and ``rho_token``."""
+    guarantee = MechanismGuarantee(GuaranteeKind.A_PRIORI, "test", 1.0, delta, max_new_tokens, "bounded-range",
+                                   rho_sequence=1.0, step_epsilon0=epsilon0, step_rho=rho_token)
+    return Claim(guarantee, batch_size)
+
+
+def _step(audited, private, public):
+    """(actual, neighbours) log-probabilities of a stateless mechanism's step."""
+    out = audited.mechanism.step(private, public, None, None, exact=True, neighbours=True)
+    return out.log_probs, out.neighbours
 
 
 def _brute(lp, lq, alphas, epsilons):
@@ -116,17 +130,13 @@ def test_recorded_sequence_log_probs_equal_teacher_forcing():
     source, mech = _small_setup()
     config = WhiteBoxConfig(alphas=(2.0,), num_samples=30, num_is_samples=5, significance=0.05)
     rec = synthetic.run_synthetic_audit(source, mech, config, generator=torch.Generator().manual_seed(0))
-    stop = source.vocab_size
-    t_budget = mech.budget(source.reference_lengths)
     for n in range(rec.plan.num_texts):
         toks = [int(t) for t in rec.tokens[n, : rec.lengths[n]]]
+        assert len(toks) <= mech.max_new_tokens and (len(toks) == mech.max_new_tokens or toks[-1] == source.eos_token)
         lp_a, lp_n = 0.0, np.zeros(3)
         for t, tok in enumerate(toks):
             private, public = source.logits(torch.tensor([toks[:t]], dtype=torch.int64), t)
-            actual, neighbours = mech.step(private, public)
-            if t == t_budget:
-                assert tok == stop
-                continue
+            actual, neighbours = _step(mech, private, public)
             lp_a += float(actual[0, tok])
             lp_n += neighbours[0, :, tok].numpy()
         assert rec.log_prob_actual[n] == pytest.approx(lp_a, abs=1e-9)
@@ -170,7 +180,7 @@ def test_hardest_case_source_is_the_worst_bounded_range_pair():
     source = synthetic.HardestCaseSource(vocab_size=6, batch_size=4, temperature=1.0)
     mech = synthetic.correct_mechanism(clip_norm=0.5, temperature=1.0, top_k=None, batch_size=4, max_new_tokens=5)
     private, public = source.logits(torch.zeros(1, 0, dtype=torch.int64), 0)
-    actual, neigh = mech.step(private, public)
+    actual, neigh = _step(mech, private, public)
     q = neigh[0, 0].exp()
     assert float(q[1:5].sum()) == pytest.approx(0.45, abs=1e-12)
     loss = actual[0] - neigh[0, 0]
@@ -184,7 +194,7 @@ def test_hardest_case_source_is_the_worst_bounded_range_pair():
 
 def test_recorder_protocol_errors():
     plan = SamplingPlan.build(WhiteBoxConfig(num_samples=2, num_is_samples=0, directions=("forward",)), 2)
-    claim = Claim(0.5, 0.5**2 / 8, 3, 2)
+    claim = _claim(0.5, 0.5**2 / 8, 3, 2)
     rec = WhiteBoxRecorder(plan, claim, WhiteBoxConfig(num_samples=2, num_is_samples=0, directions=("forward",)), max_steps=3)
     with pytest.raises(RuntimeError, match="without a preceding"):
         rec.record(torch.tensor([0]), torch.tensor([0]))
@@ -216,14 +226,24 @@ def test_config_validation(kwargs, match):
 
 
 def test_claim_validation_and_curve():
-    c = Claim(0.25, 0.25**2 / 8, 10, 4)
+    c = _claim(0.25, 0.25**2 / 8, 10, 4)
     assert c.rho_sequence == pytest.approx(10 * 0.25**2 / 8)
     assert c.renyi(3.0) == pytest.approx(3 * c.rho_sequence)
-    for bad in (dict(epsilon0=0.0), dict(max_new_tokens=0), dict(delta=1.0)):
+    for bad in (dict(epsilon0=0.0), dict(max_new_tokens=0), dict(delta=1.0), dict(batch_size=0)):
         args = dict(epsilon0=0.25, rho_token=0.01, max_new_tokens=3, batch_size=2)
         args.update(bad)
         with pytest.raises(ValueError):
-            Claim(**args)
+            _claim(**args)
+    with pytest.raises(ValueError, match="MechanismGuarantee"):
+        Claim("not a guarantee", 2)
+    # derived from the mechanism's guarantee, not copied: InvisibleInk's per-step figures are its config's
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.mechanisms import InvisibleInk
+
+    config = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=5, batch_size=4)
+    derived = Claim.from_mechanism(InvisibleInk(config), 10, 1e-6)
+    assert derived.epsilon0 == config.epsilon0 and derived.rho_token == config.rho_token and derived.batch_size == 4
+    assert derived.guarantee == InvisibleInk(config).guarantee(10, 1e-6) and derived.kind == "a-priori"
 
 
 def test_selftest_pass_on_correct_and_violation_on_every_mutant():

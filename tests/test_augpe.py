@@ -4,6 +4,7 @@ convention is never charged, and bad input is refused before anything loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -19,6 +20,7 @@ from invink_audit.augpe import (
     augpe_generate,
     get_augpe_prompts,
 )
+from invink_audit.generation import SEEDED_VOID_REASON
 from invink_audit.mechanism import SeededGeneratorWarning
 
 REFERENCES = (
@@ -123,8 +125,10 @@ def test_a_run_releases_n_texts_and_a_seeded_run_repeats(tiny, minilm, monkeypat
     assert spy.generated == config.num_generations == first.stats.generations
     # the references are embedded once; then 9 candidates, then only the 6 new paraphrases (parents reused)
     assert spy.embedded[0] == list(REFERENCES) and [len(e) for e in spy.embedded] == [5, 9, 6]
-    assert not first.guarantee.holds and "VOID" in first.guarantee.describe()
-    assert first.guarantee.epsilon <= 4.0 and first.guarantee.gaussian_epsilon < first.guarantee.epsilon
+    assert not first.guarantee.holds and first.guarantee.void_reason == SEEDED_VOID_REASON
+    assert first.guarantee.record_fields() == {"guarantee": None, "guarantee_void_reason": SEEDED_VOID_REASON}
+    assert first.guarantee.epsilon <= 4.0 and first.guarantee.details["gaussian_epsilon"] < first.guarantee.epsilon
+    assert first.guarantee == dataclasses.replace(config.guarantee(), void_reason=SEEDED_VOID_REASON)
     again = run(config, tiny, minilm, seed=11)
     assert again.texts == first.texts and again.noisy_counts == first.noisy_counts
     other = run(config, tiny, minilm, seed=12)
@@ -163,6 +167,11 @@ def test_the_ledger_is_charged_once_with_the_events_rho(tiny, minilm, tmp_path):
     release = status.releases[0]["release"]
     assert release["kind"] == "zcdp" and release["rho"] == config.event.rho and "augpe" in release["mechanism"]
     assert result.guarantee.holds and status.epsilon_spent == pytest.approx(result.guarantee.epsilon, rel=1e-9)
+    # the guarantee as every release's records write it: AugPE's rho is the release's, composed in zCDP
+    assert result.guarantee.record_fields()["guarantee"] == {
+        "mechanism": "augpe", "kind": "a-priori", "epsilon": result.guarantee.epsilon, "delta": 1e-6,
+        "rho_sequence": config.event.rho, "max_new_tokens": config.max_new_tokens, "composition": "zcdp",
+        "description": config.event.describe()}  # fmt: skip
 
 
 def test_over_budget_nothing_is_generated_or_embedded(tiny, minilm, tmp_path, monkeypatch):
@@ -190,8 +199,11 @@ def test_a_context_too_short_for_the_longest_prompt_is_refused_before_the_charge
 def test_the_papers_convention_holds_no_guarantee_and_is_never_charged(tiny, minilm, tmp_path):
     paper = AugPEConfig(noise_std=4.0, sensitivity=AugPESensitivity.PAPER, **{**SMALL, "iterations": 1})
     result = run(paper, tiny, minilm)
-    assert not result.guarantee.holds and result.guarantee.describe().startswith("NOT A VALID GUARANTEE")
-    assert result.guarantee.to_json()["holds"] is False
+    assert not result.guarantee.holds and result.guarantee.void_reason.startswith("AugPE: ")
+    assert "NOT A VALID GUARANTEE" in result.guarantee.void_reason
+    assert result.guarantee.record_fields()["guarantee"] is None
+    seeded = run(paper, tiny, minilm, seed=4)  # a seeded run of the paper's convention: both reasons
+    assert seeded.guarantee.void_reason == f"{SEEDED_VOID_REASON}; {result.guarantee.void_reason}"
     ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=100.0, delta=1e-6)
     for sensitivity, message in [(AugPESensitivity.PAPER, "not a valid guarantee"),
                                  (AugPESensitivity.ADD_OR_REMOVE, "does not compose")]:  # fmt: skip

@@ -1,4 +1,4 @@
-"""Audits of AugPE's histogram release (invink_audit.augpe.audit): the exact white-box check against brute-force
+"""Audits of AugPE's histogram release (invink_audit.audit.augpe, invink_audit.audit.targets.HistogramTarget): the exact white-box check against brute-force
 counts and a numerically integrated Rényi divergence, and the black-box canary audit's release, score, power and
 false-positive rate. Figures: docs/guide/auditing.md ("Auditing AugPE")."""
 
@@ -13,16 +13,16 @@ from scipy import integrate, stats
 from accounting import AugPEEvent, AugPESensitivity, plan_augpe_noise_std
 from invink_audit.audit.stats import Verdict
 from invink_audit.augpe import noisy_counts
-from invink_audit.augpe.audit import (
+from invink_audit.audit.augpe import (
     CanaryEmbeddings,
     HistogramCheck,
-    HistogramTarget,
     exact_histogram_check,
     histogram_canary_audit,
     neighbour_histograms,
     true_epsilon,
     worst_case_canary,
 )
+from invink_audit.audit.targets import HistogramTarget
 
 #: the black-box settings of the self-test rows: a claim of ε = 2 at δ = 1e-6 (exact μ-GDP), T = 3, 10^4 trials
 CLAIMED_EPSILON, DELTA, ITERATIONS, NUM_BATCHES = 2.0, 1e-6, 3, 10_000
@@ -159,8 +159,8 @@ def test_target_releases_noisy_counts_and_scores_them_exactly():
     sigma, threshold, iterations = 1.5, 2.0, 2
     target = HistogramTarget(data, noise_std=sigma, iterations=iterations, threshold=threshold, seed=3)
     batches = [["the canary"], [""], [""], ["the canary"], ["the canary"]]
-    target.generate_many(batches)
-    llr = target.log_likelihood_ratios(batches, 0, target.token_ids)
+    target.generate(batches)
+    llr = target.log_likelihood_ratios(batches, 0)
     rng = np.random.default_rng(3)
     expected = np.zeros(len(batches))
     for t, (h, h_out) in enumerate(zip(target.with_canary, target.without)):
@@ -174,8 +174,8 @@ def test_target_releases_noisy_counts_and_scores_them_exactly():
     assert any((r == 0).any() for r in target.released) and any((r > 0).any() for r in target.released)
     np.testing.assert_allclose(llr, expected, rtol=1e-10, atol=1e-12)
     assert target.true_mu == pytest.approx(math.sqrt(2 * iterations) / sigma)
-    with pytest.raises(ValueError, match="last generate_many"):
-        target.log_likelihood_ratios(batches[:2], 0, [(), ()])
+    with pytest.raises(ValueError, match="last generate call"):
+        target.log_likelihood_ratios(batches[:2], 0)
 
 
 def test_target_rejects_bad_input():

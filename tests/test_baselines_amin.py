@@ -158,7 +158,7 @@ def test_the_real_mechanism_has_the_exact_states_output_distribution():
     mech = AminMechanism(cfg)
     source = synthetic.RandomSource(vocab_size=3, batch_size=2, scale=1.5, private_scale=1.5, period=2, eos_shift=1.0, seed=5)
     horizon = 3
-    exact = synthetic.enumerate_mechanism_outputs(source, synthetic.AuditedMechanism("a", "", mech, horizon, "PASS"))
+    exact = synthetic.enumerate_outputs(source, synthetic.AuditedMechanism("a", "", mech, horizon, "PASS"))
     probs = np.exp(exact.log_prob_actual)
     assert probs.sum() == pytest.approx(1.0, abs=1e-9)
     for j in range(2):
@@ -201,7 +201,7 @@ def _rows_of(step, rows):
 
 
 def _enumerated_keys(source, mech, horizon):
-    """The outcome sequences of :func:`synthetic.enumerate_mechanism_outputs`, in its order."""
+    """The outcome sequences of :func:`synthetic.enumerate_outputs`, in its order."""
     v = source.vocab_size
     prefixes = torch.zeros(1, 0, dtype=torch.int64)
     seqs = [()]

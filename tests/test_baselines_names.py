@@ -1,5 +1,5 @@
-"""Public names of :mod:`invink_audit.mechanisms`: ``MechanismGuarantee`` (once ``Guarantee``, which clashed with
-the run's :class:`invink_audit.Guarantee`)."""
+"""Public names of :mod:`invink_audit.mechanisms`: ``MechanismGuarantee`` (once ``Guarantee``), which is also every
+release's guarantee (the run's ``invink_audit.Guarantee`` and ``MechanismReleaseGuarantee`` are gone)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,14 @@ def test_the_old_guarantee_name_is_gone(module):
         importlib.import_module(module).Guarantee  # noqa: B018
 
 
-def test_mechanism_guarantee_is_not_the_run_guarantee():
+def test_mechanism_guarantee_is_the_run_guarantee():
+    import invink_audit.generation as generation
+
     assert mechanisms.MechanismGuarantee is MechanismGuarantee
-    assert invink_audit.Guarantee is not MechanismGuarantee
+    for module, name in ((invink_audit, "Guarantee"), (generation, "Guarantee"), (generation, "MechanismReleaseGuarantee")):
+        with pytest.raises(AttributeError):
+            getattr(module, name)
+    assert generation.GenerationResult.__annotations__["guarantee"] == "MechanismGuarantee"
     assert "Guarantee" not in mechanisms.__all__ and "MechanismGuarantee" in mechanisms.__all__
 
 

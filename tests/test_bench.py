@@ -1,7 +1,8 @@
 """bench: the lockstep measurements, the whole-workload run, and how the reference package is timed.
 
+The harness lives in the checkout's ``benchmarks/`` folder (not installed; ``invink-audit bench`` finds it there).
 The reference package itself is not a dependency; a stand-in module with its calling convention checks
-what :func:`invink_audit.bench.time_reference` passes to it and which part of its run it times.
+what :func:`benchmarks.reference.time_reference` passes to it and which part of its run it times.
 """
 
 from __future__ import annotations
@@ -12,9 +13,15 @@ import types
 
 import pytest
 
-from invink_audit.bench import benchmark, time_reference
 from invink_audit.cli import main
+from invink_audit.cli._bench import BENCHMARKS, harness
 from invink_audit.models import build_tiny_model
+
+# the harness's modules, found as the command finds them (benchmarks/ put on sys.path)
+bench, dtypes, ops, reference, command = (harness(name) for name in ("engine", "dtypes", "ops", "reference", "command"))
+benchmark, compare_dtypes, time_reference, format_bench = (
+    bench.benchmark, dtypes.compare_dtypes, reference.time_reference, command.format_bench
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +43,8 @@ def test_benchmark_measures_lockstep_steps_and_the_whole_workload(tiny):
 def test_the_kernel_op_counter_counts_operations_and_not_views():
     import torch
 
-    from invink_audit.bench import _KernelOpCounter
-
     x = torch.arange(6.0)
-    with _KernelOpCounter() as counter:
+    with ops.KernelOpCounter() as counter:
         y = (x + 1).view(2, 3).t()  # add: one kernel; view and transpose alias it
         torch.empty(4)  # allocation only
         (y * 2).sum()  # two kernels
@@ -134,8 +139,6 @@ def test_time_reference_can_match_our_dtype_and_device(monkeypatch):
 
 
 def test_cli_bench_checks_reference_options_before_the_long_run(monkeypatch, capsys):
-    import invink_audit.bench as bench
-
     def never(*args, **kwargs):
         raise AssertionError("the benchmark must not start")
 
@@ -153,8 +156,6 @@ def test_cli_bench_checks_reference_options_before_the_long_run(monkeypatch, cap
 
 
 def test_benchmark_says_which_dtype_ran_and_why(tiny):
-    from invink_audit.cli._bench import format_bench
-
     result = benchmark(tiny, batch_size=2, max_new_tokens=3, num_texts=1, repeats=0, top_k=8,
                        one_at_a_time=False, floor=False)  # fmt: skip
     assert result.dtype_choice == tiny.dtype_choice
@@ -165,19 +166,17 @@ def test_benchmark_says_which_dtype_ran_and_why(tiny):
 def test_compare_dtypes_alternates_the_dtypes_and_reports_what_auto_chooses(tiny_dir, monkeypatch):
     import torch
 
-    import invink_audit.bench as bench
     import invink_audit.models as models
-    from invink_audit.bench import compare_dtypes
 
     monkeypatch.setattr(models, "cpu_bfloat16_support", lambda: "avx512_bf16")  # auto probes here
     order = []
-    real = bench._workload_run
+    real = dtypes.workload_run
 
     def spy(engine, requests, max_new_tokens, device, **kwargs):
         order.append(engine.model.dtype)
         return real(engine, requests, max_new_tokens, device, **kwargs)
 
-    monkeypatch.setattr(bench, "_workload_run", spy)
+    monkeypatch.setattr(dtypes, "workload_run", spy)
     result = compare_dtypes(str(tiny_dir), batch_size=2, max_new_tokens=3, num_texts=2, rounds=3, top_k=8)
     f32, bf16 = torch.float32, torch.bfloat16
     assert order == [f32, bf16, bf16, f32, f32, bf16]  # each round reverses the last: load falls on both alike
@@ -228,13 +227,32 @@ def test_cli_bench_compare_dtypes_reports_both_dtypes_and_the_reference_in_each(
     ],
 )
 def test_cli_bench_compare_dtypes_options_are_checked_before_loading(extra, match, monkeypatch, capsys):
-    import invink_audit.bench as bench
-
     def never(*args, **kwargs):
         raise AssertionError("nothing may load")
 
     monkeypatch.setattr(bench, "benchmark", never)
-    monkeypatch.setattr(bench, "compare_dtypes", never)
+    monkeypatch.setattr(dtypes, "compare_dtypes", never)
     assert main(["bench", *extra]) == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ where the harness lives
+
+
+def test_the_harness_is_not_in_the_installed_package():
+    import invink_audit
+
+    assert BENCHMARKS.parent == __import__("pathlib").Path(invink_audit.__file__).resolve().parents[1]
+    assert bench.__file__.startswith(str(BENCHMARKS)) and not hasattr(invink_audit, "benchmark")
+    with pytest.raises(ModuleNotFoundError):
+        __import__("invink_audit.bench")
+
+
+def test_cli_bench_without_a_source_checkout_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    import invink_audit.cli._bench as command
+
+    monkeypatch.setattr(command, "BENCHMARKS", tmp_path / "benchmarks")  # as in a wheel: no benchmarks/ beside it
+    assert main(["bench", "--no-floor"]) == 2
+    err = capsys.readouterr().err
+    assert "bench needs a source checkout" in err and len(err.strip().splitlines()) == 1

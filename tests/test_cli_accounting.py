@@ -78,6 +78,29 @@ def test_bad_input_is_one_line_exit_2(flag, value, needle):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [(["table", "--epsilons", "1,x"], "table: error: --epsilons must be a number; got 'x'"),
+     (["table", "--epsilons", ","], "table: error: --epsilons must be a comma-separated list; got ','"),
+     (["table", "--batch-sizes", "4,2.5"], "table: error: --batch-sizes must be an integer; got '2.5'"),
+     (["ledger", "charge", "L", "--clip-norm", "0.1", "--batch-size", "4", "--max-new-tokens", "5", "--num-batches", "y"],
+      "ledger: error: --num-batches must be an integer; got 'y'"),
+     (["ledger", "init", "L", "--epsilon", "x", "--delta", "1e-6"], "ledger: error: --epsilon must be a number; got 'x'"),
+     (["check-locks", ".", "--hold", "s"], "check-locks: error: --hold must be a number; got 's'"),
+     (["audit", "--selftest", "--seed", "q"], "audit: error: --seed must be an integer; got 'q'"),
+     (["generate", "--input", "r.csv", "--output", "o.jsonl", "--delta", "1e-6", "--max-new-tokens", "4", "--where", "x"],
+      "generate: error: --where must be COLUMN=VALUE; got 'x'"),
+     (["sweep", "--input", "r.csv", "--real", "r.csv", "--output", "d", "--epsilons", "1", "--batch-sizes", "2",
+       "--public-proxy", "--top-ks", "0"], "sweep: error: --top-ks must be an integer >= 1 or 'full'; got '0'")],
+)
+def test_a_value_its_converter_refuses_is_one_line_naming_the_flag(argv, line, tmp_path, monkeypatch, capsys):
+    # the shared flags' type= converters: the line a handler's error gives (the top command named, no usage
+    # hint), main returns 2 (no SystemExit), and nothing is read or written
+    monkeypatch.chdir(tmp_path)
+    assert _run(argv, capsys) == (2, "", f"invink-audit {line}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_plan_command_does_not_import_torch():
     code = ("import sys; from invink_audit.cli import main; "
             "rc = main(['plan', '--epsilon', '1', '--delta', '1e-6', '--max-new-tokens', '10', '--batch-size', '2', "

@@ -11,7 +11,7 @@ import pytest
 
 from accounting import AugPEEvent, BudgetLedger, plan_augpe_noise_std
 from invink_audit.cli import EXIT_BAD_INPUT, EXIT_OVER_BUDGET, main
-from invink_audit.generation import SEEDED_VOID_REASON
+from invink_audit.generation import SEEDED_VOID_REASON, read_generation_output
 from invink_audit.mechanism import SeededGeneratorWarning
 
 REFERENCES = ["Discharge Instructions: rest at home and drink fluids.", "Discharge Instructions: take one tablet a day.",
@@ -57,15 +57,17 @@ def test_a_release_is_written_with_its_public_settings_and_charged_once(notes, t
     event = AugPEEvent(sigma, ITERATIONS)
     assert summary["texts"] == len(records) == NUM_TEXTS and summary["charged"] and summary["mechanism"] == "augpe"
     assert summary["generations"] == NUM_TEXTS + ITERATIONS * (VARIATIONS - 1) * NUM_TEXTS
-    assert [r["index"] for r in records] == list(range(NUM_TEXTS)) and all(isinstance(r["text"], str) for r in records)
+    assert [r["batch_index"] for r in records] == list(range(NUM_TEXTS)) and all(isinstance(r["text"], str) for r in records)
+    assert read_generation_output(output) == records  # the reader of every release
     run = records[0]["run"]
     assert all(r["run"] == run and r["release_id"] == summary["release_id"] for r in records)
     assert run["mechanism"] == "augpe" and run["noise_std"] == sigma and run["sensitivity"] == "replace-by-null"
     assert (run["num_texts"], run["iterations"], run["variations"], run["delta"]) == (NUM_TEXTS, ITERATIONS, VARIATIONS, DELTA)
     assert (run["embedder"], run["prompts"]["name"], run["max_new_tokens"], run["model"]) == ("minilm", "mimic", 6, str(tiny_dir))
     guarantee = records[0]["guarantee"]
-    assert guarantee["holds"] and guarantee["rho"] == pytest.approx(event.rho, rel=1e-12)
-    assert guarantee["epsilon"] <= EPSILON and guarantee["gaussian_epsilon"] <= guarantee["epsilon"]
+    assert guarantee["rho_sequence"] == pytest.approx(event.rho, rel=1e-12) and guarantee["composition"] == "zcdp"
+    assert guarantee["epsilon"] <= EPSILON and event.gaussian_epsilon(DELTA) <= guarantee["epsilon"]
+    assert (guarantee["mechanism"], guarantee["kind"]) == ("augpe", "a-priori") and summary["guarantee"] == guarantee
     # the ledger: one zcdp release of the event's rho, under the id the records carry
     (entry,) = BudgetLedger(ledger).status().releases
     assert entry["release"]["kind"] == "zcdp" and entry["release"]["release_id"] == summary["release_id"]

@@ -13,7 +13,7 @@ import pytest
 
 from accounting import Accountant, Adjacency, Clipping, GenerationEvent, as_accountant, plan_clip_norm
 from invink_audit.audit.model_audit import ModelAuditSettings
-from invink_audit.generation import DEFAULT_TOP_K, GenerationConfig, Guarantee
+from invink_audit.generation import DEFAULT_TOP_K, GenerationConfig
 from invink_audit.mechanism import MechanismConfig
 
 
@@ -21,11 +21,11 @@ from invink_audit.mechanism import MechanismConfig
 def test_records_hold_the_enum_and_read_and_write_as_its_name(name):
     plan = plan_clip_norm(epsilon=3.0, delta=1e-6, max_new_tokens=16, batch_size=4, temperature=1.0, accountant=name)
     config = GenerationConfig(batch_size=4, max_new_tokens=16, delta=1e-6, epsilon=3.0, accountant=name)
-    guarantee = Guarantee(plan, top_k=100)
+    guarantee = config.guarantee()
     settings = ModelAuditSettings(max_new_tokens=16, epsilon=3.0, accountant=name)
-    for record in (plan, config, guarantee, settings):
-        assert record.accountant is Accountant(name)
-        assert record.accountant == name and f"{record.accountant}" == name and str(record.accountant) == name
+    for accountant in (plan.accountant, config.mechanism.accountant, guarantee.details["accountant"], settings.accountant):
+        assert accountant is Accountant(name)
+        assert accountant == name and f"{accountant}" == name and str(accountant) == name
     # JSON as before: the name, never "Accountant.X"
     assert json.loads(json.dumps(guarantee.to_json()))["accountant"] == name
     assert json.dumps({"accountant": plan.accountant}) == json.dumps({"accountant": name})
@@ -54,5 +54,28 @@ def test_the_mechanism_built_from_the_event_is_the_one_built_by_hand():
 
 
 def test_one_default_top_k_for_generation_and_audits():
-    assert GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=1.0).top_k == DEFAULT_TOP_K
+    assert GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, epsilon=1.0).mechanism.config.top_k == DEFAULT_TOP_K
     assert ModelAuditSettings(max_new_tokens=4, epsilon=1.0).top_k == DEFAULT_TOP_K == 100
+
+
+def test_one_guarantee_record_writes_invisibleinks_figures_and_any_other_mechanisms():
+    """The run's guarantee is the mechanism's: InvisibleInk's records keep the planner's figures (B among them), any
+    other mechanism's the common form; a void one is written as null with its reason."""
+    import dataclasses
+
+    from invink_audit.generation import ReleaseConfig
+    from invink_audit.mechanisms import AminConfig, AminMechanism
+    from invink_audit.mechanisms.base import PLANNER_FIGURES
+
+    config = GenerationConfig(batch_size=4, max_new_tokens=16, delta=1e-6, epsilon=3.0, top_k=7)
+    g = config.guarantee()
+    figures = g.to_json()
+    assert tuple(figures) == PLANNER_FIGURES and (figures["batch_size"], figures["top_k"]) == (4, 7)
+    assert (figures["rho_token"], figures["epsilon0"]) == (g.step_rho, g.step_epsilon0) and g.holds
+    void = dataclasses.replace(g, void_reason="seeded")
+    assert not void.holds and void.record_fields() == {"guarantee": None, "guarantee_void_reason": "seeded"}
+    amin = ReleaseConfig(AminMechanism(AminConfig(clip_norm=2.0, batch_size=4)), 16, 1e-6).guarantee()
+    assert list(amin.to_json()) == ["mechanism", "kind", "epsilon", "delta", "rho_sequence", "max_new_tokens",
+                                    "composition", "description"]  # fmt: skip
+    # the mechanism's own guarantee names no B: the common form, as a release recorded by its mechanism wrote it
+    assert "clip_norm" not in config.mechanism.guarantee(16, 1e-6).to_json()

@@ -243,14 +243,15 @@ def test_cli_generate_with_dtype_float32_gives_float32(native, tiny_dir, tmp_pat
 def test_baselines_quick_audit_and_black_box_say_which_dtype_ran(native, tiny_dir, tmp_path):
     """The other users of a model record its dtype too: a baseline's run and records, the quick audit
     (teacher-forced in the dtype the release ran in, not re-chosen), and the engine as a black box."""
-    from invink_audit.audit.blackbox import engine_generator
+    from invink_audit.audit.targets import EngineTarget
+    from invink_audit.mechanism import MechanismConfig
     from invink_audit.audit.quick import quick_audit
     from invink_audit.mechanisms import AminConfig, AminMechanism
-    from invink_audit.generation import MechanismRelease
+    from invink_audit.generation import ReleaseConfig
 
     amin = AminMechanism(AminConfig(clip_norm=2.0, batch_size=2))
     output = tmp_path / "amin.jsonl"
-    run = generate(REFERENCES, MechanismRelease(amin, max_new_tokens=3, delta=1e-6), model=str(tiny_dir), output=output)
+    run = generate(REFERENCES, ReleaseConfig(amin, max_new_tokens=3, delta=1e-6), model=str(tiny_dir), output=output)
     assert run.dtype_choice.dtype == "bfloat16" and run.dtype_choice.probe.passed
     assert all(r["model_dtype"] == run.dtype_choice.to_json() for r in read_generation_output(output))
 
@@ -260,6 +261,7 @@ def test_baselines_quick_audit_and_black_box_say_which_dtype_ran(native, tiny_di
     assert report.model_dtype == float32.dtype_choice.to_json()  # not the bfloat16 that "auto" would pick here
     assert "model dtype float32" in report.summary() and report.to_dict()["model_dtype"]["dtype"] == "float32"
 
-    many = engine_generator(model=str(tiny_dir), clip_norm=1.0, temperature=1.0, top_k=8, batch_size=2,
-                            max_new_tokens=2, generator=torch.Generator().manual_seed(0))
-    assert many.dtype_choice.dtype == "bfloat16" and len(many([["a", "b"]])) == 1
+    target = EngineTarget(MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=8, batch_size=2), model=str(tiny_dir),
+                          max_new_tokens=2, generator=torch.Generator().manual_seed(0))
+    assert target.loaded.dtype_choice.dtype == "bfloat16" and len(target.generate([["a", "b"]])) == 1
+    assert target.label.endswith(", bfloat16)")

@@ -117,6 +117,37 @@ def test_percentile_interval_and_widening():
     assert widened.upper == 0.9 and "widened" in widened.method
     with pytest.raises(ValueError, match="lower must be"):
         Interval(0.5, 0.6, 0.4)
+    assert Interval(0.5, 0.4, math.inf, 1.0).contains(7.0)  # an auditor's bound at β below float resolution
+    with pytest.raises(ValueError, match="confidence must be in"):
+        Interval(0.5, 0.4, 0.6, 1.5)
+
+
+#: ΔPPL of the hand-written bootstrap scipy.stats.bootstrap replaced (computed before its removal): the same
+#: resamples (scipy draws rng.integers(0, n, (B, n)) per sample, as it did), quantiles equal up to rounding
+OLD_DELTA_PPL = (2.380174109277558, 0.31509983859190244, 4.698556778309333)
+
+
+def test_the_scipy_bootstrap_is_the_hand_written_one():
+    from invink_audit.evaluation import delta_ppl_interval
+    from invink_audit.evaluation.stats import bootstrap_interval
+
+    rng = np.random.default_rng(3)
+    synthetic, real = rng.lognormal(3, 0.5, 300), rng.lognormal(3.1, 0.5, 200)
+    iv = delta_ppl_interval(synthetic, real, num_bootstrap=2000, rng=np.random.default_rng(4))
+    assert (iv.estimate, iv.lower, iv.upper) == pytest.approx(OLD_DELTA_PPL, rel=1e-12)
+    assert iv.method == "bootstrap over texts, 2000 replicates"
+    # an independent percentile bootstrap of a two-sample statistic that is not a mean: the same draws, np.quantile
+    draw = np.random.default_rng(9)
+    reps = [np.median(x[draw.integers(0, x.size, (500, x.size))], axis=1) for x in (synthetic, real)]
+    oracle = percentile_interval(float(np.median(synthetic) - np.median(real)), reps[0] - reps[1], 0.9, "b")
+    ours = bootstrap_interval((synthetic, real), lambda x, r: np.median(x) - np.median(r), 0.9, num_resamples=500,
+                              rng=np.random.default_rng(9), method="b")  # fmt: skip
+    assert (ours.estimate, ours.lower, ours.upper) == pytest.approx((oracle.estimate, oracle.lower, oracle.upper), rel=1e-12)
+    assert ours.method == oracle.method == "b, 500 replicates"
+    one = delta_ppl_interval(np.array([10.0]), real, num_bootstrap=200, rng=np.random.default_rng(4))
+    assert one.estimate == pytest.approx(abs(10.0 - real.mean())) and one.lower <= one.estimate <= one.upper
+    with pytest.raises(ValueError, match="at least one scored text"):
+        delta_ppl_interval(np.array([]), real)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -10,7 +11,15 @@ import warnings
 import pytest
 
 from invink_audit.cli import main
-from invink_audit.generation import GenerationConfig, GenerationHooks, ModelSpec, PromptSpec, generate, read_generation_output
+from invink_audit.generation import (
+    SEEDED_VOID_REASON,
+    GenerationConfig,
+    GenerationHooks,
+    ModelSpec,
+    PromptSpec,
+    generate,
+    read_generation_output,
+)
 from invink_audit.mechanism import SeededGeneratorWarning
 from invink_audit.prompts import get_preset, release_text
 from releases import generate_flat
@@ -66,10 +75,11 @@ def test_end_to_end_records_and_a_priori_guarantee(tiny, tmp_path):
     assert [t.batch_index for t in result.texts] == [0, 1, 2, 3]
     assert result.num_resumed == 0 and not result.seeded
     assert result.tokens_generated == sum(t.num_tokens for t in result.texts)
-    g = result.guarantee
-    assert (g.epsilon, g.delta, g.clip_norm) == (plan.epsilon, plan.delta, plan.clip_norm)
-    assert g.rho_sequence == plan.rho_sequence
-    assert g.max_new_tokens == T and g.top_k == 8 and g.batch_size == B
+    g = result.guarantee  # the accountant's certified ε for the planned C: the target, on the safe side
+    assert g.epsilon == plan.event.epsilon(1e-6, plan.accountant) and g.epsilon <= plan.epsilon == 5.0
+    assert g.epsilon == pytest.approx(5.0, rel=1e-6) and g.delta == plan.delta and g.rho_sequence == plan.rho_sequence
+    assert g.details["clip_norm"] == plan.clip_norm and result.mechanism.config.clip_norm == plan.clip_norm
+    assert g.max_new_tokens == T and g.details["top_k"] == 8 and g.details["batch_size"] == B
 
     records = read_generation_output(output)
     assert sorted(r["batch_index"] for r in records) == [0, 1, 2, 3]
@@ -188,7 +198,7 @@ def test_configuration_is_validated():
     with pytest.raises(ValueError, match="delta"):
         GenerationConfig(batch_size=2, max_new_tokens=5, delta=2.0, epsilon=1.0)
     config = GenerationConfig(batch_size=2, max_new_tokens=5, delta=1e-6, clip_norm=0.2)
-    assert config.plan().clip_norm == 0.2 and config.plan().epsilon > 0
+    assert config.mechanism.config.clip_norm == 0.2 and config.guarantee().epsilon > 0
 
 
 def test_cli_generate_from_csv_and_jsonl(tiny_dir, tmp_path, capsys):
@@ -200,7 +210,8 @@ def test_cli_generate_from_csv_and_jsonl(tiny_dir, tmp_path, capsys):
     assert main(args + ["--epsilon", "3", "--num-texts", "2", "--top-k", "full", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["texts"] == 2 and summary["num_batches"] == 2 and summary["unused_references"] == 5
-    assert summary["guarantee"]["top_k"] is None and summary["guarantee"]["epsilon"] == 3.0
+    assert summary["guarantee"]["top_k"] is None and summary["guarantee"]["epsilon"] == pytest.approx(3.0, rel=1e-6)
+    assert summary["guarantee"]["epsilon"] <= 3.0  # what the accountant certifies for the planned C
     assert len(read_generation_output(output)) == 2
 
     jsonl = tmp_path / "refs.jsonl"
@@ -264,7 +275,7 @@ def test_cli_bench_reports_side_by_side_timings(capsys):
 
 
 def test_generate_takes_one_typed_config_and_no_loose_release_parameters(tiny, tmp_path):
-    """The release's parameters come as one GenerationConfig; the typed options (model, prompt, hooks) give
+    """The release's parameters come as one ReleaseConfig (GenerationConfig builds InvisibleInk's); the typed options (model, prompt, hooks) give
     the same tokens as their plain forms; a loose parameter is refused, as any unknown keyword is."""
     import warnings
 
@@ -276,11 +287,12 @@ def test_generate_takes_one_typed_config_and_no_loose_release_parameters(tiny, t
         typed = generate(refs, config, model=ModelSpec(tiny, max_batch_rows=3), prompt=PromptSpec("generic"), seed=1,
                          hooks=GenerationHooks(on_tokens=lambda n: None))
     assert [t.token_ids for t in plain.texts] == [t.token_ids for t in typed.texts]
-    # the result says what the release was: plan, mechanism, template, partition
-    assert plain.plan == config.plan() and plain.mechanism.clip_norm == 0.5
+    # the result says what the release was: mechanism (and its guarantee), template, partition
+    assert plain.mechanism is config.mechanism and plain.mechanism.config.clip_norm == 0.5
+    assert plain.guarantee == dataclasses.replace(config.guarantee(), void_reason=SEEDED_VOID_REASON)
     assert plain.template.name == "generic" and plain.partition.batches == (tuple(refs[:2]), tuple(refs[2:]))
     with pytest.raises(TypeError, match="batch_size"):
         generate(refs, config, batch_size=2, model=tiny)
-    with pytest.raises(ValueError, match="config must be a GenerationConfig"):
+    with pytest.raises(ValueError, match="config must be a ReleaseConfig"):
         generate(refs, {"batch_size": 2}, model=tiny)
     assert len(inspect.signature(generate).parameters) <= 8

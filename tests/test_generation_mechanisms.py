@@ -1,4 +1,4 @@
-"""Any mechanism through the one release pipeline (``generate`` with a ``MechanismRelease``): the paper's baselines
+"""Any mechanism through the one release pipeline (``generate`` with a ``ReleaseConfig``): the paper's baselines
 get InvisibleInk's partition, labels, resume, ledger charge and audit, with their own guarantee."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 import invink_audit.generation as generation_module
-from accounting import BudgetLedger
+from accounting import BudgetLedger, Clipping, GenerationEvent
 from invink_audit.audit import quick_audit
 from invink_audit.audit.quick import audit_release_file
 from invink_audit.audit.stats import Verdict
 from invink_audit.data import ReferencesFile
-from invink_audit.generation import SEEDED_VOID_REASON, GenerationHooks, MechanismRelease, ModelSpec, PromptSpec, generate
+from invink_audit.generation import SEEDED_VOID_REASON, GenerationHooks, ModelSpec, PromptSpec, ReleaseConfig, generate
 from invink_audit.mechanism import MechanismConfig
 from invink_audit.mechanisms import (
     AdaPMixEDConfig,
@@ -50,38 +50,41 @@ def _quiet(fn, *args, **kwargs):
 
 
 def test_a_mechanism_release_is_checked_at_construction():
-    release = MechanismRelease(_amin(), max_new_tokens=6, delta=1e-6)
+    release = ReleaseConfig(_amin(), max_new_tokens=6, delta=1e-6)
     assert release.batch_size == 3 and release.guarantee().a_priori and release.guarantee().max_new_tokens == 6
     with pytest.raises(ValueError, match="must be an invink_audit.mechanisms.Mechanism"):
-        MechanismRelease(AminConfig(clip_norm=2.0, batch_size=3), max_new_tokens=6, delta=1e-6)
+        ReleaseConfig(AminConfig(clip_norm=2.0, batch_size=3), max_new_tokens=6, delta=1e-6)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        MechanismRelease(_amin(), max_new_tokens=0, delta=1e-6)
+        ReleaseConfig(_amin(), max_new_tokens=0, delta=1e-6)
     with pytest.raises(ValueError, match="delta"):
-        MechanismRelease(_amin(), max_new_tokens=6, delta=1.5)
+        ReleaseConfig(_amin(), max_new_tokens=6, delta=1.5)
     with pytest.raises(ValueError, match="num_texts_per_group"):
-        MechanismRelease(_amin(), max_new_tokens=6, delta=1e-6, num_texts_per_group=0)
+        ReleaseConfig(_amin(), max_new_tokens=6, delta=1e-6, num_texts_per_group=0)
 
 
 def test_invisibleink_is_an_ordinary_mechanism_release(tiny, tmp_path, reviews_csv):
-    """InvisibleInk with a given clip norm through a MechanismRelease is token for token the planned release of
-    the same C (one pipeline, the engine's Top-k+ fast path from the capability), its guarantee the planner's
-    ε, and its file audits from the mechanism it records."""
+    """InvisibleInk with a given clip norm through a ReleaseConfig is the release GenerationConfig builds for the same
+    C: token for token (one pipeline, the engine's Top-k+ fast path from the capability), its guarantee the
+    planner's ε, its records InvisibleInk's, its ledger charge InvisibleInk's event, and its file audits."""
     from invink_audit.generation import GenerationConfig
 
     mechanism = InvisibleInk(MechanismConfig(clip_norm=1.5, temperature=1.1, top_k=8, batch_size=3))
-    release = MechanismRelease(mechanism, max_new_tokens=6, delta=1e-6)
+    release = ReleaseConfig(mechanism, max_new_tokens=6, delta=1e-6)
     planned = GenerationConfig(clip_norm=1.5, temperature=1.1, top_k=8, batch_size=3, max_new_tokens=6, delta=1e-6)
     output = tmp_path / "invisibleink.jsonl"
     references = reviews_csv([(t,) for t in TEXTS], columns=("text",))
     ours = _quiet(generate, references, release, model=tiny, output=output, seed=9)
     theirs = _quiet(generate, TEXTS, planned, model=tiny, seed=9)
     assert [t.token_ids for t in ours.texts] == [t.token_ids for t in theirs.texts]
-    assert ours.guarantee.epsilon == theirs.guarantee.epsilon
+    assert ours.guarantee == theirs.guarantee and release.run_parameters() == planned.run_parameters()
     record = json.loads(output.read_text().splitlines()[0])
-    assert mechanism_from_json(record["run"]["mechanism"]).config == mechanism.config
+    assert record["run"]["clip_norm"] == 1.5 and "mechanism" not in record["run"]
+    assert record["guarantee"] is None and record["guarantee_void_reason"] == SEEDED_VOID_REASON
+    assert release.guarantee().to_json()["batch_size"] == 3 and release.guarantee().to_json()["clip_norm"] == 1.5
     ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=1000.0, delta=1e-6)
     charged = generate(TEXTS, release, model=tiny, ledger=ledger)
-    assert ledger.status().releases[0]["rho"] == pytest.approx(release.guarantee().rho_sequence)
+    charge = ledger.status().releases[0]["release"]
+    assert (charge["clip_norm"], charge["batch_size"], charge["max_new_tokens"]) == (1.5, 3, 6)  # its GenerationEvent
     report = audit_release_file(output, references, model=tiny, sampled_batch=None)
     assert report.mechanism == "invisibleink" and sum(report.step_failures.values()) == 0
     assert quick_audit(charged, model=tiny, sampled_batch=None).verdict is Verdict.PASS
@@ -89,14 +92,14 @@ def test_invisibleink_is_an_ordinary_mechanism_release(tiny, tmp_path, reviews_c
 
 def test_a_label_conditioned_amin_release_is_charged_resumed_and_audited(tiny, labelled, tmp_path):
     ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=1000.0, delta=1e-6)
-    config = MechanismRelease(_amin(), max_new_tokens=6, delta=1e-6, num_texts_per_group=1)
+    config = ReleaseConfig(_amin(), max_new_tokens=6, delta=1e-6, num_texts_per_group=1)
     references = ReferencesFile(labelled, label_columns=["stars"])
     prompt = PromptSpec("yelp", fields={"category": "Restaurants"})
     output = tmp_path / "amin.jsonl"
     result = generate(references, config, model=tiny, prompt=prompt, output=output, ledger=ledger)
     assert sorted(t.labels["stars"] for t in result.texts) == STARS
     assert all(len(t.modes) == t.num_tokens and set(t.modes) <= {0, 1} for t in result.texts)
-    assert result.plan is None and result.mechanism is config.mechanism
+    assert result.mechanism is config.mechanism
     entry = ledger.status().releases[0]
     assert entry["release"]["kind"] == "zcdp" and entry["rho"] == pytest.approx(config.guarantee().rho_sequence)
     records = [json.loads(line) for line in output.read_text().splitlines()]
@@ -112,7 +115,7 @@ def test_a_label_conditioned_amin_release_is_charged_resumed_and_audited(tiny, l
         assert report.verdict is Verdict.PASS and report.mechanism == "amin2024"
     # another mechanism's parameters cannot resume this output
     with pytest.raises(ValueError):
-        generate(references, MechanismRelease(_amin(clip_norm=3.0), max_new_tokens=6, delta=1e-6, num_texts_per_group=1),
+        generate(references, ReleaseConfig(_amin(clip_norm=3.0), max_new_tokens=6, delta=1e-6, num_texts_per_group=1),
                  model=tiny, prompt=prompt, output=output)
 
 
@@ -122,7 +125,7 @@ def test_a_data_dependent_mechanism_is_refused_with_a_ledger_before_the_model_lo
 
     monkeypatch.setattr(generation_module, "load_model", never)
     ledger = BudgetLedger.create(tmp_path / "ledger.json", epsilon=10.0, delta=1e-6)
-    config = MechanismRelease(AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=2, epsilon=5.0)), max_new_tokens=4, delta=1e-6)
+    config = ReleaseConfig(AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=2, epsilon=5.0)), max_new_tokens=4, delta=1e-6)
     with pytest.raises(ValueError, match="data-dependent"):
         generate(TEXTS, config, model="smollm2", ledger=ledger)
     assert ledger.status().releases == ()
@@ -130,13 +133,23 @@ def test_a_data_dependent_mechanism_is_refused_with_a_ledger_before_the_model_lo
 
 def test_a_seeded_mechanism_release_carries_no_guarantee(tiny, tmp_path):
     output = tmp_path / "seeded.jsonl"
-    config = MechanismRelease(_amin(), max_new_tokens=5, delta=1e-6, num_texts=2)
+    config = ReleaseConfig(_amin(), max_new_tokens=5, delta=1e-6, num_texts=2)
     first = _quiet(generate, TEXTS, config, model=tiny, output=output, seed=4)
     second = _quiet(generate, TEXTS, config, model=tiny, seed=4)
     assert [t.token_ids for t in first.texts] == [t.token_ids for t in second.texts]
     assert not first.guarantee.holds and first.guarantee.void_reason == SEEDED_VOID_REASON
     record = json.loads(output.read_text().splitlines()[0])
     assert record["guarantee"] is None and record["guarantee_void_reason"] == SEEDED_VOID_REASON
+
+
+def test_naive_clipping_invisibleink_is_recorded_and_charged_as_its_mechanism():
+    """Only paper Algorithm 1 (difference clipping) keeps InvisibleInk's records, whose settings name no clipping."""
+    naive = InvisibleInk(MechanismConfig(clip_norm=1.5, temperature=1.0, top_k=None, batch_size=3, clipping=Clipping.NAIVE))
+    config = ReleaseConfig(naive, max_new_tokens=6, delta=1e-6)
+    assert config.run_parameters()["mechanism"] == mechanism_to_json(naive)
+    assert not isinstance(config.event(), GenerationEvent)  # the zCDP event of any mechanism, not Algorithm 1's
+    assert "clip_norm" not in config.guarantee().to_json() and config.guarantee().to_json()["mechanism"] == "invisibleink"
+    assert config.event().rho == pytest.approx(config.guarantee().rho_sequence)
 
 
 def test_a_mechanism_is_rebuilt_from_its_record_only_when_known():
@@ -167,7 +180,7 @@ def test_a_custom_mechanism_release_does_not_resume_with_other_parameters(tiny, 
     output = tmp_path / "custom.jsonl"
 
     def release(clip_norm):
-        return MechanismRelease(example.FullVocabularyDClip(clip_norm=clip_norm, batch_size=3, temperature=1.0),
+        return ReleaseConfig(example.FullVocabularyDClip(clip_norm=clip_norm, batch_size=3, temperature=1.0),
                                 max_new_tokens=4, delta=1e-6)
 
     def stop(text):

@@ -197,17 +197,23 @@ def test_spec_mechanism_kinds_are_checked_at_load(tmp_path, no_model_loads):
 
 
 def test_every_spec_key_has_a_check():
+    """Each section is read into the library's record through its fields' types: every field of every record a spec
+    fills has a TOML reading, and the records' defaults, written as TOML, read back to the defaults."""
     from dataclasses import fields
 
     from invink_audit.audit.selftest import SelfTestSettings
+    from invink_audit.audit.whitebox import WhiteBoxConfig
+    from invink_audit.generation import ModelSpec
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.mechanisms import AdaPMixEDConfig, AminConfig
 
-    for kind in spec._MECHANISM_KINDS:
-        assert set(spec._mechanism_keys(kind)) <= set(spec._MECHANISM_CHECKS), kind
-    assert set(spec._SELFTEST_CHECKS) == {f.name for f in fields(SelfTestSettings)}
+    for record in (SelfTestSettings, WhiteBoxConfig, ModelSpec, MechanismConfig, AminConfig, AdaPMixEDConfig,
+                   spec.TargetSpec, spec.BlackBoxSpec):
+        assert spec.fields_of(record)  # each field's type is readable (a TypeError otherwise, at the first spec)
     defaults = SelfTestSettings()
-    for name, check in spec._SELFTEST_CHECKS.items():  # the defaults pass their own checks
-        value = getattr(defaults, name)
-        check(name, list(value) if isinstance(value, tuple) else value)
+    toml = {f.name: (list(v) if isinstance(v, tuple) else v) for f in fields(SelfTestSettings)
+            for v in [getattr(defaults, f.name)]}
+    assert spec.read_table(SelfTestSettings, toml, "[selftest]") == defaults
 
 
 def test_a_spec_that_is_not_utf8_is_named_with_its_line(tmp_path, capsys):

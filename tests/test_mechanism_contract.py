@@ -107,3 +107,46 @@ def test_the_contract_needs_a_mechanism():
     with pytest.raises(NotImplementedError, match="make_mechanism"):
         MechanismContract().make_mechanism()
     assert torch.get_default_dtype() == torch.float32  # the contract changes no global state
+
+
+# -- the self-test's planted bugs pass the contract except for the property each breaks -----------------------
+
+_BUGS = dict(clip_norm=1.0, temperature=1.0, top_k=3, batch_size=3, max_new_tokens=8, reference_lengths=(12, 0, 0))
+
+
+def _failing_checks(mechanism) -> set[str]:
+    """The contract checks that ``mechanism`` fails (every other one passes)."""
+
+    class Contract(MechanismContract):
+        def make_mechanism(self):
+            return mechanism
+
+    failed = set()
+    for name in (n for n in dir(MechanismContract) if n.startswith("test_")):
+        try:
+            getattr(Contract(), name)()
+        except AssertionError:
+            failed.add(name)
+    return failed
+
+
+@pytest.mark.parametrize("bug, broken", [
+    ("naive-clipping", "test_the_per_step_claim_holds_against_every_neighbour"),  # twice the claimed range
+    ("low-temperature", "test_the_per_step_claim_holds_against_every_neighbour"),
+    ("private-top-k", "test_the_per_step_claim_holds_against_every_neighbour"),  # a support the neighbour lacks
+    ("data-dependent-budget", "test_the_guarantee_is_well_formed"),  # stated for T = 12 from the data, not 8
+])
+def test_each_planted_bug_is_a_mechanism_failing_only_the_contract_check_of_its_bug(bug, broken):
+    from invink_audit.audit import synthetic
+    from invink_audit.mechanisms import Mechanism
+
+    audited = {m.name: m for m in synthetic.mutants(**_BUGS)}[bug]
+    assert isinstance(audited.mechanism, Mechanism) and audited.mechanism.name == bug
+    assert _failing_checks(audited.mechanism) == {broken}
+
+
+def test_the_correct_mechanism_of_the_selftest_passes_the_whole_contract():
+    from invink_audit.audit import synthetic
+
+    kw = {k: v for k, v in _BUGS.items() if k != "reference_lengths"}
+    assert _failing_checks(synthetic.correct_mechanism(**kw).mechanism) == set()

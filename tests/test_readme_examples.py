@@ -173,7 +173,7 @@ def _references(namespace: dict, workdir: Path) -> None:
 def _references_and_generator(namespace: dict, workdir: Path) -> None:
     """``references`` and a trivial black-box generator (the first word of every reference)."""
     namespace["references"] = list(REFERENCES)
-    namespace["my_generate"] = lambda references: " ".join(r.split()[0] for r in references if r.strip())
+    namespace["my_generate"] = lambda references: " ".join(r.split()[0] for r in references if r and r.strip())
 
 
 #: distinctive substring of a block -> what the reader would have before running it

@@ -77,11 +77,11 @@ def test_a_ray_release_equals_the_single_process_release(cluster, tiny_dir, refs
 
 def test_a_mechanism_release_on_ray_equals_the_single_process_one(cluster, tiny_dir, refs, tmp_path):
     """Amin et al. through the same Ray pipeline: same texts and modes as one process, one zCDP charge."""
-    from invink_audit.generation import MechanismRelease, ModelSpec
+    from invink_audit.generation import ModelSpec, ReleaseConfig
     from invink_audit.mechanisms import AminConfig, AminMechanism
     from invink_audit.ray_release import generate_on_ray
 
-    config = MechanismRelease(AminMechanism(AminConfig(clip_norm=2.0, batch_size=3, max_private_tokens=4, svt_noise=2.0)),
+    config = ReleaseConfig(AminMechanism(AminConfig(clip_norm=2.0, batch_size=3, max_private_tokens=4, svt_noise=2.0)),
                               max_new_tokens=6, delta=1e-6, num_texts=6)
     model = ModelSpec(str(tiny_dir), device="cpu")
     single = tmp_path / "single.jsonl"

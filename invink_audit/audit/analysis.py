@@ -422,7 +422,7 @@ def analyse(
     worst = _worst_neighbour(audited, tested.sequence, labels)
     comparisons = _accountant_comparisons(rec, tested.sequence)
     summary = _step_check_summary(rec, prefix_decoder)
-    claim = ReportedClaim.of(rec.claim, {a.accountant: a.epsilon for a in comparisons}, claim_details)
+    claim = ReportedClaim(rec.claim, {a.accountant: a.epsilon for a in comparisons}, dict(claim_details or {}))
     measured = _analysis_timings(rec, timings, t0)
     return WhiteBoxReport(
         kind="white-box",

@@ -22,12 +22,10 @@ from accounting.limits import check_count
 from invink_audit.audit import stats
 from invink_audit.audit.blackbox import DEFAULT_SCORES, score_matrix, select_score, verdict_of
 from invink_audit.audit.records import BlackBoxReport
+from invink_audit.audit.targets import BlackBoxTarget, EngineTarget, as_target
 from invink_audit.audit.tradeoff import PrivacyProfile, SequentialTest, fit_gdp, perfect_attack_ceiling
 
-__all__ = [
-    "LLR_SCORE", "SURROGATE_SCORE", "EngineTarget", "SurrogateScorer", "SyntheticTarget", "batched_canary_audit",
-    "echo_canary",
-]
+__all__ = ["LLR_SCORE", "SURROGATE_SCORE", "SurrogateScorer", "batched_canary_audit", "echo_canary"]
 
 #: the name of the exact log-likelihood-ratio score in reports
 LLR_SCORE = "log-likelihood-ratio"
@@ -58,63 +56,6 @@ def echo_canary(tokenizer, prefix: str, *, num_suffix_tokens: int = 8, seed: int
     return f"{prefix.rstrip()} {' '.join(words)}"
 
 
-class EngineTarget:
-    """Our InvisibleInk engine as an audit target that the auditor can also teacher-force (gray box):
-    :meth:`generate_many` releases one text per batch and keeps its token ids; :meth:`log_likelihood_ratios`
-    scores released texts exactly. ``generator`` (on the model's device) or ``seed`` fixes the randomness
-    (reproducible audits; OS entropy by default)."""
-
-    def __init__(self, *, model=None, clip_norm: float, temperature: float = 1.0, top_k: int | None = 100,
-                 batch_size: int, max_new_tokens: int, prompt="generic", prompt_fields: dict | None = None,
-                 seed: int | None = None, generator=None) -> None:
-        from invink_audit.engine import Engine
-        from invink_audit.mechanism import MechanismConfig, make_generator
-        from invink_audit.models import load_model
-        from invink_audit.prompts import get_preset
-
-        self.loaded = load_model(model)
-        self.mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
-        self.engine = Engine(self.loaded, self.mechanism)
-        self.template = get_preset(prompt, **(prompt_fields or {}))
-        self.max_new_tokens = check_count("max_new_tokens", max_new_tokens)
-        self.generator = generator if generator is not None else make_generator(seed, device=self.loaded.device)
-        self.token_ids: list[tuple[int, ...]] = []  # of the last generate_many call
-
-    def _requests(self, batches):
-        from invink_audit.prompts import encode_request
-
-        # no stop strings: a text ends at its end-of-sequence token or T, so it can be teacher-forced as drawn
-        return [dataclasses.replace(encode_request(self.loaded.tokenizer, self.template, list(b), key=i), stop=())
-                for i, b in enumerate(batches)]
-
-    def generate_many(self, batches: Sequence[Sequence[str]]) -> list[str]:
-        ids: list = [()] * len(batches)
-        for f in self.engine.generate(self._requests(batches), max_new_tokens=self.max_new_tokens, generator=self.generator):
-            ids[f.request_index] = tuple(f.token_ids)
-        self.token_ids = ids
-        return [self.loaded.tokenizer.decode(list(t), skip_special_tokens=True) for t in ids]
-
-    def log_likelihood_ratios(self, batches_with_canary: Sequence[Sequence[str]], slot: int,
-                              token_ids: Sequence[Sequence[int]]) -> np.ndarray:
-        r""":math:`\log p(x_i \mid R_i) - \log p(x_i \mid R_i')` for each text ``token_ids[i]``: ``R_i`` the batch
-        with the canary in ``slot``, ``R_i'`` the same batch with it emptied (exact: summed per-step
-        log-probabilities of the mechanism, :func:`invink_audit.mechanism.neighbour_log_probs`)."""
-        import torch
-
-        llr = torch.zeros(len(token_ids), dtype=torch.float64, device=self.loaded.device)
-
-        def observer(step):
-            nlp = step.neighbour_log_probs()
-            token = step.tokens[:, None]
-            llr.index_add_(0, step.request_indices,
-                           nlp.actual.gather(1, token)[:, 0] - nlp.neighbours[:, slot].gather(1, token)[:, 0])
-
-        with torch.no_grad():
-            self.engine.force(self._requests(batches_with_canary), token_ids, max_new_tokens=self.max_new_tokens,
-                              observer=observer)
-        return llr.cpu().numpy()
-
-
 class SurrogateScorer:
     """The log-likelihood-ratio score of released *texts* computed with a model the auditor has, standing in
     for the target's unknown one (black box): each text is tokenized by the surrogate, cut at T tokens or
@@ -126,9 +67,11 @@ class SurrogateScorer:
 
     def __init__(self, *, model=None, clip_norm: float, temperature: float = 1.0, batch_size: int, max_new_tokens: int,
                  prompt="generic", prompt_fields: dict | None = None) -> None:
-        self.engine = EngineTarget(model=model, clip_norm=clip_norm, temperature=temperature, top_k=None,
-                                   batch_size=batch_size, max_new_tokens=max_new_tokens, prompt=prompt,
-                                   prompt_fields=prompt_fields, seed=0)
+        from invink_audit.mechanism import MechanismConfig
+
+        mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=None, batch_size=batch_size)
+        self.engine = EngineTarget(mechanism, model=model, max_new_tokens=max_new_tokens, prompt=prompt,
+                                   prompt_fields=prompt_fields, seed=0, stop_strings=False)
 
     def __call__(self, batches_with_canary: Sequence[Sequence[str]], slot: int, texts: Sequence[str]) -> np.ndarray:
         from invink_audit.prompts import forced_text_ids
@@ -139,68 +82,11 @@ class SurrogateScorer:
         return self.engine.log_likelihood_ratios(batches_with_canary, slot, ids)
 
 
-class SyntheticTarget:
-    """A self-test mechanism (the correct one or a planted bug, :mod:`invink_audit.audit.synthetic`) on a
-    logit source, as an audit target: reference ``slot`` of the source is the canary; a batch whose slot
-    holds a text draws from the mechanism on R, one whose slot is empty from its neighbour R'_slot (each
-    text its own draw from ``seed``). Texts are token ids written as words; the exact log-likelihood
-    ratio of each drawn text is accumulated from the same distributions as it is drawn (gray box),
-    the stop at the token budget included (a length only one side's budget allows has a ratio of ±∞)."""
-
-    def __init__(self, source, mechanism, *, slot: int = 0, seed: int | None = None) -> None:
-        import torch
-
-        from invink_audit.audit.synthetic import token_budgets
-
-        self.source, self.mechanism, self.slot = source, mechanism, slot
-        self.budget_in, budgets = token_budgets(mechanism, source)
-        self.budget_out = budgets[slot]
-        self.generator = torch.Generator().manual_seed(seed if seed is not None else int(np.random.SeedSequence().entropy % 2**63))
-        self.token_ids: list = []
-        self._llr = np.zeros(0)
-
-    def generate_many(self, batches: Sequence[Sequence[str]]) -> list[str]:
-        import torch
-
-        from invink_audit.audit.synthetic import with_stop
-        from invink_audit.mechanism import sample_tokens
-
-        canary_in = torch.tensor([bool(b[self.slot]) for b in batches])
-        n, steps = len(batches), max(self.budget_in, self.budget_out) + 1
-        prefixes = torch.zeros(n, steps, dtype=torch.int64)
-        alive, llr = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.float64)
-        stop = self.source.vocab_size
-        lengths = torch.zeros(n, dtype=torch.int64)
-        for step in range(steps):
-            ids = alive.nonzero().reshape(-1)
-            if ids.numel() == 0:
-                break
-            private, public = self.source.logits(prefixes[ids, :step], step)
-            actual, neighbours = self.mechanism.step(private, public)
-            actual, neighbours = with_stop(actual, neighbours, step, self.budget_in, [self.budget_out] * neighbours.shape[1])
-            out = neighbours[:, self.slot]
-            tokens = sample_tokens(torch.where(canary_in[ids, None], actual, out), self.generator)
-            llr[ids] += actual.gather(1, tokens[:, None])[:, 0] - out.gather(1, tokens[:, None])[:, 0]
-            prefixes[ids, step] = tokens
-            lengths[ids] += 1
-            alive[ids] = (tokens != self.source.eos_token) & (tokens != stop)
-        self.token_ids = [tuple(prefixes[i, : lengths[i]].tolist()) for i in range(n)]
-        self._llr = llr.numpy()  # ±∞ where a length is possible on one side only; never NaN (each token is drawn
-        # from its own side, where its probability is positive)
-        return [" ".join(str(t) for t in ids) for ids in self.token_ids]
-
-    def log_likelihood_ratios(self, batches_with_canary, slot: int, token_ids) -> np.ndarray:
-        """The ratios of the texts of the last :meth:`generate_many` call (computed as they were drawn)."""
-        if slot != self.slot or len(token_ids) != self._llr.size:
-            raise ValueError("log_likelihood_ratios scores the texts of the last generate_many call, at the source's slot")
-        return self._llr.copy()
-
-
 @dataclasses.dataclass
 class _Run:
     """The batches of one audit and what was generated and scored so far (by batch index)."""
 
-    target: object
+    target: BlackBoxTarget
     batches: list[list[str]]
     with_canary: list[list[str]]
     coins: np.ndarray
@@ -215,14 +101,10 @@ class _Run:
 
     def generate(self, indices: Sequence[int]) -> None:
         start = time.perf_counter()
-        generate_many = getattr(self.target, "generate_many", self.target)
-        texts = list(generate_many([self.batches[i] for i in indices]))
-        if len(texts) != len(indices) or not all(isinstance(t, str) for t in texts):
-            raise ValueError(f"the generator must return one string per batch ({len(indices)}); got {len(texts)} items")
+        texts = self.target.texts([self.batches[i] for i in indices])
         self.texts.update(zip(indices, texts))
         if LLR_SCORE in self.scores:
-            ratios = self.target.log_likelihood_ratios([self.with_canary[i] for i in indices], self.slot,
-                                                       self.target.token_ids)
+            ratios = self.target.log_likelihood_ratios([self.with_canary[i] for i in indices], self.slot)
             _check_count(ratios, indices, "the target's log_likelihood_ratios")
             self.llr.update(zip(indices, ratios.tolist()))
         if self.surrogate is not None:
@@ -288,14 +170,13 @@ def batched_canary_audit(
     selection_fraction: float = 0.25,
     num_looks: int = 4,
     seed: int | None = None,
-    mechanism: str = "black-box generator",
+    mechanism: str | None = None,
     spare_references: int = 0,
     surrogate: SurrogateScorer | None = None,
     claimed_profile: Callable[[float], float] | None = None,
 ) -> BlackBoxReport:
-    """Audit ``target`` (a ``generate_many(batches) -> texts`` callable, or an object with that method and,
-    for the :data:`LLR_SCORE`, ``log_likelihood_ratios`` and ``token_ids`` as :class:`EngineTarget` has) with
-    ``num_batches`` batches of ``batch_size`` references (module docstring). ``pool``: the other references,
+    """Audit ``target`` (a :class:`~invink_audit.audit.targets.BlackBoxTarget`, or a callable ``references ->
+    text``; the :data:`LLR_SCORE` needs a target that knows its likelihoods) with ``num_batches`` batches of ``batch_size`` references (module docstring). ``pool``: the other references,
     cycled; ``scores``: default the exact log-likelihood ratio when the target offers it, and the text
     scores. ``seed``: the coins (recorded either way). ``spare_references``: more references in every batch
     (a generator that drops empty slots, as the reference package does, pulls the next one in). ``surrogate``:
@@ -304,6 +185,7 @@ def batched_canary_audit(
     accountant), equal to ``claimed_epsilon`` at ``claimed_delta``; the score, the threshold and the verdict
     then test the claim's whole curve (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`), not its one
     quoted point."""
+    target = as_target(target)
     batch_size, num_batches = check_count("batch_size", batch_size), check_count("num_batches", num_batches)
     if num_batches < 16:
         raise ValueError(f"num_batches must be at least 16 (selection and evaluation trials); got {num_batches}")
@@ -331,7 +213,8 @@ def batched_canary_audit(
         values = run.matrix(selection + evaluation[:m], selection)[1][k, n_sel:]
         if test.look(values >= threshold) is not None:
             break
-    return _report(run, test, names[k], threshold, values, evaluation[:done], claimed_epsilon, claimed_delta, beta, mechanism)
+    return _report(run, test, names[k], threshold, values, evaluation[:done], claimed_epsilon, claimed_delta, beta,
+                   mechanism or target.label)
 
 
 def _profile(claimed_profile, claimed_epsilon: float, claimed_delta: float) -> PrivacyProfile:
@@ -355,7 +238,7 @@ def _check_inputs(target, pool, canary, batch_size, canary_slot, selection_fract
         raise ValueError("pool must hold non-empty reference strings, the canary not among them")
     if not 0 < selection_fraction < 1 or num_batches - max(4, int(round(num_batches * selection_fraction))) < 2:
         raise ValueError(f"selection_fraction must be in (0, 1) and leave at least 2 evaluation batches; got {selection_fraction!r}")
-    if getattr(target, "slot", canary_slot) != canary_slot:
+    if target.slot not in (None, canary_slot):
         raise ValueError(f"the target's canary slot is {target.slot}, not canary_slot={canary_slot}")
 
 
@@ -364,7 +247,7 @@ def _scores(target, scores, surrogate) -> tuple:
     given, and the text scores), every name checked before anything runs."""
     from invink_audit.audit.blackbox import SCORES
 
-    gray = hasattr(target, "log_likelihood_ratios")
+    gray = target.knows_likelihood
     scores = tuple(scores) if scores is not None else (
         ((LLR_SCORE,) if gray else ()) + ((SURROGATE_SCORE,) if surrogate is not None else ()) + tuple(DEFAULT_SCORES))
     if not scores:
@@ -375,7 +258,7 @@ def _scores(target, scores, surrogate) -> tuple:
     if SURROGATE_SCORE in scores and surrogate is None:
         raise ValueError(f"the {SURROGATE_SCORE!r} score needs a surrogate (SurrogateScorer)")
     if LLR_SCORE in scores and not gray:
-        raise ValueError(f"the {LLR_SCORE!r} score needs a target that teacher-forces its texts (EngineTarget)")
+        raise ValueError(f"the {LLR_SCORE!r} score needs a target that teacher-forces its texts (knows_likelihood)")
     return scores
 
 

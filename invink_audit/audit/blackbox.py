@@ -1,4 +1,5 @@
-r"""Black-box canary audit of any text generator (a callable: list of references → text).
+r"""Black-box canary audit of any text generator (:class:`~invink_audit.audit.targets.BlackBoxTarget`, or a callable:
+list of references → text).
 
 Trials alternate between the references *with* a canary in one slot and its replace-by-null
 neighbour (the slot emptied). Each output gets a score per scoring function; on the *selection*
@@ -19,7 +20,6 @@ the canary; detects deterministic generators and verbatim leaks), or any callabl
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import time
@@ -30,22 +30,12 @@ import numpy as np
 from accounting.limits import check_count
 from invink_audit.audit import stats
 from invink_audit.audit.records import BlackBoxReport
+from invink_audit.audit.targets import as_target
 from invink_audit.audit.tradeoff import PrivacyProfile, ProfileBound
 
 __all__ = [
-    "DEFAULT_SCORES",
-    "SCORES",
-    "blackbox_audit",
-    "canary_overlap",
-    "char_count",
-    "engine_generator",
-    "exact_match",
-    "score_matrix",
-    "select_score",
-    "verdict_of",
-    "invink_generator",
-    "token_count",
-    "word_count",
+    "DEFAULT_SCORES", "SCORES", "blackbox_audit", "canary_overlap", "char_count", "exact_match", "score_matrix",
+    "select_score", "token_count", "verdict_of", "word_count",
 ]
 
 _WORD = re.compile(r"[A-Za-z0-9]{3,}")
@@ -150,7 +140,7 @@ def _selection_key(profile: PrivacyProfile):
 
 
 def blackbox_audit(
-    generate: Callable[[Sequence[str]], str] | None,
+    target,
     references: Sequence[str],
     canary: str,
     *,
@@ -161,35 +151,39 @@ def blackbox_audit(
     scores: Sequence[str | Callable[[str], float]] = DEFAULT_SCORES,
     significance: float = 0.05,
     selection_fraction: float = 0.5,
-    generate_many: Callable[[list[list[str]]], list[str]] | None = None,
-    mechanism: str = "black-box generator",
+    mechanism: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     notes: Sequence[str] = (),
 ) -> BlackBoxReport:
     """Run ``num_trials`` canary trials (half with the canary, half without) and bound ε from below.
 
-    ``generate(references) -> text`` is called once per trial (or ``generate_many(list of
-    reference lists) -> texts`` once for all, when given). ``references``: the batch with any text
-    in ``canary_slot`` (it is replaced by the canary, or by ``""`` for the neighbour).
+    ``target``: a :class:`~invink_audit.audit.targets.BlackBoxTarget`, or a callable ``references -> text``
+    (``None`` in the emptied slot: :class:`~invink_audit.audit.targets.CallableTarget`); a batched target
+    generates every trial in one call. ``references``: the batch with any text in ``canary_slot`` (it is
+    replaced by the canary, or emptied for the neighbour). ``mechanism``: the report's name of the target
+    (default: its label).
 
-    Phases: the alternating trial batches (:func:`_alternating_trials`), the trials (:func:`_run_trials`),
-    the selection / evaluation split (:func:`_selection_split`), the scores (:func:`score_matrix`), the
-    score and threshold chosen on the selection split (:func:`select_score`), the ε lower bound on the
-    evaluation split (:func:`_evaluate`), and the verdict.
+    Phases: the alternating trial batches (:func:`_alternating_trials`), the trials, the selection / evaluation
+    split (:func:`_selection_split`), the scores (:func:`score_matrix`), the score and threshold chosen on the
+    selection split (:func:`select_score`), the ε lower bound on the evaluation split (:func:`_evaluate`), and
+    the verdict.
     """
-    refs, beta = _checked_arguments(generate, generate_many, references, canary_slot, num_trials, selection_fraction,
-                                    claimed_epsilon, significance, scores)
+    target = as_target(target)
+    refs = list(references)
+    beta = _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, claimed_epsilon, significance, scores)
     batches, labels = _alternating_trials(refs, canary, canary_slot, num_trials)
-    texts, gen_seconds = _run_trials(batches, generate, generate_many, progress)
+    start = time.perf_counter()
+    texts = target.texts(batches, progress)
+    gen_seconds = time.perf_counter() - start
     sel, ev = _selection_split(num_trials, selection_fraction)
     score_names, values, selection_matrix = score_matrix(scores, canary, texts, labels, sel)
     k, thr = select_score(selection_matrix, labels[sel], delta=claimed_delta, significance=beta, claimed_epsilon=claimed_epsilon)
     evaluation = _evaluate(values[k], labels, ev, thr, delta=claimed_delta, significance=beta)
     distinct = _distinct_texts(texts, labels)
-    verdict, reason = verdict_of(evaluation.epsilon_lower_bound, claimed_epsilon, beta)
+    verdict, reason = verdict_of(evaluation["epsilon_lower_bound"], claimed_epsilon, beta)
     return BlackBoxReport(
         kind="black-box",
-        mechanism=mechanism,
+        mechanism=mechanism or target.label,
         verdict=verdict,
         reason=reason,
         significance=beta,
@@ -197,23 +191,12 @@ def blackbox_audit(
         claimed_delta=float(claimed_delta),
         score=score_names[k],
         num_trials={"selection": int(sel.size), "evaluation": int(ev.size), "distinct_texts": distinct},
-        **evaluation.fields(),
+        **evaluation,
         timings={"generation_seconds": gen_seconds, "seconds_per_trial": gen_seconds / num_trials},
         notes=tuple(list(notes) + _determinism_notes(texts, distinct)),
         scores_with=tuple(float(x) for x in values[k][labels]),
         scores_without=tuple(float(x) for x in values[k][~labels]),
     )
-
-
-def _checked_arguments(generate, generate_many, references, canary_slot, num_trials, selection_fraction,
-                       claimed_epsilon, significance, scores) -> tuple[list[str], float]:
-    """Validate :func:`blackbox_audit`'s arguments (a generator given first); returns (the references as a
-    list, the significance)."""
-    if generate is None and generate_many is None:
-        raise ValueError("give generate or generate_many")
-    refs = list(references)
-    return refs, _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, claimed_epsilon,
-                                        significance, scores)
 
 
 def _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, claimed_epsilon, significance, scores) -> float:
@@ -253,68 +236,24 @@ def _selection_split(num_trials: int, selection_fraction: float) -> tuple[np.nda
     return np.arange(n_sel), np.arange(n_sel, num_trials)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Evaluation:
-    """The chosen score at its threshold on the evaluation split (:func:`_evaluate`)."""
-
-    threshold: float
-    true_positives: int
-    false_positives: int
-    positives: int
-    negatives: int
-    epsilon_lower_bound: float
-
-    def fields(self) -> dict:
-        """The :class:`~invink_audit.audit.records.BlackBoxReport` fields of the evaluation."""
-        return {
-            "epsilon_lower_bound": float(self.epsilon_lower_bound),
-            "threshold": float(self.threshold),
-            "true_positives": self.true_positives,
-            "false_positives": self.false_positives,
-            "positives": self.positives,
-            "negatives": self.negatives,
-        }
-
-
 def _evaluate(values: np.ndarray, labels: np.ndarray, ev: np.ndarray, thr: float, *, delta: float,
-              significance: float) -> _Evaluation:
-    r"""The chosen score (``values``, one per trial) at threshold ``thr`` on the evaluation split ``ev``:
-    true and false positives among its with / without trials, and the ε lower bound. The bound is Clopper–Pearson's
+              significance: float) -> dict:
+    r"""The :class:`~invink_audit.audit.records.BlackBoxReport` fields of the chosen score (``values``, one per trial)
+    at threshold ``thr`` on the evaluation split ``ev``: true and false positives among its with / without trials,
+    and the ε lower bound. The bound is Clopper–Pearson's
     (DP-Sniper / Jagielski et al. 2020 style, :func:`invink_audit.audit.stats.epsilon_lower_bound`):
     :math:`\varepsilon \ge \log\frac{\underline{TPR}-\delta}{\overline{FPR}}` (and the complement)."""
     ev_with = values[ev][labels[ev]]
     ev_without = values[ev][~labels[ev]]
     tp, fp = int((ev_with >= thr).sum()), int((ev_without >= thr).sum())
     eps_lb = stats.epsilon_lower_bound(tp, ev_with.size, fp, ev_without.size, delta=delta, significance=significance)
-    return _Evaluation(thr, tp, fp, int(ev_with.size), int(ev_without.size), eps_lb)
+    return {"epsilon_lower_bound": float(eps_lb), "threshold": float(thr), "true_positives": tp, "false_positives": fp,
+            "positives": int(ev_with.size), "negatives": int(ev_without.size)}
 
 
 def _distinct_texts(texts: list[str], labels: np.ndarray) -> dict:
     """How many distinct texts each arm produced: {"with": ..., "without": ...}."""
     return {"with": len(set(t for t, lab in zip(texts, labels) if lab)), "without": len(set(t for t, lab in zip(texts, labels) if not lab))}
-
-
-def _run_trials(batches, generate, generate_many, progress) -> tuple[list[str], float]:
-    """One text per trial (``generate_many`` once, else ``generate`` per trial); returns (texts, seconds)."""
-    num_trials = len(batches)
-    start = time.perf_counter()
-    if generate_many is not None:
-        texts = list(generate_many([list(b) for b in batches]))
-        if len(texts) != num_trials:
-            raise ValueError(f"generate_many returned {len(texts)} texts for {num_trials} trials")
-        if progress is not None:
-            progress(num_trials, num_trials)
-    else:
-        texts = []
-        for i, b in enumerate(batches):
-            texts.append(generate(list(b)))
-            if progress is not None:
-                progress(i + 1, num_trials)
-    gen_seconds = time.perf_counter() - start
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise ValueError(f"the generator must return a string; trial {i} returned {type(t).__name__}")
-    return texts, gen_seconds
 
 
 def score_matrix(scores, canary: str, texts: list[str], labels: np.ndarray, sel: np.ndarray):
@@ -383,91 +322,3 @@ def verdict_of(eps_lb: float, claimed_epsilon: float, beta: float, point: Profil
         f"no violation detected: ε lower bound {eps_lb:.3f} ≤ claimed ε {claimed_epsilon:g}{closest}; "
         "a black-box audit cannot confirm a claim"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# generators to audit
-
-
-def engine_generator(
-    *,
-    model=None,
-    clip_norm: float,
-    temperature: float,
-    top_k: int | None,
-    batch_size: int,
-    max_new_tokens: int,
-    prompt="generic",
-    prompt_fields: dict | None = None,
-    generator=None,
-    seed: int | None = None,
-):
-    """Our own InvisibleInk engine as a black box: returns ``generate_many(batches) -> texts``.
-
-    Randomness: ``generator`` (on the model's device), else a generator from ``seed`` (a fixed seed
-    warns that seeded output is not private), else OS entropy.
-    """
-    from invink_audit.engine import Engine
-    from invink_audit.mechanism import MechanismConfig, make_generator
-    from invink_audit.models import load_model
-    from invink_audit.prompts import encode_request, get_preset, release_text
-
-    loaded = load_model(model)
-    mech = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
-    engine = Engine(loaded, mech)
-    template = get_preset(prompt, **(prompt_fields or {}))
-    gen = generator if generator is not None else make_generator(seed, device=loaded.device)
-
-    def generate_many(batches):
-        requests = [encode_request(loaded.tokenizer, template, b, key=i) for i, b in enumerate(batches)]
-        out = [""] * len(requests)
-        for f in engine.generate(requests, max_new_tokens=max_new_tokens, generator=gen):
-            out[f.request_index] = (
-                release_text(loaded.tokenizer, f.token_ids, template.stop) if template.stop
-                else loaded.tokenizer.decode(list(f.token_ids), skip_special_tokens=True)
-            )
-        return out
-
-    generate_many.dtype_choice = loaded.dtype_choice  # what the report says the model ran in
-    return generate_many
-
-
-def invink_generator(model_path: str, *, batch_size: int, dataset_desc: str, epsilon: float, delta: float, **kwargs):
-    """The reference package ``invink`` (PyPI 0.1.0) as a black box: ``generate(references) -> text``.
-
-    ``batch_size`` is our B (private references per text); the package counts the public row in its
-    own batch size, so it receives ``B + 1``, with ``num=1``. ``references`` may hold more than B
-    texts: the package takes the first B non-empty ones (with its default ``drop_empty=True`` an
-    emptied slot is skipped and the next reference moves into the batch, which is how a neighbour
-    dataset really behaves under that package). Every other keyword goes to ``invink.generate``
-    unchanged, so its defaults (``random_seed=42``, ``max_toks="auto"``, ``drop_empty=True``) are
-    audited as shipped unless overridden; ``random_seed=None`` (or ``"fresh"``) draws a fresh seed per
-    call. Raises
-    ``ImportError`` when the package (or its dependency pandas) is not importable.
-    """
-    import contextlib
-    import io
-    import secrets
-
-    import invink  # noqa: F401  (ImportError is the documented signal)
-
-    batch_size = check_count("batch_size", batch_size)
-
-    def generate(references):
-        args = dict(kwargs)
-        if "random_seed" in args and args["random_seed"] in (None, "fresh"):
-            args["random_seed"] = secrets.randbits(31)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            out = invink.generate(
-                txt_list_or_path=list(references),
-                model_name_or_path=model_path,
-                dataset_desc=dataset_desc,
-                epsilon=epsilon,
-                delta=delta,
-                batch_size=batch_size + 1,
-                num=1,
-                **args,
-            )
-        return out.texts[0]
-
-    return generate

@@ -1,23 +1,22 @@
-r"""White-box audit of a real model through the generation engine's hooks.
+r"""White-box audit of any :class:`~invink_audit.mechanisms.Mechanism` on a real model through the engine's hooks.
 
 One batch of references ``R`` (with canaries in chosen slots) is decoded many times by
 :class:`invink_audit.engine.Engine`; every decoded text has its own sampling target (R, a
 neighbour R'_j, or a geometric mixture, see :class:`~invink_audit.audit.whitebox.SamplingPlan`).
-The engine's ``sampling_rule`` hook gives the auditor the step's logits; the auditor computes the
-log-probabilities under R and every R'_j from the same forward pass
-(:func:`invink_audit.mechanism.neighbour_log_probs`), runs the exact per-step checks
-(:class:`~invink_audit.audit.whitebox.WhiteBoxRecorder`) and returns the text's sampling weights;
-the ``observer`` hook records the drawn tokens.
+The engine's ``sampling_rule`` hook gives the auditor the step's distributions under R and every R'_j from the
+same forward pass, in the mechanism's exact state; the auditor runs the exact per-step checks
+(:class:`~invink_audit.audit.whitebox.WhiteBoxRecorder`) and returns the text's sampling weights; the
+``observer`` hook records the released outcomes. The claim is the mechanism's guarantee for the batch
+(:meth:`~invink_audit.audit.whitebox.Claim.from_mechanism`); InvisibleInk is the mechanism
+:class:`~invink_audit.mechanisms.InvisibleInk` (planned from ε, or with a given clip norm), run on the engine's
+own fast path.
 
 Canaries (docs/auditing_notes.md, "Canaries on a real model"): text canaries are references placed
 in a slot (the audit of that slot's neighbour is R with canary vs R' with canary → null). The
-*logit-level hardest-case canary* realises the worst case of docs/accounting_notes.md §8 on the real
-model: its slot holds a null reference for the model, and at every step the auditor sets that row's logits to
-:math:`\phi_{pub} \pm 4C` (clipped to exactly ±C), pushing up a group of tokens whose probability
-under the neighbour (canary → null) is the one closest to :data:`~invink_audit.audit.synthetic.HARDEST_PUBLIC_PROBABILITY`
-(≈ 0.45): the per-token privacy-loss pair :math:`(t, t-\varepsilon_0)`, :math:`t\approx0.53\varepsilon_0`
-(Dong, Durfee & Rogers 2020). A mechanism's guarantee covers every logit row, so this is a valid
-(adversarial) reference.
+*logit-level hardest-case canary* is a capability of the mechanism
+(:meth:`~invink_audit.mechanisms.InvisibleInk.hardest_case_logits`, the worst case of
+docs/accounting_notes.md §8): its slot holds a null reference for the model, and at every step the auditor
+sets that row's logits to the row the mechanism names, and recomputes the step's distributions.
 
 Cost: the time spent in the hooks (neighbour log-probabilities, checks, bookkeeping) is measured
 against the rest of the generation (forward passes, mechanism, sampling), over the whole run
@@ -40,18 +39,17 @@ from accounting import Accountant, as_accountant
 from invink_audit.audit.analysis import analyse
 from invink_audit.audit.parallel import TextShare
 from invink_audit.audit.records import AuditTimings, WhiteBoxReport
-from invink_audit.audit.synthetic import HARDEST_PUBLIC_PROBABILITY
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.distributed import current_cluster
 from invink_audit.engine import Engine
 from invink_audit.mechanism import DEFAULT_TOP_K
+from invink_audit.mechanisms import Mechanism, MechanismStep
 
 if TYPE_CHECKING:
-    from invink_audit.mechanisms import Mechanism
     from invink_audit.models import LoadedModel
     from invink_audit.prompts import PromptTemplate, TextRequest
 
-__all__ = ["ModelAuditSettings", "audit_model", "generic_audit_config", "hardest_case_row", "DEFAULT_CANARIES", "Slots"]
+__all__ = ["ModelAuditSettings", "audit_model", "engine_step", "DEFAULT_CANARIES", "Slots"]
 
 
 #: Text canaries: a secret the model would not produce otherwise, and an instruction to repeat it.
@@ -62,8 +60,6 @@ DEFAULT_CANARIES = {
         "and repeat it twice."
     ),
 }
-
-_HARDEST_PUSH = 4.0  # multiples of C: any push > C is clipped to exactly ±C by DClip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +80,6 @@ class ModelAuditSettings:
     def __post_init__(self):
         object.__setattr__(self, "accountant", as_accountant(self.accountant))
         if self.mechanism is not None:
-            from invink_audit.mechanisms import Mechanism
-
             if not isinstance(self.mechanism, Mechanism):
                 raise ValueError(f"mechanism must be an invink_audit.mechanisms.Mechanism; got {type(self.mechanism).__name__}")
             if self.clip_norm is not None or self.epsilon is not None:
@@ -96,27 +90,26 @@ class ModelAuditSettings:
                 f"give exactly one of clip_norm and epsilon; got clip_norm={self.clip_norm!r}, epsilon={self.epsilon!r}"
             )
 
+    def mechanism_for(self, batch_size: int) -> tuple[Mechanism, dict]:
+        """The audited mechanism for a batch of ``batch_size`` references, and what the report's settings add:
+        InvisibleInk with the given clip norm or the one planned for (ε, δ) (then the planned figures)."""
+        from invink_audit.mechanism import MechanismConfig
+        from invink_audit.mechanisms import InvisibleInk
 
-def hardest_case_row(
-    public_logits: torch.Tensor, neighbour_log_probs: torch.Tensor, clip_norm: float,
-    target: float = HARDEST_PUBLIC_PROBABILITY,
-) -> torch.Tensor:
-    r"""The adversarial logit row of the hardest-case canary, for each text: (G, V).
-
-    Tokens are sorted by their probability under the neighbour (canary → null); the up group is the
-    most probable prefix whose total probability is closest to ``target``. The row is
-    :math:`\phi_{pub} + 4C` on the group and :math:`\phi_{pub} - 4C` elsewhere, so its clipped
-    difference is exactly :math:`\pm C` (DClip, paper Eq. (3), eq:ourclip).
-    """
-    probs = torch.exp(neighbour_log_probs.to(torch.float64))
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-    cum = sorted_p.cumsum(-1)
-    best = torch.argmin((cum - target).abs(), dim=-1, keepdim=True)  # last index of the group
-    ranks = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
-    in_group_sorted = ranks <= best
-    in_group = torch.zeros_like(in_group_sorted).scatter(-1, order, in_group_sorted)
-    sign = torch.where(in_group, 1.0, -1.0).to(public_logits.dtype)
-    return public_logits + sign * (_HARDEST_PUSH * clip_norm)
+        if self.mechanism is not None:
+            if self.mechanism.batch_size != batch_size:
+                raise ValueError(f"the mechanism has batch_size={self.mechanism.batch_size} but {batch_size} references "
+                                 "were given")  # fmt: skip
+            return self.mechanism, {}
+        if self.clip_norm is not None:
+            config = MechanismConfig(clip_norm=float(self.clip_norm), temperature=self.temperature, top_k=self.top_k,
+                                     batch_size=batch_size)  # fmt: skip
+            return InvisibleInk(config, accountant=self.accountant), {}
+        planned = InvisibleInk.planned(epsilon=self.epsilon, delta=self.delta, max_new_tokens=self.max_new_tokens,
+                                       batch_size=batch_size, top_k=self.top_k, temperature=self.temperature,
+                                       accountant=self.accountant)  # fmt: skip
+        return planned, {"planned_epsilon": float(self.epsilon), "planned_delta": float(self.delta),
+                         "accountant": self.accountant}  # fmt: skip
 
 
 class Slots:
@@ -154,22 +147,47 @@ def audit_model(
     progress: Callable[[int, int], None] | None = None,
     label: str = "",
 ) -> WhiteBoxReport:
-    """White-box audit of InvisibleInk on a model (default: the embedded SmolLM2) and one batch.
+    """White-box audit of a mechanism (``settings``: InvisibleInk's parameters or any mechanism) on a model
+    (default: the embedded SmolLM2) and one batch.
 
     ``references``: the B references of the audited batch (B = batch size; text canaries included,
     their slots named in ``canaries`` {slot: label}); ``hardest_case_slot``: a slot whose reference
-    must be null, turned into the logit-level hardest-case canary. ``progress(done, total)`` counts
-    token slots of the sampled texts (texts × T; a text that ends early fills its remaining slots).
-    Returns a :class:`~invink_audit.audit.records.WhiteBoxReport`.
+    must be null, turned into the logit-level hardest-case canary (a mechanism with the
+    ``hardest_case_logits`` capability: InvisibleInk). The audit config is the one the mechanism's claim allows
+    (:meth:`~invink_audit.audit.whitebox.WhiteBoxConfig.for_claim`, said in the notes). ``progress(done, total)``
+    counts token slots of the sampled texts (texts × T; a text that ends early fills its remaining slots).
+    ``label``: a name for the audit, kept in the report's settings. Returns a
+    :class:`~invink_audit.audit.records.WhiteBoxReport`.
     """
     refs, canaries = _check_slots(references, canaries, hardest_case_slot)
-    options = dict(
-        model=model, prompt=prompt, prompt_fields=prompt_fields, canaries=canaries, hardest_case_slot=hardest_case_slot,
-        generator=generator, max_batch_rows=max_batch_rows, progress=progress, label=label,
+    mechanism, planned = settings.mechanism_for(len(refs))
+    if hardest_case_slot is not None and mechanism.hardest_case_logits is None:
+        raise ValueError(f"{mechanism.name} has no logit-level hardest-case canary (the hardest_case_logits capability: "
+                         "InvisibleInk's difference clipping); use text canaries")  # fmt: skip
+    claim = Claim.from_mechanism(mechanism, settings.max_new_tokens, settings.delta)
+    config, notes = config.for_claim(claim)
+    loaded, load_seconds = _load_model(model)
+    session = _Session.open(loaded, load_seconds, refs, claim, config, settings.max_new_tokens, prompt=prompt,
+                            prompt_fields=prompt_fields, generator=generator)  # fmt: skip
+    hooks = _Hooks(session, mechanism, hardest_case_slot)
+    # an audit decodes the same batch hundreds of times: each distinct prompt is prefilled once per run and
+    # its rows' caches copied, bitwise (tests/test_audit_model.py checks it against the plain engine)
+    engine = Engine(loaded, mechanism, max_batch_rows=max_batch_rows, share_prefill=True)
+    released = _Released(mechanism)
+    gen_seconds, tokens = session.decode(engine, settings.max_new_tokens, hooks, progress, on_finished=released.add)
+    rec = session.recorded()
+    timings = hooks.timings(load_seconds, gen_seconds, session.share.total(tokens))
+    tail = {"processes": session.share.cluster.world_size, **planned, **released.totals(session.share),
+            **({"label": label} if label else {})}  # fmt: skip
+    g = claim.guarantee
+    return session.analyse(
+        rec, mechanism.name, settings.max_new_tokens, canaries,
+        prefix_decoder=released.decoder(loaded),
+        timings=timings,
+        settings=session.settings(mechanism.describe(), settings.max_new_tokens, config, **tail),
+        notes=tuple(notes + _overhead_notes(timings) + _notes(mechanism, g, rec)),
+        claim_details={"mechanism": mechanism.name, "guarantee_description": g.description, **g.details},
     )
-    if settings.mechanism is not None:
-        return _audit_generic(refs, settings, config, **options)
-    return _audit_invisibleink(refs, settings, config, **options)
 
 
 def _check_slots(references, canaries, hardest_case_slot) -> tuple[list[str | None], dict[int, str]]:
@@ -301,41 +319,18 @@ def _load_model(model):
     return loaded, time.perf_counter() - t_load
 
 
-def _invisibleink_claim(settings: ModelAuditSettings, batch_size: int, label: str):
-    """InvisibleInk's configuration and claim: the given clip norm, or the one planned for (ε, δ)."""
-    from invink_audit.mechanism import MechanismConfig
-
-    planned = None
-    if settings.clip_norm is not None:
-        clip_norm = float(settings.clip_norm)
-    else:
-        from accounting import plan_clip_norm
-
-        planned = plan_clip_norm(
-            epsilon=settings.epsilon,
-            delta=settings.delta,
-            max_new_tokens=settings.max_new_tokens,
-            batch_size=batch_size,
-            temperature=settings.temperature,
-            accountant=settings.accountant,
-        )
-        clip_norm = planned.clip_norm
-    mech = MechanismConfig(clip_norm=clip_norm, temperature=settings.temperature, top_k=settings.top_k, batch_size=batch_size)
-    claim = Claim.from_mechanism(mech, settings.max_new_tokens, delta=settings.delta, label=label)
-    return mech, clip_norm, claim, planned
-
-
-class _InvisibleInkHooks:
-    """The engine's hooks for InvisibleInk: exact checks and each text's sampling weights, with the
-    hardest-case canary's row set by the auditor, timed per step.
+class _Hooks:
+    """The engine's hooks: exact checks on each step's distributions in the mechanism's exact state (with the
+    hardest-case canary's row set by the auditor), each text's sampling weights, and the released outcomes
+    recorded, timed per step.
 
     The time is split between "decode" steps (no text joined, so no prefill in the engine's step) and
     steps with a prefill; engine time is measured from the end of the observer to the start of the
     next sampling rule (forward pass, mechanism, bookkeeping). On CUDA the hooks synchronise the device.
     """
 
-    def __init__(self, session: _Session, mech, clip_norm: float, hardest_case_slot: int | None) -> None:
-        self.session, self.mech, self.clip_norm, self.hardest_case_slot = session, mech, clip_norm, hardest_case_slot
+    def __init__(self, session: _Session, mechanism: Mechanism, hardest_case_slot: int | None) -> None:
+        self.session, self.mechanism, self.hardest_case_slot = session, mechanism, hardest_case_slot
         self.sync = torch.cuda.synchronize if session.loaded.device.type == "cuda" else (lambda: None)
         self.hook_seconds = 0.0
         self.split = {"decode_engine": 0.0, "decode_hook": 0.0, "prefill_engine": 0.0, "prefill_hook": 0.0, "decode_steps": 0}
@@ -352,21 +347,20 @@ class _InvisibleInkHooks:
         self.kind, self.hook = kind, 0.0
         ids = self.session.share.global_ids(step.request_indices)
         if self.hardest_case_slot is None:
-            nlp = step.neighbour_log_probs()
-        else:
+            out = engine_step(step)
+        else:  # the slot is null, so the engine's distribution is the neighbour's (canary -> null)
             private = step.private_logits.clone()
-            # the slot is null, so the engine's distribution is the neighbour's (canary -> null)
-            row = hardest_case_row(step.public_logits, step.log_probs, self.clip_norm)
-            private[:, self.hardest_case_slot] = row.to(private.dtype)
-            nlp = self.mech.neighbour_log_probs(private, step.public_logits)
-        weights = self.session.recorder.sampling_log_weights(ids, nlp.actual, nlp.neighbours)
+            private[:, self.hardest_case_slot] = self.mechanism.hardest_case_logits(step.public_logits, step.log_probs).to(private.dtype)
+            out = self.mechanism.step(private, step.public_logits, None, None, exact=True, neighbours=True)
+        weights = self.session.recorder.weigh(ids, out)
         self.sync()
         self.hook += time.perf_counter() - start
         return weights
 
     def observer(self, step):
         start = time.perf_counter()
-        self.session.recorder.record(self.session.share.global_ids(step.request_indices), step.tokens)
+        self.session.recorder.record(self.session.share.global_ids(step.request_indices),
+                                     step.outcomes if step.generic else step.tokens)
         self.sync()
         end = time.perf_counter()
         self.hook += end - start
@@ -405,164 +399,49 @@ def _overhead_notes(timings: AuditTimings) -> list[str]:
     return notes
 
 
-def _audit_invisibleink(refs, settings, config, *, model, prompt, prompt_fields, canaries, hardest_case_slot, generator,
-                        max_batch_rows, progress, label) -> WhiteBoxReport:
-    """:func:`audit_model` for InvisibleInk (the engine's own path, with the hardest-case canary)."""
-    batch_size = len(refs)
-    loaded, load_seconds = _load_model(model)
-    mech, clip_norm, claim, planned = _invisibleink_claim(settings, batch_size, label)
-    session = _Session.open(
-        loaded, load_seconds, refs, claim, config, settings.max_new_tokens, prompt=prompt, prompt_fields=prompt_fields,
-        generator=generator,
-    )
-    hooks = _InvisibleInkHooks(session, mech, clip_norm, hardest_case_slot)
-    # an audit decodes the same batch hundreds of times: each distinct prompt is prefilled once per run and
-    # its rows' caches copied, bitwise (tests/test_audit_model.py checks it against the plain engine)
-    engine = Engine(loaded, mech, max_batch_rows=max_batch_rows, share_prefill=True)
-    gen_seconds, tokens = session.decode(engine, settings.max_new_tokens, hooks, progress)
-    rec = session.recorded()
-    timings = hooks.timings(load_seconds, gen_seconds, session.share.total(tokens))
-    mechanism_fields = {"batch_size": batch_size, "clip_norm": clip_norm, "temperature": settings.temperature,
-                        "top_k": settings.top_k}
-    tail = {"processes": session.share.cluster.world_size}
-    if planned is not None:
-        tail.update({"planned_epsilon": planned.epsilon, "planned_delta": planned.delta, "accountant": planned.accountant})
-    return session.analyse(
-        rec, "InvisibleInk", settings.max_new_tokens, canaries,
-        prefix_decoder=lambda ids: loaded.tokenizer.decode(ids),
-        timings=timings,
-        settings=session.settings(mechanism_fields, settings.max_new_tokens, config, **tail),
-        notes=tuple(_overhead_notes(timings)),
-        claim_details={"clip_norm": clip_norm, "temperature": settings.temperature},
-    )
+def engine_step(step) -> MechanismStep:
+    """An engine :class:`~invink_audit.engine.DecodeStep` as the mechanism's step: the outcome distributions under R
+    and every R'_j (InvisibleInk's fast path computes them from the step's logits), and the check distributions a
+    mechanism names for its per-step claim (e.g. Amin et al.'s exponential mechanism)."""
+    if step.generic:
+        return step.result
+    nlp = step.neighbour_log_probs()
+    return MechanismStep(nlp.actual, nlp.neighbours)
 
 
-# ---------------------------------------------------------------------------------------------
-# any mechanism of the interface (Amin et al., AdaPMixED, one's own)
+class _Released:
+    """What the audit's texts released: finish reasons and each outcome's mode, and how to render outcomes."""
+
+    def __init__(self, mechanism: Mechanism) -> None:
+        self.mechanism, self.reasons, self.modes = mechanism, {}, {}
+
+    def add(self, finished) -> None:
+        self.reasons[finished.finish_reason] = self.reasons.get(finished.finish_reason, 0) + 1
+        for m in finished.modes or [0] * finished.num_tokens:  # the fast path's texts: one mode
+            name = self.mechanism.mode_names[m]
+            self.modes[name] = self.modes.get(name, 0) + 1
+
+    def totals(self, share: TextShare) -> dict:
+        return {"finish_reasons": share.total(self.reasons), "released_modes": share.total(self.modes)}
+
+    def decoder(self, loaded) -> Callable[[list[int]], str]:
+        """Outcomes (``mode·V + token``; the stop outcome is not a token) as text."""
+        vocab = loaded.vocab_size
+        width = self.mechanism.num_modes * vocab
+        return lambda outcomes: loaded.tokenizer.decode([int(o) % vocab for o in outcomes if 0 <= o < width])
 
 
-def generic_audit_config(config: WhiteBoxConfig, claim: Claim) -> tuple[WhiteBoxConfig, list[str]]:
-    """The audit config a generic mechanism's claim allows, and notes saying what changed.
-
-    Importance sampling bounds its integrand with the per-step bounded-range claim, so it runs for
-    bounded-range claims only; a Rényi-filter claim (AdaPMixED) is about one order, so the α grid is
-    that order.
-    """
-    notes = []
-    if claim.composition != "bounded-range" and config.num_is_samples:
-        notes.append(
-            f"importance sampling disabled ({config.num_is_samples} texts per row requested): its bound needs a "
-            f"per-step bounded-range claim and this claim is {claim.composition!r}; plain Monte Carlo only"
-        )
-        config = dataclasses.replace(config, num_is_samples=0)
-    if claim.composition == "renyi-filter" and tuple(config.alphas) != (float(claim.renyi_order),):
-        notes.append(f"alphas set to the data-dependent accountant's single order {claim.renyi_order:g}")
-        config = dataclasses.replace(config, alphas=(float(claim.renyi_order),))
-    return config, notes
-
-
-class _GenericHooks:
-    """The engine's hooks for a generic mechanism: exact checks on its own state (each step's check
-    distributions), sampling weights, and the released outcomes recorded; timed as a whole."""
-
-    def __init__(self, session: _Session) -> None:
-        self.session = session
-        self.hook_seconds = 0.0
-
-    def sampling_rule(self, step):
-        start = time.perf_counter()
-        nlp = step.neighbour_log_probs()
-        r = step.result
-        weights = self.session.recorder.sampling_log_weights(
-            self.session.share.global_ids(step.request_indices), nlp.actual, nlp.neighbours, check_actual=r.check_actual,
-            check_neighbours=r.check_neighbours,
-        )
-        self.hook_seconds += time.perf_counter() - start
-        return weights
-
-    def observer(self, step):
-        start = time.perf_counter()
-        self.session.recorder.record(self.session.share.global_ids(step.request_indices), step.outcomes)
-        self.hook_seconds += time.perf_counter() - start
-
-
-def _generic_claim(mech, settings: ModelAuditSettings, config: WhiteBoxConfig, batch_size: int, hardest_case_slot, label):
-    """The mechanism's guarantee, its claim and the audit config that claim allows (with notes)."""
-    if mech.batch_size != batch_size:
-        raise ValueError(f"the mechanism has batch_size={mech.batch_size} but {batch_size} references were given")
-    if hardest_case_slot is not None:
-        raise ValueError(
-            "the logit-level hardest-case canary is defined for InvisibleInk's difference clipping; use text canaries "
-            "for other mechanisms"
-        )
-    guarantee = mech.guarantee(settings.max_new_tokens, settings.delta)
-    claim = Claim.from_guarantee(guarantee, batch_size, label=label or mech.name)
-    config, notes = generic_audit_config(config, claim)
-    return guarantee, claim, config, notes
-
-
-def _generic_notes(mech, guarantee, rec) -> list[str]:
-    """What the report says about a generic mechanism: its guarantee, stop-rule support mismatches, outcomes."""
+def _notes(mechanism: Mechanism, guarantee, rec) -> list[str]:
+    """What the report says about the mechanism: its guarantee, stop-rule support mismatches, its outcomes."""
     notes = [f"guarantee: {guarantee.label()}; {guarantee.description}"]
-    if mech.can_halt and rec.failures.get("support", 0):
+    if mechanism.can_halt and rec.failures.get("support", 0):
         notes.append(
             f"{rec.failures['support']} support mismatches: the stop outcome (the text ends, its spend would exceed the "
             "budget) is possible under one dataset and impossible under a neighbour at the same prefix: the stop rule's "
             "timing is a deterministic function of the references, so the released length can separate R from R'_j"
         )
-    notes.append(
-        "outcomes are (mode, token) pairs (" + ", ".join(mech.mode_names) + (", or the stop outcome" if mech.can_halt else "")
-        + "): the release the mechanism's accountant composes"
-    )
+    if mechanism.num_modes > 1 or mechanism.can_halt:
+        notes.append("outcomes are (mode, token) pairs (" + ", ".join(mechanism.mode_names)
+                     + (", or the stop outcome" if mechanism.can_halt else "")
+                     + "): the release the mechanism's accountant composes")  # fmt: skip
     return notes
-
-
-def _audit_generic(refs, settings, config, *, model, prompt, prompt_fields, canaries, hardest_case_slot, generator,
-                   max_batch_rows, progress, label):
-    """:func:`audit_model` for a generic :class:`~invink_audit.mechanisms.Mechanism` (its exact state)."""
-    mech = settings.mechanism
-    batch_size = len(refs)
-    guarantee, claim, config, notes = _generic_claim(mech, settings, config, batch_size, hardest_case_slot, label)
-    loaded, load_seconds = _load_model(model)
-    session = _Session.open(
-        loaded, load_seconds, refs, claim, config, settings.max_new_tokens, prompt=prompt, prompt_fields=prompt_fields,
-        generator=generator,
-    )
-    hooks = _GenericHooks(session)
-    # an audit decodes the same batch hundreds of times: each distinct prompt is prefilled once per run and
-    # its rows' caches copied, bitwise (tests/test_audit_model.py checks it against the plain engine)
-    engine = Engine(loaded, mech, max_batch_rows=max_batch_rows, share_prefill=True)
-    reasons, modes = {}, {}
-
-    def count(finished):
-        reasons[finished.finish_reason] = reasons.get(finished.finish_reason, 0) + 1
-        for m in finished.modes:
-            modes[mech.mode_names[m]] = modes.get(mech.mode_names[m], 0) + 1
-
-    gen_seconds, tokens = session.decode(engine, settings.max_new_tokens, hooks, progress, on_finished=count)
-    rec = session.recorded()
-    tokens, reasons, modes = session.share.total(tokens), session.share.total(reasons), session.share.total(modes)
-    vocab = loaded.vocab_size
-    width = mech.num_modes * vocab
-
-    def decode(outcomes):
-        return loaded.tokenizer.decode([int(o) % vocab for o in outcomes if 0 <= o < width])
-
-    base = gen_seconds - hooks.hook_seconds
-    timings = AuditTimings(
-        model_load_seconds=load_seconds,
-        generation_seconds=gen_seconds,
-        audit_hook_seconds=hooks.hook_seconds,
-        generation_without_audit_seconds=base,
-        audit_overhead_ratio=hooks.hook_seconds / base if base > 0 else math.nan,
-        tokens_generated=tokens,
-    )
-    return session.analyse(
-        rec, mech.name, settings.max_new_tokens, dict(canaries),
-        prefix_decoder=decode,
-        timings=timings,
-        settings=session.settings(mech.describe(), settings.max_new_tokens, config, finish_reasons=reasons,
-                                  released_modes=modes),
-        notes=tuple(notes + _generic_notes(mech, guarantee, rec)),
-        claim_details={"mechanism": mech.name, "guarantee_description": guarantee.description, **guarantee.details},
-    )

@@ -27,9 +27,7 @@ from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, Whi
 from invink_audit.not_private import mark_not_private
 
 if TYPE_CHECKING:
-    from accounting import GenerationEvent
     from invink_audit.data import Partition
-    from invink_audit.mechanism import MechanismConfig
     from invink_audit.mechanisms import Mechanism, MechanismGuarantee
     from invink_audit.models import DtypeChoice
     from invink_audit.prompts import PromptTemplate
@@ -120,29 +118,26 @@ def teacher_forced_losses(
     """Run the engine forcing ``token_ids[i]`` for ``requests[i]``; return the recorder's measurements.
 
     Every prefix of every text is checked exactly (all B neighbours) and the exact log-probabilities
-    of each text under R and every R'_j are accumulated. For a mechanism with more than InvisibleInk's one
-    mode (a generic :class:`~invink_audit.mechanisms.Mechanism`, in its exact state), ``token_ids[i]`` are the
-    text's *outcomes* (``mode·V + token``, and the stop outcome last when the mechanism's stop rule ended it),
-    and each step's per-step claim is checked on the distributions the mechanism names for it.
+    of each text under R and every R'_j are accumulated. ``mechanism``: a
+    :class:`~invink_audit.mechanisms.Mechanism`, in its exact state; ``token_ids[i]`` are the text's *outcomes*
+    (``mode·V + token``, and the stop outcome last when the mechanism's stop rule ended it: InvisibleInk's are its
+    tokens), and each step's per-step claim is checked on the distributions the mechanism names for it.
     ``progress(done, total)``: forced tokens so far, of all the texts' tokens.
     """
-    from invink_audit.audit.model_audit import Slots
+    from invink_audit.audit.model_audit import Slots, engine_step
     from invink_audit.engine import Engine
 
     engine = Engine(loaded, mechanism)
-    generic = engine.generic
     n = len(requests)
     plan = SamplingPlan(np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64))
     max_len = max(1, max(len(t) for t in token_ids))
     recorder = WhiteBoxRecorder(plan, claim, config, max_steps=max_len, device=loaded.device)
 
     def observer(step):
-        nlp = step.neighbour_log_probs()
-        checks = {"check_actual": step.result.check_actual, "check_neighbours": step.result.check_neighbours} if generic else {}
-        recorder.sampling_log_weights(step.request_indices, nlp.actual, nlp.neighbours, **checks)
-        recorder.record(step.request_indices, step.outcomes if generic else step.tokens)
+        recorder.weigh(step.request_indices, engine_step(step))
+        recorder.record(step.request_indices, step.outcomes if step.generic else step.tokens)
 
-    stop_id = engine.mechanism.stop_outcome(loaded.vocab_size) if generic else None
+    stop_id = mechanism.stop_outcome(loaded.vocab_size)
     slots = Slots(progress, sum(1 for t in token_ids for o in t if o != stop_id))
     engine.force(requests, token_ids, max_new_tokens=claim.max_new_tokens, observer=observer,
                  progress=slots.add if progress is not None else None)
@@ -156,71 +151,54 @@ def teacher_forced_losses(
 
 @dataclasses.dataclass(frozen=True)
 class AuditedRelease:
-    """What an audited ``generate`` call was, as the audit uses it: the mechanism's configuration, the
-    release's privacy event (:class:`accounting.GenerationEvent`), δ and the accountant's ε, the
-    partition, and the prompt template (with each batch's labels in a label-conditioned release)."""
+    """What an audited ``generate`` call was, as the audit uses it: the mechanism, its guarantee for the release's
+    T and δ, the release's ε (its accountant's), the partition, and the prompt template (with each batch's labels
+    in a label-conditioned release)."""
 
-    mechanism: MechanismConfig | Mechanism  # InvisibleInk's configuration, or a generic mechanism
-    event: GenerationEvent | None  # None for a generic mechanism: its guarantee says what it claims
-    delta: float
+    mechanism: Mechanism
+    guarantee: MechanismGuarantee
     epsilon: float
     partition: Partition
     template: PromptTemplate
     labels: tuple | None = None
     label_fields: Mapping[str, str] | None = None  # label column -> prompt field, as generate placed them
-    guarantee: MechanismGuarantee | None = None  # a generic mechanism's
-    max_new_tokens: int | None = None
 
     @classmethod
     def of(cls, result, references=None, *, prompt=None, prompt_fields=None) -> AuditedRelease:
-        """The release a :class:`~invink_audit.generation.GenerationResult` records. ``references``,
-        ``prompt`` and ``prompt_fields`` are optional; when given they must agree with what the
-        generation used (a ``ValueError`` otherwise). A result that records no plan (built by hand or
-        by an older version) is rebuilt from its guarantee, ``references`` (needed then) and the prompt. A
-        release of any :class:`~invink_audit.mechanisms.Mechanism` (a :class:`~invink_audit.generation.MechanismRelease`)
-        records no plan: its guarantee is the mechanism's."""
-        from invink_audit.mechanisms import Mechanism
-
-        generic = isinstance(getattr(result, "mechanism", None), Mechanism)
-        needed = ("mechanism", "template", "partition") if generic else ("plan", "mechanism", "template", "partition")
-        if any(getattr(result, name, None) is None for name in needed):
+        """The release a :class:`~invink_audit.generation.GenerationResult` records (its ``mechanism``,
+        ``guarantee``, ``template``, ``partition``, ``labels`` and ``label_fields``). ``references``, ``prompt`` and
+        ``prompt_fields`` are optional; when given they must agree with what the generation used (a ``ValueError``
+        otherwise). A result that records no mechanism (built by hand or by an older version) is rebuilt from
+        InvisibleInk's guarantee, ``references`` (needed then) and the prompt."""
+        if any(getattr(result, name, None) is None for name in ("mechanism", "template", "partition")):
             return cls._rebuilt(result, references, prompt=prompt, prompt_fields=prompt_fields)
-        if not generic:
-            _check_recorded(result)
+        _check_recorded(result)
         if references is not None:
             _check_references(result, references)
         if prompt is not None or prompt_fields is not None:
             _check_prompt(result, prompt, prompt_fields)
-        label_fields = getattr(result, "label_fields", None)
-        if generic:
-            g = result.guarantee
-            return cls(result.mechanism, None, g.delta, g.epsilon, result.partition, result.template, result.labels,
-                       label_fields, guarantee=g.guarantee, max_new_tokens=g.max_new_tokens)
-        return cls(
-            result.mechanism, result.plan.event, result.plan.delta, result.guarantee.epsilon, result.partition,
-            result.template, result.labels, label_fields,
-        )
+        g, mechanism = result.guarantee, result.mechanism
+        return cls(mechanism, mechanism.guarantee(g.max_new_tokens, g.delta), g.epsilon, result.partition, result.template,
+                   result.labels, getattr(result, "label_fields", None))  # fmt: skip
 
     @classmethod
     def _rebuilt(cls, result, references, *, prompt, prompt_fields) -> AuditedRelease:
-        from accounting import GenerationEvent
         from invink_audit.data import partition_references
-        from invink_audit.mechanism import MechanismConfig
 
+        g = result.guarantee
+        if not {"clip_norm", "batch_size", "temperature", "top_k"} <= set(g.details):
+            raise ValueError("this result records no mechanism, partition or template: audit the result generate returned")
         if references is None:
-            raise ValueError("this result records no plan, partition or template: give the references given to generate")
+            raise ValueError("this result records no mechanism, partition or template: give the references given to generate")
         if getattr(result, "labels", None) is not None:
             raise ValueError(
-                "this label-conditioned result records no plan, partition or template: its batches' prompts cannot "
-                "be rebuilt from the references; audit the result generate returned"
+                "this label-conditioned result records no mechanism, partition or template: its batches' prompts "
+                "cannot be rebuilt from the references; audit the result generate returned"
             )
-        g = result.guarantee
-        references = _reference_texts(references)
-        event = GenerationEvent(g.clip_norm, g.batch_size, g.temperature, g.max_new_tokens)
-        return cls(
-            MechanismConfig.from_event(event, top_k=g.top_k), event, g.delta, g.epsilon,
-            partition_references(references, g.batch_size), _template(prompt or result.prompt, prompt_fields),
-        )
+        d, references = g.details, _reference_texts(references)
+        mechanism = _invisibleink(d)
+        return cls(mechanism, mechanism.guarantee(g.max_new_tokens, g.delta), g.epsilon,
+                   partition_references(references, d["batch_size"]), _template(prompt or result.prompt, prompt_fields))
 
     def batch_template(self, index: int):
         """The prompt of batch ``index`` (the template, with the batch's labels in a label-conditioned release)."""
@@ -229,23 +207,26 @@ class AuditedRelease:
         return template_for_batch(self.template, self.labels, self.label_fields, index)
 
     def claim(self) -> Claim:
-        """The claim the release's mechanism makes for texts of at most T tokens."""
-        if self.guarantee is not None:
-            return Claim.from_guarantee(self.guarantee, self.partition.batch_size, label=self.mechanism.name)
-        return Claim.from_mechanism(self.mechanism, self.event.max_new_tokens, delta=self.delta)
+        """The claim the release's mechanism makes for texts of at most T tokens (its guarantee for B references)."""
+        return Claim(self.guarantee, self.mechanism.batch_size)
 
     def audit_settings(self):
-        """The sampled audit's mechanism parameters: the release's event, its top-k and δ (a generic mechanism:
-        the mechanism itself)."""
+        """The sampled audit's mechanism parameters: the release's mechanism, T and δ."""
         from invink_audit.audit.model_audit import ModelAuditSettings
 
-        if self.guarantee is not None:
-            return ModelAuditSettings(max_new_tokens=self.max_new_tokens, delta=self.delta, mechanism=self.mechanism)
-        e = self.event
-        return ModelAuditSettings(
-            max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=self.mechanism.top_k, clip_norm=e.clip_norm,
-            delta=self.delta,
-        )
+        g = self.guarantee
+        return ModelAuditSettings(max_new_tokens=g.max_new_tokens, delta=g.delta, mechanism=self.mechanism)
+
+
+def _invisibleink(settings: Mapping):
+    """InvisibleInk with the settings its guarantee's details (or a release's state) name: C, τ, top-k, B and the
+    accountant."""
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.mechanisms import InvisibleInk
+
+    config = MechanismConfig(clip_norm=settings["clip_norm"], temperature=settings["temperature"], top_k=settings["top_k"],
+                             batch_size=settings["batch_size"])  # fmt: skip
+    return InvisibleInk(config, accountant=settings.get("accountant", "br-adaptive"))
 
 
 def _disagree(what: str, given, recorded) -> ValueError:
@@ -253,19 +234,14 @@ def _disagree(what: str, given, recorded) -> ValueError:
 
 
 def _check_recorded(result) -> None:
-    """The result's guarantee, plan and mechanism describe one release."""
-    g, plan, mech = result.guarantee, result.plan, result.mechanism
-    event = plan.event
-    for name in ("clip_norm", "batch_size", "temperature", "max_new_tokens", "delta", "epsilon"):
-        if getattr(g, name) != getattr(plan, name):
-            raise _disagree(f"guarantee and plan ({name})", getattr(g, name), getattr(plan, name))
-    for name in ("clip_norm", "batch_size", "temperature"):
-        if getattr(mech, name) != getattr(event, name):
-            raise _disagree(f"mechanism and plan ({name})", getattr(mech, name), getattr(event, name))
-    if mech.top_k != g.top_k:
-        raise _disagree("mechanism and guarantee (top_k)", mech.top_k, g.top_k)
-    if result.partition.batch_size != event.batch_size:
-        raise _disagree("partition and plan (batch_size)", result.partition.batch_size, event.batch_size)
+    """The result's guarantee is its mechanism's (for its T and δ), and its partition has the mechanism's B."""
+    g, mech = result.guarantee, result.mechanism
+    own = mech.guarantee(g.max_new_tokens, g.delta)
+    for name in ("kind", "epsilon", "rho_sequence", "composition", "step_epsilon0", "step_rho"):
+        if getattr(g, name) != getattr(own, name):
+            raise _disagree(f"guarantee and mechanism ({name})", getattr(g, name), getattr(own, name))
+    if result.partition.batch_size != mech.batch_size:
+        raise _disagree("partition and mechanism (batch_size)", result.partition.batch_size, mech.batch_size)
 
 
 def _reference_texts(references) -> list:
@@ -372,10 +348,8 @@ def _with_findings(verdict: Verdict, reason: str, findings) -> tuple[Verdict, st
     INCONCLUSIVE), the worst one wins, and every finding is named in the reason."""
     if not findings:
         return verdict, reason
-    rank = {Verdict.PASS: 0, Verdict.INCONCLUSIVE: 1, Verdict.VIOLATION: 2}
-    worst = max((f.verdict for f in findings), key=rank.__getitem__)
     kinds = ", ".join(dict.fromkeys(f.kind for f in findings if f.kind != "seeded-release"))
-    combined = max(verdict, worst, key=rank.__getitem__)
+    combined = Verdict.worst([verdict, *(f.verdict for f in findings)])
     said = [f"the release file is not the release it records ({kinds})"] if kinds else []
     if any(f.kind == "seeded-release" for f in findings):  # not a disagreement: what the release itself records
         said.insert(0, "the release was drawn with a fixed seed and carries no guarantee (seeded-release)")
@@ -499,9 +473,9 @@ def quick_audit(
 
 def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batch, sampled_config, alphas, significance,
                          generator, start, progress, **found) -> QuickAuditReport:
-    """:func:`quick_audit` of a release: teacher forcing of its texts (a generic mechanism's outcomes), then the
+    """:func:`quick_audit` of a release: teacher forcing of its texts (the mechanism's outcomes), then the
     sampled audit of one batch. ``found``: a release file's ``findings`` and ``claimed_epsilon``, for the report."""
-    from invink_audit.audit.model_audit import audit_model, generic_audit_config
+    from invink_audit.audit.model_audit import audit_model
     from invink_audit.models import load_model, loadable_name
     from invink_audit.prompts import encode_request
 
@@ -512,10 +486,8 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
     loaded = load_model(model, dtype=getattr(result, "dtype_choice", None))
     claim = release.claim()
     config = WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(result.texts)), num_is_samples=0, significance=significance)
-    forced = [list(t.token_ids) for t in result.texts]
-    if release.guarantee is not None:
-        config, _ = generic_audit_config(config, claim)
-        forced = _forced_outcomes(result.texts, release.mechanism, loaded.vocab_size)
+    config, _ = config.for_claim(claim)
+    forced = _forced_outcomes(result.texts, release.mechanism, loaded.vocab_size)
     requests = [
         encode_request(loaded.tokenizer, release.batch_template(t.batch_index),
                        [r if r else None for r in release.partition.batches[t.batch_index]], key=t.batch_index)
@@ -531,9 +503,9 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
             sampled_config, model=loaded, prompt=release.batch_template(sampled_batch), generator=generator,
             progress=_phase(progress, PHASE_SAMPLED),
         )
-    generic = {} if release.guarantee is None else {"mechanism": release.mechanism.name, "guarantee": claim.guarantee}
     return _quick_report(rec, claim, sampled, texts=len(result.texts), accountant_epsilon=release.epsilon, start=start,
-                         model_dtype=loaded.dtype_choice.to_json(), **generic, **found)
+                         model_dtype=loaded.dtype_choice.to_json(), mechanism=release.mechanism.name, guarantee=claim.kind,
+                         **found)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -641,28 +613,15 @@ def _release_of_run(run: Mapping, references, column, where, fingerprint: str) -
 
 
 def _rebuilt_release(run: Mapping, references, column, where, fingerprint: str) -> AuditedRelease:
-    from accounting import GenerationEvent, epsilon_for_clip_norm
-    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.mechanisms import mechanism_from_json
     from invink_audit.prompts import PromptTemplate
 
     template = PromptTemplate.from_json(run["prompt"])
-    if "mechanism" in run:  # a MechanismRelease: the mechanism its records name, and its own guarantee
-        from invink_audit.mechanisms import mechanism_from_json
-
-        mechanism = mechanism_from_json(run["mechanism"])
-        g = mechanism.guarantee(run["max_new_tokens"], run["delta"])
-        partition, labels = _recorded_partition(run, references, column, where, fingerprint)
-        return AuditedRelease(mechanism, None, g.delta, g.epsilon, partition, template, labels, run.get("label_fields"),
-                              guarantee=g, max_new_tokens=run["max_new_tokens"])
-    event = GenerationEvent(run["clip_norm"], run["batch_size"], run["temperature"], run["max_new_tokens"])
-    epsilon = epsilon_for_clip_norm(
-        clip_norm=run["clip_norm"], max_new_tokens=run["max_new_tokens"], batch_size=run["batch_size"],
-        temperature=run["temperature"], delta=run["delta"], accountant=run["accountant"],
-    ).epsilon  # fmt: skip
+    # the mechanism its records name, or InvisibleInk's settings
+    mechanism = mechanism_from_json(run["mechanism"]) if "mechanism" in run else _invisibleink(run)
+    g = mechanism.guarantee(run["max_new_tokens"], run["delta"])
     partition, labels = _recorded_partition(run, references, column, where, fingerprint)
-    label_fields = run.get("label_fields")
-    return AuditedRelease(MechanismConfig.from_event(event, top_k=run["top_k"]), event, run["delta"], epsilon, partition,
-                          template, labels, label_fields)
+    return AuditedRelease(mechanism, g, g.epsilon, partition, template, labels, run.get("label_fields"))
 
 
 def _recorded_partition(run: Mapping, references, column, where, fingerprint: str):
@@ -798,14 +757,13 @@ def _unaudited(found: ReleaseFile, loaded, findings, start: float, why: str) -> 
     """The report of a release file none of whose texts was teacher-forced: its findings, no measurement."""
     claim = found.release.claim()
     verdict, reason = _with_findings(Verdict.INCONCLUSIVE, why, findings)
-    generic = {} if found.release.guarantee is None else {"mechanism": found.release.mechanism.name,
-                                                          "guarantee": claim.guarantee}  # fmt: skip
     return QuickAuditReport(
         verdict=verdict, reason=reason, texts_audited=0, step_checks=0, step_failures={},
         max_loss_range_over_epsilon0=math.nan, realised_loss_max=math.nan, realised_loss_mean=math.nan,
         a_priori_loss_bound=claim.loss_upper(), accountant_epsilon=float(found.release.epsilon), sampled=None,
         seconds=time.perf_counter() - start, model_dtype=loaded.dtype_choice.to_json(),
-        claimed_epsilon=found.claimed_epsilon, findings=tuple(findings), **generic,
+        claimed_epsilon=found.claimed_epsilon, findings=tuple(findings), mechanism=found.release.mechanism.name,
+        guarantee=claim.kind,
     )  # fmt: skip
 
 

@@ -107,58 +107,50 @@ _CLAIM_TRAILING = ("guarantee", "composition", "renyi_order", "renyi_budget", "e
 CLAIM_BASE_FIELDS = ("epsilon0", "rho_token", "rho_sequence", "max_new_tokens", "batch_size", "delta")
 
 
-@dataclasses.dataclass(frozen=True, eq=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ReportedClaim(_JsonRecord):
-    """The audited claim as a report states it (JSON: the ``claim`` object).
+    """The audited :class:`~invink_audit.audit.whitebox.Claim` as a report states it (JSON: the ``claim`` object):
+    the claim itself, ε at its δ certified by each accountant (``epsilons``, JSON keys ``epsilon[<accountant>]``)
+    and the mechanism's own parameters (``details``, in its order). It reads as its claim (``reported.epsilon0``)
+    and as its JSON object (``reported["epsilon0"]``); two are equal when their JSON is.
 
-    ``epsilons``: ε at ``delta`` certified by each accountant (JSON keys ``epsilon[<accountant>]``);
-    ``details``: the mechanism's own parameters, in its order (InvisibleInk: ``clip_norm``,
-    ``temperature``; another mechanism: ``mechanism``, ``guarantee_description`` and its guarantee's
-    details). ``guarantee``, ``composition``, ``renyi_order``, ``renyi_budget`` and
-    ``epsilon_claimed`` are set (and written) for a claim that is not an a-priori bounded-range one;
-    a key the mechanism's details also carry keeps its place among the details.
-    """
+    JSON: the claim's figures (:data:`CLAIM_BASE_FIELDS`), the accountants' ε, the details, then ``guarantee`` (the
+    kind), ``composition``, ``renyi_order``, ``renyi_budget`` and ``epsilon_claimed`` for a claim that is not an
+    a-priori bounded-range one; a key the details also carry keeps its place among them. :meth:`from_json` rebuilds
+    the claim's guarantee from these figures (its description is not written, so it is not read back)."""
 
-    epsilon0: float | None
-    rho_token: float | None
-    rho_sequence: float | None
-    max_new_tokens: int
-    batch_size: int
-    delta: float
+    claim: object  # Claim
     epsilons: Mapping[str, float] = dataclasses.field(default_factory=dict)
     details: Mapping[str, object] = dataclasses.field(default_factory=dict)
-    guarantee: str | None = None
-    composition: str | None = None
-    renyi_order: float | None = None
-    renyi_budget: float | None = None
-    epsilon_claimed: float | None = None
 
-    @classmethod
-    def of(cls, claim, epsilons: Mapping[str, float], details: Mapping[str, object] | None = None) -> ReportedClaim:
-        """The record of a :class:`~invink_audit.audit.whitebox.Claim` with the accountants' ε."""
-        trailing = {}
-        if claim.composition != "bounded-range" or not claim.a_priori:
-            trailing = {"guarantee": claim.guarantee, "composition": claim.composition}
-            if claim.composition == "renyi-filter":
-                trailing.update(renyi_order=claim.renyi_order, renyi_budget=claim.renyi_budget)
-            if claim.epsilon_claimed is not None:
-                trailing["epsilon_claimed"] = claim.epsilon_claimed
-        return cls(
-            epsilon0=claim.epsilon0, rho_token=claim.rho_token, rho_sequence=claim.rho_sequence,
-            max_new_tokens=claim.max_new_tokens, batch_size=claim.batch_size, delta=claim.delta,
-            epsilons=dict(epsilons), details=dict(details or {}), **trailing,
-        )
+    def __getattr__(self, name: str):
+        if name == "claim":  # not set yet (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.claim, name)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ReportedClaim) and to_jsonable(self.json_fields()) == to_jsonable(other.json_fields())
+
+    __hash__ = None
 
     def json_fields(self) -> dict:
-        out = {k: getattr(self, k) for k in CLAIM_BASE_FIELDS}
+        c = self.claim
+        out = {k: getattr(c, k) for k in CLAIM_BASE_FIELDS}
         out.update({f"epsilon[{name}]": eps for name, eps in self.epsilons.items()})
         out.update(self.details)
-        out.update({k: getattr(self, k) for k in _CLAIM_TRAILING if getattr(self, k) is not None})
+        if c.composition != "bounded-range" or not c.a_priori:
+            out.update(guarantee=c.kind, composition=c.composition)
+            if c.composition == "renyi-filter":
+                out.update(renyi_order=c.renyi_order, renyi_budget=c.renyi_budget)
+            out["epsilon_claimed"] = c.epsilon_claimed
         return out
 
     @classmethod
     def from_json(cls, data: Mapping) -> ReportedClaim:
         """Inverse of :meth:`json_fields` (after :func:`_num`)."""
+        from invink_audit.audit.whitebox import Claim
+        from invink_audit.mechanisms.base import MechanismGuarantee
+
         rest = [k for k in data if k not in CLAIM_BASE_FIELDS and not k.startswith("epsilon[")]
         # the keys appended after the details: the longest tail of trailing keys in their own order
         # (a trailing key elsewhere was one of the mechanism's details, and keeps its place there)
@@ -166,12 +158,16 @@ class ReportedClaim(_JsonRecord):
         while appended and rest[appended - 1] in _CLAIM_TRAILING and _CLAIM_TRAILING.index(rest[appended - 1]) < rank:
             appended -= 1
             rank = _CLAIM_TRAILING.index(rest[appended])
-        return cls(
-            **{k: data.get(k) for k in CLAIM_BASE_FIELDS},
-            epsilons={k[len("epsilon["):-1]: v for k, v in data.items() if k.startswith("epsilon[")},
-            details={k: data[k] for k in rest[:appended]},
-            **{k: data.get(k) for k in _CLAIM_TRAILING},
-        )
+        epsilons = {k[len("epsilon["):-1]: v for k, v in data.items() if k.startswith("epsilon[")}
+        details = {k: data[k] for k in rest[:appended]}
+        epsilon = data.get("epsilon_claimed", next(iter(epsilons.values()), math.nan))
+        guarantee = MechanismGuarantee(
+            kind=data.get("guarantee", "a-priori"), mechanism=str(details.get("mechanism", "")), epsilon=epsilon,
+            delta=data["delta"], max_new_tokens=data["max_new_tokens"], composition=data.get("composition", "bounded-range"),
+            rho_sequence=data["rho_sequence"], step_epsilon0=data["epsilon0"], step_rho=data["rho_token"],
+            renyi_order=data.get("renyi_order"), renyi_budget=data.get("renyi_budget"),
+        )  # fmt: skip
+        return cls(Claim(guarantee, data["batch_size"]), epsilons, details)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,14 +208,6 @@ class LossHistogram(_JsonRecord):
         return cls(data["neighbour"], tuple(data["edges"]), tuple(data["counts"]), data["num_infinite"], data.get("mean"))
 
 
-_TIMING_FIELDS = (
-    "model_load_seconds", "generation_seconds", "audit_hook_seconds", "generation_without_audit_seconds",
-    "audit_overhead_ratio", "decode_steps", "decode_step_engine_seconds", "decode_step_audit_seconds",
-    "audit_overhead_ratio_decode_steps", "tokens_generated", "seconds_per_token_without_audit", "decode_seconds",
-    "analysis_seconds", "check_seconds",
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class AuditTimings(_JsonRecord):
     """What an audit measured about its own cost; a field is ``None`` (and not written) where the audit
@@ -252,6 +240,10 @@ class AuditTimings(_JsonRecord):
         """From a mapping of figures (a report's ``timings``, or what an audit measured)."""
         known = {k: v for k, v in data.items() if k in _TIMING_FIELDS}
         return cls(**known, extra={k: v for k, v in data.items() if k not in _TIMING_FIELDS})
+
+
+#: the figures :class:`AuditTimings` names, in their JSON order (``extra`` follows them)
+_TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(AuditTimings) if f.name != "extra")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -261,18 +261,15 @@ def certified_guarantee(run: Mapping) -> dict:
     when the settings cannot be read."""
     try:
         if "mechanism" in run:
-            from invink_audit.generation import MechanismReleaseGuarantee
             from invink_audit.mechanisms import mechanism_from_json
 
-            g = mechanism_from_json(run["mechanism"]).guarantee(run["max_new_tokens"], run["delta"])
-            return MechanismReleaseGuarantee(g).to_json()
-        from accounting import epsilon_for_clip_norm
-        from invink_audit.generation import Guarantee
+            return mechanism_from_json(run["mechanism"]).guarantee(run["max_new_tokens"], run["delta"]).to_json()
+        from invink_audit.generation import GenerationConfig
 
-        plan = epsilon_for_clip_norm(clip_norm=run["clip_norm"], max_new_tokens=run["max_new_tokens"],
-                                     batch_size=run["batch_size"], temperature=run["temperature"], delta=run["delta"],
-                                     accountant=run["accountant"])  # fmt: skip
-        return Guarantee(plan, run["top_k"]).to_json()
+        config = GenerationConfig(clip_norm=run["clip_norm"], max_new_tokens=run["max_new_tokens"], top_k=run["top_k"],
+                                  batch_size=run["batch_size"], temperature=run["temperature"], delta=run["delta"],
+                                  accountant=run["accountant"])  # fmt: skip
+        return config.guarantee().to_json()
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"the release's settings cannot be read ({type(err).__name__}: {err})") from None
 

@@ -52,7 +52,7 @@ def _md_header(r: WhiteBoxReport) -> list[str]:
 
 def _md_claim(c: ReportedClaim) -> list[str]:
     """The claim's table: the headline figures first, then every other key in the report's order."""
-    guarantee = c.guarantee or "a-priori"
+    guarantee = c.kind
     lines = [
         f"## Claim ({guarantee}"
         + (": holds only for the audited references, never a PASS)" if guarantee == "data-dependent" else ")"),
@@ -313,7 +313,7 @@ def _plot_loss_histogram(r: WhiteBoxReport, out: Path) -> str:
         right = float(edges[-1]) + (float(edges[-1] - edges[0]) or 1.0)  # lines further right are clipped to here
     c = r.claim
     lines = []
-    if c.epsilon0 is not None and c.guarantee in (None, "a-priori") and c.composition in (None, "bounded-range"):
+    if c.epsilon0 is not None and c.a_priori and c.composition == "bounded-range":
         bound = float(c.epsilon0) * c.max_new_tokens
         lines.append((bound, f"a-priori bound T·ε0 = {format_number(bound)}", "-"))
     if c.epsilons:

@@ -95,14 +95,6 @@ class SelfTestResult:
         return out
 
 
-def _combine(verdicts: list[Verdict]) -> Verdict:
-    if any(v is Verdict.VIOLATION for v in verdicts):
-        return Verdict.VIOLATION
-    if all(v is Verdict.PASS for v in verdicts):
-        return Verdict.PASS
-    return Verdict.INCONCLUSIVE
-
-
 def baseline_mechanisms(s: SelfTestSettings) -> list:
     """The baseline rows (docs/guide/baselines.md, "Audits of the baselines") as
     :class:`~invink_audit.audit.synthetic.AuditedMechanism`."""
@@ -190,13 +182,23 @@ def coverage_check(
     }
 
 
+def selftest_cases(s: SelfTestSettings, source) -> list:
+    """The audited mechanisms on ``source`` (:class:`~invink_audit.audit.synthetic.AuditedMechanism`): the correct
+    InvisibleInk, the four planted bugs (the data-dependent budget computed from the source's references) and,
+    with ``baselines``, :func:`baseline_mechanisms`."""
+    params = dict(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k, batch_size=s.batch_size,
+                  max_new_tokens=s.max_new_tokens)
+    cases = [synthetic.correct_mechanism(**params), *synthetic.mutants(**params, reference_lengths=source.reference_lengths)]
+    return cases + (baseline_mechanisms(s) if s.baselines else [])
+
+
 def run_selftest(
     settings: SelfTestSettings | None = None,
     *,
     generator: torch.Generator | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SelfTestResult:
-    """Run the auditor against the correct mechanism and the four mutants on every synthetic source."""
+    """Run the auditor against the correct mechanism, the four mutants and the baselines on every synthetic source."""
     from invink_audit.mechanism import make_generator
 
     s = settings or SelfTestSettings()
@@ -205,27 +207,24 @@ def run_selftest(
     config = WhiteBoxConfig(
         alphas=s.alphas, num_samples=s.num_samples, num_is_samples=s.num_is_samples, significance=s.significance
     )
-    params = dict(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k, batch_size=s.batch_size, max_new_tokens=s.max_new_tokens)
-    mechanisms = [synthetic.correct_mechanism(**params), *synthetic.mutants(**params)]
-    if s.baselines:
-        mechanisms += baseline_mechanisms(s)
+    sources = selftest_sources(s)
+    cases = [selftest_cases(s, source) for source in sources]
     entries, reports = [], []
-    for mech in mechanisms:
+    for i, first in enumerate(cases[0]):
         t0 = time.perf_counter()
         per_source, verdicts = [], []
-        guarantee = "a-priori"
-        for source in selftest_sources(s):
+        for source, audited in zip(sources, (c[i] for c in cases)):
             if progress is not None:
-                progress(f"{mech.name} on {source.name}")
-            rep, rec, guarantee = _audit_on_source(mech, source, config, s, gen, guarantee)
+                progress(f"{audited.name} on {source.name}")
+            rep, rec = _audit_on_source(audited, source, config, s, gen)
             reports.append(rep)
             verdicts.append(rep.verdict)
-            per_source.append(_source_row(rep, rec, source, guarantee))
-        verdict = _combine(verdicts)
+            per_source.append(_source_row(rep, rec, source))
+        verdict = Verdict.worst(verdicts)
         entries.append(
             SelfTestEntry(
-                mech.name, mech.description, mech.expected, verdict.value, verdict.value == mech.expected,
-                tuple(per_source), time.perf_counter() - t0, guarantee,
+                first.name, first.description, first.expected, verdict.value, verdict.value == first.expected,
+                tuple(per_source), time.perf_counter() - t0, rec.claim.kind,
             )
         )
     if s.baselines:
@@ -240,34 +239,24 @@ def run_selftest(
     return SelfTestResult(tuple(entries), coverage, tuple(reports), time.perf_counter() - start, tuple(rows))
 
 
-def _audit_on_source(mech, source, config: WhiteBoxConfig, s: SelfTestSettings, gen, guarantee: str):
-    """One mechanism audited on one source: (report, record, the claim's guarantee kind)."""
+def _audit_on_source(audited, source, config: WhiteBoxConfig, s: SelfTestSettings, gen):
+    """One mechanism audited on one source, with the config its claim allows: (report, record)."""
     t1 = time.perf_counter()
-    if isinstance(mech, synthetic.AuditedMechanism):
-        claim = mech.claim(source)
-        guarantee = claim.guarantee
-        # importance sampling needs a per-step bounded-range claim; a Rényi filter claims one order
-        mech_config = dataclasses.replace(
-            config, num_is_samples=0,
-            alphas=(claim.renyi_order,) if claim.composition == "renyi-filter" else config.alphas,
-        )
-        rec = synthetic.run_mechanism_audit(source, mech, mech_config, generator=gen)
-    else:
-        rec = synthetic.run_synthetic_audit(source, mech, config, generator=gen)
+    rec = synthetic.run_synthetic_audit(source, audited, config.for_claim(audited.claim())[0], generator=gen)
     t2 = time.perf_counter()
     rep = analyse(
         rec,
-        mechanism=mech.name,
+        mechanism=audited.name,
         source=source.name,
         canaries=source.canaries,
         timings={"decode_seconds": t2 - t1},
         settings=dataclasses.asdict(s),
-        claim_details={"claimed_by": mech.description},
+        claim_details={"claimed_by": audited.description},
     )
-    return rep, rec, guarantee
+    return rep, rec
 
 
-def _source_row(rep: WhiteBoxReport, rec, source, guarantee: str) -> dict:
+def _source_row(rep: WhiteBoxReport, rec, source) -> dict:
     """The self-test JSON's row for one source (a data-dependent claim's reported budget and measurements too)."""
     row = {
         "source": source.name,
@@ -284,7 +273,7 @@ def _source_row(rep: WhiteBoxReport, rec, source, guarantee: str) -> dict:
         "budgets": {"R": rec.extra.get("budget_actual"), "R'_j": rec.extra.get("budget_neighbours")},
         "mean_length": float(rec.lengths.mean()),
     }
-    if guarantee == "data-dependent":
+    if not rec.claim.a_priori:
         row.update({
             "reported_epsilon": rep.claim.epsilon_claimed,
             "reported_renyi_budget": rep.claim.renyi_budget,
@@ -401,17 +390,16 @@ def blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int 
     set never has). Not part of :func:`run_selftest`'s pass criterion: a black box may fail to show a
     violation that is there (the rows say which it shows at this number of trials)."""
     from accounting import composed_epsilon
-    from invink_audit.audit.batched import LLR_SCORE, SyntheticTarget, batched_canary_audit
+    from invink_audit.audit.batched import LLR_SCORE, batched_canary_audit
+    from invink_audit.audit.targets import SyntheticTarget
 
     s = settings or SelfTestSettings()
-    kw = dict(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k, batch_size=s.batch_size,
-              max_new_tokens=s.max_new_tokens)
     rows = []
     for source in selftest_sources(s):
-        for mechanism in [synthetic.correct_mechanism(**kw), *synthetic.mutants(**kw)]:
-            steps = mechanism.budget(source.reference_lengths)
+        for mechanism in selftest_cases(dataclasses.replace(s, baselines=False), source):  # the correct one, the bugs
+            claim = mechanism.claim()
 
-            def curve(d, e0=mechanism.claimed_epsilon0, steps=steps):
+            def curve(d, e0=claim.epsilon0, steps=claim.max_new_tokens):
                 return composed_epsilon(d, e0, steps, "br-adaptive")
 
             try:
@@ -455,11 +443,11 @@ _AUGPE_SENTENCE = "; AugPE's histogram PASS with Δ = √2 and VIOLATION with th
 
 
 def augpe_entries(settings: SelfTestSettings | None = None) -> list[SelfTestEntry]:
-    """AugPE's histogram release checked exactly (:func:`invink_audit.augpe.audit.exact_histogram_check`: every
+    """AugPE's histogram release checked exactly (:func:`invink_audit.audit.augpe.exact_histogram_check`: every
     replace-by-null neighbour, the exact Rényi divergence of the released Gaussians against the claim's α·ρ) on the
-    self-test's embeddings (:func:`~invink_audit.augpe.audit.selftest_datasets`), one entry per accounting of
-    :data:`AUGPE_ROWS` with the claim :func:`~invink_audit.augpe.audit.selftest_claim`. Exact: no sampling."""
-    from invink_audit.augpe.audit import exact_histogram_check, selftest_claim, selftest_datasets
+    self-test's embeddings (:func:`~invink_audit.audit.augpe.selftest_datasets`), one entry per accounting of
+    :data:`AUGPE_ROWS` with the claim :func:`~invink_audit.audit.augpe.selftest_claim`. Exact: no sampling."""
+    from invink_audit.audit.augpe import exact_histogram_check, selftest_claim, selftest_datasets
 
     s = settings or SelfTestSettings()
     entries = []
@@ -476,18 +464,19 @@ def augpe_entries(settings: SelfTestSettings | None = None) -> list[SelfTestEntr
                 "claimed_l2_sensitivity": claim.l2_sensitivity, "worst_neighbour": check.worst_neighbour,
                 "renyi": check.renyi_table(),
             })  # fmt: skip
-        verdict = _combine(verdicts)
+        verdict = Verdict.worst(verdicts)
         entries.append(SelfTestEntry(name, f"{description}; {claim.describe()}", expected, verdict.value,
                                      verdict.value == expected, tuple(per_source), time.perf_counter() - t0))
     return entries
 
 
 def augpe_blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int = 10_000, seed: int = 0) -> list[dict]:
-    """AugPE's histogram audited **black-box** (:func:`invink_audit.augpe.audit.histogram_canary_audit`: one trial
+    """AugPE's histogram audited **black-box** (:func:`invink_audit.audit.augpe.histogram_canary_audit`: one trial
     per batch, the exact log-likelihood ratio, the claim's exact μ-GDP curve) on the worst-case canary, one row per
     accounting of :data:`AUGPE_ROWS`, in :func:`blackbox_rows`' format. The true ε is exact (μ-GDP of the realised
     shift); reported, not part of :func:`run_selftest`'s pass criterion."""
-    from invink_audit.augpe.audit import HistogramTarget, histogram_canary_audit, selftest_claim, true_epsilon, worst_case_canary
+    from invink_audit.audit.augpe import histogram_canary_audit, selftest_claim, true_epsilon, worst_case_canary
+    from invink_audit.audit.targets import HistogramTarget
 
     s = settings or SelfTestSettings()
     rows = []

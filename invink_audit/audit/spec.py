@@ -1,50 +1,53 @@
 """Audit specifications (TOML) and running them.
 
 A spec names what to audit and how; ``run_spec`` returns typed reports and ``invink-audit audit
-SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Kinds:
+SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Each section is read into the
+library's own record, whose constructor validates it (:func:`read_table`). Kinds:
 
 ``selftest``
     the auditor against the correct mechanism and four planted bugs on synthetic logits
     (section ``[selftest]``: any field of :class:`~invink_audit.audit.selftest.SelfTestSettings`).
 ``white-box``
     a model audit (:func:`~invink_audit.audit.model_audit.audit_model`). Sections: ``[model]``
-    (``name``: ``"embedded"``, a directory or hub id; ``gguf_file``, ``device``, ``dtype``,
-    ``max_batch_rows``),
-    ``[prompt]`` (``preset``, ``fields``), ``[data]`` (``inline``: a list of references; ``yelp = "dev"|"test"`` reads
-    ``$INVINK_YELP_DIR`` or ``../shared/data/yelp`` next to the repository; or ``path`` relative to the
-    spec file; ``column``; ``offset``: index of the first reference used), ``[mechanism]``
-    (``batch_size``, ``max_new_tokens``, ``temperature``, ``top_k``, ``epsilon`` or ``clip_norm``,
-    ``delta``, ``accountant``; ``kind = "amin"`` audits Amin et al. 2024 instead, with ``epsilon`` (planned
-    by :func:`~invink_audit.mechanisms.plan_amin`) or ``clip_norm``, ``max_private_tokens``,
-    ``sensitivity`` (``"replace-by-null"`` or ``"paper"``), ``svt_threshold``, ``svt_noise``,
-    ``public_temperature``, ``posterior_grid``; ``kind = "adapmixed"`` audits AdaPMixED with ``epsilon``
-    (its data-dependent budget) and any field of :class:`~invink_audit.mechanisms.AdaPMixEDConfig`),
-    ``[canaries]`` (``secret``/``repeat``: slot of the default text
+    (``name``: ``"embedded"``, a directory or hub id, and any other field of
+    :class:`~invink_audit.generation.ModelSpec`), ``[prompt]`` (``preset``, ``fields``:
+    :class:`~invink_audit.generation.PromptSpec`), ``[data]`` (``inline``: a list of references;
+    ``yelp = "dev"|"test"`` reads ``$INVINK_YELP_DIR`` or ``../shared/data/yelp`` next to the repository; or
+    ``path`` relative to the spec file; ``column``; ``offset``: index of the first reference used),
+    ``[mechanism]`` (``kind``: ``"invisibleink"`` (default), ``"amin"`` or ``"adapmixed"``; ``max_new_tokens``,
+    ``delta``, ``epsilon``, and any field of the mechanism's config:
+    :class:`~invink_audit.mechanism.MechanismConfig` with ``accountant`` (``epsilon`` or ``clip_norm``: the clip
+    norm is planned for ε), :class:`~invink_audit.mechanisms.AminConfig` (``epsilon`` or ``clip_norm``: planned by
+    :meth:`~invink_audit.mechanisms.AminConfig.planned`), :class:`~invink_audit.mechanisms.AdaPMixEDConfig`
+    (``epsilon``: its data-dependent budget)), ``[canaries]`` (``secret``/``repeat``: slot of the default text
     canaries; ``hardest_case``: slot of the logit-level hardest-case canary; ``custom``: a list of
-    ``{slot, text, label}``), ``[audit]`` (``alphas``, ``num_samples``, ``num_is_samples``,
-    ``neighbours`` (list or ``"all"``), ``directions``, ``significance``, ``delta_grid``,
-    ``min_samples``).
+    ``{slot, text, label}``), ``[audit]`` (any field of :class:`~invink_audit.audit.whitebox.WhiteBoxConfig` but
+    ``accountants``; ``neighbours``: a list or ``"all"``).
 ``black-box``
-    a canary audit of a generator (``[target] kind = "engine"`` for our engine, or ``"invink"`` for
-    the reference package with ``model_path``: a directory, ``"embedded"`` or ``"tiny"``; and
-    ``spare_references``: extra references after the batch, which the package's ``drop_empty``
-    pulls in when the canary slot is emptied); sections ``[mechanism]``, ``[data]``, ``[prompt]`` as
-    above and ``[blackbox]`` (``canary``, ``num_trials``, ``scores`` (names; ``"tokens"`` counts
-    output tokens with the invink target's tokenizer), ``significance``,
-    ``invink_kwargs``: keywords for ``invink.generate``; ``random_seed = "fresh"`` draws a new seed
-    per call). ``num_batches`` instead of ``num_trials`` runs the batched audit
-    (:mod:`invink_audit.audit.batched`: one trial per batch, a recorded coin each; the engine target
-    adds the exact ``log-likelihood-ratio`` score), ``sequential`` (default true) stopping at the first
-    look that decides, false running every batch for the highest bound they allow.
+    a canary audit of a target (:mod:`invink_audit.audit.targets`). ``[target] kind``: ``"engine"`` (this
+    project's engine running ``[mechanism]``, any kind), ``"invink"`` (the reference package, with
+    ``model_path``: a directory, ``"embedded"`` or ``"tiny"``, and ``dataset_desc``) or ``"callable"``
+    (``function = "module:function"``, imported at run time and called on each batch of references, ``None``
+    in the emptied slot; ``batched = true``: called once on all batches); ``spare_references``: extra references
+    after the batch, which the package's ``drop_empty`` pulls in when the canary slot is emptied. The reference
+    package and a callable are audited against ``[mechanism]``'s ``epsilon`` and ``delta``, the engine against its
+    mechanism's guarantee. Sections ``[model]``, ``[prompt]``, ``[data]``, ``[mechanism]`` as above and
+    ``[blackbox]`` (:class:`BlackBoxSpec`: ``canary``, ``num_trials``, ``scores`` (names; ``"tokens"`` counts
+    output tokens with the invink target's tokenizer), ``significance``, ``invink_kwargs``: keywords for
+    ``invink.generate``; ``random_seed = "fresh"`` draws a new seed per call). ``num_batches`` instead of
+    ``num_trials`` runs the batched audit (:mod:`invink_audit.audit.batched`: one trial per batch, a recorded coin
+    each; the engine target adds the exact ``log-likelihood-ratio`` score and is tested against its accountant's
+    whole curve), ``sequential`` (default true) stopping at the first look that decides, false running every
+    batch for the highest bound they allow.
 ``augpe-histogram``
     a black-box audit of AugPE's DP core, its T noisy nearest-neighbour histograms on fixed public candidate
-    embeddings (:func:`~invink_audit.augpe.audit.histogram_canary_audit`), with the exact white-box check of the
-    same embeddings (:func:`~invink_audit.augpe.audit.exact_histogram_check`) and the canary's exact true ε in the
+    embeddings (:func:`~invink_audit.audit.augpe.histogram_canary_audit`), with the exact white-box check of the
+    same embeddings (:func:`~invink_audit.audit.augpe.exact_histogram_check`) and the canary's exact true ε in the
     report's notes. Sections: ``[mechanism]`` (``kind = "augpe"``, optional; ``iterations`` T; ``noise_std`` σ or
     ``epsilon``, σ then planned by :func:`accounting.plan_augpe_noise_std` on the exact μ-GDP curve under the
     claimed sensitivity; ``delta``; ``sensitivity``: ``"replace-by-null"`` (Δ = √2) or ``"paper"`` (Δ = 1 under
     replace-by-null, not a valid guarantee); ``threshold`` H), ``[canary]`` (``kind = "worst-case"``:
-    :func:`~invink_audit.augpe.audit.worst_case_canary` with ``others_per_candidate`` and ``num_candidates``) and
+    :func:`~invink_audit.audit.augpe.worst_case_canary` with ``others_per_candidate`` and ``num_candidates``) and
     ``[blackbox]`` (``num_batches``, ``significance``, ``sequential``). The top-level ``seed`` fixes the noise
     (``seed``) and the coins (``seed + 1``).
 
@@ -53,40 +56,48 @@ file order from ``offset``, a data-independent choice) everywhere else.
 
 Checks: :func:`load_spec` checks every key when the spec is read, before any model loads: the
 numbers against the ranges the command line applies (:mod:`accounting.limits`: ε, δ, C, τ, T, B and
-the counts), the types (``max_new_tokens = 4.7`` or ``batch_size = true`` are refused, never
-truncated), and the names (an unknown key is refused with the allowed ones). An error is one
-``ValueError`` line naming the spec's file, the section and the key (``invink-audit audit`` prints it
-and exits with status 2). A temporary model directory (``model_path = "tiny"``) is removed on every
-path.
+the counts), the types from the record's fields (``max_new_tokens = 4.7`` or ``batch_size = true`` are
+refused, never truncated), the names (an unknown key is refused with the allowed ones), then the record's
+own constructor. An error is one ``ValueError`` line naming the spec's file, the section and the key
+(``invink-audit audit`` prints it and exits with status 2). A temporary model directory
+(``model_path = "tiny"``) is removed on every path.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
+import enum
+import importlib
 import math
 import numbers
 import os
 import shutil
 import tomllib
-from collections.abc import Callable, Iterator
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Literal, Union
 
-from accounting import Accountant, AugPEEvent, as_accountant, plan_augpe_noise_std
+from accounting import Accountant, AugPEEvent, as_accountant, plan_augpe_noise_std, plan_clip_norm
 from accounting.augpe import NOISE_STD_RANGE
 from accounting.limits import (
-    COUNT_RANGE, MAX_COUNT, RANGES, ParameterRange, check_nonnegative, check_order, check_positive,
+    COUNT_RANGE, EPSILON_RANGE, MAX_COUNT, RANGES, TEMPERATURE_RANGE, ParameterRange, check_nonnegative, check_order,
+    check_positive,
 )
-from invink_audit.audit.whitebox import Direction, WhiteBoxConfig
+from invink_audit.audit.whitebox import WhiteBoxConfig
+from invink_audit.generation import ModelSpec, PromptSpec
 
 if TYPE_CHECKING:
     from invink_audit.audit.records import BlackBoxReport, WhiteBoxReport
-    from invink_audit.audit.selftest import SelfTestResult
+    from invink_audit.audit.selftest import SelfTestResult, SelfTestSettings
+    from invink_audit.mechanisms import Mechanism
 
 __all__ = [
-    "AuditSpec", "AugPEHistogramSpec", "BlackBoxSpec", "MechanismSpec", "ModelSpec", "PromptSpec", "SpecResult", "load_spec",
-    "mechanism_from_section", "run_spec", "yelp_dir",
+    "AuditSpec", "AugPEHistogramSpec", "BlackBoxSpec", "SpecResult", "TargetSpec", "load_spec", "mechanism_from_section",
+    "parse_spec", "read_table", "run_spec", "yelp_dir",
 ]
 
 KINDS = ("selftest", "white-box", "black-box", "augpe-histogram")
@@ -108,41 +119,27 @@ def yelp_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "yelp"
 
 
-# -- field checks ---------------------------------------------------------------------------------
-# Each takes (key, value) and returns the checked value or raises a one-line ValueError naming the key;
-# _Section.get adds the section and _naming the spec file. The numeric ranges are accounting.limits'
-# (the ones the command line's flags go through), never a second copy.
+# -- reading a TOML table into a record ------------------------------------------------------------
+# A key is read by its own check when it has one (below: the ranges the command line's flags go through,
+# accounting.limits, never a second copy), else by its field's type; the record's constructor checks the rest.
 
-_count = COUNT_RANGE.check
-_NON_NEGATIVE_COUNT = ParameterRange(0, MAX_COUNT, integer=True)
-_NUM_TRIALS_RANGE = ParameterRange(8, MAX_COUNT, integer=True)  # blackbox_audit's smallest num_trials
-_NUM_BATCHES_RANGE = ParameterRange(16, MAX_COUNT, integer=True)  # batched_canary_audit's smallest num_batches
-_SEED_RANGE = ParameterRange(0, 2**63 - 1, integer=True)  # any TOML integer >= 0 (make_generator's seeds)
-_UNIT_INTERVAL = ParameterRange(0.0, 1.0)
-
-
-def _string(key: str, value) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{key} must be a string; got {value!r}")
-    return value
-
-
-def _boolean(key: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false; got {value!r}")
-    return value
-
-
-def _number(key: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{key} must be a finite number; got {value!r}")
-    return float(value)
-
-
-def _significance(key: str, value) -> float:
-    from invink_audit.audit.stats import check_significance
-
-    return check_significance(_number(key, value))
+_NON_NEGATIVE = ParameterRange(0, MAX_COUNT, integer=True)
+_KEY_RANGES = {
+    **RANGES,
+    "public_temperature": TEMPERATURE_RANGE,
+    "adapmixed_stop_epsilon": EPSILON_RANGE,
+    "adapmixed_within_epsilon": EPSILON_RANGE,
+    **dict.fromkeys(("num_is_samples", "offset", "slot", "secret", "repeat", "hardest_case", "spare_references"),
+                    _NON_NEGATIVE),
+    "num_trials": ParameterRange(8, MAX_COUNT, integer=True),  # blackbox_audit's smallest num_trials
+    "num_batches": ParameterRange(16, MAX_COUNT, integer=True),  # batched_canary_audit's smallest num_batches
+    "seed": ParameterRange(0, 2**63 - 1, integer=True),  # any TOML integer >= 0 (make_generator's seeds)
+    "iterations": ParameterRange(1, 100, integer=True),  # AugPE: the paper's T is 1-10; the target keeps every release
+    "noise_std": NOISE_STD_RANGE,
+    # the worst-case canary's sizes: the exact check recomputes the histogram for each of its 1 + k·m references
+    "others_per_candidate": ParameterRange(1, 500, integer=True),
+    "num_candidates": ParameterRange(2, 16, integer=True),
+}
 
 
 def _top_k(key: str, value) -> int | None:
@@ -150,61 +147,15 @@ def _top_k(key: str, value) -> int | None:
     if isinstance(value, str) and value.strip().lower() == "full":
         return None
     try:
-        return _count(key, value)
+        return COUNT_RANGE.check(key, value)
     except ValueError as err:
         raise ValueError(f"{key} must be {COUNT_RANGE.describe()} or 'full'; got {value!r}") from err
 
 
-def _accountant(key: str, value) -> Accountant:
-    return as_accountant(value)
+def _significance(key: str, value) -> float:
+    from invink_audit.audit.stats import check_significance
 
-
-def _choice(*options: str) -> Callable:
-    def check(key: str, value):
-        if not isinstance(value, str) or value not in options:
-            raise ValueError(f"{key} must be one of {list(options)}; got {value!r}")
-        return value
-
-    return check
-
-
-def _list_of(check: Callable, *, empty: bool = False) -> Callable:
-    def checked(key: str, value) -> tuple:
-        if not isinstance(value, list) or not (value or empty):
-            raise ValueError(f"{key} must be a {'' if empty else 'non-empty '}list; got {value!r}")
-        return tuple(check(f"{key}[{i}]", v) for i, v in enumerate(value))
-
-    return checked
-
-
-def _table(key: str, value) -> dict:
-    if not isinstance(value, dict):
-        raise ValueError(f"{key} must be a table; got {value!r}")
-    return dict(value)
-
-
-def _string_table(key: str, value) -> dict:
-    return {name: _string(f"{key}.{name}", v) for name, v in _table(key, value).items()}
-
-
-def _device(key: str, value) -> str:
-    from invink_audit.models import resolve_device
-
-    resolve_device(_string(key, value))
-    return value
-
-
-def _dtype(key: str, value) -> str:
-    import torch
-
-    from invink_audit.models import resolve_dtype
-
-    resolve_dtype(_string(key, value), torch.device("cpu"))
-    return value
-
-
-def _direction(key: str, value) -> Direction:
-    return Direction(_choice(*(d.value for d in Direction))(key, value))
+    return check_significance(_by_type(key, value, float))
 
 
 def _neighbours(key: str, value) -> tuple[int, ...] | None:
@@ -212,48 +163,115 @@ def _neighbours(key: str, value) -> tuple[int, ...] | None:
     if value == "all":
         return None
     try:
-        return _list_of(_NON_NEGATIVE_COUNT.check)(key, value)
+        return tuple(_NON_NEGATIVE.check(f"{key}[{i}]", v) for i, v in enumerate(_by_type(key, value, tuple[object, ...])))
     except ValueError as err:
         raise ValueError(f"{key} must be 'all' or a non-empty list of indices >= 0; got {value!r}") from err
 
 
-def _custom_canary(key: str, value) -> dict:
-    item = _Section(key, _table(key, value), ("slot", "text", "label"), prefix=False)
-    item.require("slot", _NON_NEGATIVE_COUNT.check)
-    item.require("text", _string)
-    item.get("label", _string)
-    return item.values
+def _preset(key: str, value) -> str:
+    from invink_audit.prompts import get_preset
+
+    try:
+        get_preset(_by_type(key, value, str))
+    except ValueError as err:
+        raise ValueError(f"{key}: {err}") from err
+    return value
 
 
-class _Section:
-    """One ``[section]`` of a spec: unknown keys are refused with the allowed names, and every read is
-    checked, its error naming the section and the key."""
+def _custom_canaries(key: str, value) -> tuple[dict, ...]:
+    fields = {"slot": int, "text": str, "label": str}
+    return tuple(table_values(item, f"{key}[{i}]", fields, required=("slot", "text"))
+                 for i, item in enumerate(_by_type(key, value, list[object])))
 
-    def __init__(self, name: str, table, allowed, *, prefix: bool = True) -> None:
-        self.name, self.where = name, f"[{name}]" if prefix else name
-        if not isinstance(table, dict):
-            raise ValueError(f"{self.where} must be a table; got {table!r}")
-        unknown = set(table) - set(allowed)
-        if unknown:
-            raise ValueError(f"unknown keys in {self.where}: {sorted(unknown)}; allowed: {sorted(allowed)}")
-        self.values = table
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.values
+_KEY_CHECKS: dict[str, Callable] = {
+    **{key: r.check for key, r in _KEY_RANGES.items()},
+    "top_k": _top_k,
+    "accountant": lambda key, value: as_accountant(value),
+    "significance": _significance,
+    "alphas": lambda key, value: tuple(check_order(f"{key}[{i}]", a)
+                                       for i, a in enumerate(_by_type(key, value, tuple[object, ...]))),
+    "neighbours": _neighbours,
+    "preset": _preset,
+    "custom": _custom_canaries,
+    "threshold": check_nonnegative,
+    "amin_svt_noise": check_positive,
+}
 
-    def get(self, key: str, check: Callable, default=None):
-        """``check(key, value)`` of the key's value, or ``default`` when the key is absent."""
-        if key not in self.values:
-            return default
+
+def _typed(key: str, value, hint):
+    """``value`` of ``key`` read as ``hint`` (a record field's type): by the key's own check when it has one
+    (``_KEY_CHECKS``), else by the type (:func:`_by_type`)."""
+    return _KEY_CHECKS[key](key, value) if key in _KEY_CHECKS else _by_type(key, value, hint)
+
+
+def _by_type(key: str, value, hint):
+    """``value`` of ``key`` read as ``hint``; a ``tuple`` is a non-empty list, a ``list`` may be empty."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):  # X | None: TOML has no null, so the value is an X
+        return _by_type(key, value, next(a for a in args if a is not type(None)))
+    if origin is Literal or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        options = list(args) if origin is Literal else [m.value for m in hint]
+        if not isinstance(value, str) or value not in options:
+            raise ValueError(f"{key} must be one of {options}; got {value!r}")
+        return value if origin is Literal else hint(value)
+    if origin in (tuple, list):
+        if not isinstance(value, list) or not (value or origin is list):
+            raise ValueError(f"{key} must be a {'' if origin is list else 'non-empty '}list; got {value!r}")
+        return tuple(value if args[0] is object else (_typed(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)))
+    if hint is dict or origin in (dict, Mapping, collections.abc.Mapping):
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a table; got {value!r}")
+        return {k: _typed(f"{key}.{k}", v, args[1]) for k, v in value.items()} if args else dict(value)
+    if hint is int:
+        return COUNT_RANGE.check(key, value)
+    if hint is float and not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value):
+        return float(value)
+    if (hint is bool and isinstance(value, bool)) or (hint is str and isinstance(value, str)) or hint is object:
+        return value
+    what = {float: "a finite number", bool: "true or false", str: "a string"}.get(hint)
+    if what is None:
+        raise TypeError(f"{key}: a field of type {hint!r} cannot be read from TOML")
+    raise ValueError(f"{key} must be {what}; got {value!r}")
+
+
+def fields_of(cls, *exclude: str) -> dict:
+    """The type of every field of the dataclass ``cls`` a spec may give (``exclude``: those it may not)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and f.name not in exclude}
+
+
+def table_values(table, where: str, fields: dict, *, required=()) -> dict:
+    """Every key of ``table`` read as its field's type (:func:`fields_of`); an unknown key is refused with the
+    allowed ones, a missing ``required`` one named. Errors start with ``where`` (e.g. ``[mechanism]``)."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where} must be a table; got {table!r}")
+    unknown = set(table) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown keys in {where}: {sorted(unknown)}; allowed: {sorted(fields)}")
+    for key in required:
+        if key not in table:
+            raise ValueError(f"{where} {key} is required")
+    values = {}
+    for key, value in table.items():
         try:
-            return check(key, self.values[key])
+            values[key] = _typed(key, value, fields[key])
         except ValueError as err:
-            raise ValueError(f"{self.where} {err}") from err
+            raise ValueError(f"{where} {err}") from err
+    return values
 
-    def require(self, key: str, check: Callable, why: str = ""):
-        if key not in self.values:
-            raise ValueError(f"{self.where} {key} is required{why}")
-        return self.get(key, check)
+
+def _built(where: str, cls, **values):
+    """``cls(**values)``, its constructor's error starting with ``where``."""
+    try:
+        return cls(**values)
+    except ValueError as err:
+        raise ValueError(f"{where} {err}") from err
+
+
+def read_table(cls, table, where: str):
+    """The dataclass ``cls`` from a TOML table of its fields (:func:`table_values`), validated by its constructor."""
+    return _built(where, cls, **table_values(table, where, fields_of(cls)))
 
 
 @contextlib.contextmanager
@@ -266,283 +284,170 @@ def _naming(path: Path | None) -> Iterator[None]:
         raise ValueError(f"{where}: {err}") from err
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """``[model]``: ``name`` (``"embedded"``, a directory or hub id), ``gguf_file``, ``device``, ``dtype``,
-    ``max_batch_rows``."""
-
-    name: str = "embedded"
-    gguf_file: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    max_batch_rows: int | None = None
-
-    @classmethod
-    def from_section(cls, section: dict) -> ModelSpec:
-        s = _Section("model", section, ("name", "gguf_file", "device", "dtype", "max_batch_rows"))
-        return cls(s.get("name", _string, "embedded"), s.get("gguf_file", _string), s.get("device", _device),
-                   s.get("dtype", _dtype), s.get("max_batch_rows", _count))
-
-    @property
-    def model(self) -> str | None:
-        """What :func:`~invink_audit.models.load_model` takes (``None``: the embedded model)."""
-        return None if self.name == "embedded" else self.name
+# -- the sections -----------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class PromptSpec:
-    """``[prompt]``: ``preset`` and its ``fields``."""
-
-    preset: str = "generic"
-    fields: dict | None = None
-
-    @classmethod
-    def from_section(cls, section: dict) -> PromptSpec:
-        from invink_audit.prompts import get_preset
-
-        def preset_name(key: str, value) -> str:
-            try:
-                get_preset(_string(key, value))
-            except ValueError as err:
-                raise ValueError(f"{key}: {err}") from err
-            return value
-
-        s = _Section("prompt", section, ("preset", "fields"))
-        preset, fields = s.get("preset", preset_name, "generic"), s.get("fields", _string_table)
-        try:
-            get_preset(preset, **(fields or {}))
-        except ValueError as err:
-            raise ValueError(f"[prompt] fields: {err}") from err
-        return cls(preset, fields)
+def _model(table) -> ModelSpec:
+    """``[model]``: ``name`` (``"embedded"``, a directory or hub id) and the other fields of :class:`ModelSpec`."""
+    values = table_values(table, "[model]", {"name": str, **fields_of(ModelSpec, "model")})
+    return _built("[model]", ModelSpec, model=values.pop("name", "embedded"), **values)
 
 
-_MECHANISM_KINDS = ("invisibleink", "amin", "adapmixed")
-_COMMON_MECHANISM_KEYS = ("kind", "batch_size", "max_new_tokens", "delta")
-_AMIN_KEYS = ("epsilon", "clip_norm", "temperature", "public_temperature", "svt_threshold", "svt_noise",
-              "max_private_tokens", "sensitivity", "posterior_grid")
-#: the check of every [mechanism] key, whichever kind reads it
-_MECHANISM_CHECKS = {
-    "kind": _choice(*_MECHANISM_KINDS),
-    "batch_size": _count,
-    "max_new_tokens": _count,
-    "delta": RANGES["delta"].check,
-    "epsilon": RANGES["epsilon"].check,
-    "clip_norm": RANGES["clip_norm"].check,
-    "temperature": RANGES["temperature"].check,
-    "top_k": _top_k,
-    "accountant": _accountant,
-    # Amin et al. 2024
-    "public_temperature": RANGES["temperature"].check,
-    "svt_threshold": _number,
-    "svt_noise": check_positive,
-    "max_private_tokens": _count,
-    "sensitivity": _choice("replace-by-null", "paper"),
-    "posterior_grid": _count,
-    # AdaPMixED
-    "renyi_order": check_order,
-    "beta": check_positive,
-    "screen_top_k": _count,
-    "screen_threshold": check_positive,
-    "screen_noise": check_positive,
-    "screen_mixing": _UNIT_INTERVAL.check,
-    "screen_samples": _count,
-}
+def _prompt(table) -> PromptSpec:
+    """``[prompt]``: ``preset`` and its ``fields`` (:class:`PromptSpec`)."""
+    values = table_values(table, "[prompt]", {"preset": str, "fields": fields_of(PromptSpec)["fields"]})
+    return _built("[prompt] fields:", PromptSpec, template=values.get("preset", "generic"), fields=values.get("fields"))
 
 
-def _mechanism_keys(kind: str) -> tuple[str, ...]:
-    """The keys ``[mechanism]`` takes for ``kind``."""
-    if kind == "invisibleink":
-        return (*_COMMON_MECHANISM_KEYS, "temperature", "top_k", "clip_norm", "epsilon", "accountant")
-    if kind == "amin":
-        return (*_COMMON_MECHANISM_KEYS, *_AMIN_KEYS)
-    from invink_audit.mechanisms import AdaPMixEDConfig
-
-    own = (f.name for f in dataclasses.fields(AdaPMixEDConfig) if f.name not in ("batch_size", "delta"))
-    return (*_COMMON_MECHANISM_KEYS, *own)
+def _check_data(table) -> None:
+    fields = {"yelp": Literal["dev", "test"], "path": str, "inline": list[str], "column": str, "offset": int}
+    sources = [key for key in ("yelp", "path", "inline") if key in table_values(table, "[data]", fields)]
+    if len(sources) > 1:
+        raise ValueError(f"[data] give one of 'yelp', 'path' and 'inline'; got {sources}")
 
 
-def _mechanism_values(mech: dict) -> dict:
-    """Every key of a ``[mechanism]`` table, checked (unknown keys for its kind refused)."""
-    if not isinstance(mech, dict):
-        raise ValueError(f"[mechanism] must be a table; got {mech!r}")
+def _check_canaries(table) -> None:
+    table_values(table, "[canaries]", {"secret": int, "repeat": int, "hardest_case": int, "custom": list[object]})
+
+
+def _whitebox_config(table, batch_size: int) -> WhiteBoxConfig:
+    """``[audit]``: :class:`WhiteBoxConfig`, its neighbours within ``batch_size``."""
+    config = _built("[audit]", WhiteBoxConfig, **table_values(table, "[audit]", fields_of(WhiteBoxConfig, "accountants")))
+    _built("[audit]", config.audited_neighbours, batch_size=batch_size)
+    return config
+
+
+_MECHANISM_KINDS = Literal["invisibleink", "amin", "adapmixed"]
+
+
+def _mechanism_values(table, batch_size: int | None = None) -> dict:
+    """Every key of a ``[mechanism]`` table read as a field of its kind's config (InvisibleInk's
+    :class:`~invink_audit.mechanism.MechanismConfig` with its ``accountant``, :class:`~invink_audit.mechanisms.AminConfig`,
+    :class:`~invink_audit.mechanisms.AdaPMixEDConfig`; ``epsilon`` to plan for), or ``max_new_tokens``, ``delta``."""
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.mechanisms import AdaPMixEDConfig, AminConfig
+
+    if not isinstance(table, dict):
+        raise ValueError(f"[mechanism] must be a table; got {table!r}")
+    kind = table_values({"kind": table.get("kind", "invisibleink")}, "[mechanism]", {"kind": _MECHANISM_KINDS})["kind"]
+    own = {"invisibleink": {**fields_of(MechanismConfig, "clipping"), "accountant": Accountant},
+           "amin": fields_of(AminConfig), "adapmixed": fields_of(AdaPMixEDConfig)}[kind]
+    fields = {"kind": _MECHANISM_KINDS, "max_new_tokens": int, "delta": float, "epsilon": float, **own}
+    values = table_values(table, "[mechanism]", fields, required=() if batch_size else ("batch_size",))
+    return {"kind": kind, "delta": 1e-6, **values, **({"batch_size": batch_size} if batch_size else {})}
+
+
+def mechanism_from_section(table, batch_size: int | None = None) -> Mechanism:
+    """The :class:`~invink_audit.mechanisms.Mechanism` a ``[mechanism]`` section names (``batch_size``: B, in place
+    of the section's): InvisibleInk (its clip norm given, or planned for ``epsilon`` over ``max_new_tokens`` tokens
+    by its ``accountant``), Amin et al. (given or planned: :meth:`~invink_audit.mechanisms.AminConfig.planned`) or
+    AdaPMixED (``epsilon``: its budget). Every key is checked, then the config's constructor."""
+    from invink_audit.mechanism import MechanismConfig
+    from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism, InvisibleInk
+
+    values = _mechanism_values(table, batch_size)
+    kind, epsilon, delta = values.pop("kind"), values.pop("epsilon", None), values.pop("delta")
+    steps, accountant = values.pop("max_new_tokens", None), values.pop("accountant", Accountant.BR_ADAPTIVE)
     try:
-        kind = _MECHANISM_CHECKS["kind"]("kind", mech.get("kind", "invisibleink"))
+        if kind == "adapmixed":
+            if epsilon is None:
+                raise ValueError("kind 'adapmixed' needs epsilon (the budget of its stop rule)")
+            return AdaPMixEDMechanism(AdaPMixEDConfig(epsilon=epsilon, delta=delta, **values))
+        if (epsilon is None) == ("clip_norm" not in values):
+            raise ValueError("kind 'amin' needs exactly one of epsilon and clip_norm" if kind == "amin" else
+                             "give one of epsilon (the clip norm is planned) and clip_norm; got "
+                             + ("both" if epsilon is not None else "neither"))
+        if kind == "amin":
+            planned = epsilon is not None
+            return AminMechanism(AminConfig.planned(epsilon=epsilon, delta=delta, **{"max_private_tokens": 100, **values})
+                                 if planned else AminConfig(**values))
+        if epsilon is not None:
+            if steps is None:
+                raise ValueError("max_new_tokens is required (the clip norm is planned for it)")
+            values["clip_norm"] = plan_clip_norm(
+                epsilon=epsilon, delta=delta, max_new_tokens=steps, batch_size=values["batch_size"],
+                temperature=values.get("temperature", 1.0), accountant=accountant).clip_norm
+        return InvisibleInk(MechanismConfig(**{"temperature": 1.0, "top_k": None, **values}), accountant=accountant)
     except ValueError as err:
         raise ValueError(f"[mechanism] {err}") from err
-    s = _Section("mechanism", mech, _mechanism_keys(kind))
-    values = {key: s.get(key, _MECHANISM_CHECKS[key]) for key in mech}
-    values["kind"] = kind
-    return values
 
 
 @dataclasses.dataclass(frozen=True)
-class MechanismSpec:
-    """``[mechanism]``, every value checked against its range (:mod:`accounting.limits`); ``section`` is
-    the table itself, for :func:`mechanism_from_section`."""
+class TargetSpec:
+    """``[target]`` of a black-box spec (module docstring): what is audited."""
 
-    kind: str
-    batch_size: int
-    max_new_tokens: int | None
-    delta: float
-    temperature: float
-    top_k: int | None
-    clip_norm: float | None
-    epsilon: float | None
-    accountant: Accountant
-    section: dict
+    kind: Literal["engine", "invink", "callable"] = "engine"
+    model_path: str | None = None
+    dataset_desc: str = "short texts"
+    spare_references: int = 0
+    function: str | None = None
+    batched: bool = False
 
-    @classmethod
-    def from_section(cls, mech: dict) -> MechanismSpec:
-        v = _mechanism_values(mech)
-        if "batch_size" not in v:
-            raise ValueError(f"[mechanism] batch_size is required ({COUNT_RANGE.describe()})")
-        if v["kind"] == "invisibleink" and v.get("epsilon") is not None and v.get("clip_norm") is not None:
-            raise ValueError("[mechanism] give one of epsilon (the clip norm is planned) and clip_norm; got both")
-        return cls(
-            v["kind"], v["batch_size"], v.get("max_new_tokens"), v.get("delta", 1e-6), v.get("temperature", 1.0),
-            v.get("top_k"), v.get("clip_norm"), v.get("epsilon"), v.get("accountant", Accountant.BR_ADAPTIVE), mech,
-        )
-
-    @property
-    def tokens(self) -> int:
-        """``max_new_tokens`` (T), which a model audit needs."""
-        if self.max_new_tokens is None:
-            raise ValueError("[mechanism] max_new_tokens is required")
-        return int(self.max_new_tokens)
+    def __post_init__(self) -> None:
+        if self.kind == "invink" and self.model_path is None:
+            raise ValueError("model_path is required for kind = 'invink' (a directory, 'embedded' or 'tiny')")
+        if self.kind != "invink" and self.model_path is not None:
+            raise ValueError("model_path is for kind = 'invink'; the engine's model is [model] name")
+        if self.model_path not in (None, "embedded", "tiny") and not Path(self.model_path).is_dir():
+            raise ValueError(f"model_path must be a directory, 'embedded' or 'tiny'; got {self.model_path!r}")
+        if (self.kind == "callable") != (self.function is not None) or self.batched and self.kind != "callable":
+            raise ValueError("function ('module:function') and batched are for kind = 'callable', which needs function")
+        module, _, name = (self.function or "m:f").partition(":")
+        if not (module and name):
+            raise ValueError(f"function must be 'module:function'; got {self.function!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlackBoxSpec:
-    """``[target]`` and ``[blackbox]`` of a black-box spec."""
+    """``[blackbox]`` of a black-box spec: the canary, the trials (``num_trials`` alternating ones, or with
+    ``num_batches`` the batched audit, ``sequential`` looks or not), the scores to choose from, the significance
+    and the reference package's ``invink_kwargs``."""
 
-    target: str
-    model_path: str | None
-    dataset_desc: str
-    spare_references: int
-    canary: str
-    num_trials: int
-    significance: float
-    scores: tuple
-    invink_kwargs: dict
-    #: batched mode (:mod:`invink_audit.audit.batched`): this many batches, one independent trial each
+    canary: str = "My name is Zelphine Quorrick and my card number is 4929 7310 5528 1746."
+    num_trials: int = 200
     num_batches: int | None = None
-    #: batched mode: stop at the first look that decides (True), or run every batch for the highest bound
     sequential: bool = True
-
-    @classmethod
-    def from_sections(cls, target: dict, bb: dict) -> BlackBoxSpec:
-        from invink_audit.audit.batched import LLR_SCORE
-        from invink_audit.audit.blackbox import DEFAULT_SCORES, SCORES
-
-        t = _Section("target", target, ("kind", "model_path", "dataset_desc", "spare_references"))
-        kind = t.get("kind", _choice("engine", "invink"), "engine")
-        model_path = t.get("model_path", _string)
-        if kind == "invink":
-            if model_path is None:
-                raise ValueError(
-                    "[target] model_path is required for kind = 'invink' (a directory, 'embedded' or 'tiny')"
-                )
-            if model_path not in ("embedded", "tiny") and not Path(model_path).is_dir():
-                raise ValueError(f"[target] model_path must be a directory, 'embedded' or 'tiny'; got {model_path!r}")
-        elif model_path is not None:
-            raise ValueError("[target] model_path is for kind = 'invink'; the engine's model is [model] name")
-        b = _Section("blackbox", bb, ("canary", "num_trials", "num_batches", "sequential", "scores", "significance",
-                                      "invink_kwargs"))
-        names = (*SCORES, "tokens") if kind == "invink" else tuple(SCORES)  # "tokens": the invink target's tokenizer
-        if "num_batches" in bb:
-            if "num_trials" in bb:
-                raise ValueError("[blackbox] give num_trials (alternating trials of one batch) or num_batches (batched), not both")
-            names += (LLR_SCORE,) if kind == "engine" else ()
-        default_scores = ((LLR_SCORE,) if kind == "engine" and "num_batches" in bb else ()) + tuple(DEFAULT_SCORES)
-        return cls(
-            kind, model_path, t.get("dataset_desc", _string, "short texts"),
-            t.get("spare_references", _NON_NEGATIVE_COUNT.check, 0),
-            b.get("canary", _string, "My name is Zelphine Quorrick and my card number is 4929 7310 5528 1746."),
-            b.get("num_trials", _NUM_TRIALS_RANGE.check, 200), b.get("significance", _significance, 0.05),
-            b.get("scores", _list_of(_choice(*names)), default_scores), b.get("invink_kwargs", _table, {}),
-            b.get("num_batches", _NUM_BATCHES_RANGE.check), b.get("sequential", _boolean, True),
-        )
+    scores: tuple[str, ...] = ()
+    significance: float = 0.05
+    invink_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
-def _check_blackbox_mechanism(m: MechanismSpec, bb: BlackBoxSpec) -> None:
-    """What a black-box target needs from ``[mechanism]``."""
-    if m.kind != "invisibleink":
-        raise ValueError(
-            f"[mechanism] kind {m.kind!r} is audited white-box only; a black-box spec audits InvisibleInk "
-            "([target] kind = 'engine') or the reference package ('invink')"
-        )
-    if bb.target == "invink":
-        if m.epsilon is None:
-            raise ValueError("[mechanism] epsilon is required for [target] kind = 'invink'")
-        if m.clip_norm is not None:
-            raise ValueError("[mechanism] clip_norm: the reference package plans its clip norm from epsilon; remove it")
-        return
-    m.tokens  # noqa: B018 - raises when max_new_tokens is missing
-    if m.epsilon is None and m.clip_norm is None:
-        raise ValueError("[mechanism] give epsilon (the clip norm is planned) or clip_norm")
+def _blackbox(table, target: TargetSpec) -> BlackBoxSpec:
+    """``[blackbox]``, its scores checked for ``target`` (default: the exact ratio where the engine is batched, and
+    the text scores)."""
+    from invink_audit.audit.batched import LLR_SCORE
+    from invink_audit.audit.blackbox import DEFAULT_SCORES, SCORES
+
+    values = table_values(table, "[blackbox]", fields_of(BlackBoxSpec))
+    if "num_batches" in values and "num_trials" in values:
+        raise ValueError("[blackbox] give num_trials (alternating trials of one batch) or num_batches (batched), not both")
+    llr = (LLR_SCORE,) if target.kind == "engine" and "num_batches" in values else ()
+    names = (*SCORES, *llr, *(("tokens",) if target.kind == "invink" else ()))  # "tokens": the package's tokenizer
+    for i, score in enumerate(values.get("scores", ())):
+        if score not in names:
+            raise ValueError(f"[blackbox] scores[{i}] must be one of {list(names)}; got {score!r}")
+    return BlackBoxSpec(**{"scores": (*llr, *DEFAULT_SCORES), **values})
 
 
-def _check_data(section: dict) -> None:
-    s = _Section("data", section, ("yelp", "path", "inline", "column", "offset"))
-    sources = [key for key in ("yelp", "path", "inline") if key in s]
-    if len(sources) > 1:
-        raise ValueError(f"[data] give one of 'yelp', 'path' and 'inline'; got {sources}")
-    s.get("yelp", _choice("dev", "test"))
-    s.get("path", _string)
-    s.get("inline", _list_of(_string, empty=True))
-    s.get("column", _string)
-    s.get("offset", _NON_NEGATIVE_COUNT.check)
-
-
-def _check_canaries(section: dict) -> None:
-    s = _Section("canaries", section, ("secret", "repeat", "custom", "hardest_case"))
-    for key in ("secret", "repeat", "hardest_case"):
-        s.get(key, _NON_NEGATIVE_COUNT.check)
-    s.get("custom", _list_of(_custom_canary, empty=True))
-
-
-#: the check of every [selftest] key (a field of SelfTestSettings)
-_SELFTEST_CHECKS = {
-    "clip_norm": RANGES["clip_norm"].check,
-    "temperature": RANGES["temperature"].check,
-    "top_k": _count,
-    "batch_size": _count,
-    "max_new_tokens": _count,
-    "num_samples": _count,
-    "num_is_samples": _NON_NEGATIVE_COUNT.check,
-    "alphas": _list_of(check_order),
-    "significance": _significance,
-    "baselines": _boolean,
-    "amin_svt_threshold": _number,
-    "amin_svt_noise": check_positive,
-    "amin_max_private_tokens": _count,
-    "amin_posterior_grid": _count,
-    "adapmixed_stop_epsilon": RANGES["epsilon"].check,
-    "adapmixed_within_epsilon": RANGES["epsilon"].check,
-    "adapmixed_screen_samples": _count,
-}
-
-
-def _selftest_settings(section: dict):
-    from invink_audit.audit.selftest import SelfTestSettings
-
-    s = _Section("selftest", section, _SELFTEST_CHECKS)
-    return SelfTestSettings(**{key: s.get(key, _SELFTEST_CHECKS[key]) for key in section})
-
-
-#: the check of every [mechanism] key of an augpe-histogram spec
-_AUGPE_MECHANISM_CHECKS = {
-    "kind": _choice("augpe"),
-    "iterations": ParameterRange(1, 100, integer=True).check,  # the paper's T is 1-10; the target keeps every release
-    "noise_std": NOISE_STD_RANGE.check,
-    "epsilon": RANGES["epsilon"].check,
-    "delta": RANGES["delta"].check,
-    "sensitivity": _choice("replace-by-null", "paper"),  # add-or-remove is not a claim about replace-by-null data
-    "threshold": check_nonnegative,
-}
-#: the worst-case canary's sizes: the exact check recomputes the histogram for each of its 1 + k·m references
-_OTHERS_PER_CANDIDATE_RANGE = ParameterRange(1, 500, integer=True)
-_NUM_CANDIDATES_RANGE = ParameterRange(2, 16, integer=True)
+def _mechanism_for(table, target: TargetSpec | None) -> dict:
+    """``[mechanism]`` of a white-box spec or a black-box one auditing ``target``: the mechanism built (the engine
+    and a white-box audit run it), B, T, δ and the ε given (the reference package's and a callable's claim)."""
+    values = _mechanism_values(table)
+    fields = {"batch_size": values["batch_size"], "max_new_tokens": values.get("max_new_tokens"),
+              "delta": values["delta"], "epsilon": values.get("epsilon")}
+    if target is not None and target.kind != "engine":
+        if values["kind"] != "invisibleink":
+            raise ValueError(f"[mechanism] kind {values['kind']!r} is audited white-box only or on the engine "
+                             "([target] kind = 'engine')")
+        if fields["epsilon"] is None:
+            raise ValueError(f"[mechanism] epsilon is required for [target] kind = {target.kind!r}")
+        if "clip_norm" in values:
+            raise ValueError(f"[mechanism] clip_norm: [target] kind = {target.kind!r} is audited against epsilon "
+                             "(the reference package plans its clip norm from it); remove it")
+        return {**fields, "mechanism": None}
+    if fields["max_new_tokens"] is None:
+        raise ValueError("[mechanism] max_new_tokens is required")
+    return {**fields, "mechanism": mechanism_from_section(table)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,103 +455,69 @@ class AugPEHistogramSpec:
     """The sections of an ``augpe-histogram`` spec. ``event`` is the claim audited (σ given or planned, T, the
     claimed sensitivity), ``delta`` the δ it is quoted at, ``epsilon`` the ε σ was planned for (``None``: σ given);
     the mechanism run adds the ``threshold`` H. ``others_per_candidate`` and ``num_candidates`` shape
-    :func:`~invink_audit.augpe.audit.worst_case_canary`; ``num_batches``, ``significance`` and ``sequential`` are the
+    :func:`~invink_audit.audit.augpe.worst_case_canary`; ``num_batches``, ``significance`` and ``sequential`` are the
     batched audit's (as in a black-box spec's ``[blackbox]``)."""
 
     event: AugPEEvent
-    delta: float
-    epsilon: float | None
-    threshold: float
-    others_per_candidate: int
-    num_candidates: int
-    num_batches: int
-    significance: float
-    sequential: bool
+    delta: float = 1e-6
+    epsilon: float | None = None
+    threshold: float = 0.0
+    others_per_candidate: int = 50
+    num_candidates: int = 4
+    num_batches: int = 10_000
+    significance: float = 0.05
+    sequential: bool = True
 
     @classmethod
-    def from_sections(cls, mechanism: dict, canary: dict, blackbox: dict) -> AugPEHistogramSpec:
-        m = _Section("mechanism", mechanism, _AUGPE_MECHANISM_CHECKS)
-        values = {key: m.get(key, _AUGPE_MECHANISM_CHECKS[key]) for key in mechanism}
-        iterations = m.require("iterations", _AUGPE_MECHANISM_CHECKS["iterations"], " (T: the histograms released)")
-        delta, sensitivity = values.get("delta", 1e-6), values.get("sensitivity", "replace-by-null")
-        if ("noise_std" in values) == ("epsilon" in values):
+    def from_sections(cls, mechanism, canary, blackbox) -> AugPEHistogramSpec:
+        fields = {"kind": Literal["augpe"], "iterations": int, "noise_std": float, "epsilon": float, "delta": float,
+                  "sensitivity": Literal["replace-by-null", "paper"],  # add-or-remove is no claim about replace-by-null
+                  "threshold": float}
+        m = table_values(mechanism, "[mechanism]", fields, required=("iterations",))
+        delta = m.get("delta", 1e-6)
+        if ("noise_std" in m) == ("epsilon" in m):
             raise ValueError("[mechanism] give one of noise_std (σ) and epsilon (σ is planned)")
-        try:
-            if "noise_std" in values:
-                sigma = values["noise_std"]
-            else:  # planned on the exact μ-GDP curve, the curve the audit tests (the safe, larger σ)
-                sigma = plan_augpe_noise_std(values["epsilon"], delta, iterations, sensitivity, exact_gaussian=True)
-            event = AugPEEvent(sigma, iterations, sensitivity)
-        except ValueError as err:
-            raise ValueError(f"[mechanism] {err}") from err
-        c = _Section("canary", canary, ("kind", "others_per_candidate", "num_candidates"))
-        c.get("kind", _choice("worst-case"))
-        b = _Section("blackbox", blackbox, ("num_batches", "significance", "sequential"))
-        return cls(
-            event, delta, values.get("epsilon"), values.get("threshold", 0.0),
-            c.get("others_per_candidate", _OTHERS_PER_CANDIDATE_RANGE.check, 50),
-            c.get("num_candidates", _NUM_CANDIDATES_RANGE.check, 4),
-            b.get("num_batches", _NUM_BATCHES_RANGE.check, 10_000), b.get("significance", _significance, 0.05),
-            b.get("sequential", _boolean, True),
-        )
+        # σ planned on the exact μ-GDP curve, the curve the audit tests (the safe, larger σ)
+        event = _built("[mechanism]", lambda: AugPEEvent(m["noise_std"] if "noise_std" in m else plan_augpe_noise_std(
+            m["epsilon"], delta, m["iterations"], m.get("sensitivity", "replace-by-null"), exact_gaussian=True),
+            m["iterations"], m.get("sensitivity", "replace-by-null")))
+        c = table_values(canary, "[canary]", {"kind": Literal["worst-case"], "others_per_candidate": int, "num_candidates": int})
+        b = table_values(blackbox, "[blackbox]", {"num_batches": int, "significance": float, "sequential": bool})
+        c.pop("kind", None)
+        return cls(event, delta, m.get("epsilon"), m.get("threshold", 0.0), **c, **b)
 
     def embeddings(self):
-        """The audit's public data: :func:`~invink_audit.augpe.audit.worst_case_canary` of this spec's sizes."""
-        from invink_audit.augpe.audit import worst_case_canary
+        """The audit's public data: :func:`~invink_audit.audit.augpe.worst_case_canary` of this spec's sizes."""
+        from invink_audit.audit.augpe import worst_case_canary
 
         return worst_case_canary(others_per_candidate=self.others_per_candidate, num_candidates=self.num_candidates)
 
 
 @dataclasses.dataclass(frozen=True)
 class AuditSpec:
-    """A parsed, validated audit specification: ``raw`` is the TOML table; the typed sections are parsed
-    from it at construction (``selftest``: the self-test's settings; ``model``, ``prompt``,
-    ``mechanism``, and ``audit`` (white-box) or ``blackbox`` (black-box) for a model audit; ``augpe`` for an
-    ``augpe-histogram`` audit). Every value
-    is checked here, before any model loads; an error is one ``ValueError`` line naming the spec's file,
-    the section and the key."""
+    """A parsed, validated audit specification (:func:`parse_spec`): ``raw`` is the TOML table; the sections
+    read into their records (``selftest``; ``model``, ``prompt``, the ``mechanism`` built with its B, T, δ and the
+    ε given, and ``audit`` (white-box) or ``target`` and ``blackbox`` (black-box); ``augpe``). Every value is
+    checked before any model loads; an error is one ``ValueError`` line naming the spec's file, the section and
+    the key."""
 
     name: str
     kind: str
     raw: dict
     path: Path | None = None
-    model: ModelSpec | None = dataclasses.field(default=None, init=False)
-    prompt: PromptSpec | None = dataclasses.field(default=None, init=False)
-    mechanism: MechanismSpec | None = dataclasses.field(default=None, init=False)
-    audit: WhiteBoxConfig | None = dataclasses.field(default=None, init=False)
-    blackbox: BlackBoxSpec | None = dataclasses.field(default=None, init=False)
-    selftest: object | None = dataclasses.field(default=None, init=False)  # SelfTestSettings
-    augpe: AugPEHistogramSpec | None = dataclasses.field(default=None, init=False)
-    seed: int | None = dataclasses.field(default=None, init=False)
-
-    def __post_init__(self):
-        with _naming(self.path):
-            self._parse()
-
-    def _parse(self) -> None:
-        _check_top_level(self.raw)
-        seed = self.raw.get("seed")
-        object.__setattr__(self, "seed", None if seed is None else _SEED_RANGE.check("seed", seed))
-        if self.kind == "selftest":
-            object.__setattr__(self, "selftest", _selftest_settings(self.section("selftest")))
-            return
-        if self.kind == "augpe-histogram":
-            sections = (self.section(name) for name in ("mechanism", "canary", "blackbox"))
-            object.__setattr__(self, "augpe", AugPEHistogramSpec.from_sections(*sections))
-            return
-        mechanism = MechanismSpec.from_section(self.section("mechanism"))
-        object.__setattr__(self, "model", ModelSpec.from_section(self.section("model")))
-        object.__setattr__(self, "prompt", PromptSpec.from_section(self.section("prompt")))
-        object.__setattr__(self, "mechanism", mechanism)
-        _check_data(self.section("data"))
-        _check_canaries(self.section("canaries"))
-        if self.kind == "white-box":
-            object.__setattr__(self, "audit", _whitebox_config(self.section("audit"), mechanism.batch_size))
-            mechanism_from_section(mechanism.section, mechanism.batch_size)  # Amin et al., AdaPMixED: built to check
-        else:
-            blackbox = BlackBoxSpec.from_sections(self.section("target"), self.section("blackbox"))
-            _check_blackbox_mechanism(mechanism, blackbox)
-            object.__setattr__(self, "blackbox", blackbox)
+    seed: int | None = None
+    selftest: SelfTestSettings | None = None
+    model: ModelSpec | None = None
+    prompt: PromptSpec | None = None
+    mechanism: Mechanism | None = None
+    batch_size: int | None = None
+    max_new_tokens: int | None = None
+    delta: float = 1e-6
+    epsilon: float | None = None
+    audit: WhiteBoxConfig | None = None
+    target: TargetSpec | None = None
+    blackbox: BlackBoxSpec | None = None
+    augpe: AugPEHistogramSpec | None = None
 
     def section(self, name: str) -> dict:
         value = self.raw.get(name, {})
@@ -668,7 +539,29 @@ def _check_top_level(raw) -> None:
         raise ValueError(f"unknown keys in a {kind} spec: {sorted(unknown)}; allowed: {sorted(allowed)}")
     for key in ("name", "description"):
         if key in raw:
-            _string(key, raw[key])
+            _typed(key, raw[key], str)
+
+
+def _sections(raw: dict) -> dict:
+    """The records of a spec's sections (:class:`AuditSpec`'s fields), every key checked."""
+    kind, section = raw["kind"], (lambda name: raw.get(name, {}))
+    seed = {"seed": _typed("seed", raw["seed"], int)} if "seed" in raw else {}
+    if kind == "selftest":
+        from invink_audit.audit.selftest import SelfTestSettings
+
+        return {**seed, "selftest": read_table(SelfTestSettings, section("selftest"), "[selftest]")}
+    if kind == "augpe-histogram":
+        return {**seed, "augpe": AugPEHistogramSpec.from_sections(*(section(s) for s in ("mechanism", "canary", "blackbox")))}
+    target = _built("[target]", TargetSpec, **table_values(section("target"), "[target]", fields_of(TargetSpec))) \
+        if kind == "black-box" else None
+    out = {**seed, "model": _model(section("model")), "prompt": _prompt(section("prompt"))}
+    _check_data(section("data"))
+    _check_canaries(section("canaries"))
+    if kind == "white-box":
+        out["audit"] = _whitebox_config(section("audit"), _mechanism_values(section("mechanism"))["batch_size"])
+    else:
+        out.update(target=target, blackbox=_blackbox(section("blackbox"), target))
+    return {**out, **_mechanism_for(section("mechanism"), target)}
 
 
 def load_spec(path: str | os.PathLike) -> AuditSpec:
@@ -687,35 +580,15 @@ def load_spec(path: str | os.PathLike) -> AuditSpec:
 
 
 def parse_spec(raw: dict, *, path: Path | None = None) -> AuditSpec:
+    """An :class:`AuditSpec` from a TOML table (``path``: the file it came from, named in every error)."""
     with _naming(path):
         _check_top_level(raw)
+        sections = _sections(raw)
     name = raw.get("name") or (path.stem if path else raw["kind"])
-    return AuditSpec(str(name), raw["kind"], raw, path)
+    return AuditSpec(str(name), raw["kind"], raw, path, **sections)
 
 
-#: the check of every [audit] key
-_AUDIT_CHECKS = {
-    "alphas": _list_of(check_order),
-    "num_samples": _count,
-    "num_is_samples": _NON_NEGATIVE_COUNT.check,
-    "neighbours": _neighbours,
-    "directions": _list_of(_direction),
-    "significance": _significance,
-    "delta_grid": _list_of(RANGES["delta"].check),
-    "min_samples": _count,
-}
-
-
-def _whitebox_config(section: dict, batch_size: int) -> WhiteBoxConfig:
-    s = _Section("audit", section, _AUDIT_CHECKS)
-    kwargs = {key: s.get(key, _AUDIT_CHECKS[key]) for key in section}
-    kwargs["neighbours"] = kwargs.get("neighbours")  # absent or "all": every neighbour
-    try:
-        config = WhiteBoxConfig(**kwargs)
-        config.audited_neighbours(batch_size)
-    except ValueError as err:
-        raise ValueError(f"[audit] {err}") from err
-    return config
+# -- running a spec ---------------------------------------------------------------------------------
 
 
 def _data_references(spec: AuditSpec, needed: int) -> list[str]:
@@ -724,100 +597,44 @@ def _data_references(spec: AuditSpec, needed: int) -> list[str]:
     data = spec.section("data")
     if needed == 0:
         return []
-    if "yelp" in data:
-        split = data["yelp"]
-        if split not in ("dev", "test"):
-            raise ValueError(f"[data] yelp must be 'dev' or 'test'; got {split!r}")
-        file = yelp_dir() / f"{split}.csv"
-        if not file.is_file():
+    if "inline" in data:
+        refs, where = [str(r) for r in data["inline"]], "[data] inline"
+    elif "yelp" in data or "path" in data:
+        file = yelp_dir() / f"{data['yelp']}.csv" if "yelp" in data else Path(data["path"])
+        if "yelp" in data and not file.is_file():
             raise ValueError(f"[data] yelp: Yelp data not found at {str(file)!r}; set INVINK_YELP_DIR")
-    elif "inline" in data:
-        refs = [str(r) for r in data["inline"]]
-        offset = int(data.get("offset", 0))
-        if offset < 0 or offset + needed > len(refs):
-            raise ValueError(f"[data] inline holds {len(refs)} references; {needed} needed from offset {offset}")
-        return refs[offset : offset + needed]
-    elif "path" in data:
-        file = Path(data["path"])
         if not file.is_absolute() and spec.path is not None:
             file = spec.path.parent / file
+        refs, where = read_references(file, column=data.get("column")), f"[data] {str(file)!r}"
     else:
         raise ValueError("[data] needs 'yelp', 'path' or 'inline' to fill the non-canary slots")
-    refs = read_references(file, column=data.get("column"))
     offset = int(data.get("offset", 0))
-    if offset < 0 or offset + needed > len(refs):
-        raise ValueError(f"[data] offset={offset} with {needed} references needed exceeds the {len(refs)} in {str(file)!r}")
+    if offset + needed > len(refs):
+        raise ValueError(f"{where} holds {len(refs)} references; {needed} needed from offset {offset}")
     return refs[offset : offset + needed]
 
 
 def _batch(spec: AuditSpec, batch_size: int) -> tuple[list[str | None], dict, int | None]:
+    """The audited batch (the canaries in their slots, data references elsewhere), the canaries' labels by slot and
+    the hardest-case canary's slot."""
     from invink_audit.audit.model_audit import DEFAULT_CANARIES
 
     canaries = spec.section("canaries")
     slots: dict[int, tuple[str | None, str]] = {}
-
-    def claim_slot(slot, text, label):
-        slot = int(slot)
+    hardest = canaries.get("hardest_case")
+    named = [(canaries[k], DEFAULT_CANARIES[k], f"{k} canary: {DEFAULT_CANARIES[k]!r}") for k in ("secret", "repeat")
+             if k in canaries]
+    custom = [(c["slot"], str(c["text"]), str(c.get("label", f"canary {c['text']!r}"))) for c in canaries.get("custom", [])]
+    for slot, text, label in named + custom + ([(hardest, None, "hardest-case logit canary")] if hardest is not None else []):
         if not 0 <= slot < batch_size:
             raise ValueError(f"[canaries] slot {slot} out of range for batch_size={batch_size}")
         if slot in slots:
             raise ValueError(f"[canaries] two canaries in slot {slot}")
         slots[slot] = (text, label)
-
-    for key in ("secret", "repeat"):
-        if key in canaries:
-            claim_slot(canaries[key], DEFAULT_CANARIES[key], f"{key} canary: {DEFAULT_CANARIES[key]!r}")
-    for item in canaries.get("custom", []):
-        claim_slot(item["slot"], str(item["text"]), str(item.get("label", f"canary {item['text']!r}")))
-    hardest = canaries.get("hardest_case")
-    if hardest is not None:
-        claim_slot(hardest, None, "hardest-case logit canary")
-    unknown = set(canaries) - {"secret", "repeat", "custom", "hardest_case"}
-    if unknown:
-        raise ValueError(f"unknown keys in [canaries]: {sorted(unknown)}")
     data = iter(_data_references(spec, batch_size - len(slots)))
     refs = [slots[j][0] if j in slots else next(data) for j in range(batch_size)]
     labels = {j: lab for j, (_, lab) in slots.items() if j != hardest}
-    return refs, labels, (int(hardest) if hardest is not None else None)
-
-
-def mechanism_from_section(mech: dict, batch_size: int):
-    """The :class:`~invink_audit.mechanisms.Mechanism` a ``[mechanism]`` section names (``None``: InvisibleInk,
-    audited on the engine's own path from ``clip_norm``/``epsilon``). Every key is checked first."""
-    values = _mechanism_values(mech)
-    kind = values["kind"]
-    if kind == "invisibleink":
-        return None
-    from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism, plan_amin
-
-    delta = values.get("delta", 1e-6)
-    try:
-        if kind == "amin":
-            kwargs = {k: values[k] for k in _AMIN_KEYS if k in values and k not in ("epsilon", "clip_norm")}
-            if (values.get("epsilon") is None) == (values.get("clip_norm") is None):
-                raise ValueError("kind 'amin' needs exactly one of epsilon and clip_norm")
-            if values.get("clip_norm") is None:
-                acc = plan_amin(
-                    epsilon=values["epsilon"], delta=delta, max_private_tokens=values.get("max_private_tokens", 100),
-                    batch_size=batch_size, temperature=values.get("temperature", 1.0),
-                    svt_noise=values.get("svt_noise", 0.3), sensitivity=values.get("sensitivity", "replace-by-null"),
-                )
-                kwargs["clip_norm"] = acc.clip_norm
-            else:
-                kwargs["clip_norm"] = values["clip_norm"]
-            return AminMechanism(AminConfig(batch_size=batch_size, **kwargs))
-        if values.get("epsilon") is None:
-            raise ValueError("kind 'adapmixed' needs epsilon (the budget of its stop rule)")
-        kwargs = {k: values[k] for k in _mechanism_keys("adapmixed") if k not in _COMMON_MECHANISM_KEYS and k in values}
-        return AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=batch_size, delta=delta, **kwargs))
-    except ValueError as err:
-        raise ValueError(f"[mechanism] {err}") from err
-
-
-def _device_of(model_section: dict):
-    from invink_audit.models import resolve_device
-
-    return resolve_device(model_section.get("device"))
+    return refs, labels, hardest
 
 
 def _generator(spec: AuditSpec, seed: int | None, device="cpu"):
@@ -839,36 +656,32 @@ def _invink_model_dir(path) -> Iterator[str]:
     safetensors conversion of the embedded SmolLM2) or ``"tiny"`` (the random tiny test model, saved to
     a temporary directory that is removed when the audit ends, on every path: success, error or
     interruption)."""
-    if not path:
-        raise ValueError("[target] kind = 'invink' needs model_path (a directory, 'embedded' or 'tiny')")
     if path == "embedded":
         from invink_audit.models import EMBEDDED_MODEL, named_model_dir
 
         yield str(named_model_dir(EMBEDDED_MODEL))
         return
-    if path == "tiny":
-        import tempfile
-
-        from invink_audit.models import build_tiny_model
-
-        folder = Path(tempfile.mkdtemp(prefix="invink-audit-tiny-"))
-        try:
-            tiny = build_tiny_model()
-            tiny.model.save_pretrained(folder)
-            tiny.tokenizer.save_pretrained(folder)
-            yield str(folder)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+    if path != "tiny":
+        yield str(path)
         return
-    if not Path(path).is_dir():
-        raise ValueError(f"[target] model_path must be a directory, 'embedded' or 'tiny'; got {path!r}")
-    yield str(path)
+    import tempfile
+
+    from invink_audit.models import build_tiny_model
+
+    folder = Path(tempfile.mkdtemp(prefix="invink-audit-tiny-"))
+    try:
+        tiny = build_tiny_model()
+        tiny.model.save_pretrained(folder)
+        tiny.tokenizer.save_pretrained(folder)
+        yield str(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _require_invink() -> None:
     """The reference package must be importable (an optional dependency): a one-line error otherwise."""
     try:
-        import invink  # noqa: F401
+        importlib.import_module("invink")
     except ImportError as err:
         raise ValueError(
             f"[target] kind = 'invink' audits the reference package invink, which cannot be imported ({err}); "
@@ -902,26 +715,17 @@ def run_spec(
 
 
 def _model_audit_settings(spec: AuditSpec):
-    """The :class:`~invink_audit.audit.model_audit.ModelAuditSettings` of a white-box spec's ``[mechanism]``."""
+    """The :class:`~invink_audit.audit.model_audit.ModelAuditSettings` of a white-box spec's mechanism (InvisibleInk
+    by its parameters, its clip norm planned for the spec's ε when one is given)."""
     from invink_audit.audit.model_audit import ModelAuditSettings
+    from invink_audit.mechanisms import InvisibleInk
 
-    m = spec.mechanism
-    generic = mechanism_from_section(m.section, m.batch_size)
-    tokens = m.tokens
-    try:
-        if generic is not None:
-            return ModelAuditSettings(max_new_tokens=tokens, delta=m.delta, mechanism=generic)
-        return ModelAuditSettings(
-            max_new_tokens=tokens,
-            temperature=m.temperature,
-            top_k=m.top_k,
-            clip_norm=m.clip_norm,
-            epsilon=m.epsilon,
-            delta=m.delta,
-            accountant=m.accountant,
-        )
-    except ValueError as err:
-        raise ValueError(f"[mechanism] {err}") from err
+    m, steps = spec.mechanism, spec.max_new_tokens
+    if not isinstance(m, InvisibleInk):
+        return ModelAuditSettings(max_new_tokens=steps, delta=spec.delta, mechanism=m)
+    size = {"epsilon": spec.epsilon} if spec.epsilon is not None else {"clip_norm": m.config.clip_norm}
+    return ModelAuditSettings(max_new_tokens=steps, temperature=m.config.temperature, top_k=m.config.top_k,
+                              delta=spec.delta, accountant=m.accountant, **size)
 
 
 def _run_whitebox(spec: AuditSpec, seed, progress):
@@ -929,124 +733,86 @@ def _run_whitebox(spec: AuditSpec, seed, progress):
     from invink_audit.models import load_model
 
     with _naming(spec.path):  # everything the spec decides, before the model loads
-        refs, labels, hardest = _batch(spec, spec.mechanism.batch_size)
-        settings = _model_audit_settings(spec)
+        refs, labels, hardest = _batch(spec, spec.batch_size)
     model = spec.model
     loaded = load_model(model.model, gguf_file=model.gguf_file, device=model.device, dtype=model.dtype)
     return audit_model(
-        refs,
-        settings,
-        spec.audit,
-        model=loaded,
-        prompt=spec.prompt.preset,
-        prompt_fields=spec.prompt.fields,
-        canaries=labels,
-        hardest_case_slot=hardest,
-        generator=_generator(spec, seed, loaded.device),
-        max_batch_rows=model.max_batch_rows,
-        progress=progress,
+        refs, _model_audit_settings(spec), spec.audit, model=loaded, prompt=spec.prompt.template,
+        prompt_fields=spec.prompt.fields, canaries=labels, hardest_case_slot=hardest,
+        generator=_generator(spec, seed, loaded.device), max_batch_rows=model.max_batch_rows, progress=progress,
         label=spec.name,
-    )
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _target(spec: AuditSpec, seed) -> Iterator[tuple]:
+    """The target a black-box spec names and the scores it is audited with (the reference package's ``tokens``
+    counted by its model's tokenizer), for the audit's duration."""
+    from invink_audit.audit.targets import CallableTarget, EngineTarget, ReferencePackageTarget
+
+    t, bb = spec.target, spec.blackbox
+    if t.kind == "callable":
+        with _naming(spec.path):
+            target = CallableTarget.named(t.function, batched=t.batched)
+        yield target, bb.scores
+    elif t.kind == "invink":
+        with _invink_model_dir(t.model_path) as path:  # a temporary "tiny" model is removed on every path
+            scores = list(bb.scores)
+            if "tokens" in scores:
+                from transformers import AutoTokenizer
+
+                from invink_audit.audit.blackbox import token_count
+
+                scores[scores.index("tokens")] = token_count(AutoTokenizer.from_pretrained(path))
+            yield ReferencePackageTarget(path, batch_size=spec.batch_size, dataset_desc=t.dataset_desc,
+                                         epsilon=spec.epsilon, delta=spec.delta, **bb.invink_kwargs), tuple(scores)
+    else:
+        from invink_audit.models import resolve_device
+
+        target = EngineTarget(spec.mechanism, model=spec.model, max_new_tokens=spec.max_new_tokens,
+                              prompt=spec.prompt.template, prompt_fields=spec.prompt.fields,
+                              generator=_generator(spec, seed, device=resolve_device(spec.model.device)))
+        yield target, bb.scores
+
+
+def _claim(spec: AuditSpec) -> tuple[float, Callable[[float], float] | None]:
+    """The claim a black-box spec tests: the engine's mechanism's guarantee (ε at the spec's δ, and at every δ'
+    when it is a-priori), or the ε given for the reference package or a callable (its quoted point)."""
+    if spec.mechanism is None:
+        return spec.epsilon, None
+    mechanism, steps = spec.mechanism, spec.max_new_tokens
+
+    def curve(delta: float) -> float:
+        return mechanism.guarantee(steps, delta).epsilon
+
+    return curve(spec.delta), curve if mechanism.guarantee(steps, spec.delta).a_priori else None
 
 
 def _run_blackbox(spec: AuditSpec, seed, progress):
-    bb = spec.blackbox
-    with _naming(spec.path):  # before any model loads
-        refs, _, _ = _batch(spec, spec.mechanism.batch_size + bb.spare_references)
-        if bb.target == "invink":
-            _require_invink()
-    if bb.target == "engine":
-        return _run_engine_target(spec, refs, seed, progress)
-    if bb.target == "invink":
-        return _run_invink_target(spec, refs, progress)
-    raise ValueError(f"[target] kind must be 'engine' or 'invink'; got {bb.target!r}")
-
-
-def _run_engine_target(spec: AuditSpec, refs, seed, progress):
-    """Black-box audit of our engine: the clip norm given (its ε reported) or planned for ε."""
-    from accounting import epsilon_for_clip_norm, plan_clip_norm
-    from invink_audit.audit.batched import EngineTarget
-    from invink_audit.audit.blackbox import blackbox_audit, engine_generator
-
-    m, bb = spec.mechanism, spec.blackbox
-    with _naming(spec.path):
-        T, tau, epsilon = m.tokens, m.temperature, m.epsilon
-        try:
-            if m.clip_norm is not None:
-                clip_norm = float(m.clip_norm)
-                epsilon = epsilon_for_clip_norm(
-                    clip_norm=clip_norm, max_new_tokens=T, batch_size=m.batch_size, temperature=tau, delta=m.delta
-                ).epsilon
-            else:
-                clip_norm = plan_clip_norm(
-                    epsilon=epsilon, delta=m.delta, max_new_tokens=T, batch_size=m.batch_size, temperature=tau
-                ).clip_norm
-        except ValueError as err:
-            raise ValueError(f"[mechanism] {err}") from err
-    if bb.num_batches is not None:
-        def curve(d: float) -> float:  # the release's accountant at every δ': the claim tested is its curve
-            return epsilon_for_clip_norm(clip_norm=clip_norm, max_new_tokens=T, batch_size=m.batch_size, temperature=tau,
-                                         delta=d).epsilon
-
-        return _run_batched(spec, refs, curve(m.delta), EngineTarget(
-            model=spec.model.model, clip_norm=clip_norm, temperature=tau, top_k=m.top_k, batch_size=m.batch_size,
-            max_new_tokens=T, prompt=spec.prompt.preset, prompt_fields=spec.prompt.fields,
-            generator=_generator(spec, seed, device=_device_of(spec.section("model"))),
-        ), seed, f"InvisibleInk engine ({spec.model.name})", claimed_profile=curve)
-    many = engine_generator(
-        model=spec.model.model,
-        clip_norm=clip_norm, temperature=tau, top_k=m.top_k, batch_size=m.batch_size, max_new_tokens=T,
-        prompt=spec.prompt.preset, prompt_fields=spec.prompt.fields,
-        generator=_generator(spec, seed, device=_device_of(spec.section("model"))),
-    )
-    return blackbox_audit(
-        None, refs, bb.canary, claimed_epsilon=float(epsilon), claimed_delta=m.delta, generate_many=many,
-        num_trials=bb.num_trials, significance=bb.significance, scores=bb.scores,
-        mechanism=f"InvisibleInk engine ({spec.model.name}, {many.dtype_choice.dtype})", progress=progress,
-        notes=(f"model dtype {many.dtype_choice.dtype}: {many.dtype_choice.reason}",),
-    )
-
-
-def _run_batched(spec: AuditSpec, refs, epsilon: float, target, seed, mechanism: str, scores=None, claimed_profile=None):
-    """A batched canary audit (:func:`invink_audit.audit.batched.batched_canary_audit`): the spec's references
-    after the canary slot are every batch's others (with its spare references), cycled. ``claimed_profile``:
-    the claim's ε at every δ' (our engine's accountant); the reference package's claim is its quoted point."""
+    """The alternating canary audit (``num_trials``) or the batched one (``num_batches``: the spec's references after
+    the canary slot are every batch's others, with its spare references, cycled; the coins from the seed)."""
     from invink_audit.audit.batched import batched_canary_audit
+    from invink_audit.audit.blackbox import blackbox_audit
 
-    bb, m = spec.blackbox, spec.mechanism
-    return batched_canary_audit(
-        target, [r for r in refs[1:] if r], bb.canary, batch_size=m.batch_size, num_batches=bb.num_batches,
-        claimed_epsilon=epsilon, claimed_delta=m.delta, scores=scores or bb.scores, significance=bb.significance,
-        spare_references=bb.spare_references, seed=seed, mechanism=mechanism, num_looks=4 if bb.sequential else 1,
-        claimed_profile=claimed_profile,
-    )
-
-
-def _run_invink_target(spec: AuditSpec, refs, progress):
-    """Black-box audit of the reference package ``invink`` (the audited model's tokenizer counts tokens)."""
-    from invink_audit.audit.blackbox import blackbox_audit, invink_generator
-
-    m, bb = spec.mechanism, spec.blackbox
-    with _invink_model_dir(bb.model_path) as path:  # a temporary "tiny" model is removed on every path
-        scores = list(bb.scores)
-        if "tokens" in scores:  # the public tokenizer of the audited model counts output tokens
-            from transformers import AutoTokenizer
-
-            from invink_audit.audit.blackbox import token_count
-
-            scores[scores.index("tokens")] = token_count(AutoTokenizer.from_pretrained(path))
-        gen = invink_generator(
-            str(path), batch_size=m.batch_size, dataset_desc=bb.dataset_desc, epsilon=float(m.epsilon), delta=m.delta,
-            **bb.invink_kwargs,
-        )
-        if bb.num_batches is not None:
-            return _run_batched(spec, refs, float(m.epsilon), lambda batches: [gen(b) for b in batches], None,
-                                "reference package invink 0.1.0", scores=tuple(scores))
-        return blackbox_audit(
-            gen, refs, bb.canary, claimed_epsilon=float(m.epsilon), claimed_delta=m.delta,
-            num_trials=bb.num_trials, significance=bb.significance, scores=tuple(scores),
-            mechanism="reference package invink 0.1.0", progress=progress,
-        )
+    bb, t = spec.blackbox, spec.target
+    with _naming(spec.path):  # before any model loads
+        refs, _, _ = _batch(spec, spec.batch_size + t.spare_references)
+        if t.kind == "invink":
+            _require_invink()
+    epsilon, curve = _claim(spec)
+    with _target(spec, seed) as (target, scores):
+        if bb.num_batches is None:
+            dtype = getattr(target, "loaded", None)
+            notes = () if dtype is None else (f"model dtype {dtype.dtype_choice.dtype}: {dtype.dtype_choice.reason}",)
+            return blackbox_audit(target, refs, bb.canary, claimed_epsilon=epsilon, claimed_delta=spec.delta,
+                                  num_trials=bb.num_trials, significance=bb.significance, scores=scores,
+                                  progress=progress, notes=notes)
+        return batched_canary_audit(
+            target, [r for r in refs[1:] if r], bb.canary, batch_size=spec.batch_size, num_batches=bb.num_batches,
+            claimed_epsilon=epsilon, claimed_delta=spec.delta, scores=scores, significance=bb.significance,
+            spare_references=t.spare_references, seed=seed if seed is not None else spec.seed,
+            num_looks=4 if bb.sequential else 1, claimed_profile=curve,
+        )  # fmt: skip
 
 
 def _run_augpe_histogram(a: AugPEHistogramSpec, seed: int | None):
@@ -1057,7 +823,8 @@ def _run_augpe_histogram(a: AugPEHistogramSpec, seed: int | None):
 
     import numpy as np
 
-    from invink_audit.augpe.audit import HistogramTarget, exact_histogram_check, histogram_canary_audit
+    from invink_audit.audit.augpe import exact_histogram_check, histogram_canary_audit
+    from invink_audit.audit.targets import HistogramTarget
 
     data, event, start = a.embeddings(), a.event, time.perf_counter()
     check = exact_histogram_check(np.vstack([data.canary, data.others]), data.candidates, data.null, event)
@@ -1074,7 +841,7 @@ def _run_augpe_histogram(a: AugPEHistogramSpec, seed: int | None):
 
 def _augpe_notes(a: AugPEHistogramSpec, target, check, seed: int | None) -> tuple[str, ...]:
     """What an augpe-histogram report says beside its verdict: the claim, the exact check, the true ε, the seed."""
-    from invink_audit.augpe.audit import true_epsilon
+    from invink_audit.audit.augpe import true_epsilon
 
     event, n = a.event, 1 + a.num_candidates * a.others_per_candidate
     planned = (f"σ planned for ε = {a.epsilon:g} at δ = {a.delta:g} on the exact μ-GDP curve" if a.epsilon is not None

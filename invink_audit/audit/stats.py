@@ -5,7 +5,7 @@ and geometric-mixture importance sampling (:func:`renyi_importance_sampling`, §
 (:func:`hockey_stick_delta`, §5); mean bounds by Anderson (1969) from the DKW inequality with Massart's
 constant (Massart 1990, Thm. 1), empirical Bernstein (Maurer & Pontil 2009, Thm. 4), Clopper–Pearson
 (1934); Holm (1979) over all tests of an audit (:func:`holm`, :func:`decide_verdict`). Every bound states
-its significance level β.
+its significance level β (an :class:`~invink_audit.evaluation.stats.Interval` at confidence 1 − β).
 
 Design: docs/auditing_notes.md (§3–§5, "Verdicts").
 """
@@ -22,9 +22,9 @@ import numpy as np
 from scipy import special, stats
 
 from accounting.limits import check_delta, check_order
+from invink_audit.evaluation.stats import Interval
 
 __all__ = [
-    "Interval",
     "Verdict",
     "TestResult",
     "dkw_radius",
@@ -37,6 +37,7 @@ __all__ = [
     "hockey_stick_delta",
     "DeltaCurve",
     "clopper_pearson",
+    "clopper_pearson_limits",
     "epsilon_lower_bound",
     "p_value_from_lower_bound",
     "holm",
@@ -76,26 +77,10 @@ class Verdict(enum.Enum):
     VIOLATION = "VIOLATION"
     INCONCLUSIVE = "INCONCLUSIVE"
 
-
-@dataclass(frozen=True)
-class Interval:
-    """A point estimate with a confidence interval ``[lower, upper]`` at level ``1 - significance``."""
-
-    lower: float
-    estimate: float
-    upper: float
-    significance: float
-    method: str
-
-    def __post_init__(self):
-        check_significance(self.significance)
-        if math.isnan(self.estimate) or math.isnan(self.lower) or math.isnan(self.upper):
-            raise ValueError(f"interval values must not be NaN; got {self!r}")
-        if not self.lower <= self.upper:
-            raise ValueError(f"lower must be <= upper; got {self.lower!r} > {self.upper!r}")
-
-    def contains(self, value: float) -> bool:
-        return self.lower <= value <= self.upper
+    @staticmethod
+    def worst(verdicts) -> Verdict:
+        """VIOLATION if any is, else INCONCLUSIVE if any is, else PASS (also for none)."""
+        return max(verdicts, key=(Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.VIOLATION).index, default=Verdict.PASS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +282,7 @@ def _renyi_estimate(
     d_hi = _renyi_from_log_mean(hi, alpha)
     d_pt = _renyi_from_log_mean(point, alpha)
     d_hi = max(d_hi, d_lo)
-    interval = Interval(d_lo, d_pt, d_hi, significance, method)
+    interval = Interval(d_pt, d_lo, d_hi, 1.0 - significance, method)
     p_value = None
     if claimed is not None:
         null_log = (alpha - 1.0) * float(claimed)
@@ -466,18 +451,31 @@ def hockey_stick_delta(losses, epsilons: Sequence[float], significance: float) -
 # binomial (black box)
 
 
+def clopper_pearson_limits(successes, trials, significance: float) -> tuple[np.ndarray, np.ndarray]:
+    r"""Clopper–Pearson (1934) limits of binomial proportions k/n, elementwise over arrays of counts: the lower
+    :math:`B^{-1}(\beta/2;\, k, n-k+1)` (0 at k = 0) and the upper :math:`B^{-1}(1-\beta/2;\, k+1, n-k)` (1 at
+    k = n), B the Beta distribution; each one-sided at β/2. scipy's ``binomtest(k, n).proportion_ci(method="exact")``
+    gives the same (tests/test_audit_stats.py) for one count at a time, ~18× slower (a p-value first): too slow for
+    one pair per threshold (:meth:`~invink_audit.audit.tradeoff.PrivacyProfile.bounds`)."""
+    beta = check_significance(significance)
+    k, n = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lower = np.where(k > 0, stats.beta.ppf(beta / 2, k, n - k + 1), 0.0)
+        upper = np.where(k < n, stats.beta.ppf(1 - beta / 2, k + 1, n - k), 1.0)
+    return lower, upper
+
+
 def clopper_pearson(successes: int, trials: int, significance: float) -> Interval:
-    """Exact two-sided Clopper–Pearson interval for a binomial proportion (each tail β/2)."""
+    """Exact two-sided Clopper–Pearson interval for a binomial proportion (each tail β/2;
+    :func:`clopper_pearson_limits`)."""
     for name, v in (("successes", successes), ("trials", trials)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"{name} must be a non-negative integer; got {v!r}")
     if trials < 1 or successes > trials:
         raise ValueError(f"need 0 <= successes <= trials and trials >= 1; got {successes}/{trials}")
     beta = check_significance(significance)
-    k, n = int(successes), int(trials)
-    lo = 0.0 if k == 0 else float(stats.beta.ppf(beta / 2, k, n - k + 1))
-    hi = 1.0 if k == n else float(stats.beta.ppf(1 - beta / 2, k + 1, n - k))
-    return Interval(lo, k / n, hi, beta, "clopper-pearson")
+    lower, upper = clopper_pearson_limits(successes, trials, beta)
+    return Interval(int(successes) / int(trials), float(lower), float(upper), 1.0 - beta, "clopper-pearson")
 
 
 def epsilon_lower_bound(

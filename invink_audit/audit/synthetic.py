@@ -2,9 +2,11 @@ r"""Synthetic logit sources and audited mechanisms: the white-box auditor withou
 
 Sources (:class:`RandomSource`; :class:`HardestCaseSource`, the worst case of docs/accounting_notes.md §8:
 per-token loss pair :math:`(t, t-\varepsilon_0)` with :math:`t\approx 0.53\,\varepsilon_0`, Dong, Durfee &
-Rogers 2020), the correct InvisibleInk mechanism and the self-test's four planted bugs (:func:`mutants`),
-any :class:`~invink_audit.mechanisms.Mechanism` (:class:`AuditedMechanism`), audits on them
-(:func:`run_synthetic_audit`, :func:`run_mechanism_audit`) and exact enumeration (:func:`enumerate_outputs`).
+Rogers 2020); any :class:`~invink_audit.mechanisms.Mechanism` under audit (:class:`AuditedMechanism`: the correct
+InvisibleInk, :func:`correct_mechanism`, the self-test's four planted bugs, :func:`mutants`, the paper's
+baselines, one's own); one walk of a mechanism on a source, in its exact state, that samples an audit's texts
+(:func:`run_synthetic_audit`), draws a black-box audit's texts with their exact ratios (:func:`draw_texts`) and
+enumerates every output exactly (:func:`enumerate_outputs`).
 
 Design: docs/auditing_notes.md ("Testing the auditor").
 """
@@ -20,35 +22,37 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
-from invink_audit.audit.whitebox import Claim, RecordedAudit, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
+from invink_audit.audit.whitebox import (
+    KIND_ACTUAL,
+    KIND_NEIGHBOUR,
+    Claim,
+    RecordedAudit,
+    SamplingPlan,
+    WhiteBoxConfig,
+    WhiteBoxRecorder,
+)
+from invink_audit.mechanisms import MechanismStep
+from invink_audit.mechanisms.invisibleink import HARDEST_PUBLIC_PROBABILITY
 
 if TYPE_CHECKING:
     from invink_audit.mechanisms import Mechanism
 
 __all__ = [
-    "token_budgets",
-    "with_stop",
     "HARDEST_PUBLIC_PROBABILITY",
     "LogitSource",
     "RandomSource",
     "HardestCaseSource",
-    "SyntheticMechanism",
+    "AuditedMechanism",
     "correct_mechanism",
     "mutants",
-    "auto_token_budget",
     "run_synthetic_audit",
+    "draw_texts",
     "torch_threads",
     "enumerate_outputs",
     "exact_epsilon_stationary",
     "ExactOutputs",
-    "AuditedMechanism",
-    "run_mechanism_audit",
-    "enumerate_mechanism_outputs",
 ]
 
-#: public probability of the up-weighted outcome in the worst ε0-BR pair (docs/accounting_notes.md §8)
-HARDEST_PUBLIC_PROBABILITY = 0.45
 _DTYPE = torch.float64
 
 
@@ -195,182 +199,58 @@ class HardestCaseSource(LogitSource):
 # mechanisms under audit
 
 
-def auto_token_budget(reference_lengths: Sequence[int], *, default: int = 1) -> int:
-    """The reference package's ``max_toks="auto"``: mean + 2·std of the non-empty references' lengths.
-
-    A data-dependent hyperparameter (BRIEF.md, "behaviour not to repeat"); here only for the mutant.
-    ``default`` when every reference is null.
-    """
-    lengths = [x for x in reference_lengths if x > 0]
-    if not lengths:
-        return default
-    return max(1, int(np.mean(lengths) + 2 * np.std(lengths)))
-
-
 @dataclasses.dataclass(frozen=True)
-class SyntheticMechanism:
-    """A mechanism under audit: one step's log-probabilities, its token budget, and its claim.
-
-    ``step(private, public)`` → (actual (G, V), neighbours (G, B, V)) log-probabilities;
-    ``budget(reference_lengths)`` → T for that dataset; ``claimed_epsilon0`` and
-    ``claimed_rho_token``: what its accountant was told per token.
-    """
+class AuditedMechanism:
+    """A :class:`invink_audit.mechanisms.Mechanism` under audit on a synthetic source: run for at most
+    ``max_new_tokens`` outcomes (a public, fixed budget), claiming its own guarantee; ``name`` and
+    ``description`` label it, ``expected`` is the verdict a correct auditor must give."""
 
     name: str
     description: str
-    step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    budget: Callable[[Sequence[int]], int]
-    claimed_epsilon0: float
-    claimed_rho_token: float
-    expected: str  # "PASS" or "VIOLATION": what a correct auditor must say
+    mechanism: Mechanism
+    max_new_tokens: int
+    expected: str
 
-    def claim(self, source: LogitSource, *, delta: float = 1e-6) -> Claim:
-        return Claim(
-            self.claimed_epsilon0,
-            self.claimed_rho_token,
-            self.budget(source.reference_lengths),
-            source.batch_size,
-            delta,
-            self.name,
-        )
+    def claim(self, *, delta: float = 1e-6) -> Claim:
+        """The mechanism's claim for ``max_new_tokens`` at ``delta`` (:meth:`Claim.from_mechanism`)."""
+        return Claim.from_mechanism(self.mechanism, self.max_new_tokens, delta)
 
 
-def _config(clip_norm, temperature, top_k, batch_size, clipping=Clipping.DIFFERENCE):
+def _config(clip_norm, temperature, top_k, batch_size, **kwargs):
     from invink_audit.mechanism import MechanismConfig
 
-    return MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size, clipping=clipping)
+    return MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size, **kwargs)
 
 
-def _as_step(config):
-    def step(private, public):
-        out = config.neighbour_log_probs(private, public)
-        return out.actual, out.neighbours
-
-    return step
-
-
-def correct_mechanism(*, clip_norm: float, temperature: float, top_k: int | None, batch_size: int, max_new_tokens: int) -> SyntheticMechanism:
+def correct_mechanism(*, clip_norm: float, temperature: float, top_k: int | None, batch_size: int,
+                      max_new_tokens: int) -> AuditedMechanism:
     """InvisibleInk as specified (paper Algorithm 1), with a fixed, data-independent budget T."""
-    cfg = _config(clip_norm, temperature, top_k, batch_size)
-    return SyntheticMechanism(
-        "correct",
-        "InvisibleInk: DClip, Top-k+ from public logits, accounted temperature, fixed T",
-        _as_step(cfg),
-        lambda lengths, T=max_new_tokens: T,
-        cfg.epsilon0,
-        cfg.rho_token,
-        "PASS",
-    )
+    from invink_audit.mechanisms import InvisibleInk
+
+    return AuditedMechanism("correct", "InvisibleInk: DClip, Top-k+ from public logits, accounted temperature, fixed T",
+                            InvisibleInk(_config(clip_norm, temperature, top_k, batch_size)), max_new_tokens, "PASS")
 
 
-def mutants(*, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int) -> list[SyntheticMechanism]:
-    """The four planted bugs (docs/auditing_notes.md, "Testing the auditor"), each with the claim its
-    (wrong) accountant would make."""
+def mutants(*, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int,
+            reference_lengths: Sequence[int]) -> list[AuditedMechanism]:
+    """The four planted bugs (docs/auditing_notes.md, "Testing the auditor";
+    :mod:`invink_audit.audit.planted`), each claiming what its (wrong) accountant would say; the data-dependent
+    budget is computed from ``reference_lengths`` (a source's)."""
+    from accounting.sensitivity import Clipping
+    from invink_audit.audit.planted import DataDependentBudget, PlantedBug, PrivateTopK
+
     correct = _config(clip_norm, temperature, top_k, batch_size)
-    return [
-        _naive_clipping_mutant(clip_norm, temperature, batch_size, max_new_tokens),
-        _low_temperature_mutant(correct, clip_norm, temperature, top_k, batch_size, max_new_tokens),
-        _private_topk_mutant(correct, clip_norm, temperature, top_k, batch_size, max_new_tokens),
-        _data_dependent_budget_mutant(correct),
-    ]
-
-
-def _naive_clipping_mutant(clip_norm: float, temperature: float, batch_size: int, max_new_tokens: int) -> SyntheticMechanism:
-    """(1) naive clipping (Amin et al. 2024) accounted with sensitivity C/B under replace-by-null, as
-    the paper's baselines do (Appendix B.3.1): the true sensitivity is 2C/B (paper Property 9)."""
-    naive = _config(clip_norm, temperature, None, batch_size, Clipping.NAIVE)
-    wrong_sens = linf_sensitivity(clip_norm, batch_size, Clipping.NAIVE, Adjacency.ZERO_OUT)  # = C/B
-    return SyntheticMechanism(
-        "naive-clipping",
-        "naive clipping accounted with sensitivity C/B under replace-by-null (true: 2C/B)",
-        _as_step(naive),
-        lambda lengths, T=max_new_tokens: T,
-        2.0 * wrong_sens / temperature,
-        wrong_sens**2 / (2.0 * temperature**2),
-        "VIOLATION",
-    )
-
-
-def _low_temperature_mutant(
-    correct, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int
-) -> SyntheticMechanism:
-    """(2) sampling at a lower temperature than the one accounted."""
-    cold = _config(clip_norm, temperature / 2.0, top_k, batch_size)
-    return SyntheticMechanism(
-        "low-temperature",
-        f"samples at temperature {temperature / 2:g}, accounted at {temperature:g}",
-        _as_step(cold),
-        lambda lengths, T=max_new_tokens: T,
-        correct.epsilon0,
-        correct.rho_token,
-        "VIOLATION",
-    )
-
-
-def _private_topk_mutant(
-    correct, clip_norm: float, temperature: float, top_k: int, batch_size: int, max_new_tokens: int
-) -> SyntheticMechanism:
-    """(3) top-k of the aggregated private logits (each dataset's own top-k: a token can jump out)."""
-    from invink_audit.mechanism import top_k_log_softmax
-
-    full = _config(clip_norm, temperature, None, batch_size)
-
-    def private_topk(private, public, cfg=full, k=top_k):
-        o = cfg.neighbour_log_probs(private, public)
-        return top_k_log_softmax(o.actual, k), top_k_log_softmax(o.neighbours, k)
-
-    return SyntheticMechanism(
-        "private-top-k",
-        f"top-{top_k} set computed from the aggregated private logits",
-        private_topk,
-        lambda lengths, T=max_new_tokens: T,
-        correct.epsilon0,
-        correct.rho_token,
-        "VIOLATION",
-    )
-
-
-def _data_dependent_budget_mutant(correct) -> SyntheticMechanism:
-    """(4) data-dependent token budget (the reference package's max_toks="auto")."""
-    return SyntheticMechanism(
-        "data-dependent-budget",
-        "token budget T = mean + 2 std of the non-empty references' lengths",
-        _as_step(correct),
-        auto_token_budget,
-        correct.epsilon0,
-        correct.rho_token,
-        "VIOLATION",
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# decoding with STOP
-
-
-def token_budgets(mechanism: SyntheticMechanism, source: LogitSource) -> tuple[int, list[int]]:
-    """T of the mechanism on the source's dataset R, and on each neighbour R'_j (reference j nulled)."""
-    lengths = list(source.reference_lengths)
-    t_r = mechanism.budget(lengths)
-    t_j = []
-    for j in range(source.batch_size):
-        nulled = list(lengths)
-        nulled[j] = 0
-        t_j.append(mechanism.budget(nulled))
-    return t_r, t_j
-
-
-def with_stop(actual, neighbours, step, t_r, t_j):
-    """Append the STOP column: at ``step == T_D`` dataset D stops with probability 1."""
-    b = neighbours.shape[1]
-
-    def extend(lp, stop_now: bool):
-        col = torch.zeros(lp.shape[:-1] + (1,), dtype=_DTYPE) if stop_now else torch.full(lp.shape[:-1] + (1,), -math.inf, dtype=_DTYPE)
-        body = torch.full_like(lp, -math.inf) if stop_now else lp
-        return torch.cat([body, col], dim=-1)
-
-    a = extend(actual.to(_DTYPE), step == t_r)
-    n = torch.cat([extend(neighbours[:, j : j + 1].to(_DTYPE), step == t_j[j]) for j in range(b)], dim=1)
-    return a, n
+    naive = _config(clip_norm, temperature, None, batch_size, clipping=Clipping.NAIVE)
+    cold = dataclasses.replace(correct, temperature=temperature / 2.0)
+    bugs = [
+        (PlantedBug("naive-clipping", naive, dataclasses.replace(correct, top_k=None)),
+         "naive clipping accounted with sensitivity C/B under replace-by-null (true: 2C/B)"),
+        (PlantedBug("low-temperature", cold, correct), f"samples at temperature {temperature / 2:g}, accounted at {temperature:g}"),
+        (PrivateTopK(correct), f"top-{top_k} set computed from the aggregated private logits"),
+        (DataDependentBudget(correct, reference_lengths),
+         "token budget T = mean + 2 std of the non-empty references' lengths"),
+    ]  # fmt: skip
+    return [AuditedMechanism(m.name, description, m, max_new_tokens, "VIOLATION") for m, description in bugs]
 
 
 @contextlib.contextmanager
@@ -389,78 +269,105 @@ def torch_threads(num_threads: int):
         torch.set_num_threads(previous)
 
 
+# ---------------------------------------------------------------------------------------------
+# one walk: a mechanism decoding on a source in its exact state
+
+
+class _Walker:
+    """How a mechanism decodes on a source, for :func:`_sample` and :func:`_enumerate`: in its exact state
+    (outcome distributions under R and every R'_j given the released history), its auxiliary uniforms drawn per
+    step; a text ends at EOS, at the stop outcome or stop rule, or after ``max_new_tokens`` outcomes (a public,
+    fixed budget)."""
+
+    def __init__(self, source: LogitSource, audited: AuditedMechanism):
+        self.mechanism, self.source, self.horizon = audited.mechanism, source, audited.max_new_tokens
+        self.stop_id = self.mechanism.stop_outcome(source.vocab_size)
+
+    def _aux(self, count: int, generator, *, at_start: bool) -> torch.Tensor:
+        n = self.mechanism.aux_size(exact=True, at_start=at_start)
+        return torch.rand((count, n), dtype=_DTYPE, generator=generator).clamp_(2.0**-60, 1.0 - 2.0**-53)
+
+    def start(self, count: int, generator) -> torch.Tensor:
+        return self.mechanism.initial_state(self._aux(count, generator, at_start=True), exact=True)
+
+    def aux(self, count: int, generator) -> torch.Tensor:
+        return self._aux(count, generator, at_start=False)
+
+    def step(self, private, public, state, aux) -> MechanismStep:
+        return self.mechanism.step(private, public, state, aux, exact=True, neighbours=True)
+
+    def advance(self, out, state, outcomes, aux, step: int, rows=None):
+        """(state, tokens to append, which texts end); ``rows``: the rows of ``out`` the outcomes were drawn on
+        (enumeration; ``None``: all of them), as the mechanism's advance reads ``out``."""
+        out = out if rows is None else _rows_of(out, rows)
+        new_state, stop_after = self.mechanism.advance(out, state, outcomes, aux, exact=True)
+        tokens = outcomes % self.source.vocab_size
+        ended = (tokens == self.source.eos_token) | stop_after | (step + 1 >= self.horizon)
+        if self.stop_id is not None:
+            ended |= outcomes == self.stop_id
+        return new_state, tokens, ended
+
+    def extra(self) -> dict:
+        """The budgets under R and every R'_j (a planted data-dependent budget's own, else the public one)."""
+        b = self.source.batch_size
+        return {"budget_actual": getattr(self.mechanism, "budget", self.horizon),
+                "budget_neighbours": getattr(self.mechanism, "neighbour_budgets", [self.horizon] * b),
+                "source": self.source.name}  # fmt: skip
+
+
+def _rows_of(step: MechanismStep, rows: torch.Tensor) -> MechanismStep:
+    """A step's distributions (and a mechanism's carry) restricted to some of its rows (enumeration)."""
+    def pick(t):
+        return None if t is None else t[rows]
+
+    return MechanismStep(step.log_probs[rows], pick(step.neighbours), pick(step.check_actual), pick(step.check_neighbours),
+                         {k: val[rows] for k, val in (step.carry or {}).items()})  # fmt: skip
+
+
 def run_synthetic_audit(
     source: LogitSource,
-    mechanism: SyntheticMechanism,
+    audited: AuditedMechanism,
     config: WhiteBoxConfig,
     *,
     generator: torch.Generator,
     delta: float = 1e-6,
     progress: Callable[[int, int], None] | None = None,
 ) -> RecordedAudit:
-    """Decode every text of the config's sampling plan through ``mechanism`` on ``source``.
-
-    All texts advance together (one batched step per position); texts end on EOS or STOP.
-    """
+    """Decode every text of the config's sampling plan through ``audited`` on ``source``, all texts together (one
+    batched step per position), in the mechanism's exact state, against its claim at ``delta``."""
+    walker = _Walker(source, audited)
+    plan = SamplingPlan.build(config, source.batch_size)
     with torch_threads(1):
-        return _run_synthetic_audit(source, mechanism, config, generator=generator, delta=delta, progress=progress)
+        return _sample(source, walker, WhiteBoxRecorder(plan, audited.claim(delta=delta), config, max_steps=walker.horizon),
+                       generator=generator, progress=progress)
 
 
-def _run_synthetic_audit(source, mechanism, config, *, generator, delta, progress):
-    walker = _TokenWalker(source, mechanism)
-    return _sample(source, walker, mechanism.claim(source, delta=delta), config, generator=generator, progress=progress)
+def draw_texts(source: LogitSource, audited: AuditedMechanism, canary_in: Sequence[bool], *, slot: int,
+               generator: torch.Generator) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """Texts drawn through ``audited`` on ``source`` (a black-box audit's): text ``i`` from R where ``canary_in[i]``,
+    else from the neighbour R'_slot; each text's outcomes and its exact log-likelihood ratio
+    :math:`\\log P_R(x) - \\log P_{R'_{slot}}(x)` (±∞ for an output one side cannot give, never NaN: each text is
+    drawn from its own side)."""
+    inside = np.asarray(canary_in, dtype=bool)
+    n = inside.size
+    plan = SamplingPlan(np.where(inside, KIND_ACTUAL, KIND_NEIGHBOUR).astype(np.int64),
+                        np.where(inside, -1, slot).astype(np.int64), np.full(n, -1, dtype=np.int64))  # fmt: skip
+    config = WhiteBoxConfig(alphas=(2.0,), num_samples=max(n, 1), num_is_samples=0)
+    walker = _Walker(source, audited)
+    with torch_threads(1):
+        rec = _sample(source, walker, WhiteBoxRecorder(plan, audited.claim(), config, max_steps=walker.horizon),
+                      generator=generator, progress=None)
+    with np.errstate(invalid="ignore"):
+        llr = rec.log_prob_actual - rec.log_prob_neighbours[:, slot]
+    return [tuple(int(t) for t in rec.tokens[i, : rec.lengths[i]]) for i in range(n)], llr
 
 
-class _TokenWalker:
-    """How a :class:`SyntheticMechanism` decodes on a source, for :func:`_sample` and :func:`_enumerate`: its
-    distributions over V tokens and STOP (:func:`with_stop` at each dataset's budget), no state, and a text
-    ends at EOS or STOP."""
-
-    def __init__(self, source: LogitSource, mechanism: SyntheticMechanism):
-        self.t_r, self.t_j = token_budgets(mechanism, source)
-        self.horizon = max([self.t_r, *self.t_j]) + 1
-        self.mechanism, self.source = mechanism, source
-
-    def start(self, count: int, generator):
-        return None
-
-    def aux(self, count: int, generator):
-        return None
-
-    def step(self, private, public, state, aux, step: int) -> _WalkStep:
-        actual, neighbours = self.mechanism.step(private, public)
-        actual, neighbours = with_stop(actual, neighbours, step, self.t_r, self.t_j)
-        return _WalkStep(actual, neighbours)
-
-    def advance(self, out, state, outcomes, aux, step: int, rows=None):
-        """(state, tokens to append, which texts end); ``rows``: the rows of ``out`` the outcomes were drawn on
-        (enumeration; ``None``: all of them). A text's end does not read ``out``."""
-        ended = (outcomes == self.source.eos_token) | (outcomes == self.source.vocab_size)
-        return None, outcomes, ended
-
-    def extra(self) -> dict:
-        return {"budget_actual": self.t_r, "budget_neighbours": self.t_j, "source": self.source.name}
-
-
-@dataclasses.dataclass
-class _WalkStep:
-    """One step's distributions of a walk (the fields of :class:`~invink_audit.mechanisms.MechanismStep` the
-    walks read)."""
-
-    log_probs: torch.Tensor
-    neighbours: torch.Tensor
-    check_actual: torch.Tensor | None = None
-    check_neighbours: torch.Tensor | None = None
-
-
-def _sample(source: LogitSource, walker, claim: Claim, config: WhiteBoxConfig, *, generator, progress) -> RecordedAudit:
-    """Decode every text of the config's sampling plan through ``walker`` on ``source``, all texts together
-    (one batched step per position), recording each text's log-probabilities and the per-step checks."""
+def _sample(source: LogitSource, walker: _Walker, recorder: WhiteBoxRecorder, *, generator, progress) -> RecordedAudit:
+    """Decode every text of the recorder's plan through ``walker`` on ``source``, all texts together (one batched
+    step per position), recording each text's log-probabilities and the per-step checks."""
     from invink_audit.mechanism import sample_tokens
 
-    plan = SamplingPlan.build(config, source.batch_size)
-    recorder = WhiteBoxRecorder(plan, claim, config, max_steps=walker.horizon)
-    n = plan.num_texts
+    n = recorder.plan.num_texts
     state = walker.start(n, generator)
     prefixes = torch.zeros(n, walker.horizon, dtype=torch.int64)
     alive = torch.ones(n, dtype=torch.bool)
@@ -470,24 +377,17 @@ def _sample(source: LogitSource, walker, claim: Claim, config: WhiteBoxConfig, *
             break
         private, public = source.logits(prefixes[ids, :step], step)
         aux = walker.aux(ids.numel(), generator)
-        rows = None if state is None else state[ids]
-        out = walker.step(private, public, rows, aux, step)
-        weights = recorder.sampling_log_weights(
-            ids, out.log_probs, out.neighbours, check_actual=out.check_actual, check_neighbours=out.check_neighbours
-        )
-        outcomes = sample_tokens(weights, generator)
+        out = walker.step(private, public, state[ids], aux)
+        outcomes = sample_tokens(recorder.weigh(ids, out), generator)
         recorder.record(ids, outcomes)
-        new_state, tokens, ended = walker.advance(out, rows, outcomes, aux, step)
-        if state is not None:
-            state[ids] = new_state
-        prefixes[ids, step] = tokens
+        state[ids], prefixes[ids, step], ended = walker.advance(out, state[ids], outcomes, aux, step)
         alive[ids] = ~ended
         if progress is not None:
             progress(step + 1, walker.horizon)
     return dataclasses.replace(recorder.finish(), extra=walker.extra())
 
 
-def _enumerate(source: LogitSource, walker, *, max_outputs: int) -> ExactOutputs:
+def _enumerate(source: LogitSource, walker: _Walker, *, max_outputs: int) -> ExactOutputs:
     """Every complete output of ``walker`` on ``source`` with its exact log-probability under R and every
     R'_j: a breadth-first walk over prefixes (and their state), no sampling."""
     generator = torch.Generator().manual_seed(0)  # a walk's auxiliary draws: one per step, shared by all prefixes
@@ -500,9 +400,8 @@ def _enumerate(source: LogitSource, walker, *, max_outputs: int) -> ExactOutputs
         if prefixes.shape[0] == 0:
             break
         private, public = source.logits(prefixes, step)
-        aux = walker.aux(1, generator)
-        aux = None if aux is None else aux.expand(prefixes.shape[0], -1)
-        out = walker.step(private, public, state, aux, step)
+        aux = walker.aux(1, generator).expand(prefixes.shape[0], -1)
+        out = walker.step(private, public, state, aux)
         # every (prefix, outcome) with positive probability under R or under some R'_j
         possible = torch.isfinite(out.log_probs) | torch.isfinite(out.neighbours).any(1)
         rows, outs = possible.nonzero(as_tuple=True)
@@ -510,15 +409,12 @@ def _enumerate(source: LogitSource, walker, *, max_outputs: int) -> ExactOutputs
             raise ValueError(f"enumeration would expand {rows.numel()} prefixes (> max_outputs={max_outputs})")
         new_a = lp_a[rows] + out.log_probs[rows, outs]
         new_n = lp_n[rows] + out.neighbours[rows, :, outs]
-        new_state, tokens, ended = walker.advance(
-            out, None if state is None else state[rows], outs, None if aux is None else aux[rows], step, rows=rows
-        )
+        new_state, tokens, ended = walker.advance(out, state[rows], outs, aux[rows], step, rows=rows)
         done_a.append(new_a[ended])
         done_n.append(new_n[ended])
         keep = ~ended
         prefixes = torch.cat([prefixes[rows[keep]], tokens[keep].unsqueeze(-1)], dim=1)
-        state = None if new_state is None else new_state[keep]
-        lp_a, lp_n = new_a[keep], new_n[keep]
+        state, lp_a, lp_n = new_state[keep], new_a[keep], new_n[keep]
     if prefixes.shape[0]:
         raise RuntimeError("enumeration ended with unfinished prefixes (the budget logic is inconsistent)")
     return ExactOutputs(torch.cat(done_a).numpy(), torch.cat(done_n).numpy())
@@ -535,11 +431,14 @@ class ExactOutputs:
     log_prob_actual: np.ndarray  # (X,)
     log_prob_neighbours: np.ndarray  # (X, B)
 
+    def _pair(self, neighbour: int, reverse: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(log P, log P') of every output: R and R'_j, or reversed."""
+        lp, lq = self.log_prob_actual, self.log_prob_neighbours[:, neighbour]
+        return (lq, lp) if reverse else (lp, lq)
+
     def renyi(self, alpha: float, neighbour: int, reverse: bool = False) -> float:
         r""":math:`D_\alpha(P_R\|P_{R'_j})` (or reversed), exactly: a log-sum-exp over all outputs."""
-        lp, lq = self.log_prob_actual, self.log_prob_neighbours[:, neighbour]
-        if reverse:
-            lp, lq = lq, lp
+        lp, lq = self._pair(neighbour, reverse)
         keep = np.isfinite(lp)
         if (keep & ~np.isfinite(lq)).any():
             return math.inf
@@ -549,9 +448,7 @@ class ExactOutputs:
 
     def delta(self, epsilon: float, neighbour: int, reverse: bool = False) -> float:
         """Hockey-stick divergence δ(ε) = Σ_x (P(x) − e^ε P'(x))_+, exactly."""
-        lp, lq = self.log_prob_actual, self.log_prob_neighbours[:, neighbour]
-        if reverse:
-            lp, lq = lq, lp
+        lp, lq = self._pair(neighbour, reverse)
         return float(np.clip(np.exp(lp) - math.exp(epsilon) * np.exp(lq), 0, None).sum())
 
     def epsilon(self, delta: float, neighbour: int, reverse: bool = False) -> float:
@@ -560,9 +457,7 @@ class ExactOutputs:
         than ``delta``."""
         from scipy import optimize
 
-        lp, lq = self.log_prob_actual, self.log_prob_neighbours[:, neighbour]
-        if reverse:
-            lp, lq = lq, lp
+        lp, lq = self._pair(neighbour, reverse)
         if self.delta(0.0, neighbour, reverse) <= delta:
             return 0.0
         mismatch = np.isfinite(lp) & ~np.isfinite(lq)
@@ -574,18 +469,20 @@ class ExactOutputs:
         return float(optimize.brentq(lambda e: self.delta(e, neighbour, reverse) - delta, 0.0, high, xtol=1e-12))
 
 
-def enumerate_outputs(source: LogitSource, mechanism: SyntheticMechanism, *, max_outputs: int = 200_000) -> ExactOutputs:
-    """Enumerate every output of ``mechanism`` on ``source`` (a breadth-first walk over prefixes).
+def enumerate_outputs(source: LogitSource, audited: AuditedMechanism, *, max_outputs: int = 200_000) -> ExactOutputs:
+    """Every complete output of ``audited`` on ``source`` with its exact log-probability under R and every R'_j (a
+    breadth-first walk over released histories, the exact state carried along): the exact reference the Monte
+    Carlo intervals must cover.
 
-    Uses the same per-step log-probabilities as the auditor but no sampling: it is the exact
-    reference the Monte Carlo intervals must cover. Raises if more than ``max_outputs`` prefixes
-    would be expanded (keep V and T small).
+    Uses the same per-step distributions as the auditor but no sampling. Only for tiny V, B and T: raises if more
+    than ``max_outputs`` prefixes would be expanded. A mechanism with auxiliary randomness in its exact state
+    (AdaPMixED's screening estimate) is enumerated for one fixed draw of it per step, shared by all prefixes.
     """
-    return _enumerate(source, _TokenWalker(source, mechanism), max_outputs=max_outputs)
+    return _enumerate(source, _Walker(source, audited), max_outputs=max_outputs)
 
 
-def exact_epsilon_stationary(source: LogitSource, mechanism: SyntheticMechanism, delta: float, *, neighbour: int = 0) -> float:
-    r"""The **true** ε(δ) of ``mechanism`` on a source whose logits do not depend on the prefix (e.g.
+def exact_epsilon_stationary(source: LogitSource, audited: AuditedMechanism, delta: float, *, neighbour: int = 0) -> float:
+    r"""The **true** ε(δ) of a stateless mechanism on a source whose logits do not depend on the prefix (e.g.
     :class:`HardestCaseSource`), between the dataset and its neighbour with reference ``neighbour`` nulled,
     the larger of both directions: no accountant involved.
 
@@ -594,20 +491,23 @@ def exact_epsilon_stationary(source: LogitSource, mechanism: SyntheticMechanism,
     how it ends (EOS before T, or the budget T), so the hockey-stick divergence
     :math:`\delta(\varepsilon) = \sum_x (P(x) - e^\varepsilon Q(x))_+` (Dwork & Roth 2014, §3.5; the
     tight δ of a pair) is an exact sum over count vectors with multinomial multiplicities; ε(δ) is its
-    root (:meth:`ExactOutputs.epsilon`). Checked against :func:`enumerate_outputs` on small vocabularies (tests). A data-dependent budget
-    (different T on the two datasets) is refused: use :func:`enumerate_outputs`."""
+    root (:meth:`ExactOutputs.epsilon`). Checked against :func:`enumerate_outputs` on small vocabularies (tests). A
+    mechanism with a state or a stop rule (whose budget differs between the datasets) is refused: use
+    :func:`enumerate_outputs`."""
     from scipy.special import gammaln
 
-    t_r, t_j = token_budgets(mechanism, source)
-    if t_j[neighbour] != t_r:
-        raise ValueError(f"the budget differs between the datasets ({t_r} vs {t_j[neighbour]}): not stationary")
+    mechanism, t_r = audited.mechanism, audited.max_new_tokens
+    if mechanism.state_size(exact=True) or mechanism.can_halt:
+        raise ValueError(f"{audited.name} has a state or a stop rule (its budget differs between the datasets): "
+                         "not stationary")  # fmt: skip
     prefixes = torch.zeros(2, 1, dtype=torch.int64)
     private, public = source.logits(prefixes, 0)
     again, _ = source.logits(prefixes + 1, 1)
     if not torch.equal(private, again):
         raise ValueError("the source's logits depend on the prefix: use enumerate_outputs")
-    actual, neighbours = mechanism.step(private, public)
-    a, q = actual[0].double().numpy(), neighbours[0, neighbour].double().numpy()
+    empty = torch.zeros((2, 0), dtype=_DTYPE)
+    out = mechanism.step(private, public, empty, empty, exact=True, neighbours=True)
+    a, q = out.log_probs[0].double().numpy(), out.neighbours[0, neighbour].double().numpy()
     eos = source.eos_token
     classes: dict[tuple[float, float], int] = {}
     for v in range(a.size):
@@ -638,114 +538,3 @@ def exact_epsilon_stationary(source: LogitSource, mechanism: SyntheticMechanism,
             outcomes_q.append(lqq + mult)
     exact = ExactOutputs(np.array(outcomes_p), np.array(outcomes_q)[:, None])
     return max(exact.epsilon(delta, 0), exact.epsilon(delta, 0, reverse=True))
-
-
-# ---------------------------------------------------------------------------------------------
-# any mechanism of the interface (invink_audit.mechanisms): decoding in its exact state
-
-
-@dataclasses.dataclass(frozen=True)
-class AuditedMechanism:
-    """A :class:`invink_audit.mechanisms.Mechanism` under audit, with the claim its accountant makes.
-
-    ``claim``: from the mechanism's :meth:`~invink_audit.mechanisms.Mechanism.guarantee` unless given
-    (a planted bug states a wrong claim); ``expected``: the verdict a correct auditor must give.
-    """
-
-    name: str
-    description: str
-    mechanism: Mechanism
-    max_new_tokens: int
-    expected: str
-    claim_override: Claim | None = None
-
-    def claim(self, source: LogitSource, *, delta: float = 1e-6) -> Claim:
-        if self.claim_override is not None:
-            return self.claim_override
-        return Claim.from_guarantee(self.mechanism.guarantee(self.max_new_tokens, delta), source.batch_size, label=self.name)
-
-
-def _mechanism_aux(mechanism, count: int, *, at_start: bool, generator: torch.Generator) -> torch.Tensor:
-    n = mechanism.aux_size(exact=True, at_start=at_start)
-    u = torch.rand((count, n), dtype=_DTYPE, generator=generator)
-    return u.clamp_(2.0**-60, 1.0 - 2.0**-53)
-
-
-def run_mechanism_audit(
-    source: LogitSource,
-    audited: AuditedMechanism,
-    config: WhiteBoxConfig,
-    *,
-    generator: torch.Generator,
-    delta: float = 1e-6,
-    progress: Callable[[int, int], None] | None = None,
-) -> RecordedAudit:
-    """Decode every text of the config's sampling plan through a generic mechanism on ``source``.
-
-    The mechanism runs in its exact state (outcome distributions under R and every R'_j given the
-    released history); texts end on EOS, on the mechanism's stop outcome or stop rule, or after
-    ``max_new_tokens`` outcomes (a public, fixed budget).
-    """
-    with torch_threads(1):
-        return _run_mechanism_audit(source, audited, config, generator=generator, delta=delta, progress=progress)
-
-
-def _run_mechanism_audit(source, audited, config, *, generator, delta, progress):
-    walker = _MechanismWalker(source, audited)
-    return _sample(source, walker, audited.claim(source, delta=delta), config, generator=generator, progress=progress)
-
-
-class _MechanismWalker:
-    """How a generic mechanism decodes on a source, for :func:`_sample` and :func:`_enumerate`: in its exact
-    state (outcome distributions under R and every R'_j given the released history), its auxiliary
-    uniforms drawn per step; a text ends at EOS, at the stop outcome or stop rule, or after
-    ``max_new_tokens`` outcomes (a public, fixed budget)."""
-
-    def __init__(self, source: LogitSource, audited: AuditedMechanism):
-        self.mechanism, self.source, self.horizon = audited.mechanism, source, audited.max_new_tokens
-        self.stop_id = self.mechanism.stop_outcome(source.vocab_size)
-
-    def start(self, count: int, generator):
-        return self.mechanism.initial_state(_mechanism_aux(self.mechanism, count, at_start=True, generator=generator), exact=True)
-
-    def aux(self, count: int, generator):
-        return _mechanism_aux(self.mechanism, count, at_start=False, generator=generator)
-
-    def step(self, private, public, state, aux, step: int):
-        return self.mechanism.step(private, public, state, aux, exact=True, neighbours=True)
-
-    def advance(self, out, state, outcomes, aux, step: int, rows=None):
-        """As :meth:`_TokenWalker.advance`; the mechanism's advance reads ``out``, restricted to ``rows``."""
-        out = out if rows is None else _rows_of(out, rows)
-        new_state, stop_after = self.mechanism.advance(out, state, outcomes, aux, exact=True)
-        tokens = outcomes % self.source.vocab_size
-        ended = (tokens == self.source.eos_token) | stop_after | (step + 1 >= self.horizon)
-        if self.stop_id is not None:
-            ended |= outcomes == self.stop_id
-        return new_state, tokens, ended
-
-    def extra(self) -> dict:
-        return {"budget_actual": self.horizon, "budget_neighbours": [self.horizon] * self.source.batch_size,
-                "source": self.source.name}  # fmt: skip
-
-
-def enumerate_mechanism_outputs(
-    source: LogitSource, audited: AuditedMechanism, *, max_outputs: int = 200_000
-) -> ExactOutputs:
-    """Every complete output of a generic mechanism on ``source`` with its exact log-probability under R
-    and every R'_j (a breadth-first walk over released histories, the exact state carried along).
-
-    Only for tiny V, B and T (each prefix carries the mechanism's exact state). A mechanism with
-    auxiliary randomness in its exact state (AdaPMixED's screening estimate) is enumerated for one
-    fixed draw of it per step, shared by all prefixes.
-    """
-    return _enumerate(source, _MechanismWalker(source, audited), max_outputs=max_outputs)
-
-
-def _rows_of(step, rows: torch.Tensor):
-    """A step's distributions (and a mechanism's carry) restricted to some of its rows (enumeration)."""
-    view = _WalkStep(step.log_probs[rows], None if step.neighbours is None else step.neighbours[rows],
-                     None if step.check_actual is None else step.check_actual[rows],
-                     None if step.check_neighbours is None else step.check_neighbours[rows])  # fmt: skip
-    view.carry = {k: val[rows] for k, val in (step.carry or {}).items()}
-    return view

@@ -2,8 +2,8 @@
 
 From the exact next-token distributions under R and every replace-by-null neighbour R'_j
 (:func:`invink_audit.mechanism.neighbour_log_probs`), recorded by :class:`WhiteBoxRecorder`: exact
-per-step checks in both directions (:func:`step_quantities`, :class:`Claim`: bounded range, Durfee &
-Rogers 2019, Def. 3.1; zCDP, Bun & Steinke 2016, Def. 1.1, with Cesar & Rogers 2021, Lemma 3.2;
+per-step checks in both directions (:func:`step_quantities`, :class:`Claim`: a mechanism's guarantee for B
+references; bounded range, Durfee & Rogers 2019, Def. 3.1; zCDP, Bun & Steinke 2016, Def. 1.1, with Cesar & Rogers 2021, Lemma 3.2;
 hockey-stick δ, Dong, Durfee & Rogers 2020, Lemma 3.2), exact sequence losses, :class:`SamplingPlan`.
 
 Design: docs/auditing_notes.md ("Our advantage", §1, §2, §4, §6).
@@ -14,13 +14,15 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from accounting.events import forwarded_property
 from accounting.limits import check_count, check_delta, check_order, check_positive
 from invink_audit.audit import stats
+from invink_audit.mechanisms.base import MechanismGuarantee
 
 __all__ = [
     "EXACT_TOLERANCE",
@@ -51,60 +53,66 @@ class Direction(enum.Enum):
 
 @dataclass(frozen=True)
 class Claim:
-    r"""The guarantee the audited mechanism claims (what its accountant was told).
+    r"""The claim an audit tests: the audited mechanism's guarantee
+    (:class:`invink_audit.mechanisms.MechanismGuarantee`, what its accountant states for texts of at most T tokens
+    at δ) for a batch of ``batch_size`` references. Every figure derives from the guarantee:
 
-    ``epsilon0``: per-step bounded range; ``rho_token``: per-step zCDP (for InvisibleInk
-    :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 2 (thm:accounting)); ``max_new_tokens``: the accounted
-    token budget T. The sequence claim is :math:`D_\alpha \le \alpha\rho_{seq}`,
-    :math:`\rho_{seq} = T\rho_{tok}` (paper Theorem 2, adaptive composition).
-
-    Other mechanisms (:meth:`from_guarantee`, :class:`invink_audit.mechanisms.MechanismGuarantee`):
-
-    * ``composition="zcdp"``: the sequence claim is ``rho_sequence_bound`` (e.g. Amin et al.'s
-      :math:`r(\rho_{em} + \rho_{svt})`), and ``epsilon0``/``rho_token`` (when given) are the per-step
-      claim of the component the auditor checks exactly (Amin et al.: the exponential mechanism);
-    * ``composition="renyi-filter"``, ``guarantee="data-dependent"`` (AdaPMixED): the claim is
-      :math:`D_\alpha \le` ``renyi_budget`` at the single order ``renyi_order``, both directions, for
-      the audited dataset only; no per-step claim (``epsilon0=None``). A data-dependent claim never
-      gets a PASS.
+    * ``"bounded-range"`` (InvisibleInk): per step ε0-bounded range and ρ_tok-zCDP (for InvisibleInk
+      :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 2 (thm:accounting)); the sequence claim is
+      :math:`D_\alpha \le \alpha\rho_{seq}`, :math:`\rho_{seq} = T\rho_{tok}` (paper Theorem 2, adaptive composition);
+    * ``"zcdp"``: the sequence claim is the guarantee's ρ (e.g. Amin et al.'s :math:`r(\rho_{em} + \rho_{svt})`), and
+      ``epsilon0``/``rho_token`` (when given) are the per-step claim of the component the auditor checks exactly
+      (Amin et al.: the exponential mechanism);
+    * ``"renyi-filter"``, data-dependent (AdaPMixED): :math:`D_\alpha \le` ``renyi_budget`` at the single order
+      ``renyi_order``, both directions, for the audited dataset only; no per-step claim. A data-dependent claim
+      never gets a PASS.
     """
 
-    epsilon0: float | None
-    rho_token: float | None
-    max_new_tokens: int
+    guarantee: MechanismGuarantee
     batch_size: int
-    delta: float = 1e-6
-    label: str = ""
-    rho_sequence_bound: float | None = None
-    composition: str = "bounded-range"
-    guarantee: str = "a-priori"
-    renyi_order: float | None = None
-    renyi_budget: float | None = None
-    epsilon_claimed: float | None = None
 
     def __post_init__(self):
-        if (self.epsilon0 is None) != (self.rho_token is None):
-            raise ValueError("give both epsilon0 and rho_token, or neither (no per-step claim)")
-        if self.epsilon0 is not None:
-            object.__setattr__(self, "epsilon0", check_positive("epsilon0", self.epsilon0))
-            object.__setattr__(self, "rho_token", check_positive("rho_token", self.rho_token))
-        object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens))
+        g = self.guarantee
+        if not isinstance(g, MechanismGuarantee):
+            raise ValueError(f"guarantee must be a MechanismGuarantee; got {type(g).__name__}")
         object.__setattr__(self, "batch_size", check_count("batch_size", self.batch_size))
-        check_delta("delta", self.delta)
-        if self.composition not in ("bounded-range", "zcdp", "renyi-filter"):
-            raise ValueError(f"composition must be 'bounded-range', 'zcdp' or 'renyi-filter'; got {self.composition!r}")
-        if self.guarantee not in ("a-priori", "data-dependent"):
-            raise ValueError(f"guarantee must be 'a-priori' or 'data-dependent'; got {self.guarantee!r}")
-        if self.composition == "bounded-range" and self.epsilon0 is None:
+        check_count("max_new_tokens", g.max_new_tokens)
+        check_delta("delta", g.delta)
+        if g.step_epsilon0 is not None:
+            check_positive("epsilon0", g.step_epsilon0)
+            check_positive("rho_token", g.step_rho)
+        if g.composition == "bounded-range" and g.step_epsilon0 is None:
             raise ValueError("a bounded-range claim needs epsilon0 and rho_token")
-        if self.composition == "zcdp" and self.rho_sequence_bound is None:
-            raise ValueError("a zcdp claim needs rho_sequence_bound")
-        if self.composition == "renyi-filter":
-            if self.renyi_order is None or self.renyi_budget is None:
-                raise ValueError("a renyi-filter claim needs renyi_order and renyi_budget")
-            check_order("renyi_order", self.renyi_order)
-        if self.rho_sequence_bound is not None:
-            object.__setattr__(self, "rho_sequence_bound", check_positive("rho_sequence_bound", self.rho_sequence_bound))
+        if g.composition == "zcdp" and g.rho_sequence is None:
+            raise ValueError("a zcdp claim needs the guarantee's rho_sequence")
+        if g.composition == "renyi-filter":
+            check_order("renyi_order", g.renyi_order)
+        elif g.rho_sequence is not None:
+            check_positive("rho_sequence", g.rho_sequence)
+
+    @classmethod
+    def from_mechanism(cls, mechanism, max_new_tokens: int, delta: float = 1e-6) -> Claim:
+        """The claim of a :class:`invink_audit.mechanisms.Mechanism` run for at most ``max_new_tokens`` at ``delta``."""
+        return cls(mechanism.guarantee(max_new_tokens, delta), mechanism.batch_size)
+
+    epsilon0 = forwarded_property("guarantee", "step_epsilon0", "The per-step bounded-range claim (``None``: none).")
+    rho_token = forwarded_property("guarantee", "step_rho", "The per-step zCDP claim (``None``: none).")
+    max_new_tokens = forwarded_property("guarantee", "max_new_tokens", "T, the texts' budget.")
+    delta = forwarded_property("guarantee", "delta", "δ.")
+    composition = forwarded_property("guarantee", "composition", "How the per-step costs compose.")
+    renyi_order = forwarded_property("guarantee", "renyi_order", "A Rényi filter's order.")
+    renyi_budget = forwarded_property("guarantee", "renyi_budget", "A Rényi filter's budget at its order.")
+    a_priori = forwarded_property("guarantee", "a_priori", "Whether the guarantee holds for every dataset.")
+
+    @property
+    def kind(self) -> str:
+        """``"a-priori"`` or ``"data-dependent"``."""
+        return self.guarantee.kind.value
+
+    @property
+    def epsilon_claimed(self) -> float | None:
+        """The guarantee's ε where the report states it (every claim but an a-priori bounded-range one's)."""
+        return None if self.composition == "bounded-range" and self.a_priori else self.guarantee.epsilon
 
     @property
     def step_checks(self) -> bool:
@@ -112,17 +120,11 @@ class Claim:
         return self.epsilon0 is not None
 
     @property
-    def a_priori(self) -> bool:
-        return self.guarantee == "a-priori"
-
-    @property
     def rho_sequence(self) -> float | None:
         """Sequence-level zCDP of the claim (``None`` for a Rényi-filter claim)."""
-        if self.rho_sequence_bound is not None:
-            return self.rho_sequence_bound
-        if self.composition == "renyi-filter":
-            return None
-        return self.max_new_tokens * self.rho_token
+        if self.composition == "bounded-range":
+            return self.max_new_tokens * self.rho_token
+        return self.guarantee.rho_sequence if self.composition == "zcdp" else None
 
     def renyi(self, alpha: float) -> float:
         r"""The claimed sequence-level Rényi divergence at order α: :math:`\alpha\rho_{seq}`, or for a
@@ -134,32 +136,6 @@ class Claim:
     def loss_upper(self) -> float:
         """An a-priori bound on a text's privacy loss (``T·ε0`` for bounded range; ``inf`` otherwise)."""
         return self.max_new_tokens * self.epsilon0 if self.composition == "bounded-range" else math.inf
-
-    @classmethod
-    def from_mechanism(cls, config, max_new_tokens: int, *, delta: float = 1e-6, label: str = "") -> "Claim":
-        """The claim of a :class:`invink_audit.mechanism.MechanismConfig` run for ``max_new_tokens``."""
-        return cls(config.epsilon0, config.rho_token, max_new_tokens, config.batch_size, delta, label)
-
-    @classmethod
-    def from_guarantee(cls, guarantee, batch_size: int, *, label: str = "") -> "Claim":
-        """The claim of a :class:`invink_audit.mechanisms.MechanismGuarantee` (any mechanism)."""
-        g = guarantee
-        if g.composition == "bounded-range":
-            return cls(g.step_epsilon0, g.step_rho, g.max_new_tokens, batch_size, g.delta, label)
-        return cls(
-            g.step_epsilon0,
-            g.step_rho,
-            g.max_new_tokens,
-            batch_size,
-            g.delta,
-            label,
-            rho_sequence_bound=g.rho_sequence,
-            composition=g.composition,
-            guarantee=g.kind.value,
-            renyi_order=g.renyi_order,
-            renyi_budget=g.renyi_budget,
-            epsilon_claimed=g.epsilon,
-        )
 
 
 DEFAULT_ALPHAS = (1.5, 2.0, 4.0, 8.0)
@@ -221,6 +197,22 @@ class WhiteBoxConfig:
         if bad:
             raise ValueError(f"neighbours {bad} out of range for batch_size={batch_size}")
         return self.neighbours
+
+    def for_claim(self, claim: Claim) -> tuple[WhiteBoxConfig, list[str]]:
+        """The config ``claim`` allows, and notes saying what changed. Importance sampling bounds its integrand
+        with the per-step bounded-range claim, so it runs for bounded-range claims only; a Rényi-filter claim
+        (AdaPMixED) is about one order, so the α grid is that order."""
+        config, notes = self, []
+        if claim.composition != "bounded-range" and config.num_is_samples:
+            notes.append(
+                f"importance sampling disabled ({config.num_is_samples} texts per row requested): its bound needs a "
+                f"per-step bounded-range claim and this claim is {claim.composition!r}; plain Monte Carlo only"
+            )
+            config = replace(config, num_is_samples=0)
+        if claim.composition == "renyi-filter" and tuple(config.alphas) != (float(claim.renyi_order),):
+            notes.append(f"alphas set to the data-dependent accountant's single order {claim.renyi_order:g}")
+            config = replace(config, alphas=(float(claim.renyi_order),))
+        return config, notes
 
 
 # sampling targets
@@ -512,6 +504,12 @@ class WhiteBoxRecorder:
         self._pending = (ids, actual, neighbours, inc)
         self.check_seconds += time.perf_counter() - start
         return weights
+
+    def weigh(self, text_ids: torch.Tensor, step) -> torch.Tensor:
+        """:meth:`sampling_log_weights` of a :class:`~invink_audit.mechanisms.MechanismStep` (its outcome
+        distributions under R and every R'_j, and its check distributions where it names them)."""
+        return self.sampling_log_weights(text_ids, step.log_probs, step.neighbours, check_actual=step.check_actual,
+                                         check_neighbours=step.check_neighbours)
 
     def _check_step(self, q, qc, ids: torch.Tensor, *, separate_checks: bool) -> None:
         """The exact checks of one step (supports on ``q``; range, Rényi and δ on ``qc``), counted, and

@@ -4,8 +4,8 @@
 * :func:`dp_nn_histogram`, :func:`nearest_neighbour_votes`, :func:`select_candidates`, :class:`Selection` — the
   DP nearest-neighbour histogram and the selection (numpy; :mod:`.histogram`);
 * :class:`AugPEPrompts`, :data:`AUGPE_PRESETS` — the public generation and paraphrase prompts (:mod:`.prompts`);
-* :func:`exact_histogram_check`, :func:`histogram_canary_audit`, :class:`HistogramTarget` — audits of the
-  histogram's privacy claim, exact and black-box (:mod:`.audit`).
+* audits of the histogram's privacy claim, exact and black-box, live on the auditor's side:
+  :mod:`invink_audit.audit.augpe` and :class:`invink_audit.audit.targets.HistogramTarget`.
 
 The accounting (T Gaussian histograms, the sensitivity and the paper's convention) is torch-free:
 :class:`accounting.AugPEEvent`, :func:`accounting.plan_augpe_noise_std`.
@@ -13,11 +13,11 @@ The accounting (T Gaussian histograms, the sensitivity and the paper's conventio
 
 from __future__ import annotations
 
-from invink_audit import _lazy_hooks
+from invink_audit import lazy_exports
 
 _LAZY = {
     **dict.fromkeys(
-        ("AugPEConfig", "AugPEGuarantee", "AugPEResult", "AugPEStats", "SamplingSettings", "augpe_generate"),
+        ("AugPEConfig", "AugPEResult", "AugPEStats", "SamplingSettings", "augpe_generate"),
         ".generator",
     ),
     **dict.fromkeys(
@@ -25,13 +25,8 @@ _LAZY = {
         ".histogram",
     ),
     **dict.fromkeys(("AUGPE_PRESETS", "AugPEPrompts", "defaulted_augpe_fields", "get_augpe_prompts"), ".prompts"),
-    **dict.fromkeys(
-        ("CanaryEmbeddings", "HistogramCheck", "HistogramTarget", "exact_histogram_check", "histogram_canary_audit",
-         "worst_case_canary"),
-        ".audit",
-    ),
 }
 
 __all__ = sorted(_LAZY)
 
-__getattr__, __dir__ = _lazy_hooks(__name__, _LAZY)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -21,7 +21,10 @@ r"""AugPE (Xie et al. 2024, arXiv:2403.01749, Alg. 1): the paper's API-access ba
 
 **Private data touches only step 3b.** The references are embedded once and enter nothing but the votes; every
 prompt, every paraphrase and the number of texts are public. The guarantee is the event's
-(:class:`accounting.AugPEEvent`): T Gaussian histograms, ρ = TΔ²/(2σ²)-zCDP, Δ = √2 under replace-by-null.
+(:class:`accounting.AugPEEvent`): T Gaussian histograms, ρ = TΔ²/(2σ²)-zCDP, Δ = √2 under replace-by-null, stated
+as every release states its guarantee (:meth:`AugPEConfig.guarantee`, a
+:class:`~invink_audit.mechanisms.MechanismGuarantee`), charged to a ledger by the same call as every release
+(:func:`invink_audit.generation.charge_release`), once, before anything is generated.
 
 Departures from the official implementation, each a public choice:
 
@@ -64,10 +67,11 @@ from accounting.sensitivity import coerce_enum
 from invink_audit.augpe.histogram import Selection, dp_nn_histogram, select_candidates
 from invink_audit.augpe.prompts import AugPEPrompts, get_augpe_prompts
 from invink_audit.mechanism import SeededGeneratorWarning, check_seed, derive_key
+from invink_audit.mechanisms.base import GuaranteeKind, MechanismGuarantee
 from invink_audit.models import load_model
 from invink_audit.prompts import encode_messages, refuse_private_strings
 
-__all__ = ["AugPEConfig", "AugPEGuarantee", "AugPEResult", "AugPEStats", "SamplingSettings", "augpe_generate"]
+__all__ = ["AugPEConfig", "AugPEResult", "AugPEStats", "SamplingSettings", "augpe_generate"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -101,7 +105,7 @@ class AugPEConfig:
     planned for ``epsilon`` (:func:`accounting.plan_augpe_noise_std`, safe side); ``delta`` is required in both
     cases (the guarantee is reported at it). ``sensitivity`` ``PAPER`` is the paper's convention and **not a valid
     guarantee** (refused with a ledger). ``allow_all_null``: run even when every reference is empty (a null), as
-    :class:`~invink_audit.generation.GenerationConfig`'s (refused by default: a wrong column, charged for nothing).
+    :class:`~invink_audit.generation.ReleaseConfig`'s (refused by default: a wrong column, charged for nothing).
     ``event`` is computed here, once: the record of the release."""
 
     num_texts: int
@@ -157,6 +161,21 @@ class AugPEConfig:
                 "sampling": dataclasses.asdict(self.sampling), "prompts": self.prompts.to_json(),
                 "allow_all_null": self.allow_all_null}  # fmt: skip
 
+    def guarantee(self) -> MechanismGuarantee:
+        """The release's a-priori guarantee, as every release states one: T Gaussian histograms, ρ-zCDP
+        (``composition`` zcdp, ``rho_sequence`` = ρ of the whole release, whatever its texts' lengths), ε at δ from ρ
+        under the accountant (:meth:`accounting.AugPEEvent.epsilon`: what a ledger charges); the exact μ-GDP ε of T
+        composed Gaussians (never above ε), the accountant and the event among its ``details``. The paper's
+        convention is void: its figures are no valid guarantee."""
+        event = self.event
+        return MechanismGuarantee(
+            kind=GuaranteeKind.A_PRIORI, mechanism="augpe", epsilon=event.epsilon(self.delta, self.accountant),
+            delta=self.delta, max_new_tokens=self.max_new_tokens, composition="zcdp", rho_sequence=event.rho,
+            description=event.describe(), void_reason=None if event.valid else event.describe(),
+            details={"gaussian_epsilon": event.gaussian_epsilon(self.delta), "accountant": self.accountant,
+                     "event": event.to_json()},
+        )  # fmt: skip
+
     @property
     def num_candidates(self) -> int:
         """L·n: the histogram's bins in every iteration."""
@@ -166,60 +185,6 @@ class AugPEConfig:
     def num_generations(self) -> int:
         """Full-sequence LLM generations of a release: n seeds, (L − 1)·n paraphrases per round, T rounds."""
         return self.num_texts + self.iterations * (self.variations - 1) * self.num_texts
-
-
-@dataclasses.dataclass(frozen=True)
-class AugPEGuarantee:
-    """The a-priori guarantee of a release: its event at ``delta`` under ``accountant``. ``void_reason``: why it does
-    not hold although the event is valid (a fixed seed). The paper's convention holds no guarantee either."""
-
-    event: AugPEEvent
-    delta: float
-    accountant: Accountant
-    void_reason: str | None = None
-
-    @property
-    def holds(self) -> bool:
-        return self.event.valid and self.void_reason is None
-
-    @property
-    def rho(self) -> float:
-        return self.event.rho
-
-    @property
-    def epsilon(self) -> float:
-        """ε at δ from ρ (the figure a ledger charges; :meth:`accounting.AugPEEvent.epsilon`)."""
-        return self.event.epsilon(self.delta, self.accountant)
-
-    @property
-    def gaussian_epsilon(self) -> float:
-        """The exact ε of T composed Gaussians (μ-GDP), never above :attr:`epsilon`."""
-        return self.event.gaussian_epsilon(self.delta)
-
-    def describe(self) -> str:
-        if not self.event.valid:
-            return f"NOT A VALID GUARANTEE: {self.event.describe()}"
-        claim = f"({self.epsilon:.6g}, {self.delta:g})-DP, {self.event.describe()}"
-        return claim if self.void_reason is None else f"VOID ({self.void_reason}); would be {claim}"
-
-    @property
-    def why_not(self) -> str | None:
-        """Why the release carries no guarantee (``None`` when it :attr:`holds`): a fixed seed, the paper's convention,
-        or both."""
-        reasons = [self.void_reason, None if self.event.valid else self.event.describe()]
-        return "; ".join(r for r in reasons if r) or None
-
-    def record_fields(self) -> dict:
-        """What an output record writes, as every release's records do: ``{"guarantee": {...}}``, or when it does not
-        hold ``{"guarantee": None, "guarantee_void_reason": ...}`` (no ε that a reader could take at face value)."""
-        if self.holds:
-            return {"guarantee": self.to_json()}
-        return {"guarantee": None, "guarantee_void_reason": self.why_not}
-
-    def to_json(self) -> dict:
-        return {"epsilon": self.epsilon, "delta": self.delta, "rho": self.rho, "gaussian_epsilon": self.gaussian_epsilon,
-                "accountant": self.accountant.value, "adjacency": self.event.sensitivity.value, "holds": self.holds,
-                "void_reason": self.void_reason, "description": self.describe(), "event": self.event.to_json()}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,12 +198,13 @@ class AugPEStats:
 
 @dataclasses.dataclass(frozen=True)
 class AugPEResult:
-    """The released texts (the last iteration's selection), the a-priori ``guarantee``, each iteration's released
+    """The released texts (the last iteration's selection), the a-priori ``guarantee`` (void when seeded or the paper's
+    convention: its ``void_reason`` says why), each iteration's released
     noisy histogram (DP outputs: post-processing keeps them private), ``stats``, and the ``release_id`` (the one a
     ledger was charged with, when one was)."""
 
     texts: tuple[str, ...]
-    guarantee: AugPEGuarantee
+    guarantee: MechanismGuarantee
     noisy_counts: tuple[tuple[float, ...], ...]
     stats: AugPEStats
     release_id: str
@@ -295,7 +261,8 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
     ``"minilm"``, or an object with ``embed(texts)`` (an Embedder with a cache keeps the private embeddings on disk).
     ``seed``: a fixed seed makes the run reproducible and its guarantee void (:class:`SeededGeneratorWarning`).
     ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged once with the event's ρ
-    (:class:`accounting.ZcdpEvent`) after every check and before anything is generated or embedded; refused for the
+    (:class:`accounting.ZcdpEvent`, :func:`~invink_audit.generation.charge_release`) after every check and before
+    anything is generated or embedded; refused for the
     paper's convention (no guarantee) and for add-or-remove (it does not compose with replace-by-null releases).
     ``progress``: ``progress(phase, done, total)`` (e.g. :func:`invink_audit.cli.phase_progress`'s), told when the
     references are embedded and after each batch of LLM generations (of :attr:`AugPEConfig.num_generations`).
@@ -308,28 +275,24 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
     check_seed(seed)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress must be callable or None; got {type(progress).__name__}")
+    from invink_audit.generation import SEEDED_VOID_REASON, charge_release, release_key
+
     ledger = BudgetLedger.of(ledger)
-    record = config.event.zcdp_event() if ledger is not None else None  # refuses PAPER / add-or-remove
+    event = config.event.zcdp_event() if ledger is not None else None  # refuses PAPER / add-or-remove
     embed = _resolve_embedder(embedder)
     loaded = load_model(model)
     _check_context(loaded, config)  # a model without a chat template, or too short a context: refused now
-    void_reason = None
+    guarantee = config.guarantee()
     if seed is not None:
-        from invink_audit.generation import SEEDED_VOID_REASON
-
-        void_reason = SEEDED_VOID_REASON
+        reasons = (SEEDED_VOID_REASON, guarantee.void_reason)
+        guarantee = dataclasses.replace(guarantee, void_reason="; ".join(r for r in reasons if r))
         warnings.warn(f"AugPE with a fixed seed ({seed}): the output is reproducible and carries no privacy guarantee",
                       SeededGeneratorWarning, stacklevel=2)  # fmt: skip
     release_id = uuid.uuid4().hex
     if ledger is not None:
-        from accounting import Release
-
-        ledger.charge(Release(record, 1, release_id, "augpe"))
-    from invink_audit.generation import release_key
-
+        charge_release(ledger, event, 1, release_id, "augpe")
     start = time.perf_counter()
     texts, histograms = _evolve(references, config, loaded, embed, release_key(seed), progress or _no_progress)
-    guarantee = AugPEGuarantee(config.event, config.delta, config.accountant, void_reason)
     stats = AugPEStats(config.num_generations, time.perf_counter() - start, loaded.name)
     return AugPEResult(tuple(texts), guarantee, tuple(histograms), stats, release_id)
 

@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module exposing ``register(subparsers)``; its handler is set with
 ``parser.set_defaults(handler=fn)`` and returns an exit status. Modules are imported only to build the
-parser; anything heavy (torch, transformers) is imported inside the handlers.
+parser; anything heavy (torch, transformers) is imported inside the handlers. The flags several commands take
+are defined once, in :mod:`invink_audit.cli._options`, with the converters below (``type=``).
 
 Errors become one readable line on stderr, never a traceback, with every character a terminal would interpret
 (escape sequences, bidirectional overrides, newlines) escaped (:func:`invink_audit.terminal.printable`; paths in
@@ -65,15 +66,31 @@ class CliError(Exception):
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
 
 
+#: argparse's error for a value a ``type=`` converter refused: "argument --epsilon: must be a number; got 'x'"
+_BAD_VALUE = re.compile(r"argument (\S+): (must .*)", re.DOTALL)
+
+
+class _BadValue(Exception):
+    """A value a ``type=`` converter refused (``--epsilon must be a number; got 'x'``), in ``command``."""
+
+    def __init__(self, command: str, message: str) -> None:
+        super().__init__(message)
+        self.command = command
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (exit 2), not a usage dump, and negative-looking
-    numbers (``-inf``, ``-1e-6``) are values, so that their range check names them."""
+    """argparse, but a usage error is one line on stderr (exit 2), not a usage dump, a value a converter refuses
+    is the line a handler's ``ValueError`` gives (:func:`main` returns 2), and negative-looking numbers (``-inf``,
+    ``-1e-6``) are values, so that their range check names them."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str):  # noqa: D401 - argparse API
+        value = _BAD_VALUE.fullmatch(message)
+        if value is not None:  # a converter's: reported as a handler's ValueError is (main returns 2)
+            raise _BadValue(" ".join(self.prog.split()[1:2]), f"{value[1]} {value[2]}")  # "ledger" for "ledger charge"
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {printable(message)} (see --help)\n")
 
 
@@ -83,19 +100,64 @@ def shown(path) -> str:
     return printable(str(path))
 
 
-def parse_float(flag: str, text: str) -> float:
-    """A float given on the command line; NaN and inf are rejected by the validators downstream."""
+def number(text: str) -> float:
+    """A float (argparse ``type=``); NaN, inf and every range are left to the validators downstream
+    (:mod:`accounting.limits` and the records' constructors), which name the parameter and its range."""
     try:
         return float(text)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{flag} must be a number; got {text!r}") from err
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
 
 
-def parse_int(flag: str, text: str) -> int:
+def integer(text: str) -> int:
+    """An int (argparse ``type=``); its range is checked downstream, as :func:`number`'s."""
     try:
         return int(text)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{flag} must be an integer; got {text!r}") from err
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+
+
+def top_k(text: str, word: str = "full"):
+    """A k of the Top-k+ set (``--top-k``, each of ``--top-ks``): an integer >= 1, or ``full`` (also ``none``,
+    ``all``) for the whole vocabulary (``None``); ``word``: the one the error names."""
+    if text.strip().lower() in {"full", "none", "all"}:
+        return None
+    value = integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or {word!r}; got {text!r}")
+    return value
+
+
+def comma_list(convert):
+    """A converter of ``a,b,c`` into a tuple of ``convert``'s values (``--epsilons 1,3,10``), none empty."""
+
+    def convert_list(text: str) -> tuple:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"must be a comma-separated list; got {text!r}")
+        return tuple(convert(item) for item in items)
+
+    return convert_list
+
+
+def parse_value(convert, flag: str, text):
+    """``convert(text)`` for a value read by hand (not by argparse): its error a ``ValueError`` naming ``flag``."""
+    try:
+        return convert(text)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"{flag} {err}") from None
+
+
+def parse_float(flag: str, text) -> float:
+    return parse_value(number, flag, text)
+
+
+def parse_int(flag: str, text) -> int:
+    return parse_value(integer, flag, text)
+
+
+def parse_top_k(flag: str, text, word: str = "full"):
+    return parse_value(functools.partial(top_k, word=word), flag, text)
 
 
 def plural(count: int, singular: str, plural_form: str | None = None) -> str:
@@ -161,53 +223,6 @@ def print_report(args, data, text, *, indent: int | None = None, written: str = 
         print(f"{written} written to {shown(args.output)}")
 
 
-def parse_list(flag: str, text: str, convert) -> list:
-    items = [t for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"{flag} must be a comma-separated list; got {text!r}")
-    return [convert(flag, t.strip()) for t in items]
-
-
-def parse_top_k(flag: str, text: str, word: str = "full"):
-    """A k of the Top-k+ set (``--top-k``, each of ``--top-ks``): an integer >= 1, or ``full`` (also ``none``,
-    ``all``) for the whole vocabulary (``None``); ``word``: the one the error names."""
-    if text.strip().lower() in {"full", "none", "all"}:
-        return None
-    value = parse_int(flag, text)
-    if value < 1:
-        raise ValueError(f"{flag} must be an integer >= 1 or {word!r}; got {text!r}")
-    return value
-
-
-def add_accountant_argument(parser) -> None:
-    """``--accountant``, as every command that accounts a release takes it."""
-    from accounting import ACCOUNTANTS, DEFAULT_ACCOUNTANT
-
-    parser.add_argument("--accountant", default=DEFAULT_ACCOUNTANT.value, choices=ACCOUNTANTS,
-                        help=f"privacy accountant (default: {DEFAULT_ACCOUNTANT.value})")
-
-
-def add_label_arguments(parser, help: str) -> None:
-    """``--label-column NAME`` (repeatable; ``help`` says what labels do for the command) and ``--label-columns A,B``;
-    :func:`label_columns` reads them together."""
-    parser.add_argument("--label-column", action="append", default=[], metavar="NAME", help=help)
-    parser.add_argument("--label-columns", default=None, metavar="A,B", help="the same, comma-separated (as generate takes them)")
-
-
-def column_names(flag: str, text: str) -> list[str]:
-    """``A,B``: comma-separated column names, none empty."""
-    columns = [c.strip() for c in text.split(",")]
-    if not all(columns):
-        raise ValueError(f"{flag} must be comma-separated column names; got {text!r}")
-    return columns
-
-
-def label_columns(args) -> list[str]:
-    """``--label-column`` (repeated) and ``--label-columns A,B`` together, in order, without repeats."""
-    extra = [] if args.label_columns is None else column_names("--label-columns", args.label_columns)
-    return list(dict.fromkeys(args.label_column + extra))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="invink-audit",
@@ -269,8 +284,11 @@ def _run(argv: list[str] | None) -> int:
     from accounting import BudgetExceededError
     from invink_audit.distributed import ReleaseIncompleteError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _BadValue as err:
+        print(f"invink-audit {err.command}: error: {printable(str(err))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         status = int(args.handler(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at interpreter exit

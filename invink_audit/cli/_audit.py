@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from invink_audit.cli import CliError, parse_int, phase_progress, print_report, progress_bar
-from invink_audit.cli._generate import add_where_argument, parse_where
+from invink_audit.cli import CliError, integer, phase_progress, print_report, progress_bar
+from invink_audit.cli._options import add, parse_where
 from invink_audit.distributed import launch_rank
 
 _EXIT = {"PASS": 0, "VIOLATION": 1, "INCONCLUSIVE": 3}
@@ -34,17 +34,21 @@ def register(subparsers) -> None:
                    "recorded fingerprint, each finding named (never a PASS); exact checks of every released token "
                    "against every replace-by-null neighbour, then a sampled audit of one batch (texts drawn outside the ledger); "
                    "needs --input (and --column/--where) as generate was given, and the same --model")
-    p.add_argument("--input", default=None, help="with --release: the references file the release was made from")
-    p.add_argument("--column", default=None, help="with --release: the text column generate was given")
-    add_where_argument(p)
-    p.add_argument("--model", default=None, help="with --release: the model generate was given (default: the embedded one)")
-    p.add_argument("--sampled-batch", default="0", help="with --release: the batch of the sampled audit, or 'none'")
-    p.add_argument("--num-samples", default="16", help="with --release: sampled texts (>= 16 for a sampled PASS)")
-    p.add_argument("--output", default=None, help="directory for report.json, report.md and plots")
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    p.add_argument("--seed", default=None, help="fixed seed (reproducible audit; default: OS entropy)")
+    add(p, "--input", required=False, help="with --release: the references file the release was made from")
+    add(p, "--column", default=None, help="with --release: the text column generate was given")
+    add(p, "--where")
+    add(p, "--model", help="with --release: the model generate was given (default: the embedded one)")
+    p.add_argument("--sampled-batch", default="0", type=_batch, help="with --release: the batch of the sampled audit, or 'none'")
+    p.add_argument("--num-samples", default="16", type=integer, help="with --release: sampled texts (>= 16 for a sampled PASS)")
+    add(p, "--output", "--json")
+    add(p, "--seed", help="fixed seed (reproducible audit; default: OS entropy)")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.set_defaults(handler=_audit)
+
+
+def _batch(text: str) -> int | None:
+    """``--sampled-batch``: a batch index, or ``none`` for no sampled audit."""
+    return None if text.strip().lower() == "none" else integer(text)
 
 
 def _audit(args) -> int:
@@ -56,13 +60,12 @@ def _audit(args) -> int:
         raise CliError("--input, --column, --where and --model go with --release")
     if args.release is not None:
         return _audit_release(args)
-    seed = parse_int("--seed", args.seed) if args.seed is not None else None
     spec = parse_spec({"kind": "selftest", "name": "selftest"}) if args.selftest else load_spec(args.spec)
     quiet = args.json or launch_rank() != 0  # under torchrun, rank 0 reports
     status = None if quiet else (lambda msg: print(f"  auditing {msg} ...", file=sys.stderr))
     update, close = progress_bar(f"audit {spec.name}", not quiet, unit="it", leave=False)
     try:
-        result = run_spec(spec, seed=seed, progress=update, status=status)
+        result = run_spec(spec, seed=args.seed, progress=update, status=status)
     finally:
         close()
     if launch_rank() != 0:  # under torchrun, rank 0 writes and prints the report
@@ -106,15 +109,12 @@ def _audit_release(args) -> int:
 
     if args.input is None:
         raise CliError("--release needs --input: the references file the release was made from")
-    sampled = None if args.sampled_batch.strip().lower() == "none" else parse_int("--sampled-batch", args.sampled_batch)
     bars, close = phase_progress(not args.json, unit="it", leave=False)
     progress = bars and (lambda phase, *done: bars("exact checks" if phase == PHASE_EXACT else "sampled audit", *done))
-    seed = parse_int("--seed", args.seed) if args.seed is not None else None
     try:
         report = audit_release_file(
             args.release, args.input, column=args.column, where=parse_where(args.where), model=args.model,
-            sampled_batch=sampled, num_samples=parse_int("--num-samples", args.num_samples),
-            seed=seed, progress=progress,
+            sampled_batch=args.sampled_batch, num_samples=args.num_samples, seed=args.seed, progress=progress,
         )  # fmt: skip
     finally:
         close()

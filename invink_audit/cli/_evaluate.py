@@ -7,51 +7,35 @@ from __future__ import annotations
 
 import sys
 
-from invink_audit.cli import add_label_arguments, label_columns, parse_int, phase_progress, print_report
+from invink_audit.cli import integer, phase_progress, print_report
+from invink_audit.cli._options import add, label_columns
 
 
 def add_evaluation_arguments(p) -> None:
-    """Evaluation settings shared by ``evaluate`` and ``sweep``."""
-    p.add_argument(
-        "--embedding-model",
-        default="mpnet",
-        choices=("mpnet", "minilm"),
-        help="sentence embeddings for MAUVE: mpnet (all-mpnet-base-v2, the paper's; default) or minilm "
-        "(all-MiniLM-L6-v2, about 5x faster)",
-    )
-    p.add_argument("--mauve-seeds", default="5", help="k-means seeds averaged for the MAUVE estimate, >= 1 (default 5)")
-    p.add_argument(
-        "--mauve-bootstrap", default="20", help="bootstrap replicates for MAUVE's interval, >= 0 (default 20; 0: seed range)"
-    )
-    p.add_argument(
-        "--max-real",
-        default=None,
-        help="real texts used for MAUVE and perplexity, >= 2 (default: as many as synthetic texts, as in the paper)",
-    )
-    p.add_argument("--scorer", default=None, help="perplexity model (path, hub id or name; default the embedded SmolLM2)")
+    """Evaluation settings shared by ``evaluate`` and ``sweep`` (:func:`evaluation_config` reads them)."""
+    p.add_argument("--embedding-model", default="mpnet", choices=("mpnet", "minilm"),
+                   help="sentence embeddings for MAUVE: mpnet (all-mpnet-base-v2, the paper's; default) or minilm "
+                   "(all-MiniLM-L6-v2, about 5x faster)")
+    p.add_argument("--mauve-seeds", default="5", type=integer,
+                   help="k-means seeds averaged for the MAUVE estimate, >= 1 (default 5)")
+    p.add_argument("--mauve-bootstrap", default="20", type=integer,
+                   help="bootstrap replicates for MAUVE's interval, >= 0 (default 20; 0: seed range)")
+    p.add_argument("--max-real", type=integer, help="real texts used for MAUVE and perplexity, >= 2 (default: as "
+                   "many as synthetic texts, as in the paper)")
+    p.add_argument("--scorer", help="perplexity model (path, hub id or name; default the embedded SmolLM2)")
     p.add_argument("--no-perplexity", action="store_true", help="skip perplexity and ΔPPL (lengths then in words)")
-    p.add_argument(
-        "--no-cache",
-        "--no-embedding-cache",  # its name before perplexities were cached too
-        dest="no_cache",
-        action="store_true",
-        help="keep nothing derived from the texts on disk (by default each text's embedding and perplexity "
-        "are cached by text hash, owner-only, in the cache directory, so a text is embedded and scored once)",
-    )
+    p.add_argument("--no-cache", "--no-embedding-cache", dest="no_cache", action="store_true",  # (its old name)
+                   help="keep nothing derived from the texts on disk (by default each text's embedding and perplexity "
+                   "are cached by text hash, owner-only, in the cache directory, so a text is embedded and scored once)")
 
 
 def evaluation_config(args):
     from invink_audit.evaluation import EvaluationConfig
 
     return EvaluationConfig(
-        embedding_model=args.embedding_model,
-        mauve_seeds=parse_int("--mauve-seeds", args.mauve_seeds),
-        mauve_bootstrap=parse_int("--mauve-bootstrap", args.mauve_bootstrap),
-        max_real=None if args.max_real is None else parse_int("--max-real", args.max_real),
-        scorer=args.scorer,
-        perplexity=not args.no_perplexity,
-        embedding_cache=not args.no_cache,
-        perplexity_cache=not args.no_cache,
+        embedding_model=args.embedding_model, mauve_seeds=args.mauve_seeds, mauve_bootstrap=args.mauve_bootstrap,
+        max_real=args.max_real, scorer=args.scorer, perplexity=not args.no_perplexity,
+        embedding_cache=not args.no_cache, perplexity_cache=not args.no_cache,
     )
 
 
@@ -88,15 +72,14 @@ def register(subparsers) -> None:
         "PRIVATE: the report is computed from the real texts in the clear; use held-out real texts.",
     )
     p.add_argument("--synthetic", required=True, help="synthetic texts: .jsonl (e.g. generate's output) or .csv")
-    p.add_argument("--real", required=True, help="real (held-out) texts: .csv or .jsonl")
-    p.add_argument("--column", default="text", help="text column/field in both files (default: text)")
+    add(p, "--real")
+    add(p, "--column", help="text column/field in both files (default: text)")
     p.add_argument("--real-column", default=None, help="text column of --real when it differs from --column")
-    add_label_arguments(p, "label column (repeat for several; their values are joined): enables TSTR. In JSON Lines "
-                        "read from the record or its 'labels' object")
+    add(p, "--label-column", help="label column (repeat for several; their values are joined): enables TSTR. In JSON "
+        "Lines read from the record or its 'labels' object")
+    add(p, "--label-columns")
     add_evaluation_arguments(p)
-    p.add_argument("--output", default=None, help="directory for report.md, report.json and plots")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the Markdown table")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    add(p, "--output", "--json", "--no-progress")
     p.set_defaults(handler=_evaluate)
 
 

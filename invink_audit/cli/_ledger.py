@@ -6,12 +6,15 @@ Exit statuses: 0 done (a replayed release id included), 2 bad input or an unusab
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-from invink_audit.cli import (
-    EXIT_OK, EXIT_OVER_BUDGET, CliError, add_accountant_argument, parse_float, parse_int, plural, shown,
-)
+from invink_audit.cli import EXIT_OK, EXIT_OVER_BUDGET, CliError, plural, shown
+from invink_audit.cli._options import add
+
+#: what a release is besides its clip norm (``charge`` and ``fits``), as ``accounting.Release.of`` takes it
+_SHAPE = ("batch_size", "temperature", "max_new_tokens", "texts_per_batch", "num_batches")
 
 
 def register(subparsers) -> None:
@@ -24,60 +27,35 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
 
     q = sub.add_parser("init", help="create a ledger with a total budget")
-    q.add_argument("path", help="the ledger file to create (a file path, not a directory)")
-    q.add_argument("--epsilon", required=True, help="total epsilon budget of the dataset, in [1e-6, 1e4]")
-    q.add_argument("--delta", required=True, help="delta of the dataset's guarantee, in [1e-300, 1)")
+    add(q, "path", help="the ledger file to create (a file path, not a directory)")
+    add(q, "--epsilon", required=True, help="total epsilon budget of the dataset, in [1e-6, 1e4]")
+    add(q, "--delta", required=True, help="delta of the dataset's guarantee, in [1e-300, 1)")
     q.add_argument("--dataset", default="", help="free-text name of the dataset")
-    add_accountant_argument(q)
+    add(q, "--accountant")
     q.set_defaults(handler=_init)
 
     q = sub.add_parser("show", help="budget, spend, recorded releases and the hash-chain head")
-    q.add_argument("path")
-    q.add_argument("--json", action="store_true")
+    add(q, "path", "--json")
     q.set_defaults(handler=_show)
 
-    q = sub.add_parser("charge", help="record a release (refused with exit status 4 when over budget)")
-    q.add_argument("path")
-    q.add_argument("--clip-norm", required=True, help="clip norm C, in [1e-6, 1e6]")
-    _release_shape_arguments(q)
-    q.add_argument("--label", default="")
-    q.add_argument("--release-id", default=None, help="idempotency key (default: a new random id)")
-    q.add_argument(
-        "--dry-run", action="store_true", help="report the spend without recording anything (exit 4 if over budget)"
-    )
-    q.add_argument("--json", action="store_true")
+    release = argparse.ArgumentParser(add_help=False)  # charge's and fits': the ledger and the release's shape
+    add(release, "path")
+    add(release, "--batch-size", required=True, help="B private references per text (B+1 rows per token), 1 .. 1e9")
+    add(release, "--temperature")
+    add(release, "--max-new-tokens", required=True, help="token budget T per text, 1 .. 1e9")
+    add(release, "--texts-per-batch", "--num-batches", "--json")
+    q = sub.add_parser("charge", parents=[release], help="record a release (refused with exit status 4 when over budget)")
+    add(q, "--clip-norm", required=True)
+    q.add_argument("--label", default="", help="a name for the release in the ledger")
+    q.add_argument("--release-id", help="idempotency key (default: a new random id)")
+    q.add_argument("--dry-run", action="store_true", help="report the spend without recording anything (exit 4 if over budget)")
     q.set_defaults(handler=_charge)
-
-    q = sub.add_parser("fits", help="the largest clip norm C (and its epsilon) a next release can use")
-    q.add_argument("path")
-    _release_shape_arguments(q)
-    q.add_argument("--json", action="store_true")
+    q = sub.add_parser("fits", parents=[release], help="the largest clip norm C (and its epsilon) a next release can use")
     q.set_defaults(handler=_fits)
 
 
-def _release_shape_arguments(parser) -> None:
-    """What a release is besides its clip norm (``charge`` and ``fits``): B, τ, T, texts per batch, batches."""
-    parser.add_argument(
-        "--batch-size", required=True, help="B private references per text (B+1 rows per token), 1 .. 1e9"
-    )
-    parser.add_argument("--temperature", default="1.0", help="sampling temperature tau, in [1e-4, 1e4] (default 1.0)")
-    parser.add_argument("--max-new-tokens", required=True, help="token budget T per text, 1 .. 1e9")
-    parser.add_argument("--texts-per-batch", default="1", help="texts generated from each batch, 1 .. 1e9 (default 1)")
-    parser.add_argument(
-        "--num-batches", default="1",
-        help="disjoint batches in the release (parallel composition: they cost one batch's epsilon), 1 .. 1e9 (default 1)",
-    )
-
-
 def _release_shape(args) -> dict:
-    """:func:`_release_shape_arguments` parsed, as ``accounting.Release.of`` takes them."""
-    return dict(
-        batch_size=parse_int("--batch-size", args.batch_size),
-        temperature=parse_float("--temperature", args.temperature),
-        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
-        texts_per_batch=parse_int("--texts-per-batch", args.texts_per_batch),
-        num_batches=parse_int("--num-batches", args.num_batches),
-    )
+    return {name: getattr(args, name) for name in _SHAPE}
 
 
 def _ledger_file(path: str) -> Path:
@@ -105,14 +83,10 @@ def _init(args) -> int:
     from accounting import BudgetLedger
 
     _ledger_file(args.path)
-    epsilon = parse_float("--epsilon", args.epsilon)
-    delta = parse_float("--delta", args.delta)
-    ledger = BudgetLedger.create(args.path, epsilon=epsilon, delta=delta, accountant=args.accountant, dataset=args.dataset)
+    ledger = BudgetLedger.create(args.path, epsilon=args.epsilon, delta=args.delta, accountant=args.accountant, dataset=args.dataset)
     status = ledger.status()
-    print(
-        f"created ledger {shown(args.path)} (budget epsilon={status.epsilon_budget:g}, delta={status.delta:g}, "
-        f"{status.accountant}); head {status.head}"
-    )
+    print(f"created ledger {shown(args.path)} (budget epsilon={status.epsilon_budget:g}, delta={status.delta:g}, "
+          f"{status.accountant}); head {status.head}")
     return EXIT_OK
 
 
@@ -123,15 +97,11 @@ def _show(args) -> int:
                   "rho_remaining", "format_version", "head")
         print(json.dumps({**{name: getattr(status, name) for name in fields}, "releases": list(status.releases)}))
         return EXIT_OK
-    print(
-        f"ledger {shown(args.path)}: spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g} "
-        f"at delta={status.delta:g} ({status.accountant})"
-    )
-    print(
-        f"  remaining epsilon {status.epsilon_remaining:.6g} is not what a next release can spend: epsilons do not "
-        f"add up (releases add zCDP rho); a next release fits if it costs at most rho={status.rho_remaining:.6g}. "
-        f"`invink-audit ledger fits {shown(args.path)} --batch-size B --max-new-tokens T` gives its largest C"
-    )
+    print(f"ledger {shown(args.path)}: spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g} "
+          f"at delta={status.delta:g} ({status.accountant})")
+    print(f"  remaining epsilon {status.epsilon_remaining:.6g} is not what a next release can spend: epsilons do not "
+          f"add up (releases add zCDP rho); a next release fits if it costs at most rho={status.rho_remaining:.6g}. "
+          f"`invink-audit ledger fits {shown(args.path)} --batch-size B --max-new-tokens T` gives its largest C")
     if status.head is None:
         print(f"  format {status.format_version}: no hash chain yet; the next charge adds one")
     elif status.format_version < 3:
@@ -147,17 +117,15 @@ def _show(args) -> int:
         else:
             what = (f"C={r['clip_norm']:g} B={r['batch_size']} tau={r['temperature']:g} T={r['max_new_tokens']} "
                     f"x{r['texts_per_batch']}")
-        print(
-            f"  {entry['recorded_at']}  {r['label'] or r['release_id']}: {what} "
-            f"({plural(r['num_batches'], 'batch', 'batches')}) -> total epsilon {entry['epsilon_spent_after']:.6g}"
-        )
+        print(f"  {entry['recorded_at']}  {r['label'] or r['release_id']}: {what} "
+              f"({plural(r['num_batches'], 'batch', 'batches')}) -> total epsilon {entry['epsilon_spent_after']:.6g}")
     return EXIT_OK
 
 
 def _charge(args) -> int:
     from accounting import Release
 
-    kwargs = dict(clip_norm=parse_float("--clip-norm", args.clip_norm), **_release_shape(args), label=args.label)
+    kwargs = dict(clip_norm=args.clip_norm, **_release_shape(args), label=args.label)
     if args.release_id is not None:
         kwargs["release_id"] = args.release_id
     release = Release.of(**kwargs)  # every range checked before the ledger is read
@@ -172,10 +140,8 @@ def _charge(args) -> int:
         if args.json:
             print(json.dumps({"epsilon_spent_after": projected, "fits": fits, "already_recorded": already}))
         elif already:
-            print(
-                f"dry run: release {name!r} is already recorded ({recorded['recorded_at']}); charging it again "
-                f"spends nothing: total epsilon stays {projected:.6g} of {status.epsilon_budget:g}"
-            )
+            print(f"dry run: release {name!r} is already recorded ({recorded['recorded_at']}); charging it again "
+                  f"spends nothing: total epsilon stays {projected:.6g} of {status.epsilon_budget:g}")
         else:
             verdict = "fits" if fits else "would EXCEED the budget"
             print(f"dry run: total epsilon after this release {projected:.6g} of {status.epsilon_budget:g}: {verdict}")
@@ -184,10 +150,8 @@ def _charge(args) -> int:
     if args.json:
         print(json.dumps({**outcome.entry, "already_recorded": outcome.already_recorded}))
     elif outcome.already_recorded:
-        print(
-            f"already charged: release {name!r} was recorded at {outcome.entry['recorded_at']}; nothing more spent "
-            f"(total epsilon spent {outcome.epsilon_spent:.6g})"
-        )
+        print(f"already charged: release {name!r} was recorded at {outcome.entry['recorded_at']}; nothing more spent "
+              f"(total epsilon spent {outcome.epsilon_spent:.6g})")
     else:
         print(f"charged {shown(name)}: total epsilon spent {outcome.epsilon_spent:.6g}")
     return EXIT_OK
@@ -216,10 +180,8 @@ def _fits(args) -> int:
         print(json.dumps({"fits": True, "clip_norm": event.clip_norm, "epsilon_release": alone.epsilon,
                           "epsilon_spent_after": after, "epsilon_budget": status.epsilon_budget}))
         return EXIT_OK
-    print(
-        f"the next release (B={event.batch_size}, T={event.max_new_tokens}, tau={event.temperature:g}"
-        f"{f', {event.texts_per_batch} texts per batch' if event.texts_per_batch > 1 else ''}) fits with clip norm "
-        f"C <= {event.clip_norm!r}: alone it is (epsilon={alone.epsilon:.6g}, delta={status.delta:g})-DP; the "
-        f"ledger's total after it is epsilon={after:.6g} of {status.epsilon_budget:g}"
-    )
+    print(f"the next release (B={event.batch_size}, T={event.max_new_tokens}, tau={event.temperature:g}"
+          f"{f', {event.texts_per_batch} texts per batch' if event.texts_per_batch > 1 else ''}) fits with clip norm "
+          f"C <= {event.clip_norm!r}: alone it is (epsilon={alone.epsilon:.6g}, delta={status.delta:g})-DP; the "
+          f"ledger's total after it is epsilon={after:.6g} of {status.epsilon_budget:g}")
     return EXIT_OK

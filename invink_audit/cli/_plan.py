@@ -7,37 +7,11 @@ a value outside it is one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 
-from invink_audit.cli import add_accountant_argument, parse_float, parse_int, parse_list, parse_top_k, plural, shown
-
-_B_HELP = (
-    "B: private references per generated text (the paper's B), 1 .. 1e9. Each token costs B+1 forward rows "
-    "(B private prompts + 1 public prompt); the reference package's batch_size is B+1."
-)
-_EPSILON_HELP = "target epsilon, in [1e-6, 1e4]"
-_DELTA_HELP = "delta, in [1e-300, 1)"
-_T_HELP = "token budget T per text, 1 .. 1e9"
-_TAU_HELP = "sampling temperature tau, in [1e-4, 1e4] (default 1.0)"
-_C_HELP = "clip norm C, in [1e-6, 1e6]"
-
-
-def _accountant_arg(parser: argparse.ArgumentParser) -> None:
-    add_accountant_argument(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-
-
-#: the arguments of the planners, as the command line parses them and their help
-_ARGUMENTS = {
-    "--epsilon": (parse_float, _EPSILON_HELP),
-    "--delta": (parse_float, _DELTA_HELP),
-    "--max-new-tokens": (parse_int, _T_HELP),
-    "--batch-size": (parse_int, _B_HELP),
-    "--clip-norm": (parse_float, _C_HELP),
-    "--temperature": (parse_float, _TAU_HELP),
-}
+from invink_audit.cli import parse_float, parse_int, parse_top_k, plural, shown
+from invink_audit.cli._options import B_HELP, SHARED, add
 
 #: command: (planner in :mod:`accounting`, its arguments in order (each required but --temperature), help,
 #: description, headline, the field the JSON adds to the plan's summary)
@@ -62,12 +36,11 @@ _PLANNERS = {
 
 def register(subparsers) -> None:
     for name, (_, flags, help, description, _, _) in _PLANNERS.items():
-        p = subparsers.add_parser(name, help=help, description=description + _B_HELP)
+        p = subparsers.add_parser(name, help=help, description=description + B_HELP)
         for flag in flags:
             target = "target " if name == "min-batch-size" and flag == "--clip-norm" else ""  # B is planned for it
-            optional = flag == "--temperature"
-            p.add_argument(flag, required=not optional, default="1.0" if optional else None, help=target + _ARGUMENTS[flag][1])
-        _accountant_arg(p)
+            add(p, flag, required=flag != "--temperature", help=target + SHARED[flag]["help"])
+        add(p, "--accountant", "--json")
         p.set_defaults(handler=functools.partial(_planned, name))
     _register_table(subparsers)
     _register_memory(subparsers)
@@ -79,18 +52,15 @@ def _register_table(subparsers) -> None:
         "table",
         help="clip norms over a grid of epsilon x B, with compute cost",
         description="Clip norm for each (epsilon, B) and its compute cost (B+1 forward rows per token). "
-        + _B_HELP,
+        + B_HELP,
     )
-    p.add_argument(
-        "--epsilons", default="1,3,5,10", help="comma-separated epsilons, each in [1e-6, 1e4], at most 100 (default 1,3,5,10)"
-    )
-    p.add_argument(
-        "--batch-sizes", default="4,8,16,32", help="comma-separated B values, each 1 .. 1e9, at most 100 (default 4,8,16,32)"
-    )
-    p.add_argument("--delta", default="1e-6", help=_DELTA_HELP + " (default 1e-6)")
-    p.add_argument("--max-new-tokens", default="500", help=_T_HELP + " (default 500)")
-    p.add_argument("--temperature", default="1.0", help=_TAU_HELP)
-    _accountant_arg(p)
+    add(p, "--epsilons", default="1,3,5,10",
+        help="comma-separated epsilons, each in [1e-6, 1e4], at most 100 (default 1,3,5,10)")
+    add(p, "--batch-sizes", default="4,8,16,32",
+        help="comma-separated B values, each 1 .. 1e9, at most 100 (default 4,8,16,32)")
+    add(p, "--delta", default="1e-6", help=SHARED["--delta"]["help"] + " (default 1e-6)")
+    add(p, "--max-new-tokens", default="500", help="token budget T per text, 1 .. 1e9 (default 500)")
+    add(p, "--temperature", "--accountant", "--json")
     p.set_defaults(handler=_table)
 
 
@@ -115,9 +85,8 @@ def _planned(name: str, args) -> int:
     import accounting
 
     planner, flags, _, _, headline, field = _PLANNERS[name]
-    names = {flag: flag[2:].replace("-", "_") for flag in flags}  # the planner's keywords, in the command's order
-    values = {names[flag]: _ARGUMENTS[flag][0](flag, getattr(args, names[flag])) for flag in flags}
-    plan = getattr(accounting, planner)(**values, accountant=args.accountant)
+    names = [flag[2:].replace("-", "_") for flag in flags]  # the planner's keywords, in the command's order
+    plan = getattr(accounting, planner)(**{name: getattr(args, name) for name in names}, accountant=args.accountant)
     added = {} if field is None else {field: getattr(plan, field)}
     print(json.dumps({**plan.summary(), **added}) if args.json else format_plan(plan, headline=headline))
     return 0
@@ -139,14 +108,8 @@ def format_table(rows) -> str:
 def _table(args) -> int:
     from accounting import planning_table
 
-    rows = planning_table(
-        epsilons=parse_list("--epsilons", args.epsilons, parse_float),
-        batch_sizes=parse_list("--batch-sizes", args.batch_sizes, parse_int),
-        delta=parse_float("--delta", args.delta),
-        max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
-        temperature=parse_float("--temperature", args.temperature),
-        accountant=args.accountant,
-    )
+    rows = planning_table(epsilons=list(args.epsilons), batch_sizes=list(args.batch_sizes), delta=args.delta,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, accountant=args.accountant)
     if args.json:
         print(json.dumps([{**r.plan.summary(), **r.as_dict()} for r in rows]))
         return 0
@@ -163,39 +126,37 @@ _MEMORY_DESCRIPTION = (
     "Peak memory of a release and how to choose --max-batch-rows: the model's weights, its KV cache per text "
     "(B+1 rows, each sized for its prompt and T tokens while prefilled, in length buckets while decoding), the "
     "texts in flight (max_batch_rows // (B+1)), the sampling buffers and activations. Reads the model's config "
-    "(not its weights). Formula and measurements: docs/guide/capacity.md. " + _B_HELP
+    "(not its weights). Formula and measurements: docs/guide/capacity.md. " + B_HELP
 )
 
 
 def _register_memory(subparsers) -> None:
     p = subparsers.add_parser("memory", help="peak memory per text and per --max-batch-rows",
                               description=_MEMORY_DESCRIPTION)
-    p.add_argument("--model", default=None,
-                   help="model name (smollm2-135m-instruct, the default; gemma3-270m), local directory, hub id or "
-                        ".gguf file")
-    p.add_argument("--batch-size", required=True, help=_B_HELP)
-    p.add_argument("--max-new-tokens", required=True, help=_T_HELP)
+    # values as text, as _memory reads them (--max-batch-rows, --num-texts and --public-prompt-tokens take 'none')
+    add(p, "--model", help="model name (smollm2-135m-instruct, the default; gemma3-270m), local directory, hub id or "
+        ".gguf file")
+    add(p, "--batch-size", "--max-new-tokens", required=True)
     p.add_argument("--prompt-tokens", required=True,
                    help="P: tokens of a private row's prompt (template and reference), an integer >= 1")
     p.add_argument("--public-prompt-tokens", default=None,
                    help="P0: tokens of the public row's prompt (the template alone); default P, an upper bound")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype the model runs in; auto: bfloat16 on cuda, float32 on cpu (default auto)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="device planned for (the dtype auto picks and the default --max-batch-rows; default cuda)")
+    add(p, "--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype the model runs in; auto: bfloat16 on cuda, float32 on cpu (default auto)")
+    add(p, "--device", default="cuda", choices=["cuda", "cpu"],
+        help="device planned for (the dtype auto picks and the default --max-batch-rows; default cuda)")
     rows = p.add_mutually_exclusive_group()
-    rows.add_argument("--max-batch-rows", default=None,
-                      help="R: rows per forward pass (default: 256 on cuda, 64 on cpu)")
+    add(rows, "--max-batch-rows", type=str, help="R: rows per forward pass (default: 256 on cuda, 64 on cpu)")
     rows.add_argument("--memory-budget", default=None, metavar="GIB",
                       help="instead: the largest --max-batch-rows whose peak fits GIB GiB (the peak with every row in a "
                            "bucket of its own, safe for prompts of any lengths; see --equal-prompts)")
     p.add_argument("--equal-prompts", action="store_true",
                    help="with --memory-budget: fit the peak for prompts of equal length instead (larger; may not fit "
                         "prompts of many lengths when few texts are in flight)")
-    p.add_argument("--num-texts", default=None,
-                   help="texts to generate (fewer than max_batch_rows // (B+1) limits the texts in flight)")
-    p.add_argument("--top-k", default="100", help="top_k of the mechanism, an integer >= 1, or 'none' (default 100)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add(p, "--num-texts", type=str,
+        help="texts to generate (fewer than max_batch_rows // (B+1) limits the texts in flight)")
+    add(p, "--top-k", default="100", help="top_k of the mechanism, an integer >= 1, or 'none' (default 100)")
+    add(p, "--json")
     p.set_defaults(handler=_memory)
 
 
@@ -224,28 +185,28 @@ def _memory(args) -> int:
     )
     shape = read_model_shape(args.model, dtype=args.dtype, device=args.device)
     if budget is not None:
-        fitted = max_batch_rows_for_budget(shape, workload, int(budget * GIB), unshared=not args.equal_prompts)
+        fitted = max_batch_rows_for_budget(shape, workload, int(budget * GIB))  # --equal-prompts: the same bound
         if not fitted:
             one = estimate_memory(shape, dataclasses.replace(workload, max_batch_rows=workload.rows_per_text))
-            need = one.peak_bytes if args.equal_prompts else one.peak_unshared_bytes
+            need = one.peak_bytes
             raise ValueError(f"even one text (B+1 = {workload.rows_per_text} rows) needs about {need / GIB:.3g} GiB, "
                              f"more than --memory-budget {budget:g} GiB")
         workload = dataclasses.replace(workload, max_batch_rows=fitted)
     estimate = estimate_memory(shape, workload)
-    fit = None if budget is None else "equal prompts" if args.equal_prompts else "unshared"
+    fit = None if budget is None else "upper bound"
     print(json.dumps({**estimate.to_json(), "memory_budget_gib": budget, "fitted_with": fit}) if args.json
           else format_memory(estimate, budget, equal_prompts=args.equal_prompts))
     return 0
 
 
 def format_memory(estimate, budget: float | None = None, *, equal_prompts: bool = False) -> str:
-    """A human-readable block describing a :class:`invink_audit.capacity.MemoryEstimate`."""
+    """A human-readable block describing a :class:`invink_audit.capacity.MemoryEstimate` (``equal_prompts``
+    changes nothing: the upper bound holds for prompts of any lengths up to P, equal or not)."""
     from invink_audit.capacity import FORMULA, format_bytes
 
     m, w = estimate.shape, estimate.workload
     g, per_row = w.texts_in_flight, w.rows_per_text
-    figure = "equal prompts" if equal_prompts else "prompts of any lengths"
-    chosen = "given or the default" if budget is None else f"the largest that fits {budget:g} GiB, {figure}"
+    chosen = "given or the default" if budget is None else f"the largest that fits {budget:g} GiB, upper bound"
     lines = [
         f"Memory plan: {shown(m.name)} in {m.dtype} ({m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}, "
         f"hidden {m.hidden_size}, vocabulary {m.vocab_size}, {m.num_parameters / 1e6:.1f}M parameters)",
@@ -258,15 +219,13 @@ def format_memory(estimate, budget: float | None = None, *, equal_prompts: bool 
         f"{m.num_kv_heads} KV heads x {m.head_dim} x {m.dtype_bytes} B",
         f"  KV per text        {format_bytes(estimate.kv_text_bytes):>12}  ((P0+T) + B(P+T)) x kappa, "
         "while it is prefilled",
-        f"  KV cache peak      {format_bytes(estimate.kv_peak_bytes + estimate.kv_growth_bytes):>12}  "
-        f"{g} texts, prompts of equal length (peak in: {estimate.kv_peak_phase}; "
-        f"{estimate.kv_peak_bytes / max(g * estimate.kv_text_bytes, 1):.2f}x the texts' prefill size)",
-        f"  KV, unshared       {format_bytes(estimate.kv_unshared_bytes):>12}  every row in a bucket of its own "
-        "(prompts of many lengths)",
+        f"  KV, decoding       {format_bytes(estimate.kv_decoding_bytes):>12}  per text at most, 4 x (W(P0+T-1) + "
+        "B x W(P+T-1)) x kappa, in length buckets",
+        f"  KV cache peak      {format_bytes(estimate.kv_peak_bytes):>12}  upper bound: {g} texts, prompts of at most "
+        f"P tokens ({estimate.kv_peak_bytes / max(g * estimate.kv_text_bytes, 1):.2f}x the texts' prefill size)",
         f"  sampling buffers   {format_bytes(estimate.sampling_bytes):>12}",
         f"  activations        {format_bytes(estimate.activation_bytes):>12}  (approximate)",
-        f"  peak estimate      {format_bytes(estimate.peak_bytes):>12}  equal prompts",
-        f"                     {format_bytes(estimate.peak_unshared_bytes):>12}  to plan with when prompts vary "
+        f"  peak estimate      {format_bytes(estimate.peak_bytes):>12}  KV cache bounded, prompts of any lengths "
         "(allocator overhead, CUDA context and Python not included)",
         "  formula: " + FORMULA,
     ]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import sys
 
-from invink_audit.cli import EXIT_FAILURE, EXIT_INCONCLUSIVE, EXIT_OK, parse_float
+from invink_audit.cli import EXIT_FAILURE, EXIT_INCONCLUSIVE, EXIT_OK, number
+from invink_audit.cli._options import add
 
 _DESCRIPTION = (
     "Take the lock a release takes beside its output on a scratch file in DIR, and check from a second process "
@@ -30,11 +31,11 @@ def register(subparsers) -> None:
                               description=_DESCRIPTION)
     p.add_argument("directory", metavar="DIR", help="the directory the release will write its output in")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--hold", metavar="SECONDS", default=None,
+    mode.add_argument("--hold", metavar="SECONDS", type=number,
                       help="machine A of the two-machine check: hold the lock for SECONDS (0 < SECONDS <= 86400)")
     mode.add_argument("--probe", action="store_true",
                       help="machine B of the two-machine check: the lock machine A holds must exclude this machine")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add(p, "--json")
     p.set_defaults(handler=_check_locks)
 
 
@@ -45,7 +46,7 @@ def _check_locks(args) -> int:
         def held(message: str) -> None:
             print(message, file=sys.stderr, flush=True)
 
-        result = hold_lock(args.directory, parse_float("--hold", args.hold), on_held=None if args.json else held)
+        result = hold_lock(args.directory, args.hold, on_held=None if args.json else held)
     elif args.probe:
         result = probe_lock(args.directory)
     else:

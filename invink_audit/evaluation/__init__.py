@@ -16,7 +16,7 @@ Evaluation reports are **not private**: they are computed from the real texts in
 
 from __future__ import annotations
 
-from invink_audit import _lazy_hooks
+from invink_audit import lazy_exports
 
 _LAZY = {
     **dict.fromkeys(("EvaluationConfig", "EvaluationResult", "TextSet", "evaluate", "read_text_set"), ".evaluator"),
@@ -33,4 +33,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-__getattr__, __dir__ = _lazy_hooks(__name__, _LAZY)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -15,6 +15,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import shutil
 import tempfile
 import time
 import zipfile
@@ -119,16 +120,9 @@ def mpnet_part_paths() -> tuple[Path, ...]:
     return tuple(paths)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        while block := stream.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _check_safetensors(path: Path, spec: EmbeddingModelSpec, source: str) -> None:
-    digest = _sha256(path)
+    with path.open("rb") as stream:
+        digest = hashlib.file_digest(stream, "sha256").hexdigest()
     if digest != spec.safetensors_sha256:
         raise ValueError(
             f"{spec.name}: model.safetensors from {source} has SHA-256 {digest}, expected {spec.safetensors_sha256} "
@@ -168,8 +162,7 @@ def _extract(joined: Path, destination: Path, spec: EmbeddingModelSpec) -> None:
             target = destination / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             with archive.open(info) as src, target.open("wb") as dst:
-                while block := src.read(1 << 22):
-                    dst.write(block)
+                shutil.copyfileobj(src, dst, 1 << 22)
 
 
 def embedding_model_dir(name: str = DEFAULT_EMBEDDING_MODEL, *, root: Path | None = None) -> Path:
@@ -235,14 +228,6 @@ class EmbeddingStats:
     seconds: float = 0.0
 
 
-def _cpu_has_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX flags in ``/proc/cpuinfo``; the
-    test the generation model's ``dtype="auto"`` makes too: :func:`invink_audit.models.cpu_bfloat16_support`)."""
-    from invink_audit.models import cpu_bfloat16_support
-
-    return cpu_bfloat16_support() is not None
-
-
 class Embedder:
     r"""Embeds texts with a packaged SentenceTransformer model: transformer → mean pooling over real
     tokens → L2 normalisation (the models' ``modules.json``), texts truncated to the model's
@@ -277,8 +262,7 @@ class Embedder:
         batch_size = check_count("batch_size", batch_size)
         if dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16'; got {dtype!r}")
-        if max_seq_length is not None and (isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length < 2):
-            raise ValueError(f"max_seq_length must be an integer >= 2 or None; got {max_seq_length!r}")
+        check_count("max_seq_length", max_seq_length, minimum=2, allow_none=True)
         self.max_seq_length = max_seq_length or self.spec.max_seq_length
         self.batch_size = batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -353,7 +337,9 @@ class Embedder:
         if self._dtype_checked:
             return
         self._dtype_checked = True
-        if not (self.device.type == "cuda" or (self.device.type == "cpu" and _cpu_has_bf16())):
+        from invink_audit.models import cpu_bfloat16_support  # the test the generation model's "auto" makes
+
+        if not (self.device.type == "cuda" or (self.device.type == "cpu" and cpu_bfloat16_support() is not None)):
             self.dtype = "float32"
             return
         reference = self._forward(probe, "float32")

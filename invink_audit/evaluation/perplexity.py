@@ -22,7 +22,7 @@ import numpy as np
 
 from accounting.limits import check_count
 from invink_audit.evaluation.cache import TextCache, text_digest
-from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, percentile_interval
+from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, bootstrap_interval
 
 __all__ = ["PerplexityScores", "delta_ppl_interval", "perplexity_cache", "score_perplexity", "scorer_digest"]
 
@@ -211,7 +211,7 @@ def delta_ppl_interval(
     if x.size == 0 or r.size == 0:
         raise ValueError("ΔPPL needs at least one scored text on each side")
     rng = rng if rng is not None else np.random.default_rng(20252)
-    estimate = abs(x.mean() - r.mean())
-    xs = x[rng.integers(0, x.size, size=(num_bootstrap, x.size))].mean(axis=1)
-    rs = r[rng.integers(0, r.size, size=(num_bootstrap, r.size))].mean(axis=1)
-    return percentile_interval(float(estimate), np.abs(xs - rs), confidence, method="bootstrap over texts")
+    # scipy resamples two or more values; one text given twice resamples to itself, as it did alone
+    x, r = (np.repeat(v, 2) if v.size == 1 else v for v in (x, r))
+    return bootstrap_interval((x, r), lambda s, t, axis: np.abs(s.mean(axis=axis) - t.mean(axis=axis)), confidence,
+                              num_resamples=num_bootstrap, rng=rng, method="bootstrap over texts", vectorized=True)

@@ -43,10 +43,8 @@ class GuaranteeKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class MechanismGuarantee:
-    r"""The privacy guarantee a mechanism's accountant gives for one text of at most ``max_new_tokens`` tokens.
-
-    Not the run's guarantee :class:`invink_audit.Guarantee` (:mod:`invink_audit.generation`), which records one
-    ``generate`` run's figures.
+    r"""The privacy guarantee a mechanism's accountant gives for one text of at most ``max_new_tokens`` tokens,
+    and a release's guarantee (:meth:`invink_audit.generation.ReleaseConfig.guarantee`, AugPE's): the same record.
 
     * ``kind``: :class:`GuaranteeKind`;
     * ``epsilon``, ``delta``: the (ε, δ)-DP statement (a-priori: certified for every dataset;
@@ -61,7 +59,9 @@ class MechanismGuarantee:
       private step), ``None`` when the accountant makes no per-step claim;
     * ``renyi_order``, ``renyi_budget``: for ``"renyi-filter"``: the order α and the largest spend
       :math:`D_\alpha` the stop rule allows;
-    * ``description``: one line for reports; ``details``: the accountant's parameters.
+    * ``description``: one line for reports; ``details``: the accountant's parameters;
+    * ``void_reason``: why a release does not carry this guarantee although its figures are computed (a fixed
+      seed makes the texts reproducible; AugPE's paper convention is no valid guarantee); ``None``: it holds.
     """
 
     kind: GuaranteeKind
@@ -77,6 +77,7 @@ class MechanismGuarantee:
     renyi_budget: float | None = None
     description: str = ""
     details: dict = dataclasses.field(default_factory=dict)
+    void_reason: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, GuaranteeKind):
@@ -94,10 +95,47 @@ class MechanismGuarantee:
     def a_priori(self) -> bool:
         return self.kind is GuaranteeKind.A_PRIORI
 
+    @property
+    def holds(self) -> bool:
+        """Whether the release carries this guarantee (``False`` with a :attr:`void_reason`)."""
+        return self.void_reason is None
+
     def label(self) -> str:
         """``"(ε, δ) a-priori"`` or ``"(ε, δ) DATA-DEPENDENT"``: the wording every report uses."""
         tag = "a-priori" if self.a_priori else "DATA-DEPENDENT (holds only for the dataset it was computed on)"
         return f"({self.epsilon:.4g}, {self.delta:.3g})-DP, {tag}"
+
+    def to_json(self) -> dict:
+        """The guarantee as a release's records and summary write it (``void_reason`` only when void).
+
+        InvisibleInk's (a bounded-range guarantee whose ``details`` name all of :data:`PLANNER_FIGURES`' parameters)
+        keeps the planner's figures, as its records have held them since their first version: ε, δ,
+        ``rho_sequence``, ``rho_token`` (= ``step_rho``), ``epsilon0`` (= ``step_epsilon0``), the accountant, C, B, τ,
+        top-k and T. Every other guarantee: mechanism, kind, ε, δ, ``rho_sequence``, T, composition, description."""
+        if self.composition == "bounded-range" and all(name in self.details for name in _PLANNER_DETAILS):
+            figures = {**self.details, "epsilon": self.epsilon, "delta": self.delta, "rho_sequence": self.rho_sequence,
+                       "rho_token": self.step_rho, "epsilon0": self.step_epsilon0, "max_new_tokens": self.max_new_tokens}
+            data = {name: figures[name] for name in PLANNER_FIGURES}
+        else:
+            data = {"mechanism": self.mechanism, "kind": self.kind.value, "epsilon": self.epsilon, "delta": self.delta,
+                    "rho_sequence": self.rho_sequence, "max_new_tokens": self.max_new_tokens,
+                    "composition": self.composition, "description": self.description}  # fmt: skip
+        if self.void_reason is not None:
+            data["void_reason"] = self.void_reason
+        return data
+
+    def record_fields(self) -> dict:
+        """What an output record or summary writes: ``{"guarantee": {...}}``, or for a void guarantee
+        ``{"guarantee": None, "guarantee_void_reason": ...}`` (no ε that a reader could take at face value)."""
+        if self.void_reason is not None:
+            return {"guarantee": None, "guarantee_void_reason": self.void_reason}
+        return {"guarantee": self.to_json()}
+
+
+#: The figures of InvisibleInk's records, in their order (:meth:`MechanismGuarantee.to_json`).
+PLANNER_FIGURES = ("epsilon", "delta", "rho_sequence", "rho_token", "epsilon0", "accountant", "clip_norm", "batch_size",
+                   "temperature", "top_k", "max_new_tokens")  # fmt: skip
+_PLANNER_DETAILS = ("accountant", "clip_norm", "batch_size", "temperature", "top_k")
 
 
 @dataclasses.dataclass
@@ -188,9 +226,43 @@ class Mechanism(abc.ABC):
     def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         """The guarantee of one text of at most ``max_new_tokens`` tokens, at ``delta``."""
 
+    def release_guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
+        """The guarantee as a release's records write it (:meth:`guarantee`; InvisibleInk adds B for its planner form)."""
+        return self.guarantee(max_new_tokens, delta)
+
+    def ledger_event(self, guarantee: MechanismGuarantee):
+        """The privacy event a ledger is charged, once, for a release with ``guarantee`` (this mechanism's): an
+        a-priori zCDP release of its ``rho_sequence`` (:class:`accounting.ZcdpEvent`). A data-dependent guarantee
+        (a stop rule's spend, computed from the references) has none: ``ValueError``."""
+        from accounting import ZcdpEvent
+
+        if not guarantee.a_priori:
+            raise ValueError(
+                f"{self.name}'s guarantee is data-dependent (its spend is computed from the references), "
+                "not an a-priori guarantee a ledger can compose: run it without a ledger"
+            )
+        return ZcdpEvent(guarantee.rho_sequence, guarantee.mechanism)
+
+    def release_settings(self, guarantee: MechanismGuarantee) -> dict:
+        """The public parameters a release's records hold as ``run`` (compared on resume): the mechanism
+        (:func:`~invink_audit.mechanisms.mechanism_to_json`) and what it claims (a custom mechanism without a config
+        dataclass is told apart by its guarantee)."""
+        from invink_audit.mechanisms import mechanism_to_json
+
+        g = guarantee
+        return {"batch_size": self.batch_size, "max_new_tokens": g.max_new_tokens, "delta": g.delta,
+                "mechanism": mechanism_to_json(self),
+                "mechanism_guarantee": {"kind": g.kind.value, "epsilon": g.epsilon, "rho_sequence": g.rho_sequence,
+                                        "composition": g.composition, "description": g.description}}  # fmt: skip
+
     def describe(self) -> dict:
         """The mechanism's public parameters, for reports."""
         return {"mechanism": self.name, "batch_size": self.batch_size}
+
+    #: A capability the white-box auditor uses (:func:`~invink_audit.audit.audit_model` ``hardest_case_slot``):
+    #: ``hardest_case_logits(public_logits (G, V), neighbour_log_probs (G, V)) -> (G, V)``, the logit row of the
+    #: mechanism's worst-case reference for a null slot (InvisibleInk's). ``None``: the mechanism has none.
+    hardest_case_logits = None
 
     def topk_plus_columns(self):
         """A capability the engine's fast path uses: a mechanism whose step is InvisibleInk's (the exponential

@@ -9,15 +9,26 @@ Accounting (a-priori): each token is the exponential mechanism on the DClip aggr
 sensitivity :math:`\Delta = C/B` (paper Property 1), so :math:`\varepsilon_0 = 2\Delta/\tau`-bounded
 range and :math:`\rho_{tok} = \Delta^2/(2\tau^2)`-zCDP (paper Theorem 2 (thm:accounting)); T tokens compose
 adaptively (``br-adaptive`` accountant, Dong, Durfee & Rogers 2020).
+
+Capability :meth:`InvisibleInk.hardest_case_logits`: the logit row of the auditor's hardest-case canary.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
 from accounting import Accountant, as_accountant
+from accounting.sensitivity import Clipping
 from invink_audit.mechanism import MechanismConfig
 from invink_audit.mechanisms.base import GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep, check_step_shapes
 
-__all__ = ["InvisibleInk", "as_mechanism"]
+__all__ = ["HARDEST_PUBLIC_PROBABILITY", "InvisibleInk", "as_mechanism"]
+
+#: probability, under the neighbour, of the up-weighted outcome in the worst ε0-BR pair (docs/accounting_notes.md §8)
+HARDEST_PUBLIC_PROBABILITY = 0.45
+_HARDEST_PUSH = 4.0  # multiples of C: any push > C is clipped to exactly ±C by DClip
 
 
 class InvisibleInk(Mechanism):
@@ -33,6 +44,18 @@ class InvisibleInk(Mechanism):
             raise ValueError(f"config must be a MechanismConfig; got {type(config).__name__}")
         self.config = config
         self.accountant = as_accountant(accountant)
+
+    @classmethod
+    def planned(cls, *, epsilon: float, delta: float, max_new_tokens: int, batch_size: int, top_k: int | None,
+                temperature: float = 1.0, accountant: Accountant | str = Accountant.BR_ADAPTIVE) -> InvisibleInk:
+        """InvisibleInk whose clip norm is planned for (ε, δ) over texts of at most T = ``max_new_tokens`` tokens
+        (:func:`accounting.plan_clip_norm`: the largest C whose certified ε stays within ``epsilon``, the safe side),
+        as :meth:`~invink_audit.mechanisms.AminConfig.planned` plans Amin et al.'s. ``top_k=None``: full vocabulary."""
+        from accounting import plan_clip_norm
+
+        plan = plan_clip_norm(epsilon=epsilon, delta=delta, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                              temperature=temperature, accountant=accountant)  # fmt: skip
+        return cls(MechanismConfig.from_event(plan.event, top_k=top_k), accountant=plan.accountant)
 
     @property
     def batch_size(self) -> int:
@@ -68,6 +91,53 @@ class InvisibleInk(Mechanism):
             ),
             details={"clip_norm": cfg.clip_norm, "temperature": cfg.temperature, "top_k": cfg.top_k, "accountant": self.accountant},
         )
+
+    def release_guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
+        """Paper Algorithm 1's releases record the planner's figures, B among them (:meth:`MechanismGuarantee.to_json`)."""
+        g = self.guarantee(max_new_tokens, delta)
+        if not self._releases_algorithm_1:
+            return g
+        return dataclasses.replace(g, details={**g.details, "batch_size": self.config.batch_size})
+
+    @property
+    def _releases_algorithm_1(self) -> bool:
+        """Paper Algorithm 1 (difference clipping): its releases keep the planner's record form and event."""
+        return self.config.clipping is Clipping.DIFFERENCE
+
+    def ledger_event(self, guarantee: MechanismGuarantee):
+        """Paper Algorithm 1's :class:`accounting.GenerationEvent` (C, B, τ, T: paper Theorem 2), the event every
+        InvisibleInk release has been charged; another clipping: the zCDP event of :meth:`Mechanism.ledger_event`."""
+        if not self._releases_algorithm_1:
+            return super().ledger_event(guarantee)
+        return self.config.event(guarantee.max_new_tokens)
+
+    def release_settings(self, guarantee: MechanismGuarantee) -> dict:
+        """Paper Algorithm 1's records keep the planner's settings as ``run`` (C, B, τ, top-k, T, δ, the accountant)."""
+        if not self._releases_algorithm_1:
+            return super().release_settings(guarantee)
+        cfg = self.config
+        return {"batch_size": cfg.batch_size, "max_new_tokens": guarantee.max_new_tokens, "temperature": cfg.temperature,
+                "top_k": cfg.top_k, "clip_norm": cfg.clip_norm, "delta": guarantee.delta,
+                "accountant": self.accountant}  # fmt: skip
+
+    def hardest_case_logits(self, public_logits: torch.Tensor, neighbour_log_probs: torch.Tensor) -> torch.Tensor:
+        r"""A capability the white-box auditor uses: the logit row (G, V) of the hardest-case canary, the worst
+        case of docs/accounting_notes.md §8 on a real model, for a slot whose reference is null
+        (``neighbour_log_probs``: the step's distribution with that slot null, i.e. under the neighbour
+        canary → null). Tokens are sorted by that probability; the up group is the most probable prefix whose
+        total probability is closest to :data:`HARDEST_PUBLIC_PROBABILITY` (the per-token loss pair
+        :math:`(t, t-\varepsilon_0)`, :math:`t\approx0.53\varepsilon_0`, Dong, Durfee & Rogers 2020). The row is
+        :math:`\phi_{pub} + 4C` on the group and :math:`\phi_{pub} - 4C` elsewhere, so its clipped difference is
+        exactly :math:`\pm C` (DClip, paper Eq. (3), eq:ourclip). A guarantee covers every logit row, so this is a
+        valid (adversarial) reference. A mechanism without the capability has no such method (or returns ``None``)."""
+        probs = torch.exp(neighbour_log_probs.to(torch.float64))
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        best = torch.argmin((cum - HARDEST_PUBLIC_PROBABILITY).abs(), dim=-1, keepdim=True)  # last index of the group
+        ranks = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+        in_group = torch.zeros_like(ranks <= best).scatter(-1, order, ranks <= best)
+        sign = torch.where(in_group, 1.0, -1.0).to(public_logits.dtype)
+        return public_logits + sign * (_HARDEST_PUSH * self.config.clip_norm)
 
     def topk_plus_columns(self) -> MechanismConfig:
         """InvisibleInk declares the Top-k+ column capability: the engine runs this config on its fast path."""

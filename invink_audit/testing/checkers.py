@@ -140,10 +140,6 @@ def assert_linf_sensitivity(
     return witness
 
 
-def _default_batches():
-    return _s.logit_batches()
-
-
 def check_linf_sensitivity(
     aggregate_fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
     sensitivity_fn: Callable[[float, int], float],
@@ -162,7 +158,7 @@ def check_linf_sensitivity(
     ``sensitivity_fn(clip_norm, batch_size)`` its claimed sensitivity, e.g.
     ``functools.partial(accounting.linf_sensitivity, clipping=..., adjacency=...)``.
     """
-    batches = batches if batches is not None else _default_batches()
+    batches = batches if batches is not None else _s.logit_batches()
     clip_norms = clip_norms if clip_norms is not None else _s.clip_norms()
 
     @given(batches, clip_norms)
@@ -195,7 +191,7 @@ def assert_linf_sensitivity_attained(
     Shows that a claimed sensitivity is not loose. Returns ``(batch, clip_norm, witness)``; raises
     ``AssertionError`` with the best ratio found when no such input turns up.
     """
-    batches = batches if batches is not None else _default_batches()
+    batches = batches if batches is not None else _s.logit_batches()
     clip_norms = clip_norms if clip_norms is not None else _s.clip_norms()
     best = {"ratio": -math.inf}
 
@@ -212,7 +208,7 @@ def assert_linf_sensitivity_attained(
     phases = [Phase.explicit, Phase.reuse, Phase.generate]
     search_settings = settings(phases=phases) if max_examples is None else settings(phases=phases, max_examples=max_examples)
     try:
-        batch, clip_norm = _find(st.tuples(batches, clip_norms), attains, search_settings)
+        batch, clip_norm = find(st.tuples(batches, clip_norms), attains, settings=search_settings)
     except NoSuchExample as err:
         raise AssertionError(
             f"no input attains the claimed ℓ∞ sensitivity within {tolerance} under {Adjacency(adjacency).value} "
@@ -222,10 +218,6 @@ def assert_linf_sensitivity_attained(
         lambda p, q: aggregate_fn(p, q, clip_norm), batch.private_logits, batch.public_logits, adjacency=adjacency
     )
     return batch, clip_norm, witness
-
-
-def _find(strategy, condition, search_settings):
-    return find(strategy, condition, settings=search_settings)
 
 
 # --------------------------------------------------------------------------------------------

@@ -155,10 +155,7 @@ def logit_batches(
     Each private row is, independently, fresh logits, the public row plus a perturbation of a drawn
     spread, or an exact copy of the public row.
     """
-    batch_size = draw(batch_sizes)
-    vocab_size = draw(vocab_sizes)
-    lead = tuple(draw(leading_shapes))
-    dtype = draw(dtypes)
+    batch_size, vocab_size, lead, dtype = draw(batch_sizes), draw(vocab_sizes), tuple(draw(leading_shapes)), draw(dtypes)
     public = draw(logits(lead + (vocab_size,), dtype=torch.float64, min_value=-max_abs_logit, max_value=max_abs_logit))
     rows = []
     for _ in range(batch_size):
@@ -290,10 +287,7 @@ def topk_cases(
     """
     clip_norm = draw(clip_norms)
     kind = draw(st.sampled_from(["generic", "scaled", "tight"]))
-    batch_size = draw(batch_sizes)
-    vocab_size = draw(vocab_sizes)
-    lead = tuple(draw(leading_shapes))
-    dtype = draw(dtypes)
+    batch_size, vocab_size, lead, dtype = draw(batch_sizes), draw(vocab_sizes), tuple(draw(leading_shapes)), draw(dtypes)
     if kind == "tight" and vocab_size >= 2:
         private, public, top_k = _tight_topk_batch(draw, batch_size, vocab_size, lead, clip_norm)
         return LogitBatch(private.to(dtype), public.to(dtype)), clip_norm, top_k

@@ -23,9 +23,10 @@ replace-by-null: a reference replaced by the empty text, whose embedding votes t
    (:class:`accounting.AugPEEvent`). No sampling: a VIOLATION is a fact about these embeddings.
 2. :func:`histogram_canary_audit` (black box): the batched canary audit of :mod:`invink_audit.audit.batched`
    (a fair coin per trial: the canary reference present, or replaced by the empty text) on
-   :class:`HistogramTarget`, which releases :func:`~invink_audit.augpe.histogram.noisy_counts`'s thresholded
-   histograms, scored by their exact log-likelihood ratio (optimal by Neyman–Pearson), bounded by
-   Clopper–Pearson against the claim's whole exact μ-GDP curve (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`).
+   :class:`~invink_audit.audit.targets.HistogramTarget`, which releases
+   :func:`~invink_audit.augpe.histogram.noisy_counts`'s thresholded histograms, scored by their exact log-likelihood
+   ratio (optimal by Neyman–Pearson), bounded by Clopper–Pearson against the claim's whole exact μ-GDP curve
+   (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`).
 
 Design and measured figures: docs/guide/auditing.md ("Auditing AugPE").
 """
@@ -37,19 +38,18 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import special
-
-from accounting import AugPEEvent, gaussian_dp_epsilon, plan_augpe_noise_std
-from accounting.limits import check_count, check_nonnegative, check_order, check_positive
+from accounting import AugPEEvent, gdp_to_epsilon, plan_augpe_noise_std
+from accounting.limits import check_count, check_order
+from invink_audit.audit.batched import LLR_SCORE, batched_canary_audit
 from invink_audit.audit.records import BlackBoxReport
 from invink_audit.audit.stats import Verdict
-from invink_audit.augpe.histogram import nearest_neighbour_votes, noisy_counts, vote_counts
+from invink_audit.audit.targets import HistogramTarget
+from invink_audit.augpe.histogram import nearest_neighbour_votes, vote_counts
 
 __all__ = [
     "CanaryEmbeddings",
     "DEFAULT_ALPHAS",
     "HistogramCheck",
-    "HistogramTarget",
     "exact_histogram_check",
     "histogram_canary_audit",
     "SELFTEST_DELTA",
@@ -267,73 +267,6 @@ def worst_case_canary(*, others_per_candidate: int = 50, num_candidates: int = 4
     return CanaryEmbeddings(np.repeat(basis, others_per_candidate, axis=0), basis[0], basis[1], basis)
 
 
-class HistogramTarget:
-    r"""AugPE's histogram release as a batched-audit target (:func:`invink_audit.audit.batched.batched_canary_audit`):
-    a batch whose canary slot holds text releases the T thresholded noisy histograms of the counts with the canary,
-    one whose slot is empty those of its replace-by-null neighbour. ``noise_std``, ``iterations`` and ``threshold``
-    are the mechanism's (what it runs, not what is claimed). ``seed`` fixes the noise (a reproducible audit; OS
-    entropy by default); seeded output carries no privacy.
-
-    The release is :func:`~invink_audit.augpe.histogram.noisy_counts`'s :math:`y = \max(h + \sigma Z - H, 0)`, drawn
-    for all trials of an iteration at once (bit-identical to calling it trial by trial on the same generator:
-    ``tests/test_augpe_audit.py``). The score is the release's exact log-likelihood ratio, summed over bins and
-    iterations: where :math:`y_i > 0` the Gaussian density ratio at :math:`x_i = y_i + H`,
-    :math:`((x_i - h'_i)^2 - (x_i - h_i)^2)/(2\sigma^2)`; where the count was clamped (:math:`y_i = 0`) the ratio of
-    the clamped masses, :math:`\log\Phi((H - h_i)/\sigma) - \log\Phi((H - h'_i)/\sigma)` (the likelihood of a
-    Gaussian censored at H: Tobin 1958, "Estimation of relationships for limited dependent variables",
-    Econometrica 26). A threshold on the exact ratio is the most powerful test of the two releases at its
-    level (Neyman & Pearson 1933, "On the problem of the most efficient tests of statistical hypotheses").
-    """
-
-    slot = 0
-
-    def __init__(self, data: CanaryEmbeddings, *, noise_std: float, iterations: int, threshold: float = 0.0,
-                 seed: int | None = None) -> None:
-        if not isinstance(data, CanaryEmbeddings):
-            raise ValueError(f"data must be CanaryEmbeddings; got {type(data).__name__}")
-        self.noise_std = check_positive("noise_std", noise_std)
-        self.iterations = check_count("iterations", iterations)
-        self.threshold = check_nonnegative("threshold", threshold)
-        self.with_canary, self.without = data.counts(self.iterations)
-        self.rng = np.random.default_rng(seed)
-        self.token_ids: list = []
-        self.released: list[np.ndarray] = []  # of the last generate_many call, one (trials, k) array per iteration
-        self._llr = np.zeros(0)
-
-    @property
-    def true_mu(self) -> float:
-        r"""The GDP μ of the unclamped releases, :math:`\sqrt{\sum_t\|h_t - h'_t\|^2}/\sigma` (Dong, Roth & Su 2019,
-        arXiv:1905.02383, Thm. 2.7 and Cor. 3.3); the clamp at H, post-processing, can only lower it."""
-        return math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.with_canary, self.without))) / self.noise_std
-
-    def _log_ratio(self, released: np.ndarray, h: np.ndarray, h_out: np.ndarray) -> np.ndarray:
-        s, thr = self.noise_std, self.threshold
-        x = released + thr
-        gauss = ((x - h_out) ** 2 - (x - h) ** 2) / (2.0 * s * s)
-        clamped = special.log_ndtr((thr - h) / s) - special.log_ndtr((thr - h_out) / s)
-        return np.where(released > 0.0, gauss, clamped[None, :]).sum(axis=1)
-
-    def generate_many(self, batches: Sequence[Sequence[str]]) -> list[str]:
-        """One trial per batch: its T released histograms, kept in :attr:`released` (one (trials, k) array per
-        iteration); the text returned for each trial only names it (the batched audit's scores read no text)."""
-        canary_in = np.array([bool(b[self.slot]) for b in batches])
-        llr, self.released = np.zeros(canary_in.size), []
-        for h, h_out in zip(self.with_canary, self.without):
-            counts = np.where(canary_in[:, None], h[None, :], h_out[None, :])
-            released = noisy_counts(counts, self.noise_std, self.threshold, self.rng)  # one row per trial
-            self.released.append(released)
-            llr += self._log_ratio(released, h.astype(np.float64), h_out.astype(np.float64))
-        self._llr = llr
-        self.token_ids = [() for _ in batches]
-        return [f"augpe histograms, trial {i} of this call" for i in range(canary_in.size)]
-
-    def log_likelihood_ratios(self, batches_with_canary, slot: int, token_ids) -> np.ndarray:
-        """The exact ratios of the releases of the last :meth:`generate_many` call (computed as they were drawn)."""
-        if slot != self.slot or len(token_ids) != self._llr.size:
-            raise ValueError("log_likelihood_ratios scores the releases of the last generate_many call, at slot 0")
-        return self._llr.copy()
-
-
 def histogram_canary_audit(
     target: HistogramTarget,
     claim: AugPEEvent,
@@ -350,8 +283,6 @@ def histogram_canary_audit(
     curve :math:`\\varepsilon(\\delta')` (:meth:`accounting.AugPEEvent.gaussian_epsilon`: exact for a composition of
     Gaussians, Dong, Roth & Su 2019, Cor. 2.13), quoted at ``claimed_delta``. VIOLATION or INCONCLUSIVE: a black box
     never confirms a claim."""
-    from invink_audit.audit.batched import LLR_SCORE, batched_canary_audit
-
     if not isinstance(target, HistogramTarget) or not isinstance(claim, AugPEEvent):
         raise ValueError("target must be a HistogramTarget and claim an accounting.AugPEEvent")
 
@@ -370,7 +301,7 @@ def true_epsilon(target: HistogramTarget, delta: float) -> float:
     2019, Cor. 2.13); an upper bound when the clamp at H censors a count, equality otherwise. 0 when the canary
     moves no vote."""
     mu = target.true_mu
-    return gaussian_dp_epsilon(mu, delta) if mu > 0 else 0.0
+    return gdp_to_epsilon(mu, delta)
 
 
 #: The self-test's AugPE claim (:func:`selftest_claim`): ε = 2 at δ = 1e-6 over T = 3 histograms. At ε = 2 the
