@@ -142,7 +142,7 @@ def test_quick_audit_of_texts_generated_with_any_mechanism(tiny):
     assert len(run.texts) == 2 and all(len(t.modes) == t.num_tokens for t in run.texts)
     report = quick_audit(run, refs, model=tiny, generator=_gen(2))
     assert report.verdict.value == "PASS" and report.mechanism == "amin2024" and report.step_failures == {
-        "support": 0, "range": 0, "renyi": 0, "delta": 0}
+        "support": 0, "range": 0, "renyi": 0, "delta": 0, "nonfinite": 0}
     ada = AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=3, epsilon=6.0, screen_samples=32))
     run = generate(refs, ReleaseConfig(ada, max_new_tokens=6, delta=1e-6), model=tiny)
     report = quick_audit(run, refs, model=tiny, sampled_batch=None)

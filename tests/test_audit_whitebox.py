@@ -204,7 +204,8 @@ def test_recorder_protocol_errors():
         rec.sampling_log_weights(torch.tensor([0, 1]), lp, lp.unsqueeze(1).repeat(1, 2, 1))
     rec.record(torch.tensor([0, 1]), sample_tokens(w, torch.Generator().manual_seed(0)))
     out = rec.finish()
-    assert out.failures == {"support": 0, "range": 0, "renyi": 0, "delta": 0}
+    assert out.failures == {"support": 0, "range": 0, "renyi": 0, "delta": 0, "nonfinite": 0}
+    assert out.within_tolerance == {"range": 0, "renyi": 0, "delta": 0}
     with pytest.raises(ValueError, match="batch_size"):
         WhiteBoxConfig(neighbours=(5,)).audited_neighbours(3)
 
@@ -301,3 +302,93 @@ def test_sequence_losses_direction_conventions():
     exact = synthetic.enumerate_outputs(source, mech)
     lp, lq = exact.log_prob_actual, exact.log_prob_neighbours[:, 1]
     assert np.sum(np.exp(lp) * np.exp(-(lp - lq))) == pytest.approx(1.0, abs=1e-12)
+
+
+# -- numerics: a tolerance from the dtype, NaN a finding, no claim at a level is math.inf ----------------------------
+
+
+def _zcdp_claim(epsilon0, rho_token, batch_size=2):
+    """A one-step claim whose composition does not use ε0 (a sequence ρ), per step ``epsilon0`` and ``rho_token``."""
+    guarantee = MechanismGuarantee(GuaranteeKind.A_PRIORI, "test", 3.0, 1e-6, 1, "zcdp", rho_sequence=rho_token,
+                                   step_epsilon0=epsilon0, step_rho=rho_token)
+    return Claim(guarantee, batch_size)
+
+
+def _one_step_report(actual, neighbours, claim, **config):
+    """The report of a one-token audit whose step is ``actual`` (V,) and ``neighbours`` (B, V) for every text."""
+    cfg = WhiteBoxConfig(alphas=(2.0,), num_samples=50, num_is_samples=0, **config)
+    plan = SamplingPlan.build(cfg, claim.batch_size)
+    rec = WhiteBoxRecorder(plan, claim, cfg, max_steps=1)
+    ids, n = torch.arange(plan.num_texts), plan.num_texts
+    weights = rec.sampling_log_weights(ids, actual.expand(n, -1), neighbours.expand(n, -1, -1))
+    rec.record(ids, sample_tokens(weights, torch.Generator().manual_seed(0)))
+    return analysis.analyse(rec.finish(), mechanism="test", source="test")
+
+
+def _range_pair(span):
+    """(actual, neighbours): a two-token step whose privacy-loss range against neighbour 0 is ``span``."""
+    actual = torch.log_softmax(torch.tensor([span / 2, -span / 2], dtype=torch.float64), -1)
+    return actual, torch.stack([torch.log_softmax(torch.zeros(2, dtype=torch.float64), -1), actual])
+
+
+@pytest.mark.parametrize("epsilon0", [1e6, math.inf])
+def test_a_huge_or_infinite_step_claim_does_not_overflow(epsilon0):
+    # "no per-step range claim" once had to be written 1e6, and crashed with OverflowError; inf is no claim
+    report = _one_step_report(*_range_pair(3.0), _zcdp_claim(epsilon0, 0.125 * 3.0**2))
+    assert report.step_checks.failures["range"] == 0 and report.verdict is not Verdict.VIOLATION
+    report = _one_step_report(*_range_pair(3.0), _zcdp_claim(epsilon0, 0.01))  # the Rényi claim still binds
+    assert report.step_checks.failures["renyi"] > 0 and report.verdict is Verdict.VIOLATION
+
+
+def test_tolerance_for_follows_the_dtype():
+    from invink_audit.audit.whitebox import EXACT_TOLERANCE, tolerance_for
+
+    assert tolerance_for(torch.float64) == EXACT_TOLERANCE  # InvisibleInk's audits keep their checks
+    assert 3e-7 < tolerance_for(torch.float32) < 1e-4 < tolerance_for(torch.bfloat16)
+    assert tolerance_for(torch.float32) == pytest.approx(tolerance_for(torch.float32, log_prob_bound=64.0) / 2)
+    with pytest.raises(ValueError, match="floating"):
+        tolerance_for(torch.int64)
+
+
+def test_a_float32_rounding_excess_is_within_tolerance_not_a_violation():
+    from invink_audit.audit.report import whitebox_markdown
+    from invink_audit.audit.whitebox import Numerics
+
+    claim = _claim(1.0, 1.0 / 8, 1, 2)
+    float32 = Numerics.of(torch.float32)
+    rounded = _one_step_report(*_range_pair(1.0 + 3e-7), claim, numerics=float32)
+    assert rounded.verdict is not Verdict.VIOLATION and sum(rounded.step_checks.failures.values()) == 0
+    assert rounded.step_checks.numerics["within_tolerance"]["range"] > 0  # shown, not counted as a failure
+    assert rounded.step_checks.max_loss_range > 1.0
+    markdown = whitebox_markdown(rounded)
+    assert "float32" in markdown and "within the tolerance" in markdown
+    assert rounded.to_dict()["step_checks"]["numerics"]["dtype"] == "float32"
+    # float64 distributions: the same excess is a VIOLATION (as before); a real leak is one in float32 too
+    assert _one_step_report(*_range_pair(1.0 + 3e-7), claim).verdict is Verdict.VIOLATION
+    assert _one_step_report(*_range_pair(1.01), claim, numerics=float32).verdict is Verdict.VIOLATION
+
+
+def test_a_rounding_excess_in_a_coarse_dtype_leaves_the_claim_unresolved_not_passed():
+    from invink_audit.audit.analysis import RESOLVABLE_SHARE
+    from invink_audit.audit.whitebox import Numerics
+
+    # bfloat16's tolerance (about 2 nats) hides a leak larger than the claim itself: never a PASS on it
+    claim = _claim(1.0, 1.0 / 8, 1, 2)
+    bf16 = Numerics.of(torch.bfloat16)
+    assert bf16.tolerance > RESOLVABLE_SHARE * claim.epsilon0
+    report = _one_step_report(*_range_pair(1.05), claim, numerics=bf16)
+    assert report.verdict is Verdict.INCONCLUSIVE and "bfloat16" in report.reason and "wider dtype" in report.reason
+    assert report.step_checks.numerics["within_tolerance"]["range"] > 0
+    # within the claim (nothing forgiven), the same dtype does not stand in the way
+    assert "wider dtype" not in _one_step_report(*_range_pair(0.9), claim, numerics=bf16).reason
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("where", ["actual", "neighbour"])
+def test_a_nonfinite_released_distribution_is_a_finding_never_a_pass(bad, where):
+    actual, neighbours = _range_pair(0.5)
+    actual, neighbours = torch.cat([actual, torch.tensor([-5.0])]), torch.cat([neighbours, torch.full((2, 1), -5.0)], -1)
+    (actual if where == "actual" else neighbours[1])[2] = bad
+    report = _one_step_report(actual, neighbours, _claim(1.0, 1.0 / 8, 1, 2))
+    assert report.verdict is Verdict.VIOLATION and report.step_checks.failures["nonfinite"] > 0
+    assert "NaN or +inf" in report.reason

@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("invink_audit", "accounting")
 MAX_FUNCTION_LINES = 60
 MAX_ADD_ARGUMENT = 110
-#: a ratchet, not the goal: issue 34 asks for 27,500 (set when the library was 29.6k lines); it was 31,617 before
-#: the refactor and 29,1xx after it (CHANGELOG.md); lower this as the library shrinks, never raise it silently
-MAX_LIBRARY_LINES = 29_200
+#: a ratchet, not the goal: issue 34 asks for 27,500 (set when the library was 29.6k lines); the refactor took it
+#: from 31,617 to 29,1xx, and issue 35's first parts (audit/intercept.py, the dtype numerics) added about 550
+#: (CHANGELOG.md). Lower it as the library shrinks; raise it only with a feature, saying so in the changelog
+MAX_LIBRARY_LINES = 29_750
 
 #: (importer prefix, forbidden target prefix): the layers, bottom up (accounting < the mechanism and the
 #: engine < generation < AugPE (which embeds with the

@@ -6,6 +6,7 @@ leak into each other)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,30 @@ def test_the_correct_mechanism_of_the_selftest_passes_the_whole_contract():
 
     kw = {k: v for k, v in _BUGS.items() if k != "reference_lengths"}
     assert _failing_checks(synthetic.correct_mechanism(**kw).mechanism) == set()
+
+
+# -- the contract checks the claim the mechanism makes, in the form it makes it ------------------------------------
+
+
+class TestAClaimAtOneRenyiOrder(MechanismContract):
+    """The custom example, claimed as a per-step Rényi bound at α = 2 only (C = 1, B = 3, τ = 1: a range of 2/3,
+    so D_2 <= 2 (2/3)² / 8 = 1/9)."""
+
+    def make_mechanism(self):
+        return EXAMPLE.FullVocabularyDClip(clip_norm=1.0, batch_size=3, temperature=1.0)
+
+    def claim(self, mechanism):
+        from invink_audit.testing import StepClaim
+
+        return StepClaim(renyi={2.0: 1 / 9})
+
+
+def test_a_claim_the_mechanism_exceeds_at_its_one_order_fails():
+    from invink_audit.testing import StepClaim
+
+    class Understated(TestAClaimAtOneRenyiOrder):
+        def claim(self, mechanism):
+            return StepClaim(epsilon0=math.inf, renyi={2.0: 1e-4})
+
+    with pytest.raises(AssertionError, match="D_2 "):
+        Understated().test_the_per_step_claim_holds_against_every_neighbour()

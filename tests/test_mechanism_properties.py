@@ -31,6 +31,7 @@ from invink_audit.testing import (
     ATTAINMENT_TOLERANCE,
     PRIVACY_ATOL,
     LogitBatch,
+    StepClaim,
     assert_linf_sensitivity_attained,
     assert_sampler_matches,
     assert_token_privacy,
@@ -201,6 +202,8 @@ def test_per_token_privacy_with_explicit_neighbours():
     # kit driver: re-runs token_log_probs on every explicitly built neighbour R'_j
     check_token_privacy(
         lambda private, public, config: config.token_log_probs(private, public),
+        lambda config: StepClaim(config.epsilon0, config.rho_token),
+        configs=mechanism_configs(),
         leading_shapes=LEADING,
         dtypes=ALL_DTYPES,
     )
@@ -219,7 +222,7 @@ def configs_and_batches(draw, vocab_sizes=st.integers(1, 10)):
 def test_per_token_privacy_with_the_fast_neighbour_path(case):
     config, batch = case
     result = config.neighbour_log_probs(batch.private_logits, batch.public_logits)
-    report = assert_token_privacy(result.actual, result.neighbours, epsilon0=config.epsilon0, rho=config.rho_token)
+    report = assert_token_privacy(result.actual, result.neighbours, StepClaim(config.epsilon0, config.rho_token))
     assert report.max_log_ratio_span <= config.epsilon0 + PRIVACY_ATOL  # the kit's slack for float64 spans
     # and the fast path equals explicit re-aggregation of every neighbour
     for j in range(config.batch_size):

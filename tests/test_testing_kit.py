@@ -29,6 +29,7 @@ from invink_audit.testing import (
     DEFAULT_LOGIT_BOUND,
     LogitBatch,
     PrivacyBudget,
+    StepClaim,
     assert_linf_sensitivity,
     assert_linf_sensitivity_attained,
     assert_sampler_matches,
@@ -75,6 +76,13 @@ STRATEGY_EXAMPLES = examples(30)
 #: upper limit on the search for a counterexample to a broken mechanism; the search stops at the first
 #: one, and is generous so that the tests do not depend on the hypothesis profile (derandomized in CI).
 SEARCH_EXAMPLES = 500  # a search that must find the planted bug: the same in every profile
+
+
+def INVISIBLEINK_CLAIM(config):  # noqa: N802 (a constant-like claim function)
+    """InvisibleInk's per-step claim for a drawn ``MechanismConfig``: its guarantee's ε0 and ρ_tok."""
+    from invink_audit.mechanisms import InvisibleInk
+
+    return InvisibleInk(config).guarantee(1, 1e-6)
 
 PINNED_PUBLIC = [0.0, -0.875]
 PINNED_PRIVATE = [[-1.0, 0.125], PINNED_PUBLIC]
@@ -177,15 +185,17 @@ def test_superset_checker_tolerance_ignores_rounding_level_violations():
 )
 def test_token_privacy_checker_catches_broken_mechanisms(mechanism, message):
     with pytest.raises(AssertionError, match=message):
-        check_token_privacy(mechanism, shrink=False, max_examples=SEARCH_EXAMPLES)
+        check_token_privacy(mechanism, INVISIBLEINK_CLAIM, configs=mechanism_configs(), shrink=False,
+                            max_examples=SEARCH_EXAMPLES)
 
 
 def test_token_privacy_checker_catches_an_understated_rho():
     # the span is fine but the claimed zCDP parameter is a quarter of the truth
-    with pytest.raises(AssertionError, match=r"D_.* exceeds alpha \* rho"):
+    with pytest.raises(AssertionError, match=r"D_.* exceeds its claim"):
         check_token_privacy(
             lambda p, q, config: config.token_log_probs(p, q),
-            rho_fn=lambda config: config.rho_token / 4,
+            lambda config: StepClaim(config.epsilon0, config.rho_token / 4),
+            configs=mechanism_configs(),
             shrink=False,
             max_examples=SEARCH_EXAMPLES,
         )
@@ -272,11 +282,11 @@ def test_assert_token_privacy_reports_what_it_measured():
     public = torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)
     private = torch.tensor([[5.0, -5.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     result = config.neighbour_log_probs(private, public)
-    report = assert_token_privacy(result.actual, result.neighbours, epsilon0=config.epsilon0, rho=config.rho_token)
+    report = assert_token_privacy(result.actual, result.neighbours, INVISIBLEINK_CLAIM(config))
     assert report.max_log_ratio_span == pytest.approx(config.epsilon0, abs=SPAN_ATOL)  # 2C/(Bτ) = 1
     assert 0 < report.max_renyi_over_alpha <= config.rho_token
     with pytest.raises(ValueError, match="neighbour_log_probs must have shape"):
-        assert_token_privacy(result.actual, result.actual, epsilon0=1.0, rho=1.0)
+        assert_token_privacy(result.actual, result.actual, StepClaim(1.0, 1.0))
 
 
 def test_linf_sensitivity_assertion_on_a_single_input():
@@ -368,3 +378,51 @@ def test_a_top_k_plus_mask_without_rounding_slack_drops_a_token_the_exact_set_ke
     assert_topk_superset(_mask_with_slack(public, 1, 2.9, 5), private, public, top_k=1, clip_norm=2.9)
     with pytest.raises(AssertionError):
         assert_topk_superset(_mask_with_slack(public, 1, 2.9, 5, slack=False), private, public, top_k=1, clip_norm=2.9)
+
+
+# -- the checkers check what a claim states, and only that --------------------------------------------------------
+
+
+def _clipped_mixture(bound):
+    """A per-step function of two distributions: the public one tilted by the private one's log-ratio clipped at
+    ``bound`` (B = 1): a privacy-loss range of at most 2·bound."""
+
+    def step(private, public):
+        lp, lq = private[..., 0, :].double().log_softmax(-1), public.double().log_softmax(-1)
+        return (lq + (lp - lq).clamp(-bound, bound)).log_softmax(-1)
+
+    return step
+
+
+def test_a_per_step_function_of_two_distributions_is_checked_against_its_claim():
+    claim = StepClaim(epsilon0=1.0, renyi={2.0: 2 * 1.0**2 / 8})  # range 1 implies D_2 <= 2 * 1/8 (Cesar & Rogers)
+    check_token_privacy(_clipped_mixture(0.5), claim, batch_sizes=st.just(1), max_examples=50)
+    with pytest.raises(AssertionError, match="exceeds"):
+        check_token_privacy(_clipped_mixture(0.6), claim, batch_sizes=st.just(1), shrink=False,
+                            max_examples=SEARCH_EXAMPLES)
+
+
+def test_only_what_the_claim_states_is_checked():
+    actual = torch.log(torch.tensor([0.9, 0.1], dtype=torch.float64))
+    neighbours = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))  # span log 9 = 2.197, D_2 <= 1.022
+    assert_token_privacy(actual, neighbours, StepClaim(renyi={2.0: 1.1}))  # no range claim: the span is not checked
+    with pytest.raises(AssertionError, match="span"):
+        assert_token_privacy(actual, neighbours, StepClaim(epsilon0=2.0, renyi={2.0: 1.1}))
+    with pytest.raises(AssertionError, match="D_2 "):
+        assert_token_privacy(actual, neighbours, StepClaim(renyi={2.0: 1.0}))
+    report = assert_token_privacy(actual, neighbours, StepClaim(renyi={2.0: 1.1}), alphas=(30.0,))
+    assert report.worst_alpha == 2.0  # an order the claim does not name is not checked
+    with pytest.raises(AssertionError, match="D_30 "):  # a zCDP claim binds every order (D_30 > 30 * 0.05)
+        assert_token_privacy(actual, neighbours, StepClaim(rho=0.05), alphas=(30.0,))
+    with pytest.raises(ValueError, match="nothing to check"):
+        assert_token_privacy(actual, neighbours, StepClaim())
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_token_privacy(actual, torch.full((1, 2), math.nan, dtype=torch.float64), StepClaim(rho=1.0))
+
+
+def test_the_default_slack_is_the_distributions_dtype_tolerance():
+    actual = torch.log(torch.tensor([0.5 + 4e-7, 0.5 - 4e-7]))  # float32: a span of 1.6e-6 over a claim of 0
+    neighbours = torch.log(torch.tensor([[0.5, 0.5]]))
+    assert_token_privacy(actual, neighbours, StepClaim(epsilon0=1e-12))
+    with pytest.raises(AssertionError, match="span"):
+        assert_token_privacy(actual.double(), neighbours.double(), StepClaim(epsilon0=1e-12))

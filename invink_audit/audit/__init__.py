@@ -4,6 +4,8 @@
   checks for every neighbour, sequence-level Rényi divergences by Monte Carlo and importance
   sampling, δ(ε), comparison with every accountant, canaries);
 * :func:`quick_audit` — audit of the texts a ``generate`` call just produced (``make demo``);
+* :func:`audit_generator` — white-box audit of your own generator's loop, unmodified (its sampling calls
+  intercepted, every neighbour replayed with the same tokens);
 * :func:`blackbox_audit` — canary audit of any :class:`BlackBoxTarget` (our engine for any mechanism, the
   reference package, AugPE's histogram, a callable);
 * :func:`run_selftest` — the auditor against the correct mechanism and four planted bugs;
@@ -29,6 +31,9 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("ModelAuditSettings", "audit_model"), "invink_audit.audit.model_audit"),
     **dict.fromkeys(("AuditedRelease", "QuickAuditReport", "quick_audit"), "invink_audit.audit.quick"),
     **dict.fromkeys(("blackbox_audit",), "invink_audit.audit.blackbox"),
+    **dict.fromkeys(
+        ("GeneratorAudit", "InterceptionError", "SamplingCall", "audit_generator"), "invink_audit.audit.intercept"
+    ),
     **dict.fromkeys(
         ("BlackBoxTarget", "CallableTarget", "EngineTarget", "HistogramTarget", "ReferencePackageTarget"),
         "invink_audit.audit.targets",

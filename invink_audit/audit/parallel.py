@@ -103,6 +103,7 @@ def merge_recorded(parts, owners):
         **per_text,
         num_step_checks=sum(p.num_step_checks for p in parts),
         failures=failures,
+        within_tolerance={k: sum(p.within_tolerance[k] for p in parts) for k in first.within_tolerance},
         max_loss_range_per_step=_padded_max([p.max_loss_range_per_step for p in parts], 0.0),
         max_renyi_ratio_per_step=_padded_max([p.max_renyi_ratio_per_step for p in parts], 0.0),
         max_delta_excess_per_step=_padded_max([p.max_delta_excess_per_step for p in parts], -np.inf),

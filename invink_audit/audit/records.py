@@ -247,11 +247,14 @@ _TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(AuditTimings) if f.nam
 
 
 @dataclasses.dataclass(frozen=True)
-class StepCheckSummary:
-    """Exact per-step checks over every visited (text, step, neighbour)."""
+class StepCheckSummary(_JsonRecord):
+    """Exact per-step checks over every visited (text, step, neighbour). ``numerics``: the dtype the audited
+    distributions were computed in, the tolerance (nats) and how many checks exceeded their claim by at most it
+    (``within_tolerance``: kind -> count; not failures); ``None`` (not written) in a report from before they were
+    stated."""
 
     num_checks: int
-    failures: dict  # kind -> count ("support", "range", "renyi", "delta")
+    failures: dict  # kind -> count ("support", "range", "renyi", "delta", "nonfinite": NaN or +inf released)
     epsilon0: float
     max_loss_range: float
     range_headroom: float  # epsilon0 / max_loss_range (>= 1: within the claim)
@@ -261,6 +264,11 @@ class StepCheckSummary:
     worst_renyi_prefix: dict
     max_loss_range_per_step: tuple[float, ...]
     max_renyi_ratio_per_step: tuple[tuple[float, ...], ...]
+    numerics: dict | None = None  # {"dtype", "tolerance", "within_tolerance"}
+
+    def json_fields(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return out if self.numerics is not None else {k: v for k, v in out.items() if k != "numerics"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,11 +80,22 @@ def _md_step_checks(sc: StepCheckSummary) -> list[str]:
         "- max per-step D_α / (α ρ_tok): "
         + ", ".join(f"α={format_number(float(a))}: {format_number(v)}" for a, v in sc.max_renyi_ratio.items()),
         f"- max per-step δ_t(ε) − δ_BR(ε): {format_number(sc.max_delta_excess)}",
+        *_md_numerics(sc.numerics),
         f"- worst prefix (loss range): text {w.get('text')}, step {w.get('step')}, "
         f"neighbour {w.get('neighbour')}, value {format_number(w.get('value'))}"
         + (f", prefix `{w.get('prefix')}`" if w.get("prefix") else ""),
         "",
     ]
+
+
+def _md_numerics(numerics: dict | None) -> list[str]:
+    """The tolerance of the checks and the excesses within it (none for a report written before they were stated)."""
+    if numerics is None:
+        return []
+    within = numerics["within_tolerance"]
+    return [f"- numerics: distributions computed in {numerics['dtype']}, tolerance {format_number(numerics['tolerance'])} "
+            f"nats; {sum(within.values())} check(s) exceed their claim within the tolerance (rounding, not counted as "
+            "failures): " + ", ".join(f"{k} {v}" for k, v in within.items())]
 
 
 def _md_sequence(r: WhiteBoxReport) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -26,7 +27,10 @@ from invink_audit.mechanisms.base import MechanismGuarantee
 
 __all__ = [
     "EXACT_TOLERANCE",
+    "LOG_PROB_BOUND",
     "Claim",
+    "Numerics",
+    "StepClaim",
     "Direction",
     "WhiteBoxConfig",
     "SamplingPlan",
@@ -35,11 +39,95 @@ __all__ = [
     "compact_support",
     "WhiteBoxRecorder",
     "RecordedAudit",
+    "tolerance_for",
 ]
 
-#: Absolute tolerance (nats) of the exact checks. The mechanism computes in float64, whose rounding
-#: on logits of magnitude ≤ 1e3 is ≤ 1e-12; a planted bug moves the checked quantities by far more.
+#: Absolute tolerance (nats) of the exact checks on float64 distributions (:func:`tolerance_for`'s floor). Our
+#: mechanisms compute in float64, whose rounding on logits of magnitude ≤ 1e3 is ≤ 1e-12; a planted bug moves the
+#: checked quantities by far more.
 EXACT_TOLERANCE = 1e-9
+#: A bound (nats) on |log p| over a step's support, for :func:`tolerance_for`.
+LOG_PROB_BOUND = 32.0
+
+
+def tolerance_for(dtype: torch.dtype, *, log_prob_bound: float = LOG_PROB_BOUND) -> float:
+    r"""The tolerance (nats) of the exact per-step checks on distributions computed in ``dtype``:
+    :math:`\max(16\,u\,S,\ 10^{-9})`, ``u`` the dtype's unit roundoff (``finfo(dtype).eps / 2``), ``S`` =
+    ``log_prob_bound`` (float32: 3.1e-5; bfloat16: 2.0; float64: :data:`EXACT_TOLERANCE`).
+
+    Why: a log-softmax evaluated in a type of unit roundoff u returns each log-probability with an absolute error of
+    about :math:`u(|\log p| + \log V)` (the shifted log-sum-exp; Blanchard, Higham & Higham 2021, "Accurately
+    computing the log-sum-exp and softmax functions", IMA J. Numer. Anal. 41(4), §2-3), and storing it in the type
+    adds :math:`u|\log p|`: at most :math:`2uS` per log-probability. A checked quantity combines four of them (a range
+    is :math:`\max r - \min r`, :math:`r = \log p - \log p'`), and a Rényi divergence at an order α ≥ 1.5 amplifies an
+    unnormalised error by :math:`\alpha/(\alpha-1) \le 3`: 16uS covers both. Never below :data:`EXACT_TOLERANCE`, the
+    float64 floor (a float64 mechanism's own arithmetic before its softmax)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch dtype; got {dtype!r}")
+    check_positive("log_prob_bound", log_prob_bound)
+    return max(16.0 * torch.finfo(dtype).eps / 2 * log_prob_bound, EXACT_TOLERANCE)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """What the exact per-step checks allow for rounding: ``dtype``, the dtype the audited distributions were
+    computed in, and ``tolerance`` (nats): a checked quantity above its claim by at most it is rounding, shown in
+    the report and not a failure. :meth:`of` derives it from a torch dtype (:func:`tolerance_for`) or takes the
+    user's own."""
+
+    dtype: str = "float64"
+    tolerance: float = EXACT_TOLERANCE
+
+    def __post_init__(self):
+        if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
+            raise ValueError(f"tolerance must be a finite number >= 0; got {self.tolerance!r}")
+
+    @classmethod
+    def of(cls, dtype: torch.dtype, tolerance: float | None = None) -> Numerics:
+        """The numerics of distributions computed in ``dtype``: its :func:`tolerance_for`, or ``tolerance``."""
+        return cls(str(dtype).removeprefix("torch."), tolerance_for(dtype) if tolerance is None else float(tolerance))
+
+
+@dataclass(frozen=True)
+class StepClaim:
+    r"""What a mechanism claims of each step, every level ``math.inf`` where it claims nothing: ``epsilon0``, a bounded
+    range of the privacy loss (Durfee & Rogers 2019, Def. 3.1); ``rho``, zCDP, :math:`D_\alpha \le \alpha\rho` at every
+    order (Bun & Steinke 2016, Def. 1.1); ``renyi``, ``{α: bound}``, :math:`D_\alpha \le` bound at those orders only.
+    Rényi bounds hold in both directions (replace-by-null neighbours)."""
+
+    epsilon0: float = math.inf
+    rho: float = math.inf
+    renyi: Mapping[float, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        check_positive("epsilon0", self.epsilon0, allow_inf=True)
+        check_positive("rho", self.rho, allow_inf=True)
+        renyi = {check_order("alpha", a): check_positive("renyi bound", b, allow_inf=True) for a, b in dict(self.renyi).items()}
+        object.__setattr__(self, "renyi", renyi)
+
+    @classmethod
+    def of(cls, claim) -> StepClaim:
+        """From a :class:`StepClaim`, a :class:`~invink_audit.mechanisms.MechanismGuarantee` or a :class:`Claim` (its
+        guarantee's ``step_epsilon0`` and ``step_rho``; ``None``: no claim)."""
+        if isinstance(claim, StepClaim):
+            return claim
+        g = getattr(claim, "guarantee", claim)
+        if not isinstance(g, MechanismGuarantee):
+            raise ValueError(f"a claim is a StepClaim, a MechanismGuarantee or a Claim; got {type(claim).__name__}")
+        return cls(*(math.inf if x is None else x for x in (g.step_epsilon0, g.step_rho)))
+
+    @property
+    def claims(self) -> bool:
+        """Whether anything is claimed of a step."""
+        return math.isfinite(self.epsilon0) or math.isfinite(self.rho) or any(map(math.isfinite, self.renyi.values()))
+
+    def renyi_bound(self, alpha: float) -> float:
+        r"""The claimed bound on :math:`D_\alpha` of a step (``inf``: none at this order)."""
+        return min(float(alpha) * self.rho, self.renyi.get(float(alpha), math.inf))
+
+    def orders(self, alphas: Sequence[float]) -> tuple[float, ...]:
+        """The orders of ``alphas`` (all of them under a zCDP claim) and of ``renyi`` that the claim bounds."""
+        return tuple(sorted({float(a) for a in alphas if self.renyi_bound(a) < math.inf} | set(self.renyi)))
 
 _DTYPE = torch.float64
 
@@ -78,9 +166,9 @@ class Claim:
         object.__setattr__(self, "batch_size", check_count("batch_size", self.batch_size))
         check_count("max_new_tokens", g.max_new_tokens)
         check_delta("delta", g.delta)
-        if g.step_epsilon0 is not None:
-            check_positive("epsilon0", g.step_epsilon0)
-            check_positive("rho_token", g.step_rho)
+        if g.step_epsilon0 is not None:  # math.inf: no claim at that level (a bounded range composes ε0: finite)
+            check_positive("epsilon0", g.step_epsilon0, allow_inf=g.composition != "bounded-range")
+            check_positive("rho_token", g.step_rho, allow_inf=g.composition != "bounded-range")
         if g.composition == "bounded-range" and g.step_epsilon0 is None:
             raise ValueError("a bounded-range claim needs epsilon0 and rho_token")
         if g.composition == "zcdp" and g.rho_sequence is None:
@@ -115,9 +203,14 @@ class Claim:
         return None if self.composition == "bounded-range" and self.a_priori else self.guarantee.epsilon
 
     @property
+    def step(self) -> StepClaim:
+        """What the claim bounds of each step (:class:`StepClaim`)."""
+        return StepClaim.of(self)
+
+    @property
     def step_checks(self) -> bool:
         """Whether the claim bounds each step (range, Rényi, δ checked exactly at every prefix)."""
-        return self.epsilon0 is not None
+        return self.step.claims
 
     @property
     def rho_sequence(self) -> float | None:
@@ -152,7 +245,8 @@ class WhiteBoxConfig:
     neighbour at once) and, with the reverse direction, ``num_samples`` texts from each audited
     ``R'_j``. ``num_is_samples`` texts per (α, neighbour, direction) are drawn from the geometric
     mixture (0 disables importance sampling). ``neighbours``: the indices audited at sequence level
-    (``None``: all B); the exact per-step checks always cover all B neighbours.
+    (``None``: all B); the exact per-step checks always cover all B neighbours, with the tolerance of ``numerics``
+    (:class:`Numerics`; float64 distributions by default, ``Numerics.of(torch.float32)`` for float32 ones).
     """
 
     alphas: tuple[float, ...] = DEFAULT_ALPHAS
@@ -164,6 +258,7 @@ class WhiteBoxConfig:
     delta_grid: tuple[float, ...] = DEFAULT_DELTA_GRID
     accountants: tuple[str, ...] | None = None  # None: every accountant of `accounting`
     min_samples: int = 50
+    numerics: Numerics = Numerics()
 
     def __post_init__(self):
         alphas = tuple(float(a) for a in self.alphas)
@@ -322,7 +417,7 @@ def step_quantities(
     q = torch.exp(lq)
     dfw, drv = [], []
     for e in epsilons:
-        ee = math.exp(float(e))
+        ee = math.exp(min(float(e), 700.0))  # no OverflowError: beyond ε = 700 the δ differs by < 1e-300
         dfw.append(torch.clamp(p - ee * q, min=0.0).sum(-1))
         drv.append(torch.clamp(q - ee * p, min=0.0).sum(-1))
     return StepQuantities(
@@ -357,11 +452,23 @@ def compact_support(
     return actual.gather(1, idx), neighbours.gather(2, idx.unsqueeze(1).expand(g, b, m)), idx
 
 
-def _step_delta_claims(claim: Claim, epsilons: Sequence[float]) -> list[float]:
+def _step_delta_claims(epsilon0: float, epsilons: Sequence[float]) -> list[float]:
     """One-step δ_BR(ε) of an ε0-BR mechanism, from the ``br-adaptive`` accountant with T = 1."""
     from accounting import composed_delta
 
-    return [float(composed_delta(float(e), claim.epsilon0, 1, "br-adaptive")) for e in epsilons]
+    return [float(composed_delta(float(e), epsilon0, 1, "br-adaptive")) for e in epsilons]
+
+
+#: the exact per-step checks' failure kinds; "nonfinite": a released distribution holds NaN or +inf
+_FAILURE_KINDS = ("support", "range", "renyi", "delta", "nonfinite")
+
+
+def _finite_log_probs(actual: torch.Tensor, neighbours: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``actual`` (G, V) and ``neighbours`` (G, B, V) with NaN and +inf log-probabilities set to −inf (no
+    probability: never drawn, outside every support), and (G, B) whether the pair held any (a finding of its own)."""
+    bad = (torch.isnan(actual) | (actual == math.inf)).any(-1, keepdim=True)
+    bad = bad | (torch.isnan(neighbours) | (neighbours == math.inf)).any(-1)
+    return tuple(torch.nan_to_num(x, nan=-math.inf, posinf=-math.inf, neginf=-math.inf) for x in (actual, neighbours)) + (bad,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +491,7 @@ class RecordedAudit:
     step_epsilons: tuple[float, ...]
     step_delta_claims: tuple[float, ...]
     num_step_checks: int  # (text, step, neighbour) triples checked
-    failures: dict  # kind -> count
+    failures: dict  # kind -> count ("support", "range", "renyi", "delta", "nonfinite")
     max_loss_range_per_step: np.ndarray  # (steps,) max over texts and neighbours
     max_renyi_ratio_per_step: np.ndarray  # (steps, A) max of D_alpha / (alpha rho_tok), both directions
     max_delta_excess_per_step: np.ndarray  # (steps,) max of delta_t(eps) - delta_BR(eps)
@@ -392,6 +499,7 @@ class RecordedAudit:
     worst_renyi: dict
     check_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    within_tolerance: dict = field(default_factory=dict)  # kind -> checks above the claim by at most the tolerance
 
 
 class WhiteBoxRecorder:
@@ -435,17 +543,18 @@ class WhiteBoxRecorder:
         self._is_sum = torch.zeros(n, dtype=_DTYPE, device=dev)
         self._length = torch.zeros(n, dtype=torch.int64, device=dev)
         self._tokens = torch.full((n, self.max_steps), -1, dtype=torch.int64, device=dev)
-        if claim.step_checks:
-            self.step_epsilons = tuple(f * claim.epsilon0 for f in STEP_EPSILON_FRACTIONS)
-            self.step_delta_claims = tuple(_step_delta_claims(claim, self.step_epsilons))
-            self._renyi_claim_t = self._alphas * claim.rho_token  # (A,)
-        else:
-            # no per-step claim (data-dependent mechanisms): the per-step quantities are recorded, not
-            # checked; "ratios" are then the raw divergences D_alpha(p_t || p'_t)
-            self.step_epsilons, self.step_delta_claims = (0.0,), (1.0,)
-            self._renyi_claim_t = torch.ones_like(self._alphas)
+        # a level the claim does not bound (math.inf; data-dependent mechanisms bound none) is recorded, not checked:
+        # δ(ε) then only at ε = 0 against 1, and the "ratios" of an unclaimed order are the raw D_alpha(p_t || p'_t)
+        self.step = claim.step
+        self.step_epsilons, self.step_delta_claims = (0.0,), (1.0,)
+        if math.isfinite(self.step.epsilon0):
+            self.step_epsilons = tuple(f * self.step.epsilon0 for f in STEP_EPSILON_FRACTIONS)
+            self.step_delta_claims = tuple(_step_delta_claims(self.step.epsilon0, self.step_epsilons))
+        self._renyi_claim_t = torch.tensor([self.step.renyi_bound(a) for a in config.alphas], dtype=_DTYPE, device=dev)
+        self._renyi_scale_t = torch.where(self._renyi_claim_t.isfinite(), self._renyi_claim_t, 1.0)
         self._delta_claim_t = torch.tensor(self.step_delta_claims, dtype=_DTYPE, device=dev)
-        self._fail = {k: torch.zeros((), dtype=torch.int64, device=dev) for k in ("support", "range", "renyi", "delta")}
+        self._fail = {k: torch.zeros((), dtype=torch.int64, device=dev) for k in _FAILURE_KINDS}
+        self._within = {k: torch.zeros((), dtype=torch.int64, device=dev) for k in _FAILURE_KINDS[1:4]}
         self._num_checks = 0
         # maxima per position in the text (scatter-reduced; no host sync during decoding)
         a = len(config.alphas)
@@ -485,16 +594,18 @@ class WhiteBoxRecorder:
             raise ValueError("give both check_actual and check_neighbours, or neither")
         start = time.perf_counter()
         ids = text_ids.to(self.device, torch.int64)
-        actual = actual.to(self.device, _DTYPE)
-        neighbours = neighbours.to(self.device, _DTYPE)
         if neighbours.shape[1] != self.batch_size:
             raise ValueError(f"neighbours has {neighbours.shape[1]} rows; the claim is for batch_size={self.batch_size}")
+        actual, neighbours, nonfinite = _finite_log_probs(actual.to(self.device, _DTYPE), neighbours.to(self.device, _DTYPE))
         ca, cn, kept = compact_support(actual, neighbours)
         q = step_quantities(ca, cn, self.config.alphas, self.step_epsilons)
         qc = q
         if check_actual is not None:
-            ka, kn, _ = compact_support(check_actual.to(self.device, _DTYPE), check_neighbours.to(self.device, _DTYPE))
+            ka, kn, bad = _finite_log_probs(check_actual.to(self.device, _DTYPE), check_neighbours.to(self.device, _DTYPE))
+            nonfinite |= bad
+            ka, kn, _ = compact_support(ka, kn)
             qc = step_quantities(ka, kn, self.config.alphas, self.step_epsilons)
+        self._fail["nonfinite"] += nonfinite.sum()
         self._check_step(q, qc, ids, separate_checks=check_actual is not None)
         rows = torch.arange(ids.numel(), device=self.device)
         weights = self._target_weights(ids, rows, ca, cn)
@@ -512,29 +623,30 @@ class WhiteBoxRecorder:
                                          check_neighbours=step.check_neighbours)
 
     def _check_step(self, q, qc, ids: torch.Tensor, *, separate_checks: bool) -> None:
-        """The exact checks of one step (supports on ``q``; range, Rényi and δ on ``qc``), counted, and
-        the maxima per position and the running worst prefixes updated (device tensors, no host sync)."""
-        tol = EXACT_TOLERANCE
+        """The exact checks of one step (supports on ``q``; range, Rényi and δ on ``qc``), counted (an excess over
+        the claim within the numerics' tolerance counted apart, not as a failure), and the maxima per position and
+        the running worst prefixes updated (device tensors, no host sync)."""
+        tol = self.config.numerics.tolerance
         support_fail = q.forward_infinite | q.reverse_infinite
-        renyi_claim = self._renyi_claim_t.view(1, 1, -1)
-        dmax = torch.maximum(qc.delta_forward, qc.delta_reverse)
-        delta_excess = dmax - self._delta_claim_t.view(1, 1, -1)
-        if self.claim.step_checks:
-            range_fail = qc.loss_range > self.claim.epsilon0 + tol
-            renyi_fail = ((qc.renyi_forward > renyi_claim + tol) | (qc.renyi_reverse > renyi_claim + tol)).any(-1)
-            delta_fail = (delta_excess > tol).any(-1)
-            if separate_checks:
-                support_fail = support_fail | qc.forward_infinite | qc.reverse_infinite
-        else:
-            range_fail = renyi_fail = delta_fail = torch.zeros_like(support_fail)
+        if separate_checks and self.step.claims:
+            support_fail = support_fail | qc.forward_infinite | qc.reverse_infinite
+        renyi = torch.maximum(qc.renyi_forward, qc.renyi_reverse)  # (G, B, A)
+        claimed = self._renyi_claim_t.isfinite()
+        unclaimed = torch.full_like(qc.loss_range, -math.inf)
+        delta_excess = torch.maximum(qc.delta_forward, qc.delta_reverse) - self._delta_claim_t.view(1, 1, -1)
+        excess = {
+            "range": qc.loss_range - self.step.epsilon0 if math.isfinite(self.step.epsilon0) else unclaimed,
+            "renyi": torch.where(claimed, renyi - self._renyi_claim_t, -math.inf).amax(-1),
+            "delta": delta_excess.amax(-1),
+        }
         self._fail["support"] += support_fail.sum()
-        self._fail["range"] += range_fail.sum()
-        self._fail["renyi"] += renyi_fail.sum()
-        self._fail["delta"] += delta_fail.sum()
+        for kind, over in excess.items():
+            self._fail[kind] += (over > tol).sum()
+            self._within[kind] += ((over > 0) & (over <= tol)).sum()
         g, b = q.loss_range.shape
         self._num_checks += g * b
         pos = self._length[ids]
-        ratio = torch.maximum(qc.renyi_forward, qc.renyi_reverse) / renyi_claim  # (G, B, A)
+        ratio = renyi / self._renyi_scale_t  # (G, B, A)
         self._pos_range.scatter_reduce_(0, pos, qc.loss_range.amax(-1), "amax")
         self._pos_renyi.scatter_reduce_(0, pos.unsqueeze(-1).expand(-1, ratio.shape[-1]), ratio.amax(1), "amax")
         self._pos_delta.scatter_reduce_(0, pos, delta_excess.amax(dim=(1, 2)), "amax")
@@ -613,6 +725,7 @@ class WhiteBoxRecorder:
             step_delta_claims=self.step_delta_claims,
             num_step_checks=self._num_checks,
             failures={k: int(v.item()) for k, v in self._fail.items()},
+            within_tolerance={k: int(v.item()) for k, v in self._within.items()},
             max_loss_range_per_step=self._pos_range[:seen].cpu().numpy(),
             max_renyi_ratio_per_step=self._pos_renyi[:seen].cpu().numpy(),
             max_delta_excess_per_step=self._pos_delta[:seen].cpu().numpy(),

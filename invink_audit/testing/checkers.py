@@ -27,7 +27,7 @@ from hypothesis.errors import NoSuchExample
 
 from accounting.limits import check_order
 from accounting.sensitivity import Adjacency
-from invink_audit.mechanism import MechanismConfig
+from invink_audit.audit.whitebox import StepClaim, tolerance_for
 from invink_audit.testing import strategies as _s
 from invink_audit.testing.reference import reference_private_topk_sets
 
@@ -41,6 +41,7 @@ __all__ = [
     "SENSITIVITY_RTOL",
     "GoodnessOfFit",
     "SensitivityWitness",
+    "StepClaim",
     "TokenPrivacyReport",
     "assert_linf_sensitivity",
     "assert_linf_sensitivity_attained",
@@ -62,8 +63,9 @@ SENSITIVITY_RTOL = 1e-9
 SENSITIVITY_ATOL = 1e-9
 #: a sensitivity bound counts as attained when an input moves the aggregate by >= bound - this.
 ATTAINMENT_TOLERANCE = 1e-6
-#: absolute slack on privacy-loss spans and Rényi divergences computed in float64.
-PRIVACY_ATOL = 1e-9
+#: absolute slack on privacy-loss spans and Rényi divergences of float64 distributions (``tolerance_for(float64)``;
+#: the checkers' default slack is :func:`~invink_audit.audit.whitebox.tolerance_for` the distributions' dtype).
+PRIVACY_ATOL = tolerance_for(torch.float64)
 #: Rényi orders checked by default (from near 1, where D_α → KL, to large, where D_α → D_∞).
 DEFAULT_ALPHAS = (1.01, 1.1, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 100.0, 1000.0)
 #: default significance level of the sampler's goodness-of-fit test (false-alarm probability).
@@ -345,93 +347,94 @@ class TokenPrivacyReport:
 def assert_token_privacy(
     actual_log_probs: torch.Tensor,
     neighbour_log_probs: torch.Tensor,
+    claim,
     *,
-    epsilon0: float,
-    rho: float,
     alphas: Sequence[float] = DEFAULT_ALPHAS,
-    atol: float = PRIVACY_ATOL,
+    atol: float | None = None,
 ) -> TokenPrivacyReport:
-    r"""Assert per-token privacy of one step against every neighbour.
+    r"""Assert per-token privacy of one step against every neighbour: what ``claim`` states of a step, and only that.
 
-    ``actual_log_probs`` (..., V) is the distribution under ``R``, ``neighbour_log_probs``
-    (..., M, V) those under ``M`` neighbours. Checked, in both directions:
+    ``actual_log_probs`` (..., V) is the distribution under ``R``, ``neighbour_log_probs`` (..., M, V) those under
+    ``M`` neighbours; ``claim`` a :class:`StepClaim` (range ε0, zCDP ρ, Rényi bounds at given orders, ``math.inf``
+    where it claims nothing), a :class:`~invink_audit.mechanisms.MechanismGuarantee` or an audit
+    :class:`~invink_audit.audit.whitebox.Claim` (their per-step figures). Checked, in both directions, with slack
+    ``atol`` (default: :func:`~invink_audit.audit.whitebox.tolerance_for` the distributions' dtype):
 
     * identical supports (otherwise some token has infinite privacy loss);
-    * bounded range: the loss span :func:`log_ratio_span` <= ``epsilon0`` (+ ``atol``);
-    * zCDP: :math:`D_\alpha(p\Vert p') \le \alpha\rho` and :math:`D_\alpha(p'\Vert p) \le \alpha\rho`
-      (+ ``atol``) for every ``alpha`` (paper App. B, zCDP definition), computed exactly by :func:`renyi_divergence`.
+    * bounded range, if claimed: the loss span :func:`log_ratio_span` <= ``epsilon0``;
+    * Rényi: :math:`D_\alpha(p\Vert p')` and :math:`D_\alpha(p'\Vert p)` at most the claim, at every order of ``alphas``
+      under a zCDP claim (:math:`\alpha\rho`, paper App. B, zCDP definition) and at the orders the claim names,
+      computed exactly by :func:`renyi_divergence`.
     """
     if neighbour_log_probs.ndim != actual_log_probs.ndim + 1 or neighbour_log_probs.shape[-1] != actual_log_probs.shape[-1]:
         raise ValueError(
             f"neighbour_log_probs must have shape (..., M, V) for actual (..., V); got "
             f"{tuple(neighbour_log_probs.shape)} and {tuple(actual_log_probs.shape)}"
         )
+    step = StepClaim.of(claim)
+    if not step.claims:
+        raise ValueError(f"the claim bounds nothing of a step ({step}): there is nothing to check")
+    atol = tolerance_for(actual_log_probs.dtype) if atol is None else atol
     p = actual_log_probs.unsqueeze(-2).to(torch.float64)
     q = neighbour_log_probs.to(torch.float64)
+    if bool(torch.isnan(p).any() | torch.isnan(q).any()):
+        raise AssertionError("a distribution holds NaN log-probabilities")
     span = log_ratio_span(p, q)
     if bool(torch.isinf(span).any()):
         raise AssertionError("supports differ between R and a neighbour: some token has infinite privacy loss")
     max_span = float(span.max())
-    if max_span > epsilon0 + atol:
-        raise AssertionError(f"privacy-loss span {max_span!r} exceeds epsilon0 = {epsilon0!r} (bounded range)")
+    if max_span > step.epsilon0 + atol:
+        raise AssertionError(f"privacy-loss span {max_span!r} exceeds epsilon0 = {step.epsilon0!r} (bounded range)")
     worst, worst_alpha = -math.inf, math.nan
-    for alpha in alphas:
+    for alpha in step.orders(alphas):
         divergence = torch.maximum(renyi_divergence(p, q, alpha), renyi_divergence(q, p, alpha))
-        top = float(divergence.max())
-        if top > alpha * rho + atol:
-            raise AssertionError(f"D_{alpha} = {top!r} exceeds alpha * rho = {alpha * rho!r} (rho = {rho!r})")
+        top, bound = float(divergence.max()), step.renyi_bound(alpha)
+        if top > bound + atol:
+            raise AssertionError(f"D_{alpha:g} = {top!r} exceeds its claim {bound!r} ({step})")
         if top / alpha > worst:
             worst, worst_alpha = top / alpha, float(alpha)
     return TokenPrivacyReport(max_span, worst, worst_alpha)
 
 
 def check_token_privacy(
-    log_probs_fn: Callable[[torch.Tensor, torch.Tensor, MechanismConfig], torch.Tensor],
+    log_probs_fn: Callable[..., torch.Tensor],
+    claim,
     *,
-    epsilon0_fn: Callable[[MechanismConfig], float] = lambda config: config.epsilon0,
-    rho_fn: Callable[[MechanismConfig], float] = lambda config: config.rho_token,
-    configs: st.SearchStrategy[MechanismConfig] | None = None,
+    configs: st.SearchStrategy | None = None,
+    batch_sizes: st.SearchStrategy[int] = st.integers(1, 6),
     vocab_sizes: st.SearchStrategy[int] = st.integers(1, 10),
     leading_shapes: st.SearchStrategy[tuple[int, ...]] = st.just(()),
     dtypes: st.SearchStrategy[torch.dtype] = st.just(torch.float32),
     alphas: Sequence[float] = DEFAULT_ALPHAS,
-    atol: float = PRIVACY_ATOL,
+    atol: float | None = None,
     max_examples: int | None = None,
     shrink: bool = True,
 ) -> None:
-    """Hypothesis-driven :func:`assert_token_privacy` under replace-by-null adjacency.
+    """Hypothesis-driven :func:`assert_token_privacy` under replace-by-null adjacency, of the mechanism's own claim.
 
-    ``log_probs_fn(private_logits, public_logits, config)`` → (..., V) log-probabilities of the
-    mechanism under test; it is re-run on every explicitly built neighbour ``R'_j``. The claims
-    default to ``config.epsilon0`` and ``config.rho_token``.
+    ``log_probs_fn(private_logits (..., B, V), public_logits (..., V))`` → (..., V) log-probabilities of the step
+    under test (of distributions too: take their ``log_softmax`` inside), re-run on every explicitly built neighbour
+    ``R'_j``; ``claim``: what it claims of a step (as :func:`assert_token_privacy` takes it). With ``configs`` (a
+    strategy, e.g. :func:`~invink_audit.testing.strategies.mechanism_configs`), every example draws a config with a
+    ``batch_size``, and ``log_probs_fn(private, public, config)`` and ``claim(config)`` take it.
     """
-    configs = configs if configs is not None else _s.mechanism_configs()
 
     @st.composite
     def cases(draw):
-        config = draw(configs)
-        batch = draw(
-            _s.logit_batches(
-                batch_sizes=st.just(config.batch_size),
-                vocab_sizes=vocab_sizes,
-                leading_shapes=leading_shapes,
-                dtypes=dtypes,
-            )
-        )
-        return config, batch
+        config = None if configs is None else draw(configs)
+        sizes = batch_sizes if configs is None else st.just(config.batch_size)
+        shapes = dict(vocab_sizes=vocab_sizes, leading_shapes=leading_shapes, dtypes=dtypes)
+        return config, draw(_s.logit_batches(batch_sizes=sizes, **shapes))
 
     @given(cases())
     def run(case):
         config, batch = case
-        actual = log_probs_fn(batch.private_logits, batch.public_logits, config)
-        neighbours = torch.stack(
-            [
-                log_probs_fn(_s.neighbour_private_logits(batch.private_logits, batch.public_logits, j), batch.public_logits, config)
-                for j in range(batch.batch_size)
-            ],
-            dim=-2,
-        )
-        assert_token_privacy(actual, neighbours, epsilon0=epsilon0_fn(config), rho=rho_fn(config), alphas=alphas, atol=atol)
+        step = log_probs_fn if configs is None else (lambda private, public: log_probs_fn(private, public, config))
+        private, public = batch.private_logits, batch.public_logits
+        actual = step(private, public)
+        neighbours = [step(_s.neighbour_private_logits(private, public, j), public) for j in range(batch.batch_size)]
+        claimed = claim if configs is None else claim(config)
+        assert_token_privacy(actual, torch.stack(neighbours, dim=-2), claimed, alphas=alphas, atol=atol)
 
     _apply_settings(run, max_examples, shrink)()
 

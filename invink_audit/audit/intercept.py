@@ -1,0 +1,412 @@
+r"""White-box audit of a generator's own loop, unmodified: intercept every draw, replay every neighbour.
+
+:func:`audit_generator` runs the user's ``generate(references)`` once and records, at the final sampling call of
+every drawn token, the exact distribution the token was drawn from. It then runs ``generate`` again for every
+replace-by-null neighbour (reference ``j`` replaced by ``None``; the user's function maps ``None`` to their
+generator's notion of null) with the same tokens forced at the same calls, and records the neighbour's
+distributions. Per step it computes the exact divergences (:func:`invink_audit.audit.whitebox.step_quantities`:
+Rényi divergences in both directions, the bounded range) and the largest absolute log-ratio on the union support;
+along the realised text it sums the per-step Rényi divergences at each order (adaptive composition, Mironov 2017,
+Prop. 1; a Rényi filter's spend, Feldman & Zrnic 2021, Thm. 3.1), and compares both with the :class:`Claim`.
+
+Intercepted samplers (the final draw of a token): ``torch.multinomial`` and ``Tensor.multinomial`` (which
+``torch.distributions.Categorical.sample`` and transformers' ``generate(do_sample=True)`` call), ``numpy.random
+.choice`` and the ``choice`` of every generator made by ``numpy.random.default_rng`` during the run (with ``p=``
+or uniform). A (G, V) batch is G separate draws. Out of scope for now: an argmax over scores plus noise of a
+declared law (Gumbel-max, report-noisy-max), and numpy generators built before the run or by
+``numpy.random.Generator(...)`` directly. Randomness other than the intercepted draws is held fixed: every run
+starts from the same global RNG states (torch, numpy's legacy, Python's ``random``), and a forced call consumes
+the same random numbers as the draw it replaces, so the audit is of the draws given that randomness.
+
+The patches are process-wide while a run lasts: one audit at a time (a second is refused), calls from other
+threads pass through unrecorded, and every patch is restored in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from invink_audit.audit.stats import Verdict
+from invink_audit.audit.analysis import RESOLVABLE_SHARE
+from invink_audit.audit.whitebox import DEFAULT_ALPHAS, Claim, step_quantities, tolerance_for
+
+__all__ = ["GeneratorAudit", "InterceptionError", "SamplingCall", "audit_generator"]
+
+_LOCK = threading.Lock()
+_ACTIVE: _Interceptor | None = None
+_WATCHED = (
+    "torch.multinomial, Tensor.multinomial (torch.distributions.Categorical.sample, transformers' "
+    "generate(do_sample=True)), numpy.random.choice, choice of numpy.random.default_rng generators made during the run"
+)
+
+
+class InterceptionError(RuntimeError):
+    """A generator's draws could not be intercepted, or a neighbour's replay diverged from the actual run."""
+
+
+@dataclass(frozen=True)
+class SamplingCall:
+    """One intercepted sampling call: ``sampler`` (its name), ``log_probs`` (G, V) float64 on the CPU (the exact
+    distribution of each row's draws, normalised from the weights the sampler was given), ``tokens`` (G, S) int64
+    (S draws per row), ``dtype``: the dtype of the weights as given (``"uniform"`` for a choice without ``p``)."""
+
+    sampler: str
+    log_probs: torch.Tensor
+    tokens: torch.Tensor
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(G, V, S)."""
+        return (*self.log_probs.shape, self.tokens.shape[1])
+
+    def describe(self) -> str:
+        g, v, s = self.shape
+        return f"{self.sampler} of {g} row(s) over {v} outcomes, {s} draw(s) each"
+
+
+class _Interceptor:
+    """Records the calls of one run; with ``forced`` (the actual run's calls), returns their tokens instead."""
+
+    def __init__(self, forced: Sequence[SamplingCall] | None, neighbour: int | None):
+        self.forced, self.neighbour = forced, neighbour
+        self.owner = threading.get_ident()
+        self.calls: list[SamplingCall] = []
+        self.argmax_calls = 0
+
+    def draw(self, sampler: str, weights: torch.Tensor, dtype: str, sample: Callable, consume: Callable) -> torch.Tensor:
+        """The (G, S) tokens of a call with (G, V) ``weights``: ``sample()``'s, or the forced ones after ``consume()``
+        (the same random numbers the draw would have used)."""
+        w = weights.detach().to(device="cpu", dtype=torch.float64)
+        log_probs = torch.log(w) - torch.log(w.sum(-1, keepdim=True))
+        step = len(self.calls)
+        if self.forced is None:
+            tokens = sample().to(device="cpu", dtype=torch.int64)
+        else:
+            if step >= len(self.forced):
+                raise InterceptionError(
+                    f"neighbour {self.neighbour}: sampling call {step} ({sampler}) has no counterpart: the actual run "
+                    f"made {len(self.forced)} sampling call(s)"
+                )
+            ref = self.forced[step]
+            if ref.sampler != sampler or tuple(ref.log_probs.shape) != tuple(log_probs.shape):
+                raise InterceptionError(
+                    f"neighbour {self.neighbour}: sampling call {step} differs from the actual run's: "
+                    f"{sampler} over {tuple(log_probs.shape)} (rows, outcomes), actual {ref.sampler} over "
+                    f"{tuple(ref.log_probs.shape)}"
+                )
+            consume()
+            tokens = ref.tokens
+        self.calls.append(SamplingCall(sampler, log_probs, tokens, dtype))
+        return tokens
+
+
+def _active() -> _Interceptor | None:
+    active = _ACTIVE
+    return active if active is not None and active.owner == threading.get_ident() else None
+
+
+def _torch_sampler(original: Callable, sampler: str) -> Callable:
+    """``torch.multinomial`` (or the ``Tensor`` method) recording its draws while an interceptor is active."""
+
+    def multinomial(input, num_samples, replacement=False, *, generator=None, **kwargs):
+        active = _active()
+        if active is None:
+            return original(input, num_samples, replacement, generator=generator, **kwargs)
+        if kwargs or (num_samples > 1 and not replacement):
+            raise InterceptionError(
+                f"{sampler}: only independent draws can be audited (num_samples=1 or replacement=True, no out=); "
+                f"got num_samples={num_samples}, replacement={replacement}, {sorted(kwargs)}"
+            )
+        rows = input.reshape(1, -1) if input.ndim == 1 else input
+        tokens = active.draw(
+            sampler, rows, str(input.dtype).removeprefix("torch."),
+            sample=lambda: original(rows, num_samples, replacement, generator=generator),
+            consume=lambda: original(torch.ones_like(rows), num_samples, replacement, generator=generator),
+        )
+        return tokens.to(input.device).reshape(-1) if input.ndim == 1 else tokens.to(input.device)
+
+    return multinomial
+
+
+def _numpy_choice(original: Callable, sampler: str, a, size, replace, p):
+    """``choice(a, size, replace, p)`` recorded by the active interceptor; ``original(n, size, replace, p)`` draws
+    indices into ``range(n)``."""
+    n = int(a) if np.ndim(a) == 0 else len(a)
+    draws = 1 if size is None else math.prod(np.atleast_1d(size).tolist())
+    if draws > 1 and not replace:
+        raise InterceptionError(f"{sampler}: only independent draws can be audited; got size={size}, replace=False")
+    probs = np.full(n, 1.0 / n) if p is None else np.asarray(p)
+    uniform = np.full(n, 1.0 / n)
+    tokens = _active().draw(
+        sampler, torch.from_numpy(np.asarray(probs, dtype=np.float64)).reshape(1, n),
+        "uniform" if p is None else str(probs.dtype),
+        sample=lambda: torch.as_tensor(np.asarray(original(n, draws, replace, probs))).reshape(1, draws),
+        consume=lambda: original(n, draws, replace, uniform),
+    )
+    index = tokens.numpy().reshape(-1)
+    index = index[0] if size is None else index.reshape(size)
+    return index if np.ndim(a) == 0 else np.asarray(a)[index]
+
+
+class _RecordingGenerator(np.random.Generator):
+    """What ``numpy.random.default_rng`` returns during a run: the same stream, its ``choice`` recorded."""
+
+    def choice(self, a, size=None, replace=True, p=None, axis=0, shuffle=True):
+        if _active() is None or axis != 0:
+            return super().choice(a, size=size, replace=replace, p=p, axis=axis, shuffle=shuffle)
+        parent = super()
+        return _numpy_choice(lambda n, s, r, q: parent.choice(n, size=s, replace=r, p=q),
+                             "numpy Generator.choice", a, size, replace, p)
+
+
+def _patches() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, replacement) of every patch a run installs."""
+    legacy_choice, default_rng = np.random.choice, np.random.default_rng
+    torch_argmax, tensor_argmax = torch.argmax, torch.Tensor.argmax
+
+    def choice(a, size=None, replace=True, p=None):
+        if _active() is None:
+            return legacy_choice(a, size, replace, p)
+        return _numpy_choice(lambda n, s, r, q: legacy_choice(n, s, r, q), "numpy.random.choice", a, size, replace, p)
+
+    def counted(original):
+        def argmax(*args, **kwargs):
+            if (active := _active()) is not None:
+                active.argmax_calls += 1
+            return original(*args, **kwargs)
+
+        return argmax
+
+    return [
+        (torch, "multinomial", _torch_sampler(torch.multinomial, "torch.multinomial")),
+        (torch.Tensor, "multinomial", _torch_sampler(torch.Tensor.multinomial, "Tensor.multinomial")),
+        (np.random, "choice", choice),
+        (np.random, "default_rng", lambda seed=None: _RecordingGenerator(default_rng(seed).bit_generator)),
+        (torch, "argmax", counted(torch_argmax)),
+        (torch.Tensor, "argmax", counted(tensor_argmax)),
+    ]
+
+
+@contextlib.contextmanager
+def _intercepting(interceptor: _Interceptor):
+    """Install the patches for one run (refused while another audit runs); always restored."""
+    global _ACTIVE
+    if not _LOCK.acquire(blocking=False):
+        raise RuntimeError("another audit_generator run is in progress: the interception patches are process-wide")
+    saved = []
+    try:
+        for owner, name, replacement in _patches():
+            saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, replacement)
+        _ACTIVE = interceptor
+        yield interceptor
+    finally:
+        _ACTIVE = None
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+        _LOCK.release()
+
+
+def _rng_states():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda
+
+
+def _set_rng_states(states) -> None:
+    torch.set_rng_state(states[0])
+    np.random.set_state(states[1])
+    random.setstate(states[2])
+    if states[3] is not None:
+        torch.cuda.set_rng_state_all(states[3])
+
+
+def _run(generate: Callable, references: list, forced, neighbour: int | None):
+    """One run of ``generate``: its output and its sampling calls."""
+    with _intercepting(_Interceptor(forced, neighbour)) as interceptor:
+        output = generate(list(references))
+    calls = tuple(interceptor.calls)
+    if forced is None and not calls:
+        raise InterceptionError(
+            f"no sampling call was intercepted while generate ran (it returned {type(output).__name__}; "
+            f"{interceptor.argmax_calls} argmax call(s) seen). Watched: {_WATCHED}. A draw by an argmax over noisy "
+            "scores, by a sampler not listed, or by a numpy generator made before the run cannot be audited yet"
+        )
+    if forced is not None and len(calls) != len(forced):
+        raise InterceptionError(
+            f"neighbour {neighbour}: the replay made {len(calls)} sampling call(s), the actual run {len(forced)}; "
+            f"it stopped after step {len(calls) - 1}"
+        )
+    return output, calls
+
+
+@dataclass(frozen=True)
+class GeneratorAudit:
+    r"""What :func:`audit_generator` found.
+
+    ``calls``: the actual run's sampling calls; ``neighbour_calls[b]``: audited neighbour ``neighbours[b]``'s, with
+    the same tokens forced. Per recorded distribution ``d`` (the rows of every call, in order; ``step_call[d]``
+    its call): ``max_abs_log_ratio`` (D, B), :math:`\max_y |\log p(y) - \log p'(y)|` on the union support;
+    ``loss_range`` (D, B), the bounded range; ``renyi_forward``/``renyi_reverse`` (D, B, A),
+    :math:`D_\alpha(p\|p')` / :math:`D_\alpha(p'\|p)` at ``alphas``. ``sequence_renyi_forward``/``_reverse``
+    (texts, B, A): their sums along each text (a text is a row-and-draw column kept by every call; a generator whose
+    batch changes size is composed as one text). ``excesses``: each checked quantity's largest excess over its
+    claim (nats; > ``tolerance`` is a VIOLATION); ``nonfinite``: recorded distributions holding NaN (a finding).
+    """
+
+    claim: Claim
+    output: Any
+    calls: tuple[SamplingCall, ...]
+    neighbours: tuple[int, ...]
+    neighbour_calls: tuple[tuple[SamplingCall, ...], ...]
+    alphas: tuple[float, ...]
+    tolerance: float
+    step_call: np.ndarray
+    max_abs_log_ratio: np.ndarray
+    loss_range: np.ndarray
+    renyi_forward: np.ndarray
+    renyi_reverse: np.ndarray
+    sequence_renyi_forward: np.ndarray
+    sequence_renyi_reverse: np.ndarray
+    excesses: dict
+    nonfinite: int
+    verdict: Verdict
+    reason: str
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes the sampled distributions were given in (for the tolerance)."""
+        return tuple(sorted({c.dtype for c in self.calls}))
+
+
+def _step_arrays(calls, neighbour_calls, alphas) -> dict:
+    """Per-step quantities of every recorded distribution, concatenated over the calls (float64 tensors)."""
+    out = {"step_call": [], "max_abs_log_ratio": [], "loss_range": [], "renyi_forward": [], "renyi_reverse": []}
+    for k, call in enumerate(calls):
+        actual = call.log_probs
+        nbs = torch.stack([nc[k].log_probs for nc in neighbour_calls], 1)  # (G, B, V)
+        q = step_quantities(actual, nbs, alphas, (0.0,))
+        lp = actual.unsqueeze(1)
+        both, either = torch.isfinite(lp) & torch.isfinite(nbs), torch.isfinite(lp) | torch.isfinite(nbs)
+        ratio = torch.where(both, (lp - nbs).abs(), torch.where(either, math.inf, 0.0))
+        out["step_call"].append(torch.full((actual.shape[0],), k))
+        out["max_abs_log_ratio"].append(ratio.amax(-1))
+        out["loss_range"].append(q.loss_range)
+        out["renyi_forward"].append(q.renyi_forward)
+        out["renyi_reverse"].append(q.renyi_reverse)
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+def _sequence_sums(calls, per_step: torch.Tensor) -> torch.Tensor:
+    """(texts, B, A) sums along each text of (D, B, A) per-step values: text = (row, draw column) when every call
+    draws the same G·S texts, else the whole release as one text."""
+    sizes = [c.shape[0] * c.shape[2] for c in calls]
+    if len(set(sizes)) != 1:
+        return per_step.sum(0, keepdim=True)
+    parts, start = [], 0
+    for c in calls:
+        g, _, s = c.shape
+        parts.append(per_step[start:start + g].repeat_interleave(s, 0))
+        start += g
+    return torch.stack(parts).sum(0)
+
+
+def _excesses(claim: Claim, steps: dict, fwd_seq, rev_seq, alphas, num_calls: int) -> dict:
+    """Each checked quantity's largest excess over its claim (NaN read as no excess; counted apart)."""
+
+    def worst(values: torch.Tensor) -> float:
+        return float(torch.nan_to_num(values, nan=-math.inf).max())
+
+    excess, step = {}, claim.step
+    if math.isfinite(step.epsilon0):
+        excess["step bounded range over epsilon0"] = worst(steps["loss_range"]) - step.epsilon0
+    renyi = torch.maximum(steps["renyi_forward"], steps["renyi_reverse"])
+    bound = torch.tensor([step.renyi_bound(a) for a in alphas], dtype=torch.float64)
+    if bool(torch.isfinite(bound).any()):
+        excess["step Renyi over its claim"] = worst(renyi - bound)
+    seq_bound = torch.tensor([claim.renyi(a) for a in alphas], dtype=torch.float64)
+    if bool(torch.isfinite(seq_bound).any()):
+        excess["sequence Renyi over the claim"] = worst(torch.maximum(fwd_seq, rev_seq) - seq_bound)
+    excess["draws per text over max_new_tokens"] = float(num_calls - claim.max_new_tokens)
+    return excess
+
+
+def _verdict(claim: Claim, excesses: dict, nonfinite: int, tolerance: float, num_calls: int) -> tuple[Verdict, str]:
+    """VIOLATION: an excess over the tolerance (per step; times the steps for sums) or NaN in a released distribution
+    (the law a token was drawn from is undefined); never PASS for a data-dependent claim, nor when an excess within a
+    tolerance that is not small against the claim (a coarse dtype) could hide a leak of its size."""
+    allowed = {name: tolerance * (num_calls if "sequence" in name else 1) for name in excesses}
+    over = {name: v for name, v in excesses.items() if v > allowed[name]}
+    if over:
+        return Verdict.VIOLATION, "; ".join(f"{name}: +{v:.6g}" for name, v in over.items())
+    if nonfinite:
+        return Verdict.VIOLATION, f"{nonfinite} recorded distribution(s) hold NaN: the law of those draws is undefined"
+    if not claim.a_priori:
+        return Verdict.INCONCLUSIVE, "no excess found; a data-dependent claim is never certified (no PASS)"
+    step = claim.step
+    smallest = min((x for x in (step.epsilon0, *(step.renyi_bound(a) for a in DEFAULT_ALPHAS)) if math.isfinite(x)),
+                   default=math.inf)  # fmt: skip
+    if any(v > 0 for v in excesses.values()) and tolerance > RESOLVABLE_SHARE * smallest:
+        return Verdict.INCONCLUSIVE, (f"an excess within the tolerance ({tolerance:g} nats per step, over "
+                                      f"{RESOLVABLE_SHARE:.0%} of the claim's {smallest:.3g}): audit in a wider dtype")
+    return Verdict.PASS, f"every checked quantity within its claim (tolerance {tolerance:g} nats per step)"
+
+
+def audit_generator(
+    generate: Callable[[list], Any],
+    references: Sequence,
+    claim: Claim,
+    *,
+    alphas: Sequence[float] | None = None,
+    neighbours: Sequence[int] | None = None,
+    tolerance: float | None = None,
+) -> GeneratorAudit:
+    """White-box audit of ``generate(references)``, the user's own generator loop, unmodified (module docstring).
+
+    ``claim``: what the generator claims for a text of at most ``claim.max_new_tokens`` draws; ``alphas``: Rényi
+    orders checked (default: the claim's order for a Rényi filter, else the white-box defaults); ``neighbours``:
+    the indices replaced by ``None`` (default: all); ``tolerance``: nats per step an excess must pass to be a
+    VIOLATION (per step; times the number of steps for sums); default: :func:`~invink_audit.audit.whitebox.tolerance_for`
+    the coarsest dtype the draws' distributions were given in (:attr:`GeneratorAudit.dtypes`), written in the result.
+    Raises :class:`InterceptionError` when no draw is seen or a neighbour's replay makes other sampling calls.
+    """
+    references = list(references)
+    if alphas is None:
+        alphas = (float(claim.renyi_order),) if claim.composition == "renyi-filter" else DEFAULT_ALPHAS
+    audited = tuple(range(len(references)) if neighbours is None else (int(j) for j in neighbours))
+    if not audited or any(not 0 <= j < len(references) for j in audited):
+        raise ValueError(f"neighbours must index the {len(references)} references; got {neighbours!r}")
+    start = _rng_states()
+    output, calls = _run(generate, references, None, None)
+    after = _rng_states()
+    try:
+        neighbour_calls = []
+        for j in audited:
+            _set_rng_states(start)
+            _, nc = _run(generate, references[:j] + [None] + references[j + 1:], calls, j)
+            neighbour_calls.append(nc)
+    finally:
+        _set_rng_states(after)
+    steps = _step_arrays(calls, neighbour_calls, alphas)
+    fwd, rev = _sequence_sums(calls, steps["renyi_forward"]), _sequence_sums(calls, steps["renyi_reverse"])
+    excesses = _excesses(claim, steps, fwd, rev, alphas, len(calls))
+    if tolerance is None:
+        tolerance = max(tolerance_for(getattr(torch, "float64" if d == "uniform" else d)) for d in {c.dtype for c in calls})
+    nonfinite = sum(int(torch.isnan(c.log_probs).any(-1).sum()) for cs in (calls, *neighbour_calls) for c in cs)
+    verdict, reason = _verdict(claim, excesses, nonfinite, tolerance, len(calls))
+    return GeneratorAudit(
+        claim=claim, output=output, calls=calls, neighbours=audited, neighbour_calls=tuple(neighbour_calls),
+        alphas=tuple(float(a) for a in alphas), tolerance=tolerance,
+        **{name: value.numpy() for name, value in steps.items()},
+        sequence_renyi_forward=fwd.numpy(), sequence_renyi_reverse=rev.numpy(),
+        excesses=excesses, nonfinite=nonfinite, verdict=verdict, reason=reason,
+    )  # fmt: skip
