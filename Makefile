@@ -46,7 +46,8 @@ test: $(STAMP)
 # the command line's input checks. `make test` runs everything; `make test-thorough` draws 4x the examples.
 CHECK_TESTS := tests/test_accounting_*.py tests/test_mechanism.py tests/test_mechanism_properties.py \
 	tests/test_testing_kit.py tests/test_prompt_templates.py tests/test_data_labels.py tests/test_where.py \
-	tests/test_cli_accounting.py tests/test_genre.py tests/test_cpu_threads.py tests/test_design_records.py
+	tests/test_cli_accounting.py tests/test_genre.py tests/test_cpu_threads.py tests/test_design_records.py \
+	tests/test_layout.py
 check: $(STAMP)
 	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -x -m "not slow" -p no:cacheprovider $(CHECK_TESTS)
 

@@ -68,6 +68,9 @@ def test_a_release_is_written_with_its_public_settings_and_charged_once(notes, t
     assert guarantee["rho_sequence"] == pytest.approx(event.rho, rel=1e-12) and guarantee["composition"] == "zcdp"
     assert guarantee["epsilon"] <= EPSILON and event.gaussian_epsilon(DELTA) <= guarantee["epsilon"]
     assert (guarantee["mechanism"], guarantee["kind"]) == ("augpe", "a-priori") and summary["guarantee"] == guarantee
+    # what a privacy reviewer reads beside ε: the exact Gaussian ε, the accountant, the event
+    assert guarantee["gaussian_epsilon"] == pytest.approx(event.gaussian_epsilon(DELTA), rel=1e-12)
+    assert guarantee["event"] == event.to_json() and isinstance(guarantee["accountant"], str)
     # the ledger: one zcdp release of the event's rho, under the id the records carry
     (entry,) = BudgetLedger(ledger).status().releases
     assert entry["release"]["kind"] == "zcdp" and entry["release"]["release_id"] == summary["release_id"]

@@ -178,13 +178,22 @@ def run_augpe(args) -> int:
     return 0
 
 
+def _guarantee_fields(g) -> dict:
+    """The guarantee as AugPE's records and summary write it: the common form and its details (the exact Gaussian
+    ε of the T composed Gaussians, the accountant, the event), which a privacy reviewer reads beside ε."""
+    fields = g.record_fields()
+    if fields["guarantee"] is not None:
+        fields["guarantee"] = {**fields["guarantee"], **{k: str(v) if k == "accountant" else v for k, v in g.details.items()}}
+    return fields
+
+
 def _write_augpe_release(output: Path, result, run: dict, model_dtype) -> Path:
     """One JSON record per text, written at once and atomically (the usual mode of a release file). Should the
     output have appeared while AugPE ran, the texts go beside it (``<output>.<release_id>.jsonl``), never over it."""
     from invink_audit.outputs import write_records
 
     records = [
-        {"batch_index": i, "text": text, **result.guarantee.record_fields(), "release_id": result.release_id, "run": run,
+        {"batch_index": i, "text": text, **_guarantee_fields(result.guarantee), "release_id": result.release_id, "run": run,
          "model_dtype": model_dtype, "version": 1}
         for i, text in enumerate(result.texts)
     ]  # fmt: skip
@@ -210,7 +219,7 @@ def _augpe_summary(result, output: Path, num_references: int, run: dict, ledger:
         "model": result.stats.model, "model_dtype": model_dtype, "seeded": seeded,
         "ledger": ledger, "charged": ledger is not None, "mechanism": "augpe", "run": run,
         **({} if ledger is not None else {"ledger_notice": notice}),
-        **g.record_fields(),
+        **_guarantee_fields(g),
     }  # fmt: skip
 
 

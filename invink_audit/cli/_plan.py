@@ -148,11 +148,9 @@ def _register_memory(subparsers) -> None:
     rows = p.add_mutually_exclusive_group()
     add(rows, "--max-batch-rows", type=str, help="R: rows per forward pass (default: 256 on cuda, 64 on cpu)")
     rows.add_argument("--memory-budget", default=None, metavar="GIB",
-                      help="instead: the largest --max-batch-rows whose peak fits GIB GiB (the peak with every row in a "
-                           "bucket of its own, safe for prompts of any lengths; see --equal-prompts)")
+                      help="instead: the largest --max-batch-rows whose upper bound on the peak fits GIB GiB")
     p.add_argument("--equal-prompts", action="store_true",
-                   help="with --memory-budget: fit the peak for prompts of equal length instead (larger; may not fit "
-                        "prompts of many lengths when few texts are in flight)")
+                   help="accepted for compatibility; changes nothing (the bound holds for prompts of any lengths)")
     add(p, "--num-texts", type=str,
         help="texts to generate (fewer than max_batch_rows // (B+1) limits the texts in flight)")
     add(p, "--top-k", default="100", help="top_k of the mechanism, an integer >= 1, or 'none' (default 100)")
