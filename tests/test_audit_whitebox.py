@@ -369,7 +369,7 @@ def test_a_float32_rounding_excess_is_within_tolerance_not_a_violation():
 
 
 def test_a_rounding_excess_in_a_coarse_dtype_leaves_the_claim_unresolved_not_passed():
-    from invink_audit.audit.analysis import RESOLVABLE_SHARE
+    from invink_audit.audit.whitebox import RESOLVABLE_SHARE
     from invink_audit.audit.whitebox import Numerics
 
     # bfloat16's tolerance (about 2 nats) hides a leak larger than the claim itself: never a PASS on it

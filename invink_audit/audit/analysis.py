@@ -28,6 +28,7 @@ from invink_audit.audit.whitebox import (
     KIND_MIXTURE_FORWARD,
     KIND_MIXTURE_REVERSE,
     KIND_NEIGHBOUR,
+    RESOLVABLE_SHARE,
     Direction,
     RecordedAudit,
 )
@@ -368,11 +369,6 @@ class _Tested:
         }
 
 
-#: a check forgiven as rounding (above its claim by at most the numerics' tolerance) leaves a PASS standing only when
-#: the tolerance is at most this share of the smallest per-step level the claim states
-RESOLVABLE_SHARE = 0.01
-
-
 def _unresolved_by_numerics(rec: RecordedAudit) -> str | None:
     """Why a PASS cannot stand on the dtype's numerics (issue 35, "numerics stated"): some check exceeded its claim
     by at most the tolerance, and the tolerance is not small against the claim (bfloat16's is about 2 nats), so
@@ -380,10 +376,8 @@ def _unresolved_by_numerics(rec: RecordedAudit) -> str | None:
     tol = rec.config.numerics.tolerance
     if not sum(rec.within_tolerance.values()):
         return None
-    step = rec.claim.step
-    levels = [step.epsilon0, *(step.renyi_bound(a) for a in step.orders(rec.config.alphas))]
-    smallest = min((x for x in levels if math.isfinite(x)), default=math.inf)
-    if tol <= RESOLVABLE_SHARE * smallest:
+    smallest = rec.claim.step.unresolved_by(tol, rec.config.alphas)
+    if smallest is None:
         return None
     return (f"{sum(rec.within_tolerance.values())} exact check(s) exceeded the claim by at most the tolerance of "
             f"{rec.config.numerics.dtype} ({tol:.3g} nats), which is over {RESOLVABLE_SHARE:.0%} of the smallest "

@@ -36,8 +36,7 @@ import numpy as np
 import torch
 
 from invink_audit.audit.stats import Verdict
-from invink_audit.audit.analysis import RESOLVABLE_SHARE
-from invink_audit.audit.whitebox import DEFAULT_ALPHAS, Claim, step_quantities, tolerance_for
+from invink_audit.audit.whitebox import DEFAULT_ALPHAS, RESOLVABLE_SHARE, Claim, step_quantities, tolerance_for
 
 __all__ = ["GeneratorAudit", "InterceptionError", "SamplingCall", "audit_generator"]
 
@@ -352,10 +351,8 @@ def _verdict(claim: Claim, excesses: dict, nonfinite: int, tolerance: float, num
         return Verdict.VIOLATION, f"{nonfinite} recorded distribution(s) hold NaN: the law of those draws is undefined"
     if not claim.a_priori:
         return Verdict.INCONCLUSIVE, "no excess found; a data-dependent claim is never certified (no PASS)"
-    step = claim.step
-    smallest = min((x for x in (step.epsilon0, *(step.renyi_bound(a) for a in DEFAULT_ALPHAS)) if math.isfinite(x)),
-                   default=math.inf)  # fmt: skip
-    if any(v > 0 for v in excesses.values()) and tolerance > RESOLVABLE_SHARE * smallest:
+    smallest = claim.step.unresolved_by(tolerance, DEFAULT_ALPHAS)
+    if any(v > 0 for v in excesses.values()) and smallest is not None:
         return Verdict.INCONCLUSIVE, (f"an excess within the tolerance ({tolerance:g} nats per step, over "
                                       f"{RESOLVABLE_SHARE:.0%} of the claim's {smallest:.3g}): audit in a wider dtype")
     return Verdict.PASS, f"every checked quantity within its claim (tolerance {tolerance:g} nats per step)"

@@ -30,6 +30,7 @@ __all__ = [
     "LOG_PROB_BOUND",
     "Claim",
     "Numerics",
+    "RESOLVABLE_SHARE",
     "StepClaim",
     "Direction",
     "WhiteBoxConfig",
@@ -88,6 +89,11 @@ class Numerics:
         return cls(str(dtype).removeprefix("torch."), tolerance_for(dtype) if tolerance is None else float(tolerance))
 
 
+#: a check forgiven as rounding (above its claim by at most the numerics' tolerance) leaves a PASS standing only when
+#: the tolerance is at most this share of the smallest per-step level the claim states (:meth:`StepClaim.unresolved_by`)
+RESOLVABLE_SHARE = 0.01
+
+
 @dataclass(frozen=True)
 class StepClaim:
     r"""What a mechanism claims of each step, every level ``math.inf`` where it claims nothing: ``epsilon0``, a bounded
@@ -128,6 +134,15 @@ class StepClaim:
     def orders(self, alphas: Sequence[float]) -> tuple[float, ...]:
         """The orders of ``alphas`` (all of them under a zCDP claim) and of ``renyi`` that the claim bounds."""
         return tuple(sorted({float(a) for a in alphas if self.renyi_bound(a) < math.inf} | set(self.renyi)))
+
+    def unresolved_by(self, tolerance: float, alphas: Sequence[float]) -> float | None:
+        """The smallest per-step level this claim states (ε0, and its Rényi bounds at :meth:`orders` of ``alphas``)
+        when ``tolerance`` is over :data:`RESOLVABLE_SHARE` of it: rounding of that size cannot be told from a leak,
+        so no PASS may rest on an excess forgiven by it. ``None``: the tolerance is small enough (or nothing is
+        claimed)."""
+        levels = (self.epsilon0, *(self.renyi_bound(a) for a in self.orders(alphas)))
+        smallest = min((x for x in levels if math.isfinite(x)), default=math.inf)
+        return None if tolerance <= RESOLVABLE_SHARE * smallest else smallest
 
 _DTYPE = torch.float64
 
