@@ -46,6 +46,7 @@ __all__ = [
     "GenericDecodeStep",
     "RowForward",
     "default_max_batch_rows",
+    "text_outcomes",
 ]
 
 FINISH_EOS = "eos"
@@ -61,6 +62,15 @@ _AUX_LABEL = 0x5D
 class ForcedTextMismatch(ValueError):
     """Texts forced through :meth:`Engine.force` that this mechanism and model could not have drawn (a token of
     probability zero, out of range, past the budget, or a text that ends elsewhere)."""
+
+
+def text_outcomes(text, vocab_size: int, stop_outcome: int | None) -> list[int]:
+    """The mechanism's outcomes a released text (a :class:`GeneratedText`, or a record read back with its
+    ``token_ids``, ``modes`` and ``finish_reason``) was drawn as, what :meth:`Engine.force` takes: ``mode·V + token``
+    (a text of the Top-k+ fast path records no modes: its one mode is 0, its outcomes its tokens), and
+    ``stop_outcome`` last when the mechanism's stop rule ended it (``Mechanism.stop_outcome``)."""
+    ids = [m * vocab_size + t for t, m in zip(text.token_ids, text.modes or [0] * len(text.token_ids))]
+    return ids + [stop_outcome] if stop_outcome is not None and text.finish_reason == FINISH_BUDGET else ids
 
 
 def default_max_batch_rows(device: torch.device) -> int:

@@ -392,19 +392,6 @@ def _sampled_config(*, alphas, num_samples, num_is_samples, significance, direct
 # any mechanism of the interface
 
 
-def _forced_outcomes(texts, mechanism, vocab: int) -> list[list[int]]:
-    """Each text's outcomes: ``mode·V + token``, and the stop outcome when the stop rule ended it (a text of the
-    engine's Top-k+ fast path records no modes: its one mode is 0, its outcomes its tokens)."""
-    stop_id = mechanism.stop_outcome(vocab)
-    outcomes = []
-    for t in texts:
-        ids = [m * vocab + tok for tok, m in zip(t.token_ids, t.modes or [0] * len(t.token_ids))]
-        if stop_id is not None and t.finish_reason == "budget":
-            ids.append(stop_id)
-        outcomes.append(ids)
-    return outcomes
-
-
 # ---------------------------------------------------------------------------------------------
 # the entry point
 
@@ -476,6 +463,7 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
     """:func:`quick_audit` of a release: teacher forcing of its texts (the mechanism's outcomes), then the
     sampled audit of one batch. ``found``: a release file's ``findings`` and ``claimed_epsilon``, for the report."""
     from invink_audit.audit.model_audit import audit_model
+    from invink_audit.engine import text_outcomes
     from invink_audit.models import load_model, loadable_name
     from invink_audit.prompts import encode_request
 
@@ -487,7 +475,8 @@ def _quick_audit_release(result, release: AuditedRelease, *, model, sampled_batc
     claim = release.claim()
     config = WhiteBoxConfig(alphas=alphas, num_samples=max(1, len(result.texts)), num_is_samples=0, significance=significance)
     config, _ = config.for_claim(claim)
-    forced = _forced_outcomes(result.texts, release.mechanism, loaded.vocab_size)
+    stop = release.mechanism.stop_outcome(loaded.vocab_size)
+    forced = [text_outcomes(t, loaded.vocab_size, stop) for t in result.texts]
     requests = [
         encode_request(loaded.tokenizer, release.batch_template(t.batch_index),
                        [r if r else None for r in release.partition.batches[t.batch_index]], key=t.batch_index)

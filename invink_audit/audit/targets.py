@@ -172,12 +172,10 @@ class EngineTarget(BlackBoxTarget):
     def outcomes(self, texts) -> list[list[int]]:
         """What the engine forces for ``texts`` (GeneratedText): their tokens, or for a generic mechanism their
         outcomes (``mode·V + token``, and the stop outcome last when the mechanism's stop rule ended the text)."""
-        if not self.engine.generic:
-            return [list(t.token_ids) for t in texts]
+        from invink_audit.engine import text_outcomes
+
         vocab = self.loaded.vocab_size
-        stop = self.mechanism.stop_outcome(vocab)
-        return [[m * vocab + tok for tok, m in zip(t.token_ids, t.modes or [0] * len(t.token_ids))]
-                + ([stop] if stop is not None and t.finish_reason == "budget" else []) for t in texts]
+        return [text_outcomes(t, vocab, self.mechanism.stop_outcome(vocab)) for t in texts]
 
     def log_likelihood_ratios(self, batches_with_canary, slot: int, forced: Sequence[Sequence[int]] | None = None):
         """The exact ratios (:class:`BlackBoxTarget`) of the last :meth:`generate` call's texts, or of the token ids
