@@ -134,6 +134,8 @@ class PrivacyClaim:
         check_count("steps", self.steps)
         if not isinstance(self.step, StepClaim):
             raise ValueError(f"step must be a StepClaim; got {type(self.step).__name__}")
+        if (self.epsilon is None) != (self.delta is None):
+            raise ValueError(f"an (epsilon, delta) claim needs both; got epsilon={self.epsilon!r}, delta={self.delta!r}")
         given = [name for name in SEQUENCE_FORMS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"a claim is stated at sequence level in one form (rho, renyi, epsilon and delta, or mu); "
@@ -141,8 +143,6 @@ class PrivacyClaim:
         if not given and not self.step.claims:
             raise ValueError("a claim states a per-step bound (step=StepClaim(...)) or one sequence-level form (rho, "
                              "renyi, epsilon and delta, mu); got neither")
-        if (self.epsilon is None) != (self.delta is None):
-            raise ValueError(f"an (epsilon, delta) claim needs both; got epsilon={self.epsilon!r}, delta={self.delta!r}")
         if self.epsilon is not None:
             check_nonnegative("epsilon", self.epsilon)
             if self.delta != 0:
