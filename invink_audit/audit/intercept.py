@@ -365,11 +365,12 @@ def _sequence_sums(calls, per_step: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts).sum(0)
 
 
-def _text_losses(draw_losses: list[torch.Tensor]) -> torch.Tensor:
-    """(texts, B): each text's realised privacy loss, the sum of its draws' (texts as :func:`_sequence_sums`)."""
+def _text_losses(draw_losses: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """(texts, B): each text's realised privacy loss, the sum of its draws' (texts as :func:`_sequence_sums`), and the
+    number of draws per text."""
     if len({d.shape[0] for d in draw_losses}) != 1:
-        return torch.cat(draw_losses).sum(0, keepdim=True)
-    return torch.stack(draw_losses).sum(0)
+        return torch.cat(draw_losses).sum(0, keepdim=True), sum(d.shape[0] for d in draw_losses)
+    return torch.stack(draw_losses).sum(0), len(draw_losses)
 
 
 def _checks_path_sums(claim: PrivacyClaim) -> bool:
@@ -405,8 +406,9 @@ def _excesses(claim: PrivacyClaim, steps: dict, fwd_seq, rev_seq, alphas, num_ca
 
 def _sequence_checks(claim: PrivacyClaim, losses: torch.Tensor, alphas, slack: float, significance: float):
     """Sampled checks of a sequence-level claim (:class:`SequenceCheck`), one per neighbour and ε grid or order,
-    Bonferroni over all of them; every loss lowered by ``slack`` (the tolerance times the draws per text: rounding
-    never makes a violation). None for a per-step claim (its exact checks imply the sequence's) or NaN losses."""
+    Bonferroni over all of them; lower bounds from the losses lowered by ``slack`` and upper bounds from them raised by
+    it (the tolerance times the draws per text: rounding neither makes a violation nor supports a claim). None for a
+    per-step claim (its exact checks imply the sequence's) or NaN losses."""
     if claim.form == "per-step" or bool(torch.isnan(losses).any()):
         return ()
     if claim.form in ("epsilon", "mu"):
@@ -416,24 +418,24 @@ def _sequence_checks(claim: PrivacyClaim, losses: torch.Tensor, alphas, slack: f
         plan = [("renyi", (a,)) for a in alphas if math.isfinite(claim.sequence_renyi(a))]
     beta = significance / (losses.shape[1] * max(len(plan), 1))
     checks = []
-    for b, column in enumerate((losses - slack).T.numpy()):
+    for b, column in enumerate(losses.T.numpy()):
         for quantity, at in plan:
-            checks.extend(_sampled(claim, quantity, at, column, beta, b))
+            low, mid, high = (_bounds(quantity, at, column + shift, beta) for shift in (-slack, 0.0, slack))
+            claimed = [claim.delta_at(e) if quantity == "delta" else claim.sequence_renyi(e) for e in at]
+            checks.extend(SequenceCheck(b, quantity, e, mid[i][0], low[i][1], high[i][2], claimed[i], beta, column.size)
+                          for i, e in enumerate(at))  # fmt: skip
     return tuple(checks)
 
 
-def _sampled(claim: PrivacyClaim, quantity: str, at: tuple, losses: np.ndarray, beta: float, neighbour: int):
-    """The checks of one neighbour's losses: δ(ε) on the grid ``at`` (a single ε's pointwise bounds, or the DKW band
-    over a grid), or :math:`D_\\alpha` at ``at[0]``."""
-    n = losses.size
+def _bounds(quantity: str, at: tuple, losses: np.ndarray, beta: float) -> list[tuple[float, float, float]]:
+    """(estimate, lower, upper) at each of ``at`` from one neighbour's losses: δ(ε) (a single ε's pointwise bounds, or
+    the DKW band over a grid) or :math:`D_\alpha` at ``at[0]``."""
     if quantity == "renyi":
-        est = stats.renyi_monte_carlo(losses, at[0], beta)
-        ci = est.interval
-        return [SequenceCheck(neighbour, "renyi", at[0], ci.estimate, ci.lower, ci.upper, claim.sequence_renyi(at[0]), beta, n)]
+        ci = stats.renyi_monte_carlo(losses, at[0], beta).interval
+        return [(ci.estimate, ci.lower, ci.upper)]
     curve = stats.hockey_stick_delta(losses, at, beta)
     lower, upper = (curve.pointwise_lower, curve.pointwise_upper) if len(at) == 1 else (curve.band_lower, curve.band_upper)
-    return [SequenceCheck(neighbour, "delta", e, curve.estimate[i], lower[i], upper[i], claim.delta_at(e), beta, n)
-            for i, e in enumerate(at)]  # fmt: skip
+    return list(zip(curve.estimate, lower, upper))
 
 
 def _certified_epsilon(claim: PrivacyClaim) -> float | None:
@@ -537,11 +539,11 @@ def audit_generator(
     neighbour_calls = _run_neighbours(generate, references, calls, audited, claim.adjacency, start, _rng_states())
     steps, draw_losses = _step_arrays(calls, neighbour_calls, alphas)
     fwd, rev = _sequence_sums(calls, steps["renyi_forward"]), _sequence_sums(calls, steps["renyi_reverse"])
-    losses = _text_losses(draw_losses)
+    losses, draws_per_text = _text_losses(draw_losses)
     excesses = _excesses(claim, steps, fwd, rev, alphas, len(calls))
     if tolerance is None:
         tolerance = max(tolerance_for(getattr(torch, "float64" if d == "uniform" else d)) for d in {c.dtype for c in calls})
-    checks = _sequence_checks(claim, losses, alphas, tolerance * len(calls), significance)
+    checks = _sequence_checks(claim, losses, alphas, tolerance * draws_per_text, significance)
     certified = _certified_epsilon(claim)
     nonfinite = sum(int(torch.isnan(c.log_probs).any(-1).sum()) for cs in (calls, *neighbour_calls) for c in cs)
     verdict, reason = _verdict(claim, excesses, checks, certified, nonfinite, tolerance, len(calls))
