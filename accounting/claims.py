@@ -156,6 +156,9 @@ class PrivacyClaim:
             bounds = {check_order("alpha", a): check_nonnegative("renyi bound", b) for a, b in dict(self.renyi).items()}
             object.__setattr__(self, "renyi", bounds)
         object.__setattr__(self, "adjacency", coerce_enum(self.adjacency, Adjacency))
+        if self.adjacency is Adjacency.ZERO_OUT:
+            raise ValueError("a claim's adjacency is 'replace-by-null' or 'add-remove'; got 'zero-out' (a relation of the "
+                             "aggregated logits, accounting.linf_sensitivity)")
         if not isinstance(self.data_dependent, bool):
             raise ValueError(f"data_dependent must be a bool; got {self.data_dependent!r}")
         if (self.reported_epsilon is None) != (self.reported_delta is None):

@@ -186,6 +186,7 @@ def test_epsilon_at_never_overspends_delta(claim, delta):
         ({"renyi": {1.0: 1.0}}, "alpha must be a finite number > 1"),
         ({"rho": 1.0, "reported_epsilon": 2.0}, "reported epsilon needs its delta"),
         ({"rho": 1.0, "adjacency": "zero-in"}, "adjacency must be one of"),
+        ({"rho": 1.0, "adjacency": "zero-out"}, "'replace-by-null' or 'add-remove'; got 'zero-out'"),
         ({"rho": 1.0, "data_dependent": "yes"}, "data_dependent must be a bool"),
         ({"step": {"rho": 1.0}}, "step must be a StepClaim"),
     ],

@@ -6,6 +6,7 @@ toy whose texts' exact δ(ε) and D_α are enumerated; the tiny HF model's warpe
 dp-fusion-lib 0.1.0 from the package registry, its own loop and its own ε.
 """
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -122,6 +123,12 @@ def test_guarantee_and_whitebox_claim_still_accepted():
         audit = audit_generator(toy_categorical, REFS, claim)
         assert audit.claim == expected and audit.verdict is Verdict.PASS, audit.reason
     assert audit_generator(toy_categorical, REFS, br_guarantee(0.9 * EPS0)).verdict is Verdict.VIOLATION
+    # a guarantee read back from a report without its ε (NaN) reports nothing; one whose ε understates its own
+    # per-step claim is a finding
+    unknown = PrivacyClaim.of(dataclasses.replace(g, epsilon=math.nan))
+    assert unknown.reported_epsilon is None and unknown.step == expected.step
+    understated = audit_generator(toy_categorical, REFS, dataclasses.replace(g, epsilon=1.0))
+    assert understated.verdict is Verdict.VIOLATION and "reports epsilon = 1" in understated.reason
 
 
 def test_batch_rows_are_separate_texts_and_sums_compose():

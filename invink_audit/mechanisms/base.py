@@ -107,10 +107,10 @@ class MechanismGuarantee:
         δ the reported figures: ``"bounded-range"``, per step (ε0-range and ρ-zCDP; the sequence figures compose them);
         ``"zcdp"``, the sequence-level ρ (an (ε, δ) claim without it), with the per-step claim of the checked component
         kept as its step part; ``"renyi-filter"``, the budget at its order, data-dependent (the filter's stop rule bounds
-        each path's sum, Feldman & Zrnic 2021, Thm. 3.1)."""
+        each path's sum, Feldman & Zrnic 2021, Thm. 3.1). An ε read back as NaN (unknown) is no report."""
         step = StepClaim() if self.step_epsilon0 is None else StepClaim(self.step_epsilon0, self.step_rho)
-        fields = {"data_dependent": not self.a_priori, "reported_epsilon": self.epsilon, "reported_delta": self.delta,
-                  "source": self.description or self.mechanism}  # fmt: skip
+        reported = {} if math.isnan(self.epsilon) else {"reported_epsilon": self.epsilon, "reported_delta": self.delta}
+        fields = {"data_dependent": not self.a_priori, "source": self.description or self.mechanism, **reported}
         if self.composition == "bounded-range":
             return PrivacyClaim(self.max_new_tokens, step, **fields)
         if self.composition == "renyi-filter":
