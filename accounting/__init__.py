@@ -6,7 +6,8 @@ composition of ε0-bounded-range mechanisms), :mod:`~accounting.accountants` (na
 :mod:`~accounting.planner` (every inverse of C, T, B, τ ↔ ε, δ), :mod:`~accounting.ledger`
 (a persisted privacy odometer) and :mod:`~accounting.limits` (the documented valid range of every
 parameter, :func:`check_parameter_ranges`). :mod:`~accounting.augpe` accounts the AugPE baseline (T Gaussian
-nearest-neighbour histograms).
+nearest-neighbour histograms). :mod:`~accounting.claims`: a generator's privacy claim in the form it was made
+(:class:`PrivacyClaim`, :class:`StepClaim`) and every figure derived from it.
 """
 
 from accounting.accountants import (
@@ -18,6 +19,8 @@ from accounting.accountants import (
     composed_delta,
     composed_epsilon,
     max_epsilon0,
+    pure_composed_delta,
+    pure_composed_epsilon,
 )
 from accounting.augpe import (
     AugPEEvent,
@@ -25,6 +28,7 @@ from accounting.augpe import (
     augpe_l2_sensitivity,
     plan_augpe_noise_std,
 )
+from accounting.claims import PrivacyClaim, StepClaim
 from accounting.bounded_range import DeltaBracket, br_adaptive_delta, br_nonadaptive_delta
 from accounting.conversions import (
     ConversionMethod,
@@ -34,6 +38,8 @@ from accounting.conversions import (
     epsilon_to_zcdp,
     gdp_to_delta,
     gdp_to_epsilon,
+    rdp_to_delta,
+    rdp_to_epsilon,
     zcdp_to_delta,
     zcdp_to_epsilon,
 )
@@ -101,6 +107,12 @@ __all__ = [
     "plan_min_batch_size",
     "plan_augpe_noise_std",
     "planning_table",
+    "PrivacyClaim",
+    "StepClaim",
+    "pure_composed_delta",
+    "pure_composed_epsilon",
+    "rdp_to_delta",
+    "rdp_to_epsilon",
     "sensitivity_factor",
     "zcdp_to_delta",
     "zcdp_to_epsilon",

@@ -5,7 +5,8 @@ Rogers 2021, Lemma 3.2; the paper's ρ_tok = C²/(2B²τ²), paper Theorem 2, th
 most T tokens. :data:`ACCOUNTANTS`: ``br-adaptive`` (default; Dong, Durfee & Rogers 2020, arXiv:1909.13830,
 via :mod:`accounting.bounded_range`, never looser than ``cks``), ``cks`` (T·ρ_tok, Bun & Steinke 2016,
 Lemma 2.3, converted by Canonne–Kamath–Steinke 2020), ``bun-steinke``, ``rdp``; :func:`composed_epsilon`,
-:func:`composed_delta`, :func:`max_epsilon0`, :func:`fits_budget`.
+:func:`composed_delta`, :func:`max_epsilon0`, :func:`fits_budget`; pure ε-DP steps composed optimally:
+:func:`pure_composed_delta`, :func:`pure_composed_epsilon`.
 
 Design: docs/accounting_notes.md §1–§4; choosing one: docs/guide/planning.md (§"Accountants").
 """
@@ -16,6 +17,7 @@ import enum
 import math
 
 import numpy as np
+from scipy import special
 
 from accounting import bounded_range
 from accounting._validation import check_count, check_delta, check_nonnegative, check_positive
@@ -31,6 +33,8 @@ __all__ = [
     "composed_delta",
     "max_epsilon0",
     "fits_budget",
+    "pure_composed_delta",
+    "pure_composed_epsilon",
 ]
 
 #: Above this many composed steps the br-adaptive DP is skipped and its CKS bound is used instead (the
@@ -143,6 +147,47 @@ def _composed_epsilon(delta: float, epsilon0, num_steps: int | None, accountant)
     if not math.isfinite(start) or not _br_usable(e0, rho):
         return start
     return min(start, bounded_range.br_adaptive_epsilon(delta, e0, start=start))
+
+
+#: Above this many composed pure-ε steps the exact binomial sum is replaced by its zCDP bound (T ε²/2-zCDP).
+PURE_MAX_STEPS = 100_000
+
+
+def pure_composed_delta(epsilon: float, epsilon_step: float, num_steps: int) -> float:
+    r"""δ(ε) of ``num_steps`` adaptively composed ``epsilon_step``-DP steps, the optimal composition (Kairouz, Oh &
+    Viswanath 2015, ICML, arXiv:1311.0776, Thm. 3.3): with :math:`e = \varepsilon_{step}`, k steps,
+    :math:`\delta = (1+e^{e})^{-k}\sum_{i} \binom{k}{i} \big(e^{(k-i)e} - e^{\varepsilon + ie}\big)_+`, the hockey-stick
+    divergence of k randomised responses. Computed in log space; above :data:`PURE_MAX_STEPS` steps the CKS bound of
+    :math:`k e^2/2`-zCDP (Bun & Steinke 2016, arXiv:1605.02065, Prop. 1.4; Lemma 2.3) instead (errs high)."""
+    epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
+    e = check_nonnegative("epsilon_step", epsilon_step)
+    k = check_count("num_steps", num_steps)
+    if math.isinf(epsilon) or epsilon >= k * e:
+        return 0.0
+    if k > PURE_MAX_STEPS:
+        return zcdp_to_delta(k * e * e / 2.0, epsilon, "cks")
+    i = np.arange(k + 1, dtype=np.float64)
+    i = i[epsilon + i * e < (k - i) * e]
+    log_binom = special.gammaln(k + 1.0) - special.gammaln(i + 1.0) - special.gammaln(k - i + 1.0)
+    terms = log_binom + (k - i) * e + np.log(-np.expm1(epsilon + i * e - (k - i) * e)) - k * np.logaddexp(0.0, e)
+    return min(1.0, _up(math.exp(float(special.logsumexp(terms)))))
+
+
+def pure_composed_epsilon(delta: float, epsilon_step: float, num_steps: int) -> float:
+    """The smallest ε with :func:`pure_composed_delta` ≤ ``delta`` (its sources), by bisection on [0, k ε_step] kept on
+    the feasible side: errs high, by at most a relative 1e-12."""
+    delta = check_delta("delta", delta)
+    e = check_nonnegative("epsilon_step", epsilon_step)
+    k = check_count("num_steps", num_steps)
+    if k > PURE_MAX_STEPS:
+        return min(zcdp_to_epsilon(k * e * e / 2.0, delta, "cks"), _up(k * e))
+    lo, hi = 0.0, k * e
+    if pure_composed_delta(lo, e, k) <= delta:
+        return 0.0
+    while hi - lo > 1e-12 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if pure_composed_delta(mid, e, k) <= delta else (mid, hi)
+    return hi
 
 
 def fits_budget(epsilon: float, delta: float, epsilon0: float, num_steps: int, accountant) -> bool:

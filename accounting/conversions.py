@@ -3,7 +3,8 @@
 :class:`ConversionMethod`: ``bun-steinke`` (Bun & Steinke 2016, arXiv:1605.02065, Prop. 1.3), ``cks``
 (Canonne, Kamath & Steinke 2020, arXiv:2004.00010, Prop. 12; the paper's and the reference package's
 choice), ``rdp`` (dp-accounting's ``RdpAccountant``, an independent cross-check); :func:`zcdp_to_epsilon`,
-:func:`zcdp_to_delta`, :func:`epsilon_to_zcdp`, and ε0-BR → ρ (:func:`br_to_zcdp`). Results are rounded to
+:func:`zcdp_to_delta`, :func:`epsilon_to_zcdp`, and ε0-BR → ρ (:func:`br_to_zcdp`). Rényi bounds at stated orders
+→ (ε, δ): :func:`rdp_to_epsilon`, :func:`rdp_to_delta` (the same Prop. 12, minimised over the orders given). Results are rounded to
 the safe side. Never use the Gaussian profile with μ = √(2ρ) (Balle & Wang 2018) as a zCDP conversion.
 
 μ-GDP (Dong, Roth & Su 2022, JRSS-B, arXiv:1905.02383), for μ-GDP mechanisms only (composed Gaussians):
@@ -20,7 +21,7 @@ import math
 import numpy as np
 from scipy import optimize, special
 
-from accounting._validation import check_delta, check_nonnegative
+from accounting._validation import check_delta, check_nonnegative, check_order
 
 __all__ = [
     "ConversionMethod",
@@ -30,6 +31,8 @@ __all__ = [
     "epsilon_to_zcdp",
     "gdp_to_delta",
     "gdp_to_epsilon",
+    "rdp_to_delta",
+    "rdp_to_epsilon",
     "zcdp_to_delta",
     "zcdp_to_epsilon",
 ]
@@ -79,16 +82,25 @@ def _up(x: float) -> float:
 _CKS_LOG_AM1_GRID = np.linspace(math.log(1e-4), math.log(1e7), 1201)
 
 
+def _prop12_log_delta(alpha, rdp, epsilon: float):
+    """log δ of CKS Prop. 12 for a Rényi bound ``rdp`` at order ``alpha`` (vectorised)."""
+    am1 = alpha - 1.0
+    return am1 * (rdp - epsilon) - np.log(alpha) + am1 * np.log1p(-1.0 / alpha)
+
+
+def _prop12_epsilon(alpha, rdp, log_inv_delta: float):
+    """ε of CKS Prop. 12 for a Rényi bound ``rdp`` at order ``alpha`` (vectorised)."""
+    return rdp + np.log1p(-1.0 / alpha) + (log_inv_delta - np.log(alpha)) / (alpha - 1.0)
+
+
 def _cks_log_delta_at(am1: np.ndarray, rho: float, epsilon: float) -> np.ndarray:
-    """log δ(α) of CKS Prop. 12 for ρ-zCDP, with α = 1 + am1 (vectorised)."""
-    alpha = 1.0 + am1
-    return am1 * (alpha * rho - epsilon) - np.log(alpha) + am1 * np.log1p(-1.0 / alpha)
+    """log δ(α) of CKS Prop. 12 for ρ-zCDP (D_α ≤ αρ), with α = 1 + am1 (vectorised)."""
+    return _prop12_log_delta(1.0 + am1, (1.0 + am1) * rho, epsilon)
 
 
 def _cks_epsilon_at(am1: np.ndarray, rho: float, log_inv_delta: float) -> np.ndarray:
-    """ε(α) of CKS Prop. 12 for ρ-zCDP, with α = 1 + am1 (vectorised)."""
-    alpha = 1.0 + am1
-    return alpha * rho + np.log1p(-1.0 / alpha) + (log_inv_delta - np.log(alpha)) / am1
+    """ε(α) of CKS Prop. 12 for ρ-zCDP (D_α ≤ αρ), with α = 1 + am1 (vectorised)."""
+    return _prop12_epsilon(1.0 + am1, (1.0 + am1) * rho, log_inv_delta)
 
 
 def _cks_neg_rho_at(am1: np.ndarray, epsilon: float, log_inv_delta: float) -> np.ndarray:
@@ -263,6 +275,45 @@ def epsilon_to_zcdp(epsilon: float, delta: float, method: ConversionMethod | str
         if hi - lo <= 1e-13 * hi:
             break
     return lo
+
+
+# --- Rényi DP at stated orders --------------------------------------------------------------------
+
+
+def _rdp_bounds(bounds) -> tuple[np.ndarray, np.ndarray]:
+    """The stated orders and bounds of ``{α: bound}`` as arrays (every α > 1, every bound >= 0 or inf)."""
+    items = dict(bounds).items()
+    if not items:
+        raise ValueError("renyi bounds must state at least one order; got {}")
+    orders = [check_order("alpha", a) for a, _ in items]
+    values = [check_nonnegative("renyi bound", b, allow_inf=True) for _, b in items]
+    return np.asarray(orders), np.asarray(values)
+
+
+def rdp_to_delta(bounds, epsilon: float) -> float:
+    r"""δ(ε) implied by Rényi bounds :math:`D_\alpha \le b_\alpha` at the stated orders (``{α: b}``), minimised over
+    them: Canonne, Kamath & Steinke 2020 (arXiv:2004.00010), Prop. 12, :math:`\delta = \frac{e^{(\alpha-1)(b-\varepsilon)}}
+    {\alpha}(1-\tfrac1\alpha)^{\alpha-1}` (also Balle et al. 2020, arXiv:1905.09982, Thm. 21), and
+    :math:`\delta(\varepsilon) \le \delta(0) = TV \le \sqrt{1-e^{-b}}` (KL ≤ D_α; Bretagnolle & Huber 1979), as
+    dp-accounting's ``compute_delta`` does. Errs upwards."""
+    orders, values = _rdp_bounds(bounds)
+    epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
+    if math.isinf(epsilon) or not values.any():
+        return 0.0
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        log_delta = np.minimum(_prop12_log_delta(orders, values, epsilon), 0.5 * np.log(-np.expm1(-values)))
+    return min(1.0, _up(math.exp(min(0.0, float(np.nanmin(log_delta))))))
+
+
+def rdp_to_epsilon(bounds, delta: float) -> float:
+    r"""The ε at ``delta`` implied by Rényi bounds ``{α: b}`` (:func:`rdp_to_delta`'s sources), minimised over the
+    stated orders: :math:`\varepsilon = b + \log(1-\tfrac1\alpha) - \frac{\log\delta + \log\alpha}{\alpha-1}`, and 0
+    where :math:`\delta \ge \sqrt{1-e^{-b}}`. Errs upwards."""
+    orders, values = _rdp_bounds(bounds)
+    delta = check_delta("delta", delta)
+    with np.errstate(over="ignore", invalid="ignore"):
+        eps = np.where(delta * delta + np.expm1(-values) > 0, 0.0, _prop12_epsilon(orders, values, -math.log(delta)))
+    return _up(max(0.0, float(np.nanmin(eps))))
 
 
 # --- μ-Gaussian DP ---------------------------------------------------------------------------------

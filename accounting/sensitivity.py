@@ -25,11 +25,14 @@ __all__ = [
 ]
 
 
-class Adjacency(enum.Enum):
-    """Neighbouring relation between reference datasets."""
+class Adjacency(enum.StrEnum):
+    """Neighbouring relation between reference datasets (a string enum: a member equals its name). ``add-remove``
+    (one reference left out of the list) is a claim's relation (:class:`accounting.PrivacyClaim`); the aggregate's
+    ℓ∞ sensitivity below is stated for replace-by-null and zero-out only (B changes under add-remove)."""
 
     REPLACE_BY_NULL = "replace-by-null"
     ZERO_OUT = "zero-out"
+    ADD_REMOVE = "add-remove"
 
 
 class Clipping(enum.Enum):
@@ -67,7 +70,10 @@ def sensitivity_factor(
     adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
 ) -> int:
     """The integer ``f`` with ℓ∞ sensitivity ``f * C / B`` (table in the module docstring)."""
-    return _FACTOR[(coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency))]
+    key = (coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency))
+    if key not in _FACTOR:
+        raise ValueError(f"the aggregate's sensitivity is stated under replace-by-null and zero-out; got {key[1].value!r}")
+    return _FACTOR[key]
 
 
 def linf_sensitivity(

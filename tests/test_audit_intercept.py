@@ -1,10 +1,12 @@
-"""audit_generator: white-box audit of a generator's own loop through its sampling calls (issue 35, item 1).
+"""audit_generator: white-box audit of a generator's own loop through its sampling calls (issue 35, items 1-2).
 
 Oracles: an exponential mechanism over references whose per-step bounded range is exactly ε0 (each reference's
-utility holds a 0 and a 1), written with torch.multinomial, torch.distributions.Categorical and numpy; the tiny
-HF model's warped softmax computed directly; dp-fusion-lib 0.1.0 from the package registry, its own loop.
+utility holds a 0 and a 1), written with torch.multinomial, torch.distributions.Categorical and numpy; a two-step
+toy whose texts' exact δ(ε) and D_α are enumerated; the tiny HF model's warped softmax computed directly;
+dp-fusion-lib 0.1.0 from the package registry, its own loop and its own ε.
 """
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -14,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from accounting import PrivacyClaim, composed_epsilon
 from invink_audit.audit import GeneratorAudit, InterceptionError, Verdict, audit_generator
-from invink_audit.audit.whitebox import Claim
+from invink_audit.audit.whitebox import Claim, tolerance_for
 from invink_audit.mechanisms import MechanismGuarantee
 from invink_audit.mechanisms.base import GuaranteeKind
 
@@ -63,13 +66,17 @@ def toy_numpy(references, legacy: bool = False):
     return tokens
 
 
-def br_claim(epsilon0: float, max_new_tokens: int = T, batch_size: int = 3) -> Claim:
+def br_claim(epsilon0: float, max_new_tokens: int = T, **fields) -> PrivacyClaim:
     """A bounded-range claim: ε0 per step, ε0²/8-zCDP per step (Cesar & Rogers 2021, Lemma 3.2), T steps."""
+    return PrivacyClaim.per_step(steps=max_new_tokens, epsilon0=epsilon0, rho=epsilon0**2 / 8, **fields)
+
+
+def br_guarantee(epsilon0: float, max_new_tokens: int = T) -> MechanismGuarantee:
+    """The same claim as a mechanism's guarantee (what our own mechanisms state)."""
     rho = epsilon0**2 / 8
-    g = MechanismGuarantee(GuaranteeKind.A_PRIORI, "toy exponential", epsilon=math.inf, delta=1e-6,
-                           max_new_tokens=max_new_tokens, composition="bounded-range", rho_sequence=max_new_tokens * rho,
-                           step_epsilon0=epsilon0, step_rho=rho)  # fmt: skip
-    return Claim(g, batch_size)
+    return MechanismGuarantee(GuaranteeKind.A_PRIORI, "toy exponential", epsilon=math.inf, delta=1e-6,
+                              max_new_tokens=max_new_tokens, composition="bounded-range",
+                              rho_sequence=max_new_tokens * rho, step_epsilon0=epsilon0, step_rho=rho)  # fmt: skip
 
 
 REFS = [1, 2, 3]
@@ -95,6 +102,33 @@ def test_exponential_mechanism_exact_epsilon(generate, sampler):
     smaller = audit_generator(generate, REFS, br_claim(0.9 * EPS0))
     assert smaller.verdict is Verdict.VIOLATION
     assert smaller.excesses["step bounded range over epsilon0"] == pytest.approx(0.1 * EPS0, abs=1e-9)
+
+
+def test_pure_epsilon_per_step_claim():
+    """|log p - log p'| ≤ ε0 here (dropping u_j ∈ [0, 1] moves every logit by at most ε0 and the normaliser within)."""
+    honest = audit_generator(toy_torch, REFS, PrivacyClaim.per_step(steps=T, epsilon=EPS0))
+    assert honest.verdict is Verdict.PASS, honest.reason
+    assert 0.5 * EPS0 < honest.max_abs_log_ratio.max() <= EPS0 + ROUNDING
+    tight = audit_generator(toy_torch, REFS, PrivacyClaim.per_step(steps=T, epsilon=0.5 * EPS0))
+    assert tight.verdict is Verdict.VIOLATION and "step |log-ratio| over epsilon" in tight.reason
+    excess = tight.excesses["step |log-ratio| over epsilon"]
+    assert excess == pytest.approx(honest.max_abs_log_ratio.max() - 0.5 * EPS0)
+
+
+def test_guarantee_and_whitebox_claim_still_accepted():
+    g = br_guarantee(EPS0)
+    expected = br_claim(EPS0, reported_epsilon=math.inf, reported_delta=1e-6, source="toy exponential")
+    assert PrivacyClaim.of(g) == PrivacyClaim.of(Claim(g, 3)) == expected
+    for claim in (g, Claim(g, 3)):
+        audit = audit_generator(toy_categorical, REFS, claim)
+        assert audit.claim == expected and audit.verdict is Verdict.PASS, audit.reason
+    assert audit_generator(toy_categorical, REFS, br_guarantee(0.9 * EPS0)).verdict is Verdict.VIOLATION
+    # a guarantee read back from a report without its ε (NaN) reports nothing; one whose ε understates its own
+    # per-step claim is a finding
+    unknown = PrivacyClaim.of(dataclasses.replace(g, epsilon=math.nan))
+    assert unknown.reported_epsilon is None and unknown.step == expected.step
+    understated = audit_generator(toy_categorical, REFS, dataclasses.replace(g, epsilon=1.0))
+    assert understated.verdict is Verdict.VIOLATION and "reports epsilon = 1" in understated.reason
 
 
 def test_batch_rows_are_separate_texts_and_sums_compose():
@@ -175,15 +209,137 @@ def test_patches_restored_and_concurrent_use_refused():
 
 
 def test_data_dependent_claim_is_never_a_pass():
-    g = MechanismGuarantee(GuaranteeKind.DATA_DEPENDENT, "toy", epsilon=5.0, delta=1e-6, max_new_tokens=T,
-                           composition="renyi-filter", renyi_order=2.0, renyi_budget=100.0)  # fmt: skip
-    audit = audit_generator(toy_categorical, REFS, Claim(g, 3))
+    """A Rényi filter's budget (data-dependent, sequence level): its stop rule bounds each path's sum."""
+    audit = audit_generator(toy_categorical, REFS, PrivacyClaim.rdp({2.0: 100.0}, steps=T, data_dependent=True))
     assert audit.alphas == (2.0,)
-    assert audit.verdict is Verdict.INCONCLUSIVE
-    tight = audit_generator(toy_categorical, REFS, Claim(MechanismGuarantee(
-        GuaranteeKind.DATA_DEPENDENT, "toy", epsilon=5.0, delta=1e-6, max_new_tokens=T, composition="renyi-filter",
-        renyi_order=2.0, renyi_budget=1e-3), 3))  # fmt: skip
+    assert audit.verdict is Verdict.INCONCLUSIVE and "data-dependent" in audit.reason
+    tight = audit_generator(toy_categorical, REFS, PrivacyClaim.rdp({2.0: 1e-3}, steps=T, data_dependent=True))
     assert tight.verdict is Verdict.VIOLATION and "sequence Renyi" in tight.reason
+    # AdaPMixED's guarantee form: the filter's budget at its order, its ε by Mironov's conversion (above CKS's: no finding)
+    budget, delta = 100.0, 1e-6
+    g = MechanismGuarantee(GuaranteeKind.DATA_DEPENDENT, "toy", epsilon=budget + math.log(1 / delta), delta=delta,
+                           max_new_tokens=T, composition="renyi-filter", renyi_order=2.0, renyi_budget=budget)  # fmt: skip
+    assert PrivacyClaim.of(g).form == "renyi" and PrivacyClaim.of(g).data_dependent
+    assert audit_generator(toy_categorical, REFS, g).verdict is Verdict.INCONCLUSIVE
+
+
+# ---------------------------------------------------------------------------------------------
+# adjacency, sequence-level claims, the reported epsilon
+
+
+def test_add_remove_neighbours_leave_the_reference_out():
+    seen = []
+
+    def generate(references):
+        seen.append(list(references))
+        return toy_categorical(references)
+
+    audit = audit_generator(generate, REFS, br_claim(EPS0, adjacency="add-remove"))
+    assert seen == [REFS, [2, 3], [1, 3], [1, 2]]  # no None: each neighbour is the list without one reference
+    assert audit.verdict is Verdict.PASS, audit.reason
+    prev = [0] + [int(c.tokens) for c in audit.calls[:-1]]
+    for j in range(3):
+        without = REFS[:j] + REFS[j + 1:]
+        expected = torch.stack([torch.log_softmax(torch.tensor(EPS0 * _utility(without, p)), -1) for p in prev])
+        torch.testing.assert_close(torch.cat([c.log_probs for c in audit.neighbour_calls[j]]), expected)
+    seen.clear()
+    audit_generator(generate, REFS, br_claim(EPS0), neighbours=[1])
+    assert seen == [REFS, [1, None, 3]]
+
+
+TEXTS, STRENGTH = 4000, 1.5
+SEQ_V = 3
+
+
+def _seq_log_probs(references, prev: int | None) -> torch.Tensor:
+    """Step distribution of the two-step toy: logits STRENGTH·(1 + prev)·u (u of reference 0), uniform for None: the
+    second step's divergence depends on the first token (an adaptive composition)."""
+    scale = 0.0 if references[0] is None else STRENGTH * (1 + (prev or 0))
+    u = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
+    return torch.log_softmax(scale * u.roll(prev or 0), -1)
+
+
+def toy_two_steps(references):
+    """TEXTS independent texts of two tokens, drawn as TEXTS rows of each torch.multinomial call."""
+    gen = torch.Generator().manual_seed(7)
+    first = torch.multinomial(_seq_log_probs(references, None).exp().expand(TEXTS, SEQ_V), 1, generator=gen)
+    second_rows = torch.stack([_seq_log_probs(references, int(y)).exp() for y in first.squeeze(1)])
+    return torch.cat([first, torch.multinomial(second_rows, 1, generator=gen)], 1)
+
+
+def _exact_text_laws():
+    """P and P' (null) over the V² texts, by enumeration."""
+    p = {(a, b): float(_seq_log_probs([0], None)[a] + _seq_log_probs([0], a)[b]) for a in range(SEQ_V) for b in range(SEQ_V)}
+    q = {(a, b): float(_seq_log_probs([None], None)[a] + _seq_log_probs([None], a)[b]) for a in range(SEQ_V) for b in range(SEQ_V)}
+    return np.exp(np.array(list(p.values()))), np.exp(np.array(list(q.values())))
+
+
+def _exact_delta(epsilon: float) -> tuple[float, float]:
+    """δ(ε) of the texts in both directions: Σ_x (P(x) - e^ε P'(x))_+ and the reverse."""
+    p, q = _exact_text_laws()
+    return np.clip(p - math.exp(epsilon) * q, 0, None).sum(), np.clip(q - math.exp(epsilon) * p, 0, None).sum()
+
+
+def _exact_renyi(alpha: float) -> float:
+    p, q = _exact_text_laws()
+    return max(np.log(np.sum(p**alpha * q ** (1 - alpha))), np.log(np.sum(q**alpha * p ** (1 - alpha)))) / (alpha - 1)
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 1.0])
+def test_sequence_epsilon_delta_claim_violated_and_honoured(epsilon):
+    forward, reverse = _exact_delta(epsilon)  # the texts are draws from P: the audit estimates the forward δ
+    assert 0.1 < forward < 0.9
+    honoured = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, max(forward, reverse) + 0.05, steps=2))
+    assert honoured.verdict is Verdict.PASS, honoured.reason
+    (check,) = honoured.sequence_checks
+    assert check.quantity == "delta" and check.num_texts == TEXTS and check.lower <= forward <= check.upper
+    assert check.estimate == pytest.approx(forward, abs=0.03)
+    violated = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, forward - 0.05, steps=2))
+    assert violated.verdict is Verdict.VIOLATION and "sampled delta" in violated.reason
+    # the realised losses are exact: each text's loss is log P(x) - log P'(x) of the enumeration
+    p, q = _exact_text_laws()
+    texts = violated.output[:, 0] * SEQ_V + violated.output[:, 1]
+    np.testing.assert_allclose(violated.text_losses[:, 0], np.log(p / q)[texts.numpy()], atol=1e-12)
+    # at the truth: neither refuted nor supported by these texts, stated as such
+    close = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, forward, steps=2))
+    assert close.verdict is Verdict.INCONCLUSIVE and "more texts" in close.reason
+
+
+def test_sequence_renyi_claim_is_not_refuted_by_one_paths_sum():
+    """The exact sequence D_2 is below the largest path's sum of per-step divergences (adaptive composition bounds it by
+    the supremum): a sequence-level claim at the exact value is no VIOLATION; a claim far below it is."""
+    exact = _exact_renyi(2.0)
+    audit = audit_generator(toy_two_steps, [0], PrivacyClaim.rdp({2.0: exact}, steps=2))
+    path_sums = np.maximum(audit.sequence_renyi_forward, audit.sequence_renyi_reverse)[:, 0, 0]
+    assert path_sums.max() > exact * 1.1  # the old check would have called this a violation
+    assert audit.verdict is Verdict.INCONCLUSIVE and "sequence Renyi" not in audit.reason
+    (check,) = audit.sequence_checks
+    assert check.lower <= exact and check.upper == math.inf  # no a-priori range: a Rényi claim is never supported
+    low = audit_generator(toy_two_steps, [0], PrivacyClaim.zcdp(exact / 2 / 4, steps=2))
+    assert low.verdict is Verdict.VIOLATION and "sampled renyi at 2" in low.reason
+
+
+def test_gdp_claim_checked_on_a_grid():
+    mu = 0.3
+    assert _exact_delta(0.0)[0] > 2 * _norm_tv(mu)  # the toy is further apart than 0.3-GDP allows at epsilon = 0
+    audit = audit_generator(toy_two_steps, [0], PrivacyClaim.gdp(mu, steps=2))
+    assert audit.verdict is Verdict.VIOLATION
+    assert [c.at for c in audit.sequence_checks][0] == 0.0 and len(audit.sequence_checks) == 4
+    assert audit_generator(toy_two_steps, [0], PrivacyClaim.gdp(5.0, steps=2)).verdict is not Verdict.VIOLATION
+
+
+def _norm_tv(mu: float) -> float:
+    """δ(0) of μ-GDP: 2Φ(μ/2) - 1."""
+    return math.erf(mu / 2 / math.sqrt(2))
+
+
+def test_reported_epsilon_below_its_own_claim_is_a_finding():
+    certified = composed_epsilon(1e-6, EPS0, T)
+    honest = audit_generator(toy_categorical, REFS, br_claim(EPS0, reported_epsilon=certified, reported_delta=1e-6))
+    assert honest.verdict is Verdict.PASS and honest.certified_epsilon == pytest.approx(certified, rel=1e-9)
+    low = audit_generator(toy_categorical, REFS, br_claim(EPS0, reported_epsilon=certified / 2, reported_delta=1e-6))
+    assert low.verdict is Verdict.VIOLATION
+    assert f"reports epsilon = {certified / 2:.6g}" in low.reason and f"composes to {certified:.6g}" in low.reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +361,7 @@ def test_hf_generate_records_the_warped_softmax(tiny):
         return out[0].tolist()
 
     torch.manual_seed(1)
-    audit = audit_generator(generate, references, br_claim(1.0, max_new_tokens=3, batch_size=2))
+    audit = audit_generator(generate, references, br_claim(1.0, max_new_tokens=3))
     assert len(audit.calls) == 3 and audit.dtypes == ("float32",)
     ids = _prompt_ids(tokenizer, references)
     prompt_len = ids.shape[1]
@@ -254,8 +410,12 @@ PUBLIC_DOC = "_ was admitted to _ hospital on _ with a fracture."
 def _dp_fusion_audit(dp_fusion, tiny, alpha: float, beta: float, aligned: bool, steps: int = 8) -> GeneratorAudit:
     """The user's glue (DP-Fusion's shipped loop). The neighbour (None) is the redacted document. ``aligned``: its
     token path, private and public token ids of equal length (its tagger's form: the private span's tokens replaced
-    by the placeholder's id); else ``DPFusion.generate`` with the two documents as text. The claim: the bound its
-    λ-search enforces at every step (D_α ≤ αβ, both directions), composed over T steps (a Rényi claim at order α)."""
+    by the placeholder's id); else ``DPFusion.generate`` with the two documents as text.
+
+    The claim, read from its code: ``find_lambda`` bisects λ until its symmetric D_α(mixture, public) ≤ αβ
+    (``internal_beta = alpha * beta``) at every step, so per step D_α ≤ αβ both ways at the one order α, composed over
+    T draws; its own ε (``compute_epsilon_single_group(..., beta)["theoretical"]``, 4β per recorded step plus
+    log(1/δ)/(α-1), over the T - 1 steps it records) is the reported figure."""
     dpf, tok = dp_fusion.DPFusion(model=tiny.model, tokenizer=tiny.tokenizer, max_tokens=steps), tiny.tokenizer
     private = tok(PRIVATE_DOC, return_tensors="pt").input_ids[0]
     public = private.clone()
@@ -266,11 +426,11 @@ def _dp_fusion_audit(dp_fusion, tiny, alpha: float, beta: float, aligned: bool, 
             return dpf.generate_from_tokens(public if refs[0] is None else private, public, alpha=alpha, beta=beta)
         return dpf.generate(private_context=refs[0] or PUBLIC_DOC, public_context=PUBLIC_DOC, alpha=alpha, beta=beta)
 
-    g = MechanismGuarantee(GuaranteeKind.DATA_DEPENDENT, "dp-fusion-lib 0.1.0", epsilon=math.inf, delta=1e-5,
-                           max_new_tokens=steps, composition="renyi-filter", renyi_order=alpha,
-                           renyi_budget=steps * alpha * beta)  # fmt: skip
+    reported = dp_fusion.compute_epsilon_single_group([0.0] * (steps - 1), alpha, 1e-5, beta)["theoretical"]
+    claim = PrivacyClaim.per_step(steps=steps, renyi={alpha: alpha * beta}, reported_epsilon=reported,
+                                  reported_delta=1e-5, source="dp-fusion-lib 0.1.0")  # fmt: skip
     torch.manual_seed(0)
-    return audit_generator(generate, [PRIVATE_DOC], Claim(g, 1))
+    return audit_generator(generate, [PRIVATE_DOC], claim)
 
 
 def _per_step(audit: GeneratorAudit) -> np.ndarray:
@@ -286,14 +446,19 @@ def test_dp_fusion_lib_shipped_loop(dp_fusion, tiny):
     for audit in (honest, collapse, padded):
         assert {c.sampler for c in audit.calls} == {"torch.multinomial"} and audit.dtypes == ("float32",)
         assert len(audit.calls) == len(audit.output["lambdas"]["PRIVATE"]) + 1  # its first step is never recorded
-    # honest: every step's true D_2 within αβ = 1 up to float32 rounding; its own records are our steps 1..T-1
-    assert honest.verdict is Verdict.INCONCLUSIVE and _per_step(honest).max() <= 1.0 + 1e-5
+    # honest: every step's true D_2 within αβ = 1 up to float32 rounding (its tolerance 3.1e-5, resolvable against
+    # 1), its reported ε above what its per-step claim composes to; its own records are our steps 1..T-1
+    assert honest.verdict is Verdict.PASS, honest.reason
+    assert _per_step(honest).max() <= 1.0 + honest.tolerance and honest.tolerance == tolerance_for(torch.float32)
+    assert honest.claim.reported_epsilon > honest.certified_epsilon
     np.testing.assert_allclose(honest.output["divergences"]["PRIVATE"], _per_step(honest)[1:], atol=1e-5)
     # α = 8: every λ is 1 - 2^-20 (its bisection reads NaN as "within the bound"), every divergence it records is
     # NaN, and the released distribution's true D_8 passes αβ = 4 and the composed budget
     assert np.allclose(collapse.output["lambdas"]["PRIVATE"], 1 - 2.0**-20)
     assert np.isnan(collapse.output["divergences"]["PRIVATE"]).all()
     assert _per_step(collapse).max() > 2 * 4.0 and collapse.verdict is Verdict.VIOLATION
+    # and its own ε (4β per step at α = 8) is below what its per-step claim αβ composes to
+    assert collapse.claim.reported_epsilon < collapse.certified_epsilon / 2
     # text contexts of unequal length: its public row is right-padded without an attention mask, so its "public"
     # distribution is not the redacted document's and the release is far from the neighbour's
     assert padded.verdict is Verdict.VIOLATION and _per_step(padded).max() > 4.0

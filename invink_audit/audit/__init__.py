@@ -32,7 +32,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("AuditedRelease", "QuickAuditReport", "quick_audit"), "invink_audit.audit.quick"),
     **dict.fromkeys(("blackbox_audit",), "invink_audit.audit.blackbox"),
     **dict.fromkeys(
-        ("GeneratorAudit", "InterceptionError", "SamplingCall", "audit_generator"), "invink_audit.audit.intercept"
+        ("GeneratorAudit", "InterceptionError", "SamplingCall", "SequenceCheck", "audit_generator"), "invink_audit.audit.intercept"
     ),
     **dict.fromkeys(
         ("BlackBoxTarget", "CallableTarget", "EngineTarget", "HistogramTarget", "ReferencePackageTarget"),

@@ -2,12 +2,19 @@ r"""White-box audit of a generator's own loop, unmodified: intercept every draw,
 
 :func:`audit_generator` runs the user's ``generate(references)`` once and records, at the final sampling call of
 every drawn token, the exact distribution the token was drawn from. It then runs ``generate`` again for every
-replace-by-null neighbour (reference ``j`` replaced by ``None``; the user's function maps ``None`` to their
-generator's notion of null) with the same tokens forced at the same calls, and records the neighbour's
-distributions. Per step it computes the exact divergences (:func:`invink_audit.audit.whitebox.step_quantities`:
-Rényi divergences in both directions, the bounded range) and the largest absolute log-ratio on the union support;
-along the realised text it sums the per-step Rényi divergences at each order (adaptive composition, Mironov 2017,
-Prop. 1; a Rényi filter's spend, Feldman & Zrnic 2021, Thm. 3.1), and compares both with the :class:`Claim`.
+neighbour (under the claim's :class:`~accounting.Adjacency`: reference ``j`` replaced by ``None``, which the user's
+function maps to their generator's notion of null, or left out of the list) with the same tokens forced at the same
+calls, and records the neighbour's distributions. The claim is an :class:`accounting.PrivacyClaim`, in the form the
+generator states it. Per step it computes the exact divergences (:func:`invink_audit.audit.whitebox.step_quantities`:
+Rényi divergences in both directions, the bounded range) and the largest absolute log-ratio on the union support, and
+checks them against the claim's per-step part. Along each realised text it sums the per-step Rényi divergences
+(adaptive composition, Mironov 2017, Prop. 1; a Rényi filter's spend, Feldman & Zrnic 2021, Thm. 3.1): a violation only
+of a per-step claim composed over T or of a filter's budget, never of a sequence-level claim (which bounds the
+supremum over paths, not one path). A sequence-level claim ((ε, δ), μ-GDP, ρ-zCDP, Rényi) is checked from the texts
+of the run: each text's realised privacy loss is exact and the texts are draws from P, so
+:func:`~invink_audit.audit.stats.hockey_stick_delta` and :func:`~invink_audit.audit.stats.renyi_monte_carlo` bound
+δ(ε) and :math:`D_\alpha` (:class:`SequenceCheck`). The ε the generator reports is checked against what its own
+claim certifies (our accountant, :meth:`~accounting.PrivacyClaim.epsilon_at`).
 
 Intercepted samplers (the final draw of a token): ``torch.multinomial`` and ``Tensor.multinomial`` (which
 ``torch.distributions.Categorical.sample`` and transformers' ``generate(do_sample=True)`` call), ``numpy.random
@@ -35,10 +42,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from accounting.claims import RESOLVABLE_SHARE, PrivacyClaim
+from accounting.conversions import gdp_to_epsilon
+from accounting.limits import check_delta
+from accounting.sensitivity import Adjacency
+from invink_audit.audit import stats
 from invink_audit.audit.stats import Verdict
-from invink_audit.audit.whitebox import DEFAULT_ALPHAS, RESOLVABLE_SHARE, Claim, step_quantities, tolerance_for
+from invink_audit.audit.whitebox import DEFAULT_ALPHAS, DEFAULT_DELTA_GRID, step_quantities, tolerance_for
 
-__all__ = ["GeneratorAudit", "InterceptionError", "SamplingCall", "audit_generator"]
+__all__ = ["GeneratorAudit", "InterceptionError", "SamplingCall", "SequenceCheck", "audit_generator"]
 
 _LOCK = threading.Lock()
 _ACTIVE: _Interceptor | None = None
@@ -248,21 +260,47 @@ def _run(generate: Callable, references: list, forced, neighbour: int | None):
     return output, calls
 
 
+
+@dataclass(frozen=True)
+class SequenceCheck:
+    r"""A sampled check of a sequence-level claim against one neighbour, from the run's texts (each text's realised
+    privacy loss :math:`L = \sum_t \log p_t(y_t) - \log p'_t(y_t)` is exact, the texts are draws from P):
+    ``quantity`` ``"delta"`` (:math:`\delta(\varepsilon) = E_P[(1 - e^{\varepsilon - L})_+]` at ``at`` = ε,
+    :func:`~invink_audit.audit.stats.hockey_stick_delta`) or ``"renyi"`` (:math:`D_\alpha` at ``at`` = α,
+    :func:`~invink_audit.audit.stats.renyi_monte_carlo`); ``lower``/``upper``: its confidence bounds at
+    ``significance`` (two-sided; ``upper`` is ``inf`` where no a-priori range bounds the loss); ``claimed``: the claim's
+    figure (:meth:`~accounting.PrivacyClaim.delta_at`, :meth:`~accounting.PrivacyClaim.sequence_renyi`)."""
+
+    neighbour: int
+    quantity: str
+    at: float
+    estimate: float
+    lower: float
+    upper: float
+    claimed: float
+    significance: float
+    num_texts: int
+
+
 @dataclass(frozen=True)
 class GeneratorAudit:
     r"""What :func:`audit_generator` found.
 
-    ``calls``: the actual run's sampling calls; ``neighbour_calls[b]``: audited neighbour ``neighbours[b]``'s, with
-    the same tokens forced. Per recorded distribution ``d`` (the rows of every call, in order; ``step_call[d]``
-    its call): ``max_abs_log_ratio`` (D, B), :math:`\max_y |\log p(y) - \log p'(y)|` on the union support;
-    ``loss_range`` (D, B), the bounded range; ``renyi_forward``/``renyi_reverse`` (D, B, A),
+    ``claim``: the :class:`~accounting.PrivacyClaim` audited. ``calls``: the actual run's sampling calls;
+    ``neighbour_calls[b]``: audited neighbour ``neighbours[b]``'s (reference dropped under add-remove, ``None`` in its
+    slot under replace-by-null), with the same tokens forced. Per recorded distribution ``d`` (the rows of every call,
+    in order; ``step_call[d]`` its call): ``max_abs_log_ratio`` (D, B), :math:`\max_y |\log p(y) - \log p'(y)|` on the
+    union support; ``loss_range`` (D, B), the bounded range; ``renyi_forward``/``renyi_reverse`` (D, B, A),
     :math:`D_\alpha(p\|p')` / :math:`D_\alpha(p'\|p)` at ``alphas``. ``sequence_renyi_forward``/``_reverse``
     (texts, B, A): their sums along each text (a text is a row-and-draw column kept by every call; a generator whose
-    batch changes size is composed as one text). ``excesses``: each checked quantity's largest excess over its
-    claim (nats; > ``tolerance`` is a VIOLATION); ``nonfinite``: recorded distributions holding NaN (a finding).
+    batch changes size is composed as one text); ``text_losses`` (texts, B): each text's realised privacy loss.
+    ``excesses``: each exactly checked quantity's largest excess over its claim (nats; > ``tolerance`` is a
+    VIOLATION); ``sequence_checks``: the sampled checks of a sequence-level claim (:class:`SequenceCheck`);
+    ``certified_epsilon``: the ε at the generator's reported δ that its own claim certifies (our accountant);
+    ``nonfinite``: recorded distributions holding NaN (a finding).
     """
 
-    claim: Claim
+    claim: PrivacyClaim
     output: Any
     calls: tuple[SamplingCall, ...]
     neighbours: tuple[int, ...]
@@ -276,7 +314,10 @@ class GeneratorAudit:
     renyi_reverse: np.ndarray
     sequence_renyi_forward: np.ndarray
     sequence_renyi_reverse: np.ndarray
+    text_losses: np.ndarray
     excesses: dict
+    sequence_checks: tuple[SequenceCheck, ...]
+    certified_epsilon: float | None
     nonfinite: int
     verdict: Verdict
     reason: str
@@ -288,8 +329,10 @@ class GeneratorAudit:
 
 
 def _step_arrays(calls, neighbour_calls, alphas) -> dict:
-    """Per-step quantities of every recorded distribution, concatenated over the calls (float64 tensors)."""
+    """Per-step quantities of every recorded distribution, concatenated over the calls (float64 tensors), and each
+    draw's privacy loss ``log p(y) - log p'(y)`` (G·S, B) per call (``draw_losses``)."""
     out = {"step_call": [], "max_abs_log_ratio": [], "loss_range": [], "renyi_forward": [], "renyi_reverse": []}
+    draw_losses = []
     for k, call in enumerate(calls):
         actual = call.log_probs
         nbs = torch.stack([nc[k].log_probs for nc in neighbour_calls], 1)  # (G, B, V)
@@ -302,7 +345,10 @@ def _step_arrays(calls, neighbour_calls, alphas) -> dict:
         out["loss_range"].append(q.loss_range)
         out["renyi_forward"].append(q.renyi_forward)
         out["renyi_reverse"].append(q.renyi_reverse)
-    return {name: torch.cat(parts) for name, parts in out.items()}
+        drawn = actual.gather(1, call.tokens)  # (G, S)
+        nb_drawn = nbs.gather(2, call.tokens.unsqueeze(1).expand(-1, nbs.shape[1], -1))  # (G, B, S)
+        draw_losses.append((drawn.unsqueeze(1) - nb_drawn).transpose(1, 2).reshape(-1, nbs.shape[1]))
+    return {name: torch.cat(parts) for name, parts in out.items()}, draw_losses
 
 
 def _sequence_sums(calls, per_step: torch.Tensor) -> torch.Tensor:
@@ -319,91 +365,193 @@ def _sequence_sums(calls, per_step: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts).sum(0)
 
 
-def _excesses(claim: Claim, steps: dict, fwd_seq, rev_seq, alphas, num_calls: int) -> dict:
-    """Each checked quantity's largest excess over its claim (NaN read as no excess; counted apart)."""
+def _text_losses(draw_losses: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """(texts, B): each text's realised privacy loss, the sum of its draws' (texts as :func:`_sequence_sums`), and the
+    number of draws per text."""
+    if len({d.shape[0] for d in draw_losses}) != 1:
+        return torch.cat(draw_losses).sum(0, keepdim=True), sum(d.shape[0] for d in draw_losses)
+    return torch.stack(draw_losses).sum(0), len(draw_losses)
+
+
+def _checks_path_sums(claim: PrivacyClaim) -> bool:
+    """Whether a text's sum of per-step Rényi divergences is bounded by the claim: a per-step claim composed over T,
+    or a Rényi filter's budget (a data-dependent sequence-level Rényi claim: its stop rule bounds the path's sum,
+    Feldman & Zrnic 2021, Thm. 3.1). A sequence-level claim bounds the divergence of the whole output, which adaptive
+    composition bounds by the supremum over paths of the sums (Mironov 2017, Prop. 1): one path's sum above it is no
+    violation."""
+    return claim.form == "per-step" or (claim.form == "renyi" and claim.data_dependent)
+
+
+def _excesses(claim: PrivacyClaim, steps: dict, fwd_seq, rev_seq, alphas, num_calls: int) -> dict:
+    """Each exactly checked quantity's largest excess over its claim (NaN read as no excess; counted apart)."""
 
     def worst(values: torch.Tensor) -> float:
         return float(torch.nan_to_num(values, nan=-math.inf).max())
 
     excess, step = {}, claim.step
+    if math.isfinite(step.epsilon):
+        excess["step |log-ratio| over epsilon"] = worst(steps["max_abs_log_ratio"]) - step.epsilon
     if math.isfinite(step.epsilon0):
         excess["step bounded range over epsilon0"] = worst(steps["loss_range"]) - step.epsilon0
     renyi = torch.maximum(steps["renyi_forward"], steps["renyi_reverse"])
     bound = torch.tensor([step.renyi_bound(a) for a in alphas], dtype=torch.float64)
     if bool(torch.isfinite(bound).any()):
         excess["step Renyi over its claim"] = worst(renyi - bound)
-    seq_bound = torch.tensor([claim.renyi(a) for a in alphas], dtype=torch.float64)
-    if bool(torch.isfinite(seq_bound).any()):
+    seq_bound = torch.tensor([claim.sequence_renyi(a) for a in alphas], dtype=torch.float64)
+    if _checks_path_sums(claim) and bool(torch.isfinite(seq_bound).any()):
         excess["sequence Renyi over the claim"] = worst(torch.maximum(fwd_seq, rev_seq) - seq_bound)
-    excess["draws per text over max_new_tokens"] = float(num_calls - claim.max_new_tokens)
+    excess["draws per text over the claim's steps"] = float(num_calls - claim.steps)
     return excess
 
 
-def _verdict(claim: Claim, excesses: dict, nonfinite: int, tolerance: float, num_calls: int) -> tuple[Verdict, str]:
-    """VIOLATION: an excess over the tolerance (per step; times the steps for sums) or NaN in a released distribution
-    (the law a token was drawn from is undefined); never PASS for a data-dependent claim, nor when an excess within a
-    tolerance that is not small against the claim (a coarse dtype) could hide a leak of its size."""
-    allowed = {name: tolerance * (num_calls if "sequence" in name else 1) for name in excesses}
-    over = {name: v for name, v in excesses.items() if v > allowed[name]}
+def _sequence_checks(claim: PrivacyClaim, losses: torch.Tensor, alphas, slack: float, significance: float):
+    """Sampled checks of a sequence-level claim (:class:`SequenceCheck`), one per neighbour and ε grid or order,
+    Bonferroni over all of them; lower bounds from the losses lowered by ``slack`` and upper bounds from them raised by
+    it (the tolerance times the draws per text: rounding neither makes a violation nor supports a claim). None for a
+    per-step claim (its exact checks imply the sequence's) or NaN losses."""
+    if claim.form == "per-step" or bool(torch.isnan(losses).any()):
+        return ()
+    if claim.form in ("epsilon", "mu"):
+        grid = (claim.epsilon,) if claim.form == "epsilon" else (0.0, *(gdp_to_epsilon(claim.mu, d) for d in DEFAULT_DELTA_GRID))
+        plan = [("delta", grid)]
+    else:
+        plan = [("renyi", (a,)) for a in alphas if math.isfinite(claim.sequence_renyi(a))]
+    beta = significance / (losses.shape[1] * max(len(plan), 1))
+    checks = []
+    for b, column in enumerate(losses.T.numpy()):
+        for quantity, at in plan:
+            low, mid, high = (_bounds(quantity, at, column + shift, beta) for shift in (-slack, 0.0, slack))
+            claimed = [claim.delta_at(e) if quantity == "delta" else claim.sequence_renyi(e) for e in at]
+            checks.extend(SequenceCheck(b, quantity, e, mid[i][0], low[i][1], high[i][2], claimed[i], beta, column.size)
+                          for i, e in enumerate(at))  # fmt: skip
+    return tuple(checks)
+
+
+def _bounds(quantity: str, at: tuple, losses: np.ndarray, beta: float) -> list[tuple[float, float, float]]:
+    """(estimate, lower, upper) at each of ``at`` from one neighbour's losses: δ(ε) (a single ε's pointwise bounds, or
+    the DKW band over a grid) or :math:`D_\alpha` at ``at[0]``."""
+    if quantity == "renyi":
+        ci = stats.renyi_monte_carlo(losses, at[0], beta).interval
+        return [(ci.estimate, ci.lower, ci.upper)]
+    curve = stats.hockey_stick_delta(losses, at, beta)
+    lower, upper = (curve.pointwise_lower, curve.pointwise_upper) if len(at) == 1 else (curve.band_lower, curve.band_upper)
+    return list(zip(curve.estimate, lower, upper))
+
+
+def _certified_epsilon(claim: PrivacyClaim) -> float | None:
+    """The ε at the generator's reported δ that its own claim certifies (``None`` when it reports none or ``inf``)."""
+    if claim.reported_epsilon is None or math.isinf(claim.reported_epsilon):
+        return None
+    return claim.epsilon_at(claim.reported_delta)
+
+
+#: relative slack of the reported-ε check: a report below its claim's certified ε by more than this is a finding
+REPORTED_EPSILON_RTOL = 1e-6
+
+
+def _verdict(claim: PrivacyClaim, excesses: dict, checks, certified, nonfinite: int, tolerance: float,
+             num_calls: int) -> tuple[Verdict, str]:
+    """VIOLATION: an exact excess over the tolerance (per step; times the steps for sums), a sampled lower bound over
+    the claim, NaN in a released distribution (the law a token was drawn from is undefined), or a reported ε below what
+    the generator's own claim certifies. Never PASS for a data-dependent claim, nor when an excess within a tolerance
+    that is not small against the claim (a coarse dtype) could hide a leak of its size, nor when a sampled check's
+    upper bound is over its claim (the texts cannot support it)."""
+    over = {name: v for name, v in excesses.items() if v > tolerance * (num_calls if "sequence" in name else 1)}
+    over |= {f"sampled {c.quantity} at {c.at:.4g} (neighbour {c.neighbour}) lower bound over the claim": c.lower - c.claimed
+             for c in checks if c.lower > c.claimed}  # fmt: skip
     if over:
         return Verdict.VIOLATION, "; ".join(f"{name}: +{v:.6g}" for name, v in over.items())
     if nonfinite:
         return Verdict.VIOLATION, f"{nonfinite} recorded distribution(s) hold NaN: the law of those draws is undefined"
-    if not claim.a_priori:
+    if certified is not None and claim.reported_epsilon < certified * (1.0 - REPORTED_EPSILON_RTOL):
+        return Verdict.VIOLATION, (f"reports epsilon = {claim.reported_epsilon:.6g} at delta = {claim.reported_delta:g}; "
+                                   f"its own {claim.form} claim composes to {certified:.6g}")
+    if claim.data_dependent:
         return Verdict.INCONCLUSIVE, "no excess found; a data-dependent claim is never certified (no PASS)"
     smallest = claim.step.unresolved_by(tolerance, DEFAULT_ALPHAS)
     if any(v > 0 for v in excesses.values()) and smallest is not None:
         return Verdict.INCONCLUSIVE, (f"an excess within the tolerance ({tolerance:g} nats per step, over "
                                       f"{RESOLVABLE_SHARE:.0%} of the claim's {smallest:.3g}): audit in a wider dtype")
+    if loose := [c for c in checks if c.upper > c.claimed]:
+        c = loose[0]
+        return Verdict.INCONCLUSIVE, (f"no sampled lower bound over the claim, but {len(loose)} upper bound(s) over it "
+                                      f"(e.g. {c.quantity} at {c.at:.4g}: {c.upper:.4g} > {c.claimed:.4g} from "
+                                      f"{c.num_texts} text(s)): more texts, or a per-step claim, are needed to support it")
     return Verdict.PASS, f"every checked quantity within its claim (tolerance {tolerance:g} nats per step)"
+
+
+def _default_alphas(claim: PrivacyClaim) -> tuple[float, ...]:
+    """The orders the claim states; with the white-box defaults where it bounds every order (ρ, μ, ε0, ε)."""
+    stated = set(claim.step.renyi) | set(claim.renyi or {})
+    s = claim.step
+    every_order = claim.form in ("rho", "mu") or any(map(math.isfinite, (s.rho, s.epsilon0, s.epsilon)))
+    return tuple(sorted(stated | set(DEFAULT_ALPHAS))) if every_order or not stated else tuple(sorted(stated))
+
+
+def _neighbour(references: list, j: int, adjacency: Adjacency) -> list:
+    """Neighbour ``j`` of ``references``: ``None`` in slot j (replace-by-null), or the list without it (add-remove)."""
+    return references[:j] + ([] if adjacency is Adjacency.ADD_REMOVE else [None]) + references[j + 1:]
+
+
+def _run_neighbours(generate, references, calls, audited, adjacency, start, after) -> list:
+    """Every audited neighbour's replay, each from the actual run's starting RNG states; ``after`` restored."""
+    try:
+        neighbour_calls = []
+        for j in audited:
+            _set_rng_states(start)
+            neighbour_calls.append(_run(generate, _neighbour(references, j, adjacency), calls, j)[1])
+        return neighbour_calls
+    finally:
+        _set_rng_states(after)
 
 
 def audit_generator(
     generate: Callable[[list], Any],
     references: Sequence,
-    claim: Claim,
+    claim,
     *,
     alphas: Sequence[float] | None = None,
     neighbours: Sequence[int] | None = None,
     tolerance: float | None = None,
+    significance: float = 0.05,
 ) -> GeneratorAudit:
     """White-box audit of ``generate(references)``, the user's own generator loop, unmodified (module docstring).
 
-    ``claim``: what the generator claims for a text of at most ``claim.max_new_tokens`` draws; ``alphas``: Rényi
-    orders checked (default: the claim's order for a Rényi filter, else the white-box defaults); ``neighbours``:
-    the indices replaced by ``None`` (default: all); ``tolerance``: nats per step an excess must pass to be a
-    VIOLATION (per step; times the number of steps for sums); default: :func:`~invink_audit.audit.whitebox.tolerance_for`
-    the coarsest dtype the draws' distributions were given in (:attr:`GeneratorAudit.dtypes`), written in the result.
-    Raises :class:`InterceptionError` when no draw is seen or a neighbour's replay makes other sampling calls.
+    ``claim``: an :class:`accounting.PrivacyClaim` (a :class:`~invink_audit.mechanisms.MechanismGuarantee` or a
+    white-box :class:`~invink_audit.audit.whitebox.Claim` is converted, :meth:`~accounting.PrivacyClaim.of`), for a text
+    of at most ``claim.steps`` draws; its adjacency says how neighbour ``j`` is made (``None`` in slot j, or the list
+    without it). ``alphas``: Rényi orders checked (default: the orders the claim states, with the white-box defaults
+    where it bounds every order); ``neighbours``: the indices audited (default: all); ``tolerance``: nats per step an
+    exact excess must pass to be a VIOLATION (times the draws per text for sums and for the sampled checks' losses);
+    default: :func:`~invink_audit.audit.whitebox.tolerance_for` the coarsest dtype the draws' distributions were given in
+    (:attr:`GeneratorAudit.dtypes`), written in the result. ``significance``: the family-wise level of the sampled
+    checks of a sequence-level claim (Bonferroni). Raises :class:`InterceptionError` when no draw is seen or a
+    neighbour's replay makes other sampling calls.
     """
-    references = list(references)
-    if alphas is None:
-        alphas = (float(claim.renyi_order),) if claim.composition == "renyi-filter" else DEFAULT_ALPHAS
+    claim, references = PrivacyClaim.of(claim), list(references)
+    significance = check_delta("significance", significance)
+    alphas = _default_alphas(claim) if alphas is None else tuple(alphas)
     audited = tuple(range(len(references)) if neighbours is None else (int(j) for j in neighbours))
     if not audited or any(not 0 <= j < len(references) for j in audited):
         raise ValueError(f"neighbours must index the {len(references)} references; got {neighbours!r}")
     start = _rng_states()
     output, calls = _run(generate, references, None, None)
-    after = _rng_states()
-    try:
-        neighbour_calls = []
-        for j in audited:
-            _set_rng_states(start)
-            _, nc = _run(generate, references[:j] + [None] + references[j + 1:], calls, j)
-            neighbour_calls.append(nc)
-    finally:
-        _set_rng_states(after)
-    steps = _step_arrays(calls, neighbour_calls, alphas)
+    neighbour_calls = _run_neighbours(generate, references, calls, audited, claim.adjacency, start, _rng_states())
+    steps, draw_losses = _step_arrays(calls, neighbour_calls, alphas)
     fwd, rev = _sequence_sums(calls, steps["renyi_forward"]), _sequence_sums(calls, steps["renyi_reverse"])
+    losses, draws_per_text = _text_losses(draw_losses)
     excesses = _excesses(claim, steps, fwd, rev, alphas, len(calls))
     if tolerance is None:
         tolerance = max(tolerance_for(getattr(torch, "float64" if d == "uniform" else d)) for d in {c.dtype for c in calls})
+    checks = _sequence_checks(claim, losses, alphas, tolerance * draws_per_text, significance)
+    certified = _certified_epsilon(claim)
     nonfinite = sum(int(torch.isnan(c.log_probs).any(-1).sum()) for cs in (calls, *neighbour_calls) for c in cs)
-    verdict, reason = _verdict(claim, excesses, nonfinite, tolerance, len(calls))
+    verdict, reason = _verdict(claim, excesses, checks, certified, nonfinite, tolerance, len(calls))
     return GeneratorAudit(
         claim=claim, output=output, calls=calls, neighbours=audited, neighbour_calls=tuple(neighbour_calls),
         alphas=tuple(float(a) for a in alphas), tolerance=tolerance,
         **{name: value.numpy() for name, value in steps.items()},
-        sequence_renyi_forward=fwd.numpy(), sequence_renyi_reverse=rev.numpy(),
-        excesses=excesses, nonfinite=nonfinite, verdict=verdict, reason=reason,
+        sequence_renyi_forward=fwd.numpy(), sequence_renyi_reverse=rev.numpy(), text_losses=losses.numpy(),
+        excesses=excesses, sequence_checks=checks, certified_epsilon=certified, nonfinite=nonfinite, verdict=verdict,
+        reason=reason,
     )  # fmt: skip

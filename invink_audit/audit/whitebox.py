@@ -14,12 +14,12 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from accounting.claims import RESOLVABLE_SHARE, PrivacyClaim, StepClaim
 from accounting.events import forwarded_property
 from accounting.limits import check_count, check_delta, check_order, check_positive
 from invink_audit.audit import stats
@@ -88,61 +88,6 @@ class Numerics:
         """The numerics of distributions computed in ``dtype``: its :func:`tolerance_for`, or ``tolerance``."""
         return cls(str(dtype).removeprefix("torch."), tolerance_for(dtype) if tolerance is None else float(tolerance))
 
-
-#: a check forgiven as rounding (above its claim by at most the numerics' tolerance) leaves a PASS standing only when
-#: the tolerance is at most this share of the smallest per-step level the claim states (:meth:`StepClaim.unresolved_by`)
-RESOLVABLE_SHARE = 0.01
-
-
-@dataclass(frozen=True)
-class StepClaim:
-    r"""What a mechanism claims of each step, every level ``math.inf`` where it claims nothing: ``epsilon0``, a bounded
-    range of the privacy loss (Durfee & Rogers 2019, Def. 3.1); ``rho``, zCDP, :math:`D_\alpha \le \alpha\rho` at every
-    order (Bun & Steinke 2016, Def. 1.1); ``renyi``, ``{α: bound}``, :math:`D_\alpha \le` bound at those orders only.
-    Rényi bounds hold in both directions (replace-by-null neighbours)."""
-
-    epsilon0: float = math.inf
-    rho: float = math.inf
-    renyi: Mapping[float, float] = field(default_factory=dict)
-
-    def __post_init__(self):
-        check_positive("epsilon0", self.epsilon0, allow_inf=True)
-        check_positive("rho", self.rho, allow_inf=True)
-        renyi = {check_order("alpha", a): check_positive("renyi bound", b, allow_inf=True) for a, b in dict(self.renyi).items()}
-        object.__setattr__(self, "renyi", renyi)
-
-    @classmethod
-    def of(cls, claim) -> StepClaim:
-        """From a :class:`StepClaim`, a :class:`~invink_audit.mechanisms.MechanismGuarantee` or a :class:`Claim` (its
-        guarantee's ``step_epsilon0`` and ``step_rho``; ``None``: no claim)."""
-        if isinstance(claim, StepClaim):
-            return claim
-        g = getattr(claim, "guarantee", claim)
-        if not isinstance(g, MechanismGuarantee):
-            raise ValueError(f"a claim is a StepClaim, a MechanismGuarantee or a Claim; got {type(claim).__name__}")
-        return cls(*(math.inf if x is None else x for x in (g.step_epsilon0, g.step_rho)))
-
-    @property
-    def claims(self) -> bool:
-        """Whether anything is claimed of a step."""
-        return math.isfinite(self.epsilon0) or math.isfinite(self.rho) or any(map(math.isfinite, self.renyi.values()))
-
-    def renyi_bound(self, alpha: float) -> float:
-        r"""The claimed bound on :math:`D_\alpha` of a step (``inf``: none at this order)."""
-        return min(float(alpha) * self.rho, self.renyi.get(float(alpha), math.inf))
-
-    def orders(self, alphas: Sequence[float]) -> tuple[float, ...]:
-        """The orders of ``alphas`` (all of them under a zCDP claim) and of ``renyi`` that the claim bounds."""
-        return tuple(sorted({float(a) for a in alphas if self.renyi_bound(a) < math.inf} | set(self.renyi)))
-
-    def unresolved_by(self, tolerance: float, alphas: Sequence[float]) -> float | None:
-        """The smallest per-step level this claim states (ε0, and its Rényi bounds at :meth:`orders` of ``alphas``)
-        when ``tolerance`` is over :data:`RESOLVABLE_SHARE` of it: rounding of that size cannot be told from a leak,
-        so no PASS may rest on an excess forgiven by it. ``None``: the tolerance is small enough (or nothing is
-        claimed)."""
-        levels = (self.epsilon0, *(self.renyi_bound(a) for a in self.orders(alphas)))
-        smallest = min((x for x in levels if math.isfinite(x)), default=math.inf)
-        return None if tolerance <= RESOLVABLE_SHARE * smallest else smallest
 
 _DTYPE = torch.float64
 
@@ -217,10 +162,14 @@ class Claim:
         """The guarantee's ε where the report states it (every claim but an a-priori bounded-range one's)."""
         return None if self.composition == "bounded-range" and self.a_priori else self.guarantee.epsilon
 
+    def privacy_claim(self) -> PrivacyClaim:
+        """The guarantee's claim as an :class:`accounting.PrivacyClaim` (:meth:`MechanismGuarantee.privacy_claim`)."""
+        return self.guarantee.privacy_claim()
+
     @property
     def step(self) -> StepClaim:
         """What the claim bounds of each step (:class:`StepClaim`)."""
-        return StepClaim.of(self)
+        return self.privacy_claim().step
 
     @property
     def step_checks(self) -> bool:

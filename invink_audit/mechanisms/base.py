@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from accounting.claims import PrivacyClaim, StepClaim
+
 __all__ = [
     "GuaranteeKind",
     "Mechanism",
@@ -99,6 +101,23 @@ class MechanismGuarantee:
     def holds(self) -> bool:
         """Whether the release carries this guarantee (``False`` with a :attr:`void_reason`)."""
         return self.void_reason is None
+
+    def privacy_claim(self) -> PrivacyClaim:
+        """This guarantee as an :class:`accounting.PrivacyClaim` for texts of at most ``max_new_tokens`` draws, its ε at
+        δ the reported figures: ``"bounded-range"``, per step (ε0-range and ρ-zCDP; the sequence figures compose them);
+        ``"zcdp"``, the sequence-level ρ (an (ε, δ) claim without it), with the per-step claim of the checked component
+        kept as its step part; ``"renyi-filter"``, the budget at its order, data-dependent (the filter's stop rule bounds
+        each path's sum, Feldman & Zrnic 2021, Thm. 3.1). An ε read back as NaN (unknown) is no report."""
+        step = StepClaim() if self.step_epsilon0 is None else StepClaim(self.step_epsilon0, self.step_rho)
+        reported = {} if math.isnan(self.epsilon) else {"reported_epsilon": self.epsilon, "reported_delta": self.delta}
+        fields = {"data_dependent": not self.a_priori, "source": self.description or self.mechanism, **reported}
+        if self.composition == "bounded-range":
+            return PrivacyClaim(self.max_new_tokens, step, **fields)
+        if self.composition == "renyi-filter":
+            return PrivacyClaim(self.max_new_tokens, step, renyi={self.renyi_order: self.renyi_budget}, **fields)
+        if self.rho_sequence is None:
+            return PrivacyClaim(self.max_new_tokens, step, epsilon=self.epsilon, delta=self.delta, **fields)
+        return PrivacyClaim(self.max_new_tokens, step, rho=self.rho_sequence, **fields)
 
     def label(self) -> str:
         """``"(ε, δ) a-priori"`` or ``"(ε, δ) DATA-DEPENDENT"``: the wording every report uses."""

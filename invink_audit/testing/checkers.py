@@ -25,9 +25,10 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
+from accounting.claims import StepClaim
 from accounting.limits import check_order
 from accounting.sensitivity import Adjacency
-from invink_audit.audit.whitebox import StepClaim, tolerance_for
+from invink_audit.audit.whitebox import tolerance_for
 from invink_audit.testing import strategies as _s
 from invink_audit.testing.reference import reference_private_topk_sets
 
