@@ -753,6 +753,11 @@ class PrivacyUnit:
         """``unit`` as a :class:`PrivacyUnit`: one already, a column name (rule ``combine``), or ``None``."""
         return unit if unit is None or isinstance(unit, cls) else cls(unit)
 
+    @classmethod
+    def from_json(cls, data: Mapping) -> PrivacyUnit:
+        """The unit a record's ``run["privacy_unit"]`` names (:meth:`to_json`'s form)."""
+        return cls(data["column"], data["rule"], data["unit_contributions"], data["max_chars"])
+
     def to_json(self) -> dict:
         """The unit as the records' ``run`` and the summary state it: the column, the rule and its bounds."""
         return {"column": self.column, "rule": self.rule.value, "unit_contributions": self.unit_contributions,

@@ -189,7 +189,23 @@ def selftest_cases(s: SelfTestSettings, source) -> list:
     params = dict(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k, batch_size=s.batch_size,
                   max_new_tokens=s.max_new_tokens)
     cases = [synthetic.correct_mechanism(**params), *synthetic.mutants(**params, reference_lengths=source.reference_lengths)]
+    cases.append(unit_two_slots(s))
     return cases + (baseline_mechanisms(s) if s.baselines else [])
+
+
+def unit_two_slots(s: SelfTestSettings):
+    """The planted per-unit bug (docs/guide/privacy-unit.md): unit 0 (the source's reference 0, the canary) placed in
+    two slots of one batch, audited with per-unit neighbours (every slot of a unit null,
+    :class:`~invink_audit.audit.units.UnitPlacement`), while the release claims the per-reference ε."""
+    from invink_audit.audit.units import UnitPlacement
+
+    config = synthetic.correct_mechanism(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k,
+                                         batch_size=s.batch_size, max_new_tokens=s.max_new_tokens).mechanism.config
+    placement = (0, 0, *range(2, s.batch_size))  # unit 1 is displaced by unit 0's second reference
+    return synthetic.AuditedMechanism(
+        "unit-two-slots", "a unit's two references in two slots of one batch, claimed at the per-reference epsilon",
+        UnitPlacement(config, placement, name="unit-two-slots"), s.max_new_tokens, "VIOLATION",
+    )
 
 
 def run_selftest(
