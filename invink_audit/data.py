@@ -39,6 +39,7 @@ __all__ = [
     "read_unit_references",
     "unit_ordinals",
     "unit_partition",
+    "unit_slots",
     "MAX_FIELD_CHARS",
     "MAX_LINE_BYTES",
     "ReferencesFile",
@@ -833,6 +834,17 @@ def _one_slot_per_unit(refs: UnitReferences) -> tuple[list[str], list[int]]:
         joined = UNIT_SEPARATOR.join(refs.texts[p] for p in positions if refs.texts[p])
         texts.append(joined if unit.max_chars is None else joined[: unit.max_chars])
     return texts, [m[0] for m in members]
+
+
+def unit_slots(refs: UnitReferences) -> tuple[list[str], list[int]]:
+    """The slot texts a unit's rule makes of ``refs`` before batching, and the record each stands at: one per unit
+    (rules combine and first), or each unit's first k references (rule spread; their batches are
+    :func:`unit_partition`'s)."""
+    if refs.privacy_unit.rule is not ContributionRule.SPREAD:
+        return _one_slot_per_unit(refs)
+    k = refs.privacy_unit.unit_contributions
+    kept = sorted(p for positions in _unit_members(refs.units) for p in positions[:k])
+    return [refs.texts[p] for p in kept], kept
 
 
 def _spread_partition(refs: UnitReferences, batch_size: int, num_texts: int | None) -> tuple[Partition, tuple]:
