@@ -12,6 +12,7 @@ per-reference ε) a VIOLATION, white-box and in a release audit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -241,3 +242,102 @@ def test_bad_units_are_refused_without_echoing_a_value(tmp_path):
         PrivacyUnit("user", "first", max_chars=5)
     with pytest.raises(ValueError, match="only 1 full batches"):
         unit_partition(UnitReferences(("a", "b", "c"), (0, 0, 1), PrivacyUnit("u", "spread", 2)), 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# a release on a table where one user wrote five references, its records, its ledger and its audit
+
+USERS = ["alice-7731"] * 5 + [f"user-{i:04d}" for i in range(7)]  # alice wrote five of the twelve reviews
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    """A generated review table with a user column (Yelp's processed files have none): alice's five reviews
+    interleaved with seven other users' one each."""
+    root = tmp_path_factory.mktemp("units")
+    order = [0, 5, 1, 6, 7, 2, 8, 3, 9, 10, 4, 11]
+    rows = [(USERS[i], f"Review {i}: the {'soup' if i % 2 else 'bread'} was {'great' if i % 3 else 'cold'}.") for i in order]
+    (root / "reviews.jsonl").write_text("".join(json.dumps({"user": u, "text": t}) + "\n" for u, t in rows))
+    return root
+
+
+def _generate(table, tiny_dir, name, *flags):
+    from invink_audit.cli import main
+
+    return main(["generate", "--input", str(table / "reviews.jsonl"), "--output", str(table / f"{name}.jsonl"),
+                 "--model", str(tiny_dir), "--batch-size", "2", "--max-new-tokens", "4", "--delta", "1e-6",
+                 "--clip-norm", "0.5", "--top-k", "8", "--no-progress", "--json", *flags])
+
+
+@pytest.mark.parametrize("rule", [["--unit-rule", "combine", "--unit-max-chars", "120"],
+                                  ["--unit-rule", "spread", "--unit-max-references", "3"]])
+def test_a_per_user_release_states_its_unit_in_records_and_ledger_and_passes_its_audit(table, tiny_dir, rule, capsys):
+    from invink_audit.audit.quick import audit_release_file
+    from invink_audit.audit.stats import Verdict
+    from invink_audit.cli import main
+
+    name = rule[1]
+    ledger = table / f"{name}-ledger.json"
+    assert main(["ledger", "init", str(ledger), "--epsilon", "50", "--delta", "1e-6", "--privacy-unit", "user"]) == 0
+    capsys.readouterr()
+    assert _generate(table, tiny_dir, name, "--privacy-unit", "user", "--ledger", str(ledger), *rule) == 0
+    summary = json.loads(capsys.readouterr().out)
+    k = 3 if name == "spread" else 1
+    event = GenerationEvent(0.5, 2, 1.0, 4, unit_contributions=k)
+    assert summary["privacy_unit"]["column"] == "user" and summary["privacy_unit"]["rule"] == name
+    assert summary["guarantee"]["epsilon"] == pytest.approx(event.epsilon(DELTA), rel=1e-12)
+    records = [json.loads(line) for line in (table / f"{name}.jsonl").read_text().splitlines()]
+    for record in records:
+        assert record["guarantee_protects"] == "one privacy unit (the references sharing a 'user' value)"
+        assert record["run"]["privacy_unit"]["unit_contributions"] == k and record["guarantee"] == summary["guarantee"]
+    # who wrote what is not written anywhere beside the texts
+    for path in table.glob(f"{name}.jsonl*"):
+        assert not any(user in path.read_text() for user in USERS), path.name
+    entry = BudgetLedger(ledger).status().releases[0]
+    assert entry["release"]["privacy_unit"] == "user" and entry["epsilon_spent_after"] == summary["guarantee"]["epsilon"]
+    report = audit_release_file(table / f"{name}.jsonl", table / "reviews.jsonl", model=str(tiny_dir), sampled_batch=None,
+                                privacy_unit="user")
+    assert report.verdict is Verdict.PASS and report.findings == ()
+    with pytest.raises(ValueError, match="not one unit of 'patient'"):
+        audit_release_file(table / f"{name}.jsonl", table / "reviews.jsonl", model=str(tiny_dir), sampled_batch=None,
+                           privacy_unit="patient")
+
+
+def test_a_per_reference_ledger_refuses_a_per_user_release_and_nothing_is_generated(table, tiny_dir, capsys):
+    from invink_audit.cli import main
+
+    ledger = table / "per-reference.json"
+    assert main(["ledger", "init", str(ledger), "--epsilon", "50", "--delta", "1e-6"]) == 0
+    assert _generate(table, tiny_dir, "refused", "--privacy-unit", "user", "--ledger", str(ledger)) == 2
+    assert "per-reference guarantee" in capsys.readouterr().err
+    output = table / "refused.jsonl"
+    assert BudgetLedger(ledger).status().releases == () and (not output.exists() or not output.read_text().strip())
+
+
+def test_the_planted_bug_a_unit_in_two_slots_at_the_per_reference_epsilon_is_a_violation():
+    """White-box on the self-test's sources (exact per-step checks: the unit moves each step by twice the claimed
+    range), and as a release-audit finding for a partition that gives a unit two slots of one batch."""
+    import torch
+
+    from invink_audit.audit import selftest
+    from invink_audit.audit.release_checks import FINDING_KINDS, unit_findings
+    from invink_audit.audit.stats import Verdict
+    from invink_audit.audit.units import UnitPlacement
+    from invink_audit.audit.whitebox import WhiteBoxConfig
+    from invink_audit.data import Partition
+
+    s = selftest.SelfTestSettings(num_samples=150, num_is_samples=40, baselines=False)
+    config = WhiteBoxConfig(alphas=s.alphas, num_samples=s.num_samples, num_is_samples=s.num_is_samples)
+    bug = selftest.unit_two_slots(s)
+    honest = selftest.synthetic.AuditedMechanism("one-slot", "", UnitPlacement(bug.mechanism.config, range(4)),
+                                                 s.max_new_tokens, "PASS")  # fmt: skip
+    for source in selftest.selftest_sources(s):
+        for audited, verdict, ratio in ((bug, Verdict.VIOLATION, 2.0), (honest, Verdict.PASS, 1.0)):
+            report, record = selftest._audit_on_source(audited, source, config, s, torch.Generator().manual_seed(7))
+            row = selftest._source_row(report, record, source)
+            assert report.verdict is verdict and row["max_loss_range_over_epsilon0"] == pytest.approx(ratio, abs=1e-9)
+    doubled = Partition((("a", "b"), ("c", "d")), 2, 4, 0, 0, units=((0, 1), (2, 2)))
+    (finding,) = unit_findings(doubled)
+    assert finding.kind == "unit-in-two-slots" and finding.batches == (1,)
+    assert FINDING_KINDS["unit-in-two-slots"] is Verdict.VIOLATION
+    assert unit_findings(dataclasses.replace(doubled, units=((0, 1), (2, 3)))) == []
