@@ -341,3 +341,26 @@ def test_the_planted_bug_a_unit_in_two_slots_at_the_per_reference_epsilon_is_a_v
     assert finding.kind == "unit-in-two-slots" and finding.batches == (1,)
     assert FINDING_KINDS["unit-in-two-slots"] is Verdict.VIOLATION
     assert unit_findings(dataclasses.replace(doubled, units=((0, 1), (2, 3)))) == []
+
+
+def test_a_black_box_canary_unit_fills_and_empties_all_its_slots():
+    """A generator that leaks only what a unit wrote twice: invisible to a one-slot canary, a VIOLATION of its
+    per-unit claim with the canary unit in two slots (docs/guide/privacy-unit.md)."""
+    from invink_audit.audit.blackbox import blackbox_audit
+    from invink_audit.audit.stats import Verdict
+
+    canary = "zebra quartz lantern"
+    seen = []
+
+    def leaky(references):
+        seen.append(tuple(references))
+        return canary if sum(r == canary for r in references) >= 2 else "a public text"
+
+    refs = ["one", "two", "three", "four"]
+    common = dict(claimed_epsilon=1.0, claimed_delta=1e-6, num_trials=200, scores=["canary-overlap"])
+    assert blackbox_audit(leaky, refs, canary, canary_slot=0, **common).verdict is Verdict.INCONCLUSIVE
+    seen.clear()
+    assert blackbox_audit(leaky, refs, canary, canary_slot=(0, 2), **common).verdict is Verdict.VIOLATION
+    assert {(b[0], b[2]) for b in seen} == {(canary, canary), (None, None)} and {b[1] for b in seen} == {"two"}
+    with pytest.raises(ValueError, match="distinct slots"):
+        blackbox_audit(leaky, refs, canary, canary_slot=(1, 1), **common)
