@@ -301,6 +301,11 @@ def test_a_per_user_release_states_its_unit_in_records_and_ledger_and_passes_its
     with pytest.raises(ValueError, match="not one unit of 'patient'"):
         audit_release_file(table / f"{name}.jsonl", table / "reviews.jsonl", model=str(tiny_dir), sampled_batch=None,
                            privacy_unit="patient")
+    capsys.readouterr()
+    cli = ["audit", "--release", str(table / f"{name}.jsonl"), "--input", str(table / "reviews.jsonl"), "--model",
+           str(tiny_dir), "--sampled-batch", "none", "--json", "--privacy-unit"]
+    assert main([*cli, "user"]) == 0 and json.loads(capsys.readouterr().out)["verdict"] == "PASS"
+    assert main([*cli, "patient"]) == 2 and "not one unit of 'patient'" in capsys.readouterr().err
 
 
 def test_a_per_reference_ledger_refuses_a_per_user_release_and_nothing_is_generated(table, tiny_dir, capsys):
@@ -364,3 +369,36 @@ def test_a_black_box_canary_unit_fills_and_empties_all_its_slots():
     assert {(b[0], b[2]) for b in seen} == {(canary, canary), (None, None)} and {b[1] for b in seen} == {"two"}
     with pytest.raises(ValueError, match="distinct slots"):
         blackbox_audit(leaky, refs, canary, canary_slot=(1, 1), **common)
+
+
+def test_profile_plans_each_point_per_unit():
+    from invink_audit.evaluation.profile import ProfileConfig
+
+    unit = PrivacyUnit("user", "spread", 3)
+    point = ProfileConfig(epsilons=(3.0,), batch_sizes=(4,), max_new_tokens=32, privacy_unit=unit).points()[0]
+    per_unit = plan_clip_norm(epsilon=3.0, delta=1e-6, max_new_tokens=32, batch_size=4, temperature=1.0,
+                              unit_contributions=3)
+    assert point.clip_norm == per_unit.clip_norm
+    assert point.clip_norm < ProfileConfig(epsilons=(3.0,), batch_sizes=(4,), max_new_tokens=32).points()[0].clip_norm
+    with pytest.raises(ValueError, match="where with a privacy unit"):
+        ProfileConfig(epsilons=(3.0,), batch_sizes=(4,), privacy_unit="user", where={"label1": "x"})
+
+
+def test_quick_audit_of_a_per_user_result_uses_its_partition_and_checks_the_references_given(table, tiny):
+    from invink_audit.audit.quick import quick_audit
+    from invink_audit.audit.stats import Verdict
+    from invink_audit.generation import GenerationConfig, generate
+
+    unit = PrivacyUnit("user", "spread", 2)
+    references = ReferencesFile(table / "reviews.jsonl", privacy_unit=unit)
+    config = GenerationConfig(batch_size=2, max_new_tokens=4, delta=1e-6, clip_norm=0.5, top_k=8)
+    result = generate(references, config, model=tiny)
+    assert result.privacy_unit == unit and result.guarantee.epsilon == GenerationEvent(
+        0.5, 2, 1.0, 4, unit_contributions=2).epsilon(DELTA)
+    assert all(len(set(units)) == 2 for units in result.partition.units)
+    report = quick_audit(result, references, model=tiny, sampled_batch=None)
+    assert report.verdict is Verdict.PASS and report.findings == ()
+    with pytest.raises(ValueError, match="another privacy unit or rule"):
+        quick_audit(result, ReferencesFile(table / "reviews.jsonl", privacy_unit="user"), model=tiny, sampled_batch=None)
+    with pytest.raises(ValueError, match="disagree"):
+        quick_audit(result, ReferencesFile(table / "reviews.jsonl"), model=tiny, sampled_batch=None)

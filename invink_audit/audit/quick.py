@@ -235,9 +235,12 @@ def _disagree(what: str, given, recorded) -> ValueError:
 
 
 def _check_recorded(result) -> None:
-    """The result's guarantee is its mechanism's (for its T and δ), and its partition has the mechanism's B."""
+    """The result's guarantee is its mechanism's (for its T and δ; per privacy unit, its texts composed), and its
+    partition has the mechanism's B."""
+    from invink_audit.generation import ReleaseConfig
+
     g, mech = result.guarantee, result.mechanism
-    own = mech.guarantee(g.max_new_tokens, g.delta)
+    own = ReleaseConfig(mech, g.max_new_tokens, g.delta).unit_guarantee(getattr(result, "privacy_unit", None))
     for name in ("kind", "epsilon", "rho_sequence", "composition", "step_epsilon0", "step_rho"):
         if getattr(g, name) != getattr(own, name):
             raise _disagree(f"guarantee and mechanism ({name})", getattr(g, name), getattr(own, name))
@@ -268,15 +271,23 @@ def _template(prompt, prompt_fields):
 
 
 def _check_references(result, references) -> None:
-    """``references`` (a list or a file path) are those the generation partitioned."""
+    """``references`` (a list or a file path; a :class:`~invink_audit.data.ReferencesFile` with the release's
+    privacy unit) are those the generation partitioned."""
     from collections import Counter
 
-    from invink_audit.data import partition_references
+    from invink_audit.data import UnitReferences, as_references, partition_references, unit_partition, unit_slots
 
+    references, recorded = as_references(references), result.partition.batches
+    given = None
+    if isinstance(references, UnitReferences):  # the unit's rule makes the slots (and, for spread, the batches)
+        if references.privacy_unit != getattr(result, "privacy_unit", None):
+            raise ValueError("the references given name another privacy unit or rule than the release's")
+        if result.labels is None:
+            given = unit_partition(references, result.partition.batch_size)[0].batches[: len(recorded)]
+        references = unit_slots(references)[0]
     references = _reference_texts(references)
-    recorded = result.partition.batches
     if result.labels is None:
-        given = partition_references(references, result.partition.batch_size).batches[: len(recorded)]
+        given = given or partition_references(references, result.partition.batch_size).batches[: len(recorded)]
         differs = next((i for i, (a, b) in enumerate(zip(given, recorded)) if a != b), None)
         if differs is None and len(given) < len(recorded):
             differs = len(given)
