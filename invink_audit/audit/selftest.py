@@ -1,7 +1,8 @@
 """The auditor's self-test on planted bugs (docs/auditing_notes.md, "Testing the auditor") and on the paper's baselines.
 
 :func:`run_selftest` audits, on the synthetic sources of :mod:`invink_audit.audit.synthetic`, the correct
-InvisibleInk mechanism (must PASS) and four mutants (each must get VIOLATION), optionally the baseline rows
+InvisibleInk mechanism (must PASS), four mutants and the per-unit bug (:func:`unit_two_slots`; each must get
+VIOLATION), optionally the baseline rows
 (Amin et al. 2024 with both accountings, AdaPMixED's data-dependent claim: :func:`baseline_mechanisms`; AugPE's
 histogram with both sensitivities, exactly and black-box: :func:`augpe_entries`, :func:`augpe_blackbox_rows`);
 :func:`coverage_check` counts the Monte Carlo / importance-sampling intervals that cover exact divergences.
@@ -184,7 +185,8 @@ def coverage_check(
 
 def selftest_cases(s: SelfTestSettings, source) -> list:
     """The audited mechanisms on ``source`` (:class:`~invink_audit.audit.synthetic.AuditedMechanism`): the correct
-    InvisibleInk, the four planted bugs (the data-dependent budget computed from the source's references) and,
+    InvisibleInk, the four planted bugs (the data-dependent budget computed from the source's references), the
+    per-unit bug (:func:`unit_two_slots`) and,
     with ``baselines``, :func:`baseline_mechanisms`."""
     params = dict(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k, batch_size=s.batch_size,
                   max_new_tokens=s.max_new_tokens)
@@ -214,7 +216,7 @@ def run_selftest(
     generator: torch.Generator | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SelfTestResult:
-    """Run the auditor against the correct mechanism, the four mutants and the baselines on every synthetic source."""
+    """Run the auditor against the correct mechanism, the planted bugs and the baselines on every synthetic source."""
     from invink_audit.mechanism import make_generator
 
     s = settings or SelfTestSettings()

@@ -20,7 +20,7 @@ def register(subparsers) -> None:
         "audit",
         help="audit the realised privacy loss (white-box, black-box) or self-test the auditor",
         description="Run an audit spec (TOML, see audits/) and write report.json, report.md and PNG plots to "
-        "--output; or, with --selftest, run the auditor against the correct mechanism, four planted bugs and "
+        "--output; or, with --selftest, run the auditor against the correct mechanism, the planted bugs and "
         "the paper's baselines (Amin et al. 2024 with both accountings, AdaPMixED's data-dependent guarantee, AugPE's "
         "histogram with both sensitivities). A spec's [mechanism] kind may be invisibleink, amin or adapmixed; a spec of "
         "kind augpe-histogram audits AugPE's noisy histogram. A data-dependent guarantee is never a "
