@@ -402,3 +402,24 @@ def test_quick_audit_of_a_per_user_result_uses_its_partition_and_checks_the_refe
         quick_audit(result, ReferencesFile(table / "reviews.jsonl", privacy_unit="user"), model=tiny, sampled_batch=None)
     with pytest.raises(ValueError, match="disagree"):
         quick_audit(result, ReferencesFile(table / "reviews.jsonl"), model=tiny, sampled_batch=None)
+
+
+def test_the_unit_flags_are_refused_where_they_cannot_apply(table, capsys):
+    from invink_audit.cli import main
+
+    base = ["generate", "--input", str(table / "reviews.jsonl"), "--output", str(table / "x.jsonl"), "--batch-size", "2",
+            "--max-new-tokens", "4", "--delta", "1e-6", "--clip-norm", "0.5"]
+    for flags, message in ((["--unit-rule", "spread"], "--unit-rule is only used with --privacy-unit"),
+                           (["--privacy-unit", "user", "--where", "user=x"], "--where with --privacy-unit"),
+                           (["--privacy-unit", "user", "--unit-max-references", "2"], "needs rule 'spread'"),
+                           (["--privacy-unit", "user", "--mechanism", "augpe"], "not supported by --mechanism augpe")):
+        assert main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err
+    ledger = table / "shown.json"
+    assert main(["ledger", "init", str(ledger), "--epsilon", "9", "--delta", "1e-6", "--privacy-unit", "user"]) == 0
+    assert main(["ledger", "charge", str(ledger), "--batch-size", "2", "--max-new-tokens", "4", "--clip-norm", "0.5",
+                 "--privacy-unit", "user", "--unit-max-references", "3"]) == 0
+    capsys.readouterr()
+    assert main(["ledger", "show", str(ledger)]) == 0
+    shown = capsys.readouterr().out
+    assert "protecting one privacy unit (all references sharing a 'user' value)" in shown and "x3 batches per unit" in shown

@@ -128,7 +128,7 @@ def _show(args) -> int:
             what = f"{r['mechanism']}, rho={r['rho']:.6g} (zCDP)"
         else:
             what = (f"C={r['clip_norm']:g} B={r['batch_size']} tau={r['temperature']:g} T={r['max_new_tokens']} "
-                    f"x{r['texts_per_batch']}")
+                    f"x{r['texts_per_batch']}{f' x{k} batches per unit' if (k := r.get('unit_contributions', 1)) > 1 else ''}")
         print(f"  {entry['recorded_at']}  {r['label'] or r['release_id']}: {what} "
               f"({plural(r['num_batches'], 'batch', 'batches')}) -> total epsilon {entry['epsilon_spent_after']:.6g}")
     return EXIT_OK
