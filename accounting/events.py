@@ -10,6 +10,13 @@ Property 1, prop:ourclip-sensitivity) at temperature τ, so it is ε0-bounded-ra
 arXiv:1905.04273) and ρ_tok = ε0²/8-zCDP (:func:`accounting.conversions.br_to_zcdp`); a text of at most
 T tokens composes T such steps (paper Theorem 2, thm:accounting), and the texts of disjoint batches compose in parallel
 (paper Corollary 11, coro:parallel-batches), so a release costs ``texts_per_batch`` × T steps whatever its number of batches.
+
+Per privacy unit (a user who wrote several references, docs/guide/privacy-unit.md): ``unit_contributions`` = k is
+the most batches one unit's references may fall in (one each). Replacing every reference of one unit by null then
+changes at most k batches, one slot each; each changed text is the per-reference mechanism, and the k texts compose
+adaptively (Dwork & Roth 2014, Thm. 3.16 for (ε, δ); for ε0-BR steps Dong, Durfee & Rogers 2020, Thm. 3) while the
+unchanged batches compose in parallel: k × ``texts_per_batch`` × T steps (zCDP: k·ρ, Bun & Steinke 2016, Lemma 2.3).
+k = 1 (one slot per unit: one reference, or a unit's references combined into one) is the per-reference figure.
 """
 
 from __future__ import annotations
@@ -48,9 +55,11 @@ class GenerationEvent:
     texts_per_batch: int = 1
     clipping: Clipping = Clipping.DIFFERENCE
     adjacency: Adjacency = Adjacency.REPLACE_BY_NULL
+    #: batches one privacy unit's references may fall in, one slot each (module docstring); 1: per reference
+    unit_contributions: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("clip_norm", "batch_size", "temperature", "max_new_tokens", "texts_per_batch"):
+        for name in ("clip_norm", "batch_size", "temperature", "max_new_tokens", "texts_per_batch", "unit_contributions"):
             RANGES[name].check(name, getattr(self, name))
         object.__setattr__(self, "clipping", coerce_enum(self.clipping, Clipping))
         object.__setattr__(self, "adjacency", coerce_enum(self.adjacency, Adjacency))
@@ -72,8 +81,9 @@ class GenerationEvent:
 
     @property
     def num_steps(self) -> int:
-        """Token steps charged: T per text, times the texts drawn from each batch (batches parallel)."""
-        return self.max_new_tokens * self.texts_per_batch
+        """Token steps charged: T per text, times the texts drawn from each batch (batches parallel), times the
+        batches one privacy unit may touch (module docstring)."""
+        return self.max_new_tokens * self.texts_per_batch * self.unit_contributions
 
     @property
     def rho_sequence(self) -> float:
@@ -93,29 +103,34 @@ class ZcdpEvent:
     in parallel, paper Corollary 11, coro:parallel-batches), e.g. Amin et al. 2024's sparse-vector and exponential
     mechanism steps (:class:`invink_audit.mechanisms.AminMechanism`: r private tokens of ρ_em + ρ_svt each).
     ``mechanism`` names it in the ledger. The ledger composes it with the other releases by adding ρ (Bun &
-    Steinke 2016, Lemma 2.3; a filter under adaptive choice, see :mod:`accounting.ledger`)."""
+    Steinke 2016, Lemma 2.3; a filter under adaptive choice, see :mod:`accounting.ledger`). ``unit_contributions``:
+    the batches one privacy unit may touch, one text each, so the unit's ρ is k·``rho`` (the same lemma)."""
 
     rho: float
     mechanism: str
+    unit_contributions: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rho", RANGES["rho"].check("rho", self.rho))
+        RANGES["unit_contributions"].check("unit_contributions", self.unit_contributions)
         if not isinstance(self.mechanism, str) or not self.mechanism.strip():
             raise ValueError(f"mechanism must be a non-empty string; got {self.mechanism!r}")
 
     @property
     def rho_sequence(self) -> float:
-        """zCDP of the release (the ledger's term)."""
-        return self.rho
+        """zCDP of the release per privacy unit (the ledger's term): k·ρ."""
+        return self.unit_contributions * self.rho
 
     def epsilon(self, delta: float, accountant: Accountant | str = DEFAULT_ACCOUNTANT) -> float:
         """Certified ε at ``delta``: ρ converted by the accountant's zCDP conversion (CKS for ``br-adaptive``,
         which has no tighter rule for a release that is not a sequence of bounded-range steps), rounded up
         as :func:`accounting.composed_epsilon` rounds."""
-        return zcdp_to_epsilon(self.rho, delta, as_accountant(accountant).zcdp_conversion) * (1.0 + EPSILON_ROUNDING)
+        return zcdp_to_epsilon(self.rho_sequence, delta, as_accountant(accountant).zcdp_conversion) * (1.0 + EPSILON_ROUNDING)
 
     def to_json(self) -> dict:
-        return {"kind": "zcdp", "mechanism": self.mechanism, "rho": self.rho}
+        """The ledger's record (``unit_contributions`` only when not 1: older records stay as they were)."""
+        units = {} if self.unit_contributions == 1 else {"unit_contributions": self.unit_contributions}
+        return {"kind": "zcdp", "mechanism": self.mechanism, "rho": self.rho, **units}
 
 
 def event_from_json(data: dict) -> GenerationEvent | ZcdpEvent:
@@ -123,7 +138,7 @@ def event_from_json(data: dict) -> GenerationEvent | ZcdpEvent:
     record before it existed) a :class:`GenerationEvent` from its parameters; other keys are ignored."""
     kind = data.get("kind", "bounded-range")
     if kind == "zcdp":
-        return ZcdpEvent(data.get("rho"), data.get("mechanism"))
+        return ZcdpEvent(data.get("rho"), data.get("mechanism"), data.get("unit_contributions", 1))
     if kind != "bounded-range":
         raise ValueError(f"unknown release kind {kind!r}; expected 'bounded-range' or 'zcdp'")
     return GenerationEvent(**{f.name: data[f.name] for f in dataclasses.fields(GenerationEvent) if f.name in data})

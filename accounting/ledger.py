@@ -16,6 +16,12 @@ change it detects those. Format-1 files (before the chain) and format-2 files (b
 count) load with the checks their format allows: a format-2 ledger truncated with its previous chain value
 copied into ``head``, or any ledger stripped back to format 1, loads. The next charge writes format 3.
 
+The unit of privacy: a ledger protects one reference (every ledger before units existed) or one *privacy unit*,
+the references sharing a column's value (its header's ``privacy_unit``, bound into the hash chain). Each release
+names its unit, and a ledger refuses a release of another unit: a per-reference ε says nothing of a user with
+several references (group privacy would multiply it), and a ledger's total states one guarantee for one unit
+(docs/guide/privacy-unit.md).
+
 Design: docs/accounting_notes.md §6; the file, locks and integrity: docs/guide/planning.md (§"Budget ledger").
 """
 
@@ -41,7 +47,8 @@ from accounting.events import GenerationEvent, ZcdpEvent, event_from_json, forwa
 from accounting.limits import RANGES
 from accounting.strict_json import DuplicateKeyError, loads_strict
 
-__all__ = ["BudgetLedger", "BudgetExceededError", "ChargeOutcome", "LedgerError", "Release", "LedgerStatus"]
+__all__ = ["BudgetLedger", "BudgetExceededError", "ChargeOutcome", "LedgerError", "Release", "LedgerStatus",
+           "check_privacy_unit"]
 
 #: Format written by this version (2: hash chain; 3: ``head`` binds the release count and the chain starts
 #: from the format version). Format 1 and 2 files are read and migrated at the next charge.
@@ -79,6 +86,18 @@ def _entry_figures(release: Release) -> dict:
     return {"epsilon0": release.epsilon0, "num_steps": release.num_steps}
 
 
+def check_privacy_unit(unit) -> str | None:
+    """A privacy unit's name: ``None`` (one reference) or a non-empty string (the column whose value makes a unit)."""
+    if unit is not None and (not isinstance(unit, str) or not unit.strip()):
+        raise ValueError(f"privacy_unit must be None (one reference) or a non-empty column name; got {unit!r}")
+    return unit
+
+
+def unit_phrase(unit: str | None) -> str:
+    """How messages name a unit of privacy."""
+    return "one reference" if unit is None else f"one privacy unit (the references sharing a {unit!r} value)"
+
+
 class LedgerError(ValueError):
     """The ledger file is missing, corrupt, or a request contradicts what it records."""
 
@@ -90,15 +109,17 @@ class BudgetExceededError(LedgerError):
 @dataclasses.dataclass(frozen=True)
 class Release:
     """One release as the ledger records it: its privacy ``event`` (C, B, τ, T, texts per batch, the clipping
-    and adjacency), how many disjoint batches it drew, its id and a free-text label. Never anything derived
-    from the private data. The event is the record: C, B, τ and T exist once, checked against their
-    documented ranges (:mod:`accounting.limits`) by the event's constructor.
+    and adjacency, the batches one unit may touch), how many disjoint batches it drew, its id and a free-text
+    label, and its ``privacy_unit`` (the column whose value makes one unit; ``None``: one reference). Never
+    anything derived from the private data. The event is the record: C, B, τ and T exist once, checked against
+    their documented ranges (:mod:`accounting.limits`) by the event's constructor.
     """
 
     event: GenerationEvent | ZcdpEvent
     num_batches: int = 1
     release_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     label: str = ""
+    privacy_unit: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.event, (GenerationEvent, ZcdpEvent)):
@@ -110,13 +131,17 @@ class Release:
             raise ValueError(f"release_id must be a non-empty string; got {self.release_id!r}")
         if not isinstance(self.label, str):
             raise ValueError(f"label must be a string; got {self.label!r}")
+        check_privacy_unit(self.privacy_unit)
 
     @classmethod
-    def of(cls, *, num_batches: int = 1, release_id: str | None = None, label: str = "", **event) -> Release:
+    def of(
+        cls, *, num_batches: int = 1, release_id: str | None = None, label: str = "", privacy_unit: str | None = None,
+        **event,
+    ) -> Release:  # fmt: skip
         """A release from the event's parameters by name (``clip_norm``, ``batch_size``, ``temperature``,
-        ``max_new_tokens``, optionally ``texts_per_batch``, ``clipping``, ``adjacency``)."""
+        ``max_new_tokens``, optionally ``texts_per_batch``, ``clipping``, ``adjacency``, ``unit_contributions``)."""
         ids = {} if release_id is None else {"release_id": release_id}
-        return cls(GenerationEvent(**event), num_batches, label=label, **ids)
+        return cls(GenerationEvent(**event), num_batches, label=label, privacy_unit=privacy_unit, **ids)
 
     clip_norm = forwarded_property("event", "clip_norm", "Clip norm C.")
     batch_size = forwarded_property("event", "batch_size", "B private references per text.")
@@ -130,8 +155,14 @@ class Release:
     rho_sequence = forwarded_property("event", "rho_sequence", "zCDP of the release (the ledger's term).")
 
     def _parameters(self) -> dict:
+        """The flat record's parameters; the unit's fields only when not per reference (older records unchanged)."""
+        unit = {} if self.privacy_unit is None else {"privacy_unit": self.privacy_unit}
+        return {**self._event_parameters(), **unit}
+
+    def _event_parameters(self) -> dict:
         if isinstance(self.event, ZcdpEvent):
             return {**self.event.to_json(), "num_batches": self.num_batches}
+        contributions = self.event.unit_contributions
         return {
             "clip_norm": self.clip_norm,
             "batch_size": self.batch_size,
@@ -141,6 +172,7 @@ class Release:
             "num_batches": self.num_batches,
             "clipping": self.clipping.value,
             "adjacency": self.adjacency.value,
+            **({} if contributions == 1 else {"unit_contributions": contributions}),
         }
 
     def to_json(self) -> dict:
@@ -151,7 +183,7 @@ class Release:
     def from_json(cls, data: dict) -> Release:
         """A release from its flat record (keys other than the event's, ``num_batches``, ``release_id`` and
         ``label`` are ignored)."""
-        rest = {k: data[k] for k in ("num_batches", "release_id", "label") if k in data}
+        rest = {k: data[k] for k in ("num_batches", "release_id", "label", "privacy_unit") if k in data}
         return cls(event_from_json(data), **rest)
 
 
@@ -172,6 +204,8 @@ class LedgerStatus:
     format_version: int = _FORMAT_VERSION
     head: str | None = None
     rho_spent: float = 0.0
+    #: what the budget protects: ``None``, one reference; a column name, one privacy unit (module docstring)
+    privacy_unit: str | None = None
 
     @property
     def epsilon_remaining(self) -> float:
@@ -234,13 +268,15 @@ def _canonical(obj) -> bytes:
 
 
 def _header(data: dict) -> dict:
-    # the file's own version (2 or 3): a format-3 chain relabelled as format 2 no longer verifies
+    # the file's own version (2 or 3): a format-3 chain relabelled as format 2 no longer verifies; the privacy
+    # unit only where the ledger has one (every ledger before units keeps its chain)
     return {
         "format_version": data["format_version"],
         "dataset": data["dataset"],
         "created_at": data["created_at"],
         "budget": data["budget"],
         "accountant": data["accountant"],
+        **({"privacy_unit": data["privacy_unit"]} if "privacy_unit" in data else {}),
     }
 
 
@@ -307,6 +343,7 @@ class _Header:
     budget_epsilon: float
     delta: float
     accountant: Accountant
+    privacy_unit: str | None = None
 
 
 def _verify_header(data, where: str) -> _Header:
@@ -330,9 +367,13 @@ def _verify_header(data, where: str) -> _Header:
         budget_epsilon = RANGES["epsilon"].check("budget epsilon", budget["epsilon"])
         delta = RANGES["delta"].check("budget delta", budget["delta"])
         accountant = as_accountant(data["accountant"])
+        unit = data.get("privacy_unit")
+        if "privacy_unit" in data and unit is None:
+            raise ValueError("privacy_unit is null (a per-reference ledger has no privacy_unit key)")
+        check_privacy_unit(unit)
     except ValueError as err:
         raise _corrupt(where, str(err)) from err
-    return _Header(version, budget_epsilon, delta, accountant)
+    return _Header(version, budget_epsilon, delta, accountant, unit)
 
 
 def _verify_entry(index: int, entry, seen: set[str], where: str) -> Release:
@@ -394,6 +435,9 @@ def _verify_releases(data: dict, header: _Header, where: str) -> list[Release]:
     spent_before = 0.0
     for index, entry in enumerate(data["releases"]):
         release = _verify_entry(index, entry, seen, where)
+        if release.privacy_unit != header.privacy_unit:
+            raise _corrupt(where, f"release #{index + 1} ({release.release_id!r}) protects "
+                                  f"{unit_phrase(release.privacy_unit)}, the ledger {unit_phrase(header.privacy_unit)}")
         seen.add(release.release_id)
         releases.append(release)
         at = f"release #{index + 1} ({release.release_id!r})"
@@ -492,8 +536,11 @@ class BudgetLedger:
         delta: float,
         accountant: Accountant | str = DEFAULT_ACCOUNTANT,
         dataset: str = "",
+        privacy_unit: str | None = None,
     ) -> BudgetLedger:
-        """Create a new ledger with a total budget (ε, δ); refuses to overwrite an existing one."""
+        """Create a new ledger with a total budget (ε, δ) for ``privacy_unit`` (``None``: one reference; a column
+        name: the references sharing its value, module docstring); refuses to overwrite an existing one."""
+        check_privacy_unit(privacy_unit)
         epsilon = RANGES["epsilon"].check("epsilon", epsilon)
         delta = RANGES["delta"].check("delta", delta)
         acc = as_accountant(accountant)
@@ -510,6 +557,7 @@ class BudgetLedger:
                 "created_at": _now(),
                 "budget": {"epsilon": epsilon, "delta": delta},
                 "accountant": acc.value,
+                **({} if privacy_unit is None else {"privacy_unit": privacy_unit}),
                 "releases": [],
             }
             atomic_write_json(target, _with_chain(data))
@@ -553,6 +601,7 @@ class BudgetLedger:
             format_version=int(v.data["format_version"]),
             head=v.data.get("head") if v.data["format_version"] >= 2 else None,
             rho_spent=math.fsum(r.rho_sequence for r in v.releases),
+            privacy_unit=v.data.get("privacy_unit"),
         )
 
     def recorded(self, release_id: str) -> dict | None:
@@ -571,17 +620,19 @@ class BudgetLedger:
         is); with different parameters it raises :class:`LedgerError`, as :meth:`charge` would.
         """
         v = self._load()
-        if _replay(v, _check_release(release)) is not None:
+        _check_unit(v, _check_release(release), self.path)
+        if _replay(v, release) is not None:
             return v.epsilon_spent
         return _spent_epsilon([*v.releases, release], v.data["budget"]["delta"], v.accountant)
 
     def largest_clip_norm(
         self, *, batch_size: int, max_new_tokens: int, temperature: float = 1.0, texts_per_batch: int = 1,
-        num_batches: int = 1,
+        num_batches: int = 1, unit_contributions: int = 1,
     ) -> Release | None:
         """The next InvisibleInk release with these (B, T, τ, texts per batch) at the largest clip norm C
         the budget still allows (:meth:`preview` at most the budget), or ``None`` when even the smallest
         supported C does not fit. ``num_batches`` changes nothing (disjoint batches compose in parallel).
+        Per the ledger's privacy unit: ``unit_contributions`` = k batches one unit may touch (k·T steps).
 
         Empty ledger: the planner's inverse (:func:`accounting.plan_clip_norm` at the whole budget, errs
         low). Otherwise the spend is the privacy filter over the summed ρ (module docstring), monotone in
@@ -596,7 +647,8 @@ class BudgetLedger:
 
         def release(c: float) -> Release:
             return Release.of(clip_norm=c, batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens,
-                              texts_per_batch=texts_per_batch, num_batches=num_batches)
+                              texts_per_batch=texts_per_batch, num_batches=num_batches,
+                              unit_contributions=unit_contributions, privacy_unit=v.data.get("privacy_unit"))
 
         def fits(c: float) -> bool:
             return _spent_epsilon([*v.releases, release(c)], delta, v.accountant) <= budget
@@ -639,6 +691,7 @@ class BudgetLedger:
 
     def _charge_locked(self, release: Release, held: _locked) -> ChargeOutcome:
         v = self._load()
+        _check_unit(v, release, self.path)
         entry = _replay(v, release)
         if entry is not None:
             return ChargeOutcome(entry=entry, already_recorded=True, epsilon_spent=v.epsilon_spent)
@@ -674,6 +727,25 @@ def _check_release(release) -> Release:
     if not isinstance(release, Release):
         raise ValueError(f"release must be a Release; got {type(release).__name__}")
     return release
+
+
+def _check_unit(v: _Verified, release: Release, path: Path) -> None:
+    """Refuse a release that protects another unit of privacy than the ledger (module docstring), saying why."""
+    ledger_unit = v.data.get("privacy_unit")
+    if release.privacy_unit == ledger_unit:
+        return
+    if ledger_unit is None:
+        why = ("its total states a per-reference guarantee; a per-unit release belongs in a ledger of that unit "
+               f"(`invink-audit ledger init --privacy-unit {release.privacy_unit}`)")
+    elif release.privacy_unit is None:
+        why = ("a per-reference release's epsilon says nothing of a unit with several references (group privacy "
+               "multiplies it); release with --privacy-unit / ReferencesFile(privacy_unit=...)")
+    else:
+        why = "a ledger's total states one guarantee for one unit of privacy"
+    raise LedgerError(
+        f"ledger {str(path)!r} protects {unit_phrase(ledger_unit)}, but release "
+        f"{release.label or release.release_id!r} protects {unit_phrase(release.privacy_unit)}: {why}; nothing was recorded"
+    )
 
 
 def _replay(v: _Verified, release: Release) -> dict | None:

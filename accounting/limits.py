@@ -91,6 +91,7 @@ RANGES: dict[str, ParameterRange] = {
     "max_new_tokens": COUNT_RANGE,
     "batch_size": COUNT_RANGE,
     "texts_per_batch": COUNT_RANGE,
+    "unit_contributions": COUNT_RANGE,
     "num_batches": COUNT_RANGE,
     "rho": RHO_RANGE,
 }

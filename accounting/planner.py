@@ -6,6 +6,10 @@ C = Bτ√(2ρ_seq/T), generalised to every accountant of :mod:`accounting.accou
 :func:`plan_min_batch_size`, :func:`planning_table`. ``B`` is the number of private references (``B + 1``
 forward rows per token). Every function returns the conservative side: never more than the budget.
 
+Per privacy unit (docs/guide/privacy-unit.md): ``unit_contributions`` = k, the batches one unit's references may
+fall in (one slot each), makes every inverse answer for k·T composed steps (:class:`accounting.GenerationEvent`);
+``T`` stays the token budget of one text.
+
 Design: docs/accounting_notes.md §5; usage: docs/guide/planning.md.
 """
 
@@ -85,7 +89,8 @@ class Plan:
     sensitivity = forwarded_property("event", "sensitivity", "ℓ∞ sensitivity Δ of the aggregated logits.")
     epsilon0 = forwarded_property("event", "epsilon0", "Per-token bounded range ε0 = 2Δ/τ.")
     rho_token = forwarded_property("event", "rho_token", "Per-token zCDP ρ_tok = ε0²/8.")
-    rho_sequence = forwarded_property("event", "rho_sequence", "zCDP of a text: T·ρ_tok.")
+    rho_sequence = forwarded_property("event", "rho_sequence", "zCDP of a text (per privacy unit: k texts): T·k·ρ_tok.")
+    unit_contributions = forwarded_property("event", "unit_contributions", "Batches one privacy unit may touch, k.")
 
     @property
     def forward_rows_per_token(self) -> int:
@@ -104,8 +109,8 @@ class Plan:
         }
 
 
-def _make_plan(clip_norm, epsilon, delta, acc, T, B, tau, clipping, adjacency) -> Plan:
-    return Plan(GenerationEvent(clip_norm, B, tau, T, 1, clipping, adjacency), epsilon, delta, acc)
+def _make_plan(clip_norm, epsilon, delta, acc, T, B, tau, clipping, adjacency, k: int = 1) -> Plan:
+    return Plan(GenerationEvent(clip_norm, B, tau, T, 1, clipping, adjacency, k), epsilon, delta, acc)
 
 
 #: Relative safety margin on planned clip norms: any recomputation of the spend from (C, B, τ, T), in
@@ -117,13 +122,18 @@ def _clip_norm_from_epsilon0(e0: float, B: int, tau: float, clipping, adjacency)
     return clip_norm_for_sensitivity(e0 * tau / 2.0, B, clipping, adjacency) * (1.0 - _CLIP_NORM_MARGIN)
 
 
-def _validate(epsilon=None, delta=None, T=None, B=None, tau=None, C=None):
-    """Range checks of :mod:`accounting.limits` (one line naming the argument, its value and range)."""
+def _validate(epsilon=None, delta=None, T=None, B=None, tau=None, C=None, k=1):
+    """Range checks of :mod:`accounting.limits` (one line naming the argument, its value and range); ``steps``:
+    the token steps charged, T·k (``k``: the batches one privacy unit may touch)."""
     v = check_parameter_ranges(
         epsilon=epsilon, delta=delta, max_new_tokens=T, batch_size=B, temperature=tau, clip_norm=C
     )
+    v["k"] = RANGES["unit_contributions"].check("unit_contributions", k)
     names = {"max_new_tokens": "T", "batch_size": "B", "temperature": "tau", "clip_norm": "C"}
-    return {names.get(k, k): x for k, x in v.items()}
+    out = {names.get(key, key): x for key, x in v.items()}
+    if T is not None:
+        out["steps"] = out["T"] * out["k"]
+    return out
 
 
 def _check_planned_clip_norm(C: float, what: str) -> float:
@@ -158,18 +168,20 @@ def plan_clip_norm(
     accountant: Accountant | str = DEFAULT_ACCOUNTANT,
     clipping: Clipping | str = Clipping.DIFFERENCE,
     adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+    unit_contributions: int = 1,
 ) -> Plan:
-    """The largest clip norm C for which T tokens with B references at temperature τ are (ε, δ)-DP.
+    """The largest clip norm C for which T tokens with B references at temperature τ are (ε, δ)-DP (per privacy
+    unit touching ``unit_contributions`` batches: k·T steps, module docstring).
 
     Errs low: the returned C is verified against the accountant before it is returned.
     """
-    v = _validate(epsilon, delta, max_new_tokens, batch_size, temperature)
+    v = _validate(epsilon, delta, max_new_tokens, batch_size, temperature, k=unit_contributions)
     acc = as_accountant(accountant)
     clipping, adjacency = coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency)
-    e0 = max_epsilon0(v["epsilon"], v["delta"], v["T"], acc)
+    e0 = max_epsilon0(v["epsilon"], v["delta"], v["steps"], acc)
     C = _largest_clip_norm(e0, v["B"], v["tau"], clipping, adjacency)
     _check_planned_clip_norm(C, f"epsilon={v['epsilon']:g}")
-    return _make_plan(C, v["epsilon"], v["delta"], acc, v["T"], v["B"], v["tau"], clipping, adjacency)
+    return _make_plan(C, v["epsilon"], v["delta"], acc, v["T"], v["B"], v["tau"], clipping, adjacency, v["k"])
 
 
 def epsilon_for_clip_norm(
@@ -182,12 +194,14 @@ def epsilon_for_clip_norm(
     accountant: Accountant | str = DEFAULT_ACCOUNTANT,
     clipping: Clipping | str = Clipping.DIFFERENCE,
     adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+    unit_contributions: int = 1,
 ) -> Plan:
-    """The certified ε at ``delta`` of a release with clip norm C (errs upwards)."""
-    v = _validate(None, delta, max_new_tokens, batch_size, temperature, clip_norm)
+    """The certified ε at ``delta`` of a release with clip norm C (errs upwards), per privacy unit touching
+    ``unit_contributions`` batches."""
+    v = _validate(None, delta, max_new_tokens, batch_size, temperature, clip_norm, k=unit_contributions)
     acc = as_accountant(accountant)
     clipping, adjacency = coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency)
-    event = GenerationEvent(v["C"], v["B"], v["tau"], v["T"], 1, clipping, adjacency)
+    event = GenerationEvent(v["C"], v["B"], v["tau"], v["T"], 1, clipping, adjacency, v["k"])
     return Plan(event, event.epsilon(v["delta"], acc), v["delta"], acc)
 
 
@@ -201,8 +215,10 @@ def plan_max_new_tokens(
     accountant: Accountant | str = DEFAULT_ACCOUNTANT,
     clipping: Clipping | str = Clipping.DIFFERENCE,
     adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+    unit_contributions: int = 1,
 ) -> Plan:
-    """The largest token budget T for which the release is (ε, δ)-DP.
+    """The largest token budget T for which the release is (ε, δ)-DP (per privacy unit touching
+    ``unit_contributions`` = k batches: k·T steps fit; the cap is ⌊10^9 / k⌋).
 
     Raises ``ValueError`` when not even one token fits the budget. The answer is capped at
     :data:`accounting.limits.MAX_COUNT` (10^9 tokens, the largest valid T). For the zCDP accountants
@@ -210,13 +226,14 @@ def plan_max_new_tokens(
     CKS answer (always feasible), every candidate verified on the certified upper δ. Errs low: the
     returned T is one that was evaluated feasible.
     """
-    v = _validate(epsilon, delta, None, batch_size, temperature, clip_norm)
+    v = _validate(epsilon, delta, None, batch_size, temperature, clip_norm, k=unit_contributions)
     acc = as_accountant(accountant)
     clipping, adjacency = coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency)
     e0 = bounded_range_epsilon(linf_sensitivity(v["C"], v["B"], clipping, adjacency), v["tau"])
+    k, cap = v["k"], MAX_COUNT // v["k"]
 
     def fits(T: int) -> bool:
-        return fits_budget(v["epsilon"], v["delta"], e0, T, acc)
+        return fits_budget(v["epsilon"], v["delta"], e0, T * k, acc)
 
     if not fits(1):
         raise ValueError(
@@ -227,16 +244,16 @@ def plan_max_new_tokens(
 
     rho_seq = epsilon_to_zcdp(v["epsilon"], v["delta"], acc.zcdp_conversion)
     # the zCDP answer as a first guess, clamped to [1, MAX_COUNT] (it can exceed 1e40 for tiny e0)
-    guess = rho_seq / br_to_zcdp(e0)
-    guess = MAX_COUNT if not guess < MAX_COUNT else max(1, int(math.floor(guess)))
+    guess = rho_seq / br_to_zcdp(e0) / k
+    guess = cap if not guess < cap else max(1, int(math.floor(guess)))
     if fits(guess):
         lo = guess  # feasible; search upwards for the first infeasible T (or the cap)
-        if lo == MAX_COUNT or fits(MAX_COUNT):
-            lo, hi = MAX_COUNT, None
+        if lo == cap or fits(cap):
+            lo, hi = cap, None
         else:
-            hi = min(lo + 1, MAX_COUNT)
+            hi = min(lo + 1, cap)
             while fits(hi):
-                lo, hi = hi, min(max(hi + 1, int(hi * 1.2)), MAX_COUNT)
+                lo, hi = hi, min(max(hi + 1, int(hi * 1.2)), cap)
     else:
         lo, hi = 1, guess  # fits(1) holds, fits(guess) does not
     if hi is not None:
@@ -247,7 +264,7 @@ def plan_max_new_tokens(
             else:
                 hi = mid
     eps = v["epsilon"]
-    return _make_plan(v["C"], eps, v["delta"], acc, lo, v["B"], v["tau"], clipping, adjacency)
+    return _make_plan(v["C"], eps, v["delta"], acc, lo, v["B"], v["tau"], clipping, adjacency, k)
 
 
 def plan_min_batch_size(
@@ -260,17 +277,19 @@ def plan_min_batch_size(
     accountant: Accountant | str = DEFAULT_ACCOUNTANT,
     clipping: Clipping | str = Clipping.DIFFERENCE,
     adjacency: Adjacency | str = Adjacency.REPLACE_BY_NULL,
+    unit_contributions: int = 1,
 ) -> Plan:
-    """The smallest B whose planned clip norm reaches ``clip_norm`` at (ε, δ, T, τ).
+    """The smallest B whose planned clip norm reaches ``clip_norm`` at (ε, δ, T, τ) (per privacy unit touching
+    ``unit_contributions`` batches: k·T steps).
 
     The feasible ε0* does not depend on B, and C grows linearly in B (C = ε0* τ B / (2f)), so
     B = ⌈2 f C / (τ ε0*)⌉. The returned plan uses exactly the requested ``clip_norm`` (≤ the largest
     feasible one at that B), so it never overspends.
     """
-    v = _validate(epsilon, delta, max_new_tokens, None, temperature, clip_norm)
+    v = _validate(epsilon, delta, max_new_tokens, None, temperature, clip_norm, k=unit_contributions)
     acc = as_accountant(accountant)
     clipping, adjacency = coerce_enum(clipping, Clipping), coerce_enum(adjacency, Adjacency)
-    e0 = max_epsilon0(v["epsilon"], v["delta"], v["T"], acc)
+    e0 = max_epsilon0(v["epsilon"], v["delta"], v["steps"], acc)
     per_reference = _clip_norm_from_epsilon0(e0, 1, v["tau"], clipping, adjacency)
     estimate = v["C"] / per_reference
     if not estimate <= MAX_COUNT:
@@ -301,7 +320,7 @@ def plan_min_batch_size(
         raise RuntimeError(f"internal error: no batch size found for clip_norm={clip_norm!r}")
     if B > MAX_COUNT:
         raise ValueError(f"clip_norm={clip_norm!r} needs batch_size={B}, more than the largest {MAX_COUNT}")
-    return _make_plan(v["C"], v["epsilon"], v["delta"], acc, v["T"], B, v["tau"], clipping, adjacency)
+    return _make_plan(v["C"], v["epsilon"], v["delta"], acc, v["T"], B, v["tau"], clipping, adjacency, v["k"])
 
 
 @dataclasses.dataclass(frozen=True)

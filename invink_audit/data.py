@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import csv
 import dataclasses
+import enum
 import json
 import os
 import re
@@ -30,6 +31,15 @@ from accounting.limits import check_count
 from accounting.strict_json import DuplicateKeyError, loads_strict
 
 __all__ = [
+    "ContributionRule",
+    "PrivacyUnit",
+    "RULE_STATEMENTS",
+    "UNIT_SEPARATOR",
+    "UnitReferences",
+    "read_unit_references",
+    "unit_ordinals",
+    "unit_partition",
+    "unit_slots",
     "MAX_FIELD_CHARS",
     "MAX_LINE_BYTES",
     "ReferencesFile",
@@ -287,6 +297,9 @@ class Partition:
 
     ``batches[i]`` holds references ``i*B .. (i+1)*B - 1`` of the input. ``num_leftover`` references
     did not fill a last batch; ``num_skipped`` full batches were beyond ``num_texts``. Both are unused.
+    A per-unit release's partition (:func:`unit_partition`) has ``units``: each slot's privacy-unit ordinal (its
+    slots after the unit's rule, ``num_references`` counting them), kept in memory for the auditor's neighbours
+    and never written.
     """
 
     batches: tuple[tuple[str, ...], ...]
@@ -294,10 +307,13 @@ class Partition:
     num_references: int
     num_leftover: int
     num_skipped: int
+    units: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if any(len(batch) != self.batch_size for batch in self.batches):
             raise ValueError(f"every batch must hold exactly batch_size={self.batch_size} references")
+        if self.units is not None and [len(u) for u in self.units] != [len(b) for b in self.batches]:
+            raise ValueError("units must give one unit ordinal per slot of every batch")
         used = len(self.batches) * self.batch_size
         if used + self.num_leftover + self.num_skipped * self.batch_size != self.num_references:
             raise ValueError("partition counts do not add up to num_references")
@@ -405,6 +421,7 @@ class ReferencesFile:
     path: str | os.PathLike
     column: str | None = None
     label_columns: Sequence[str] | None = None
+    privacy_unit: PrivacyUnit | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(os.fspath(self.path)).strip():
@@ -412,10 +429,14 @@ class ReferencesFile:
             raise ValueError(f"path must be a file path (str or os.PathLike); got {type(self.path).__name__}")
         if self.label_columns is not None:
             object.__setattr__(self, "label_columns", _check_label_columns(self.label_columns, self.column or "text"))
+        object.__setattr__(self, "privacy_unit", PrivacyUnit.of(self.privacy_unit))
 
-    def read(self) -> list[str] | LabelledReferences:
-        """The references (:func:`read_references`), or with ``label_columns`` the labelled ones
-        (:func:`read_labelled_references`)."""
+    def read(self) -> list[str] | LabelledReferences | UnitReferences:
+        """The references (:func:`read_references`), with ``label_columns`` the labelled ones
+        (:func:`read_labelled_references`), with ``privacy_unit`` (a :class:`PrivacyUnit`, or a column name for
+        rule ``combine``) each with its unit (:func:`read_unit_references`)."""
+        if self.privacy_unit is not None:
+            return read_unit_references(self.path, self.privacy_unit, column=self.column, label_columns=self.label_columns)
         if self.label_columns is None:
             return read_references(self.path, column=self.column)
         return read_labelled_references(self.path, column=self.column, label_columns=self.label_columns)
@@ -665,3 +686,213 @@ def partition_by_labels(
         label_columns=columns,
         num_references=len(cleaned),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# the privacy unit: references sharing a column's value are one unit (docs/guide/privacy-unit.md)
+
+
+class ContributionRule(enum.StrEnum):
+    """How a unit's references are bounded before batching, each a public rule (file order, a public bound and
+    the unit column; never a reference's content):
+
+    * ``COMBINE`` (a): one slot per unit: its references joined in file order, truncated to a public length;
+    * ``SPREAD`` (b): at most k references per unit, each in a different batch (charged k texts per unit);
+    * ``FIRST`` (c): one reference per unit, its first in file order."""
+
+    COMBINE = "combine"
+    SPREAD = "spread"
+    FIRST = "first"
+
+
+#: What each rule does, as the records state it (``run["privacy_unit"]["rule_statement"]``).
+RULE_STATEMENTS: Mapping[ContributionRule, str] = MappingProxyType({
+    ContributionRule.COMBINE: (
+        "one slot per unit, at the place of its first reference in file order: the unit's non-empty references in "
+        "file order joined by a blank line, then cut to the first max_chars characters (no cut when null)"),
+    ContributionRule.SPREAD: (
+        "each unit's first unit_contributions references in file order; units in order of first appearance, each "
+        "unit's references consecutive, the j-th of these to batch j mod M (M: the full batches), so a unit's "
+        "references fall in different batches; the references after the first M*B are unused"),
+    ContributionRule.FIRST: "each unit's first reference in file order (null or not); its other references unused",
+})  # fmt: skip
+#: How a unit's references are joined by :attr:`ContributionRule.COMBINE`.
+UNIT_SEPARATOR = "\n\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyUnit:
+    """The unit of privacy of a release: the references whose ``column`` holds the same value are one unit, and
+    a neighbouring dataset replaces *every* reference of one unit by null (the unit column is kept, as labels
+    are: it fixes the slots, so both datasets get the same partition). ``rule`` bounds a unit's contribution
+    (:class:`ContributionRule`); ``unit_contributions`` is rule (b)'s k (1 for the others); ``max_chars`` is rule
+    (a)'s public length bound (``None``: no cut). Unit values are read as the text is (a missing cell or JSON
+    ``null`` is refused: every reference needs its unit) and never written anywhere: records name the column
+    and the rule, never a unit's value (who wrote what is private too)."""
+
+    column: str
+    rule: ContributionRule | str = ContributionRule.COMBINE
+    unit_contributions: int = 1
+    max_chars: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.column, str) or not self.column.strip():
+            raise ValueError(f"privacy unit column must be a non-empty string; got {self.column!r}")
+        try:
+            object.__setattr__(self, "rule", ContributionRule(self.rule))
+        except ValueError:
+            raise ValueError(f"rule must be one of {[r.value for r in ContributionRule]}; got {self.rule!r}") from None
+        check_count("unit_contributions", self.unit_contributions)
+        check_count("max_chars", self.max_chars, allow_none=True)
+        if self.unit_contributions > 1 and self.rule is not ContributionRule.SPREAD:
+            raise ValueError(f"unit_contributions > 1 needs rule 'spread' (rule {self.rule.value!r} keeps one slot per unit)")
+        if self.max_chars is not None and self.rule is not ContributionRule.COMBINE:
+            raise ValueError(f"max_chars bounds rule 'combine' only; got rule {self.rule.value!r}")
+
+    @classmethod
+    def of(cls, unit) -> PrivacyUnit | None:
+        """``unit`` as a :class:`PrivacyUnit`: one already, a column name (rule ``combine``), or ``None``."""
+        return unit if unit is None or isinstance(unit, cls) else cls(unit)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> PrivacyUnit:
+        """The unit a record's ``run["privacy_unit"]`` names (:meth:`to_json`'s form)."""
+        return cls(data["column"], data["rule"], data["unit_contributions"], data["max_chars"])
+
+    def to_json(self) -> dict:
+        """The unit as the records' ``run`` and the summary state it: the column, the rule and its bounds."""
+        return {"column": self.column, "rule": self.rule.value, "unit_contributions": self.unit_contributions,
+                "max_chars": self.max_chars, "rule_statement": RULE_STATEMENTS[self.rule]}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitReferences:
+    """References read with their privacy unit: ``units[i]`` is record ``i``'s unit as an ordinal (0 for the
+    first unit in file order, 1 for the next new one, ...), never its value; ``labels`` as
+    :class:`LabelledReferences` holds them (``None``: unlabelled)."""
+
+    texts: tuple[str, ...]
+    units: tuple[int, ...]
+    privacy_unit: PrivacyUnit
+    labels: LabelledReferences | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.texts) != len(self.units):
+            raise ValueError(f"{len(self.texts)} texts but {len(self.units)} unit ordinals")
+        if self.labels is not None and self.privacy_unit.rule is not ContributionRule.FIRST:
+            raise ValueError(
+                f"label columns with a privacy unit need rule 'first' (rule {self.privacy_unit.rule.value!r} would "
+                "put references of several labels in one slot or batch)"
+            )
+
+
+def unit_ordinals(values: Sequence[str], where: str) -> tuple[int, ...]:
+    """Each value's ordinal by first appearance; an empty value is refused, naming its record, never a value."""
+    seen: dict[str, int] = {}
+    for i, value in enumerate(values):
+        if value == "":
+            raise ValueError(f"{where}: record {i + 1} has no privacy unit value (empty or null): every reference "
+                             "needs its unit (give it one, or drop the record by a rule that reads no text)")
+        seen.setdefault(value, len(seen))
+    return tuple(seen[v] for v in values)
+
+
+def read_unit_references(
+    source: str | os.PathLike, privacy_unit: PrivacyUnit, *, column: str | None = None,
+    label_columns: Sequence[str] | None = None,
+) -> UnitReferences:  # fmt: skip
+    """Read references (``column``, default ``text``), each one's privacy unit and, with ``label_columns``, its
+    labels, in file order (:func:`read_references`' rules; the unit column is read as a text column is)."""
+    name = column or "text"
+    if privacy_unit.column == name or privacy_unit.column in (label_columns or ()):
+        raise ValueError(f"the privacy unit column {privacy_unit.column!r} cannot also be the text or a label column")
+    labels = None
+    if label_columns is not None:
+        labels = read_labelled_references(source, column=name, label_columns=label_columns)
+        texts = labels.texts
+    else:
+        texts = tuple(read_references(source, column=name))
+    units = unit_ordinals(read_references(source, column=privacy_unit.column), Path(source).name)
+    return UnitReferences(tuple(texts), units, privacy_unit, labels)
+
+
+def _unit_members(units: Sequence[int]) -> list[list[int]]:
+    """Each unit's record positions in file order, units by ordinal (first appearance)."""
+    members: list[list[int]] = [[] for _ in range(max(units, default=-1) + 1)]
+    for position, unit in enumerate(units):
+        members[unit].append(position)
+    return members
+
+
+def _one_slot_per_unit(refs: UnitReferences) -> tuple[list[str], list[int]]:
+    """Rules (a) and (c): each unit's slot text and the record it stands at (its first), units in order."""
+    members, unit = _unit_members(refs.units), refs.privacy_unit
+    if unit.rule is ContributionRule.FIRST:
+        return [refs.texts[m[0]] for m in members], [m[0] for m in members]
+    texts = []
+    for positions in members:  # all null -> "": the unit's neighbour (every reference null) is a null slot
+        joined = UNIT_SEPARATOR.join(refs.texts[p] for p in positions if refs.texts[p])
+        texts.append(joined if unit.max_chars is None else joined[: unit.max_chars])
+    return texts, [m[0] for m in members]
+
+
+def unit_slots(refs: UnitReferences) -> tuple[list[str], list[int]]:
+    """The slot texts a unit's rule makes of ``refs`` before batching, and the record each stands at: one per unit
+    (rules combine and first), or each unit's first k references (rule spread; their batches are
+    :func:`unit_partition`'s)."""
+    if refs.privacy_unit.rule is not ContributionRule.SPREAD:
+        return _one_slot_per_unit(refs)
+    k = refs.privacy_unit.unit_contributions
+    kept = sorted(p for positions in _unit_members(refs.units) for p in positions[:k])
+    return [refs.texts[p] for p in kept], kept
+
+
+def _spread_partition(refs: UnitReferences, batch_size: int, num_texts: int | None) -> tuple[Partition, tuple]:
+    """Rule (b): each unit's first k references, units consecutive, the j-th to batch j mod M (so a unit's at
+    most k ≤ M references land in k different batches); refused when M < k. The partition and each batch's record
+    positions."""
+    k = refs.privacy_unit.unit_contributions
+    order = [p for positions in _unit_members(refs.units) for p in positions[:k]]
+    available = len(order) // batch_size
+    if available == 0:
+        raise ValueError(f"batch_size={batch_size} needs at least {batch_size} references; got {len(order)} after "
+                         f"keeping each unit's first {k}")
+    largest = max(len(m[:k]) for m in _unit_members(refs.units))
+    if available < largest:
+        raise ValueError(f"rule 'spread' puts a unit's {largest} references in {largest} different batches, but there "
+                         f"are only {available} full batches; lower unit_contributions or batch_size")
+    count = available if num_texts is None else check_count("num_texts", num_texts)
+    if count > available:
+        raise ValueError(f"num_texts={num_texts} needs {num_texts} batches; the references fill {available}")
+    slots = [[order[j * available + i] for j in range(batch_size)] for i in range(count)]
+    cleaned = [_clean_reference(i, t) for i, t in enumerate(refs.texts)]
+    partition = Partition(
+        batches=tuple(tuple(cleaned[p] for p in batch) for batch in slots), batch_size=batch_size,
+        num_references=len(order), num_leftover=len(order) - available * batch_size, num_skipped=available - count,
+        units=tuple(tuple(refs.units[p] for p in batch) for batch in slots),
+    )  # fmt: skip
+    return partition, tuple(tuple(batch) for batch in slots)
+
+
+def unit_partition(refs: UnitReferences, batch_size: int, *, num_texts: int | None = None,
+                   num_texts_per_group: int | None = None) -> tuple[Partition, tuple[dict, ...] | None, tuple]:
+    """The batches of a per-unit release, each batch's labels (``None``: unlabelled) and each batch's record
+    positions in the input (a joined slot: its unit's first), by the unit's :class:`ContributionRule`. Which references are used, cut, joined or dropped, and
+    where each lands, depends on file order, the public bounds and the unit column only, so a neighbour (every
+    reference of one unit null) has the same slots, and the unit's slots all null. Each batch holds at most one
+    slot of a unit (``Partition.units``: each slot's unit ordinal, in memory only)."""
+    check_count("batch_size", batch_size)
+    if refs.privacy_unit.rule is ContributionRule.SPREAD:
+        partition, positions = _spread_partition(refs, batch_size, num_texts)
+        return partition, None, positions
+    texts, firsts = _one_slot_per_unit(refs)
+    if refs.labels is None:
+        partition = partition_references(texts, batch_size, num_texts=num_texts)
+        units = tuple(tuple(range(i * batch_size, (i + 1) * batch_size)) for i in range(len(partition.batches)))
+        positions = tuple(tuple(firsts[s] for s in batch) for batch in units)
+        return dataclasses.replace(partition, units=units), None, positions
+    chosen = LabelledReferences(texts=tuple(texts), labels=tuple(refs.labels.labels[p] for p in firsts),
+                                label_columns=refs.labels.label_columns)  # fmt: skip
+    partition, labels, slots = labelled_partition(chosen, batch_size, num_texts_per_group=num_texts_per_group)
+    partition = dataclasses.replace(partition, units=slots)  # slot s is unit s: one slot per unit
+    return partition, labels, tuple(tuple(firsts[s] for s in batch) for batch in slots)

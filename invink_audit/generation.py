@@ -40,14 +40,19 @@ from pathlib import Path
 import torch
 
 from accounting import Accountant, BudgetExceededError, BudgetLedger, LedgerError, as_accountant, epsilon_for_clip_norm
+from accounting.accountants import DEFAULT_ACCOUNTANT
+from accounting.ledger import unit_phrase
 from accounting.limits import RANGES, check_count
 from invink_audit.data import (
     LabelledReferences,
     Partition,
+    PrivacyUnit,
     ReferencesFile,
+    UnitReferences,
     as_references,
     labelled_partition,
     partition_references,
+    unit_partition,
 )
 from invink_audit.distributed import (
     Cluster,
@@ -195,11 +200,30 @@ class ReleaseConfig:
         """The mechanism's guarantee for texts of at most T tokens at δ (one per disjoint batch: the release's)."""
         return self._guarantee
 
-    def event(self):
+    def event(self, unit: PrivacyUnit | None = None):
         """The privacy event a ledger is charged, once, before anything is generated (the mechanism's
         :meth:`~invink_audit.mechanisms.Mechanism.ledger_event`: InvisibleInk's :class:`accounting.GenerationEvent`,
-        another's a-priori zCDP; a data-dependent guarantee has none, ``ValueError``)."""
-        return self.mechanism.ledger_event(self._guarantee)
+        another's a-priori zCDP; a data-dependent guarantee has none, ``ValueError``). Per privacy ``unit``: the
+        event of its ``unit_contributions`` texts (:mod:`accounting.events`)."""
+        event = self.mechanism.ledger_event(self._guarantee)
+        return event if unit is None else dataclasses.replace(event, unit_contributions=unit.unit_contributions)
+
+    def unit_guarantee(self, unit: PrivacyUnit | None) -> MechanismGuarantee:
+        """The release's guarantee for one privacy ``unit``: :meth:`guarantee` when each unit has one slot (rules
+        combine and first: replacing the unit by null is replacing one slot by null); under rule spread, the k
+        texts one unit may touch composed (:meth:`event`'s ε at δ by the mechanism's accountant; zCDP k·ρ). A
+        data-dependent guarantee cannot be composed so: ``ValueError``."""
+        if unit is None or unit.unit_contributions == 1:
+            return self._guarantee
+        if not self._guarantee.a_priori:
+            raise ValueError(f"{self.mechanism.name}'s guarantee is data-dependent: it cannot be composed over the "
+                             f"{unit.unit_contributions} texts one unit touches under rule 'spread'; use 'combine' or 'first'")
+        event = self.event(unit)
+        epsilon = event.epsilon(self.delta, self._guarantee.details.get("accountant", DEFAULT_ACCOUNTANT))
+        return dataclasses.replace(
+            self._guarantee, epsilon=epsilon, rho_sequence=event.rho_sequence,
+            description=f"{self._guarantee.description}; per unit: {unit.unit_contributions} texts composed".lstrip("; "),
+        )  # fmt: skip
 
     def run_parameters(self) -> dict:
         """The mechanism's public parameters as the records' ``run`` holds them (compared on resume;
@@ -296,6 +320,8 @@ class GenerationResult:
     #: the dtype the model ran in and why (:class:`~invink_audit.models.DtypeChoice`; each record has it
     #: too, as ``model_dtype``)
     dtype_choice: DtypeChoice | None = None
+    #: the unit the guarantee protects (``None``: one reference); ``partition.units`` holds each slot's unit
+    privacy_unit: PrivacyUnit | None = None
 
     def batch_template(self, index: int) -> PromptTemplate:
         """The prompt batch ``index`` was generated with (its labels filled in, when label-conditioned)."""
@@ -351,6 +377,7 @@ def _record(
         "prompt_fields": dict(template.fields),
         "model_dtype": model_dtype,
         **guarantee.record_fields(),
+        **({"guarantee_protects": unit_phrase(run["privacy_unit"]["column"])} if "privacy_unit" in run else {}),
         "release_id": release_id,
         "run": run,
         "version": _RECORD_VERSION,
@@ -574,13 +601,13 @@ def prepare_release(
     output_path = _check_output_path(output)
     ledger = BudgetLedger.of(ledger)
     template = prompt.resolved()
-    partition, labels, positions, filled = _partition(references, config, template, prompt.label_fields)
+    partition, labels, positions, filled, unit = _partition(references, config, template, prompt.label_fields)
     require_label_fields(template, given=tuple(prompt.fields or ()), filled=filled)
     if not config.allow_all_null:
         _refuse_all_null(partition, config.batch_size)
     if ledger is not None:
-        config.event()  # a guarantee no ledger can compose (data-dependent) is refused now
-    guarantee = config.guarantee()
+        config.event(unit)  # a guarantee no ledger can compose (data-dependent) is refused now
+    guarantee = config.unit_guarantee(unit)
     if seed is not None:
         guarantee = dataclasses.replace(guarantee, void_reason=SEEDED_VOID_REASON)
     fingerprint = input_fingerprint(partition, labels)
@@ -594,7 +621,7 @@ def prepare_release(
         config=config, guarantee=guarantee, partition=partition, template=template,
         fingerprint=fingerprint, seed=seed, output=output_path, ledger=ledger, cluster=current_cluster(), load=load,
         hooks=hooks, labels=labels, label_fields=None if prompt.label_fields is None else dict(prompt.label_fields),
-        positions=positions,
+        positions=positions, privacy_unit=unit,
     )  # fmt: skip
 
 
@@ -650,10 +677,36 @@ def _refuse_all_null(partition, batch_size: int) -> None:
 
 def _partition(references, config: GenerationConfig, template: PromptTemplate, label_fields):
     """The batches, each batch's labels (``None`` for unlabelled references), each batch's reference
-    positions in the input (``None``: batch ``i`` holds positions ``i·B ..``) and the prompt fields the
-    labels fill."""
+    positions in the input (``None``: batch ``i`` holds positions ``i·B ..``), the prompt fields the
+    labels fill, and the privacy unit (``None``: one reference)."""
     references = as_references(references)
+    if isinstance(references, UnitReferences):
+        return _unit_partition(references, config, template, label_fields)
     refuse_private_in_public(template, references.texts if isinstance(references, LabelledReferences) else references)
+    return (*_reference_partition(references, config, template, label_fields), None)
+
+
+def _unit_partition(references: UnitReferences, config: ReleaseConfig, template: PromptTemplate, label_fields):
+    """:func:`_partition` of references read with their privacy unit (:func:`invink_audit.data.unit_partition`)."""
+    refuse_private_in_public(template, references.texts)
+    labelled = references.labels is not None
+    if not labelled and (config.num_texts_per_group is not None or label_fields is not None):
+        raise ValueError("num_texts_per_group and label_fields are only used with label columns")
+    if labelled and config.num_texts is not None:
+        raise ValueError("with labelled references, give num_texts_per_group (texts per label group), not num_texts")
+    partition, labels, positions = unit_partition(references, config.batch_size, num_texts=config.num_texts,
+                                                  num_texts_per_group=config.num_texts_per_group)  # fmt: skip
+    filled = ()
+    if labelled:
+        rules = label_fields_for(template, list(references.labels.label_columns), label_fields)
+        for batch_labels in labels:
+            template_for_labels(template, batch_labels, label_fields)
+        filled = tuple(rule.field for rule in rules)
+    return partition, labels, positions, filled, references.privacy_unit
+
+
+def _reference_partition(references, config: ReleaseConfig, template: PromptTemplate, label_fields):
+    """:func:`_partition` of references without a privacy unit."""
     if not isinstance(references, LabelledReferences):
         if config.num_texts_per_group is not None:
             raise ValueError("num_texts_per_group is only used with labelled references (ReferencesFile with label_columns)")
@@ -806,6 +859,7 @@ class _Release:
     labels: tuple[Mapping[str, str], ...] | None = None
     label_fields: Mapping[str, str] | None = None
     positions: tuple[tuple[int, ...], ...] | None = None
+    privacy_unit: PrivacyUnit | None = None
     state: OutputState | None = None
     done: dict = dataclasses.field(default_factory=dict)
     requests: dict = dataclasses.field(default_factory=dict)
@@ -909,6 +963,7 @@ class _Release:
             "seed": self.seed,
             "prompt": self.template.as_json(),
             "label_fields": None if self.label_fields is None else dict(self.label_fields),
+            "privacy_unit": None if self.privacy_unit is None else self.privacy_unit.to_json(),
             "model": loaded.name,
             "dtype": loaded.dtype_choice.dtype,
             "output": None if self.io_path is None else str(self.io_path),
@@ -923,6 +978,8 @@ class _Release:
                "model_fingerprint": model_fingerprint(loaded)}  # fmt: skip
         if self.state is not None and self.state.run is not None and "model_fingerprint" not in self.state.run:
             del run["model_fingerprint"]  # a release begun before fingerprints were recorded resumes with its settings
+        if self.privacy_unit is not None:  # the column and the rule, never a unit's value
+            run["privacy_unit"] = self.privacy_unit.to_json()
         if self.labels is not None:
             run["label_columns"] = sorted(self.labels[0])
             run["label_fields"] = None if self.label_fields is None else dict(sorted(self.label_fields.items()))
@@ -946,7 +1003,9 @@ class _Release:
         if self.ledger is not None:
             try:
                 label = f"generate -> {self.output.name}" if self.output is not None else "generate"
-                charge_release(self.ledger, config.event(), self.num_batches, release_id, label)
+                unit = self.privacy_unit
+                charge_release(self.ledger, config.event(unit), self.num_batches, release_id, label,
+                               privacy_unit=None if unit is None else unit.column)
             except (ValueError, BudgetExceededError, LedgerError):
                 if new_output:
                     clear_pending(self.io_path)  # refused: nothing was charged, nothing is left behind
@@ -1067,6 +1126,7 @@ class _Release:
             labels=self.labels,
             label_fields=None if self.label_fields is None else dict(self.label_fields),
             dtype_choice=dtype_choice,
+            privacy_unit=self.privacy_unit,
         )
 
 
@@ -1198,10 +1258,11 @@ def _released(text: GeneratedText, labels) -> GeneratedText:
                                labels=None if labels is None else dict(labels[int(text.key)]))
 
 
-def charge_release(ledger, event, num_batches: int, release_id: str, label: str) -> None:
+def charge_release(ledger, event, num_batches: int, release_id: str, label: str, *, privacy_unit: str | None = None) -> None:
     """Charge a release to the ledger, once, after every check and before anything is generated (idempotent on
     ``release_id``): its ``event`` (one text per batch, :meth:`ReleaseConfig.event`; AugPE's ρ), drawn from
-    ``num_batches`` batches. Over budget: :class:`accounting.BudgetExceededError`, and nothing was charged."""
+    ``num_batches`` batches, protecting ``privacy_unit`` (the unit column; ``None``: one reference). Over budget, or
+    a ledger of another unit: :class:`accounting.LedgerError`, and nothing was charged."""
     from accounting import Release
 
-    ledger.charge(Release(event, num_batches, release_id, label))
+    ledger.charge(Release(event, num_batches, release_id, label, privacy_unit))

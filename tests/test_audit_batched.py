@@ -142,7 +142,8 @@ def test_blackbox_selftest_rows_on_the_planted_bugs():
     from invink_audit.audit.selftest import blackbox_rows
 
     rows = {(r["mechanism"], r["source"]): r for r in blackbox_rows(num_batches=10_000, seed=0)}
-    assert {m for m, _ in rows} == {"correct", "naive-clipping", "low-temperature", "private-top-k", "data-dependent-budget"}
+    assert {m for m, _ in rows} == {"correct", "naive-clipping", "low-temperature", "private-top-k", "data-dependent-budget",
+                                    "unit-two-slots"}
     for source in ("random", "hardest-case"):
         assert rows["correct", source]["verdict"] != "VIOLATION"
     correct = rows["correct", "hardest-case"]

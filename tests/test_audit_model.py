@@ -165,6 +165,7 @@ def test_cli_selftest_spec_writes_reports(tmp_path, capsys):
         ("low-temperature", "VIOLATION"),
         ("private-top-k", "VIOLATION"),
         ("data-dependent-budget", "VIOLATION"),
+        ("unit-two-slots", "VIOLATION"),  # a unit in two slots of one batch at the per-reference epsilon
     ]
     assert (tmp_path / "out" / "report.json").is_file() and (tmp_path / "out" / "report.md").is_file()
     assert "PASSED" in (tmp_path / "out" / "report.md").read_text()

@@ -257,6 +257,7 @@ def test_selftest_pass_on_correct_and_violation_on_every_mutant():
         "low-temperature": "VIOLATION",
         "private-top-k": "VIOLATION",
         "data-dependent-budget": "VIOLATION",
+        "unit-two-slots": "VIOLATION",  # a unit in two slots of one batch at the per-reference epsilon
         # the paper's baselines through the mechanism interface
         "amin-paper-sensitivity": "VIOLATION",
         "amin-correct": "PASS",
@@ -276,6 +277,8 @@ def test_selftest_pass_on_correct_and_violation_on_every_mutant():
     assert cold["max_loss_range_over_epsilon0"] == pytest.approx(2.0, abs=1e-9)
     assert by_name["private-top-k"].sources[0]["step_failures"]["support"] > 0
     assert by_name["data-dependent-budget"].sources[0]["step_failures"]["support"] > 0
+    # per-unit neighbours: the unit's two slots move each step by twice the per-reference range
+    assert by_name["unit-two-slots"].sources[1]["max_loss_range_over_epsilon0"] == pytest.approx(2.0, abs=1e-9)
     correct = by_name["correct"].sources[1]
     assert correct["max_loss_range_over_epsilon0"] == pytest.approx(1.0, abs=1e-9)
     # Amin et al.: the exponential mechanism moves by 2C/B (paper Prop. amin-sens), the hardest case attains it

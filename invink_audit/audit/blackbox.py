@@ -147,7 +147,7 @@ def blackbox_audit(
     claimed_epsilon: float,
     claimed_delta: float,
     num_trials: int = 200,
-    canary_slot: int = 0,
+    canary_slot: int | Sequence[int] = 0,
     scores: Sequence[str | Callable[[str], float]] = DEFAULT_SCORES,
     significance: float = 0.05,
     selection_fraction: float = 0.5,
@@ -160,8 +160,9 @@ def blackbox_audit(
     ``target``: a :class:`~invink_audit.audit.targets.BlackBoxTarget`, or a callable ``references -> text``
     (``None`` in the emptied slot: :class:`~invink_audit.audit.targets.CallableTarget`); a batched target
     generates every trial in one call. ``references``: the batch with any text in ``canary_slot`` (it is
-    replaced by the canary, or emptied for the neighbour). ``mechanism``: the report's name of the target
-    (default: its label).
+    replaced by the canary, or emptied for the neighbour). ``canary_slot``: a slot, or a canary *unit*'s slots (a
+    user's several references: docs/guide/privacy-unit.md), all filled with the canary or all emptied, for a
+    per-unit claim. ``mechanism``: the report's name of the target (default: its label).
 
     Phases: the alternating trial batches (:func:`_alternating_trials`), the trials, the selection / evaluation
     split (:func:`_selection_split`), the scores (:func:`score_matrix`), the score and threshold chosen on the
@@ -201,8 +202,9 @@ def blackbox_audit(
 
 def _check_audit_arguments(refs, canary_slot, num_trials, selection_fraction, claimed_epsilon, significance, scores) -> float:
     """Validate :func:`blackbox_audit`'s arguments; returns the significance."""
-    if not 0 <= canary_slot < len(refs):
-        raise ValueError(f"canary_slot must be in [0, {len(refs)}); got {canary_slot!r}")
+    slots = (canary_slot,) if isinstance(canary_slot, int) else tuple(canary_slot)
+    if not slots or len(set(slots)) != len(slots) or not all(isinstance(s, int) and 0 <= s < len(refs) for s in slots):
+        raise ValueError(f"canary_slot must be a slot, or distinct slots, in [0, {len(refs)}); got {canary_slot!r}")
     check_count("num_trials", num_trials, minimum=8)
     if not 0.0 < selection_fraction < 1.0:
         raise ValueError(f"selection_fraction must be in (0, 1); got {selection_fraction!r}")
@@ -219,10 +221,9 @@ def _alternating_trials(refs: list[str], canary: str, canary_slot: int, num_tria
     """The trials' reference batches and labels (``True``: with the canary): the canary in ``canary_slot``,
     and its replace-by-null neighbour (that slot emptied), alternating (with, without, with, ...) so that
     no drift falls between the two arms."""
-    with_canary = list(refs)
-    with_canary[canary_slot] = canary
-    without = list(refs)
-    without[canary_slot] = ""
+    with_canary, without = list(refs), list(refs)
+    for slot in (canary_slot,) if isinstance(canary_slot, int) else canary_slot:  # a canary unit: all its slots
+        with_canary[slot], without[slot] = canary, ""
     batches = [with_canary if i % 2 == 0 else without for i in range(num_trials)]
     labels = np.array([i % 2 == 0 for i in range(num_trials)])
     return batches, labels

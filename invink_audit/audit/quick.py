@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from accounting.ledger import unit_phrase
 from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, WhiteBoxReport, headline_lines, to_jsonable
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
@@ -234,9 +235,12 @@ def _disagree(what: str, given, recorded) -> ValueError:
 
 
 def _check_recorded(result) -> None:
-    """The result's guarantee is its mechanism's (for its T and δ), and its partition has the mechanism's B."""
+    """The result's guarantee is its mechanism's (for its T and δ; per privacy unit, its texts composed), and its
+    partition has the mechanism's B."""
+    from invink_audit.generation import ReleaseConfig
+
     g, mech = result.guarantee, result.mechanism
-    own = mech.guarantee(g.max_new_tokens, g.delta)
+    own = ReleaseConfig(mech, g.max_new_tokens, g.delta).unit_guarantee(getattr(result, "privacy_unit", None))
     for name in ("kind", "epsilon", "rho_sequence", "composition", "step_epsilon0", "step_rho"):
         if getattr(g, name) != getattr(own, name):
             raise _disagree(f"guarantee and mechanism ({name})", getattr(g, name), getattr(own, name))
@@ -267,15 +271,23 @@ def _template(prompt, prompt_fields):
 
 
 def _check_references(result, references) -> None:
-    """``references`` (a list or a file path) are those the generation partitioned."""
+    """``references`` (a list or a file path; a :class:`~invink_audit.data.ReferencesFile` with the release's
+    privacy unit) are those the generation partitioned."""
     from collections import Counter
 
-    from invink_audit.data import partition_references
+    from invink_audit.data import UnitReferences, as_references, partition_references, unit_partition, unit_slots
 
+    references, recorded = as_references(references), result.partition.batches
+    given = None
+    if isinstance(references, UnitReferences):  # the unit's rule makes the slots (and, for spread, the batches)
+        if references.privacy_unit != getattr(result, "privacy_unit", None):
+            raise ValueError("the references given name another privacy unit or rule than the release's")
+        if result.labels is None:
+            given = unit_partition(references, result.partition.batch_size)[0].batches[: len(recorded)]
+        references = unit_slots(references)[0]
     references = _reference_texts(references)
-    recorded = result.partition.batches
     if result.labels is None:
-        given = partition_references(references, result.partition.batch_size).batches[: len(recorded)]
+        given = given or partition_references(references, result.partition.batch_size).batches[: len(recorded)]
         differs = next((i for i, (a, b) in enumerate(zip(given, recorded)) if a != b), None)
         if differs is None and len(given) < len(recorded):
             differs = len(given)
@@ -449,9 +461,11 @@ def quick_audit(
     """
     start = time.perf_counter()
     _phase(progress, "")  # a progress that is not callable is refused before anything is loaded
+    from invink_audit.audit.release_checks import unit_findings
+
     release = AuditedRelease.of(result, references, prompt=prompt, prompt_fields=prompt_fields)
     return _quick_audit_release(
-        result, release, model=model, sampled_batch=sampled_batch,
+        result, release, model=model, sampled_batch=sampled_batch, findings=tuple(unit_findings(release.partition)),
         sampled_config=_sampled_config(alphas=alphas, num_samples=num_samples, num_is_samples=num_is_samples,
                                        significance=significance, directions=directions),
         alphas=alphas, significance=significance, generator=generator, start=start, progress=progress,
@@ -538,7 +552,7 @@ class ReleaseFile:
         from pathlib import Path
 
         from invink_audit.audit.release_checks import (check_published_records, label_findings, record_findings,
-                                                       seeded_findings)
+                                                       seeded_findings, unit_findings)
         from invink_audit.outputs import read_journal_claims, read_numbered_records, read_state, state_path
 
         output = Path(output)
@@ -554,6 +568,7 @@ class ReleaseFile:
         release = _release_of_run(run, references, column, where, state["input_sha256"])
         # the labels and prompt fields each batch gets from the input the state's fingerprint fixes
         findings = (*findings, *label_findings(records, release.template, release.labels, release.label_fields))
+        findings = (*findings, *unit_findings(release.partition))  # a per-unit release: one slot per unit per batch
         first: dict = {}
         for published in records:
             first.setdefault(published.batch_index, published)
@@ -626,6 +641,8 @@ def _recorded_partition(run: Mapping, references, column, where, fingerprint: st
     from invink_audit.generation import input_fingerprint
 
     columns = tuple(run.get("label_columns") or ())
+    if "privacy_unit" in run:
+        return _recorded_unit_partition(run, references, column, columns, fingerprint)
     if where:
         selected = select_references(references, where, column=column, label_columns=columns)
     elif columns:
@@ -647,6 +664,26 @@ def _recorded_partition(run: Mapping, references, column, where, fingerprint: st
     )
 
 
+def _recorded_unit_partition(run: Mapping, references, column, columns: tuple, fingerprint: str):
+    """:func:`_recorded_partition` of a per-unit release: the unit and rule its settings name, applied again to the
+    input (:func:`~invink_audit.data.unit_partition`); the partition keeps each slot's unit for the neighbours."""
+    from invink_audit.data import PrivacyUnit, read_unit_references, unit_partition
+    from invink_audit.generation import input_fingerprint
+
+    refs = read_unit_references(references, PrivacyUnit.from_json(run["privacy_unit"]), column=column,
+                                label_columns=columns or None)  # fmt: skip
+    b = run["batch_size"]
+    if columns:
+        candidates = (unit_partition(refs, b, num_texts_per_group=n)[:2] for n in [None, *range(1, len(refs.texts) // b + 1)])
+    else:
+        candidates = (unit_partition(refs, b, num_texts=run["num_batches"])[:2],)
+    for partition, labels in candidates:
+        if input_fingerprint(partition, labels) == fingerprint:
+            return partition, labels
+    raise ValueError("the references do not give the release's input (its recorded fingerprint): give the same input "
+                     "file and --column as generate was given (the privacy unit and its rule are the recorded ones)")
+
+
 def audit_release_file(
     output,
     references,
@@ -660,6 +697,7 @@ def audit_release_file(
     significance: float = 0.05,
     seed: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    privacy_unit: str | None = None,
 ) -> QuickAuditReport:
     """:func:`quick_audit` of a release from its output file (:class:`ReleaseFile`), in the dtype it ran in, with
     the model it names (``model``: the same model; another name and another fingerprint is a ``ValueError``).
@@ -669,7 +707,9 @@ def audit_release_file(
     ``run.seeded``) is a ``seeded-release`` finding, never a PASS. A published text that the recorded
     mechanism and model could not have drawn is a finding, and the others are still audited; with another model
     than the release's, nothing is teacher-forced. ``seed``: a fixed seed for the sampled audit (reproducible;
-    default OS entropy)."""
+    default OS entropy). A per-unit release (its state names the unit and rule) is rebuilt with its unit: the
+    neighbours replace every slot of one unit in a batch, which its rule makes one (else a ``unit-in-two-slots``
+    finding); ``privacy_unit``: the unit column the release must protect (another, or none, is a ``ValueError``)."""
     from invink_audit.audit.release_checks import model_findings
     from invink_audit.engine import ForcedTextMismatch
     from invink_audit.mechanism import make_generator
@@ -677,6 +717,9 @@ def audit_release_file(
 
     start = time.perf_counter()
     found = ReleaseFile.read(output, references, column=column, where=where)
+    recorded_unit = (found.run.get("privacy_unit") or {}).get("column")
+    if privacy_unit is not None and privacy_unit != recorded_unit:
+        raise ValueError(f"{output}: the release protects {unit_phrase(recorded_unit)}, not one unit of {privacy_unit!r}")
     # no model named: the one the release recorded (an empty or unknown name loads the default, and its
     # fingerprint then decides)
     recorded = loadable_name(found.model_name) if found.model_name else None

@@ -38,6 +38,7 @@ __all__ = [
     "check_published_records",
     "label_findings",
     "model_findings",
+    "unit_findings",
     "record_findings",
     "seeded_findings",
 ]
@@ -64,6 +65,8 @@ FINDING_KINDS: Mapping[str, Verdict] = {
     "unverified-text": Verdict.INCONCLUSIVE,  # no journal (or a bare claim): a text cannot be checked
     "model-mismatch": Verdict.INCONCLUSIVE,  # the model loaded is not the one that drew the texts
     "model-unidentified": Verdict.INCONCLUSIVE,  # the release records no fingerprint of its model
+    # a per-unit release with a unit in two slots of one batch: that unit moves the batch's aggregate twice
+    "unit-in-two-slots": Verdict.VIOLATION,
 }
 
 _TEXT_FIELDS = ("text", "token_ids", "modes", "num_tokens", "finish_reason")
@@ -257,19 +260,23 @@ def _count_findings(records: Sequence[PublishedRecord], claims: Mapping | None, 
 
 def certified_guarantee(run: Mapping) -> dict:
     """The guarantee the settings ``run`` certify, in the records' form: InvisibleInk's recomputed by the
-    accountant from C, B, τ, T and δ (never the recorded target), a mechanism's from the mechanism. A ``ValueError``
-    when the settings cannot be read."""
+    accountant from C, B, τ, T and δ (never the recorded target), a mechanism's from the mechanism; per privacy
+    unit when the settings name one (:meth:`~invink_audit.generation.ReleaseConfig.unit_guarantee`: k texts
+    composed under rule spread). A ``ValueError`` when the settings cannot be read."""
+    from invink_audit.data import PrivacyUnit
+    from invink_audit.generation import GenerationConfig, ReleaseConfig
+
     try:
+        unit = PrivacyUnit.from_json(run["privacy_unit"]) if "privacy_unit" in run else None
         if "mechanism" in run:
             from invink_audit.mechanisms import mechanism_from_json
 
-            return mechanism_from_json(run["mechanism"]).guarantee(run["max_new_tokens"], run["delta"]).to_json()
-        from invink_audit.generation import GenerationConfig
-
+            mechanism = mechanism_from_json(run["mechanism"])
+            return ReleaseConfig(mechanism, run["max_new_tokens"], run["delta"]).unit_guarantee(unit).to_json()
         config = GenerationConfig(clip_norm=run["clip_norm"], max_new_tokens=run["max_new_tokens"], top_k=run["top_k"],
                                   batch_size=run["batch_size"], temperature=run["temperature"], delta=run["delta"],
                                   accountant=run["accountant"])  # fmt: skip
-        return config.guarantee().to_json()
+        return config.unit_guarantee(unit).to_json()
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"the release's settings cannot be read ({type(err).__name__}: {err})") from None
 
@@ -410,6 +417,18 @@ def label_findings(records: Sequence[PublishedRecord], template, labels: Sequenc
 
 # ---------------------------------------------------------------------------------------------
 # the model
+
+
+def unit_findings(partition) -> list[Finding]:
+    """A per-unit release's batches that hold two slots of one privacy unit (``partition.units``): replacing that
+    unit by null moves the batch's aggregate twice, so the per-slot neighbours the audit replays are not the unit's
+    and a per-reference ε does not hold per unit (the planted bug of the self-test's ``unit-two-slots`` row)."""
+    units = getattr(partition, "units", None) or ()
+    doubled = [i for i, batch in enumerate(units) if len(set(batch)) < len(batch)]
+    if not doubled:
+        return []
+    return [Finding("unit-in-two-slots", f"batch(es) {_short(doubled)} hold two references of one privacy unit: that "
+                    "unit moves their aggregate twice, beyond the per-reference sensitivity C/B", tuple(doubled))]
 
 
 def model_findings(run: Mapping, loaded_name: str, fingerprint: str) -> list[Finding]:

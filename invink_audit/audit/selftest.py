@@ -1,7 +1,8 @@
 """The auditor's self-test on planted bugs (docs/auditing_notes.md, "Testing the auditor") and on the paper's baselines.
 
 :func:`run_selftest` audits, on the synthetic sources of :mod:`invink_audit.audit.synthetic`, the correct
-InvisibleInk mechanism (must PASS) and four mutants (each must get VIOLATION), optionally the baseline rows
+InvisibleInk mechanism (must PASS), four mutants and the per-unit bug (:func:`unit_two_slots`; each must get
+VIOLATION), optionally the baseline rows
 (Amin et al. 2024 with both accountings, AdaPMixED's data-dependent claim: :func:`baseline_mechanisms`; AugPE's
 histogram with both sensitivities, exactly and black-box: :func:`augpe_entries`, :func:`augpe_blackbox_rows`);
 :func:`coverage_check` counts the Monte Carlo / importance-sampling intervals that cover exact divergences.
@@ -184,12 +185,29 @@ def coverage_check(
 
 def selftest_cases(s: SelfTestSettings, source) -> list:
     """The audited mechanisms on ``source`` (:class:`~invink_audit.audit.synthetic.AuditedMechanism`): the correct
-    InvisibleInk, the four planted bugs (the data-dependent budget computed from the source's references) and,
+    InvisibleInk, the four planted bugs (the data-dependent budget computed from the source's references), the
+    per-unit bug (:func:`unit_two_slots`) and,
     with ``baselines``, :func:`baseline_mechanisms`."""
     params = dict(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k, batch_size=s.batch_size,
                   max_new_tokens=s.max_new_tokens)
     cases = [synthetic.correct_mechanism(**params), *synthetic.mutants(**params, reference_lengths=source.reference_lengths)]
+    cases.append(unit_two_slots(s))
     return cases + (baseline_mechanisms(s) if s.baselines else [])
+
+
+def unit_two_slots(s: SelfTestSettings):
+    """The planted per-unit bug (docs/guide/privacy-unit.md): unit 0 (the source's reference 0, the canary) placed in
+    two slots of one batch, audited with per-unit neighbours (every slot of a unit null,
+    :class:`~invink_audit.audit.units.UnitPlacement`), while the release claims the per-reference ε."""
+    from invink_audit.audit.units import UnitPlacement
+
+    config = synthetic.correct_mechanism(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k,
+                                         batch_size=s.batch_size, max_new_tokens=s.max_new_tokens).mechanism.config
+    placement = (0, 0, *range(2, s.batch_size))  # unit 1 is displaced by unit 0's second reference
+    return synthetic.AuditedMechanism(
+        "unit-two-slots", "a unit's two references in two slots of one batch, claimed at the per-reference epsilon",
+        UnitPlacement(config, placement, name="unit-two-slots"), s.max_new_tokens, "VIOLATION",
+    )
 
 
 def run_selftest(
@@ -198,7 +216,7 @@ def run_selftest(
     generator: torch.Generator | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SelfTestResult:
-    """Run the auditor against the correct mechanism, the four mutants and the baselines on every synthetic source."""
+    """Run the auditor against the correct mechanism, the planted bugs and the baselines on every synthetic source."""
     from invink_audit.mechanism import make_generator
 
     s = settings or SelfTestSettings()

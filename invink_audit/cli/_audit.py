@@ -20,7 +20,7 @@ def register(subparsers) -> None:
         "audit",
         help="audit the realised privacy loss (white-box, black-box) or self-test the auditor",
         description="Run an audit spec (TOML, see audits/) and write report.json, report.md and PNG plots to "
-        "--output; or, with --selftest, run the auditor against the correct mechanism, four planted bugs and "
+        "--output; or, with --selftest, run the auditor against the correct mechanism, the planted bugs and "
         "the paper's baselines (Amin et al. 2024 with both accountings, AdaPMixED's data-dependent guarantee, AugPE's "
         "histogram with both sensitivities). A spec's [mechanism] kind may be invisibleink, amin or adapmixed; a spec of "
         "kind augpe-histogram audits AugPE's noisy histogram. A data-dependent guarantee is never a "
@@ -37,6 +37,8 @@ def register(subparsers) -> None:
     add(p, "--input", required=False, help="with --release: the references file the release was made from")
     add(p, "--column", default=None, help="with --release: the text column generate was given")
     add(p, "--where")
+    add(p, "--privacy-unit", help="with --release: the unit its guarantee must protect (the column generate was given "
+        "as --privacy-unit); a release of another unit is refused. The unit and its rule are read from the release")
     add(p, "--model", help="with --release: the model generate was given (default: the embedded one)")
     p.add_argument("--sampled-batch", default="0", type=_batch, help="with --release: the batch of the sampled audit, or 'none'")
     p.add_argument("--num-samples", default="16", type=integer, help="with --release: sampled texts (>= 16 for a sampled PASS)")
@@ -56,8 +58,9 @@ def _audit(args) -> int:
 
     if sum((args.selftest, args.spec is not None, args.release is not None)) != 1:
         raise CliError("give one of: a spec file, --selftest, --release OUT.jsonl")
-    if args.release is None and any(x is not None for x in (args.input, args.column, args.where, args.model)):
-        raise CliError("--input, --column, --where and --model go with --release")
+    if args.release is None and any(x is not None for x in (args.input, args.column, args.where, args.model,
+                                                            args.privacy_unit)):  # fmt: skip
+        raise CliError("--input, --column, --where, --privacy-unit and --model go with --release")
     if args.release is not None:
         return _audit_release(args)
     spec = parse_spec({"kind": "selftest", "name": "selftest"}) if args.selftest else load_spec(args.spec)
@@ -115,6 +118,7 @@ def _audit_release(args) -> int:
         report = audit_release_file(
             args.release, args.input, column=args.column, where=parse_where(args.where), model=args.model,
             sampled_batch=args.sampled_batch, num_samples=args.num_samples, seed=args.seed, progress=progress,
+            privacy_unit=args.privacy_unit,
         )  # fmt: skip
     finally:
         close()

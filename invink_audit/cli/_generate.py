@@ -15,7 +15,7 @@ from invink_audit.cli import CliError, integer, number, parse_top_k, plural, sho
 from invink_audit.cli._augpe import AUGPE_OPTIONS, add_augpe_arguments, run_augpe
 from invink_audit.cli._baselines import AMIN_OPTIONS, add_baseline_arguments, baseline_release
 from invink_audit.cli._options import (
-    B_HELP, NOT_CHARGED, PROMPT, add, pair, parse_fields, prompt_template, selected_references,
+    B_HELP, NOT_CHARGED, PROMPT, UNIT, add, pair, parse_fields, privacy_unit, prompt_template, selected_references,
 )
 from invink_audit.distributed import launch_rank
 
@@ -42,6 +42,7 @@ def register(subparsers) -> None:
                    help="map a label column to a prompt field (default: the preset's rule, or the field of the same "
                    "name); repeatable")
     add(p, "--num-texts-per-group", help="with --label-columns: texts per label group (default: every full batch)")
+    add(p, *UNIT)
     add(p, "--output", required=True, metavar=None,
         help="output .jsonl file: new or empty, or the output of an interrupted run with the same settings (resumed)")
     # the guarantee and the mechanism: (epsilon or C, delta), B, T, the number of texts, k and tau
@@ -84,6 +85,8 @@ def _generate(args) -> int:
     from invink_audit.generation import GenerationHooks, generate
 
     _refuse_other_mechanisms_options(args)
+    if args.mechanism == "augpe" and args.privacy_unit is not None:  # its histogram votes once per reference
+        raise CliError("--privacy-unit is not supported by --mechanism augpe (each reference votes in its histogram)")
     if args.mechanism == "augpe":  # not a batched release: its own run (docs/guide/baselines.md, "AugPE")
         return run_augpe(args)
     if args.batch_size is None:
@@ -150,10 +153,11 @@ def _references(args):
     missing input is named in the error), or with ``--where`` the selected records."""
     from invink_audit.data import ReferencesFile
 
+    unit = privacy_unit(args)
     references, column = selected_references(args, args.label_columns)
     if column is None and not isinstance(references, Path):
         return references
-    return ReferencesFile(references, column=column, label_columns=args.label_columns)
+    return ReferencesFile(references, column=column, label_columns=args.label_columns, privacy_unit=unit)
 
 
 def _release_options(args) -> dict:
@@ -239,6 +243,7 @@ def summarise(result, ledger: str | None = None) -> dict:
         "ledger": ledger,
         "charged": ledger is not None,
         "mechanism": getattr(result.mechanism, "name", "invisibleink"),
+        "privacy_unit": None if result.privacy_unit is None else result.privacy_unit.to_json(),
         **({} if ledger is not None else {"ledger_notice": _not_charged(result)}),
         # a seeded run: "guarantee": null and "guarantee_void_reason" (no epsilon to take at face value)
         **result.guarantee.record_fields(),
@@ -266,6 +271,17 @@ def _mechanism_lines(result) -> tuple[str, str]:
                        f"{top_k}, epsilon0 = {figures['epsilon0']:.6g} per token")
 
 
+def _protects(result) -> str:
+    """What the guarantee protects: one reference, or one privacy unit under its rule."""
+    unit = result.privacy_unit
+    if unit is None:
+        return "one reference (replace-by-null of one reference)"
+    bound = {"spread": f", at most {unit.unit_contributions} per unit in different batches",
+             "combine": "" if unit.max_chars is None else f", joined and cut at {unit.max_chars} characters"}
+    return (f"one privacy unit: all references sharing a {unit.column!r} value (rule {unit.rule.value}"
+            f"{bound.get(unit.rule.value, '')})")
+
+
 def format_summary(result, ledger: str | None = None) -> str:
     """The run summary as text; ``ledger``: the ledger file charged (``None``: none was, and it says so)."""
     guarantee, mechanism = _mechanism_lines(result)
@@ -280,6 +296,7 @@ def format_summary(result, ledger: str | None = None) -> str:
         f"  references       {result.num_references} read, {plural(result.num_batches, 'batch', 'batches')} of "
         f"B = {result.partition.batch_size}, {result.num_unused_references} unused",
         guarantee,
+        f"  protects         {_protects(result)}",
         charged,
         mechanism,
         f"  model            {shown(result.model)}",

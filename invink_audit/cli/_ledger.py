@@ -14,7 +14,7 @@ from invink_audit.cli import EXIT_OK, EXIT_OVER_BUDGET, CliError, plural, shown
 from invink_audit.cli._options import add
 
 #: what a release is besides its clip norm (``charge`` and ``fits``), as ``accounting.Release.of`` takes it
-_SHAPE = ("batch_size", "temperature", "max_new_tokens", "texts_per_batch", "num_batches")
+_SHAPE = ("batch_size", "temperature", "max_new_tokens", "texts_per_batch", "num_batches", "unit_contributions")
 
 
 def register(subparsers) -> None:
@@ -32,6 +32,8 @@ def register(subparsers) -> None:
     add(q, "--delta", required=True, help="delta of the dataset's guarantee, in [1e-300, 1)")
     q.add_argument("--dataset", default="", help="free-text name of the dataset")
     add(q, "--accountant")
+    add(q, "--privacy-unit", help="what the budget protects: all references sharing this column's value (e.g. a user "
+        "id; default: one reference). The ledger then takes only releases of that unit, and each the other way")
     q.set_defaults(handler=_init)
 
     q = sub.add_parser("show", help="budget, spend, recorded releases and the hash-chain head")
@@ -44,11 +46,16 @@ def register(subparsers) -> None:
     add(release, "--temperature")
     add(release, "--max-new-tokens", required=True, help="token budget T per text, 1 .. 1e9")
     add(release, "--texts-per-batch", "--num-batches", "--json")
+    add(release, "--unit-max-references", dest="unit_contributions", default="1",
+        help="batches one privacy unit's references may fall in (generate --unit-rule spread's K; default 1); the "
+        "release is charged K texts per unit")
     q = sub.add_parser("charge", parents=[release], help="record a release (refused with exit status 4 when over budget)")
     add(q, "--clip-norm", required=True)
     q.add_argument("--label", default="", help="a name for the release in the ledger")
     q.add_argument("--release-id", help="idempotency key (default: a new random id)")
     q.add_argument("--dry-run", action="store_true", help="report the spend without recording anything (exit 4 if over budget)")
+    add(q, "--privacy-unit", help="the unit the release protects (its --privacy-unit; default: one reference): the "
+        "ledger's own, or it is refused")
     q.set_defaults(handler=_charge)
     q = sub.add_parser("fits", parents=[release], help="the largest clip norm C (and its epsilon) a next release can use")
     q.set_defaults(handler=_fits)
@@ -56,6 +63,10 @@ def register(subparsers) -> None:
 
 def _release_shape(args) -> dict:
     return {name: getattr(args, name) for name in _SHAPE}
+
+
+def _protects(unit: str | None) -> str:
+    return "one reference" if unit is None else f"one privacy unit (all references sharing a {unit!r} value)"
 
 
 def _ledger_file(path: str) -> Path:
@@ -83,10 +94,11 @@ def _init(args) -> int:
     from accounting import BudgetLedger
 
     _ledger_file(args.path)
-    ledger = BudgetLedger.create(args.path, epsilon=args.epsilon, delta=args.delta, accountant=args.accountant, dataset=args.dataset)
+    ledger = BudgetLedger.create(args.path, epsilon=args.epsilon, delta=args.delta, accountant=args.accountant,
+                                 dataset=args.dataset, privacy_unit=args.privacy_unit)
     status = ledger.status()
     print(f"created ledger {shown(args.path)} (budget epsilon={status.epsilon_budget:g}, delta={status.delta:g}, "
-          f"{status.accountant}); head {status.head}")
+          f"{status.accountant}, protecting {_protects(status.privacy_unit)}); head {status.head}")
     return EXIT_OK
 
 
@@ -94,11 +106,11 @@ def _show(args) -> int:
     status = _open(args.path).status()
     if args.json:
         fields = ("epsilon_budget", "delta", "accountant", "epsilon_spent", "epsilon_remaining", "rho_spent",
-                  "rho_remaining", "format_version", "head")
+                  "rho_remaining", "format_version", "head", "privacy_unit")
         print(json.dumps({**{name: getattr(status, name) for name in fields}, "releases": list(status.releases)}))
         return EXIT_OK
     print(f"ledger {shown(args.path)}: spent epsilon={status.epsilon_spent:.6g} of {status.epsilon_budget:g} "
-          f"at delta={status.delta:g} ({status.accountant})")
+          f"at delta={status.delta:g} ({status.accountant}), protecting {_protects(status.privacy_unit)}")
     print(f"  remaining epsilon {status.epsilon_remaining:.6g} is not what a next release can spend: epsilons do not "
           f"add up (releases add zCDP rho); a next release fits if it costs at most rho={status.rho_remaining:.6g}. "
           f"`invink-audit ledger fits {shown(args.path)} --batch-size B --max-new-tokens T` gives its largest C")
@@ -116,7 +128,7 @@ def _show(args) -> int:
             what = f"{r['mechanism']}, rho={r['rho']:.6g} (zCDP)"
         else:
             what = (f"C={r['clip_norm']:g} B={r['batch_size']} tau={r['temperature']:g} T={r['max_new_tokens']} "
-                    f"x{r['texts_per_batch']}")
+                    f"x{r['texts_per_batch']}{f' x{k} batches per unit' if (k := r.get('unit_contributions', 1)) > 1 else ''}")
         print(f"  {entry['recorded_at']}  {r['label'] or r['release_id']}: {what} "
               f"({plural(r['num_batches'], 'batch', 'batches')}) -> total epsilon {entry['epsilon_spent_after']:.6g}")
     return EXIT_OK
@@ -125,7 +137,7 @@ def _show(args) -> int:
 def _charge(args) -> int:
     from accounting import Release
 
-    kwargs = dict(clip_norm=args.clip_norm, **_release_shape(args), label=args.label)
+    kwargs = dict(clip_norm=args.clip_norm, **_release_shape(args), label=args.label, privacy_unit=args.privacy_unit)
     if args.release_id is not None:
         kwargs["release_id"] = args.release_id
     release = Release.of(**kwargs)  # every range checked before the ledger is read
@@ -181,7 +193,9 @@ def _fits(args) -> int:
                           "epsilon_spent_after": after, "epsilon_budget": status.epsilon_budget}))
         return EXIT_OK
     print(f"the next release (B={event.batch_size}, T={event.max_new_tokens}, tau={event.temperature:g}"
-          f"{f', {event.texts_per_batch} texts per batch' if event.texts_per_batch > 1 else ''}) fits with clip norm "
-          f"C <= {event.clip_norm!r}: alone it is (epsilon={alone.epsilon:.6g}, delta={status.delta:g})-DP; the "
+          f"{f', {event.texts_per_batch} texts per batch' if event.texts_per_batch > 1 else ''}"
+          f"{f', {event.unit_contributions} batches per unit' if event.unit_contributions > 1 else ''}) fits with clip "
+          f"norm C <= {event.clip_norm!r}: alone it is (epsilon={alone.epsilon:.6g}, delta={status.delta:g})-DP for "
+          f"{_protects(status.privacy_unit)}; the "
           f"ledger's total after it is epsilon={after:.6g} of {status.epsilon_budget:g}")
     return EXIT_OK

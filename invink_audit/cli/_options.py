@@ -88,6 +88,19 @@ SHARED: dict[str, dict] = {
                     "text column (sweep: selects from --input; --real is read as given)"),
     "--label-column": dict(action="append", default=[], metavar="NAME", help="label column (repeat for several)"),
     "--label-columns": dict(type=columns, metavar="A,B", help="the same, comma-separated (as generate takes them)"),
+    # the unit of privacy (docs/guide/privacy-unit.md)
+    "--privacy-unit": dict(metavar="COLUMN", help="the unit of privacy: references sharing this column's value (e.g. "
+                           "a user id) are one unit, and the guarantee protects all of a unit's references together "
+                           "(default: one reference). Unit values are never written"),
+    "--unit-rule": dict(choices=("combine", "spread", "first"), help="with --privacy-unit, how a unit's references "
+                        "are bounded (public rules: file order and the unit column only): combine (default: one slot "
+                        "per unit, its references joined in file order, cut at --unit-max-chars), spread (at most "
+                        "--unit-max-references per unit, each in a different batch, charged that many texts), first "
+                        "(a unit's first reference only)"),
+    "--unit-max-references": dict(type=integer, metavar="K", help="rule spread's bound k: a unit's first K references, "
+                                  "in K different batches; the guarantee per unit composes K texts (default 1)"),
+    "--unit-max-chars": dict(type=integer, metavar="N", help="rule combine's public length bound: a unit's joined "
+                             "references cut to their first N characters (default: no cut)"),
     # the public prompt (generate, sweep, profile)
     "--prompt": dict(help="prompt preset: generic, yelp (answer started as a quoted review), yelp-paper (the paper's "
                      "Table 4), tab, mimic; base models (no chat template): yelp-completion, generic-completion "
@@ -133,6 +146,29 @@ def grid_options(args, *, private_input: bool = True) -> dict:
     return dict(axes, where=parse_where(args.where), prompt=prompt_template(args, private_input=private_input),
                 prompt_fields=parse_fields(args.prompt_field) or None, column=args.column,
                 label_columns=tuple(label_columns(args)))
+
+
+#: the privacy unit's flags (generate, audit --release, profile; :func:`privacy_unit` reads them)
+UNIT = ("--privacy-unit", "--unit-rule", "--unit-max-references", "--unit-max-chars")
+
+
+def privacy_unit(args):
+    """:data:`UNIT` as a :class:`~invink_audit.data.PrivacyUnit` (``None``: per reference); a rule's bound without
+    ``--privacy-unit``, or a bound another rule does not take, is one line naming the flag."""
+    from invink_audit.data import PrivacyUnit
+
+    given = [f for f in UNIT[1:] if getattr(args, f[2:].replace("-", "_"), None) is not None]
+    if args.privacy_unit is None:
+        if given:
+            raise CliError(f"{given[0]} is only used with --privacy-unit COLUMN")
+        return None
+    if getattr(args, "where", None):
+        raise CliError("--where with --privacy-unit is not supported: select the records into a file first")
+    try:
+        return PrivacyUnit(args.privacy_unit, args.unit_rule or "combine",
+                           1 if args.unit_max_references is None else args.unit_max_references, args.unit_max_chars)
+    except ValueError as err:
+        raise CliError(f"--privacy-unit: {err}") from err
 
 
 def parse_fields(items) -> dict[str, str]:

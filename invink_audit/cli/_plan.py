@@ -41,6 +41,9 @@ def register(subparsers) -> None:
             target = "target " if name == "min-batch-size" and flag == "--clip-norm" else ""  # B is planned for it
             add(p, flag, required=flag != "--temperature", help=target + SHARED[flag]["help"])
         add(p, "--accountant", "--json")
+        add(p, "--unit-max-references", dest="unit_contributions", default="1",
+            help="answer per privacy unit whose references fall in up to K batches (generate --unit-rule spread's K): "
+            "K texts of T tokens composed (default 1: one reference, or a unit in one slot)")
         p.set_defaults(handler=functools.partial(_planned, name))
     _register_table(subparsers)
     _register_memory(subparsers)
@@ -77,6 +80,10 @@ def format_plan(plan, *, headline: str = "InvisibleInk privacy plan") -> str:
         f"  per token          epsilon0 = 2C/(B*tau) = {plan.epsilon0:.6g}, rho_token = {plan.rho_token:.6g}",
         f"  per text           rho_sequence = T*rho_token = {plan.rho_sequence:.6g} (zCDP)",
     ]
+    if plan.unit_contributions > 1:
+        k = plan.unit_contributions
+        lines[1] += f" per privacy unit in up to {k} batches"
+        lines[-1] = f"  per unit           rho = {k}*T*rho_token = {plan.rho_sequence:.6g} (zCDP, {k} texts composed)"
     return "\n".join(lines)
 
 
@@ -86,7 +93,8 @@ def _planned(name: str, args) -> int:
 
     planner, flags, _, _, headline, field = _PLANNERS[name]
     names = [flag[2:].replace("-", "_") for flag in flags]  # the planner's keywords, in the command's order
-    plan = getattr(accounting, planner)(**{name: getattr(args, name) for name in names}, accountant=args.accountant)
+    plan = getattr(accounting, planner)(**{name: getattr(args, name) for name in names}, accountant=args.accountant,
+                                        unit_contributions=args.unit_contributions)
     added = {} if field is None else {field: getattr(plan, field)}
     print(json.dumps({**plan.summary(), **added}) if args.json else format_plan(plan, headline=headline))
     return 0

@@ -7,7 +7,7 @@ import json
 import sys
 
 from invink_audit.cli import integer, plural, progress_bar, shown
-from invink_audit.cli._options import PROMPT, add, add_grid, grid_options
+from invink_audit.cli._options import PROMPT, UNIT, add, add_grid, grid_options, privacy_unit
 
 
 def register(subparsers) -> None:
@@ -32,6 +32,7 @@ def register(subparsers) -> None:
     add(p, "--seed", default="0", help="picks the texts and their references (default 0)")
     add(p, "--label-column", help="label column (repeat): each text gets references of its own group and its labels' prompt")
     add(p, "--label-columns")
+    add(p, *UNIT)
     add(p, *PROMPT)
     add(p, "--model")
     add(p, "--json", help='print {"points": [...], ...} instead of the table')
@@ -46,6 +47,7 @@ def _profile(args) -> int:
     config = ProfileConfig(
         **grid_options(args, private_input=False),  # proxy data: a profile is not a release
         max_new_tokens=args.max_new_tokens, scored_tokens=args.scored_tokens, num_texts=args.num_texts, seed=args.seed,
+        privacy_unit=privacy_unit(args),  # each point's C per unit; the proxy references as the unit's rule makes them
     )
     points = len(config.points())
     print(f"profile: {plural(points, 'grid point')} from one teacher-forced pass. {PLANNING_NOTICE}", file=sys.stderr)

@@ -91,6 +91,9 @@ class ProfileConfig:
     #: only the proxy references whose columns have these values (``{column: value}``, as ``generate`` takes it)
     where: Mapping[str, str] | None = None
     accountant: str = DEFAULT_ACCOUNTANT
+    #: the unit of privacy (:class:`~invink_audit.data.PrivacyUnit`; ``None``: one reference): each point's C is
+    #: planned per unit, and the proxy references are the slots its rule makes (docs/guide/privacy-unit.md)
+    privacy_unit: object = None
     num_resamples: int = 2000
     confidence: float = DEFAULT_CONFIDENCE
 
@@ -111,6 +114,11 @@ class ProfileConfig:
         if not isinstance(self.confidence, float) or not 0 < self.confidence < 1:
             raise ValueError(f"confidence must be a float in (0, 1); got {self.confidence!r}")
         object.__setattr__(self, "label_columns", tuple(self.label_columns))
+        from invink_audit.data import PrivacyUnit
+
+        object.__setattr__(self, "privacy_unit", PrivacyUnit.of(self.privacy_unit))
+        if self.privacy_unit is not None and self.where:
+            raise ValueError("where with a privacy unit is not supported: select the records into a file first")
         self.points()  # every point's C is planned now: an out-of-range point fails before any model loads
 
     @property
@@ -124,8 +132,9 @@ class ProfileConfig:
         for eps in self.epsilons:
             for b in self.batch_sizes:
                 for tau in self.temperatures:
+                    k = 1 if self.privacy_unit is None else self.privacy_unit.unit_contributions
                     plan = plan_clip_norm(epsilon=eps, delta=self.delta, max_new_tokens=self.max_new_tokens,
-                                          batch_size=b, temperature=tau, accountant=self.accountant)
+                                          batch_size=b, temperature=tau, accountant=self.accountant, unit_contributions=k)
                     out += [GridPoint(plan.epsilon, b, k, plan.temperature, plan.clip_norm) for k in self.top_ks]
         return out
 
@@ -358,9 +367,16 @@ def _smoothed_loss(log_probs, tokens, vocab_size: int):
 # choosing the texts and their references
 
 
-def _read(path, config: ProfileConfig, *, where: Mapping[str, str] | None = None):
+def _read(path, config: ProfileConfig, *, where: Mapping[str, str] | None = None, unit=None):
     from invink_audit.data import read_labelled_references, read_references, select_references
 
+    if unit is not None:  # the proxy references as the unit's rule makes its slots (a release's references)
+        from invink_audit.data import read_unit_references, unit_slots
+
+        refs = read_unit_references(path, unit, column=config.column,
+                                    label_columns=config.label_columns or None)  # fmt: skip
+        texts, positions = unit_slots(refs)
+        return texts, None if refs.labels is None else [dict(refs.labels.labels[p]) for p in positions]
     if where:
         records = select_references(path, where, column=config.column, label_columns=config.label_columns)
         if config.label_columns:
@@ -449,7 +465,7 @@ def run_profile(
     if not isinstance(config, ProfileConfig):
         raise ValueError(f"config must be a ProfileConfig; got {type(config).__name__}")
     start = time.perf_counter()
-    records = _read(Path(proxy), config, where=config.where), _read(Path(real), config)  # a bad file fails before the model loads
+    records = _read(Path(proxy), config, where=config.where, unit=config.privacy_unit), _read(Path(real), config)  # a bad file fails before the model loads
     loaded = load_model(DEFAULT_GENERATOR if model is None else model)
     texts, skipped = _choose_texts(*records, config, loaded.tokenizer, frozenset(loaded.eos_token_ids))
     if len(texts) < 2:
