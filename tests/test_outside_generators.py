@@ -203,5 +203,168 @@ def test_invink_black_box(invink, tiny_dir):
     target = ReferencePackageTarget(str(tiny_dir), batch_size=2, dataset_desc="short restaurant reviews", epsilon=2.0,
                                     delta=1e-6, max_toks=4, drop_empty=False, dtype="float32", device_map=-1,
                                     allow_download=False, random_seed=None)  # fmt: skip
-    report = blackbox_audit(target, INVINK_REFS, CANARY, claimed_epsilon=2.0, claimed_delta=1e-6, num_trials=16)
+    report = blackbox_audit(target, INVINK_REFS, CANARY, claimed_epsilon=2.0, claimed_delta=1e-6, num_trials=10)
     assert report.verdict is Verdict.INCONCLUSIVE and 0.0 <= report.epsilon_lower_bound <= 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-index-packs-diff-private-simple-dataset 0.4.1 (Tang et al., ICLR 2024), driven by a local stand-in LLM
+
+#: the pack and the part of its dependency closure this environment lacks, pinned to what pip resolved on 2026-11-28
+#: (llama-index-core <= 0.14.20: 0.14.21 removed llama_index.core.llama_pack, which the pack's declared
+#: range "<0.15" admits: installed as declared, it fails to import)
+PACK_REQUIREMENTS = (
+    "llama-index-packs-diff-private-simple-dataset==0.4.1", "llama-index-core==0.14.20",
+    "llama-index-instrumentation==0.6.0", "llama-index-workflows==2.26.1", "prv-accountant==0.2.0", "banks==2.5.1",
+    "colorama==0.4.6", "dataclasses-json==0.6.7", "deprecated==1.3.1", "filetype==1.2.0", "greenlet==3.5.6",
+    "griffe==2.4.1", "griffecli==2.4.1", "griffelib==2.4.1", "marshmallow==3.26.2", "mypy-extensions==1.2.0",
+    "platformdirs==4.14.8", "sqlalchemy==2.1.9", "tenacity==9.2.1", "tinytag==2.3.2", "typing-inspect==0.9.0",
+)  # fmt: skip
+#: top log-probabilities the stand-in LLM returns (as OpenAI's completion endpoint's ``logprobs=k``)
+TOP_LOGPROBS = 8
+
+
+@pytest.fixture(scope="module")
+def pack(registry):
+    registry(*PACK_REQUIREMENTS)
+    import llama_index.packs.diff_private_simple_dataset.base as pack
+
+    return pack
+
+
+@pytest.fixture(scope="module")
+def stand_in_llm(pack, tiny):
+    """A llama_index completion LLM over the tiny model (no network): the top log-probabilities of the next token."""
+    from llama_index.core.base.llms.types import LogProb
+    from llama_index.core.llms import CompletionResponse, CustomLLM, LLMMetadata
+
+    model, tokenizer = tiny.model, tiny.tokenizer
+
+    class TinyLLM(CustomLLM):
+        model: str = "tiny"
+
+        @property
+        def metadata(self) -> LLMMetadata:
+            return LLMMetadata(model_name=self.model)
+
+        def complete(self, prompt: str, formatted: bool = False, **kwargs) -> CompletionResponse:
+            with torch.no_grad():
+                logits = model(tokenizer(prompt, return_tensors="pt").input_ids).logits[0, -1].double()
+            top = torch.topk(torch.log_softmax(logits, -1), TOP_LOGPROBS)
+            logprobs = [LogProb(token=tokenizer.decode([i]), logprob=float(v)) for v, i in zip(top.values, top.indices)]
+            return CompletionResponse(text=logprobs[0].token, logprobs=[logprobs])
+
+        def stream_complete(self, prompt: str, formatted: bool = False, **kwargs):
+            raise NotImplementedError("the pack does not stream")
+
+    return TinyLLM()
+
+
+PACK_REFS = ["great pasta, friendly staff", "the rooftop view was stunning", "cold soup and a long wait",
+             "best tiramisu in town"]  # fmt: skip
+
+
+def pack_adapter(pack, llm, *, sigma=1.0, num_splits=2, t_max=3):
+    """The user glue: the pack's own generate_dp_synthetic_example on the references as one label's examples (None:
+    an empty example in its slot). Its claim per token, given the split (no subsampling credit): noise
+    √2·σ/num_splits on a mean of num_splits probability vectors (ℓ2 sensitivity √2/num_splits under replacement),
+    the Gaussian mechanism's ρ = 1/(2σ²) (Bun & Steinke 2016, Prop. 1.6), the argmax post-processing; t_max tokens."""
+    from llama_index.core.llama_dataset.base import CreatedBy, CreatedByType
+    from llama_index.core.llama_dataset.simple import LabelledSimpleDataExample, LabelledSimpleDataset
+
+    bundle = pack.PromptBundle(instruction="Write a restaurant review.", text_heading="Review", label_heading="Label")
+
+    def generate(references):
+        data = LabelledSimpleDataset(examples=[LabelledSimpleDataExample(
+            reference_label="review", text=r or "", text_by=CreatedBy(type=CreatedByType.HUMAN)) for r in references])
+        dp_pack = pack.DiffPrivateSimpleDatasetPack(llm, None, bundle, data, show_progress=False)
+        return dp_pack.generate_dp_synthetic_example("review", t_max=t_max, sigma=sigma, num_splits=num_splits,
+                                                     num_samples_per_split=len(references) // num_splits).text
+
+    return generate, zcdp_claim("llama-index DP simple dataset pack 0.4.1", 1 / (2 * sigma**2), t_max, len(PACK_REFS))
+
+
+def test_pack_shipped_loop_white_box(pack, stand_in_llm):
+    """Its own loop: every token a Gaussian report-noisy-max (recorded exactly through its RandomState's noise and the
+    scores added to it), within the per-step claim for a replaced example and for one left out (its shuffle is held
+    fixed by the replay: the splits are the actual run's); a claim a hundred times smaller is caught."""
+    generate, claim = pack_adapter(pack, stand_in_llm)
+    audit = audit_generator(generate, PACK_REFS, claim)
+    assert [c.sampler for c in audit.calls] == ["noisy argmax (normal noise)"] * 3 and audit.dtypes == ("float64",)
+    assert audit.verdict is Verdict.PASS, audit.reason
+    assert audit.calls[0].log_probs.shape[1] <= TOP_LOGPROBS  # the public prompt's top tokens: its token universe
+    left_out = audit_generator(lambda refs: generate([r for r in refs if r is not None]), PACK_REFS, claim)
+    assert left_out.verdict is Verdict.PASS, left_out.reason
+    generate, _ = pack_adapter(pack, stand_in_llm)
+    strict = zcdp_claim("pack, a claim 100x smaller", claim.step.rho / 100, 3, len(PACK_REFS))
+    assert audit_generator(generate, PACK_REFS, strict).verdict is Verdict.VIOLATION
+
+
+def test_pack_black_box(pack, stand_in_llm):
+    from invink_audit.audit import blackbox_audit
+    from invink_audit.audit.targets import CallableTarget
+
+    generate, claim = pack_adapter(pack, stand_in_llm)
+    target = CallableTarget(generate, label="llama-index DP simple dataset pack 0.4.1")
+    report = blackbox_audit(target, PACK_REFS, CANARY, claimed_epsilon=2.0, claimed_delta=1e-6, num_trials=16)
+    assert report.verdict is Verdict.INCONCLUSIVE and report.mechanism == target.label
+
+
+def _pld_epsilon(sampling_rate: float, sigma: float, count: int, delta: float) -> float:
+    """ε(δ) of ``count`` Poisson-subsampled Gaussian mechanisms (noise multiplier ``sigma``) by dp-accounting's PLD."""
+    from dp_accounting import dp_event, pld
+
+    accountant = pld.PLDAccountant()
+    accountant.compose(dp_event.PoissonSampledDpEvent(sampling_rate, dp_event.GaussianDpEvent(sigma)), count)
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("examples, size, num_splits, t_max", [(100, 10, 5, 20)])
+def test_pack_accountant_against_dp_accounting(pack, stand_in_llm, examples, size, num_splits, t_max):
+    """Its sigma_to_eps (PRV accountant, δ = 1/N) agrees with dp-accounting on the inputs it is given: Poisson rate
+    size/N, t_max compositions. Its loop samples num_splits·num_samples_per_split of the label's examples afresh at
+    every token of every one of the ``size`` examples: accounted so (Poisson as the pack's own approximation), ε differs,
+    above or below its report."""
+    from llama_index.core.llama_dataset.base import CreatedBy, CreatedByType
+    from llama_index.core.llama_dataset.simple import LabelledSimpleDataExample, LabelledSimpleDataset
+
+    example = LabelledSimpleDataExample(reference_label="r", text="x", text_by=CreatedBy(type=CreatedByType.HUMAN))
+    bundle = pack.PromptBundle(instruction="i", text_heading="t", label_heading="l")
+    dp_pack = pack.DiffPrivateSimpleDatasetPack(stand_in_llm, None, bundle, LabelledSimpleDataset(examples=[example] * examples))
+    reported = dp_pack.sigma_to_eps(1.0, pack.PrivacyMechanism.GAUSSIAN, size, t_max)
+    assert reported == pytest.approx(_pld_epsilon(size / examples, 1.0, t_max, 1 / examples), abs=0.02)
+    as_run = _pld_epsilon(num_splits / examples, 1.0, size * t_max, 1 / examples)
+    assert as_run > reported + 0.5  # 2.20 as run vs 1.32 reported (at N=1000, size=100, t_max=50: 1.28 vs 3.31)
+
+
+# ---------------------------------------------------------------------------------------------
+# dp-fusion-lib 0.1.0 (white-box: tests/test_audit_intercept.py), black-box through its text path
+
+DPF_PRIVATE = "John Doe was admitted to St Mary hospital on 3 May with a fracture."
+DPF_PUBLIC = "_ was admitted to _ hospital on _ with a fracture."
+
+
+def dp_fusion_adapter(dp_fusion, tiny, *, alpha=2.0, beta=0.5, steps=4, delta=1e-5):
+    """The user glue: DPFusion.generate on one private document (None: the redacted one); its claim as it reports
+    it, compute_epsilon_single_group's "theoretical" ε = 4βT + log(1/δ)/(α−1) (data-dependent: its λ-search
+    enforces D_α ≤ αβ per step on the document it runs on)."""
+    dpf = dp_fusion.DPFusion(model=tiny.model, tokenizer=tiny.tokenizer, max_tokens=steps)
+
+    def generate(references):
+        return dpf.generate(private_context=references[0] or DPF_PUBLIC, public_context=DPF_PUBLIC, alpha=alpha,
+                            beta=beta)["text"]  # fmt: skip
+
+    epsilon = dp_fusion.compute_epsilon_single_group([alpha * beta] * steps, alpha, delta, beta)["theoretical"]
+    return generate, epsilon
+
+
+@pytest.mark.filterwarnings("ignore:.*CUDA is not available:UserWarning", "ignore:.*past_key_values:FutureWarning")
+def test_dp_fusion_black_box_text_path(dp_fusion, tiny):
+    from invink_audit.audit import blackbox_audit
+    from invink_audit.audit.targets import CallableTarget
+
+    generate, epsilon = dp_fusion_adapter(dp_fusion, tiny)
+    assert epsilon == pytest.approx(4 * 0.5 * 4 + math.log(1e5) / (2.0 - 1.0))
+    report = blackbox_audit(CallableTarget(generate, label="dp-fusion-lib 0.1.0"), [DPF_PRIVATE], CANARY,
+                            claimed_epsilon=epsilon, claimed_delta=1e-5, num_trials=16)  # fmt: skip
+    assert report.verdict is Verdict.INCONCLUSIVE and report.epsilon_lower_bound <= epsilon
