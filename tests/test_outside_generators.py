@@ -368,3 +368,56 @@ def test_dp_fusion_black_box_text_path(dp_fusion, tiny):
     report = blackbox_audit(CallableTarget(generate, label="dp-fusion-lib 0.1.0"), [DPF_PRIVATE], CANARY,
                             claimed_epsilon=epsilon, claimed_delta=1e-5, num_trials=16)  # fmt: skip
     assert report.verdict is Verdict.INCONCLUSIVE and report.epsilon_lower_bound <= epsilon
+
+
+DPF_ADAPTER_MODULE = f'''
+import dp_fusion_lib
+from invink_audit.models import build_tiny_model
+
+tiny = build_tiny_model(seed=5)
+dpf = dp_fusion_lib.DPFusion(model=tiny.model, tokenizer=tiny.tokenizer, max_tokens=4)
+
+
+def generate(references):  # one private document; None: the redacted one
+    return dpf.generate(private_context=references[0] or {DPF_PUBLIC!r}, public_context={DPF_PUBLIC!r}, alpha=2.0,
+                        beta=0.5)["text"]
+'''
+
+
+@pytest.mark.filterwarnings("ignore:.*CUDA is not available:UserWarning", "ignore:.*past_key_values:FutureWarning")
+def test_an_audit_spec_names_an_adapter(dp_fusion, tmp_path, monkeypatch):
+    """``[target] kind = "callable"`` runs the dp-fusion adapter from a module beside the spec (black-box)."""
+    from invink_audit.audit.spec import load_spec, run_spec
+
+    (tmp_path / "dpf_adapter.py").write_text(DPF_ADAPTER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "dp_fusion.toml"
+    path.write_text(f'kind = "black-box"\nseed = 1\n[target]\nkind = "callable"\nfunction = "dpf_adapter:generate"\n'
+                    f'[data]\ninline = ["{DPF_PRIVATE}"]\n[mechanism]\nbatch_size = 1\nepsilon = 19.51\ndelta = 1e-5\n'
+                    f'[blackbox]\ncanary = "{CANARY}"\nnum_trials = 16\n')  # fmt: skip
+    report = run_spec(load_spec(path))
+    assert report.mechanism == "callable dpf_adapter:generate" and report.verdict is Verdict.INCONCLUSIVE
+    assert report.claimed_epsilon == 19.51 and report.claimed_delta == 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# the self-test's rows for the adapter path (invink_audit.audit.selftest.ADAPTER_ROWS)
+
+
+def test_selftest_adapter_rows():
+    """The planted bugs of the adapter path are caught through audit_generator on the tiny model: generate's default
+    top-k after a DP processor (a support chosen by private data: an infinite loss) and a claim one step short."""
+    from invink_audit.audit.selftest import ADAPTER_ROWS, SelfTestResult, SelfTestSettings, adapter_entries, selftest_markdown
+
+    entries = {e.mechanism: e for e in adapter_entries()}
+    assert set(entries) == set(ADAPTER_ROWS) and all(e.passed for e in entries.values())
+    assert {name: e.verdict for name, e in entries.items()} == {name: row[0] for name, row in ADAPTER_ROWS.items()}
+    control, top_k, short = (entries[n].sources[0] for n in ADAPTER_ROWS)
+    e0 = 2 * SelfTestSettings().clip_norm / len(SelfTestSettings().adapter_references)
+    assert control["dtypes"] == ["float32"] and control["max_loss_range_over_epsilon0"] <= 1 + control["tolerance"] / e0
+    assert control["max_loss_range_over_epsilon0"] > 0.9  # the clip binds: the control is not vacuous
+    assert math.isinf(top_k["max_loss_range_over_epsilon0"]) and "step bounded range" in top_k["reason"]
+    assert short["excesses"]["draws per text over max_new_tokens"] == 1.0 and "draws per text" in short["reason"]
+    md = selftest_markdown(SelfTestResult(tuple(entries.values()), {"passed": True, "num_outputs": 1, "covered": 1,
+                                          "intervals": 1, "level": 0.95, "max_abs_error_importance_sampling": 0.0}, (), 0.0))
+    assert "adapter-default-top-k" in md and "VIOLATION when generate's default top-k follows it" in md
