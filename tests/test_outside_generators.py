@@ -7,6 +7,7 @@ each package's own arithmetic recomputed (its clip, its noise scale) and its acc
 """
 
 import math
+import random
 import sys
 
 import numpy as np
@@ -284,19 +285,19 @@ def pack_adapter(pack, llm, *, sigma=1.0, num_splits=2, t_max=3):
     return generate, zcdp_claim("llama-index DP simple dataset pack 0.4.1", 1 / (2 * sigma**2), t_max, len(PACK_REFS))
 
 
-def test_pack_shipped_loop_white_box(pack, stand_in_llm):
+@pytest.mark.parametrize("shuffle_seed", [0, 1, 2])
+def test_pack_shipped_loop_white_box(pack, stand_in_llm, shuffle_seed):
     """Its own loop: every token a Gaussian report-noisy-max (recorded exactly through its RandomState's noise and the
-    scores added to it), within the per-step claim for a replaced example and for one left out (its shuffle is held
-    fixed by the replay: the splits are the actual run's); a claim a hundred times smaller is caught."""
+    scores added to it), within the per-step claim for a replaced example whatever its splits (Python's random, which
+    shuffles them, is seeded here and held fixed by the replays); a claim a hundred times smaller is caught."""
     generate, claim = pack_adapter(pack, stand_in_llm)
+    random.seed(shuffle_seed)
     audit = audit_generator(generate, PACK_REFS, claim)
-    assert [c.sampler for c in audit.calls] == ["noisy argmax (normal noise)"] * 3 and audit.dtypes == ("float64",)
-    assert audit.verdict is Verdict.PASS, audit.reason
+    assert 1 <= len(audit.calls) <= 3 and {c.sampler for c in audit.calls} == {"noisy argmax (normal noise)"}
+    assert audit.dtypes == ("float64",) and audit.verdict is Verdict.PASS, audit.reason
     assert audit.calls[0].log_probs.shape[1] <= TOP_LOGPROBS  # the public prompt's top tokens: its token universe
-    left_out = audit_generator(lambda refs: generate([r for r in refs if r is not None]), PACK_REFS, claim)
-    assert left_out.verdict is Verdict.PASS, left_out.reason
-    generate, _ = pack_adapter(pack, stand_in_llm)
     strict = zcdp_claim("pack, a claim 100x smaller", claim.step.rho / 100, 3, len(PACK_REFS))
+    random.seed(shuffle_seed)
     assert audit_generator(generate, PACK_REFS, strict).verdict is Verdict.VIOLATION
 
 
