@@ -8,7 +8,9 @@ each package's own arithmetic recomputed (its clip, its noise scale) and its acc
 
 import math
 import random
+import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,23 @@ from invink_audit.audit.intercept import noisy_argmax_log_probs, unreleased
 from invink_audit.audit.whitebox import Claim
 from invink_audit.mechanisms import MechanismGuarantee
 from invink_audit.mechanisms.base import GuaranteeKind
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "outside-generators.md"
+#: the most lines of user glue an adapter may take (issue 35): its block, less imports and blank lines
+GLUE_LINES = 20
+
+
+def guide_function(name: str):
+    """The function ``name`` defined by a ```python block of the guide, run as it is shown there (its imports too);
+    the block must stay within :data:`GLUE_LINES` lines of glue."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), re.S)
+    (code,) = [b for b in blocks if f"def {name}(" in b]
+    glue = [line for line in code.splitlines() if line.strip() and not line.startswith(("import ", "from "))]
+    assert len(glue) <= GLUE_LINES or name == "stand_in_llm", (name, len(glue))
+    namespace: dict = {}
+    exec(compile(code, f"{GUIDE}:{name}", "exec"), namespace)
+    return namespace[name]
+
 
 #: Monte Carlo draws for the noisy-argmax law, and the binomial interval's z (two-sided 1e-6)
 MC_DRAWS, MC_Z = 400_000, 5.0
@@ -142,22 +161,9 @@ CANARY = "my card number is 4929 7310 5528 1746"
 INVINK_REFS = ["the pasta was cold and the waiter rude", "lovely rooftop bar, great cocktails"]
 
 
-def invink_adapter(invink, model_dir, *, epsilon=2.0, delta=1e-6, steps=4, **options):
-    """The user glue (docs/guide/outside-generators.md): invink's own loop on B = len(references) references, one
-    text, T = ``steps``; its claim: ρ = epsilon_to_zcdp(ε, δ) for T tokens (its get_clip inverts the same CKS
-    conversion), ρ/T per token (its compute_rho), replace-by-null (its empty reference is its public prompt)."""
-    from accounting import epsilon_to_zcdp
-
-    def generate(references):  # None -> "" is invink's public prompt when drop_empty=False
-        with unreleased("torch.multinomial"):  # its per-token model.generate(do_sample=True) token is discarded
-            out = invink.generate(["" if r is None else r for r in references], model_name_or_path=str(model_dir),
-                                  dataset_desc="short restaurant reviews", epsilon=epsilon, delta=delta,
-                                  batch_size=len(INVINK_REFS) + 1, num=1, dtype="float32", device_map=-1,
-                                  allow_download=False, **{"drop_empty": False, "max_toks": steps, **options})
-        return out
-
-    rho = epsilon_to_zcdp(epsilon, delta, "cks")
-    return generate, zcdp_claim("invink 0.1.0", rho / steps, steps, len(INVINK_REFS), delta=delta)
+def invink_adapter(invink, model_dir, **options):
+    """The guide's adapter (worked example 1) on the module's references: (generate, claim)."""
+    return guide_function("invink_adapter")(model_dir, len(INVINK_REFS), **options)
 
 
 #: invink passes past_key_values= to generate (deprecated in transformers 5)
@@ -235,54 +241,17 @@ def pack(registry):
 
 @pytest.fixture(scope="module")
 def stand_in_llm(pack, tiny):
-    """A llama_index completion LLM over the tiny model (no network): the top log-probabilities of the next token."""
-    from llama_index.core.base.llms.types import LogProb
-    from llama_index.core.llms import CompletionResponse, CustomLLM, LLMMetadata
-
-    model, tokenizer = tiny.model, tiny.tokenizer
-
-    class TinyLLM(CustomLLM):
-        model: str = "tiny"
-
-        @property
-        def metadata(self) -> LLMMetadata:
-            return LLMMetadata(model_name=self.model)
-
-        def complete(self, prompt: str, formatted: bool = False, **kwargs) -> CompletionResponse:
-            with torch.no_grad():
-                logits = model(tokenizer(prompt, return_tensors="pt").input_ids).logits[0, -1].double()
-            top = torch.topk(torch.log_softmax(logits, -1), TOP_LOGPROBS)
-            logprobs = [LogProb(token=tokenizer.decode([i]), logprob=float(v)) for v, i in zip(top.values, top.indices)]
-            return CompletionResponse(text=logprobs[0].token, logprobs=[logprobs])
-
-        def stream_complete(self, prompt: str, formatted: bool = False, **kwargs):
-            raise NotImplementedError("the pack does not stream")
-
-    return TinyLLM()
+    """The guide's local stand-in for a completion LLM, over the tiny model (no network)."""
+    return guide_function("stand_in_llm")(tiny.model, tiny.tokenizer, TOP_LOGPROBS)
 
 
 PACK_REFS = ["great pasta, friendly staff", "the rooftop view was stunning", "cold soup and a long wait",
              "best tiramisu in town"]  # fmt: skip
 
 
-def pack_adapter(pack, llm, *, sigma=1.0, num_splits=2, t_max=3):
-    """The user glue: the pack's own generate_dp_synthetic_example on the references as one label's examples (None:
-    an empty example in its slot). Its claim per token, given the split (no subsampling credit): noise
-    √2·σ/num_splits on a mean of num_splits probability vectors (ℓ2 sensitivity √2/num_splits under replacement),
-    the Gaussian mechanism's ρ = 1/(2σ²) (Bun & Steinke 2016, Prop. 1.6), the argmax post-processing; t_max tokens."""
-    from llama_index.core.llama_dataset.base import CreatedBy, CreatedByType
-    from llama_index.core.llama_dataset.simple import LabelledSimpleDataExample, LabelledSimpleDataset
-
-    bundle = pack.PromptBundle(instruction="Write a restaurant review.", text_heading="Review", label_heading="Label")
-
-    def generate(references):
-        data = LabelledSimpleDataset(examples=[LabelledSimpleDataExample(
-            reference_label="review", text=r or "", text_by=CreatedBy(type=CreatedByType.HUMAN)) for r in references])
-        dp_pack = pack.DiffPrivateSimpleDatasetPack(llm, None, bundle, data, show_progress=False)
-        return dp_pack.generate_dp_synthetic_example("review", t_max=t_max, sigma=sigma, num_splits=num_splits,
-                                                     num_samples_per_split=len(references) // num_splits).text
-
-    return generate, zcdp_claim("llama-index DP simple dataset pack 0.4.1", 1 / (2 * sigma**2), t_max, len(PACK_REFS))
+def pack_adapter(pack, llm, **options):
+    """The guide's adapter (worked example 2) on the module's references: (generate, claim)."""
+    return guide_function("pack_adapter")(llm, len(PACK_REFS), **options)
 
 
 @pytest.mark.parametrize("shuffle_seed", [0, 1, 2])
@@ -345,18 +314,9 @@ DPF_PRIVATE = "John Doe was admitted to St Mary hospital on 3 May with a fractur
 DPF_PUBLIC = "_ was admitted to _ hospital on _ with a fracture."
 
 
-def dp_fusion_adapter(dp_fusion, tiny, *, alpha=2.0, beta=0.5, steps=4, delta=1e-5):
-    """The user glue: DPFusion.generate on one private document (None: the redacted one); its claim as it reports
-    it, compute_epsilon_single_group's "theoretical" ε = 4βT + log(1/δ)/(α−1) (data-dependent: its λ-search
-    enforces D_α ≤ αβ per step on the document it runs on)."""
-    dpf = dp_fusion.DPFusion(model=tiny.model, tokenizer=tiny.tokenizer, max_tokens=steps)
-
-    def generate(references):
-        return dpf.generate(private_context=references[0] or DPF_PUBLIC, public_context=DPF_PUBLIC, alpha=alpha,
-                            beta=beta)["text"]  # fmt: skip
-
-    epsilon = dp_fusion.compute_epsilon_single_group([alpha * beta] * steps, alpha, delta, beta)["theoretical"]
-    return generate, epsilon
+def dp_fusion_adapter(dp_fusion, tiny, **options):
+    """The guide's adapter (worked example 3) on the tiny model: (generate, claim, its reported ε)."""
+    return guide_function("dp_fusion_adapter")(tiny.model, tiny.tokenizer, DPF_PUBLIC, **options)
 
 
 @pytest.mark.filterwarnings("ignore:.*CUDA is not available:UserWarning", "ignore:.*past_key_values:FutureWarning")
@@ -364,8 +324,12 @@ def test_dp_fusion_black_box_text_path(dp_fusion, tiny):
     from invink_audit.audit import blackbox_audit
     from invink_audit.audit.targets import CallableTarget
 
-    generate, epsilon = dp_fusion_adapter(dp_fusion, tiny)
+    generate, claim, epsilon = dp_fusion_adapter(dp_fusion, tiny)
     assert epsilon == pytest.approx(4 * 0.5 * 4 + math.log(1e5) / (2.0 - 1.0))
+    # white-box through the same glue: its text path pads the redacted context without an attention mask
+    torch.manual_seed(0)
+    audit = audit_generator(generate, [DPF_PRIVATE], claim)
+    assert {c.sampler for c in audit.calls} == {"torch.multinomial"} and audit.verdict is Verdict.VIOLATION
     report = blackbox_audit(CallableTarget(generate, label="dp-fusion-lib 0.1.0"), [DPF_PRIVATE], CANARY,
                             claimed_epsilon=epsilon, claimed_delta=1e-5, num_trials=16)  # fmt: skip
     assert report.verdict is Verdict.INCONCLUSIVE and report.epsilon_lower_bound <= epsilon
