@@ -386,3 +386,21 @@ def test_selftest_adapter_rows():
     md = selftest_markdown(SelfTestResult(tuple(entries.values()), {"passed": True, "num_outputs": 1, "covered": 1,
                                           "intervals": 1, "level": 0.95, "max_abs_error_importance_sampling": 0.0}, (), 0.0))
     assert "adapter-default-top-k" in md and "VIOLATION when generate's default top-k follows it" in md
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.1])
+def test_dp_fusion_find_lambda_clamp_under_reports_the_divergence(dp_fusion, beta):
+    """Its shipped find_lambda clamps probabilities at 1e-10 (in float32) before the Rényi divergence it bounds: where
+    the public distribution puts less than 1e-10 on a token the private one favours, the λ it returns releases a
+    mixture whose true D_α (float64, exact) is far above the αβ it reports holding."""
+    alpha, v = 2.0, 50
+    public = torch.full((v,), 1.0 / (v - 1), dtype=torch.float64)
+    public[0] = 1e-14
+    public /= public.sum()
+    private = torch.full((v,), 0.5 / (v - 1), dtype=torch.float64)
+    private[0] = 0.5
+    lam, reported = dp_fusion.find_lambda(private.float(), public.float(), alpha, alpha * beta)
+    mixture = lam * private + (1 - lam) * public
+    true = max(math.log(float((mixture**alpha * public ** (1 - alpha)).sum())),
+               math.log(float((public**alpha * mixture ** (1 - alpha)).sum()))) / (alpha - 1)  # fmt: skip
+    assert reported <= alpha * beta + 1e-6 and true > 5 * alpha * beta  # 9.7x at beta = 0.5, 38x at 0.1
