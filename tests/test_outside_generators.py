@@ -303,6 +303,9 @@ def test_pack_accountant_against_dp_accounting(pack, stand_in_llm, examples, siz
     dp_pack = pack.DiffPrivateSimpleDatasetPack(stand_in_llm, None, bundle, LabelledSimpleDataset(examples=[example] * examples))
     reported = dp_pack.sigma_to_eps(1.0, pack.PrivacyMechanism.GAUSSIAN, size, t_max)
     assert reported == pytest.approx(_pld_epsilon(size / examples, 1.0, t_max, 1 / examples), abs=0.02)
+    # its LAPLACE branch is unreachable: PrivacyMechanism has no LAPLACE member (generate passes "gaussian")
+    with pytest.raises(AttributeError, match="LAPLACE"):
+        dp_pack._generate_noise(1.0, 3, "laplace")
     as_run = _pld_epsilon(num_splits / examples, 1.0, size * t_max, 1 / examples)
     assert as_run > reported + 0.5  # 2.20 as run vs 1.32 reported (at N=1000, size=100, t_max=50: 1.28 vs 3.31)
 

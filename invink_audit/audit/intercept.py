@@ -42,7 +42,10 @@ import torch
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import DEFAULT_ALPHAS, RESOLVABLE_SHARE, Claim, step_quantities, tolerance_for
 
-__all__ = ["GeneratorAudit", "InterceptionError", "SamplingCall", "audit_generator"]
+__all__ = [
+    "NOISE_LAWS", "GeneratorAudit", "InterceptionError", "SamplingCall", "audit_generator", "noisy_argmax_log_probs",
+    "unreleased",
+]
 
 _LOCK = threading.Lock()
 _ACTIVE: _Interceptor | None = None
