@@ -125,6 +125,31 @@ def test_report_noisy_max_audited_through_its_noise(vectorised):
                            zcdp_claim("toy", 1 / (200 * SIGMA**2), T, 3)).verdict is Verdict.VIOLATION
 
 
+def test_gumbel_max_is_recorded_as_the_exponential_mechanism():
+    """argmax(s + b·Gumbel) over utilities in [0, 1] per reference, made by a default_rng inside the function: its law is
+    softmax(s/b), a bounded range of 1/b per step for a reference replaced by null (McSherry & Talwar 2007)."""
+    scale = 2.0
+
+    def generate(references):
+        rng, out = np.random.default_rng(), []
+        for step in range(T):
+            scores = sum(np.random.RandomState(100 + r + step).rand(V) for r in references if r is not None)
+            noisy = rng.gumbel(0.0, scale, size=V) + scores
+            out.append(int(np.argmax(noisy)))
+            assert type(noisy[1:]) is np.ndarray and list(noisy[:2]) == [noisy[0], noisy[1]]  # derived arrays: plain
+        return out
+
+    epsilon0 = 1 / scale
+    g = MechanismGuarantee(GuaranteeKind.A_PRIORI, "Gumbel-max", epsilon=math.inf, delta=1e-6, max_new_tokens=T,
+                           composition="bounded-range", rho_sequence=T * epsilon0**2 / 8, step_epsilon0=epsilon0,
+                           step_rho=epsilon0**2 / 8)  # fmt: skip
+    audit = audit_generator(generate, [1, 2, 3], Claim(g, 3))
+    assert [c.sampler for c in audit.calls] == ["noisy argmax (gumbel noise)"] * T and audit.verdict is Verdict.PASS
+    scores = sum(np.random.RandomState(100 + r).rand(V) for r in (1, 2, 3))
+    np.testing.assert_allclose(audit.calls[0].log_probs[0].numpy(), scores / scale - special.logsumexp(scores / scale))
+    assert audit.loss_range.max() <= epsilon0 + 1e-12
+
+
 def test_unreleased_draws_pass_through_unrecorded():
     def generate(references):
         with unreleased("torch.multinomial"):

@@ -228,9 +228,16 @@ class _NoiseScalar(np.float64):
 
 
 class _NoiseDraw(np.ndarray):
-    """A noise vector a recording generator returned during a run: adding every score to it is one noisy argmax."""
+    """A noise vector a recording generator returned during a run: adding every score to it is one noisy argmax
+    (an array derived from it, a slice say, is plain: ``scores`` is None)."""
+
+    def __array_finalize__(self, obj):
+        self.scores = None
 
     def __iter__(self):
+        if self.scores is None:
+            yield from self.view(np.ndarray)
+            return
         for i, z in enumerate(self.view(np.ndarray)):
             element = _NoiseScalar(z)
             element.draw, element.index = self, i
@@ -238,7 +245,7 @@ class _NoiseDraw(np.ndarray):
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         plain = [x.view(np.ndarray) if isinstance(x, _NoiseDraw) else x for x in inputs]
-        if ufunc is np.add and method == "__call__" and not kwargs and len(inputs) == 2:
+        if ufunc is np.add and method == "__call__" and not kwargs and len(inputs) == 2 and self.scores is not None:
             other = plain[1] if isinstance(inputs[0], _NoiseDraw) else plain[0]
             if np.shape(other) == self.shape:
                 return np.asarray([self.add(i, v) for i, v in enumerate(np.asarray(other, dtype=np.float64))])
