@@ -27,7 +27,7 @@ MAX_ADD_ARGUMENT = 110
 #: from 31,617 to 29,1xx, and issue 35's first parts (audit/intercept.py, the dtype numerics) added about 550
 #: (CHANGELOG.md), its outside generators (the noisy-argmax draw, unreleased(), the adapter self-test rows) about
 #: 250. Lower it as the library shrinks; raise it only with a feature, saying so in the changelog
-MAX_LIBRARY_LINES = 29_980
+MAX_LIBRARY_LINES = 29_981
 
 #: (importer prefix, forbidden target prefix): the layers, bottom up (accounting < the mechanism and the
 #: engine < generation < AugPE (which embeds with the

@@ -152,6 +152,15 @@ def test_gumbel_max_is_recorded_as_the_exponential_mechanism():
     assert audit.loss_range.max() <= epsilon0 + 1e-12
 
 
+def test_a_nan_score_in_a_noisy_argmax_is_a_finding():
+    def generate(references):
+        scores = np.array([0.1, np.nan if None in references else 0.2, 0.3])
+        return int(np.argmax(scores + np.random.RandomState().normal(0, 1.0, size=3)))
+
+    audit = audit_generator(generate, [1, 2], zcdp_claim("toy", 1.0, 1, 2))
+    assert audit.verdict is Verdict.VIOLATION and audit.nonfinite == 2  # both neighbours' draws: NaN, counted
+
+
 def test_unreleased_draws_pass_through_unrecorded():
     def generate(references):
         with unreleased("torch.multinomial"):

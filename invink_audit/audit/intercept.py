@@ -261,7 +261,8 @@ class _NoiseDraw(np.ndarray):
         if all(v is not None for v in self.scores) and (active := _active()) is not None:
             scores = np.asarray(self.scores)
             noisy = scores + self.view(np.ndarray)
-            log_probs = noisy_argmax_log_probs(scores, self.law, self.scale)
+            finite = np.isfinite(scores).all()  # NaN or inf scores: the law is undefined, a finding (NaN recorded)
+            log_probs = noisy_argmax_log_probs(scores, self.law, self.scale) if finite else np.full(scores.size, np.nan)
             active.draw(f"noisy argmax ({self.law} noise)", torch.from_numpy(np.exp(log_probs - log_probs.max()))[None],
                         "float64", sample=lambda: torch.tensor([[int(np.argmax(noisy))]]), consume=lambda: None)
         return value
