@@ -1,6 +1,8 @@
-"""Shared test configuration: hypothesis profiles, offline hub, markers."""
+"""Shared test configuration: hypothesis profiles, offline hub, markers, packages from the registry."""
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -64,3 +66,37 @@ def reviews_csv(tmp_path):
 
     return write
 
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory):
+    """``install(*requirements)``: the requirements (pins or wheel paths, without their dependencies: name every one
+    the environment lacks) installed from the package registry into a temporary folder appended to ``sys.path``
+    (this environment's packages come first); that folder. Skips the test when the registry cannot be reached. At the
+    end of the session the folders leave ``sys.path`` and their modules ``sys.modules``."""
+    folders = []
+
+    def install(*requirements):
+        folder = tmp_path_factory.mktemp("registry") / "site"
+        got = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(folder),
+                              *requirements], capture_output=True, text=True, timeout=300)  # fmt: skip
+        if got.returncode != 0:
+            pytest.skip(f"the package registry cannot be reached: {got.stderr.strip().splitlines()[-1:]}")
+        sys.path.append(str(folder))
+        folders.append(str(folder))
+        return folder
+
+    yield install
+    for folder in folders:
+        sys.path.remove(folder)
+        for name in [m for m, mod in sys.modules.items() if (getattr(mod, "__file__", None) or "").startswith(folder)]:
+            del sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def dp_fusion(registry):
+    """dp-fusion-lib 0.1.0 (DP-Fusion, Thareja et al., arXiv:2507.04531), installed from the registry, imported."""
+    registry("dp-fusion-lib==0.1.0")
+    import dp_fusion_lib
+
+    return dp_fusion_lib

@@ -8,8 +8,6 @@ dp-fusion-lib 0.1.0 from the package registry, its own loop and its own ε.
 
 import dataclasses
 import math
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -382,25 +380,7 @@ def test_hf_generate_records_the_warped_softmax(tiny):
 # dp-fusion-lib 0.1.0, its shipped loop, installed from the package registry at test time
 
 
-@pytest.fixture(scope="module")
-def dp_fusion(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dp-fusion-lib")
-    got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "dp-fusion-lib==0.1.0", "-d",
-                          str(folder)], capture_output=True, text=True, timeout=300)  # fmt: skip
-    if got.returncode != 0:
-        pytest.skip(f"the package registry cannot be reached: {got.stderr.strip().splitlines()[-1:]}")
-    wheel = next(folder.glob("dp_fusion_lib-0.1.0-*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(folder / "site"), str(wheel)],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
-    sys.path.insert(0, str(folder / "site"))
-    try:
-        import dp_fusion_lib
-
-        yield dp_fusion_lib
-    finally:
-        sys.path.remove(str(folder / "site"))
-        for name in [m for m in sys.modules if m.split(".")[0] == "dp_fusion_lib"]:
-            del sys.modules[name]
+# the dp_fusion fixture (tests/conftest.py) installs it from the package registry
 
 
 PRIVATE_DOC = "John Doe was admitted to St Mary hospital on 3 May with a fracture."

@@ -266,6 +266,10 @@ def test_selftest_pass_on_correct_and_violation_on_every_mutant():
         # AugPE's histogram, exactly (invink_audit.augpe.audit; tests/test_augpe_audit.py)
         "augpe-correct": "PASS",
         "augpe-paper-sensitivity": "VIOLATION",
+        # the adapter path: audit_generator on transformers' generate (tests/test_outside_generators.py)
+        "adapter-dp-processor": "PASS",
+        "adapter-default-top-k": "VIOLATION",
+        "adapter-claim-omits-a-step": "VIOLATION",
     }
     assert result.passed
     assert result.coverage["passed"]

@@ -19,8 +19,12 @@ claim certifies (our accountant, :meth:`~accounting.PrivacyClaim.epsilon_at`).
 Intercepted samplers (the final draw of a token): ``torch.multinomial`` and ``Tensor.multinomial`` (which
 ``torch.distributions.Categorical.sample`` and transformers' ``generate(do_sample=True)`` call), ``numpy.random
 .choice`` and the ``choice`` of every generator made by ``numpy.random.default_rng`` during the run (with ``p=``
-or uniform). A (G, V) batch is G separate draws. Out of scope for now: an argmax over scores plus noise of a
-declared law (Gumbel-max, report-noisy-max), and numpy generators built before the run or by
+or uniform). A (G, V) batch is G separate draws. An argmax over scores plus noise of a declared law: a noise vector
+drawn by ``normal`` or ``gumbel`` of a ``numpy.random.RandomState`` or ``default_rng`` generator made during the run
+(or numpy's legacy module functions) declares its law, and adding scores to it, element by element or as one array
+(``scores + noise``), is the draw: its exact law is recorded (:func:`noisy_argmax_log_probs`) and its token is the
+argmax of the noisy scores (the generator's own argmax then picks it; a replay gets +inf at the forced token). Out of
+scope for now: Laplace noise, torch noise, and numpy generators built before the run or by
 ``numpy.random.Generator(...)`` directly. Randomness other than the intercepted draws is held fixed: every run
 starts from the same global RNG states (torch, numpy's legacy, Python's ``random``), and a forced call consumes
 the same random numbers as the draw it replaces, so the audit is of the draws given that randomness.
@@ -50,13 +54,17 @@ from invink_audit.audit import stats
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import DEFAULT_ALPHAS, DEFAULT_DELTA_GRID, step_quantities, tolerance_for
 
-__all__ = ["GeneratorAudit", "InterceptionError", "SamplingCall", "SequenceCheck", "audit_generator"]
+__all__ = [
+    "NOISE_LAWS", "GeneratorAudit", "InterceptionError", "SamplingCall", "SequenceCheck", "audit_generator",
+    "noisy_argmax_log_probs", "unreleased",
+]
 
 _LOCK = threading.Lock()
 _ACTIVE: _Interceptor | None = None
 _WATCHED = (
     "torch.multinomial, Tensor.multinomial (torch.distributions.Categorical.sample, transformers' "
-    "generate(do_sample=True)), numpy.random.choice, choice of numpy.random.default_rng generators made during the run"
+    "generate(do_sample=True)), numpy.random.choice, choice of numpy.random.default_rng generators made during the run, "
+    "scores plus normal or gumbel noise of numpy generators made during the run (a noisy argmax)"
 )
 
 
@@ -93,10 +101,13 @@ class _Interceptor:
         self.owner = threading.get_ident()
         self.calls: list[SamplingCall] = []
         self.argmax_calls = 0
+        self.unreleased: set[str] = set()  # samplers whose draws are not released (:func:`unreleased`)
 
     def draw(self, sampler: str, weights: torch.Tensor, dtype: str, sample: Callable, consume: Callable) -> torch.Tensor:
         """The (G, S) tokens of a call with (G, V) ``weights``: ``sample()``'s, or the forced ones after ``consume()``
         (the same random numbers the draw would have used)."""
+        if sampler in self.unreleased:
+            return sample().to(device="cpu", dtype=torch.int64)
         w = weights.detach().to(device="cpu", dtype=torch.float64)
         log_probs = torch.log(w) - torch.log(w.sum(-1, keepdim=True))
         step = len(self.calls)
@@ -180,6 +191,141 @@ class _RecordingGenerator(np.random.Generator):
                              "numpy Generator.choice", a, size, replace, p)
 
 
+#: the noise laws a recorded numpy noise draw declares (its method name); Laplace is not yet audited
+NOISE_LAWS = ("normal", "gumbel")
+#: quadrature step of :func:`noisy_argmax_log_probs` in units of the noise scale (the integrand's log is concave with
+#: curvature ≥ 1: the trapezoid rule's error on it is far below float64's tolerance, tested against closed forms)
+_QUADRATURE_STEP = 0.01
+
+
+def noisy_argmax_log_probs(scores, law: str, scale: float) -> np.ndarray:
+    r"""The exact law of :math:`\arg\max_i (s_i + b Z_i)`, :math:`Z_i` i.i.d. of ``law`` (``"gumbel"`` or
+    ``"normal"``), ``scale`` = b: log-probabilities of each index (float64).
+
+    Gumbel: :math:`\mathrm{softmax}(s/b)` exactly (the Gumbel-max trick: Gumbel 1954; Yellott 1977, J. Math. Psych.
+    15, Thm. 5; the exponential mechanism as report-noisy-max, McSherry & Talwar 2007). Normal (Gaussian
+    report-noisy-max): :math:`P(i) = \int \varphi(z) \prod_{j \ne i} \Phi(z + (s_i - s_j)/b)\,dz` (conditioning on
+    :math:`Z_i = z`; e.g. Dwork & Roth 2014, §3.3), integrated in log space by the trapezoid rule on
+    :math:`z \in [-40, 40 + \max_j (s_j - s_i)/b]` with step :data:`_QUADRATURE_STEP` (the integrand is log-concave
+    and smooth: the rule converges geometrically; tested against :math:`\Phi((s_0 - s_1)/(b\sqrt 2))` and Monte Carlo).
+    """
+    from scipy import special
+
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 1 or s.size == 0 or not np.isfinite(s).all():
+        raise ValueError(f"scores must be a non-empty finite vector; got shape {s.shape}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number; got {scale!r}")
+    if law == "gumbel":
+        return s / scale - special.logsumexp(s / scale)
+    if law != "normal":
+        raise ValueError(f"law must be one of {NOISE_LAWS}; got {law!r}")
+    out = np.empty(s.size)
+    for i in range(s.size):
+        gaps = np.delete(s[i] - s, i) / scale
+        top = 40.0 + max(0.0, float(-gaps.min(initial=0.0)))
+        z = np.arange(-40.0, top + _QUADRATURE_STEP, _QUADRATURE_STEP)
+        log_f = -0.5 * z**2 - 0.5 * math.log(2 * math.pi) + special.log_ndtr(z[:, None] + gaps[None, :]).sum(1)
+        log_f[[0, -1]] -= math.log(2.0)  # trapezoid end weights
+        out[i] = special.logsumexp(log_f) + math.log(_QUADRATURE_STEP)
+    return out
+
+
+class _NoiseScalar(np.float64):
+    """One element of a recorded noise vector: ``score + element`` registers the score (the left operand's type is a
+    float, of which this is a subclass, so Python tries this reflected addition first)."""
+
+    def __radd__(self, score):
+        return self.draw.add(self.index, score)
+
+
+class _NoiseDraw(np.ndarray):
+    """A noise vector a recording generator returned during a run: adding every score to it is one noisy argmax
+    (an array derived from it, a slice say, is plain: ``scores`` is None)."""
+
+    def __array_finalize__(self, obj):
+        self.scores = None
+
+    def __iter__(self):
+        if self.scores is None:
+            yield from self.view(np.ndarray)
+            return
+        for i, z in enumerate(self.view(np.ndarray)):
+            element = _NoiseScalar(z)
+            element.draw, element.index = self, i
+            yield element
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        plain = [x.view(np.ndarray) if isinstance(x, _NoiseDraw) else x for x in inputs]
+        if ufunc is np.add and method == "__call__" and not kwargs and len(inputs) == 2 and self.scores is not None:
+            other = plain[1] if isinstance(inputs[0], _NoiseDraw) else plain[0]
+            if np.shape(other) == self.shape:
+                return np.asarray([self.add(i, v) for i, v in enumerate(np.asarray(other, dtype=np.float64))])
+        return getattr(ufunc, method)(*plain, **kwargs)
+
+    def add(self, index: int, score) -> np.float64:
+        """``score + noise[index]``; once every index has its score, the draw is recorded (the forced token of a
+        replay gets +inf, every other index its score)."""
+        self.scores[index] = float(score)
+        forced = self.forced
+        value = np.float64(score) + self.view(np.ndarray)[index] if forced is None else (
+            np.float64(math.inf) if index == forced else np.float64(score))
+        if all(v is not None for v in self.scores) and (active := _active()) is not None:
+            scores = np.asarray(self.scores)
+            noisy = scores + self.view(np.ndarray)
+            finite = np.isfinite(scores).all()  # NaN or inf scores: the law is undefined, a finding (NaN recorded)
+            log_probs = noisy_argmax_log_probs(scores, self.law, self.scale) if finite else np.full(scores.size, np.nan)
+            active.draw(f"noisy argmax ({self.law} noise)", torch.from_numpy(np.exp(log_probs - log_probs.max()))[None],
+                        "float64", sample=lambda: torch.tensor([[int(np.argmax(noisy))]]), consume=lambda: None)
+        return value
+
+
+def _noise(z, law: str, scale) -> np.ndarray:
+    """``z`` as a recorded noise draw when a run is active and it is a vector of one positive scale, else as it is."""
+    active = _active()
+    if active is None or np.ndim(z) != 1 or np.ndim(scale) != 0 or not float(scale) > 0:
+        return z
+    out = np.asarray(z, dtype=np.float64).view(_NoiseDraw)
+    out.law, out.scale, out.scores = law, float(scale), [None] * out.size
+    step = len(active.calls)
+    out.forced = None if active.forced is None or step >= len(active.forced) else int(active.forced[step].tokens[0, 0])
+    return out
+
+
+def _recording_noise(cls):
+    """``cls`` (a numpy generator class) with its :data:`NOISE_LAWS` methods returning recorded noise draws."""
+
+    def method(law):
+        def noise(self, loc=0.0, scale=1.0, size=None):
+            return _noise(getattr(super(recording, self), law)(loc, scale, size), law, scale)
+
+        return noise
+
+    recording = type(f"Recording{cls.__name__}", (cls,), {law: method(law) for law in NOISE_LAWS})
+    return recording
+
+
+_RecordingRandomState = _recording_noise(np.random.RandomState)
+_NoiseRecordingGenerator = _recording_noise(_RecordingGenerator)
+
+
+@contextlib.contextmanager
+def unreleased(*samplers: str):
+    """Within the block, draws by ``samplers`` (:attr:`SamplingCall.sampler` names) are not part of the release: they
+    pass through unrecorded. For a generator that calls a sampler and discards its token (the reference package
+    ``invink`` calls transformers' ``generate(do_sample=True, max_new_tokens=1)`` for its logits, then draws with
+    numpy). Declaring a draw that is released unreleased hides it from the audit: the user's responsibility."""
+    active = _active()
+    saved = None if active is None else active.unreleased
+    if active is not None:
+        active.unreleased = saved | set(samplers)
+    try:
+        yield
+    finally:
+        if active is not None:
+            active.unreleased = saved
+
+
 def _patches() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, replacement) of every patch a run installs."""
     legacy_choice, default_rng = np.random.choice, np.random.default_rng
@@ -189,6 +335,10 @@ def _patches() -> list[tuple[Any, str, Any]]:
         if _active() is None:
             return legacy_choice(a, size, replace, p)
         return _numpy_choice(lambda n, s, r, q: legacy_choice(n, s, r, q), "numpy.random.choice", a, size, replace, p)
+
+    def legacy_noise(law):
+        original = getattr(np.random, law)
+        return lambda loc=0.0, scale=1.0, size=None: _noise(original(loc, scale, size), law, scale)
 
     def counted(original):
         def argmax(*args, **kwargs):
@@ -202,7 +352,9 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (torch, "multinomial", _torch_sampler(torch.multinomial, "torch.multinomial")),
         (torch.Tensor, "multinomial", _torch_sampler(torch.Tensor.multinomial, "Tensor.multinomial")),
         (np.random, "choice", choice),
-        (np.random, "default_rng", lambda seed=None: _RecordingGenerator(default_rng(seed).bit_generator)),
+        (np.random, "default_rng", lambda seed=None: _NoiseRecordingGenerator(default_rng(seed).bit_generator)),
+        (np.random, "RandomState", _RecordingRandomState),
+        *[(np.random, law, legacy_noise(law)) for law in NOISE_LAWS],
         (torch, "argmax", counted(torch_argmax)),
         (torch.Tensor, "argmax", counted(tensor_argmax)),
     ]

@@ -52,6 +52,10 @@ class SelfTestSettings:
     adapmixed_stop_epsilon: float = 3.0
     adapmixed_within_epsilon: float = 60.0  # never reached within T = 10 steps on the synthetic sources (tested)
     adapmixed_screen_samples: int = 128
+    # the adapter path (audit_generator on transformers' generate with a DP logits processor, the tiny model)
+    adapters: bool = True
+    adapter_references: tuple[str, ...] = ("alice lives in paris", "bob likes green tea")
+    adapter_max_new_tokens: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +251,10 @@ def run_selftest(
         )
     if s.baselines:
         entries += augpe_entries(s)
+    if s.adapters:
+        if progress is not None:
+            progress("the adapter path: a DP logits processor in transformers' generate, audited by audit_generator")
+        entries += adapter_entries(s)
     if progress is not None:
         progress("coverage against exact enumeration")
     coverage = coverage_check(generator=gen, significance=s.significance)
@@ -325,7 +333,8 @@ def selftest_markdown(result: SelfTestResult) -> str:
         f"{'PASSED' if result.passed else 'FAILED'}: the correct mechanism must get PASS and every mutant "
         f"VIOLATION; Amin et al. PASS when correctly accounted and VIOLATION with the paper's C/B; AdaPMixED's "
         f"data-dependent guarantee is compared with the measurement and never gets a PASS"
-        f"{_AUGPE_SENTENCE if any(e.mechanism in AUGPE_ROWS for e in result.entries) else ''} ({result.seconds:.1f} s).",
+        f"{_AUGPE_SENTENCE if any(e.mechanism in AUGPE_ROWS for e in result.entries) else ''}"
+        f"{_ADAPTER_SENTENCE if any(e.mechanism in ADAPTER_ROWS for e in result.entries) else ''} ({result.seconds:.1f} s).",
         "",
         *md_table("mechanism | guarantee | expected | verdict | per source (verdict, max loss range / ε0, rejected tests, "
                   "step failures) | what it does", rows),
@@ -505,3 +514,92 @@ def augpe_blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches
         rows.append(_blackbox_row(name, "worst-case canary", expected, true_epsilon(target, report.claimed_delta), report,
                                   start))  # fmt: skip
     return rows
+
+
+#: the adapter path's rows (name → (expected verdict, description)): one generator, a DP logits processor in
+#: transformers' ``generate``, audited through its intercepted draws (:func:`~invink_audit.audit.audit_generator`)
+ADAPTER_ROWS = {
+    "adapter-dp-processor": ("PASS", "a DClip logits processor (InvisibleInk's full-vocabulary step) in transformers' "
+                                     "generate with top_k=0: every draw within its ε0-bounded range"),
+    "adapter-default-top-k": ("VIOLATION", "the same processor followed by generate's default top_k=50 (the generation "
+                                           "config sets none): a support chosen by the private aggregate"),
+    "adapter-claim-omits-a-step": ("VIOLATION", "the correct generator claimed for T - 1 draws (its first draw not "
+                                                "counted, as DP-Fusion's accounting does)"),
+}
+
+
+_ADAPTER_SENTENCE = ("; through audit_generator, a DP logits processor in transformers' generate PASS, VIOLATION when "
+                     "generate's default top-k follows it and when its claim omits a step")
+
+
+def _dclip_generate(loaded, references, *, clip_norm: float, max_new_tokens: int, top_k: int | None):
+    """``generate(references)`` for :func:`~invink_audit.audit.audit_generator`: transformers' sampling with a logits
+    processor that replaces the public prompt's scores by the DClip aggregate of each reference's prompt (a ``None``
+    reference: the public prompt, replace-by-null) given the text so far; ``top_k=None`` leaves generate's default."""
+    from transformers import LogitsProcessor
+
+    from invink_audit.mechanism import dclip_aggregate
+
+    model, tokenizer = loaded.model, loaded.tokenizer
+
+    class DClip(LogitsProcessor):
+        def __init__(self, prompts):
+            self.prompts = prompts
+
+        def __call__(self, input_ids, scores):
+            suffix = input_ids[:, self.prompts[0].shape[1]:]
+            rows = torch.stack([model(torch.cat([p, suffix], 1)).logits[:, -1] for p in self.prompts[1:]], 1)
+            return dclip_aggregate(rows.double(), scores.double(), clip_norm).to(scores.dtype)
+
+    def encode(text):
+        return tokenizer(text, return_tensors="pt").input_ids
+
+    def generate(refs):
+        public = "Write a short text:"
+        prompts = [encode(public)] + [encode(public if r is None else f"{public} like '{r}'") for r in refs]
+        options = {} if top_k is None else {"top_k": top_k}
+        with torch.no_grad():
+            out = model.generate(prompts[0], do_sample=True, max_new_tokens=max_new_tokens,
+                                 logits_processor=[DClip(prompts)], pad_token_id=tokenizer.pad_token_id, **options)
+        return out[0, prompts[0].shape[1]:].tolist()
+
+    return generate
+
+
+def adapter_entries(settings: SelfTestSettings | None = None) -> list[SelfTestEntry]:
+    """:data:`ADAPTER_ROWS` on the tiny model: the claim the processor states (per step the exponential mechanism's
+    ε0 = 2C/(Bτ)-bounded range, Durfee & Rogers 2019; ρ = ε0²/8, Cesar & Rogers 2021, Lemma 3.2; T draws) or, for the
+    last row, the same for T - 1 draws; each audited by :func:`~invink_audit.audit.audit_generator` (every neighbour)."""
+    from accounting import composed_epsilon
+    from invink_audit.audit.intercept import audit_generator
+    from invink_audit.audit.whitebox import Claim
+    from invink_audit.mechanisms import MechanismGuarantee
+    from invink_audit.mechanisms.base import GuaranteeKind
+    from invink_audit.models import build_tiny_model
+
+    s = settings or SelfTestSettings()
+    loaded, refs, steps = build_tiny_model(seed=5), list(s.adapter_references), s.adapter_max_new_tokens
+    e0 = 2 * s.clip_norm / len(refs)  # temperature 1: generate's default
+
+    def claim(claimed_steps):
+        g = MechanismGuarantee(GuaranteeKind.A_PRIORI, "DClip logits processor", composed_epsilon(1e-6, e0, claimed_steps,
+                               "br-adaptive"), 1e-6, claimed_steps, "bounded-range", rho_sequence=claimed_steps * e0**2 / 8,
+                               step_epsilon0=e0, step_rho=e0**2 / 8)  # fmt: skip
+        return Claim(g, len(refs))
+
+    cases = {"adapter-dp-processor": (0, steps), "adapter-default-top-k": (None, steps),
+             "adapter-claim-omits-a-step": (0, steps - 1)}  # fmt: skip
+    entries = []
+    for name, (top_k, claimed) in cases.items():
+        t0 = time.perf_counter()
+        generate = _dclip_generate(loaded, refs, clip_norm=s.clip_norm, max_new_tokens=steps, top_k=top_k)
+        torch.manual_seed(0)
+        audit = audit_generator(generate, refs, claim(claimed))
+        expected, description = ADAPTER_ROWS[name]
+        source = {"source": "tiny model, transformers generate", "verdict": audit.verdict.value, "reason": audit.reason,
+                  "step_failures": {"over_tolerance": sum(v > audit.tolerance for v in audit.excesses.values())},
+                  "rejected_tests": 0, "tests": 0, "max_loss_range_over_epsilon0": float(audit.loss_range.max()) / e0,
+                  "excesses": dict(audit.excesses), "tolerance": audit.tolerance, "dtypes": list(audit.dtypes)}  # fmt: skip
+        entries.append(SelfTestEntry(name, description, expected, audit.verdict.value, audit.verdict.value == expected,
+                                     (source,), time.perf_counter() - t0))
+    return entries
