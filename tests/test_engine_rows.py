@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 import invink_audit.engine as engine_module
-from invink_audit.engine import Engine, ForwardStats
+from invink_audit.engine import KV_LAYOUTS, Engine, ForwardStats
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
 from invink_audit.models import build_tiny_model
 from invink_audit.prompts import encode_request, get_preset
@@ -71,7 +72,7 @@ def _variants():
     return {"original": REFERENCES, "changed": changed, "nulled": nulled, "other-text-nulled": other}
 
 
-def _public_rows_support_path(model, mechanism, references, monkeypatch, max_batch_rows):
+def _public_rows_support_path(model, mechanism, references, monkeypatch, max_batch_rows, kv_layout=None):
     """Default (Top-k+) path: every step's public logits per text, and the texts."""
     real = engine_module._support_log_probs
     steps = []
@@ -81,17 +82,17 @@ def _public_rows_support_path(model, mechanism, references, monkeypatch, max_bat
         return real(head, mech, public, support, private_states, null, index)
 
     monkeypatch.setattr(engine_module, "_support_log_probs", spy)
-    engine = Engine(model, mechanism, max_batch_rows=max_batch_rows)
+    engine = Engine(model, mechanism, max_batch_rows=max_batch_rows, kv_layout=kv_layout)
     texts = list(engine.generate(_requests(model, references), max_new_tokens=6,
                                  generator=_generator(3, model.device), stop_at_eos=False))
     monkeypatch.setattr(engine_module, "_support_log_probs", real)
     return steps, {t.request_index: t.token_ids for t in texts}
 
 
-def _check_public_rows_independent(model, monkeypatch, max_batch_rows):
+def _check_public_rows_independent(model, monkeypatch, max_batch_rows, kv_layout=None):
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
     runs = {
-        name: _public_rows_support_path(model, mechanism, refs, monkeypatch, max_batch_rows)
+        name: _public_rows_support_path(model, mechanism, refs, monkeypatch, max_batch_rows, kv_layout)
         for name, refs in _variants().items()
     }
     base_steps, base_tokens = runs["original"]
@@ -109,11 +110,12 @@ def _check_public_rows_independent(model, monkeypatch, max_batch_rows):
                     assert torch.equal(a[slot], b[slot]), (name, step, slot)
 
 
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("max_batch_rows", [64, 8])  # all texts together; two at a time, the third joins
 def test_public_rows_are_bitwise_independent_of_private_references_on_the_default_path(
-    tiny_in_dtype, monkeypatch, max_batch_rows
+    tiny_in_dtype, monkeypatch, max_batch_rows, kv_layout
 ):
-    _check_public_rows_independent(tiny_in_dtype, monkeypatch, max_batch_rows)
+    _check_public_rows_independent(tiny_in_dtype, monkeypatch, max_batch_rows, kv_layout)
 
 
 @pytest.mark.cuda
@@ -121,8 +123,8 @@ def test_public_rows_are_bitwise_independent_of_private_references_on_the_defaul
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_public_rows_are_bitwise_independent_of_private_references_on_cuda(monkeypatch, dtype):
     model = build_tiny_model(seed=5, hidden_size=64, device="cuda", dtype=dtype)
-    for max_batch_rows in (64, 8):
-        _check_public_rows_independent(model, monkeypatch, max_batch_rows)
+    for max_batch_rows, kv_layout in itertools.product((64, 8), KV_LAYOUTS):  # the pool: captured CUDA graphs
+        _check_public_rows_independent(model, monkeypatch, max_batch_rows, kv_layout)
 
 
 @pytest.mark.cuda
@@ -169,7 +171,8 @@ def test_cuda_engine_matches_an_unbatched_oracle_with_forced_tokens():
             assert torch.allclose(seen[(i, t)][finite], expected[t][finite], atol=FLOAT64_ATOL, rtol=0)
 
 
-def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny_in_dtype):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny_in_dtype, kv_layout):
     """Full-logits path, every text teacher-forced to the same tokens: every public row at every step is
     bitwise the same under every variant (the changed text's included)."""
     tiny = tiny_in_dtype
@@ -186,7 +189,7 @@ def test_public_rows_are_bitwise_independent_of_private_references_with_forced_t
                 seen[(i, t)] = step.public_logits[g].clone()
             return weights
 
-        engine = Engine(tiny, mechanism, max_batch_rows=8)
+        engine = Engine(tiny, mechanism, max_batch_rows=8, kv_layout=kv_layout)
         list(engine.generate(_requests(tiny, references), max_new_tokens=5, generator=_generator(0),
                              sampling_rule=rule))
         return seen
@@ -198,7 +201,8 @@ def test_public_rows_are_bitwise_independent_of_private_references_with_forced_t
             assert torch.equal(logits, runs["original"][key]), (name, key)
 
 
-def test_tokens_do_not_depend_on_the_schedule(tiny_in_dtype):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_tokens_do_not_depend_on_the_schedule(tiny_in_dtype, kv_layout):
     """Same seed: together, one at a time (same stream ids), and with other max_batch_rows, the same texts."""
     tiny = tiny_in_dtype
     mechanism = MechanismConfig(clip_norm=1.5, temperature=1.0, top_k=6, batch_size=3)
@@ -207,7 +211,7 @@ def test_tokens_do_not_depend_on_the_schedule(tiny_in_dtype):
     def run(max_batch_rows, groups):
         out = {}
         for group in groups:
-            engine = Engine(tiny, mechanism, max_batch_rows=max_batch_rows, max_prefill_tokens=7)
+            engine = Engine(tiny, mechanism, max_batch_rows=max_batch_rows, max_prefill_tokens=7, kv_layout=kv_layout)
             for text in engine.generate([requests[i] for i in group], max_new_tokens=8, generator=_generator(9),
                                         stream_ids=group):
                 out[group[text.request_index]] = text.token_ids
@@ -340,7 +344,8 @@ def test_a_prompt_beyond_the_models_positions_is_refused_up_front(tiny):
 
 
 @pytest.mark.slow
-def test_real_model_public_row_is_bitwise_independent_of_a_null_reference(cpu_dtype):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_real_model_public_row_is_bitwise_independent_of_a_null_reference(cpu_dtype, kv_layout):
     """The issue's probe on SmolLM2 (float32, and bfloat16 where native; B = 2, real reviews): the public
     row's first-step logits are bitwise the same when a reference is replaced by null (it changed 45,364
     of 49,152 logits)."""
@@ -353,7 +358,7 @@ def test_real_model_public_row_is_bitwise_independent_of_a_null_reference(cpu_dt
     seen = {}
     for name, refs in (("original", reviews), ("nulled", [reviews[0], None])):
         requests = [encode_request(model.tokenizer, template, refs), encode_request(model.tokenizer, template, reviews)]
-        engine = Engine(model, mechanism)
+        engine = Engine(model, mechanism, kv_layout=kv_layout)
 
         def observer(step, name=name):
             seen.setdefault(name, step.public_logits.clone())
