@@ -150,9 +150,10 @@ def test_cuda_engine_matches_an_unbatched_oracle_with_forced_tokens():
             seen[(i, t)] = step.log_probs[g].cpu()
         return weights
 
-    engine = Engine(cuda, mechanism, max_batch_rows=8)
+    engine = Engine(cuda, mechanism, max_batch_rows=8)  # CUDA's default: the pool, its passes as CUDA graphs
     requests = _requests(cuda, REFERENCES)
     list(engine.generate(requests, max_new_tokens=4, generator=_generator(0, "cuda"), sampling_rule=rule))
+    assert engine.kv_layout == "pool" and engine.forward.graphs.captures >= 1
 
     def unbatched_logits(model, prompt, tokens):
         ids = torch.tensor([list(prompt) + tokens], device=model.device)
@@ -275,6 +276,31 @@ def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny_in_dtype, mo
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_graph_replays_draw_what_eager_passes_draw(dtype):
+    """The pool's decoding passes captured once per layout and replayed: the same tokens, bitwise the same public
+    logits, as the same passes run eagerly."""
+    model = build_tiny_model(seed=5, hidden_size=64, device="cuda", dtype=dtype)
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=3)
+    requests = _requests(model, REFERENCES)
+
+    def run(kv_layout, graphs):
+        engine = Engine(model, mechanism, max_batch_rows=8, kv_layout=kv_layout)
+        engine.forward.graphs.enabled = graphs
+        public = []
+        texts = list(engine.generate(requests, max_new_tokens=8, generator=_generator(4, "cuda"), stop_at_eos=False,
+                                     observer=lambda step: public.append(step.public_logits.clone())))
+        return engine.forward.graphs.captures, sorted((t.request_index, t.token_ids) for t in texts), public
+
+    captures, texts, public = run("pool", True)
+    eager_captures, eager_texts, eager_public = run("pool", False)
+    assert captures >= 1 and eager_captures == 0
+    assert texts == eager_texts and len(public) == len(eager_public)
+    assert all(torch.equal(a, b) for a, b in zip(public, eager_public))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_decoding_loop_does_not_synchronise_on_cuda_except_for_the_tokens():
     model = build_tiny_model(seed=5, hidden_size=64, device="cuda")
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
@@ -291,7 +317,8 @@ def test_the_decoding_loop_does_not_synchronise_on_cuda_except_for_the_tokens():
             torch.cuda.set_sync_debug_mode("default")
     messages = [str(w.message) for w in caught]
     syncs = [m for m in messages if "synchroniz" in m.lower() and "prototype" not in m]
-    assert len(syncs) <= len(steps) + 1, syncs[:5]
+    # capturing a CUDA graph synchronises (once per layout of the pool: here one); replays do not
+    assert len(syncs) <= len(steps) + 1 + 2 * engine.forward.graphs.captures, syncs[:5]
 
 
 def test_a_long_reference_is_prefilled_in_chunks_and_the_cache_holds_real_tokens_only():
