@@ -371,7 +371,7 @@ class Engine:
         self.max_prefill_tokens = prefill
         self.share_prefill = share_prefill
         self.kv_layout = kv_layout
-        check_packed_attention(model)
+        check_packed_attention(model, pool=kv_layout == "pool")
         self.forward = RowForward(model)
         #: the model as (decoder, output layer) when private logits use the Top-k+ columns only, else None
         self.output_split = output_layer_split(model) if support_only and not generic else None

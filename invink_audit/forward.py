@@ -333,24 +333,25 @@ class _DecodeGraphs:
         return _Captured(graph, static_ids, static_positions, output)
 
 
-def check_packed_attention(model: LoadedModel) -> None:
+def check_packed_attention(model: LoadedModel, *, pool: bool = False) -> None:
     """Refuse a model whose own forward pass the packed rows do not reproduce.
 
     The rows' attention (:mod:`invink_audit.rows`) is plain scaled dot-product attention, causal, with an
     optional sliding window; an architecture with more (attention sinks, ALiBi or other position
     biases, soft-capping, a layer that bypasses transformers' attention interface) would be computed
     wrongly, or would attend across rows. Probe: two rows of different lengths, prefilled in two chunks
-    and decoded for two steps next to a placeholder, against the model's own uncached forward pass of
-    each row, logit by logit (16 units in the last place of the model's dtype, relative to the largest
+    and decoded for two steps next to a placeholder (in a :class:`~invink_audit.rows.KVPool` with ``pool``, else
+    in length buckets), against the model's own uncached forward pass of each row, logit by logit (16 units in the last place of the model's dtype, relative to the largest
     logit, plus float32 accumulation noise). Raises :class:`UnsupportedModelError`.
     """
     vocab = model.vocab_size
     prompts = [[(7919 * i + 3) % vocab for i in range(1, 12)], [(104729 * i + 5) % vocab for i in range(1, 7)]]
     steps = [[(31 * i + 11) % vocab, (37 * i + 13) % vocab] for i in range(2)]
     forward = RowForward(model)
+    forward.graphs.enabled = False  # the probe checks the arithmetic; a capture would only cost time
     try:
         with torch.inference_mode():
-            store, got = forward.new_store(), []
+            store, got = (forward.new_pool(2) if pool else forward.new_store()), []
             stored = []
             for prompt in prompts:
                 row = forward.new_row(2)

@@ -473,6 +473,70 @@ def test_kv_store_keeps_only_buckets_in_use():
     assert len(solo.buckets) == 3  # one bucket per row: no shared attention call
 
 
+def test_the_pool_keeps_static_shapes_and_reuses_its_slots():
+    """Capacity a power of two (at least 8) from the rows asked for, doubling only when every slot is taken; width
+    whole tiles, grown when a row would not fit; freed slots reused; every reallocation changes the version."""
+    from invink_audit.rows import KV_TILE, KVPool, RowKV
+
+    def row(length):
+        cache = RowKV(1, 0)
+        cache.append(0, torch.randn(1, 2, length, 4), torch.randn(1, 2, length, 4))
+        cache.length = length
+        return cache
+
+    pool = KVPool(num_layers=1, rows=5)
+    first = pool.insert(row(3))
+    assert (pool.capacity, pool.width, first.slot) == (8, KV_TILE, 0)
+    second = pool.insert(row(KV_TILE))  # its next token needs a second tile
+    assert (pool.width, second.slot, pool.keys[0].shape) == (2 * KV_TILE, 1, (8, 2, 2 * KV_TILE, 4))
+    assert torch.equal(pool.keys[0][0, :, :3], row_keys := pool.keys[0][0, :, :3]) and row_keys.abs().sum() > 0
+    pool.remove(first)
+    assert pool.insert(row(2)).slot == 0 and first.slot is None
+    version = pool.version
+    rows = [pool.insert(row(1)) for _ in range(7)]  # the ninth row: twice the slots
+    assert pool.capacity == 16 and pool.version > version and [r.slot for r in rows][-1] == 8
+    second.length = 2 * KV_TILE
+    pool.ready(second)
+    assert pool.width == 3 * KV_TILE and pool.allocated_bytes() == 2 * 16 * 2 * 3 * KV_TILE * 4 * 4
+
+
+def test_tile_invariance_is_probed_not_assumed(monkeypatch):
+    """The probe passes for the CPU's attention in every dtype the engine runs, and fails for an attention that
+    splits the keys into a fixed number of parts (split-KV decoding): where a row's keys fall then depends on the
+    width of the call, which the longest row sets."""
+    import invink_audit.rows as rows
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert rows.tile_invariant_attention(torch.device("cpu"), dtype)
+
+    def two_splits(q, k, v, attn_mask=None, scale=None):
+        half = k.shape[-2] // 2
+        parts = []
+        for part in (slice(0, half), slice(half, None)):
+            scores = (q @ k[..., part, :].transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+            scores = scores.masked_fill(~attn_mask[..., part], -math.inf)
+            lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            parts.append((torch.softmax(scores, dim=-1).nan_to_num() @ v[..., part, :].float(), lse))
+        total = torch.logsumexp(torch.cat([lse for _, lse in parts], dim=-1), dim=-1, keepdim=True)
+        return sum(out * torch.exp(lse - total) for out, lse in parts).to(v.dtype)
+
+    monkeypatch.setattr(rows, "_INVARIANT", {})
+    monkeypatch.setattr(rows.F, "scaled_dot_product_attention", two_splits)
+    assert not rows.tile_invariant_attention(torch.device("cpu"), torch.float32)
+
+
+def test_without_tile_invariant_attention_the_public_rows_get_a_pool_of_their_own(tiny, monkeypatch):
+    """Where the probe fails, the public rows' pool is theirs alone (its width set by their own lengths), and they
+    stay bitwise independent of the private references."""
+    monkeypatch.setattr(engine_module, "tile_invariant_attention", lambda device, dtype: False)
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
+    engine = Engine(tiny, mechanism, kv_layout="pool")
+    run = engine_module._Run(engine, _requests(tiny, REFERENCES), [1, 2, 3], 4, True)
+    assert run.public_store is not run.private_store
+    assert (run.public_store.capacity, run.private_store.capacity) == (8, 16)  # 3 texts; 9 private rows
+    _check_public_rows_independent(tiny, monkeypatch, 8, "pool")
+
+
 def test_the_shared_template_prefix_is_computed_from_the_template_alone(tiny):
     """References that all start alike must not lengthen the shared prefix (that would make every row's
     arithmetic depend on the other references)."""

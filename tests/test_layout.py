@@ -25,8 +25,9 @@ MAX_FUNCTION_LINES = 60
 MAX_ADD_ARGUMENT = 110
 #: a ratchet, not the goal: issue 34 asks for 27,500 (set when the library was 29.6k lines); the refactor took it
 #: from 31,617 to 29,1xx, and issue 35's first parts (audit/intercept.py, the dtype numerics) added about 550
-#: (CHANGELOG.md). Lower it as the library shrinks; raise it only with a feature, saying so in the changelog
-MAX_LIBRARY_LINES = 29_750
+#: (CHANGELOG.md), issue 36's GPU decode step (the KV pool, CUDA graphs, the tile-invariance probe) 315.
+#: Lower it as the library shrinks; raise it only with a feature, saying so in the changelog
+MAX_LIBRARY_LINES = 30_065
 
 #: (importer prefix, forbidden target prefix): the layers, bottom up (accounting < the mechanism and the
 #: engine < generation < AugPE (which embeds with the
