@@ -254,6 +254,7 @@ class _Text:
         ]
         self.states: list[torch.Tensor | None] = [None] * len(prompts)
         self.stored: list[StoredRow | None] | None = None  # the rows once decoding (in the run's stores)
+        self.held: list[StoredRow] = []  # a pool's slots kept for the null references (their slots stay put)
         self.next_row = 0  # first row whose prefill is not complete
         self.stream = _Stream(stream_key)
         self.tokens: list[int] = []
@@ -714,7 +715,9 @@ class _Run:
         for text in self.texts:
             if text.decoding and text.stored is None:  # drew its first token: its rows start decoding
                 stores = [self.public_store] + [self.private_store] * (len(text.rows) - 1)
-                text.stored = [None if r is None else s.insert(r) for r, s in zip(text.rows, stores)]
+                placed = [s.reserve() if r is None else s.insert(r) for r, s in zip(text.rows, stores)]
+                text.stored = [None if r is None else p for r, p in zip(text.rows, placed)]
+                text.held = [p for r, p in zip(text.rows, placed) if r is None and p is not None]
                 text.rows = [None] * len(text.rows)  # the prefill buffers are no longer needed
             last = text.tokens[-1] if text.decoding else 0
             for row in text.stored or [None] * len(text.prompts):
@@ -761,7 +764,7 @@ class _Run:
                 finished.append(text.finished_text(reason, self.engine.model.tokenizer))
                 gone.add(slot)
         for slot in gone:
-            for row in self.texts[slot].stored or ():
+            for row in [*(self.texts[slot].stored or ()), *self.texts[slot].held]:
                 if row is not None:
                     row.store.remove(row)
         if gone:

@@ -229,6 +229,9 @@ class KVStore:
         if row.bucket is not None:
             self._take_out(row)
 
+    def reserve(self) -> None:
+        """A null reference's place: none (a decoding pass keeps its placeholder row in the caller's order)."""
+
     def ready(self, row: StoredRow) -> None:
         """Before a decoding pass: move ``row`` to the bucket of its next length if that changed."""
         width = bucket_length(row.length + 1)
@@ -392,8 +395,8 @@ class KVPool:
         self.slots: list[StoredRow | None] = [None] * self.capacity
         self.version = 0
 
-    def _resize(self, like: torch.Tensor, capacity: int, width: int) -> None:
-        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+    def _resize(self, like: torch.Tensor | None, capacity: int, width: int) -> None:
+        for layer, (k, v) in enumerate(zip(self.keys, self.values) if like is not None else ()):
             shape = (capacity, like.shape[1], width, like.shape[3])
             grown_k, grown_v = like.new_zeros(shape), like.new_zeros(shape)
             if k is not None:
@@ -414,6 +417,15 @@ class KVPool:
             self.keys[layer][stored.slot, :, : row.length].copy_(row.keys[layer][0, :, : row.length])
             self.values[layer][stored.slot, :, : row.length].copy_(row.values[layer][0, :, : row.length])
         return stored
+
+    def reserve(self) -> StoredRow:
+        """A slot held for a null reference, so that which slot every other row takes, and so where it sits in
+        the pass, does not depend on which references are null; it runs as a scratch row. :meth:`remove` frees it."""
+        if None not in self.slots:
+            self._resize(self.keys[0], 2 * self.capacity, self.width)
+        held = StoredRow(self, None, self.slots.index(None), 0)
+        self.slots[held.slot] = held
+        return held
 
     def remove(self, row: StoredRow) -> None:
         if row.slot is not None and self.slots[row.slot] is row:

@@ -342,6 +342,9 @@ def test_bad_arguments_are_rejected(tiny32):
         engine.generate(good, max_new_tokens=2, generator=None)
     with pytest.raises(ValueError, match="max_batch_rows"):
         Engine(tiny32, mechanism, max_batch_rows=0)
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        Engine(tiny32, mechanism, kv_layout="paged")
+    assert Engine(tiny32, mechanism).kv_layout == "buckets"  # the CPU's default
     with pytest.raises(ValueError, match="LoadedModel"):
         Engine(tiny32.model, mechanism)
     def truncated(step):

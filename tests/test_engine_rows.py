@@ -500,6 +500,35 @@ def test_the_pool_keeps_static_shapes_and_reuses_its_slots():
     assert pool.width == 3 * KV_TILE and pool.allocated_bytes() == 2 * 16 * 2 * 3 * KV_TILE * 4 * 4
 
 
+def test_a_pools_slots_do_not_depend_on_which_references_are_null(tiny, monkeypatch):
+    """A null reference holds its slot: every row's slot, so its place in the pass, is the same under
+    replace-by-null (texts joining as others finish included)."""
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
+    real = engine_module._Run._record
+
+    def slots(references):
+        seen = []
+
+        def spy(run, ready, draws):
+            seen.append([(t.request_index, [None if r is None else r.slot for r in t.stored]) for t in run.texts if t.stored])
+            return real(run, ready, draws)
+
+        monkeypatch.setattr(engine_module._Run, "_record", spy)
+        engine = Engine(tiny, mechanism, max_batch_rows=8, kv_layout="pool")
+        list(engine.generate(_requests(tiny, references), max_new_tokens=4, generator=_generator(1), stop_at_eos=False))
+        return seen
+
+    base = slots(REFERENCES)
+    for name, references in _variants().items():
+        got = slots(references)
+        assert [[(i, row[0]) for i, row in step] for step in got] == [[(i, row[0]) for i, row in step] for step in base]
+        nulls = {(g, j) for g, refs in enumerate(references) for j, ref in enumerate(refs, 1) if not ref}
+        for step_got, step_base in zip(got, base):
+            for (i, row), (_, base_row) in zip(step_got, step_base):
+                assert [s for j, s in enumerate(row) if (i, j) not in nulls] == [
+                    s for j, s in enumerate(base_row) if (i, j) not in nulls], name
+
+
 def test_tile_invariance_is_probed_not_assumed(monkeypatch):
     """The probe passes for the CPU's attention in every dtype the engine runs, and fails for an attention that
     splits the keys into a fixed number of parts (split-KV decoding): where a row's keys fall then depends on the
