@@ -341,8 +341,9 @@ def check_packed_attention(model: LoadedModel, *, pool: bool = False) -> None:
     biases, soft-capping, a layer that bypasses transformers' attention interface) would be computed
     wrongly, or would attend across rows. Probe: two rows of different lengths, prefilled in two chunks
     and decoded for two steps next to a placeholder (in a :class:`~invink_audit.rows.KVPool` with ``pool``, else
-    in length buckets), against the model's own uncached forward pass of each row, logit by logit (16 units in the last place of the model's dtype, relative to the largest
-    logit, plus float32 accumulation noise). Raises :class:`UnsupportedModelError`.
+    in length buckets), against the model's own uncached forward pass of each row, logit by logit (16 units in
+    the last place of the model's dtype, relative to the largest logit, plus float32 accumulation noise). Raises
+    :class:`UnsupportedModelError`.
     """
     vocab = model.vocab_size
     prompts = [[(7919 * i + 3) % vocab for i in range(1, 12)], [(104729 * i + 5) % vocab for i in range(1, 7)]]

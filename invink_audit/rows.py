@@ -372,7 +372,8 @@ def tile_invariant_attention(device: torch.device, dtype: torch.dtype) -> bool:
 
         base = attend(slice(None), 2 * KV_TILE)
         same = all(torch.equal(base, attend(slice(None), tiles * KV_TILE)) for tiles in (3, 8))
-        _INVARIANT[key] = same and all(torch.equal(base[i : i + 1], attend(slice(i, i + 1), 2 * KV_TILE)) for i in range(n))
+        alone = (torch.equal(base[i : i + 1], attend(slice(i, i + 1), 2 * KV_TILE)) for i in range(n))
+        _INVARIANT[key] = same and all(alone)
     return _INVARIANT[key]
 
 
