@@ -254,11 +254,13 @@ class _SyncCounter:
         return counted
 
 
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("top_k", [6, None])  # Top-k+ path; full-vocabulary path
-def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny_in_dtype, monkeypatch, top_k):
+def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny_in_dtype, monkeypatch, top_k, kv_layout):
     tiny = tiny_in_dtype
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=top_k, batch_size=3)
-    engine = Engine(tiny, mechanism, max_batch_rows=8)  # two texts at a time: joins and finishes included
+    # two texts at a time: joins and finishes included
+    engine = Engine(tiny, mechanism, max_batch_rows=8, kv_layout=kv_layout)
     requests = _requests(tiny, REFERENCES)
     counter = _SyncCounter(monkeypatch)
     per_step = []
@@ -272,6 +274,7 @@ def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny_in_dtype, mo
     monkeypatch.undo()
     # (the run's key comes from the generator's 128-bit key, not from a draw: no transfer for it)
     assert set(per_step) == {1}, per_step
+    assert engine.forward.graphs.captures == 0  # on the CPU the pool's pass, the function a graph captures, runs eagerly
 
 
 @pytest.mark.cuda
