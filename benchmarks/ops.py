@@ -61,14 +61,20 @@ class DecodeOps:
 
 def count_decode_ops(engine: Engine, requests, steps: int = 4) -> DecodeOps:
     """:class:`DecodeOps` of ``requests`` (each row's prompt as the workload has it), over ``steps`` decoding
-    steps of each (the first step, which prefills, is not counted), on ``engine`` as it is (its ``kv_layout``)."""
+    steps of each (the first step, which prefills, is not counted), on ``engine`` as it is (its ``kv_layout``), its
+    passes run eagerly: on CUDA a captured pass is one graph launch from the host, the operations counted here
+    its kernels."""
     check_count("steps", steps, minimum=1)
     device = engine.model.device
     counter, ticks = KernelOpCounter(), []
-    with counter:
-        for _ in engine.generate(requests, max_new_tokens=steps + 1, generator=seeded_generator(device), stop_at_eos=False,
-                                 progress=lambda _n: ticks.append(counter.count)):
-            pass
+    graphs, engine.forward.graphs.enabled = engine.forward.graphs.enabled, False  # a replay hides its operations
+    try:
+        with counter:
+            for _ in engine.generate(requests, max_new_tokens=steps + 1, generator=seeded_generator(device),
+                                     stop_at_eos=False, progress=lambda _n: ticks.append(counter.count)):
+                pass
+    finally:
+        engine.forward.graphs.enabled = graphs
     ours = [after - before for before, after in zip(ticks, ticks[1:])]
     return DecodeOps(statistics.median(ours), padded_decode_ops(engine, requests, steps), steps, engine.kv_layout)
 
