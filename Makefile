@@ -54,27 +54,39 @@ check: $(STAMP)
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto
 
-# On a machine with CUDA (and a CUDA build of torch in $(PY)): the CUDA tests, then the real-data
-# benchmark in bfloat16 and float32. YELP: the reviews file (copy it into the checkout on a machine that
-# has no ../shared); INVINK_REFERENCE_PATH: a folder holding the reference `invink` 0.1.0 package
-# (and pandas), put on PYTHONPATH to time it side by side (see docs/design/engine.md, "Benchmark on real data").
+# On a machine with CUDA (and a CUDA build of torch in $(PY)): the CUDA tests (the pool's CUDA graphs against eager
+# passes, public rows bitwise in both layouts, the oracle, one synchronisation per step), then the real-data benchmark
+# in bfloat16 at G = 1 and 8 with the kernel-op count and, with INVINK_REFERENCE_PATH (a folder holding the reference
+# `invink` 0.1.0 package and pandas), the matched reference: about 5 minutes on an H100, inside one device call's
+# 10. Everything it prints goes to $(GPU_OUT)/ (device, commit, date first) for docs/results. YELP: the reviews file
+# (copy it into the checkout on a machine that has no ../shared); GIT_COMMIT: the commit, where the copy has no .git.
 # `gpu-run GPU_PY=python3` runs the same steps with a Python that already has torch and the project's
 # dependencies (a lent GPU machine with no network: `make gpu-bundle` here, docs/design/engine.md "On a GPU").
 # `bench` runs the harness in this checkout's benchmarks/ folder (beside invink_audit/; the copy of the working
 # tree a lent machine gets carries it, so the bundle does not).
 YELP ?= ../shared/data/yelp/dev.csv
 GPU_PY ?= $(PY)
+GPU_OUT ?= gpu-out
+GIT_COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 BENCH_WORKLOAD := --references $(YELP) --where "label1=Business Category: Restaurants" --batch-size 7 \
-	--max-new-tokens 64 --device cuda
+	--max-new-tokens 64 --device cuda --dtype bfloat16 --no-one-at-a-time --no-floor --repeats 1 \
+	$(if $(INVINK_REFERENCE_PATH),--reference --reference-config matched,)
 gpu-check: $(STAMP)
 	$(MAKE) gpu-run GPU_PY=$(PY)
 
 gpu-run:
 	$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check needs a CUDA device')"
-	$(GPU_PY) -m pytest -q -m cuda -p no:cacheprovider
-	for dtype in bfloat16 float32; do for g in 1 8 32; do \
+	mkdir -p $(GPU_OUT)
+	{ echo "commit $(GIT_COMMIT), $$(date -u +%F)"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; \
+		$(GPU_PY) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; \
+	} > $(GPU_OUT)/machine.txt
+	$(GPU_PY) -m pytest -q -m cuda -p no:cacheprovider > $(GPU_OUT)/cuda-tests.txt 2>&1; \
+		echo "exit $$?" >> $(GPU_OUT)/cuda-tests.txt; cat $(GPU_OUT)/cuda-tests.txt
+	for g in 1 8; do \
 		PYTHONPATH=$(INVINK_REFERENCE_PATH)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m invink_audit.cli bench $(BENCH_WORKLOAD) \
-			--dtype $$dtype --num-texts $$g $(if $(INVINK_REFERENCE_PATH),--reference,) || exit 1; done; done
+			--num-texts $$g > $(GPU_OUT)/bench-g$$g.txt 2>&1; status=$$?; cat $(GPU_OUT)/bench-g$$g.txt; \
+			[ $$status = 0 ] || exit 1; done
+	grep -qx "exit 0" $(GPU_OUT)/cuda-tests.txt
 
 # What a lent GPU machine without network needs beside the checkout, in two folders of under 64 MiB each (the
 # device tool's limit per call): .gpu/a (dp-accounting, gguf, the embedded model's package with the first half of

@@ -311,8 +311,8 @@ def format_bench(result) -> str:
     if result.decode_ops is not None:
         ops = result.decode_ops
         lines.append(
-            f"  kernel ops per step      {ops.engine:.0f} (forward + mechanism + sampling) against {ops.padded:.0f} "
-            f"for a plain padded transformers decode of the same rows: {ops.ratio:.2f}x"
+            f"  kernel ops per step      {ops.engine:.0f} (forward + mechanism + sampling; rows in a {ops.layout}) "
+            f"against {ops.padded:.0f} for a plain padded transformers decode of the same rows: {ops.ratio:.2f}x"
         )
     for reference in result.references:
         lines += [

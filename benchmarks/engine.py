@@ -464,7 +464,9 @@ def benchmark(
     cost; the defaults are typical values. ``repeats=0`` skips the lockstep step measurements.
     ``compare_full_logits`` also runs the workload with full private logits (``Engine(support_only=False)``)
     to show what the Top-k+ columns save. ``count_ops``: count the kernel-launching operations per decoding
-    step, ours and a plain padded decode's (:func:`count_decode_ops`; one more prefill of each). A model whose
+    step, ours and a plain padded decode's (:func:`count_decode_ops`; one more prefill of each), ours with the rows in
+    one pool (``kv_layout="pool"``: the step a GPU runs, whatever device this is; the CPU's length buckets issue one
+    attention per bucket, which costs nothing there but launches). A model whose
     tokenizer has no chat template (a base model) gets plain-text prompts
     (:func:`~invink_audit.prompts.encode_messages` with ``plain=True``).
     """
@@ -490,7 +492,11 @@ def benchmark(
         loaded, engine, requests, cluster, steps, workload, comparisons, batch_size=batch_size, num_texts=num_texts,
         max_new_tokens=max_new_tokens, rows=rows, repeats=repeats, plain=plain,
     )  # fmt: skip
-    return dataclasses.replace(result, decode_ops=count_decode_ops(engine, requests)) if count_ops else result
+    if not count_ops:
+        return result
+    pooled = engine if engine.kv_layout == "pool" else Engine(loaded, mechanism, max_batch_rows=engine.max_batch_rows,
+                                                               kv_layout="pool")
+    return dataclasses.replace(result, decode_ops=count_decode_ops(pooled, requests))
 
 
 def _bench_result(

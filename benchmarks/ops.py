@@ -41,34 +41,42 @@ class KernelOpCounter(TorchDispatchMode):
 @dataclasses.dataclass(frozen=True)
 class DecodeOps:
     """Kernel-launching operations per decoding step (medians over ``steps`` steps after the first): the
-    engine's private step (forward passes, the mechanism's math and sampling) and a plain padded transformers
-    decode of the same rows (one left-padded batch, its attention mask and cache, one forward, a softmax and a
-    multinomial draw per step)."""
+    engine's private step (forward passes, the mechanism's math and sampling) with its rows' caches in
+    ``layout`` (``Engine.kv_layout``), and a plain padded transformers decode of the same rows (one left-padded
+    batch, its attention mask and cache, one forward, a softmax and a multinomial draw per step)."""
 
     engine: float
     padded: float
     steps: int
+    layout: str = "pool"
 
     @property
     def ratio(self) -> float:
         return self.engine / self.padded
 
     def to_json(self) -> dict:
-        return {"engine": self.engine, "padded": self.padded, "ratio": self.ratio, "steps": self.steps}
+        return {"engine": self.engine, "padded": self.padded, "ratio": self.ratio, "steps": self.steps,
+                "layout": self.layout}
 
 
 def count_decode_ops(engine: Engine, requests, steps: int = 4) -> DecodeOps:
     """:class:`DecodeOps` of ``requests`` (each row's prompt as the workload has it), over ``steps`` decoding
-    steps of each (the first step, which prefills, is not counted)."""
+    steps of each (the first step, which prefills, is not counted), on ``engine`` as it is (its ``kv_layout``), its
+    passes run eagerly: on CUDA a captured pass is one graph launch from the host, the operations counted here
+    its kernels."""
     check_count("steps", steps, minimum=1)
     device = engine.model.device
     counter, ticks = KernelOpCounter(), []
-    with counter:
-        for _ in engine.generate(requests, max_new_tokens=steps + 1, generator=seeded_generator(device), stop_at_eos=False,
-                                 progress=lambda _n: ticks.append(counter.count)):
-            pass
+    graphs, engine.forward.graphs.enabled = engine.forward.graphs.enabled, False  # a replay hides its operations
+    try:
+        with counter:
+            for _ in engine.generate(requests, max_new_tokens=steps + 1, generator=seeded_generator(device),
+                                     stop_at_eos=False, progress=lambda _n: ticks.append(counter.count)):
+                pass
+    finally:
+        engine.forward.graphs.enabled = graphs
     ours = [after - before for before, after in zip(ticks, ticks[1:])]
-    return DecodeOps(statistics.median(ours), padded_decode_ops(engine, requests, steps), steps)
+    return DecodeOps(statistics.median(ours), padded_decode_ops(engine, requests, steps), steps, engine.kv_layout)
 
 
 def padded_decode_ops(engine: Engine, requests, steps: int) -> float:

@@ -35,9 +35,10 @@ from invink_audit.mechanism import (
 from invink_audit.mechanisms.base import Mechanism
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest, reached_stop, release_text
-from invink_audit.rows import RowKV, StoredRow
+from invink_audit.rows import RowKV, StoredRow, tile_invariant_attention
 
 __all__ = [
+    "KV_LAYOUTS",
     "DecodeStep",
     "Engine",
     "ForcedTextMismatch",
@@ -71,6 +72,12 @@ def text_outcomes(text, vocab_size: int, stop_outcome: int | None) -> list[int]:
     ``stop_outcome`` last when the mechanism's stop rule ended it (``Mechanism.stop_outcome``)."""
     ids = [m * vocab_size + t for t, m in zip(text.token_ids, text.modes or [0] * len(text.token_ids))]
     return ids + [stop_outcome] if stop_outcome is not None and text.finish_reason == FINISH_BUDGET else ids
+
+
+#: Where decoding rows' caches live (``Engine(kv_layout=...)``): ``"buckets"``, length buckets with little padding
+#: and one attention call per bucket (compute-bound devices: the CPU's default); ``"pool"``, one pool with static
+#: shapes and one attention call per layer, captured as a CUDA graph on CUDA (launch-bound devices: CUDA's default).
+KV_LAYOUTS = ("buckets", "pool")
 
 
 def default_max_batch_rows(device: torch.device) -> int:
@@ -206,23 +213,23 @@ SamplingRule = Callable[[DecodeStep], torch.Tensor]
 class _Stream:
     """One text's uniforms: V float64 draws in [0, 1) per step, keyed by 128 bits (run key, stream id).
 
-    On CPU a counter-based Philox generator (numpy) takes the whole 128-bit key; torch's CPU generator
-    would keep only 32 bits of a seed, so texts of a large run could share their noise. On CUDA torch's
-    Philox generator, seeded with 64 bits of the key, draws on the device.
+    A counter-based Philox generator (numpy) takes the whole 128-bit key (torch's CPU generator would keep
+    only 32 bits of a seed, its CUDA one 64, so texts of a large run could share their noise). The host draws
+    every text's uniforms of a step and :func:`_upload` moves them to the device in one copy (one operation per
+    step, not one per text).
     """
 
-    def __init__(self, key: int, device: torch.device):
-        self.device = device
-        if device.type == "cpu":
-            self.numpy = numpy.random.Generator(numpy.random.Philox(key=key))
-        else:
-            self.torch = torch.Generator(device=device)
-            self.torch.manual_seed(key & (2**64 - 1))
+    def __init__(self, key: int):
+        self.numpy = numpy.random.Generator(numpy.random.Philox(key=key))
 
-    def uniforms(self, size: int) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return torch.from_numpy(self.numpy.random(size))
-        return torch.rand(size, dtype=ACCUMULATION_DTYPE, device=self.device, generator=self.torch)
+    def uniforms(self, size: int) -> numpy.ndarray:
+        return self.numpy.random(size)
+
+
+def _upload(array: numpy.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` in one copy (pinned and non-blocking on CUDA: no synchronisation)."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 class _Text:
@@ -247,8 +254,9 @@ class _Text:
         ]
         self.states: list[torch.Tensor | None] = [None] * len(prompts)
         self.stored: list[StoredRow | None] | None = None  # the rows once decoding (in the run's stores)
+        self.held: list[StoredRow] = []  # a pool's slots kept for the null references (their slots stay put)
         self.next_row = 0  # first row whose prefill is not complete
-        self.stream = _Stream(stream_key, device)
+        self.stream = _Stream(stream_key)
         self.tokens: list[int] = []
         self.size_sum = 0.0
         self.size_sq_sum = 0.0
@@ -258,9 +266,9 @@ class _Text:
         self.mech_state: torch.Tensor | None = None
         self.spend: float | None = None
         if mechanism is not None:
-            self.aux = _Stream(derive_key(stream_key, _AUX_LABEL), device)
+            self.aux = _Stream(derive_key(stream_key, _AUX_LABEL))
             n0 = mechanism.aux_size(exact=exact, at_start=True)
-            start = self.aux.uniforms(n0).to(device).view(1, n0)
+            start = _upload(self.aux.uniforms(n0).reshape(1, n0), device)
             self.mech_state = mechanism.initial_state(start, exact=exact)[0]
         self._skip_nulls()
 
@@ -320,6 +328,8 @@ class Engine:
     logits on the Top-k+ columns only when nothing needs the full rows and the model passes the output-layer probe (docs/design/engine.md);
     ``False`` always computes full logits. ``share_prefill``: prefill each distinct prompt once per
     :meth:`generate` call and copy its cache (bitwise the same; for audits, which repeat prompts).
+    ``kv_layout``: one of :data:`KV_LAYOUTS`, where decoding rows' caches live (default ``"pool"`` on CUDA,
+    ``"buckets"`` elsewhere; docs/design/engine.md, "On a GPU").
     """
 
     def __init__(
@@ -331,6 +341,7 @@ class Engine:
         max_prefill_tokens: int | None = None,
         support_only: bool = True,
         share_prefill: bool = False,
+        kv_layout: str | None = None,
     ):
         if not isinstance(model, LoadedModel):
             raise ValueError(f"model must be a LoadedModel (see invink_audit.load_model); got {type(model).__name__}")
@@ -346,6 +357,9 @@ class Engine:
         for name, flag in (("support_only", support_only), ("share_prefill", share_prefill)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be a bool; got {flag!r}")
+        kv_layout = ("pool" if model.device.type == "cuda" else "buckets") if kv_layout is None else kv_layout
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}; got {kv_layout!r}")
         if "logits_to_keep" not in inspect.signature(model.model.forward).parameters:
             raise ValueError(
                 f"model {model.name!r} does not accept logits_to_keep; use a recent transformers causal LM"
@@ -357,7 +371,8 @@ class Engine:
         self.max_batch_rows = rows
         self.max_prefill_tokens = prefill
         self.share_prefill = share_prefill
-        check_packed_attention(model)
+        self.kv_layout = kv_layout
+        check_packed_attention(model, pool=kv_layout == "pool")
         self.forward = RowForward(model)
         #: the model as (decoder, output layer) when private logits use the Top-k+ columns only, else None
         self.output_split = output_layer_split(model) if support_only and not generic else None
@@ -591,11 +606,25 @@ class _Run:
         self.shared: dict = {}
         self.prefixes: dict[tuple[int, ...], RowKV] = {}  # template prefixes' caches (public tokens)
         self.eos = frozenset(engine.model.eos_token_ids)
-        # decoding rows' caches: public rows apart, so their attention never shares a call with a private row
-        # (each public row alone: its attention's shapes depend on nothing else, on any device)
-        self.public_store = engine.forward.new_store(solo=True)
-        self.private_store = engine.forward.new_store()
+        self.public_store, self.private_store = self._stores(engine, len(requests))
         self.width = None  # columns gathered for the private rows (Top-k+ path), grown on overflow
+
+    @staticmethod
+    def _stores(engine: Engine, num_requests: int):
+        """The decoding rows' caches (public rows', private rows'). Buckets: the public rows apart, each alone (its
+        attention's shapes depend on nothing else, on any device). A pool: sized from public information (texts in
+        progress × (B + 1)); the public rows share it with the private rows where the attention kernel is tile
+        invariant (:func:`~invink_audit.rows.tile_invariant_attention`), else they get a pool of their own, whose
+        width their own lengths set."""
+        forward = engine.forward
+        if engine.kv_layout == "buckets":
+            return forward.new_store(solo=True), forward.new_store()
+        texts = min(num_requests, engine.max_texts)
+        rows = texts * (engine.mechanism.batch_size + 1)
+        if tile_invariant_attention(engine.model.device, engine.model.dtype):
+            pool = forward.new_pool(rows)
+            return pool, pool
+        return forward.new_pool(texts), forward.new_pool(rows - texts)
 
     @property
     def done(self) -> bool:
@@ -605,8 +634,8 @@ class _Run:
         """Bytes of every KV buffer this run holds now (:meth:`Engine.kv_bytes`)."""
         rows = [r for t in self.texts for r in t.rows if r is not None]
         rows += [*self.prefixes.values(), *(row for row, _ in self.shared.values())]
-        stores = self.public_store.allocated_bytes() + self.private_store.allocated_bytes()
-        return stores + sum(row.allocated_bytes() for row in rows)
+        stores = {id(s): s for s in (self.public_store, self.private_store)}.values()
+        return sum(s.allocated_bytes() for s in stores) + sum(row.allocated_bytes() for row in rows)
 
     # ---------------------------------------------------------------- admission and prefill
 
@@ -686,7 +715,9 @@ class _Run:
         for text in self.texts:
             if text.decoding and text.stored is None:  # drew its first token: its rows start decoding
                 stores = [self.public_store] + [self.private_store] * (len(text.rows) - 1)
-                text.stored = [None if r is None else s.insert(r) for r, s in zip(text.rows, stores)]
+                placed = [s.reserve() if r is None else s.insert(r) for r, s in zip(text.rows, stores)]
+                text.stored = [None if r is None else p for r, p in zip(text.rows, placed)]
+                text.held = [p for r, p in zip(text.rows, placed) if r is None and p is not None]
                 text.rows = [None] * len(text.rows)  # the prefill buffers are no longer needed
             last = text.tokens[-1] if text.decoding else 0
             for row in text.stored or [None] * len(text.prompts):
@@ -733,7 +764,7 @@ class _Run:
                 finished.append(text.finished_text(reason, self.engine.model.tokenizer))
                 gone.add(slot)
         for slot in gone:
-            for row in self.texts[slot].stored or ():
+            for row in [*(self.texts[slot].stored or ()), *self.texts[slot].held]:
                 if row is not None:
                     row.store.remove(row)
         if gone:
@@ -834,9 +865,10 @@ class _StepMath:
         texts = [self.run.texts[s] for s in ready]
         device = rows.device
         null = to_device([[p is None for p in t.prompts[1:]] for t in self.run.texts], device, torch.bool)
-        uniforms = torch.zeros((len(self.run.texts), self.vocab_size), dtype=ACCUMULATION_DTYPE, device=device)
+        uniforms = numpy.zeros((len(self.run.texts), self.vocab_size))
         for slot, text in zip(ready, texts):
             uniforms[slot] = text.stream.uniforms(self.vocab_size)
+        uniforms = _upload(uniforms, device)
         if not hooks.any:
             values = self._draw_support(rows[:, 0], rows[:, 1:], null, uniforms)
             values = [values[s] for s in ready]
@@ -1018,12 +1050,9 @@ class _OutcomeMath:
     def _randomness(self, texts, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each text's auxiliary uniforms (inside :data:`_AUX_RANGE`) and its ``width`` Gumbel-max uniforms."""
         n_aux = self.mechanism.aux_size(exact=self.run.exact, at_start=False)
-        if n_aux:
-            aux = torch.stack([t.aux.uniforms(n_aux).to(device) for t in texts]).clamp_(*_AUX_RANGE)
-        else:
-            aux = torch.zeros((len(texts), 0), dtype=ACCUMULATION_DTYPE, device=device)
-        uniforms = torch.stack([t.stream.uniforms(width).to(device) for t in texts])
-        return aux, uniforms
+        aux = numpy.stack([t.aux.uniforms(n_aux) for t in texts]).clip(*_AUX_RANGE)
+        uniforms = numpy.stack([t.stream.uniforms(width) for t in texts])
+        return _upload(aux, device), _upload(uniforms, device)
 
     def _hook_step(self, hooks: _Hooks, texts, public, private, result) -> GenericDecodeStep | None:
         """The step the observer and sampling rule see; ``None`` without either."""

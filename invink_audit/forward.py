@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +20,9 @@ import torch
 from invink_audit.models import LoadedModel
 from invink_audit.rows import (
     DecodePlan,
+    KVPool,
     KVStore,
+    PoolPlan,
     PrefillChunk,
     RowKV,
     StoredRow,
@@ -172,6 +175,8 @@ class RowForward:
         self.network = model.model
         self.decoder: torch.nn.Module | None = None
         self.stats: ForwardStats | None = None
+        #: decoding passes over pools captured as CUDA graphs and replayed (CUDA only; else eager)
+        self.graphs = _DecodeGraphs(self)
         config = self.network.config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
@@ -184,6 +189,20 @@ class RowForward:
     def new_store(self, *, solo: bool = False) -> KVStore:
         """A store for decoding rows (``solo``: one attention call per row; see :class:`KVStore`)."""
         return KVStore(self.num_layers, solo=solo)
+
+    def new_pool(self, rows: int) -> KVPool:
+        """A pool for decoding rows (one attention call per layer for all of them; see :class:`KVPool`), sized
+        for ``rows`` rows (public information: it fixes the pass's shape)."""
+        return KVPool(self.num_layers, rows)
+
+    @torch.inference_mode()
+    def pool_pass(self, plan: PoolPlan, *, hidden: bool) -> torch.Tensor:
+        """The model over every slot of ``plan``'s pools (bound to its token ids and positions): (slots, features)."""
+        with packed_attention(self.network):
+            kwargs = pack_kwargs(plan, self.model.device)
+            if hidden:
+                return self.decoder(input_ids=plan.ids, position_ids=plan.positions, **kwargs).last_hidden_state[0]
+            return self.network(input_ids=plan.ids, position_ids=plan.positions, logits_to_keep=0, **kwargs).logits[0]
 
     @torch.inference_mode()
     def _run(self, layout: PrefillChunk | DecodePlan, flat_ids: list[int], positions: list[int], *, hidden: bool,
@@ -228,8 +247,18 @@ class RowForward:
         for row in rows:
             if row is not None:
                 row.ready()
-        plan = DecodePlan(rows, self.model.device, to_device)
-        features = self._run(plan, list(ids), plan.positions(), hidden=hidden, last_only=False)
+        stores = list({id(r.store): r.store for r in rows if r is not None}.values())
+        if stores and isinstance(stores[0], KVPool):
+            plan = PoolPlan(stores, rows, ids)
+            flat_ids, positions, order = plan.host
+            device = self.model.device
+            features = self.graphs.run(plan, to_device([flat_ids], device), to_device([positions], device), hidden)
+            features = features.index_select(0, to_device(order, device))
+            processed = sum(pool.capacity * pool.width for pool in stores)
+        else:
+            plan = DecodePlan(rows, self.model.device, to_device)
+            features = self._run(plan, list(ids), plan.positions(), hidden=hidden, last_only=False)
+            processed = sum(group.bucket.width * (group.stop - group.start) for group in plan.groups)
         if self.stats is not None:
             stats = self.stats
             stats.decode_seconds += self._clock() - started
@@ -237,29 +266,93 @@ class RowForward:
             stats.decode_rows += len(real)
             stats.placeholder_rows += len(rows) - len(real)
             stats.kv_tokens += sum(row.length + 1 for row in real)
-            stats.kv_processed += sum(group.bucket.width * (group.stop - group.start) for group in plan.groups)
+            stats.kv_processed += processed
         plan.commit()
         return features
 
 
-def check_packed_attention(model: LoadedModel) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Captured:
+    graph: object  # torch.cuda.CUDAGraph
+    ids: torch.Tensor  # the static inputs the replay reads
+    positions: torch.Tensor
+    output: torch.Tensor  # the static output it writes
+
+
+class _DecodeGraphs:
+    """Decoding passes over pools as CUDA graphs: captured once per layout of the pools (:meth:`PoolPlan.signature`:
+    which pools, their buffers' version and shape) and output kind, then replayed with the step's token ids and
+    positions copied into the captured inputs; the pools' keys and values are written inside the graph, as in an
+    eager pass. Elsewhere than on CUDA, with ``enabled`` False, or after a capture failed (warned once), the pass
+    runs eagerly: the same function, the same arithmetic. ``captures`` counts the captures (each synchronises)."""
+
+    def __init__(self, forward: RowForward):
+        self.forward = forward
+        self.enabled = True
+        self.captures = 0
+        self._graphs: dict = {}
+        self._memory = None
+
+    def run(self, plan: PoolPlan, ids: torch.Tensor, positions: torch.Tensor, hidden: bool) -> torch.Tensor:
+        if not self.enabled or ids.device.type != "cuda":
+            plan.bind(ids, positions)
+            return self.forward.pool_pass(plan, hidden=hidden)
+        key = (plan.signature(), hidden)
+        if key not in self._graphs:
+            self._graphs.clear()  # a new layout: the pools were reallocated, older graphs read freed buffers
+            try:
+                self._graphs[key] = self._capture(plan, ids, positions, hidden)
+            except RuntimeError as err:
+                self.enabled = False
+                warnings.warn(f"CUDA graph capture of the decoding pass failed ({err}); decoding eagerly", stacklevel=2)
+                return self.run(plan, ids, positions, hidden)
+        captured = self._graphs[key]
+        captured.ids.copy_(ids, non_blocking=True)
+        captured.positions.copy_(positions, non_blocking=True)
+        captured.graph.replay()
+        return captured.output
+
+    def _capture(self, plan: PoolPlan, ids: torch.Tensor, positions: torch.Tensor, hidden: bool) -> _Captured:
+        """Warm up on a side stream (it writes this step's keys and values, as the replay then does again), then
+        capture the pass reading static copies of the inputs."""
+        device = ids.device
+        static_ids, static_positions = ids.clone(), positions.clone()
+        plan.bind(static_ids, static_positions)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.forward.pool_pass(plan, hidden=hidden)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._memory is None:
+            self._memory = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        plan.bind(static_ids, static_positions)  # masks computed inside the graph
+        with torch.cuda.graph(graph, pool=self._memory):
+            output = self.forward.pool_pass(plan, hidden=hidden)
+        self.captures += 1
+        return _Captured(graph, static_ids, static_positions, output)
+
+
+def check_packed_attention(model: LoadedModel, *, pool: bool = False) -> None:
     """Refuse a model whose own forward pass the packed rows do not reproduce.
 
     The rows' attention (:mod:`invink_audit.rows`) is plain scaled dot-product attention, causal, with an
     optional sliding window; an architecture with more (attention sinks, ALiBi or other position
     biases, soft-capping, a layer that bypasses transformers' attention interface) would be computed
     wrongly, or would attend across rows. Probe: two rows of different lengths, prefilled in two chunks
-    and decoded for two steps next to a placeholder, against the model's own uncached forward pass of
-    each row, logit by logit (16 units in the last place of the model's dtype, relative to the largest
-    logit, plus float32 accumulation noise). Raises :class:`UnsupportedModelError`.
+    and decoded for two steps next to a placeholder (in a :class:`~invink_audit.rows.KVPool` with ``pool``, else
+    in length buckets), against the model's own uncached forward pass of each row, logit by logit (16 units in
+    the last place of the model's dtype, relative to the largest logit, plus float32 accumulation noise). Raises
+    :class:`UnsupportedModelError`.
     """
     vocab = model.vocab_size
     prompts = [[(7919 * i + 3) % vocab for i in range(1, 12)], [(104729 * i + 5) % vocab for i in range(1, 7)]]
     steps = [[(31 * i + 11) % vocab, (37 * i + 13) % vocab] for i in range(2)]
     forward = RowForward(model)
+    forward.graphs.enabled = False  # the probe checks the arithmetic; a capture would only cost time
     try:
         with torch.inference_mode():
-            store, got = forward.new_store(), []
+            store, got = (forward.new_pool(2) if pool else forward.new_store()), []
             stored = []
             for prompt in prompts:
                 row = forward.new_row(2)

@@ -1,8 +1,10 @@
 """Rows and their key/value caches, without padding: each row attends to its own tokens only.
 
-:class:`RowKV` and :class:`PrefillChunk` (one row's cache and prefill), :class:`KVStore` with
-:func:`bucket_length` (decoding rows in length buckets), and the packed attention registered with
-transformers under :data:`ATTENTION_NAME` (:func:`packed_attention`).
+:class:`RowKV` and :class:`PrefillChunk` (one row's cache and prefill); decoding rows either in length
+buckets (:class:`KVStore` with :func:`bucket_length`: little padding, one attention call per bucket, the CPU's
+layout) or in one pool (:class:`KVPool`: static shapes, one attention call per layer for every row, the GPU's
+layout); and the packed attention registered with transformers under :data:`ATTENTION_NAME`
+(:func:`packed_attention`).
 
 Design: docs/design/engine.md (§"Inside the code", and "No padding between rows").
 """
@@ -21,12 +23,17 @@ __all__ = [
     "ATTENTION_NAME",
     "MIN_BUCKET_ROWS",
     "DecodePlan",
+    "KVPool",
     "KVStore",
+    "KV_TILE",
+    "PoolPlan",
     "PrefillChunk",
     "RowKV",
     "StoredRow",
     "bucket_length",
     "packed_attention",
+    "pool_width",
+    "tile_invariant_attention",
 ]
 
 #: Name of the attention implementation registered with transformers.
@@ -222,6 +229,9 @@ class KVStore:
         if row.bucket is not None:
             self._take_out(row)
 
+    def reserve(self) -> None:
+        """A null reference's place: none (a decoding pass keeps its placeholder row in the caller's order)."""
+
     def ready(self, row: StoredRow) -> None:
         """Before a decoding pass: move ``row`` to the bucket of its next length if that changed."""
         width = bucket_length(row.length + 1)
@@ -320,6 +330,205 @@ def _decode_attention(plan: DecodePlan, layer, query, key, value, scaling, windo
     return output[None]
 
 
+# --------------------------------------------------------------------------------------------
+# decoding: every row in one pool, one attention call per layer
+
+#: Keys per tile of the pool's attention; a pool's width is a multiple of it. The attention kernel runs over
+#: a row's keys tile by tile with an online softmax (PyTorch's CPU flash attention takes tiles of 512 keys from
+#: 512 keys on), so the tiles of masked keys after a row's own add exact zeros and scale by exactly one: the
+#: row's result does not depend on the width, nor on the other rows of the call. That is the kernel's
+#: property, checked on the device by :func:`tile_invariant_attention`, not an assumption.
+KV_TILE = 512
+#: Rows a pool holds at least (its capacity is a power of two).
+MIN_POOL_ROWS = 8
+
+
+def pool_width(length: int) -> int:
+    """The pool width that holds ``length`` keys: ``length`` rounded up to a multiple of :data:`KV_TILE`."""
+    return -(-max(length, 1) // KV_TILE) * KV_TILE
+
+
+_INVARIANT: dict = {}
+
+
+def tile_invariant_attention(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``scaled_dot_product_attention`` on ``device`` in ``dtype`` gives each row bitwise the same
+    result whatever the call's width (multiples of :data:`KV_TILE`, keys past the row's own masked) and
+    whatever the other rows of the call: what lets every row of a :class:`KVPool` share one call, the public
+    rows included. Probed once per (device type, dtype) on random rows of 1 to 2·KV_TILE keys, at widths of two,
+    three and eight tiles, together and one by one."""
+    key = (torch.device(device).type, dtype)
+    if key not in _INVARIANT:
+        gen = torch.Generator().manual_seed(0)
+        lengths = torch.tensor([1, 37, KV_TILE - 1, KV_TILE, KV_TILE + 129, 2 * KV_TILE - 1], device=device)
+        n = len(lengths)
+        q = torch.randn((n, 2, 3, 64), generator=gen).to(device, dtype)
+        kv = torch.randn((2, n, 2, 8 * KV_TILE, 64), generator=gen).to(device, dtype)
+
+        def attend(rows: slice, width: int) -> torch.Tensor:
+            mask = torch.arange(width, device=device) < lengths[rows, None]
+            keys, values = kv[0, rows, :, :width], kv[1, rows, :, :width]
+            return F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask[:, None, None])
+
+        base = attend(slice(None), 2 * KV_TILE)
+        same = all(torch.equal(base, attend(slice(None), tiles * KV_TILE)) for tiles in (3, 8))
+        alone = (torch.equal(base[i : i + 1], attend(slice(i, i + 1), 2 * KV_TILE)) for i in range(n))
+        _INVARIANT[key] = same and all(alone)
+    return _INVARIANT[key]
+
+
+class KVPool:
+    """The caches of decoding rows in one pool: per layer, keys and values ``(capacity, kv_heads, width,
+    head_dim)``, one slot per row. A decoding pass (:class:`PoolPlan`) runs every slot, a free one as a scratch
+    row, so its shapes are the pool's alone: ``capacity`` (a power of two, at least the rows the pool was made
+    for, which the engine derives from public information: texts in progress × (B + 1)) and ``width`` (a multiple
+    of :data:`KV_TILE`, at least every row's next length, grown by whole tiles). One attention call per layer
+    serves every row of the pool; where :func:`tile_invariant_attention` holds, a row's result depends neither
+    on the width nor on the other rows (else the engine keeps its public rows in a pool of their own).
+    ``version`` changes whenever the buffers are reallocated (a captured CUDA graph reads the old ones)."""
+
+    def __init__(self, num_layers: int, rows: int):
+        self.num_layers = num_layers
+        self.capacity = max(MIN_POOL_ROWS, 1 << max(0, rows - 1).bit_length())
+        self.width = 0
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.slots: list[StoredRow | None] = [None] * self.capacity
+        self.version = 0
+
+    def _resize(self, like: torch.Tensor | None, capacity: int, width: int) -> None:
+        for layer, (k, v) in enumerate(zip(self.keys, self.values) if like is not None else ()):
+            shape = (capacity, like.shape[1], width, like.shape[3])
+            grown_k, grown_v = like.new_zeros(shape), like.new_zeros(shape)
+            if k is not None:
+                grown_k[: k.shape[0], :, : k.shape[2]].copy_(k)
+                grown_v[: v.shape[0], :, : v.shape[2]].copy_(v)
+            self.keys[layer], self.values[layer] = grown_k, grown_v
+        self.slots += [None] * (capacity - len(self.slots))
+        self.capacity, self.width, self.version = capacity, width, self.version + 1
+
+    def insert(self, row: RowKV) -> StoredRow:
+        """Move a prefilled row into a free slot (its cache is copied; the :class:`RowKV` can be dropped)."""
+        width = max(self.width, pool_width(row.length + 1))
+        if self.keys[0] is None or None not in self.slots or width > self.width:
+            self._resize(row.keys[0], self.capacity * (1 if None in self.slots else 2), width)
+        stored = StoredRow(self, None, self.slots.index(None), row.length)
+        self.slots[stored.slot] = stored
+        for layer in range(self.num_layers):
+            self.keys[layer][stored.slot, :, : row.length].copy_(row.keys[layer][0, :, : row.length])
+            self.values[layer][stored.slot, :, : row.length].copy_(row.values[layer][0, :, : row.length])
+        return stored
+
+    def reserve(self) -> StoredRow:
+        """A slot held for a null reference, so that which slot every other row takes, and so where it sits in
+        the pass, does not depend on which references are null; it runs as a scratch row. :meth:`remove` frees it."""
+        if None not in self.slots:
+            self._resize(self.keys[0], 2 * self.capacity, self.width)
+        held = StoredRow(self, None, self.slots.index(None), 0)
+        self.slots[held.slot] = held
+        return held
+
+    def remove(self, row: StoredRow) -> None:
+        if row.slot is not None and self.slots[row.slot] is row:
+            self.slots[row.slot], row.slot = None, None
+
+    def ready(self, row: StoredRow) -> None:
+        """Before a decoding pass: widen the pool (by whole tiles) if ``row``'s next token would not fit."""
+        if row.length + 1 > self.width:
+            self._resize(self.keys[0], self.capacity, pool_width(row.length + 1))
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the pool's key/value buffers, every slot allocated (a read-only report)."""
+        return sum(t.nbytes for t in (*self.keys, *self.values) if t is not None)
+
+
+class PoolPlan:
+    """The layout of one decoding pass over pools: every slot of each pool in turn, one token per slot.
+
+    ``rows`` (the caller's order; ``None`` a placeholder) say where the caller's tokens go; the other slots are
+    scratch rows (a free slot writes its key at position 0 and attends to it; a stored row left out writes after
+    its cached tokens, where its next token will overwrite it). :attr:`host` holds the pass's token ids and
+    positions per slot and, per caller row, the slot its output is read from (a placeholder reads slot 0's:
+    meaningless, as a placeholder's output is). :meth:`bind` gives the device tensors the attention reads.
+    """
+
+    def __init__(self, pools: Sequence[KVPool], rows: Sequence[StoredRow | None], ids: Sequence[int]):
+        self.pools, self.rows, self.starts = list(pools), list(rows), []
+        total = 0
+        for pool in self.pools:
+            self.starts.append(total)
+            total += pool.capacity
+        start = {id(pool): s for pool, s in zip(self.pools, self.starts)}
+        flat_ids, positions = [0] * total, [0] * total
+        for pool in self.pools:
+            for slot, row in enumerate(pool.slots):
+                if row is not None:
+                    positions[start[id(pool)] + slot] = row.length
+        order = []
+        for row, token in zip(self.rows, ids):
+            if row is None:
+                order.append(0)
+                continue
+            order.append(start[id(row.store)] + row.slot)
+            flat_ids[order[-1]] = token
+        self.host = (flat_ids, positions, order)
+        self.ids = self.positions = None
+        self.masks: dict = {}
+
+    def signature(self) -> tuple:
+        """What fixes the pass's shapes and buffers: each pool's identity, buffers' version and size."""
+        return tuple((id(p), p.version, p.capacity, p.width) for p in self.pools)
+
+    def bind(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """The pass's token ids and positions (1, slots) on the device; masks are computed from them."""
+        self.ids, self.positions = ids, positions
+        self.masks.clear()
+
+    def slots(self, index: int) -> torch.Tensor:
+        """0..capacity-1 on the device, for pool ``index`` (made once per pass)."""
+        if ("slots", index) not in self.masks:
+            self.masks[("slots", index)] = torch.arange(self.pools[index].capacity, device=self.positions.device)
+        return self.masks[("slots", index)]
+
+    def visible(self, index: int, window: int | None) -> torch.Tensor:
+        """(capacity, 1, 1, width) bool for pool ``index``: key j is visible to its slot's new token at its
+        position (and within the sliding window, if any)."""
+        if (index, window) not in self.masks:
+            pool, start = self.pools[index], self.starts[index]
+            positions = self.positions[0, start : start + pool.capacity, None]
+            j = torch.arange(pool.width, device=positions.device)
+            mask = j <= positions
+            if window is not None:
+                mask &= j > positions - window
+            self.masks[(index, window)] = mask[:, None, None, :]
+        return self.masks[(index, window)]
+
+    def commit(self) -> None:
+        for row in self.rows:
+            if row is not None:
+                row.length += 1
+
+
+def _pool_attention(plan: PoolPlan, layer, query, key, value, scaling, window) -> torch.Tensor:
+    """One new token per slot: per pool, write the slots' new keys/values at their positions, then one attention
+    call over the pool (each slot's keys past its position masked). A query head group shares its key/value head:
+    the group's heads enter the call as that head's query positions (the same arithmetic, no repeated keys)."""
+    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+    queries = query[0].transpose(0, 1).reshape(-1, kv_heads, heads // kv_heads, head_dim)
+    new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    outputs = []
+    for index, pool in enumerate(plan.pools):
+        part = slice(plan.starts[index], plan.starts[index] + pool.capacity)
+        slots, positions = plan.slots(index), plan.positions[0, part]
+        pool.keys[layer][slots, :, positions] = new_keys[part]
+        pool.values[layer][slots, :, positions] = new_values[part]
+        outputs.append(F.scaled_dot_product_attention(
+            queries[part], pool.keys[layer], pool.values[layer], attn_mask=plan.visible(index, window), scale=scaling,
+        ))
+    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return output.view(1, -1, heads, head_dim)
+
+
 def _visible(count: int, past: int, window: int | None, device) -> torch.Tensor | None:
     """Boolean mask (count, past + count): query i (position past + i) sees key j iff j <= past + i and,
     with a sliding window W, j > past + i - W. None when plain causal attention from 0 is exact."""
@@ -353,7 +562,7 @@ def rows_attention(
     that cache (causally, within the sliding window if any); a decoding pass goes to
     :func:`_decode_attention`. Returns (1, N, heads, head_dim).
     """
-    pack: PrefillChunk | DecodePlan | None = kwargs.get(_PACK_KWARG)
+    pack: PrefillChunk | DecodePlan | PoolPlan | None = kwargs.get(_PACK_KWARG)
     if pack is None:
         raise RuntimeError(
             f"the {ATTENTION_NAME!r} attention needs the engine's packed layout; this forward pass did not pass it"
@@ -366,6 +575,8 @@ def rows_attention(
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     if isinstance(pack, DecodePlan):
         return _decode_attention(pack, layer, query, key, value, scaling, window), None
+    if isinstance(pack, PoolPlan):
+        return _pool_attention(pack, layer, query, key, value, scaling, window), None
     past = pack.row.length
     keys, values = pack.row.append(layer, key, value)
     mask = _visible(pack.count, past, window, query.device)
@@ -405,7 +616,7 @@ def packed_attention(network: torch.nn.Module) -> Iterator[None]:
             part._attn_implementation_internal = value
 
 
-def pack_kwargs(pack: PrefillChunk | DecodePlan, device: torch.device) -> dict:
+def pack_kwargs(pack: PrefillChunk | DecodePlan | PoolPlan, device: torch.device) -> dict:
     """Keyword arguments of a packed forward pass: the layout, no cache object, and a prepared 4-D mask
     placeholder (transformers returns a 4-D mask as given and builds none; this attention ignores it)."""
     return {

@@ -124,19 +124,22 @@ def _forced_tokens(model, count: int, lengths: list[int]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "max_batch_rows, top_k",
+    "max_batch_rows, top_k, kv_layout",
     [
-        (64, 8),  # everything in one shard, one forward per step
-        (4, 8),  # several texts wait and join as others finish; texts split across shards
-        (2, None),  # a text's rows span two shards; full vocabulary
+        (64, 8, "buckets"),  # everything in one shard, one forward per step
+        (4, 8, "buckets"),  # several texts wait and join as others finish; texts split across shards
+        (2, None, "buckets"),  # a text's rows span two shards; full vocabulary
+        (64, 8, "pool"),  # the GPU's layout: one pool, one attention call per layer
+        (4, None, "pool"),  # texts joining: slots freed and reused
     ],
 )
-def test_teacher_forced_distribution_equals_mechanism_on_independent_logits(tiny64, max_batch_rows, top_k):
+def test_teacher_forced_distribution_equals_mechanism_on_independent_logits(tiny64, max_batch_rows, top_k, kv_layout):
     mechanism = MechanismConfig(clip_norm=0.7, temperature=1.3, top_k=top_k, batch_size=3)
     requests = _requests(tiny64)
     lengths = [6, 2, 9, 4, 9]
     forced = _forced_tokens(tiny64, len(requests), lengths)
-    seen, finished = _forced_run(tiny64, requests, forced, mechanism, max_batch_rows=max_batch_rows)
+    seen, finished = _forced_run(tiny64, requests, forced, mechanism, max_batch_rows=max_batch_rows,
+                                 kv_layout=kv_layout)
 
     assert sorted(seen) == sorted((i, t) for i, n in enumerate(lengths) for t in range(n))
     for index, n in enumerate(lengths):
@@ -339,6 +342,9 @@ def test_bad_arguments_are_rejected(tiny32):
         engine.generate(good, max_new_tokens=2, generator=None)
     with pytest.raises(ValueError, match="max_batch_rows"):
         Engine(tiny32, mechanism, max_batch_rows=0)
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        Engine(tiny32, mechanism, kv_layout="paged")
+    assert Engine(tiny32, mechanism).kv_layout == "buckets"  # the CPU's default
     with pytest.raises(ValueError, match="LoadedModel"):
         Engine(tiny32.model, mechanism)
     def truncated(step):
@@ -349,7 +355,8 @@ def test_bad_arguments_are_rejected(tiny32):
     assert list(engine.generate([], max_new_tokens=2, generator=_generator(0))) == []
 
 
-def test_sliding_window_models_match_the_oracle(tiny64):
+@pytest.mark.parametrize("kv_layout", ["buckets", "pool"])
+def test_sliding_window_models_match_the_oracle(tiny64, kv_layout):
     """A model with sliding-window attention (Mistral, window 8, prompts of ~20 tokens): each row attends to
     its last 8 keys, exactly as the model's own (uncached, unpadded) forward pass does."""
     from transformers import MistralConfig, MistralForCausalLM
@@ -370,7 +377,7 @@ def test_sliding_window_models_match_the_oracle(tiny64):
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=10, batch_size=3)
     requests = _requests(model)[:3]
     forced = _forced_tokens(model, 3, [6, 4, 6])
-    seen, _ = _forced_run(model, requests, forced, mechanism, max_prefill_tokens=5)  # chunked prefill too
+    seen, _ = _forced_run(model, requests, forced, mechanism, max_prefill_tokens=5, kv_layout=kv_layout)  # chunked
     for index, request in enumerate(requests):
         steps = range(len(forced[index]))
         expected = _oracle_all_steps(model, request, forced[index], mechanism, steps=steps)

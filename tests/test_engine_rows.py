@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 import invink_audit.engine as engine_module
-from invink_audit.engine import Engine, ForwardStats
+from invink_audit.engine import KV_LAYOUTS, Engine, ForwardStats
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
 from invink_audit.models import build_tiny_model
 from invink_audit.prompts import encode_request, get_preset
@@ -71,7 +72,7 @@ def _variants():
     return {"original": REFERENCES, "changed": changed, "nulled": nulled, "other-text-nulled": other}
 
 
-def _public_rows_support_path(model, mechanism, references, monkeypatch, max_batch_rows):
+def _public_rows_support_path(model, mechanism, references, monkeypatch, max_batch_rows, kv_layout=None):
     """Default (Top-k+) path: every step's public logits per text, and the texts."""
     real = engine_module._support_log_probs
     steps = []
@@ -81,17 +82,17 @@ def _public_rows_support_path(model, mechanism, references, monkeypatch, max_bat
         return real(head, mech, public, support, private_states, null, index)
 
     monkeypatch.setattr(engine_module, "_support_log_probs", spy)
-    engine = Engine(model, mechanism, max_batch_rows=max_batch_rows)
+    engine = Engine(model, mechanism, max_batch_rows=max_batch_rows, kv_layout=kv_layout)
     texts = list(engine.generate(_requests(model, references), max_new_tokens=6,
                                  generator=_generator(3, model.device), stop_at_eos=False))
     monkeypatch.setattr(engine_module, "_support_log_probs", real)
     return steps, {t.request_index: t.token_ids for t in texts}
 
 
-def _check_public_rows_independent(model, monkeypatch, max_batch_rows):
+def _check_public_rows_independent(model, monkeypatch, max_batch_rows, kv_layout=None):
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
     runs = {
-        name: _public_rows_support_path(model, mechanism, refs, monkeypatch, max_batch_rows)
+        name: _public_rows_support_path(model, mechanism, refs, monkeypatch, max_batch_rows, kv_layout)
         for name, refs in _variants().items()
     }
     base_steps, base_tokens = runs["original"]
@@ -109,11 +110,12 @@ def _check_public_rows_independent(model, monkeypatch, max_batch_rows):
                     assert torch.equal(a[slot], b[slot]), (name, step, slot)
 
 
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("max_batch_rows", [64, 8])  # all texts together; two at a time, the third joins
 def test_public_rows_are_bitwise_independent_of_private_references_on_the_default_path(
-    tiny_in_dtype, monkeypatch, max_batch_rows
+    tiny_in_dtype, monkeypatch, max_batch_rows, kv_layout
 ):
-    _check_public_rows_independent(tiny_in_dtype, monkeypatch, max_batch_rows)
+    _check_public_rows_independent(tiny_in_dtype, monkeypatch, max_batch_rows, kv_layout)
 
 
 @pytest.mark.cuda
@@ -121,8 +123,8 @@ def test_public_rows_are_bitwise_independent_of_private_references_on_the_defaul
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_public_rows_are_bitwise_independent_of_private_references_on_cuda(monkeypatch, dtype):
     model = build_tiny_model(seed=5, hidden_size=64, device="cuda", dtype=dtype)
-    for max_batch_rows in (64, 8):
-        _check_public_rows_independent(model, monkeypatch, max_batch_rows)
+    for max_batch_rows, kv_layout in itertools.product((64, 8), KV_LAYOUTS):  # the pool: captured CUDA graphs
+        _check_public_rows_independent(model, monkeypatch, max_batch_rows, kv_layout)
 
 
 @pytest.mark.cuda
@@ -148,9 +150,10 @@ def test_cuda_engine_matches_an_unbatched_oracle_with_forced_tokens():
             seen[(i, t)] = step.log_probs[g].cpu()
         return weights
 
-    engine = Engine(cuda, mechanism, max_batch_rows=8)
+    engine = Engine(cuda, mechanism, max_batch_rows=8)  # CUDA's default: the pool, its passes as CUDA graphs
     requests = _requests(cuda, REFERENCES)
     list(engine.generate(requests, max_new_tokens=4, generator=_generator(0, "cuda"), sampling_rule=rule))
+    assert engine.kv_layout == "pool" and engine.forward.graphs.captures >= 1
 
     def unbatched_logits(model, prompt, tokens):
         ids = torch.tensor([list(prompt) + tokens], device=model.device)
@@ -169,7 +172,8 @@ def test_cuda_engine_matches_an_unbatched_oracle_with_forced_tokens():
             assert torch.allclose(seen[(i, t)][finite], expected[t][finite], atol=FLOAT64_ATOL, rtol=0)
 
 
-def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny_in_dtype):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny_in_dtype, kv_layout):
     """Full-logits path, every text teacher-forced to the same tokens: every public row at every step is
     bitwise the same under every variant (the changed text's included)."""
     tiny = tiny_in_dtype
@@ -186,7 +190,7 @@ def test_public_rows_are_bitwise_independent_of_private_references_with_forced_t
                 seen[(i, t)] = step.public_logits[g].clone()
             return weights
 
-        engine = Engine(tiny, mechanism, max_batch_rows=8)
+        engine = Engine(tiny, mechanism, max_batch_rows=8, kv_layout=kv_layout)
         list(engine.generate(_requests(tiny, references), max_new_tokens=5, generator=_generator(0),
                              sampling_rule=rule))
         return seen
@@ -198,7 +202,8 @@ def test_public_rows_are_bitwise_independent_of_private_references_with_forced_t
             assert torch.equal(logits, runs["original"][key]), (name, key)
 
 
-def test_tokens_do_not_depend_on_the_schedule(tiny_in_dtype):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_tokens_do_not_depend_on_the_schedule(tiny_in_dtype, kv_layout):
     """Same seed: together, one at a time (same stream ids), and with other max_batch_rows, the same texts."""
     tiny = tiny_in_dtype
     mechanism = MechanismConfig(clip_norm=1.5, temperature=1.0, top_k=6, batch_size=3)
@@ -207,7 +212,7 @@ def test_tokens_do_not_depend_on_the_schedule(tiny_in_dtype):
     def run(max_batch_rows, groups):
         out = {}
         for group in groups:
-            engine = Engine(tiny, mechanism, max_batch_rows=max_batch_rows, max_prefill_tokens=7)
+            engine = Engine(tiny, mechanism, max_batch_rows=max_batch_rows, max_prefill_tokens=7, kv_layout=kv_layout)
             for text in engine.generate([requests[i] for i in group], max_new_tokens=8, generator=_generator(9),
                                         stream_ids=group):
                 out[group[text.request_index]] = text.token_ids
@@ -249,11 +254,13 @@ class _SyncCounter:
         return counted
 
 
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("top_k", [6, None])  # Top-k+ path; full-vocabulary path
-def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny_in_dtype, monkeypatch, top_k):
+def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny_in_dtype, monkeypatch, top_k, kv_layout):
     tiny = tiny_in_dtype
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=top_k, batch_size=3)
-    engine = Engine(tiny, mechanism, max_batch_rows=8)  # two texts at a time: joins and finishes included
+    # two texts at a time: joins and finishes included
+    engine = Engine(tiny, mechanism, max_batch_rows=8, kv_layout=kv_layout)
     requests = _requests(tiny, REFERENCES)
     counter = _SyncCounter(monkeypatch)
     per_step = []
@@ -267,6 +274,32 @@ def test_the_decoding_loop_transfers_to_the_host_once_per_step(tiny_in_dtype, mo
     monkeypatch.undo()
     # (the run's key comes from the generator's 128-bit key, not from a draw: no transfer for it)
     assert set(per_step) == {1}, per_step
+    assert engine.forward.graphs.captures == 0  # on the CPU the pool's pass, the function a graph captures, runs eagerly
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_graph_replays_draw_what_eager_passes_draw(dtype):
+    """The pool's decoding passes captured once per layout and replayed: the same tokens, bitwise the same public
+    logits, as the same passes run eagerly."""
+    model = build_tiny_model(seed=5, hidden_size=64, device="cuda", dtype=dtype)
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=3)
+    requests = _requests(model, REFERENCES)
+
+    def run(kv_layout, graphs):
+        engine = Engine(model, mechanism, max_batch_rows=8, kv_layout=kv_layout)
+        engine.forward.graphs.enabled = graphs
+        public = []
+        texts = list(engine.generate(requests, max_new_tokens=8, generator=_generator(4, "cuda"), stop_at_eos=False,
+                                     observer=lambda step: public.append(step.public_logits.clone())))
+        return engine.forward.graphs.captures, sorted((t.request_index, t.token_ids) for t in texts), public
+
+    captures, texts, public = run("pool", True)
+    eager_captures, eager_texts, eager_public = run("pool", False)
+    assert captures >= 1 and eager_captures == 0
+    assert texts == eager_texts and len(public) == len(eager_public)
+    assert all(torch.equal(a, b) for a, b in zip(public, eager_public))
 
 
 @pytest.mark.cuda
@@ -287,7 +320,8 @@ def test_the_decoding_loop_does_not_synchronise_on_cuda_except_for_the_tokens():
             torch.cuda.set_sync_debug_mode("default")
     messages = [str(w.message) for w in caught]
     syncs = [m for m in messages if "synchroniz" in m.lower() and "prototype" not in m]
-    assert len(syncs) <= len(steps) + 1, syncs[:5]
+    # capturing a CUDA graph synchronises (once per layout of the pool: here one); replays do not
+    assert len(syncs) <= len(steps) + 1 + 2 * engine.forward.graphs.captures, syncs[:5]
 
 
 def test_a_long_reference_is_prefilled_in_chunks_and_the_cache_holds_real_tokens_only():
@@ -340,7 +374,8 @@ def test_a_prompt_beyond_the_models_positions_is_refused_up_front(tiny):
 
 
 @pytest.mark.slow
-def test_real_model_public_row_is_bitwise_independent_of_a_null_reference(cpu_dtype):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_real_model_public_row_is_bitwise_independent_of_a_null_reference(cpu_dtype, kv_layout):
     """The issue's probe on SmolLM2 (float32, and bfloat16 where native; B = 2, real reviews): the public
     row's first-step logits are bitwise the same when a reference is replaced by null (it changed 45,364
     of 49,152 logits)."""
@@ -353,7 +388,7 @@ def test_real_model_public_row_is_bitwise_independent_of_a_null_reference(cpu_dt
     seen = {}
     for name, refs in (("original", reviews), ("nulled", [reviews[0], None])):
         requests = [encode_request(model.tokenizer, template, refs), encode_request(model.tokenizer, template, reviews)]
-        engine = Engine(model, mechanism)
+        engine = Engine(model, mechanism, kv_layout=kv_layout)
 
         def observer(step, name=name):
             seen.setdefault(name, step.public_logits.clone())
@@ -372,12 +407,12 @@ def test_text_streams_have_128_bit_keys_and_never_share_noise():
     from invink_audit.mechanism import derive_key, run_key
 
     key = derive_key(12345, 1)
-    firsts = {_Stream(derive_key(key, s), torch.device("cpu")).uniforms(1).item() for s in range(200_000)}
+    firsts = {_Stream(derive_key(key, s)).uniforms(1).item() for s in range(200_000)}
     assert len(firsts) == 200_000
     # keys differing only above bit 32 (or 64) give different streams
-    a, b = _Stream(5, torch.device("cpu")), _Stream(5 + (1 << 40), torch.device("cpu"))
-    c = _Stream(5 + (1 << 100), torch.device("cpu"))
-    assert not torch.equal(a.uniforms(8), b.uniforms(8)) and not torch.equal(a.uniforms(8), c.uniforms(8))
+    a, b = _Stream(5), _Stream(5 + (1 << 40))
+    c = _Stream(5 + (1 << 100))
+    assert (a.uniforms(8) != b.uniforms(8)).any() and (a.uniforms(8) != c.uniforms(8)).any()
     # OS-seeded generators carry 128-bit keys; every run drawn from one gets a fresh key
     first, second = make_generator(), make_generator()
     keys = [run_key(first), run_key(first), run_key(second)]
@@ -439,6 +474,99 @@ def test_kv_store_keeps_only_buckets_in_use():
         row.length = 20
         twins.append(solo.insert(row))
     assert len(solo.buckets) == 3  # one bucket per row: no shared attention call
+
+
+def test_the_pool_keeps_static_shapes_and_reuses_its_slots():
+    """Capacity a power of two (at least 8) from the rows asked for, doubling only when every slot is taken; width
+    whole tiles, grown when a row would not fit; freed slots reused; every reallocation changes the version."""
+    from invink_audit.rows import KV_TILE, KVPool, RowKV
+
+    def row(length):
+        cache = RowKV(1, 0)
+        cache.append(0, torch.randn(1, 2, length, 4), torch.randn(1, 2, length, 4))
+        cache.length = length
+        return cache
+
+    pool = KVPool(num_layers=1, rows=5)
+    first = pool.insert(row(3))
+    assert (pool.capacity, pool.width, first.slot) == (8, KV_TILE, 0)
+    second = pool.insert(row(KV_TILE))  # its next token needs a second tile
+    assert (pool.width, second.slot, pool.keys[0].shape) == (2 * KV_TILE, 1, (8, 2, 2 * KV_TILE, 4))
+    assert torch.equal(pool.keys[0][0, :, :3], row_keys := pool.keys[0][0, :, :3]) and row_keys.abs().sum() > 0
+    pool.remove(first)
+    assert pool.insert(row(2)).slot == 0 and first.slot is None
+    version = pool.version
+    rows = [pool.insert(row(1)) for _ in range(7)]  # the ninth row: twice the slots
+    assert pool.capacity == 16 and pool.version > version and [r.slot for r in rows][-1] == 8
+    second.length = 2 * KV_TILE
+    pool.ready(second)
+    assert pool.width == 3 * KV_TILE and pool.allocated_bytes() == 2 * 16 * 2 * 3 * KV_TILE * 4 * 4
+
+
+def test_a_pools_slots_do_not_depend_on_which_references_are_null(tiny, monkeypatch):
+    """A null reference holds its slot: every row's slot, so its place in the pass, is the same under
+    replace-by-null (texts joining as others finish included)."""
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
+    real = engine_module._Run._record
+
+    def slots(references):
+        seen = []
+
+        def spy(run, ready, draws):
+            seen.append([(t.request_index, [None if r is None else r.slot for r in t.stored]) for t in run.texts if t.stored])
+            return real(run, ready, draws)
+
+        monkeypatch.setattr(engine_module._Run, "_record", spy)
+        engine = Engine(tiny, mechanism, max_batch_rows=8, kv_layout="pool")
+        list(engine.generate(_requests(tiny, references), max_new_tokens=4, generator=_generator(1), stop_at_eos=False))
+        return seen
+
+    base = slots(REFERENCES)
+    for name, references in _variants().items():
+        got = slots(references)
+        assert [[(i, row[0]) for i, row in step] for step in got] == [[(i, row[0]) for i, row in step] for step in base]
+        nulls = {(g, j) for g, refs in enumerate(references) for j, ref in enumerate(refs, 1) if not ref}
+        for step_got, step_base in zip(got, base):
+            for (i, row), (_, base_row) in zip(step_got, step_base):
+                assert [s for j, s in enumerate(row) if (i, j) not in nulls] == [
+                    s for j, s in enumerate(base_row) if (i, j) not in nulls], name
+
+
+def test_tile_invariance_is_probed_not_assumed(monkeypatch):
+    """The probe passes for the CPU's attention in every dtype the engine runs, and fails for an attention that
+    splits the keys into a fixed number of parts (split-KV decoding): where a row's keys fall then depends on the
+    width of the call, which the longest row sets."""
+    import invink_audit.rows as rows
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert rows.tile_invariant_attention(torch.device("cpu"), dtype)
+
+    def two_splits(q, k, v, attn_mask=None, scale=None):
+        half = k.shape[-2] // 2
+        parts = []
+        for part in (slice(0, half), slice(half, None)):
+            scores = (q @ k[..., part, :].transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+            scores = scores.masked_fill(~attn_mask[..., part], -math.inf)
+            lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            parts.append((torch.softmax(scores, dim=-1).nan_to_num() @ v[..., part, :].float(), lse))
+        total = torch.logsumexp(torch.cat([lse for _, lse in parts], dim=-1), dim=-1, keepdim=True)
+        return sum(out * torch.exp(lse - total) for out, lse in parts).to(v.dtype)
+
+    monkeypatch.setattr(rows, "_INVARIANT", {})
+    monkeypatch.setattr(rows.F, "scaled_dot_product_attention", two_splits)
+    assert not rows.tile_invariant_attention(torch.device("cpu"), torch.float32)
+
+
+def test_without_tile_invariant_attention_the_public_rows_get_a_pool_of_their_own(tiny, monkeypatch):
+    """Where the probe fails, the public rows' pool is theirs alone (its width set by their own lengths), and they
+    stay bitwise independent of the private references."""
+    monkeypatch.setattr(engine_module, "tile_invariant_attention", lambda device, dtype: False)
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
+    engine = Engine(tiny, mechanism, kv_layout="pool")
+    run = engine_module._Run(engine, _requests(tiny, REFERENCES), [1, 2, 3], 4, True)
+    assert run.public_store is not run.private_store
+    assert (run.public_store.capacity, run.private_store.capacity) == (8, 16)  # 3 texts; 9 private rows
+    _check_public_rows_independent(tiny, monkeypatch, 8, "pool")
 
 
 def test_the_shared_template_prefix_is_computed_from_the_template_alone(tiny):

@@ -23,7 +23,7 @@ import torch
 import invink_audit.engine as engine_module
 import invink_audit.generation as generation_module
 from invink_audit.distributed import assign_batches, request_cost
-from invink_audit.engine import Engine
+from invink_audit.engine import KV_LAYOUTS, Engine
 from invink_audit.generation import GenerationConfig, generate, read_generation_output
 from invink_audit.mechanism import MechanismConfig, SeededGeneratorWarning, make_generator
 from invink_audit.models import build_tiny_model
@@ -69,7 +69,8 @@ def tiny(cpu_dtype):
     return model
 
 
-def _run(model, references, monkeypatch, *, rule=None, eos=None, max_prefill_tokens=16, max_new_tokens=6):
+def _run(model, references, monkeypatch, *, rule=None, eos=None, max_prefill_tokens=16, max_new_tokens=6,
+         kv_layout=None):
     """Every step's schedule ((request, position) of each text in progress, and of the ready ones),
     each (request, position)'s public row as the step's arithmetic sees it, and the texts in the
     order the engine yielded them. ``eos``: the one end-of-sequence token (texts then finish at
@@ -91,7 +92,7 @@ def _run(model, references, monkeypatch, *, rule=None, eos=None, max_prefill_tok
     # the prompt as the schedule cases were built on (prompt lengths decide who joins when): no answer prefix
     preset = dataclasses.replace(get_preset("generic"), answer_prefix="", stop=())
     requests = [encode_request(model.tokenizer, preset, refs, key=i) for i, refs in enumerate(references)]
-    engine = Engine(model, mechanism, max_batch_rows=8, max_prefill_tokens=max_prefill_tokens)
+    engine = Engine(model, mechanism, max_batch_rows=8, max_prefill_tokens=max_prefill_tokens, kv_layout=kv_layout)
     texts = list(engine.generate(requests, max_new_tokens=max_new_tokens, generator=_generator(3, model.device),
                                  stop_at_eos=eos is not None, sampling_rule=rule))
     monkeypatch.setattr(engine_module._StepMath, "draw", real_draw)
@@ -127,12 +128,13 @@ def _check_schedule_and_public_rows(runs, changed, every_row=False):
                 assert tokens == base_tokens, (name, i)
 
 
-def test_schedule_and_public_rows_do_not_depend_on_private_lengths_on_the_default_path(tiny, monkeypatch):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_schedule_and_public_rows_do_not_depend_on_private_lengths_on_the_default_path(tiny, monkeypatch, kv_layout):
     # 128-token chunks: the old per-step budget (4 chunks) admitted text 2 with its reference nulled or
     # short in one step, and took three steps with the long one
     eos = _staggering_eos(tiny, monkeypatch, changed=2)
     runs = {
-        name: _run(tiny, refs, monkeypatch, eos=eos, max_prefill_tokens=128)
+        name: _run(tiny, refs, monkeypatch, eos=eos, max_prefill_tokens=128, kv_layout=kv_layout)
         for name, refs in _variants().items() if name != "other-nulled"
     }
     _check_schedule_and_public_rows(runs, {"nulled": 2, "short": 2})
@@ -150,22 +152,26 @@ def _forced_rule(step):
     return weights
 
 
-def test_every_public_row_is_bitwise_the_same_with_forced_tokens_on_the_full_path(tiny, monkeypatch):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_every_public_row_is_bitwise_the_same_with_forced_tokens_on_the_full_path(tiny, monkeypatch, kv_layout):
     """Full-logits path, every text teacher-forced (texts finish at different steps): the changed texts'
     public rows too, at every step."""
-    runs = {name: _run(tiny, refs, monkeypatch, rule=_forced_rule, eos=EOS) for name, refs in _variants().items()}
+    runs = {name: _run(tiny, refs, monkeypatch, rule=_forced_rule, eos=EOS, kv_layout=kv_layout)
+            for name, refs in _variants().items()}
     _check_schedule_and_public_rows(runs, {}, every_row=True)
 
 
 @pytest.mark.slow
-def test_real_model_schedule_and_public_rows_do_not_depend_on_a_long_reference_joining_mid_run(monkeypatch, cpu_dtype):
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_real_model_schedule_and_public_rows_do_not_depend_on_a_long_reference_joining_mid_run(monkeypatch, cpu_dtype,
+                                                                                              kv_layout):
     """The probe on SmolLM2 (float32, and bfloat16 where native): a long review in a batch that joins mid-run,
     replaced by null."""
     from invink_audit.models import load_model
 
     model = load_model(None, device="cpu", dtype=cpu_dtype)
     runs = {
-        name: _run(model, refs, monkeypatch, rule=_forced_rule, eos=EOS, max_prefill_tokens=32)
+        name: _run(model, refs, monkeypatch, rule=_forced_rule, eos=EOS, max_prefill_tokens=32, kv_layout=kv_layout)
         for name, refs in _variants().items() if name in ("original", "nulled")
     }
     _check_schedule_and_public_rows(runs, {}, every_row=True)
