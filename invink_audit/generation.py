@@ -243,11 +243,13 @@ def GenerationConfig(  # noqa: N802 - a constructor of the one release config, u
     num_texts: int | None = None,
     num_texts_per_group: int | None = None,
     allow_all_null: bool = False,
+    unit_contributions: int = 1,
 ) -> ReleaseConfig:
     """InvisibleInk's :class:`ReleaseConfig`: B, T and δ, the budget as ``epsilon`` (the clip norm is planned,
     :meth:`~invink_audit.mechanisms.InvisibleInk.planned`) or as ``clip_norm`` (its ε is what the accountant
     certifies), τ, ``top_k`` (``None``: the full vocabulary), the accountant, and the release options of
-    :class:`ReleaseConfig`.
+    :class:`ReleaseConfig`. ``unit_contributions`` k > 1 (a privacy unit under rule spread touches k texts):
+    ``epsilon`` is the unit's, the clip norm planned for k·T composed steps.
 
     Valid ranges: ``batch_size``, ``max_new_tokens``, ``top_k``: integers >= 1; ``epsilon``, ``clip_norm``,
     ``temperature``: finite and > 0; the rest as :class:`ReleaseConfig`'s.
@@ -262,7 +264,7 @@ def GenerationConfig(  # noqa: N802 - a constructor of the one release config, u
     common = dict(delta=delta, max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
                   accountant=as_accountant(accountant))  # fmt: skip
     if epsilon is not None:
-        mechanism = InvisibleInk.planned(epsilon=epsilon, top_k=top_k, **common)
+        mechanism = InvisibleInk.planned(epsilon=epsilon, top_k=top_k, unit_contributions=unit_contributions, **common)
     else:  # the planner's checks of C, B, T, δ and τ, and its event
         plan = epsilon_for_clip_norm(clip_norm=clip_norm, **common)
         mechanism = InvisibleInk(MechanismConfig.from_event(plan.event, top_k=top_k), accountant=plan.accountant)

@@ -308,6 +308,24 @@ def test_a_per_user_release_states_its_unit_in_records_and_ledger_and_passes_its
     assert main([*cli, "patient"]) == 2 and "not one unit of 'patient'" in capsys.readouterr().err
 
 
+def test_epsilon_under_spread_is_the_units_and_the_clip_norm_is_planned_for_its_k_texts(table, tiny_dir, capsys):
+    """``generate --epsilon 4 --unit-rule spread --unit-max-references 3`` states and charges (at most) 4 per user, the
+    clip norm planned for 3·T composed steps (the `plan --unit-max-references 3` C); a baseline refuses the pair."""
+    from accounting import plan_clip_norm
+    from invink_audit.cli import main
+
+    common = ["generate", "--input", str(table / "reviews.jsonl"), "--model", str(tiny_dir), "--batch-size", "2",
+              "--max-new-tokens", "4", "--delta", "1e-6", "--epsilon", "4", "--top-k", "8", "--no-progress", "--json",
+              "--privacy-unit", "user", "--unit-rule", "spread", "--unit-max-references", "3"]
+    assert main([*common, "--output", str(table / "eps.jsonl")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    plan = plan_clip_norm(epsilon=4.0, delta=DELTA, max_new_tokens=4, batch_size=2, temperature=1.0, unit_contributions=3)
+    assert summary["guarantee"]["clip_norm"] == pytest.approx(plan.clip_norm, rel=1e-12)
+    assert 3.99 < summary["guarantee"]["epsilon"] <= 4.0  # per user: three texts composed, not three times 4
+    assert main([*common, "--output", str(table / "amin.jsonl"), "--mechanism", "amin"]) == 2
+    assert "planned per unit for InvisibleInk only" in capsys.readouterr().err
+
+
 def test_a_per_reference_ledger_refuses_a_per_user_release_and_nothing_is_generated(table, tiny_dir, capsys):
     from invink_audit.cli import main
 

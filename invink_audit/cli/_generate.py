@@ -143,9 +143,14 @@ def _generation_config(args):
         raise CliError("--num-texts-per-group is only used with --label-columns")
     if args.label_columns is not None and args.num_texts is not None:
         raise CliError("with --label-columns, give --num-texts-per-group (texts per label group), not --num-texts")
+    unit = privacy_unit(args)
+    spread = 1 if unit is None else unit.unit_contributions
     if args.mechanism != "invisibleink":  # the paper's baselines: the same release, another mechanism
+        if spread > 1 and args.epsilon is not None:
+            raise CliError(f"--epsilon with --unit-rule spread is planned per unit for InvisibleInk only; for "
+                           f"--mechanism {args.mechanism} use --unit-rule combine or first")
         return baseline_release(args, values)
-    return GenerationConfig(**values)
+    return GenerationConfig(**values, unit_contributions=spread if args.epsilon is not None else 1)
 
 
 def _references(args):

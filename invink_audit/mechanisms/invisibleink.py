@@ -47,14 +47,17 @@ class InvisibleInk(Mechanism):
 
     @classmethod
     def planned(cls, *, epsilon: float, delta: float, max_new_tokens: int, batch_size: int, top_k: int | None,
-                temperature: float = 1.0, accountant: Accountant | str = Accountant.BR_ADAPTIVE) -> InvisibleInk:
+                temperature: float = 1.0, accountant: Accountant | str = Accountant.BR_ADAPTIVE,
+                unit_contributions: int = 1) -> InvisibleInk:
         """InvisibleInk whose clip norm is planned for (ε, δ) over texts of at most T = ``max_new_tokens`` tokens
         (:func:`accounting.plan_clip_norm`: the largest C whose certified ε stays within ``epsilon``, the safe side),
-        as :meth:`~invink_audit.mechanisms.AminConfig.planned` plans Amin et al.'s. ``top_k=None``: full vocabulary."""
+        as :meth:`~invink_audit.mechanisms.AminConfig.planned` plans Amin et al.'s. ``top_k=None``: full vocabulary.
+        ``unit_contributions`` k > 1: (ε, δ) is a privacy unit's, which touches k texts (k·T steps composed)."""
         from accounting import plan_clip_norm
 
         plan = plan_clip_norm(epsilon=epsilon, delta=delta, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                              temperature=temperature, accountant=accountant)  # fmt: skip
+                              temperature=temperature, accountant=accountant,
+                              unit_contributions=unit_contributions)  # fmt: skip
         return cls(MechanismConfig.from_event(plan.event, top_k=top_k), accountant=plan.accountant)
 
     @property
