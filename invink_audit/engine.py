@@ -35,7 +35,7 @@ from invink_audit.mechanism import (
 from invink_audit.mechanisms.base import Mechanism
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest, reached_stop, release_text
-from invink_audit.rows import KVPool, KVStore, RowKV, StoredRow
+from invink_audit.rows import KV_LAYOUTS, KVPool, KVStore, RowKV, StoredRow
 
 __all__ = [
     "KV_LAYOUTS",
@@ -72,12 +72,6 @@ def text_outcomes(text, vocab_size: int, stop_outcome: int | None) -> list[int]:
     ``stop_outcome`` last when the mechanism's stop rule ended it (``Mechanism.stop_outcome``)."""
     ids = [m * vocab_size + t for t, m in zip(text.token_ids, text.modes or [0] * len(text.token_ids))]
     return ids + [stop_outcome] if stop_outcome is not None and text.finish_reason == FINISH_BUDGET else ids
-
-
-#: Where decoding rows' caches live (``Engine(kv_layout=...)``): ``"buckets"``, length buckets with little padding
-#: and one attention call per bucket (compute-bound devices: the CPU's default); ``"pool"``, one pool with static
-#: shapes and one attention call per layer, captured as a CUDA graph on CUDA (launch-bound devices: CUDA's default).
-KV_LAYOUTS = ("buckets", "pool")
 
 
 def default_max_batch_rows(device: torch.device) -> int:

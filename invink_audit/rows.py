@@ -26,6 +26,7 @@ __all__ = [
     "DecodePlan",
     "KVPool",
     "KVStore",
+    "KV_LAYOUTS",
     "KV_TILE",
     "PoolPlan",
     "PoolShape",
@@ -34,10 +35,16 @@ __all__ = [
     "StoredRow",
     "bucket_length",
     "packed_attention",
+    "pool_capacity",
     "pool_width",
     "tile_invariant_attention",
 ]
 
+#: Where decoding rows' caches live (``Engine(kv_layout=...)``): ``"buckets"``, length buckets with little padding
+#: and one attention call per bucket (:class:`KVStore`; compute-bound devices: the CPU's default); ``"pool"``, one
+#: pool with static shapes and one attention call per layer (:class:`KVPool`), captured as a CUDA graph on CUDA
+#: (launch-bound devices: CUDA's default).
+KV_LAYOUTS = ("buckets", "pool")
 #: Name of the attention implementation registered with transformers.
 ATTENTION_NAME = "invink_rows"
 #: Rows a decoding bucket is allocated for at first; it doubles when full (:meth:`_Bucket._room`).
@@ -347,6 +354,11 @@ KV_TILE = 512
 MIN_POOL_ROWS = 8
 
 
+def pool_capacity(rows: int) -> int:
+    """The slots of a pool made for ``rows`` rows: ``max(MIN_POOL_ROWS, 2**ceil(log2 rows))``."""
+    return max(MIN_POOL_ROWS, 1 << max(0, rows - 1).bit_length())
+
+
 def pool_width(length: int) -> int:
     """The pool width that holds ``length`` keys: ``length`` rounded up to a multiple of :data:`KV_TILE`."""
     return -(-max(length, 1) // KV_TILE) * KV_TILE
@@ -398,7 +410,7 @@ def tile_invariant_attention(shape: PoolShape) -> bool:
     gen = torch.Generator(device=device).manual_seed(0)
 
     def draw(*size: int) -> torch.Tensor:
-        return torch.randn(size, generator=gen, device=device).to(shape.dtype)
+        return torch.randn(size, generator=gen, device=device, dtype=shape.dtype)
 
     queries = draw(capacity, shape.kv_heads, shape.groups, shape.head_dim)
     keys, values = (draw(capacity, shape.kv_heads, shape.width, shape.head_dim) for _ in range(2))
@@ -439,7 +451,7 @@ class KVPool:
 
     def __init__(self, num_layers: int, rows: int, *, heads: int, scales: Sequence[float | None]):
         self.num_layers = num_layers
-        self.capacity = max(MIN_POOL_ROWS, 1 << max(0, rows - 1).bit_length())
+        self.capacity = pool_capacity(rows)
         self.heads, self.scales = heads, tuple(scales)
         self.width = 0
         self.keys: list[torch.Tensor | None] = [None] * num_layers
