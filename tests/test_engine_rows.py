@@ -584,25 +584,24 @@ def test_tile_invariance_is_probed_per_shape(monkeypatch, fresh_probe):
     assert not tile_invariant_attention(PoolShape(8, 2, 2, 16, 3 * KV_TILE, torch.float32, cpu, None))
 
 
-def test_a_probe_failing_mid_run_leaves_the_public_rows_bitwise_the_same(tiny, monkeypatch, fresh_probe):
-    """The attention splits the keys of calls wider than two tiles. A long private reference widens the pool past
-    two tiles mid-run: the probe fails at that width and the public rows are computed alone from then on. Replaced
-    by null, the pool stays one tile wide and the shared call serves the public rows throughout. Every public row
-    (teacher-forced tokens) is bitwise the same in both runs. Control: trusting the shared call without a probe,
-    they differ once the pool is wide."""
+def _long_reference_runs(model, monkeypatch, *, trust_the_call: bool = False):
+    """Two texts teacher-forced (full path), text 0's first reference so long that its row's keys pass two tiles at
+    the fourth decoding pass, then replaced by null: each run's public logits per (text, position), and the probe's
+    (tiles, invariant) decisions. ``trust_the_call``: no probe, every row in the shared call (the control)."""
     import invink_audit.rows as rows
 
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=2)
     forced = [[5, 9, 7, 11, 13, 17, 19, 23], [29, 31, 37, 41, 43, 47, 53, 59]]
     template = get_preset("generic")
-    overhead = len(encode_request(tiny.tokenizer, template, ["a" * 100, ""]).private_ids[0]) - 100
-    long = "a" * (2 * rows.KV_TILE - 3 - overhead)  # its row's keys pass two tiles at the fourth decoding pass
-    assert len(encode_request(tiny.tokenizer, template, [long, ""]).private_ids[0]) == 2 * rows.KV_TILE - 3
-    probed, real_probe = [], rows.tile_invariant_attention
+    overhead = len(encode_request(model.tokenizer, template, ["a" * 100, ""]).private_ids[0]) - 100
+    long = "a" * (2 * rows.KV_TILE - 3 - overhead)
+    assert len(encode_request(model.tokenizer, template, [long, ""]).private_ids[0]) == 2 * rows.KV_TILE - 3
+    probed, real_probe = {}, rows.tile_invariant_attention
 
     def spy(shape):
-        probed.append((shape.width // rows.KV_TILE, real_probe(shape)))
-        return probed[-1][1]
+        decision = True if trust_the_call else real_probe(shape)
+        probed.setdefault(name, []).append((shape.width // rows.KV_TILE, decision))
+        return decision
 
     def run(references):
         seen = {}
@@ -614,24 +613,50 @@ def test_a_probe_failing_mid_run_leaves_the_public_rows_bitwise_the_same(tiny, m
                 seen[(i, t)] = step.public_logits[g].clone()
             return weights
 
-        probed.clear()
-        engine = Engine(tiny, mechanism, max_batch_rows=6, kv_layout="pool")
-        requests = [encode_request(tiny.tokenizer, template, refs, key=i) for i, refs in enumerate(references)]
-        list(engine.generate(requests, max_new_tokens=8, generator=_generator(0), sampling_rule=rule))
+        engine = Engine(model, mechanism, max_batch_rows=6, kv_layout="pool")
+        requests = [encode_request(model.tokenizer, template, refs, key=i) for i, refs in enumerate(references)]
+        list(engine.generate(requests, max_new_tokens=8, generator=_generator(0, model.device), sampling_rule=rule))
         return seen
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _split_kv_above(2 * rows.KV_TILE))
     monkeypatch.setattr(rows, "tile_invariant_attention", spy)
-    widened = run([[long, "short"], ["x", "y"]])
-    assert (2, True) in probed and (3, False) in probed  # shared at two tiles, alone at three
-    null = run([["", "short"], ["x", "y"]])
-    assert {tiles for tiles, _ in probed} == {1}
-    assert widened.keys() == null.keys() and len(null) == 16
+    runs = {}
+    for name, first in (("long", long), ("null", "")):
+        runs[name] = run([[first, "short"], ["x", "y"]])
+    assert runs["long"].keys() == runs["null"].keys() and len(runs["null"]) == 16
+    return runs["long"], runs["null"], probed
+
+
+def test_a_probe_failing_mid_run_leaves_the_public_rows_bitwise_the_same(tiny, monkeypatch, fresh_probe):
+    """The attention splits the keys of calls wider than two tiles. A long private reference widens the pool past
+    two tiles mid-run: the probe fails at that width and the public rows are computed alone from then on. Replaced
+    by null, the pool stays one tile wide and the shared call serves the public rows throughout. Every public row
+    (teacher-forced tokens) is bitwise the same in both runs. Control: trusting the shared call without a probe,
+    they differ once the pool is wide."""
+    from invink_audit.rows import KV_TILE
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _split_kv_above(2 * KV_TILE))
+    widened, null, probed = _long_reference_runs(tiny, monkeypatch)
+    assert (2, True) in probed["long"] and (3, False) in probed["long"]  # shared at two tiles, alone at three
+    assert {tiles for tiles, _ in probed["null"]} == {1}
     for key, logits in null.items():
         assert torch.equal(widened[key], logits), key
-    monkeypatch.setattr(rows, "tile_invariant_attention", lambda shape: True)
-    trusting = run([[long, "short"], ["x", "y"]])
+    trusting, null, _ = _long_reference_runs(tiny, monkeypatch, trust_the_call=True)
     assert any(not torch.equal(trusting[key], logits) for key, logits in null.items())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_long_private_reference_leaves_the_public_rows_bitwise_the_same_on_cuda(dtype, monkeypatch, fresh_probe):
+    """CUDA's own attention back ends, CUDA graphs on: the pool one, two, then three tiles wide as a long private
+    reference grows, against the run where it is null. Whatever the probe decides at each shape (printed), every
+    public row is bitwise the same."""
+    model = build_tiny_model(seed=5, hidden_size=64, device="cuda", dtype=dtype)
+    widened, null, probed = _long_reference_runs(model, monkeypatch)
+    print(f"tile invariance on CUDA ({dtype}), (tiles, shared call) per pool shape: {probed}")
+    assert {tiles for tiles, _ in probed["long"]} >= {2, 3}
+    for key, logits in null.items():
+        assert torch.equal(widened[key], logits), key
 
 
 def test_where_no_shape_is_tile_invariant_the_public_rows_are_computed_alone(tiny, monkeypatch):
