@@ -16,13 +16,20 @@ What the engine allocates (docs/guide/capacity.md tabulates each term with the c
   (``engine.py: _Run._forward``; ``rows.py: KVStore.insert``, ``KVStore.ready``, ``_Bucket._room``).
   4. *Moves*: a row that outgrows its bucket is copied before it leaves (one at a time,
   ``forward.py: RowForward.decode``), and a doubling bucket holds the old buffers of at most two layers.
+  3'–4'. *Decoding in a pool* (``kv_layout="pool"``, CUDA's default; ``rows.py: KVPool``): one pool of
+  ``C =`` :func:`~invink_audit.rows.pool_capacity` ``(min(G, texts) · (B + 1))`` slots (a null reference holds
+  its slot), every slot as wide as the longest row needs, in whole tiles: at most
+  ``pool_width(p_max + T − 1)`` (:func:`~invink_audit.rows.pool_width`), so one long row widens every slot:
+  ``C · W · κ``. Widening reallocates layer by layer (the old buffers of one layer and the old keys of the first
+  live at once) and then probes the new shape (``rows.py: tile_invariant_attention``: random keys and values of
+  one layer, queries, masks and outputs far smaller): three layers of the widest pool cover both.
 * **Sampling buffers** of one step, per text in flight (``engine.py: _StepMath.draw``; ``mechanism.py:
   topk_plus_support``): the public row's logits (``V × s``), two float64 copies, the support mask, the uniforms
   and their copy, and on the ``m = min(V, max(4·top_k, 256))`` gathered columns the output layer's rows and the
   private logits. **Activations** of one forward pass over ``N = G·(B+1)`` packed tokens or a prefill chunk of
   at most 512 tokens: an approximation (:func:`activation_bytes`).
 
-:func:`kv_bound_bytes` turns rules 1–4 into an upper bound on the KV cache for any prompt lengths and
+:func:`kv_bound_bytes` turns rules 1–4 (or 1, 2, 3'–4') into an upper bound on the KV cache for any prompt lengths and
 end-of-sequence pattern. Left out (the bound can be exceeded there): a shared bucket keeps the capacity of its
 fullest moment while rows leave it, so a run built for it (texts ending together while one stays, again and
 again within one width) could exceed the bound (real runs keep well inside: ``tests/test_capacity.py``); the
@@ -39,7 +46,7 @@ from pathlib import Path
 
 from accounting.limits import check_count
 from invink_audit.model_sizes import cached_hub_config, check_config_file, read_config_file
-from invink_audit.rows import MIN_BUCKET_ROWS, bucket_length
+from invink_audit.rows import KV_LAYOUTS, MIN_BUCKET_ROWS, bucket_length, pool_capacity, pool_width
 
 __all__ = [
     "DTYPE_BYTES",
@@ -270,7 +277,9 @@ class Workload:
     """A release's shape: ``batch_size`` B references per text, ``max_new_tokens`` T, prompts of
     ``prompt_tokens`` P tokens (template and reference: the private rows) and ``public_prompt_tokens``
     (the public row: the template alone; default P, an upper bound), ``max_batch_rows`` rows per
-    decoding pass, ``num_texts`` texts to generate (``None``: at least ``G``), ``top_k``."""
+    decoding pass, ``num_texts`` texts to generate (``None``: at least ``G``), ``top_k``, and the engine's
+    ``kv_layout`` (:data:`~invink_audit.rows.KV_LAYOUTS`; the engine's default: ``"pool"`` on CUDA, ``"buckets"``
+    on the CPU)."""
 
     batch_size: int
     max_new_tokens: int
@@ -279,8 +288,11 @@ class Workload:
     public_prompt_tokens: int | None = None
     num_texts: int | None = None
     top_k: int | None = 100
+    kv_layout: str = "buckets"
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}; got {self.kv_layout!r}")
         for name in ("batch_size", "max_new_tokens", "prompt_tokens", "max_batch_rows"):
             check_count(name, getattr(self, name))
         for name in ("public_prompt_tokens", "num_texts", "top_k"):
@@ -348,6 +360,8 @@ def activation_bytes(shape: ModelShape, workload: Workload) -> int:
     longest = max(workload.prompt_tokens, workload.public_prompt_tokens)
     tokens = workload.texts_in_flight * workload.rows_per_text
     width = bucket_length(longest + workload.max_new_tokens)
+    if workload.kv_layout == "pool":  # every slot of the pool, at the pool's width
+        tokens, width = pool_capacity(tokens), pool_width(longest + workload.max_new_tokens)
     decode = tokens * per_token + tokens * shape.num_attention_heads * width * (s + 4)
     chunk = min(longest, PREFILL_CHUNK)
     prefill = chunk * per_token + 2 * shape.num_attention_heads * chunk * longest * 4
@@ -382,7 +396,7 @@ def text_kv_tokens(lengths: Sequence[int | None], max_new_tokens: int) -> tuple[
 
 def kv_bound_bytes(
     shape: ModelShape, texts: Sequence[Sequence[int | None]], max_new_tokens: int, texts_in_flight: int, *,
-    prefix_tokens: int = 0,
+    prefix_tokens: int = 0, kv_layout: str = "buckets",
 ) -> int:  # fmt: skip
     r"""An upper bound on the KV cache's peak bytes of a run of ``texts`` (each its rows' prompt lengths,
     public row first, ``None`` for a null reference; :func:`text_kv_tokens` gives each text's prefill size
@@ -394,11 +408,23 @@ def kv_bound_bytes(
 
     (``W_max = W(p_max + T − 1)``; the last two terms: one moving row's second bucket and a doubling
     bucket's old layers, none when ``T = 1``; ``A`` = :func:`bucket_rows`, no doubling under 5 rows).
-    Texts that end early only lower it; the one case it leaves out is in the module docstring."""
+    Texts that end early only lower it; the one case it leaves out is in the module docstring.
+
+    ``kv_layout="pool"`` (rules 1, 2, 3'–4'): every text in flight may hold its prefill rows while the pool is
+    allocated,
+
+    .. math:: \kappa \Big(\sum_{\text{the } G \text{ largest}} R_i + \mathrm{prefix} + C \, W_{\max}\Big)
+       + 3 \, C \, W_{\max} \, \kappa / L
+
+    (``C = pool_capacity(min(G, texts)·(B + 1))``, ``W_max = pool_width(p_max + T − 1)``; no pool when ``T = 1``)."""
     check_count("texts_in_flight", texts_in_flight)
     if not texts:
         raise ValueError("texts must hold at least one text")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}; got {kv_layout!r}")
     sizes = [text_kv_tokens(text, max_new_tokens) for text in texts]
+    if kv_layout == "pool":
+        return _pool_bound_bytes(shape, texts, sizes, max_new_tokens, texts_in_flight, prefix_tokens)
     largest = sorted(max(size) for size in sizes)[-texts_in_flight:]
     tokens = sum(largest) + max(min(size) for size in sizes) + prefix_slots(prefix_tokens)
     kappa, grown = kv_bytes_per_token(shape), 0
@@ -409,6 +435,18 @@ def kv_bound_bytes(
         old = bucket_rows(private) // 2 if private > MIN_BUCKET_ROWS else 0
         grown = old * widest * min(2, shape.num_layers) * (kappa // shape.num_layers)
     return tokens * kappa + grown
+
+
+def _pool_bound_bytes(shape: ModelShape, texts, sizes, max_new_tokens: int, texts_in_flight: int,
+                      prefix_tokens: int) -> int:
+    """:func:`kv_bound_bytes` for ``kv_layout="pool"`` (``sizes``: each text's :func:`text_kv_tokens`)."""
+    kappa = kv_bytes_per_token(shape)
+    tokens = sum(sorted(prefill for prefill, _ in sizes)[-texts_in_flight:]) + prefix_slots(prefix_tokens)
+    if max_new_tokens == 1:  # no decoding pass: no pool
+        return tokens * kappa
+    slots = pool_capacity(min(texts_in_flight, len(texts)) * max(len(text) for text in texts))
+    width = pool_width(max(p for text in texts for p in text if p is not None) + max_new_tokens - 1)
+    return (tokens + slots * width) * kappa + 3 * slots * width * (kappa // shape.num_layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,6 +462,9 @@ FORMULA = (
     "length rounded up by at most 1/8, to a multiple of 16 at least, of 4 slots per public row and at most 4 per "
     "private row); KV upper bound = G x max(R, S) + min(R, S) (one text copied into the buckets at a time) "
     "+ the cached template prefix + one moving row's second bucket + a doubling bucket's old layers; "
+    "in a pool (kv_layout pool, CUDA's default): C = max(8, 2^ceil(log2 G(B+1))) slots, each W' = "
+    "(max(P0, P)+T-1) rounded up to whole tiles of 512 wide (one long row widens every slot), KV upper bound = "
+    "G x R + the prefix + C x W' x kappa + 3 layers of the pool (reallocation and the tile invariance probe); "
     "sampling = G x (V x (s + 33) + m x (hidden x s + B x (s + 24) + 40)), m = min(V, max(4 top_k, 256)); "
     "activations = the larger of a decoding pass over G(B+1) tokens and a 512-token prefill chunk"
 )
@@ -435,7 +476,7 @@ class MemoryEstimate:
 
     * ``kv_bytes_per_token``: κ (:func:`kv_bytes_per_token`); ``kv_text_bytes``: one text's rows sized
       for prompt and T tokens, ``((P0 + T) + B·(P + T))·κ``, what a text holds while it is prefilled;
-      ``kv_decoding_bytes``: the most its rows take in the length buckets while it decodes;
+      ``kv_decoding_bytes``: the most its rows take in the length buckets (or the pool's slots) while it decodes;
     * ``kv_peak_bytes``: the KV cache's upper bound (:func:`kv_bound_bytes`, prompts of at most P tokens);
     * ``sampling_bytes`` (:func:`sampling_bytes`), ``activation_bytes`` (:func:`activation_bytes`).
 
@@ -489,7 +530,10 @@ def estimate_memory(shape: ModelShape, workload: Workload) -> MemoryEstimate:
     kappa, g = kv_bytes_per_token(shape), workload.texts_in_flight
     text = [workload.public_prompt_tokens] + [workload.prompt_tokens] * workload.batch_size  # each of the G in flight
     prefill, stores = text_kv_tokens(text, workload.max_new_tokens)
-    bound = kv_bound_bytes(shape, [text] * g, workload.max_new_tokens, g, prefix_tokens=workload.prompt_tokens - 1)
+    if workload.kv_layout == "pool":  # its rows' slots, each the pool's widest
+        stores = 0 if workload.max_new_tokens == 1 else len(text) * pool_width(max(text) + workload.max_new_tokens - 1)
+    bound = kv_bound_bytes(shape, [text] * g, workload.max_new_tokens, g, prefix_tokens=workload.prompt_tokens - 1,
+                           kv_layout=workload.kv_layout)
     return MemoryEstimate(
         shape=shape, workload=workload, kv_bytes_per_token=kappa, kv_text_bytes=prefill * kappa,
         kv_decoding_bytes=stores * kappa, kv_peak_bytes=bound, sampling_bytes=sampling_bytes(shape, workload),

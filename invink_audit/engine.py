@@ -35,7 +35,7 @@ from invink_audit.mechanism import (
 from invink_audit.mechanisms.base import Mechanism
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest, reached_stop, release_text
-from invink_audit.rows import RowKV, StoredRow, tile_invariant_attention
+from invink_audit.rows import KV_LAYOUTS, KVPool, KVStore, RowKV, StoredRow
 
 __all__ = [
     "KV_LAYOUTS",
@@ -72,12 +72,6 @@ def text_outcomes(text, vocab_size: int, stop_outcome: int | None) -> list[int]:
     ``stop_outcome`` last when the mechanism's stop rule ended it (``Mechanism.stop_outcome``)."""
     ids = [m * vocab_size + t for t, m in zip(text.token_ids, text.modes or [0] * len(text.token_ids))]
     return ids + [stop_outcome] if stop_outcome is not None and text.finish_reason == FINISH_BUDGET else ids
-
-
-#: Where decoding rows' caches live (``Engine(kv_layout=...)``): ``"buckets"``, length buckets with little padding
-#: and one attention call per bucket (compute-bound devices: the CPU's default); ``"pool"``, one pool with static
-#: shapes and one attention call per layer, captured as a CUDA graph on CUDA (launch-bound devices: CUDA's default).
-KV_LAYOUTS = ("buckets", "pool")
 
 
 def default_max_batch_rows(device: torch.device) -> int:
@@ -606,25 +600,19 @@ class _Run:
         self.shared: dict = {}
         self.prefixes: dict[tuple[int, ...], RowKV] = {}  # template prefixes' caches (public tokens)
         self.eos = frozenset(engine.model.eos_token_ids)
-        self.public_store, self.private_store = self._stores(engine, len(requests))
+        self.store = self._store(engine, len(requests))
         self.width = None  # columns gathered for the private rows (Top-k+ path), grown on overflow
 
     @staticmethod
-    def _stores(engine: Engine, num_requests: int):
-        """The decoding rows' caches (public rows', private rows'). Buckets: the public rows apart, each alone (its
-        attention's shapes depend on nothing else, on any device). A pool: sized from public information (texts in
-        progress × (B + 1)); the public rows share it with the private rows where the attention kernel is tile
-        invariant (:func:`~invink_audit.rows.tile_invariant_attention`), else they get a pool of their own, whose
-        width their own lengths set."""
-        forward = engine.forward
+    def _store(engine: Engine, num_requests: int) -> KVStore | KVPool:
+        """The decoding rows' caches, public rows inserted as such. Buckets: each public row in a bucket of its
+        own (its attention's shapes depend on nothing else, on any device). A pool: sized from public information
+        (texts in progress × (B + 1)); a public row's result is its own computation alone at its own width,
+        whether the pool's shape is tile invariant or not (:class:`~invink_audit.rows.KVPool`)."""
         if engine.kv_layout == "buckets":
-            return forward.new_store(solo=True), forward.new_store()
+            return engine.forward.new_store()
         texts = min(num_requests, engine.max_texts)
-        rows = texts * (engine.mechanism.batch_size + 1)
-        if tile_invariant_attention(engine.model.device, engine.model.dtype):
-            pool = forward.new_pool(rows)
-            return pool, pool
-        return forward.new_pool(texts), forward.new_pool(rows - texts)
+        return engine.forward.new_pool(texts * (engine.mechanism.batch_size + 1))
 
     @property
     def done(self) -> bool:
@@ -634,8 +622,7 @@ class _Run:
         """Bytes of every KV buffer this run holds now (:meth:`Engine.kv_bytes`)."""
         rows = [r for t in self.texts for r in t.rows if r is not None]
         rows += [*self.prefixes.values(), *(row for row, _ in self.shared.values())]
-        stores = {id(s): s for s in (self.public_store, self.private_store)}.values()
-        return sum(s.allocated_bytes() for s in stores) + sum(row.allocated_bytes() for row in rows)
+        return self.store.allocated_bytes() + sum(row.allocated_bytes() for row in rows)
 
     # ---------------------------------------------------------------- admission and prefill
 
@@ -714,8 +701,8 @@ class _Run:
         rows, ids = [], []
         for text in self.texts:
             if text.decoding and text.stored is None:  # drew its first token: its rows start decoding
-                stores = [self.public_store] + [self.private_store] * (len(text.rows) - 1)
-                placed = [s.reserve() if r is None else s.insert(r) for r, s in zip(text.rows, stores)]
+                placed = [self.store.reserve() if r is None else self.store.insert(r, public=j == 0)
+                          for j, r in enumerate(text.rows)]
                 text.stored = [None if r is None else p for r, p in zip(text.rows, placed)]
                 text.held = [p for r, p in zip(text.rows, placed) if r is None and p is not None]
                 text.rows = [None] * len(text.rows)  # the prefill buffers are no longer needed

@@ -162,9 +162,9 @@ class RowForward:
     for code that needs the engine's forward passes without its mechanism (the benchmark's bare rows).
 
     ``prefill(row, ids)`` appends a prompt (or a chunk of one) to a :class:`~invink_audit.rows.RowKV`
-    (``new_row``) and returns the output at its last token; ``new_store().insert(row)`` moves a
-    prefilled row into a :class:`~invink_audit.rows.KVStore` (public and private rows in separate
-    stores); ``decode(rows, ids)`` appends one token to every row of the stores involved (``None``: a
+    (``new_row``) and returns the output at its last token; ``new_store().insert(row, public=...)`` moves a
+    prefilled row into a :class:`~invink_audit.rows.KVStore` (or ``new_pool(rows)``, a
+    :class:`~invink_audit.rows.KVPool`); ``decode(rows, ids)`` appends one token to every row of the stores involved (``None``: a
     placeholder row) and returns one output per row. Outputs are last hidden states with ``hidden=True`` (requires
     :attr:`decoder`), else logits. Set ``stats`` to a :class:`ForwardStats` to count and time the
     passes (on CUDA each timed pass synchronises: benchmarks only).
@@ -180,20 +180,24 @@ class RowForward:
         config = self.network.config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
+        self.heads = int(text.num_attention_heads)
+        #: the scales the model's attention modules pass to the attention (what a pool's probe calls with)
+        self.scales = tuple({m.scaling: None for m in self.network.modules() if hasattr(m, "scaling")
+                             and hasattr(m, "layer_idx")}) or (None,)
         positions = getattr(text, "max_position_embeddings", None)
         self.max_positions = int(positions) if isinstance(positions, int) and positions > 0 else None
 
     def new_row(self, reserve: int) -> RowKV:
         return RowKV(self.num_layers, reserve)
 
-    def new_store(self, *, solo: bool = False) -> KVStore:
-        """A store for decoding rows (``solo``: one attention call per row; see :class:`KVStore`)."""
-        return KVStore(self.num_layers, solo=solo)
+    def new_store(self) -> KVStore:
+        """A store for decoding rows in length buckets (see :class:`KVStore`)."""
+        return KVStore(self.num_layers)
 
     def new_pool(self, rows: int) -> KVPool:
         """A pool for decoding rows (one attention call per layer for all of them; see :class:`KVPool`), sized
         for ``rows`` rows (public information: it fixes the pass's shape)."""
-        return KVPool(self.num_layers, rows)
+        return KVPool(self.num_layers, rows, heads=self.heads, scales=self.scales)
 
     @torch.inference_mode()
     def pool_pass(self, plan: PoolPlan, *, hidden: bool) -> torch.Tensor:

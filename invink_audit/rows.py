@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -25,17 +26,25 @@ __all__ = [
     "DecodePlan",
     "KVPool",
     "KVStore",
+    "KV_LAYOUTS",
     "KV_TILE",
     "PoolPlan",
+    "PoolShape",
     "PrefillChunk",
     "RowKV",
     "StoredRow",
     "bucket_length",
     "packed_attention",
+    "pool_capacity",
     "pool_width",
     "tile_invariant_attention",
 ]
 
+#: Where decoding rows' caches live (``Engine(kv_layout=...)``): ``"buckets"``, length buckets with little padding
+#: and one attention call per bucket (:class:`KVStore`; compute-bound devices: the CPU's default); ``"pool"``, one
+#: pool with static shapes and one attention call per layer (:class:`KVPool`), captured as a CUDA graph on CUDA
+#: (launch-bound devices: CUDA's default).
+KV_LAYOUTS = ("buckets", "pool")
 #: Name of the attention implementation registered with transformers.
 ATTENTION_NAME = "invink_rows"
 #: Rows a decoding bucket is allocated for at first; it doubles when full (:meth:`_Bucket._room`).
@@ -128,12 +137,14 @@ def bucket_length(length: int) -> int:
 
 
 class StoredRow:
-    """A decoding row's place in a :class:`KVStore`: its bucket, its slot there, its cached length."""
+    """A decoding row's place in a :class:`KVStore` or :class:`KVPool`: its bucket, its slot there, its cached
+    length, and whether it is ``public`` (its attention's result must depend on nothing but its own keys)."""
 
-    __slots__ = ("store", "bucket", "slot", "length")
+    __slots__ = ("store", "bucket", "slot", "length", "public")
 
-    def __init__(self, store: KVStore | None, bucket: _Bucket, slot: int, length: int):
-        self.store, self.bucket, self.slot, self.length = store, bucket, slot, length
+    def __init__(self, store: KVStore | KVPool | None, bucket: _Bucket | None, slot: int, length: int,
+                 public: bool = False):
+        self.store, self.bucket, self.slot, self.length, self.public = store, bucket, slot, length, public
 
     def ready(self) -> None:
         """Before a decoding pass: move to the bucket of the next length if that changed."""
@@ -165,10 +176,10 @@ class _Bucket:
                     grown_v[:count].copy_(v[:count])
                 self.keys[layer], self.values[layer] = grown_k, grown_v
 
-    def add(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], length: int) -> StoredRow:
+    def add(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], length: int, public: bool) -> StoredRow:
         """A new row holding ``keys[layer][..., :length, :]`` (any leading shape ``(1, kv_heads)``)."""
         self._room(keys[0])
-        row = StoredRow(None, self, len(self.rows), length)
+        row = StoredRow(None, self, len(self.rows), length, public)
         self.rows.append(row)
         for layer in range(len(self.keys)):
             self.keys[layer][row.slot, :, :length].copy_(keys[layer][0, :, :length])
@@ -191,18 +202,17 @@ class KVStore:
     """The caches of decoding rows, grouped by :func:`bucket_length` so that one attention call serves
     every row of a bucket: each row's arithmetic has the shapes of its own bucket, and the matrix
     products and softmax of a batch compute each row independently of the others (bitwise on CPU,
-    checked in ``tests/test_engine_rows.py``). ``solo=True`` gives every row a bucket of its own (one
-    call per row: its shapes depend on nothing but itself, on any device); the engine keeps the public
-    rows so. Buckets that empty are dropped (their memory freed)."""
+    checked in ``tests/test_engine_rows.py``). A public row (``insert(row, public=True)``) gets a bucket of
+    its own (one call per row: its shapes depend on nothing but itself, on any device). Buckets that empty are
+    dropped (their memory freed)."""
 
-    def __init__(self, num_layers: int, *, solo: bool = False):
+    def __init__(self, num_layers: int):
         self.num_layers = num_layers
-        self.solo = solo
         self.buckets: dict[object, _Bucket] = {}
         self._made = 0
 
-    def _bucket(self, width: int) -> _Bucket:
-        key = (width, self._made) if self.solo else width
+    def _bucket(self, width: int, solo: bool) -> _Bucket:
+        key = (width, self._made) if solo else width
         self._made += 1
         if key not in self.buckets:
             self.buckets[key] = _Bucket(width, self.num_layers)
@@ -219,9 +229,9 @@ class KVStore:
         """Bytes of the key/value buffers of this store's buckets, every slot allocated (a read-only report)."""
         return sum(t.nbytes for b in self.buckets.values() for t in (*b.keys, *b.values) if t is not None)
 
-    def insert(self, row: RowKV) -> StoredRow:
+    def insert(self, row: RowKV, *, public: bool = False) -> StoredRow:
         """Move a prefilled row in (its cache is copied; the :class:`RowKV` can be dropped)."""
-        stored = self._bucket(bucket_length(row.length + 1)).add(row.keys, row.values, row.length)
+        stored = self._bucket(bucket_length(row.length + 1), public).add(row.keys, row.values, row.length, public)
         stored.store = self
         return stored
 
@@ -240,7 +250,7 @@ class KVStore:
             return
         keys = [k[row.slot : row.slot + 1] for k in old.keys]
         values = [v[row.slot : row.slot + 1] for v in old.values]
-        moved = self._bucket(width).add(keys, values, row.length)
+        moved = self._bucket(width, row.public).add(keys, values, row.length, row.public)
         self._take_out(row)
         row.bucket, row.slot = moved.bucket, moved.slot
         moved.bucket.rows[moved.slot] = row
@@ -333,14 +343,20 @@ def _decode_attention(plan: DecodePlan, layer, query, key, value, scaling, windo
 # --------------------------------------------------------------------------------------------
 # decoding: every row in one pool, one attention call per layer
 
-#: Keys per tile of the pool's attention; a pool's width is a multiple of it. The attention kernel runs over
+#: Keys per tile of the pool's attention; a pool's width is a multiple of it. An attention kernel that runs over
 #: a row's keys tile by tile with an online softmax (PyTorch's CPU flash attention takes tiles of 512 keys from
-#: 512 keys on), so the tiles of masked keys after a row's own add exact zeros and scale by exactly one: the
-#: row's result does not depend on the width, nor on the other rows of the call. That is the kernel's
-#: property, checked on the device by :func:`tile_invariant_attention`, not an assumption.
+#: 512 keys on) adds exact zeros for the tiles of masked keys after a row's own and scales by exactly one: the
+#: row's result does not depend on the width, nor on the other rows of the call. That is a property of the
+#: kernel at a given shape, checked for every shape a pool takes by :func:`tile_invariant_attention`, not an
+#: assumption.
 KV_TILE = 512
 #: Rows a pool holds at least (its capacity is a power of two).
 MIN_POOL_ROWS = 8
+
+
+def pool_capacity(rows: int) -> int:
+    """The slots of a pool made for ``rows`` rows: ``max(MIN_POOL_ROWS, 2**ceil(log2 rows))``."""
+    return max(MIN_POOL_ROWS, 1 << max(0, rows - 1).bit_length())
 
 
 def pool_width(length: int) -> int:
@@ -348,33 +364,71 @@ def pool_width(length: int) -> int:
     return -(-max(length, 1) // KV_TILE) * KV_TILE
 
 
-_INVARIANT: dict = {}
+@dataclasses.dataclass(frozen=True)
+class PoolShape:
+    """The shapes and arguments of a pool's attention call (one per layer of a pass): queries ``(capacity,
+    kv_heads, groups, head_dim)`` (a key/value head's query heads as its query positions), keys and values
+    ``(capacity, kv_heads, width, head_dim)``, in ``dtype`` on ``device``, with the ``scale`` the model's
+    attention passes (``None``: 1/sqrt(head_dim))."""
+
+    capacity: int
+    kv_heads: int
+    groups: int
+    head_dim: int
+    width: int
+    dtype: torch.dtype
+    device: torch.device
+    scale: float | None
 
 
-def tile_invariant_attention(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``scaled_dot_product_attention`` on ``device`` in ``dtype`` gives each row bitwise the same
-    result whatever the call's width (multiples of :data:`KV_TILE`, keys past the row's own masked) and
-    whatever the other rows of the call: what lets every row of a :class:`KVPool` share one call, the public
-    rows included. Probed once per (device type, dtype) on random rows of 1 to 2·KV_TILE keys, at widths of two,
-    three and eight tiles, together and one by one."""
-    key = (torch.device(device).type, dtype)
-    if key not in _INVARIANT:
-        gen = torch.Generator().manual_seed(0)
-        lengths = torch.tensor([1, 37, KV_TILE - 1, KV_TILE, KV_TILE + 129, 2 * KV_TILE - 1], device=device)
-        n = len(lengths)
-        q = torch.randn((n, 2, 3, 64), generator=gen).to(device, dtype)
-        kv = torch.randn((2, n, 2, 8 * KV_TILE, 64), generator=gen).to(device, dtype)
+def _attend(queries, keys, values, visible, scale) -> torch.Tensor:
+    """The pool's attention call, the one :func:`tile_invariant_attention` probes: ``visible`` (rows, 1, 1, keys)."""
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible, scale=scale)
 
-        def attend(rows: slice, width: int) -> torch.Tensor:
-            mask = torch.arange(width, device=device) < lengths[rows, None]
-            keys, values = kv[0, rows, :, :width], kv[1, rows, :, :width]
-            return F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask[:, None, None])
 
-        base = attend(slice(None), 2 * KV_TILE)
-        same = all(torch.equal(base, attend(slice(None), tiles * KV_TILE)) for tiles in (3, 8))
-        alone = (torch.equal(base[i : i + 1], attend(slice(i, i + 1), 2 * KV_TILE)) for i in range(n))
-        _INVARIANT[key] = same and all(alone)
-    return _INVARIANT[key]
+def _attend_alone(queries, keys, values, visible, scale, slot: int, width: int) -> torch.Tensor:
+    """Row ``slot`` of a pool's call computed alone over its first ``width`` keys: a function of that row's query,
+    keys and ``width`` only (what the probe compares the shared call with, and what a public row gets where the
+    probe fails)."""
+    part = slice(slot, slot + 1)
+    return _attend(queries[part], keys[part, :, :width], values[part, :, :width], visible[part, ..., :width], scale)
+
+
+@functools.cache
+def tile_invariant_attention(shape: PoolShape) -> bool:
+    """Whether every row of a pool's attention call of ``shape`` is bitwise the row computed alone at the
+    narrowest width of whole tiles that holds its keys (:func:`pool_width`), whatever the other rows hold:
+    what lets public rows share the call with private ones. Probed once per shape (cached; each reallocation
+    of a pool asks), on random queries, keys and values of exactly that shape, with the call the pass makes
+    (:func:`_attend`; :func:`_attend_alone` for the row alone).
+
+    Attention back ends choose their kernel, tiling and split-KV count from the call's shapes (rows × heads,
+    width, head_dim, GQA, dtype, device), not from the values; a row's length moves only its mask. So the probe
+    covers every tile count a row can have at this width, each at its first key, its last key and a random
+    one, a third of them behind a random masked prefix (a sliding window), in ⌈3·tiles / capacity⌉ calls."""
+    device, tiles, capacity = torch.device(shape.device), shape.width // KV_TILE, shape.capacity
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def draw(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=gen, device=device, dtype=shape.dtype)
+
+    queries = draw(capacity, shape.kv_heads, shape.groups, shape.head_dim)
+    keys, values = (draw(capacity, shape.kv_heads, shape.width, shape.head_dim) for _ in range(2))
+    rounds = -(-3 * tiles // capacity)
+    picks = torch.randint(KV_TILE, (rounds * capacity, 2), generator=torch.Generator().manual_seed(0)).tolist()
+    j = torch.arange(shape.width, device=device)
+    for r in range(rounds):
+        cases = range(r * capacity, (r + 1) * capacity)
+        ends = [c % tiles * KV_TILE + (1, KV_TILE, 1 + picks[c][0])[c // tiles % 3] for c in cases]
+        starts = [picks[c][1] % end if c % 3 == 2 else 0 for c, end in zip(cases, ends)]
+        ends_t, starts_t = torch.tensor(ends, device=device), torch.tensor(starts, device=device)
+        visible = ((j < ends_t[:, None]) & (j >= starts_t[:, None]))[:, None, None, :]
+        shared = _attend(queries, keys, values, visible, shape.scale)
+        for slot, end in enumerate(ends):
+            alone = _attend_alone(queries, keys, values, visible, shape.scale, slot, pool_width(end))
+            if not torch.equal(shared[slot : slot + 1], alone):
+                return False
+    return True
 
 
 class KVPool:
@@ -382,19 +436,29 @@ class KVPool:
     head_dim)``, one slot per row. A decoding pass (:class:`PoolPlan`) runs every slot, a free one as a scratch
     row, so its shapes are the pool's alone: ``capacity`` (a power of two, at least the rows the pool was made
     for, which the engine derives from public information: texts in progress × (B + 1)) and ``width`` (a multiple
-    of :data:`KV_TILE`, at least every row's next length, grown by whole tiles). One attention call per layer
-    serves every row of the pool; where :func:`tile_invariant_attention` holds, a row's result depends neither
-    on the width nor on the other rows (else the engine keeps its public rows in a pool of their own).
-    ``version`` changes whenever the buffers are reallocated (a captured CUDA graph reads the old ones)."""
+    of :data:`KV_TILE`, at least every row's next length, grown by whole tiles). ``heads`` query heads attend
+    with each ``scales`` (the model's attention modules' scales).
 
-    def __init__(self, num_layers: int, rows: int):
+    One attention call per layer serves every row. A public row (``insert(row, public=True)``) must get bitwise
+    the same result whatever the private rows are, yet the width, so the call's shape, is set by the longest
+    row, private ones included. So every reallocation probes the new shape (:func:`tile_invariant_attention`,
+    kept in ``shared``). Where it holds, a public row's result in the shared call is, by the probe, the row
+    computed alone at its own width ``pool_width(length + 1)``; where it fails, the pass replaces each public
+    row's result by exactly that computation (:func:`_attend_alone`, the function the probe compared with).
+    Either way a public row's bits are its alone computation at a width its own (public) length sets, whether
+    the probe passed or failed at a width private lengths chose. ``version`` changes whenever the buffers are
+    reallocated (a captured CUDA graph reads the old ones)."""
+
+    def __init__(self, num_layers: int, rows: int, *, heads: int, scales: Sequence[float | None]):
         self.num_layers = num_layers
-        self.capacity = max(MIN_POOL_ROWS, 1 << max(0, rows - 1).bit_length())
+        self.capacity = pool_capacity(rows)
+        self.heads, self.scales = heads, tuple(scales)
         self.width = 0
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.slots: list[StoredRow | None] = [None] * self.capacity
         self.version = 0
+        self.shared = False
 
     def _resize(self, like: torch.Tensor | None, capacity: int, width: int) -> None:
         for layer, (k, v) in enumerate(zip(self.keys, self.values) if like is not None else ()):
@@ -406,13 +470,20 @@ class KVPool:
             self.keys[layer], self.values[layer] = grown_k, grown_v
         self.slots += [None] * (capacity - len(self.slots))
         self.capacity, self.width, self.version = capacity, width, self.version + 1
+        if like is not None:
+            kv_heads, head_dim = like.shape[1], like.shape[3]
+            self.shared = all(
+                tile_invariant_attention(PoolShape(capacity, kv_heads, self.heads // kv_heads, head_dim, width,
+                                                   like.dtype, like.device, scale))
+                for scale in self.scales
+            )
 
-    def insert(self, row: RowKV) -> StoredRow:
+    def insert(self, row: RowKV, *, public: bool = False) -> StoredRow:
         """Move a prefilled row into a free slot (its cache is copied; the :class:`RowKV` can be dropped)."""
         width = max(self.width, pool_width(row.length + 1))
         if self.keys[0] is None or None not in self.slots or width > self.width:
             self._resize(row.keys[0], self.capacity * (1 if None in self.slots else 2), width)
-        stored = StoredRow(self, None, self.slots.index(None), row.length)
+        stored = StoredRow(self, None, self.slots.index(None), row.length, public)
         self.slots[stored.slot] = stored
         for layer in range(self.num_layers):
             self.keys[layer][stored.slot, :, : row.length].copy_(row.keys[layer][0, :, : row.length])
@@ -449,7 +520,9 @@ class PoolPlan:
     scratch rows (a free slot writes its key at position 0 and attends to it; a stored row left out writes after
     its cached tokens, where its next token will overwrite it). :attr:`host` holds the pass's token ids and
     positions per slot and, per caller row, the slot its output is read from (a placeholder reads slot 0's:
-    meaningless, as a placeholder's output is). :meth:`bind` gives the device tensors the attention reads.
+    meaningless, as a placeholder's output is). :attr:`alone` lists, per pool whose shape failed the tile
+    invariance probe (``KVPool.shared`` false), its public rows' (slot, own width): those the pass computes
+    alone. :meth:`bind` gives the device tensors the attention reads.
     """
 
     def __init__(self, pools: Sequence[KVPool], rows: Sequence[StoredRow | None], ids: Sequence[int]):
@@ -472,12 +545,16 @@ class PoolPlan:
             order.append(start[id(row.store)] + row.slot)
             flat_ids[order[-1]] = token
         self.host = (flat_ids, positions, order)
+        self.alone = [() if pool.shared else tuple(
+            (slot, pool_width(row.length + 1)) for slot, row in enumerate(pool.slots) if row is not None and row.public
+        ) for pool in self.pools]
         self.ids = self.positions = None
         self.masks: dict = {}
 
     def signature(self) -> tuple:
-        """What fixes the pass's shapes and buffers: each pool's identity, buffers' version and size."""
-        return tuple((id(p), p.version, p.capacity, p.width) for p in self.pools)
+        """What fixes the pass's shapes and buffers: each pool's identity, buffers' version and size, and the rows
+        it computes alone (public information: public rows' slots and lengths)."""
+        return tuple((id(p), p.version, p.capacity, p.width, alone) for p, alone in zip(self.pools, self.alone))
 
     def bind(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
         """The pass's token ids and positions (1, slots) on the device; masks are computed from them."""
@@ -511,8 +588,10 @@ class PoolPlan:
 
 def _pool_attention(plan: PoolPlan, layer, query, key, value, scaling, window) -> torch.Tensor:
     """One new token per slot: per pool, write the slots' new keys/values at their positions, then one attention
-    call over the pool (each slot's keys past its position masked). A query head group shares its key/value head:
-    the group's heads enter the call as that head's query positions (the same arithmetic, no repeated keys)."""
+    call over the pool (each slot's keys past its position masked); in a pool whose shape is not tile invariant,
+    each public row's result is then replaced by the row computed alone at its own width (:class:`KVPool`). A
+    query head group shares its key/value head: the group's heads enter the call as that head's query positions
+    (the same arithmetic, no repeated keys)."""
     heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
     queries = query[0].transpose(0, 1).reshape(-1, kv_heads, heads // kv_heads, head_dim)
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)
@@ -522,9 +601,10 @@ def _pool_attention(plan: PoolPlan, layer, query, key, value, scaling, window) -
         slots, positions = plan.slots(index), plan.positions[0, part]
         pool.keys[layer][slots, :, positions] = new_keys[part]
         pool.values[layer][slots, :, positions] = new_values[part]
-        outputs.append(F.scaled_dot_product_attention(
-            queries[part], pool.keys[layer], pool.values[layer], attn_mask=plan.visible(index, window), scale=scaling,
-        ))
+        keys, values, visible = pool.keys[layer], pool.values[layer], plan.visible(index, window)
+        outputs.append(_attend(queries[part], keys, values, visible, scaling))
+        for slot, width in plan.alone[index]:
+            outputs[-1][slot : slot + 1] = _attend_alone(queries[part], keys, values, visible, scaling, slot, width)
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return output.view(1, -1, heads, head_dim)
 

@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import gc
 import json
+import math
 import random
 import subprocess
 import sys
@@ -113,11 +114,12 @@ KV_BOUND_SLACK_ANY = 3.0
 YELP = Path(__file__).resolve().parents[2] / "shared" / "data" / "yelp" / "dev.csv"
 
 
-def _measured_run(loaded, requests, batch_size, texts_in_flight, max_new_tokens, seed=0, stop_at_eos=True):
+def _measured_run(loaded, requests, batch_size, texts_in_flight, max_new_tokens, seed=0, stop_at_eos=True,
+                  kv_layout="buckets"):
     """Generate ``requests`` counting every KV buffer the engine allocates (:class:`_Tracker`) and asking the
     engine what it holds after each step (:meth:`Engine.kv_bytes`); returns (tracker, engine, its reports)."""
     mechanism = MechanismConfig(clip_norm=1.0, batch_size=batch_size, temperature=1.0, top_k=20)
-    engine = Engine(loaded, mechanism, max_batch_rows=texts_in_flight * (batch_size + 1))
+    engine = Engine(loaded, mechanism, max_batch_rows=texts_in_flight * (batch_size + 1), kv_layout=kv_layout)
     with pytest.warns(SeededGeneratorWarning):
         generator = make_generator(seed)
     gc.collect()  # the engine's own probes' buffers are gone before counting
@@ -142,23 +144,26 @@ def _check_bound(loaded, requests, batch_size, texts_in_flight, max_new_tokens, 
     assert reports and all(reported == live for reported, live in reports)  # the engine reports its own allocation
     prefix = {r.private_prefix for r in requests if len(r.private_prefix) >= 4}
     bound = kv_bound_bytes(shape_of(loaded), _lengths(requests), max_new_tokens, engine.max_texts,
-                           prefix_tokens=sum(map(len, prefix)))
+                           prefix_tokens=sum(map(len, prefix)), kv_layout=engine.kv_layout)
     assert max(reported for reported, _ in reports) <= tracker.peak <= bound <= slack * tracker.peak, (bound, tracker.peak)
 
 
+@pytest.mark.parametrize("kv_layout", ["buckets", "pool"])
 @pytest.mark.parametrize("seed", range(8))
-def test_the_engines_kv_peak_is_within_the_bound_on_any_schedule(seed):
+def test_the_engines_kv_peak_is_within_the_bound_on_any_schedule(seed, kv_layout):
     """Random prompt lengths, null references, EOS on or off, texts joining mid-run: the engine's KV buffers at
-    their peak (every buffer counted while it lives, transients included) never exceed the bound."""
+    their peak (every buffer counted while it lives, transients included) never exceed the bound of its layout.
+    In a pool, one row of up to 700 tokens widens every slot past the first tile, mid-run."""
     rng = random.Random(seed)
     loaded = build_tiny_model(num_layers=(2, 3)[seed % 2])
     b, texts_in_flight, t = rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 5, 20, 40])
-    requests = []
+    requests, longest = [], 70 if kv_layout == "buckets" else 700
     for i in range(rng.choice([texts_in_flight, 2 * texts_in_flight + 1])):
-        private = [None if rng.random() < 0.15 else rng.randint(3, 70) for _ in range(b)]
+        private = [None if rng.random() < 0.15 else rng.randint(3, rng.choice([70, longest])) for _ in range(b)]
         requests.append(TextRequest(public_ids=tuple(range(5, 5 + rng.randint(3, 40))), key=i,
-                                    private_ids=tuple(None if n is None else tuple(range(7, 7 + n)) for n in private)))
-    _check_bound(loaded, requests, b, texts_in_flight, t, KV_BOUND_SLACK_ANY, seed=seed, stop_at_eos=seed % 3 != 0)
+                                    private_ids=tuple(None if n is None else tuple(7 + j % 100 for j in range(n)) for n in private)))
+    _check_bound(loaded, requests, b, texts_in_flight, t, KV_BOUND_SLACK_ANY, seed=seed, stop_at_eos=seed % 3 != 0,
+                 kv_layout=kv_layout)
 
 
 def _yelp_requests(loaded, batch_size: int, count: int, chars: int) -> list[TextRequest]:
@@ -175,10 +180,12 @@ _YELP_RUNS = [(2, 2, 2, 8, 200), (3, 2, 5, 12, 10_000), (4, 3, 3, 16, 600), (7, 
 
 
 @pytest.mark.skipif(not YELP.is_file(), reason="Yelp data not present (../shared/data/yelp)")
-def test_the_bound_on_yelp_prompts_tiny_model():
+@pytest.mark.parametrize("kv_layout", ["buckets", "pool"])
+def test_the_bound_on_yelp_prompts_tiny_model(kv_layout):
     loaded = build_tiny_model()
     for b, g, count, t, chars in _YELP_RUNS:
-        _check_bound(loaded, _yelp_requests(loaded, b, count, chars), b, g, t, KV_BOUND_SLACK, stop_at_eos=False)
+        _check_bound(loaded, _yelp_requests(loaded, b, count, chars), b, g, t, KV_BOUND_SLACK, stop_at_eos=False,
+                     kv_layout=kv_layout)
 
 
 @pytest.mark.slow
@@ -218,6 +225,31 @@ def test_the_bound_adds_up_from_its_rules(b, t, p, p0, g, layers):
     # more texts in flight, more tokens or longer prompts never lower it
     for more in (dict(max_batch_rows=(g + 1) * (b + 1)), dict(max_new_tokens=t + 1), dict(prompt_tokens=p + 1)):
         assert estimate_memory(shape, dataclasses.replace(workload, **more)).kv_peak_bytes >= bound
+
+
+@given(
+    b=st.integers(1, 8), t=st.integers(1, 1500), p=st.integers(1, 3000), p0=st.integers(1, 600),
+    g=st.integers(1, 12), layers=st.integers(1, 40),
+)
+def test_the_pool_bound_adds_up_from_its_rules(b, t, p, p0, g, layers):
+    """In a pool: every text's prefill rows, the pool's slots (a power of two, at least 8, for the G texts' rows)
+    each as wide as the longest row in whole tiles of 512, the prefix, and three layers of the pool."""
+    shape = dataclasses.replace(SMOLLM2, num_layers=layers)
+    kappa = kv_bytes_per_token(shape)
+    workload = Workload(batch_size=b, max_new_tokens=t, prompt_tokens=p, public_prompt_tokens=p0,
+                        max_batch_rows=g * (b + 1), kv_layout="pool")
+    estimate = estimate_memory(shape, workload)
+    prefill = (p0 + t) + b * (p + t)
+    tokens = g * prefill + capacity.prefix_slots(p - 1)
+    if t == 1:
+        assert estimate.kv_peak_bytes == tokens * kappa and estimate.kv_decoding_bytes == 0
+        return
+    slots = max(8, 2 ** math.ceil(math.log2(g * (b + 1))))
+    width = 512 * math.ceil((max(p, p0) + t - 1) / 512)
+    assert estimate.kv_decoding_bytes == (b + 1) * width * kappa
+    assert estimate.kv_peak_bytes == (tokens + slots * width) * kappa + 3 * slots * width * kappa // layers
+    for more in (dict(max_batch_rows=(g + 1) * (b + 1)), dict(max_new_tokens=t + 1), dict(prompt_tokens=p + 1)):
+        assert estimate_memory(shape, dataclasses.replace(workload, **more)).kv_peak_bytes >= estimate.kv_peak_bytes
 
 
 def test_text_kv_tokens_of_a_text_with_null_references():
@@ -328,8 +360,13 @@ def test_memory_command_text_and_budget(tiny_dir, capsys):
     rc, out, _ = _run(base, capsys)
     assert rc == 0
     for needle in ("KV per row, token", "KV per text", "KV, decoding", "KV cache peak", "upper bound", "texts in flight",
-                   "R = 64", "G = 8 texts", "peak estimate", "formula: peak = weights + KV"):
+                   "R = 64", "G = 8 texts", "peak estimate", "formula: peak = weights + KV", "buckets"):
         assert needle in out, out
+    cuda = [*base[:-2], "--dtype", "float32", "--max-batch-rows", "64"]  # the engine's layout on CUDA: the pool
+    rc, out, _ = _run(cuda, capsys)
+    assert rc == 0 and "one pool, every slot as wide as the longest row" in out and "in the pool" in out
+    rc, out, _ = _run([*cuda, "--json"], capsys)
+    assert json.loads(out)["workload"]["kv_layout"] == "pool"
     rc, out, _ = _run([*base, "--memory-budget", "0.01", "--json"], capsys)
     assert rc == 0
     data = json.loads(out)

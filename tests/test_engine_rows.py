@@ -466,14 +466,18 @@ def test_kv_store_keeps_only_buckets_in_use():
     for row in rows:
         store.remove(row)
     assert store.buckets == {}
-    solo = KVStore(num_layers=1, solo=True)
     twins = []
-    for _ in range(3):
+    for public in (True, True, True, False, False):
         row = RowKV(1, reserve=0)
         row.append(0, torch.randn(1, 2, 20, 4), torch.randn(1, 2, 20, 4))
         row.length = 20
-        twins.append(solo.insert(row))
-    assert len(solo.buckets) == 3  # one bucket per row: no shared attention call
+        twins.append(store.insert(row, public=public))
+    assert len(store.buckets) == 4  # one bucket per public row (no shared attention call); the private rows share one
+    for _ in range(20):  # moving up a bucket, a public row stays alone
+        for row in twins:
+            row.ready()
+            row.length += 1
+    assert len(store.buckets) == 4 and all(twins[0].bucket is not row.bucket for row in twins[1:])
 
 
 def test_the_pool_keeps_static_shapes_and_reuses_its_slots():
@@ -487,7 +491,7 @@ def test_the_pool_keeps_static_shapes_and_reuses_its_slots():
         cache.length = length
         return cache
 
-    pool = KVPool(num_layers=1, rows=5)
+    pool = KVPool(num_layers=1, rows=5, heads=2, scales=(None,))
     first = pool.insert(row(3))
     assert (pool.capacity, pool.width, first.slot) == (8, KV_TILE, 0)
     second = pool.insert(row(KV_TILE))  # its next token needs a second tile
@@ -532,40 +536,139 @@ def test_a_pools_slots_do_not_depend_on_which_references_are_null(tiny, monkeypa
                     s for j, s in enumerate(base_row) if (i, j) not in nulls], name
 
 
-def test_tile_invariance_is_probed_not_assumed(monkeypatch):
-    """The probe passes for the CPU's attention in every dtype the engine runs, and fails for an attention that
-    splits the keys into a fixed number of parts (split-KV decoding): where a row's keys fall then depends on the
-    width of the call, which the longest row sets."""
-    import invink_audit.rows as rows
+@pytest.fixture
+def fresh_probe():
+    """The tile invariance probe's cache emptied before and after (a test that patches the attention probes anew)."""
+    from invink_audit.rows import tile_invariant_attention
 
-    for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        assert rows.tile_invariant_attention(torch.device("cpu"), dtype)
+    tile_invariant_attention.cache_clear()
+    yield
+    tile_invariant_attention.cache_clear()
 
-    def two_splits(q, k, v, attn_mask=None, scale=None):
-        half = k.shape[-2] // 2
-        parts = []
+
+def _split_kv_above(limit: int):
+    """An attention whose batched calls over more than ``limit`` keys split the keys in two halves and merge the
+    parts by their log-sum-exp (split-KV decoding, as GPU back ends choose from the shapes): a row's result then
+    depends on the call's width. Calls of one row, or at most ``limit`` keys wide, run the real attention."""
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def attention(q, k, v, attn_mask=None, scale=None, **kwargs):
+        if q.shape[0] == 1 or k.shape[-2] <= limit:
+            return real(q, k, v, attn_mask=attn_mask, scale=scale, **kwargs)
+        half, parts = k.shape[-2] // 2, []
         for part in (slice(0, half), slice(half, None)):
-            scores = (q @ k[..., part, :].transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+            scores = (q @ k[..., part, :].transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
             scores = scores.masked_fill(~attn_mask[..., part], -math.inf)
             lse = torch.logsumexp(scores, dim=-1, keepdim=True)
             parts.append((torch.softmax(scores, dim=-1).nan_to_num() @ v[..., part, :].float(), lse))
         total = torch.logsumexp(torch.cat([lse for _, lse in parts], dim=-1), dim=-1, keepdim=True)
         return sum(out * torch.exp(lse - total) for out, lse in parts).to(v.dtype)
 
-    monkeypatch.setattr(rows, "_INVARIANT", {})
-    monkeypatch.setattr(rows.F, "scaled_dot_product_attention", two_splits)
-    assert not rows.tile_invariant_attention(torch.device("cpu"), torch.float32)
+    return attention
 
 
-def test_without_tile_invariant_attention_the_public_rows_get_a_pool_of_their_own(tiny, monkeypatch):
-    """Where the probe fails, the public rows' pool is theirs alone (its width set by their own lengths), and they
-    stay bitwise independent of the private references."""
-    monkeypatch.setattr(engine_module, "tile_invariant_attention", lambda device, dtype: False)
+def test_tile_invariance_is_probed_per_shape(monkeypatch, fresh_probe):
+    """The probe passes for the CPU's attention at pool shapes (capacities, GQA groups, head dims, scales, widths,
+    every dtype the engine runs) and, for a split-KV attention, holds up to the width where it starts splitting and
+    fails past it: the decision is the shape's, not the device's."""
+    from invink_audit.rows import KV_TILE, PoolShape, tile_invariant_attention
+
+    cpu = torch.device("cpu")
+    shapes = [PoolShape(8, 2, 2, 16, tiles * KV_TILE, dtype, cpu, None)
+              for tiles in (1, 3) for dtype in (torch.float32, torch.bfloat16, torch.float64)]
+    shapes.append(PoolShape(16, 3, 3, 64, 2 * KV_TILE, torch.float32, cpu, 0.125))
+    assert all(tile_invariant_attention(shape) for shape in shapes)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _split_kv_above(2 * KV_TILE))
+    tile_invariant_attention.cache_clear()
+    assert tile_invariant_attention(PoolShape(8, 2, 2, 16, 2 * KV_TILE, torch.float32, cpu, None))
+    assert not tile_invariant_attention(PoolShape(8, 2, 2, 16, 3 * KV_TILE, torch.float32, cpu, None))
+
+
+def _long_reference_runs(model, monkeypatch, *, trust_the_call: bool = False):
+    """Two texts teacher-forced (full path), text 0's first reference so long that its row's keys pass two tiles at
+    the fourth decoding pass, then replaced by null: each run's public logits per (text, position), and the probe's
+    (tiles, invariant) decisions. ``trust_the_call``: no probe, every row in the shared call (the control)."""
+    import invink_audit.rows as rows
+
+    mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=None, batch_size=2)
+    forced = [[5, 9, 7, 11, 13, 17, 19, 23], [29, 31, 37, 41, 43, 47, 53, 59]]
+    template = get_preset("generic")
+    overhead = len(encode_request(model.tokenizer, template, ["a" * 100, ""]).private_ids[0]) - 100
+    long = "a" * (2 * rows.KV_TILE - 3 - overhead)
+    assert len(encode_request(model.tokenizer, template, [long, ""]).private_ids[0]) == 2 * rows.KV_TILE - 3
+    probed, real_probe = {}, rows.tile_invariant_attention
+
+    def spy(shape):
+        decision = True if trust_the_call else real_probe(shape)
+        probed.setdefault(name, []).append((shape.width // rows.KV_TILE, decision))
+        return decision
+
+    def run(references):
+        seen = {}
+
+        def rule(step):
+            weights = torch.full_like(step.log_probs, -math.inf)
+            for g, (i, t) in enumerate(zip(step.request_indices.tolist(), step.positions.tolist())):
+                weights[g, forced[i][t]] = 0.0
+                seen[(i, t)] = step.public_logits[g].clone()
+            return weights
+
+        engine = Engine(model, mechanism, max_batch_rows=6, kv_layout="pool")
+        requests = [encode_request(model.tokenizer, template, refs, key=i) for i, refs in enumerate(references)]
+        list(engine.generate(requests, max_new_tokens=8, generator=_generator(0, model.device), sampling_rule=rule))
+        return seen
+
+    monkeypatch.setattr(rows, "tile_invariant_attention", spy)
+    runs = {}
+    for name, first in (("long", long), ("null", "")):
+        runs[name] = run([[first, "short"], ["x", "y"]])
+    assert runs["long"].keys() == runs["null"].keys() and len(runs["null"]) == 16
+    return runs["long"], runs["null"], probed
+
+
+def test_a_probe_failing_mid_run_leaves_the_public_rows_bitwise_the_same(tiny, monkeypatch, fresh_probe):
+    """The attention splits the keys of calls wider than two tiles. A long private reference widens the pool past
+    two tiles mid-run: the probe fails at that width and the public rows are computed alone from then on. Replaced
+    by null, the pool stays one tile wide and the shared call serves the public rows throughout. Every public row
+    (teacher-forced tokens) is bitwise the same in both runs. Control: trusting the shared call without a probe,
+    they differ once the pool is wide."""
+    from invink_audit.rows import KV_TILE
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _split_kv_above(2 * KV_TILE))
+    widened, null, probed = _long_reference_runs(tiny, monkeypatch)
+    assert (2, True) in probed["long"] and (3, False) in probed["long"]  # shared at two tiles, alone at three
+    assert {tiles for tiles, _ in probed["null"]} == {1}
+    for key, logits in null.items():
+        assert torch.equal(widened[key], logits), key
+    trusting, null, _ = _long_reference_runs(tiny, monkeypatch, trust_the_call=True)
+    assert any(not torch.equal(trusting[key], logits) for key, logits in null.items())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_long_private_reference_leaves_the_public_rows_bitwise_the_same_on_cuda(dtype, monkeypatch, fresh_probe):
+    """CUDA's own attention back ends, CUDA graphs on: the pool one, two, then three tiles wide as a long private
+    reference grows, against the run where it is null. Whatever the probe decides at each shape (printed), every
+    public row is bitwise the same."""
+    model = build_tiny_model(seed=5, hidden_size=64, device="cuda", dtype=dtype)
+    widened, null, probed = _long_reference_runs(model, monkeypatch)
+    print(f"tile invariance on CUDA ({dtype}), (tiles, shared call) per pool shape: {probed}")
+    assert {tiles for tiles, _ in probed["long"]} >= {2, 3}
+    for key, logits in null.items():
+        assert torch.equal(widened[key], logits), key
+
+
+def test_where_no_shape_is_tile_invariant_the_public_rows_are_computed_alone(tiny, monkeypatch):
+    """Where the probe fails for every shape, the public rows share the pool but each is computed alone at its
+    own width, and they stay bitwise independent of the private references."""
+    import invink_audit.rows as rows
+
+    monkeypatch.setattr(rows, "tile_invariant_attention", lambda shape: False)
     mechanism = MechanismConfig(clip_norm=1.0, temperature=1.0, top_k=6, batch_size=3)
     engine = Engine(tiny, mechanism, kv_layout="pool")
     run = engine_module._Run(engine, _requests(tiny, REFERENCES), [1, 2, 3], 4, True)
-    assert run.public_store is not run.private_store
-    assert (run.public_store.capacity, run.private_store.capacity) == (8, 16)  # 3 texts; 9 private rows
+    assert run.store.capacity == 16  # 3 texts × 4 rows, one pool
     _check_public_rows_independent(tiny, monkeypatch, 8, "pool")
 
 

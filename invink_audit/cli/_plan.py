@@ -152,7 +152,8 @@ def _register_memory(subparsers) -> None:
     add(p, "--dtype", choices=["auto", "float32", "bfloat16", "float16"],
         help="dtype the model runs in; auto: bfloat16 on cuda, float32 on cpu (default auto)")
     add(p, "--device", default="cuda", choices=["cuda", "cpu"],
-        help="device planned for (the dtype auto picks and the default --max-batch-rows; default cuda)")
+        help="device planned for (the dtype auto picks, the default --max-batch-rows, and the KV layout the engine "
+        "uses there: one pool on cuda, length buckets on cpu; default cuda)")
     rows = p.add_mutually_exclusive_group()
     add(rows, "--max-batch-rows", type=str, help="R: rows per forward pass (default: 256 on cuda, 64 on cpu)")
     rows.add_argument("--memory-budget", default=None, metavar="GIB",
@@ -188,6 +189,7 @@ def _memory(args) -> int:
         public_prompt_tokens=_optional_int("--public-prompt-tokens", args.public_prompt_tokens),
         max_batch_rows=rows, num_texts=_optional_int("--num-texts", args.num_texts),
         top_k=parse_top_k("--top-k", args.top_k, "none"),
+        kv_layout="pool" if args.device == "cuda" else "buckets",  # the engine's default on that device
     )
     shape = read_model_shape(args.model, dtype=args.dtype, device=args.device)
     if budget is not None:
@@ -225,8 +227,11 @@ def format_memory(estimate, budget: float | None = None, *, equal_prompts: bool 
         f"{m.num_kv_heads} KV heads x {m.head_dim} x {m.dtype_bytes} B",
         f"  KV per text        {format_bytes(estimate.kv_text_bytes):>12}  ((P0+T) + B(P+T)) x kappa, "
         "while it is prefilled",
-        f"  KV, decoding       {format_bytes(estimate.kv_decoding_bytes):>12}  per text at most, 4 x (W(P0+T-1) + "
-        "B x W(P+T-1)) x kappa, in length buckets",
+        f"  KV layout          {w.kv_layout:>12}  " + ("one pool, every slot as wide as the longest row (CUDA's default)"
+                                                     if w.kv_layout == "pool" else "length buckets (the CPU's default)"),
+        f"  KV, decoding       {format_bytes(estimate.kv_decoding_bytes):>12}  per text at most, "
+        + ("(B+1) x W'(max(P0,P)+T-1) x kappa, its slots in the pool" if w.kv_layout == "pool"
+           else "4 x (W(P0+T-1) + B x W(P+T-1)) x kappa, in length buckets"),
         f"  KV cache peak      {format_bytes(estimate.kv_peak_bytes):>12}  upper bound: {g} texts, prompts of at most "
         f"P tokens ({estimate.kv_peak_bytes / max(g * estimate.kv_text_bytes, 1):.2f}x the texts' prefill size)",
         f"  sampling buffers   {format_bytes(estimate.sampling_bytes):>12}",
