@@ -285,21 +285,23 @@ def _exact_renyi(alpha: float) -> float:
 
 @pytest.mark.parametrize("epsilon", [0.5, 1.0])
 def test_sequence_epsilon_delta_claim_violated_and_honoured(epsilon):
-    forward, reverse = _exact_delta(epsilon)  # the texts are draws from P: the audit estimates the forward δ
-    assert 0.1 < forward < 0.9
+    # the run's texts are draws from P (the forward δ); the neighbour's own texts, from P' (the reverse δ)
+    forward, reverse = _exact_delta(epsilon)
+    assert 0.1 < forward < 0.9 and 0.1 < reverse < 0.9
     honoured = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, max(forward, reverse) + 0.05, steps=2))
     assert honoured.verdict is Verdict.PASS, honoured.reason
-    (check,) = honoured.sequence_checks
-    assert check.quantity == "delta" and check.num_texts == TEXTS and check.lower <= forward <= check.upper
-    assert check.estimate == pytest.approx(forward, abs=0.03)
-    violated = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, forward - 0.05, steps=2))
+    assert [c.direction for c in honoured.sequence_checks] == ["forward", "reverse"]
+    for check, exact in zip(honoured.sequence_checks, (forward, reverse)):
+        assert check.quantity == "delta" and check.num_texts == TEXTS and check.lower <= exact <= check.upper
+        assert check.estimate == pytest.approx(exact, abs=0.03) and check.significance == 0.05 / 2
+    violated = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, min(forward, reverse) - 0.05, steps=2))
     assert violated.verdict is Verdict.VIOLATION and "sampled delta" in violated.reason
     # the realised losses are exact: each text's loss is log P(x) - log P'(x) of the enumeration
     p, q = _exact_text_laws()
     texts = violated.output[:, 0] * SEQ_V + violated.output[:, 1]
     np.testing.assert_allclose(violated.text_losses[:, 0], np.log(p / q)[texts.numpy()], atol=1e-12)
     # at the truth: neither refuted nor supported by these texts, stated as such
-    close = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, forward, steps=2))
+    close = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, max(forward, reverse), steps=2))
     assert close.verdict is Verdict.INCONCLUSIVE and "more texts" in close.reason
 
 
@@ -311,8 +313,9 @@ def test_sequence_renyi_claim_is_not_refuted_by_one_paths_sum():
     path_sums = np.maximum(audit.sequence_renyi_forward, audit.sequence_renyi_reverse)[:, 0, 0]
     assert path_sums.max() > exact * 1.1  # the old check would have called this a violation
     assert audit.verdict is Verdict.INCONCLUSIVE and "sequence Renyi" not in audit.reason
-    (check,) = audit.sequence_checks
-    assert check.lower <= exact and check.upper == math.inf  # no a-priori range: a Rényi claim is never supported
+    assert [c.direction for c in audit.sequence_checks] == ["forward", "reverse"]
+    for check in audit.sequence_checks:  # no a-priori range: a Rényi claim is never supported
+        assert check.lower <= exact and check.upper == math.inf
     low = audit_generator(toy_two_steps, [0], PrivacyClaim.zcdp(exact / 2 / 4, steps=2))
     assert low.verdict is Verdict.VIOLATION and "sampled renyi at 2" in low.reason
 
@@ -322,7 +325,7 @@ def test_gdp_claim_checked_on_a_grid():
     assert _exact_delta(0.0)[0] > 2 * _norm_tv(mu)  # the toy is further apart than 0.3-GDP allows at epsilon = 0
     audit = audit_generator(toy_two_steps, [0], PrivacyClaim.gdp(mu, steps=2))
     assert audit.verdict is Verdict.VIOLATION
-    assert [c.at for c in audit.sequence_checks][0] == 0.0 and len(audit.sequence_checks) == 4
+    assert [c.at for c in audit.sequence_checks][0] == 0.0 and len(audit.sequence_checks) == 2 * 4  # both directions
     assert audit_generator(toy_two_steps, [0], PrivacyClaim.gdp(5.0, steps=2)).verdict is not Verdict.VIOLATION
 
 
