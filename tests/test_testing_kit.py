@@ -348,8 +348,10 @@ def test_add_remove_neighbours_remove_the_row():
         return q + (p - q).clamp(-1, 1).mean(-2)
 
     witness = max_linf_change(mean_of_clipped, private, public, adjacency="add-remove")
-    # by hand: all rows clip to +1, so the mean is 1 with or without a row: no change at all
-    assert witness.change == 0.0 and witness.adjacency is Adjacency.ADD_REMOVE
+    # by hand: clipped rows (0.5, 1, 1) and (1, 1, 1), mean (0.75, 1, 1); either row left out moves it by 0.25 (zeroing
+    # a row instead, (-0.5, -0.5, -0.5), would move it by 0.75)
+    assert witness.change == 0.25 and witness.adjacency is Adjacency.ADD_REMOVE
+    assert max_linf_change(mean_of_clipped, private, public, adjacency="zero-out").change == 0.75
 
 
 def test_token_privacy_checks_build_the_claims_adjacency():
