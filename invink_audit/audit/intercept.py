@@ -10,17 +10,20 @@ Rényi divergences in both directions, the bounded range) and the largest absolu
 checks them against the claim's per-step part. Along each realised text it sums the per-step Rényi divergences
 (adaptive composition, Mironov 2017, Prop. 1; a Rényi filter's spend, Feldman & Zrnic 2021, Thm. 3.1): a violation only
 of a per-step claim composed over T or of a filter's budget, never of a sequence-level claim (which bounds the
-supremum over paths, not one path). A sequence-level claim ((ε, δ), μ-GDP, ρ-zCDP, Rényi) is checked from the texts
-of the run: each text's realised privacy loss is exact and the texts are draws from P, so
-:func:`~invink_audit.audit.stats.hockey_stick_delta` and :func:`~invink_audit.audit.stats.renyi_monte_carlo` bound
-δ(ε) and :math:`D_\alpha` (:class:`SequenceCheck`). The ε the generator reports is checked against what its own
-claim certifies (our accountant, :meth:`~accounting.PrivacyClaim.epsilon_at`).
+supremum over paths, not one path). A sequence-level claim ((ε, δ), μ-GDP, ρ-zCDP, Rényi) is checked from texts in
+both directions (a symmetric relation): the run's texts are draws from P, and every audited neighbour is also run
+freely (texts from P') with the actual references replayed on its tokens; each text's realised privacy loss is
+exact, so :func:`~invink_audit.audit.stats.hockey_stick_delta` and :func:`~invink_audit.audit.stats.renyi_monte_carlo`
+bound δ(ε) and :math:`D_\alpha` each way (:class:`SequenceCheck`); a pure-ε text claim is violated by one realised
+loss over ε. A row's S draws in one sampling call are S steps of its text. The ε the generator reports is checked
+against what its own claim certifies (our accountant, :meth:`~accounting.PrivacyClaim.epsilon_at`) and, below that,
+against the ε of the worst mechanism the claim admits (:meth:`~accounting.PrivacyClaim.epsilon_lower_at`).
 
 Intercepted samplers (the final draw of a token): ``torch.multinomial`` and ``Tensor.multinomial`` (which
 ``torch.distributions.Categorical.sample`` and transformers' ``generate(do_sample=True)`` call), ``numpy.random
 .choice`` and the ``choice`` of every generator made by ``numpy.random.default_rng`` during the run (with ``p=``
-or uniform). A (G, V) batch is G separate draws. An argmax over scores plus noise of a declared law: a noise vector
-drawn by ``normal`` or ``gumbel`` of a ``numpy.random.RandomState`` or ``default_rng`` generator made during the run
+or uniform). A (G, V) batch is G texts; a call's S draws per row are S steps of that row's text. An argmax over
+scores plus noise of a declared law: a noise vector drawn by ``normal`` or ``gumbel`` of a ``numpy.random.RandomState`` or ``default_rng`` generator made during the run
 (or numpy's legacy module functions) declares its law, and adding scores to it, element by element or as one array
 (``scores + noise``), is the draw: its exact law is recorded (:func:`noisy_argmax_log_probs`) and its token is the
 argmax of the noisy scores (the generator's own argmax then picks it; a replay gets +inf at the forced token). Out of
@@ -447,11 +450,16 @@ class GeneratorAudit:
     in order; ``step_call[d]`` its call): ``max_abs_log_ratio`` (D, B), :math:`\max_y |\log p(y) - \log p'(y)|` on the
     union support; ``loss_range`` (D, B), the bounded range; ``renyi_forward``/``renyi_reverse`` (D, B, A),
     :math:`D_\alpha(p\|p')` / :math:`D_\alpha(p'\|p)` at ``alphas``. ``sequence_renyi_forward``/``_reverse``
-    (texts, B, A): their sums along each text (a text is a row-and-draw column kept by every call; a generator whose
-    batch changes size is composed as one text); ``text_losses`` (texts, B): each text's realised privacy loss.
+    (texts, B, A): their sums along each text (a text is a row kept by every call, and a call's S draws of a row are S
+    steps of its text, each counted; a generator whose batch changes size is composed as one text); ``text_losses``
+    (texts, B): each text's realised privacy loss; ``reverse_text_losses[b]`` (a sequence-level claim only, else
+    empty): audited neighbour b's own texts' losses :math:`\log P'(x) - \log P(x)` (``+inf`` where P gives a drawn
+    token 0).
     ``excesses``: each exactly checked quantity's largest excess over its claim (nats; > ``tolerance`` is a
     VIOLATION); ``sequence_checks``: the sampled checks of a sequence-level claim (:class:`SequenceCheck`);
-    ``certified_epsilon``: the ε at the generator's reported δ that its own claim certifies (our accountant);
+    ``certified_epsilon``: the ε at the generator's reported δ that its own claim certifies (our accountant, an upper
+    bound); ``claim_lower_epsilon``: where the report is below it, the ε of the worst mechanism the claim admits (a
+    lower bound; a report below it is a VIOLATION, between the two INCONCLUSIVE; else ``None``);
     ``nonfinite``: recorded distributions holding NaN (a finding).
     """
 
