@@ -23,8 +23,9 @@ Intercepted samplers (the final draw of a token): ``torch.multinomial`` and ``Te
 ``torch.distributions.Categorical.sample`` and transformers' ``generate(do_sample=True)`` call), ``numpy.random
 .choice`` and the ``choice`` of every generator made by ``numpy.random.default_rng`` during the run (with ``p=``
 or uniform). A (G, V) batch is G texts; a call's S draws per row are S steps of that row's text. An argmax over
-scores plus noise of a declared law: a noise vector drawn by ``normal`` or ``gumbel`` of a ``numpy.random.RandomState`` or ``default_rng`` generator made during the run
-(or numpy's legacy module functions) declares its law, and adding scores to it, element by element or as one array
+scores plus noise of a declared law: a noise vector drawn by ``normal`` or ``gumbel`` of a
+``numpy.random.RandomState`` or ``default_rng`` generator made during the run (or numpy's legacy module functions)
+declares its law, and adding scores to it, element by element or as one array
 (``scores + noise``), is the draw: its exact law is recorded (:func:`noisy_argmax_log_probs`) and its token is the
 argmax of the noisy scores (the generator's own argmax then picks it; a replay gets +inf at the forced token). Out of
 scope for now: Laplace noise, torch noise, and numpy generators built before the run or by
@@ -460,7 +461,7 @@ class GeneratorAudit:
     ``certified_epsilon``: the ε at the generator's reported δ that its own claim certifies (our accountant, an upper
     bound); ``claim_lower_epsilon``: where the report is below it, the ε of the worst mechanism the claim admits (a
     lower bound; a report below it is a VIOLATION, between the two INCONCLUSIVE; else ``None``);
-    ``nonfinite``: recorded distributions holding NaN (a finding).
+    ``nonfinite``: recorded distributions holding NaN (a finding; a sequence-level claim's reverse runs included).
     """
 
     claim: PrivacyClaim
