@@ -30,7 +30,7 @@ MAX_ADD_ARGUMENT = 110
 #: outside generators (the noisy-argmax draw, unreleased(), the adapter self-test rows) about 250, issue 36's GPU
 #: decode step (the KV pool, CUDA graphs, the tile-invariance probe) 333.
 #: Lower it as the library shrinks; raise it only with a feature, saying so in the changelog
-MAX_LIBRARY_LINES = 31_634
+MAX_LIBRARY_LINES = 31_635
 
 #: (importer prefix, forbidden target prefix): the layers, bottom up (accounting < the mechanism and the
 #: engine < generation < AugPE (which embeds with the
