@@ -18,7 +18,14 @@ import math
 from collections.abc import Mapping, Sequence
 
 from accounting._validation import check_count, check_delta, check_nonnegative, check_order, check_positive
-from accounting.accountants import composed_delta, composed_epsilon, pure_composed_delta, pure_composed_epsilon
+from accounting.accountants import (
+    PURE_MAX_STEPS,
+    composed_delta,
+    composed_epsilon,
+    pure_composed_delta,
+    pure_composed_epsilon,
+)
+from accounting.bounded_range import br_adaptive_delta
 from accounting.conversions import (
     gdp_to_delta,
     gdp_to_epsilon,
@@ -40,6 +47,23 @@ def _monotone_renyi(bounds: Mapping[float, float], alpha: float) -> float:
     r"""The bound at ``alpha`` implied by bounds at stated orders: :math:`D_\alpha` is non-decreasing in α (van Erven
     & Harremoës 2014, IEEE Trans. IT 60(7), Thm. 3), so the smallest bound stated at an order ≥ α."""
     return min((b for a, b in bounds.items() if a >= alpha), default=math.inf)
+
+
+def _down(epsilon: float) -> float:
+    """``epsilon`` lowered by a relative 1e-8 (undoes the conversions' upward rounding: an ε lower bound errs low)."""
+    return epsilon * (1.0 - 1e-8)
+
+
+def _last_above(delta_of, delta: float, hi: float, *, rtol: float = 1e-7) -> float:
+    """The largest ε in [0, ``hi``] with ``delta_of(ε)`` > ``delta`` (``delta_of`` non-increasing), by bisection kept on
+    that side: errs low, by at most a relative ``rtol``; 0 when none is."""
+    lo = 0.0
+    if delta_of(lo) <= delta:
+        return 0.0
+    while hi - lo > rtol * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if delta_of(mid) > delta else (lo, mid)
+    return lo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +302,60 @@ class PrivacyClaim:
         if form == "mu":
             return gdp_to_epsilon(self.mu, delta)
         return float(self.epsilon) if delta >= self.delta else math.inf
+
+    def epsilon_lower_at(self, delta: float) -> float:
+        r"""A lower bound on the ε at ``delta`` of the worst mechanism the claim admits: a report below it is wrong
+        given the claim (between it and :meth:`epsilon_at` a report rests on more than the claim states). A per-step
+        claim stating several forms: the largest of the forms' worst mechanisms that meet all of them
+        (:meth:`_per_step_lower`; 0 where none does).
+
+        - Rényi/zCDP (per step or sequence): the Gaussian mechanism with ρ = min(ρ, min_α bound_α/α) meets every stated
+          bound (:math:`D_\alpha = \alpha\rho`, Bun & Steinke 2016, Lemma 2.4) and composes to
+          :math:`\sqrt{2T\rho}`-GDP; its ε is exact, :func:`~accounting.gdp_to_epsilon` (Dong, Roth & Su 2022, Cor.
+          2.13; Balle & Wang 2018, Thm. 8); μ-GDP the same with μ.
+        - per-step pure ε: T randomised responses, the optimal composition (Kairouz, Oh & Viswanath 2015, Thm. 3.3;
+          :func:`~accounting.pure_composed_delta`), up to :data:`~accounting.accountants.PURE_MAX_STEPS` steps.
+        - per-step ε0 range: the largest ε whose br-adaptive lower bracket (Dong, Durfee & Rogers 2020, the
+          :class:`~accounting.bounded_range.DeltaBracket` ``lower``) is over ``delta``.
+        - (ε, δ): the 4-outcome mechanism every (ε, δ)-DP mechanism post-processes (Kairouz, Oh & Viswanath 2015, Thm.
+          2.1): :math:`\delta(\varepsilon') = \delta + (1-\delta)(e^\varepsilon - e^{\varepsilon'})/(1+e^\varepsilon)`
+          for ε' ≤ ε, so at δ' ≥ δ, :math:`\varepsilon' = \log(e^\varepsilon - (\delta'-\delta)(1+e^\varepsilon)/(1-\delta))_+`;
+          ``inf`` at δ' < δ (its atom of mass δ).
+        Each is lowered by a relative 1e-8 (the upward rounding of the conversions it reuses)."""
+        delta = check_delta("delta", delta)
+        form = self.form
+        if form == "epsilon":
+            if delta < self.delta:
+                return math.inf
+            e = math.exp(self.epsilon) - (delta - self.delta) * (1.0 + math.exp(self.epsilon)) / (1.0 - self.delta)
+            return _down(math.log(e)) if e > 1.0 else 0.0
+        if form in ("rho", "renyi", "mu"):
+            rho = self.rho if form == "rho" else min(b / a for a, b in self.renyi.items()) if form == "renyi" else 0.0
+            return _down(gdp_to_epsilon(self.mu if form == "mu" else math.sqrt(2.0 * rho), delta))
+        return self._per_step_lower(delta)
+
+    def _per_step_lower(self, delta: float) -> float:
+        """:meth:`epsilon_lower_at` of a per-step claim: the largest ε among the single-form worst mechanisms that meet
+        every other stated bound too: the Gaussian only where no ε or ε0 is stated; T ε0-BR steps where the stated ρ ≥
+        ε0²/8, Rényi bounds ≥ αε0²/8 (Cesar & Rogers 2021, Lemma 3.2) and ε ≥ ε0 (a BR step is ε0-DP); T randomised
+        responses where ε0 ≥ 2ε (their loss is ±ε), ρ ≥ ε²/2 and Rényi bounds ≥ min(αε²/2, ε) (Bun & Steinke 2016,
+        Prop. 1.4)."""
+        s, t = self.step, self.steps
+
+        def meets(rho: float, renyi, epsilon: float, epsilon0: float) -> bool:  # up to a relative 1e-12 (rounding)
+            implied = [(s.rho, rho), (s.epsilon, epsilon), (s.epsilon0, epsilon0), *((b, renyi(a)) for a, b in s.renyi.items())]
+            return all(stated >= level * (1.0 - 1e-12) for stated, level in implied)
+
+        gaussian = min(s.rho, min((b / a for a, b in s.renyi.items()), default=math.inf))
+        lower = [0.0]
+        if math.isfinite(gaussian) and math.isinf(s.epsilon) and math.isinf(s.epsilon0):
+            lower.append(gdp_to_epsilon(math.sqrt(2.0 * t * gaussian), delta))
+        e0, e = s.epsilon0, s.epsilon
+        if math.isfinite(e0) and meets(e0 * e0 / 8.0, lambda a: a * e0 * e0 / 8.0, e0, e0):
+            lower.append(_last_above(lambda x: br_adaptive_delta(x, e0, t).lower, delta, t * e0))
+        if math.isfinite(e) and t <= PURE_MAX_STEPS and meets(e * e / 2.0, lambda a: min(a * e * e / 2.0, e), e, 2.0 * e):
+            lower.append(_last_above(lambda x: pure_composed_delta(x, e, t), delta, t * e))
+        return _down(max(lower))
 
     def delta_at(self, epsilon: float) -> float:
         """The δ at ``epsilon`` the claim certifies (1: none), by the conversions :meth:`epsilon_at` names

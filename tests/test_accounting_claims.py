@@ -131,6 +131,70 @@ def test_sequence_epsilon_delta_claim():
     assert pure.sequence_renyi(100.0) == 0.5  # D_α ≤ D_∞ ≤ ε
 
 
+# ---------------------------------------------------------------------------------------------
+# epsilon_lower_at: the ε of the worst mechanism a claim admits (a reported ε below it is wrong given the claim)
+
+
+@pytest.mark.parametrize("claim, rho_total", [
+    (PrivacyClaim.per_step(steps=8, renyi={8.0: 4.0}), 8 * 4.0 / 8.0),  # DP-Fusion at α = 8, β = 0.5
+    (PrivacyClaim.per_step(steps=50, rho=0.01, renyi={2.0: 0.05}), 50 * 0.01),
+    (PrivacyClaim.zcdp(0.3, steps=5), 0.3),
+    (PrivacyClaim.rdp({2.0: 1.0, 4.0: 1.2}, steps=5), 0.3),
+])  # fmt: skip
+def test_renyi_and_zcdp_lower_bound_is_the_gaussian_pld(claim, rho_total):
+    """The Gaussian with total ρ meets the claim; its exact ε (dp-accounting's PLD, erring high by its discretisation)
+    is what the lower bound states, never above our upper bound."""
+    oracle = pld_privacy_accountant.PLDAccountant()
+    oracle.compose(dp_event.GaussianDpEvent(1 / math.sqrt(2 * rho_total)))
+    for delta in DELTAS:
+        lower = claim.epsilon_lower_at(delta)
+        assert lower == pytest.approx(oracle.get_epsilon(delta), rel=1e-4) and lower <= oracle.get_epsilon(delta)
+        assert lower <= claim.epsilon_at(delta)
+
+
+@pytest.mark.parametrize("epsilon, steps", [(0.5, 10), (1.0, 1), (0.1, 100)])
+def test_pure_lower_bound_is_the_composed_randomised_responses(epsilon, steps):
+    claim = PrivacyClaim.per_step(steps=steps, epsilon=epsilon)
+    pld = privacy_loss_distribution.from_privacy_parameters(common.DifferentialPrivacyParameters(epsilon, 0.0))
+    pld = pld.self_compose(steps)
+    for delta in DELTAS:
+        lower = claim.epsilon_lower_at(delta)
+        assert lower == pytest.approx(claim.epsilon_at(delta), rel=1e-6)
+        if lower > 0:  # just below it, T randomised responses (brute force) spend more than δ
+            assert pld.get_delta_for_epsilon(lower) > delta * (1 - 1e-9)
+
+
+def test_bounded_range_lower_bound_brackets_a_finer_accountant():
+    """A report from br-adaptive at a finer lattice (also certified) lies between the lower and the upper bound."""
+    from accounting.bounded_range import br_adaptive_delta, br_adaptive_epsilon
+
+    claim = PrivacyClaim.per_step(steps=5, epsilon0=0.5)
+    lower, finer, upper = claim.epsilon_lower_at(1e-6), br_adaptive_epsilon(1e-6, 0.5, 5, lattice_steps=200), claim.epsilon_at(1e-6)
+    assert 0.95 * upper < lower < finer < upper
+    assert br_adaptive_delta(lower, 0.5, 5).lower > 1e-6
+    # BR with its implied zCDP (ρ = ε0²/8, as a MechanismGuarantee states it): the BR mechanism meets both
+    assert PrivacyClaim.per_step(steps=5, epsilon0=0.5, rho=0.5**2 / 8).epsilon_lower_at(1e-6) == lower
+    # a Rényi bound below what a BR step implies: no single worst mechanism is constructed, the bound is 0
+    assert PrivacyClaim.per_step(steps=5, epsilon0=0.5, renyi={2.0: 1e-3}).epsilon_lower_at(1e-6) == 0.0
+
+
+@pytest.mark.parametrize("epsilon, delta", [(1.0, 1e-6), (0.5, 0.0), (3.0, 0.01)])
+def test_epsilon_delta_lower_bound_is_the_four_outcome_mechanism(epsilon, delta):
+    """P = (δ, (1-δ)e^ε/(1+e^ε), (1-δ)/(1+e^ε), 0) against its mirror: its hockey-stick δ(ε') by brute force is δ' at
+    the lower bound (and ε at δ, inf below δ); epsilon_at stays ε, an upper bound."""
+    claim = PrivacyClaim.approx_dp(epsilon, delta, steps=3)
+    a = (1 - delta) / (1 + math.exp(epsilon))
+    p, q = np.array([delta, a * math.exp(epsilon), a, 0.0]), np.array([0.0, a, a * math.exp(epsilon), delta])
+    for target in (delta or 1e-9, delta + 1e-3, delta + 0.05):
+        lower = claim.epsilon_lower_at(target)
+        spent = np.clip(p - math.exp(lower) * q, 0, None).sum()
+        assert spent >= target and spent == pytest.approx(target, abs=1e-7)  # lowered: on the spending side
+        assert lower <= claim.epsilon_at(target) == epsilon
+    assert claim.epsilon_lower_at(delta or 1e-9) == pytest.approx(epsilon, rel=1e-7)
+    if delta > 0:
+        assert claim.epsilon_lower_at(delta / 2) == math.inf
+
+
 def _renyi(p: np.ndarray, q: np.ndarray, alpha: float) -> float:
     return float(np.log(np.sum(p**alpha * q ** (1 - alpha))) / (alpha - 1))
 

@@ -285,21 +285,23 @@ def _exact_renyi(alpha: float) -> float:
 
 @pytest.mark.parametrize("epsilon", [0.5, 1.0])
 def test_sequence_epsilon_delta_claim_violated_and_honoured(epsilon):
-    forward, reverse = _exact_delta(epsilon)  # the texts are draws from P: the audit estimates the forward δ
-    assert 0.1 < forward < 0.9
+    # the run's texts are draws from P (the forward δ); the neighbour's own texts, from P' (the reverse δ)
+    forward, reverse = _exact_delta(epsilon)
+    assert 0.1 < forward < 0.9 and 0.1 < reverse < 0.9
     honoured = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, max(forward, reverse) + 0.05, steps=2))
     assert honoured.verdict is Verdict.PASS, honoured.reason
-    (check,) = honoured.sequence_checks
-    assert check.quantity == "delta" and check.num_texts == TEXTS and check.lower <= forward <= check.upper
-    assert check.estimate == pytest.approx(forward, abs=0.03)
-    violated = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, forward - 0.05, steps=2))
+    assert [c.direction for c in honoured.sequence_checks] == ["forward", "reverse"]
+    for check, exact in zip(honoured.sequence_checks, (forward, reverse)):
+        assert check.quantity == "delta" and check.num_texts == TEXTS and check.lower <= exact <= check.upper
+        assert check.estimate == pytest.approx(exact, abs=0.03) and check.significance == 0.05 / 2
+    violated = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, min(forward, reverse) - 0.05, steps=2))
     assert violated.verdict is Verdict.VIOLATION and "sampled delta" in violated.reason
     # the realised losses are exact: each text's loss is log P(x) - log P'(x) of the enumeration
     p, q = _exact_text_laws()
     texts = violated.output[:, 0] * SEQ_V + violated.output[:, 1]
     np.testing.assert_allclose(violated.text_losses[:, 0], np.log(p / q)[texts.numpy()], atol=1e-12)
     # at the truth: neither refuted nor supported by these texts, stated as such
-    close = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, forward, steps=2))
+    close = audit_generator(toy_two_steps, [0], PrivacyClaim.approx_dp(epsilon, max(forward, reverse), steps=2))
     assert close.verdict is Verdict.INCONCLUSIVE and "more texts" in close.reason
 
 
@@ -311,8 +313,9 @@ def test_sequence_renyi_claim_is_not_refuted_by_one_paths_sum():
     path_sums = np.maximum(audit.sequence_renyi_forward, audit.sequence_renyi_reverse)[:, 0, 0]
     assert path_sums.max() > exact * 1.1  # the old check would have called this a violation
     assert audit.verdict is Verdict.INCONCLUSIVE and "sequence Renyi" not in audit.reason
-    (check,) = audit.sequence_checks
-    assert check.lower <= exact and check.upper == math.inf  # no a-priori range: a Rényi claim is never supported
+    assert [c.direction for c in audit.sequence_checks] == ["forward", "reverse"]
+    for check in audit.sequence_checks:  # no a-priori range: a Rényi claim is never supported
+        assert check.lower <= exact and check.upper == math.inf
     low = audit_generator(toy_two_steps, [0], PrivacyClaim.zcdp(exact / 2 / 4, steps=2))
     assert low.verdict is Verdict.VIOLATION and "sampled renyi at 2" in low.reason
 
@@ -322,7 +325,7 @@ def test_gdp_claim_checked_on_a_grid():
     assert _exact_delta(0.0)[0] > 2 * _norm_tv(mu)  # the toy is further apart than 0.3-GDP allows at epsilon = 0
     audit = audit_generator(toy_two_steps, [0], PrivacyClaim.gdp(mu, steps=2))
     assert audit.verdict is Verdict.VIOLATION
-    assert [c.at for c in audit.sequence_checks][0] == 0.0 and len(audit.sequence_checks) == 4
+    assert [c.at for c in audit.sequence_checks][0] == 0.0 and len(audit.sequence_checks) == 2 * 4  # both directions
     assert audit_generator(toy_two_steps, [0], PrivacyClaim.gdp(5.0, steps=2)).verdict is not Verdict.VIOLATION
 
 
@@ -338,6 +341,88 @@ def test_reported_epsilon_below_its_own_claim_is_a_finding():
     low = audit_generator(toy_categorical, REFS, br_claim(EPS0, reported_epsilon=certified / 2, reported_delta=1e-6))
     assert low.verdict is Verdict.VIOLATION
     assert f"reports epsilon = {certified / 2:.6g}" in low.reason and f"composes to {certified:.6g}" in low.reason
+    assert low.claim_lower_epsilon == PrivacyClaim.per_step(steps=T, epsilon0=EPS0).epsilon_lower_at(1e-6)
+
+
+def test_reported_epsilon_from_a_tighter_accountant_is_no_violation():
+    """br-adaptive at a finer lattice certifies a smaller ε than ours (both valid upper bounds): the report is between
+    the claim's lower bound (the worst ε0-BR composition's bracket) and our upper bound, so INCONCLUSIVE, never a
+    VIOLATION; below the lower bound it is one."""
+    from accounting.bounded_range import br_adaptive_epsilon
+
+    finer = br_adaptive_epsilon(1e-6, EPS0, T, lattice_steps=200)
+    audit = audit_generator(toy_categorical, REFS, br_claim(EPS0, reported_epsilon=finer, reported_delta=1e-6))
+    assert audit.claim_lower_epsilon < finer < audit.certified_epsilon
+    assert audit.verdict is Verdict.INCONCLUSIVE and "rests on more than the claim states" in audit.reason
+    below = audit_generator(toy_categorical, REFS, br_claim(EPS0, reported_epsilon=0.99 * audit.claim_lower_epsilon,
+                                                            reported_delta=1e-6))  # fmt: skip
+    assert below.verdict is Verdict.VIOLATION and "a mechanism meeting it exactly has epsilon >=" in below.reason
+
+
+def _two_point(p, q, rows: int = 400, draws: int = 1, calls: int = 1):
+    """A generator drawing ``calls`` times from p (reference present) or q (None), ``rows`` rows of ``draws`` each."""
+
+    def generate(references):
+        probs = torch.tensor(p if references[0] is not None else q, dtype=torch.float64)
+        gen = torch.Generator().manual_seed(1)
+        return [torch.multinomial(probs.expand(rows, len(p)), draws, replacement=True, generator=gen) for _ in range(calls)]
+
+    return generate
+
+
+def test_sequence_claims_are_checked_in_both_directions():
+    """P = (.5, .5, 0), P' = (.25, .25, .5): forward δ(1) = 0 (P's texts see no loss above log 2), reverse δ(1) =
+    P'(token 2) = 0.5 (an infinite loss: P gives it 0). Only the neighbour's own texts can show it."""
+    seen = []
+    generate = _two_point((0.5, 0.5, 0.0), (0.25, 0.25, 0.5))
+
+    def counted(references):
+        seen.append(references[0])
+        return generate(references)
+
+    audit = audit_generator(counted, ["secret"], PrivacyClaim.approx_dp(1.0, 0.1, steps=1))
+    assert seen == ["secret", None, None, "secret"]  # the run, the forced replay, the neighbour free, the replay
+    forward, reverse = audit.sequence_checks
+    assert forward.direction == "forward" and forward.upper < 0.1 and forward.lower == 0.0
+    assert reverse.direction == "reverse" and reverse.lower > 0.1 and reverse.lower <= 0.5 <= reverse.upper
+    tokens = torch.cat(audit.output).numpy()[:, 0]
+    np.testing.assert_allclose(audit.text_losses[:, 0], math.log(2.0))  # log(.5/.25) on every token P draws
+    assert (tokens < 2).all() and np.isinf(audit.reverse_text_losses[0]).sum() > 100  # token 2: +inf, kept
+    assert audit.verdict is Verdict.VIOLATION and "(neighbour 0, reverse)" in audit.reason
+    # a per-step claim keeps its cost: the run and one replay per neighbour, no reverse runs
+    seen.clear()
+    per_step = audit_generator(counted, ["secret"], PrivacyClaim.per_step(steps=1, epsilon=1.0))
+    assert seen == ["secret", None] and per_step.reverse_text_losses == ()
+    assert per_step.verdict is Verdict.VIOLATION  # |log .5 - log 0| = inf on the union support
+
+
+def test_a_calls_draws_are_steps_of_its_rows_text():
+    """One multinomial(p, 50, replacement=True) per row is 50 steps of that row's text: a per-step claim for one step
+    is exceeded by 49 steps; the text's loss is the sum of its 50 draws' (k draws of token 1 give k·l1 + (50-k)·l0)."""
+    e = 0.5
+    p = (1 / (1 + math.exp(e)), math.exp(e) / (1 + math.exp(e)))
+    generate = _two_point(p, (0.5, 0.5), rows=3, draws=50, calls=2)
+    one = audit_generator(generate, ["x"], PrivacyClaim.per_step(steps=1, epsilon=e))
+    assert one.verdict is Verdict.VIOLATION and one.excesses["draws per text over the claim's steps"] == 99
+    honest = audit_generator(generate, ["x"], PrivacyClaim.per_step(steps=100, epsilon=e))
+    assert honest.verdict is Verdict.PASS, honest.reason
+    assert honest.text_losses.shape == (3, 1) and honest.sequence_renyi_forward.shape == (3, 1, len(honest.alphas))
+    k = sum(c.tokens.sum(1).numpy() for c in honest.calls)  # draws of token 1 per row, over both calls
+    l1, l0 = math.log(2 * p[1]), math.log(2 * p[0])
+    np.testing.assert_allclose(honest.text_losses[:, 0], k * l1 + (100 - k) * l0, atol=1e-12)
+    np.testing.assert_allclose(honest.sequence_renyi_forward[:, 0], np.tile(100 * honest.renyi_forward[0, 0], (3, 1)), rtol=1e-12)
+
+
+def test_pure_sequence_claim_is_violated_by_one_realised_text():
+    """Pure ε-DP bounds the loss of every output: P = (.9, .1) against (.1, .9) over 2 steps gives |L| ∈ {0, 2 log 9}."""
+    generate = _two_point((0.9, 0.1), (0.1, 0.9), rows=20, calls=2)
+    audit = audit_generator(generate, ["x"], PrivacyClaim.approx_dp(0.5, 0.0, steps=2))
+    worst = max(np.abs(audit.text_losses).max(), np.abs(audit.reverse_text_losses[0]).max())
+    assert worst == pytest.approx(2 * math.log(9))
+    assert audit.verdict is Verdict.VIOLATION and "sequence |realised loss| over pure epsilon" in audit.reason
+    assert audit.excesses["sequence |realised loss| over pure epsilon"] == pytest.approx(2 * math.log(9) - 0.5)
+    within = audit_generator(generate, ["x"], PrivacyClaim.approx_dp(2 * math.log(9), 0.0, steps=2))
+    assert within.verdict is not Verdict.VIOLATION, within.reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,6 +524,10 @@ def test_dp_fusion_lib_shipped_loop(dp_fusion, tiny):
     assert _per_step(collapse).max() > 2 * 4.0 and collapse.verdict is Verdict.VIOLATION
     # and its own ε (4β per step at α = 8) is below what its per-step claim αβ composes to
     assert collapse.claim.reported_epsilon < collapse.certified_epsilon / 2
+    # but not below the ε of the Gaussian that meets the claim exactly (ρ = 4/8 per step, 15.46 at δ = 1e-5): its
+    # 15.64 is no VIOLATION on its own, it rests on more than the claim states (the VIOLATION is the released D_8)
+    assert collapse.claim_lower_epsilon < collapse.claim.reported_epsilon < collapse.certified_epsilon
+    assert "step Renyi over its claim" in collapse.reason and honest.claim_lower_epsilon is None
     # text contexts of unequal length: its public row is right-padded without an attention mask, so its "public"
     # distribution is not the redacted document's and the release is far from the neighbour's
     assert padded.verdict is Verdict.VIOLATION and _per_step(padded).max() > 4.0

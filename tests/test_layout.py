@@ -26,12 +26,13 @@ MAX_ADD_ARGUMENT = 110
 #: a ratchet, not the goal: issue 34 asks for 27,500 (set when the library was 29.6k lines); the refactor took it
 #: from 31,617 to 29,1xx, and issue 35's first parts (audit/intercept.py, the dtype numerics) added about 550
 #: (CHANGELOG.md), item 2 (accounting/claims.py: PrivacyClaim and its conversions, sequence-level checks in
-#: audit_generator) 534, issue 38 (the privacy unit: data, accounting, generation, CLI, audit) about 620, issue 35's
-#: outside generators (the noisy-argmax draw, unreleased(), the adapter self-test rows) about 250, issue 36's GPU
-#: decode step (the KV pool, CUDA graphs, the tile-invariance probe) 333, and its follow-up (the probe per pool shape
-#: with the public rows' alone fallback, the pool's KV bound in capacity.py) 120.
+#: audit_generator) 534 and its review fixes (both directions, the claim's lower-bound epsilon, add-remove in the
+#: kit) 151, issue 38 (the privacy unit: data, accounting, generation, CLI, audit) about 620, issue 35's outside
+#: generators (the noisy-argmax draw, unreleased(), the adapter self-test rows) about 250, issue 36's GPU decode
+#: step (the KV pool, CUDA graphs, the tile-invariance probe) 333, and its follow-up (the probe per pool shape with
+#: the public rows' alone fallback, the pool's KV bound in capacity.py) 120.
 #: Lower it as the library shrinks; raise it only with a feature, saying so in the changelog
-MAX_LIBRARY_LINES = 31_604
+MAX_LIBRARY_LINES = 31_780
 
 #: (importer prefix, forbidden target prefix): the layers, bottom up (accounting < the mechanism and the
 #: engine < generation < AugPE (which embeds with the

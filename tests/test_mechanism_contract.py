@@ -178,3 +178,18 @@ def test_a_claim_the_mechanism_exceeds_at_its_one_order_fails():
 
     with pytest.raises(AssertionError, match="D_2 "):
         Understated().test_the_per_step_claim_holds_against_every_neighbour()
+
+
+def test_an_add_remove_claim_is_refused_not_checked_against_replace_by_null_neighbours():
+    """A Mechanism's neighbours are replace-by-null: the contract refuses an add-remove claim rather than checking it
+    against the wrong relation."""
+    from accounting import PrivacyClaim
+
+    class AddRemove(TestAClaimAtOneRenyiOrder):
+        def claim(self, mechanism):
+            return PrivacyClaim.per_step(steps=1, renyi={2.0: 1 / 9}, adjacency="add-remove")
+
+    with pytest.raises(ValueError, match="add-remove adjacency"):
+        AddRemove().test_the_per_step_claim_holds_against_every_neighbour()
+    # the same claim under replace-by-null is checked (and holds)
+    TestAClaimAtOneRenyiOrder().test_the_per_step_claim_holds_against_every_neighbour()

@@ -42,6 +42,7 @@ from invink_audit.testing import (
     log_ratio_span,
     logit_batches,
     logits,
+    max_linf_change,
     mechanism_configs,
     neighbour_pairs,
     neighbour_private_logits,
@@ -335,6 +336,42 @@ def test_neighbour_pairs_strategy(pair, zero):
     keep = [i for i in range(pair.original.batch_size) if i != j]
     assert torch.equal(pair.neighbour.private_logits[..., keep, :], pair.original.private_logits[..., keep, :])
     assert bool((zero.neighbour.private_logits[..., zero.index, :] == 0).all())
+
+
+def test_add_remove_neighbours_remove_the_row():
+    """Add-remove is never substituted by zero-out: neighbour j is the batch without row j."""
+    private, public = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), torch.full((3,), 0.5)
+    assert torch.equal(neighbour_private_logits(private, public, 0, adjacency="add-remove"), private[1:])
+    assert torch.equal(neighbour_private_logits(private, public, 1, adjacency="add-remove"), private[:1])
+
+    def mean_of_clipped(p, q):
+        return q + (p - q).clamp(-1, 1).mean(-2)
+
+    witness = max_linf_change(mean_of_clipped, private, public, adjacency="add-remove")
+    # by hand: clipped rows (0.5, 1, 1) and (1, 1, 1), mean (0.75, 1, 1); either row left out moves it by 0.25 (zeroing
+    # a row instead, (-0.5, -0.5, -0.5), would move it by 0.75)
+    assert witness.change == 0.25 and witness.adjacency is Adjacency.ADD_REMOVE
+    assert max_linf_change(mean_of_clipped, private, public, adjacency="zero-out").change == 0.75
+
+
+def test_token_privacy_checks_build_the_claims_adjacency():
+    """check_token_privacy builds add-remove neighbours (B - 1 rows) for an add-remove claim, replace-by-null (B rows)
+    for a StepClaim, which states no relation."""
+    from accounting import PrivacyClaim
+
+    seen = set()
+
+    def step(private, public):
+        seen.add(private.shape[-2])
+        return torch.log_softmax(public + 0.0 * private.sum(-2), -1)
+
+    sizes = st.just(3)
+    check_token_privacy(step, PrivacyClaim.per_step(steps=1, epsilon=1.0, adjacency="add-remove"), batch_sizes=sizes,
+                        max_examples=3)  # fmt: skip
+    assert seen == {3, 2}
+    seen.clear()
+    check_token_privacy(step, StepClaim(epsilon=1.0), batch_sizes=sizes, max_examples=3)
+    assert seen == {3}
 
 
 def test_neighbour_private_logits_is_pure_and_validated():

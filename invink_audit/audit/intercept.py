@@ -10,18 +10,22 @@ Rényi divergences in both directions, the bounded range) and the largest absolu
 checks them against the claim's per-step part. Along each realised text it sums the per-step Rényi divergences
 (adaptive composition, Mironov 2017, Prop. 1; a Rényi filter's spend, Feldman & Zrnic 2021, Thm. 3.1): a violation only
 of a per-step claim composed over T or of a filter's budget, never of a sequence-level claim (which bounds the
-supremum over paths, not one path). A sequence-level claim ((ε, δ), μ-GDP, ρ-zCDP, Rényi) is checked from the texts
-of the run: each text's realised privacy loss is exact and the texts are draws from P, so
-:func:`~invink_audit.audit.stats.hockey_stick_delta` and :func:`~invink_audit.audit.stats.renyi_monte_carlo` bound
-δ(ε) and :math:`D_\alpha` (:class:`SequenceCheck`). The ε the generator reports is checked against what its own
-claim certifies (our accountant, :meth:`~accounting.PrivacyClaim.epsilon_at`).
+supremum over paths, not one path). A sequence-level claim ((ε, δ), μ-GDP, ρ-zCDP, Rényi) is checked from texts in
+both directions (a symmetric relation): the run's texts are draws from P, and every audited neighbour is also run
+freely (texts from P') with the actual references replayed on its tokens; each text's realised privacy loss is
+exact, so :func:`~invink_audit.audit.stats.hockey_stick_delta` and :func:`~invink_audit.audit.stats.renyi_monte_carlo`
+bound δ(ε) and :math:`D_\alpha` each way (:class:`SequenceCheck`); a pure-ε text claim is violated by one realised
+loss over ε. A row's S draws in one sampling call are S steps of its text. The ε the generator reports is checked
+against what its own claim certifies (our accountant, :meth:`~accounting.PrivacyClaim.epsilon_at`) and, below that,
+against the ε of the worst mechanism the claim admits (:meth:`~accounting.PrivacyClaim.epsilon_lower_at`).
 
 Intercepted samplers (the final draw of a token): ``torch.multinomial`` and ``Tensor.multinomial`` (which
 ``torch.distributions.Categorical.sample`` and transformers' ``generate(do_sample=True)`` call), ``numpy.random
 .choice`` and the ``choice`` of every generator made by ``numpy.random.default_rng`` during the run (with ``p=``
-or uniform). A (G, V) batch is G separate draws. An argmax over scores plus noise of a declared law: a noise vector
-drawn by ``normal`` or ``gumbel`` of a ``numpy.random.RandomState`` or ``default_rng`` generator made during the run
-(or numpy's legacy module functions) declares its law, and adding scores to it, element by element or as one array
+or uniform). A (G, V) batch is G texts; a call's S draws per row are S steps of that row's text. An argmax over
+scores plus noise of a declared law: a noise vector drawn by ``normal`` or ``gumbel`` of a
+``numpy.random.RandomState`` or ``default_rng`` generator made during the run (or numpy's legacy module functions)
+declares its law, and adding scores to it, element by element or as one array
 (``scores + noise``), is the draw: its exact law is recorded (:func:`noisy_argmax_log_probs`) and its token is the
 argmax of the noisy scores (the generator's own argmax then picks it; a replay gets +inf at the forced token). Out of
 scope for now: Laplace noise, torch noise, and numpy generators built before the run or by
@@ -416,7 +420,9 @@ def _run(generate: Callable, references: list, forced, neighbour: int | None):
 @dataclass(frozen=True)
 class SequenceCheck:
     r"""A sampled check of a sequence-level claim against one neighbour, from the run's texts (each text's realised
-    privacy loss :math:`L = \sum_t \log p_t(y_t) - \log p'_t(y_t)` is exact, the texts are draws from P):
+    privacy loss :math:`L = \sum_t \log p_t(y_t) - \log p'_t(y_t)` is exact, the texts are draws from P; ``direction``
+    ``"reverse"``: the neighbour's own texts, draws from P', with :math:`L = \log P'(x) - \log P(x)`, ``+inf`` where P
+    gives a drawn token 0; (ε, δ)-DP under a symmetric relation bounds both):
     ``quantity`` ``"delta"`` (:math:`\delta(\varepsilon) = E_P[(1 - e^{\varepsilon - L})_+]` at ``at`` = ε,
     :func:`~invink_audit.audit.stats.hockey_stick_delta`) or ``"renyi"`` (:math:`D_\alpha` at ``at`` = α,
     :func:`~invink_audit.audit.stats.renyi_monte_carlo`); ``lower``/``upper``: its confidence bounds at
@@ -432,6 +438,7 @@ class SequenceCheck:
     claimed: float
     significance: float
     num_texts: int
+    direction: str = "forward"
 
 
 @dataclass(frozen=True)
@@ -444,12 +451,17 @@ class GeneratorAudit:
     in order; ``step_call[d]`` its call): ``max_abs_log_ratio`` (D, B), :math:`\max_y |\log p(y) - \log p'(y)|` on the
     union support; ``loss_range`` (D, B), the bounded range; ``renyi_forward``/``renyi_reverse`` (D, B, A),
     :math:`D_\alpha(p\|p')` / :math:`D_\alpha(p'\|p)` at ``alphas``. ``sequence_renyi_forward``/``_reverse``
-    (texts, B, A): their sums along each text (a text is a row-and-draw column kept by every call; a generator whose
-    batch changes size is composed as one text); ``text_losses`` (texts, B): each text's realised privacy loss.
+    (texts, B, A): their sums along each text (a text is a row kept by every call, and a call's S draws of a row are S
+    steps of its text, each counted; a generator whose batch changes size is composed as one text); ``text_losses``
+    (texts, B): each text's realised privacy loss; ``reverse_text_losses[b]`` (a sequence-level claim only, else
+    empty): audited neighbour b's own texts' losses :math:`\log P'(x) - \log P(x)` (``+inf`` where P gives a drawn
+    token 0).
     ``excesses``: each exactly checked quantity's largest excess over its claim (nats; > ``tolerance`` is a
     VIOLATION); ``sequence_checks``: the sampled checks of a sequence-level claim (:class:`SequenceCheck`);
-    ``certified_epsilon``: the ε at the generator's reported δ that its own claim certifies (our accountant);
-    ``nonfinite``: recorded distributions holding NaN (a finding).
+    ``certified_epsilon``: the ε at the generator's reported δ that its own claim certifies (our accountant, an upper
+    bound); ``claim_lower_epsilon``: where the report is below it, the ε of the worst mechanism the claim admits (a
+    lower bound; a report below it is a VIOLATION, between the two INCONCLUSIVE; else ``None``);
+    ``nonfinite``: recorded distributions holding NaN (a finding; a sequence-level claim's reverse runs included).
     """
 
     claim: PrivacyClaim
@@ -467,9 +479,11 @@ class GeneratorAudit:
     sequence_renyi_forward: np.ndarray
     sequence_renyi_reverse: np.ndarray
     text_losses: np.ndarray
+    reverse_text_losses: tuple[np.ndarray, ...]
     excesses: dict
     sequence_checks: tuple[SequenceCheck, ...]
     certified_epsilon: float | None
+    claim_lower_epsilon: float | None
     nonfinite: int
     verdict: Verdict
     reason: str
@@ -482,7 +496,7 @@ class GeneratorAudit:
 
 def _step_arrays(calls, neighbour_calls, alphas) -> dict:
     """Per-step quantities of every recorded distribution, concatenated over the calls (float64 tensors), and each
-    draw's privacy loss ``log p(y) - log p'(y)`` (G·S, B) per call (``draw_losses``)."""
+    row's privacy loss ``log p(y) - log p'(y)`` summed over its S draws, (G, B) per call (``draw_losses``)."""
     out = {"step_call": [], "max_abs_log_ratio": [], "loss_range": [], "renyi_forward": [], "renyi_reverse": []}
     draw_losses = []
     for k, call in enumerate(calls):
@@ -499,30 +513,27 @@ def _step_arrays(calls, neighbour_calls, alphas) -> dict:
         out["renyi_reverse"].append(q.renyi_reverse)
         drawn = actual.gather(1, call.tokens)  # (G, S)
         nb_drawn = nbs.gather(2, call.tokens.unsqueeze(1).expand(-1, nbs.shape[1], -1))  # (G, B, S)
-        draw_losses.append((drawn.unsqueeze(1) - nb_drawn).transpose(1, 2).reshape(-1, nbs.shape[1]))
+        draw_losses.append((drawn.unsqueeze(1) - nb_drawn).sum(2))  # a row's S draws: S steps of its text
     return {name: torch.cat(parts) for name, parts in out.items()}, draw_losses
 
 
 def _sequence_sums(calls, per_step: torch.Tensor) -> torch.Tensor:
-    """(texts, B, A) sums along each text of (D, B, A) per-step values: text = (row, draw column) when every call
-    draws the same G·S texts, else the whole release as one text."""
-    sizes = [c.shape[0] * c.shape[2] for c in calls]
-    if len(set(sizes)) != 1:
-        return per_step.sum(0, keepdim=True)
-    parts, start = [], 0
-    for c in calls:
-        g, _, s = c.shape
-        parts.append(per_step[start:start + g].repeat_interleave(s, 0))
-        start += g
-    return torch.stack(parts).sum(0)
+    """(texts, B, A) sums along each text of (D, B, A) per-step values, a row's S draws in one call counting S steps:
+    text = a row, when every call draws from the same G rows, else the whole release as one text."""
+    weights = torch.cat([torch.full((c.shape[0],), float(c.shape[2]), dtype=per_step.dtype) for c in calls])
+    weighted = per_step * weights.reshape(-1, *[1] * (per_step.ndim - 1))
+    if len({c.shape[0] for c in calls}) != 1:
+        return weighted.sum(0, keepdim=True)
+    return weighted.reshape(len(calls), calls[0].shape[0], *per_step.shape[1:]).sum(0)
 
 
-def _text_losses(draw_losses: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """(texts, B): each text's realised privacy loss, the sum of its draws' (texts as :func:`_sequence_sums`), and the
-    number of draws per text."""
+def _text_losses(calls, draw_losses: list[torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+    """(texts, B): each text's realised privacy loss, the sum of its draws' (texts as :func:`_sequence_sums`); the
+    steps per text (every call's S draws of a row) and the draws summed into one text's loss."""
+    steps = sum(c.shape[2] for c in calls)
     if len({d.shape[0] for d in draw_losses}) != 1:
-        return torch.cat(draw_losses).sum(0, keepdim=True), sum(d.shape[0] for d in draw_losses)
-    return torch.stack(draw_losses).sum(0), len(draw_losses)
+        return torch.cat(draw_losses).sum(0, keepdim=True), steps, sum(c.shape[0] * c.shape[2] for c in calls)
+    return torch.stack(draw_losses).sum(0), steps, steps
 
 
 def _checks_path_sums(claim: PrivacyClaim) -> bool:
@@ -534,8 +545,10 @@ def _checks_path_sums(claim: PrivacyClaim) -> bool:
     return claim.form == "per-step" or (claim.form == "renyi" and claim.data_dependent)
 
 
-def _excesses(claim: PrivacyClaim, steps: dict, fwd_seq, rev_seq, alphas, num_calls: int) -> dict:
-    """Each exactly checked quantity's largest excess over its claim (NaN read as no excess; counted apart)."""
+def _excesses(claim: PrivacyClaim, steps: dict, fwd_seq, rev_seq, alphas, columns, steps_per_text: int) -> dict:
+    r"""Each exactly checked quantity's largest excess over its claim (NaN read as no excess; counted apart). A pure
+    ε-DP text bounds the privacy loss of every output, :math:`|L(x)| \le \varepsilon` (Dwork & Roth 2014, Def. 2.4
+    with δ = 0, taken at the single output x): one realised text over it, in either direction, is a violation."""
 
     def worst(values: torch.Tensor) -> float:
         return float(torch.nan_to_num(values, nan=-math.inf).max())
@@ -552,30 +565,34 @@ def _excesses(claim: PrivacyClaim, steps: dict, fwd_seq, rev_seq, alphas, num_ca
     seq_bound = torch.tensor([claim.sequence_renyi(a) for a in alphas], dtype=torch.float64)
     if _checks_path_sums(claim) and bool(torch.isfinite(seq_bound).any()):
         excess["sequence Renyi over the claim"] = worst(torch.maximum(fwd_seq, rev_seq) - seq_bound)
-    excess["draws per text over the claim's steps"] = float(num_calls - claim.steps)
+    if claim.form == "epsilon" and claim.delta == 0:
+        excess["sequence |realised loss| over pure epsilon"] = max(
+            float(np.nan_to_num(np.abs(c[2]), nan=-math.inf).max()) for c in columns) - claim.epsilon
+    excess["draws per text over the claim's steps"] = float(steps_per_text - claim.steps)
     return excess
 
 
-def _sequence_checks(claim: PrivacyClaim, losses: torch.Tensor, alphas, slack: float, significance: float):
-    """Sampled checks of a sequence-level claim (:class:`SequenceCheck`), one per neighbour and ε grid or order,
-    Bonferroni over all of them; lower bounds from the losses lowered by ``slack`` and upper bounds from them raised by
-    it (the tolerance times the draws per text: rounding neither makes a violation nor supports a claim). None for a
-    per-step claim (its exact checks imply the sequence's) or NaN losses."""
-    if claim.form == "per-step" or bool(torch.isnan(losses).any()):
+def _sequence_checks(claim: PrivacyClaim, columns, alphas, significance: float):
+    """Sampled checks of a sequence-level claim (:class:`SequenceCheck`), one per neighbour, direction and ε grid or
+    order, Bonferroni over all of them. ``columns``: (neighbour, direction, losses, slack) of each direction's texts;
+    lower bounds from the losses lowered by ``slack`` and upper bounds from them raised by it (the tolerance times the
+    draws summed per text: rounding neither makes a violation nor supports a claim). None for a per-step claim (its
+    exact checks imply the sequence's) or NaN losses."""
+    if claim.form == "per-step" or any(np.isnan(c[2]).any() for c in columns):
         return ()
     if claim.form in ("epsilon", "mu"):
         grid = (claim.epsilon,) if claim.form == "epsilon" else (0.0, *(gdp_to_epsilon(claim.mu, d) for d in DEFAULT_DELTA_GRID))
         plan = [("delta", grid)]
     else:
         plan = [("renyi", (a,)) for a in alphas if math.isfinite(claim.sequence_renyi(a))]
-    beta = significance / (losses.shape[1] * max(len(plan), 1))
+    beta = significance / (len(columns) * max(len(plan), 1))
     checks = []
-    for b, column in enumerate(losses.T.numpy()):
+    for b, direction, column, slack in columns:
         for quantity, at in plan:
             low, mid, high = (_bounds(quantity, at, column + shift, beta) for shift in (-slack, 0.0, slack))
             claimed = [claim.delta_at(e) if quantity == "delta" else claim.sequence_renyi(e) for e in at]
-            checks.extend(SequenceCheck(b, quantity, e, mid[i][0], low[i][1], high[i][2], claimed[i], beta, column.size)
-                          for i, e in enumerate(at))  # fmt: skip
+            checks.extend(SequenceCheck(b, quantity, e, mid[i][0], low[i][1], high[i][2], claimed[i], beta, column.size,
+                                        direction) for i, e in enumerate(at))  # fmt: skip
     return tuple(checks)
 
 
@@ -590,34 +607,45 @@ def _bounds(quantity: str, at: tuple, losses: np.ndarray, beta: float) -> list[t
     return list(zip(curve.estimate, lower, upper))
 
 
-def _certified_epsilon(claim: PrivacyClaim) -> float | None:
-    """The ε at the generator's reported δ that its own claim certifies (``None`` when it reports none or ``inf``)."""
+def _certified_epsilon(claim: PrivacyClaim) -> tuple[float | None, float | None]:
+    """The ε at the generator's reported δ that its own claim certifies (our upper bound; ``None`` when it reports none
+    or ``inf``), and, only when the report is below it, the lower bound on the ε of the worst mechanism the claim admits
+    (:meth:`~accounting.PrivacyClaim.epsilon_lower_at`; else ``None``)."""
     if claim.reported_epsilon is None or math.isinf(claim.reported_epsilon):
-        return None
-    return claim.epsilon_at(claim.reported_delta)
+        return None, None
+    certified = claim.epsilon_at(claim.reported_delta)
+    if claim.reported_epsilon >= certified * (1.0 - REPORTED_EPSILON_RTOL):
+        return certified, None
+    return certified, claim.epsilon_lower_at(claim.reported_delta)
 
 
-#: relative slack of the reported-ε check: a report below its claim's certified ε by more than this is a finding
+#: relative slack of the reported-ε check: a report below its claim's certified ε (or the lower bound) by more than this
+#: is a finding
 REPORTED_EPSILON_RTOL = 1e-6
 
 
-def _verdict(claim: PrivacyClaim, excesses: dict, checks, certified, nonfinite: int, tolerance: float,
-             num_calls: int) -> tuple[Verdict, str]:
-    """VIOLATION: an exact excess over the tolerance (per step; times the steps for sums), a sampled lower bound over
-    the claim, NaN in a released distribution (the law a token was drawn from is undefined), or a reported ε below what
-    the generator's own claim certifies. Never PASS for a data-dependent claim, nor when an excess within a tolerance
-    that is not small against the claim (a coarse dtype) could hide a leak of its size, nor when a sampled check's
-    upper bound is over its claim (the texts cannot support it)."""
-    over = {name: v for name, v in excesses.items() if v > tolerance * (num_calls if "sequence" in name else 1)}
-    over |= {f"sampled {c.quantity} at {c.at:.4g} (neighbour {c.neighbour}) lower bound over the claim": c.lower - c.claimed
+def _verdict(claim: PrivacyClaim, excesses: dict, checks, certified, lower, nonfinite: int, tolerance: float,
+             summed: int) -> tuple[Verdict, str]:
+    """VIOLATION: an exact excess over the tolerance (per step; times the draws summed for sums), a sampled lower bound
+    over the claim, NaN in a released distribution (the law a token was drawn from is undefined), or a reported ε below
+    the ε of the worst mechanism the claim admits (``lower``, :meth:`~accounting.PrivacyClaim.epsilon_lower_at`). Never
+    PASS for a data-dependent claim, nor for a reported ε below what the claim certifies (``certified``, our upper
+    bound), nor when an excess within a tolerance that is not small against the claim (a coarse dtype) could hide a
+    leak of its size, nor when a sampled check's upper bound is over its claim (the texts cannot support it)."""
+    over = {name: v for name, v in excesses.items() if v > tolerance * (summed if "sequence" in name else 1)}
+    over |= {f"sampled {c.quantity} at {c.at:.4g} (neighbour {c.neighbour}, {c.direction}) lower bound over the claim": c.lower - c.claimed
              for c in checks if c.lower > c.claimed}  # fmt: skip
     if over:
         return Verdict.VIOLATION, "; ".join(f"{name}: +{v:.6g}" for name, v in over.items())
     if nonfinite:
         return Verdict.VIOLATION, f"{nonfinite} recorded distribution(s) hold NaN: the law of those draws is undefined"
-    if certified is not None and claim.reported_epsilon < certified * (1.0 - REPORTED_EPSILON_RTOL):
-        return Verdict.VIOLATION, (f"reports epsilon = {claim.reported_epsilon:.6g} at delta = {claim.reported_delta:g}; "
-                                   f"its own {claim.form} claim composes to {certified:.6g}")
+    if lower is not None:
+        reports = f"reports epsilon = {claim.reported_epsilon:.6g} at delta = {claim.reported_delta:g}; its own {claim.form}"
+        if claim.reported_epsilon < lower * (1.0 - REPORTED_EPSILON_RTOL):
+            return Verdict.VIOLATION, (f"{reports} claim composes to {certified:.6g}, and a mechanism meeting it exactly "
+                                       f"has epsilon >= {lower:.6g}")
+        return Verdict.INCONCLUSIVE, (f"{reports} claim certifies <= {certified:.6g}, and a mechanism meeting it exactly "
+                                      f"has epsilon >= {lower:.6g}: the report rests on more than the claim states")
     if claim.data_dependent:
         return Verdict.INCONCLUSIVE, "no excess found; a data-dependent claim is never certified (no PASS)"
     smallest = claim.step.unresolved_by(tolerance, DEFAULT_ALPHAS)
@@ -643,6 +671,27 @@ def _default_alphas(claim: PrivacyClaim) -> tuple[float, ...]:
 def _neighbour(references: list, j: int, adjacency: Adjacency) -> list:
     """Neighbour ``j`` of ``references``: ``None`` in slot j (replace-by-null), or the list without it (add-remove)."""
     return references[:j] + ([] if adjacency is Adjacency.ADD_REMOVE else [None]) + references[j + 1:]
+
+
+def _reverse_runs(generate, references, audited, adjacency, start, after) -> list:
+    r"""The reverse direction of a sequence-level claim: every audited neighbour run freely (its own draws: texts from
+    P'), then the actual references replayed with those tokens forced, each from the actual run's starting RNG states;
+    ``after`` restored. Per neighbour: each text's realised loss :math:`\log P'(x) - \log P(x)` (``+inf`` where P gives
+    a drawn token 0: evidence, kept), the steps per text, the draws summed per text, and both runs' calls."""
+    try:
+        out = []
+        for j in audited:
+            _set_rng_states(start)
+            own = _run(generate, _neighbour(references, j, adjacency), None, j)[1]
+            _set_rng_states(start)
+            replay = _run(generate, references, own, j)[1]
+            draw_losses = [(o.log_probs.gather(1, o.tokens) - r.log_probs.gather(1, o.tokens)).sum(1, keepdim=True)
+                           for o, r in zip(own, replay)]  # fmt: skip
+            losses, steps, summed = _text_losses(own, draw_losses)
+            out.append((losses[:, 0].numpy(), steps, summed, own + replay))
+        return out
+    finally:
+        _set_rng_states(after)
 
 
 def _run_neighbours(generate, references, calls, audited, adjacency, start, after) -> list:
@@ -688,22 +737,29 @@ def audit_generator(
         raise ValueError(f"neighbours must index the {len(references)} references; got {neighbours!r}")
     start = _rng_states()
     output, calls = _run(generate, references, None, None)
-    neighbour_calls = _run_neighbours(generate, references, calls, audited, claim.adjacency, start, _rng_states())
+    after = _rng_states()
+    neighbour_calls = _run_neighbours(generate, references, calls, audited, claim.adjacency, start, after)
+    reverse = [] if claim.form == "per-step" else _reverse_runs(generate, references, audited, claim.adjacency, start, after)
     steps, draw_losses = _step_arrays(calls, neighbour_calls, alphas)
     fwd, rev = _sequence_sums(calls, steps["renyi_forward"]), _sequence_sums(calls, steps["renyi_reverse"])
-    losses, draws_per_text = _text_losses(draw_losses)
-    excesses = _excesses(claim, steps, fwd, rev, alphas, len(calls))
+    losses, steps_per_text, summed = _text_losses(calls, draw_losses)
     if tolerance is None:
         tolerance = max(tolerance_for(getattr(torch, "float64" if d == "uniform" else d)) for d in {c.dtype for c in calls})
-    checks = _sequence_checks(claim, losses, alphas, tolerance * draws_per_text, significance)
-    certified = _certified_epsilon(claim)
-    nonfinite = sum(int(torch.isnan(c.log_probs).any(-1).sum()) for cs in (calls, *neighbour_calls) for c in cs)
-    verdict, reason = _verdict(claim, excesses, checks, certified, nonfinite, tolerance, len(calls))
+    columns = [(b, "forward", column, tolerance * summed) for b, column in enumerate(losses.T.numpy())]
+    columns += [(b, "reverse", r[0], tolerance * r[2]) for b, r in enumerate(reverse)]
+    steps_per_text, summed = max([steps_per_text] + [r[1] for r in reverse]), max([summed] + [r[2] for r in reverse])
+    excesses = _excesses(claim, steps, fwd, rev, alphas, columns, steps_per_text)
+    checks = _sequence_checks(claim, columns, alphas, significance)
+    certified, lower = _certified_epsilon(claim)
+    recorded = (calls, *neighbour_calls, *(r[3] for r in reverse))
+    nonfinite = sum(int(torch.isnan(c.log_probs).any(-1).sum()) for cs in recorded for c in cs)
+    verdict, reason = _verdict(claim, excesses, checks, certified, lower, nonfinite, tolerance, summed)
     return GeneratorAudit(
         claim=claim, output=output, calls=calls, neighbours=audited, neighbour_calls=tuple(neighbour_calls),
         alphas=tuple(float(a) for a in alphas), tolerance=tolerance,
         **{name: value.numpy() for name, value in steps.items()},
         sequence_renyi_forward=fwd.numpy(), sequence_renyi_reverse=rev.numpy(), text_losses=losses.numpy(),
-        excesses=excesses, sequence_checks=checks, certified_epsilon=certified, nonfinite=nonfinite, verdict=verdict,
+        reverse_text_losses=tuple(r[0] for r in reverse), excesses=excesses, sequence_checks=checks,
+        certified_epsilon=certified, claim_lower_epsilon=lower, nonfinite=nonfinite, verdict=verdict,
         reason=reason,
     )  # fmt: skip

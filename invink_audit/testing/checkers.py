@@ -25,7 +25,7 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
-from accounting.claims import StepClaim
+from accounting.claims import PrivacyClaim, StepClaim
 from accounting.limits import check_order
 from accounting.sensitivity import Adjacency
 from invink_audit.audit.whitebox import tolerance_for
@@ -52,6 +52,7 @@ __all__ = [
     "check_linf_sensitivity",
     "check_token_privacy",
     "check_topk_superset",
+    "claim_adjacency",
     "goodness_of_fit",
     "log_ratio_span",
     "max_linf_change",
@@ -397,6 +398,12 @@ def assert_token_privacy(
     return TokenPrivacyReport(max_span, worst, worst_alpha)
 
 
+def claim_adjacency(claim) -> Adjacency:
+    """The relation ``claim`` is stated under: a :class:`StepClaim` states none (replace-by-null, the kit's default);
+    anything :meth:`PrivacyClaim.of` reads, its :attr:`~accounting.PrivacyClaim.adjacency`."""
+    return Adjacency.REPLACE_BY_NULL if isinstance(claim, StepClaim) else PrivacyClaim.of(claim).adjacency
+
+
 def check_token_privacy(
     log_probs_fn: Callable[..., torch.Tensor],
     claim,
@@ -411,7 +418,8 @@ def check_token_privacy(
     max_examples: int | None = None,
     shrink: bool = True,
 ) -> None:
-    """Hypothesis-driven :func:`assert_token_privacy` under replace-by-null adjacency, of the mechanism's own claim.
+    """Hypothesis-driven :func:`assert_token_privacy` of the mechanism's own claim, under its adjacency
+    (:func:`claim_adjacency`: neighbour ``j`` has row j replaced by the public row, or removed under add-remove).
 
     ``log_probs_fn(private_logits (..., B, V), public_logits (..., V))`` → (..., V) log-probabilities of the step
     under test (of distributions too: take their ``log_softmax`` inside), re-run on every explicitly built neighbour
@@ -433,8 +441,10 @@ def check_token_privacy(
         step = log_probs_fn if configs is None else (lambda private, public: log_probs_fn(private, public, config))
         private, public = batch.private_logits, batch.public_logits
         actual = step(private, public)
-        neighbours = [step(_s.neighbour_private_logits(private, public, j), public) for j in range(batch.batch_size)]
         claimed = claim if configs is None else claim(config)
+        adjacency = claim_adjacency(claimed)
+        neighbours = [step(_s.neighbour_private_logits(private, public, j, adjacency=adjacency), public)
+                      for j in range(batch.batch_size)]  # fmt: skip
         assert_token_privacy(actual, torch.stack(neighbours, dim=-2), claimed, alphas=alphas, atol=atol)
 
     _apply_settings(run, max_examples, shrink)()

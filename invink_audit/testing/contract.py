@@ -17,7 +17,8 @@ import math
 import torch
 
 from invink_audit.mechanisms.base import Mechanism, MechanismGuarantee
-from invink_audit.testing.checkers import StepClaim, assert_token_privacy
+from accounting.sensitivity import Adjacency
+from invink_audit.testing.checkers import StepClaim, assert_token_privacy, claim_adjacency
 
 __all__ = ["MechanismContract"]
 
@@ -111,6 +112,10 @@ class MechanismContract:
 
     def test_the_per_step_claim_holds_against_every_neighbour(self):
         claim = self.claim(self.make_mechanism())
+        if claim_adjacency(claim) is Adjacency.ADD_REMOVE:
+            raise ValueError(f"{type(self).__name__}.claim() is stated under add-remove adjacency, but a Mechanism's "
+                             "neighbours (step(..., neighbours=True)) are replace-by-null: check it with "
+                             "audit_generator or check_token_privacy, which build add-remove neighbours")
         if not StepClaim.of(claim).claims:
             import pytest
 

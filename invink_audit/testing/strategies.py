@@ -97,16 +97,18 @@ def neighbour_private_logits(
     *,
     adjacency: Adjacency = Adjacency.REPLACE_BY_NULL,
 ) -> torch.Tensor:
-    """A copy of ``private_logits`` (..., B, V) with row ``index`` nulled (inputs are not modified).
+    """Neighbour ``index`` of ``private_logits`` (..., B, V), a new tensor (inputs are not modified).
 
     Replace-by-null: the row becomes the public row (the empty reference's logits are exactly the
     public logits; paper App. B.1, replace-by-null adjacency). Zero-out: the row becomes 0 (App. B.1,
-    zero-out adjacency).
+    zero-out adjacency). Add-remove: the row is removed, (..., B - 1, V).
     """
     adjacency = Adjacency(adjacency)
     batch_size = private_logits.shape[-2]
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < batch_size:
         raise ValueError(f"index must be an integer in [0, {batch_size}); got {index!r}")
+    if adjacency is Adjacency.ADD_REMOVE:
+        return torch.cat([private_logits[..., :index, :], private_logits[..., index + 1:, :]], dim=-2)
     out = private_logits.clone()
     if adjacency is Adjacency.REPLACE_BY_NULL:
         out[..., index, :] = public_logits.to(out.dtype)
