@@ -9,6 +9,7 @@ Run from the repository root (installs the packages from the registry into a tem
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -29,14 +30,23 @@ def _install(folder: Path, *requirements: str) -> None:
 
 
 def _row(name: str, audit, claim) -> str:
-    """verdict, worst per-step Rényi excess over the claim (nats) and its ratio, tolerance, dtypes, draws."""
+    """verdict, worst per-step Rényi excess over the claim (nats) and its ratio, tolerance, dtypes, draws, the ε the
+    generator reports against the ε its claim composes to by our accountant (``audit.certified_epsilon``)."""
     step = np.maximum(audit.renyi_forward, audit.renyi_reverse)
     bound = np.array([claim.step.renyi_bound(a) for a in audit.alphas])
     finite = np.isfinite(bound)
     worst = "–" if not finite.any() else (
         f"{float((step - bound)[..., finite].max()):+.4g} nats ({float((step / bound)[..., finite].max()):.3g}x)")
     return (f"| {name} | {audit.verdict.value} | {worst} | max per-step D_a {float(step.max()):.4g} | "
-            f"{audit.tolerance:.3g} ({', '.join(audit.dtypes)}) | {len(audit.calls)} draws | {audit.reason} |")
+            f"{audit.tolerance:.3g} ({', '.join(audit.dtypes)}) | {len(audit.calls)} draws | {_reported(claim, audit)} | "
+            f"{audit.reason} |")
+
+
+def _reported(claim, audit) -> str:
+    if claim.reported_epsilon is None:
+        return "reports no ε"
+    return (f"reports ε = {claim.reported_epsilon:.4g} at δ = {claim.reported_delta:g}; its claim composes to "
+            f"{audit.certified_epsilon:.4g}")
 
 
 def _invink(t, tiny_dir) -> list[str]:
@@ -63,18 +73,39 @@ def _invink(t, tiny_dir) -> list[str]:
     return lines
 
 
+def _pack_reports(llm, sizes=(4, 8, 10)) -> str:
+    """The pack's own ``sigma_to_eps(1, GAUSSIAN, 1, 3)`` (one text of 3 tokens, δ = 1/N) on N examples, raw."""
+    from llama_index.core.llama_dataset.base import CreatedBy, CreatedByType
+    from llama_index.core.llama_dataset.simple import LabelledSimpleDataExample, LabelledSimpleDataset
+
+    import llama_index.packs.diff_private_simple_dataset.base as pack
+
+    example = LabelledSimpleDataExample(reference_label="r", text="x", text_by=CreatedBy(type=CreatedByType.HUMAN))
+    bundle, out = pack.PromptBundle(instruction="i", text_heading="t", label_heading="l"), []
+    for n in sizes:
+        dp_pack = pack.DiffPrivateSimpleDatasetPack(llm, None, bundle, LabelledSimpleDataset(examples=[example] * n))
+        try:
+            out.append(f"N = {n}: {dp_pack.sigma_to_eps(1.0, pack.PrivacyMechanism.GAUSSIAN, 1, 3):.4g}")
+        except RuntimeError as err:
+            out.append(f"N = {n}: RuntimeError: {err}")
+    return f"| pack: its sigma_to_eps(1, GAUSSIAN, 1, 3) at δ = 1/N | {'; '.join(out)} |"
+
+
 def _pack(t, llm) -> list[str]:
     from invink_audit.audit import audit_generator, blackbox_audit
     from invink_audit.audit.targets import CallableTarget
 
     generate, claim = t.pack_adapter(None, llm)
-    lines = []
+    left_out = dataclasses.replace(claim, adjacency="add-remove")
+    n = len(t.PACK_REFS)
+    lines = [_pack_reports(llm), f"| pack: dp-accounting PLD, {claim.steps} Gaussians σ = 1 (no sampling) at δ = 1/{n} | ε = "
+             f"{t._pld_epsilon(1.0, 1.0, claim.steps, 1 / n):.4g}; at its rate 1/{n}: "
+             f"{t._pld_epsilon(1 / n, 1.0, claim.steps, 1 / n):.4g} |"]
     for seed in range(6):
         random.seed(seed)
         lines.append(_row(f"pack replace-by-empty, shuffle seed {seed}", audit_generator(generate, t.PACK_REFS, claim), claim))
         random.seed(seed)
-        left_out = audit_generator(lambda refs: generate([r for r in refs if r is not None]), t.PACK_REFS, claim)
-        lines.append(_row(f"pack left out, shuffle seed {seed}", left_out, claim))
+        lines.append(_row(f"pack left out, shuffle seed {seed}", audit_generator(generate, t.PACK_REFS, left_out), left_out))
     random.seed(0)
     report = blackbox_audit(CallableTarget(generate), t.PACK_REFS, t.CANARY, claimed_epsilon=2.0, claimed_delta=1e-6,
                             num_trials=16)  # fmt: skip
@@ -83,7 +114,7 @@ def _pack(t, llm) -> list[str]:
 
 
 def _dp_fusion(t, tiny, smol) -> list[str]:
-    from invink_audit.audit import blackbox_audit
+    from invink_audit.audit import audit_generator, blackbox_audit
     from invink_audit.audit.targets import CallableTarget
 
     import dp_fusion_lib
@@ -97,7 +128,11 @@ def _dp_fusion(t, tiny, smol) -> list[str]:
             path = "token path" if aligned else "text path"
             lines.append(_row(f"dp-fusion {name} {path} α={alpha:g} β={beta:g} (αβ = {alpha * beta:g}; recorded "
                               f"{recorded.size} divergences, {int(np.isnan(recorded).sum())} NaN)", audit, audit.claim))
-    generate, _, epsilon = t.dp_fusion_adapter(dp_fusion_lib, tiny)
+    generate, claim = t.dp_fusion_adapter(dp_fusion_lib, tiny)
+    epsilon = claim.reported_epsilon
+    torch.manual_seed(0)
+    lines.append(_row("dp-fusion guide adapter (text path, T = 4)", audit_generator(generate, [t.DPF_PRIVATE], claim),
+                      claim))
     report = blackbox_audit(CallableTarget(generate), [t.DPF_PRIVATE], t.CANARY, claimed_epsilon=epsilon,
                             claimed_delta=1e-5, num_trials=16)  # fmt: skip
     lines.append(f"| dp-fusion black box, text path (16 trials) | {report.verdict.value} | ε ≥ "

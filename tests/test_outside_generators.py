@@ -18,11 +18,9 @@ import pytest
 import torch
 from scipy import special, stats
 
+from accounting import PrivacyClaim
 from invink_audit.audit import Verdict, audit_generator
 from invink_audit.audit.intercept import noisy_argmax_log_probs, unreleased
-from invink_audit.audit.whitebox import Claim
-from invink_audit.mechanisms import MechanismGuarantee
-from invink_audit.mechanisms.base import GuaranteeKind
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "outside-generators.md"
 #: the most lines of user glue an adapter may take (issue 35): its block, less imports and blank lines
@@ -45,12 +43,9 @@ def guide_function(name: str):
 MC_DRAWS, MC_Z = 400_000, 5.0
 
 
-def zcdp_claim(name: str, rho_step: float, steps: int, batch_size: int, *, delta: float = 1e-6) -> Claim:
-    """An a-priori per-step ρ-zCDP claim composed over ``steps`` (Bun & Steinke 2016, Lemma 2.3)."""
-    g = MechanismGuarantee(GuaranteeKind.A_PRIORI, name, epsilon=math.inf, delta=delta, max_new_tokens=steps,
-                           composition="zcdp", rho_sequence=steps * rho_step, step_epsilon0=math.inf,
-                           step_rho=rho_step)  # fmt: skip  (no bounded-range claim: epsilon0 = inf)
-    return Claim(g, batch_size)
+def rho_claim(name: str, rho_step: float, steps: int) -> PrivacyClaim:
+    """An a-priori ρ-zCDP claim per step, composed over ``steps`` (Bun & Steinke 2016, Lemma 2.3)."""
+    return PrivacyClaim.per_step(steps=steps, rho=rho_step, source=name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +105,7 @@ def _report_noisy_max(references, vectorised: bool = False):
 @pytest.mark.parametrize("vectorised", [False, True], ids=["dict-and-max", "array"])
 def test_report_noisy_max_audited_through_its_noise(vectorised):
     audit = audit_generator(lambda refs: _report_noisy_max(refs, vectorised), [1, 2, 3],
-                            zcdp_claim("toy report-noisy-max", 1 / (2 * SIGMA**2), T, 3))  # fmt: skip
+                            rho_claim("toy report-noisy-max", 1 / (2 * SIGMA**2), T))  # fmt: skip
     assert [c.sampler for c in audit.calls] == ["noisy argmax (normal noise)"] * T
     assert [int(c.tokens) for c in audit.calls] == audit.output  # the generator's own max picked the recorded token
     # the recorded law is the exact one of the scores it was given (recomputed independently)
@@ -124,7 +119,7 @@ def test_report_noisy_max_audited_through_its_noise(vectorised):
     # the argmax spends far less than the Gaussian's ρ (0.008 to 0.03 of its α·ρ over 80 runs of this toy): a claim a
     # thousand times smaller is caught
     assert audit_generator(lambda refs: _report_noisy_max(refs, vectorised), refs,
-                           zcdp_claim("toy", 1 / (2000 * SIGMA**2), T, 3)).verdict is Verdict.VIOLATION
+                           rho_claim("toy", 1 / (2000 * SIGMA**2), T)).verdict is Verdict.VIOLATION
 
 
 def test_gumbel_max_is_recorded_as_the_exponential_mechanism():
@@ -142,10 +137,8 @@ def test_gumbel_max_is_recorded_as_the_exponential_mechanism():
         return out
 
     epsilon0 = 1 / scale
-    g = MechanismGuarantee(GuaranteeKind.A_PRIORI, "Gumbel-max", epsilon=math.inf, delta=1e-6, max_new_tokens=T,
-                           composition="bounded-range", rho_sequence=T * epsilon0**2 / 8, step_epsilon0=epsilon0,
-                           step_rho=epsilon0**2 / 8)  # fmt: skip
-    audit = audit_generator(generate, [1, 2, 3], Claim(g, 3))
+    claim = PrivacyClaim.per_step(steps=T, epsilon0=epsilon0, rho=epsilon0**2 / 8, source="Gumbel-max")
+    audit = audit_generator(generate, [1, 2, 3], claim)
     assert [c.sampler for c in audit.calls] == ["noisy argmax (gumbel noise)"] * T and audit.verdict is Verdict.PASS
     scores = sum(np.random.RandomState(100 + r).rand(V) for r in (1, 2, 3))
     np.testing.assert_allclose(audit.calls[0].log_probs[0].numpy(), scores / scale - special.logsumexp(scores / scale))
@@ -157,7 +150,7 @@ def test_a_nan_score_in_a_noisy_argmax_is_a_finding():
         scores = np.array([0.1, np.nan if None in references else 0.2, 0.3])
         return int(np.argmax(scores + np.random.RandomState().normal(0, 1.0, size=3)))
 
-    audit = audit_generator(generate, [1, 2], zcdp_claim("toy", 1.0, 1, 2))
+    audit = audit_generator(generate, [1, 2], rho_claim("toy", 1.0, 1))
     assert audit.verdict is Verdict.VIOLATION and audit.nonfinite == 2  # both neighbours' draws: NaN, counted
 
 
@@ -167,7 +160,7 @@ def test_unreleased_draws_pass_through_unrecorded():
             torch.multinomial(torch.ones(5), 1)  # a draw whose token is discarded
         return _report_noisy_max(references)
 
-    audit = audit_generator(generate, [1, 2], zcdp_claim("toy", 1 / (2 * SIGMA**2), T, 2))
+    audit = audit_generator(generate, [1, 2], rho_claim("toy", 1 / (2 * SIGMA**2), T))
     assert {c.sampler for c in audit.calls} == {"noisy argmax (normal noise)"} and len(audit.calls) == T
 
 
@@ -281,8 +274,10 @@ def stand_in_llm(pack, tiny):
     return guide_function("stand_in_llm")(tiny.model, tiny.tokenizer, TOP_LOGPROBS)
 
 
+#: ten examples: at four or eight (σ = 1) the pack's own accountant raises RuntimeError (its PRV discretisation)
 PACK_REFS = ["great pasta, friendly staff", "the rooftop view was stunning", "cold soup and a long wait",
-             "best tiramisu in town"]  # fmt: skip
+             "best tiramisu in town", "noisy room but kind staff", "the risotto was bland", "quick lunch, fair price",
+             "lovely terrace in spring", "overpriced wine list", "we will come back"]  # fmt: skip
 
 
 def pack_adapter(pack, llm, **options):
@@ -290,27 +285,38 @@ def pack_adapter(pack, llm, **options):
     return guide_function("pack_adapter")(llm, len(PACK_REFS), **options)
 
 
+@pytest.fixture(scope="module")
+def pack_glue(pack, stand_in_llm):
+    """The adapter's (generate, claim) at its defaults, made once (its accountant takes seconds)."""
+    return pack_adapter(pack, stand_in_llm)
+
+
 @pytest.mark.parametrize("shuffle_seed", [0, 1, 2])
-def test_pack_shipped_loop_white_box(pack, stand_in_llm, shuffle_seed):
+def test_pack_shipped_loop_white_box(pack_glue, shuffle_seed):
     """Its own loop: every token a Gaussian report-noisy-max (recorded exactly through its RandomState's noise and the
     scores added to it), within the per-step claim for a replaced example whatever its splits (Python's random, which
-    shuffles them, is seeded here and held fixed by the replays); a claim a hundred times smaller is caught."""
-    generate, claim = pack_adapter(pack, stand_in_llm)
+    shuffles them, is seeded here and held fixed by the replays); a claim a hundred times smaller is caught. The ε it
+    reports (its PRV accountant: Poisson rate 1/N, δ = 1/N) is below what its per-token Gaussian composes to, and
+    below the exact ε of t_max Gaussians at that δ (dp-accounting's PLD): its loop uses every example at every token."""
+    generate, claim = pack_glue
     random.seed(shuffle_seed)
     audit = audit_generator(generate, PACK_REFS, claim)
     assert 1 <= len(audit.calls) <= 3 and {c.sampler for c in audit.calls} == {"noisy argmax (normal noise)"}
-    assert audit.dtypes == ("float64",) and audit.verdict is Verdict.PASS, audit.reason
-    assert audit.calls[0].log_probs.shape[1] <= TOP_LOGPROBS  # the public prompt's top tokens: its token universe
-    strict = zcdp_claim("pack, a claim 100x smaller", claim.step.rho / 100, 3, len(PACK_REFS))
+    assert audit.dtypes == ("float64",) and audit.calls[0].log_probs.shape[1] <= TOP_LOGPROBS  # its token universe
+    assert audit.excesses["step Renyi over its claim"] <= 0 and audit.excesses["sequence Renyi over the claim"] <= 0
+    assert audit.verdict is Verdict.VIOLATION and audit.reason.startswith("reports epsilon = "), audit.reason
+    exact = _pld_epsilon(1.0, 1.0, 3, 1 / len(PACK_REFS))
+    assert claim.reported_epsilon + 0.5 < exact <= audit.certified_epsilon
+    strict = rho_claim("pack, a claim 100x smaller", claim.step.rho / 100, 3)
     random.seed(shuffle_seed)
     assert audit_generator(generate, PACK_REFS, strict).verdict is Verdict.VIOLATION
 
 
-def test_pack_black_box(pack, stand_in_llm):
+def test_pack_black_box(pack_glue):
     from invink_audit.audit import blackbox_audit
     from invink_audit.audit.targets import CallableTarget
 
-    generate, claim = pack_adapter(pack, stand_in_llm)
+    generate, claim = pack_glue
     target = CallableTarget(generate, label="llama-index DP simple dataset pack 0.4.1")
     report = blackbox_audit(target, PACK_REFS, CANARY, claimed_epsilon=2.0, claimed_delta=1e-6, num_trials=16)
     assert report.verdict is Verdict.INCONCLUSIVE and report.mechanism == target.label
@@ -354,7 +360,7 @@ DPF_PUBLIC = "_ was admitted to _ hospital on _ with a fracture."
 
 
 def dp_fusion_adapter(dp_fusion, tiny, **options):
-    """The guide's adapter (worked example 3) on the tiny model: (generate, claim, its reported ε)."""
+    """The guide's adapter (worked example 3) on the tiny model: (generate, claim)."""
     return guide_function("dp_fusion_adapter")(tiny.model, tiny.tokenizer, DPF_PUBLIC, **options)
 
 
@@ -363,8 +369,9 @@ def test_dp_fusion_black_box_text_path(dp_fusion, tiny):
     from invink_audit.audit import blackbox_audit
     from invink_audit.audit.targets import CallableTarget
 
-    generate, claim, epsilon = dp_fusion_adapter(dp_fusion, tiny)
-    assert epsilon == pytest.approx(4 * 0.5 * 4 + math.log(1e5) / (2.0 - 1.0))
+    generate, claim = dp_fusion_adapter(dp_fusion, tiny)
+    epsilon = claim.reported_epsilon  # over the T - 1 = 3 divergences it records
+    assert epsilon == pytest.approx(4 * 0.5 * 3 + math.log(1e5) / (2.0 - 1.0)) and claim.reported_delta == 1e-5
     # white-box through the same glue: its text path pads the redacted context without an attention mask
     torch.manual_seed(0)
     audit = audit_generator(generate, [DPF_PRIVATE], claim)
@@ -421,7 +428,7 @@ def test_selftest_adapter_rows():
     assert control["dtypes"] == ["float32"] and control["max_loss_range_over_epsilon0"] <= 1 + control["tolerance"] / e0
     assert control["max_loss_range_over_epsilon0"] > 0.9  # the clip binds: the control is not vacuous
     assert math.isinf(top_k["max_loss_range_over_epsilon0"]) and "step bounded range" in top_k["reason"]
-    assert short["excesses"]["draws per text over max_new_tokens"] == 1.0 and "draws per text" in short["reason"]
+    assert short["excesses"]["draws per text over the claim's steps"] == 1.0 and "draws per text" in short["reason"]
     md = selftest_markdown(SelfTestResult(tuple(entries.values()), {"passed": True, "num_outputs": 1, "covered": 1,
                                           "intervals": 1, "level": 0.95, "max_abs_error_importance_sampling": 0.0}, (), 0.0))
     assert "adapter-default-top-k" in md and "VIOLATION when generate's default top-k follows it" in md

@@ -570,11 +570,8 @@ def adapter_entries(settings: SelfTestSettings | None = None) -> list[SelfTestEn
     """:data:`ADAPTER_ROWS` on the tiny model: the claim the processor states (per step the exponential mechanism's
     ε0 = 2C/(Bτ)-bounded range, Durfee & Rogers 2019; ρ = ε0²/8, Cesar & Rogers 2021, Lemma 3.2; T draws) or, for the
     last row, the same for T - 1 draws; each audited by :func:`~invink_audit.audit.audit_generator` (every neighbour)."""
-    from accounting import composed_epsilon
+    from accounting import PrivacyClaim
     from invink_audit.audit.intercept import audit_generator
-    from invink_audit.audit.whitebox import Claim
-    from invink_audit.mechanisms import MechanismGuarantee
-    from invink_audit.mechanisms.base import GuaranteeKind
     from invink_audit.models import build_tiny_model
 
     s = settings or SelfTestSettings()
@@ -582,10 +579,7 @@ def adapter_entries(settings: SelfTestSettings | None = None) -> list[SelfTestEn
     e0 = 2 * s.clip_norm / len(refs)  # temperature 1: generate's default
 
     def claim(claimed_steps):
-        g = MechanismGuarantee(GuaranteeKind.A_PRIORI, "DClip logits processor", composed_epsilon(1e-6, e0, claimed_steps,
-                               "br-adaptive"), 1e-6, claimed_steps, "bounded-range", rho_sequence=claimed_steps * e0**2 / 8,
-                               step_epsilon0=e0, step_rho=e0**2 / 8)  # fmt: skip
-        return Claim(g, len(refs))
+        return PrivacyClaim.per_step(steps=claimed_steps, epsilon0=e0, rho=e0**2 / 8, source="DClip logits processor")
 
     cases = {"adapter-dp-processor": (0, steps), "adapter-default-top-k": (None, steps),
              "adapter-claim-omits-a-step": (0, steps - 1)}  # fmt: skip
