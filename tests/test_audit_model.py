@@ -166,6 +166,9 @@ def test_cli_selftest_spec_writes_reports(tmp_path, capsys):
         ("private-top-k", "VIOLATION"),
         ("data-dependent-budget", "VIOLATION"),
         ("unit-two-slots", "VIOLATION"),  # a unit in two slots of one batch at the per-reference epsilon
+        ("adapter-dp-processor", "PASS"),  # the adapter path: a DP logits processor in transformers' generate
+        ("adapter-default-top-k", "VIOLATION"),  # ... followed by generate's default top-k
+        ("adapter-claim-omits-a-step", "VIOLATION"),  # ... claimed one step short
     ]
     assert (tmp_path / "out" / "report.json").is_file() and (tmp_path / "out" / "report.md").is_file()
     assert "PASSED" in (tmp_path / "out" / "report.md").read_text()

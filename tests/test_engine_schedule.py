@@ -166,8 +166,12 @@ def test_every_public_row_is_bitwise_the_same_with_forced_tokens_on_the_full_pat
 def test_real_model_schedule_and_public_rows_do_not_depend_on_a_long_reference_joining_mid_run(monkeypatch, cpu_dtype,
                                                                                               kv_layout):
     """The probe on SmolLM2 (float32, and bfloat16 where native): a long review in a batch that joins mid-run,
-    replaced by null."""
+    replaced by null. The pool (CUDA's layout, bfloat16 there) runs in bfloat16 only here, to keep the suite short;
+    in float32 it is checked on the tiny model by tests/test_engine_rows.py and, on CUDA, by `make gpu-check`."""
     from invink_audit.models import load_model
+
+    if kv_layout == "pool" and cpu_dtype == "float32":
+        pytest.skip("the pool is checked in bfloat16 on SmolLM2 here (float32 on the tiny model: tests/test_engine_rows.py)")
 
     model = load_model(None, device="cpu", dtype=cpu_dtype)
     runs = {
