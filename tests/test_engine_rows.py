@@ -172,6 +172,20 @@ def test_cuda_engine_matches_an_unbatched_oracle_with_forced_tokens():
             assert torch.allclose(seen[(i, t)][finite], expected[t][finite], atol=FLOAT64_ATOL, rtol=0)
 
 
+def _forcing_rule(forced, seen: dict):
+    """A sampling rule drawing text i's token ``forced[i][t]`` at position t and recording its public logits in
+    ``seen[(i, t)]``."""
+
+    def rule(step):
+        weights = torch.full_like(step.log_probs, -math.inf)
+        for g, (i, t) in enumerate(zip(step.request_indices.tolist(), step.positions.tolist())):
+            weights[g, forced[i][t]] = 0.0
+            seen[(i, t)] = step.public_logits[g].clone()
+        return weights
+
+    return rule
+
+
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 def test_public_rows_are_bitwise_independent_of_private_references_with_forced_tokens(tiny_in_dtype, kv_layout):
     """Full-logits path, every text teacher-forced to the same tokens: every public row at every step is
@@ -183,12 +197,7 @@ def test_public_rows_are_bitwise_independent_of_private_references_with_forced_t
     def run(references):
         seen = {}
 
-        def rule(step):
-            weights = torch.full_like(step.log_probs, -math.inf)
-            for g, (i, t) in enumerate(zip(step.request_indices.tolist(), step.positions.tolist())):
-                weights[g, forced[i][t]] = 0.0
-                seen[(i, t)] = step.public_logits[g].clone()
-            return weights
+        rule = _forcing_rule(forced, seen)
 
         engine = Engine(tiny, mechanism, max_batch_rows=8, kv_layout=kv_layout)
         list(engine.generate(_requests(tiny, references), max_new_tokens=5, generator=_generator(0),
@@ -606,12 +615,7 @@ def _long_reference_runs(model, monkeypatch, *, trust_the_call: bool = False):
     def run(references):
         seen = {}
 
-        def rule(step):
-            weights = torch.full_like(step.log_probs, -math.inf)
-            for g, (i, t) in enumerate(zip(step.request_indices.tolist(), step.positions.tolist())):
-                weights[g, forced[i][t]] = 0.0
-                seen[(i, t)] = step.public_logits[g].clone()
-            return weights
+        rule = _forcing_rule(forced, seen)
 
         engine = Engine(model, mechanism, max_batch_rows=6, kv_layout="pool")
         requests = [encode_request(model.tokenizer, template, refs, key=i) for i, refs in enumerate(references)]
