@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from accounting import rdp_to_epsilon
 from invink_audit.audit import stats
 from invink_audit.audit.records import AccountantComparison, AuditTimings, DeltaEstimate, LossHistogram, ReportedClaim, SequenceEstimate, StepCheckSummary, WhiteBoxReport, WorstNeighbour, sampled_confirmations
 from invink_audit.audit.whitebox import (
@@ -93,19 +94,6 @@ def claim_epsilons(claim, delta: float, accountants=None) -> dict:
     from invink_audit.mechanisms.adapmixed import rdp_to_epsilon
 
     return {"rdp-filter": float(rdp_to_epsilon(claim.renyi_budget, claim.renyi_order, delta))}
-
-
-def _rdp_to_epsilon(alphas, rdp, delta) -> float:
-    """RDP curve → ε at δ (dp-accounting's conversion, Canonne–Kamath–Steinke 2020 / Balle et al. 2020)."""
-    from dp_accounting.rdp import rdp_privacy_accountant
-
-    rdp = [float(x) for x in rdp]
-    if any(math.isinf(x) or math.isnan(x) for x in rdp) and all(math.isinf(x) or math.isnan(x) for x in rdp):
-        return math.inf
-    orders = [a for a, x in zip(alphas, rdp) if math.isfinite(x)]
-    vals = [x for x in rdp if math.isfinite(x)]
-    eps, _ = rdp_privacy_accountant.compute_epsilon(orders, vals, delta)
-    return float(eps)
 
 
 def _histogram(losses: np.ndarray, neighbour: int) -> LossHistogram:
@@ -290,16 +278,12 @@ def _accountant_comparisons(rec: RecordedAudit, seq_rows: list[SequenceEstimate]
     """Each accountant's ε at the claim's δ against the ε of the claimed and the measured curves."""
     cfg, claim = rec.config, rec.claim
     alphas = cfg.alphas
-    measured, measured_up = _measured_curves(alphas, seq_rows)
-    comparisons = []
-    for name, eps in claim_epsilons(claim, claim.delta, cfg.accountants).items():
-        e_grid = _rdp_to_epsilon(alphas, [claim.renyi(a) for a in alphas], claim.delta)
-        e_meas = _rdp_to_epsilon(alphas, measured, claim.delta) if measured and not any(map(math.isnan, measured)) else math.nan
-        e_up = _rdp_to_epsilon(alphas, measured_up, claim.delta) if measured_up and not any(map(math.isnan, measured_up)) else math.nan
-        comparisons.append(
-            AccountantComparison(name, claim.delta, eps, e_grid, e_meas, e_up, e_grid / e_meas if e_meas and e_meas > 0 else math.inf)
-        )
-    return comparisons
+    e_grid = rdp_to_epsilon({a: claim.renyi(a) for a in alphas}, claim.delta)
+    e_meas, e_up = (rdp_to_epsilon(dict(zip(alphas, m)), claim.delta) if m and not any(map(math.isnan, m)) else math.nan
+                    for m in _measured_curves(alphas, seq_rows))
+    ratio = e_grid / e_meas if e_meas and e_meas > 0 else math.inf
+    return [AccountantComparison(name, claim.delta, eps, e_grid, e_meas, e_up, ratio)
+            for name, eps in claim_epsilons(claim, claim.delta, cfg.accountants).items()]
 
 
 def _with_prefix(rec: RecordedAudit, worst: dict, prefix_decoder) -> dict:

@@ -101,19 +101,16 @@ class Direction(enum.Enum):
 
 @dataclass(frozen=True)
 class Claim:
-    r"""The claim an audit tests: the audited mechanism's guarantee
-    (:class:`invink_audit.mechanisms.MechanismGuarantee`, what its accountant states for texts of at most T tokens
-    at δ) for a batch of ``batch_size`` references. Every figure derives from the guarantee:
+    r"""The claim an audit tests: the audited mechanism's guarantee (:class:`MechanismGuarantee`, its accountant's
+    statement for texts of at most T tokens at δ) for ``batch_size`` references; every figure derives from it, and
+    it validates as its :class:`accounting.PrivacyClaim` (:meth:`privacy_claim`).
 
-    * ``"bounded-range"`` (InvisibleInk): per step ε0-bounded range and ρ_tok-zCDP (for InvisibleInk
-      :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 2 (thm:accounting)); the sequence claim is
-      :math:`D_\alpha \le \alpha\rho_{seq}`, :math:`\rho_{seq} = T\rho_{tok}` (paper Theorem 2, adaptive composition);
-    * ``"zcdp"``: the sequence claim is the guarantee's ρ (e.g. Amin et al.'s :math:`r(\rho_{em} + \rho_{svt})`), and
-      ``epsilon0``/``rho_token`` (when given) are the per-step claim of the component the auditor checks exactly
-      (Amin et al.: the exponential mechanism);
-    * ``"renyi-filter"``, data-dependent (AdaPMixED): :math:`D_\alpha \le` ``renyi_budget`` at the single order
-      ``renyi_order``, both directions, for the audited dataset only; no per-step claim. A data-dependent claim
-      never gets a PASS.
+    * ``"bounded-range"`` (InvisibleInk): per step ε0-bounded range and ρ_tok-zCDP (InvisibleInk:
+      :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 2); sequence claim :math:`D_\alpha \le \alpha T\rho_{tok}`;
+    * ``"zcdp"``: the guarantee's sequence ρ, with the per-step claim of the exactly checked component (Amin et al.:
+      the exponential mechanism), if any;
+    * ``"renyi-filter"``, data-dependent (AdaPMixED): :math:`D_\alpha \le` ``renyi_budget`` at ``renyi_order`` only,
+      both directions, for the audited dataset; no per-step claim, never a PASS.
     """
 
     guarantee: MechanismGuarantee
@@ -124,19 +121,19 @@ class Claim:
         if not isinstance(g, MechanismGuarantee):
             raise ValueError(f"guarantee must be a MechanismGuarantee; got {type(g).__name__}")
         object.__setattr__(self, "batch_size", check_count("batch_size", self.batch_size))
-        check_count("max_new_tokens", g.max_new_tokens)
         check_delta("delta", g.delta)
-        if g.step_epsilon0 is not None:  # math.inf: no claim at that level (a bounded range composes ε0: finite)
-            check_positive("epsilon0", g.step_epsilon0, allow_inf=g.composition != "bounded-range")
-            check_positive("rho_token", g.step_rho, allow_inf=g.composition != "bounded-range")
-        if g.composition == "bounded-range" and g.step_epsilon0 is None:
-            raise ValueError("a bounded-range claim needs epsilon0 and rho_token")
-        if g.composition == "zcdp" and g.rho_sequence is None:
-            raise ValueError("a zcdp claim needs the guarantee's rho_sequence")
         if g.composition == "renyi-filter":
             check_order("renyi_order", g.renyi_order)
         elif g.rho_sequence is not None:
             check_positive("rho_sequence", g.rho_sequence)
+        if g.composition == "bounded-range":  # it composes ε0: finite
+            if g.step_epsilon0 is None:
+                raise ValueError("a bounded-range claim needs epsilon0 and rho_token")
+            check_positive("epsilon0", g.step_epsilon0)
+            check_positive("rho_token", g.step_rho)
+        if g.composition == "zcdp" and g.rho_sequence is None:
+            raise ValueError("a zcdp claim needs the guarantee's rho_sequence")
+        self.privacy_claim()  # T, the per-step levels and the Rényi budget, by accounting.limits
 
     @classmethod
     def from_mechanism(cls, mechanism, max_new_tokens: int, delta: float = 1e-6) -> Claim:
