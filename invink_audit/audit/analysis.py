@@ -1,15 +1,6 @@
 r"""From the measurements of a white-box audit to a report with a verdict.
 
-Hypotheses tested (each :math:`H_0`: the claim holds for that quantity), all in one Holm family at
-the configured significance:
-
-* for every audited neighbour j, direction and α, and each estimator with samples:
-  :math:`D_\alpha \le \alpha\rho_{seq}` (plain Monte Carlo; geometric-mixture importance sampling);
-* for every audited neighbour j and direction: :math:`\delta(\varepsilon_{acc}(\delta)) \le \delta`
-  for every accountant and every δ of the grid, tested at once with the DKW band (simultaneous
-  over ε, so one test per (j, direction)).
-
-Exact per-step failures are facts, not tests: one of them is a VIOLATION.
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.analysis").
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Batched canary audit: one generation run, as many independent trials as it has batches.
 
-:func:`batched_canary_audit` puts a canary slot in every batch, filled or emptied (replace-by-null) by a
-fair coin per batch; each text is one trial (no one-run penalty, unlike Steinke, Nasr & Jagielski 2023).
-Scores: the black-box text scores, or for an :class:`EngineTarget` the exact log-likelihood ratio by
-teacher forcing (optimal by Neyman–Pearson; :class:`SurrogateScorer` otherwise); sequential looks, the
-ceiling and a GDP fit come from :mod:`invink_audit.audit.tradeoff`. :func:`echo_canary` builds canaries.
-
-Design: docs/guide/auditing.md (§"Batched black-box audits: one trial per batch").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.batched"); docs/guide/auditing.md (§"Batched black-box
+audits: one trial per batch").
 """
 
 from __future__ import annotations

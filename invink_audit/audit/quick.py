@@ -1,12 +1,7 @@
 r"""A short audit of texts that were just generated (used by ``make demo``).
 
-:func:`quick_audit` (and :func:`audit_release_file` for a finished output) teacher-forces every released
-text through the engine (exact per-step checks for all B neighbours, and the realised sequence loss
-:math:`L_j(x) = \log P_R(x)/P_{R'_j}(x)`, :func:`teacher_forced_losses`), then runs a small sampled audit
-of batch 0 (:func:`invink_audit.audit.model_audit.audit_model`), for InvisibleInk or any mechanism's
-release. The :class:`QuickAuditReport` is **not private**: keep it with the data, never publish it.
-
-Design: docs/guide/auditing.md (§"Auditing texts you just generated").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.quick"); docs/guide/auditing.md (§"Auditing texts you
+just generated").
 """
 
 from __future__ import annotations

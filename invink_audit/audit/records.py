@@ -1,14 +1,6 @@
 """Typed audit reports: the records (claim, measurements, verdict) and their JSON form.
 
-A report keeps the *a-priori* claim (what the accountant promised) and the *after-the-fact*
-measurements in separate, named fields. ``to_dict`` is JSON-ready (``inf`` is written as the string
-``"inf"``) and :func:`report_from_dict` reads it back; :mod:`invink_audit.audit.report` renders a report
-(Markdown, PNG plots) and writes it.
-
-Reports are **not private**: they are computed from the audited references with no privacy
-protection (realised per-reference losses, the worst prefix chosen by its loss and decoded, canary
-scores, texts sampled outside any ledger). Every rendering says so (:data:`REPORT_PRIVACY_NOTICE`; the
-JSON is marked ``"not_private": true``).
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.records").
 """
 
 from __future__ import annotations

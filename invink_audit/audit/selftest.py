@@ -1,14 +1,7 @@
-"""The auditor's self-test on planted bugs (docs/auditing_notes.md, "Testing the auditor") and on the paper's baselines.
+"""The auditor's self-test on planted bugs and on the paper's baselines.
 
-:func:`run_selftest` audits, on the synthetic sources of :mod:`invink_audit.audit.synthetic`, the correct
-InvisibleInk mechanism (must PASS), four mutants and the per-unit bug (:func:`unit_two_slots`; each must get
-VIOLATION), optionally the baseline rows
-(Amin et al. 2024 with both accountings, AdaPMixED's data-dependent claim: :func:`baseline_mechanisms`; AugPE's
-histogram with both sensitivities, exactly and black-box: :func:`augpe_entries`, :func:`augpe_blackbox_rows`);
-:func:`coverage_check` counts the Monte Carlo / importance-sampling intervals that cover exact divergences.
-
-Design: docs/auditing_notes.md ("Testing the auditor"); the baseline rows: docs/guide/baselines.md
-("Audits of the baselines").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.selftest", "Testing the auditor"); the baseline rows:
+docs/guide/baselines.md ("Audits of the baselines").
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Statistics of the privacy auditor: divergence estimators, confidence bounds, tests, verdicts.
 
-Torch-free. Rényi divergence by plain Monte Carlo (:func:`renyi_monte_carlo`, docs/auditing_notes.md §3)
-and geometric-mixture importance sampling (:func:`renyi_importance_sampling`, §4); δ(ε)
-(:func:`hockey_stick_delta`, §5); mean bounds by Anderson (1969) from the DKW inequality with Massart's
-constant (Massart 1990, Thm. 1), empirical Bernstein (Maurer & Pontil 2009, Thm. 4), Clopper–Pearson
-(1934); Holm (1979) over all tests of an audit (:func:`holm`, :func:`decide_verdict`). Every bound states
-its significance level β (an :class:`~invink_audit.evaluation.stats.Interval` at confidence 1 − β).
-
-Design: docs/auditing_notes.md (§3–§5, "Verdicts").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.stats", §3–§5, "Verdicts").
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 r"""Synthetic logit sources and audited mechanisms: the white-box auditor without a model.
 
-Sources (:class:`RandomSource`; :class:`HardestCaseSource`, the worst case of docs/accounting_notes.md §8:
-per-token loss pair :math:`(t, t-\varepsilon_0)` with :math:`t\approx 0.53\,\varepsilon_0`, Dong, Durfee &
-Rogers 2020); any :class:`~invink_audit.mechanisms.Mechanism` under audit (:class:`AuditedMechanism`: the correct
-InvisibleInk, :func:`correct_mechanism`, the self-test's four planted bugs, :func:`mutants`, the paper's
-baselines, one's own); one walk of a mechanism on a source, in its exact state, that samples an audit's texts
-(:func:`run_synthetic_audit`), draws a black-box audit's texts with their exact ratios (:func:`draw_texts`) and
-enumerates every output exactly (:func:`enumerate_outputs`).
-
-Design: docs/auditing_notes.md ("Testing the auditor").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.synthetic", "Testing the auditor").
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 r"""What a black-box audit audits: one protocol (:class:`BlackBoxTarget`) and the targets this project ships.
 
-A target generates one text per batch of references (an emptied slot is the replace-by-null neighbour) and,
-where it knows them, the exact log-likelihood ratios of the texts it just released, the optimal score by
-Neyman–Pearson. The auditors (:func:`~invink_audit.audit.blackbox.blackbox_audit`,
-:func:`~invink_audit.audit.batched.batched_canary_audit`) take any target; a plain callable
-``references -> text`` is wrapped as a :class:`CallableTarget`.
-
-* :class:`EngineTarget` — any :class:`~invink_audit.mechanisms.Mechanism` on this project's engine (gray box:
-  it teacher-forces its texts for the exact ratio);
-* :class:`ReferencePackageTarget` — the reference package ``invink`` 0.1.0, when installed;
-* :class:`CallableTarget` — a Python callable (``"module:function"`` in a spec), one batch per call or, when it
-  takes a partition, all batches at once;
-* :class:`HistogramTarget` — AugPE's DP core, its T noisy nearest-neighbour histograms (:mod:`invink_audit.augpe`);
-* :class:`SyntheticTarget` — a self-test mechanism on a synthetic logit source.
-
-Design: docs/guide/auditing.md (§"Black-box targets").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.targets"); docs/guide/auditing.md (§"Black-box targets").
 """
 
 from __future__ import annotations

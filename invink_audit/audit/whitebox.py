@@ -1,12 +1,6 @@
 """White-box audit: exact per-step checks and sequence-level privacy-loss estimates.
 
-From the exact next-token distributions under R and every replace-by-null neighbour R'_j
-(:func:`invink_audit.mechanism.neighbour_log_probs`), recorded by :class:`WhiteBoxRecorder`: exact
-per-step checks in both directions (:func:`step_quantities`, :class:`Claim`: a mechanism's guarantee for B
-references; bounded range, Durfee & Rogers 2019, Def. 3.1; zCDP, Bun & Steinke 2016, Def. 1.1, with Cesar & Rogers 2021, Lemma 3.2;
-hockey-stick δ, Dong, Durfee & Rogers 2020, Lemma 3.2), exact sequence losses, :class:`SamplingPlan`.
-
-Design: docs/auditing_notes.md ("Our advantage", §1, §2, §4, §6).
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.whitebox", "Our advantage", §1, §2, §4, §6).
 """
 
 from __future__ import annotations
