@@ -401,18 +401,10 @@ def analyse(
     notes: tuple[str, ...] = (),
     claim_details: dict | None = None,
 ) -> WhiteBoxReport:
-    """Turn a :class:`RecordedAudit` into a :class:`WhiteBoxReport` with a verdict.
-
-    Phases: the tests and the verdict (:func:`_tested`: the sequence-level Rényi estimates and their
-    tests, :func:`_renyi_estimates`; the δ(ε) tests against every accountant, :func:`_delta_tests`; the
-    verdict with Holm's decisions, :func:`_verdict`), then the report's rows: worst neighbour, accountant
-    comparisons, step-check summary, timings (:func:`_analysis_timings`), loss histogram.
-
-    ``prefix_decoder(tokens) -> str`` renders the worst prefix (e.g. a tokenizer's decode);
-    ``exact``: an :class:`invink_audit.audit.synthetic.ExactOutputs` to attach exact divergences
-    (self-test and tests only); ``timings``: what the caller measured (a mapping or
-    :class:`AuditTimings`), to which the analysis adds its own time.
-    """
+    """Turn a :class:`RecordedAudit` into a :class:`WhiteBoxReport` with a verdict (Holm over every test).
+    ``prefix_decoder(tokens) -> str`` renders the worst prefix; ``exact``: an
+    :class:`invink_audit.audit.synthetic.ExactOutputs` to attach exact divergences (self-test and tests only);
+    ``timings``: what the caller measured (a mapping or :class:`AuditTimings`), to which the analysis adds its own."""
     t0 = time.perf_counter()
     audited = rec.config.audited_neighbours(rec.batch_size)
     canaries = dict(canaries or {})

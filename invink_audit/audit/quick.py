@@ -396,10 +396,6 @@ def _sampled_config(*, alphas, num_samples, num_is_samples, significance, direct
 
 
 # ---------------------------------------------------------------------------------------------
-# any mechanism of the interface
-
-
-# ---------------------------------------------------------------------------------------------
 # the entry point
 
 #: :func:`quick_audit`'s phases, as its ``progress`` callback names them
@@ -432,27 +428,15 @@ def quick_audit(
     generator: torch.Generator | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> QuickAuditReport:
-    """Audit the texts of a :class:`invink_audit.generation.GenerationResult` (e.g. from the demo).
-
-    The result records what the release was (its plan, mechanism, prompt template, labels and
-    partition), and the audit uses exactly that (:class:`AuditedRelease`): ``references``, ``prompt``
-    and ``prompt_fields`` are optional, and when given they must be those given to ``generate`` (a
-    list or file path; a preset name or template, and its fields), or a ``ValueError`` says they
-    disagree (the forms ``generate`` takes: a list, a path, a :class:`~invink_audit.data.ReferencesFile`;
-    a preset name, a template, a :class:`~invink_audit.generation.PromptSpec`). ``model``: the same model (a loaded model is reused; default: the one the result names). ``sampled_batch``: which batch
-    gets the sampled audit (``None`` skips it). Its size: ``num_samples`` texts from R (and, with
-    ``"reverse"`` in ``directions``, as many from each R'_j) plus ``num_is_samples`` per α, neighbour
-    and direction; the defaults (16 forward texts) keep it to about the cost of generating 16 texts.
-    Below 16 samples the sampled verdict is INCONCLUSIVE.
-
-    The sampled texts are drawn outside the ledger: they are not charged and the release's guarantee
-    does not cover them (``uncharged_samples`` counts them). The report is a non-private function of
-    the references (see the module docstring).
-
-    ``progress(phase, done, total)``: called as each phase advances (nothing is printed here; the caller
-    draws the bars, e.g. :func:`invink_audit.cli.phase_progress`): :data:`PHASE_EXACT` counts the
-    generated texts' tokens teacher-forced so far, :data:`PHASE_SAMPLED` the sampled texts' token slots
-    (texts × T). Each phase starts with ``done = 0`` and ends with ``done = total``.
+    """Audit the texts of a :class:`invink_audit.generation.GenerationResult`: the release it records
+    (:class:`AuditedRelease`). ``references``, ``prompt``, ``prompt_fields``: optional, in any form ``generate``
+    takes; when given they must be those given to ``generate`` (a ``ValueError`` says they disagree). ``model``: the
+    same model (a loaded one is reused; default: the one the result names). ``sampled_batch``: the batch of the
+    sampled audit (``None``: none): ``num_samples`` texts from R (with ``"reverse"`` in ``directions`` as many from
+    each R'_j) plus ``num_is_samples`` per α, neighbour and direction; below 16 its verdict is INCONCLUSIVE. Its
+    texts are drawn outside the ledger, not charged and not covered (``uncharged_samples``); the report is not
+    private. ``progress(phase, done, total)``: :data:`PHASE_EXACT` counts the tokens teacher-forced,
+    :data:`PHASE_SAMPLED` the sampled texts' token slots (texts × T), each from 0 to ``total``.
     """
     start = time.perf_counter()
     _phase(progress, "")  # a progress that is not callable is refused before anything is loaded

@@ -74,14 +74,15 @@ def to_jsonable(obj):
 
 
 class _JsonRecord(Mapping):
-    """A typed report record whose JSON object is :meth:`json_fields` (keys in schema order).
-
-    It also reads as that mapping (``record["key"]``, ``"key" in record``, ``record.get``), the form
-    the report had when these fields were plain dicts.
-    """
+    """A typed report record (a dataclass) whose JSON object is :meth:`json_fields` (default: its fields, in order);
+    it also reads as that mapping (``record["key"]``, ``"key" in record``, ``record.get``)."""
 
     def json_fields(self) -> dict:
-        raise NotImplementedError
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping):
+        return cls(**data)
 
     def __getitem__(self, key):
         return self.json_fields()[key]
@@ -170,13 +171,6 @@ class WorstNeighbour(_JsonRecord):
     label: str
     ratio: float
 
-    def json_fields(self) -> dict:
-        return {"index": self.index, "label": self.label, "ratio": self.ratio}
-
-    @classmethod
-    def from_json(cls, data: Mapping) -> WorstNeighbour:
-        return cls(data["index"], data["label"], data["ratio"])
-
 
 @dataclasses.dataclass(frozen=True)
 class LossHistogram(_JsonRecord):
@@ -259,7 +253,7 @@ class StepCheckSummary(_JsonRecord):
     numerics: dict | None = None  # {"dtype", "tolerance", "within_tolerance"}
 
     def json_fields(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = super().json_fields()
         return out if self.numerics is not None else {k: v for k, v in out.items() if k != "numerics"}
 
 
@@ -300,8 +294,8 @@ class DeltaEstimate:
 class AccountantComparison:
     """An accountant's ε at the claim's δ, against the ε certified by the *measured* divergences.
 
-    ``epsilon_measured``: RDP→DP conversion (dp-accounting ``compute_epsilon``; Canonne, Kamath &
-    Steinke 2020 / Balle et al. 2020) of the worst measured curve :math:`\\hat D_\\alpha` on the
+    ``epsilon_measured``: RDP→DP conversion (:func:`accounting.rdp_to_epsilon`; Canonne, Kamath &
+    Steinke 2020, Prop. 12) of the worst measured curve :math:`\\hat D_\\alpha` on the
     audit's α grid (``_upper``: of the upper confidence ends); ``epsilon_claimed_grid``: the same
     conversion of the claimed curve :math:`\\alpha\\rho_{seq}` on the same grid. ``headroom`` =
     epsilon_claimed_grid / epsilon_measured compares the two curves through the *same* conversion

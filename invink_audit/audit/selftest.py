@@ -397,18 +397,12 @@ def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) ->
 
 
 def blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int = 10_000, seed: int = 0) -> list[dict]:
-    """The planted bugs audited **black-box** with the batched canary audit (:mod:`invink_audit.audit.batched`:
-    one trial per batch, the exact log-likelihood ratio as score, sequential looks) on each self-test source
-    (its reference 0 is the canary), against the claim's whole privacy curve (its accountant's ε(δ') at its
-    own T: :class:`~invink_audit.audit.tradeoff.PrivacyProfile`). One row per (mechanism, source): its
-    claimed ε at δ = 1e-6, the verdict, the rigorous bound at that δ and the tested point of the curve, the
-    perfect-attack ceiling of the trials used, the GDP estimate and, on the stationary hardest-case source,
-    the mechanism's **true** ε at δ = 1e-6 (:func:`~invink_audit.audit.synthetic.exact_epsilon_stationary`:
-    exact, no accountant; None elsewhere and for the data-dependent budget). Which bug a source exercises
-    is the source's: the hardest-case canary moves every logit by the full clip (naive clipping, the
-    temperature), the random source's canary moves a token into the private top-k (a support the public
-    set never has). Not part of :func:`run_selftest`'s pass criterion: a black box may fail to show a
-    violation that is there (the rows say which it shows at this number of trials)."""
+    """The planted bugs audited **black-box** (:mod:`invink_audit.audit.batched`, the exact log-likelihood ratio) on
+    each self-test source (reference 0 the canary), against the claim's whole curve
+    (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`). One row per (mechanism, source): claimed ε at δ = 1e-6,
+    verdict, bounds at that δ and on the curve, ceiling, GDP estimate and, on the stationary hardest-case source, the
+    **true** ε (:func:`~invink_audit.audit.synthetic.exact_epsilon_stationary`; None elsewhere). Not part of
+    :func:`run_selftest`'s pass criterion: a black box may miss a violation that is there."""
     from accounting import composed_epsilon
     from invink_audit.audit.batched import LLR_SCORE, batched_canary_audit
     from invink_audit.audit.targets import SyntheticTarget

@@ -250,14 +250,11 @@ class SyntheticTarget(BlackBoxTarget):
 
 class HistogramTarget(BlackBoxTarget):
     r"""AugPE's histogram release (:mod:`invink_audit.augpe.histogram`): a batch whose canary slot holds text
-    releases the T thresholded noisy histograms of the counts with the canary, one whose slot is empty those of
-    its replace-by-null neighbour. ``data``: :class:`~invink_audit.audit.augpe.CanaryEmbeddings`. ``noise_std``,
-    ``iterations`` and ``threshold`` are the mechanism's (what it runs, not what is claimed). ``seed`` fixes the
-    noise (a reproducible audit; OS entropy by default); seeded output carries no privacy.
-
-    The release is :func:`~invink_audit.augpe.histogram.noisy_counts`'s :math:`y = \max(h + \sigma Z - H, 0)`, drawn
-    for all trials of an iteration at once (bit-identical to calling it trial by trial on the same generator:
-    ``tests/test_augpe_audit.py``). The score is the release's exact log-likelihood ratio, summed over bins and
+    releases the T thresholded noisy histograms :math:`y = \max(h + \sigma Z - H, 0)` of the counts with the canary
+    (:func:`~invink_audit.augpe.histogram.noisy_counts`, all trials of an iteration at once), one whose slot is empty
+    those of its replace-by-null neighbour. ``data``: :class:`~invink_audit.audit.augpe.CanaryEmbeddings`;
+    ``noise_std``, ``iterations``, ``threshold``: what the mechanism runs; ``seed`` fixes the noise (OS entropy by
+    default; seeded output carries no privacy). The score is the release's exact log-likelihood ratio, summed over bins and
     iterations: where :math:`y_i > 0` the Gaussian density ratio at :math:`x_i = y_i + H`,
     :math:`((x_i - h'_i)^2 - (x_i - h_i)^2)/(2\sigma^2)`; where the count was clamped (:math:`y_i = 0`) the ratio of
     the clamped masses, :math:`\log\Phi((H - h_i)/\sigma) - \log\Phi((H - h'_i)/\sigma)` (the likelihood of a
