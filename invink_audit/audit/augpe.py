@@ -35,7 +35,7 @@ __all__ = [
     "worst_case_canary",
 ]
 
-#: Rényi orders of the exact check's table. For Gaussians D_α/α is the same at every α (module docstring), so
+#: Rényi orders of the exact check's table. For Gaussians D_α/α is the same at every α (Mironov 2017, Prop. 7), so
 #: the verdict does not depend on the grid; it is reported as the white-box audits report theirs.
 DEFAULT_ALPHAS = (1.5, 2.0, 4.0, 8.0, 16.0, 32.0)
 
@@ -91,7 +91,7 @@ def neighbour_histograms(reference_embeddings, candidate_embeddings, null_embedd
 
 @dataclasses.dataclass(frozen=True)
 class HistogramCheck:
-    r"""The exact white-box check of one AugPE claim on fixed embeddings (module docstring, item 1).
+    r"""The exact white-box check of one AugPE claim on fixed embeddings (auditing notes, item 1).
 
     ``event`` is the claim (its σ is the mechanism's noise, its Δ the sensitivity it is accounted with);
     ``squared_shifts[j][t]`` the realised :math:`\|h - h'_j\|_2^2` of neighbour j at iteration t (an integer). Every
@@ -189,7 +189,7 @@ class HistogramCheck:
 def exact_histogram_check(
     reference_embeddings, candidate_embeddings, null_embedding, event: AugPEEvent, *, alphas: Sequence[float] = DEFAULT_ALPHAS
 ) -> HistogramCheck:
-    """The exact check of ``event`` on these embeddings (module docstring, item 1): every replace-by-null neighbour,
+    """The exact check of ``event`` on these embeddings (auditing notes, item 1): every replace-by-null neighbour,
     every iteration (``candidate_embeddings``: one 2-d array for all T iterations, or one per iteration). The
     threshold H and the selection are post-processing and do not enter."""
     if not isinstance(event, AugPEEvent):

@@ -170,16 +170,16 @@ def batched_canary_audit(
     surrogate: SurrogateScorer | None = None,
     claimed_profile: Callable[[float], float] | None = None,
 ) -> BlackBoxReport:
-    """Audit ``target`` (a :class:`~invink_audit.audit.targets.BlackBoxTarget`, or a callable ``references ->
-    text``; the :data:`LLR_SCORE` needs a target that knows its likelihoods) with ``num_batches`` batches of ``batch_size`` references (module docstring). ``pool``: the other references,
-    cycled; ``scores``: default the exact log-likelihood ratio when the target offers it, and the text
-    scores. ``seed``: the coins (recorded either way). ``spare_references``: more references in every batch
-    (a generator that drops empty slots, as the reference package does, pulls the next one in). ``surrogate``:
-    adds the :data:`SURROGATE_SCORE` (:class:`SurrogateScorer`: the ratio under a model the auditor has).
-    ``claimed_profile``: the claim's ε at every δ' (e.g. ``lambda d: event.epsilon(d)``: the release's
-    accountant), equal to ``claimed_epsilon`` at ``claimed_delta``; the score, the threshold and the verdict
-    then test the claim's whole curve (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`), not its one
-    quoted point."""
+    """Audit ``target`` (a :class:`~invink_audit.audit.targets.BlackBoxTarget`, or a callable ``references -> text``;
+    the :data:`LLR_SCORE` needs a target that knows its likelihoods) with ``num_batches`` batches of ``batch_size``
+    references (docs/guide/auditing.md). ``pool``: the other references, cycled; ``scores``: default the exact
+    log-likelihood ratio when the target offers it, and the text scores. ``seed``: the coins (recorded either way).
+    ``spare_references``: more references in every batch (a generator that drops empty slots, as the reference package
+    does, pulls the next one in). ``surrogate``: adds the :data:`SURROGATE_SCORE` (:class:`SurrogateScorer`: the ratio
+    under a model the auditor has). ``claimed_profile``: the claim's ε at every δ' (e.g. ``lambda d: event.epsilon(d)``:
+    the release's accountant), equal to ``claimed_epsilon`` at ``claimed_delta``; the score, the threshold and the
+    verdict then test the claim's whole curve (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`), not its one quoted
+    point."""
     target = as_target(target)
     batch_size, num_batches = check_count("batch_size", batch_size), check_count("num_batches", num_batches)
     if num_batches < 16:

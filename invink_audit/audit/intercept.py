@@ -692,7 +692,7 @@ def audit_generator(
     tolerance: float | None = None,
     significance: float = 0.05,
 ) -> GeneratorAudit:
-    """White-box audit of ``generate(references)``, the user's own generator loop, unmodified (module docstring).
+    """White-box audit of ``generate(references)``, the user's own generator loop, unmodified (docs/guide/auditing.md).
 
     ``claim``: an :class:`accounting.PrivacyClaim` (a :class:`~invink_audit.mechanisms.MechanismGuarantee` or a
     white-box :class:`~invink_audit.audit.whitebox.Claim` is converted, :meth:`~accounting.PrivacyClaim.of`), for a text

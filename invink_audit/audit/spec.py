@@ -314,7 +314,7 @@ def mechanism_from_section(table, batch_size: int | None = None) -> Mechanism:
 
 @dataclasses.dataclass(frozen=True)
 class TargetSpec:
-    """``[target]`` of a black-box spec (module docstring): what is audited."""
+    """``[target]`` of a black-box spec (docs/guide/auditing.md, "The spec format"): what is audited."""
 
     kind: Literal["engine", "invink", "callable"] = "engine"
     model_path: str | None = None

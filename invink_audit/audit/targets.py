@@ -254,8 +254,8 @@ class HistogramTarget(BlackBoxTarget):
     (:func:`~invink_audit.augpe.histogram.noisy_counts`, all trials of an iteration at once), one whose slot is empty
     those of its replace-by-null neighbour. ``data``: :class:`~invink_audit.audit.augpe.CanaryEmbeddings`;
     ``noise_std``, ``iterations``, ``threshold``: what the mechanism runs; ``seed`` fixes the noise (OS entropy by
-    default; seeded output carries no privacy). The score is the release's exact log-likelihood ratio, summed over bins and
-    iterations: where :math:`y_i > 0` the Gaussian density ratio at :math:`x_i = y_i + H`,
+    default; seeded output carries no privacy). The score is the release's exact log-likelihood ratio, summed over
+    bins and iterations: where :math:`y_i > 0` the Gaussian density ratio at :math:`x_i = y_i + H`,
     :math:`((x_i - h'_i)^2 - (x_i - h_i)^2)/(2\sigma^2)`; where the count was clamped (:math:`y_i = 0`) the ratio of
     the clamped masses, :math:`\log\Phi((H - h_i)/\sigma) - \log\Phi((H - h'_i)/\sigma)` (the likelihood of a
     Gaussian censored at H: Tobin 1958, "Estimation of relationships for limited dependent variables",

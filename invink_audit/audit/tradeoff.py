@@ -42,10 +42,10 @@ PROFILE_POINTS = 32
 
 @dataclasses.dataclass(frozen=True)
 class ProfileBound:
-    """How far a (TP, FP) pair refutes a :class:`PrivacyProfile` (module docstring). ``power_margin``: the
-    Clopper–Pearson lower limit of the TPR minus the largest TPR the claim allows at the upper limit of
-    the FPR (> 0 refutes); ``delta``: the δ' whose line binds there, with the pair's ε lower bound at
-    δ' and the claim's ε(δ') (``margin`` = their difference, > 0 exactly when ``power_margin`` is)."""
+    """How far a (TP, FP) pair refutes a :class:`PrivacyProfile` (docs/auditing_notes.md, tradeoff). ``power_margin``:
+    the Clopper–Pearson lower limit of the TPR minus the largest TPR the claim allows at the upper limit of the FPR (> 0
+    refutes); ``delta``: the δ' whose line binds there, with the pair's ε lower bound at δ' and the claim's ε(δ')
+    (``margin`` = their difference, > 0 exactly when ``power_margin`` is)."""
 
     power_margin: float
     margin: float
@@ -59,8 +59,8 @@ class ProfileBound:
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyProfile:
-    """A privacy claim as its (ε(δ'), δ') pairs (module docstring), the quoted (ε, δ) first. Build it with
-    :meth:`point` (a claim known only at one δ: today's single-point test) or :meth:`of` (a curve: the
+    """A privacy claim as its (ε(δ'), δ') pairs (docs/auditing_notes.md, tradeoff), the quoted (ε, δ) first. Build
+    it with :meth:`point` (a claim known only at one δ: today's single-point test) or :meth:`of` (a curve: the
     release's accountant at every δ')."""
 
     deltas: tuple[float, ...]
@@ -175,7 +175,7 @@ def fit_gdp(
     rng: np.random.Generator | None = None,
 ) -> GdpFit:
     """Fit μ-GDP to the scores of the trials with the canary (``positive``) and without (``negative``)
-    (module docstring); a percentile bootstrap over trials for μ and for the ε(δ) it implies. When the
+    (docs/auditing_notes.md, tradeoff); a percentile bootstrap over trials for μ and for the ε(δ) it implies. When the
     scores separate perfectly, ``separated`` is set: the fit is then limited by the trial count (the
     continuity correction), a floor rather than an estimate of μ. The ε ends come from
     :func:`accounting.conversions.gdp_to_epsilon` (errs high by at most a relative 1e-9: an estimate either way)."""
@@ -285,7 +285,7 @@ def sequential_bound(
     profile: PrivacyProfile | None = None,
 ) -> SequentialResult:
     """Clopper–Pearson bounds at ``num_looks`` growing prefixes of the evaluation trials (in their
-    order, e.g. batch order), each at significance β/2^{L-i+1} (module docstring); stops at the first
+    order, e.g. batch order), each at significance β/2^{L-i+1} (docs/auditing_notes.md, tradeoff); stops at the first
     look that refutes the claim ("violation": its bound exceeds ``claimed_epsilon``, or the ``profile``'s
     ε(δ') at some δ') or after which the trials seen so far with a perfect attack on the rest cannot refute
     it at the last look's significance ("futile"), else after the last look ("all")."""

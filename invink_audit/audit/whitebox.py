@@ -100,7 +100,8 @@ class Claim:
     it validates as its :class:`accounting.PrivacyClaim` (:meth:`privacy_claim`).
 
     * ``"bounded-range"`` (InvisibleInk): per step ε0-bounded range and ρ_tok-zCDP (InvisibleInk:
-      :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 2); sequence claim :math:`D_\alpha \le \alpha T\rho_{tok}`;
+      :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 2); sequence claim
+      :math:`D_\alpha \le \alpha T\rho_{tok}`;
     * ``"zcdp"``: the guarantee's sequence ρ, with the per-step claim of the exactly checked component (Amin et al.:
       the exponential mechanism), if any;
     * ``"renyi-filter"``, data-dependent (AdaPMixED): :math:`D_\alpha \le` ``renyi_budget`` at ``renyi_order`` only,
