@@ -392,7 +392,6 @@ def _run(generate: Callable, references: list, forced, neighbour: int | None):
     return output, calls
 
 
-
 @dataclass(frozen=True)
 class SequenceCheck:
     r"""A sampled check of a sequence-level claim against one neighbour, from the run's texts (each text's realised

@@ -617,7 +617,6 @@ def _recorded_partition(run: Mapping, references, column, where, fingerprint: st
         read_references,
         select_references,
     )
-    from invink_audit.generation import input_fingerprint
 
     columns = tuple(run.get("label_columns") or ())
     if "privacy_unit" in run:
@@ -634,20 +633,23 @@ def _recorded_partition(run: Mapping, references, column, where, fingerprint: st
         candidates = (labelled_partition(selected, b, num_texts_per_group=n)[:2] for n in limits)
     else:
         candidates = ((partition_references(selected, b, num_texts=run["num_batches"]), None),)
+    return _fingerprinted(candidates, fingerprint, "give the same input file, --column and --where as generate was given")
+
+
+def _fingerprinted(candidates, fingerprint: str, advice: str):
+    """The first (partition, labels) of ``candidates`` whose input fingerprint is the recorded one."""
+    from invink_audit.generation import input_fingerprint
+
     for partition, labels in candidates:
         if input_fingerprint(partition, labels) == fingerprint:
             return partition, labels
-    raise ValueError(
-        "the references do not give the release's input (its recorded fingerprint): give the same input file, "
-        "--column and --where as generate was given"
-    )
+    raise ValueError(f"the references do not give the release's input (its recorded fingerprint): {advice}")
 
 
 def _recorded_unit_partition(run: Mapping, references, column, columns: tuple, fingerprint: str):
     """:func:`_recorded_partition` of a per-unit release: the unit and rule its settings name, applied again to the
     input (:func:`~invink_audit.data.unit_partition`); the partition keeps each slot's unit for the neighbours."""
     from invink_audit.data import PrivacyUnit, read_unit_references, unit_partition
-    from invink_audit.generation import input_fingerprint
 
     refs = read_unit_references(references, PrivacyUnit.from_json(run["privacy_unit"]), column=column,
                                 label_columns=columns or None)  # fmt: skip
@@ -656,11 +658,8 @@ def _recorded_unit_partition(run: Mapping, references, column, columns: tuple, f
         candidates = (unit_partition(refs, b, num_texts_per_group=n)[:2] for n in [None, *range(1, len(refs.texts) // b + 1)])
     else:
         candidates = (unit_partition(refs, b, num_texts=run["num_batches"])[:2],)
-    for partition, labels in candidates:
-        if input_fingerprint(partition, labels) == fingerprint:
-            return partition, labels
-    raise ValueError("the references do not give the release's input (its recorded fingerprint): give the same input "
-                     "file and --column as generate was given (the privacy unit and its rule are the recorded ones)")
+    return _fingerprinted(candidates, fingerprint, "give the same input file and --column as generate was given (the "
+                          "privacy unit and its rule are the recorded ones)")
 
 
 def audit_release_file(

@@ -34,7 +34,6 @@ __all__ = [
     "epsilon_lower_bound",
     "p_value_from_lower_bound",
     "holm",
-    "bonferroni",
     "decide_verdict",
     "check_significance",
     "delta_band",
@@ -251,10 +250,6 @@ class RenyiEstimate:
             raise ValueError(f"estimator must be 'monte-carlo' or 'importance-sampling'; got {self.estimator!r}")
 
 
-def _renyi_from_log_mean(log_mean: float, alpha: float) -> float:
-    return log_mean / (alpha - 1.0)
-
-
 def _renyi_estimate(
     log_y: np.ndarray,
     alpha: float,
@@ -270,11 +265,9 @@ def _renyi_estimate(
     lo, hi, method = log_mean_bounds(
         log_y, significance, log_lower=log_lower, log_upper=log_upper
     )
-    # a divergence is >= 0 (and the integrand's mean is >= 1 for these estimators' targets)
-    d_lo = max(0.0, _renyi_from_log_mean(lo, alpha))
-    d_hi = _renyi_from_log_mean(hi, alpha)
-    d_pt = _renyi_from_log_mean(point, alpha)
-    d_hi = max(d_hi, d_lo)
+    # D_α = log E[Y] / (α − 1); a divergence is >= 0 (the integrand's mean is >= 1 for these estimators' targets)
+    d_lo, d_pt = max(0.0, lo / (alpha - 1.0)), point / (alpha - 1.0)
+    d_hi = max(hi / (alpha - 1.0), d_lo)
     interval = Interval(d_pt, d_lo, d_hi, 1.0 - significance, method)
     p_value = None
     if claimed is not None:
@@ -540,13 +533,6 @@ def holm(p_values: Sequence[float], significance: float) -> list[bool]:
         else:
             break
     return reject.tolist()
-
-
-def bonferroni(p_values: Sequence[float], significance: float) -> list[bool]:
-    """Bonferroni rejections (each test at ``significance / m``)."""
-    beta = check_significance(significance)
-    p = np.asarray(p_values, dtype=np.float64).reshape(-1)
-    return (p <= beta / max(p.size, 1)).tolist()
 
 
 def decide_verdict(
