@@ -148,12 +148,8 @@ def blackbox_audit(
     generates every trial in one call. ``references``: the batch with any text in ``canary_slot`` (it is
     replaced by the canary, or emptied for the neighbour). ``canary_slot``: a slot, or a canary *unit*'s slots (a
     user's several references: docs/guide/privacy-unit.md), all filled with the canary or all emptied, for a
-    per-unit claim. ``mechanism``: the report's name of the target (default: its label).
-
-    Phases: the alternating trial batches (:func:`_alternating_trials`), the trials, the selection / evaluation
-    split (:func:`_selection_split`), the scores (:func:`score_matrix`), the score and threshold chosen on the
-    selection split (:func:`select_score`), the ε lower bound on the evaluation split (:func:`_evaluate`), and
-    the verdict.
+    per-unit claim. ``mechanism``: the report's name of the target (default: its label). The score and threshold
+    are chosen on the selection split, the ε lower bound computed on the evaluation split.
     """
     target = as_target(target)
     refs = list(references)

@@ -298,14 +298,10 @@ def _load_model(model):
 
 
 class _Hooks:
-    """The engine's hooks: exact checks on each step's distributions in the mechanism's exact state (with the
-    hardest-case canary's row set by the auditor), each text's sampling weights, and the released outcomes
-    recorded, timed per step.
-
-    The time is split between "decode" steps (no text joined, so no prefill in the engine's step) and
-    steps with a prefill; engine time is measured from the end of the observer to the start of the
-    next sampling rule (forward pass, mechanism, bookkeeping). On CUDA the hooks synchronise the device.
-    """
+    """The engine's hooks: exact checks on each step's distributions (the hardest-case canary's row set by the
+    auditor), each text's sampling weights, the released outcomes recorded; timed per step, split between decode
+    steps and steps with a prefill (engine time: from the observer's end to the next sampling rule's start). On
+    CUDA the hooks synchronise the device."""
 
     def __init__(self, session: _Session, mechanism: Mechanism, hardest_case_slot: int | None) -> None:
         self.session, self.mechanism, self.hardest_case_slot = session, mechanism, hardest_case_slot

@@ -351,14 +351,9 @@ class WhiteBoxReport:
         return sampled_confirmations(self.sequence, self.delta)
 
     def headroom_summary(self) -> dict:
-        """The headline figures: per-step range headroom, sequence Rényi headroom (min over rows), and ε
-        against the release's claimed ε (the first accountant's).
-
-        ``epsilon`` = the accountant's ε / the ε of the measured curve (``epsilon_measured``: the RDP→DP
-        conversion of the measured D_α on the audit's α grid). That conversion is looser than the
-        accountant, so the ratio errs low (toward less headroom); ``epsilon_claimed_grid`` (the same
-        conversion of the claimed curve) shows by how much. ``sampled_confirmations``: see the property.
-        """
+        """The headline figures: per-step range headroom, sequence Rényi headroom (min over rows), and ``epsilon``,
+        the first accountant's ε over the measured curve's (its RDP→DP conversion on the α grid, looser than the
+        accountant: the ratio errs low; ``epsilon_claimed_grid``, the claimed curve's conversion, shows by how much)."""
         seq = [s.headroom for s in self.sequence if s.estimator == "importance-sampling"] or [
             s.headroom for s in self.sequence
         ]
@@ -391,12 +386,9 @@ class WhiteBoxReport:
 
 
 def sampled_confirmations(sequence: Sequence[SequenceEstimate], delta: Sequence[DeltaEstimate]) -> int:
-    """How many rows of a sampled audit confirm their claim: a sequence estimate whose upper confidence
-    end is at most its claimed D_α, or a δ(ε) row whose band's upper end is at most its target δ.
-
-    With too few samples every upper end is ∞ (or above its claim): the sampled part then confirms
-    nothing, whatever its verdict, and a PASS rests on the exact per-step checks alone.
-    """
+    """How many rows of a sampled audit confirm their claim: a sequence estimate whose upper confidence end is at
+    most its claimed D_α, or a δ(ε) row whose band's upper end is at most its target δ (0: a PASS rests on the exact
+    per-step checks alone)."""
     rows = sum(1 for s in sequence if math.isfinite(s.upper) and s.upper <= s.claimed)
     return rows + sum(1 for d in delta if d.band_upper <= d.target_delta)
 

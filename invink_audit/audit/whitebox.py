@@ -390,14 +390,10 @@ def step_quantities(
 def compact_support(
     actual: torch.Tensor, neighbours: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Restrict (G, V) / (G, B, V) log-probabilities to the union of their supports, per row.
-
-    Exact: a token outside every support is −∞ under all distributions and contributes nothing to
-    any checked quantity. With a Top-k+ set of ~k ≪ V tokens this makes the per-step checks cost
-    O(G·B·k) instead of O(G·B·V). Rows keep ``m`` columns, ``m`` the largest union size (columns
-    beyond a row's own union are −∞ everywhere). Returns ``(actual_c, neighbours_c, index)`` with
-    ``index`` (G, m) the kept token ids, or the inputs and ``None`` when ``m > V/2``.
-    """
+    """Restrict (G, V) / (G, B, V) log-probabilities to the union of their supports, per row (exact: a token outside
+    every support contributes nothing; with a Top-k+ set the checks cost O(G·B·k), not O(G·B·V)). Rows keep ``m``
+    columns, the largest union size. Returns ``(actual_c, neighbours_c, index)``, ``index`` (G, m) the kept token
+    ids, or the inputs and ``None`` when ``m > V/2``."""
     g, b, v = neighbours.shape
     # one reduction over B instead of a (G, B, V) boolean temporary; log-probabilities are never +inf
     union = (actual > -math.inf) | (neighbours.amax(1) > -math.inf)
@@ -459,19 +455,11 @@ class RecordedAudit:
 
 
 class WhiteBoxRecorder:
-    """Accumulates exact checks and sequence log-probabilities while texts are generated.
-
-    Protocol, once per decoding step with the live texts ``text_ids`` (indices into the plan):
-
-    1. ``weights = recorder.sampling_log_weights(text_ids, actual, neighbours)`` — runs the exact
-       checks and returns each text's sampling log-weights (its plan's target);
-    2. draw ``tokens`` from ``weights`` (e.g. :func:`invink_audit.mechanism.sample_tokens`);
-    3. ``recorder.record(text_ids, tokens)``.
-
-    Texts end where the decode loop says (EOS, budget); :meth:`finish` returns a
-    :class:`RecordedAudit`. ``actual`` and ``neighbours`` are the mechanism's log-probabilities under
-    R and under each R'_j (:class:`invink_audit.mechanism.NeighbourLogProbs`).
-    """
+    """Accumulates exact checks and sequence log-probabilities while texts are generated. Once per decoding step
+    with the live texts ``text_ids`` (indices into the plan): ``weights = recorder.sampling_log_weights(text_ids,
+    actual, neighbours)`` (the exact checks; each text's sampling log-weights), draw ``tokens`` from them, then
+    ``recorder.record(text_ids, tokens)``. Texts end where the decode loop says; :meth:`finish` returns a
+    :class:`RecordedAudit`."""
 
     def __init__(
         self,
@@ -534,14 +522,10 @@ class WhiteBoxRecorder:
         check_actual: torch.Tensor | None = None,
         check_neighbours: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the exact checks of one step and return each text's sampling log-weights.
-
-        ``actual`` (G, W) and ``neighbours`` (G, B, W): the step's outcome distributions under R and
-        every R'_j (sampled from, accumulated into sequence log-probabilities, checked for equal
-        supports). ``check_actual``/``check_neighbours``: the distributions the per-step claim is
-        about when they are not the outcome distributions (e.g. Amin et al.'s exponential mechanism
-        given a private step); the range, Rényi and δ checks run on them.
-        """
+        """Run the exact checks of one step and return each text's sampling log-weights. ``actual`` (G, W),
+        ``neighbours`` (G, B, W): the step's outcome log-probabilities under R and every R'_j.
+        ``check_actual``/``check_neighbours``: the distributions the per-step claim is about when they are not the
+        outcome distributions (Amin et al.'s exponential mechanism given a private step)."""
         import time
 
         if self._pending is not None:
