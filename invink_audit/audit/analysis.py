@@ -1,15 +1,6 @@
 r"""From the measurements of a white-box audit to a report with a verdict.
 
-Hypotheses tested (each :math:`H_0`: the claim holds for that quantity), all in one Holm family at
-the configured significance:
-
-* for every audited neighbour j, direction and α, and each estimator with samples:
-  :math:`D_\alpha \le \alpha\rho_{seq}` (plain Monte Carlo; geometric-mixture importance sampling);
-* for every audited neighbour j and direction: :math:`\delta(\varepsilon_{acc}(\delta)) \le \delta`
-  for every accountant and every δ of the grid, tested at once with the DKW band (simultaneous
-  over ε, so one test per (j, direction)).
-
-Exact per-step failures are facts, not tests: one of them is a VIOLATION.
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.analysis").
 """
 
 from __future__ import annotations
@@ -21,6 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from accounting import rdp_to_epsilon
 from invink_audit.audit import stats
 from invink_audit.audit.records import AccountantComparison, AuditTimings, DeltaEstimate, LossHistogram, ReportedClaim, SequenceEstimate, StepCheckSummary, WhiteBoxReport, WorstNeighbour, sampled_confirmations
 from invink_audit.audit.whitebox import (
@@ -93,19 +85,6 @@ def claim_epsilons(claim, delta: float, accountants=None) -> dict:
     from invink_audit.mechanisms.adapmixed import rdp_to_epsilon
 
     return {"rdp-filter": float(rdp_to_epsilon(claim.renyi_budget, claim.renyi_order, delta))}
-
-
-def _rdp_to_epsilon(alphas, rdp, delta) -> float:
-    """RDP curve → ε at δ (dp-accounting's conversion, Canonne–Kamath–Steinke 2020 / Balle et al. 2020)."""
-    from dp_accounting.rdp import rdp_privacy_accountant
-
-    rdp = [float(x) for x in rdp]
-    if any(math.isinf(x) or math.isnan(x) for x in rdp) and all(math.isinf(x) or math.isnan(x) for x in rdp):
-        return math.inf
-    orders = [a for a, x in zip(alphas, rdp) if math.isfinite(x)]
-    vals = [x for x in rdp if math.isfinite(x)]
-    eps, _ = rdp_privacy_accountant.compute_epsilon(orders, vals, delta)
-    return float(eps)
 
 
 def _histogram(losses: np.ndarray, neighbour: int) -> LossHistogram:
@@ -290,16 +269,12 @@ def _accountant_comparisons(rec: RecordedAudit, seq_rows: list[SequenceEstimate]
     """Each accountant's ε at the claim's δ against the ε of the claimed and the measured curves."""
     cfg, claim = rec.config, rec.claim
     alphas = cfg.alphas
-    measured, measured_up = _measured_curves(alphas, seq_rows)
-    comparisons = []
-    for name, eps in claim_epsilons(claim, claim.delta, cfg.accountants).items():
-        e_grid = _rdp_to_epsilon(alphas, [claim.renyi(a) for a in alphas], claim.delta)
-        e_meas = _rdp_to_epsilon(alphas, measured, claim.delta) if measured and not any(map(math.isnan, measured)) else math.nan
-        e_up = _rdp_to_epsilon(alphas, measured_up, claim.delta) if measured_up and not any(map(math.isnan, measured_up)) else math.nan
-        comparisons.append(
-            AccountantComparison(name, claim.delta, eps, e_grid, e_meas, e_up, e_grid / e_meas if e_meas and e_meas > 0 else math.inf)
-        )
-    return comparisons
+    e_grid = rdp_to_epsilon({a: claim.renyi(a) for a in alphas}, claim.delta)
+    e_meas, e_up = (rdp_to_epsilon(dict(zip(alphas, m)), claim.delta) if m and not any(map(math.isnan, m)) else math.nan
+                    for m in _measured_curves(alphas, seq_rows))
+    ratio = e_grid / e_meas if e_meas and e_meas > 0 else math.inf
+    return [AccountantComparison(name, claim.delta, eps, e_grid, e_meas, e_up, ratio)
+            for name, eps in claim_epsilons(claim, claim.delta, cfg.accountants).items()]
 
 
 def _with_prefix(rec: RecordedAudit, worst: dict, prefix_decoder) -> dict:
@@ -426,18 +401,10 @@ def analyse(
     notes: tuple[str, ...] = (),
     claim_details: dict | None = None,
 ) -> WhiteBoxReport:
-    """Turn a :class:`RecordedAudit` into a :class:`WhiteBoxReport` with a verdict.
-
-    Phases: the tests and the verdict (:func:`_tested`: the sequence-level Rényi estimates and their
-    tests, :func:`_renyi_estimates`; the δ(ε) tests against every accountant, :func:`_delta_tests`; the
-    verdict with Holm's decisions, :func:`_verdict`), then the report's rows: worst neighbour, accountant
-    comparisons, step-check summary, timings (:func:`_analysis_timings`), loss histogram.
-
-    ``prefix_decoder(tokens) -> str`` renders the worst prefix (e.g. a tokenizer's decode);
-    ``exact``: an :class:`invink_audit.audit.synthetic.ExactOutputs` to attach exact divergences
-    (self-test and tests only); ``timings``: what the caller measured (a mapping or
-    :class:`AuditTimings`), to which the analysis adds its own time.
-    """
+    """Turn a :class:`RecordedAudit` into a :class:`WhiteBoxReport` with a verdict (Holm over every test).
+    ``prefix_decoder(tokens) -> str`` renders the worst prefix; ``exact``: an
+    :class:`invink_audit.audit.synthetic.ExactOutputs` to attach exact divergences (self-test and tests only);
+    ``timings``: what the caller measured (a mapping or :class:`AuditTimings`), to which the analysis adds its own."""
     t0 = time.perf_counter()
     audited = rec.config.audited_neighbours(rec.batch_size)
     canaries = dict(canaries or {})

@@ -1,34 +1,7 @@
 r"""Audits of AugPE's privacy claim on its DP core, the noisy nearest-neighbour histogram (numpy only).
 
-**What is audited, and why only that.** An AugPE iteration (Xie et al. 2024, arXiv:2403.01749, Alg. 1) generates
-and paraphrases candidates with an LLM from public prompts and from the *released* histograms of earlier
-iterations, embeds them with a public embedder, lets every private reference vote for its nearest candidate, adds
-Gaussian noise to the counts (:func:`~invink_audit.augpe.histogram.dp_nn_histogram`), and selects from the noisy
-counts. The candidates and their embeddings are therefore public at each iteration, and the threshold H and the
-selection are post-processing of the noisy counts (Bun & Steinke 2016, arXiv:1605.02065, Lemma 1.8; for Rényi
-divergence, van Erven & Harremoës 2014, "Rényi divergence and Kullback–Leibler divergence", Thm. 9). The only
-step that reads the references is the histogram, so both audits here fix the candidate embeddings of every
-iteration (the auditor chooses them, as an adversary would; adaptive composition covers candidates that depend on
-earlier releases: Bun & Steinke 2016, Lemma 2.3) and audit the T histogram releases. Neighbours are
-replace-by-null: a reference replaced by the empty text, whose embedding votes too.
-
-1. :func:`exact_histogram_check` (white box, exact): for every neighbour, the count vectors h (references R) and
-   h' (R with reference j replaced by the empty text), recomputed by the implementation's own vote and count
-   functions, and the exact Rényi divergence of the released Gaussians,
-   :math:`D_\alpha(\mathcal N(h, \sigma^2 I)\,\|\,\mathcal N(h', \sigma^2 I)) = \alpha\|h - h'\|_2^2/(2\sigma^2)`
-   (Mironov 2017, "Rényi differential privacy", arXiv:1702.07476, Prop. 7; Gil, Alajaji & Linder 2013,
-   "Rényi divergence measures for commonly used univariate continuous distributions", Inf. Sci. 249), per
-   iteration and summed over the T iterations, against the claim :math:`D_\alpha \le \alpha\rho` (ρ-zCDP, Bun &
-   Steinke 2016, Def. 1.1) with :math:`\rho = \Delta_{claim}^2/(2\sigma^2)` per iteration
-   (:class:`accounting.AugPEEvent`). No sampling: a VIOLATION is a fact about these embeddings.
-2. :func:`histogram_canary_audit` (black box): the batched canary audit of :mod:`invink_audit.audit.batched`
-   (a fair coin per trial: the canary reference present, or replaced by the empty text) on
-   :class:`~invink_audit.audit.targets.HistogramTarget`, which releases
-   :func:`~invink_audit.augpe.histogram.noisy_counts`'s thresholded histograms, scored by their exact log-likelihood
-   ratio (optimal by Neyman–Pearson), bounded by Clopper–Pearson against the claim's whole exact μ-GDP curve
-   (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`).
-
-Design and measured figures: docs/guide/auditing.md ("Auditing AugPE").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.augpe"); measured figures: docs/guide/auditing.md
+("Auditing AugPE").
 """
 
 from __future__ import annotations
@@ -62,7 +35,7 @@ __all__ = [
     "worst_case_canary",
 ]
 
-#: Rényi orders of the exact check's table. For Gaussians D_α/α is the same at every α (module docstring), so
+#: Rényi orders of the exact check's table. For Gaussians D_α/α is the same at every α (Mironov 2017, Prop. 7), so
 #: the verdict does not depend on the grid; it is reported as the white-box audits report theirs.
 DEFAULT_ALPHAS = (1.5, 2.0, 4.0, 8.0, 16.0, 32.0)
 
@@ -118,7 +91,7 @@ def neighbour_histograms(reference_embeddings, candidate_embeddings, null_embedd
 
 @dataclasses.dataclass(frozen=True)
 class HistogramCheck:
-    r"""The exact white-box check of one AugPE claim on fixed embeddings (module docstring, item 1).
+    r"""The exact white-box check of one AugPE claim on fixed embeddings (auditing notes, item 1).
 
     ``event`` is the claim (its σ is the mechanism's noise, its Δ the sensitivity it is accounted with);
     ``squared_shifts[j][t]`` the realised :math:`\|h - h'_j\|_2^2` of neighbour j at iteration t (an integer). Every
@@ -216,7 +189,7 @@ class HistogramCheck:
 def exact_histogram_check(
     reference_embeddings, candidate_embeddings, null_embedding, event: AugPEEvent, *, alphas: Sequence[float] = DEFAULT_ALPHAS
 ) -> HistogramCheck:
-    """The exact check of ``event`` on these embeddings (module docstring, item 1): every replace-by-null neighbour,
+    """The exact check of ``event`` on these embeddings (auditing notes, item 1): every replace-by-null neighbour,
     every iteration (``candidate_embeddings``: one 2-d array for all T iterations, or one per iteration). The
     threshold H and the selection are post-processing and do not enter."""
     if not isinstance(event, AugPEEvent):

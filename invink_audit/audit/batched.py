@@ -1,12 +1,7 @@
 """Batched canary audit: one generation run, as many independent trials as it has batches.
 
-:func:`batched_canary_audit` puts a canary slot in every batch, filled or emptied (replace-by-null) by a
-fair coin per batch; each text is one trial (no one-run penalty, unlike Steinke, Nasr & Jagielski 2023).
-Scores: the black-box text scores, or for an :class:`EngineTarget` the exact log-likelihood ratio by
-teacher forcing (optimal by Neyman–Pearson; :class:`SurrogateScorer` otherwise); sequential looks, the
-ceiling and a GDP fit come from :mod:`invink_audit.audit.tradeoff`. :func:`echo_canary` builds canaries.
-
-Design: docs/guide/auditing.md (§"Batched black-box audits: one trial per batch").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.batched"); docs/guide/auditing.md (§"Batched black-box
+audits: one trial per batch").
 """
 
 from __future__ import annotations
@@ -175,16 +170,16 @@ def batched_canary_audit(
     surrogate: SurrogateScorer | None = None,
     claimed_profile: Callable[[float], float] | None = None,
 ) -> BlackBoxReport:
-    """Audit ``target`` (a :class:`~invink_audit.audit.targets.BlackBoxTarget`, or a callable ``references ->
-    text``; the :data:`LLR_SCORE` needs a target that knows its likelihoods) with ``num_batches`` batches of ``batch_size`` references (module docstring). ``pool``: the other references,
-    cycled; ``scores``: default the exact log-likelihood ratio when the target offers it, and the text
-    scores. ``seed``: the coins (recorded either way). ``spare_references``: more references in every batch
-    (a generator that drops empty slots, as the reference package does, pulls the next one in). ``surrogate``:
-    adds the :data:`SURROGATE_SCORE` (:class:`SurrogateScorer`: the ratio under a model the auditor has).
-    ``claimed_profile``: the claim's ε at every δ' (e.g. ``lambda d: event.epsilon(d)``: the release's
-    accountant), equal to ``claimed_epsilon`` at ``claimed_delta``; the score, the threshold and the verdict
-    then test the claim's whole curve (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`), not its one
-    quoted point."""
+    """Audit ``target`` (a :class:`~invink_audit.audit.targets.BlackBoxTarget`, or a callable ``references -> text``;
+    the :data:`LLR_SCORE` needs a target that knows its likelihoods) with ``num_batches`` batches of ``batch_size``
+    references (docs/guide/auditing.md). ``pool``: the other references, cycled; ``scores``: default the exact
+    log-likelihood ratio when the target offers it, and the text scores. ``seed``: the coins (recorded either way).
+    ``spare_references``: more references in every batch (a generator that drops empty slots, as the reference package
+    does, pulls the next one in). ``surrogate``: adds the :data:`SURROGATE_SCORE` (:class:`SurrogateScorer`: the ratio
+    under a model the auditor has). ``claimed_profile``: the claim's ε at every δ' (e.g. ``lambda d: event.epsilon(d)``:
+    the release's accountant), equal to ``claimed_epsilon`` at ``claimed_delta``; the score, the threshold and the
+    verdict then test the claim's whole curve (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`), not its one quoted
+    point."""
     target = as_target(target)
     batch_size, num_batches = check_count("batch_size", batch_size), check_count("num_batches", num_batches)
     if num_batches < 16:

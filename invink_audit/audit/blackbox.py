@@ -1,21 +1,7 @@
 r"""Black-box canary audit of any text generator (:class:`~invink_audit.audit.targets.BlackBoxTarget`, or a callable:
 list of references → text).
 
-Trials alternate between the references *with* a canary in one slot and its replace-by-null
-neighbour (the slot emptied). Each output gets a score per scoring function; on the *selection*
-half of the trials the auditor picks the (score, threshold) that maximises the Clopper–Pearson ε
-lower bound, then computes the bound once on the held-out *evaluation* half (choosing the threshold
-on the same trials would inflate the bound: docs/auditing_notes.md, "Common faults").
-
-The bound (DP-Sniper / Jagielski et al. 2020 style, :func:`invink_audit.audit.stats.epsilon_lower_bound`):
-:math:`\varepsilon \ge \log\frac{\underline{TPR}-\delta}{\overline{FPR}}` (and the complement), at the
-stated significance. VIOLATION if it exceeds the claimed ε; otherwise INCONCLUSIVE (a black box can
-refute a claim, never confirm one).
-
-Scores: ``canary-overlap`` (fraction of the canary's distinct words of ≥ 3 letters found in the
-output), ``length`` / ``characters`` (words / characters: detect a data-dependent token budget),
-``exact-match`` (trained on the selection split: how much more often this exact text appeared with
-the canary; detects deterministic generators and verbatim leaks), or any callable ``text -> float``.
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.blackbox").
 """
 
 from __future__ import annotations
@@ -162,12 +148,8 @@ def blackbox_audit(
     generates every trial in one call. ``references``: the batch with any text in ``canary_slot`` (it is
     replaced by the canary, or emptied for the neighbour). ``canary_slot``: a slot, or a canary *unit*'s slots (a
     user's several references: docs/guide/privacy-unit.md), all filled with the canary or all emptied, for a
-    per-unit claim. ``mechanism``: the report's name of the target (default: its label).
-
-    Phases: the alternating trial batches (:func:`_alternating_trials`), the trials, the selection / evaluation
-    split (:func:`_selection_split`), the scores (:func:`score_matrix`), the score and threshold chosen on the
-    selection split (:func:`select_score`), the ε lower bound on the evaluation split (:func:`_evaluate`), and
-    the verdict.
+    per-unit claim. ``mechanism``: the report's name of the target (default: its label). The score and threshold
+    are chosen on the selection split, the ε lower bound computed on the evaluation split.
     """
     target = as_target(target)
     refs = list(references)

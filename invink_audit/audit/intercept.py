@@ -1,40 +1,16 @@
 r"""White-box audit of a generator's own loop, unmodified: intercept every draw, replay every neighbour.
 
-:func:`audit_generator` runs the user's ``generate(references)`` once and records, at the final sampling call of
-every drawn token, the exact distribution the token was drawn from. It then runs ``generate`` again for every
-neighbour (under the claim's :class:`~accounting.Adjacency`: reference ``j`` replaced by ``None``, which the user's
-function maps to their generator's notion of null, or left out of the list) with the same tokens forced at the same
-calls, and records the neighbour's distributions. The claim is an :class:`accounting.PrivacyClaim`, in the form the
-generator states it. Per step it computes the exact divergences (:func:`invink_audit.audit.whitebox.step_quantities`:
-Rényi divergences in both directions, the bounded range) and the largest absolute log-ratio on the union support, and
-checks them against the claim's per-step part. Along each realised text it sums the per-step Rényi divergences
-(adaptive composition, Mironov 2017, Prop. 1; a Rényi filter's spend, Feldman & Zrnic 2021, Thm. 3.1): a violation only
-of a per-step claim composed over T or of a filter's budget, never of a sequence-level claim (which bounds the
-supremum over paths, not one path). A sequence-level claim ((ε, δ), μ-GDP, ρ-zCDP, Rényi) is checked from texts in
-both directions (a symmetric relation): the run's texts are draws from P, and every audited neighbour is also run
-freely (texts from P') with the actual references replayed on its tokens; each text's realised privacy loss is
-exact, so :func:`~invink_audit.audit.stats.hockey_stick_delta` and :func:`~invink_audit.audit.stats.renyi_monte_carlo`
-bound δ(ε) and :math:`D_\alpha` each way (:class:`SequenceCheck`); a pure-ε text claim is violated by one realised
-loss over ε. A row's S draws in one sampling call are S steps of its text. The ε the generator reports is checked
-against what its own claim certifies (our accountant, :meth:`~accounting.PrivacyClaim.epsilon_at`) and, below that,
-against the ε of the worst mechanism the claim admits (:meth:`~accounting.PrivacyClaim.epsilon_lower_at`).
+:func:`audit_generator` runs ``generate(references)`` once, recording the exact distribution of every drawn token at
+its final sampling call, then once per neighbour (under the claim's :class:`~accounting.Adjacency`) with the same
+tokens forced. Per step: :func:`~invink_audit.audit.whitebox.step_quantities` against the claim's per-step part;
+along each text the per-step Rényi sums (adaptive composition, Mironov 2017, Prop. 1; a Rényi filter's spend,
+Feldman & Zrnic 2021, Thm. 3.1), held against a per-step claim composed over T or a filter's budget only. A
+sequence-level claim is checked from exact realised losses in both directions (:class:`SequenceCheck`). The
+reported ε is held against :meth:`~accounting.PrivacyClaim.epsilon_at` and
+:meth:`~accounting.PrivacyClaim.epsilon_lower_at`. The patches are process-wide while a run lasts: one audit at a
+time, other threads pass through unrecorded, every patch restored in a ``finally``.
 
-Intercepted samplers (the final draw of a token): ``torch.multinomial`` and ``Tensor.multinomial`` (which
-``torch.distributions.Categorical.sample`` and transformers' ``generate(do_sample=True)`` call), ``numpy.random
-.choice`` and the ``choice`` of every generator made by ``numpy.random.default_rng`` during the run (with ``p=``
-or uniform). A (G, V) batch is G texts; a call's S draws per row are S steps of that row's text. An argmax over
-scores plus noise of a declared law: a noise vector drawn by ``normal`` or ``gumbel`` of a
-``numpy.random.RandomState`` or ``default_rng`` generator made during the run (or numpy's legacy module functions)
-declares its law, and adding scores to it, element by element or as one array
-(``scores + noise``), is the draw: its exact law is recorded (:func:`noisy_argmax_log_probs`) and its token is the
-argmax of the noisy scores (the generator's own argmax then picks it; a replay gets +inf at the forced token). Out of
-scope for now: Laplace noise, torch noise, and numpy generators built before the run or by
-``numpy.random.Generator(...)`` directly. Randomness other than the intercepted draws is held fixed: every run
-starts from the same global RNG states (torch, numpy's legacy, Python's ``random``), and a forced call consumes
-the same random numbers as the draw it replaces, so the audit is of the draws given that randomness.
-
-The patches are process-wide while a run lasts: one audit at a time (a second is refused), calls from other
-threads pass through unrecorded, and every patch is restored in a ``finally``.
+What is intercepted and checked: docs/guide/auditing.md ("Auditing your own generator").
 """
 
 from __future__ import annotations
@@ -416,7 +392,6 @@ def _run(generate: Callable, references: list, forced, neighbour: int | None):
     return output, calls
 
 
-
 @dataclass(frozen=True)
 class SequenceCheck:
     r"""A sampled check of a sequence-level claim against one neighbour, from the run's texts (each text's realised
@@ -716,7 +691,7 @@ def audit_generator(
     tolerance: float | None = None,
     significance: float = 0.05,
 ) -> GeneratorAudit:
-    """White-box audit of ``generate(references)``, the user's own generator loop, unmodified (module docstring).
+    """White-box audit of ``generate(references)``, the user's own generator loop, unmodified (docs/guide/auditing.md).
 
     ``claim``: an :class:`accounting.PrivacyClaim` (a :class:`~invink_audit.mechanisms.MechanismGuarantee` or a
     white-box :class:`~invink_audit.audit.whitebox.Claim` is converted, :meth:`~accounting.PrivacyClaim.of`), for a text

@@ -1,28 +1,6 @@
 r"""White-box audit of any :class:`~invink_audit.mechanisms.Mechanism` on a real model through the engine's hooks.
 
-One batch of references ``R`` (with canaries in chosen slots) is decoded many times by
-:class:`invink_audit.engine.Engine`; every decoded text has its own sampling target (R, a
-neighbour R'_j, or a geometric mixture, see :class:`~invink_audit.audit.whitebox.SamplingPlan`).
-The engine's ``sampling_rule`` hook gives the auditor the step's distributions under R and every R'_j from the
-same forward pass, in the mechanism's exact state; the auditor runs the exact per-step checks
-(:class:`~invink_audit.audit.whitebox.WhiteBoxRecorder`) and returns the text's sampling weights; the
-``observer`` hook records the released outcomes. The claim is the mechanism's guarantee for the batch
-(:meth:`~invink_audit.audit.whitebox.Claim.from_mechanism`); InvisibleInk is the mechanism
-:class:`~invink_audit.mechanisms.InvisibleInk` (planned from ε, or with a given clip norm), run on the engine's
-own fast path.
-
-Canaries (docs/auditing_notes.md, "Canaries on a real model"): text canaries are references placed
-in a slot (the audit of that slot's neighbour is R with canary vs R' with canary → null). The
-*logit-level hardest-case canary* is a capability of the mechanism
-(:meth:`~invink_audit.mechanisms.InvisibleInk.hardest_case_logits`, the worst case of
-docs/accounting_notes.md §8): its slot holds a null reference for the model, and at every step the auditor
-sets that row's logits to the row the mechanism names, and recomputes the step's distributions.
-
-Cost: the time spent in the hooks (neighbour log-probabilities, checks, bookkeeping) is measured
-against the rest of the generation (forward passes, mechanism, sampling), over the whole run
-(``audit_overhead_ratio``, prefills included) and over decode steps only, where no text joined
-(``audit_overhead_ratio_decode_steps``: the per-token cost the checks add to decoding). On CUDA the
-hooks synchronise the device to time themselves.
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.model_audit").
 """
 
 from __future__ import annotations
@@ -320,14 +298,10 @@ def _load_model(model):
 
 
 class _Hooks:
-    """The engine's hooks: exact checks on each step's distributions in the mechanism's exact state (with the
-    hardest-case canary's row set by the auditor), each text's sampling weights, and the released outcomes
-    recorded, timed per step.
-
-    The time is split between "decode" steps (no text joined, so no prefill in the engine's step) and
-    steps with a prefill; engine time is measured from the end of the observer to the start of the
-    next sampling rule (forward pass, mechanism, bookkeeping). On CUDA the hooks synchronise the device.
-    """
+    """The engine's hooks: exact checks on each step's distributions (the hardest-case canary's row set by the
+    auditor), each text's sampling weights, the released outcomes recorded; timed per step, split between decode
+    steps and steps with a prefill (engine time: from the observer's end to the next sampling rule's start). On
+    CUDA the hooks synchronise the device."""
 
     def __init__(self, session: _Session, mechanism: Mechanism, hardest_case_slot: int | None) -> None:
         self.session, self.mechanism, self.hardest_case_slot = session, mechanism, hardest_case_slot

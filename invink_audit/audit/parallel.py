@@ -1,15 +1,6 @@
 """A white-box audit's independent texts shared by several processes (``torchrun`` / ``accelerate launch``).
 
-The texts of a sampled audit are independent draws (Monte Carlo and importance-sampling texts of one
-batch), each from its own random stream keyed by the run key and its index in the sampling plan, so
-they can be drawn anywhere: process ``r`` of ``n`` draws texts ``r, r+n, r+2n, …`` (all texts share one
-prompt, so their costs are alike). Rank 0 draws the run key and sends it to the others; at the end every
-process's :class:`~invink_audit.audit.whitebox.RecordedAudit` is gathered and merged (per-text rows from
-their owner, counts summed, per-position maxima combined), and every process gets the merged record. For
-a fixed seed every text has the tokens it has in one process, so the verdict is the same and every
-number agrees to floating-point rounding (measured: 1e-15 relative; the per-text sums see their steps in
-another batch composition), and the location of the worst prefix may differ where two are tied to
-rounding. Timings in the report are process 0's.
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.parallel").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The self-test's planted bugs as :class:`~invink_audit.mechanisms.Mechanism` subclasses (docs/auditing_notes.md,
-"Testing the auditor"): InvisibleInk with one property broken, its accountant told what the correct mechanism
-would claim. Each passes :class:`~invink_audit.testing.MechanismContract` except for the property it breaks
-(tests/test_mechanism_contract.py): naive clipping and a lower sampling temperature move a step by twice the
-claimed range, a private top-k set changes the support, and a data-dependent budget states a guarantee for a T
-computed from the references instead of the public ``max_new_tokens``.
+"""The self-test's planted bugs: :class:`~invink_audit.mechanisms.Mechanism` subclasses, InvisibleInk with one
+property broken, each passing :class:`~invink_audit.testing.MechanismContract` except for that property.
+
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.planted").
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 r"""A short audit of texts that were just generated (used by ``make demo``).
 
-:func:`quick_audit` (and :func:`audit_release_file` for a finished output) teacher-forces every released
-text through the engine (exact per-step checks for all B neighbours, and the realised sequence loss
-:math:`L_j(x) = \log P_R(x)/P_{R'_j}(x)`, :func:`teacher_forced_losses`), then runs a small sampled audit
-of batch 0 (:func:`invink_audit.audit.model_audit.audit_model`), for InvisibleInk or any mechanism's
-release. The :class:`QuickAuditReport` is **not private**: keep it with the data, never publish it.
-
-Design: docs/guide/auditing.md (§"Auditing texts you just generated").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.quick"); docs/guide/auditing.md (§"Auditing texts you
+just generated").
 """
 
 from __future__ import annotations
@@ -401,10 +396,6 @@ def _sampled_config(*, alphas, num_samples, num_is_samples, significance, direct
 
 
 # ---------------------------------------------------------------------------------------------
-# any mechanism of the interface
-
-
-# ---------------------------------------------------------------------------------------------
 # the entry point
 
 #: :func:`quick_audit`'s phases, as its ``progress`` callback names them
@@ -437,27 +428,15 @@ def quick_audit(
     generator: torch.Generator | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> QuickAuditReport:
-    """Audit the texts of a :class:`invink_audit.generation.GenerationResult` (e.g. from the demo).
-
-    The result records what the release was (its plan, mechanism, prompt template, labels and
-    partition), and the audit uses exactly that (:class:`AuditedRelease`): ``references``, ``prompt``
-    and ``prompt_fields`` are optional, and when given they must be those given to ``generate`` (a
-    list or file path; a preset name or template, and its fields), or a ``ValueError`` says they
-    disagree (the forms ``generate`` takes: a list, a path, a :class:`~invink_audit.data.ReferencesFile`;
-    a preset name, a template, a :class:`~invink_audit.generation.PromptSpec`). ``model``: the same model (a loaded model is reused; default: the one the result names). ``sampled_batch``: which batch
-    gets the sampled audit (``None`` skips it). Its size: ``num_samples`` texts from R (and, with
-    ``"reverse"`` in ``directions``, as many from each R'_j) plus ``num_is_samples`` per α, neighbour
-    and direction; the defaults (16 forward texts) keep it to about the cost of generating 16 texts.
-    Below 16 samples the sampled verdict is INCONCLUSIVE.
-
-    The sampled texts are drawn outside the ledger: they are not charged and the release's guarantee
-    does not cover them (``uncharged_samples`` counts them). The report is a non-private function of
-    the references (see the module docstring).
-
-    ``progress(phase, done, total)``: called as each phase advances (nothing is printed here; the caller
-    draws the bars, e.g. :func:`invink_audit.cli.phase_progress`): :data:`PHASE_EXACT` counts the
-    generated texts' tokens teacher-forced so far, :data:`PHASE_SAMPLED` the sampled texts' token slots
-    (texts × T). Each phase starts with ``done = 0`` and ends with ``done = total``.
+    """Audit the texts of a :class:`invink_audit.generation.GenerationResult`: the release it records
+    (:class:`AuditedRelease`). ``references``, ``prompt``, ``prompt_fields``: optional, in any form ``generate``
+    takes; when given they must be those given to ``generate`` (a ``ValueError`` says they disagree). ``model``: the
+    same model (a loaded one is reused; default: the one the result names). ``sampled_batch``: the batch of the
+    sampled audit (``None``: none): ``num_samples`` texts from R (with ``"reverse"`` in ``directions`` as many from
+    each R'_j) plus ``num_is_samples`` per α, neighbour and direction; below 16 its verdict is INCONCLUSIVE. Its
+    texts are drawn outside the ledger, not charged and not covered (``uncharged_samples``); the report is not
+    private. ``progress(phase, done, total)``: :data:`PHASE_EXACT` counts the tokens teacher-forced,
+    :data:`PHASE_SAMPLED` the sampled texts' token slots (texts × T), each from 0 to ``total``.
     """
     start = time.perf_counter()
     _phase(progress, "")  # a progress that is not callable is refused before anything is loaded
@@ -638,7 +617,6 @@ def _recorded_partition(run: Mapping, references, column, where, fingerprint: st
         read_references,
         select_references,
     )
-    from invink_audit.generation import input_fingerprint
 
     columns = tuple(run.get("label_columns") or ())
     if "privacy_unit" in run:
@@ -655,20 +633,23 @@ def _recorded_partition(run: Mapping, references, column, where, fingerprint: st
         candidates = (labelled_partition(selected, b, num_texts_per_group=n)[:2] for n in limits)
     else:
         candidates = ((partition_references(selected, b, num_texts=run["num_batches"]), None),)
+    return _fingerprinted(candidates, fingerprint, "give the same input file, --column and --where as generate was given")
+
+
+def _fingerprinted(candidates, fingerprint: str, advice: str):
+    """The first (partition, labels) of ``candidates`` whose input fingerprint is the recorded one."""
+    from invink_audit.generation import input_fingerprint
+
     for partition, labels in candidates:
         if input_fingerprint(partition, labels) == fingerprint:
             return partition, labels
-    raise ValueError(
-        "the references do not give the release's input (its recorded fingerprint): give the same input file, "
-        "--column and --where as generate was given"
-    )
+    raise ValueError(f"the references do not give the release's input (its recorded fingerprint): {advice}")
 
 
 def _recorded_unit_partition(run: Mapping, references, column, columns: tuple, fingerprint: str):
     """:func:`_recorded_partition` of a per-unit release: the unit and rule its settings name, applied again to the
     input (:func:`~invink_audit.data.unit_partition`); the partition keeps each slot's unit for the neighbours."""
     from invink_audit.data import PrivacyUnit, read_unit_references, unit_partition
-    from invink_audit.generation import input_fingerprint
 
     refs = read_unit_references(references, PrivacyUnit.from_json(run["privacy_unit"]), column=column,
                                 label_columns=columns or None)  # fmt: skip
@@ -677,11 +658,8 @@ def _recorded_unit_partition(run: Mapping, references, column, columns: tuple, f
         candidates = (unit_partition(refs, b, num_texts_per_group=n)[:2] for n in [None, *range(1, len(refs.texts) // b + 1)])
     else:
         candidates = (unit_partition(refs, b, num_texts=run["num_batches"])[:2],)
-    for partition, labels in candidates:
-        if input_fingerprint(partition, labels) == fingerprint:
-            return partition, labels
-    raise ValueError("the references do not give the release's input (its recorded fingerprint): give the same input "
-                     "file and --column as generate was given (the privacy unit and its rule are the recorded ones)")
+    return _fingerprinted(candidates, fingerprint, "give the same input file and --column as generate was given (the "
+                          "privacy unit and its rule are the recorded ones)")
 
 
 def audit_release_file(

@@ -1,14 +1,6 @@
 """Typed audit reports: the records (claim, measurements, verdict) and their JSON form.
 
-A report keeps the *a-priori* claim (what the accountant promised) and the *after-the-fact*
-measurements in separate, named fields. ``to_dict`` is JSON-ready (``inf`` is written as the string
-``"inf"``) and :func:`report_from_dict` reads it back; :mod:`invink_audit.audit.report` renders a report
-(Markdown, PNG plots) and writes it.
-
-Reports are **not private**: they are computed from the audited references with no privacy
-protection (realised per-reference losses, the worst prefix chosen by its loss and decoded, canary
-scores, texts sampled outside any ledger). Every rendering says so (:data:`REPORT_PRIVACY_NOTICE`; the
-JSON is marked ``"not_private": true``).
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.records").
 """
 
 from __future__ import annotations
@@ -82,14 +74,15 @@ def to_jsonable(obj):
 
 
 class _JsonRecord(Mapping):
-    """A typed report record whose JSON object is :meth:`json_fields` (keys in schema order).
-
-    It also reads as that mapping (``record["key"]``, ``"key" in record``, ``record.get``), the form
-    the report had when these fields were plain dicts.
-    """
+    """A typed report record (a dataclass) whose JSON object is :meth:`json_fields` (default: its fields, in order);
+    it also reads as that mapping (``record["key"]``, ``"key" in record``, ``record.get``)."""
 
     def json_fields(self) -> dict:
-        raise NotImplementedError
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping):
+        return cls(**data)
 
     def __getitem__(self, key):
         return self.json_fields()[key]
@@ -178,13 +171,6 @@ class WorstNeighbour(_JsonRecord):
     label: str
     ratio: float
 
-    def json_fields(self) -> dict:
-        return {"index": self.index, "label": self.label, "ratio": self.ratio}
-
-    @classmethod
-    def from_json(cls, data: Mapping) -> WorstNeighbour:
-        return cls(data["index"], data["label"], data["ratio"])
-
 
 @dataclasses.dataclass(frozen=True)
 class LossHistogram(_JsonRecord):
@@ -267,7 +253,7 @@ class StepCheckSummary(_JsonRecord):
     numerics: dict | None = None  # {"dtype", "tolerance", "within_tolerance"}
 
     def json_fields(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = super().json_fields()
         return out if self.numerics is not None else {k: v for k, v in out.items() if k != "numerics"}
 
 
@@ -308,8 +294,8 @@ class DeltaEstimate:
 class AccountantComparison:
     """An accountant's ε at the claim's δ, against the ε certified by the *measured* divergences.
 
-    ``epsilon_measured``: RDP→DP conversion (dp-accounting ``compute_epsilon``; Canonne, Kamath &
-    Steinke 2020 / Balle et al. 2020) of the worst measured curve :math:`\\hat D_\\alpha` on the
+    ``epsilon_measured``: RDP→DP conversion (:func:`accounting.rdp_to_epsilon`; Canonne, Kamath &
+    Steinke 2020, Prop. 12) of the worst measured curve :math:`\\hat D_\\alpha` on the
     audit's α grid (``_upper``: of the upper confidence ends); ``epsilon_claimed_grid``: the same
     conversion of the claimed curve :math:`\\alpha\\rho_{seq}` on the same grid. ``headroom`` =
     epsilon_claimed_grid / epsilon_measured compares the two curves through the *same* conversion
@@ -365,14 +351,9 @@ class WhiteBoxReport:
         return sampled_confirmations(self.sequence, self.delta)
 
     def headroom_summary(self) -> dict:
-        """The headline figures: per-step range headroom, sequence Rényi headroom (min over rows), and ε
-        against the release's claimed ε (the first accountant's).
-
-        ``epsilon`` = the accountant's ε / the ε of the measured curve (``epsilon_measured``: the RDP→DP
-        conversion of the measured D_α on the audit's α grid). That conversion is looser than the
-        accountant, so the ratio errs low (toward less headroom); ``epsilon_claimed_grid`` (the same
-        conversion of the claimed curve) shows by how much. ``sampled_confirmations``: see the property.
-        """
+        """The headline figures: per-step range headroom, sequence Rényi headroom (min over rows), and ``epsilon``,
+        the first accountant's ε over the measured curve's (its RDP→DP conversion on the α grid, looser than the
+        accountant: the ratio errs low; ``epsilon_claimed_grid``, the claimed curve's conversion, shows by how much)."""
         seq = [s.headroom for s in self.sequence if s.estimator == "importance-sampling"] or [
             s.headroom for s in self.sequence
         ]
@@ -405,12 +386,9 @@ class WhiteBoxReport:
 
 
 def sampled_confirmations(sequence: Sequence[SequenceEstimate], delta: Sequence[DeltaEstimate]) -> int:
-    """How many rows of a sampled audit confirm their claim: a sequence estimate whose upper confidence
-    end is at most its claimed D_α, or a δ(ε) row whose band's upper end is at most its target δ.
-
-    With too few samples every upper end is ∞ (or above its claim): the sampled part then confirms
-    nothing, whatever its verdict, and a PASS rests on the exact per-step checks alone.
-    """
+    """How many rows of a sampled audit confirm their claim: a sequence estimate whose upper confidence end is at
+    most its claimed D_α, or a δ(ε) row whose band's upper end is at most its target δ (0: a PASS rests on the exact
+    per-step checks alone)."""
     rows = sum(1 for s in sequence if math.isfinite(s.upper) and s.upper <= s.claimed)
     return rows + sum(1 for d in delta if d.band_upper <= d.target_delta)
 

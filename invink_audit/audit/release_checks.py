@@ -2,23 +2,8 @@ r"""What ``invink-audit audit --release`` checks of a release file before it tea
 was published (the JSON Lines output) is the release its operator's bookkeeping (``<output>.state.json``, the
 ``<output>.sampled`` journal of the texts drawn) records, and that each claim is the one its settings certify.
 
-Every record's text, token ids, guarantee and settings are compared with the journal's copy of the text drawn
-for its batch, and its ``labels`` and ``prompt_fields`` with those its batch gets from the input (rebuilt from
-``--input`` and accepted only by the state's fingerprint of it: :func:`label_findings`); the records' claim is
-recomputed from their settings with the accountant, and the state's settings from the journal's; missing, duplicated and unpublished batches are counted; the model loaded for the
-audit is compared with the fingerprint of the model that drew the texts
-(:func:`invink_audit.models.model_fingerprint`). Each disagreement is a :class:`Finding`, named by its kind; a
-record that is not a text record at all is a ``ValueError`` naming its file and line (bad input, not a finding).
-
-The state and the journal are bookkeeping for an honest operator, not a tamper-proof record: whoever edits the
-output, the state and the journal alike is not caught here (docs/design/release-protocol.md), except in what the
-state fixes through the input's fingerprint (each batch's references, hence its labels and prompt fields). The
-state records nothing of the texts: tokens replaced in both the output and the journal are caught only when
-teacher forcing refuses them (the mechanism could not have drawn them for that batch); a record's ``text`` string
-is compared with the decoding of its tokens once the model is loaded (:mod:`invink_audit.audit.quick`;
-docs/guide/auditing.md lists what is and is not detected).
-
-Design: docs/guide/auditing.md (§"Auditing texts you just generated", a finished output file).
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.release_checks"); docs/guide/auditing.md (§"Auditing
+texts you just generated", a finished output file).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Audit reports rendered and written: Markdown, PNG plots, and ``write_report`` (the records and their JSON
 form are :mod:`invink_audit.audit.records`).
 
-``write_report`` writes ``report.json``, ``report.md`` and the plots. Plots use matplotlib's Agg backend (no
-display needed). Reports are **not private** (:data:`~invink_audit.audit.records.REPORT_PRIVACY_NOTICE`):
-``write_report`` writes its files owner-only (0600), never through a symbolic link, the Markdown opening with
-the NOT PRIVATE banner (:mod:`invink_audit.not_private`).
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.report").
 """
 
 from __future__ import annotations

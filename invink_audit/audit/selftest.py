@@ -1,14 +1,7 @@
-"""The auditor's self-test on planted bugs (docs/auditing_notes.md, "Testing the auditor") and on the paper's baselines.
+"""The auditor's self-test on planted bugs and on the paper's baselines.
 
-:func:`run_selftest` audits, on the synthetic sources of :mod:`invink_audit.audit.synthetic`, the correct
-InvisibleInk mechanism (must PASS), four mutants and the per-unit bug (:func:`unit_two_slots`; each must get
-VIOLATION), optionally the baseline rows
-(Amin et al. 2024 with both accountings, AdaPMixED's data-dependent claim: :func:`baseline_mechanisms`; AugPE's
-histogram with both sensitivities, exactly and black-box: :func:`augpe_entries`, :func:`augpe_blackbox_rows`);
-:func:`coverage_check` counts the Monte Carlo / importance-sampling intervals that cover exact divergences.
-
-Design: docs/auditing_notes.md ("Testing the auditor"); the baseline rows: docs/guide/baselines.md
-("Audits of the baselines").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.selftest", "Testing the auditor"); the baseline rows:
+docs/guide/baselines.md ("Audits of the baselines").
 """
 
 from __future__ import annotations
@@ -404,18 +397,12 @@ def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) ->
 
 
 def blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int = 10_000, seed: int = 0) -> list[dict]:
-    """The planted bugs audited **black-box** with the batched canary audit (:mod:`invink_audit.audit.batched`:
-    one trial per batch, the exact log-likelihood ratio as score, sequential looks) on each self-test source
-    (its reference 0 is the canary), against the claim's whole privacy curve (its accountant's ε(δ') at its
-    own T: :class:`~invink_audit.audit.tradeoff.PrivacyProfile`). One row per (mechanism, source): its
-    claimed ε at δ = 1e-6, the verdict, the rigorous bound at that δ and the tested point of the curve, the
-    perfect-attack ceiling of the trials used, the GDP estimate and, on the stationary hardest-case source,
-    the mechanism's **true** ε at δ = 1e-6 (:func:`~invink_audit.audit.synthetic.exact_epsilon_stationary`:
-    exact, no accountant; None elsewhere and for the data-dependent budget). Which bug a source exercises
-    is the source's: the hardest-case canary moves every logit by the full clip (naive clipping, the
-    temperature), the random source's canary moves a token into the private top-k (a support the public
-    set never has). Not part of :func:`run_selftest`'s pass criterion: a black box may fail to show a
-    violation that is there (the rows say which it shows at this number of trials)."""
+    """The planted bugs audited **black-box** (:mod:`invink_audit.audit.batched`, the exact log-likelihood ratio) on
+    each self-test source (reference 0 the canary), against the claim's whole curve
+    (:class:`~invink_audit.audit.tradeoff.PrivacyProfile`). One row per (mechanism, source): claimed ε at δ = 1e-6,
+    verdict, bounds at that δ and on the curve, ceiling, GDP estimate and, on the stationary hardest-case source, the
+    **true** ε (:func:`~invink_audit.audit.synthetic.exact_epsilon_stationary`; None elsewhere). Not part of
+    :func:`run_selftest`'s pass criterion: a black box may miss a violation that is there."""
     from accounting import composed_epsilon
     from invink_audit.audit.batched import LLR_SCORE, batched_canary_audit
     from invink_audit.audit.targets import SyntheticTarget

@@ -1,66 +1,6 @@
-"""Audit specifications (TOML) and running them.
-
-A spec names what to audit and how; ``run_spec`` returns typed reports and ``invink-audit audit
-SPEC.toml --output DIR`` writes them (report.json, report.md, PNG plots). Each section is read into the
-library's own record, whose constructor validates it (:func:`read_table`). Kinds:
-
-``selftest``
-    the auditor against the correct mechanism and four planted bugs on synthetic logits
-    (section ``[selftest]``: any field of :class:`~invink_audit.audit.selftest.SelfTestSettings`).
-``white-box``
-    a model audit (:func:`~invink_audit.audit.model_audit.audit_model`). Sections: ``[model]``
-    (``name``: ``"embedded"``, a directory or hub id, and any other field of
-    :class:`~invink_audit.generation.ModelSpec`), ``[prompt]`` (``preset``, ``fields``:
-    :class:`~invink_audit.generation.PromptSpec`), ``[data]`` (``inline``: a list of references;
-    ``yelp = "dev"|"test"`` reads ``$INVINK_YELP_DIR`` or ``../shared/data/yelp`` next to the repository; or
-    ``path`` relative to the spec file; ``column``; ``offset``: index of the first reference used),
-    ``[mechanism]`` (``kind``: ``"invisibleink"`` (default), ``"amin"`` or ``"adapmixed"``; ``max_new_tokens``,
-    ``delta``, ``epsilon``, and any field of the mechanism's config:
-    :class:`~invink_audit.mechanism.MechanismConfig` with ``accountant`` (``epsilon`` or ``clip_norm``: the clip
-    norm is planned for ε), :class:`~invink_audit.mechanisms.AminConfig` (``epsilon`` or ``clip_norm``: planned by
-    :meth:`~invink_audit.mechanisms.AminConfig.planned`), :class:`~invink_audit.mechanisms.AdaPMixEDConfig`
-    (``epsilon``: its data-dependent budget)), ``[canaries]`` (``secret``/``repeat``: slot of the default text
-    canaries; ``hardest_case``: slot of the logit-level hardest-case canary; ``custom``: a list of
-    ``{slot, text, label}``), ``[audit]`` (any field of :class:`~invink_audit.audit.whitebox.WhiteBoxConfig` but
-    ``accountants``; ``neighbours``: a list or ``"all"``).
-``black-box``
-    a canary audit of a target (:mod:`invink_audit.audit.targets`). ``[target] kind``: ``"engine"`` (this
-    project's engine running ``[mechanism]``, any kind), ``"invink"`` (the reference package, with
-    ``model_path``: a directory, ``"embedded"`` or ``"tiny"``, and ``dataset_desc``) or ``"callable"``
-    (``function = "module:function"``, imported at run time and called on each batch of references, ``None``
-    in the emptied slot; ``batched = true``: called once on all batches); ``spare_references``: extra references
-    after the batch, which the package's ``drop_empty`` pulls in when the canary slot is emptied. The reference
-    package and a callable are audited against ``[mechanism]``'s ``epsilon`` and ``delta``, the engine against its
-    mechanism's guarantee. Sections ``[model]``, ``[prompt]``, ``[data]``, ``[mechanism]`` as above and
-    ``[blackbox]`` (:class:`BlackBoxSpec`: ``canary``, ``num_trials``, ``scores`` (names; ``"tokens"`` counts
-    output tokens with the invink target's tokenizer), ``significance``, ``invink_kwargs``: keywords for
-    ``invink.generate``; ``random_seed = "fresh"`` draws a new seed per call). ``num_batches`` instead of
-    ``num_trials`` runs the batched audit (:mod:`invink_audit.audit.batched`: one trial per batch, a recorded coin
-    each; the engine target adds the exact ``log-likelihood-ratio`` score and is tested against its accountant's
-    whole curve), ``sequential`` (default true) stopping at the first look that decides, false running every
-    batch for the highest bound they allow.
-``augpe-histogram``
-    a black-box audit of AugPE's DP core, its T noisy nearest-neighbour histograms on fixed public candidate
-    embeddings (:func:`~invink_audit.audit.augpe.histogram_canary_audit`), with the exact white-box check of the
-    same embeddings (:func:`~invink_audit.audit.augpe.exact_histogram_check`) and the canary's exact true ε in the
-    report's notes. Sections: ``[mechanism]`` (``kind = "augpe"``, optional; ``iterations`` T; ``noise_std`` σ or
-    ``epsilon``, σ then planned by :func:`accounting.plan_augpe_noise_std` on the exact μ-GDP curve under the
-    claimed sensitivity; ``delta``; ``sensitivity``: ``"replace-by-null"`` (Δ = √2) or ``"paper"`` (Δ = 1 under
-    replace-by-null, not a valid guarantee); ``threshold`` H), ``[canary]`` (``kind = "worst-case"``:
-    :func:`~invink_audit.audit.augpe.worst_case_canary` with ``others_per_candidate`` and ``num_candidates``) and
-    ``[blackbox]`` (``num_batches``, ``significance``, ``sequential``). The top-level ``seed`` fixes the noise
-    (``seed``) and the coins (``seed + 1``).
-
-Canary and data slots: the B references are the canaries in their slots and data references (in
-file order from ``offset``, a data-independent choice) everywhere else.
-
-Checks: :func:`load_spec` checks every key when the spec is read, before any model loads: the
-numbers against the ranges the command line applies (:mod:`accounting.limits`: ε, δ, C, τ, T, B and
-the counts), the types from the record's fields (``max_new_tokens = 4.7`` or ``batch_size = true`` are
-refused, never truncated), the names (an unknown key is refused with the allowed ones), then the record's
-own constructor. An error is one ``ValueError`` line naming the spec's file, the section and the key
-(``invink-audit audit`` prints it and exits with status 2). A temporary model directory
-(``model_path = "tiny"``) is removed on every path.
+"""Audit specifications (TOML): :func:`load_spec` reads one into the library's own records (each section validated
+by its record's constructor, :func:`read_table`; an error is one line naming file, section and key), :func:`run_spec`
+runs it. Format: docs/guide/auditing.md ("The spec format").
 """
 
 from __future__ import annotations
@@ -374,7 +314,7 @@ def mechanism_from_section(table, batch_size: int | None = None) -> Mechanism:
 
 @dataclasses.dataclass(frozen=True)
 class TargetSpec:
-    """``[target]`` of a black-box spec (module docstring): what is audited."""
+    """``[target]`` of a black-box spec (docs/guide/auditing.md, "The spec format"): what is audited."""
 
     kind: Literal["engine", "invink", "callable"] = "engine"
     model_path: str | None = None

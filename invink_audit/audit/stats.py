@@ -1,13 +1,6 @@
 """Statistics of the privacy auditor: divergence estimators, confidence bounds, tests, verdicts.
 
-Torch-free. Rényi divergence by plain Monte Carlo (:func:`renyi_monte_carlo`, docs/auditing_notes.md §3)
-and geometric-mixture importance sampling (:func:`renyi_importance_sampling`, §4); δ(ε)
-(:func:`hockey_stick_delta`, §5); mean bounds by Anderson (1969) from the DKW inequality with Massart's
-constant (Massart 1990, Thm. 1), empirical Bernstein (Maurer & Pontil 2009, Thm. 4), Clopper–Pearson
-(1934); Holm (1979) over all tests of an audit (:func:`holm`, :func:`decide_verdict`). Every bound states
-its significance level β (an :class:`~invink_audit.evaluation.stats.Interval` at confidence 1 − β).
-
-Design: docs/auditing_notes.md (§3–§5, "Verdicts").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.stats", §3–§5, "Verdicts").
 """
 
 from __future__ import annotations
@@ -41,7 +34,6 @@ __all__ = [
     "epsilon_lower_bound",
     "p_value_from_lower_bound",
     "holm",
-    "bonferroni",
     "decide_verdict",
     "check_significance",
     "delta_band",
@@ -258,10 +250,6 @@ class RenyiEstimate:
             raise ValueError(f"estimator must be 'monte-carlo' or 'importance-sampling'; got {self.estimator!r}")
 
 
-def _renyi_from_log_mean(log_mean: float, alpha: float) -> float:
-    return log_mean / (alpha - 1.0)
-
-
 def _renyi_estimate(
     log_y: np.ndarray,
     alpha: float,
@@ -277,11 +265,9 @@ def _renyi_estimate(
     lo, hi, method = log_mean_bounds(
         log_y, significance, log_lower=log_lower, log_upper=log_upper
     )
-    # a divergence is >= 0 (and the integrand's mean is >= 1 for these estimators' targets)
-    d_lo = max(0.0, _renyi_from_log_mean(lo, alpha))
-    d_hi = _renyi_from_log_mean(hi, alpha)
-    d_pt = _renyi_from_log_mean(point, alpha)
-    d_hi = max(d_hi, d_lo)
+    # D_α = log E[Y] / (α − 1); a divergence is >= 0 (the integrand's mean is >= 1 for these estimators' targets)
+    d_lo, d_pt = max(0.0, lo / (alpha - 1.0)), point / (alpha - 1.0)
+    d_hi = max(hi / (alpha - 1.0), d_lo)
     interval = Interval(d_pt, d_lo, d_hi, 1.0 - significance, method)
     p_value = None
     if claimed is not None:
@@ -547,13 +533,6 @@ def holm(p_values: Sequence[float], significance: float) -> list[bool]:
         else:
             break
     return reject.tolist()
-
-
-def bonferroni(p_values: Sequence[float], significance: float) -> list[bool]:
-    """Bonferroni rejections (each test at ``significance / m``)."""
-    beta = check_significance(significance)
-    p = np.asarray(p_values, dtype=np.float64).reshape(-1)
-    return (p <= beta / max(p.size, 1)).tolist()
 
 
 def decide_verdict(

@@ -1,14 +1,6 @@
 r"""Synthetic logit sources and audited mechanisms: the white-box auditor without a model.
 
-Sources (:class:`RandomSource`; :class:`HardestCaseSource`, the worst case of docs/accounting_notes.md §8:
-per-token loss pair :math:`(t, t-\varepsilon_0)` with :math:`t\approx 0.53\,\varepsilon_0`, Dong, Durfee &
-Rogers 2020); any :class:`~invink_audit.mechanisms.Mechanism` under audit (:class:`AuditedMechanism`: the correct
-InvisibleInk, :func:`correct_mechanism`, the self-test's four planted bugs, :func:`mutants`, the paper's
-baselines, one's own); one walk of a mechanism on a source, in its exact state, that samples an audit's texts
-(:func:`run_synthetic_audit`), draws a black-box audit's texts with their exact ratios (:func:`draw_texts`) and
-enumerates every output exactly (:func:`enumerate_outputs`).
-
-Design: docs/auditing_notes.md ("Testing the auditor").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.synthetic", "Testing the auditor").
 """
 
 from __future__ import annotations
@@ -57,13 +49,9 @@ _DTYPE = torch.float64
 
 
 class LogitSource:
-    """Base class: ``logits(prefixes, step)`` → (private (G, B, V), public (G, V)), float64.
-
-    ``prefixes`` is (G, step) int64 (tokens generated so far). Attributes: ``vocab_size`` (V, EOS
-    included), ``batch_size`` (B), ``eos_token``, ``reference_lengths`` (lengths of the B references
-    in tokens; 0 for a null reference; used only by a data-dependent-budget mutant), ``canaries``
-    ({neighbour index: label}).
-    """
+    """Base class: ``logits(prefixes, step)`` → (private (G, B, V), public (G, V)), float64, ``prefixes`` (G, step)
+    int64. Attributes: ``vocab_size`` (V, EOS included), ``batch_size`` (B), ``eos_token``, ``reference_lengths``
+    (in tokens, 0 for a null reference; for the data-dependent-budget mutant), ``canaries`` ({neighbour: label})."""
 
     vocab_size: int
     batch_size: int
@@ -83,14 +71,10 @@ def _state(prefixes: torch.Tensor, step: int, bos: int) -> torch.Tensor:
 
 
 class RandomSource(LogitSource):
-    r"""Random logits as a function of (last token, position mod ``period``).
-
-    Public logits :math:`\phi_{pub}` are i.i.d. :math:`\mathcal N(0, \text{scale}^2)`; reference ``i``
-    adds :math:`\mathcal N(0, \text{private\_scale}^2)` differences (so ``clip_C`` binds when
-    private_scale ≳ C). The EOS logit is lowered by ``eos_shift`` so texts are not too short.
-    The tables are drawn once from ``seed`` (a data-generation seed: it fixes the *dataset*, not the
-    mechanism's randomness).
-    """
+    r"""Random logits as a function of (last token, position mod ``period``): public logits i.i.d.
+    :math:`\mathcal N(0, \text{scale}^2)`, reference ``i`` adding :math:`\mathcal N(0, \text{private\_scale}^2)`
+    differences (``clip_C`` binds when private_scale ≳ C), EOS lowered by ``eos_shift``. ``seed`` fixes the
+    *dataset* (the tables), not the mechanism's randomness."""
 
     def __init__(
         self,
@@ -131,16 +115,11 @@ class RandomSource(LogitSource):
 
 
 class HardestCaseSource(LogitSource):
-    r"""The worst case for one ε0-BR step, repeated at every step (docs/accounting_notes.md §8).
-
-    Reference 0 is the canary: at every prefix it pushes the "up" group (every non-EOS token except
-    token 0) up by ``push`` and token 0 down by ``push`` (``push`` ≫ C, so the clipped difference is
-    exactly ±C); references 1..B−1 are null (their logits are the public row). The public logits
-    give the up group total probability ``up_probability`` (default 0.45) under the canary's
-    neighbour (where the aggregate equals the public row), EOS probability ``eos_probability``, and
-    are centred so that they lie outside ±``offset`` (naive clipping then also binds, in opposite
-    directions for the public and the canary rows, which is the factor-2 case of paper Property 9,
-    prop:amin-sens).
+    r"""The worst case for one ε0-BR step, repeated at every step (docs/accounting_notes.md §8). Reference 0, the
+    canary, pushes the "up" group (every non-EOS token but token 0) up and token 0 down by ``push`` ≫ C (clipped
+    difference exactly ±C); references 1..B−1 are null. The public logits give the up group probability
+    ``up_probability`` and EOS ``eos_probability`` under the canary's neighbour, and lie outside ±``offset`` (naive
+    clipping then also binds, in opposite directions for the public and canary rows: paper Property 9's factor 2).
     """
 
     def __init__(
@@ -255,12 +234,9 @@ def mutants(*, clip_norm: float, temperature: float, top_k: int, batch_size: int
 
 @contextlib.contextmanager
 def torch_threads(num_threads: int):
-    """Temporarily set torch's intra-op thread count (restored on exit).
-
-    The synthetic audits work on tensors of a few thousand entries, where intra-op parallelism only
-    costs: on a shared 2-core machine, OpenMP spin-waiting made them ~25x slower (measured 46 s vs
-    1.7 s for one self-test audit under load). The real-model auditor does not use this.
-    """
+    """Temporarily set torch's intra-op thread count (restored on exit): the synthetic audits' tensors are tiny,
+    where intra-op parallelism only costs (OpenMP spin-waiting made one self-test audit ~25x slower on a shared
+    2-core machine)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -471,13 +447,9 @@ class ExactOutputs:
 
 def enumerate_outputs(source: LogitSource, audited: AuditedMechanism, *, max_outputs: int = 200_000) -> ExactOutputs:
     """Every complete output of ``audited`` on ``source`` with its exact log-probability under R and every R'_j (a
-    breadth-first walk over released histories, the exact state carried along): the exact reference the Monte
-    Carlo intervals must cover.
-
-    Uses the same per-step distributions as the auditor but no sampling. Only for tiny V, B and T: raises if more
-    than ``max_outputs`` prefixes would be expanded. A mechanism with auxiliary randomness in its exact state
-    (AdaPMixED's screening estimate) is enumerated for one fixed draw of it per step, shared by all prefixes.
-    """
+    breadth-first walk over released histories, no sampling): the reference the Monte Carlo intervals must cover.
+    Tiny V, B and T only: raises beyond ``max_outputs`` prefixes. Auxiliary randomness in a mechanism's exact state
+    (AdaPMixED's screening estimate) is one fixed draw per step, shared by all prefixes."""
     return _enumerate(source, _Walker(source, audited), max_outputs=max_outputs)
 
 

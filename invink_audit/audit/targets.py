@@ -1,20 +1,6 @@
 r"""What a black-box audit audits: one protocol (:class:`BlackBoxTarget`) and the targets this project ships.
 
-A target generates one text per batch of references (an emptied slot is the replace-by-null neighbour) and,
-where it knows them, the exact log-likelihood ratios of the texts it just released, the optimal score by
-Neyman–Pearson. The auditors (:func:`~invink_audit.audit.blackbox.blackbox_audit`,
-:func:`~invink_audit.audit.batched.batched_canary_audit`) take any target; a plain callable
-``references -> text`` is wrapped as a :class:`CallableTarget`.
-
-* :class:`EngineTarget` — any :class:`~invink_audit.mechanisms.Mechanism` on this project's engine (gray box:
-  it teacher-forces its texts for the exact ratio);
-* :class:`ReferencePackageTarget` — the reference package ``invink`` 0.1.0, when installed;
-* :class:`CallableTarget` — a Python callable (``"module:function"`` in a spec), one batch per call or, when it
-  takes a partition, all batches at once;
-* :class:`HistogramTarget` — AugPE's DP core, its T noisy nearest-neighbour histograms (:mod:`invink_audit.augpe`);
-* :class:`SyntheticTarget` — a self-test mechanism on a synthetic logit source.
-
-Design: docs/guide/auditing.md (§"Black-box targets").
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.targets"); docs/guide/auditing.md (§"Black-box targets").
 """
 
 from __future__ import annotations
@@ -264,15 +250,12 @@ class SyntheticTarget(BlackBoxTarget):
 
 class HistogramTarget(BlackBoxTarget):
     r"""AugPE's histogram release (:mod:`invink_audit.augpe.histogram`): a batch whose canary slot holds text
-    releases the T thresholded noisy histograms of the counts with the canary, one whose slot is empty those of
-    its replace-by-null neighbour. ``data``: :class:`~invink_audit.audit.augpe.CanaryEmbeddings`. ``noise_std``,
-    ``iterations`` and ``threshold`` are the mechanism's (what it runs, not what is claimed). ``seed`` fixes the
-    noise (a reproducible audit; OS entropy by default); seeded output carries no privacy.
-
-    The release is :func:`~invink_audit.augpe.histogram.noisy_counts`'s :math:`y = \max(h + \sigma Z - H, 0)`, drawn
-    for all trials of an iteration at once (bit-identical to calling it trial by trial on the same generator:
-    ``tests/test_augpe_audit.py``). The score is the release's exact log-likelihood ratio, summed over bins and
-    iterations: where :math:`y_i > 0` the Gaussian density ratio at :math:`x_i = y_i + H`,
+    releases the T thresholded noisy histograms :math:`y = \max(h + \sigma Z - H, 0)` of the counts with the canary
+    (:func:`~invink_audit.augpe.histogram.noisy_counts`, all trials of an iteration at once), one whose slot is empty
+    those of its replace-by-null neighbour. ``data``: :class:`~invink_audit.audit.augpe.CanaryEmbeddings`;
+    ``noise_std``, ``iterations``, ``threshold``: what the mechanism runs; ``seed`` fixes the noise (OS entropy by
+    default; seeded output carries no privacy). The score is the release's exact log-likelihood ratio, summed over
+    bins and iterations: where :math:`y_i > 0` the Gaussian density ratio at :math:`x_i = y_i + H`,
     :math:`((x_i - h'_i)^2 - (x_i - h_i)^2)/(2\sigma^2)`; where the count was clamped (:math:`y_i = 0`) the ratio of
     the clamped masses, :math:`\log\Phi((H - h_i)/\sigma) - \log\Phi((H - h'_i)/\sigma)` (the likelihood of a
     Gaussian censored at H: Tobin 1958, "Estimation of relationships for limited dependent variables",

@@ -1,33 +1,7 @@
 r"""Statistics of a black-box audit beyond one Clopper–Pearson point: the perfect-attack ceiling, a
 Gaussian-DP fit over all thresholds, and sequential stopping at scheduled looks.
 
-* :func:`perfect_attack_ceiling`: the largest ε lower bound *any* attack can certify with this many
-  trials (every positive detected, no negative flagged): next to every bound, it says whether a low
-  bound means "private" or "too few trials".
-* :func:`fit_gdp`: μ from the audit's scores over all thresholds at once (Nasr et al. 2023, "Tight
-  auditing of differentially private machine learning", §4: fit the trade-off curve, not one point).
-  Under μ-GDP the ROC is a straight line in probit space, :math:`\Phi^{-1}(\mathrm{TPR}) -
-  \Phi^{-1}(\mathrm{FPR}) = \mu` at every threshold (Dong et al., Eq. (2.5)); the fit is the median of
-  that difference over the informative thresholds, each rate continuity-corrected to (k + ½)/(n + 1),
-  with a bootstrap interval over trials, and the ε(δ) it implies (the μ-GDP profile of Dong, Roth & Su 2022,
-  Cor. 2.13: :func:`accounting.conversions.gdp_to_epsilon`). **An estimate, not a bound**: a composition
-  of T bounded-range steps is close to GDP (its central limit theorem, Dong et al. §3.2), so the fit
-  says how tight a claim is; only the Clopper–Pearson bound refutes one.
-* :class:`PrivacyProfile`: the claim as a curve, not a point. A claim of ρ-zCDP, or of ε0-BR steps
-  composed by an accountant, certifies (ε(δ'), δ')-DP at **every** δ', not only at the δ it is quoted
-  at; each pair bounds a test's power, :math:`\mathrm{TPR} \le e^{\varepsilon(\delta')}\mathrm{FPR} +
-  \delta'` and :math:`1-\mathrm{FPR} \le e^{\varepsilon(\delta')}(1-\mathrm{TPR}) + \delta'` (Kairouz, Oh &
-  Viswanath 2015, "The composition theorem for differential privacy", Thm. 2.1), so the claim's
-  trade-off curve is the envelope of these lines (Dong, Roth & Su 2022, Prop. 2.12; Balle et al. 2020,
-  "Hypothesis testing interpretations and Renyi DP", §2). One Clopper–Pearson pair (TPR ≥ TPR_lb,
-  FPR ≤ FPR_ub, jointly at 1 − β) refutes the claim when it lies above **any** of the lines: no
-  multiplicity correction over δ' is needed, because the only random quantities are the two limits.
-  A claim quoted at δ = 1e-6 is loose there for any audit of 10⁴ trials (the ceiling), but its curve
-  at δ' ≈ 0.01–0.1 is where a mutant that doubles the per-token ε0 falls outside it.
-* :func:`sequential_bound`, :class:`SequentialTest`: a group-sequential design with L scheduled looks
-  (after 1/2^{L-1}, …, 1/2, all of the evaluation trials), spending significance β/2^{L-i+1} at look i
-  (Σ < β: a union bound over the scheduled looks, valid whatever the stopping rule among them); it stops at the first look whose bound exceeds the claim (VIOLATION) or after which even a
-  perfect attack on the remaining trials could not reach the claim (the verdict cannot change).
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.tradeoff").
 """
 
 from __future__ import annotations
@@ -68,10 +42,10 @@ PROFILE_POINTS = 32
 
 @dataclasses.dataclass(frozen=True)
 class ProfileBound:
-    """How far a (TP, FP) pair refutes a :class:`PrivacyProfile` (module docstring). ``power_margin``: the
-    Clopper–Pearson lower limit of the TPR minus the largest TPR the claim allows at the upper limit of
-    the FPR (> 0 refutes); ``delta``: the δ' whose line binds there, with the pair's ε lower bound at
-    δ' and the claim's ε(δ') (``margin`` = their difference, > 0 exactly when ``power_margin`` is)."""
+    """How far a (TP, FP) pair refutes a :class:`PrivacyProfile` (docs/auditing_notes.md, tradeoff). ``power_margin``:
+    the Clopper–Pearson lower limit of the TPR minus the largest TPR the claim allows at the upper limit of the FPR (> 0
+    refutes); ``delta``: the δ' whose line binds there, with the pair's ε lower bound at δ' and the claim's ε(δ')
+    (``margin`` = their difference, > 0 exactly when ``power_margin`` is)."""
 
     power_margin: float
     margin: float
@@ -85,8 +59,8 @@ class ProfileBound:
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyProfile:
-    """A privacy claim as its (ε(δ'), δ') pairs (module docstring), the quoted (ε, δ) first. Build it with
-    :meth:`point` (a claim known only at one δ: today's single-point test) or :meth:`of` (a curve: the
+    """A privacy claim as its (ε(δ'), δ') pairs (docs/auditing_notes.md, tradeoff), the quoted (ε, δ) first. Build
+    it with :meth:`point` (a claim known only at one δ: today's single-point test) or :meth:`of` (a curve: the
     release's accountant at every δ')."""
 
     deltas: tuple[float, ...]
@@ -201,7 +175,7 @@ def fit_gdp(
     rng: np.random.Generator | None = None,
 ) -> GdpFit:
     """Fit μ-GDP to the scores of the trials with the canary (``positive``) and without (``negative``)
-    (module docstring); a percentile bootstrap over trials for μ and for the ε(δ) it implies. When the
+    (docs/auditing_notes.md, tradeoff); a percentile bootstrap over trials for μ and for the ε(δ) it implies. When the
     scores separate perfectly, ``separated`` is set: the fit is then limited by the trial count (the
     continuity correction), a floor rather than an estimate of μ. The ε ends come from
     :func:`accounting.conversions.gdp_to_epsilon` (errs high by at most a relative 1e-9: an estimate either way)."""
@@ -311,7 +285,7 @@ def sequential_bound(
     profile: PrivacyProfile | None = None,
 ) -> SequentialResult:
     """Clopper–Pearson bounds at ``num_looks`` growing prefixes of the evaluation trials (in their
-    order, e.g. batch order), each at significance β/2^{L-i+1} (module docstring); stops at the first
+    order, e.g. batch order), each at significance β/2^{L-i+1} (docs/auditing_notes.md, tradeoff); stops at the first
     look that refutes the claim ("violation": its bound exceeds ``claimed_epsilon``, or the ``profile``'s
     ε(δ') at some δ') or after which the trials seen so far with a perfect attack on the rest cannot refute
     it at the last look's significance ("futile"), else after the last look ("all")."""

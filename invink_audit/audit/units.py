@@ -1,13 +1,7 @@
 """The white-box auditor's neighbours per privacy unit (docs/guide/privacy-unit.md): a batch's slots mapped to units,
 and a neighbour that replaces *every* slot of one unit by null.
 
-:class:`UnitPlacement` is InvisibleInk on a batch whose slots hold the references of ``len(set(placement))`` units
-(``placement[s]``: the unit of slot ``s``; the source's private row ``u`` is unit ``u``'s reference). Its neighbour
-``R'_u`` nulls every slot of unit ``u`` (a null slot yields exactly the public logits, paper Algorithm 1), so the
-audit measures the unit's privacy loss, whatever the slots. A placement that gives one unit one slot is the
-per-reference mechanism (paper Property 1: sensitivity C/B); one that gives a unit two slots moves the aggregate by
-2C/B, twice the range its per-reference claim states: the self-test's ``unit-two-slots`` row, the classic bug of a
-per-user release built on a per-reference partition.
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.units").
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """White-box audit: exact per-step checks and sequence-level privacy-loss estimates.
 
-From the exact next-token distributions under R and every replace-by-null neighbour R'_j
-(:func:`invink_audit.mechanism.neighbour_log_probs`), recorded by :class:`WhiteBoxRecorder`: exact
-per-step checks in both directions (:func:`step_quantities`, :class:`Claim`: a mechanism's guarantee for B
-references; bounded range, Durfee & Rogers 2019, Def. 3.1; zCDP, Bun & Steinke 2016, Def. 1.1, with Cesar & Rogers 2021, Lemma 3.2;
-hockey-stick δ, Dong, Durfee & Rogers 2020, Lemma 3.2), exact sequence losses, :class:`SamplingPlan`.
-
-Design: docs/auditing_notes.md ("Our advantage", §1, §2, §4, §6).
+Notes and sources: docs/auditing_notes.md ("invink_audit.audit.whitebox", "Our advantage", §1, §2, §4, §6).
 """
 
 from __future__ import annotations
@@ -101,19 +95,17 @@ class Direction(enum.Enum):
 
 @dataclass(frozen=True)
 class Claim:
-    r"""The claim an audit tests: the audited mechanism's guarantee
-    (:class:`invink_audit.mechanisms.MechanismGuarantee`, what its accountant states for texts of at most T tokens
-    at δ) for a batch of ``batch_size`` references. Every figure derives from the guarantee:
+    r"""The claim an audit tests: the audited mechanism's guarantee (:class:`MechanismGuarantee`, its accountant's
+    statement for texts of at most T tokens at δ) for ``batch_size`` references; every figure derives from it, and
+    it validates as its :class:`accounting.PrivacyClaim` (:meth:`privacy_claim`).
 
-    * ``"bounded-range"`` (InvisibleInk): per step ε0-bounded range and ρ_tok-zCDP (for InvisibleInk
-      :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 2 (thm:accounting)); the sequence claim is
-      :math:`D_\alpha \le \alpha\rho_{seq}`, :math:`\rho_{seq} = T\rho_{tok}` (paper Theorem 2, adaptive composition);
-    * ``"zcdp"``: the sequence claim is the guarantee's ρ (e.g. Amin et al.'s :math:`r(\rho_{em} + \rho_{svt})`), and
-      ``epsilon0``/``rho_token`` (when given) are the per-step claim of the component the auditor checks exactly
-      (Amin et al.: the exponential mechanism);
-    * ``"renyi-filter"``, data-dependent (AdaPMixED): :math:`D_\alpha \le` ``renyi_budget`` at the single order
-      ``renyi_order``, both directions, for the audited dataset only; no per-step claim. A data-dependent claim
-      never gets a PASS.
+    * ``"bounded-range"`` (InvisibleInk): per step ε0-bounded range and ρ_tok-zCDP (InvisibleInk:
+      :math:`\varepsilon_0^2/8 = C^2/(2B^2\tau^2)`, paper Theorem 2); sequence claim
+      :math:`D_\alpha \le \alpha T\rho_{tok}`;
+    * ``"zcdp"``: the guarantee's sequence ρ, with the per-step claim of the exactly checked component (Amin et al.:
+      the exponential mechanism), if any;
+    * ``"renyi-filter"``, data-dependent (AdaPMixED): :math:`D_\alpha \le` ``renyi_budget`` at ``renyi_order`` only,
+      both directions, for the audited dataset; no per-step claim, never a PASS.
     """
 
     guarantee: MechanismGuarantee
@@ -124,19 +116,19 @@ class Claim:
         if not isinstance(g, MechanismGuarantee):
             raise ValueError(f"guarantee must be a MechanismGuarantee; got {type(g).__name__}")
         object.__setattr__(self, "batch_size", check_count("batch_size", self.batch_size))
-        check_count("max_new_tokens", g.max_new_tokens)
         check_delta("delta", g.delta)
-        if g.step_epsilon0 is not None:  # math.inf: no claim at that level (a bounded range composes ε0: finite)
-            check_positive("epsilon0", g.step_epsilon0, allow_inf=g.composition != "bounded-range")
-            check_positive("rho_token", g.step_rho, allow_inf=g.composition != "bounded-range")
-        if g.composition == "bounded-range" and g.step_epsilon0 is None:
-            raise ValueError("a bounded-range claim needs epsilon0 and rho_token")
-        if g.composition == "zcdp" and g.rho_sequence is None:
-            raise ValueError("a zcdp claim needs the guarantee's rho_sequence")
         if g.composition == "renyi-filter":
             check_order("renyi_order", g.renyi_order)
         elif g.rho_sequence is not None:
             check_positive("rho_sequence", g.rho_sequence)
+        if g.composition == "bounded-range":  # it composes ε0: finite
+            if g.step_epsilon0 is None:
+                raise ValueError("a bounded-range claim needs epsilon0 and rho_token")
+            check_positive("epsilon0", g.step_epsilon0)
+            check_positive("rho_token", g.step_rho)
+        if g.composition == "zcdp" and g.rho_sequence is None:
+            raise ValueError("a zcdp claim needs the guarantee's rho_sequence")
+        self.privacy_claim()  # T, the per-step levels and the Rényi budget, by accounting.limits
 
     @classmethod
     def from_mechanism(cls, mechanism, max_new_tokens: int, delta: float = 1e-6) -> Claim:
@@ -398,14 +390,10 @@ def step_quantities(
 def compact_support(
     actual: torch.Tensor, neighbours: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Restrict (G, V) / (G, B, V) log-probabilities to the union of their supports, per row.
-
-    Exact: a token outside every support is −∞ under all distributions and contributes nothing to
-    any checked quantity. With a Top-k+ set of ~k ≪ V tokens this makes the per-step checks cost
-    O(G·B·k) instead of O(G·B·V). Rows keep ``m`` columns, ``m`` the largest union size (columns
-    beyond a row's own union are −∞ everywhere). Returns ``(actual_c, neighbours_c, index)`` with
-    ``index`` (G, m) the kept token ids, or the inputs and ``None`` when ``m > V/2``.
-    """
+    """Restrict (G, V) / (G, B, V) log-probabilities to the union of their supports, per row (exact: a token outside
+    every support contributes nothing; with a Top-k+ set the checks cost O(G·B·k), not O(G·B·V)). Rows keep ``m``
+    columns, the largest union size. Returns ``(actual_c, neighbours_c, index)``, ``index`` (G, m) the kept token
+    ids, or the inputs and ``None`` when ``m > V/2``."""
     g, b, v = neighbours.shape
     # one reduction over B instead of a (G, B, V) boolean temporary; log-probabilities are never +inf
     union = (actual > -math.inf) | (neighbours.amax(1) > -math.inf)
@@ -467,19 +455,11 @@ class RecordedAudit:
 
 
 class WhiteBoxRecorder:
-    """Accumulates exact checks and sequence log-probabilities while texts are generated.
-
-    Protocol, once per decoding step with the live texts ``text_ids`` (indices into the plan):
-
-    1. ``weights = recorder.sampling_log_weights(text_ids, actual, neighbours)`` — runs the exact
-       checks and returns each text's sampling log-weights (its plan's target);
-    2. draw ``tokens`` from ``weights`` (e.g. :func:`invink_audit.mechanism.sample_tokens`);
-    3. ``recorder.record(text_ids, tokens)``.
-
-    Texts end where the decode loop says (EOS, budget); :meth:`finish` returns a
-    :class:`RecordedAudit`. ``actual`` and ``neighbours`` are the mechanism's log-probabilities under
-    R and under each R'_j (:class:`invink_audit.mechanism.NeighbourLogProbs`).
-    """
+    """Accumulates exact checks and sequence log-probabilities while texts are generated. Once per decoding step
+    with the live texts ``text_ids`` (indices into the plan): ``weights = recorder.sampling_log_weights(text_ids,
+    actual, neighbours)`` (the exact checks; each text's sampling log-weights), draw ``tokens`` from them, then
+    ``recorder.record(text_ids, tokens)``. Texts end where the decode loop says; :meth:`finish` returns a
+    :class:`RecordedAudit`."""
 
     def __init__(
         self,
@@ -542,14 +522,10 @@ class WhiteBoxRecorder:
         check_actual: torch.Tensor | None = None,
         check_neighbours: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the exact checks of one step and return each text's sampling log-weights.
-
-        ``actual`` (G, W) and ``neighbours`` (G, B, W): the step's outcome distributions under R and
-        every R'_j (sampled from, accumulated into sequence log-probabilities, checked for equal
-        supports). ``check_actual``/``check_neighbours``: the distributions the per-step claim is
-        about when they are not the outcome distributions (e.g. Amin et al.'s exponential mechanism
-        given a private step); the range, Rényi and δ checks run on them.
-        """
+        """Run the exact checks of one step and return each text's sampling log-weights. ``actual`` (G, W),
+        ``neighbours`` (G, B, W): the step's outcome log-probabilities under R and every R'_j.
+        ``check_actual``/``check_neighbours``: the distributions the per-step claim is about when they are not the
+        outcome distributions (Amin et al.'s exponential mechanism given a private step)."""
         import time
 
         if self._pending is not None:
