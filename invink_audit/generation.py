@@ -88,6 +88,7 @@ from invink_audit.outputs import (
     shard_path,
     start_output,
 )
+from invink_audit.model_sizes import looks_like_path
 from invink_audit.models import (
     DEFAULT_GENERATOR,
     DtypeChoice,
@@ -427,17 +428,6 @@ def _check_output_path(output) -> Path | None:
     return path
 
 
-def _looks_like_path(model: str) -> bool:
-    """A model string that can only be a local path (hub ids are ``name`` or ``owner/name``)."""
-    return (
-        model.startswith(("/", "./", "../", "~", "\\"))
-        or model in (".", "..")
-        or model.lower().endswith(".gguf")
-        or model.count("/") > 1
-        or "\\" in model
-    )
-
-
 def _check_model_source(model, gguf_file, device, dtype) -> None:
     """Check the model argument, device and dtype without loading anything."""
     from invink_audit.models import EMBEDDED_ALIASES
@@ -463,7 +453,7 @@ def _check_model_source(model, gguf_file, device, dtype) -> None:
         return
     if path.exists():
         return
-    if isinstance(model, os.PathLike) or _looks_like_path(text):
+    if isinstance(model, os.PathLike) or looks_like_path(text):
         kind = "GGUF file" if text.lower().endswith(".gguf") else "model directory"
         raise ValueError(f"{kind} {text!r} does not exist")
 
