@@ -1,40 +1,7 @@
 r"""Capacity planning: an upper bound on the peak memory of a release, from the model's shape and the workload.
 
-What the engine allocates (docs/guide/capacity.md tabulates each term with the code that allocates it):
-
-* **Weights**: ``num_parameters × s`` bytes (``s``: bytes per element of the model's dtype; tied
-  embeddings counted once).
-* **KV cache** (:mod:`invink_audit.rows`): :math:`\kappa = 2 \cdot L \cdot H_{kv} \cdot d \cdot s` bytes per
-  row and token (:func:`kv_bytes_per_token`; sliding-window layers keep every token too). 1. *Prefill*: every
-  row of an admitted text (at most ``G`` in progress) is allocated for its prompt **and** the ``T`` tokens to
-  come (``engine.py: _Text.__init__``, ``_Run._admit``). 2. *Cached prefix*: prefilled once per run and kept
-  (``engine.py: _Run._prefix_row``), doubled in chunks of 512 (``rows.py: RowKV.append``). 3. *Decoding*: a
-  row of ``n`` cached tokens sits in a bucket of width :func:`~invink_audit.rows.bucket_length` ``(n + 1)``, at
-  most ``W(p + T − 1)`` for prompt ``p``; a public row has a bucket of its own (4 slots,
-  :data:`~invink_audit.rows.MIN_BUCKET_ROWS`), private rows of one width share one of ``max(4, 2^⌈log2 rows⌉)``
-  slots (at most 4 per row); one text at a time holds both its prefill buffers and its bucket rows
-  (``engine.py: _Run._forward``; ``rows.py: KVStore.insert``, ``KVStore.ready``, ``_Bucket._room``).
-  4. *Moves*: a row that outgrows its bucket is copied before it leaves (one at a time,
-  ``forward.py: RowForward.decode``), and a doubling bucket holds the old buffers of at most two layers.
-  3'–4'. *Decoding in a pool* (``kv_layout="pool"``, CUDA's default; ``rows.py: KVPool``): one pool of
-  ``C =`` :func:`~invink_audit.rows.pool_capacity` ``(min(G, texts) · (B + 1))`` slots (a null reference holds
-  its slot), every slot as wide as the longest row needs, in whole tiles: at most
-  ``pool_width(p_max + T − 1)`` (:func:`~invink_audit.rows.pool_width`), so one long row widens every slot:
-  ``C · W · κ``. Widening reallocates layer by layer (the old buffers of one layer and the old keys of the first
-  live at once) and then probes the new shape (``rows.py: tile_invariant_attention``: random keys and values of
-  one layer, queries, masks and outputs far smaller): three layers of the widest pool cover both.
-* **Sampling buffers** of one step, per text in flight (``engine.py: _StepMath.draw``; ``mechanism.py:
-  topk_plus_support``): the public row's logits (``V × s``), two float64 copies, the support mask, the uniforms
-  and their copy, and on the ``m = min(V, max(4·top_k, 256))`` gathered columns the output layer's rows and the
-  private logits. **Activations** of one forward pass over ``N = G·(B+1)`` packed tokens or a prefill chunk of
-  at most 512 tokens: an approximation (:func:`activation_bytes`).
-
-:func:`kv_bound_bytes` turns rules 1–4 (or 1, 2, 3'–4') into an upper bound on the KV cache for any prompt lengths and
-end-of-sequence pattern. Left out (the bound can be exceeded there): a shared bucket keeps the capacity of its
-fullest moment while rows leave it, so a run built for it (texts ending together while one stays, again and
-again within one width) could exceed the bound (real runs keep well inside: ``tests/test_capacity.py``); the
-allocator's overhead, the CUDA context, Python objects, the tokenizer and an audit's shared prompt copies
-(``Engine(share_prefill=True)``). ``Engine.kv_bytes`` reports what a run holds.
+Each term, the engine code that allocates it, the KV bound's rules (numbered 1–4 and 3'–4' below) and what the
+bound leaves out: docs/guide/capacity.md. ``Engine.kv_bytes`` reports what a run holds.
 """
 
 from __future__ import annotations
@@ -45,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from accounting.limits import check_count
-from invink_audit.model_sizes import cached_hub_config, check_config_file, read_config_file
+from invink_audit.model_sizes import cached_hub_config, check_config_file, looks_like_path, read_config_file
 from invink_audit.rows import KV_LAYOUTS, MIN_BUCKET_ROWS, bucket_length, pool_capacity, pool_width
 
 __all__ = [
@@ -241,12 +208,6 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _could_only_be_a_path(model: str) -> bool:
-    """A model string that names no hub id (hub ids are ``name`` or ``owner/name``)."""
-    return (model.startswith(("/", "./", "../", "~", "\\")) or model in (".", "..") or model.count("/") > 1
-            or "\\" in model)  # fmt: skip
-
-
 def _checked_config_file(model: str) -> Path | None:
     """The ``config.json`` of the local model folder ``model``, checked to hold a JSON object
     (:func:`~invink_audit.model_sizes.read_config_file`); ``None`` for a string that names nothing local and
@@ -254,7 +215,7 @@ def _checked_config_file(model: str) -> Path | None:
     ``config.json`` are refused in one line naming the path."""
     path = Path(model).expanduser()
     if not path.exists():
-        if _could_only_be_a_path(model):
+        if looks_like_path(model):
             raise ValueError(f"model folder {model!r} does not exist")
         return None
     if not path.is_dir():
@@ -401,14 +362,14 @@ def kv_bound_bytes(
     r"""An upper bound on the KV cache's peak bytes of a run of ``texts`` (each its rows' prompt lengths,
     public row first, ``None`` for a null reference; :func:`text_kv_tokens` gives each text's prefill size
     :math:`R_i` and store allowance :math:`S_i`), ``T = max_new_tokens``, at most ``G = texts_in_flight``
-    in progress, ``prefix_tokens`` the cached template prefix (rules 1–4 of the module docstring):
+    in progress, ``prefix_tokens`` the cached template prefix (rules 1–4 of docs/guide/capacity.md):
 
     .. math:: \kappa \Big(\sum_{\text{the } G \text{ largest}} \max(R_i, S_i) + \max_i \min(R_i, S_i)
        + \mathrm{prefix} + 4 W_{\max}\Big) + \tfrac{1}{2} A(G B) \, W_{\max} \, \min(2, L) \, \kappa / L
 
     (``W_max = W(p_max + T − 1)``; the last two terms: one moving row's second bucket and a doubling
     bucket's old layers, none when ``T = 1``; ``A`` = :func:`bucket_rows`, no doubling under 5 rows).
-    Texts that end early only lower it; the one case it leaves out is in the module docstring.
+    Texts that end early only lower it; the one case it leaves out is in docs/guide/capacity.md.
 
     ``kv_layout="pool"`` (rules 1, 2, 3'–4'): every text in flight may hold its prefill rows while the pool is
     allocated,
@@ -521,7 +482,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(shape: ModelShape, workload: Workload) -> MemoryEstimate:
-    """The peak memory of ``workload`` on a model of ``shape`` (module docstring for each term); the
+    """The peak memory of ``workload`` on a model of ``shape`` (docs/guide/capacity.md for each term); the
     template prefix is counted at its largest, ``P − 1`` tokens."""
     if not isinstance(shape, ModelShape):
         raise ValueError(f"shape must be a ModelShape; got {type(shape).__name__}")

@@ -1,23 +1,10 @@
 r"""Private synthetic text generation: references in, DP texts and their a-priori guarantee out.
 
-One call (:func:`generate`) does what the paper's experiments do (Algorithm 1 over a partition, Corollary 11,
-coro:parallel-batches) for any :class:`~invink_audit.mechanisms.Mechanism` (:class:`ReleaseConfig`; InvisibleInk's
-planned by :func:`GenerationConfig`): read the references, partition them into disjoint batches of ``B`` in input
-order (:func:`invink_audit.data.partition_references`), check everything, charge the ledger once, and generate one
-text per batch with the batched engine, streaming JSON Lines as texts finish.
-
-The guarantee is the mechanism's, a-priori, for texts of at most ``T = max_new_tokens`` tokens whatever their
-realised lengths (a length-dependent "ε spent" would depend on the data); texts from disjoint batches compose in
-parallel, so the whole run costs one text's. Randomness is keyed by batch: one 128-bit master key per release (from
-the OS, or derived from an explicit ``seed``, which voids the guarantee), batch ``i`` sampling from the stream keyed
-by ``(key, i)``, so a batch's text does not depend on which process draws it, or when. Several processes
-(``torchrun``, :mod:`invink_audit.distributed`) or a Ray cluster (:mod:`invink_audit.ray_release`) share whole
-batches: rank 0 validates and charges once and hands each process only its own batches' stream keys (the master key
-never leaves it, and no key is written to disk); a launch spanning machines is refused unless
-``INVINK_ALLOW_MULTI_MACHINE=1``.
-
-The steps, the files next to the output (lock, pending and state files, the sampled-batch journal whose first claim
-per batch wins, shards; :mod:`invink_audit.outputs`) and what resuming keeps: docs/design/release-protocol.md.
+:func:`generate` runs paper Algorithm 1 over a partition (Corollary 11, coro:parallel-batches) for any
+:class:`~invink_audit.mechanisms.Mechanism` (:class:`ReleaseConfig`; InvisibleInk's by :func:`GenerationConfig`):
+one text per disjoint batch of ``B`` references, texts of at most ``T`` tokens composing in parallel, so the run
+costs one text's guarantee. The steps (check, charge once, generate keyed by batch, resume), the files next to the
+output, the master key and its per-batch streams, torchrun and Ray: docs/design/release-protocol.md.
 """
 
 from __future__ import annotations
@@ -88,6 +75,7 @@ from invink_audit.outputs import (
     shard_path,
     start_output,
 )
+from invink_audit.model_sizes import looks_like_path
 from invink_audit.models import (
     DEFAULT_GENERATOR,
     DtypeChoice,
@@ -427,17 +415,6 @@ def _check_output_path(output) -> Path | None:
     return path
 
 
-def _looks_like_path(model: str) -> bool:
-    """A model string that can only be a local path (hub ids are ``name`` or ``owner/name``)."""
-    return (
-        model.startswith(("/", "./", "../", "~", "\\"))
-        or model in (".", "..")
-        or model.lower().endswith(".gguf")
-        or model.count("/") > 1
-        or "\\" in model
-    )
-
-
 def _check_model_source(model, gguf_file, device, dtype) -> None:
     """Check the model argument, device and dtype without loading anything."""
     from invink_audit.models import EMBEDDED_ALIASES
@@ -463,7 +440,7 @@ def _check_model_source(model, gguf_file, device, dtype) -> None:
         return
     if path.exists():
         return
-    if isinstance(model, os.PathLike) or _looks_like_path(text):
+    if isinstance(model, os.PathLike) or looks_like_path(text):
         kind = "GGUF file" if text.lower().endswith(".gguf") else "model directory"
         raise ValueError(f"{kind} {text!r} does not exist")
 
@@ -541,40 +518,22 @@ def generate(
 ) -> GenerationResult:
     """Generate one DP synthetic text per disjoint batch of ``config.batch_size`` references.
 
-    ``references``: a list of strings (``""``/``None`` are nulls), a path to a ``.csv`` / ``.jsonl`` file
-    (field ``text``), a :class:`~invink_audit.data.ReferencesFile` (another column, or ``label_columns``
-    for label-conditioned generation), or :class:`~invink_audit.data.LabelledReferences` already read
-    (e.g. the records :func:`~invink_audit.data.select_references` selected by public attributes:
-    ``--where``). Labelled references are grouped by their labels, each batch is drawn from one group
-    (:func:`invink_audit.data.partition_by_labels`: input order within a group, leftovers unused) and
-    prompted with its labels, which fill the template's public fields (:func:`invink_audit.prompts.label_fields_for`:
-    the preset's rule, a field of the column's name, or ``PromptSpec.label_fields``); records carry
-    ``labels``. Labels are treated as public attributes of each slot: a neighbouring dataset under
-    replace-by-null empties one record's text and keeps its label.
+    ``references``: a list of strings (``""``/``None`` are nulls), a ``.csv`` / ``.jsonl`` path (field ``text``),
+    a :class:`~invink_audit.data.ReferencesFile` (another column, ``label_columns``, a privacy unit) or
+    :class:`~invink_audit.data.LabelledReferences`. Labelled references are batched within their label group
+    (:func:`invink_audit.data.partition_by_labels`) and their labels, public attributes of each slot, fill the
+    prompt's fields (:func:`invink_audit.prompts.label_fields_for`). ``config``: :class:`ReleaseConfig`
+    (InvisibleInk's: :func:`GenerationConfig`). ``model``: a path or name, a loaded model or a :class:`ModelSpec`
+    (default :data:`~invink_audit.models.DEFAULT_GENERATOR`). ``prompt``: a preset name, a
+    :class:`~invink_audit.prompts.PromptTemplate` or a :class:`PromptSpec`; a preset's label-describing fields
+    left at their example values are refused (:func:`~invink_audit.prompts.defaulted_label_fields`). ``output``:
+    JSON Lines, written as texts finish and resumed when it exists. ``ledger``: an :class:`accounting.BudgetLedger`
+    or its path, charged once, after every check and before any decoding (a data-dependent guarantee is refused,
+    :meth:`ReleaseConfig.event`). ``seed``: ``None`` (OS entropy, the private default) or a fixed seed, which warns
+    and voids the guarantee (records write ``guarantee: null``). ``hooks``: :class:`GenerationHooks`.
 
-    ``config``: the release's public parameters (:class:`ReleaseConfig`: the mechanism, T, δ, how many texts,
-    whether an all-null release is allowed); InvisibleInk's from B, T, δ, ε or C, τ, top-k and the accountant by
-    :func:`GenerationConfig`, any other :class:`~invink_audit.mechanisms.Mechanism` (the paper's baselines) the same.
-    ``model``: a path or name, a loaded model, or a :class:`ModelSpec` (GGUF file, device, dtype, rows per
-    forward pass); default :data:`~invink_audit.models.DEFAULT_GENERATOR` (Gemma-3-270M, a base model: the
-    ``yelp`` and ``generic`` presets run as their completion twins, :func:`~invink_audit.prompts.template_for_model`).
-    ``prompt``: a preset name (``generic``, ``yelp``, ``tab``, ``mimic``), a
-    :class:`~invink_audit.prompts.PromptTemplate`, or a :class:`PromptSpec` (its field values and label
-    mapping). A preset's fields that describe the data's labels (``yelp``: ``category``, ``stars``) must be
-    given or filled by labels: their example values ("Restaurants", "4.0") would prompt every text as a
-    4-star restaurant review, and are refused (:func:`~invink_audit.prompts.defaulted_label_fields`). Each
-    record's ``prompt_fields`` holds the fields its batch was prompted with.
-    ``output``: JSON Lines file, written as texts finish and resumed when it exists (see the module
-    docstring: its lock, state file and sampled-batch journal).
-    ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged after every check passed and
-    before any decoding.
-    ``seed``: ``None`` (OS entropy, the private default) or a fixed seed, which warns: seeded output is
-    reproducible and therefore not private (``guarantee.void_reason`` is set; records write ``guarantee:
-    null``). ``ledger`` with a data-dependent guarantee is refused (:meth:`ReleaseConfig.event`).
-    ``hooks``: :class:`GenerationHooks` (``on_tokens(n)``, ``on_text(text)``, ``on_start(num_texts)``).
-
-    Anything invalid raises ``ValueError`` before the model is loaded (the context check: after loading,
-    before the ledger is charged).
+    Anything invalid raises ``ValueError`` before the model is loaded (the context check: after loading, before
+    the ledger is charged). Labels, prompts, the output's files and resuming: docs/guide/generating.md.
     """
     return prepare_release(references, config, model=model, prompt=prompt, output=output, ledger=ledger, seed=seed,
                            hooks=hooks).run()
@@ -677,52 +636,36 @@ def _refuse_all_null(partition, batch_size: int) -> None:
         )
 
 
-def _partition(references, config: GenerationConfig, template: PromptTemplate, label_fields):
+def _partition(references, config: ReleaseConfig, template: PromptTemplate, label_fields):
     """The batches, each batch's labels (``None`` for unlabelled references), each batch's reference
     positions in the input (``None``: batch ``i`` holds positions ``i·B ..``), the prompt fields the
-    labels fill, and the privacy unit (``None``: one reference)."""
+    labels fill, and the privacy unit (``None``: one reference; else :func:`invink_audit.data.unit_partition`)."""
     references = as_references(references)
-    if isinstance(references, UnitReferences):
-        return _unit_partition(references, config, template, label_fields)
-    refuse_private_in_public(template, references.texts if isinstance(references, LabelledReferences) else references)
-    return (*_reference_partition(references, config, template, label_fields), None)
-
-
-def _unit_partition(references: UnitReferences, config: ReleaseConfig, template: PromptTemplate, label_fields):
-    """:func:`_partition` of references read with their privacy unit (:func:`invink_audit.data.unit_partition`)."""
-    refuse_private_in_public(template, references.texts)
-    labelled = references.labels is not None
-    if not labelled and (config.num_texts_per_group is not None or label_fields is not None):
-        raise ValueError("num_texts_per_group and label_fields are only used with label columns")
-    if labelled and config.num_texts is not None:
+    unit = references.privacy_unit if isinstance(references, UnitReferences) else None
+    labelled = references.labels if unit is not None else references
+    labelled = labelled if isinstance(labelled, LabelledReferences) else None
+    refuse_private_in_public(template, references.texts if isinstance(references, (UnitReferences, LabelledReferences))
+                             else references)
+    if labelled is None:
+        for name, value in (("num_texts_per_group", config.num_texts_per_group), ("label_fields", label_fields)):
+            if value is not None:
+                raise ValueError(f"{name} is only used with labelled references (ReferencesFile with label_columns)")
+    elif config.num_texts is not None:
         raise ValueError("with labelled references, give num_texts_per_group (texts per label group), not num_texts")
-    partition, labels, positions = unit_partition(references, config.batch_size, num_texts=config.num_texts,
-                                                  num_texts_per_group=config.num_texts_per_group)  # fmt: skip
-    filled = ()
-    if labelled:
-        rules = label_fields_for(template, list(references.labels.label_columns), label_fields)
-        for batch_labels in labels:
-            template_for_labels(template, batch_labels, label_fields)
-        filled = tuple(rule.field for rule in rules)
-    return partition, labels, positions, filled, references.privacy_unit
-
-
-def _reference_partition(references, config: ReleaseConfig, template: PromptTemplate, label_fields):
-    """:func:`_partition` of references without a privacy unit."""
-    if not isinstance(references, LabelledReferences):
-        if config.num_texts_per_group is not None:
-            raise ValueError("num_texts_per_group is only used with labelled references (ReferencesFile with label_columns)")
-        if label_fields is not None:
-            raise ValueError("label_fields is only used with labelled references (ReferencesFile with label_columns)")
-        return partition_references(references, config.batch_size, num_texts=config.num_texts), None, None, ()
-    if config.num_texts is not None:
-        raise ValueError("with labelled references, give num_texts_per_group (texts per label group), not num_texts")
-    rules = label_fields_for(template, list(references.label_columns), label_fields)  # every label reaches the prompt
-    partition, labels, positions = labelled_partition(references, config.batch_size,
-                                                      num_texts_per_group=config.num_texts_per_group)
-    for batch_labels in labels:  # every group's labels fill the prompt (an empty label is refused here)
+    # every label reaches the prompt
+    rules = () if labelled is None else label_fields_for(template, list(labelled.label_columns), label_fields)
+    if unit is not None:
+        partition, labels, positions = unit_partition(references, config.batch_size, num_texts=config.num_texts,
+                                                      num_texts_per_group=config.num_texts_per_group)  # fmt: skip
+    elif labelled is not None:
+        partition, labels, positions = labelled_partition(references, config.batch_size,
+                                                          num_texts_per_group=config.num_texts_per_group)
+    else:
+        partition = partition_references(references, config.batch_size, num_texts=config.num_texts)
+        labels = positions = None
+    for batch_labels in labels or ():  # every group's labels fill the prompt (an empty label is refused here)
         template_for_labels(template, batch_labels, label_fields)
-    return partition, labels, positions, tuple(rule.field for rule in rules)
+    return partition, labels, positions, tuple(rule.field for rule in rules), unit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -225,37 +225,23 @@ class MechanismConfig:
         eqn:rho-token; ``accounting.br_to_zcdp``, the one place the conversion is written)."""
         return br_to_zcdp(self.epsilon0)
 
-    def _check_batch(self, private_logits) -> None:
+    def _options(self, private_logits) -> dict:
+        """This config's step options, after checking that ``B`` equals ``batch_size``."""
         if isinstance(private_logits, torch.Tensor) and private_logits.ndim >= 2:
             if private_logits.shape[-2] != self.batch_size:
                 raise ValueError(
                     f"private_logits has {private_logits.shape[-2]} reference rows but the config was accounted "
                     f"for batch_size={self.batch_size}"
                 )
+        return dict(clip_norm=self.clip_norm, temperature=self.temperature, top_k=self.top_k, clipping=self.clipping)
 
     def token_log_probs(self, private_logits: torch.Tensor, public_logits: torch.Tensor) -> torch.Tensor:
         """:func:`token_log_probs` with this config; also checks that ``B`` equals ``batch_size``."""
-        self._check_batch(private_logits)
-        return token_log_probs(
-            private_logits,
-            public_logits,
-            clip_norm=self.clip_norm,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            clipping=self.clipping,
-        )
+        return token_log_probs(private_logits, public_logits, **self._options(private_logits))
 
     def neighbour_log_probs(self, private_logits: torch.Tensor, public_logits: torch.Tensor) -> NeighbourLogProbs:
         """:func:`neighbour_log_probs` with this config; also checks that ``B`` equals ``batch_size``."""
-        self._check_batch(private_logits)
-        return neighbour_log_probs(
-            private_logits,
-            public_logits,
-            clip_norm=self.clip_norm,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            clipping=self.clipping,
-        )
+        return neighbour_log_probs(private_logits, public_logits, **self._options(private_logits))
 
 
 @dataclasses.dataclass(frozen=True)

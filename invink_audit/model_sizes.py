@@ -30,6 +30,7 @@ __all__ = [
     "cached_hub_config",
     "check_config_file",
     "estimated_parameters",
+    "looks_like_path",
     "machine_memory_bytes",
     "read_config_file",
 ]
@@ -189,6 +190,17 @@ def cached_hub_config(repo_id: str) -> Path | None:
     except HFValidationError:
         return None
     return Path(found) if isinstance(found, str) else None
+
+
+def looks_like_path(model: str) -> bool:
+    """Whether a model string can only be a local path (hub ids are ``name`` or ``owner/name``)."""
+    return (
+        model.startswith(("/", "./", "../", "~", "\\"))
+        or model in (".", "..")
+        or model.lower().endswith(".gguf")
+        or model.count("/") > 1
+        or "\\" in model
+    )
 
 
 def _gib(count: int) -> str:

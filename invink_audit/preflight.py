@@ -1,29 +1,7 @@
-"""Pre-flight check of a shared output directory's file locks, before a multi-process release.
-
-A release spread over processes relies on ``flock`` locks beside its output (:mod:`invink_audit.outputs`:
-the output's lock, the sampled-batch journal's lock, each shard's lock): the journal's first-claim rule
-keeps every batch to one released text only if two processes never hold the journal's lock at once.
-These checks take the very lock a release takes (:func:`invink_audit.outputs.output_lock`) on a
-scratch file in the directory:
-
-* :func:`check_locks`: here, then from a second process (a subprocess), whose non-blocking attempt
-  must fail while the lock is held and succeed once it is released. Proves that ``flock`` works on
-  that filesystem **from this machine** and excludes other processes of this machine.
-* :func:`hold_lock` / :func:`probe_lock`: the two-machine variant. Machine A holds the lock of a
-  fixed scratch file (:data:`LOCK_NAME`) for some seconds and writes who holds it (host name, a hash of
-  its kernel's boot id, pid) and until when beside it, rewriting that record every
-  :data:`HEARTBEAT_SECONDS` while it holds the lock; machine B's attempt must fail while A holds it.
-  A probe on A's own kernel (the same boot id: the same machine, or a container on it) proves nothing
-  about other machines and says so (``"same-host"``); a probe that acquires the lock reports a failure
-  only once A's heartbeat shows that A still holds it, and otherwise reports A's record as left behind
-  by a killed holder (``"stale"``) and removes it. Holder records are read bounded and printed with
-  every non-printable character escaped: they are written by whoever can write the directory.
-
-What no check on one machine can prove: that *different machines* exclude each other. An NFS mount
-with ``local_lock=flock`` (or ``nolock``) implements ``flock`` in each client's kernel only, so every
-machine passes :func:`check_locks` and still takes the "same" lock as the others at once. Run
-:func:`check_locks` on every machine, and :func:`hold_lock` on one with :func:`probe_lock` on each other
-one where the release will run (``invink-audit check-locks DIR --hold 30`` / ``--probe``).
+"""Pre-flight check of a shared output directory's file locks, before a multi-process release: the very lock a
+release takes (:func:`invink_audit.outputs.output_lock`) on a scratch file, tried from a second process
+(:func:`check_locks`) and from another machine (:func:`hold_lock` / :func:`probe_lock`). What each proves, what no
+check can prove, and the holder record and its heartbeat: docs/guide/capacity.md ("check-locks").
 """
 
 from __future__ import annotations
@@ -33,11 +11,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import socket
 import stat
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -165,16 +142,14 @@ def try_lock(output: str | os.PathLike) -> str:
 
 
 def _other_process(output: Path, timeout: float) -> str:
-    """:func:`try_lock` in a fresh Python process: its outcome, or ``"error: ..."``."""
-    command = [sys.executable, "-m", "invink_audit.preflight", str(output)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return f"error: the second process did not answer within {timeout:g} s"
-    answer = done.stdout.strip().splitlines()[-1:] or [""]
-    if done.returncode == 0 and answer[0] in (ACQUIRED, EXCLUDED):
-        return answer[0]
-    return f"error: the second process failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-500:]}"
+    """:func:`try_lock` in a fresh (spawned) Python process: its outcome, or ``"error: ..."``."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        try:
+            return pool.apply_async(try_lock, (str(output),)).get(timeout)
+        except multiprocessing.TimeoutError:
+            return f"error: the second process did not answer within {timeout:g} s"
+        except Exception as err:  # noqa: BLE001 - reported as the step's outcome
+            return f"error: the second process failed: {type(err).__name__}: {err}"
 
 
 def _remove(*paths: Path) -> None:
@@ -501,16 +476,3 @@ def _acquired(path: Path, holder: _Holder, steps: list[LockStep], same: bool, wa
     return _probe_result(path, FAIL, steps, (
         f"this machine ACQUIRED the lock that {holder.who} holds: flock locks on this filesystem do not exclude "
         "across machines; do not run a multi-machine release with its output here"))
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m invink_audit.preflight OUTPUT``: print :func:`try_lock`'s outcome (the second process)."""
-    if len(argv) != 1:
-        print("usage: python -m invink_audit.preflight OUTPUT", file=sys.stderr)
-        return 2
-    print(try_lock(argv[0]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

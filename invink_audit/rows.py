@@ -400,12 +400,9 @@ def tile_invariant_attention(shape: PoolShape) -> bool:
     narrowest width of whole tiles that holds its keys (:func:`pool_width`), whatever the other rows hold:
     what lets public rows share the call with private ones. Probed once per shape (cached; each reallocation
     of a pool asks), on random queries, keys and values of exactly that shape, with the call the pass makes
-    (:func:`_attend`; :func:`_attend_alone` for the row alone).
-
-    Attention back ends choose their kernel, tiling and split-KV count from the call's shapes (rows × heads,
-    width, head_dim, GQA, dtype, device), not from the values; a row's length moves only its mask. So the probe
-    covers every tile count a row can have at this width, each at its first key, its last key and a random
-    one, a third of them behind a random masked prefix (a sliding window), in ⌈3·tiles / capacity⌉ calls."""
+    (:func:`_attend`; :func:`_attend_alone` for the row alone), covering every tile count a row can have at this
+    width at its first key, its last key and a random one, a third behind a masked prefix, in ⌈3·tiles /
+    capacity⌉ calls. Why that suffices: docs/design/engine.md ("In the pool")."""
     device, tiles, capacity = torch.device(shape.device), shape.width // KV_TILE, shape.capacity
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -439,15 +436,11 @@ class KVPool:
     of :data:`KV_TILE`, at least every row's next length, grown by whole tiles). ``heads`` query heads attend
     with each ``scales`` (the model's attention modules' scales).
 
-    One attention call per layer serves every row. A public row (``insert(row, public=True)``) must get bitwise
-    the same result whatever the private rows are, yet the width, so the call's shape, is set by the longest
-    row, private ones included. So every reallocation probes the new shape (:func:`tile_invariant_attention`,
-    kept in ``shared``). Where it holds, a public row's result in the shared call is, by the probe, the row
-    computed alone at its own width ``pool_width(length + 1)``; where it fails, the pass replaces each public
-    row's result by exactly that computation (:func:`_attend_alone`, the function the probe compared with).
-    Either way a public row's bits are its alone computation at a width its own (public) length sets, whether
-    the probe passed or failed at a width private lengths chose. ``version`` changes whenever the buffers are
-    reallocated (a captured CUDA graph reads the old ones)."""
+    One attention call per layer serves every row; every reallocation probes the new shape
+    (:func:`tile_invariant_attention`, kept in ``shared``), and where it fails the pass computes each public row
+    (``insert(row, public=True)``) alone (:func:`_attend_alone`): either way a public row's bits are its alone
+    computation at ``pool_width(length + 1)`` (docs/design/engine.md, "In the pool"). ``version`` changes whenever
+    the buffers are reallocated (a captured CUDA graph reads the old ones)."""
 
     def __init__(self, num_layers: int, rows: int, *, heads: int, scales: Sequence[float | None]):
         self.num_layers = num_layers
@@ -667,16 +660,11 @@ def rows_attention(
     return out.transpose(1, 2), None
 
 
-_REGISTERED = False
-
-
+@functools.cache
 def _register() -> None:
-    global _REGISTERED
-    if not _REGISTERED:
-        from transformers import AttentionInterface
+    from transformers import AttentionInterface
 
-        AttentionInterface.register(ATTENTION_NAME, rows_attention)
-        _REGISTERED = True
+    AttentionInterface.register(ATTENTION_NAME, rows_attention)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import gc
 import json
+import multiprocessing
 import math
 import random
 import subprocess
@@ -465,10 +466,10 @@ def test_a_second_process_is_excluded_while_this_one_holds_the_lock(tmp_path):
     from invink_audit.outputs import output_lock
 
     output = tmp_path / "texts.jsonl"
-    command = [sys.executable, "-m", "invink_audit.preflight", str(output)]
-    with output_lock(output):
-        assert subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip() == preflight.EXCLUDED
-    assert subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip() == preflight.ACQUIRED
+    with multiprocessing.get_context("spawn").Pool(1) as other:  # a fresh process, not a fork of this one
+        with output_lock(output):
+            assert other.apply(preflight.try_lock, (str(output),)) == preflight.EXCLUDED
+        assert other.apply(preflight.try_lock, (str(output),)) == preflight.ACQUIRED
     assert preflight.try_lock(output) == preflight.ACQUIRED
 
 
