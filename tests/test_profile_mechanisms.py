@@ -4,17 +4,17 @@ empirical prefix frequencies must match the exact forward recursion's prefix pro
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
 
-from invink_audit.mechanisms import AminConfig, AminMechanism
+from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
 
 V, B, T = 3, 3, 4
 #: Monte Carlo texts; the tolerance is Z binomial standard errors plus the recursion's quadrature error (relative)
-DRAWS, Z, QUADRATURE = 200_000, 5.0, 2e-3
+#: (Amin et al.'s threshold grid ~1e-4; AdaPMixED's screening probability from 200,000 draws, ~1e-3 absolute)
+DRAWS, Z, QUADRATURE = 200_000, 5.0, {"amin2024": 2e-3, "adapmixed": 1e-2}
 
 
 def _logits(prefix: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +41,7 @@ def _monte_carlo(mech, draws: int, seed: int = 0) -> dict[tuple, int]:
         step = mech.step(private, public, state, aux, exact=False, neighbours=False)
         outcomes = torch.multinomial(step.log_probs.exp(), 1, generator=g)[:, 0]
         state, stop = mech.advance(step, state, outcomes, aux, exact=False)
+        alive &= outcomes < mech.num_modes * V  # the stop outcome releases no token
         tokens = (outcomes % V).tolist()
         texts = [t + (x,) if a else t for t, x, a in zip(texts, tokens, alive.tolist())]
         for t, a in zip(texts, alive.tolist()):
@@ -50,26 +51,31 @@ def _monte_carlo(mech, draws: int, seed: int = 0) -> dict[tuple, int]:
     return counts
 
 
-def _recursion(mech, prefix: tuple[int, ...]) -> tuple[float, float]:
-    """log P(prefix emitted) by the forward recursion, and the largest stopped share along it."""
-    state, total, stopped = mech.forced_state(1), 0.0, 0.0
-    for t, x in enumerate(prefix):
-        private, public = _logits(prefix[:t])
-        log_probs, state = mech.forced_step(private[None], public[None], state, torch.tensor([x]))
-        total += float(log_probs[0, x])
-        stopped = max(stopped, float(state[0, -1]))
-    return total, stopped
+def _recursion(mech) -> dict[tuple, tuple[float, float]]:
+    """Every prefix's log P(prefix emitted) by the forward recursion, and the largest stopped share along it."""
+    out, frontier = {}, {(): (0.0, mech.forced_state(1), 0.0)}
+    for t in range(T):
+        grown = {}
+        for prefix, (total, state, stopped) in frontier.items():
+            private, public = _logits(prefix)
+            for x in range(V):
+                extra = {"generator": torch.Generator().manual_seed(t)} if isinstance(mech, AdaPMixEDMechanism) else {}
+                log_probs, after = mech.forced_step(private[None], public[None], state, torch.tensor([x]), **extra)
+                # the share the budget stopped: Amin et al.'s after the r-th private token, AdaPMixED's stop outcome
+                stop = float(after[0, -1]) if isinstance(mech, AminMechanism) else 1 - float(log_probs.exp().sum())
+                grown[prefix + (x,)] = (total + float(log_probs[0, x]), after, max(stopped, stop))
+        out.update({p: (v[0], v[2]) for p, v in grown.items()})
+        frontier = grown
+    return out
 
 
 def _check(mech, counts: dict[tuple, int]) -> float:
     worst, stops = 0.0, 0.0
-    for t in range(1, T + 1):
-        for prefix in itertools.product(range(V), repeat=t):
-            log_p, stop = _recursion(mech, prefix)
-            p, stops = math.exp(log_p), max(stops, stop)
-            estimate = counts.get(prefix, 0) / DRAWS
-            bound = Z * math.sqrt(max(p * (1 - p), 1e-12) / DRAWS) + QUADRATURE * p
-            worst = max(worst, abs(estimate - p) / bound)
+    for prefix, (log_p, stop) in _recursion(mech).items():
+        p, stops = math.exp(log_p), max(stops, stop)
+        estimate = counts.get(prefix, 0) / DRAWS
+        bound = Z * math.sqrt(max(p * (1 - p), 1e-12) / DRAWS) + QUADRATURE[mech.name] * p
+        worst = max(worst, abs(estimate - p) / bound)
     assert worst <= 1.0, f"recursion and Monte Carlo differ by {worst:.2f} tolerances"
     return stops
 
@@ -80,6 +86,14 @@ def test_amin_recursion_matches_a_monte_carlo_of_the_sampled_mechanism(clip_norm
                                     max_private_tokens=2))
     stops = _check(mech, _monte_carlo(mech, DRAWS))
     assert stops > 0.05  # the budget's stop is exercised, not only the sparse-vector step
+
+
+def test_adapmixed_recursion_matches_a_monte_carlo_of_the_sampled_mechanism():
+    """Screening at about even odds, a budget that stops some paths within four steps."""
+    mech = AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=B, epsilon=2.5, screen_threshold=2.0, screen_noise=0.1,
+                                              screen_mixing=1e-3, screen_samples=200_000))
+    stops = _check(mech, _monte_carlo(mech, DRAWS))
+    assert stops > 0.05
 
 
 def test_a_recursion_that_forgets_the_threshold_fails_the_check(monkeypatch):
