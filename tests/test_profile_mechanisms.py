@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
-from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
+from invink_audit.evaluation.profile import SMOOTHING, run_profile
+from invink_audit.mechanisms import (
+    AdaPMixEDConfig,
+    AdaPMixEDMechanism,
+    AminConfig,
+    AminMechanism,
+    AminSensitivity,
+    plan_amin,
+)
 
 V, B, T = 3, 3, 4
 #: Monte Carlo texts; the tolerance is Z binomial standard errors plus the recursion's quadrature error (relative)
@@ -112,3 +122,78 @@ def test_a_recursion_that_forgets_the_threshold_fails_the_check(monkeypatch):
     monkeypatch.setattr(AminMechanism, "forced_step", forgetful)
     with pytest.raises(AssertionError, match="tolerances"):
         _check(mech, counts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# through ``profile``: the same recursion on the tiny model's rows, and the compute ratio's crossing
+
+
+@pytest.fixture(scope="module")
+def baselines(tiny, tmp_path_factory):
+    from test_profile import PROXY, REAL, _config
+
+    directory = tmp_path_factory.mktemp("profile-baselines")
+    proxy, real = directory / "proxy.csv", directory / "real.csv"
+    for path, rows in ((proxy, PROXY), (real, REAL)):
+        path.write_text("text,label1,label2\n" + "".join(f'"{t}",{a},{b}\n' for t, a, b in rows), encoding="utf-8")
+    config = _config(epsilons=(30.0, 100.0), batch_sizes=(1, 2, 3), top_ks=(None,), amin_private_tokens=2,
+                     mechanisms=("invisibleink", "amin", "amin-paper", "adapmixed"))
+    return run_profile(proxy, real, config, model=tiny)
+
+
+def test_profiled_baselines_match_their_recursion_on_full_forward_passes(tiny, baselines):
+    from test_profile import REAL, forced_rows
+
+    # B = 3: every reference of the text's group (a smaller B takes a seeded subset); B = 1 is infeasible here
+    scored = [p for p in baselines.points if p.point.mechanism in ("amin", "amin-paper") and p.point.batch_size == 3]
+    assert len(scored) == 3 and "amin eps=30 B=3 tau=1" in baselines.infeasible
+    for p in scored:
+        g = p.point
+        sensitivity = AminSensitivity.PAPER if g.mechanism == "amin-paper" else AminSensitivity.REPLACE_BY_NULL
+        mech = AminMechanism(AminConfig(clip_norm=g.clip_norm, batch_size=g.batch_size, temperature=g.temperature,
+                                        max_private_tokens=2, sensitivity=sensitivity))
+        assert g.clip_norm == plan_amin(epsilon=g.epsilon, delta=1e-6, max_private_tokens=2, batch_size=g.batch_size,
+                                        sensitivity=sensitivity).clip_norm
+        total, count = 0.0, 0
+        for text, l1, l2 in REAL:
+            ids, public, private = forced_rows(tiny, text, l1, l2)
+            state = mech.forced_state(1)
+            for t, x in enumerate(ids):
+                lp, state = mech.forced_step(torch.tensor(private[t, : p.point.batch_size][None]),
+                                             torch.tensor(public[t][None]), state, torch.tensor([x]))
+                prob = math.exp(float(lp[0, x]))
+                total -= math.log((1 - SMOOTHING) * prob + SMOOTHING / public.shape[-1])
+                count += 1
+        assert p.heldout_ce.estimate == pytest.approx(total / count, abs=1e-6)
+
+
+def test_compute_ratios_read_the_crossing_off_each_curve(baselines):
+    assert baselines.compute
+    for c in baselines.compute:
+        ours = sorted((q for q in baselines.points if q.point.mechanism == "invisibleink"
+                       and q.point.epsilon == c.baseline.epsilon), key=lambda q: q.point.batch_size)
+        rows, gains = [q.point.batch_size + 1 for q in ours], [q.gain_over_floor.estimate for q in ours]
+        target, needed = c.target_gain.estimate, c.invisibleink_rows.estimate
+        assert target == pytest.approx(next(q.gain_over_floor.estimate for q in baselines.points if q.point == c.baseline))
+        if math.isinf(needed):
+            assert max(gains) < target
+        elif needed == rows[0]:
+            assert gains[0] >= target
+        else:  # strictly inside: the measured points either side bracket the target
+            i = next(i for i, r in enumerate(rows) if r >= needed)
+            assert gains[i - 1] < target <= gains[i]
+            assert c.ratio.estimate == pytest.approx(c.baseline_rows.estimate / needed)
+        assert c.baseline_rows.estimate <= c.baseline.batch_size + 1
+        assert c.ratio.lower <= c.ratio.estimate <= c.ratio.upper
+
+
+def test_rows_to_reach_interpolates_the_first_crossing_in_log_rows():
+    from invink_audit.evaluation.profile import rows_to_reach
+
+    rows = np.array([4.0, 8.0, 16.0, 32.0])
+    gains = np.array([[0.1, 0.1], [0.3, 0.5], [0.2, 0.6], [0.5, 0.7]])  # two resamples; the first is not monotone
+    got = rows_to_reach(rows, gains, np.array([0.2, 0.55]))
+    assert got[0] == pytest.approx(math.exp(math.log(4) + 0.5 * math.log(2)))  # halfway from 0.1 to 0.3: √(4·8)
+    assert got[1] == pytest.approx(math.exp(math.log(8) + 0.5 * math.log(2)))
+    assert rows_to_reach(rows, gains, np.array([0.05, 0.9])).tolist() == [4.0, math.inf]  # at most 4; never
+    assert rows_to_reach(rows, gains, np.array([0.3, 0.5])).tolist() == [8.0, 8.0]  # reached exactly at a point
