@@ -154,17 +154,20 @@ def test_profiled_baselines_match_their_recursion_on_full_forward_passes(tiny, b
                                         max_private_tokens=2, sensitivity=sensitivity))
         assert g.clip_norm == plan_amin(epsilon=g.epsilon, delta=1e-6, max_private_tokens=2, batch_size=g.batch_size,
                                         sensitivity=sensitivity).clip_norm
-        total, count = 0.0, 0
+        total, null, count = 0.0, 0.0, 0
         for text, l1, l2 in REAL:
             ids, public, private = forced_rows(tiny, text, l1, l2)
-            state = mech.forced_state(1)
-            for t, x in enumerate(ids):
-                lp, state = mech.forced_step(torch.tensor(private[t, : p.point.batch_size][None]),
-                                             torch.tensor(public[t][None]), state, torch.tensor([x]))
-                prob = math.exp(float(lp[0, x]))
-                total -= math.log((1 - SMOOTHING) * prob + SMOOTHING / public.shape[-1])
-                count += 1
+            null_rows = np.repeat(public[:, None], g.batch_size, axis=1)  # every reference replaced by null
+            for rows, sign in ((private, 1.0), (null_rows, -1.0)):
+                state, loss = mech.forced_state(1), 0.0
+                for t, x in enumerate(ids):
+                    lp, state = mech.forced_step(torch.tensor(rows[t][None]), torch.tensor(public[t][None]), state,
+                                                 torch.tensor([x]))
+                    loss -= math.log((1 - SMOOTHING) * math.exp(float(lp[0, x])) + SMOOTHING / public.shape[-1])
+                total, null = (total + loss, null) if sign > 0 else (total, null + loss)
+            count += len(ids)
         assert p.heldout_ce.estimate == pytest.approx(total / count, abs=1e-6)
+        assert p.gain_over_null.estimate == pytest.approx((null - total) / count, abs=1e-6)
 
 
 def test_compute_ratios_read_the_crossing_off_each_curve(baselines):

@@ -368,9 +368,9 @@ class _Scores:
         self.linf: list = []
         self.edges = torch.tensor(_BINS[1:-1], dtype=torch.float64, device=device)
         self.counts = torch.zeros(len(_BINS) - 1, dtype=torch.int64, device=device)
-        # the baselines' mechanisms and their forward-recursion states, per point: (mechanism, {"point"|"null": state})
+        # the baselines' mechanisms (for the point and its every-reference-null twin) and their recursions' states
         self.baselines = {p: _baseline(p, config) for p in self.points if p.mechanism != "invisibleink"}
-        self.states = {(p, kind): m.forced_state(self.n, device) for p, m in self.baselines.items() for kind in ("point", "null")}
+        self.states = {(p, kind): m[kind].forced_state(self.n, device) for p, m in self.baselines.items() for kind in m}
         self.generator = torch.Generator(device=device).manual_seed(config.seed)  # AdaPMixED's screening draws
 
     def add(self, key: tuple, index, values) -> None:
@@ -428,10 +428,10 @@ class _Scores:
         """A baseline's point and its every-reference-null twin, by its forward recursion (its ``forced_step``)."""
         import torch
 
-        mech = self.baselines[p]
+        mechs = self.baselines[p]
         extra = {"generator": self.generator} if p.mechanism == "adapmixed" else {}
-        for kind, rows in (("point", private), ("null", public[:, None].expand_as(private))):
-            lp, after = mech.forced_step(rows, public, self.states[p, kind][index], tokens[:, 0], **extra)
+        for kind, rows in (("point", private), ("null", public[:, None].expand(-1, mechs["null"].batch_size, -1))):
+            lp, after = mechs[kind].forced_step(rows, public, self.states[p, kind][index], tokens[:, 0], **extra)
             self.states[p, kind][index] = after
             self.add((kind, *key), index, _smoothed_loss(lp, tokens, self.vocab))
             if kind == "point":
@@ -455,16 +455,20 @@ class _Scores:
         self.counts += torch.bincount(torch.bucketize(on.flatten(), self.edges, right=True), minlength=len(self.counts))
 
 
-def _baseline(point: GridPoint, config: ProfileConfig):
-    """The baseline mechanism a point scores (its config as the comparison runs it; docs/guide/baselines.md)."""
+def _baseline(point: GridPoint, config: ProfileConfig) -> dict:
+    """The baseline mechanism a point scores (as docs/guide/baselines.md configures it) and its every-reference-null
+    twin: Amin et al.'s B null rows are one public row (the same mean of clipped rows and of softmaxes: B = 1, one
+    row of work), AdaPMixED's stay B rows (its screening cost depends on B)."""
     from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
 
     if point.mechanism == "adapmixed":
-        return AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=point.batch_size, epsilon=point.epsilon, delta=config.delta,
+        mech = AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=point.batch_size, epsilon=point.epsilon, delta=config.delta,
                                                   temperature=point.temperature))
+        return {"point": mech, "null": mech}
     sensitivity = "paper" if point.mechanism == "amin-paper" else "replace-by-null"
-    return AminMechanism(AminConfig(clip_norm=point.clip_norm, batch_size=point.batch_size, temperature=point.temperature,
-                                    max_private_tokens=config.private_tokens, sensitivity=sensitivity))
+    return {kind: AminMechanism(AminConfig(clip_norm=point.clip_norm, batch_size=b, temperature=point.temperature,
+                                           max_private_tokens=config.private_tokens, sensitivity=sensitivity))
+            for kind, b in (("point", point.batch_size), ("null", 1))}
 
 
 def _smoothed_loss(log_probs, tokens, vocab_size: int):
