@@ -4,6 +4,7 @@ empirical prefix frequencies must match the exact forward recursion's prefix pro
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -200,3 +201,33 @@ def test_rows_to_reach_interpolates_the_first_crossing_in_log_rows():
     assert got[1] == pytest.approx(math.exp(math.log(8) + 0.5 * math.log(2)))
     assert rows_to_reach(rows, gains, np.array([0.05, 0.9])).tolist() == [4.0, math.inf]  # at most 4; never
     assert rows_to_reach(rows, gains, np.array([0.3, 0.5])).tolist() == [8.0, 8.0]  # reached exactly at a point
+
+
+def test_cli_scores_the_baselines_and_refuses_an_unknown_one(tiny_dir, reviews_csv, capsys):
+    from test_profile import T, _files
+
+    from invink_audit.cli import main
+
+    proxy, real = _files(reviews_csv)
+    common = ["profile", "--input", str(proxy), "--real", str(real), "--epsilons", "30,100", "--batch-sizes", "2,3",
+              "--top-ks", "full", "--max-new-tokens", str(T), "--label-columns", "label1,label2", "--prompt", "yelp",
+              "--model", str(tiny_dir), "--no-progress", "--amin-private-tokens", "2"]
+    assert main([*common, "--json", "--mechanism", "invisibleink,amin"]) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out)
+    assert {p["mechanism"] for p in payload["points"]} == {"invisibleink", "amin"}
+    assert payload["infeasible"] == ["amin eps=30 B=2 tau=1", "amin eps=30 B=3 tau=1"]  # plan_amin: none below ε = 100
+    assert "infeasible" in captured.err and len(payload["compute"]) == 2  # amin at ε = 100, B = 2 and 3
+    assert main([*common, "--mechanism", "amin2024"]) == 2
+    assert "--mechanism must be one of invisibleink, amin, amin-paper, adapmixed; got 'amin2024'" in capsys.readouterr().err
+
+
+def test_a_step_with_no_scored_token_is_skipped(tiny, reviews_csv):
+    """Two texts of one length end together: their end-of-sequence step scores nothing (and must not fail)."""
+    from test_profile import PROXY, T, _config
+
+    proxy, real = reviews_csv(PROXY, name="proxy.csv"), reviews_csv([("Good soup.", "food", "5")] * 2, name="real.csv")
+    result = run_profile(proxy, real, _config(epsilons=(100.0,), batch_sizes=(3,), top_ks=(None,), num_texts=2,
+                                              amin_private_tokens=2, mechanisms=("invisibleink", "amin", "adapmixed")), model=tiny)
+    assert result.num_tokens == 2 * len(tiny.tokenizer.encode("Good soup.", add_special_tokens=False)) < 2 * T
+    assert len(result.points) == 3

@@ -394,6 +394,8 @@ class _Scores:
 
         keep = step.positions < self.scored[step.request_indices]
         index = step.request_indices[keep]
+        if not index.numel():  # every text of this step is at its forced end-of-sequence token, past its scored ones
+            return
         tokens = step.tokens[keep][:, None]
         public = step.public_logits[keep].to(ACCUMULATION_DTYPE)
         private = step.private_logits[keep]
@@ -411,7 +413,7 @@ class _Scores:
         for p in self.points:
             b, key = p.batch_size, dataclasses.astuple(p)
             if p in self.baselines:
-                self._baseline_step(p, key, index, tokens, private[:, :b], public, differences[:, :b])
+                self._baseline_step(p, key, index, tokens, private[:, :b], public)
                 continue
             lp = token_log_probs(private[:, :b], public, clip_norm=p.clip_norm, temperature=p.temperature, top_k=p.top_k)
             self.add(("point", *key), index, _smoothed_loss(lp, tokens, self.vocab))
@@ -424,7 +426,7 @@ class _Scores:
             self.add(("entries", *key), index, support.sum(dim=1) * b)
         self._profile(differences, public)
 
-    def _baseline_step(self, p: GridPoint, key: tuple, index, tokens, private, public, differences) -> None:
+    def _baseline_step(self, p: GridPoint, key: tuple, index, tokens, private, public) -> None:
         """A baseline's point and its every-reference-null twin, by its forward recursion (its ``forced_step``)."""
         import torch
 
@@ -437,7 +439,7 @@ class _Scores:
             if kind == "point":
                 self.add(("in", *key), index, torch.isfinite(lp.gather(1, tokens)).squeeze(1))
         if p.mechanism != "adapmixed":  # recentred naive clipping (Amin et al.): below −C once shifted by max − C
-            shifted = private.to(differences.dtype) - private.to(differences.dtype).amax(dim=-1, keepdim=True)
+            shifted = private - private.amax(dim=-1, keepdim=True)
             self.add(("clipped", *key), index, (shifted < -2 * p.clip_norm).sum(dim=(1, 2)))
             self.add(("entries", *key), index, torch.full_like(index, shifted[0].numel()))
 
