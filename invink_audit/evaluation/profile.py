@@ -248,8 +248,8 @@ class Comparison:
 @dataclasses.dataclass(frozen=True)
 class ComputeRatio:
     """Forward rows per token (B + 1) each mechanism needs to reach ``target_gain`` over the floor: the gain of
-    ``baseline`` (a baseline's measured point), read off the baseline's and InvisibleInk's (at ``top_k``) gain
-    curves over B + 1 at the same ε and τ (the first crossing, interpolated linearly in gain and log rows between
+    ``baseline`` (a baseline's measured point), read off the baseline's and InvisibleInk's (full vocabulary: the
+    same floor) gain curves over B + 1 at the same ε and τ (the first crossing, interpolated linearly in gain and log rows between
     measured points), and ``ratio`` = baseline rows / InvisibleInk rows: InvisibleInk's compute saving at equal
     held-out gain. Intervals: the same paired resamples over texts for everything (percentile, no interpolation).
     ``below_grid``/``above_grid``: the shares of resamples where InvisibleInk reaches the target already at its
@@ -257,7 +257,6 @@ class ComputeRatio:
     infinite, the ratio 0: only "less than baseline rows / largest B + 1" is known)."""
 
     baseline: GridPoint
-    top_k: int | None
     target_gain: Interval
     baseline_rows: Interval
     invisibleink_rows: Interval
@@ -266,7 +265,7 @@ class ComputeRatio:
     above_grid: float
 
     def to_json(self) -> dict:
-        return {"baseline": self.baseline.label, "epsilon": self.baseline.epsilon, "top_k": self.top_k,
+        return {"baseline": self.baseline.label, "epsilon": self.baseline.epsilon,
                 **{k: getattr(self, k).to_json() for k in ("target_gain", "baseline_rows", "invisibleink_rows", "ratio")},
                 "below_grid": self.below_grid, "above_grid": self.above_grid}
 
@@ -658,7 +657,7 @@ def _summarise(scores: _Scores, config: ProfileConfig, skipped: int, seconds: fl
 
 
 def _compute_ratios(points: Sequence[ProfilePoint], sums, config: ProfileConfig) -> list[ComputeRatio]:
-    """Every baseline point against InvisibleInk's curve at its (ε, τ), one per InvisibleInk k (:class:`ComputeRatio`)."""
+    """Every baseline point against InvisibleInk's full-vocabulary curve at its (ε, τ) (:class:`ComputeRatio`)."""
     n = len(sums[("tokens",)])
     resamples = np.random.default_rng(config.seed + 1).integers(0, n, size=(config.num_resamples, n))
     index = np.vstack([np.arange(n), resamples])  # row 0: the data itself; then the resamples of :func:`_bootstrap`
@@ -677,10 +676,9 @@ def _compute_ratios(points: Sequence[ProfilePoint], sums, config: ProfileConfig)
         b = base.point
         own = curve([q for q in points if (q.point.mechanism, q.point.epsilon, q.point.temperature) == (b.mechanism, b.epsilon, b.temperature)])
         target = gains(base)
-        for k in config.top_ks:
-            ours = [q for q in points if q.point.mechanism == "invisibleink" and (q.point.epsilon, q.point.top_k, q.point.temperature) == (b.epsilon, k, b.temperature)]
-            if ours:
-                out.append(_ratio(base.point, k, target, own, curve(ours), config.confidence))
+        ours = [q for q in points if q.point.mechanism == "invisibleink" and (q.point.epsilon, q.point.top_k, q.point.temperature) == (b.epsilon, None, b.temperature)]
+        if ours:
+            out.append(_ratio(base.point, target, own, curve(ours), config.confidence))
     return out
 
 
@@ -699,7 +697,7 @@ def rows_to_reach(rows: np.ndarray, gains: np.ndarray, target: np.ndarray) -> np
     return out
 
 
-def _ratio(base: GridPoint, k, target: np.ndarray, own, ours, confidence: float) -> ComputeRatio:
+def _ratio(base: GridPoint, target: np.ndarray, own, ours, confidence: float) -> ComputeRatio:
     base_rows, our_rows = rows_to_reach(*own, target), rows_to_reach(*ours, target)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(np.isinf(our_rows), 0.0, base_rows / our_rows)
@@ -710,7 +708,7 @@ def _ratio(base: GridPoint, k, target: np.ndarray, own, ours, confidence: float)
         est = float(values[0])
         return Interval(est, min(float(lo), est), max(float(hi), est), confidence, f"paired bootstrap over texts, {values.size - 1} replicates")
 
-    return ComputeRatio(base, k, interval(target), interval(base_rows), interval(our_rows), interval(ratio),
+    return ComputeRatio(base, interval(target), interval(base_rows), interval(our_rows), interval(ratio),
                         float((our_rows[1:] == ours[0][0]).mean()), float(np.isinf(our_rows[1:]).mean()))
 
 
@@ -891,9 +889,9 @@ def _baseline_markdown(result: ProfileResult) -> list[str]:
     if not result.compute:
         return lines + [""] if lines else []
     lines += ["", "## Compute to reach the same gain (forward rows per token, paired)", "",
-              *md_table("baseline point | InvisibleInk k | target gain | baseline rows | InvisibleInk rows | "
+              *md_table("baseline point | target gain | baseline rows | InvisibleInk rows (full vocabulary) | "
                         "ratio baseline : InvisibleInk | InvisibleInk at its smallest / beyond its largest B + 1", [
-                  (c.baseline.label, _k(c.top_k), c.target_gain.format(), c.baseline_rows.format(1),
+                  (c.baseline.label, c.target_gain.format(), c.baseline_rows.format(1),
                    c.invisibleink_rows.format(1), c.ratio.format(2), f"{c.below_grid:.0%} / {c.above_grid:.0%}")
                   for c in result.compute]),
               "", "Rows interpolated log-linearly between measured B + 1 on each curve; a share of resamples at the "
