@@ -83,7 +83,8 @@ def main(argv=None) -> int:
         top_ks=(None,), temperatures=(1.0,), max_new_tokens=args.tokens, num_texts=args.num_texts, prompt="yelp",
         label_columns=("label1", "label2"), mechanisms=tuple(args.mechanisms.split(",")),
     )  # fmt: skip
-    start = time.time()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    start = time.time()  # the commit at the start: the code this run imports
     with tempfile.TemporaryDirectory() as tmp:  # the cut references: a derived copy, removed afterwards
         proxy = Path(tmp) / "dev.csv"
         frame = pandas.read_csv(YELP / "dev.csv")
@@ -93,7 +94,6 @@ def main(argv=None) -> int:
                              progress=lambda done, total: print(f"\r{done}/{total} tokens", end="", file=sys.stderr))
     print(file=sys.stderr)
     result.write(args.output)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     print(f"commit {commit}, {platform.machine()} {platform.processor() or ''} ({len(__import__('os').sched_getaffinity(0))} "
           f"cores), {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {time.time() - start:.0f} s, "
           f"{result.num_texts} texts, {result.num_tokens} tokens")
