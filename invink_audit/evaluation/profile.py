@@ -249,8 +249,7 @@ class Comparison:
 class ComputeRatio:
     """Forward rows per token (B + 1) each mechanism needs to reach ``target_gain`` over the floor: the gain of
     ``baseline`` (a baseline's measured point), read off the baseline's and InvisibleInk's (full vocabulary: the
-    same floor) gain curves over B + 1 at the same ε and τ (the first crossing, interpolated linearly in gain and log rows between
-    measured points), and ``ratio`` = baseline rows / InvisibleInk rows: InvisibleInk's compute saving at equal
+    same floor) gain curves over B + 1 at the same ε and τ (:func:`rows_to_reach`), and ``ratio`` = baseline rows / InvisibleInk rows: InvisibleInk's compute saving at equal
     held-out gain. Intervals: the same paired resamples over texts for everything (percentile, no interpolation).
     ``below_grid``/``above_grid``: the shares of resamples where InvisibleInk reaches the target already at its
     smallest B + 1 (its rows are then at most that: the ratio a lower bound) or not at its largest (its rows
@@ -618,7 +617,7 @@ def _bootstrap(sums: Mapping[tuple, np.ndarray], n: int, config: ProfileConfig):
     """``ratio(numerator, denominator=tokens)``: the ratio of per-text sums with its percentile-bootstrap
     interval over texts (Efron & Tibshirani 1993, §13.3), every call on the *same* resamples (paired)."""
     tokens = sums[("tokens",)]
-    resamples = np.random.default_rng(config.seed + 1).integers(0, n, size=(config.num_resamples, n))
+    resamples = _resamples(n, config)
     boot_tokens = tokens[resamples].sum(axis=1)
 
     def ratio(numerator: np.ndarray, denominator: np.ndarray | None = None) -> Interval | None:
@@ -634,6 +633,11 @@ def _bootstrap(sums: Mapping[tuple, np.ndarray], n: int, config: ProfileConfig):
     return ratio
 
 
+def _resamples(n: int, config: ProfileConfig) -> np.ndarray:
+    """The bootstrap's resamples of the n texts, (num_resamples, n): one seeded draw that every interval shares."""
+    return np.random.default_rng(config.seed + 1).integers(0, n, size=(config.num_resamples, n))
+
+
 def _summarise(scores: _Scores, config: ProfileConfig, skipped: int, seconds: float) -> ProfileResult:
     s, linf, counts = scores.finish()
     n, tokens = scores.n, s[("tokens",)]
@@ -647,7 +651,8 @@ def _summarise(scores: _Scores, config: ProfileConfig, skipped: int, seconds: fl
             gain_over_null=ratio(null - own), gap_closed=ratio(floor - own, floor - ens),
             coverage=float(s[("in", *key)].sum() / tokens.sum()),
             floor_coverage=float(s[("floor_in", p.top_k, p.temperature)].sum() / tokens.sum()),
-            clipped_share=float(s[("clipped", *key)].sum() / max(s[("entries", *key)].sum(), 1)) if ("clipped", *key) in s else math.nan,
+            clipped_share=float(s[("clipped", *key)].sum() / max(s[("entries", *key)].sum(), 1))
+            if ("clipped", *key) in s else math.nan,  # AdaPMixED does not clip
         ))  # fmt: skip
     comparisons = _comparisons(points, s, ratio, n)
     profile = ClipProfile(scores.profile_k, linf, _BINS, counts)
@@ -659,8 +664,7 @@ def _summarise(scores: _Scores, config: ProfileConfig, skipped: int, seconds: fl
 def _compute_ratios(points: Sequence[ProfilePoint], sums, config: ProfileConfig) -> list[ComputeRatio]:
     """Every baseline point against InvisibleInk's full-vocabulary curve at its (ε, τ) (:class:`ComputeRatio`)."""
     n = len(sums[("tokens",)])
-    resamples = np.random.default_rng(config.seed + 1).integers(0, n, size=(config.num_resamples, n))
-    index = np.vstack([np.arange(n), resamples])  # row 0: the data itself; then the resamples of :func:`_bootstrap`
+    index = np.vstack([np.arange(n), _resamples(n, config)])  # row 0: the data itself; then the shared resamples
 
     def gains(p: ProfilePoint) -> np.ndarray:  # (1 + resamples,) gain over the floor, per resample
         g = p.point
@@ -671,14 +675,16 @@ def _compute_ratios(points: Sequence[ProfilePoint], sums, config: ProfileConfig)
         row = sorted(row, key=lambda q: q.point.batch_size)
         return np.array([q.point.batch_size + 1.0 for q in row]), np.stack([gains(q) for q in row])
 
+    def same(q: ProfilePoint, b: GridPoint, mechanism: str) -> bool:  # InvisibleInk: its full-vocabulary points
+        return (q.point.mechanism, q.point.epsilon, q.point.temperature) == (mechanism, b.epsilon, b.temperature) and (
+            mechanism != "invisibleink" or q.point.top_k is None)
+
     out = []
     for base in (p for p in points if p.point.mechanism != "invisibleink"):
         b = base.point
-        own = curve([q for q in points if (q.point.mechanism, q.point.epsilon, q.point.temperature) == (b.mechanism, b.epsilon, b.temperature)])
-        target = gains(base)
-        ours = [q for q in points if q.point.mechanism == "invisibleink" and (q.point.epsilon, q.point.top_k, q.point.temperature) == (b.epsilon, None, b.temperature)]
-        if ours:
-            out.append(_ratio(base.point, target, own, curve(ours), config.confidence))
+        if ours := [q for q in points if same(q, b, "invisibleink")]:
+            own = curve([q for q in points if same(q, b, b.mechanism)])
+            out.append(_ratio(b, gains(base), own, curve(ours), config.confidence))
     return out
 
 
@@ -706,7 +712,8 @@ def _ratio(base: GridPoint, target: np.ndarray, own, ours, confidence: float) ->
         a = (1.0 - confidence) / 2
         lo, hi = np.quantile(values[1:], [a, 1 - a], method="inverted_cdf")  # no interpolation: ∞ stays ∞
         est = float(values[0])
-        return Interval(est, min(float(lo), est), max(float(hi), est), confidence, f"paired bootstrap over texts, {values.size - 1} replicates")
+        return Interval(est, min(float(lo), est), max(float(hi), est), confidence,
+                        f"paired bootstrap over texts, {values.size - 1} replicates")
 
     return ComputeRatio(base, interval(target), interval(base_rows), interval(our_rows), interval(ratio),
                         float((our_rows[1:] == ours[0][0]).mean()), float(np.isinf(our_rows[1:]).mean()))
