@@ -30,9 +30,10 @@ MAX_ADD_ARGUMENT = 110
 #: kit) 151, issue 38 (the privacy unit: data, accounting, generation, CLI, audit) about 620, issue 35's outside
 #: generators (the noisy-argmax draw, unreleased(), the adapter self-test rows) about 250, issue 36's GPU decode
 #: step (the KV pool, CUDA graphs, the tile-invariance probe) 333, and its follow-up (the probe per pool shape with
-#: the public rows' alone fallback, the pool's KV bound in capacity.py) 120.
+#: the public rows' alone fallback, the pool's KV bound in capacity.py) 120, issue 39 (profile --mechanism: the
+#: baselines' teacher-forced recursions, the compute ratio at equal gain) 325.
 #: Lower it as the library shrinks; raise it only with a feature, saying so in the changelog
-MAX_LIBRARY_LINES = 31_780
+MAX_LIBRARY_LINES = 32_105
 
 #: (importer prefix, forbidden target prefix): the layers, bottom up (accounting < the mechanism and the
 #: engine < generation < AugPE (which embeds with the

@@ -40,20 +40,24 @@ def _files(reviews_csv):
     return reviews_csv(PROXY, name="proxy.csv"), reviews_csv(REAL, name="real.csv")
 
 
+def forced_rows(tiny, text: str, l1: str, l2: str):
+    """The forced ids of a REAL text and its rows from full forward passes (no cache): public (t, V), private (t, B, V)."""
+    refs = [r for r, a, b in PROXY if (a, b) == (l1, l2)]
+    request = encode_request(tiny.tokenizer, template_for_labels(get_preset("yelp"), {"label1": l1, "label2": l2}), refs)
+    ids = tiny.tokenizer.encode(text, add_special_tokens=False)[:T]
+    rows = []
+    for prompt in (request.public_ids, *request.private_ids):
+        with torch.no_grad():
+            out = tiny.model(torch.tensor([list(prompt) + ids])).logits[0].double().numpy()
+        rows.append(out[len(prompt) - 1 : len(prompt) - 1 + len(ids)])
+    return ids, rows[0], np.stack(rows[1:], axis=1)
+
+
 def _brute_force(tiny, point, *, kind="point"):
     """Token-weighted smoothed CE over REAL of one distribution, from full forward passes of every row."""
-    template = get_preset("yelp")
     total, count = 0.0, 0
     for text, l1, l2 in REAL:
-        refs = [r for r, a, b in PROXY if (a, b) == (l1, l2)]
-        request = encode_request(tiny.tokenizer, template_for_labels(template, {"label1": l1, "label2": l2}), refs)
-        ids = tiny.tokenizer.encode(text, add_special_tokens=False)[:T]
-        rows = []
-        for prompt in (request.public_ids, *request.private_ids):
-            with torch.no_grad():
-                out = tiny.model(torch.tensor([list(prompt) + ids])).logits[0].double().numpy()
-            rows.append(out[len(prompt) - 1 : len(prompt) - 1 + len(ids)])
-        public, private = rows[0], np.stack(rows[1:], axis=1)  # (t, V), (t, B, V)
+        ids, public, private = forced_rows(tiny, text, l1, l2)
         tau, vocab = point["temperature"], public.shape[-1]
         if kind == "floor":
             scores, keep = public / tau, _top_k(public, point["top_k"], 0.0)

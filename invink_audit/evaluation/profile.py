@@ -12,6 +12,7 @@ Design: docs/guide/evaluating.md (§"Planning by teacher forcing"); results: doc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,16 +34,19 @@ from invink_audit.not_private import (
 )
 
 __all__ = [
+    "PROFILE_MECHANISMS",
     "PLANNING_NOTICE",
     "SMOOTHING",
     "ClipProfile",
     "Comparison",
+    "ComputeRatio",
     "ProfileConfig",
     "ProfilePoint",
     "ProfileResult",
     "GridPoint",
     "MIN_PROFILE_TEXTS",
     "grid_values",
+    "rows_to_reach",
     "run_profile",
 ]
 
@@ -50,6 +54,10 @@ __all__ = [
 SMOOTHING = 1e-3
 #: the bins of the per-token clip profile's histogram of |φ_i − φ_pub| (log-spaced, nats of logit)
 _BINS = np.concatenate([[0.0], np.logspace(-3, 3, 241)])
+
+#: what ``profile --mechanism`` scores: InvisibleInk, Amin et al. 2024 with the correct replace-by-null
+#: sensitivities (2C/B, 2/B) or the paper's understated ones (C/B, 1/B), AdaPMixED (data-dependent budget)
+PROFILE_MECHANISMS = ("invisibleink", "amin", "amin-paper", "adapmixed")
 
 PLANNING_NOTICE = (
     "Planning runs on public or proxy data: these figures are statistics of the references and the held-out "
@@ -96,8 +104,17 @@ class ProfileConfig:
     privacy_unit: object = None
     num_resamples: int = 2000
     confidence: float = DEFAULT_CONFIDENCE
+    #: the mechanisms scored (:data:`PROFILE_MECHANISMS`), all on the same texts, references and resamples
+    mechanisms: tuple[str, ...] = ("invisibleink",)
+    #: Amin et al.'s r, the private tokens before it stops (``None``: T/4, the paper's calibration, App. D.5)
+    amin_private_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mechanisms", grid_values(self.mechanisms, "mechanisms"))
+        if unknown := [m for m in self.mechanisms if m not in PROFILE_MECHANISMS]:
+            raise ValueError(f"mechanisms must be among {', '.join(PROFILE_MECHANISMS)}; got {unknown}")
+        if self.amin_private_tokens is not None:
+            check_count("amin_private_tokens", self.amin_private_tokens)
         for name in ("epsilons", "batch_sizes", "top_ks", "temperatures"):
             object.__setattr__(self, name, grid_values(getattr(self, name), name))
         for b in self.batch_sizes:
@@ -117,6 +134,8 @@ class ProfileConfig:
         from invink_audit.data import PrivacyUnit
 
         object.__setattr__(self, "privacy_unit", PrivacyUnit.of(self.privacy_unit))
+        if self.privacy_unit is not None and self.mechanisms != ("invisibleink",):
+            raise ValueError("a privacy unit is supported for InvisibleInk only: profile the baselines per reference")
         if self.privacy_unit is not None and self.where:
             raise ValueError("where with a privacy unit is not supported: select the records into a file first")
         self.points()  # every point's C is planned now: an out-of-range point fails before any model loads
@@ -126,16 +145,40 @@ class ProfileConfig:
         """Real tokens scored per held-out text: ``scored_tokens``, or T when it is not given."""
         return self.max_new_tokens if self.scored_tokens is None else self.scored_tokens
 
+    @property
+    def private_tokens(self) -> int:
+        """Amin et al.'s r: ``amin_private_tokens``, or T/4 (at least 1)."""
+        return self.amin_private_tokens or max(1, self.max_new_tokens // 4)
+
     def points(self) -> list[GridPoint]:
-        """Every grid point with its planned clip norm (:func:`accounting.plan_clip_norm`)."""
+        """Every feasible grid point with its planned clip norm: InvisibleInk's by :func:`accounting.plan_clip_norm`,
+        Amin et al.'s by :func:`~invink_audit.mechanisms.plan_amin` (r = :attr:`private_tokens`; :meth:`infeasible`
+        lists where it finds none), AdaPMixED's none (it stops at ε instead; ``clip_norm`` NaN)."""
+        return [p for p in self._all_points() if isinstance(p, GridPoint)]
+
+    def infeasible(self) -> list[str]:
+        """The (mechanism, ε, B, τ) where Amin et al.'s planner finds no clip norm (the SVT alone overspends)."""
+        return [p for p in self._all_points() if isinstance(p, str)]
+
+    def _all_points(self) -> list:
+        from invink_audit.mechanisms import AminInfeasibleError, plan_amin
+
         out = []
-        for eps in self.epsilons:
-            for b in self.batch_sizes:
-                for tau in self.temperatures:
-                    k = 1 if self.privacy_unit is None else self.privacy_unit.unit_contributions
-                    plan = plan_clip_norm(epsilon=eps, delta=self.delta, max_new_tokens=self.max_new_tokens,
-                                          batch_size=b, temperature=tau, accountant=self.accountant, unit_contributions=k)
-                    out += [GridPoint(plan.epsilon, b, k, plan.temperature, plan.clip_norm) for k in self.top_ks]
+        for mech, eps, b, tau in itertools.product(self.mechanisms, self.epsilons, self.batch_sizes, self.temperatures):
+            if mech == "invisibleink":
+                k = 1 if self.privacy_unit is None else self.privacy_unit.unit_contributions
+                plan = plan_clip_norm(epsilon=eps, delta=self.delta, max_new_tokens=self.max_new_tokens,
+                                      batch_size=b, temperature=tau, accountant=self.accountant, unit_contributions=k)
+                out += [GridPoint(plan.epsilon, b, k, plan.temperature, plan.clip_norm) for k in self.top_ks]
+            elif mech == "adapmixed":
+                out.append(GridPoint(eps, b, None, tau, math.nan, mech))
+            else:
+                try:
+                    acc = plan_amin(epsilon=eps, delta=self.delta, max_private_tokens=self.private_tokens, batch_size=b,
+                                    temperature=tau, sensitivity="paper" if mech == "amin-paper" else "replace-by-null")
+                    out.append(GridPoint(eps, b, None, tau, acc.clip_norm, mech))
+                except AminInfeasibleError:
+                    out.append(f"{mech} eps={eps:g} B={b} tau={tau:g}")
         return out
 
 
@@ -148,10 +191,12 @@ class GridPoint:
     top_k: int | None
     temperature: float
     clip_norm: float
+    mechanism: str = "invisibleink"
 
     @property
     def label(self) -> str:
-        return f"eps={self.epsilon:g} B={self.batch_size} k={_k(self.top_k)} tau={self.temperature:g}"
+        head = "" if self.mechanism == "invisibleink" else f"{self.mechanism} "
+        return f"{head}eps={self.epsilon:g} B={self.batch_size} k={_k(self.top_k)} tau={self.temperature:g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +219,8 @@ class ProfilePoint:
     def to_json(self) -> dict:
         p = self.point
         return {
-            "epsilon": p.epsilon, "batch_size": p.batch_size, "top_k": p.top_k, "temperature": p.temperature,
-            "clip_norm": p.clip_norm, "heldout_ce": self.heldout_ce.to_json(), "floor_ce": self.floor_ce.to_json(),
+            "mechanism": p.mechanism, "epsilon": p.epsilon, "batch_size": p.batch_size, "top_k": p.top_k, "temperature": p.temperature,
+            "clip_norm": None if math.isnan(p.clip_norm) else p.clip_norm, "heldout_ce": self.heldout_ce.to_json(), "floor_ce": self.floor_ce.to_json(),
             "ensemble_ce": self.ensemble_ce.to_json(), "gain_over_floor": self.gain_over_floor.to_json(),
             "gain_over_null": self.gain_over_null.to_json(),
             "gap_closed": None if self.gap_closed is None else self.gap_closed.to_json(),
@@ -198,6 +243,30 @@ class Comparison:
     def to_json(self) -> dict:
         return {"better": self.better.label, "worse": self.worse.label, "difference": self.difference.to_json(),
                 "separated": self.separated, "texts_needed": self.texts_needed}
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeRatio:
+    """Forward rows per token (B + 1) each mechanism needs to reach ``target_gain`` over the floor: the gain of
+    ``baseline`` (a baseline's measured point), read off the baseline's and InvisibleInk's (full vocabulary: the
+    same floor) gain curves over B + 1 at the same ε and τ (:func:`rows_to_reach`), and ``ratio`` = baseline rows / InvisibleInk rows: InvisibleInk's compute saving at equal
+    held-out gain. Intervals: the same paired resamples over texts for everything (percentile, no interpolation).
+    ``below_grid``/``above_grid``: the shares of resamples where InvisibleInk reaches the target already at its
+    smallest B + 1 (its rows are then at most that: the ratio a lower bound) or not at its largest (its rows
+    infinite, the ratio 0: only "less than baseline rows / largest B + 1" is known)."""
+
+    baseline: GridPoint
+    target_gain: Interval
+    baseline_rows: Interval
+    invisibleink_rows: Interval
+    ratio: Interval
+    below_grid: float
+    above_grid: float
+
+    def to_json(self) -> dict:
+        return {"baseline": self.baseline.label, "epsilon": self.baseline.epsilon,
+                **{k: getattr(self, k).to_json() for k in ("target_gain", "baseline_rows", "invisibleink_rows", "ratio")},
+                "below_grid": self.below_grid, "above_grid": self.above_grid}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +302,10 @@ class ProfileResult:
     seconds: float
     #: what this sample is too small for (said in the report and on stderr)
     warnings: tuple[str, ...] = ()
+    #: InvisibleInk's compute saving over each baseline point at equal held-out gain
+    compute: tuple[ComputeRatio, ...] = ()
+    #: the baseline points whose planner finds no clip norm (nothing scored there)
+    infeasible: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         """One JSON object, marked NOT PRIVATE (:func:`~invink_audit.not_private.mark_not_private`): what
@@ -240,6 +313,7 @@ class ProfileResult:
         return mark_not_private({
             "points": [p.to_json() for p in self.points],
             "comparisons": [c.to_json() for c in self.comparisons],
+            "compute": [c.to_json() for c in self.compute], "infeasible": list(self.infeasible),
             "recommendation": self.recommendation,
             "clip_profile": self.clip_profile.to_json(),
             "num_texts": self.num_texts, "num_tokens": self.num_tokens, "skipped_texts": self.skipped_texts,
@@ -292,6 +366,10 @@ class _Scores:
         self.linf: list = []
         self.edges = torch.tensor(_BINS[1:-1], dtype=torch.float64, device=device)
         self.counts = torch.zeros(len(_BINS) - 1, dtype=torch.int64, device=device)
+        # the baselines' mechanisms (for the point and its every-reference-null twin) and their recursions' states
+        self.baselines = {p: _baseline(p, config) for p in self.points if p.mechanism != "invisibleink"}
+        self.states = {(p, kind): m[kind].forced_state(self.n, device) for p, m in self.baselines.items() for kind in m}
+        self.generator = torch.Generator(device=device).manual_seed(config.seed)  # AdaPMixED's screening draws
 
     def add(self, key: tuple, index, values) -> None:
         import torch
@@ -314,11 +392,13 @@ class _Scores:
 
         keep = step.positions < self.scored[step.request_indices]
         index = step.request_indices[keep]
+        if not index.numel():  # every text of this step is at its forced end-of-sequence token, past its scored ones
+            return
         tokens = step.tokens[keep][:, None]
         public = step.public_logits[keep].to(ACCUMULATION_DTYPE)
         private = step.private_logits[keep]
         self.add(("tokens",), index, torch.ones_like(tokens[:, 0]))
-        for k in self.config.top_ks:
+        for k in set(self.config.top_ks) | ({None} if self.baselines else set()):
             for tau in self.config.temperatures:
                 floor = top_k_log_softmax(public / tau, k)
                 self.add(("floor", k, tau), index, _smoothed_loss(floor, tokens, self.vocab))
@@ -330,6 +410,9 @@ class _Scores:
         differences = (private.to(ACCUMULATION_DTYPE) - public[:, None]).abs_()
         for p in self.points:
             b, key = p.batch_size, dataclasses.astuple(p)
+            if p in self.baselines:
+                self._baseline_step(p, key, index, tokens, private[:, :b], public)
+                continue
             lp = token_log_probs(private[:, :b], public, clip_norm=p.clip_norm, temperature=p.temperature, top_k=p.top_k)
             self.add(("point", *key), index, _smoothed_loss(lp, tokens, self.vocab))
             self.add(("in", *key), index, torch.isfinite(lp.gather(1, tokens)).squeeze(1))
@@ -340,6 +423,23 @@ class _Scores:
             self.add(("clipped", *key), index, ((differences[:, :b] > p.clip_norm) & support[:, None]).sum(dim=(1, 2)))
             self.add(("entries", *key), index, support.sum(dim=1) * b)
         self._profile(differences, public)
+
+    def _baseline_step(self, p: GridPoint, key: tuple, index, tokens, private, public) -> None:
+        """A baseline's point and its every-reference-null twin, by its forward recursion (its ``forced_step``)."""
+        import torch
+
+        mechs = self.baselines[p]
+        extra = {"generator": self.generator} if p.mechanism == "adapmixed" else {}
+        for kind, rows in (("point", private), ("null", public[:, None].expand(-1, mechs["null"].batch_size, -1))):
+            lp, after = mechs[kind].forced_step(rows, public, self.states[p, kind][index], tokens[:, 0], **extra)
+            self.states[p, kind][index] = after
+            self.add((kind, *key), index, _smoothed_loss(lp, tokens, self.vocab))
+            if kind == "point":
+                self.add(("in", *key), index, torch.isfinite(lp.gather(1, tokens)).squeeze(1))
+        if p.mechanism != "adapmixed":  # recentred naive clipping (Amin et al.): below −C once shifted by max − C
+            shifted = private - private.amax(dim=-1, keepdim=True)
+            self.add(("clipped", *key), index, (shifted < -2 * p.clip_norm).sum(dim=(1, 2)))
+            self.add(("entries", *key), index, torch.full_like(index, shifted[0].numel()))
 
     def _profile(self, differences, public) -> None:
         import torch
@@ -353,6 +453,22 @@ class _Scores:
         self.linf.append(on.amax(dim=-1).flatten())
         # bucket i holds [_BINS[i], _BINS[i+1]); the last one everything from 1e3 up
         self.counts += torch.bincount(torch.bucketize(on.flatten(), self.edges, right=True), minlength=len(self.counts))
+
+
+def _baseline(point: GridPoint, config: ProfileConfig) -> dict:
+    """The baseline mechanism a point scores (as docs/guide/baselines.md configures it) and its every-reference-null
+    twin: Amin et al.'s B null rows are one public row (the same mean of clipped rows and of softmaxes: B = 1, one
+    row of work), AdaPMixED's stay B rows (its screening cost depends on B)."""
+    from invink_audit.mechanisms import AdaPMixEDConfig, AdaPMixEDMechanism, AminConfig, AminMechanism
+
+    if point.mechanism == "adapmixed":
+        mech = AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=point.batch_size, epsilon=point.epsilon, delta=config.delta,
+                                                  temperature=point.temperature))
+        return {"point": mech, "null": mech}
+    sensitivity = "paper" if point.mechanism == "amin-paper" else "replace-by-null"
+    return {kind: AminMechanism(AminConfig(clip_norm=point.clip_norm, batch_size=b, temperature=point.temperature,
+                                           max_private_tokens=config.private_tokens, sensitivity=sensitivity))
+            for kind, b in (("point", point.batch_size), ("null", 1))}
 
 
 def _smoothed_loss(log_probs, tokens, vocab_size: int):
@@ -501,7 +617,7 @@ def _bootstrap(sums: Mapping[tuple, np.ndarray], n: int, config: ProfileConfig):
     """``ratio(numerator, denominator=tokens)``: the ratio of per-text sums with its percentile-bootstrap
     interval over texts (Efron & Tibshirani 1993, §13.3), every call on the *same* resamples (paired)."""
     tokens = sums[("tokens",)]
-    resamples = np.random.default_rng(config.seed + 1).integers(0, n, size=(config.num_resamples, n))
+    resamples = _resamples(n, config)
     boot_tokens = tokens[resamples].sum(axis=1)
 
     def ratio(numerator: np.ndarray, denominator: np.ndarray | None = None) -> Interval | None:
@@ -517,6 +633,11 @@ def _bootstrap(sums: Mapping[tuple, np.ndarray], n: int, config: ProfileConfig):
     return ratio
 
 
+def _resamples(n: int, config: ProfileConfig) -> np.ndarray:
+    """The bootstrap's resamples of the n texts, (num_resamples, n): one seeded draw that every interval shares."""
+    return np.random.default_rng(config.seed + 1).integers(0, n, size=(config.num_resamples, n))
+
+
 def _summarise(scores: _Scores, config: ProfileConfig, skipped: int, seconds: float) -> ProfileResult:
     s, linf, counts = scores.finish()
     n, tokens = scores.n, s[("tokens",)]
@@ -530,12 +651,72 @@ def _summarise(scores: _Scores, config: ProfileConfig, skipped: int, seconds: fl
             gain_over_null=ratio(null - own), gap_closed=ratio(floor - own, floor - ens),
             coverage=float(s[("in", *key)].sum() / tokens.sum()),
             floor_coverage=float(s[("floor_in", p.top_k, p.temperature)].sum() / tokens.sum()),
-            clipped_share=float(s[("clipped", *key)].sum() / max(s[("entries", *key)].sum(), 1)),
+            clipped_share=float(s[("clipped", *key)].sum() / max(s[("entries", *key)].sum(), 1))
+            if ("clipped", *key) in s else math.nan,  # AdaPMixED does not clip
         ))  # fmt: skip
     comparisons = _comparisons(points, s, ratio, n)
     profile = ClipProfile(scores.profile_k, linf, _BINS, counts)
     return ProfileResult(config, tuple(points), tuple(comparisons), _recommendation(points, comparisons, n), profile,
-                         n, int(tokens.sum()), skipped, seconds, _warnings(n, config))
+                         n, int(tokens.sum()), skipped, seconds, _warnings(n, config),
+                         tuple(_compute_ratios(points, s, config)), tuple(config.infeasible()))
+
+
+def _compute_ratios(points: Sequence[ProfilePoint], sums, config: ProfileConfig) -> list[ComputeRatio]:
+    """Every baseline point against InvisibleInk's full-vocabulary curve at its (ε, τ) (:class:`ComputeRatio`)."""
+    n = len(sums[("tokens",)])
+    index = np.vstack([np.arange(n), _resamples(n, config)])  # row 0: the data itself; then the shared resamples
+
+    def gains(p: ProfilePoint) -> np.ndarray:  # (1 + resamples,) gain over the floor, per resample
+        g = p.point
+        diff = sums[("floor", g.top_k, g.temperature)] - sums[("point", *dataclasses.astuple(g))]
+        return diff[index].sum(axis=1) / sums[("tokens",)][index].sum(axis=1)
+
+    def curve(row: Sequence[ProfilePoint]) -> tuple[np.ndarray, np.ndarray]:
+        row = sorted(row, key=lambda q: q.point.batch_size)
+        return np.array([q.point.batch_size + 1.0 for q in row]), np.stack([gains(q) for q in row])
+
+    def same(q: ProfilePoint, b: GridPoint, mechanism: str) -> bool:  # InvisibleInk: its full-vocabulary points
+        return (q.point.mechanism, q.point.epsilon, q.point.temperature) == (mechanism, b.epsilon, b.temperature) and (
+            mechanism != "invisibleink" or q.point.top_k is None)
+
+    out = []
+    for base in (p for p in points if p.point.mechanism != "invisibleink"):
+        b = base.point
+        if ours := [q for q in points if same(q, b, "invisibleink")]:
+            own = curve([q for q in points if same(q, b, b.mechanism)])
+            out.append(_ratio(b, gains(base), own, curve(ours), config.confidence))
+    return out
+
+
+def rows_to_reach(rows: np.ndarray, gains: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Per resample (columns of ``gains`` (points, resamples)), the rows at which the curve first reaches ``target``:
+    linear in gain and log rows between the measured points; ``rows[0]`` when the first point already does, ∞ when
+    none does."""
+    reached = gains >= target[None]
+    first = np.where(reached.any(axis=0), reached.argmax(axis=0), len(rows))
+    out = np.where(first == len(rows), math.inf, rows[np.minimum(first, len(rows) - 1)])
+    cols = np.nonzero((first > 0) & (first < len(rows)))[0]
+    lo, hi = first[cols] - 1, first[cols]
+    g_lo, g_hi = gains[lo, cols], gains[hi, cols]
+    share = (target[cols] - g_lo) / (g_hi - g_lo)  # in (0, 1]: g_lo < target <= g_hi
+    out[cols] = np.where(share >= 1, rows[hi], np.exp(np.log(rows[lo]) + share * (np.log(rows[hi]) - np.log(rows[lo]))))
+    return out
+
+
+def _ratio(base: GridPoint, target: np.ndarray, own, ours, confidence: float) -> ComputeRatio:
+    base_rows, our_rows = rows_to_reach(*own, target), rows_to_reach(*ours, target)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(np.isinf(our_rows), 0.0, base_rows / our_rows)
+
+    def interval(values: np.ndarray) -> Interval:
+        a = (1.0 - confidence) / 2
+        lo, hi = np.quantile(values[1:], [a, 1 - a], method="inverted_cdf")  # no interpolation: ∞ stays ∞
+        est = float(values[0])
+        return Interval(est, min(float(lo), est), max(float(hi), est), confidence,
+                        f"paired bootstrap over texts, {values.size - 1} replicates")
+
+    return ComputeRatio(base, interval(target), interval(base_rows), interval(our_rows), interval(ratio),
+                        float((our_rows[1:] == ours[0][0]).mean()), float(np.isinf(our_rows[1:]).mean()))
 
 
 #: below this many held-out texts the percentile bootstrap over texts under-covers (Efron & Tibshirani
@@ -577,8 +758,8 @@ def _comparisons(points: Sequence[ProfilePoint], sums, ratio, n: int) -> list[Co
     by_budget: dict[tuple, list[ProfilePoint]] = {}
     for p in points:
         g = p.point
-        by_setting.setdefault((g.batch_size, g.top_k, g.temperature), []).append(p)
-        by_budget.setdefault((g.epsilon, g.top_k, g.temperature), []).append(p)
+        by_setting.setdefault((g.mechanism, g.batch_size, g.top_k, g.temperature), []).append(p)
+        by_budget.setdefault((g.mechanism, g.epsilon, g.top_k, g.temperature), []).append(p)
     for row in by_setting.values():
         row = sorted(row, key=lambda q: q.point.epsilon)
         out += [_compare(low, high, sums, ratio, n) for low, high in zip(row, row[1:])]
@@ -594,9 +775,9 @@ def _recommendation(points: Sequence[ProfilePoint], comparisons: Sequence[Compar
     forward rows) and whether the best separates from the runner-up; then how many neighbouring ε the signal
     tells apart."""
     lines = []
-    budgets = sorted({(p.point.epsilon, _order(p.point.top_k), p.point.temperature) for p in points})
-    for eps, k, tau in budgets:
-        row = [p for p in points if (p.point.epsilon, _order(p.point.top_k), p.point.temperature) == (eps, k, tau)]
+    budget = lambda p: (p.point.mechanism, p.point.epsilon, _order(p.point.top_k), p.point.temperature)  # noqa: E731
+    for key in sorted({budget(p) for p in points}):
+        row = [p for p in points if budget(p) == key]
         lines.append(_budget_line(row, comparisons, n))
     ladder = [c for c in comparisons if c.better.epsilon != c.worse.epsilon]
     if ladder:
@@ -620,10 +801,10 @@ def _budget_line(row: Sequence[ProfilePoint], comparisons: Sequence[Comparison],
     (a point whose interval lies wholly below the best's is worse at this sample size; among the rest the
     cheapest costs least), with every cost beside its gain."""
     best = max(row, key=lambda q: q.gain_over_floor.estimate)
-    where = f"eps={best.point.epsilon:g} k={_k(best.point.top_k)} tau={best.point.temperature:g}"
+    where = best.point.label.replace(f" B={best.point.batch_size}", "")
     near = [q for q in row if q.gain_over_floor.upper >= best.gain_over_floor.lower]
     cheap = min(near, key=lambda q: q.point.batch_size)
-    line = (f"{where}: use B={cheap.point.batch_size} ({_cost(cheap.point)}, C={cheap.point.clip_norm:.3g}, gain "
+    line = (f"{where}: use B={cheap.point.batch_size} ({_cost(cheap.point)}, C={_num(cheap.point.clip_norm, '.3g')}, gain "
             f"{cheap.gain_over_floor.format()} nats/token)")
     if cheap is not best:
         ratio = (best.point.batch_size + 1) / (cheap.point.batch_size + 1)
@@ -663,17 +844,18 @@ def profile_markdown(result: ProfileResult) -> str:
         f"{', ' + str(result.skipped_texts) + ' skipped' if result.skipped_texts else ''}); {result.seconds:.0f} s. "
         f"Cross-entropies in nats per token; intervals: {c.confidence:.0%} paired bootstrap over texts; "
         f"smoothing η = {SMOOTHING:g} for tokens outside the support.", "",
-        *md_table("ε | B | rows/token | k | τ | C | held-out CE | floor CE | ensemble CE | gain over floor | gain over null | gap closed | "
+        *md_table("mechanism | ε | B | rows/token | k | τ | C | held-out CE | floor CE | ensemble CE | gain over floor | gain over null | gap closed | "
                   "coverage | clipped", [
-            (f"{p.point.epsilon:g}", p.point.batch_size, p.point.batch_size + 1, _k(p.point.top_k), f"{p.point.temperature:g}", f"{p.point.clip_norm:.3g}",
+            (p.point.mechanism, f"{p.point.epsilon:g}", p.point.batch_size, p.point.batch_size + 1, _k(p.point.top_k), f"{p.point.temperature:g}", _num(p.point.clip_norm, ".3g"),
              p.heldout_ce.format(), f"{p.floor_ce.estimate:.3f}", f"{p.ensemble_ce.estimate:.3f}", p.gain_over_floor.format(),
              p.gain_over_null.format(), "–" if p.gap_closed is None else p.gap_closed.format(2), f"{p.coverage:.1%}",
-             f"{p.clipped_share:.1%}")
+             _num(p.clipped_share, ".1%"))
             for p in result.points
         ]),
     ]  # fmt: skip
     lines += ["", "Gain over null: over the same mechanism with every reference null (the public row on the same Top-k+ "
               "set), i.e. what the references add beyond the wider support a larger C allows.", ""]
+    lines += _baseline_markdown(result)
     if result.warnings:
         lines += ["**Small sample**:", *[f"- {w}" for w in result.warnings], ""]
     lines += ["## Comparisons (paired)", ""]
@@ -693,6 +875,37 @@ def profile_markdown(result: ProfileResult) -> str:
     return "\n".join(lines)
 
 
+def _num(value: float, spec: str) -> str:
+    return "–" if math.isnan(value) else format(value, spec)
+
+
+def _baseline_markdown(result: ProfileResult) -> list[str]:
+    """The baselines' notes, where Amin et al.'s planner found no clip norm, and the compute ratios."""
+    mechs, lines = {p.point.mechanism for p in result.points}, []
+    if mechs & {"amin", "amin-paper"}:
+        lines.append(f"Amin et al. 2024: r = {result.config.private_tokens} private tokens, then it stops (σ = 0.3, θ = 0.7); "
+                     "`amin` with the correct replace-by-null sensitivities 2C/B, 2/B, `amin-paper` with the paper's C/B, "
+                     "1/B (understated by 2). Exact marginal over its sparse-vector state.")
+    if "adapmixed" in mechs:
+        lines.append("AdaPMixED: its ε is a **DATA-DEPENDENT** budget (its stop rule's running Rényi spend, computed "
+                     "from the references: no a-priori guarantee); the probability its stop rule ends a text before a "
+                     "token is lost from that token's probability.")
+    if result.infeasible:
+        lines.append("Infeasible (the planner finds no clip norm: the sparse-vector step alone overspends; nothing "
+                     f"scored): {', '.join(result.infeasible)}.")
+    if not result.compute:
+        return lines + [""] if lines else []
+    lines += ["", "## Compute to reach the same gain (forward rows per token, paired)", "",
+              *md_table("baseline point | target gain | baseline rows | InvisibleInk rows (full vocabulary) | "
+                        "ratio baseline : InvisibleInk | InvisibleInk at its smallest / beyond its largest B + 1", [
+                  (c.baseline.label, c.target_gain.format(), c.baseline_rows.format(1),
+                   c.invisibleink_rows.format(1), c.ratio.format(2), f"{c.below_grid:.0%} / {c.above_grid:.0%}")
+                  for c in result.compute]),
+              "", "Rows interpolated log-linearly between measured B + 1 on each curve; a share of resamples at the "
+              "smallest B + 1 makes the ratio there a lower bound, beyond the largest an upper one.", ""]  # fmt: skip
+    return lines
+
+
 def write_profile_plots(result: ProfileResult, directory: str | Path) -> list[Path]:
     """``gain.png`` (gain over the floor against ε, one line per (B, k, τ)) and ``clip_profile.png``."""
     plt = agg_pyplot()
@@ -700,14 +913,14 @@ def write_profile_plots(result: ProfileResult, directory: str | Path) -> list[Pa
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict[tuple, list[ProfilePoint]] = {}
     for p in result.points:
-        series.setdefault((p.point.batch_size, p.point.top_k, p.point.temperature), []).append(p)
-    for (b, k, tau), row in series.items():
+        series.setdefault((p.point.mechanism, p.point.batch_size, p.point.top_k, p.point.temperature), []).append(p)
+    for (mech, b, k, tau), row in series.items():
         row = sorted(row, key=lambda q: q.point.epsilon)
         x = [q.point.epsilon for q in row]
         y = [q.gain_over_floor.estimate for q in row]
         err = [[q.gain_over_floor.estimate - q.gain_over_floor.lower for q in row],
                [q.gain_over_floor.upper - q.gain_over_floor.estimate for q in row]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"B={b} k={_k(k)} τ={tau:g}")
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{mech} B={b} k={_k(k)} τ={tau:g}")
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("ε")

@@ -25,6 +25,7 @@ from invink_audit.mechanisms.base import (
     Mechanism,
     MechanismGuarantee,
     MechanismStep,
+    check_step_shapes,
     check_stateful_step,
 )
 
@@ -42,6 +43,8 @@ _FLOOR = 1e-300
 # root finding of the mixing weight (each step is one pass over V per member): regula falsi, then halvings
 _BISECTION_STEPS = 12
 _REGULA_FALSI_STEPS = 14
+#: cells of the spend grid in teacher forcing (:meth:`AdaPMixEDMechanism.forced_step`; spends rounded up)
+FORCED_SPEND_CELLS = 4096
 
 
 def rdp_to_epsilon(rdp: float | torch.Tensor, order: float, delta: float):
@@ -313,6 +316,51 @@ class AdaPMixEDMechanism(Mechanism):
             out_all[:, 1:] if neighbours else None,
             carry={"cost_screened": torch.full_like(spend, s_cost), "cost": s_cost + mix_cost},
         )
+
+    # teacher forcing: the released token's marginal over the screening and the data-dependent spend ------------
+
+    def forced_state(self, count: int, device=None) -> torch.Tensor:
+        """The forward recursion's start for ``count`` texts (:meth:`forced_step`): all mass at spend 0, on a grid
+        of :data:`FORCED_SPEND_CELLS` + 1 cells of ``budget / FORCED_SPEND_CELLS``."""
+        state = torch.zeros((count, FORCED_SPEND_CELLS + 1), dtype=STATE_DTYPE, device=device)
+        state[:, 0] = 1.0
+        return state
+
+    def forced_step(self, private, public, state, tokens, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The released next-token distribution given the forced prefix, marginal over the screening outcome and
+        the running data-dependent spend s, and the state after ``tokens``.
+
+        A forward (HMM filtering) recursion (Rabiner 1989, Eq. (20)) over :math:`w_t(s) = P(s \mid x_{<t})`:
+        :math:`P(y \mid x_{<t}) = \sum_s w_t(s)\,[\pi_t 1\{s + c_s \le b\}\,p_0(y) + (1 - \pi_t) 1\{s + c_s + m_t \le
+        b\}\,\bar p(y)]`, with π the screening probability (estimated from ``screen_samples`` draws of the
+        Gaussian screening, add-half smoothed, as the exact (audit) mode does; ``generator`` draws them),
+        :math:`c_s` the screening cost, :math:`m_t` the mixing cost and b the budget; the rest of the mass is the
+        stop outcome, which releases no token. Spends are rounded **up** to the grid, so a path stops no later
+        than the mechanism's: the recursion's probabilities err low by at most one cell per step. Returns
+        log-probabilities (G, V) and the state (G, cells + 1).
+        """
+        check_step_shapes(private, public, self.batch_size)
+        cfg = self.config
+        g, k, cells = state.shape[0], min(cfg.screen_top_k, private.shape[-1]), FORCED_SPEND_CELLS
+        members = torch.softmax(private.to(STATE_DTYPE) / cfg.temperature, dim=-1)
+        p0 = torch.softmax(public.to(STATE_DTYPE) / cfg.temperature, dim=-1)
+        index = torch.topk(p0, k, dim=-1).indices
+        mixed, p, _ = self._mixed(members, p0)
+        normals = torch.randn((g, cfg.screen_samples, k), generator=generator, dtype=STATE_DTYPE, device=p0.device)
+        stat = self._screen_statistic(members.mean(dim=-2, keepdim=True), p0[:, None], index, normals)  # (G, M)
+        pi = ((stat > cfg.screen_threshold).sum(dim=-1).to(STATE_DTYPE) + 0.5) / (cfg.screen_samples + 1.0)
+        cell = cfg.budget / cells if cfg.budget > 0 else math.inf
+        costs = torch.stack([torch.full_like(pi, cfg.screening_cost), cfg.screening_cost + self._mixing_cost(mixed, p, p0)], dim=1)
+        shifts = torch.ceil(costs / cell).clamp(max=cells + 1).long()  # (G, 2): cells of a screened / mixed step
+        j = torch.arange(cells + 1, device=state.device)
+        weights = torch.stack([pi, 1.0 - pi], dim=1)[:, :, None] * state[:, None] * (j + shifts[:, :, None] <= cells)
+        logs = torch.stack([torch.log(p0), torch.log(p)], dim=1)  # (G, 2, V)
+        log_probs = torch.logsumexp(weights.sum(dim=-1).log()[:, :, None] + logs, dim=1)
+        emitted = weights * logs.gather(2, tokens[:, None, None].expand(-1, 2, 1)).exp()
+        source = j - shifts[:, :, None]  # cell j of the new state comes from cell j − shift
+        new = torch.where(source >= 0, emitted.gather(2, source.clamp(min=0)), 0.0).sum(dim=1)
+        total = new.sum(dim=-1, keepdim=True)
+        return log_probs, torch.where(total > 0, new / total.clamp(min=1e-300), 0.0)
 
     def advance(self, step, state, outcomes, aux, *, exact):
         vocab = (step.log_probs.shape[-1] - 1) // 2

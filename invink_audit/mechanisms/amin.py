@@ -29,6 +29,7 @@ from invink_audit.mechanisms.base import (
     Mechanism,
     MechanismGuarantee,
     MechanismStep,
+    check_step_shapes,
     check_stateful_step,
     laplace_cdf_log,
     laplace_quantile,
@@ -332,6 +333,52 @@ class AminMechanism(Mechanism):
             check_neighbours=t["em_j"],
             carry={"log_below": log_below},
         )
+
+    # teacher forcing: the released token's marginal over the sparse-vector state -------------------
+
+    def forced_state(self, count: int, device=None) -> torch.Tensor:
+        """The forward recursion's start for ``count`` texts (:meth:`forced_step`): no private token yet, the
+        threshold at its prior, nothing stopped. Layout (G, r·n + 1): the joint weights of (private tokens so far,
+        threshold grid point) and, last, the mass of texts the budget stopped."""
+        cfg = self.config
+        state = torch.zeros((count, cfg.max_private_tokens * cfg.posterior_grid + 1), dtype=STATE_DTYPE, device=device)
+        state[:, : cfg.posterior_grid] = 1.0 / cfg.posterior_grid
+        return state
+
+    def forced_step(self, private, public, state, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The released next-token distribution given the forced prefix, marginal over the mechanism's hidden
+        state (public or private step, private tokens left, the noisy threshold), and the state after ``tokens``.
+
+        A forward (HMM filtering) recursion over :math:`W_t(c, \hat\theta) = P(c, \hat\theta \mid x_{<t})`
+        (Rabiner 1989, Eq. (20)): the step is private with :math:`P = 1 - F_\nu(\hat\theta - q_t)` (AboveThreshold,
+        Dwork & Roth 2014, Alg. 1; ν ~ Lap(2σ)), so :math:`P(y \mid x_{<t}) = A_t\,p_{em}(y) + (1 - A_t - S_t)\,p_{pub}(y)`
+        with :math:`A_t` the private share and :math:`S_t` the share stopped by the budget of r private tokens
+        (which releases nothing more). After the forced token :math:`x_t`, a public step conditions
+        :math:`\hat\theta` on the query staying below; a private one moves its mass to c + 1 with a fresh
+        threshold (the prior), or to "stopped" at c + 1 = r. The threshold is integrated on the prior's quantile
+        grid (:data:`DEFAULT_POSTERIOR_GRID`, the exact mode's quadrature). ``private`` (G, B, V), ``public``
+        (G, V), ``tokens`` (G,); returns log-probabilities (G, V) (all −inf once every path stopped) and the state.
+        """
+        check_step_shapes(private, public, self.batch_size)
+        cfg = self.config
+        n, r, g = cfg.posterior_grid, cfg.max_private_tokens, state.shape[0]
+        t = self._terms(private, public, neighbours=False)
+        weights, stopped = state[:, :-1].view(g, r, n), state[:, -1]
+        log_below, log_above = laplace_cdf_log(self._grid.to(state.device) - t["q"][:, None], 2.0 * cfg.svt_noise)
+        above = (weights * log_above.exp()[:, None]).sum(dim=-1)  # (G, r): private mass per count
+        share = above.sum(dim=-1)
+        public_share = (1.0 - stopped - share).clamp(min=0.0)
+        log_probs = torch.logaddexp(share.log()[:, None] + t["em"], public_share.log()[:, None] + t["pub"])
+        p_em, p_pub = t["em"].gather(1, tokens[:, None]).exp(), t["pub"].gather(1, tokens[:, None]).exp()
+        moved = above * p_em  # (G, r): private mass emitting the forced token, to c + 1
+        new = weights * log_below.exp()[:, None] * p_pub[:, :, None]
+        new[:, 1:] += moved[:, :-1, None] / n
+        total = new.sum(dim=(1, 2)) + moved[:, -1]
+        ok = total > 0
+        out = torch.zeros_like(state)
+        out[:, :-1] = torch.where(ok[:, None], new.reshape(g, -1) / total.clamp(min=1e-300)[:, None], 0.0)
+        out[:, -1] = torch.where(ok, moved[:, -1] / total.clamp(min=1e-300), 1.0)
+        return log_probs, out
 
     def advance(self, step, state, outcomes, aux, *, exact):
         cfg = self.config
