@@ -11,10 +11,11 @@ import dataclasses
 import hashlib
 import json
 import math
-import multiprocessing
 import os
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -142,14 +143,18 @@ def try_lock(output: str | os.PathLike) -> str:
 
 
 def _other_process(output: Path, timeout: float) -> str:
-    """:func:`try_lock` in a fresh (spawned) Python process: its outcome, or ``"error: ..."``."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        try:
-            return pool.apply_async(try_lock, (str(output),)).get(timeout)
-        except multiprocessing.TimeoutError:
-            return f"error: the second process did not answer within {timeout:g} s"
-        except Exception as err:  # noqa: BLE001 - reported as the step's outcome
-            return f"error: the second process failed: {type(err).__name__}: {err}"
+    """:func:`try_lock` in a fresh Python process (a new interpreter: the caller's ``__main__`` is never
+    re-imported): its outcome, or ``"error: ..."``."""
+    code = "import sys; from invink_audit.preflight import try_lock; print(try_lock(sys.argv[1]))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(output)], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return f"error: the second process did not answer within {timeout:g} s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"error: the second process failed (exit code {done.returncode}): {last}"
+    return done.stdout.strip()
 
 
 def _remove(*paths: Path) -> None:

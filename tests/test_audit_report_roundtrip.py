@@ -96,3 +96,10 @@ def test_extra_timings_are_kept_after_the_known_ones():
     t = AuditTimings.from_json({"custom_seconds": 1.0, "generation_seconds": 2.0})
     assert t.generation_seconds == 2.0 and dict(t.extra) == {"custom_seconds": 1.0}
     assert list(t.json_fields()) == ["generation_seconds", "custom_seconds"]
+
+
+def test_a_record_read_back_ignores_keys_it_does_not_have():
+    from invink_audit.audit.records import WorstNeighbour
+
+    record = WorstNeighbour(index=2, label="R'_2", ratio=0.5)
+    assert WorstNeighbour.from_json({**record.json_fields(), "added_by_a_newer_version": 1}) == record

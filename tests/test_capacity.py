@@ -473,6 +473,21 @@ def test_a_second_process_is_excluded_while_this_one_holds_the_lock(tmp_path):
     assert preflight.try_lock(output) == preflight.ACQUIRED
 
 
+def test_check_locks_from_a_script_without_a_main_guard(tmp_path):
+    """The second process is a fresh interpreter: a calling script's top-level code is not run again."""
+    script = tmp_path / "unguarded.py"
+    marker = tmp_path / "runs.txt"
+    script.write_text(
+        f"with open({str(marker)!r}, 'a') as f: f.write('run\\n')\n"
+        "from invink_audit.preflight import check_locks\n"
+        f"print(check_locks({str(tmp_path)!r}, timeout=30).status)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "pass"
+    assert marker.read_text().count("run") == 1
+
+
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
 def test_check_locks_fails_clearly_when_flock_fails(tmp_path, monkeypatch, capsys, code):
     import fcntl

@@ -270,8 +270,9 @@ def _accountant_comparisons(rec: RecordedAudit, seq_rows: list[SequenceEstimate]
     cfg, claim = rec.config, rec.claim
     alphas = cfg.alphas
     e_grid = rdp_to_epsilon({a: claim.renyi(a) for a in alphas}, claim.delta)
-    e_meas, e_up = (rdp_to_epsilon(dict(zip(alphas, m)), claim.delta) if m and not any(map(math.isnan, m)) else math.nan
-                    for m in _measured_curves(alphas, seq_rows))
+    # a sampled estimate can fall below 0 where the divergence is small; D_α ≥ 0 bounds it (ε 0 there)
+    e_meas, e_up = (rdp_to_epsilon({a: max(0.0, d) for a, d in zip(alphas, m)}, claim.delta)
+                    if m and not any(map(math.isnan, m)) else math.nan for m in _measured_curves(alphas, seq_rows))
     ratio = e_grid / e_meas if e_meas and e_meas > 0 else math.inf
     return [AccountantComparison(name, claim.delta, eps, e_grid, e_meas, e_up, ratio)
             for name, eps in claim_epsilons(claim, claim.delta, cfg.accountants).items()]

@@ -82,7 +82,8 @@ class _JsonRecord(Mapping):
 
     @classmethod
     def from_json(cls, data: Mapping):
-        return cls(**data)
+        """The record from its JSON object (keys the record does not have are ignored, as a reader of newer reports)."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
     def __getitem__(self, key):
         return self.json_fields()[key]

@@ -116,19 +116,20 @@ class Claim:
         if not isinstance(g, MechanismGuarantee):
             raise ValueError(f"guarantee must be a MechanismGuarantee; got {type(g).__name__}")
         object.__setattr__(self, "batch_size", check_count("batch_size", self.batch_size))
+        check_count("max_new_tokens", g.max_new_tokens)
         check_delta("delta", g.delta)
+        if g.step_epsilon0 is not None:  # math.inf: no claim at that level (a bounded range composes ε0: finite)
+            check_positive("epsilon0", g.step_epsilon0, allow_inf=g.composition != "bounded-range")
+            check_positive("rho_token", g.step_rho, allow_inf=g.composition != "bounded-range")
+        if g.composition == "bounded-range" and g.step_epsilon0 is None:
+            raise ValueError("a bounded-range claim needs epsilon0 and rho_token")
+        if g.composition == "zcdp" and g.rho_sequence is None:
+            raise ValueError("a zcdp claim needs the guarantee's rho_sequence")
         if g.composition == "renyi-filter":
             check_order("renyi_order", g.renyi_order)
         elif g.rho_sequence is not None:
             check_positive("rho_sequence", g.rho_sequence)
-        if g.composition == "bounded-range":  # it composes ε0: finite
-            if g.step_epsilon0 is None:
-                raise ValueError("a bounded-range claim needs epsilon0 and rho_token")
-            check_positive("epsilon0", g.step_epsilon0)
-            check_positive("rho_token", g.step_rho)
-        if g.composition == "zcdp" and g.rho_sequence is None:
-            raise ValueError("a zcdp claim needs the guarantee's rho_sequence")
-        self.privacy_claim()  # T, the per-step levels and the Rényi budget, by accounting.limits
+        self.privacy_claim()  # the per-step levels and the Rényi budget, by accounting.limits
 
     @classmethod
     def from_mechanism(cls, mechanism, max_new_tokens: int, delta: float = 1e-6) -> Claim:
