@@ -1,46 +1,13 @@
 r"""Accounting for AugPE (Xie et al. 2024, "Differentially Private Synthetic Data via Foundation Model APIs 2:
 Text", arXiv:2403.01749, Alg. 1): ``T`` adaptively composed Gaussian mechanisms on a nearest-neighbour histogram.
 
-Each AugPE iteration releases one noisy histogram (the InvisibleInk paper's Eq. (eq:hiso-augpe), App. B.3.3
-(sec:adj-augpe)): every private reference votes for its nearest candidate, and Gaussian noise of standard
-deviation ``noise_std`` (σ, in counts, the same for every bin) is added to every count. What a neighbouring
-dataset can change is one vote, so the histogram's ℓ2 sensitivity Δ is (paper Property prop:augpe-sens):
-
-=====================  ======  ====================================================================
-``AugPESensitivity``   Δ       status
-=====================  ======  ====================================================================
-``REPLACE_BY_NULL``    √2      correct under replace-by-null (the project's adjacency): the nulled
-                               reference's vote moves from one bin to another (the empty text votes too)
-``ADD_OR_REMOVE``      1       correct under add-or-remove (AugPE's own adjacency): one vote appears
-``PAPER``              1       the InvisibleInk paper's experiments (App. B.3.3, "Convention in our
-                               Experiments"): replace-by-null data with the add-or-remove value. **Not a
-                               valid guarantee**: under replace-by-null it understates Δ by √2 (ρ by 2)
-=====================  ======  ====================================================================
-
-**One definition of σ.** ``noise_std`` σ is the standard deviation of the noise added to each count. The
-official implementation's ``--noise_multiplier`` z is σ/Δ for its Δ = √k = 1 (``dpsda/dp_counter.py``,
-``dp_nn_histogram``: noise ``normal * sqrt(num_nearest_neighbor) * noise_multiplier``);
-:attr:`AugPEEvent.noise_multiplier` is σ/Δ, dp-accounting's ``GaussianDpEvent(noise_multiplier=σ/Δ)``.
-
-**zCDP.** A Gaussian mechanism of ℓ2 sensitivity Δ and standard deviation σ is Δ²/(2σ²)-zCDP (Bun & Steinke
-2016, arXiv:1605.02065, Prop. 1.6), and zCDP composes adaptively by adding ρ (ibid., Lemma 2.3), so T
-iterations are
-
-.. math:: \rho = \frac{T\,\Delta^2}{2\sigma^2},
-
-converted to (ε, δ) by the project's conversions (:mod:`accounting.conversions`; CKS by default) and rounded up
-as every reported ε is (:data:`accounting.accountants.EPSILON_ROUNDING`). The ledger charges this ρ
-(:meth:`AugPEEvent.zcdp_event`).
-
-**Exact (tight) alternative.** A Gaussian mechanism is (Δ/σ)-GDP and T of them compose adaptively to
-μ-GDP with :math:`\mu = \sqrt{T}\,\Delta/\sigma` (Dong, Roth & Su 2019, arXiv:1905.02383, Thm. 2.7 and Cor. 3.3);
-μ-GDP is exactly the (ε, δ(ε)) curve of the analytic Gaussian mechanism (ibid., Cor. 2.13; Balle & Wang 2018,
-arXiv:1805.06530, Thm. 8), :func:`accounting.conversions.gdp_to_delta`. :meth:`AugPEEvent.gaussian_epsilon` inverts
-it (:func:`~accounting.conversions.gdp_to_epsilon`); it is never above the zCDP value and agrees with dp-accounting's
-PLD accountant (``tests/test_accounting_augpe.py``). It is a valid conversion *for this mechanism* (a
-composition of Gaussians), not for a general ρ-zCDP mechanism.
-
-Inverses (:func:`plan_augpe_noise_std`) return the safe side: a σ at least as large as the budget needs.
+Each iteration adds Gaussian noise of standard deviation ``noise_std`` (σ, in counts) to every count of a histogram
+of ℓ2 sensitivity Δ (paper Eq. (eq:hiso-augpe), App. B.3.3, Property prop:augpe-sens; :class:`AugPESensitivity`).
+T iterations are :math:`\rho = T\Delta^2/(2\sigma^2)`-zCDP (Bun & Steinke 2016, arXiv:1605.02065, Prop. 1.6 and
+Lemma 2.3), what the ledger charges; exactly, they are :math:`\sqrt{T}\Delta/\sigma`-GDP (Dong, Roth & Su 2019,
+arXiv:1905.02383, Thm. 2.7, Cor. 3.3; Cor. 2.13 and Balle & Wang 2018, arXiv:1805.06530, Thm. 8 for its (ε, δ)
+curve), a valid conversion *for this mechanism* only. Inverses return the safe side (more noise). The sensitivities,
+the paper's convention and the official ``--noise_multiplier``: docs/guide/baselines.md (§"AugPE").
 """
 
 from __future__ import annotations
@@ -119,7 +86,8 @@ class AugPEEvent:
 
     @property
     def noise_multiplier(self) -> float:
-        """σ/Δ: dp-accounting's ``GaussianDpEvent(noise_multiplier)`` of one iteration."""
+        """σ/Δ: dp-accounting's ``GaussianDpEvent(noise_multiplier)`` of one iteration, the official implementation's
+        ``--noise_multiplier`` (``dpsda/dp_counter.py``, ``dp_nn_histogram``: its Δ = √k = 1)."""
         return self.noise_std / self.l2_sensitivity
 
     @property

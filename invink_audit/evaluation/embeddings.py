@@ -1,11 +1,5 @@
-"""Sentence embeddings for MAUVE, from models shipped on PyPI; nothing is ever downloaded.
-
-:class:`Embedder` runs ``mpnet`` (``all-mpnet-base-v2``, default: the paper's choice, App. D.4, "MAUVE
-score") or ``minilm`` (``all-MiniLM-L6-v2``, about five times faster) with plain ``transformers``
-(transformer, mean pooling, L2 normalisation: Reimers & Gurevych 2019, §3), from hash-checked PyPI
-parts (:data:`EMBEDDING_MODELS`, :func:`embedding_model_dir`); embeddings are cached per text, owner-only.
-
-Design: docs/guide/evaluating.md (§"Embeddings", §"Caches").
+"""Sentence embeddings for MAUVE (paper App. D.4) from hash-checked models shipped on PyPI; nothing is ever
+downloaded. The models, their packaging and the cache: docs/guide/evaluating.md (§"Embeddings", §"Caches").
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from accounting.limits import check_count
-from invink_audit.evaluation.cache import TextCache, text_digest
+from invink_audit.evaluation.cache import TextCache, check_texts, text_digest
 
 __all__ = [
     "DEFAULT_EMBEDDING_MODEL",
@@ -352,11 +346,7 @@ class Embedder:
         """``(len(texts), dimension)`` float32 unit vectors, in the order of ``texts``. Empty texts are
         embedded as they are (the model sees only its special tokens). ``progress``: an optional callable
         taking the number of texts just embedded (e.g. a tqdm bar's ``update``)."""
-        if isinstance(texts, str) or not isinstance(texts, Sequence):
-            raise ValueError(f"texts must be a sequence of strings; got {type(texts).__name__}")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(f"texts[{i}] must be a string; got {type(text).__name__}")
+        check_texts(texts)
         start = time.perf_counter()
         out = np.zeros((len(texts), self.spec.dimension), dtype=np.float32)
         if not texts:

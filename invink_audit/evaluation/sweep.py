@@ -1,13 +1,6 @@
-"""A sweep: private generation + evaluation over a grid of (ε, B, k, τ, T), with reference points.
-
-:func:`run_sweep`: each grid point is one release (:func:`invink_audit.generation.generate`) and one
-:func:`~invink_audit.evaluation.evaluator.evaluate`; the points' costs add up (sequential composition),
-so it needs a ledger that charges every point or ``public_proxy=True``. Resumable per point; the
-reference points, the points' evaluation and timing records, the table and the plots are NOT PRIVATE
-(``reference_points/``, ``evaluations/``, :func:`sweep_markdown`, :func:`write_sweep_plots`), never in a
-release's directory. Forward rows per text: (B + 1) × generated tokens (paper §4, Algorithm 1).
-
-Design: docs/guide/evaluating.md (§"invink-audit sweep").
+"""A sweep: private generation + evaluation over a grid of (ε, B, k, τ, T), with reference points; every point is
+a release (sequential composition: a ledger charges each, or ``public_proxy=True``). Forward rows per text: (B + 1)
+× generated tokens (paper §4, Algorithm 1). Guide: docs/guide/evaluating.md (§"invink-audit sweep").
 """
 
 from __future__ import annotations
