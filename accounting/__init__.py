@@ -29,7 +29,7 @@ from accounting.augpe import (
     plan_augpe_noise_std,
 )
 from accounting.claims import PrivacyClaim, StepClaim
-from accounting.bounded_range import DeltaBracket, br_adaptive_delta, br_nonadaptive_delta
+from accounting.bounded_range import DeltaBracket, br_adaptive_delta
 from accounting.conversions import (
     ConversionMethod,
     br_to_zcdp,
@@ -91,7 +91,6 @@ __all__ = [
     "bounded_range_epsilon",
     "check_parameter_ranges",
     "br_adaptive_delta",
-    "br_nonadaptive_delta",
     "clip_norm_for_sensitivity",
     "composed_delta",
     "composed_epsilon",

@@ -4,7 +4,7 @@ Each token is ε0-bounded range (Durfee & Rogers 2019, arXiv:1905.04273, Def. 3.
 2020 (ICML 2020, arXiv:1909.13830, Lemma 3.2 and §5): the optimal adaptive δ(ε_g) of T such steps is the
 value :math:`V_T(\varepsilon_g)` of a one-dimensional dynamic programme over the remaining budget.
 :func:`br_adaptive_delta` returns a certified :class:`DeltaBracket` on a lattice (plan on its upper bound
-only; numba kernel, about O(T^1.7 m²)); also :func:`br_adaptive_epsilon`, :func:`br_nonadaptive_delta`.
+only; numba kernel, about O(T^1.7 m²)); also :func:`br_adaptive_epsilon`.
 
 Design: docs/accounting_notes.md §4 (the programme, the facts it uses, the bracket's construction).
 """
@@ -23,7 +23,6 @@ __all__ = [
     "DeltaBracket",
     "br_adaptive_delta",
     "br_adaptive_delta_curve",
-    "br_nonadaptive_delta",
     "DEFAULT_LATTICE_STEPS",
     "br_adaptive_epsilon",
     "default_lattice_steps",
@@ -467,41 +466,6 @@ def epsilon0_array(epsilon0, num_steps) -> np.ndarray:
     if num_steps is not None and num_steps != arr.size:
         raise ValueError(f"num_steps={num_steps!r} does not match len(epsilon0)={arr.size}")
     return arr
-
-
-def br_nonadaptive_delta(epsilon: float, epsilon0: float, num_steps: int, *, grid: int = 2001) -> float:
-    r"""DDR 2020 Theorem 3: optimal δ(ε) of the *non-adaptive* composition of T ε0-BR mechanisms.
-
-    .. math:: \delta(\varepsilon) = \max_{t\in[0,\varepsilon_0]} \sum_{i=0}^{T} \binom{T}{i}
-              p_t^{T-i}(1-p_t)^{i}\,\big(1 - e^{\varepsilon - (T t - i\varepsilon_0)}\big)_+ .
-
-    The maximum over ``t`` is taken on a grid plus a bounded refinement, so the value returned is a
-    lower bound on the non-adaptive optimum (used only as an oracle in tests: the adaptive upper bound
-    must never be below it).
-    """
-    from scipy import optimize, stats
-
-    epsilon = check_nonnegative("epsilon", epsilon)
-    epsilon0 = check_positive("epsilon0", epsilon0)
-    num_steps = check_count("num_steps", num_steps)
-    i = np.arange(num_steps + 1)
-
-    def value(t: float) -> float:
-        p = (math.exp(epsilon0) - math.exp(t)) / math.expm1(epsilon0)
-        p = min(max(p, 0.0), 1.0)
-        loss = num_steps * t - i * epsilon0
-        weights = stats.binom.pmf(i, num_steps, 1.0 - p)
-        return float(np.sum(weights * np.maximum(-np.expm1(epsilon - loss), 0.0)))
-
-    ts = np.linspace(0.0, epsilon0, grid)
-    vals = np.array([value(t) for t in ts])
-    j = int(np.argmax(vals))
-    best = float(vals[j])
-    lo, hi = ts[max(j - 1, 0)], ts[min(j + 1, grid - 1)]
-    if hi > lo:
-        res = optimize.minimize_scalar(lambda t: -value(t), bounds=(lo, hi), method="bounded")
-        best = max(best, -float(res.fun))
-    return best
 
 
 def br_upper_fast(epsilon: float, epsilon0: float, num_steps: int, delta_scale: float) -> float:
