@@ -6,19 +6,9 @@ parser; anything heavy (torch, transformers) is imported inside the handlers. Th
 are defined once, in :mod:`invink_audit.cli._options`, with the converters below (``type=``).
 
 Errors become one readable line on stderr, never a traceback, with every character a terminal would interpret
-(escape sequences, bidirectional overrides, newlines) escaped (:func:`invink_audit.terminal.printable`; paths in
-reports: :func:`shown`). Exit statuses (docs/guide/planning.md, "Valid ranges and
-exit codes"):
-
-* ``EXIT_OK`` (0): success;
-* ``EXIT_FAILURE`` (1): the command ran and its answer is negative (an audit VIOLATION), or a process of a
-  multi-process ``generate`` failed (``ReleaseIncompleteError``: the finished texts are kept, a rerun resumes);
-* ``EXIT_BAD_INPUT`` (2): bad input, an argument out of its documented range, a missing or corrupt
-  file (a ``ValueError``, ``CliError`` or ``OSError`` raised by a handler, or an argparse usage error);
-* ``EXIT_INCONCLUSIVE`` (3): an audit that could not decide;
-* ``EXIT_OVER_BUDGET`` (4): a release refused because it would exceed the ledger's budget
-  (``accounting.BudgetExceededError``), by ``ledger charge``, its ``--dry-run`` and ``generate``;
-* 130: interrupted; 141: stdout was closed early (``invink-audit ledger show | head -1``), quietly.
+escaped (:func:`invink_audit.terminal.printable`). Exit statuses (the ``EXIT_*`` constants): docs/guide/planning.md,
+"Valid ranges and exit codes"; a failed process of a multi-process ``generate`` (``ReleaseIncompleteError``: the
+finished texts are kept, a rerun resumes) is ``EXIT_FAILURE``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""``invink-audit generate --mechanism augpe``: AugPE (Xie et al. 2024) from the command line.
-
-AugPE is no batched release: all references vote in each of its T histograms, and its n texts exist only when its
-last iteration ends. :func:`run_augpe` checks every option (the ones of ``generate`` that do not apply to it are
-refused, not ignored), charges the ledger once with the event's ρ (:meth:`accounting.AugPEEvent.zcdp_event`) before
-anything is generated, runs :func:`invink_audit.augpe.augpe_generate`, and writes the texts at once (atomically) to
-a new file: it cannot resume, so an existing output is refused. Records carry the DP texts and public settings
-only; the noisy histograms (DP outputs too) are not written.
+"""``invink-audit generate --mechanism augpe``: AugPE (Xie et al. 2024) from the command line (docs/guide/baselines.md,
+§"From the command line"): every option checked (those of ``generate`` that do not apply are refused, not ignored),
+the ledger charged once before anything is generated, the texts written at once to a new file (no resume). Records
+carry the DP texts and public settings only; the noisy histograms (DP outputs too) are not written.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-r"""Reusable property checkers for private-decoding mechanisms.
-
-Two layers, usable from any project's test suite:
-
-* ``assert_*`` functions check one input and raise ``AssertionError`` with a witness when the
-  property fails (and return what they measured when it holds);
-* ``check_*`` functions drive an ``assert_*`` over a hypothesis strategy (the currently loaded
-  hypothesis profile applies; ``max_examples`` overrides it, and ``shrink=False`` reports the
-  first counterexample found instead of a minimised one, which is faster). Call them from a plain
-  test function, not from inside another ``@given`` test.
-
-The checkers never call the mechanism's own neighbour shortcut: neighbouring inputs are built
-explicitly (:func:`~invink_audit.testing.strategies.neighbour_private_logits`) and the function under
-test is re-run on them, and divergences are computed from their definitions in float64.
+r"""Reusable property checkers for private-decoding mechanisms (docs/guide/testing-kit.md): ``assert_*`` check one
+input and raise ``AssertionError`` with a witness; ``check_*`` drive them over a hypothesis strategy (call them from
+a plain test function, not inside another ``@given`` test). Neighbours are built explicitly
+(:func:`~invink_audit.testing.strategies.neighbour_private_logits`) and the function under test re-run on them,
+never the mechanism's own shortcut; divergences are computed from their definitions in float64.
 """
 
 from __future__ import annotations
