@@ -370,25 +370,19 @@ def _sample(loaded, messages: list, config: AugPEConfig, key: int, generated) ->
     process's global generator is left as it was; ``generated(count)`` after each batch."""
     import torch
 
+    from invink_audit.evaluation.reference_points import sample_left_padded
+
     prompts = [encode_messages(loaded.tokenizer, m) for m in messages]
     devices = [loaded.device.index or 0] if loaded.device.type == "cuda" else []
     sampling, texts = config.sampling, []
     for b, begin in enumerate(range(0, len(prompts), config.batch_size)):
         batch = prompts[begin : begin + config.batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), loaded.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, p in enumerate(batch):
-            ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
-        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+        with torch.random.fork_rng(devices=devices):
             torch.manual_seed(derive_key(key, b) % 2**63)
-            out = loaded.model.generate(
-                input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), do_sample=True,
-                max_new_tokens=config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-                top_p=sampling.top_p, no_repeat_ngram_size=sampling.no_repeat_ngram_size,
-                pad_token_id=loaded.pad_token_id, eos_token_id=list(loaded.eos_token_ids),
-            )  # fmt: skip
-        decoded = loaded.tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
+            out = sample_left_padded(loaded, batch, max_new_tokens=config.max_new_tokens,
+                                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                     no_repeat_ngram_size=sampling.no_repeat_ngram_size)  # fmt: skip
+        decoded = loaded.tokenizer.batch_decode(out, skip_special_tokens=True)
         texts += [" ".join(text.split()) for text in decoded]
         generated(len(batch))
     return texts
