@@ -101,10 +101,8 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
         eps0 = n * h
         # p_t = (e^eps0 - e^t)/(e^eps0 - 1) = -expm1(t - eps0) / (-expm1(-eps0)) and
         # 1 - p_t = expm1(t)/expm1(eps0) = e^(t-eps0) (-expm1(-t)) / (-expm1(-eps0)): no cancellation for
-        # tiny eps0 and no overflow for huge eps0 (every exponent is <= 0). The earlier form
-        # e^(t-eps0) expm1(eps0 - t) was 0 * inf = NaN once eps0 - t > 745, and a NaN candidate is
-        # never the supremum: eps0 >= 12,000 gave delta = 0 (regression test:
-        # tests/test_accounting_limits.py::test_bounded_range_upper_bound_for_huge_epsilon0)
+        # tiny eps0 and no NaN (0 * inf) for huge eps0: every exponent is <= 0
+        # (tests/test_accounting_limits.py::test_bounded_range_upper_bound_for_huge_epsilon0)
         nd = -math.expm1(-eps0)
         p = np.empty(n + 1)
         pq = np.empty(n + 1)

@@ -93,16 +93,6 @@ def _prop12_epsilon(alpha, rdp, log_inv_delta: float):
     return rdp + np.log1p(-1.0 / alpha) + (log_inv_delta - np.log(alpha)) / (alpha - 1.0)
 
 
-def _cks_log_delta_at(am1: np.ndarray, rho: float, epsilon: float) -> np.ndarray:
-    """log δ(α) of CKS Prop. 12 for ρ-zCDP (D_α ≤ αρ), with α = 1 + am1 (vectorised)."""
-    return _prop12_log_delta(1.0 + am1, (1.0 + am1) * rho, epsilon)
-
-
-def _cks_epsilon_at(am1: np.ndarray, rho: float, log_inv_delta: float) -> np.ndarray:
-    """ε(α) of CKS Prop. 12 for ρ-zCDP (D_α ≤ αρ), with α = 1 + am1 (vectorised)."""
-    return _prop12_epsilon(1.0 + am1, (1.0 + am1) * rho, log_inv_delta)
-
-
 def _cks_neg_rho_at(am1: np.ndarray, epsilon: float, log_inv_delta: float) -> np.ndarray:
     """−(ε − c(α))/α where ε(α) = αρ + c(α) is the CKS curve (vectorised, α = 1 + am1)."""
     alpha = 1.0 + am1
@@ -110,16 +100,12 @@ def _cks_neg_rho_at(am1: np.ndarray, epsilon: float, log_inv_delta: float) -> np
     return -(epsilon - c) / alpha
 
 
+@np.errstate(over="ignore", invalid="ignore")
 def _minimise_over_alpha(fn) -> float:
     """min over α > 1 of a unimodal-in-practice function of (α − 1); any α is a valid bound.
 
     Orders at which the function overflows evaluate to ±inf and are simply not chosen (no warning).
     """
-    with np.errstate(over="ignore", invalid="ignore"):
-        return _minimise_over_alpha_quiet(fn)
-
-
-def _minimise_over_alpha_quiet(fn) -> float:
     values = fn(np.exp(_CKS_LOG_AM1_GRID))
     i = int(np.nanargmin(values))
     best = float(values[i])
@@ -138,13 +124,15 @@ def _minimise_over_alpha_quiet(fn) -> float:
 
 
 def _cks_epsilon(rho: float, delta: float) -> float:
+    """ε of CKS Prop. 12 for ρ-zCDP (D_α ≤ αρ), minimised over α = 1 + am1."""
     log_inv_delta = -math.log(delta)
-    return max(0.0, _minimise_over_alpha(lambda am1: _cks_epsilon_at(am1, rho, log_inv_delta)))
+    return max(0.0, _minimise_over_alpha(lambda am1: _prop12_epsilon(1.0 + am1, (1.0 + am1) * rho, log_inv_delta)))
 
 
 def _cks_delta(rho: float, epsilon: float) -> float:
-    # log δ → 0 as α → 1, so δ ≤ 1 always; clamp before exponentiating (huge ρ overflows otherwise)
-    return math.exp(min(0.0, _minimise_over_alpha(lambda am1: _cks_log_delta_at(am1, rho, epsilon))))
+    """δ of CKS Prop. 12 for ρ-zCDP; log δ → 0 as α → 1, so δ ≤ 1: clamped before exponentiating (huge ρ)."""
+    log_delta = _minimise_over_alpha(lambda am1: _prop12_log_delta(1.0 + am1, (1.0 + am1) * rho, epsilon))
+    return math.exp(min(0.0, log_delta))
 
 
 # --- dp-accounting RDP ---------------------------------------------------------------------------
