@@ -21,6 +21,7 @@ from scipy import special
 
 from accounting import bounded_range
 from accounting._validation import check_count, check_delta, check_nonnegative, check_positive
+from accounting.sensitivity import coerce_enum
 from accounting.conversions import ConversionMethod, br_to_zcdp, br_to_zcdp_total, zcdp_to_delta, zcdp_to_epsilon
 
 __all__ = [
@@ -69,13 +70,7 @@ DEFAULT_ACCOUNTANT = Accountant.BR_ADAPTIVE
 
 def as_accountant(value) -> Accountant:
     """``value`` as an :class:`Accountant` (a member or its name); a clear ``ValueError`` otherwise."""
-    if isinstance(value, Accountant):
-        return value
-    try:
-        return Accountant(value)
-    except ValueError as err:
-        names = ", ".join(repr(a) for a in ACCOUNTANTS)
-        raise ValueError(f"accountant must be one of {names}; got {value!r}") from err
+    return coerce_enum(value, Accountant, "accountant")
 
 
 def bounded_range_epsilon(sensitivity: float, temperature: float) -> float:

@@ -22,6 +22,7 @@ import numpy as np
 from scipy import optimize, special
 
 from accounting._validation import check_delta, check_nonnegative, check_order
+from accounting.sensitivity import coerce_enum
 
 __all__ = [
     "ConversionMethod",
@@ -60,16 +61,6 @@ def br_to_zcdp_total(epsilon0s) -> float:
     :func:`br_to_zcdp`, composed additively (zCDP composition, Bun & Steinke 2016, arXiv:1605.02065,
     Lemma 2.3)."""
     return float(np.sum(np.asarray(epsilon0s, dtype=np.float64) ** 2)) / 8.0
-
-
-def _method(method) -> ConversionMethod:
-    if isinstance(method, ConversionMethod):
-        return method
-    try:
-        return ConversionMethod(method)
-    except ValueError as err:
-        names = ", ".join(repr(m.value) for m in ConversionMethod)
-        raise ValueError(f"method must be one of {names}; got {method!r}") from err
 
 
 def _up(x: float) -> float:
@@ -158,7 +149,7 @@ def zcdp_to_epsilon(rho: float, delta: float, method: ConversionMethod | str = "
     """
     rho = check_nonnegative("rho", rho, allow_inf=True)
     delta = check_delta("delta", delta)
-    method = _method(method)
+    method = coerce_enum(method, ConversionMethod, "method")
     if rho == 0.0:
         return 0.0
     if math.isinf(rho):
@@ -180,7 +171,7 @@ def zcdp_to_delta(rho: float, epsilon: float, method: ConversionMethod | str = "
     """
     rho = check_nonnegative("rho", rho, allow_inf=True)
     epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
-    method = _method(method)
+    method = coerce_enum(method, ConversionMethod, "method")
     if rho == 0.0 or math.isinf(epsilon):
         return 0.0
     if math.isinf(rho):
@@ -227,7 +218,7 @@ def epsilon_to_zcdp(epsilon: float, delta: float, method: ConversionMethod | str
     """
     epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
     delta = check_delta("delta", delta)
-    method = _method(method)
+    method = coerce_enum(method, ConversionMethod, "method")
     if epsilon == 0.0:
         return 0.0
     if math.isinf(epsilon):
