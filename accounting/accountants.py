@@ -4,11 +4,8 @@ Each token is ε0 = 2Δ/τ bounded-range (Durfee & Rogers 2019, arXiv:1905.04273
 Rogers 2021, Lemma 3.2; the paper's ρ_tok = C²/(2B²τ²), paper Theorem 2, thm:accounting), composed over at
 most T tokens. :data:`ACCOUNTANTS`: ``br-adaptive`` (default; Dong, Durfee & Rogers 2020, arXiv:1909.13830,
 via :mod:`accounting.bounded_range`, never looser than ``cks``), ``cks`` (T·ρ_tok, Bun & Steinke 2016,
-Lemma 2.3, converted by Canonne–Kamath–Steinke 2020), ``bun-steinke``, ``rdp``; :func:`composed_epsilon`,
-:func:`composed_delta`, :func:`max_epsilon0`, :func:`fits_budget`; pure ε-DP steps composed optimally:
-:func:`pure_composed_delta`, :func:`pure_composed_epsilon`.
-
-Design: docs/accounting_notes.md §1–§4; choosing one: docs/guide/planning.md (§"Accountants").
+Lemma 2.3, converted by Canonne–Kamath–Steinke 2020), ``bun-steinke``, ``rdp``; pure ε-DP steps composed optimally
+(Kairouz, Oh & Viswanath 2015). Design: docs/accounting_notes.md §1–§4; choosing one: docs/guide/planning.md.
 """
 
 from __future__ import annotations

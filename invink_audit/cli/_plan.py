@@ -1,8 +1,5 @@
 """``invink-audit plan | epsilon | max-tokens | min-batch-size | table``: budget planning (torch-free);
 ``invink-audit memory``: capacity planning (:mod:`invink_audit.capacity`; reads the model's config).
-
-Every argument has a documented range (:mod:`accounting.limits`, README "Valid ranges and exit codes");
-a value outside it is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations

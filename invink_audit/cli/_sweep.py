@@ -1,9 +1,6 @@
-"""``invink-audit sweep``: private generation + evaluation over a grid (ε, B, k, τ, T), with a
-public-only floor and a non-private ceiling (under ``OUTPUT/reference_points/``, apart from the releases);
-resumable; a table and plots (NOT PRIVATE: owner-only, marked).
-
-Every grid point is a separate release: on private references give ``--ledger`` (each point is charged);
-``--public-proxy`` states that the references are public or a proxy and charges nothing.
+"""``invink-audit sweep``: private generation + evaluation over a grid (ε, B, k, τ, T), with a public-only floor and
+a non-private ceiling; every grid point is a separate release (``--ledger`` charges each; ``--public-proxy`` states
+that the references are public or a proxy). Guide: docs/guide/evaluating.md (§"invink-audit sweep").
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-r"""One evaluation of synthetic texts against real texts: MAUVE (two settings), perplexity and ΔPPL,
-lengths, and TSTR when labels are given; every figure an :class:`~invink_audit.evaluation.stats.Interval`.
-
-An evaluation is **not private**: it reads the real texts in the clear and its report is a function of
-them. Evaluate against held-out real texts (the paper uses held-out samples, App. D.4), keep the
-report with the data, and never treat it as part of a release.
+r"""One evaluation of synthetic texts against real texts: MAUVE (two settings), perplexity and ΔPPL, lengths, and
+TSTR when labels are given; every figure an :class:`~invink_audit.evaluation.stats.Interval`. An evaluation is **not
+private**: it reads the real texts in the clear (docs/guide/evaluating.md).
 """
 
 from __future__ import annotations

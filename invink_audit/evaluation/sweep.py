@@ -586,8 +586,6 @@ def _clip_to_estimates(ax, estimates: Sequence[float], intervals: Sequence[tuple
     """Limit ``ax``'s y axis to the ``estimates`` and the ``intervals`` (``(x, lower, upper, colour)``)
     up to one span of the estimates beyond them, with a 5% pad; mark every interval end the axis cuts
     with an arrow at the edge and its value. Returns the number of ends cut (0: nothing is hidden)."""
-    import math
-
     finite = [float(e) for e in estimates if math.isfinite(e)]
     if not finite:
         return 0

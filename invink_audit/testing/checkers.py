@@ -200,10 +200,10 @@ def assert_linf_sensitivity_attained(
         return witness.change >= bound - tolerance
 
     # no shrinking: any input within tolerance of the bound is a witness, and shrinking is slow.
-    phases = [Phase.explicit, Phase.reuse, Phase.generate]
-    search_settings = settings(phases=phases) if max_examples is None else settings(phases=phases, max_examples=max_examples)
+    limit = {} if max_examples is None else {"max_examples": max_examples}
     try:
-        batch, clip_norm = find(st.tuples(batches, clip_norms), attains, settings=search_settings)
+        batch, clip_norm = find(st.tuples(batches, clip_norms), attains,
+                                settings=settings(phases=[Phase.explicit, Phase.reuse, Phase.generate], **limit))
     except NoSuchExample as err:
         raise AssertionError(
             f"no input attains the claimed ℓ∞ sensitivity within {tolerance} under {Adjacency(adjacency).value} "
