@@ -54,26 +54,14 @@ class EmbeddingModelSpec:
             raise ValueError(f"safetensors_sha256 must be 64 hex digits; got {self.safetensors_sha256!r}")
 
 
-EMBEDDING_MODELS = {
-    # revision e8c3b32edf5434bc2275fc9bab85f82640a19130 of the hub repository; LFS SHA-256 of model.safetensors
-    "mpnet": EmbeddingModelSpec(
-        name="mpnet",
-        hub_id="sentence-transformers/all-mpnet-base-v2",
-        safetensors_sha256="78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658",
-        safetensors_size=437_971_872,
-        max_seq_length=384,
-        dimension=768,
-    ),
-    # revision 1110a243fdf4706b3f48f1d95db1a4f5529b4d41 of the hub repository
-    "minilm": EmbeddingModelSpec(
-        name="minilm",
-        hub_id="sentence-transformers/all-MiniLM-L6-v2",
-        safetensors_sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
-        safetensors_size=90_868_376,
-        max_seq_length=256,
-        dimension=384,
-    ),
-}
+#: name: (hub id, LFS SHA-256 and size of model.safetensors, max_seq_length, dimension), at revisions
+#: e8c3b32edf5434bc2275fc9bab85f82640a19130 (mpnet) and 1110a243fdf4706b3f48f1d95db1a4f5529b4d41 (minilm) of the hub
+EMBEDDING_MODELS = {name: EmbeddingModelSpec(name, *fields) for name, fields in {
+    "mpnet": ("sentence-transformers/all-mpnet-base-v2",
+              "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658", 437_971_872, 384, 768),
+    "minilm": ("sentence-transformers/all-MiniLM-L6-v2",
+               "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db", 90_868_376, 256, 384),
+}.items()}
 DEFAULT_EMBEDDING_MODEL = "mpnet"
 
 _MPNET_PARTS = tuple(
