@@ -1,7 +1,7 @@
 """The ``invink-audit`` command line.
 
-Each subcommand lives in its own module exposing ``register(subparsers)``; its handler is set with
-``parser.set_defaults(handler=fn)`` and returns an exit status. Modules are imported only to build the
+Each subcommand lives in its own module exposing ``register(subparsers)``; its handler, given as
+``add_parser(name, handler=fn, ...)``, returns an exit status. Modules are imported only to build the
 parser; anything heavy (torch, transformers) is imported inside the handlers. The flags several commands take
 are defined once, in :mod:`invink_audit.cli._options`, with the converters below (``type=``).
 
@@ -71,11 +71,13 @@ class _BadValue(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (exit 2), not a usage dump, a value a converter refuses
     is the line a handler's ``ValueError`` gives (:func:`main` returns 2), and negative-looking numbers (``-inf``,
-    ``-1e-6``) are values, so that their range check names them."""
+    ``-1e-6``) are values, so that their range check names them. ``handler``: what the (sub)command runs."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, handler=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = _NEGATIVE_NUMBER
+        if handler is not None:
+            self.set_defaults(handler=handler)
 
     def error(self, message: str):  # noqa: D401 - argparse API
         value = _BAD_VALUE.fullmatch(message)

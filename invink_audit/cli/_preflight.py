@@ -27,8 +27,8 @@ _DESCRIPTION = (
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("check-locks", help="check that file locks in a directory exclude other processes",
-                              description=_DESCRIPTION)
+    p = subparsers.add_parser("check-locks", handler=_check_locks, description=_DESCRIPTION,
+                              help="check that file locks in a directory exclude other processes")
     p.add_argument("directory", metavar="DIR", help="the directory the release will write its output in")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--hold", metavar="SECONDS", type=number,
@@ -36,7 +36,6 @@ def register(subparsers) -> None:
     mode.add_argument("--probe", action="store_true",
                       help="machine B of the two-machine check: the lock machine A holds must exclude this machine")
     add(p, "--json")
-    p.set_defaults(handler=_check_locks)
 
 
 def _check_locks(args) -> int:

@@ -16,7 +16,7 @@ from invink_audit.cli._options import PROMPT, add, add_grid, grid_options
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "sweep",
+        "sweep", handler=_sweep,
         help="generation + evaluation over a grid of (epsilon, B, k, tau, T)",
         description="Generate private texts at every point of a grid and evaluate each against held-out real "
         "texts (MAUVE, ΔPPL, TSTR with --label-column), next to a public-only floor and a non-private ceiling on "
@@ -46,7 +46,6 @@ def register(subparsers) -> None:
     add(p, "--model", help="generator and perplexity scorer (default: generate's, Gemma-3-270M)")
     add_evaluation_arguments(p)
     add(p, "--no-progress")
-    p.set_defaults(handler=_sweep)
 
 
 def _sweep(args) -> int:
