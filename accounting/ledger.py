@@ -47,18 +47,9 @@ _LOCK_TIMEOUT_SECONDS = 60.0
 _SPEND_RTOL = 1e-6
 _CHAIN_DOMAIN = b"invink-audit ledger chain v2\n"
 _HEAD_DOMAIN = b"invink-audit ledger head v3\n"
-_RELEASE_KEYS = (
-    "release_id",
-    "label",
-    "clip_norm",
-    "batch_size",
-    "temperature",
-    "max_new_tokens",
-    "texts_per_batch",
-    "num_batches",
-    "clipping",
-    "adjacency",
-)
+#: the keys of a flat record: the event's parameters (``unit_contributions`` only when not 1) and the release's own
+_RELEASE_KEYS = ("release_id", "label", *(f.name for f in dataclasses.fields(GenerationEvent)
+                                          if f.name != "unit_contributions"), "num_batches")
 _ZCDP_RELEASE_KEYS = ("release_id", "label", "kind", "mechanism", "rho", "num_batches")
 _ENTRY_KEYS = ("recorded_at", "release", "epsilon_spent_after")
 
