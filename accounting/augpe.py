@@ -16,8 +16,8 @@ import dataclasses
 import enum
 import math
 
-from accounting.accountants import DEFAULT_ACCOUNTANT, EPSILON_ROUNDING, Accountant, as_accountant
-from accounting.conversions import epsilon_to_gdp, epsilon_to_zcdp, gdp_to_epsilon, zcdp_to_epsilon
+from accounting.accountants import DEFAULT_ACCOUNTANT, Accountant, as_accountant
+from accounting.conversions import epsilon_to_gdp, epsilon_to_zcdp, gdp_to_epsilon
 from accounting.events import ZcdpEvent
 from accounting.limits import COUNT_RANGE, RANGES, ParameterRange
 from accounting.sensitivity import coerce_enum
@@ -106,10 +106,9 @@ class AugPEEvent:
         return math.sqrt(self.iterations) * self.l2_sensitivity / self.noise_std
 
     def epsilon(self, delta: float, accountant: Accountant | str = DEFAULT_ACCOUNTANT) -> float:
-        """ε at ``delta`` from ρ with the accountant's zCDP conversion (CKS for ``br-adaptive``), rounded up as
-        :meth:`accounting.ZcdpEvent.epsilon` rounds: the figure the ledger charges."""
-        conversion = as_accountant(accountant).zcdp_conversion
-        return zcdp_to_epsilon(self.rho, delta, conversion) * (1.0 + EPSILON_ROUNDING)
+        """ε at ``delta`` of ρ, converted and rounded up as :meth:`accounting.ZcdpEvent.epsilon` does (the accountant's
+        zCDP conversion, CKS for ``br-adaptive``): the figure the ledger charges."""
+        return ZcdpEvent(self.rho, "augpe").epsilon(delta, accountant)
 
     def gaussian_epsilon(self, delta: float) -> float:
         """The exact ε at ``delta`` of T composed Gaussian mechanisms (μ-GDP,
