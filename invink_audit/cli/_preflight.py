@@ -1,11 +1,7 @@
-"""``invink-audit check-locks DIR [--hold SECONDS | --probe] [--json]``: do a directory's file locks exclude
-other processes (before a multi-process or multi-machine release)? Torch-free.
-
-Exit status: 0 the check passed, 1 it failed (the locks do not exclude: do not release there), 3
-inconclusive (``--probe`` while nobody holds the lock; ``same-host``: the probe ran on the holder's own
-machine, which proves nothing about other machines; ``stale``: the holder record was left by a ``--hold``
-that was killed, and is removed), 2 bad input (not a writable directory). Everything printed as text has
-its non-printable characters escaped (holder records are written by whoever can write DIR).
+"""``invink-audit check-locks DIR [--hold SECONDS | --probe] [--json]``: do a directory's file locks exclude other
+processes (docs/guide/capacity.md, §"check-locks")? Torch-free. Inconclusive (3) also when the probe ran on the
+holder's own machine (``same-host``) or found a holder record left by a killed ``--hold`` (``stale``, removed).
+Everything printed has its non-printable characters escaped (whoever can write DIR writes the holder records).
 """
 
 from __future__ import annotations
