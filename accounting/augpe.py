@@ -36,7 +36,8 @@ NOISE_STD_RANGE = ParameterRange(1e-6, 1e12)
 
 
 class AugPESensitivity(enum.Enum):
-    """Which ℓ2 sensitivity of the nearest-neighbour histogram the accountant is told (module docstring)."""
+    """Which ℓ2 sensitivity of the nearest-neighbour histogram the accountant is told (docs/guide/baselines.md,
+    §"AugPE", has the table: only ``REPLACE_BY_NULL`` is a guarantee a ledger composes)."""
 
     REPLACE_BY_NULL = "replace-by-null"  # correct under replace-by-null: √2
     ADD_OR_REMOVE = "add-or-remove"  # correct under add-or-remove: 1

@@ -295,7 +295,8 @@ def _no_progress(phase: str, done: int, total: int) -> None:
 
 
 def _evolve(references: list[str], config: AugPEConfig, loaded, embed, key: int, progress) -> tuple[list[str], list]:
-    """Steps 1–4 of the module docstring; returns the released texts and each iteration's noisy histogram."""
+    """The algorithm (docs/guide/baselines.md, §"Correspondence with the official implementation", steps 1–4);
+    returns the released texts and each iteration's noisy histogram."""
     n, event = config.num_texts, config.event
     progress("AugPE: embedding the references", 0, 1)
     private = _embeddings(embed, references)  # the one use of the references (step 3b below)
@@ -355,7 +356,7 @@ def _embeddings(embed, texts: list[str]) -> np.ndarray:
 
 def _paraphrase(loaded, parents: list[str], config: AugPEConfig, sample_key: int, style_key: int, generated) -> list[str]:
     """VARIATION_API: L − 1 paraphrases of each parent, parent-major, each in a uniformly drawn public style
-    (``apis/hf_api.py`` l. 248); an empty paraphrase keeps its parent (module docstring)."""
+    (``apis/hf_api.py`` l. 248); an empty paraphrase keeps its parent (a public departure from the official code)."""
     styles = config.prompts.styles
     per_parent = config.variations - 1
     draws = np.random.default_rng(style_key).integers(len(styles), size=len(parents) * per_parent)

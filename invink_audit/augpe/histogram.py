@@ -109,7 +109,7 @@ def noisy_counts(counts, noise_std: float, threshold: float, rng: np.random.Gene
 
 
 def select_candidates(noisy, num_selected: int, selection: Selection | str, rng: np.random.Generator) -> np.ndarray:
-    """Indices of the next iteration's texts from the released histogram ``noisy`` (module docstring, step 4)."""
+    """Indices of the next iteration's texts from the released histogram ``noisy`` (:class:`Selection`)."""
     noisy = np.asarray(noisy, dtype=np.float64)
     num_selected = check_count("num_selected", num_selected)
     selection = coerce_enum(selection, Selection)
@@ -127,7 +127,7 @@ def select_candidates(noisy, num_selected: int, selection: Selection | str, rng:
 def dp_nn_histogram(
     reference_embeddings, candidate_embeddings, noise_std: float, threshold: float, rng: np.random.Generator
 ) -> np.ndarray:
-    """Steps 1–3 of the module docstring: votes, counts, Gaussian noise, threshold. The one function that reads
+    """The votes, their counts, the Gaussian noise and the threshold (module docstring). The one function that reads
     the private references' embeddings; what it returns is the mechanism's release."""
     candidates = _embedding_matrix("candidate_embeddings", candidate_embeddings, allow_empty=False)
     votes = nearest_neighbour_votes(reference_embeddings, candidates)
