@@ -211,14 +211,11 @@ class EmbeddingStats:
 
 
 class Embedder:
-    r"""Embeds texts with a packaged SentenceTransformer model: transformer → mean pooling over real
-    tokens → L2 normalisation (the models' ``modules.json``), texts truncated to the model's
-    ``max_seq_length`` (384 tokens for mpnet, as in the paper's App. D.4).
+    r"""Embeds texts with a packaged SentenceTransformer model (transformer, mean pooling, L2 normalisation; texts cut
+    at ``max_seq_length``, 384 tokens for mpnet as in the paper's App. D.4).
 
-    ``dtype``: ``"float32"`` or ``"bfloat16"``; ``"auto"`` (default) picks bfloat16 where the hardware
-    computes it natively (CUDA, or a CPU with AVX512-BF16 or AMX) and only after checking, on a probe of
-    the longest texts of the first call, that its embeddings match float32 (every cosine similarity
-    ≥ :attr:`BF16_MIN_COSINE`); otherwise float32.
+    ``dtype``: ``"float32"`` or ``"bfloat16"``; ``"auto"`` (default): bfloat16 where the hardware computes it natively
+    and a probe of the first call's longest texts matches float32 (every cosine ≥ :attr:`BF16_MIN_COSINE`).
 
     ``batch_size`` texts per forward pass, sorted by length so that a batch pads little. ``cache``:
     keep embeddings per text hash in ``<cache>/embeddings.sqlite`` (``False``: nothing on disk).

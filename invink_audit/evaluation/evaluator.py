@@ -143,12 +143,9 @@ class EvaluationConfig:
       synthetic texts (the paper uses equal numbers, App. D.4);
     * ``scorer``: the perplexity model (:func:`invink_audit.models.load_model`; ``None`` the embedded
       SmolLM2); ``perplexity=False`` skips perplexity;
-    * ``embedding_cache``, ``perplexity_cache``: keep each text's embedding and perplexity on disk
-      (owner-only SQLite files in the cache directory, keyed by model and text hash), so that a text is
-      embedded and scored once across evaluations (a sweep's real texts at every point); ``False``:
-      nothing derived from the texts is kept; ``perplexity_cache=None`` (default) follows
-      ``embedding_cache``, so turning the embedding cache off keeps everything off disk; ``cache_dir``:
-      where (default
+    * ``embedding_cache``, ``perplexity_cache``: keep each text's embedding and perplexity on disk (owner-only, by
+      text hash: docs/guide/evaluating.md, §"Caches"); ``False``: nothing derived from the texts is kept;
+      ``perplexity_cache=None`` (default) follows ``embedding_cache``; ``cache_dir``: where (default
       :func:`invink_audit.models.cache_dir`);
     * ``tstr_test_fraction``: share of the labelled real texts held out to test TSTR (the rest train the ceiling);
       ``tstr_bootstrap``: its bootstrap replicates (each retrains the classifiers).
