@@ -279,13 +279,10 @@ def _steps_array(epsilon0s: np.ndarray, lattice_steps: int) -> tuple[np.ndarray,
     return n, h
 
 
-def _validate_common(epsilon0, num_steps, lattice_steps):
-    epsilon0 = check_positive("epsilon0", epsilon0)
-    num_steps = check_count("num_steps", num_steps)
-    if lattice_steps is None:
-        lattice_steps = default_lattice_steps(num_steps)
-    lattice_steps = check_count("lattice_steps", lattice_steps, minimum=2)
-    return epsilon0, num_steps, lattice_steps
+def _lattice_steps(lattice_steps, epsilon0s: np.ndarray) -> int:
+    """``lattice_steps``, or the default for these (validated, :func:`epsilon0_array`) steps."""
+    return check_count("lattice_steps", default_lattice_steps(len(epsilon0s)) if lattice_steps is None else lattice_steps,
+                       minimum=2)
 
 
 def _run(epsilon0s: np.ndarray, lattice_steps: int, x0: float, w_out: int, eta: float):
@@ -310,7 +307,7 @@ def br_adaptive_delta(
     """
     epsilon = check_nonnegative("epsilon", epsilon)
     epsilon0s = epsilon0_array(epsilon0, num_steps)
-    lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
+    lattice_steps = _lattice_steps(lattice_steps, epsilon0s)
     scale = 1.0
     for _ in range(8):
         eta = _RELATIVE_ETA * scale / len(epsilon0s)
@@ -338,7 +335,7 @@ def br_adaptive_delta_curve(
     truncation tolerance; values far below it carry an absolute error of at most 1e-9·delta_scale).
     """
     epsilon0s = epsilon0_array(epsilon0, num_steps)
-    lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
+    lattice_steps = _lattice_steps(lattice_steps, epsilon0s)
     check_nonnegative("half_width", half_width)
     if not math.isfinite(epsilons_center):
         raise ValueError(f"epsilons_center must be finite; got {epsilons_center!r}")
@@ -369,7 +366,7 @@ def br_adaptive_epsilon(
 
     delta = check_delta("delta", delta)
     epsilon0s = epsilon0_array(epsilon0, num_steps)
-    lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
+    lattice_steps = _lattice_steps(lattice_steps, epsilon0s)
     rho = br_to_zcdp_total(epsilon0s)
     hi = zcdp_to_epsilon(rho, delta, "cks") if start is None else float(start)
     if not math.isfinite(hi):  # the CKS bound is already infinite: so is every certified answer
