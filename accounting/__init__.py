@@ -10,110 +10,27 @@ nearest-neighbour histograms). :mod:`~accounting.claims`: a generator's privacy 
 (:class:`PrivacyClaim`, :class:`StepClaim`) and every figure derived from it.
 """
 
-from accounting.accountants import (
-    ACCOUNTANTS,
-    DEFAULT_ACCOUNTANT,
-    Accountant,
-    as_accountant,
-    bounded_range_epsilon,
-    composed_delta,
-    composed_epsilon,
-    max_epsilon0,
-    pure_composed_delta,
-    pure_composed_epsilon,
-)
-from accounting.augpe import (
-    AugPEEvent,
-    AugPESensitivity,
-    augpe_l2_sensitivity,
-    plan_augpe_noise_std,
-)
-from accounting.claims import PrivacyClaim, StepClaim
-from accounting.bounded_range import DeltaBracket, br_adaptive_delta, br_nonadaptive_delta
-from accounting.conversions import (
-    ConversionMethod,
-    br_to_zcdp,
-    br_to_zcdp_total,
-    epsilon_to_gdp,
-    epsilon_to_zcdp,
-    gdp_to_delta,
-    gdp_to_epsilon,
-    rdp_to_delta,
-    rdp_to_epsilon,
-    zcdp_to_delta,
-    zcdp_to_epsilon,
-)
-from accounting.events import GenerationEvent, ZcdpEvent
-from accounting.limits import RANGES, check_parameter_ranges
-from accounting.ledger import BudgetExceededError, BudgetLedger, ChargeOutcome, LedgerError, LedgerStatus, Release
-from accounting.planner import (
-    Plan,
-    PlanningRow,
-    epsilon_for_clip_norm,
-    plan_clip_norm,
-    plan_max_new_tokens,
-    plan_min_batch_size,
-    planning_table,
-)
-from accounting.sensitivity import (
-    Adjacency,
-    Clipping,
-    clip_norm_for_sensitivity,
-    linf_sensitivity,
-    sensitivity_factor,
-)
+import importlib
 
-__all__ = [
-    "GenerationEvent",
-    "ZcdpEvent",
-    "br_to_zcdp",
-    "br_to_zcdp_total",
-    "ACCOUNTANTS",
-    "DEFAULT_ACCOUNTANT",
-    "Accountant",
-    "as_accountant",
-    "augpe_l2_sensitivity",
-    "Adjacency",
-    "AugPEEvent",
-    "AugPESensitivity",
-    "BudgetExceededError",
-    "BudgetLedger",
-    "ChargeOutcome",
-    "Clipping",
-    "ConversionMethod",
-    "DeltaBracket",
-    "LedgerError",
-    "LedgerStatus",
-    "Plan",
-    "PlanningRow",
-    "RANGES",
-    "Release",
-    "bounded_range_epsilon",
-    "check_parameter_ranges",
-    "br_adaptive_delta",
-    "br_nonadaptive_delta",
-    "clip_norm_for_sensitivity",
-    "composed_delta",
-    "composed_epsilon",
-    "epsilon_for_clip_norm",
-    "epsilon_to_gdp",
-    "epsilon_to_zcdp",
-    "gdp_to_delta",
-    "gdp_to_epsilon",
-    "linf_sensitivity",
-    "max_epsilon0",
-    "plan_clip_norm",
-    "plan_max_new_tokens",
-    "plan_min_batch_size",
-    "plan_augpe_noise_std",
-    "planning_table",
-    "PrivacyClaim",
-    "StepClaim",
-    "pure_composed_delta",
-    "pure_composed_epsilon",
-    "rdp_to_delta",
-    "rdp_to_epsilon",
-    "sensitivity_factor",
-    "zcdp_to_delta",
-    "zcdp_to_epsilon",
-]
+#: the public names, by the module that defines them (imported here, so ``from accounting import X`` works)
+_EXPORTS = {
+    "accountants": ("ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "Accountant", "as_accountant", "bounded_range_epsilon",
+                    "composed_delta", "composed_epsilon", "max_epsilon0", "pure_composed_delta",
+                    "pure_composed_epsilon"),
+    "augpe": ("AugPEEvent", "AugPESensitivity", "augpe_l2_sensitivity", "plan_augpe_noise_std"),
+    "claims": ("PrivacyClaim", "StepClaim"),
+    "bounded_range": ("DeltaBracket", "br_adaptive_delta"),
+    "conversions": ("ConversionMethod", "br_to_zcdp", "br_to_zcdp_total", "epsilon_to_gdp", "epsilon_to_zcdp",
+                    "gdp_to_delta", "gdp_to_epsilon", "rdp_to_delta", "rdp_to_epsilon", "zcdp_to_delta",
+                    "zcdp_to_epsilon"),
+    "events": ("GenerationEvent", "ZcdpEvent"),
+    "limits": ("RANGES", "check_parameter_ranges"),
+    "ledger": ("BudgetExceededError", "BudgetLedger", "ChargeOutcome", "LedgerError", "LedgerStatus", "Release"),
+    "planner": ("Plan", "PlanningRow", "epsilon_for_clip_norm", "plan_clip_norm", "plan_max_new_tokens",
+                "plan_min_batch_size", "planning_table"),
+    "sensitivity": ("Adjacency", "Clipping", "clip_norm_for_sensitivity", "linf_sensitivity", "sensitivity_factor"),
+}
+for _module, _names in _EXPORTS.items():
+    globals().update({name: getattr(importlib.import_module(f"accounting.{_module}"), name) for name in _names})
+
+__all__ = [name for names in _EXPORTS.values() for name in names]

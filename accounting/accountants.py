@@ -4,11 +4,8 @@ Each token is ε0 = 2Δ/τ bounded-range (Durfee & Rogers 2019, arXiv:1905.04273
 Rogers 2021, Lemma 3.2; the paper's ρ_tok = C²/(2B²τ²), paper Theorem 2, thm:accounting), composed over at
 most T tokens. :data:`ACCOUNTANTS`: ``br-adaptive`` (default; Dong, Durfee & Rogers 2020, arXiv:1909.13830,
 via :mod:`accounting.bounded_range`, never looser than ``cks``), ``cks`` (T·ρ_tok, Bun & Steinke 2016,
-Lemma 2.3, converted by Canonne–Kamath–Steinke 2020), ``bun-steinke``, ``rdp``; :func:`composed_epsilon`,
-:func:`composed_delta`, :func:`max_epsilon0`, :func:`fits_budget`; pure ε-DP steps composed optimally:
-:func:`pure_composed_delta`, :func:`pure_composed_epsilon`.
-
-Design: docs/accounting_notes.md §1–§4; choosing one: docs/guide/planning.md (§"Accountants").
+Lemma 2.3, converted by Canonne–Kamath–Steinke 2020), ``bun-steinke``, ``rdp``; pure ε-DP steps composed optimally
+(Kairouz, Oh & Viswanath 2015). Design: docs/accounting_notes.md §1–§4; choosing one: docs/guide/planning.md.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from scipy import special
 
 from accounting import bounded_range
 from accounting._validation import check_count, check_delta, check_nonnegative, check_positive
+from accounting.sensitivity import coerce_enum
 from accounting.conversions import ConversionMethod, br_to_zcdp, br_to_zcdp_total, zcdp_to_delta, zcdp_to_epsilon
 
 __all__ = [
@@ -69,13 +67,7 @@ DEFAULT_ACCOUNTANT = Accountant.BR_ADAPTIVE
 
 def as_accountant(value) -> Accountant:
     """``value`` as an :class:`Accountant` (a member or its name); a clear ``ValueError`` otherwise."""
-    if isinstance(value, Accountant):
-        return value
-    try:
-        return Accountant(value)
-    except ValueError as err:
-        names = ", ".join(repr(a) for a in ACCOUNTANTS)
-        raise ValueError(f"accountant must be one of {names}; got {value!r}") from err
+    return coerce_enum(value, Accountant, "accountant")
 
 
 def bounded_range_epsilon(sensitivity: float, temperature: float) -> float:

@@ -1,46 +1,13 @@
 r"""Accounting for AugPE (Xie et al. 2024, "Differentially Private Synthetic Data via Foundation Model APIs 2:
 Text", arXiv:2403.01749, Alg. 1): ``T`` adaptively composed Gaussian mechanisms on a nearest-neighbour histogram.
 
-Each AugPE iteration releases one noisy histogram (the InvisibleInk paper's Eq. (eq:hiso-augpe), App. B.3.3
-(sec:adj-augpe)): every private reference votes for its nearest candidate, and Gaussian noise of standard
-deviation ``noise_std`` (σ, in counts, the same for every bin) is added to every count. What a neighbouring
-dataset can change is one vote, so the histogram's ℓ2 sensitivity Δ is (paper Property prop:augpe-sens):
-
-=====================  ======  ====================================================================
-``AugPESensitivity``   Δ       status
-=====================  ======  ====================================================================
-``REPLACE_BY_NULL``    √2      correct under replace-by-null (the project's adjacency): the nulled
-                               reference's vote moves from one bin to another (the empty text votes too)
-``ADD_OR_REMOVE``      1       correct under add-or-remove (AugPE's own adjacency): one vote appears
-``PAPER``              1       the InvisibleInk paper's experiments (App. B.3.3, "Convention in our
-                               Experiments"): replace-by-null data with the add-or-remove value. **Not a
-                               valid guarantee**: under replace-by-null it understates Δ by √2 (ρ by 2)
-=====================  ======  ====================================================================
-
-**One definition of σ.** ``noise_std`` σ is the standard deviation of the noise added to each count. The
-official implementation's ``--noise_multiplier`` z is σ/Δ for its Δ = √k = 1 (``dpsda/dp_counter.py``,
-``dp_nn_histogram``: noise ``normal * sqrt(num_nearest_neighbor) * noise_multiplier``);
-:attr:`AugPEEvent.noise_multiplier` is σ/Δ, dp-accounting's ``GaussianDpEvent(noise_multiplier=σ/Δ)``.
-
-**zCDP.** A Gaussian mechanism of ℓ2 sensitivity Δ and standard deviation σ is Δ²/(2σ²)-zCDP (Bun & Steinke
-2016, arXiv:1605.02065, Prop. 1.6), and zCDP composes adaptively by adding ρ (ibid., Lemma 2.3), so T
-iterations are
-
-.. math:: \rho = \frac{T\,\Delta^2}{2\sigma^2},
-
-converted to (ε, δ) by the project's conversions (:mod:`accounting.conversions`; CKS by default) and rounded up
-as every reported ε is (:data:`accounting.accountants.EPSILON_ROUNDING`). The ledger charges this ρ
-(:meth:`AugPEEvent.zcdp_event`).
-
-**Exact (tight) alternative.** A Gaussian mechanism is (Δ/σ)-GDP and T of them compose adaptively to
-μ-GDP with :math:`\mu = \sqrt{T}\,\Delta/\sigma` (Dong, Roth & Su 2019, arXiv:1905.02383, Thm. 2.7 and Cor. 3.3);
-μ-GDP is exactly the (ε, δ(ε)) curve of the analytic Gaussian mechanism (ibid., Cor. 2.13; Balle & Wang 2018,
-arXiv:1805.06530, Thm. 8), :func:`accounting.conversions.gdp_to_delta`. :meth:`AugPEEvent.gaussian_epsilon` inverts
-it (:func:`~accounting.conversions.gdp_to_epsilon`); it is never above the zCDP value and agrees with dp-accounting's
-PLD accountant (``tests/test_accounting_augpe.py``). It is a valid conversion *for this mechanism* (a
-composition of Gaussians), not for a general ρ-zCDP mechanism.
-
-Inverses (:func:`plan_augpe_noise_std`) return the safe side: a σ at least as large as the budget needs.
+Each iteration adds Gaussian noise of standard deviation ``noise_std`` (σ, in counts) to every count of a histogram
+of ℓ2 sensitivity Δ (paper Eq. (eq:hiso-augpe), App. B.3.3, Property prop:augpe-sens; :class:`AugPESensitivity`).
+T iterations are :math:`\rho = T\Delta^2/(2\sigma^2)`-zCDP (Bun & Steinke 2016, arXiv:1605.02065, Prop. 1.6 and
+Lemma 2.3), what the ledger charges; exactly, they are :math:`\sqrt{T}\Delta/\sigma`-GDP (Dong, Roth & Su 2019,
+arXiv:1905.02383, Thm. 2.7, Cor. 3.3; Cor. 2.13 and Balle & Wang 2018, arXiv:1805.06530, Thm. 8 for its (ε, δ)
+curve), a valid conversion *for this mechanism* only. Inverses return the safe side (more noise). The sensitivities,
+the paper's convention and the official ``--noise_multiplier``: docs/guide/baselines.md (§"AugPE").
 """
 
 from __future__ import annotations
@@ -49,8 +16,8 @@ import dataclasses
 import enum
 import math
 
-from accounting.accountants import DEFAULT_ACCOUNTANT, EPSILON_ROUNDING, Accountant, as_accountant
-from accounting.conversions import epsilon_to_gdp, epsilon_to_zcdp, gdp_to_epsilon, zcdp_to_epsilon
+from accounting.accountants import DEFAULT_ACCOUNTANT, Accountant, as_accountant
+from accounting.conversions import epsilon_to_gdp, epsilon_to_zcdp, gdp_to_epsilon
 from accounting.events import ZcdpEvent
 from accounting.limits import COUNT_RANGE, RANGES, ParameterRange
 from accounting.sensitivity import coerce_enum
@@ -69,7 +36,8 @@ NOISE_STD_RANGE = ParameterRange(1e-6, 1e12)
 
 
 class AugPESensitivity(enum.Enum):
-    """Which ℓ2 sensitivity of the nearest-neighbour histogram the accountant is told (module docstring)."""
+    """Which ℓ2 sensitivity of the nearest-neighbour histogram the accountant is told (docs/guide/baselines.md,
+    §"AugPE", has the table: only ``REPLACE_BY_NULL`` is a guarantee a ledger composes)."""
 
     REPLACE_BY_NULL = "replace-by-null"  # correct under replace-by-null: √2
     ADD_OR_REMOVE = "add-or-remove"  # correct under add-or-remove: 1
@@ -119,7 +87,8 @@ class AugPEEvent:
 
     @property
     def noise_multiplier(self) -> float:
-        """σ/Δ: dp-accounting's ``GaussianDpEvent(noise_multiplier)`` of one iteration."""
+        """σ/Δ: dp-accounting's ``GaussianDpEvent(noise_multiplier)`` of one iteration, the official implementation's
+        ``--noise_multiplier`` (``dpsda/dp_counter.py``, ``dp_nn_histogram``: its Δ = √k = 1)."""
         return self.noise_std / self.l2_sensitivity
 
     @property
@@ -138,10 +107,9 @@ class AugPEEvent:
         return math.sqrt(self.iterations) * self.l2_sensitivity / self.noise_std
 
     def epsilon(self, delta: float, accountant: Accountant | str = DEFAULT_ACCOUNTANT) -> float:
-        """ε at ``delta`` from ρ with the accountant's zCDP conversion (CKS for ``br-adaptive``), rounded up as
-        :meth:`accounting.ZcdpEvent.epsilon` rounds: the figure the ledger charges."""
-        conversion = as_accountant(accountant).zcdp_conversion
-        return zcdp_to_epsilon(self.rho, delta, conversion) * (1.0 + EPSILON_ROUNDING)
+        """ε at ``delta`` of ρ, converted and rounded up as :meth:`accounting.ZcdpEvent.epsilon` does (the accountant's
+        zCDP conversion, CKS for ``br-adaptive``): the figure the ledger charges."""
+        return ZcdpEvent(self.rho, "augpe").epsilon(delta, accountant)
 
     def gaussian_epsilon(self, delta: float) -> float:
         """The exact ε at ``delta`` of T composed Gaussian mechanisms (μ-GDP,

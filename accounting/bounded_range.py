@@ -4,7 +4,7 @@ Each token is ε0-bounded range (Durfee & Rogers 2019, arXiv:1905.04273, Def. 3.
 2020 (ICML 2020, arXiv:1909.13830, Lemma 3.2 and §5): the optimal adaptive δ(ε_g) of T such steps is the
 value :math:`V_T(\varepsilon_g)` of a one-dimensional dynamic programme over the remaining budget.
 :func:`br_adaptive_delta` returns a certified :class:`DeltaBracket` on a lattice (plan on its upper bound
-only; numba kernel, about O(T^1.7 m²)); also :func:`br_adaptive_epsilon`, :func:`br_nonadaptive_delta`.
+only; numba kernel, about O(T^1.7 m²)); also :func:`br_adaptive_epsilon`.
 
 Design: docs/accounting_notes.md §4 (the programme, the facts it uses, the bracket's construction).
 """
@@ -23,7 +23,6 @@ __all__ = [
     "DeltaBracket",
     "br_adaptive_delta",
     "br_adaptive_delta_curve",
-    "br_nonadaptive_delta",
     "DEFAULT_LATTICE_STEPS",
     "br_adaptive_epsilon",
     "default_lattice_steps",
@@ -102,10 +101,8 @@ def _dp_kernel(steps, h, x0, w_out, eta):  # pragma: no cover - compiled
         eps0 = n * h
         # p_t = (e^eps0 - e^t)/(e^eps0 - 1) = -expm1(t - eps0) / (-expm1(-eps0)) and
         # 1 - p_t = expm1(t)/expm1(eps0) = e^(t-eps0) (-expm1(-t)) / (-expm1(-eps0)): no cancellation for
-        # tiny eps0 and no overflow for huge eps0 (every exponent is <= 0). The earlier form
-        # e^(t-eps0) expm1(eps0 - t) was 0 * inf = NaN once eps0 - t > 745, and a NaN candidate is
-        # never the supremum: eps0 >= 12,000 gave delta = 0 (regression test:
-        # tests/test_accounting_limits.py::test_bounded_range_upper_bound_for_huge_epsilon0)
+        # tiny eps0 and no NaN (0 * inf) for huge eps0: every exponent is <= 0
+        # (tests/test_accounting_limits.py::test_bounded_range_upper_bound_for_huge_epsilon0)
         nd = -math.expm1(-eps0)
         p = np.empty(n + 1)
         pq = np.empty(n + 1)
@@ -282,13 +279,10 @@ def _steps_array(epsilon0s: np.ndarray, lattice_steps: int) -> tuple[np.ndarray,
     return n, h
 
 
-def _validate_common(epsilon0, num_steps, lattice_steps):
-    epsilon0 = check_positive("epsilon0", epsilon0)
-    num_steps = check_count("num_steps", num_steps)
-    if lattice_steps is None:
-        lattice_steps = default_lattice_steps(num_steps)
-    lattice_steps = check_count("lattice_steps", lattice_steps, minimum=2)
-    return epsilon0, num_steps, lattice_steps
+def _lattice_steps(lattice_steps, epsilon0s: np.ndarray) -> int:
+    """``lattice_steps``, or the default for these (validated, :func:`epsilon0_array`) steps."""
+    return check_count("lattice_steps", default_lattice_steps(len(epsilon0s)) if lattice_steps is None else lattice_steps,
+                       minimum=2)
 
 
 def _run(epsilon0s: np.ndarray, lattice_steps: int, x0: float, w_out: int, eta: float):
@@ -313,7 +307,7 @@ def br_adaptive_delta(
     """
     epsilon = check_nonnegative("epsilon", epsilon)
     epsilon0s = epsilon0_array(epsilon0, num_steps)
-    lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
+    lattice_steps = _lattice_steps(lattice_steps, epsilon0s)
     scale = 1.0
     for _ in range(8):
         eta = _RELATIVE_ETA * scale / len(epsilon0s)
@@ -341,7 +335,7 @@ def br_adaptive_delta_curve(
     truncation tolerance; values far below it carry an absolute error of at most 1e-9·delta_scale).
     """
     epsilon0s = epsilon0_array(epsilon0, num_steps)
-    lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
+    lattice_steps = _lattice_steps(lattice_steps, epsilon0s)
     check_nonnegative("half_width", half_width)
     if not math.isfinite(epsilons_center):
         raise ValueError(f"epsilons_center must be finite; got {epsilons_center!r}")
@@ -372,7 +366,7 @@ def br_adaptive_epsilon(
 
     delta = check_delta("delta", delta)
     epsilon0s = epsilon0_array(epsilon0, num_steps)
-    lattice_steps = _validate_common(float(epsilon0s.min()), len(epsilon0s), lattice_steps)[2]
+    lattice_steps = _lattice_steps(lattice_steps, epsilon0s)
     rho = br_to_zcdp_total(epsilon0s)
     hi = zcdp_to_epsilon(rho, delta, "cks") if start is None else float(start)
     if not math.isfinite(hi):  # the CKS bound is already infinite: so is every certified answer
@@ -467,41 +461,6 @@ def epsilon0_array(epsilon0, num_steps) -> np.ndarray:
     if num_steps is not None and num_steps != arr.size:
         raise ValueError(f"num_steps={num_steps!r} does not match len(epsilon0)={arr.size}")
     return arr
-
-
-def br_nonadaptive_delta(epsilon: float, epsilon0: float, num_steps: int, *, grid: int = 2001) -> float:
-    r"""DDR 2020 Theorem 3: optimal δ(ε) of the *non-adaptive* composition of T ε0-BR mechanisms.
-
-    .. math:: \delta(\varepsilon) = \max_{t\in[0,\varepsilon_0]} \sum_{i=0}^{T} \binom{T}{i}
-              p_t^{T-i}(1-p_t)^{i}\,\big(1 - e^{\varepsilon - (T t - i\varepsilon_0)}\big)_+ .
-
-    The maximum over ``t`` is taken on a grid plus a bounded refinement, so the value returned is a
-    lower bound on the non-adaptive optimum (used only as an oracle in tests: the adaptive upper bound
-    must never be below it).
-    """
-    from scipy import optimize, stats
-
-    epsilon = check_nonnegative("epsilon", epsilon)
-    epsilon0 = check_positive("epsilon0", epsilon0)
-    num_steps = check_count("num_steps", num_steps)
-    i = np.arange(num_steps + 1)
-
-    def value(t: float) -> float:
-        p = (math.exp(epsilon0) - math.exp(t)) / math.expm1(epsilon0)
-        p = min(max(p, 0.0), 1.0)
-        loss = num_steps * t - i * epsilon0
-        weights = stats.binom.pmf(i, num_steps, 1.0 - p)
-        return float(np.sum(weights * np.maximum(-np.expm1(epsilon - loss), 0.0)))
-
-    ts = np.linspace(0.0, epsilon0, grid)
-    vals = np.array([value(t) for t in ts])
-    j = int(np.argmax(vals))
-    best = float(vals[j])
-    lo, hi = ts[max(j - 1, 0)], ts[min(j + 1, grid - 1)]
-    if hi > lo:
-        res = optimize.minimize_scalar(lambda t: -value(t), bounds=(lo, hi), method="bounded")
-        best = max(best, -float(res.fun))
-    return best
 
 
 def br_upper_fast(epsilon: float, epsilon0: float, num_steps: int, delta_scale: float) -> float:

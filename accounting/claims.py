@@ -3,12 +3,8 @@ r"""A generator's privacy claim, one record in the form it was made; every other
 :class:`StepClaim`: what each step (one draw of a token) satisfies: pure ε, an ε0 bounded range, ρ-zCDP, Rényi
 bounds at stated orders. :class:`PrivacyClaim`: a text of at most ``steps`` draws, stated either per step (a
 :class:`StepClaim`, composed over the steps by the accountant) or at sequence level in exactly one form: ρ-zCDP,
-Rényi bounds ``{α: bound}``, (ε, δ)-DP or μ-GDP; with its :class:`~accounting.Adjacency`, whether it is
-data-dependent (ex post: never certified), and the ε the generator itself reports. Derived figures, each by
-:mod:`accounting`'s own conversions: :meth:`PrivacyClaim.sequence_renyi`, :meth:`PrivacyClaim.epsilon_at`,
-:meth:`PrivacyClaim.delta_at`.
-
-Design: docs/accounting_notes.md (§"Claims").
+Rényi bounds ``{α: bound}``, (ε, δ)-DP or μ-GDP, with its :class:`~accounting.Adjacency`; its figures come from
+:mod:`accounting`'s own conversions. Design: docs/accounting_notes.md (§"Claims").
 """
 
 from __future__ import annotations

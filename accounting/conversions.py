@@ -22,6 +22,7 @@ import numpy as np
 from scipy import optimize, special
 
 from accounting._validation import check_delta, check_nonnegative, check_order
+from accounting.sensitivity import coerce_enum
 
 __all__ = [
     "ConversionMethod",
@@ -62,16 +63,6 @@ def br_to_zcdp_total(epsilon0s) -> float:
     return float(np.sum(np.asarray(epsilon0s, dtype=np.float64) ** 2)) / 8.0
 
 
-def _method(method) -> ConversionMethod:
-    if isinstance(method, ConversionMethod):
-        return method
-    try:
-        return ConversionMethod(method)
-    except ValueError as err:
-        names = ", ".join(repr(m.value) for m in ConversionMethod)
-        raise ValueError(f"method must be one of {names}; got {method!r}") from err
-
-
 def _up(x: float) -> float:
     return math.nextafter(x, math.inf) if math.isfinite(x) and x != 0.0 else x
 
@@ -93,16 +84,6 @@ def _prop12_epsilon(alpha, rdp, log_inv_delta: float):
     return rdp + np.log1p(-1.0 / alpha) + (log_inv_delta - np.log(alpha)) / (alpha - 1.0)
 
 
-def _cks_log_delta_at(am1: np.ndarray, rho: float, epsilon: float) -> np.ndarray:
-    """log δ(α) of CKS Prop. 12 for ρ-zCDP (D_α ≤ αρ), with α = 1 + am1 (vectorised)."""
-    return _prop12_log_delta(1.0 + am1, (1.0 + am1) * rho, epsilon)
-
-
-def _cks_epsilon_at(am1: np.ndarray, rho: float, log_inv_delta: float) -> np.ndarray:
-    """ε(α) of CKS Prop. 12 for ρ-zCDP (D_α ≤ αρ), with α = 1 + am1 (vectorised)."""
-    return _prop12_epsilon(1.0 + am1, (1.0 + am1) * rho, log_inv_delta)
-
-
 def _cks_neg_rho_at(am1: np.ndarray, epsilon: float, log_inv_delta: float) -> np.ndarray:
     """−(ε − c(α))/α where ε(α) = αρ + c(α) is the CKS curve (vectorised, α = 1 + am1)."""
     alpha = 1.0 + am1
@@ -110,16 +91,12 @@ def _cks_neg_rho_at(am1: np.ndarray, epsilon: float, log_inv_delta: float) -> np
     return -(epsilon - c) / alpha
 
 
+@np.errstate(over="ignore", invalid="ignore")
 def _minimise_over_alpha(fn) -> float:
     """min over α > 1 of a unimodal-in-practice function of (α − 1); any α is a valid bound.
 
     Orders at which the function overflows evaluate to ±inf and are simply not chosen (no warning).
     """
-    with np.errstate(over="ignore", invalid="ignore"):
-        return _minimise_over_alpha_quiet(fn)
-
-
-def _minimise_over_alpha_quiet(fn) -> float:
     values = fn(np.exp(_CKS_LOG_AM1_GRID))
     i = int(np.nanargmin(values))
     best = float(values[i])
@@ -138,13 +115,15 @@ def _minimise_over_alpha_quiet(fn) -> float:
 
 
 def _cks_epsilon(rho: float, delta: float) -> float:
+    """ε of CKS Prop. 12 for ρ-zCDP (D_α ≤ αρ), minimised over α = 1 + am1."""
     log_inv_delta = -math.log(delta)
-    return max(0.0, _minimise_over_alpha(lambda am1: _cks_epsilon_at(am1, rho, log_inv_delta)))
+    return max(0.0, _minimise_over_alpha(lambda am1: _prop12_epsilon(1.0 + am1, (1.0 + am1) * rho, log_inv_delta)))
 
 
 def _cks_delta(rho: float, epsilon: float) -> float:
-    # log δ → 0 as α → 1, so δ ≤ 1 always; clamp before exponentiating (huge ρ overflows otherwise)
-    return math.exp(min(0.0, _minimise_over_alpha(lambda am1: _cks_log_delta_at(am1, rho, epsilon))))
+    """δ of CKS Prop. 12 for ρ-zCDP; log δ → 0 as α → 1, so δ ≤ 1: clamped before exponentiating (huge ρ)."""
+    log_delta = _minimise_over_alpha(lambda am1: _prop12_log_delta(1.0 + am1, (1.0 + am1) * rho, epsilon))
+    return math.exp(min(0.0, log_delta))
 
 
 # --- dp-accounting RDP ---------------------------------------------------------------------------
@@ -170,7 +149,7 @@ def zcdp_to_epsilon(rho: float, delta: float, method: ConversionMethod | str = "
     """
     rho = check_nonnegative("rho", rho, allow_inf=True)
     delta = check_delta("delta", delta)
-    method = _method(method)
+    method = coerce_enum(method, ConversionMethod, "method")
     if rho == 0.0:
         return 0.0
     if math.isinf(rho):
@@ -192,7 +171,7 @@ def zcdp_to_delta(rho: float, epsilon: float, method: ConversionMethod | str = "
     """
     rho = check_nonnegative("rho", rho, allow_inf=True)
     epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
-    method = _method(method)
+    method = coerce_enum(method, ConversionMethod, "method")
     if rho == 0.0 or math.isinf(epsilon):
         return 0.0
     if math.isinf(rho):
@@ -239,7 +218,7 @@ def epsilon_to_zcdp(epsilon: float, delta: float, method: ConversionMethod | str
     """
     epsilon = check_nonnegative("epsilon", epsilon, allow_inf=True)
     delta = check_delta("delta", delta)
-    method = _method(method)
+    method = coerce_enum(method, ConversionMethod, "method")
     if epsilon == 0.0:
         return 0.0
     if math.isinf(epsilon):

@@ -1,22 +1,14 @@
-r"""One InvisibleInk release as a privacy event: the single record its guarantee is computed from.
+r"""One InvisibleInk release as a privacy event: the single record its guarantee is computed from (in the spirit of
+dp-accounting's ``DpEvent``; the planner's :class:`~accounting.Plan` and the ledger's :class:`~accounting.Release`
+expose theirs as ``.event``).
 
-In the spirit of dp-accounting's ``DpEvent``: a small frozen description of what was run, with the
-privacy parameters derived from it in one place. The planner's :class:`~accounting.Plan` and the ledger's
-:class:`~accounting.Release` expose theirs as ``.event``.
-
-Per token the mechanism is an exponential mechanism on scores of ℓ∞ sensitivity Δ
-(:func:`accounting.linf_sensitivity`: C/B for difference clipping under replace-by-null, paper
-Property 1, prop:ourclip-sensitivity) at temperature τ, so it is ε0-bounded-range with ε0 = 2Δ/τ (Durfee & Rogers 2019,
-arXiv:1905.04273) and ρ_tok = ε0²/8-zCDP (:func:`accounting.conversions.br_to_zcdp`); a text of at most
-T tokens composes T such steps (paper Theorem 2, thm:accounting), and the texts of disjoint batches compose in parallel
-(paper Corollary 11, coro:parallel-batches), so a release costs ``texts_per_batch`` × T steps whatever its number of batches.
-
-Per privacy unit (a user who wrote several references, docs/guide/privacy-unit.md): ``unit_contributions`` = k is
-the most batches one unit's references may fall in (one each). Replacing every reference of one unit by null then
-changes at most k batches, one slot each; each changed text is the per-reference mechanism, and the k texts compose
-adaptively (Dwork & Roth 2014, Thm. 3.16 for (ε, δ); for ε0-BR steps Dong, Durfee & Rogers 2020, Thm. 3) while the
-unchanged batches compose in parallel: k × ``texts_per_batch`` × T steps (zCDP: k·ρ, Bun & Steinke 2016, Lemma 2.3).
-k = 1 (one slot per unit: one reference, or a unit's references combined into one) is the per-reference figure.
+Per token an exponential mechanism on scores of ℓ∞ sensitivity Δ (:func:`accounting.linf_sensitivity`; paper
+Property 1, prop:ourclip-sensitivity) at temperature τ is ε0-bounded-range, ε0 = 2Δ/τ (Durfee & Rogers 2019,
+arXiv:1905.04273), ρ_tok = ε0²/8 (:func:`accounting.conversions.br_to_zcdp`); a text composes T steps (paper
+Theorem 2, thm:accounting), disjoint batches compose in parallel (paper Corollary 11, coro:parallel-batches), and a
+privacy unit touching k batches composes its k texts adaptively (Dwork & Roth 2014, Thm. 3.16; for ε0-BR steps
+Dong, Durfee & Rogers 2020, Thm. 3; zCDP: k·ρ, Bun & Steinke 2016, Lemma 2.3): k × ``texts_per_batch`` × T steps.
+The argument: docs/accounting_notes.md §2.
 """
 
 from __future__ import annotations

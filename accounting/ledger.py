@@ -1,28 +1,13 @@
-"""A persisted privacy odometer for one dataset: the budget ledger.
+"""A persisted privacy odometer for one dataset and one unit of privacy: the budget ledger.
 
 :class:`BudgetLedger` charges every :class:`Release` before it runs (paper Theorem 2, thm:accounting, and
 Corollary 11, coro:parallel-batches: disjoint batches in parallel, releases sequentially). Several releases
 compose as a privacy filter by summing ρ (Feldman & Zrnic 2021, arXiv:2008.11193, Thm. 3.1; Whitehouse,
 Ramdas, Rogers & Wu 2023, arXiv:2203.05481). The file is rewritten atomically under a lock, charges are
 idempotent on ``release_id``, and every load re-checks every figure and a SHA-256 hash chain (no secret key)
-whose ``head`` also commits to the number of releases.
-
-What the checks detect, and what they cannot: an edit, reordering, insertion or deletion of releases (the
-last ones included: ``head`` is not a value stored anywhere else in the file, so a truncated ledger needs a
-newly computed SHA-256 to load) unless whoever edits also recomputes the chain; the chain has no secret, so
-a deliberate forger who runs SHA-256 (or this code) over a rewritten ledger makes it load, and an earlier
-copy of the whole file put back is a valid ledger. Only a ``head`` kept where the ledger's writers cannot
-change it detects those. Format-1 files (before the chain) and format-2 files (before ``head`` bound the
-count) load with the checks their format allows: a format-2 ledger truncated with its previous chain value
-copied into ``head``, or any ledger stripped back to format 1, loads. The next charge writes format 3.
-
-The unit of privacy: a ledger protects one reference (every ledger before units existed) or one *privacy unit*,
-the references sharing a column's value (its header's ``privacy_unit``, bound into the hash chain). Each release
-names its unit, and a ledger refuses a release of another unit: a per-reference ε says nothing of a user with
-several references (group privacy would multiply it), and a ledger's total states one guarantee for one unit
-(docs/guide/privacy-unit.md).
-
-Design: docs/accounting_notes.md §6; the file, locks and integrity: docs/guide/planning.md (§"Budget ledger").
+whose ``head`` also commits to the number of releases: what that detects and what it cannot, and how format-1
+and format-2 files load, is docs/guide/planning.md (§"Budget ledger", "Integrity"). A ledger refuses a release
+of another privacy unit than its own (docs/guide/privacy-unit.md). Design: docs/accounting_notes.md §6.
 """
 
 from __future__ import annotations
@@ -62,18 +47,9 @@ _LOCK_TIMEOUT_SECONDS = 60.0
 _SPEND_RTOL = 1e-6
 _CHAIN_DOMAIN = b"invink-audit ledger chain v2\n"
 _HEAD_DOMAIN = b"invink-audit ledger head v3\n"
-_RELEASE_KEYS = (
-    "release_id",
-    "label",
-    "clip_norm",
-    "batch_size",
-    "temperature",
-    "max_new_tokens",
-    "texts_per_batch",
-    "num_batches",
-    "clipping",
-    "adjacency",
-)
+#: the keys of a flat record: the event's parameters (``unit_contributions`` only when not 1) and the release's own
+_RELEASE_KEYS = ("release_id", "label", *(f.name for f in dataclasses.fields(GenerationEvent)
+                                          if f.name != "unit_contributions"), "num_batches")
 _ZCDP_RELEASE_KEYS = ("release_id", "label", "kind", "mechanism", "rho", "num_batches")
 _ENTRY_KEYS = ("recorded_at", "release", "epsilon_spent_after")
 

@@ -1,12 +1,7 @@
-"""The documented valid range of every public parameter of a plan, a release and a ledger.
-
-One :class:`ParameterRange` per parameter (ε, δ, C, τ, T, B, texts per batch, batches, a zCDP release's ρ),
-wide enough for any deployment and narrow enough that every derived quantity stays a finite double; a
-value outside is refused with one ``ValueError`` naming the argument, its value and the range.
-:func:`check_parameter_ranges` checks any subset in microseconds (the planner, :class:`accounting.Release`
-and the ledger call it); ``check_*`` are the shared argument checks.
-
-Design: docs/guide/planning.md (§"Valid ranges and exit codes": each range and why it ends there).
+"""The documented valid range of every public parameter of a plan, a release and a ledger (one
+:class:`ParameterRange` each), and the shared argument checks: a value outside is refused with one ``ValueError``
+naming the argument, its value and the range. Each range and why it ends there: docs/guide/planning.md (§"Valid
+ranges and exit codes").
 """
 
 from __future__ import annotations

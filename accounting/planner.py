@@ -1,16 +1,10 @@
 """Hyperparameter planning for InvisibleInk: every inverse of (C, T, B, τ) ↔ (ε, δ).
 
 The paper's recipe (§4, the paragraph after Theorem 2; also §5.3 "Practical Recommendations"),
-C = Bτ√(2ρ_seq/T), generalised to every accountant of :mod:`accounting.accountants`:
-:func:`plan_clip_norm`, :func:`epsilon_for_clip_norm`, :func:`plan_max_new_tokens`,
-:func:`plan_min_batch_size`, :func:`planning_table`. ``B`` is the number of private references (``B + 1``
-forward rows per token). Every function returns the conservative side: never more than the budget.
-
-Per privacy unit (docs/guide/privacy-unit.md): ``unit_contributions`` = k, the batches one unit's references may
-fall in (one slot each), makes every inverse answer for k·T composed steps (:class:`accounting.GenerationEvent`);
-``T`` stays the token budget of one text.
-
-Design: docs/accounting_notes.md §5; usage: docs/guide/planning.md.
+C = Bτ√(2ρ_seq/T), generalised to every accountant of :mod:`accounting.accountants`. ``B`` is the number of private
+references (``B + 1`` forward rows per token). Every function returns the conservative side: never more than the
+budget. ``unit_contributions`` = k (docs/guide/privacy-unit.md) makes every inverse answer for k·T composed steps;
+``T`` stays the token budget of one text. Design: docs/accounting_notes.md §5; usage: docs/guide/planning.md.
 """
 
 from __future__ import annotations

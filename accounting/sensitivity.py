@@ -54,15 +54,16 @@ _FACTOR: dict[tuple[Clipping, Adjacency], int] = {
 }
 
 
-def coerce_enum(value, enum_type):
-    """``value`` as a member of ``enum_type`` (a member or its value); ``ValueError`` naming the choices."""
+def coerce_enum(value, enum_type, name: str | None = None):
+    """``value`` as a member of ``enum_type`` (a member or its value); ``ValueError`` naming the argument (``name``,
+    default the type's name in lower case) and the choices."""
     if isinstance(value, enum_type):
         return value
     try:
         return enum_type(value)
     except ValueError as err:
         choices = ", ".join(repr(m.value) for m in enum_type)
-        raise ValueError(f"{enum_type.__name__.lower()} must be one of {choices}; got {value!r}") from err
+        raise ValueError(f"{name or enum_type.__name__.lower()} must be one of {choices}; got {value!r}") from err
 
 
 def sensitivity_factor(

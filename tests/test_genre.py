@@ -9,6 +9,7 @@ to say"). On the real Yelp reviews (when present), the rule's false-positive rat
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,22 @@ def test_share_has_a_wilson_interval():
     assert none.estimate == 0.0 and none.lower == 0.0 and 0 < none.upper < 0.25
     every = off_genre_share(EMPTY_TEXTS)
     assert every.estimate == 1.0 and every.upper == 1.0 and every.lower > 0.5
+
+
+@pytest.mark.parametrize("flagged, n", [(0, 1), (1, 1), (1, 3), (2, 10), (7, 37), (0, 100), (100, 100), (13, 1000)])
+@pytest.mark.parametrize("confidence", [0.5, 0.95, 0.99])
+def test_share_interval_is_the_wilson_closed_form(flagged, n, confidence):
+    """scipy's Wilson interval against the closed form written out (Brown, Cai & DasGupta 2001, eq. 4)."""
+    from scipy.stats import norm
+
+    texts = [""] * flagged + REVIEW_LIKE[:1] * (n - flagged)
+    assert off_genre(REVIEW_LIKE[0]) is None
+    share = off_genre_share(texts, confidence)
+    p, z = flagged / n, float(norm.ppf(0.5 + confidence / 2))
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    assert share.lower == pytest.approx(max(0.0, centre - half), abs=1e-12)
+    assert share.upper == pytest.approx(min(1.0, centre + half), abs=1e-12)
 
 
 @pytest.mark.parametrize("bad", [[], (t for t in ())])

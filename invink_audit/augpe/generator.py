@@ -1,40 +1,12 @@
-r"""AugPE (Xie et al. 2024, arXiv:2403.01749, Alg. 1): the paper's API-access baseline, end to end.
+r"""AugPE (Xie et al. 2024, arXiv:2403.01749, Alg. 1): the paper's API-access baseline, end to end, as the official
+implementation runs it (``AI-secure/aug-pe`` at a3f292f; its steps, settings and line numbers, and our public
+departures from it: docs/guide/baselines.md, §"AugPE").
 
-:func:`augpe_generate` runs the algorithm as the official implementation does (``AI-secure/aug-pe`` at a3f292f,
-``main.py``; the settings of its ``scripts/hf/template/*.sh``: L = 7, ``init_combine_divide_L`` = L,
-``lookahead_degree`` = 0, ``select_syn_mode`` = rank, ``save_syn_mode`` = selected), with n = ``num_texts``:
-
-1. **RANDOM_API** (Alg. 1's first step; ``main.py`` l. 80–83): n texts sampled from the public generation prompt.
-2. **Initial variations** (``main.py`` l. 105–141): L − 1 paraphrases of each seed, so L·n candidates
-   (each seed followed by its own paraphrases, the official order).
-3. For t = 1..T (``main.py`` l. 153–318):
-
-   a. **embed** the candidates (self-embedding, ``lookahead_degree`` = 0: l. 156–157, 179–189);
-   b. **DP nearest-neighbour histogram** of the private references over the candidates, Gaussian noise,
-      threshold H (:func:`~invink_audit.augpe.histogram.dp_nn_histogram`; ``dpsda/dp_counter.py``);
-   c. **select** n candidates (:class:`~invink_audit.augpe.histogram.Selection`; l. 235–250);
-   d. unless t = T, the next candidates are the selected texts and L − 1 paraphrases of each (**VARIATION_API**,
-      l. 269–299, ``donnot_keep_last_iter`` off). The official loop also paraphrases at t = T, then saves the
-      *selected* texts (l. 301–303): the same release, so we skip that unused round.
-
-4. The release is the n texts selected at t = T.
-
-**Private data touches only step 3b.** The references are embedded once and enter nothing but the votes; every
-prompt, every paraphrase and the number of texts are public. The guarantee is the event's
-(:class:`accounting.AugPEEvent`): T Gaussian histograms, ρ = TΔ²/(2σ²)-zCDP, Δ = √2 under replace-by-null, stated
-as every release states its guarantee (:meth:`AugPEConfig.guarantee`, a
-:class:`~invink_audit.mechanisms.MechanismGuarantee`), charged to a ledger by the same call as every release
+**Private data touches only the votes.** The references are embedded once and enter nothing but the DP
+nearest-neighbour histograms (:func:`~invink_audit.augpe.histogram.dp_nn_histogram`); every prompt, every paraphrase
+and the number of texts are public. The guarantee is the event's (:class:`accounting.AugPEEvent`), stated as every
+release states its guarantee (:meth:`AugPEConfig.guarantee`) and charged by the same call as every release
 (:func:`invink_audit.generation.charge_release`), once, before anything is generated.
-
-Departures from the official implementation, each a public choice:
-
-* no label conditioning: the official code generates per class in proportion to the *private* label counts
-  (``apis/hf_api.py`` l. 128–149), a data-dependent choice; one public prompt here (:mod:`.prompts`);
-* an empty paraphrase keeps its parent text (the official code substitutes the prompt itself, ``hf_api.py``
-  l. 316–317); an empty seed text stays empty (the official code over-generates and drops empties, l. 189–227);
-* chat models get the prompts through their chat template, with the system prompt of the preset
-  (the official HF API feeds raw text to GPT-2; its Azure API uses system prompts);
-* whitespace is collapsed as the official code does (``" ".join(text.split())``, l. 221 and 312).
 
 Randomness: one 128-bit key (from the OS, or from a fixed ``seed``: reproducible, **no privacy**), with independent
 streams derived from it for the sampling of each round, the style draws and each iteration's noise.
@@ -323,7 +295,8 @@ def _no_progress(phase: str, done: int, total: int) -> None:
 
 
 def _evolve(references: list[str], config: AugPEConfig, loaded, embed, key: int, progress) -> tuple[list[str], list]:
-    """Steps 1–4 of the module docstring; returns the released texts and each iteration's noisy histogram."""
+    """The algorithm (docs/guide/baselines.md, §"Correspondence with the official implementation", steps 1–4);
+    returns the released texts and each iteration's noisy histogram."""
     n, event = config.num_texts, config.event
     progress("AugPE: embedding the references", 0, 1)
     private = _embeddings(embed, references)  # the one use of the references (step 3b below)
@@ -383,7 +356,7 @@ def _embeddings(embed, texts: list[str]) -> np.ndarray:
 
 def _paraphrase(loaded, parents: list[str], config: AugPEConfig, sample_key: int, style_key: int, generated) -> list[str]:
     """VARIATION_API: L − 1 paraphrases of each parent, parent-major, each in a uniformly drawn public style
-    (``apis/hf_api.py`` l. 248); an empty paraphrase keeps its parent (module docstring)."""
+    (``apis/hf_api.py`` l. 248); an empty paraphrase keeps its parent (a public departure from the official code)."""
     styles = config.prompts.styles
     per_parent = config.variations - 1
     draws = np.random.default_rng(style_key).integers(len(styles), size=len(parents) * per_parent)
@@ -398,25 +371,19 @@ def _sample(loaded, messages: list, config: AugPEConfig, key: int, generated) ->
     process's global generator is left as it was; ``generated(count)`` after each batch."""
     import torch
 
+    from invink_audit.evaluation.reference_points import sample_left_padded
+
     prompts = [encode_messages(loaded.tokenizer, m) for m in messages]
     devices = [loaded.device.index or 0] if loaded.device.type == "cuda" else []
     sampling, texts = config.sampling, []
     for b, begin in enumerate(range(0, len(prompts), config.batch_size)):
         batch = prompts[begin : begin + config.batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), loaded.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, p in enumerate(batch):
-            ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
-        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+        with torch.random.fork_rng(devices=devices):
             torch.manual_seed(derive_key(key, b) % 2**63)
-            out = loaded.model.generate(
-                input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device), do_sample=True,
-                max_new_tokens=config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-                top_p=sampling.top_p, no_repeat_ngram_size=sampling.no_repeat_ngram_size,
-                pad_token_id=loaded.pad_token_id, eos_token_id=list(loaded.eos_token_ids),
-            )  # fmt: skip
-        decoded = loaded.tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
+            out = sample_left_padded(loaded, batch, max_new_tokens=config.max_new_tokens,
+                                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                     no_repeat_ngram_size=sampling.no_repeat_ngram_size)  # fmt: skip
+        decoded = loaded.tokenizer.batch_decode(out, skip_special_tokens=True)
         texts += [" ".join(text.split()) for text in decoded]
         generated(len(batch))
     return texts

@@ -1,22 +1,11 @@
 r"""AugPE's DP nearest-neighbour histogram and the selection that follows it (numpy only).
 
 Xie et al. 2024 (arXiv:2403.01749), Alg. 1, as the official implementation runs it (``AI-secure/aug-pe`` at
-a3f292f; ``dpsda/dp_counter.py``, ``dp_nn_histogram``; ``main.py``, the loop of iterations):
-
-1. **Votes** (the InvisibleInk paper's Eq. (eq:hiso-augpe), App. B.3.3): each private reference votes for its
-   nearest candidate in Euclidean distance between embeddings (``dp_counter.py`` l. 19 and 36–46: a FAISS
-   ``IndexFlatL2`` searched with k = 1). Ties go to the **lowest candidate index** (the paper leaves them
-   "arbitrary"; ``numpy.argmin`` keeps the first minimum).
-2. **Noise** (``dp_counter.py`` l. 53–54): every count gets independent Gaussian noise of standard deviation
-   ``noise_std`` σ (:mod:`accounting.augpe` defines σ once: the official ``noise_multiplier`` times its
-   sensitivity √k = 1).
-3. **Threshold** H (``dp_counter.py`` l. 58–59; ``--count_threshold``, default 0): ``max(count − H, 0)``.
-4. **Selection** (``main.py`` l. 235–250): ``RANK`` keeps the ``num_selected`` largest noisy counts (the official
-   scripts' ``select_syn_mode=rank``, ``scripts/hf/template/*.sh``; ties to the lower index, as the stable
-   ``sorted`` there); ``PROBABILITY`` draws ``num_selected`` candidates *with replacement* with probability
-   proportional to the noisy counts (its ``prob`` mode; Private Evolution's Alg. 1, Lin et al. 2024). When every
-   thresholded count is 0 the official code stops on an ``assert``; here the draw is uniform (a function of
-   the released histogram only).
+a3f292f; ``dpsda/dp_counter.py``, ``dp_nn_histogram``; its line numbers: docs/guide/baselines.md, §"AugPE"): each
+private reference votes for its nearest candidate in Euclidean distance (ties to the **lowest candidate index**;
+the paper leaves them "arbitrary"), every count gets Gaussian noise of standard deviation ``noise_std`` σ
+(:mod:`accounting.augpe`), counts are thresholded at H, ``max(count − H, 0)``, and ``num_selected`` candidates are
+kept (:class:`Selection`).
 
 Privacy. A reference's vote is a function of that reference's embedding and the public candidates only (the
 nearest-neighbour search treats each reference alone, whatever floating-point rounding does to near ties), so
@@ -49,7 +38,11 @@ _BLOCK = 1024
 
 
 class Selection(enum.Enum):
-    """How the next iteration's texts are chosen from the noisy histogram (module docstring, step 4)."""
+    """How the next iteration's texts are chosen from the noisy histogram (``main.py`` l. 235–250): ``RANK`` keeps the
+    largest noisy counts (the official scripts' ``select_syn_mode=rank``; ties to the lower index, as its stable
+    ``sorted``); ``PROBABILITY`` draws with replacement in proportion to them (its ``prob`` mode; Private Evolution's
+    Alg. 1, Lin et al. 2024), uniformly when every thresholded count is 0 (the official code stops on an ``assert``;
+    a function of the released histogram only)."""
 
     RANK = "rank"  # the largest noisy counts (official scripts' select_syn_mode=rank)
     PROBABILITY = "probability"  # with replacement, proportional to the noisy counts (select_syn_mode=prob)
@@ -116,7 +109,7 @@ def noisy_counts(counts, noise_std: float, threshold: float, rng: np.random.Gene
 
 
 def select_candidates(noisy, num_selected: int, selection: Selection | str, rng: np.random.Generator) -> np.ndarray:
-    """Indices of the next iteration's texts from the released histogram ``noisy`` (module docstring, step 4)."""
+    """Indices of the next iteration's texts from the released histogram ``noisy`` (:class:`Selection`)."""
     noisy = np.asarray(noisy, dtype=np.float64)
     num_selected = check_count("num_selected", num_selected)
     selection = coerce_enum(selection, Selection)
@@ -134,7 +127,7 @@ def select_candidates(noisy, num_selected: int, selection: Selection | str, rng:
 def dp_nn_histogram(
     reference_embeddings, candidate_embeddings, noise_std: float, threshold: float, rng: np.random.Generator
 ) -> np.ndarray:
-    """Steps 1–3 of the module docstring: votes, counts, Gaussian noise, threshold. The one function that reads
+    """The votes, their counts, the Gaussian noise and the threshold (module docstring). The one function that reads
     the private references' embeddings; what it returns is the mechanism's release."""
     candidates = _embedding_matrix("candidate_embeddings", candidate_embeddings, allow_empty=False)
     votes = nearest_neighbour_votes(reference_embeddings, candidates)

@@ -3,23 +3,9 @@ r"""AugPE's two public prompts: RANDOM_API's generation prompt and VARIATION_API
 Both are public: they contain no reference. The variation prompt holds one *candidate* text (itself public:
 generated from public prompts and selected by the DP histogram) in ``{text}`` and a rephrase style in
 ``{style}``, drawn uniformly from the preset's public list for every paraphrase (official implementation,
-``apis/hf_api.py`` l. 245–262, ``_rephrase``).
-
-Presets:
-
-* ``mimic`` — the InvisibleInk paper's Table ``tab:augpe_prompts`` (App. C, ``sec:augpe-expt``), verbatim: system
-  prompt, generation prompt and variation prompt for MIMIC discharge summaries. The table does not list its
-  rephrase styles ("information about the style ... is inserted"); we take the official implementation's
-  medical-domain list (``apis/utils.py`` l. 61–63, ``ALL_PUBMED_styles``), our assumption.
-* ``yelp`` — the official implementation's Yelp prompts (``variation_type=yelp_rephrase_tone``): the system prompt
-  ``init_yelp`` (``apis/utils.py`` l. 10–13), the label line as the generation prompt (``apis/hf_api.py``
-  l. 152–158, without its random sub-category keyword), the paraphrase prompt of ``_rephrase`` (l. 247–250) and
-  its style list (``apis/utils.py`` l. 53–57, ``ALL_styles``). ``{category}`` and ``{stars}`` are public fields
-  that describe the data's labels: the preset holds example values (``Restaurants`` and ``4.0``), which
-  :func:`get_augpe_prompts` refuses unless they are given (as ``generate`` refuses InvisibleInk's, see
-  :func:`invink_audit.prompts.defaulted_label_fields`). The official implementation generates per class in
-  proportion to the *private* label counts (``text_random_sampling``, l. 128–149): a data-dependent choice, not
-  made here.
+``apis/hf_api.py`` l. 245–262, ``_rephrase``). Presets ``mimic`` (the InvisibleInk paper's Table
+``tab:augpe_prompts``, App. C, verbatim) and ``yelp`` (the official implementation's ``yelp_rephrase_tone``), their
+sources and their public label fields: docs/guide/baselines.md (§"AugPE", "Prompts").
 """
 
 from __future__ import annotations

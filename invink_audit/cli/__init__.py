@@ -1,24 +1,14 @@
 """The ``invink-audit`` command line.
 
-Each subcommand lives in its own module exposing ``register(subparsers)``; its handler is set with
-``parser.set_defaults(handler=fn)`` and returns an exit status. Modules are imported only to build the
+Each subcommand lives in its own module exposing ``register(subparsers)``; its handler, given as
+``add_parser(name, handler=fn, ...)``, returns an exit status. Modules are imported only to build the
 parser; anything heavy (torch, transformers) is imported inside the handlers. The flags several commands take
 are defined once, in :mod:`invink_audit.cli._options`, with the converters below (``type=``).
 
 Errors become one readable line on stderr, never a traceback, with every character a terminal would interpret
-(escape sequences, bidirectional overrides, newlines) escaped (:func:`invink_audit.terminal.printable`; paths in
-reports: :func:`shown`). Exit statuses (docs/guide/planning.md, "Valid ranges and
-exit codes"):
-
-* ``EXIT_OK`` (0): success;
-* ``EXIT_FAILURE`` (1): the command ran and its answer is negative (an audit VIOLATION), or a process of a
-  multi-process ``generate`` failed (``ReleaseIncompleteError``: the finished texts are kept, a rerun resumes);
-* ``EXIT_BAD_INPUT`` (2): bad input, an argument out of its documented range, a missing or corrupt
-  file (a ``ValueError``, ``CliError`` or ``OSError`` raised by a handler, or an argparse usage error);
-* ``EXIT_INCONCLUSIVE`` (3): an audit that could not decide;
-* ``EXIT_OVER_BUDGET`` (4): a release refused because it would exceed the ledger's budget
-  (``accounting.BudgetExceededError``), by ``ledger charge``, its ``--dry-run`` and ``generate``;
-* 130: interrupted; 141: stdout was closed early (``invink-audit ledger show | head -1``), quietly.
+escaped (:func:`invink_audit.terminal.printable`). Exit statuses (the ``EXIT_*`` constants): docs/guide/planning.md,
+"Valid ranges and exit codes"; a failed process of a multi-process ``generate`` (``ReleaseIncompleteError``: the
+finished texts are kept, a rerun resumes) is ``EXIT_FAILURE``.
 """
 
 from __future__ import annotations
@@ -81,11 +71,13 @@ class _BadValue(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (exit 2), not a usage dump, a value a converter refuses
     is the line a handler's ``ValueError`` gives (:func:`main` returns 2), and negative-looking numbers (``-inf``,
-    ``-1e-6``) are values, so that their range check names them."""
+    ``-1e-6``) are values, so that their range check names them. ``handler``: what the (sub)command runs."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, handler=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = _NEGATIVE_NUMBER
+        if handler is not None:
+            self.set_defaults(handler=handler)
 
     def error(self, message: str):  # noqa: D401 - argparse API
         value = _BAD_VALUE.fullmatch(message)

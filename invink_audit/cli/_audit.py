@@ -17,7 +17,7 @@ _EXIT = {"PASS": 0, "VIOLATION": 1, "INCONCLUSIVE": 3}
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "audit",
+        "audit", handler=_audit,
         help="audit the realised privacy loss (white-box, black-box) or self-test the auditor",
         description="Run an audit spec (TOML, see audits/) and write report.json, report.md and PNG plots to "
         "--output; or, with --selftest, run the auditor against the correct mechanism, the planted bugs and "
@@ -45,7 +45,6 @@ def register(subparsers) -> None:
     add(p, "--output", "--json")
     add(p, "--seed", help="fixed seed (reproducible audit; default: OS entropy)")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
-    p.set_defaults(handler=_audit)
 
 
 def _batch(text: str) -> int | None:

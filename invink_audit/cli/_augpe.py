@@ -1,11 +1,7 @@
-"""``invink-audit generate --mechanism augpe``: AugPE (Xie et al. 2024) from the command line.
-
-AugPE is no batched release: all references vote in each of its T histograms, and its n texts exist only when its
-last iteration ends. :func:`run_augpe` checks every option (the ones of ``generate`` that do not apply to it are
-refused, not ignored), charges the ledger once with the event's ρ (:meth:`accounting.AugPEEvent.zcdp_event`) before
-anything is generated, runs :func:`invink_audit.augpe.augpe_generate`, and writes the texts at once (atomically) to
-a new file: it cannot resume, so an existing output is refused. Records carry the DP texts and public settings
-only; the noisy histograms (DP outputs too) are not written.
+"""``invink-audit generate --mechanism augpe``: AugPE (Xie et al. 2024) from the command line (docs/guide/baselines.md,
+§"From the command line"): every option checked (those of ``generate`` that do not apply are refused, not ignored),
+the ledger charged once before anything is generated, the texts written at once to a new file (no resume). Records
+carry the DP texts and public settings only; the noisy histograms (DP outputs too) are not written.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from pathlib import Path
 
 from accounting.augpe import AugPESensitivity
 from invink_audit.cli import CliError, integer, number, phase_progress, plural, shown
-from invink_audit.cli._options import NOT_CHARGED, parse_fields, selected_references
+from invink_audit.cli._options import NOT_CHARGED, parse_fields, refuse_public_from_input, selected_references
 
 #: AugPE's own options (attribute, flag), refused for the other mechanisms: given, never ignored
 AUGPE_OPTIONS = (("iterations", "--iterations"), ("variations", "--variations"), ("noise_std", "--noise-std"),
@@ -127,20 +123,6 @@ def _augpe_references(args) -> list[str]:
     return references
 
 
-def _refuse_private_prompts(prompts, args, references: list[str]) -> None:
-    """AugPE's public prompts (field values included) against every record of ``--input``: ``references`` as read,
-    or with ``--where`` the whole file again (the records it leaves out included). From the private data, they
-    would be published with every text."""
-    from invink_audit.data import read_references
-    from invink_audit.prompts import refuse_private_strings
-
-    every = read_references(Path(args.input), column=args.column) if args.where else references
-    try:
-        refuse_private_strings(prompts.public_inputs(), every, f"of AugPE prompts {prompts.name!r}")
-    except ValueError as err:
-        raise CliError(f"--input {args.input!r}: {err}") from err
-
-
 def run_augpe(args) -> int:
     """``generate --mechanism augpe``: every option and the input checked, the model and embedder loaded, AugPE run
     (the ledger charged once, before anything is generated), its texts written to a new file, the summary printed."""
@@ -155,7 +137,9 @@ def run_augpe(args) -> int:
     output = _new_output(args.output)
     spec = ModelSpec(args.model, gguf_file=args.gguf_file, device=args.device, dtype=args.dtype)  # checked, not loaded
     references = _augpe_references(args)
-    _refuse_private_prompts(config.prompts, args, references)  # before the model loads
+    # AugPE's public prompts against every record of --input (with --where, the whole file again), before the model
+    refuse_public_from_input(config.prompts.public_inputs(), args, None if args.where else references,
+                             f"of AugPE prompts {config.prompts.name!r}")
     ledger = None if args.ledger is None else BudgetLedger(args.ledger)  # read and verified now; charged in augpe_generate
     embedder_name = args.embedder or "mpnet"
     embedding_model_dir(embedder_name)  # a missing embedder fails here, before the ledger is charged

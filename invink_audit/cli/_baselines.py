@@ -1,14 +1,7 @@
-"""``invink-audit generate --mechanism amin|adapmixed``: the paper's baselines through the one release pipeline.
-
-The baseline is a :class:`~invink_audit.mechanisms.Mechanism` released by :func:`invink_audit.generation.generate`
-as a :class:`~invink_audit.generation.ReleaseConfig`: the same disjoint batches of B references (paper
-Corollary 11, coro:parallel-batches), label conditioning, resume, lock and journal, torchrun and Ray as an
-InvisibleInk release, and ``invink-audit audit --release`` reads its output back. Amin et al. 2024 is accounted in
-zCDP before it runs (:func:`invink_audit.mechanisms.plan_amin`: r private tokens of ρ_em + ρ_svt each), so it is
-charged to the ledger as a zCDP release (:class:`accounting.ZcdpEvent`) before anything is generated.
-AdaPMixED's spend is data-dependent (a Rényi filter stopped at ε on the dataset it ran on): it is no a-priori
-guarantee, so it is never charged to a ledger, and its per-text spend, computed from the references, is never
-written.
+"""``invink-audit generate --mechanism amin|adapmixed``: the paper's baselines through the one release pipeline
+(docs/guide/baselines.md). Amin et al. 2024 is accounted in zCDP before it runs and charged as a
+:class:`accounting.ZcdpEvent`; AdaPMixED's spend is data-dependent, so it is never charged to a ledger and its
+per-text spend, computed from the references, is never written.
 """
 
 from __future__ import annotations

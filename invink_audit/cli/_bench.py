@@ -20,7 +20,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "bench",
+        "bench", handler=_bench,
         help="time private decoding against bare forward passes",
         description="Measure, in one run, the per-token cost of private decoding of G texts x (B+1) rows and "
         "of the bare forward passes of the same rows, and report overhead_ratio = private / forward. Needs a "
@@ -67,7 +67,6 @@ def register(subparsers) -> None:
         "and device_map='auto') and 'matched' (our dtype and device) (default: shipped,matched)",
     )
     add(p, "--json", help="print one JSON object")
-    p.set_defaults(handler=_bench)
 
 
 def _add_comparison_arguments(p) -> None:

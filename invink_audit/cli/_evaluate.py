@@ -63,7 +63,7 @@ def tqdm_progress(enabled: bool):
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "evaluate",
+        "evaluate", handler=_evaluate,
         help="utility of synthetic texts against real texts (MAUVE, ΔPPL, lengths, TSTR)",
         description="Evaluate synthetic texts (this tool's generate output, or any .jsonl/.csv) against real "
         "texts: MAUVE in the paper's setting and the library default, each with an interval over k-means seeds "
@@ -80,7 +80,6 @@ def register(subparsers) -> None:
     add(p, "--label-columns")
     add_evaluation_arguments(p)
     add(p, "--output", "--json", "--no-progress")
-    p.set_defaults(handler=_evaluate)
 
 
 def _evaluate(args) -> int:

@@ -22,7 +22,7 @@ from invink_audit.distributed import launch_rank
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "generate",
+        "generate", handler=_generate,
         help="generate DP synthetic texts from references",
         description="Partition the references into disjoint batches of B (input order; empty references stay "
         "as nulls), generate one text per batch with InvisibleInk and stream them to a JSON Lines file. "
@@ -70,7 +70,6 @@ def register(subparsers) -> None:
     add(p, "--device", "--dtype", "--max-batch-rows")
     add_baseline_arguments(p)
     add_augpe_arguments(p)
-    p.set_defaults(handler=_generate)
 
 
 def _refuse_other_mechanisms_options(args) -> None:

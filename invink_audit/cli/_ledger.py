@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     )
     sub = p.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
 
-    q = sub.add_parser("init", help="create a ledger with a total budget")
+    q = sub.add_parser("init", handler=_init, help="create a ledger with a total budget")
     add(q, "path", help="the ledger file to create (a file path, not a directory)")
     add(q, "--epsilon", required=True, help="total epsilon budget of the dataset, in [1e-6, 1e4]")
     add(q, "--delta", required=True, help="delta of the dataset's guarantee, in [1e-300, 1)")
@@ -34,11 +34,9 @@ def register(subparsers) -> None:
     add(q, "--accountant")
     add(q, "--privacy-unit", help="what the budget protects: all references sharing this column's value (e.g. a user "
         "id; default: one reference). The ledger then takes only releases of that unit, and each the other way")
-    q.set_defaults(handler=_init)
 
-    q = sub.add_parser("show", help="budget, spend, recorded releases and the hash-chain head")
+    q = sub.add_parser("show", handler=_show, help="budget, spend, recorded releases and the hash-chain head")
     add(q, "path", "--json")
-    q.set_defaults(handler=_show)
 
     release = argparse.ArgumentParser(add_help=False)  # charge's and fits': the ledger and the release's shape
     add(release, "path")
@@ -49,16 +47,16 @@ def register(subparsers) -> None:
     add(release, "--unit-max-references", dest="unit_contributions", default="1",
         help="batches one privacy unit's references may fall in (generate --unit-rule spread's K; default 1); the "
         "release is charged K texts per unit")
-    q = sub.add_parser("charge", parents=[release], help="record a release (refused with exit status 4 when over budget)")
+    q = sub.add_parser("charge", parents=[release], handler=_charge,
+                       help="record a release (refused with exit status 4 when over budget)")
     add(q, "--clip-norm", required=True)
     q.add_argument("--label", default="", help="a name for the release in the ledger")
     q.add_argument("--release-id", help="idempotency key (default: a new random id)")
     q.add_argument("--dry-run", action="store_true", help="report the spend without recording anything (exit 4 if over budget)")
     add(q, "--privacy-unit", help="the unit the release protects (its --privacy-unit; default: one reference): the "
         "ledger's own, or it is refused")
-    q.set_defaults(handler=_charge)
-    q = sub.add_parser("fits", parents=[release], help="the largest clip norm C (and its epsilon) a next release can use")
-    q.set_defaults(handler=_fits)
+    sub.add_parser("fits", parents=[release], handler=_fits,
+                   help="the largest clip norm C (and its epsilon) a next release can use")
 
 
 def _release_shape(args) -> dict:

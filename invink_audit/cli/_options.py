@@ -211,7 +211,7 @@ def prompt_template(args, *, private_input: bool = True):
     ``sweep``), so public inputs from it are refused (:func:`refuse_private_file`); ``profile`` reads proxy data."""
     import dataclasses
 
-    from invink_audit.prompts import get_preset
+    from invink_audit.prompts import get_preset, public_inputs
 
     name = "generic" if args.prompt is None else args.prompt
     changed = not (args.answer_prefix is None and args.stop is None and args.public_examples is None)
@@ -226,22 +226,24 @@ def prompt_template(args, *, private_input: bool = True):
         changes["examples"] = read_public_examples(args.public_examples, args.input if private_input else None)
     template = dataclasses.replace(get_preset(name), **changes)
     if private_input and args.where:  # the release checks the records it reads; these come from the whole file
-        _refuse_public_from_whole_input(template, parse_fields(args.prompt_field), args.input, args.column)
+        named = [(f"{name} of prompt {template.name!r}", text) for name, text in public_inputs(template)]
+        named += [(f"--prompt-field {name}", value) for name, value in parse_fields(args.prompt_field).items()]
+        refuse_public_from_input(named, args)
     return template if changed else name
 
 
-def _refuse_public_from_whole_input(template, fields: dict[str, str], path: str, column: str | None) -> None:
-    """Public inputs (the template's, and ``--prompt-field`` values) against every record of ``--input``, those
-    ``--where`` leaves out included."""
+def refuse_public_from_input(named, args, references=None, owner: str = "") -> None:
+    """Public inputs (``(name, text)`` pairs) against every record of ``--input``: ``references`` as read, or (``None``)
+    the whole file read once, the records ``--where`` leaves out included
+    (:func:`~invink_audit.prompts.refuse_private_strings`; its error names ``--input``)."""
     from invink_audit.data import read_references
-    from invink_audit.prompts import public_inputs, refuse_private_strings
+    from invink_audit.prompts import refuse_private_strings
 
-    named = [(f"{name} of prompt {template.name!r}", text) for name, text in public_inputs(template)]
-    named += [(f"--prompt-field {name}", value) for name, value in fields.items()]
+    every = read_references(Path(args.input), column=args.column) if references is None else references
     try:
-        refuse_private_strings(named, read_references(path, column=column))  # every reference read once
+        refuse_private_strings(named, every, owner)
     except ValueError as err:
-        raise CliError(f"--input {path!r}: {err}") from err
+        raise CliError(f"--input {args.input!r}: {err}") from err
 
 
 def read_public_examples(path: str, private_input: str | None = None) -> tuple[str, ...]:

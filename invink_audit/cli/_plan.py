@@ -1,8 +1,5 @@
 """``invink-audit plan | epsilon | max-tokens | min-batch-size | table``: budget planning (torch-free);
 ``invink-audit memory``: capacity planning (:mod:`invink_audit.capacity`; reads the model's config).
-
-Every argument has a documented range (:mod:`accounting.limits`, README "Valid ranges and exit codes");
-a value outside it is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -36,7 +33,8 @@ _PLANNERS = {
 
 def register(subparsers) -> None:
     for name, (_, flags, help, description, _, _) in _PLANNERS.items():
-        p = subparsers.add_parser(name, help=help, description=description + B_HELP)
+        p = subparsers.add_parser(name, handler=functools.partial(_planned, name), help=help,
+                                  description=description + B_HELP)
         for flag in flags:
             target = "target " if name == "min-batch-size" and flag == "--clip-norm" else ""  # B is planned for it
             add(p, flag, required=flag != "--temperature", help=target + SHARED[flag]["help"])
@@ -44,7 +42,6 @@ def register(subparsers) -> None:
         add(p, "--unit-max-references", dest="unit_contributions", default="1",
             help="answer per privacy unit whose references fall in up to K batches (generate --unit-rule spread's K): "
             "K texts of T tokens composed (default 1: one reference, or a unit in one slot)")
-        p.set_defaults(handler=functools.partial(_planned, name))
     _register_table(subparsers)
     _register_memory(subparsers)
 
@@ -52,7 +49,7 @@ def register(subparsers) -> None:
 def _register_table(subparsers) -> None:
     """``table``: clip norms and compute cost over a grid of ε × B."""
     p = subparsers.add_parser(
-        "table",
+        "table", handler=_table,
         help="clip norms over a grid of epsilon x B, with compute cost",
         description="Clip norm for each (epsilon, B) and its compute cost (B+1 forward rows per token). "
         + B_HELP,
@@ -64,7 +61,6 @@ def _register_table(subparsers) -> None:
     add(p, "--delta", default="1e-6", help=SHARED["--delta"]["help"] + " (default 1e-6)")
     add(p, "--max-new-tokens", default="500", help="token budget T per text, 1 .. 1e9 (default 500)")
     add(p, "--temperature", "--accountant", "--json")
-    p.set_defaults(handler=_table)
 
 
 def format_plan(plan, *, headline: str = "InvisibleInk privacy plan") -> str:
@@ -139,7 +135,7 @@ _MEMORY_DESCRIPTION = (
 
 
 def _register_memory(subparsers) -> None:
-    p = subparsers.add_parser("memory", help="peak memory per text and per --max-batch-rows",
+    p = subparsers.add_parser("memory", handler=_memory, help="peak memory per text and per --max-batch-rows",
                               description=_MEMORY_DESCRIPTION)
     # values as text, as _memory reads them (--max-batch-rows, --num-texts and --public-prompt-tokens take 'none')
     add(p, "--model", help="model name (smollm2-135m-instruct, the default; gemma3-270m), local directory, hub id or "
@@ -164,7 +160,6 @@ def _register_memory(subparsers) -> None:
         help="texts to generate (fewer than max_batch_rows // (B+1) limits the texts in flight)")
     add(p, "--top-k", default="100", help="top_k of the mechanism, an integer >= 1, or 'none' (default 100)")
     add(p, "--json")
-    p.set_defaults(handler=_memory)
 
 
 def _optional_int(flag: str, text: str | None) -> int | None:

@@ -1,11 +1,7 @@
-"""``invink-audit check-locks DIR [--hold SECONDS | --probe] [--json]``: do a directory's file locks exclude
-other processes (before a multi-process or multi-machine release)? Torch-free.
-
-Exit status: 0 the check passed, 1 it failed (the locks do not exclude: do not release there), 3
-inconclusive (``--probe`` while nobody holds the lock; ``same-host``: the probe ran on the holder's own
-machine, which proves nothing about other machines; ``stale``: the holder record was left by a ``--hold``
-that was killed, and is removed), 2 bad input (not a writable directory). Everything printed as text has
-its non-printable characters escaped (holder records are written by whoever can write DIR).
+"""``invink-audit check-locks DIR [--hold SECONDS | --probe] [--json]``: do a directory's file locks exclude other
+processes (docs/guide/capacity.md, §"check-locks")? Torch-free. Inconclusive (3) also when the probe ran on the
+holder's own machine (``same-host``) or found a holder record left by a killed ``--hold`` (``stale``, removed).
+Everything printed has its non-printable characters escaped (whoever can write DIR writes the holder records).
 """
 
 from __future__ import annotations
@@ -27,8 +23,8 @@ _DESCRIPTION = (
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("check-locks", help="check that file locks in a directory exclude other processes",
-                              description=_DESCRIPTION)
+    p = subparsers.add_parser("check-locks", handler=_check_locks, description=_DESCRIPTION,
+                              help="check that file locks in a directory exclude other processes")
     p.add_argument("directory", metavar="DIR", help="the directory the release will write its output in")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--hold", metavar="SECONDS", type=number,
@@ -36,7 +32,6 @@ def register(subparsers) -> None:
     mode.add_argument("--probe", action="store_true",
                       help="machine B of the two-machine check: the lock machine A holds must exclude this machine")
     add(p, "--json")
-    p.set_defaults(handler=_check_locks)
 
 
 def _check_locks(args) -> int:

@@ -1,9 +1,6 @@
-"""``invink-audit sweep``: private generation + evaluation over a grid (ε, B, k, τ, T), with a
-public-only floor and a non-private ceiling (under ``OUTPUT/reference_points/``, apart from the releases);
-resumable; a table and plots (NOT PRIVATE: owner-only, marked).
-
-Every grid point is a separate release: on private references give ``--ledger`` (each point is charged);
-``--public-proxy`` states that the references are public or a proxy and charges nothing.
+"""``invink-audit sweep``: private generation + evaluation over a grid (ε, B, k, τ, T), with a public-only floor and
+a non-private ceiling; every grid point is a separate release (``--ledger`` charges each; ``--public-proxy`` states
+that the references are public or a proxy). Guide: docs/guide/evaluating.md (§"invink-audit sweep").
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from invink_audit.cli._options import PROMPT, add, add_grid, grid_options
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "sweep",
+        "sweep", handler=_sweep,
         help="generation + evaluation over a grid of (epsilon, B, k, tau, T)",
         description="Generate private texts at every point of a grid and evaluate each against held-out real "
         "texts (MAUVE, ΔPPL, TSTR with --label-column), next to a public-only floor and a non-private ceiling on "
@@ -49,7 +46,6 @@ def register(subparsers) -> None:
     add(p, "--model", help="generator and perplexity scorer (default: generate's, Gemma-3-270M)")
     add_evaluation_arguments(p)
     add(p, "--no-progress")
-    p.set_defaults(handler=_sweep)
 
 
 def _sweep(args) -> int:

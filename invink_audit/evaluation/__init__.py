@@ -1,17 +1,6 @@
-"""Utility evaluation: what a privacy budget buys.
-
-* :func:`evaluate`: MAUVE (paper setting and library default, with intervals over k-means seeds and
-  bootstrap resamples), perplexity and ΔPPL under a scorer LM, lengths, and train-on-synthetic /
-  test-on-real (TSTR) when labels are given (:mod:`.evaluate`);
-* :class:`Embedder`: sentence embeddings from PyPI-shipped models (all-mpnet-base-v2 by default,
-  all-MiniLM-L6-v2 as the fast option), hash-checked and cached (:mod:`.embeddings`);
-* :func:`write_evaluation_report`: Markdown, JSON and plots (:mod:`.report`);
-* reference points (public-only floor, non-private ceiling) and sweeps: :mod:`.reference_points`,
-  :mod:`.sweep`;
-* :func:`off_genre`: why a text is not in the genre of its data (a chatbot's preamble, a refusal, a
-  link, a list, talk about the task), and :func:`off_genre_share` with its interval (:mod:`.genre`).
-
-Evaluation reports are **not private**: they are computed from the real texts in the clear.
+"""Utility evaluation: what a privacy budget buys (:func:`evaluate`, :class:`Embedder`, reports, reference points,
+sweeps, the off-genre rule). Evaluation reports are **not private**: they are computed from the real texts in the
+clear. Guide: docs/guide/evaluating.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Per-text caches of what an evaluation derives from a text: embeddings (:mod:`.embeddings`) and
-perplexities (:mod:`.perplexity`).
-
-One SQLite file per kind in the cache directory (:func:`invink_audit.models.cache_dir`), keyed by a
-string that names what produced the value (model, its weights' digest, settings) and the SHA-256 of the
-text; values are float vectors. What is derived from private texts is private too, so the file is
-created owner-only (mode 0600), an existing file readable by others is tightened to 0600 (with a
-warning), a symbolic link at its path is refused (:func:`invink_audit.not_private.owner_only_file`),
-and every user of a cache can turn it off (nothing then reaches disk).
-Concurrent processes may share a file: SQLite serialises the writers (``timeout`` seconds of waiting),
-and a value is the same whoever computes it.
+"""Per-text caches of what an evaluation derives from a text (embeddings, perplexities): one owner-only SQLite file
+per kind, keyed by what produced the value and the text's SHA-256 (docs/guide/evaluating.md, §"Caches"). Concurrent
+processes may share a file: SQLite serialises the writers, and a value is the same whoever computes it.
 """
 
 from __future__ import annotations
@@ -22,10 +14,19 @@ import numpy as np
 
 from invink_audit.not_private import owner_only_file
 
-__all__ = ["TextCache", "text_digest"]
+__all__ = ["TextCache", "check_texts", "text_digest"]
 
 #: rows per ``SELECT ... IN (...)`` (below SQLite's default limit of 999 host parameters)
 _CHUNK = 500
+
+
+def check_texts(texts) -> None:
+    """``texts`` a sequence of strings (one string is not); a ``ValueError`` naming the first item that is not."""
+    if isinstance(texts, str) or not isinstance(texts, Sequence):
+        raise ValueError(f"texts must be a sequence of strings; got {type(texts).__name__}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(f"texts[{i}] must be a string; got {type(text).__name__}")
 
 
 def text_digest(text: str) -> str:

@@ -1,11 +1,5 @@
-"""Sentence embeddings for MAUVE, from models shipped on PyPI; nothing is ever downloaded.
-
-:class:`Embedder` runs ``mpnet`` (``all-mpnet-base-v2``, default: the paper's choice, App. D.4, "MAUVE
-score") or ``minilm`` (``all-MiniLM-L6-v2``, about five times faster) with plain ``transformers``
-(transformer, mean pooling, L2 normalisation: Reimers & Gurevych 2019, §3), from hash-checked PyPI
-parts (:data:`EMBEDDING_MODELS`, :func:`embedding_model_dir`); embeddings are cached per text, owner-only.
-
-Design: docs/guide/evaluating.md (§"Embeddings", §"Caches").
+"""Sentence embeddings for MAUVE (paper App. D.4) from hash-checked models shipped on PyPI; nothing is ever
+downloaded. The models, their packaging and the cache: docs/guide/evaluating.md (§"Embeddings", §"Caches").
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from accounting.limits import check_count
-from invink_audit.evaluation.cache import TextCache, text_digest
+from invink_audit.evaluation.cache import TextCache, check_texts, text_digest
 
 __all__ = [
     "DEFAULT_EMBEDDING_MODEL",
@@ -60,26 +54,14 @@ class EmbeddingModelSpec:
             raise ValueError(f"safetensors_sha256 must be 64 hex digits; got {self.safetensors_sha256!r}")
 
 
-EMBEDDING_MODELS = {
-    # revision e8c3b32edf5434bc2275fc9bab85f82640a19130 of the hub repository; LFS SHA-256 of model.safetensors
-    "mpnet": EmbeddingModelSpec(
-        name="mpnet",
-        hub_id="sentence-transformers/all-mpnet-base-v2",
-        safetensors_sha256="78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658",
-        safetensors_size=437_971_872,
-        max_seq_length=384,
-        dimension=768,
-    ),
-    # revision 1110a243fdf4706b3f48f1d95db1a4f5529b4d41 of the hub repository
-    "minilm": EmbeddingModelSpec(
-        name="minilm",
-        hub_id="sentence-transformers/all-MiniLM-L6-v2",
-        safetensors_sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
-        safetensors_size=90_868_376,
-        max_seq_length=256,
-        dimension=384,
-    ),
-}
+#: name: (hub id, LFS SHA-256 and size of model.safetensors, max_seq_length, dimension), at revisions
+#: e8c3b32edf5434bc2275fc9bab85f82640a19130 (mpnet) and 1110a243fdf4706b3f48f1d95db1a4f5529b4d41 (minilm) of the hub
+EMBEDDING_MODELS = {name: EmbeddingModelSpec(name, *fields) for name, fields in {
+    "mpnet": ("sentence-transformers/all-mpnet-base-v2",
+              "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658", 437_971_872, 384, 768),
+    "minilm": ("sentence-transformers/all-MiniLM-L6-v2",
+               "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db", 90_868_376, 256, 384),
+}.items()}
 DEFAULT_EMBEDDING_MODEL = "mpnet"
 
 _MPNET_PARTS = tuple(
@@ -229,14 +211,11 @@ class EmbeddingStats:
 
 
 class Embedder:
-    r"""Embeds texts with a packaged SentenceTransformer model: transformer → mean pooling over real
-    tokens → L2 normalisation (the models' ``modules.json``), texts truncated to the model's
-    ``max_seq_length`` (384 tokens for mpnet, as in the paper's App. D.4).
+    r"""Embeds texts with a packaged SentenceTransformer model (transformer, mean pooling, L2 normalisation; texts cut
+    at ``max_seq_length``, 384 tokens for mpnet as in the paper's App. D.4).
 
-    ``dtype``: ``"float32"`` or ``"bfloat16"``; ``"auto"`` (default) picks bfloat16 where the hardware
-    computes it natively (CUDA, or a CPU with AVX512-BF16 or AMX) and only after checking, on a probe of
-    the longest texts of the first call, that its embeddings match float32 (every cosine similarity
-    ≥ :attr:`BF16_MIN_COSINE`); otherwise float32.
+    ``dtype``: ``"float32"`` or ``"bfloat16"``; ``"auto"`` (default): bfloat16 where the hardware computes it natively
+    and a probe of the first call's longest texts matches float32 (every cosine ≥ :attr:`BF16_MIN_COSINE`).
 
     ``batch_size`` texts per forward pass, sorted by length so that a batch pads little. ``cache``:
     keep embeddings per text hash in ``<cache>/embeddings.sqlite`` (``False``: nothing on disk).
@@ -352,11 +331,7 @@ class Embedder:
         """``(len(texts), dimension)`` float32 unit vectors, in the order of ``texts``. Empty texts are
         embedded as they are (the model sees only its special tokens). ``progress``: an optional callable
         taking the number of texts just embedded (e.g. a tqdm bar's ``update``)."""
-        if isinstance(texts, str) or not isinstance(texts, Sequence):
-            raise ValueError(f"texts must be a sequence of strings; got {type(texts).__name__}")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(f"texts[{i}] must be a string; got {type(text).__name__}")
+        check_texts(texts)
         start = time.perf_counter()
         out = np.zeros((len(texts), self.spec.dimension), dtype=np.float32)
         if not texts:

@@ -1,9 +1,6 @@
-r"""One evaluation of synthetic texts against real texts: MAUVE (two settings), perplexity and ΔPPL,
-lengths, and TSTR when labels are given; every figure an :class:`~invink_audit.evaluation.stats.Interval`.
-
-An evaluation is **not private**: it reads the real texts in the clear and its report is a function of
-them. Evaluate against held-out real texts (the paper uses held-out samples, App. D.4), keep the
-report with the data, and never treat it as part of a release.
+r"""One evaluation of synthetic texts against real texts: MAUVE (two settings), perplexity and ΔPPL, lengths, and
+TSTR when labels are given; every figure an :class:`~invink_audit.evaluation.stats.Interval`. An evaluation is **not
+private**: it reads the real texts in the clear (docs/guide/evaluating.md).
 """
 
 from __future__ import annotations
@@ -146,12 +143,9 @@ class EvaluationConfig:
       synthetic texts (the paper uses equal numbers, App. D.4);
     * ``scorer``: the perplexity model (:func:`invink_audit.models.load_model`; ``None`` the embedded
       SmolLM2); ``perplexity=False`` skips perplexity;
-    * ``embedding_cache``, ``perplexity_cache``: keep each text's embedding and perplexity on disk
-      (owner-only SQLite files in the cache directory, keyed by model and text hash), so that a text is
-      embedded and scored once across evaluations (a sweep's real texts at every point); ``False``:
-      nothing derived from the texts is kept; ``perplexity_cache=None`` (default) follows
-      ``embedding_cache``, so turning the embedding cache off keeps everything off disk; ``cache_dir``:
-      where (default
+    * ``embedding_cache``, ``perplexity_cache``: keep each text's embedding and perplexity on disk (owner-only, by
+      text hash: docs/guide/evaluating.md, §"Caches"); ``False``: nothing derived from the texts is kept;
+      ``perplexity_cache=None`` (default) follows ``embedding_cache``; ``cache_dir``: where (default
       :func:`invink_audit.models.cache_dir`);
     * ``tstr_test_fraction``: share of the labelled real texts held out to test TSTR (the rest train the ceiling);
       ``tstr_bootstrap``: its bootstrap replicates (each retrains the classifiers).
@@ -285,23 +279,6 @@ def _as_text_set(value, name: str) -> TextSet:
     return TextSet(texts=tuple(value))
 
 
-@dataclasses.dataclass(frozen=True)
-class _PerplexityPhase:
-    """What the perplexity phase measured (lengths in scorer tokens, or in words without a scorer)."""
-
-    ppl_synthetic: Interval | None
-    ppl_real: Interval | None
-    delta: Interval | None
-    length_synthetic: Interval
-    length_real: Interval
-    synthetic_defined: np.ndarray
-    real_defined: np.ndarray
-    scorer: str | None
-    unscored: int
-    truncated: int
-    scorer_dtype: Mapping | None = None
-
-
 def evaluate(
     synthetic: TextSet | Sequence[str],
     real: TextSet | Sequence[str],
@@ -359,25 +336,15 @@ def _result(synthetic: TextSet, real: TextSet, config: EvaluationConfig, mauve, 
     result = EvaluationResult(
         mauve=mauve["paper"],
         mauve_c5=mauve["library"],
-        perplexity_synthetic=ppl.ppl_synthetic,
-        perplexity_real=ppl.ppl_real,
-        delta_ppl=ppl.delta,
-        length_synthetic=ppl.length_synthetic,
-        length_real=ppl.length_real,
+        **ppl,
         generated_tokens=None if synthetic.num_tokens is None else wald_interval(synthetic.num_tokens, config.confidence),
         eos_share=_eos_share(synthetic),
         tstr=tstr,
         num_synthetic=len(synthetic.texts),
         num_real=len(real.texts),
         embedding_model=config.embedding_model,
-        scorer=ppl.scorer,
-        ppl_unscored_synthetic=ppl.unscored,
-        ppl_truncated=ppl.truncated,
         seconds=seconds,
-        synthetic_perplexities=tuple(float(x) for x in ppl.synthetic_defined),
-        real_perplexities=tuple(float(x) for x in ppl.real_defined),
         num_empty_synthetic=empty,
-        scorer_dtype=ppl.scorer_dtype,
         embedding_dtype=getattr(embedder, "dtype", None),
         off_genre_synthetic=off_genre_share(synthetic.texts, config.confidence),
         off_genre_real=off_genre_share(real.texts, config.confidence),
@@ -457,15 +424,14 @@ def _mauve(p_features: np.ndarray, q_features: np.ndarray, config: EvaluationCon
     }
 
 
-def _perplexity(synthetic: TextSet, real_sample: TextSet, config: EvaluationConfig, scorer_model, progress) -> _PerplexityPhase:
-    """Perplexity, ΔPPL and lengths (paper App. D.4); without a scorer, lengths in words only."""
+def _perplexity(synthetic: TextSet, real_sample: TextSet, config: EvaluationConfig, scorer_model, progress) -> dict:
+    """Perplexity, ΔPPL and lengths (paper App. D.4), as :class:`EvaluationResult`'s fields; without a scorer,
+    lengths in words only."""
     if not (config.perplexity or scorer_model is not None):
-        return _PerplexityPhase(
-            None, None, None,
-            wald_interval([len(t.split()) for t in synthetic.texts], config.confidence),
-            wald_interval([len(t.split()) for t in real_sample.texts], config.confidence),
-            np.zeros(0), np.zeros(0), None, 0, 0,
-        )  # fmt: skip
+        return dict(perplexity_synthetic=None, perplexity_real=None, delta_ppl=None, scorer=None,
+                    length_synthetic=wald_interval([len(t.split()) for t in synthetic.texts], config.confidence),
+                    length_real=wald_interval([len(t.split()) for t in real_sample.texts], config.confidence),
+                    ppl_unscored_synthetic=0, ppl_truncated=0)  # fmt: skip
     from invink_audit.models import load_model
 
     loaded = scorer_model if scorer_model is not None else load_model(config.scorer)
@@ -484,12 +450,13 @@ def _perplexity(synthetic: TextSet, real_sample: TextSet, config: EvaluationConf
     if syn.size and real.size:
         ppl_syn, ppl_real = (wald_interval(x, config.confidence, log_scale=True) for x in (syn, real))
         delta = delta_ppl_interval(syn, real, confidence=config.confidence, rng=np.random.default_rng([config.seed, 3]))
-    return _PerplexityPhase(
-        ppl_syn, ppl_real, delta,
-        wald_interval(scored[0].num_tokens, config.confidence),
-        wald_interval(scored[1].num_tokens, config.confidence),
-        syn, real, str(loaded.name), len(synthetic.texts) - syn.size, scored[0].truncated + scored[1].truncated,
-        None if getattr(loaded, "dtype_choice", None) is None else loaded.dtype_choice.to_json(),
+    return dict(
+        perplexity_synthetic=ppl_syn, perplexity_real=ppl_real, delta_ppl=delta, scorer=str(loaded.name),
+        length_synthetic=wald_interval(scored[0].num_tokens, config.confidence),
+        length_real=wald_interval(scored[1].num_tokens, config.confidence),
+        synthetic_perplexities=tuple(float(x) for x in syn), real_perplexities=tuple(float(x) for x in real),
+        ppl_unscored_synthetic=len(synthetic.texts) - syn.size, ppl_truncated=scored[0].truncated + scored[1].truncated,
+        scorer_dtype=None if getattr(loaded, "dtype_choice", None) is None else loaded.dtype_choice.to_json(),
     )  # fmt: skip
 
 

@@ -10,11 +10,10 @@ Design: docs/results/templates.md (§"The off-genre rule": every pattern, how it
 from __future__ import annotations
 
 import enum
-import math
 import re
 from collections.abc import Iterable
 
-from scipy.stats import norm
+from scipy.stats import binomtest
 
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval
 
@@ -187,14 +186,12 @@ def off_genre_share(texts: Iterable[str], confidence: float = DEFAULT_CONFIDENCE
 
     .. math:: \frac{\hat p + z^2/2n \pm z \sqrt{\hat p (1-\hat p)/n + z^2/4n^2}}{1 + z^2/n},
 
-    which, unlike the Wald interval, stays inside [0, 1] and is not empty at 0 or ``n`` flags."""
+    which, unlike the Wald interval, stays inside [0, 1] and is not empty at 0 or ``n`` flags
+    (``scipy.stats.binomtest(x, n).proportion_ci(method="wilson")``)."""
     flags = [off_genre(t) is not None for t in texts]
     if not flags:
         raise ValueError("texts must not be empty")
     if not isinstance(confidence, float) or not 0 < confidence < 1:
         raise ValueError(f"confidence must be a float in (0, 1); got {confidence!r}")
-    n, share = len(flags), sum(flags) / len(flags)
-    z = float(norm.ppf(0.5 + confidence / 2))
-    centre = (share + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return Interval(share, max(0.0, centre - half), min(1.0, centre + half), confidence, "wilson")
+    ends = binomtest(sum(flags), len(flags)).proportion_ci(confidence, method="wilson")
+    return Interval(sum(flags) / len(flags), ends.low, ends.high, confidence, "wilson")

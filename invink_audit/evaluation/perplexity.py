@@ -1,12 +1,6 @@
-"""Perplexity of texts under a scorer LM, ΔPPL, and lengths.
-
-Paper App. D.4 (sec:expt:eval-metrics), "Generation Perplexity": PPL(x) = exp(−(1/|x|) Σ_t log P̂(x_t | x_<t)),
-ΔPPL = |mean PPL(synthetic) − mean PPL(real)| (Holtzman et al. 2020 for ΔPPL). :func:`score_perplexity`
-scores every token after one context token, on at most ``max_tokens`` tokens, under any causal LM (default
-the embedded SmolLM2-135M, not the paper's GPT-2 small: compare only under one scorer), cached per text
-under :func:`scorer_digest` (:func:`perplexity_cache`); :func:`delta_ppl_interval`.
-
-Design: docs/guide/evaluating.md (§"invink-audit evaluate", rows ``perplexity_*``, ``delta_ppl``; §"Caches").
+"""Perplexity of texts under a scorer LM, ΔPPL, and lengths (paper App. D.4, sec:expt:eval-metrics, "Generation
+Perplexity": PPL(x) = exp(−(1/|x|) Σ_t log P̂(x_t | x_<t)); ΔPPL, Holtzman et al. 2020). The scorer, its start token
+and the cache: docs/guide/evaluating.md (rows ``perplexity_*``, ``delta_ppl``; §"Caches").
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from accounting.limits import check_count
-from invink_audit.evaluation.cache import TextCache, text_digest
+from invink_audit.evaluation.cache import TextCache, check_texts, text_digest
 from invink_audit.evaluation.stats import DEFAULT_CONFIDENCE, Interval, bootstrap_interval
 
 __all__ = ["PerplexityScores", "delta_ppl_interval", "perplexity_cache", "score_perplexity", "scorer_digest"]
@@ -153,11 +147,7 @@ def score_perplexity(
     the number of texts just scored (or found in the cache). ``cache``: a :func:`perplexity_cache`;
     texts scored before under the same scorer and settings are not scored again."""
     max_tokens = check_count("max_tokens", max_tokens)
-    if isinstance(texts, str) or not isinstance(texts, Sequence):
-        raise ValueError(f"texts must be a sequence of strings; got {type(texts).__name__}")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise ValueError(f"texts[{i}] must be a string; got {type(text).__name__}")
+    check_texts(texts)
     tokenizer = loaded_model.tokenizer
     start = _context_token(tokenizer)
     prefix = f"{_CACHE_FORMAT}:{scorer_digest(loaded_model)}:{max_tokens}:{start}:" if cache is not None else ""

@@ -17,7 +17,7 @@ from pathlib import Path
 from accounting.limits import check_count
 from invink_audit.not_private import write_not_private_jsonl
 
-__all__ = ["REFERENCE_POINT_NOTICE", "ReferenceTexts", "generate_reference_points"]
+__all__ = ["REFERENCE_POINT_NOTICE", "ReferenceTexts", "generate_reference_points", "sample_left_padded"]
 
 #: The ``privacy_notice`` of every reference-point record.
 REFERENCE_POINT_NOTICE = (
@@ -49,6 +49,24 @@ class ReferenceTexts:
         return write_not_private_jsonl(path, records, notice=REFERENCE_POINT_NOTICE)
 
 
+def sample_left_padded(loaded, prompts: Sequence[Sequence[int]], **settings) -> list[list[int]]:
+    """Sampling (transformers' ``generate``, ``do_sample``) of each token-id prompt in one batch, left padded as
+    decoder-only generation needs; each row's generated ids (padding after an early end included). ``settings``:
+    ``generate``'s (``max_new_tokens``, ``temperature``, ``top_k``, ...)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), loaded.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
+    with torch.inference_mode():
+        out = loaded.model.generate(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device),
+                                    do_sample=True, pad_token_id=loaded.pad_token_id,
+                                    eos_token_id=list(loaded.eos_token_ids), **settings)  # fmt: skip
+    return out[:, width:].tolist()
+
+
 def _sample(loaded, prompts: Sequence[tuple[int, ...]], *, max_new_tokens, top_k, temperature, seed, batch, stop=()) -> list:
     """Plain sampling of each prompt; a text ends at EOS, at the template's first public stop string (cut,
     as :func:`invink_audit.prompts.release_text` cuts a release), or after ``max_new_tokens``."""
@@ -57,31 +75,13 @@ def _sample(loaded, prompts: Sequence[tuple[int, ...]], *, max_new_tokens, top_k
     from invink_audit.prompts import reached_stop, release_text
 
     outputs = []
-    tokenizer, model = loaded.tokenizer, loaded.model
-    eos = set(loaded.eos_token_ids)
+    tokenizer, eos = loaded.tokenizer, set(loaded.eos_token_ids)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for start in range(0, len(prompts), batch):
-            chunk = prompts[start : start + batch]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), loaded.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, prompt in enumerate(chunk):  # left padding, as decoder-only generation needs
-                ids[row, width - len(prompt) :] = torch.tensor(prompt)
-                mask[row, width - len(prompt) :] = 1
-            with torch.inference_mode():
-                generated = model.generate(
-                    input_ids=ids.to(loaded.device),
-                    attention_mask=mask.to(loaded.device),
-                    do_sample=True,
-                    top_k=top_k if top_k is not None else 0,
-                    top_p=1.0,
-                    temperature=temperature,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=loaded.pad_token_id,
-                    eos_token_id=list(eos),
-                )
-            for row in generated[:, width:].tolist():
+            generated = sample_left_padded(loaded, prompts[start : start + batch], top_k=top_k if top_k is not None else 0,
+                                           top_p=1.0, temperature=temperature, max_new_tokens=max_new_tokens)
+            for row in generated:
                 tokens, reason = [], "length"
                 for token in row:
                     if token in eos:

@@ -1,13 +1,6 @@
-"""A sweep: private generation + evaluation over a grid of (ε, B, k, τ, T), with reference points.
-
-:func:`run_sweep`: each grid point is one release (:func:`invink_audit.generation.generate`) and one
-:func:`~invink_audit.evaluation.evaluator.evaluate`; the points' costs add up (sequential composition),
-so it needs a ledger that charges every point or ``public_proxy=True``. Resumable per point; the
-reference points, the points' evaluation and timing records, the table and the plots are NOT PRIVATE
-(``reference_points/``, ``evaluations/``, :func:`sweep_markdown`, :func:`write_sweep_plots`), never in a
-release's directory. Forward rows per text: (B + 1) × generated tokens (paper §4, Algorithm 1).
-
-Design: docs/guide/evaluating.md (§"invink-audit sweep").
+"""A sweep: private generation + evaluation over a grid of (ε, B, k, τ, T), with reference points; every point is
+a release (sequential composition: a ledger charges each, or ``public_proxy=True``). Forward rows per text: (B + 1)
+× generated tokens (paper §4, Algorithm 1). Guide: docs/guide/evaluating.md (§"invink-audit sweep").
 """
 
 from __future__ import annotations
@@ -593,8 +586,6 @@ def _clip_to_estimates(ax, estimates: Sequence[float], intervals: Sequence[tuple
     """Limit ``ax``'s y axis to the ``estimates`` and the ``intervals`` (``(x, lower, upper, colour)``)
     up to one span of the estimates beyond them, with a 5% pad; mark every interval end the axis cuts
     with an arrow at the edge and its value. Returns the number of ends cut (0: nothing is hidden)."""
-    import math
-
     finite = [float(e) for e in estimates if math.isfinite(e)]
     if not finite:
         return 0

@@ -1,11 +1,6 @@
-"""Property-based test kit for private-decoding mechanisms (hypothesis strategies + checkers).
-
-Reusable from another project's test suite::
-
-    from invink_audit.testing import check_linf_sensitivity, logit_batches
-
-Importing this package imports torch and hypothesis (it is a test-time dependency, never imported
-by the library itself).
+"""Property-based test kit for private-decoding mechanisms (hypothesis strategies, checkers, the contract, an exact
+oracle; docs/guide/testing-kit.md). Importing it imports torch and hypothesis: a test-time dependency, never imported
+by the library itself.
 """
 
 from invink_audit.testing import checkers, contract, reference, strategies

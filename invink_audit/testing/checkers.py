@@ -1,17 +1,8 @@
-r"""Reusable property checkers for private-decoding mechanisms.
-
-Two layers, usable from any project's test suite:
-
-* ``assert_*`` functions check one input and raise ``AssertionError`` with a witness when the
-  property fails (and return what they measured when it holds);
-* ``check_*`` functions drive an ``assert_*`` over a hypothesis strategy (the currently loaded
-  hypothesis profile applies; ``max_examples`` overrides it, and ``shrink=False`` reports the
-  first counterexample found instead of a minimised one, which is faster). Call them from a plain
-  test function, not from inside another ``@given`` test.
-
-The checkers never call the mechanism's own neighbour shortcut: neighbouring inputs are built
-explicitly (:func:`~invink_audit.testing.strategies.neighbour_private_logits`) and the function under
-test is re-run on them, and divergences are computed from their definitions in float64.
+r"""Reusable property checkers for private-decoding mechanisms (docs/guide/testing-kit.md): ``assert_*`` check one
+input and raise ``AssertionError`` with a witness; ``check_*`` drive them over a hypothesis strategy (call them from
+a plain test function, not inside another ``@given`` test). Neighbours are built explicitly
+(:func:`~invink_audit.testing.strategies.neighbour_private_logits`) and the function under test re-run on them,
+never the mechanism's own shortcut; divergences are computed from their definitions in float64.
 """
 
 from __future__ import annotations
@@ -209,10 +200,10 @@ def assert_linf_sensitivity_attained(
         return witness.change >= bound - tolerance
 
     # no shrinking: any input within tolerance of the bound is a witness, and shrinking is slow.
-    phases = [Phase.explicit, Phase.reuse, Phase.generate]
-    search_settings = settings(phases=phases) if max_examples is None else settings(phases=phases, max_examples=max_examples)
+    limit = {} if max_examples is None else {"max_examples": max_examples}
     try:
-        batch, clip_norm = find(st.tuples(batches, clip_norms), attains, settings=search_settings)
+        batch, clip_norm = find(st.tuples(batches, clip_norms), attains,
+                                settings=settings(phases=[Phase.explicit, Phase.reuse, Phase.generate], **limit))
     except NoSuchExample as err:
         raise AssertionError(
             f"no input attains the claimed ℓ∞ sensitivity within {tolerance} under {Adjacency(adjacency).value} "

@@ -1,13 +1,7 @@
-"""The behaviour every :class:`~invink_audit.mechanisms.Mechanism` owes the engine and the auditor, as a
-pytest base class.
-
-Subclass :class:`MechanismContract` in a test module (as ``Test...``) and define ``make_mechanism``; pytest
-collects the inherited checks, run on seeded random logits: a consistent outcome space, normalised float64
-steps, exact neighbour distributions, the per-step claim against every neighbour
-(:func:`~invink_audit.testing.assert_token_privacy` of :meth:`MechanismContract.claim`), independent texts, ``advance``'s shapes and a
-well-formed guarantee. Class attributes set the vocabulary size, texts per step, seeds and scales.
-
-Design: docs/guide/testing-kit.md (§"The mechanism contract"); the interface: docs/guide/baselines.md.
+"""The behaviour every :class:`~invink_audit.mechanisms.Mechanism` owes the engine and the auditor, as a pytest base
+class: subclass :class:`MechanismContract` (as ``Test...``), define ``make_mechanism``, and pytest runs the inherited
+checks on seeded random logits (docs/guide/testing-kit.md, §"The mechanism contract"; the interface:
+docs/guide/baselines.md).
 """
 
 from __future__ import annotations
