@@ -84,12 +84,17 @@ def _top_k(public, k, band):
     return public >= kth - band - 1e-12
 
 
-@pytest.fixture(scope="module")
-def profiled(tiny, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("profile")
+def write_texts(directory) -> tuple:
+    """The proxy and real texts as CSV files in ``directory``: their paths."""
     proxy, real = directory / "proxy.csv", directory / "real.csv"
     for path, rows in ((proxy, PROXY), (real, REAL)):
         path.write_text("text,label1,label2\n" + "".join(f'"{t}",{a},{b}\n' for t, a, b in rows), encoding="utf-8")
+    return proxy, real
+
+
+@pytest.fixture(scope="module")
+def profiled(tiny, tmp_path_factory):
+    proxy, real = write_texts(tmp_path_factory.mktemp("profile"))
     return run_profile(proxy, real, _config(), model=tiny), proxy, real
 
 

@@ -131,12 +131,9 @@ def test_a_recursion_that_forgets_the_threshold_fails_the_check(monkeypatch):
 
 @pytest.fixture(scope="module")
 def baselines(tiny, tmp_path_factory):
-    from test_profile import PROXY, REAL, _config
+    from test_profile import _config, write_texts
 
-    directory = tmp_path_factory.mktemp("profile-baselines")
-    proxy, real = directory / "proxy.csv", directory / "real.csv"
-    for path, rows in ((proxy, PROXY), (real, REAL)):
-        path.write_text("text,label1,label2\n" + "".join(f'"{t}",{a},{b}\n' for t, a, b in rows), encoding="utf-8")
+    proxy, real = write_texts(tmp_path_factory.mktemp("profile-baselines"))
     config = _config(epsilons=(30.0, 100.0), batch_sizes=(1, 2, 3), top_ks=(None,), amin_private_tokens=2,
                      mechanisms=("invisibleink", "amin", "amin-paper", "adapmixed"))
     return run_profile(proxy, real, config, model=tiny)
