@@ -107,6 +107,18 @@ def test_adapmixed_recursion_matches_a_monte_carlo_of_the_sampled_mechanism():
     assert stops > 0.05
 
 
+def test_adapmixed_without_a_budget_stops_before_its_first_token_in_the_recursion_too():
+    """ε = 0.5 at δ = 1e-6, α = 15: the filter's budget is below 0, so the mechanism stops at once (no text);
+    the recursion releases nothing either (a smaller ε never scores above the public floor)."""
+    mech = AdaPMixEDMechanism(AdaPMixEDConfig(batch_size=B, epsilon=0.5, screen_samples=1_000))
+    assert mech.config.budget <= 0
+    assert not _monte_carlo(mech, DRAWS)  # no sampled text emits a token
+    private, public = _logits(())
+    log_probs, after = mech.forced_step(private[None], public[None], mech.forced_state(1), torch.tensor([0]))
+    assert torch.isneginf(log_probs).all() and not after.any()
+    _check(mech, {})
+
+
 def test_a_recursion_that_forgets_the_threshold_fails_the_check(monkeypatch):
     """The check can fail: drawing a fresh threshold every step (no memory of the public steps) is caught."""
     mech = AminMechanism(AminConfig(clip_norm=4.0, batch_size=B, svt_threshold=0.4, svt_noise=0.1, max_private_tokens=2))

@@ -336,7 +336,8 @@ class AdaPMixEDMechanism(Mechanism):
         Gaussian screening, add-half smoothed, as the exact (audit) mode does; ``generator`` draws them),
         :math:`c_s` the screening cost, :math:`m_t` the mixing cost and b the budget; the rest of the mass is the
         stop outcome, which releases no token. Spends are rounded **up** to the grid, so a path stops no later
-        than the mechanism's: the recursion's probabilities err low by at most one cell per step. Returns
+        than the mechanism's (each step's spend errs high by at most one cell, so probabilities err low; π is an
+        estimate, so the distribution is exact only up to π's sampling error). Returns
         log-probabilities (G, V) and the state (G, cells + 1).
         """
         check_step_shapes(private, public, self.batch_size)
@@ -349,9 +350,11 @@ class AdaPMixEDMechanism(Mechanism):
         normals = torch.randn((g, cfg.screen_samples, k), generator=generator, dtype=STATE_DTYPE, device=p0.device)
         stat = self._screen_statistic(members.mean(dim=-2, keepdim=True), p0[:, None], index, normals)  # (G, M)
         pi = ((stat > cfg.screen_threshold).sum(dim=-1).to(STATE_DTYPE) + 0.5) / (cfg.screen_samples + 1.0)
-        cell = cfg.budget / cells if cfg.budget > 0 else math.inf
         costs = torch.stack([torch.full_like(pi, cfg.screening_cost), cfg.screening_cost + self._mixing_cost(mixed, p, p0)], dim=1)
-        shifts = torch.ceil(costs / cell).clamp(max=cells + 1).long()  # (G, 2): cells of a screened / mixed step
+        if cfg.budget > 0:  # (G, 2): cells of a screened / mixed step
+            shifts = torch.ceil(costs / (cfg.budget / cells)).clamp(max=cells + 1).long()
+        else:  # no budget (ε below the filter's δ term): every path stops before its first token, as the mechanism
+            shifts = torch.full(costs.shape, cells + 1, dtype=torch.long, device=costs.device)
         j = torch.arange(cells + 1, device=state.device)
         weights = torch.stack([pi, 1.0 - pi], dim=1)[:, :, None] * state[:, None] * (j + shifts[:, :, None] <= cells)
         logs = torch.stack([torch.log(p0), torch.log(p)], dim=1)  # (G, 2, V)
