@@ -142,14 +142,7 @@ def test_cuda_engine_matches_an_unbatched_oracle_with_forced_tokens():
     mechanism = MechanismConfig(clip_norm=1.3, temperature=0.9, top_k=8, batch_size=3)
     forced = [[5, 9, 7, 11], [17, 19, 23, 29], [37, 41, 43, 47]]
     seen = {}
-
-    def rule(step):
-        weights = torch.full_like(step.log_probs, -math.inf)
-        for g, (i, t) in enumerate(zip(step.request_indices.tolist(), step.positions.tolist())):
-            weights[g, forced[i][t]] = 0.0
-            seen[(i, t)] = step.log_probs[g].cpu()
-        return weights
-
+    rule = _forcing_rule(forced, seen, record=lambda step, g: step.log_probs[g].cpu())
     engine = Engine(cuda, mechanism, max_batch_rows=8)  # CUDA's default: the pool, its passes as CUDA graphs
     requests = _requests(cuda, REFERENCES)
     list(engine.generate(requests, max_new_tokens=4, generator=_generator(0, "cuda"), sampling_rule=rule))
@@ -172,15 +165,15 @@ def test_cuda_engine_matches_an_unbatched_oracle_with_forced_tokens():
             assert torch.allclose(seen[(i, t)][finite], expected[t][finite], atol=FLOAT64_ATOL, rtol=0)
 
 
-def _forcing_rule(forced, seen: dict):
-    """A sampling rule drawing text i's token ``forced[i][t]`` at position t and recording its public logits in
-    ``seen[(i, t)]``."""
+def _forcing_rule(forced, seen: dict, record=lambda step, g: step.public_logits[g].clone()):
+    """A sampling rule drawing text i's token ``forced[i][t]`` at position t and recording ``record(step, g)`` (by
+    default its public logits) in ``seen[(i, t)]``."""
 
     def rule(step):
         weights = torch.full_like(step.log_probs, -math.inf)
         for g, (i, t) in enumerate(zip(step.request_indices.tolist(), step.positions.tolist())):
             weights[g, forced[i][t]] = 0.0
-            seen[(i, t)] = step.public_logits[g].clone()
+            seen[(i, t)] = record(step, g)
         return weights
 
     return rule
