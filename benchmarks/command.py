@@ -54,6 +54,7 @@ class _Options:
     top_k: int | None
     clip_norm: float
     temperature: float
+    stop_at_eos: bool = True  # False with --full-length
 
 
 def _options(args) -> _Options:
@@ -76,7 +77,7 @@ def _options(args) -> _Options:
             raise CliError(f"{flag} must be a finite number > 0; got {value}")
     return _Options(
         batch_size, max_new_tokens, num_texts, repeats, reference_configs, max_batch_rows, references, top_k, clip_norm,
-        temperature,
+        temperature, not args.full_length,
     )  # fmt: skip
 
 
@@ -123,6 +124,7 @@ def _reference_timings(result, options: _Options, model_dir: str, *, quiet: bool
                 top_k=options.top_k if options.top_k is not None else 10**9,
                 dtype=dtype,
                 device_map=device_map,
+                stop_at_eos=options.stop_at_eos,
             )
         )
     return tuple(timings)
@@ -163,6 +165,7 @@ def _compare_dtypes(args, options: _Options, rounds: int, reference_model_dir: s
         references=options.references,
         device=args.device,
         max_batch_rows=options.max_batch_rows,
+        stop_at_eos=options.stop_at_eos,
     )
     if args.reference:
         timings = []
@@ -207,6 +210,7 @@ def run(args) -> int:
         floor=not args.no_floor,
         compare_full_logits=args.compare_full_logits,
         count_ops=not args.no_op_count,
+        stop_at_eos=options.stop_at_eos,
     )
     if args.reference:
         timings = _reference_timings(result, options, reference_model_dir, quiet=args.json)
@@ -275,7 +279,8 @@ def format_bench(result) -> str:
         f"T = {result.max_new_tokens}; {result.prompt_tokens} prompt tokens, longest prompt {result.longest_prompt}"
         + (" (plain-text prompts: no chat template)" if result.plain_prompts else ""),
         f"  whole workload           {result.workload_token_seconds * ms:.1f} ms per token "
-        f"({result.workload_tokens} tokens in {result.workload_seconds:.1f} s, prefill and EOS included)",
+        f"({result.workload_tokens} tokens in {result.workload_seconds:.1f} s, prefill included, "
+        + ("end-of-sequence stopping texts)" if result.stop_at_eos else "every text to T: --full-length)"),
         f"    prefill / decode       {result.prefill_seconds:.1f} s / {result.decode_seconds:.1f} s "
         f"({result.prefill_tokens_computed} prompt tokens computed: the template prefix is computed once)",
         f"  padding efficiency       prefill {result.prefill_efficiency:.2f}, KV {result.kv_efficiency:.2f}, "

@@ -127,21 +127,21 @@ def _compared_dtypes(model, dtypes: Sequence[str], device) -> list[torch.dtype]:
 
 
 def _alternated_runs(loaded: dict, mechanism_args: dict, texts, prompt, max_new_tokens: int, rounds: int, device,
-                     max_batch_rows: int) -> dict:
+                     max_batch_rows: int, stop_at_eos: bool = True) -> dict:
     """Each dtype's engine, warmed up on one short text, then the whole workload ``rounds`` times per dtype,
     alternating the order (:func:`compare_dtypes`): {dtype: (engine, requests, [workload runs])}."""
     mechanism = MechanismConfig(**mechanism_args)
     runs = {}
     for name, model_in_dtype in loaded.items():
         engine = Engine(model_in_dtype, mechanism, max_batch_rows=max_batch_rows)
-        requests, _ = encode_workload(model_in_dtype, get_preset(prompt), texts)
+        requests, _ = encode_workload(model_in_dtype, get_preset(prompt), texts, stop=stop_at_eos)
         list(engine.generate(requests[:1], max_new_tokens=2, generator=seeded_generator(device)))  # warm-up
         runs[name] = (engine, requests, [])
     order = list(loaded)
     for r in range(rounds):
         for name in order if r % 2 == 0 else reversed(order):
             engine, requests, measured = runs[name]
-            measured.append(workload_run(engine, requests, max_new_tokens, device))
+            measured.append(workload_run(engine, requests, max_new_tokens, device, stop_at_eos=stop_at_eos))
     return runs
 
 
@@ -160,6 +160,7 @@ def compare_dtypes(
     references: Sequence[str] | None = None,
     device: str | torch.device | None = None,
     max_batch_rows: int | None = None,
+    stop_at_eos: bool = True,
 ) -> DtypeComparison:
     """The whole workload (as :func:`benchmark` runs it) in each of ``dtypes``, ``rounds`` times each,
     alternating: round ``r`` runs the dtypes in order, reversed on odd rounds (float32, bfloat16, bfloat16,
@@ -180,7 +181,7 @@ def compare_dtypes(
     mechanism = dict(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     rows = num_texts * (batch_size + 1) if max_batch_rows is None else max_batch_rows
     texts = workload_texts(pool, batch_size, num_texts)
-    runs = _alternated_runs(loaded, mechanism, texts, prompt, max_new_tokens, rounds, auto.device, rows)
+    runs = _alternated_runs(loaded, mechanism, texts, prompt, max_new_tokens, rounds, auto.device, rows, stop_at_eos)
     return DtypeComparison(
         model=auto.name,
         device=str(auto.device),

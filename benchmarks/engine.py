@@ -106,6 +106,8 @@ class BenchResult:
     dtype_choice: DtypeChoice | None = None
     #: kernel-launching operations per decoding step, ours and a plain padded decode's (``None``: not counted)
     decode_ops: DecodeOps | None = None
+    #: False: every text drew ``max_new_tokens`` (end-of-sequence did not stop it), here and in the reference's runs
+    stop_at_eos: bool = True
 
     @property
     def workload_token_seconds(self) -> float:
@@ -354,14 +356,15 @@ class _SharedWorkload:
     tokens: int  # all processes' together
 
 
-def _shared_workload(cluster, engine: Engine, requests, max_new_tokens: int, device) -> _SharedWorkload:
+def _shared_workload(cluster, engine: Engine, requests, max_new_tokens: int, device, stop_at_eos: bool = True,
+                     ) -> _SharedWorkload:
     """Run the workload, its texts shared by the processes when distributed (whole texts, balanced by cost)."""
     mine = None
     if cluster.distributed:
         costs = {g: request_cost(r, max_new_tokens) for g, r in enumerate(requests)}
         mine = assign_batches(costs, cluster.world_size)[cluster.rank]
         cluster.agree(None)  # every process loaded: start the clocks together
-    workload = workload_run(engine, requests, max_new_tokens, device, indices=mine)
+    workload = workload_run(engine, requests, max_new_tokens, device, indices=mine, stop_at_eos=stop_at_eos)
     processes = cluster.gather(
         {"rank": cluster.rank, "device": str(device), "texts": len(requests) if mine is None else len(mine),
          "tokens": workload.tokens, "seconds": workload.seconds}
@@ -415,16 +418,17 @@ class _Comparisons:
 
 def _comparison_runs(
     engine: Engine, requests, max_new_tokens: int, text_tokens: Sequence[int], *, one_at_a_time: bool, floor: bool,
-    compare_full_logits: bool,
+    compare_full_logits: bool, stop_at_eos: bool = True,
 ) -> _Comparisons:  # fmt: skip
     """One text per call, the bare forward floor, and full private logits, each when asked for (in that order)."""
     device = engine.model.device
-    alone = workload_run(engine, requests, max_new_tokens, device, one_at_a_time=True) if one_at_a_time else None
+    alone = (workload_run(engine, requests, max_new_tokens, device, one_at_a_time=True, stop_at_eos=stop_at_eos)
+             if one_at_a_time else None)
     bare = _floor_run(engine, requests, text_tokens, device) if floor else None
     full = None
     if compare_full_logits:
         full_engine = Engine(engine.model, engine.mechanism, max_batch_rows=engine.max_batch_rows, support_only=False)
-        full = workload_run(full_engine, requests, max_new_tokens, device)
+        full = workload_run(full_engine, requests, max_new_tokens, device, stop_at_eos=stop_at_eos)
     return _Comparisons(alone, bare, full)
 
 
@@ -456,6 +460,7 @@ def benchmark(
     floor: bool = True,
     compare_full_logits: bool = False,
     count_ops: bool = True,
+    stop_at_eos: bool = True,
 ) -> BenchResult:
     """Measure private decoding on ``num_texts`` × (``batch_size`` + 1) rows (module docstring).
 
@@ -468,7 +473,9 @@ def benchmark(
     one pool (``kv_layout="pool"``: the step a GPU runs, whatever device this is; the CPU's length buckets issue one
     attention per bucket, which costs nothing there but launches). A model whose
     tokenizer has no chat template (a base model) gets plain-text prompts
-    (:func:`~invink_audit.prompts.encode_messages` with ``plain=True``).
+    (:func:`~invink_audit.prompts.encode_messages` with ``plain=True``). ``stop_at_eos=False``: every text draws
+    ``max_new_tokens`` in the workload and its comparison runs, neither end-of-sequence nor the template's stop
+    strings ending it (equal work for per-token comparisons).
     """
     check_counts(
         batch_size=(batch_size, 1), max_new_tokens=(max_new_tokens, 3), num_texts=(num_texts, 1), repeats=(repeats, 0)
@@ -481,17 +488,19 @@ def benchmark(
     mechanism = MechanismConfig(clip_norm=clip_norm, temperature=temperature, top_k=top_k, batch_size=batch_size)
     rows = num_texts * (batch_size + 1)
     engine = Engine(loaded, mechanism, max_batch_rows=rows if max_batch_rows is None else max_batch_rows)
-    requests, plain = encode_workload(loaded, get_preset(prompt), workload_texts(pool, batch_size, num_texts))
+    requests, plain = encode_workload(loaded, get_preset(prompt), workload_texts(pool, batch_size, num_texts),
+                                      stop=stop_at_eos)
     steps = _lockstep_steps(engine, requests, max_new_tokens, temperature, loaded.device, repeats)
-    workload = _shared_workload(cluster, engine, requests, max_new_tokens, loaded.device)
+    workload = _shared_workload(cluster, engine, requests, max_new_tokens, loaded.device, stop_at_eos)
     comparisons = _comparison_runs(
         engine, requests, max_new_tokens, workload.run.text_tokens, one_at_a_time=one_at_a_time, floor=floor,
-        compare_full_logits=compare_full_logits,
+        compare_full_logits=compare_full_logits, stop_at_eos=stop_at_eos,
     )  # fmt: skip
     result = _bench_result(
         loaded, engine, requests, cluster, steps, workload, comparisons, batch_size=batch_size, num_texts=num_texts,
         max_new_tokens=max_new_tokens, rows=rows, repeats=repeats, plain=plain,
     )  # fmt: skip
+    result = dataclasses.replace(result, stop_at_eos=stop_at_eos)
     if not count_ops:
         return result
     pooled = engine if engine.kv_layout == "pool" else Engine(loaded, mechanism, max_batch_rows=engine.max_batch_rows,

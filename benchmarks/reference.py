@@ -60,9 +60,12 @@ class _ReferenceClock:
     loading: list[float] = dataclasses.field(default_factory=list)
     loop: list[float] = dataclasses.field(default_factory=list)
     dtypes: list[str] = dataclasses.field(default_factory=list)
+    stop_at_eos: bool = True
 
     def timed_load(self, load):
-        """``load`` (its ``load_hf_model``), timed, recording the loaded model's dtype."""
+        """``load`` (its ``load_hf_model``), timed, recording the loaded model's dtype; without ``stop_at_eos``
+        the model's ``generation_config.eos_token_id`` becomes an id outside its vocabulary: its loop stops a text
+        on that id only."""
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
@@ -71,6 +74,8 @@ class _ReferenceClock:
             finally:
                 self.loading.append(time.perf_counter() - started)
             self.dtypes.append(str(model.dtype).removeprefix("torch."))
+            if not self.stop_at_eos:  # an id it never draws (its sampling is over the model's vocab_size ids)
+                model.generation_config.eos_token_id = model.config.vocab_size
             return model
 
         return timed
@@ -83,9 +88,9 @@ class _ReferenceClock:
 
 
 @contextlib.contextmanager
-def _clocked(reference):
+def _clocked(reference, stop_at_eos: bool = True):
     """Patch the reference module's ``load_hf_model`` and ``tqdm`` with a :class:`_ReferenceClock`'s, undone on exit."""
-    clock = _ReferenceClock()
+    clock = _ReferenceClock(stop_at_eos=stop_at_eos)
     original_load, original_tqdm = reference.load_hf_model, reference.tqdm
     reference.load_hf_model, reference.tqdm = clock.timed_load(original_load), clock.timed_loop
     try:
@@ -106,6 +111,7 @@ def time_reference(
     top_k: int = 100,
     dtype: str | None = None,
     device_map: str | int | None = None,
+    stop_at_eos: bool = True,
 ) -> ReferenceTiming:
     """Time the reference ``invink`` package's decode loop on the benchmark's workload.
 
@@ -115,7 +121,8 @@ def time_reference(
     ``device_map=None`` leave them to the package (its shipped defaults); a value forces one (its
     ``device_map`` takes ``-1`` for CPU, a CUDA index, or ``"auto"``). The decode loop is timed from
     its first text to its last (its ``tqdm`` loop); model loading and its other setup are excluded
-    from ``token_seconds``. Raises ``ImportError`` when it is not installed.
+    from ``token_seconds``. ``stop_at_eos=False``: every text draws ``max_new_tokens`` (end-of-sequence does
+    not stop it; ``RuntimeError`` if one stopped early). Raises ``ImportError`` when it is not installed.
     """
     import importlib
     import importlib.metadata
@@ -127,7 +134,7 @@ def time_reference(
     description, private, public = _positional_prompts(template)
     texts = [text for batch in workload_texts(reference_pool(references), batch_size, num_texts) for text in batch]
     options = {name: value for name, value in (("dtype", dtype), ("device_map", device_map)) if value is not None}
-    with _clocked(reference) as clock:
+    with _clocked(reference, stop_at_eos) as clock:
         started = time.perf_counter()
         out = _call_reference(
             reference, texts, model_dir=model_dir, system=template.system, prompts=(description, private, public),
@@ -138,6 +145,9 @@ def time_reference(
     if len(clock.loop) != 1:
         raise RuntimeError("could not time the reference package's decode loop (its tqdm loop was not used)")
     tokens = int(sum(out.lens))
+    if not stop_at_eos and tokens != num_texts * max_new_tokens:
+        raise RuntimeError(f"the reference package drew {tokens} tokens, not {num_texts} x {max_new_tokens}: "
+                           "its end-of-sequence stop was not disabled")
     return ReferenceTiming(
         token_seconds=clock.loop[0] / tokens,
         tokens=tokens,

@@ -52,9 +52,11 @@ class WorkloadRun:
 
 
 def workload_run(
-    engine: Engine, requests, max_new_tokens: int, device, *, one_at_a_time: bool = False, indices=None
+    engine: Engine, requests, max_new_tokens: int, device, *, one_at_a_time: bool = False, indices=None,
+    stop_at_eos: bool = True,
 ) -> WorkloadRun:
-    """The whole workload as a user runs it: all texts, prefill included, stopping at end-of-sequence;
+    """The whole workload as a user runs it: all texts, prefill included, stopping at end-of-sequence
+    (``stop_at_eos=False``: every text draws ``max_new_tokens``, the equal work a per-token comparison needs);
     with ``one_at_a_time``, one :meth:`Engine.generate` call per text (the same streams). ``indices``:
     the texts this process runs (all by default; each keeps its stream)."""
     stats = ForwardStats()
@@ -68,7 +70,7 @@ def workload_run(
         for call in calls:
             for text in engine.generate(
                 [requests[i] for i in call], max_new_tokens=max_new_tokens, generator=seeded_generator(device),
-                stream_ids=call,
+                stream_ids=call, stop_at_eos=stop_at_eos,
             ):
                 counts[call[text.request_index]] = text.num_tokens
         sync(device)
@@ -97,9 +99,11 @@ def workload_texts(pool: Sequence[str], batch_size: int, num_texts: int) -> list
     return [[pool[(g * batch_size + i) % len(pool)] for i in range(batch_size)] for g in range(num_texts)]
 
 
-def encode_workload(loaded: LoadedModel, template: PromptTemplate, texts: list[list[str]]) -> tuple[list, bool]:
-    """One request per text (key = its index), and whether the prompts are plain text (no chat template)."""
+def encode_workload(loaded: LoadedModel, template: PromptTemplate, texts: list[list[str]], *, stop: bool = True,
+                    ) -> tuple[list, bool]:
+    """One request per text (key = its index), and whether the prompts are plain text (no chat template);
+    ``stop=False`` drops the template's stop strings (a full-length run: the reference package has none)."""
     plain = getattr(loaded.tokenizer, "chat_template", None) is None
     requests = [encode_request(loaded.tokenizer, template, batch, key=g, plain=plain) for g, batch in enumerate(texts)]
-    return requests, plain
+    return [r if stop else dataclasses.replace(r, stop=()) for r in requests], plain
 

@@ -44,6 +44,16 @@ def test_benchmark_measures_lockstep_steps_and_the_whole_workload(tiny):
     assert result.workload_token_seconds == pytest.approx(result.workload_seconds / result.workload_tokens)
     report = result.to_json()
     assert report["references"] == [] and report["workload_token_seconds"] > 0
+    assert report["stop_at_eos"] is True and "end-of-sequence stopping texts" in format_bench(result)
+
+
+def test_benchmark_full_length_runs_every_text_to_t_tokens(tiny):
+    runs = {stop: benchmark(tiny, batch_size=2, max_new_tokens=8, num_texts=3, repeats=0, top_k=8, floor=False,
+                            count_ops=False, stop_at_eos=stop) for stop in (True, False)}
+    assert runs[True].workload_tokens < 3 * 8  # this seed's texts do end early
+    result = runs[False]
+    assert result.workload_tokens == 3 * 8 and result.one_at_a_time_tokens == 3 * 8  # equal work in both runs
+    assert result.to_json()["stop_at_eos"] is False and "every text to T: --full-length" in format_bench(result)
 
 
 def test_the_kernel_op_counter_counts_operations_and_not_views():
@@ -124,10 +134,14 @@ def test_the_gpu_decode_step_launches_at_most_1_1x_a_plain_padded_decode_on_real
 class _FakeModel:
     def __init__(self, dtype):
         self.dtype = dtype
+        self.generation_config = types.SimpleNamespace(eos_token_id=2)
+        self.config = types.SimpleNamespace(vocab_size=50)
 
 
-def _fake_reference(monkeypatch, *, load_seconds=0.05, setup_seconds=0.05, step_seconds=0.002):
-    """A stand-in for ``invink.generate``: loads a model, does setup, then a tqdm loop over texts."""
+def _fake_reference(monkeypatch, *, load_seconds=0.05, setup_seconds=0.05, step_seconds=0.002, eos_from_config=True):
+    """A stand-in for ``invink.generate``: loads a model, does setup, then a tqdm loop over texts, each stopped
+    one token early by end-of-sequence (as it does: while its model's ``generation_config`` names an end-of-sequence
+    id; ``eos_from_config=False``: whatever the config says)."""
     import torch
 
     module = types.ModuleType("invink.generate")
@@ -143,13 +157,14 @@ def _fake_reference(monkeypatch, *, load_seconds=0.05, setup_seconds=0.05, step_
     def generate(texts, *, num, max_toks, batch_size, dtype="bfloat16", device_map="auto", **kwargs):
         calls.append(dict(texts=list(texts), num=num, max_toks=max_toks, batch_size=batch_size, dtype=dtype,
                           device_map=device_map, **kwargs))
-        module.load_hf_model(kwargs["model_name_or_path"], dtype=dtype, device_map=device_map)
+        model = module.load_hf_model(kwargs["model_name_or_path"], dtype=dtype, device_map=device_map)
         time.sleep(setup_seconds)
+        stops = model.generation_config.eos_token_id < model.config.vocab_size or not eos_from_config
         lens = []
         for _ in module.tqdm(range(num)):
-            for _step in range(max_toks - 1):  # each text stops one token early (end-of-sequence)
+            for _step in range(max_toks - stops):  # each text stops one token early (end-of-sequence)
                 time.sleep(step_seconds)
-            lens.append(max_toks - 1)
+            lens.append(max_toks - stops)
         return types.SimpleNamespace(lens=lens)
 
     module.load_hf_model, module.tqdm, module.generate = load_hf_model, tqdm, generate
@@ -180,6 +195,15 @@ def test_time_reference_can_match_our_dtype_and_device(monkeypatch):
     timing = time_reference("/model", batch_size=2, max_new_tokens=3, dtype="float32", device_map=-1)
     assert calls[0]["dtype"] == "float32" and calls[0]["device_map"] == -1
     assert timing.dtype == "float32" and timing.configuration == "dtype=float32, device_map=-1"
+
+
+def test_time_reference_full_length_draws_every_token_or_says_it_could_not(monkeypatch):
+    _fake_reference(monkeypatch)
+    assert time_reference("/model", batch_size=2, max_new_tokens=4, num_texts=2).tokens == 2 * 3  # stops early
+    assert time_reference("/model", batch_size=2, max_new_tokens=4, num_texts=2, stop_at_eos=False).tokens == 2 * 4
+    _fake_reference(monkeypatch, eos_from_config=False)  # a version that stops some other way: no silent mismatch
+    with pytest.raises(RuntimeError, match="drew 6 tokens, not 2 x 4"):
+        time_reference("/model", batch_size=2, max_new_tokens=4, num_texts=2, stop_at_eos=False)
 
 
 def test_cli_bench_checks_reference_options_before_the_long_run(monkeypatch, capsys):

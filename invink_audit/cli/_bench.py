@@ -47,6 +47,13 @@ def register(subparsers) -> None:
     _add_comparison_arguments(p)
     add(p, "--max-batch-rows", help="rows per decoding forward pass (default G x (B+1))")
     p.add_argument(
+        "--full-length",
+        action="store_true",
+        help="every text draws T tokens, end-of-sequence not stopping it, in our runs and the reference's: equal "
+        "work for the per-token comparison (stopping at end-of-sequence, two runs draw different numbers of tokens "
+        "and share their prefill over them)",
+    )
+    p.add_argument(
         "--compare-dtypes",
         action="store_true",
         help="run the whole workload in float32 and in bfloat16 side by side, alternating (float32, bfloat16, "
