@@ -49,20 +49,27 @@ def verdict(ratio, below_grid: float, confidence: float, target_gain: float) -> 
 
 
 def summary(result) -> list[str]:
-    """Per ε and sensitivity convention: the verdict at the baseline's best point, or why there is none."""
+    """Per ε and baseline: the verdict at the baseline's best point and, where it is another, at its cheapest point
+    whose gain interval overlaps the best's (a flat curve's best point buys rows for almost no gain); or why there
+    is no ratio."""
     lines = []
     for eps in result.config.epsilons:
         for mech in (m for m in result.config.mechanisms if m != "invisibleink"):
             rows = [c for c in result.compute if c.baseline.epsilon == eps and c.baseline.mechanism == mech]
             if not rows:
-                lines.append(f"- ε = {eps:g}, {mech}: undecided: no feasible B + 1 up to "
-                             f"{max(result.config.batch_sizes) + 1} (the planner finds no clip norm), nothing to compare")
+                planned = [p for p in result.config.points() if (p.mechanism, p.epsilon) == (mech, eps)]
+                why = ("InvisibleInk has no full-vocabulary point at this ε" if planned else
+                       f"no feasible B + 1 up to {max(result.config.batch_sizes) + 1} (the planner finds no clip norm)")
+                lines.append(f"- ε = {eps:g}, {mech}: undecided: {why}, nothing to compare")
                 continue
             best = max(rows, key=lambda c: c.target_gain.estimate)
+            cheapest = min((c for c in rows if c.target_gain.upper >= best.target_gain.lower),
+                           key=lambda c: c.baseline.batch_size)
             note = " (its ε a DATA-DEPENDENT budget)" if mech == "adapmixed" else ""
-            lines.append(f"- ε = {eps:g}, {mech}{note} at its best gain (B + 1 = {best.baseline.batch_size + 1}, gain "
-                         f"{best.target_gain.format()}): ratio {best.ratio.format(2)}; "
-                         + verdict(best.ratio, best.below_grid, result.config.confidence, best.target_gain.estimate))
+            for c, which in ((best, "best gain"), (cheapest, "cheapest point of equal gain"))[: 1 + (cheapest is not best)]:
+                lines.append(f"- ε = {eps:g}, {mech}{note} at its {which} (B + 1 = {c.baseline.batch_size + 1}, gain "
+                             f"{c.target_gain.format()}): ratio {c.ratio.format(2)}; "
+                             + verdict(c.ratio, c.below_grid, result.config.confidence, c.target_gain.estimate))
     return lines
 
 

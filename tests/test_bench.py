@@ -7,6 +7,7 @@ what :func:`benchmarks.reference.time_reference` passes to it and which part of 
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 import time
@@ -324,3 +325,34 @@ def test_cli_bench_without_a_source_checkout_is_one_line_exit_2(tmp_path, monkey
     assert main(["bench", "--no-floor"]) == 2
     err = capsys.readouterr().err
     assert "bench needs a source checkout" in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ the paper-claims script's verdict lines
+
+
+def test_paper_claims_summary_reads_the_best_and_the_cheapest_equal_point_and_says_why_none():
+    from invink_audit.evaluation.profile import ComputeRatio, ProfileConfig
+    from invink_audit.evaluation.stats import Interval
+
+    claims = harness("paper_claims")
+    config = ProfileConfig(epsilons=(1.0, 10.0), batch_sizes=(15, 31, 63), top_ks=(None,), max_new_tokens=32,
+                           mechanisms=("invisibleink", "amin-paper"))  # the paper's sensitivities: 16 rows feasible
+    amin = {p.batch_size: p for p in config.points() if p.mechanism == "amin-paper"}
+    assert set(amin) == {15, 31, 63} and {p.epsilon for p in amin.values()} == {10.0}  # ε = 1: none feasible
+
+    def ratio(b, gain, ratio, below):
+        return ComputeRatio(amin[b], Interval(*gain, 0.95, "t"), Interval(b + 1, b + 1, b + 1, 0.95, "t"),
+                            Interval(2.2, 2.0, 2.7, 0.95, "t"), Interval(*ratio, 0.95, "t"), below, 0.0)
+
+    compute = (ratio(15, (0.035, 0.024, 0.048), (7.4, 5.9, 8.0), 0.26),  # the page's figures (paper-claims.md)
+               ratio(31, (0.039, 0.029, 0.051), (13.8, 10.3, 16.0), 0.09),
+               ratio(63, (0.040, 0.029, 0.052), (27.2, 11.7, 32.0), 0.07))
+    lines = claims.summary(types.SimpleNamespace(config=config, compute=compute))
+    assert lines[0] == ("- ε = 1, amin-paper: undecided: no feasible B + 1 up to 64 (the planner finds no clip norm), "
+                        "nothing to compare")
+    assert "at its best gain (B + 1 = 64" in lines[1] and "reproduced: the ratio's lower end 11.70 >= 8" in lines[1]
+    assert "at its cheapest point of equal gain (B + 1 = 16" in lines[2] and "contains 8" in lines[2]
+    assert len(lines) == 3
+    no_full = dataclasses.replace(config, epsilons=(10.0,), top_ks=(100,))  # InvisibleInk: no full-vocabulary point
+    assert claims.summary(types.SimpleNamespace(config=no_full, compute=())) == [
+        "- ε = 10, amin-paper: undecided: InvisibleInk has no full-vocabulary point at this ε, nothing to compare"]

@@ -229,6 +229,15 @@ def test_cli_scores_the_baselines_and_refuses_an_unknown_one(tiny_dir, reviews_c
     assert "infeasible" in captured.err and len(payload["compute"]) == 2  # amin at ε = 100, B = 2 and 3
     assert main([*common, "--mechanism", "amin2024"]) == 2
     assert "--mechanism must be one of invisibleink, amin, amin-paper, adapmixed; got 'amin2024'" in capsys.readouterr().err
+    # before any model loads, one line each: r given without Amin et al., and a grid with no feasible point
+    assert main([*common, "--mechanism", "invisibleink,adapmixed"]) == 2
+    err = capsys.readouterr().err
+    assert "amin_private_tokens applies to amin and amin-paper" in err and len(err.strip().splitlines()) == 1
+    only_30 = [("30" if arg == "30,100" else arg) for arg in common]
+    assert main([*only_30, "--mechanism", "amin"]) == 2
+    err = capsys.readouterr().err
+    assert "no grid point is feasible (no clip norm): amin eps=30 B=2 tau=1, amin eps=30 B=3 tau=1" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_a_step_with_no_scored_token_is_skipped(tiny, reviews_csv):

@@ -115,6 +115,8 @@ class ProfileConfig:
             raise ValueError(f"mechanisms must be among {', '.join(PROFILE_MECHANISMS)}; got {unknown}")
         if self.amin_private_tokens is not None:
             check_count("amin_private_tokens", self.amin_private_tokens)
+            if not {"amin", "amin-paper"} & set(self.mechanisms):
+                raise ValueError(f"amin_private_tokens applies to amin and amin-paper; mechanisms are {self.mechanisms}")
         for name in ("epsilons", "batch_sizes", "top_ks", "temperatures"):
             object.__setattr__(self, name, grid_values(getattr(self, name), name))
         for b in self.batch_sizes:
@@ -138,7 +140,8 @@ class ProfileConfig:
             raise ValueError("a privacy unit is supported for InvisibleInk only: profile the baselines per reference")
         if self.privacy_unit is not None and self.where:
             raise ValueError("where with a privacy unit is not supported: select the records into a file first")
-        self.points()  # every point's C is planned now: an out-of-range point fails before any model loads
+        if not self.points():  # every point's C is planned now: an out-of-range point fails before any model loads
+            raise ValueError(f"no grid point is feasible (no clip norm): {', '.join(self.infeasible())}")
 
     @property
     def tokens_scored(self) -> int:
