@@ -35,7 +35,7 @@ from invink_audit.mechanism import (
 from invink_audit.mechanisms.base import Mechanism
 from invink_audit.models import LoadedModel
 from invink_audit.prompts import TextRequest, reached_stop, release_text
-from invink_audit.rows import KV_LAYOUTS, KVPool, KVStore, RowKV, StoredRow
+from invink_audit.rows import KV_LAYOUTS, KVPool, KVStore, RowKV, StoredRow, default_kv_layout, default_max_batch_rows
 
 __all__ = [
     "KV_LAYOUTS",
@@ -72,11 +72,6 @@ def text_outcomes(text, vocab_size: int, stop_outcome: int | None) -> list[int]:
     ``stop_outcome`` last when the mechanism's stop rule ended it (``Mechanism.stop_outcome``)."""
     ids = [m * vocab_size + t for t, m in zip(text.token_ids, text.modes or [0] * len(text.token_ids))]
     return ids + [stop_outcome] if stop_outcome is not None and text.finish_reason == FINISH_BUDGET else ids
-
-
-def default_max_batch_rows(device: torch.device) -> int:
-    """Rows per forward pass when the caller gives none: 64 on CPU, 256 on CUDA."""
-    return 256 if device.type == "cuda" else 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +346,7 @@ class Engine:
         for name, flag in (("support_only", support_only), ("share_prefill", share_prefill)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be a bool; got {flag!r}")
-        kv_layout = ("pool" if model.device.type == "cuda" else "buckets") if kv_layout is None else kv_layout
+        kv_layout = default_kv_layout(model.device) if kv_layout is None else kv_layout
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}; got {kv_layout!r}")
         if "logits_to_keep" not in inspect.signature(model.model.forward).parameters:

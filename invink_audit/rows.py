@@ -34,6 +34,8 @@ __all__ = [
     "RowKV",
     "StoredRow",
     "bucket_length",
+    "default_kv_layout",
+    "default_max_batch_rows",
     "packed_attention",
     "pool_capacity",
     "pool_width",
@@ -45,6 +47,17 @@ __all__ = [
 #: pool with static shapes and one attention call per layer (:class:`KVPool`), captured as a CUDA graph on CUDA
 #: (launch-bound devices: CUDA's default).
 KV_LAYOUTS = ("buckets", "pool")
+
+
+def default_kv_layout(device: torch.device | str) -> str:
+    """The engine's layout when the caller gives none: ``"pool"`` on CUDA, ``"buckets"`` elsewhere."""
+    return "pool" if torch.device(device).type == "cuda" else "buckets"
+
+
+def default_max_batch_rows(device: torch.device | str) -> int:
+    """Rows per forward pass when the caller gives none: 64 on CPU, 256 on CUDA."""
+    return 256 if torch.device(device).type == "cuda" else 64
+
 #: Name of the attention implementation registered with transformers.
 ATTENTION_NAME = "invink_rows"
 #: Rows a decoding bucket is allocated for at first; it doubles when full (:meth:`_Bucket._room`).

@@ -170,13 +170,14 @@ def _memory(args) -> int:
     import dataclasses
 
     from invink_audit.capacity import GIB, Workload, estimate_memory, max_batch_rows_for_budget, read_model_shape
+    from invink_audit.rows import default_kv_layout, default_max_batch_rows
 
     budget = None if args.memory_budget is None else parse_float("--memory-budget", args.memory_budget)
     if budget is not None and not 0 < budget < 1e9:
         raise ValueError(f"--memory-budget must be a number of GiB in (0, 1e9); got {args.memory_budget!r}")
     rows = _optional_int("--max-batch-rows", args.max_batch_rows)
     if rows is None:
-        rows = 256 if args.device == "cuda" else 64  # engine.py default_max_batch_rows
+        rows = default_max_batch_rows(args.device)
     workload = Workload(
         batch_size=parse_int("--batch-size", args.batch_size),
         max_new_tokens=parse_int("--max-new-tokens", args.max_new_tokens),
@@ -184,7 +185,7 @@ def _memory(args) -> int:
         public_prompt_tokens=_optional_int("--public-prompt-tokens", args.public_prompt_tokens),
         max_batch_rows=rows, num_texts=_optional_int("--num-texts", args.num_texts),
         top_k=parse_top_k("--top-k", args.top_k, "none"),
-        kv_layout="pool" if args.device == "cuda" else "buckets",  # the engine's default on that device
+        kv_layout=default_kv_layout(args.device),
     )
     shape = read_model_shape(args.model, dtype=args.dtype, device=args.device)
     if budget is not None:
