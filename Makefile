@@ -56,8 +56,9 @@ test-thorough: $(STAMP)
 
 # On a machine with CUDA (and a CUDA build of torch in $(PY)): the CUDA tests (the pool's CUDA graphs against eager
 # passes, public rows bitwise in both layouts, the oracle, one synchronisation per step), then the real-data benchmark
-# in bfloat16 at G = 1 and 8 with the kernel-op count and, with INVINK_REFERENCE_PATH (a folder holding the reference
-# `invink` 0.1.0 package and pandas), the matched reference: about 5 minutes on an H100, inside one device call's
+# in bfloat16 at G = 1 and 8 (every text to T, --full-length) with the kernel-op count and, with
+# INVINK_REFERENCE_PATH (a folder holding the reference `invink` 0.1.0 package and pandas), the matched
+# reference: about 5 minutes on an H100, inside one device call's
 # 10. Everything it prints goes to $(GPU_OUT)/ (device, commit, date first) for docs/results. YELP: the reviews file
 # (copy it into the checkout on a machine that has no ../shared); GIT_COMMIT: the commit, where the copy has no .git.
 # `gpu-run GPU_PY=python3` runs the same steps with a Python that already has torch and the project's
@@ -69,7 +70,7 @@ GPU_PY ?= $(PY)
 GPU_OUT ?= gpu-out
 GIT_COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 BENCH_WORKLOAD := --references $(YELP) --where "label1=Business Category: Restaurants" --batch-size 7 \
-	--max-new-tokens 64 --device cuda --dtype bfloat16 --no-one-at-a-time --no-floor --repeats 1 \
+	--max-new-tokens 64 --device cuda --dtype bfloat16 --no-one-at-a-time --no-floor --repeats 1 --full-length \
 	$(if $(INVINK_REFERENCE_PATH),--reference --reference-config matched,)
 gpu-check: $(STAMP)
 	$(MAKE) gpu-run GPU_PY=$(PY)
