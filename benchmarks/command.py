@@ -334,7 +334,8 @@ def format_dtype_comparison(result) -> str:
     lines = [
         f"model {result.model} on {result.device} ({result.threads} threads): G = {result.num_texts} text(s) x "
         f"(B+1 = {result.batch_size + 1}) = {result.num_texts * (result.batch_size + 1)} rows, T = {result.max_new_tokens}; "
-        f"{result.rounds} alternating round(s)",
+        f"{result.rounds} alternating round(s), "
+        + ("stopping at end-of-sequence" if result.stop_at_eos else "every text to T (--full-length)"),
         f"  --dtype auto chooses     {result.auto.dtype}: {result.auto.reason}",
         f"  {'dtype':<10} {'workload s (each round)':<26} {'median s':>9} {'prefill s':>10} {'tokens':>7} {'ms/token':>9}",
     ]

@@ -24,7 +24,8 @@ from .workload import check_counts, encode_workload, reference_pool, seeded_gene
 @dataclasses.dataclass(frozen=True)
 class DtypeRun:
     """One dtype's whole-workload runs in :func:`compare_dtypes`, one per round: seconds (prefill
-    included, stopping at end-of-sequence), prefill seconds, generated tokens. ``choice``: why it ran in
+    included; stopping at end-of-sequence unless the comparison's ``stop_at_eos`` is False), prefill seconds,
+    generated tokens. ``choice``: why it ran in
     that dtype (``"requested"``, or ``auto``'s decision when auto chose it)."""
 
     choice: DtypeChoice
@@ -50,7 +51,7 @@ class DtypeRun:
 
     @property
     def token_seconds(self) -> float:
-        """Seconds per generated token over every round (prefill and end-of-sequence included)."""
+        """Seconds per generated token over every round (prefill included)."""
         return sum(self.seconds) / sum(self.tokens)
 
     def to_json(self) -> dict:
@@ -78,6 +79,8 @@ class DtypeComparison:
     auto: DtypeChoice
     runs: tuple[DtypeRun, ...]
     references: tuple[ReferenceTiming, ...] = ()
+    #: False: every text drew ``max_new_tokens`` (``--full-length``), here and in the reference's runs
+    stop_at_eos: bool = True
 
     def run(self, dtype: str) -> DtypeRun:
         for run in self.runs:
@@ -96,7 +99,7 @@ class DtypeComparison:
     def to_json(self) -> dict:
         out = {
             name: getattr(self, name)
-            for name in ("model", "device", "threads", "batch_size", "num_texts", "max_new_tokens", "rounds")
+            for name in ("model", "device", "threads", "batch_size", "num_texts", "max_new_tokens", "rounds", "stop_at_eos")
         }
         out["auto"] = self.auto.to_json()
         out["runs"] = [run.to_json() for run in self.runs]
@@ -200,5 +203,6 @@ def compare_dtypes(
             )
             for name, (_, _, measured) in runs.items()
         ),
+        stop_at_eos=stop_at_eos,
     )
 

@@ -52,6 +52,7 @@ from .workload import (
     row_prompts,
     seeded_generator,
     sync,
+    to_length,
     workload_run,
     workload_texts,
 )
@@ -233,7 +234,8 @@ def _interleaved_run(engine: Engine, requests, max_new_tokens: int, temperature:
 
     last[0] = time.perf_counter()
     for _ in engine.generate(
-        requests, max_new_tokens=max_new_tokens, generator=seeded_generator(device), stop_at_eos=False, progress=tick
+        to_length(requests), max_new_tokens=max_new_tokens, generator=seeded_generator(device), stop_at_eos=False,
+        progress=tick,
     ):
         pass
     return private_steps[1:], forward_steps, single_steps

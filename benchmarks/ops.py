@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from accounting.limits import check_count
 from invink_audit.engine import Engine
 
-from .workload import row_prompts, seeded_generator
+from .workload import row_prompts, seeded_generator, to_length
 
 _ATEN = torch.ops.aten
 #: operations that allocate or alias without running a kernel (views are recognised by their schema)
@@ -70,7 +70,7 @@ def count_decode_ops(engine: Engine, requests, steps: int = 4) -> DecodeOps:
     graphs, engine.forward.graphs.enabled = engine.forward.graphs.enabled, False  # a replay hides its operations
     try:
         with counter:
-            for _ in engine.generate(requests, max_new_tokens=steps + 1, generator=seeded_generator(device),
+            for _ in engine.generate(to_length(requests), max_new_tokens=steps + 1, generator=seeded_generator(device),
                                      stop_at_eos=False, progress=lambda _n: ticks.append(counter.count)):
                 pass
     finally:

@@ -7,7 +7,9 @@ same privacy and utility. Per ε and baseline point: the ratio baseline rows : I
 gain, with its paired bootstrap interval; the verdict on the baseline point with the best gain is *reproduced* when
 the interval's lower end is at least 8 (censored resamples only lower a ratio, so that end is conservative),
 *refuted* when its upper end is below 8 and InvisibleInk's rows are measured (not at the grid's smallest B + 1) in
-all but α/2 of the resamples, *undecided* otherwise. Run from the repository root::
+all but α/2 of the resamples, *undecided* otherwise; *no ratio* where the baseline's gain is not above the public
+floor. Beside the best point, the summary reads the baseline's cheapest point whose gain interval overlaps the
+best's. Run from the repository root::
 
     PYTHONPATH=$PWD HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m benchmarks.paper_claims --output audits/reports/paper_claims
 """
@@ -35,9 +37,9 @@ CLAIMED_RATIO = 8.0
 
 def verdict(ratio, below_grid: float, confidence: float, target_gain: float) -> str:
     """``reproduced``/``refuted``/``undecided`` with the reason (module docstring)."""
-    if target_gain <= 0 and ratio.lower >= CLAIMED_RATIO:
-        return (f"reproduced (degenerate): the baseline is below the public floor, which costs 1 row and no privacy; "
-                f"the ratio's lower end {ratio.lower:.2f} >= {CLAIMED_RATIO:g}")
+    if target_gain <= 0:
+        return ("no ratio at equal utility: the baseline is below the public floor, which costs 1 row and no "
+                f"privacy (InvisibleInk's rows for its gain: its smallest B + 1; ratio {ratio.format(2)})")
     if ratio.lower >= CLAIMED_RATIO:
         return f"reproduced: the ratio's lower end {ratio.lower:.2f} >= {CLAIMED_RATIO:g}"
     if ratio.upper < CLAIMED_RATIO and below_grid <= (1 - confidence) / 2:

@@ -22,7 +22,7 @@ class ReferenceTiming:
 
     ``seconds`` is its decode loop alone (prompt encoding, prefill and every per-token step of every
     text); ``setup_seconds`` the rest of its ``generate`` call except model loading. ``token_seconds`` =
-    ``seconds`` / ``tokens`` (it stops at end-of-sequence). ``dtype`` is the dtype its model ran in;
+    ``seconds`` / ``tokens`` (it stops at end-of-sequence unless timed with ``stop_at_eos=False``). ``dtype`` is the dtype its model ran in;
     ``requested_dtype`` and ``requested_device_map`` are ``None`` where the package chose (its defaults:
     bfloat16, which it turns into float16 on a machine without CUDA bfloat16, and ``device_map="auto"``,
     which places the model through accelerate's dispatch hooks).
@@ -117,12 +117,14 @@ def time_reference(
 
     The workload is the one :func:`benchmark` runs: ``num_texts`` texts, each from ``batch_size``
     references of the same pool (its ``batch_size`` argument is ``B + 1``), our prompt template in its
-    positional format (same prompts), ``max_toks = T`` explicitly. ``dtype=None`` and
+    positional format (the same prompts but for our answer prefix, a few tokens it has no field for),
+    ``max_toks = T`` explicitly. ``dtype=None`` and
     ``device_map=None`` leave them to the package (its shipped defaults); a value forces one (its
     ``device_map`` takes ``-1`` for CPU, a CUDA index, or ``"auto"``). The decode loop is timed from
     its first text to its last (its ``tqdm`` loop); model loading and its other setup are excluded
     from ``token_seconds``. ``stop_at_eos=False``: every text draws ``max_new_tokens`` (end-of-sequence does
-    not stop it; ``RuntimeError`` if one stopped early). Raises ``ImportError`` when it is not installed.
+    not stop it; ``ValueError``, one line from the command, if one stopped early). Raises ``ImportError`` when
+    it is not installed.
     """
     import importlib
     import importlib.metadata
@@ -146,7 +148,7 @@ def time_reference(
         raise RuntimeError("could not time the reference package's decode loop (its tqdm loop was not used)")
     tokens = int(sum(out.lens))
     if not stop_at_eos and tokens != num_texts * max_new_tokens:
-        raise RuntimeError(f"the reference package drew {tokens} tokens, not {num_texts} x {max_new_tokens}: "
+        raise ValueError(f"the reference package drew {tokens} tokens, not {num_texts} x {max_new_tokens}: "
                            "its end-of-sequence stop was not disabled")
     return ReferenceTiming(
         token_seconds=clock.loop[0] / tokens,

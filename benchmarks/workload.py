@@ -105,5 +105,11 @@ def encode_workload(loaded: LoadedModel, template: PromptTemplate, texts: list[l
     ``stop=False`` drops the template's stop strings (a full-length run: the reference package has none)."""
     plain = getattr(loaded.tokenizer, "chat_template", None) is None
     requests = [encode_request(loaded.tokenizer, template, batch, key=g, plain=plain) for g, batch in enumerate(texts)]
-    return [r if stop else dataclasses.replace(r, stop=()) for r in requests], plain
+    return (requests if stop else to_length(requests)), plain
+
+
+def to_length(requests) -> list:
+    """``requests`` without their template's stop strings: with ``stop_at_eos=False`` every text then draws
+    ``max_new_tokens`` (runs whose steps must be the same rows: lockstep timings, op counts, equal work)."""
+    return [dataclasses.replace(r, stop=()) for r in requests]
 

@@ -203,7 +203,7 @@ def test_time_reference_full_length_draws_every_token_or_says_it_could_not(monke
     assert time_reference("/model", batch_size=2, max_new_tokens=4, num_texts=2).tokens == 2 * 3  # stops early
     assert time_reference("/model", batch_size=2, max_new_tokens=4, num_texts=2, stop_at_eos=False).tokens == 2 * 4
     _fake_reference(monkeypatch, eos_from_config=False)  # a version that stops some other way: no silent mismatch
-    with pytest.raises(RuntimeError, match="drew 6 tokens, not 2 x 4"):
+    with pytest.raises(ValueError, match="drew 6 tokens, not 2 x 4"):
         time_reference("/model", batch_size=2, max_new_tokens=4, num_texts=2, stop_at_eos=False)
 
 
@@ -285,6 +285,29 @@ def test_cli_bench_compare_dtypes_reports_both_dtypes_and_the_reference_in_each(
     assert main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [run["dtype"] for run in report["runs"]] == ["float32", "bfloat16"] and report["auto"]["reason"]
+    assert report["stop_at_eos"] is True
+    calls.clear()  # --full-length reaches every run, ours and the reference's, and the report says so
+    assert main([*args, "--full-length", "--reference", "--reference-config", "matched", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["stop_at_eos"] is False and [run["tokens"] for run in report["runs"]] == [[3], [3]]
+    assert [r["tokens"] for r in report["references"]] == [3, 3] and len(calls) == 2
+    assert main([*args, "--full-length"]) == 0 and "every text to T (--full-length)" in capsys.readouterr().out
+
+
+def test_cli_bench_full_length_reaches_our_runs_and_the_reference(tiny_dir, monkeypatch, capsys):
+    import json
+
+    _fake_reference(monkeypatch)  # stops each text one token early unless its end-of-sequence id was moved
+    args = ["bench", "--model", str(tiny_dir), "--batch-size", "2", "--max-new-tokens", "8", "--num-texts", "3",
+            "--top-k", "8", "--repeats", "0", "--no-floor", "--no-op-count", "--reference", "--reference-config",
+            "matched", "--json"]  # fmt: skip
+    assert main([*args, "--full-length"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["stop_at_eos"] is False and report["workload_tokens"] == report["one_at_a_time_tokens"] == 3 * 8
+    assert report["references"][0]["tokens"] == 3 * 8
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["stop_at_eos"] is True and report["references"][0]["tokens"] == 3 * 7
 
 
 @pytest.mark.parametrize(
@@ -353,6 +376,8 @@ def test_paper_claims_summary_reads_the_best_and_the_cheapest_equal_point_and_sa
     assert "at its best gain (B + 1 = 64" in lines[1] and "reproduced: the ratio's lower end 11.70 >= 8" in lines[1]
     assert "at its cheapest point of equal gain (B + 1 = 16" in lines[2] and "contains 8" in lines[2]
     assert len(lines) == 3
+    below_floor = claims.verdict(Interval(32.0, 32.0, 32.0, 0.95, "t"), 1.0, 0.95, -0.111)  # the page's ε = 3, correct
+    assert below_floor.startswith("no ratio at equal utility: the baseline is below the public floor")
     no_full = dataclasses.replace(config, epsilons=(10.0,), top_ks=(100,))  # InvisibleInk: no full-vocabulary point
     assert claims.summary(types.SimpleNamespace(config=no_full, compute=())) == [
         "- ε = 10, amin-paper: undecided: InvisibleInk has no full-vocabulary point at this ε, nothing to compare"]

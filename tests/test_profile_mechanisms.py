@@ -232,7 +232,7 @@ def test_cli_scores_the_baselines_and_refuses_an_unknown_one(tiny_dir, reviews_c
     # before any model loads, one line each: r given without Amin et al., and a grid with no feasible point
     assert main([*common, "--mechanism", "invisibleink,adapmixed"]) == 2
     err = capsys.readouterr().err
-    assert "amin_private_tokens applies to amin and amin-paper" in err and len(err.strip().splitlines()) == 1
+    assert "(--amin-private-tokens) applies to amin and amin-paper only" in err and len(err.strip().splitlines()) == 1
     only_30 = [("30" if arg == "30,100" else arg) for arg in common]
     assert main([*only_30, "--mechanism", "amin"]) == 2
     err = capsys.readouterr().err

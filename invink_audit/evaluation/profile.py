@@ -116,7 +116,8 @@ class ProfileConfig:
         if self.amin_private_tokens is not None:
             check_count("amin_private_tokens", self.amin_private_tokens)
             if not {"amin", "amin-paper"} & set(self.mechanisms):
-                raise ValueError(f"amin_private_tokens applies to amin and amin-paper; mechanisms are {self.mechanisms}")
+                raise ValueError(f"amin_private_tokens (--amin-private-tokens) applies to amin and amin-paper only; "
+                                 f"mechanisms: {', '.join(self.mechanisms)}")
         for name in ("epsilons", "batch_sizes", "top_ks", "temperatures"):
             object.__setattr__(self, name, grid_values(getattr(self, name), name))
         for b in self.batch_sizes:
