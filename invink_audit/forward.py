@@ -124,7 +124,8 @@ def output_layer_split(model: LoadedModel) -> OutputLayerSplit | None:
     mask = torch.ones_like(ids)
     try:
         with torch.inference_mode():
-            full = network(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1).logits[:, -1, :]
+            last = torch.tensor([ids.shape[1] - 1], device=model.device)  # an index, not 1: see RowForward._run
+            full = network(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=last).logits[:, -1, :]
             split = head(decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1, :])
     except Exception:  # noqa: BLE001 - any failure of the probe means: do not use the split
         return None
@@ -218,9 +219,13 @@ class RowForward:
             if hidden:
                 out = self.decoder(input_ids=input_ids, position_ids=position_ids, **pack_kwargs(layout, device))
                 return out.last_hidden_state[0]
+            # the last position as an index, not ``logits_to_keep=1``: the slice that gives is (1, 1, features)
+            # with the packed length as its batch stride, which torch's bfloat16 linear on a CPU multiplies
+            # through a copy of the whole output layer (1.5 s a prefill on Gemma 3's 262k vocabulary); the index
+            # gives a fresh (1, 1, features) and the same logits
+            keep = to_device([len(flat_ids) - 1], device) if last_only else 0
             out = self.network(
-                input_ids=input_ids, position_ids=position_ids, logits_to_keep=1 if last_only else 0,
-                **pack_kwargs(layout, device),
+                input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, **pack_kwargs(layout, device)
             )
             return out.logits[0]
 

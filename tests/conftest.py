@@ -1,5 +1,6 @@
 """Shared test configuration: hypothesis profiles, offline hub, markers, packages from the registry."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -23,6 +24,15 @@ settings.register_profile(
 settings.register_profile("dev", derandomize=True, database=None, deadline=None, max_examples=20)  # profiles.DEV_EXAMPLES
 settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_finish(session):
+    """Once every test module is imported, move what is alive to the collector's permanent generation
+    (``gc.freeze``): a full collection then walks only what the tests create, not torch's, transformers' and the
+    collected tests' objects (test_capacity's two collections per run took a third of its time). Garbage is
+    collected first, and reference counting frees frozen objects as before."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

@@ -681,3 +681,17 @@ def test_the_shared_template_prefix_is_computed_from_the_template_alone(tiny):
     a, b = request.private_ids
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert common > len(prefix) and a[: len(prefix)] == prefix
+
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_last_position_by_index_gives_the_logits_of_logits_to_keep_1(dtype):
+    """The rows' forward asks for a prefill's last logits with ``logits_to_keep`` an index tensor, not ``1`` (whose
+    strided slice sent torch's bfloat16 CPU linear through a copy of the whole output layer, 1.5 s a call on Gemma
+    3): the same logits, bitwise, in either dtype."""
+    model = build_tiny_model(seed=5, dtype=dtype)
+    ids = torch.tensor([[(7 * i + 3) % model.vocab_size for i in range(1, 12)]])
+    with torch.inference_mode():
+        sliced = model.model(input_ids=ids, logits_to_keep=1).logits
+        indexed = model.model(input_ids=ids, logits_to_keep=torch.tensor([ids.shape[1] - 1])).logits
+    assert sliced.shape == indexed.shape == (1, 1, model.vocab_size) and torch.equal(sliced, indexed)

@@ -47,6 +47,8 @@ def _monte_carlo(mech, draws: int, seed: int = 0) -> dict[tuple, int]:
     state = mech.initial_state(uniform(draws, mech.aux_size(exact=False, at_start=True)), exact=False)
     texts, alive, counts = [()] * draws, torch.ones(draws, dtype=torch.bool), {}
     for _ in range(T):
+        if not alive.any():  # every text has stopped: no later step emits or counts anything
+            break
         private, public = _batch(texts)
         aux = uniform(draws, mech.aux_size(exact=False, at_start=False))
         step = mech.step(private, public, state, aux, exact=False, neighbours=False)
