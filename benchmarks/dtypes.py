@@ -99,7 +99,8 @@ class DtypeComparison:
     def to_json(self) -> dict:
         out = {
             name: getattr(self, name)
-            for name in ("model", "device", "threads", "batch_size", "num_texts", "max_new_tokens", "rounds", "stop_at_eos")
+            for name in ("model", "device", "threads", "batch_size", "num_texts", "max_new_tokens", "rounds",
+                         "stop_at_eos")
         }
         out["auto"] = self.auto.to_json()
         out["runs"] = [run.to_json() for run in self.runs]

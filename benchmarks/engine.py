@@ -500,9 +500,8 @@ def benchmark(
     )  # fmt: skip
     result = _bench_result(
         loaded, engine, requests, cluster, steps, workload, comparisons, batch_size=batch_size, num_texts=num_texts,
-        max_new_tokens=max_new_tokens, rows=rows, repeats=repeats, plain=plain,
+        max_new_tokens=max_new_tokens, rows=rows, repeats=repeats, plain=plain, stop_at_eos=stop_at_eos,
     )  # fmt: skip
-    result = dataclasses.replace(result, stop_at_eos=stop_at_eos)
     if not count_ops:
         return result
     pooled = engine if engine.kv_layout == "pool" else Engine(loaded, mechanism, max_batch_rows=engine.max_batch_rows,
@@ -513,7 +512,7 @@ def benchmark(
 def _bench_result(
     loaded: LoadedModel, engine: Engine, requests, cluster, steps: _Steps, workload: _SharedWorkload,
     comparisons: _Comparisons, *, batch_size: int, num_texts: int, max_new_tokens: int, rows: int, repeats: int,
-    plain: bool,
+    plain: bool, stop_at_eos: bool,
 ) -> BenchResult:  # fmt: skip
     """:func:`benchmark`'s result from its measurements: the run's settings, the lockstep medians, the
     workload (the processes' figures when distributed), its efficiencies and the comparison runs."""
@@ -538,5 +537,6 @@ def _bench_result(
         processes=workload.processes if cluster.distributed else (),
         rank=cluster.rank,
         dtype_choice=loaded.dtype_choice,
+        stop_at_eos=stop_at_eos,
     )
 

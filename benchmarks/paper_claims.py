@@ -68,7 +68,10 @@ def summary(result) -> list[str]:
             cheapest = min((c for c in rows if c.target_gain.upper >= best.target_gain.lower),
                            key=lambda c: c.baseline.batch_size)
             note = " (its ε a DATA-DEPENDENT budget)" if mech == "adapmixed" else ""
-            for c, which in ((best, "best gain"), (cheapest, "cheapest point of equal gain"))[: 1 + (cheapest is not best)]:
+            readings = [(best, "best gain")]
+            if cheapest is not best:
+                readings.append((cheapest, "cheapest point of equal gain"))
+            for c, which in readings:
                 lines.append(f"- ε = {eps:g}, {mech}{note} at its {which} (B + 1 = {c.baseline.batch_size + 1}, gain "
                              f"{c.target_gain.format()}): ratio {c.ratio.format(2)}; "
                              + verdict(c.ratio, c.below_grid, result.config.confidence, c.target_gain.estimate))

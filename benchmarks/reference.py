@@ -22,10 +22,10 @@ class ReferenceTiming:
 
     ``seconds`` is its decode loop alone (prompt encoding, prefill and every per-token step of every
     text); ``setup_seconds`` the rest of its ``generate`` call except model loading. ``token_seconds`` =
-    ``seconds`` / ``tokens`` (it stops at end-of-sequence unless timed with ``stop_at_eos=False``). ``dtype`` is the dtype its model ran in;
-    ``requested_dtype`` and ``requested_device_map`` are ``None`` where the package chose (its defaults:
-    bfloat16, which it turns into float16 on a machine without CUDA bfloat16, and ``device_map="auto"``,
-    which places the model through accelerate's dispatch hooks).
+    ``seconds`` / ``tokens`` (it stops at end-of-sequence unless timed with ``stop_at_eos=False``). ``dtype`` is
+    the dtype its model ran in; ``requested_dtype`` and ``requested_device_map`` are ``None`` where the package
+    chose (its defaults: bfloat16, which it turns into float16 on a machine without CUDA bfloat16, and
+    ``device_map="auto"``, which places the model through accelerate's dispatch hooks).
     """
 
     token_seconds: float

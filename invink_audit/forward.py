@@ -124,7 +124,7 @@ def output_layer_split(model: LoadedModel) -> OutputLayerSplit | None:
     mask = torch.ones_like(ids)
     try:
         with torch.inference_mode():
-            last = torch.tensor([ids.shape[1] - 1], device=model.device)  # an index, not 1: see RowForward._run
+            last = to_device([ids.shape[1] - 1], model.device)  # an index, not 1: see RowForward._run
             full = network(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=last).logits[:, -1, :]
             split = head(decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1, :])
     except Exception:  # noqa: BLE001 - any failure of the probe means: do not use the split

@@ -47,6 +47,11 @@ __all__ = [
 #: pool with static shapes and one attention call per layer (:class:`KVPool`), captured as a CUDA graph on CUDA
 #: (launch-bound devices: CUDA's default).
 KV_LAYOUTS = ("buckets", "pool")
+#: Name of the attention implementation registered with transformers.
+ATTENTION_NAME = "invink_rows"
+#: Rows a decoding bucket is allocated for at first; it doubles when full (:meth:`_Bucket._room`).
+MIN_BUCKET_ROWS = 4
+_PACK_KWARG = "invink_pack"
 
 
 def default_kv_layout(device: torch.device | str) -> str:
@@ -57,12 +62,6 @@ def default_kv_layout(device: torch.device | str) -> str:
 def default_max_batch_rows(device: torch.device | str) -> int:
     """Rows per forward pass when the caller gives none: 64 on CPU, 256 on CUDA."""
     return 256 if torch.device(device).type == "cuda" else 64
-
-#: Name of the attention implementation registered with transformers.
-ATTENTION_NAME = "invink_rows"
-#: Rows a decoding bucket is allocated for at first; it doubles when full (:meth:`_Bucket._room`).
-MIN_BUCKET_ROWS = 4
-_PACK_KWARG = "invink_pack"
 
 
 class RowKV:
