@@ -219,10 +219,9 @@ class RowForward:
             if hidden:
                 out = self.decoder(input_ids=input_ids, position_ids=position_ids, **pack_kwargs(layout, device))
                 return out.last_hidden_state[0]
-            # the last position as an index, not ``logits_to_keep=1``: the slice that gives is (1, 1, features)
-            # with the packed length as its batch stride, which torch's bfloat16 linear on a CPU multiplies
-            # through a copy of the whole output layer (1.5 s a prefill on Gemma 3's 262k vocabulary); the index
-            # gives a fresh (1, 1, features) and the same logits
+            # the last position as an index, not ``logits_to_keep=1``, whose slice (batch stride: the packed length)
+            # torch's bfloat16 CPU linear multiplies through a copy of the whole output layer (1.5 s a prefill on
+            # Gemma 3's 262k vocabulary); the index gives a fresh (1, 1, features) and the same logits
             keep = to_device([len(flat_ids) - 1], device) if last_only else 0
             out = self.network(
                 input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, **pack_kwargs(layout, device)

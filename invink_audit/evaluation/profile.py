@@ -12,6 +12,7 @@ Design: docs/guide/evaluating.md (§"Planning by teacher forcing"); results: doc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -158,21 +159,22 @@ class ProfileConfig:
         """Every feasible grid point with its planned clip norm: InvisibleInk's by :func:`accounting.plan_clip_norm`,
         Amin et al.'s by :func:`~invink_audit.mechanisms.plan_amin` (r = :attr:`private_tokens`; :meth:`infeasible`
         lists where it finds none), AdaPMixED's none (it stops at ε instead; ``clip_norm`` NaN)."""
-        return [p for p in self._all_points() if isinstance(p, GridPoint)]
+        return [p for p in self._grid if isinstance(p, GridPoint)]
 
     def infeasible(self) -> list[str]:
         """The (mechanism, ε, B, τ) where Amin et al.'s planner finds no clip norm (the SVT alone overspends)."""
-        return [p for p in self._all_points() if isinstance(p, str)]
+        return [p for p in self._grid if isinstance(p, str)]
 
-    def _all_points(self) -> list:
+    @functools.cached_property  # planned once per config (its fields are frozen): each point, or why it has no C
+    def _grid(self) -> tuple:
         from invink_audit.mechanisms import AminInfeasibleError, plan_amin
 
         out = []
         for mech, eps, b, tau in itertools.product(self.mechanisms, self.epsilons, self.batch_sizes, self.temperatures):
             if mech == "invisibleink":
-                k = 1 if self.privacy_unit is None else self.privacy_unit.unit_contributions
+                units = 1 if self.privacy_unit is None else self.privacy_unit.unit_contributions
                 plan = plan_clip_norm(epsilon=eps, delta=self.delta, max_new_tokens=self.max_new_tokens,
-                                      batch_size=b, temperature=tau, accountant=self.accountant, unit_contributions=k)
+                                      batch_size=b, temperature=tau, accountant=self.accountant, unit_contributions=units)
                 out += [GridPoint(plan.epsilon, b, k, plan.temperature, plan.clip_norm) for k in self.top_ks]
             elif mech == "adapmixed":
                 out.append(GridPoint(eps, b, None, tau, math.nan, mech))
@@ -183,7 +185,7 @@ class ProfileConfig:
                     out.append(GridPoint(eps, b, None, tau, acc.clip_norm, mech))
                 except AminInfeasibleError:
                     out.append(f"{mech} eps={eps:g} B={b} tau={tau:g}")
-        return out
+        return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
