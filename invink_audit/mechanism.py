@@ -23,6 +23,7 @@ import torch
 
 from accounting.accountants import bounded_range_epsilon
 from accounting.conversions import br_to_zcdp
+from accounting.events import GenerationEvent
 from accounting.limits import check_count, check_positive
 from accounting.sensitivity import Adjacency, Clipping, coerce_enum, linf_sensitivity
 
@@ -204,8 +205,6 @@ class MechanismConfig:
     def event(self, max_new_tokens: int):
         """The privacy event of one text of at most ``max_new_tokens`` tokens from each batch
         (:class:`accounting.GenerationEvent`, replace-by-null): what a ledger is charged for a release."""
-        from accounting import GenerationEvent
-
         return GenerationEvent(self.clip_norm, self.batch_size, self.temperature, max_new_tokens, 1, self.clipping)
 
     @property
@@ -338,7 +337,8 @@ def naive_clip_aggregate(private_logits: torch.Tensor, clip_norm: float, *, rece
 # Top-k+ truncation
 
 
-def _support(public64: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int) -> torch.Tensor:
+def topk_plus_support(public64: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int) -> torch.Tensor:
+    """:func:`topk_plus_mask` on float64 public logits without input checks or host syncs (engine hot path)."""
     vocab_size = public64.shape[-1]
     if top_k is None or top_k >= vocab_size:
         return torch.ones(public64.shape, dtype=torch.bool, device=public64.device)
@@ -376,7 +376,7 @@ def topk_plus_mask(public_logits: torch.Tensor, top_k: int | None, clip_norm: fl
     k = _check_top_k(top_k)
     b = _check_batch_size(batch_size)
     public = _check_public(public_logits)
-    return _support(public.to(ACCUMULATION_DTYPE), k, c, b)
+    return topk_plus_support(public.to(ACCUMULATION_DTYPE), k, c, b)
 
 
 def _support_columns(public64: torch.Tensor, support: torch.Tensor, top_k: int | None) -> torch.Tensor | None:
@@ -413,7 +413,7 @@ def topk_plus_columns(
     k = _check_top_k(top_k)
     b = _check_batch_size(batch_size)
     public64 = _check_public(public_logits).to(ACCUMULATION_DTYPE)
-    return _support_columns(public64, _support(public64, k, c, b), k)
+    return _support_columns(public64, topk_plus_support(public64, k, c, b), k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,7 +490,7 @@ def _step(private, public, clip_norm, temperature, top_k, mode, with_neighbours)
     """
     batch_size, vocab_size = private.shape[-2], private.shape[-1]
     public64 = public.to(ACCUMULATION_DTYPE)
-    support = _support(public64, top_k, clip_norm, batch_size)
+    support = topk_plus_support(public64, top_k, clip_norm, batch_size)
     index = _support_columns(public64, support, top_k)
     if index is not None:
         width = index.shape[-1]
@@ -532,11 +532,6 @@ def support_log_probs(
     contributions, base, _ = _contributions(private, public64, clip_norm, Clipping.DIFFERENCE)
     total = contributions.sum(dim=-2)
     return _masked_log_softmax(_scores(base, total, private.shape[-2], temperature), ~inside)
-
-
-def topk_plus_support(public64: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int) -> torch.Tensor:
-    """:func:`topk_plus_mask` on float64 public logits without input checks or host syncs (engine hot path)."""
-    return _support(public64, top_k, clip_norm, batch_size)
 
 
 def token_log_probs(

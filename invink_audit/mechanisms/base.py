@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from accounting.claims import PrivacyClaim, StepClaim
+from accounting.events import ZcdpEvent
 
 __all__ = [
     "GuaranteeKind",
@@ -253,8 +254,6 @@ class Mechanism(abc.ABC):
         """The privacy event a ledger is charged, once, for a release with ``guarantee`` (this mechanism's): an
         a-priori zCDP release of its ``rho_sequence`` (:class:`accounting.ZcdpEvent`). A data-dependent guarantee
         (a stop rule's spend, computed from the references) has none: ``ValueError``."""
-        from accounting import ZcdpEvent
-
         if not guarantee.a_priori:
             raise ValueError(
                 f"{self.name}'s guarantee is data-dependent (its spend is computed from the references), "

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from accounting import Accountant, as_accountant
+from accounting import Accountant, GenerationEvent, as_accountant, plan_clip_norm
 from accounting.sensitivity import Clipping
 from invink_audit.mechanism import MechanismConfig
 from invink_audit.mechanisms.base import GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep, check_step_shapes
@@ -53,8 +53,6 @@ class InvisibleInk(Mechanism):
         (:func:`accounting.plan_clip_norm`: the largest C whose certified ε stays within ``epsilon``, the safe side),
         as :meth:`~invink_audit.mechanisms.AminConfig.planned` plans Amin et al.'s. ``top_k=None``: full vocabulary.
         ``unit_contributions`` k > 1: (ε, δ) is a privacy unit's, which touches k texts (k·T steps composed)."""
-        from accounting import plan_clip_norm
-
         plan = plan_clip_norm(epsilon=epsilon, delta=delta, max_new_tokens=max_new_tokens, batch_size=batch_size,
                               temperature=temperature, accountant=accountant,
                               unit_contributions=unit_contributions)  # fmt: skip
@@ -73,8 +71,6 @@ class InvisibleInk(Mechanism):
 
     def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         """Paper Theorem 2 (thm:accounting): T adaptively composed ε0-BR tokens; ε from the named accountant."""
-        from accounting import GenerationEvent
-
         cfg = self.config
         event = GenerationEvent(cfg.clip_norm, cfg.batch_size, cfg.temperature, int(max_new_tokens), 1, cfg.clipping)
         eps = event.epsilon(delta, self.accountant)
