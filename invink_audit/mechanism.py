@@ -160,15 +160,8 @@ class MechanismConfig:
     ``B + 1`` rows per token: B private and one public). ``top_k=None`` samples from the full
     vocabulary. ``clipping`` defaults to difference clipping (InvisibleInk); ``Clipping.NAIVE``
     (Amin et al. 2024, no recentering) is provided for baselines and audits, and only over the full
-    vocabulary (Top-k+ is defined for difference clipping: paper §4).
-
-    The a-priori per-token guarantees follow from the ℓ∞ sensitivity :math:`\Delta` under
-    replace-by-null adjacency (:func:`accounting.linf_sensitivity`; paper Property 1):
-
-    * :attr:`epsilon0` :math:`= 2\Delta/\tau`, the bounded-range parameter of one token
-      (= its pure-DP ε; McSherry & Talwar 2007; Durfee & Rogers 2019, arXiv:1905.04273);
-    * :attr:`rho_token` :math:`= \Delta^2/(2\tau^2)` zCDP (paper Eq. (rho-token), Theorem 2 (thm:accounting);
-      equal to :math:`\varepsilon_0^2/8`, Cesar & Rogers 2021, arXiv:2004.07223).
+    vocabulary (Top-k+ is defined for difference clipping: paper §4). The a-priori per-token guarantees:
+    :attr:`sensitivity`, :attr:`epsilon0`, :attr:`rho_token`.
     """
 
     clip_norm: float
@@ -209,19 +202,21 @@ class MechanismConfig:
 
     @property
     def sensitivity(self) -> float:
-        """ℓ∞ sensitivity of the aggregate under replace-by-null adjacency (``accounting.linf_sensitivity``)."""
+        """ℓ∞ sensitivity Δ of the aggregate under replace-by-null adjacency (``accounting.linf_sensitivity``;
+        paper Property 1): every per-token guarantee follows from it."""
         return linf_sensitivity(self.clip_norm, self.batch_size, self.clipping, Adjacency.REPLACE_BY_NULL)
 
     @property
     def epsilon0(self) -> float:
-        r""":math:`\varepsilon_0 = 2\Delta/\tau`: per-token bounded-range (and pure-DP) parameter
-        (``accounting.bounded_range_epsilon``, the one place it is computed)."""
+        r""":math:`\varepsilon_0 = 2\Delta/\tau`: per-token bounded-range (and pure-DP) parameter (McSherry & Talwar
+        2007; Durfee & Rogers 2019, arXiv:1905.04273; ``accounting.bounded_range_epsilon``, its one computation)."""
         return bounded_range_epsilon(self.sensitivity, self.temperature)
 
     @property
     def rho_token(self) -> float:
-        r""":math:`\rho_{tok} = \varepsilon_0^2/8 = \Delta^2/(2\tau^2)` zCDP per token (paper Eq. (11),
-        eqn:rho-token; ``accounting.br_to_zcdp``, the one place the conversion is written)."""
+        r""":math:`\rho_{tok} = \varepsilon_0^2/8 = \Delta^2/(2\tau^2)` zCDP per token (paper Eq. (11), eqn:rho-token,
+        Theorem 2 (thm:accounting); Cesar & Rogers 2021, arXiv:2004.07223; ``accounting.br_to_zcdp``, the one place the
+        conversion is written)."""
         return br_to_zcdp(self.epsilon0)
 
     def _options(self, private_logits) -> dict:
