@@ -134,11 +134,8 @@ class Release:
     def _parameters(self) -> dict:
         """The flat record's parameters; the unit's fields only when not per reference (older records unchanged)."""
         unit = {} if self.privacy_unit is None else {"privacy_unit": self.privacy_unit}
-        return {**self._event_parameters(), **unit}
-
-    def _event_parameters(self) -> dict:
         if isinstance(self.event, ZcdpEvent):
-            return {**self.event.to_json(), "num_batches": self.num_batches}
+            return {**self.event.to_json(), "num_batches": self.num_batches, **unit}
         contributions = self.event.unit_contributions
         return {
             "clip_norm": self.clip_norm,
@@ -150,6 +147,7 @@ class Release:
             "clipping": self.clipping.value,
             "adjacency": self.adjacency.value,
             **({} if contributions == 1 else {"unit_contributions": contributions}),
+            **unit,
         }
 
     def to_json(self) -> dict:

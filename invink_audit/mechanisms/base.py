@@ -325,11 +325,8 @@ def laplace_cdf_log(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.
 
     :math:`F(x) = \tfrac12 e^{x/b}` for :math:`x < 0` and :math:`1 - \tfrac12 e^{-x/b}` otherwise.
     """
-    half = math.log(0.5)
     neg = x < 0
     z = -x.abs() / scale  # <= 0
-    small = half + z  # log of the smaller tail, log(½ e^{-|x|/b})
+    small = math.log(0.5) + z  # log of the smaller tail, log(½ e^{-|x|/b})
     big = torch.log1p(-0.5 * torch.exp(z))  # log(1 − ½ e^{-|x|/b})
-    log_f = torch.where(neg, small, big)
-    log_sf = torch.where(neg, big, small)
-    return log_f, log_sf
+    return torch.where(neg, small, big), torch.where(neg, big, small)
