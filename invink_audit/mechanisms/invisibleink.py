@@ -5,10 +5,9 @@ rule. The engine recognises it and runs its own fast path (Top-k+ columns only, 
 behaviour of ``Engine(model, config)``); this class gives the same step to generic callers (the
 synthetic auditor, the tests, a team comparing its own mechanism against ours).
 
-Accounting (a-priori): each token is the exponential mechanism on the DClip aggregate with ℓ∞
-sensitivity :math:`\Delta = C/B` (paper Property 1), so :math:`\varepsilon_0 = 2\Delta/\tau`-bounded
-range and :math:`\rho_{tok} = \Delta^2/(2\tau^2)`-zCDP (paper Theorem 2 (thm:accounting)); T tokens compose
-adaptively (``br-adaptive`` accountant, Dong, Durfee & Rogers 2020).
+Accounting (a-priori, :meth:`InvisibleInk.guarantee`): each token is ε0-bounded range with Δ = C/B (paper
+Property 1; the figures: :class:`~invink_audit.mechanism.MechanismConfig`, paper Theorem 2 (thm:accounting)), and T
+tokens compose adaptively (``br-adaptive`` accountant, Dong, Durfee & Rogers 2020).
 
 Capability :meth:`InvisibleInk.hardest_case_logits`: the logit row of the auditor's hardest-case canary.
 """
