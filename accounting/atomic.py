@@ -49,10 +49,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o60
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        Path(tmp).unlink(missing_ok=True)
         raise
     fsync_directory(directory)
 

@@ -17,7 +17,8 @@ import math
 import numpy as np
 from numba import njit
 
-from accounting._validation import check_count, check_nonnegative, check_positive
+from accounting._validation import check_count, check_delta, check_nonnegative, check_positive
+from accounting.conversions import br_to_zcdp_total, zcdp_to_epsilon
 
 __all__ = [
     "DeltaBracket",
@@ -361,9 +362,6 @@ def br_adaptive_epsilon(
     :math:`V_T` from above (docs/accounting_notes.md §4); the result errs upwards. ``start`` is a valid ε to start
     from (default: the CKS conversion of ρ = Σ ε0²/8, which this accountant never exceeds).
     """
-    from accounting._validation import check_delta
-    from accounting.conversions import br_to_zcdp_total, zcdp_to_epsilon
-
     delta = check_delta("delta", delta)
     epsilon0s = epsilon0_array(epsilon0, num_steps)
     lattice_steps = _lattice_steps(lattice_steps, epsilon0s)

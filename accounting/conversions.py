@@ -247,10 +247,7 @@ def epsilon_to_zcdp(epsilon: float, delta: float, method: ConversionMethod | str
         mid = 0.5 * (lo + hi)
         if mid <= lo or mid >= hi:
             break
-        if spends(mid) <= epsilon:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if spends(mid) <= epsilon else (lo, mid)
         if hi - lo <= 1e-13 * hi:
             break
     return lo

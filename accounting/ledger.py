@@ -29,7 +29,8 @@ from accounting.atomic import atomic_write_json
 from accounting.accountants import DEFAULT_ACCOUNTANT, Accountant, as_accountant
 from accounting.conversions import epsilon_to_zcdp, zcdp_to_epsilon
 from accounting.events import GenerationEvent, ZcdpEvent, event_from_json, forwarded_property
-from accounting.limits import RANGES
+from accounting.limits import CLIP_NORM_RANGE, RANGES
+from accounting.planner import plan_clip_norm
 from accounting.strict_json import DuplicateKeyError, loads_strict
 
 __all__ = ["BudgetLedger", "BudgetExceededError", "ChargeOutcome", "LedgerError", "Release", "LedgerStatus",
@@ -133,11 +134,8 @@ class Release:
     def _parameters(self) -> dict:
         """The flat record's parameters; the unit's fields only when not per reference (older records unchanged)."""
         unit = {} if self.privacy_unit is None else {"privacy_unit": self.privacy_unit}
-        return {**self._event_parameters(), **unit}
-
-    def _event_parameters(self) -> dict:
         if isinstance(self.event, ZcdpEvent):
-            return {**self.event.to_json(), "num_batches": self.num_batches}
+            return {**self.event.to_json(), "num_batches": self.num_batches, **unit}
         contributions = self.event.unit_contributions
         return {
             "clip_norm": self.clip_norm,
@@ -149,6 +147,7 @@ class Release:
             "clipping": self.clipping.value,
             "adjacency": self.adjacency.value,
             **({} if contributions == 1 else {"unit_contributions": contributions}),
+            **unit,
         }
 
     def to_json(self) -> dict:
@@ -561,10 +560,6 @@ class BudgetLedger:
         self._cache = (raw, verified)
         return verified
 
-    def _read(self) -> dict:
-        """The verified file contents (a copy-free view; do not mutate)."""
-        return self._load().data
-
     def status(self) -> LedgerStatus:
         """The spend so far (recomputed from the recorded releases, never from a stored total)."""
         v = self._load()
@@ -615,9 +610,6 @@ class BudgetLedger:
         C: bisection on C to the last representable step, keeping the side that fits. Either answer is
         checked against the spend :meth:`preview` computes (the same function) before it is returned.
         """
-        from accounting.limits import CLIP_NORM_RANGE
-        from accounting.planner import plan_clip_norm
-
         v = self._load()
         budget, delta = float(v.data["budget"]["epsilon"]), float(v.data["budget"]["delta"])
 
@@ -663,40 +655,35 @@ class BudgetLedger:
         """:meth:`charge`, saying whether the release was recorded now or had been already."""
         release = _check_release(release)
         with _locked(self._lock, self.path) as held:
-            return self._charge_locked(release, held)
-
-    def _charge_locked(self, release: Release, held: _locked) -> ChargeOutcome:
-        v = self._load()
-        _check_unit(v, release, self.path)
-        entry = _replay(v, release)
-        if entry is not None:
-            return ChargeOutcome(entry=entry, already_recorded=True, epsilon_spent=v.epsilon_spent)
-        links = os.stat(self.path).st_nlink
-        if links > 1:
-            held.discard()  # a refused charge leaves no lock file of its own behind
-            raise LedgerError(
-                f"ledger {str(self.path)!r} has {links} hard links; an atomic rewrite would leave the other "
-                "names on the old contents and split the ledger. Keep one name (use a symbolic link to share it)"
-            )
-        budget = float(v.data["budget"]["epsilon"])
-        delta = float(v.data["budget"]["delta"])
-        spent_after = _spent_epsilon([*v.releases, release], delta, v.accountant)
-        if not spent_after <= budget:
-            raise BudgetExceededError(
-                f"release {release.label or release.release_id!r} would bring the spend to "
-                f"epsilon={spent_after:.6g} at delta={delta:g}, over the budget "
-                f"epsilon={budget:g} ({v.accountant.value}); nothing was recorded"
-            )
-        entry = {
-            "recorded_at": _now(),
-            "release": release.to_json(),
-            **_entry_figures(release),
-            "epsilon_spent_after": spent_after,
-        }
-        data = {**v.data, "releases": [*v.data["releases"], entry]}
-        data = _with_chain(data)  # also migrates a format-1 ledger
-        atomic_write_json(self.path, data)
-        return ChargeOutcome(entry=data["releases"][-1], already_recorded=False, epsilon_spent=spent_after)
+            v = self._load()
+            _check_unit(v, release, self.path)
+            entry = _replay(v, release)
+            if entry is not None:
+                return ChargeOutcome(entry=entry, already_recorded=True, epsilon_spent=v.epsilon_spent)
+            links = os.stat(self.path).st_nlink
+            if links > 1:
+                held.discard()  # a refused charge leaves no lock file of its own behind
+                raise LedgerError(
+                    f"ledger {str(self.path)!r} has {links} hard links; an atomic rewrite would leave the other "
+                    "names on the old contents and split the ledger. Keep one name (use a symbolic link to share it)"
+                )
+            budget, delta = float(v.data["budget"]["epsilon"]), float(v.data["budget"]["delta"])
+            spent_after = _spent_epsilon([*v.releases, release], delta, v.accountant)
+            if not spent_after <= budget:
+                raise BudgetExceededError(
+                    f"release {release.label or release.release_id!r} would bring the spend to "
+                    f"epsilon={spent_after:.6g} at delta={delta:g}, over the budget "
+                    f"epsilon={budget:g} ({v.accountant.value}); nothing was recorded"
+                )
+            entry = {
+                "recorded_at": _now(),
+                "release": release.to_json(),
+                **_entry_figures(release),
+                "epsilon_spent_after": spent_after,
+            }
+            data = _with_chain({**v.data, "releases": [*v.data["releases"], entry]})  # also migrates a format-1 ledger
+            atomic_write_json(self.path, data)
+            return ChargeOutcome(entry=data["releases"][-1], already_recorded=False, epsilon_spent=spent_after)
 
 
 def _check_release(release) -> Release:

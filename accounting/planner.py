@@ -31,7 +31,7 @@ from accounting.accountants import (
     fits_budget,
     max_epsilon0,
 )
-from accounting.conversions import br_to_zcdp
+from accounting.conversions import br_to_zcdp, epsilon_to_zcdp
 from accounting.events import GenerationEvent, forwarded_property
 from accounting.sensitivity import (
     Adjacency,
@@ -234,8 +234,6 @@ def plan_max_new_tokens(
             f"not even one token fits: a single token at clip_norm={clip_norm!r}, batch_size={batch_size!r}, "
             f"temperature={temperature!r} already exceeds (epsilon={epsilon!r}, delta={delta!r})"
         )
-    from accounting.conversions import epsilon_to_zcdp
-
     rho_seq = epsilon_to_zcdp(v["epsilon"], v["delta"], acc.zcdp_conversion)
     # the zCDP answer as a first guess, clamped to [1, MAX_COUNT] (it can exceed 1e40 for tiny e0)
     guess = rho_seq / br_to_zcdp(e0) / k
@@ -253,12 +251,8 @@ def plan_max_new_tokens(
     if hi is not None:
         while hi - lo > 1:  # bisection on the monotone predicate; lo stays feasible, hi infeasible
             mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-    eps = v["epsilon"]
-    return _make_plan(v["C"], eps, v["delta"], acc, lo, v["B"], v["tau"], clipping, adjacency, k)
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return _make_plan(v["C"], v["epsilon"], v["delta"], acc, lo, v["B"], v["tau"], clipping, adjacency, k)
 
 
 def plan_min_batch_size(
@@ -325,12 +319,12 @@ class PlanningRow:
 
     @property
     def forward_rows_per_token(self) -> int:
-        return self.plan.batch_size + 1
+        return self.plan.forward_rows_per_token
 
     @property
     def forward_rows_per_text(self) -> int:
         """Worst case (all T tokens): T·(B + 1) forward rows."""
-        return self.plan.max_new_tokens * (self.plan.batch_size + 1)
+        return self.plan.max_new_tokens * self.forward_rows_per_token
 
     def as_dict(self) -> dict:
         return {

@@ -23,6 +23,7 @@ import torch
 
 from accounting.accountants import bounded_range_epsilon
 from accounting.conversions import br_to_zcdp
+from accounting.events import GenerationEvent
 from accounting.limits import check_count, check_positive
 from accounting.sensitivity import Adjacency, Clipping, coerce_enum, linf_sensitivity
 
@@ -159,15 +160,8 @@ class MechanismConfig:
     ``B + 1`` rows per token: B private and one public). ``top_k=None`` samples from the full
     vocabulary. ``clipping`` defaults to difference clipping (InvisibleInk); ``Clipping.NAIVE``
     (Amin et al. 2024, no recentering) is provided for baselines and audits, and only over the full
-    vocabulary (Top-k+ is defined for difference clipping: paper §4).
-
-    The a-priori per-token guarantees follow from the ℓ∞ sensitivity :math:`\Delta` under
-    replace-by-null adjacency (:func:`accounting.linf_sensitivity`; paper Property 1):
-
-    * :attr:`epsilon0` :math:`= 2\Delta/\tau`, the bounded-range parameter of one token
-      (= its pure-DP ε; McSherry & Talwar 2007; Durfee & Rogers 2019, arXiv:1905.04273);
-    * :attr:`rho_token` :math:`= \Delta^2/(2\tau^2)` zCDP (paper Eq. (rho-token), Theorem 2 (thm:accounting);
-      equal to :math:`\varepsilon_0^2/8`, Cesar & Rogers 2021, arXiv:2004.07223).
+    vocabulary (Top-k+ is defined for difference clipping: paper §4). The a-priori per-token guarantees:
+    :attr:`sensitivity`, :attr:`epsilon0`, :attr:`rho_token`.
     """
 
     clip_norm: float
@@ -204,25 +198,25 @@ class MechanismConfig:
     def event(self, max_new_tokens: int):
         """The privacy event of one text of at most ``max_new_tokens`` tokens from each batch
         (:class:`accounting.GenerationEvent`, replace-by-null): what a ledger is charged for a release."""
-        from accounting import GenerationEvent
-
         return GenerationEvent(self.clip_norm, self.batch_size, self.temperature, max_new_tokens, 1, self.clipping)
 
     @property
     def sensitivity(self) -> float:
-        """ℓ∞ sensitivity of the aggregate under replace-by-null adjacency (``accounting.linf_sensitivity``)."""
+        """ℓ∞ sensitivity Δ of the aggregate under replace-by-null adjacency (``accounting.linf_sensitivity``;
+        paper Property 1): every per-token guarantee follows from it."""
         return linf_sensitivity(self.clip_norm, self.batch_size, self.clipping, Adjacency.REPLACE_BY_NULL)
 
     @property
     def epsilon0(self) -> float:
-        r""":math:`\varepsilon_0 = 2\Delta/\tau`: per-token bounded-range (and pure-DP) parameter
-        (``accounting.bounded_range_epsilon``, the one place it is computed)."""
+        r""":math:`\varepsilon_0 = 2\Delta/\tau`: per-token bounded-range (and pure-DP) parameter (McSherry & Talwar
+        2007; Durfee & Rogers 2019, arXiv:1905.04273; ``accounting.bounded_range_epsilon``, its one computation)."""
         return bounded_range_epsilon(self.sensitivity, self.temperature)
 
     @property
     def rho_token(self) -> float:
-        r""":math:`\rho_{tok} = \varepsilon_0^2/8 = \Delta^2/(2\tau^2)` zCDP per token (paper Eq. (11),
-        eqn:rho-token; ``accounting.br_to_zcdp``, the one place the conversion is written)."""
+        r""":math:`\rho_{tok} = \varepsilon_0^2/8 = \Delta^2/(2\tau^2)` zCDP per token (paper Eq. (11), eqn:rho-token,
+        Theorem 2 (thm:accounting); Cesar & Rogers 2021, arXiv:2004.07223; ``accounting.br_to_zcdp``, the one place the
+        conversion is written)."""
         return br_to_zcdp(self.epsilon0)
 
     def _options(self, private_logits) -> dict:
@@ -338,7 +332,8 @@ def naive_clip_aggregate(private_logits: torch.Tensor, clip_norm: float, *, rece
 # Top-k+ truncation
 
 
-def _support(public64: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int) -> torch.Tensor:
+def topk_plus_support(public64: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int) -> torch.Tensor:
+    """:func:`topk_plus_mask` on float64 public logits without input checks or host syncs (engine hot path)."""
     vocab_size = public64.shape[-1]
     if top_k is None or top_k >= vocab_size:
         return torch.ones(public64.shape, dtype=torch.bool, device=public64.device)
@@ -376,7 +371,7 @@ def topk_plus_mask(public_logits: torch.Tensor, top_k: int | None, clip_norm: fl
     k = _check_top_k(top_k)
     b = _check_batch_size(batch_size)
     public = _check_public(public_logits)
-    return _support(public.to(ACCUMULATION_DTYPE), k, c, b)
+    return topk_plus_support(public.to(ACCUMULATION_DTYPE), k, c, b)
 
 
 def _support_columns(public64: torch.Tensor, support: torch.Tensor, top_k: int | None) -> torch.Tensor | None:
@@ -413,7 +408,7 @@ def topk_plus_columns(
     k = _check_top_k(top_k)
     b = _check_batch_size(batch_size)
     public64 = _check_public(public_logits).to(ACCUMULATION_DTYPE)
-    return _support_columns(public64, _support(public64, k, c, b), k)
+    return _support_columns(public64, topk_plus_support(public64, k, c, b), k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,7 +485,7 @@ def _step(private, public, clip_norm, temperature, top_k, mode, with_neighbours)
     """
     batch_size, vocab_size = private.shape[-2], private.shape[-1]
     public64 = public.to(ACCUMULATION_DTYPE)
-    support = _support(public64, top_k, clip_norm, batch_size)
+    support = topk_plus_support(public64, top_k, clip_norm, batch_size)
     index = _support_columns(public64, support, top_k)
     if index is not None:
         width = index.shape[-1]
@@ -532,11 +527,6 @@ def support_log_probs(
     contributions, base, _ = _contributions(private, public64, clip_norm, Clipping.DIFFERENCE)
     total = contributions.sum(dim=-2)
     return _masked_log_softmax(_scores(base, total, private.shape[-2], temperature), ~inside)
-
-
-def topk_plus_support(public64: torch.Tensor, top_k: int | None, clip_norm: float, batch_size: int) -> torch.Tensor:
-    """:func:`topk_plus_mask` on float64 public logits without input checks or host syncs (engine hot path)."""
-    return _support(public64, top_k, clip_norm, batch_size)
 
 
 def token_log_probs(

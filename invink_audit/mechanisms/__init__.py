@@ -60,10 +60,8 @@ def mechanism_to_json(mechanism: Mechanism) -> dict:
     config = getattr(mechanism, "config", None)
     data = None
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        data = {}
-        for field in dataclasses.fields(config):
-            value = getattr(config, field.name)
-            data[field.name] = value.value if isinstance(value, enum.Enum) else value
+        values = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+        data = {name: value.value if isinstance(value, enum.Enum) else value for name, value in values.items()}
     out = {"name": mechanism.name, "config": data}
     if isinstance(mechanism, InvisibleInk):
         out["accountant"] = mechanism.accountant.value

@@ -259,13 +259,12 @@ class AdaPMixEDMechanism(Mechanism):
         """The sampled state: one screening draw for ``R`` (its ``k`` normals from ``aux``), spend ``[spend_R]``."""
         cfg = self.config
         g, k = members.shape[0], index.shape[-1]
-        budget = cfg.budget
         s_cost = cfg.screening_cost
         neg = torch.full((g, 1), -math.inf, dtype=STATE_DTYPE, device=members.device)
         normals = torch.special.ndtri(aux[:, :k].to(STATE_DTYPE))
         screened = self._screen_statistic(members.mean(dim=-2), p0, index, normals) > cfg.screen_threshold
         cost = s_cost + torch.where(screened, torch.zeros_like(p[:, 0]), self._mixing_cost(mixed, p, p0))
-        halt = (state[:, 0] + cost) > budget
+        halt = (state[:, 0] + cost) > cfg.budget
         chosen = torch.where(screened[:, None], log_p0, torch.log(p))
         blank = torch.full_like(chosen, -math.inf)
         log_probs = torch.cat(

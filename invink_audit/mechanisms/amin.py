@@ -20,7 +20,7 @@ import math
 import torch
 
 from accounting.accountants import bounded_range_epsilon
-from accounting.conversions import br_to_zcdp
+from accounting.conversions import br_to_zcdp, epsilon_to_zcdp, zcdp_to_epsilon
 from accounting.limits import check_count
 from accounting.sensitivity import Adjacency, Clipping, linf_sensitivity
 from invink_audit.mechanisms.base import (
@@ -126,8 +126,6 @@ class AminAccounting:
 
     def epsilon(self, delta: float) -> float:
         """(ε, δ) of one text from :attr:`rho_sequence` (Canonne, Kamath & Steinke 2020, Prop. 12; errs upwards)."""
-        from accounting import zcdp_to_epsilon
-
         return float(zcdp_to_epsilon(self.rho_sequence, delta, "cks"))
 
 
@@ -149,8 +147,6 @@ def plan_amin(
     (the paper's convention) — the re-implementation's ``get_clip``. Raises
     :class:`AminInfeasibleError` when :math:`\rho_{svt} \ge \rho/r` (no clip norm works).
     """
-    from accounting import epsilon_to_zcdp
-
     mode = AminSensitivity(sensitivity)
     rho = float(epsilon_to_zcdp(epsilon, delta, "cks"))
     probe = AminAccounting(1.0, batch_size, temperature, svt_noise, max_private_tokens, mode)
@@ -191,10 +187,9 @@ class AminConfig:
     def __post_init__(self):
         acc = self.accounting  # validates the shared fields
         del acc
-        for name in ("public_temperature",):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{name} must be a positive finite number; got {v!r}")
+        v = self.public_temperature
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"public_temperature must be a positive finite number; got {v!r}")
         if isinstance(self.svt_threshold, bool) or not isinstance(self.svt_threshold, (int, float)) or not math.isfinite(self.svt_threshold):
             raise ValueError(f"svt_threshold must be a finite number; got {self.svt_threshold!r}")
         check_count("posterior_grid", self.posterior_grid, minimum=16)
@@ -209,11 +204,9 @@ class AminConfig:
     @classmethod
     def planned(cls, *, epsilon: float, delta: float, batch_size: int, max_private_tokens: int, **kwargs) -> "AminConfig":
         """A config whose clip norm is planned by :func:`plan_amin` for (ε, δ)."""
-        acc = plan_amin(
-            epsilon=epsilon, delta=delta, max_private_tokens=max_private_tokens, batch_size=batch_size,
-            temperature=kwargs.get("temperature", 1.0), svt_noise=kwargs.get("svt_noise", 0.3),
-            sensitivity=kwargs.get("sensitivity", AminSensitivity.REPLACE_BY_NULL),
-        )
+        shared = {name: kwargs[name] for name in ("temperature", "svt_noise", "sensitivity") if name in kwargs}
+        acc = plan_amin(epsilon=epsilon, delta=delta, max_private_tokens=max_private_tokens, batch_size=batch_size,
+                        **shared)
         return cls(clip_norm=acc.clip_norm, batch_size=batch_size, max_private_tokens=max_private_tokens, **kwargs)
 
 

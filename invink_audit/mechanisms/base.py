@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from accounting.claims import PrivacyClaim, StepClaim
+from accounting.events import ZcdpEvent
 
 __all__ = [
     "GuaranteeKind",
@@ -128,9 +129,8 @@ class MechanismGuarantee:
         """The guarantee as a release's records and summary write it (``void_reason`` only when void).
 
         InvisibleInk's (a bounded-range guarantee whose ``details`` name all of :data:`PLANNER_FIGURES`' parameters)
-        keeps the planner's figures, as its records have held them since their first version: ε, δ,
-        ``rho_sequence``, ``rho_token`` (= ``step_rho``), ``epsilon0`` (= ``step_epsilon0``), the accountant, C, B, τ,
-        top-k and T. Every other guarantee: mechanism, kind, ε, δ, ``rho_sequence``, T, composition, description."""
+        keeps the planner's figures, as its records have held them since their first version (``rho_token`` is
+        ``step_rho``, ``epsilon0`` ``step_epsilon0``); every other guarantee its own fields."""
         if self.composition == "bounded-range" and all(name in self.details for name in _PLANNER_DETAILS):
             figures = {**self.details, "epsilon": self.epsilon, "delta": self.delta, "rho_sequence": self.rho_sequence,
                        "rho_token": self.step_rho, "epsilon0": self.step_epsilon0, "max_new_tokens": self.max_new_tokens}
@@ -253,8 +253,6 @@ class Mechanism(abc.ABC):
         """The privacy event a ledger is charged, once, for a release with ``guarantee`` (this mechanism's): an
         a-priori zCDP release of its ``rho_sequence`` (:class:`accounting.ZcdpEvent`). A data-dependent guarantee
         (a stop rule's spend, computed from the references) has none: ``ValueError``."""
-        from accounting import ZcdpEvent
-
         if not guarantee.a_priori:
             raise ValueError(
                 f"{self.name}'s guarantee is data-dependent (its spend is computed from the references), "
@@ -326,11 +324,8 @@ def laplace_cdf_log(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.
 
     :math:`F(x) = \tfrac12 e^{x/b}` for :math:`x < 0` and :math:`1 - \tfrac12 e^{-x/b}` otherwise.
     """
-    half = math.log(0.5)
     neg = x < 0
     z = -x.abs() / scale  # <= 0
-    small = half + z  # log of the smaller tail, log(½ e^{-|x|/b})
+    small = math.log(0.5) + z  # log of the smaller tail, log(½ e^{-|x|/b})
     big = torch.log1p(-0.5 * torch.exp(z))  # log(1 − ½ e^{-|x|/b})
-    log_f = torch.where(neg, small, big)
-    log_sf = torch.where(neg, big, small)
-    return log_f, log_sf
+    return torch.where(neg, small, big), torch.where(neg, big, small)

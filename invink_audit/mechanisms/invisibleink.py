@@ -5,10 +5,9 @@ rule. The engine recognises it and runs its own fast path (Top-k+ columns only, 
 behaviour of ``Engine(model, config)``); this class gives the same step to generic callers (the
 synthetic auditor, the tests, a team comparing its own mechanism against ours).
 
-Accounting (a-priori): each token is the exponential mechanism on the DClip aggregate with ℓ∞
-sensitivity :math:`\Delta = C/B` (paper Property 1), so :math:`\varepsilon_0 = 2\Delta/\tau`-bounded
-range and :math:`\rho_{tok} = \Delta^2/(2\tau^2)`-zCDP (paper Theorem 2 (thm:accounting)); T tokens compose
-adaptively (``br-adaptive`` accountant, Dong, Durfee & Rogers 2020).
+Accounting (a-priori, :meth:`InvisibleInk.guarantee`): each token is ε0-bounded range with Δ = C/B (paper
+Property 1; the figures: :class:`~invink_audit.mechanism.MechanismConfig`, paper Theorem 2 (thm:accounting)), and T
+tokens compose adaptively (``br-adaptive`` accountant, Dong, Durfee & Rogers 2020).
 
 Capability :meth:`InvisibleInk.hardest_case_logits`: the logit row of the auditor's hardest-case canary.
 """
@@ -19,7 +18,7 @@ import dataclasses
 
 import torch
 
-from accounting import Accountant, as_accountant
+from accounting import Accountant, GenerationEvent, as_accountant, plan_clip_norm
 from accounting.sensitivity import Clipping
 from invink_audit.mechanism import MechanismConfig
 from invink_audit.mechanisms.base import GuaranteeKind, Mechanism, MechanismGuarantee, MechanismStep, check_step_shapes
@@ -53,8 +52,6 @@ class InvisibleInk(Mechanism):
         (:func:`accounting.plan_clip_norm`: the largest C whose certified ε stays within ``epsilon``, the safe side),
         as :meth:`~invink_audit.mechanisms.AminConfig.planned` plans Amin et al.'s. ``top_k=None``: full vocabulary.
         ``unit_contributions`` k > 1: (ε, δ) is a privacy unit's, which touches k texts (k·T steps composed)."""
-        from accounting import plan_clip_norm
-
         plan = plan_clip_norm(epsilon=epsilon, delta=delta, max_new_tokens=max_new_tokens, batch_size=batch_size,
                               temperature=temperature, accountant=accountant,
                               unit_contributions=unit_contributions)  # fmt: skip
@@ -73,8 +70,6 @@ class InvisibleInk(Mechanism):
 
     def guarantee(self, max_new_tokens: int, delta: float) -> MechanismGuarantee:
         """Paper Theorem 2 (thm:accounting): T adaptively composed ε0-BR tokens; ε from the named accountant."""
-        from accounting import GenerationEvent
-
         cfg = self.config
         event = GenerationEvent(cfg.clip_norm, cfg.batch_size, cfg.temperature, int(max_new_tokens), 1, cfg.clipping)
         eps = event.epsilon(delta, self.accountant)
