@@ -187,9 +187,9 @@ def selftest_cases(s: SelfTestSettings, source) -> list:
     with ``baselines``, :func:`baseline_mechanisms`."""
     params = dict(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k, batch_size=s.batch_size,
                   max_new_tokens=s.max_new_tokens)
-    cases = [synthetic.correct_mechanism(**params), *synthetic.mutants(**params, reference_lengths=source.reference_lengths)]
-    cases.append(unit_two_slots(s))
-    return cases + (baseline_mechanisms(s) if s.baselines else [])
+    return [synthetic.correct_mechanism(**params),
+            *synthetic.mutants(**params, reference_lengths=source.reference_lengths), unit_two_slots(s),
+            *(baseline_mechanisms(s) if s.baselines else [])]
 
 
 def unit_two_slots(s: SelfTestSettings):
@@ -218,6 +218,7 @@ def run_selftest(
 
     s = settings or SelfTestSettings()
     gen = generator if generator is not None else make_generator()
+    say = progress if progress is not None else (lambda message: None)
     start = time.perf_counter()
     config = WhiteBoxConfig(
         alphas=s.alphas, num_samples=s.num_samples, num_is_samples=s.num_is_samples, significance=s.significance
@@ -229,8 +230,7 @@ def run_selftest(
         t0 = time.perf_counter()
         per_source, verdicts = [], []
         for source, audited in zip(sources, (c[i] for c in cases)):
-            if progress is not None:
-                progress(f"{audited.name} on {source.name}")
+            say(f"{audited.name} on {source.name}")
             rep, rec = _audit_on_source(audited, source, config, s, gen)
             reports.append(rep)
             verdicts.append(rep.verdict)
@@ -245,14 +245,11 @@ def run_selftest(
     if s.baselines:
         entries += augpe_entries(s)
     if s.adapters:
-        if progress is not None:
-            progress("the adapter path: a DP logits processor in transformers' generate, audited by audit_generator")
+        say("the adapter path: a DP logits processor in transformers' generate, audited by audit_generator")
         entries += adapter_entries(s)
-    if progress is not None:
-        progress("coverage against exact enumeration")
+    say("coverage against exact enumeration")
     coverage = coverage_check(generator=gen, significance=s.significance)
-    if progress is not None:
-        progress("planted bugs, black-box (batched, 10^4 batches per mechanism and source)")
+    say("planted bugs, black-box (batched, 10^4 batches per mechanism and source)")
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     rows = blackbox_rows(s, seed=seed) + (augpe_blackbox_rows(s, seed=seed) if s.baselines else [])
     return SelfTestResult(tuple(entries), coverage, tuple(reports), time.perf_counter() - start, tuple(rows))
@@ -391,8 +388,7 @@ def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) ->
     written = [out / "report.json", out / "report.md"]
     if plots:
         for r in result.reports:
-            sub = out / f"{r.mechanism}-{r.source}"
-            written += write_report(r, sub, plots=True)
+            written += write_report(r, out / f"{r.mechanism}-{r.source}", plots=True)
     return written
 
 

@@ -492,8 +492,7 @@ def _sections(raw: dict) -> dict:
         return {**seed, "selftest": read_table(SelfTestSettings, section("selftest"), "[selftest]")}
     if kind == "augpe-histogram":
         return {**seed, "augpe": AugPEHistogramSpec.from_sections(*(section(s) for s in ("mechanism", "canary", "blackbox")))}
-    target = _built("[target]", TargetSpec, **table_values(section("target"), "[target]", fields_of(TargetSpec))) \
-        if kind == "black-box" else None
+    target = read_table(TargetSpec, section("target"), "[target]") if kind == "black-box" else None
     out = {**seed, "model": _model(section("model")), "prompt": _prompt(section("prompt"))}
     _check_data(section("data"))
     _check_canaries(section("canaries"))

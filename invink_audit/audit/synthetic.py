@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -481,11 +482,8 @@ def exact_epsilon_stationary(source: LogitSource, audited: AuditedMechanism, del
     out = mechanism.step(private, public, empty, empty, exact=True, neighbours=True)
     a, q = out.log_probs[0].double().numpy(), out.neighbours[0, neighbour].double().numpy()
     eos = source.eos_token
-    classes: dict[tuple[float, float], int] = {}
-    for v in range(a.size):
-        if v != eos and (np.isfinite(a[v]) or np.isfinite(q[v])):
-            key = (float(a[v]), float(q[v]))
-            classes[key] = classes.get(key, 0) + 1
+    classes = Counter((float(a[v]), float(q[v])) for v in range(a.size)
+                      if v != eos and (np.isfinite(a[v]) or np.isfinite(q[v])))
     keys = list(classes)
     la, lq, size = np.array([k[0] for k in keys]), np.array([k[1] for k in keys]), np.array([classes[k] for k in keys], float)
     outcomes_p, outcomes_q = [], []

@@ -286,29 +286,18 @@ class SamplingPlan:
 
     @classmethod
     def build(cls, config: WhiteBoxConfig, batch_size: int) -> "SamplingPlan":
-        kinds, nbs, ais = [], [], []
-
-        def add(kind, nb, ai, count):
-            kinds.append(np.full(count, kind))
-            nbs.append(np.full(count, nb))
-            ais.append(np.full(count, ai))
-
+        """The plan's texts in order: R's, each audited R'_j's (reverse direction), then the mixtures' by
+        direction, neighbour and α."""
         audited = config.audited_neighbours(batch_size)
-        add(KIND_ACTUAL, -1, -1, config.num_samples)
+        groups = [(KIND_ACTUAL, -1, -1, config.num_samples)]  # (kind, neighbour, alpha index, texts)
         if Direction.REVERSE in config.directions:
-            for j in audited:
-                add(KIND_NEIGHBOUR, j, -1, config.num_samples)
+            groups += [(KIND_NEIGHBOUR, j, -1, config.num_samples) for j in audited]
         if config.num_is_samples:
-            for d in config.directions:
-                kind = KIND_MIXTURE_FORWARD if d is Direction.FORWARD else KIND_MIXTURE_REVERSE
-                for j in audited:
-                    for ai in range(len(config.alphas)):
-                        add(kind, j, ai, config.num_is_samples)
-        return cls(
-            np.concatenate(kinds).astype(np.int64),
-            np.concatenate(nbs).astype(np.int64),
-            np.concatenate(ais).astype(np.int64),
-        )
+            mixture = {Direction.FORWARD: KIND_MIXTURE_FORWARD, Direction.REVERSE: KIND_MIXTURE_REVERSE}
+            groups += [(mixture[d], j, ai, config.num_is_samples)
+                       for d in config.directions for j in audited for ai in range(len(config.alphas))]
+        kinds, nbs, ais, counts = (np.array(column, dtype=np.int64) for column in zip(*groups))
+        return cls(np.repeat(kinds, counts), np.repeat(nbs, counts), np.repeat(ais, counts))
 
 
 # ---------------------------------------------------------------------------------------------
