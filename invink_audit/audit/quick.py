@@ -589,22 +589,18 @@ def _release_of_run(run: Mapping, references, column, where, fingerprint: str) -
     """The :class:`AuditedRelease` of a recorded run: its template, event and mechanism, δ and ε (the
     accountant's, recomputed from the settings, never the ε a record claims), and the partition whose
     fingerprint is the recorded one (settings that cannot be read are a ``ValueError``)."""
-    try:
-        return _rebuilt_release(run, references, column, where, fingerprint)
-    except (KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"the release's state cannot be read ({type(err).__name__}: {err})") from None
-
-
-def _rebuilt_release(run: Mapping, references, column, where, fingerprint: str) -> AuditedRelease:
     from invink_audit.mechanisms import mechanism_from_json
     from invink_audit.prompts import PromptTemplate
 
-    template = PromptTemplate.from_json(run["prompt"])
-    # the mechanism its records name, or InvisibleInk's settings
-    mechanism = mechanism_from_json(run["mechanism"]) if "mechanism" in run else _invisibleink(run)
-    g = mechanism.guarantee(run["max_new_tokens"], run["delta"])
-    partition, labels = _recorded_partition(run, references, column, where, fingerprint)
-    return AuditedRelease(mechanism, g, g.epsilon, partition, template, labels, run.get("label_fields"))
+    try:
+        template = PromptTemplate.from_json(run["prompt"])
+        # the mechanism its records name, or InvisibleInk's settings
+        mechanism = mechanism_from_json(run["mechanism"]) if "mechanism" in run else _invisibleink(run)
+        g = mechanism.guarantee(run["max_new_tokens"], run["delta"])
+        partition, labels = _recorded_partition(run, references, column, where, fingerprint)
+        return AuditedRelease(mechanism, g, g.epsilon, partition, template, labels, run.get("label_fields"))
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"the release's state cannot be read ({type(err).__name__}: {err})") from None
 
 
 def _recorded_partition(run: Mapping, references, column, where, fingerprint: str):
@@ -679,15 +675,11 @@ def audit_release_file(
 ) -> QuickAuditReport:
     """:func:`quick_audit` of a release from its output file (:class:`ReleaseFile`), in the dtype it ran in, with
     the model it names (``model``: the same model; another name and another fingerprint is a ``ValueError``).
-    What was published is checked first against the state and the journal, and the model loaded against the
-    fingerprint the release recorded (:mod:`invink_audit.audit.release_checks`): each finding is named in the
-    report and makes its verdict VIOLATION or INCONCLUSIVE, never PASS; a release drawn with a fixed seed (its state's
-    ``run.seeded``) is a ``seeded-release`` finding, never a PASS. A published text that the recorded
-    mechanism and model could not have drawn is a finding, and the others are still audited; with another model
-    than the release's, nothing is teacher-forced. ``seed``: a fixed seed for the sampled audit (reproducible;
-    default OS entropy). A per-unit release (its state names the unit and rule) is rebuilt with its unit: the
-    neighbours replace every slot of one unit in a batch, which its rule makes one (else a ``unit-in-two-slots``
-    finding); ``privacy_unit``: the unit column the release must protect (another, or none, is a ``ValueError``)."""
+    What was published is checked first (:mod:`invink_audit.audit.release_checks`; the findings, and the texts then
+    teacher-forced: docs/guide/auditing.md, "A finished output file"): a finding makes the verdict VIOLATION or
+    INCONCLUSIVE, and a release drawn with a fixed seed (``seeded-release``) is never a PASS. ``seed``: a fixed seed
+    for the sampled audit (reproducible; default OS entropy). ``privacy_unit``: the unit column the release must
+    protect (another, or none, is a ``ValueError``; a per-unit release is rebuilt with its unit's neighbours)."""
     from invink_audit.audit.release_checks import model_findings
     from invink_audit.engine import ForcedTextMismatch
     from invink_audit.mechanism import make_generator

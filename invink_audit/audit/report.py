@@ -48,17 +48,12 @@ def _md_header(r: WhiteBoxReport) -> list[str]:
 
 
 def _md_claim(c: ReportedClaim) -> list[str]:
-    """The claim's table: the headline figures first, then every other key in the report's order."""
-    guarantee = c.kind
-    lines = [
-        f"## Claim ({guarantee}"
-        + (": holds only for the audited references, never a PASS)" if guarantee == "data-dependent" else ")"),
-        "",
-    ]
-    fields = c.json_fields()
-    rows = [(k, format_number(fields[k], 6)) for k in CLAIM_BASE_FIELDS if k in fields]
-    rows += [(k, format_number(v, 6) if isinstance(v, (int, float)) else v) for k, v in fields.items() if k not in CLAIM_BASE_FIELDS]
-    return lines + md_table("quantity | value", rows)
+    """The claim's table: the headline figures first (:meth:`ReportedClaim.json_fields` writes them first), then every
+    other key in the report's order."""
+    note = ": holds only for the audited references, never a PASS)" if c.kind == "data-dependent" else ")"
+    rows = [(k, format_number(v, 6) if k in CLAIM_BASE_FIELDS or isinstance(v, (int, float)) else v)
+            for k, v in c.json_fields().items()]
+    return [f"## Claim ({c.kind}{note}", "", *md_table("quantity | value", rows)]
 
 
 def _md_step_checks(sc: StepCheckSummary) -> list[str]:

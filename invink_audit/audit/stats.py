@@ -388,17 +388,13 @@ def hockey_stick_delta(losses, epsilons: Sequence[float], significance: float) -
     n = arr.size
     srt = np.sort(arr)
     eta = min(dkw_radius(n, beta), 1.0)
+    # Hoeffding at beta/4 per side and Maurer-Pontil at beta/4 per side: two-sided at beta
+    h, u = math.sqrt(math.log(4.0 / beta) / (2.0 * n)), math.log(8.0 / beta)
     est, plo, phi, blo, bhi = [], [], [], [], []
     for eps in eps_arr:
         terms = _delta_terms(arr, float(eps))
         mean = float(terms.mean())
-        # Hoeffding at beta/4 per side and Maurer-Pontil at beta/4 per side: two-sided at beta
-        h = math.sqrt(math.log(4.0 / beta) / (2.0 * n))
-        if n >= 2:
-            u = math.log(8.0 / beta)
-            eb = math.sqrt(2.0 * terms.var(ddof=1) * u / n) + 7.0 * u / (3.0 * (n - 1))
-        else:
-            eb = math.inf
+        eb = math.sqrt(2.0 * terms.var(ddof=1) * u / n) + 7.0 * u / (3.0 * (n - 1)) if n >= 2 else math.inf
         half = min(h, eb)
         est.append(mean)
         plo.append(max(0.0, mean - half))

@@ -631,10 +631,7 @@ class WhiteBoxRecorder:
     def finish(self) -> RecordedAudit:
         if self._pending is not None:
             raise RuntimeError("finish() called between sampling_log_weights() and record()")
-        mixture = self.plan.kind >= KIND_MIXTURE_FORWARD
-        is_sums = self._is_sum.cpu().numpy().copy()
-        is_sums[~mixture] = np.nan
-
+        is_sums = np.where(self.plan.kind >= KIND_MIXTURE_FORWARD, self._is_sum.cpu().numpy(), np.nan)
         seen = int(self._pos_seen.sum().item())
 
         def worst(state):
