@@ -98,14 +98,13 @@ class _Run:
         start = time.perf_counter()
         texts = self.target.texts([self.batches[i] for i in indices])
         self.texts.update(zip(indices, texts))
+        with_canary = [self.with_canary[i] for i in indices]
         if LLR_SCORE in self.scores:
-            ratios = self.target.log_likelihood_ratios([self.with_canary[i] for i in indices], self.slot)
-            _check_count(ratios, indices, "the target's log_likelihood_ratios")
-            self.llr.update(zip(indices, ratios.tolist()))
+            ratios = self.target.log_likelihood_ratios(with_canary, self.slot)
+            self.llr.update(zip(indices, _checked(ratios, indices, "the target's log_likelihood_ratios")))
         if self.surrogate is not None:
-            ratios = self.surrogate([self.with_canary[i] for i in indices], self.slot, texts)
-            _check_count(ratios, indices, "the surrogate")
-            self.surrogate_llr.update(zip(indices, ratios.tolist()))
+            ratios = self.surrogate(with_canary, self.slot, texts)
+            self.surrogate_llr.update(zip(indices, _checked(ratios, indices, "the surrogate")))
         self.seconds += time.perf_counter() - start
 
     def matrix(self, indices: Sequence[int], selection: Sequence[int]):
@@ -123,9 +122,11 @@ class _Run:
         return list(names), values, chosen
 
 
-def _check_count(ratios, indices, what: str) -> None:
+def _checked(ratios, indices, what: str) -> list[float]:
+    """The ratios as a list, after checking there is one per text."""
     if np.asarray(ratios).shape != (len(indices),):
         raise ValueError(f"{what} must return one ratio per text ({len(indices)}); got shape {np.asarray(ratios).shape}")
+    return ratios.tolist()
 
 
 def _coins(seed: int | None, num_batches: int, n_sel: int) -> np.ndarray:

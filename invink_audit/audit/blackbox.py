@@ -206,9 +206,8 @@ def _alternating_trials(refs: list[str], canary: str, canary_slot: int, num_tria
     with_canary, without = list(refs), list(refs)
     for slot in (canary_slot,) if isinstance(canary_slot, int) else canary_slot:  # a canary unit: all its slots
         with_canary[slot], without[slot] = canary, ""
-    batches = [with_canary if i % 2 == 0 else without for i in range(num_trials)]
-    labels = np.array([i % 2 == 0 for i in range(num_trials)])
-    return batches, labels
+    labels = np.arange(num_trials) % 2 == 0
+    return [with_canary if label else without for label in labels], labels
 
 
 def _selection_split(num_trials: int, selection_fraction: float) -> tuple[np.ndarray, np.ndarray]:
