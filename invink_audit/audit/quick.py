@@ -316,14 +316,6 @@ def _check_prompt(result, prompt, prompt_fields) -> None:
 # phases shared by both kinds of result
 
 
-def _realised(rec) -> tuple[np.ndarray, dict, float]:
-    """Realised losses L_j(x) of the released texts (texts, B), the exact checks' failures, max loss range."""
-    with np.errstate(invalid="ignore"):
-        losses = rec.log_prob_actual[:, None] - rec.log_prob_neighbours  # (texts, B)
-    max_range = float(rec.max_loss_range_per_step.max()) if rec.max_loss_range_per_step.size else 0.0
-    return losses, dict(rec.failures), max_range
-
-
 def _verdict(failures: dict, sampled: WhiteBoxReport | None, claim: Claim) -> tuple[Verdict, str]:
     """VIOLATION if either part finds one, PASS if both pass, INCONCLUSIVE otherwise; a data-dependent
     guarantee is never a PASS."""
@@ -366,7 +358,10 @@ def _with_findings(verdict: Verdict, reason: str, findings) -> tuple[Verdict, st
 def _quick_report(rec, claim: Claim, sampled, *, texts: int, accountant_epsilon: float, start: float,
                   findings: tuple = (), **labels) -> QuickAuditReport:
     """The :class:`QuickAuditReport` of the teacher-forced record and the sampled audit."""
-    losses, failures, max_range = _realised(rec)
+    with np.errstate(invalid="ignore"):
+        losses = rec.log_prob_actual[:, None] - rec.log_prob_neighbours  # realised losses L_j(x), (texts, B)
+    failures = dict(rec.failures)
+    max_range = float(rec.max_loss_range_per_step.max()) if rec.max_loss_range_per_step.size else 0.0
     verdict, reason = _with_findings(*_verdict(failures, sampled, claim), findings)
     finite = losses[np.isfinite(losses)]
     return QuickAuditReport(

@@ -148,10 +148,6 @@ def check_published_records(path, numbered: Sequence[tuple[int, Mapping]], num_b
 # the records against the journal: the texts drawn
 
 
-def _differing(record: Mapping, drawn: Mapping) -> list[str]:
-    return sorted(k for k in set(record) | set(drawn) if record.get(k) != drawn.get(k))
-
-
 def _journal_kind(fields: Sequence[str]) -> str:
     """The finding a record that differs from the journal's copy in ``fields`` is."""
     if any(f in _TEXT_FIELDS for f in fields):
@@ -173,7 +169,8 @@ def _against_journal(records: Sequence[PublishedRecord], claims: Mapping) -> tup
         elif claims[index] is None:
             bare.append(index)
         else:
-            differing = _differing(published.record, claims[index])
+            record, drawn = published.record, claims[index]
+            differing = sorted(k for k in set(record) | set(drawn) if record.get(k) != drawn.get(k))
             if differing:
                 kind = _journal_kind(differing)
                 batches.setdefault(kind, []).append(index)

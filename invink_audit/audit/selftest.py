@@ -112,31 +112,21 @@ def baseline_mechanisms(s: SelfTestSettings) -> list:
             AdaPMixEDConfig(batch_size=s.batch_size, epsilon=epsilon, screen_samples=s.adapmixed_screen_samples)
         )
 
-    t = s.max_new_tokens
-    return [
-        synthetic.AuditedMechanism(
-            "amin-paper-sensitivity",
-            "Amin et al. 2024 accounted with C/B and 1/B under replace-by-null (the paper's convention; true: 2C/B, 2/B)",
-            amin(AminSensitivity.PAPER), t, "VIOLATION",
-        ),
-        synthetic.AuditedMechanism(
-            "amin-correct",
-            "Amin et al. 2024 accounted with the replace-by-null sensitivities 2C/B and 2/B",
-            amin(AminSensitivity.REPLACE_BY_NULL), t, "PASS",
-        ),
-        synthetic.AuditedMechanism(
-            "adapmixed-stop-rule",
-            f"AdaPMixED, data-dependent eps={s.adapmixed_stop_epsilon:g} reached within T: its stop rule is a function of "
-            "the references (reported data-dependent eps vs measurement)",
-            ada(s.adapmixed_stop_epsilon), t, "VIOLATION",
-        ),
-        synthetic.AuditedMechanism(
-            "adapmixed-within-budget",
-            f"AdaPMixED, data-dependent eps={s.adapmixed_within_epsilon:g} never reached: measured vs reported "
-            "(a data-dependent guarantee is never a PASS)",
-            ada(s.adapmixed_within_epsilon), t, "INCONCLUSIVE",
-        ),
-    ]
+    rows = [
+        ("amin-paper-sensitivity",
+         "Amin et al. 2024 accounted with C/B and 1/B under replace-by-null (the paper's convention; true: 2C/B, 2/B)",
+         amin(AminSensitivity.PAPER), "VIOLATION"),
+        ("amin-correct", "Amin et al. 2024 accounted with the replace-by-null sensitivities 2C/B and 2/B",
+         amin(AminSensitivity.REPLACE_BY_NULL), "PASS"),
+        ("adapmixed-stop-rule",
+         f"AdaPMixED, data-dependent eps={s.adapmixed_stop_epsilon:g} reached within T: its stop rule is a function of "
+         "the references (reported data-dependent eps vs measurement)", ada(s.adapmixed_stop_epsilon), "VIOLATION"),
+        ("adapmixed-within-budget",
+         f"AdaPMixED, data-dependent eps={s.adapmixed_within_epsilon:g} never reached: measured vs reported "
+         "(a data-dependent guarantee is never a PASS)", ada(s.adapmixed_within_epsilon), "INCONCLUSIVE"),
+    ]  # fmt: skip
+    return [synthetic.AuditedMechanism(name, description, mechanism, s.max_new_tokens, expected)
+            for name, description, mechanism, expected in rows]
 
 
 def selftest_sources(settings: SelfTestSettings) -> list:

@@ -246,10 +246,6 @@ def _check_data(table) -> None:
         raise ValueError(f"[data] give one of 'yelp', 'path' and 'inline'; got {sources}")
 
 
-def _check_canaries(table) -> None:
-    table_values(table, "[canaries]", {"secret": int, "repeat": int, "hardest_case": int, "custom": list[object]})
-
-
 def _whitebox_config(table, batch_size: int) -> WhiteBoxConfig:
     """``[audit]``: :class:`WhiteBoxConfig`, its neighbours within ``batch_size``."""
     config = _built("[audit]", WhiteBoxConfig, **table_values(table, "[audit]", fields_of(WhiteBoxConfig, "accountants")))
@@ -495,7 +491,8 @@ def _sections(raw: dict) -> dict:
     target = read_table(TargetSpec, section("target"), "[target]") if kind == "black-box" else None
     out = {**seed, "model": _model(section("model")), "prompt": _prompt(section("prompt"))}
     _check_data(section("data"))
-    _check_canaries(section("canaries"))
+    canaries = {"secret": int, "repeat": int, "hardest_case": int, "custom": list[object]}
+    table_values(section("canaries"), "[canaries]", canaries)  # checked here, read when the spec runs
     if kind == "white-box":
         out["audit"] = _whitebox_config(section("audit"), _mechanism_values(section("mechanism"))["batch_size"])
     else:

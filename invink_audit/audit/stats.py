@@ -350,11 +350,6 @@ class DeltaCurve:
     num_samples: int
 
 
-def _delta_terms(losses: np.ndarray, eps: float) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return np.clip(1.0 - np.exp(eps - losses), 0.0, 1.0)
-
-
 def delta_band(sorted_losses: np.ndarray, eps: float, eta: float) -> tuple[float, float]:
     r"""DKW band for δ(ε): :math:`\delta(\varepsilon)=\int_\varepsilon^\infty S(l)e^{\varepsilon-l}dl`.
 
@@ -392,7 +387,8 @@ def hockey_stick_delta(losses, epsilons: Sequence[float], significance: float) -
     h, u = math.sqrt(math.log(4.0 / beta) / (2.0 * n)), math.log(8.0 / beta)
     est, plo, phi, blo, bhi = [], [], [], [], []
     for eps in eps_arr:
-        terms = _delta_terms(arr, float(eps))
+        with np.errstate(over="ignore"):
+            terms = np.clip(1.0 - np.exp(float(eps) - arr), 0.0, 1.0)
         mean = float(terms.mean())
         eb = math.sqrt(2.0 * terms.var(ddof=1) * u / n) + 7.0 * u / (3.0 * (n - 1)) if n >= 2 else math.inf
         half = min(h, eb)

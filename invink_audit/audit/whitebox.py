@@ -394,13 +394,6 @@ def compact_support(
     return actual.gather(1, idx), neighbours.gather(2, idx.unsqueeze(1).expand(g, b, m)), idx
 
 
-def _step_delta_claims(epsilon0: float, epsilons: Sequence[float]) -> list[float]:
-    """One-step δ_BR(ε) of an ε0-BR mechanism, from the ``br-adaptive`` accountant with T = 1."""
-    from accounting import composed_delta
-
-    return [float(composed_delta(float(e), epsilon0, 1, "br-adaptive")) for e in epsilons]
-
-
 #: the exact per-step checks' failure kinds; "nonfinite": a released distribution holds NaN or +inf
 _FAILURE_KINDS = ("support", "range", "renyi", "delta", "nonfinite")
 
@@ -460,6 +453,8 @@ class WhiteBoxRecorder:
         max_steps: int,
         device: torch.device | str = "cpu",
     ):
+        from accounting import composed_delta
+
         self.plan = plan
         self.claim = claim
         self.config = config
@@ -483,7 +478,9 @@ class WhiteBoxRecorder:
         self.step_epsilons, self.step_delta_claims = (0.0,), (1.0,)
         if math.isfinite(self.step.epsilon0):
             self.step_epsilons = tuple(f * self.step.epsilon0 for f in STEP_EPSILON_FRACTIONS)
-            self.step_delta_claims = tuple(_step_delta_claims(self.step.epsilon0, self.step_epsilons))
+            # one-step δ_BR(ε) of an ε0-BR mechanism: the br-adaptive accountant with T = 1
+            self.step_delta_claims = tuple(float(composed_delta(float(e), self.step.epsilon0, 1, "br-adaptive"))
+                                           for e in self.step_epsilons)
         self._renyi_claim_t = torch.tensor([self.step.renyi_bound(a) for a in config.alphas], dtype=_DTYPE, device=dev)
         self._renyi_scale_t = torch.where(self._renyi_claim_t.isfinite(), self._renyi_claim_t, 1.0)
         self._delta_claim_t = torch.tensor(self.step_delta_claims, dtype=_DTYPE, device=dev)
