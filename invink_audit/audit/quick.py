@@ -10,7 +10,9 @@ import dataclasses
 import functools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -268,8 +270,6 @@ def _template(prompt, prompt_fields):
 def _check_references(result, references) -> None:
     """``references`` (a list or a file path; a :class:`~invink_audit.data.ReferencesFile` with the release's
     privacy unit) are those the generation partitioned."""
-    from collections import Counter
-
     from invink_audit.data import UnitReferences, as_references, partition_references, unit_partition, unit_slots
 
     references, recorded = as_references(references), result.partition.batches
@@ -523,8 +523,6 @@ class ReleaseFile:
         """``output``: the ``.jsonl`` file a release wrote; ``references``: its input file, with the ``column``
         and ``where`` selection ``generate`` was given (``ValueError`` when they do not give the recorded input,
         and, naming the file and line, for a line that is not a text record of this release)."""
-        from pathlib import Path
-
         from invink_audit.audit.release_checks import (check_published_records, label_findings, record_findings,
                                                        seeded_findings, unit_findings)
         from invink_audit.outputs import read_journal_claims, read_numbered_records, read_state, state_path
@@ -776,8 +774,6 @@ def write_quick_report(report: QuickAuditReport, output_dir, *, plots: bool = Tr
     """``report.json`` (every figure), ``report.md`` (the summary) and, with a sampled audit, its own report
     and plots under ``sampled/``; all owner-only and marked NOT PRIVATE (the report is computed from the
     references in the clear)."""
-    from pathlib import Path
-
     from invink_audit.audit.report import write_report
     from invink_audit.not_private import write_not_private_json, write_not_private_text
 

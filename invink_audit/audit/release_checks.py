@@ -9,6 +9,7 @@ texts you just generated", a finished output file).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -295,8 +296,6 @@ def _claim_problem(claimed, run: Mapping) -> tuple[str, str] | None:
 
 def _claim_findings(records: Sequence[PublishedRecord]) -> list[Finding]:
     """Each distinct published (guarantee, settings) pair against what the settings certify."""
-    import json
-
     groups: dict[str, list] = {}
     for published in records:
         key = json.dumps([published.record.get("guarantee"), published.record["run"]], sort_keys=True, default=str)

@@ -7,6 +7,7 @@ Notes and sources: docs/auditing_notes.md ("invink_audit.audit.report").
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -296,8 +297,6 @@ _TITLE_WIDTH, _TITLE_LINES = 70, 3
 def _wrapped_title(worst: WorstNeighbour) -> str:
     """``worst neighbour j: label``, wrapped to fit the figure (at most :data:`_TITLE_LINES` lines, the
     last one ending in … when the label is longer)."""
-    import textwrap
-
     label = str(worst.label or "")
     text = f"worst neighbour {worst.index}" + (f": {label}" if label else "")
     return "\n".join(textwrap.wrap(text, _TITLE_WIDTH, max_lines=_TITLE_LINES, placeholder=" …"))

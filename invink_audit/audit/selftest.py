@@ -10,6 +10,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -365,8 +366,6 @@ def selftest_markdown(result: SelfTestResult) -> str:
 def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) -> list:
     """Write report.json (the issue's list), report.md, and the per-audit reports and plots; like every
     audit report, owner-only and marked NOT PRIVATE (:func:`~invink_audit.audit.report.write_report`)."""
-    from pathlib import Path
-
     from invink_audit.audit.report import whitebox_markdown, write_report
     from invink_audit.not_private import write_not_private_json, write_not_private_text
 

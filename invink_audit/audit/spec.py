@@ -14,9 +14,12 @@ import math
 import numbers
 import os
 import shutil
+import tempfile
+import time
 import tomllib
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Union
@@ -574,8 +577,6 @@ def _batch(spec: AuditSpec, batch_size: int) -> tuple[list[str | None], dict, in
 
 
 def _generator(spec: AuditSpec, seed: int | None, device="cpu"):
-    import warnings
-
     from invink_audit.mechanism import SeededGeneratorWarning, make_generator
 
     seed = seed if seed is not None else spec.seed
@@ -600,8 +601,6 @@ def _invink_model_dir(path) -> Iterator[str]:
     if path != "tiny":
         yield str(path)
         return
-    import tempfile
-
     from invink_audit.models import build_tiny_model
 
     folder = Path(tempfile.mkdtemp(prefix="invink-audit-tiny-"))
@@ -755,8 +754,6 @@ def _run_augpe_histogram(a: AugPEHistogramSpec, seed: int | None):
     """The batched canary audit of AugPE's histogram releases on the worst-case canary, the noise seeded by ``seed``
     and the coins by ``seed + 1`` (OS entropy for both when ``None``); the exact check of the same embeddings, the
     canary's exact true ε and the claim go into the report's notes, beside (not into) its black-box verdict."""
-    import time
-
     import numpy as np
 
     from invink_audit.audit.augpe import exact_histogram_check, histogram_canary_audit

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -513,8 +514,6 @@ class WhiteBoxRecorder:
         ``neighbours`` (G, B, W): the step's outcome log-probabilities under R and every R'_j.
         ``check_actual``/``check_neighbours``: the distributions the per-step claim is about when they are not the
         outcome distributions (Amin et al.'s exponential mechanism given a private step)."""
-        import time
-
         if self._pending is not None:
             raise RuntimeError("record() must be called after each sampling_log_weights()")
         if (check_actual is None) != (check_neighbours is None):
@@ -603,8 +602,6 @@ class WhiteBoxRecorder:
         return torch.where(kind == KIND_MIXTURE_FORWARD, d_f, torch.where(kind == KIND_MIXTURE_REVERSE, d_r, torch.zeros_like(d_f)))
 
     def record(self, text_ids: torch.Tensor, tokens: torch.Tensor) -> None:
-        import time
-
         if self._pending is None:
             raise RuntimeError("record() called without a preceding sampling_log_weights()")
         start = time.perf_counter()
