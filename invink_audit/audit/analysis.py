@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from accounting import rdp_to_epsilon
+from accounting import ACCOUNTANTS, composed_epsilon, rdp_to_epsilon, zcdp_to_epsilon
 from invink_audit.audit import stats
 from invink_audit.audit.records import AccountantComparison, AuditTimings, DeltaEstimate, LossHistogram, ReportedClaim, SequenceEstimate, StepCheckSummary, WhiteBoxReport, WorstNeighbour, sampled_confirmations
 from invink_audit.audit.whitebox import (
@@ -57,15 +57,11 @@ def _is_sums(rec: RecordedAudit, neighbour: int, direction: Direction, alpha_ind
 
 @functools.cache
 def _composed_epsilon(epsilon0: float, max_new_tokens: int, delta: float, name: str) -> float:
-    from accounting import composed_epsilon
-
     return float(composed_epsilon(delta, epsilon0, max_new_tokens, name))
 
 
 def accountant_epsilons(epsilon0: float, max_new_tokens: int, delta: float, accountants) -> dict:
     """ε(δ) of each named accountant of :mod:`accounting` for T tokens of an ε0-BR mechanism."""
-    from accounting import ACCOUNTANTS
-
     names = tuple(accountants) if accountants is not None else ACCOUNTANTS
     return {name: _composed_epsilon(float(epsilon0), int(max_new_tokens), float(delta), name) for name in names}
 
@@ -78,8 +74,6 @@ def claim_epsilons(claim, delta: float, accountants=None) -> dict:
     if claim.composition == "bounded-range":
         return accountant_epsilons(claim.epsilon0, claim.max_new_tokens, delta, accountants)
     if claim.composition == "zcdp":
-        from accounting import zcdp_to_epsilon
-
         return {"cks": float(zcdp_to_epsilon(claim.rho_sequence, delta, "cks"))}
     from invink_audit.mechanisms.adapmixed import rdp_to_epsilon
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from accounting.limits import check_count
 from invink_audit.audit import stats
-from invink_audit.audit.blackbox import DEFAULT_SCORES, score_matrix, select_score, verdict_of
+from invink_audit.audit.blackbox import DEFAULT_SCORES, SCORES, score_matrix, select_score, verdict_of
 from invink_audit.audit.records import BlackBoxReport
 from invink_audit.audit.targets import BlackBoxTarget, EngineTarget, as_target
 from invink_audit.audit.tradeoff import PrivacyProfile, SequentialTest, fit_gdp, perfect_attack_ceiling
@@ -241,8 +241,6 @@ def _check_inputs(target, pool, canary, batch_size, canary_slot, selection_fract
 def _scores(target, scores, surrogate) -> tuple:
     """The scores to choose from (default: the exact ratio when the target offers it, the surrogate's when
     given, and the text scores), every name checked before anything runs."""
-    from invink_audit.audit.blackbox import SCORES
-
     gray = target.knows_likelihood
     scores = tuple(scores) if scores is not None else (
         ((LLR_SCORE,) if gray else ()) + ((SURROGATE_SCORE,) if surrogate is not None else ()) + tuple(DEFAULT_SCORES))

@@ -20,6 +20,8 @@ import torch
 
 from accounting.ledger import unit_phrase
 from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, WhiteBoxReport, headline_lines, to_jsonable
+from invink_audit.audit.release_checks import (Finding, check_published_records, label_findings, model_findings,
+                                               record_findings, seeded_findings, unit_findings)
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.not_private import mark_not_private
@@ -435,8 +437,6 @@ def quick_audit(
     """
     start = time.perf_counter()
     _phase(progress, "")  # a progress that is not callable is refused before anything is loaded
-    from invink_audit.audit.release_checks import unit_findings
-
     release = AuditedRelease.of(result, references, prompt=prompt, prompt_fields=prompt_fields)
     return _quick_audit_release(
         result, release, model=model, sampled_batch=sampled_batch, findings=tuple(unit_findings(release.partition)),
@@ -523,8 +523,6 @@ class ReleaseFile:
         """``output``: the ``.jsonl`` file a release wrote; ``references``: its input file, with the ``column``
         and ``where`` selection ``generate`` was given (``ValueError`` when they do not give the recorded input,
         and, naming the file and line, for a line that is not a text record of this release)."""
-        from invink_audit.audit.release_checks import (check_published_records, label_findings, record_findings,
-                                                       seeded_findings, unit_findings)
         from invink_audit.outputs import read_journal_claims, read_numbered_records, read_state, state_path
 
         output = Path(output)
@@ -673,7 +671,6 @@ def audit_release_file(
     INCONCLUSIVE, and a release drawn with a fixed seed (``seeded-release``) is never a PASS. ``seed``: a fixed seed
     for the sampled audit (reproducible; default OS entropy). ``privacy_unit``: the unit column the release must
     protect (another, or none, is a ``ValueError``; a per-unit release is rebuilt with its unit's neighbours)."""
-    from invink_audit.audit.release_checks import model_findings
     from invink_audit.engine import ForcedTextMismatch
     from invink_audit.mechanism import make_generator
     from invink_audit.models import load_model, loadable_name, model_fingerprint
@@ -717,7 +714,6 @@ def _undecoded_texts(found: ReleaseFile, tokenizer) -> tuple:
     """A finding naming the published texts that are not the released text of their own token ids
     (:func:`~invink_audit.prompts.release_text` with the batch's stop strings): a text edited in the output (and
     the journal) while its tokens were kept would publish words the mechanism never drew."""
-    from invink_audit.audit.release_checks import Finding
     from invink_audit.prompts import release_text
 
     edited = [t.batch_index for t in found.texts if t.text is not None
@@ -731,7 +727,6 @@ def _undecoded_texts(found: ReleaseFile, tokenizer) -> tuple:
 def _drawable(found: ReleaseFile, loaded) -> tuple[tuple[_ReleasedText, ...], tuple]:
     """The texts that teacher forcing accepts one by one, and a finding naming those it refuses (a token of
     probability zero under the recorded mechanism and model, or a text that ends elsewhere)."""
-    from invink_audit.audit.release_checks import Finding
     from invink_audit.engine import ForcedTextMismatch
 
     kept, refused = [], []

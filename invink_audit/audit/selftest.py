@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from accounting import PrivacyClaim, composed_epsilon
 from invink_audit.audit import synthetic
 from invink_audit.audit.analysis import analyse
 from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, WhiteBoxReport, to_jsonable
@@ -388,7 +389,6 @@ def blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int 
     verdict, bounds at that δ and on the curve, ceiling, GDP estimate and, on the stationary hardest-case source, the
     **true** ε (:func:`~invink_audit.audit.synthetic.exact_epsilon_stationary`; None elsewhere). Not part of
     :func:`run_selftest`'s pass criterion: a black box may miss a violation that is there."""
-    from accounting import composed_epsilon
     from invink_audit.audit.batched import LLR_SCORE, batched_canary_audit
     from invink_audit.audit.targets import SyntheticTarget
 
@@ -542,7 +542,6 @@ def adapter_entries(settings: SelfTestSettings | None = None) -> list[SelfTestEn
     """:data:`ADAPTER_ROWS` on the tiny model: the claim the processor states (per step the exponential mechanism's
     ε0 = 2C/(Bτ)-bounded range, Durfee & Rogers 2019; ρ = ε0²/8, Cesar & Rogers 2021, Lemma 3.2; T draws) or, for the
     last row, the same for T - 1 draws; each audited by :func:`~invink_audit.audit.audit_generator` (every neighbour)."""
-    from accounting import PrivacyClaim
     from invink_audit.audit.intercept import audit_generator
     from invink_audit.models import build_tiny_model
 

@@ -30,6 +30,7 @@ from accounting.limits import (
     COUNT_RANGE, EPSILON_RANGE, MAX_COUNT, RANGES, TEMPERATURE_RANGE, ParameterRange, check_nonnegative, check_order,
     check_positive,
 )
+from invink_audit.audit.stats import check_significance
 from invink_audit.audit.whitebox import WhiteBoxConfig
 from invink_audit.generation import ModelSpec, PromptSpec
 
@@ -96,8 +97,6 @@ def _top_k(key: str, value) -> int | None:
 
 
 def _significance(key: str, value) -> float:
-    from invink_audit.audit.stats import check_significance
-
     return check_significance(_by_type(key, value, float))
 
 

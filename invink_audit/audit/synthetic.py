@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from accounting.sensitivity import Clipping
 from invink_audit.audit.whitebox import (
     KIND_ACTUAL,
     KIND_NEIGHBOUR,
@@ -216,7 +217,6 @@ def mutants(*, clip_norm: float, temperature: float, top_k: int, batch_size: int
     """The four planted bugs (docs/auditing_notes.md, "Testing the auditor";
     :mod:`invink_audit.audit.planted`), each claiming what its (wrong) accountant would say; the data-dependent
     budget is computed from ``reference_lengths`` (a source's)."""
-    from accounting.sensitivity import Clipping
     from invink_audit.audit.planted import DataDependentBudget, PlantedBug, PrivateTopK
 
     correct = _config(clip_norm, temperature, top_k, batch_size)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from accounting import composed_delta
 from accounting.claims import RESOLVABLE_SHARE, PrivacyClaim, StepClaim
 from accounting.events import forwarded_property
 from accounting.limits import check_count, check_delta, check_order, check_positive
@@ -454,8 +455,6 @@ class WhiteBoxRecorder:
         max_steps: int,
         device: torch.device | str = "cpu",
     ):
-        from accounting import composed_delta
-
         self.plan = plan
         self.claim = claim
         self.config = config
