@@ -169,8 +169,15 @@ def _delta_tests(rec: RecordedAudit, losses_by_key: dict) -> tuple[list[stats.Te
         p_val = stats.p_value_from_lower_bound(lower_at, 0.0)
         curve = stats.hockey_stick_delta(losses, [eps for _, _, eps in points], beta)
         worst_gap = max(e - dl for e, (_, dl, _) in zip(curve.estimate, points))
-        tests.append(stats.TestResult(f"delta(eps) {d.value} neighbour {j} (all accountants)", p_val, worst_gap, 0.0,
-                                      details={"neighbour": j, "direction": d.value}))
+        tests.append(
+            stats.TestResult(
+                f"delta(eps) {d.value} neighbour {j} (all accountants)",
+                p_val,
+                worst_gap,
+                0.0,
+                details={"neighbour": j, "direction": d.value},
+            )
+        )
         delta_rows += [DeltaEstimate(j, d.value, name, dl, eps, *row)  # row: δ̂ and the band's lower and upper ends
                        for (name, dl, eps), *row in zip(points, curve.estimate, curve.band_lower, curve.band_upper)]
     return tests, delta_rows

@@ -269,8 +269,10 @@ class _Session:
 
     def analyse(self, rec, mechanism: str, max_new_tokens: int, canaries: dict, **kwargs) -> WhiteBoxReport:
         """The report of ``rec`` (source: model, prompt, B, T; neighbours labelled by their references)."""
-        labels = {j: "null reference" if self.refs[j] is None and j not in canaries else f"reference {j}"
-                  for j in range(self.batch_size)}
+        labels = {
+            j: ("null reference" if self.refs[j] is None and j not in canaries else f"reference {j}")
+            for j in range(self.batch_size)
+        }
         return analyse(
             rec,
             mechanism=f"{mechanism} on {self.loaded.name}",

@@ -256,7 +256,9 @@ def _renyi_estimate(samples: np.ndarray, alpha: float, significance: float, *, l
     log_y, n = (alpha - 1.0) * samples, samples.size
     log_upper = math.inf if samples.max() > upper else (alpha - 1.0) * upper
     point = float(special.logsumexp(log_y) - math.log(n))
-    lo, hi, method = log_mean_bounds(log_y, significance, log_lower=log_lower, log_upper=log_upper)
+    lo, hi, method = log_mean_bounds(
+        log_y, significance, log_lower=log_lower, log_upper=log_upper
+    )
     # D_α = log E[Y] / (α − 1); a divergence is >= 0 (the integrand's mean is >= 1 for these estimators' targets)
     d_lo, d_pt = max(0.0, lo / (alpha - 1.0)), point / (alpha - 1.0)
     d_hi = max(hi / (alpha - 1.0), d_lo)
