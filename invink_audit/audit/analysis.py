@@ -6,13 +6,14 @@ Notes and sources: docs/auditing_notes.md ("invink_audit.audit.analysis").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Mapping
 
 import numpy as np
 
-from accounting import rdp_to_epsilon
+from accounting import ACCOUNTANTS, composed_epsilon, rdp_to_epsilon, zcdp_to_epsilon
 from invink_audit.audit import stats
 from invink_audit.audit.records import AccountantComparison, AuditTimings, DeltaEstimate, LossHistogram, ReportedClaim, SequenceEstimate, StepCheckSummary, WhiteBoxReport, WorstNeighbour, sampled_confirmations
 from invink_audit.audit.whitebox import (
@@ -54,21 +55,15 @@ def _is_sums(rec: RecordedAudit, neighbour: int, direction: Direction, alpha_ind
     return rec.is_sums[sel]
 
 
-_ACCOUNTANT_CACHE: dict = {}
+@functools.cache
+def _composed_epsilon(epsilon0: float, max_new_tokens: int, delta: float, name: str) -> float:
+    return float(composed_epsilon(delta, epsilon0, max_new_tokens, name))
 
 
 def accountant_epsilons(epsilon0: float, max_new_tokens: int, delta: float, accountants) -> dict:
     """ε(δ) of each named accountant of :mod:`accounting` for T tokens of an ε0-BR mechanism."""
-    from accounting import ACCOUNTANTS, composed_epsilon
-
     names = tuple(accountants) if accountants is not None else ACCOUNTANTS
-    out = {}
-    for name in names:
-        key = (float(epsilon0), int(max_new_tokens), float(delta), name)
-        if key not in _ACCOUNTANT_CACHE:
-            _ACCOUNTANT_CACHE[key] = float(composed_epsilon(delta, epsilon0, max_new_tokens, name))
-        out[name] = _ACCOUNTANT_CACHE[key]
-    return out
+    return {name: _composed_epsilon(float(epsilon0), int(max_new_tokens), float(delta), name) for name in names}
 
 
 def claim_epsilons(claim, delta: float, accountants=None) -> dict:
@@ -79,8 +74,6 @@ def claim_epsilons(claim, delta: float, accountants=None) -> dict:
     if claim.composition == "bounded-range":
         return accountant_epsilons(claim.epsilon0, claim.max_new_tokens, delta, accountants)
     if claim.composition == "zcdp":
-        from accounting import zcdp_to_epsilon
-
         return {"cks": float(zcdp_to_epsilon(claim.rho_sequence, delta, "cks"))}
     from invink_audit.mechanisms.adapmixed import rdp_to_epsilon
 
@@ -130,9 +123,7 @@ def _renyi_estimates(rec: RecordedAudit, audited, exact) -> tuple[list[_Estimate
                 claimed = claim.renyi(a)
                 if not math.isfinite(claimed):
                     continue  # no claim at this order (a Rényi filter claims one order only)
-                ex = None
-                if exact is not None:
-                    ex = exact.renyi(a, j, reverse=d is Direction.REVERSE)
+                ex = None if exact is None else exact.renyi(a, j, reverse=d is Direction.REVERSE)
                 if losses.size:
                     est = stats.renyi_monte_carlo(losses, a, beta, loss_upper=loss_upper, claimed=claimed)
                     rows.append(_Estimate(j, d, a, est, ex))
@@ -187,10 +178,8 @@ def _delta_tests(rec: RecordedAudit, losses_by_key: dict) -> tuple[list[stats.Te
                 details={"neighbour": j, "direction": d.value},
             )
         )
-        for k, (name, dl, eps) in enumerate(points):
-            delta_rows.append(
-                DeltaEstimate(j, d.value, name, dl, eps, curve.estimate[k], curve.band_lower[k], curve.band_upper[k])
-            )
+        delta_rows += [DeltaEstimate(j, d.value, name, dl, eps, *row)  # row: δ̂ and the band's lower and upper ends
+                       for (name, dl, eps), *row in zip(points, curve.estimate, curve.band_lower, curve.band_upper)]
     return tests, delta_rows
 
 
@@ -282,11 +271,8 @@ def _with_prefix(rec: RecordedAudit, worst: dict, prefix_decoder) -> dict:
     """A worst-prefix record with its prefix rendered (decoded, or token ids)."""
     w = dict(worst)
     if w.get("text", -1) >= 0:
-        toks = rec.tokens[w["text"], : w["step"]]
-        if prefix_decoder is not None:
-            w["prefix"] = prefix_decoder([int(t) for t in toks if t >= 0])
-        else:
-            w["prefix"] = " ".join(str(int(t)) for t in toks if t >= 0)
+        ids = [int(t) for t in rec.tokens[w["text"], : w["step"]] if t >= 0]
+        w["prefix"] = prefix_decoder(ids) if prefix_decoder is not None else " ".join(map(str, ids))
     return w
 
 
@@ -316,33 +302,8 @@ def _step_check_summary(rec: RecordedAudit, prefix_decoder) -> StepCheckSummary:
 
 def _loss_histogram(losses_by_key: dict, worst: int) -> LossHistogram:
     """Forward losses of the worst neighbour (else the first audited pair's)."""
-    hist_losses = losses_by_key.get((worst, Direction.FORWARD))
-    if hist_losses is None:
-        hist_losses = next(iter(losses_by_key.values()), np.zeros(0))
-    return _histogram(hist_losses, worst)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tested:
-    """What :func:`_tested` decides: the verdict, every test with its Holm decision, the reason, the report's
-    sequence and δ(ε) rows, and the Monte Carlo losses by (neighbour, direction)."""
-
-    verdict: stats.Verdict
-    decided: list
-    reason: str
-    sequence: list[SequenceEstimate]
-    delta: list[DeltaEstimate]
-    losses_by_key: dict
-
-    def fields(self) -> dict:
-        """The :class:`WhiteBoxReport` fields of the tests: verdict, reason, sequence and δ(ε) rows, tests."""
-        return {
-            "verdict": self.verdict,
-            "reason": self.reason,
-            "sequence": tuple(self.sequence),
-            "delta": tuple(self.delta),
-            "tests": tuple(self.decided),
-        }
+    first = next(iter(losses_by_key.values()), np.zeros(0))
+    return _histogram(losses_by_key.get((worst, Direction.FORWARD), first), worst)
 
 
 def _unresolved_by_numerics(rec: RecordedAudit) -> str | None:
@@ -360,11 +321,13 @@ def _unresolved_by_numerics(rec: RecordedAudit) -> str | None:
             f"per-step claim ({smallest:.3g}): rounding cannot be told from a leak of that size; audit in a wider dtype")
 
 
-def _tested(rec: RecordedAudit, audited, exact) -> _Tested:
+def _tested(rec: RecordedAudit, audited, exact) -> tuple[dict, dict]:
     r"""Every hypothesis in one Holm family and the verdict: :math:`D_\alpha \le \alpha\rho_{seq}` per Rényi
     estimate (:func:`_renyi_estimates`, :func:`_renyi_tests`), then :math:`\delta(\varepsilon_{acc}(\delta)) \le
     \delta` per (neighbour, direction) with the DKW band (:func:`_delta_tests`), decided by :func:`_verdict`. A PASS
-    that no sampled estimate confirms says it rests on the exact per-step checks."""
+    that no sampled estimate confirms says it rests on the exact per-step checks. Returns the :class:`WhiteBoxReport`
+    fields of the tests (verdict, reason, sequence and δ(ε) rows, tests with their Holm decisions) and the Monte
+    Carlo losses by (neighbour, direction)."""
     rows, losses_by_key = _renyi_estimates(rec, audited, exact)
     delta_tests, delta_rows = _delta_tests(rec, losses_by_key)
     verdict, decided, reason = _verdict(rec, _renyi_tests(rows) + delta_tests)
@@ -376,7 +339,9 @@ def _tested(rec: RecordedAudit, audited, exact) -> _Tested:
             f"; the sampled part ({rec.plan.num_texts} texts) is too small to confirm anything (no upper confidence "
             "end falls below its claim): this PASS rests on the exact per-step checks"
         )
-    return _Tested(verdict, decided, reason, seq_rows, delta_rows, losses_by_key)
+    fields = {"verdict": verdict, "reason": reason, "sequence": tuple(seq_rows), "delta": tuple(delta_rows),
+              "tests": tuple(decided)}
+    return fields, losses_by_key
 
 
 def _analysis_timings(rec: RecordedAudit, timings: Mapping | AuditTimings | None, t0: float) -> AuditTimings:
@@ -410,9 +375,9 @@ def analyse(
     audited = rec.config.audited_neighbours(rec.batch_size)
     canaries = dict(canaries or {})
     labels = {**dict(neighbour_labels or {}), **canaries}
-    tested = _tested(rec, audited, exact)
-    worst = _worst_neighbour(audited, tested.sequence, labels)
-    comparisons = _accountant_comparisons(rec, tested.sequence)
+    tested, losses_by_key = _tested(rec, audited, exact)
+    worst = _worst_neighbour(audited, tested["sequence"], labels)
+    comparisons = _accountant_comparisons(rec, tested["sequence"])
     summary = _step_check_summary(rec, prefix_decoder)
     claim = ReportedClaim(rec.claim, {a.accountant: a.epsilon for a in comparisons}, dict(claim_details or {}))
     measured = _analysis_timings(rec, timings, t0)
@@ -420,7 +385,7 @@ def analyse(
         kind="white-box",
         mechanism=mechanism,
         source=source,
-        **tested.fields(),
+        **tested,
         significance=rec.config.significance,
         claim=claim,
         step_checks=summary,
@@ -429,7 +394,7 @@ def analyse(
         canaries=canaries,
         num_texts=rec.plan.num_texts,
         timings=measured,
-        loss_histogram=_loss_histogram(tested.losses_by_key, worst.index),
+        loss_histogram=_loss_histogram(losses_by_key, worst.index),
         settings=dict(settings or {}),
         notes=tuple(notes),
     )

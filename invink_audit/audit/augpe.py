@@ -258,10 +258,7 @@ def histogram_canary_audit(
     never confirms a claim."""
     if not isinstance(target, HistogramTarget) or not isinstance(claim, AugPEEvent):
         raise ValueError("target must be a HistogramTarget and claim an accounting.AugPEEvent")
-
-    def curve(delta: float) -> float:
-        return claim.gaussian_epsilon(delta)
-
+    curve = claim.gaussian_epsilon
     return batched_canary_audit(
         target, ["(another reference)"], "the canary", batch_size=1, num_batches=num_batches,
         claimed_epsilon=curve(claimed_delta), claimed_delta=claimed_delta, scores=[LLR_SCORE], significance=significance,
@@ -273,8 +270,7 @@ def true_epsilon(target: HistogramTarget, delta: float) -> float:
     """The target's exact ε at ``delta`` on its canary: μ-GDP of :attr:`HistogramTarget.true_mu` (Dong, Roth & Su
     2019, Cor. 2.13); an upper bound when the clamp at H censors a count, equality otherwise. 0 when the canary
     moves no vote."""
-    mu = target.true_mu
-    return gdp_to_epsilon(mu, delta)
+    return gdp_to_epsilon(target.true_mu, delta)
 
 
 #: The self-test's AugPE claim (:func:`selftest_claim`): ε = 2 at δ = 1e-6 over T = 3 histograms. At ε = 2 the

@@ -15,7 +15,7 @@ import numpy as np
 
 from accounting.limits import check_count
 from invink_audit.audit import stats
-from invink_audit.audit.blackbox import DEFAULT_SCORES, score_matrix, select_score, verdict_of
+from invink_audit.audit.blackbox import DEFAULT_SCORES, SCORES, score_matrix, select_score, verdict_of
 from invink_audit.audit.records import BlackBoxReport
 from invink_audit.audit.targets import BlackBoxTarget, EngineTarget, as_target
 from invink_audit.audit.tradeoff import PrivacyProfile, SequentialTest, fit_gdp, perfect_attack_ceiling
@@ -98,14 +98,13 @@ class _Run:
         start = time.perf_counter()
         texts = self.target.texts([self.batches[i] for i in indices])
         self.texts.update(zip(indices, texts))
+        with_canary = [self.with_canary[i] for i in indices]
         if LLR_SCORE in self.scores:
-            ratios = self.target.log_likelihood_ratios([self.with_canary[i] for i in indices], self.slot)
-            _check_count(ratios, indices, "the target's log_likelihood_ratios")
-            self.llr.update(zip(indices, ratios.tolist()))
+            ratios = self.target.log_likelihood_ratios(with_canary, self.slot)
+            self.llr.update(zip(indices, _checked(ratios, indices, "the target's log_likelihood_ratios")))
         if self.surrogate is not None:
-            ratios = self.surrogate([self.with_canary[i] for i in indices], self.slot, texts)
-            _check_count(ratios, indices, "the surrogate")
-            self.surrogate_llr.update(zip(indices, ratios.tolist()))
+            ratios = self.surrogate(with_canary, self.slot, texts)
+            self.surrogate_llr.update(zip(indices, _checked(ratios, indices, "the surrogate")))
         self.seconds += time.perf_counter() - start
 
     def matrix(self, indices: Sequence[int], selection: Sequence[int]):
@@ -123,9 +122,11 @@ class _Run:
         return list(names), values, chosen
 
 
-def _check_count(ratios, indices, what: str) -> None:
+def _checked(ratios, indices, what: str) -> list[float]:
+    """The ratios as a list, after checking there is one per text."""
     if np.asarray(ratios).shape != (len(indices),):
         raise ValueError(f"{what} must return one ratio per text ({len(indices)}); got shape {np.asarray(ratios).shape}")
+    return ratios.tolist()
 
 
 def _coins(seed: int | None, num_batches: int, n_sel: int) -> np.ndarray:
@@ -240,8 +241,6 @@ def _check_inputs(target, pool, canary, batch_size, canary_slot, selection_fract
 def _scores(target, scores, surrogate) -> tuple:
     """The scores to choose from (default: the exact ratio when the target offers it, the surrogate's when
     given, and the text scores), every name checked before anything runs."""
-    from invink_audit.audit.blackbox import SCORES
-
     gray = target.knows_likelihood
     scores = tuple(scores) if scores is not None else (
         ((LLR_SCORE,) if gray else ()) + ((SURROGATE_SCORE,) if surrogate is not None else ()) + tuple(DEFAULT_SCORES))

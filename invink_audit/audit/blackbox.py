@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -53,8 +54,6 @@ def char_count(text: str) -> float:
 def exact_match(selection_with: Sequence[str], selection_without: Sequence[str]) -> Callable[[str], float]:
     """Score *trained on the selection split*: how much more often this exact text was produced with
     the canary than without it. Catches deterministic generators (a fixed seed) and verbatim leaks."""
-    from collections import Counter
-
     w, o = Counter(selection_with), Counter(selection_without)
     nw, no = max(len(selection_with), 1), max(len(selection_without), 1)
 
@@ -67,8 +66,6 @@ def exact_match(selection_with: Sequence[str], selection_without: Sequence[str])
 def _exact_match_leave_one_out(texts: Sequence[str], labels: np.ndarray) -> np.ndarray:
     """Selection-split scores of :func:`exact_match` with each text left out of its own training
     set: otherwise every unique text would look perfectly separable on the split it was trained on."""
-    from collections import Counter
-
     w = Counter(t for t, lab in zip(texts, labels) if lab)
     o = Counter(t for t, lab in zip(texts, labels) if not lab)
     nw, no = int(labels.sum()), int((~labels).sum())
@@ -206,9 +203,8 @@ def _alternating_trials(refs: list[str], canary: str, canary_slot: int, num_tria
     with_canary, without = list(refs), list(refs)
     for slot in (canary_slot,) if isinstance(canary_slot, int) else canary_slot:  # a canary unit: all its slots
         with_canary[slot], without[slot] = canary, ""
-    batches = [with_canary if i % 2 == 0 else without for i in range(num_trials)]
-    labels = np.array([i % 2 == 0 for i in range(num_trials)])
-    return batches, labels
+    labels = np.arange(num_trials) % 2 == 0
+    return [with_canary if label else without for label in labels], labels
 
 
 def _selection_split(num_trials: int, selection_fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -472,8 +472,7 @@ class GeneratorAudit:
 def _step_arrays(calls, neighbour_calls, alphas) -> dict:
     """Per-step quantities of every recorded distribution, concatenated over the calls (float64 tensors), and each
     row's privacy loss ``log p(y) - log p'(y)`` summed over its S draws, (G, B) per call (``draw_losses``)."""
-    out = {"step_call": [], "max_abs_log_ratio": [], "loss_range": [], "renyi_forward": [], "renyi_reverse": []}
-    draw_losses = []
+    parts, draw_losses = [], []
     for k, call in enumerate(calls):
         actual = call.log_probs
         nbs = torch.stack([nc[k].log_probs for nc in neighbour_calls], 1)  # (G, B, V)
@@ -481,15 +480,12 @@ def _step_arrays(calls, neighbour_calls, alphas) -> dict:
         lp = actual.unsqueeze(1)
         both, either = torch.isfinite(lp) & torch.isfinite(nbs), torch.isfinite(lp) | torch.isfinite(nbs)
         ratio = torch.where(both, (lp - nbs).abs(), torch.where(either, math.inf, 0.0))
-        out["step_call"].append(torch.full((actual.shape[0],), k))
-        out["max_abs_log_ratio"].append(ratio.amax(-1))
-        out["loss_range"].append(q.loss_range)
-        out["renyi_forward"].append(q.renyi_forward)
-        out["renyi_reverse"].append(q.renyi_reverse)
+        parts.append({"step_call": torch.full((actual.shape[0],), k), "max_abs_log_ratio": ratio.amax(-1),
+                      "loss_range": q.loss_range, "renyi_forward": q.renyi_forward, "renyi_reverse": q.renyi_reverse})
         drawn = actual.gather(1, call.tokens)  # (G, S)
         nb_drawn = nbs.gather(2, call.tokens.unsqueeze(1).expand(-1, nbs.shape[1], -1))  # (G, B, S)
         draw_losses.append((drawn.unsqueeze(1) - nb_drawn).sum(2))  # a row's S draws: S steps of its text
-    return {name: torch.cat(parts) for name, parts in out.items()}, draw_losses
+    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}, draw_losses
 
 
 def _sequence_sums(calls, per_step: torch.Tensor) -> torch.Tensor:

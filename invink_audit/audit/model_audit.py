@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -365,12 +366,9 @@ class _Hooks:
 
 
 def _overhead_notes(timings: AuditTimings) -> list[str]:
-    notes = []
-    for value, what in ((timings.audit_overhead_ratio, "generation time"),
-                        (timings.audit_overhead_ratio_decode_steps, "decode-step time")):
-        if value > 0.15:
-            notes.append(f"the audit hooks cost {value:.0%} of {what} (target ≤ 15%)")
-    return notes
+    return [f"the audit hooks cost {value:.0%} of {what} (target ≤ 15%)"
+            for value, what in ((timings.audit_overhead_ratio, "generation time"),
+                                (timings.audit_overhead_ratio_decode_steps, "decode-step time")) if value > 0.15]
 
 
 def engine_step(step) -> MechanismStep:
@@ -387,16 +385,15 @@ class _Released:
     """What the audit's texts released: finish reasons and each outcome's mode, and how to render outcomes."""
 
     def __init__(self, mechanism: Mechanism) -> None:
-        self.mechanism, self.reasons, self.modes = mechanism, {}, {}
+        self.mechanism, self.reasons, self.modes = mechanism, Counter(), Counter()
 
     def add(self, finished) -> None:
-        self.reasons[finished.finish_reason] = self.reasons.get(finished.finish_reason, 0) + 1
-        for m in finished.modes or [0] * finished.num_tokens:  # the fast path's texts: one mode
-            name = self.mechanism.mode_names[m]
-            self.modes[name] = self.modes.get(name, 0) + 1
+        self.reasons[finished.finish_reason] += 1
+        # the fast path's texts: one mode
+        self.modes.update(self.mechanism.mode_names[m] for m in finished.modes or [0] * finished.num_tokens)
 
     def totals(self, share: TextShare) -> dict:
-        return {"finish_reasons": share.total(self.reasons), "released_modes": share.total(self.modes)}
+        return {"finish_reasons": share.total(dict(self.reasons)), "released_modes": share.total(dict(self.modes))}
 
     def decoder(self, loaded) -> Callable[[list[int]], str]:
         """Outcomes (``mode·V + token``; the stop outcome is not a token) as text."""

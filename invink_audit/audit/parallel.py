@@ -64,13 +64,10 @@ class TextShare:
 
 
 def _padded_max(arrays, fill: float) -> np.ndarray:
+    """The elementwise maximum of per-position arrays, each padded with ``fill`` to the longest."""
     steps = max(a.shape[0] for a in arrays)
-    out = None
-    for a in arrays:
-        padded = np.full((steps, *a.shape[1:]), fill, dtype=a.dtype)
-        padded[: a.shape[0]] = a
-        out = padded if out is None else np.maximum(out, padded)
-    return out
+    return np.maximum.reduce([np.pad(a, [(0, steps - a.shape[0])] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+                              for a in arrays])
 
 
 def merge_recorded(parts, owners):

@@ -10,7 +10,9 @@ import dataclasses
 import functools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +20,8 @@ import torch
 
 from accounting.ledger import unit_phrase
 from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, WhiteBoxReport, headline_lines, to_jsonable
+from invink_audit.audit.release_checks import (Finding, check_published_records, label_findings, model_findings,
+                                               record_findings, seeded_findings, unit_findings)
 from invink_audit.audit.stats import Verdict
 from invink_audit.audit.whitebox import Claim, SamplingPlan, WhiteBoxConfig, WhiteBoxRecorder
 from invink_audit.not_private import mark_not_private
@@ -268,8 +272,6 @@ def _template(prompt, prompt_fields):
 def _check_references(result, references) -> None:
     """``references`` (a list or a file path; a :class:`~invink_audit.data.ReferencesFile` with the release's
     privacy unit) are those the generation partitioned."""
-    from collections import Counter
-
     from invink_audit.data import UnitReferences, as_references, partition_references, unit_partition, unit_slots
 
     references, recorded = as_references(references), result.partition.batches
@@ -316,14 +318,6 @@ def _check_prompt(result, prompt, prompt_fields) -> None:
 # phases shared by both kinds of result
 
 
-def _realised(rec) -> tuple[np.ndarray, dict, float]:
-    """Realised losses L_j(x) of the released texts (texts, B), the exact checks' failures, max loss range."""
-    with np.errstate(invalid="ignore"):
-        losses = rec.log_prob_actual[:, None] - rec.log_prob_neighbours  # (texts, B)
-    max_range = float(rec.max_loss_range_per_step.max()) if rec.max_loss_range_per_step.size else 0.0
-    return losses, dict(rec.failures), max_range
-
-
 def _verdict(failures: dict, sampled: WhiteBoxReport | None, claim: Claim) -> tuple[Verdict, str]:
     """VIOLATION if either part finds one, PASS if both pass, INCONCLUSIVE otherwise; a data-dependent
     guarantee is never a PASS."""
@@ -366,7 +360,10 @@ def _with_findings(verdict: Verdict, reason: str, findings) -> tuple[Verdict, st
 def _quick_report(rec, claim: Claim, sampled, *, texts: int, accountant_epsilon: float, start: float,
                   findings: tuple = (), **labels) -> QuickAuditReport:
     """The :class:`QuickAuditReport` of the teacher-forced record and the sampled audit."""
-    losses, failures, max_range = _realised(rec)
+    with np.errstate(invalid="ignore"):
+        losses = rec.log_prob_actual[:, None] - rec.log_prob_neighbours  # realised losses L_j(x), (texts, B)
+    failures = dict(rec.failures)
+    max_range = float(rec.max_loss_range_per_step.max()) if rec.max_loss_range_per_step.size else 0.0
     verdict, reason = _with_findings(*_verdict(failures, sampled, claim), findings)
     finite = losses[np.isfinite(losses)]
     return QuickAuditReport(
@@ -440,8 +437,6 @@ def quick_audit(
     """
     start = time.perf_counter()
     _phase(progress, "")  # a progress that is not callable is refused before anything is loaded
-    from invink_audit.audit.release_checks import unit_findings
-
     release = AuditedRelease.of(result, references, prompt=prompt, prompt_fields=prompt_fields)
     return _quick_audit_release(
         result, release, model=model, sampled_batch=sampled_batch, findings=tuple(unit_findings(release.partition)),
@@ -528,10 +523,6 @@ class ReleaseFile:
         """``output``: the ``.jsonl`` file a release wrote; ``references``: its input file, with the ``column``
         and ``where`` selection ``generate`` was given (``ValueError`` when they do not give the recorded input,
         and, naming the file and line, for a line that is not a text record of this release)."""
-        from pathlib import Path
-
-        from invink_audit.audit.release_checks import (check_published_records, label_findings, record_findings,
-                                                       seeded_findings, unit_findings)
         from invink_audit.outputs import read_journal_claims, read_numbered_records, read_state, state_path
 
         output = Path(output)
@@ -589,22 +580,18 @@ def _release_of_run(run: Mapping, references, column, where, fingerprint: str) -
     """The :class:`AuditedRelease` of a recorded run: its template, event and mechanism, δ and ε (the
     accountant's, recomputed from the settings, never the ε a record claims), and the partition whose
     fingerprint is the recorded one (settings that cannot be read are a ``ValueError``)."""
-    try:
-        return _rebuilt_release(run, references, column, where, fingerprint)
-    except (KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"the release's state cannot be read ({type(err).__name__}: {err})") from None
-
-
-def _rebuilt_release(run: Mapping, references, column, where, fingerprint: str) -> AuditedRelease:
     from invink_audit.mechanisms import mechanism_from_json
     from invink_audit.prompts import PromptTemplate
 
-    template = PromptTemplate.from_json(run["prompt"])
-    # the mechanism its records name, or InvisibleInk's settings
-    mechanism = mechanism_from_json(run["mechanism"]) if "mechanism" in run else _invisibleink(run)
-    g = mechanism.guarantee(run["max_new_tokens"], run["delta"])
-    partition, labels = _recorded_partition(run, references, column, where, fingerprint)
-    return AuditedRelease(mechanism, g, g.epsilon, partition, template, labels, run.get("label_fields"))
+    try:
+        template = PromptTemplate.from_json(run["prompt"])
+        # the mechanism its records name, or InvisibleInk's settings
+        mechanism = mechanism_from_json(run["mechanism"]) if "mechanism" in run else _invisibleink(run)
+        g = mechanism.guarantee(run["max_new_tokens"], run["delta"])
+        partition, labels = _recorded_partition(run, references, column, where, fingerprint)
+        return AuditedRelease(mechanism, g, g.epsilon, partition, template, labels, run.get("label_fields"))
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"the release's state cannot be read ({type(err).__name__}: {err})") from None
 
 
 def _recorded_partition(run: Mapping, references, column, where, fingerprint: str):
@@ -679,16 +666,11 @@ def audit_release_file(
 ) -> QuickAuditReport:
     """:func:`quick_audit` of a release from its output file (:class:`ReleaseFile`), in the dtype it ran in, with
     the model it names (``model``: the same model; another name and another fingerprint is a ``ValueError``).
-    What was published is checked first against the state and the journal, and the model loaded against the
-    fingerprint the release recorded (:mod:`invink_audit.audit.release_checks`): each finding is named in the
-    report and makes its verdict VIOLATION or INCONCLUSIVE, never PASS; a release drawn with a fixed seed (its state's
-    ``run.seeded``) is a ``seeded-release`` finding, never a PASS. A published text that the recorded
-    mechanism and model could not have drawn is a finding, and the others are still audited; with another model
-    than the release's, nothing is teacher-forced. ``seed``: a fixed seed for the sampled audit (reproducible;
-    default OS entropy). A per-unit release (its state names the unit and rule) is rebuilt with its unit: the
-    neighbours replace every slot of one unit in a batch, which its rule makes one (else a ``unit-in-two-slots``
-    finding); ``privacy_unit``: the unit column the release must protect (another, or none, is a ``ValueError``)."""
-    from invink_audit.audit.release_checks import model_findings
+    What was published is checked first (:mod:`invink_audit.audit.release_checks`; the findings, and the texts then
+    teacher-forced: docs/guide/auditing.md, "A finished output file"): a finding makes the verdict VIOLATION or
+    INCONCLUSIVE, and a release drawn with a fixed seed (``seeded-release``) is never a PASS. ``seed``: a fixed seed
+    for the sampled audit (reproducible; default OS entropy). ``privacy_unit``: the unit column the release must
+    protect (another, or none, is a ``ValueError``; a per-unit release is rebuilt with its unit's neighbours)."""
     from invink_audit.engine import ForcedTextMismatch
     from invink_audit.mechanism import make_generator
     from invink_audit.models import load_model, loadable_name, model_fingerprint
@@ -732,7 +714,6 @@ def _undecoded_texts(found: ReleaseFile, tokenizer) -> tuple:
     """A finding naming the published texts that are not the released text of their own token ids
     (:func:`~invink_audit.prompts.release_text` with the batch's stop strings): a text edited in the output (and
     the journal) while its tokens were kept would publish words the mechanism never drew."""
-    from invink_audit.audit.release_checks import Finding
     from invink_audit.prompts import release_text
 
     edited = [t.batch_index for t in found.texts if t.text is not None
@@ -746,7 +727,6 @@ def _undecoded_texts(found: ReleaseFile, tokenizer) -> tuple:
 def _drawable(found: ReleaseFile, loaded) -> tuple[tuple[_ReleasedText, ...], tuple]:
     """The texts that teacher forcing accepts one by one, and a finding naming those it refuses (a token of
     probability zero under the recorded mechanism and model, or a text that ends elsewhere)."""
-    from invink_audit.audit.release_checks import Finding
     from invink_audit.engine import ForcedTextMismatch
 
     kept, refused = [], []
@@ -789,8 +769,6 @@ def write_quick_report(report: QuickAuditReport, output_dir, *, plots: bool = Tr
     """``report.json`` (every figure), ``report.md`` (the summary) and, with a sampled audit, its own report
     and plots under ``sampled/``; all owner-only and marked NOT PRIVATE (the report is computed from the
     references in the clear)."""
-    from pathlib import Path
-
     from invink_audit.audit.report import write_report
     from invink_audit.not_private import write_not_private_json, write_not_private_text
 

@@ -61,11 +61,7 @@ def to_jsonable(obj):
         return [to_jsonable(v) for v in obj.tolist()]
     if isinstance(obj, (np.floating, float)):
         x = float(obj)
-        if math.isnan(x):
-            return "nan"
-        if math.isinf(x):
-            return "inf" if x > 0 else "-inf"
-        return x
+        return x if math.isfinite(x) else str(x)  # "nan", "inf", "-inf"
     if isinstance(obj, (np.integer,)):
         return int(obj)
     if isinstance(obj, np.bool_):
@@ -77,8 +73,12 @@ class _JsonRecord(Mapping):
     """A typed report record (a dataclass) whose JSON object is :meth:`json_fields` (default: its fields, in order);
     it also reads as that mapping (``record["key"]``, ``"key" in record``, ``record.get``)."""
 
+    #: fields left out of the JSON object while ``None`` (a figure an older report did not state)
+    _optional: tuple[str, ...] = ()
+
     def json_fields(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in self._optional or getattr(self, f.name) is not None}
 
     @classmethod
     def from_json(cls, data: Mapping):
@@ -183,12 +183,7 @@ class LossHistogram(_JsonRecord):
     counts: tuple[int, ...]
     num_infinite: int
     mean: float | None = None
-
-    def json_fields(self) -> dict:
-        out = {"neighbour": self.neighbour, "edges": self.edges, "counts": self.counts, "num_infinite": self.num_infinite}
-        if self.mean is not None:
-            out["mean"] = self.mean
-        return out
+    _optional = ("mean",)
 
     @classmethod
     def from_json(cls, data: Mapping) -> LossHistogram:
@@ -252,10 +247,7 @@ class StepCheckSummary(_JsonRecord):
     max_loss_range_per_step: tuple[float, ...]
     max_renyi_ratio_per_step: tuple[tuple[float, ...], ...]
     numerics: dict | None = None  # {"dtype", "tolerance", "within_tolerance"}
-
-    def json_fields(self) -> dict:
-        out = super().json_fields()
-        return out if self.numerics is not None else {k: v for k, v in out.items() if k != "numerics"}
+    _optional = ("numerics",)
 
 
 @dataclasses.dataclass(frozen=True)

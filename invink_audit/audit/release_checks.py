@@ -9,6 +9,7 @@ texts you just generated", a finished output file).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -148,10 +149,6 @@ def check_published_records(path, numbered: Sequence[tuple[int, Mapping]], num_b
 # the records against the journal: the texts drawn
 
 
-def _differing(record: Mapping, drawn: Mapping) -> list[str]:
-    return sorted(k for k in set(record) | set(drawn) if record.get(k) != drawn.get(k))
-
-
 def _journal_kind(fields: Sequence[str]) -> str:
     """The finding a record that differs from the journal's copy in ``fields`` is."""
     if any(f in _TEXT_FIELDS for f in fields):
@@ -173,7 +170,8 @@ def _against_journal(records: Sequence[PublishedRecord], claims: Mapping) -> tup
         elif claims[index] is None:
             bare.append(index)
         else:
-            differing = _differing(published.record, claims[index])
+            record, drawn = published.record, claims[index]
+            differing = sorted(k for k in set(record) | set(drawn) if record.get(k) != drawn.get(k))
             if differing:
                 kind = _journal_kind(differing)
                 batches.setdefault(kind, []).append(index)
@@ -274,9 +272,8 @@ def _same(a, b) -> bool:
 def _claim_problem(claimed, run: Mapping) -> tuple[str, str] | None:
     """``(kind, message)`` when the guarantee ``claimed`` is not the one the settings ``run`` certify."""
     if run.get("seeded"):
-        if claimed is None:
-            return None
-        return "edited-claim", "a seeded release (no guarantee: its noise is reproducible) claims one"
+        return None if claimed is None else ("edited-claim", "a seeded release (no guarantee: its noise is "
+                                             "reproducible) claims one")
     if claimed is None:
         return "weaker-claim", "claims no guarantee, but the release is not seeded"
     if not isinstance(claimed, Mapping):
@@ -299,8 +296,6 @@ def _claim_problem(claimed, run: Mapping) -> tuple[str, str] | None:
 
 def _claim_findings(records: Sequence[PublishedRecord]) -> list[Finding]:
     """Each distinct published (guarantee, settings) pair against what the settings certify."""
-    import json
-
     groups: dict[str, list] = {}
     for published in records:
         key = json.dumps([published.record.get("guarantee"), published.record["run"]], sort_keys=True, default=str)
@@ -366,15 +361,6 @@ def seeded_findings(state_run: Mapping) -> tuple[Finding, ...]:
 # the labels and prompt fields each batch gets from the input
 
 
-def _expected_prompt(template, labels: Sequence[Mapping[str, str]] | None, label_fields: Mapping | None,
-                     index: int) -> tuple[dict | None, dict]:
-    """``(labels, prompt_fields)`` that ``generate`` writes in the record of batch ``index``."""
-    from invink_audit.prompts import template_for_batch
-
-    batch_labels = None if labels is None else dict(labels[index])
-    return batch_labels, dict(template_for_batch(template, labels, label_fields, index).fields)
-
-
 def label_findings(records: Sequence[PublishedRecord], template, labels: Sequence[Mapping[str, str]] | None,
                    label_fields: Mapping[str, str] | None) -> list[Finding]:
     """Each published record's ``labels`` and ``prompt_fields`` against those its batch gets from the input:
@@ -382,15 +368,19 @@ def label_findings(records: Sequence[PublishedRecord], template, labels: Sequenc
     the state's fingerprint, placed in the release's ``template`` by ``label_fields``
     (:func:`~invink_audit.prompts.template_for_batch`). A record without ``prompt_fields`` (written before records
     carried them) is compared by its labels only. An ``edited-labels`` finding names the batches and fields."""
+    from invink_audit.prompts import template_for_batch
+
     batches, fields = set(), set()
     for published in records:
-        expected_labels, expected_fields = _expected_prompt(template, labels, label_fields, published.batch_index)
-        record = published.record
+        index, record = published.batch_index, published.record
+        # what generate writes in the record of the batch
+        expected_labels = None if labels is None else dict(labels[index])
         differing = ["labels"] if record.get("labels") != expected_labels else []
+        expected_fields = dict(template_for_batch(template, labels, label_fields, index).fields)
         if "prompt_fields" in record and record["prompt_fields"] != expected_fields:
             differing.append("prompt_fields")
         if differing:
-            batches.add(published.batch_index)
+            batches.add(index)
             fields.update(differing)
     if not batches:
         return []

@@ -7,6 +7,7 @@ Notes and sources: docs/auditing_notes.md ("invink_audit.audit.report").
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -48,17 +49,12 @@ def _md_header(r: WhiteBoxReport) -> list[str]:
 
 
 def _md_claim(c: ReportedClaim) -> list[str]:
-    """The claim's table: the headline figures first, then every other key in the report's order."""
-    guarantee = c.kind
-    lines = [
-        f"## Claim ({guarantee}"
-        + (": holds only for the audited references, never a PASS)" if guarantee == "data-dependent" else ")"),
-        "",
-    ]
-    fields = c.json_fields()
-    rows = [(k, format_number(fields[k], 6)) for k in CLAIM_BASE_FIELDS if k in fields]
-    rows += [(k, format_number(v, 6) if isinstance(v, (int, float)) else v) for k, v in fields.items() if k not in CLAIM_BASE_FIELDS]
-    return lines + md_table("quantity | value", rows)
+    """The claim's table: the headline figures first (:meth:`ReportedClaim.json_fields` writes them first), then every
+    other key in the report's order."""
+    note = ": holds only for the audited references, never a PASS)" if c.kind == "data-dependent" else ")"
+    rows = [(k, format_number(v, 6) if k in CLAIM_BASE_FIELDS or isinstance(v, (int, float)) else v)
+            for k, v in c.json_fields().items()]
+    return [f"## Claim ({c.kind}{note}", "", *md_table("quantity | value", rows)]
 
 
 def _md_step_checks(sc: StepCheckSummary) -> list[str]:
@@ -301,8 +297,6 @@ _TITLE_WIDTH, _TITLE_LINES = 70, 3
 def _wrapped_title(worst: WorstNeighbour) -> str:
     """``worst neighbour j: label``, wrapped to fit the figure (at most :data:`_TITLE_LINES` lines, the
     last one ending in … when the label is longer)."""
-    import textwrap
-
     label = str(worst.label or "")
     text = f"worst neighbour {worst.index}" + (f": {label}" if label else "")
     return "\n".join(textwrap.wrap(text, _TITLE_WIDTH, max_lines=_TITLE_LINES, placeholder=" …"))
@@ -348,28 +342,23 @@ def _plot_loss_histogram(r: WhiteBoxReport, out: Path) -> str:
 def _plot_step_loss_range(r: WhiteBoxReport, out: Path) -> str:
     """``step_loss_range.png``: per-step maximum loss range vs ε0."""
     fig, ax = agg_pyplot().subplots(figsize=(6, 4))
-    per = np.asarray(r.step_checks.max_loss_range_per_step, dtype=float)
+    per, eps0 = np.asarray(r.step_checks.max_loss_range_per_step, dtype=float), r.step_checks.epsilon0
+    finite = np.where(np.isfinite(per), per, np.nan)
+    finite_max = float(np.nanmax(finite)) if np.isfinite(per).any() else None
     if per.size:
-        finite = np.where(np.isfinite(per), per, np.nan)
         ax.plot(np.arange(per.size), finite, ".-", label="max over texts and neighbours")
         inf_steps = np.nonzero(~np.isfinite(per))[0]
         if inf_steps.size:
-            top = r.step_checks.epsilon0 if math.isfinite(r.step_checks.epsilon0) else (np.nanmax(np.where(np.isfinite(per), per, np.nan)) if np.isfinite(per).any() else 1.0)
+            top = eps0 if math.isfinite(eps0) else (1.0 if finite_max is None else finite_max)
             ax.plot(inf_steps, np.full(inf_steps.size, top * 1.5), "rx", label="infinite (support mismatch)")
-    eps0 = r.step_checks.epsilon0
     if math.isfinite(eps0):
         ax.axhline(eps0, color="k", ls="--", label="claimed per-step ε0")
-    finite_max = float(np.nanmax(np.where(np.isfinite(per), per, np.nan))) if per.size and np.isfinite(per).any() else 0.0
-    ax.set_ylim(0.0, 1.6 * max(eps0 if math.isfinite(eps0) else 0.0, finite_max, 1e-12))
+    ax.set_ylim(0.0, 1.6 * max(eps0 if math.isfinite(eps0) else 0.0, finite_max or 0.0, 1e-12))
     ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_xlabel("decoding step")
     ax.set_ylabel("privacy-loss range (nats)")
     ax.legend(fontsize=7)
     return _save(fig, out, "step_loss_range.png")
-
-
-def _plots_whitebox(r: WhiteBoxReport, out: Path) -> list[str]:
-    return [_plot_renyi(r, out), _plot_loss_histogram(r, out), _plot_step_loss_range(r, out)]
 
 
 def _plots_blackbox(r: BlackBoxReport, out: Path) -> list[str]:
@@ -406,7 +395,7 @@ def write_report(report, output_dir: str | Path, *, plots: bool = True) -> list[
         wb = [r for r in reports if isinstance(r, WhiteBoxReport)]
         bb = [r for r in reports if isinstance(r, BlackBoxReport)]
         if wb:
-            written += [out / p for p in _plots_whitebox(wb[0], out)]
+            written += [out / plot(wb[0], out) for plot in (_plot_renyi, _plot_loss_histogram, _plot_step_loss_range)]
         if bb:
             written += [out / p for p in _plots_blackbox(bb[0], out)]
     return written

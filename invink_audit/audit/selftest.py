@@ -10,9 +10,11 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from accounting import PrivacyClaim, composed_epsilon
 from invink_audit.audit import synthetic
 from invink_audit.audit.analysis import analyse
 from invink_audit.audit.records import REPORT_PRIVACY_NOTICE, WhiteBoxReport, to_jsonable
@@ -112,31 +114,21 @@ def baseline_mechanisms(s: SelfTestSettings) -> list:
             AdaPMixEDConfig(batch_size=s.batch_size, epsilon=epsilon, screen_samples=s.adapmixed_screen_samples)
         )
 
-    t = s.max_new_tokens
-    return [
-        synthetic.AuditedMechanism(
-            "amin-paper-sensitivity",
-            "Amin et al. 2024 accounted with C/B and 1/B under replace-by-null (the paper's convention; true: 2C/B, 2/B)",
-            amin(AminSensitivity.PAPER), t, "VIOLATION",
-        ),
-        synthetic.AuditedMechanism(
-            "amin-correct",
-            "Amin et al. 2024 accounted with the replace-by-null sensitivities 2C/B and 2/B",
-            amin(AminSensitivity.REPLACE_BY_NULL), t, "PASS",
-        ),
-        synthetic.AuditedMechanism(
-            "adapmixed-stop-rule",
-            f"AdaPMixED, data-dependent eps={s.adapmixed_stop_epsilon:g} reached within T: its stop rule is a function of "
-            "the references (reported data-dependent eps vs measurement)",
-            ada(s.adapmixed_stop_epsilon), t, "VIOLATION",
-        ),
-        synthetic.AuditedMechanism(
-            "adapmixed-within-budget",
-            f"AdaPMixED, data-dependent eps={s.adapmixed_within_epsilon:g} never reached: measured vs reported "
-            "(a data-dependent guarantee is never a PASS)",
-            ada(s.adapmixed_within_epsilon), t, "INCONCLUSIVE",
-        ),
-    ]
+    rows = [
+        ("amin-paper-sensitivity",
+         "Amin et al. 2024 accounted with C/B and 1/B under replace-by-null (the paper's convention; true: 2C/B, 2/B)",
+         amin(AminSensitivity.PAPER), "VIOLATION"),
+        ("amin-correct", "Amin et al. 2024 accounted with the replace-by-null sensitivities 2C/B and 2/B",
+         amin(AminSensitivity.REPLACE_BY_NULL), "PASS"),
+        ("adapmixed-stop-rule",
+         f"AdaPMixED, data-dependent eps={s.adapmixed_stop_epsilon:g} reached within T: its stop rule is a function of "
+         "the references (reported data-dependent eps vs measurement)", ada(s.adapmixed_stop_epsilon), "VIOLATION"),
+        ("adapmixed-within-budget",
+         f"AdaPMixED, data-dependent eps={s.adapmixed_within_epsilon:g} never reached: measured vs reported "
+         "(a data-dependent guarantee is never a PASS)", ada(s.adapmixed_within_epsilon), "INCONCLUSIVE"),
+    ]  # fmt: skip
+    return [synthetic.AuditedMechanism(name, description, mechanism, s.max_new_tokens, expected)
+            for name, description, mechanism, expected in rows]
 
 
 def selftest_sources(settings: SelfTestSettings) -> list:
@@ -187,9 +179,9 @@ def selftest_cases(s: SelfTestSettings, source) -> list:
     with ``baselines``, :func:`baseline_mechanisms`."""
     params = dict(clip_norm=s.clip_norm, temperature=s.temperature, top_k=s.top_k, batch_size=s.batch_size,
                   max_new_tokens=s.max_new_tokens)
-    cases = [synthetic.correct_mechanism(**params), *synthetic.mutants(**params, reference_lengths=source.reference_lengths)]
-    cases.append(unit_two_slots(s))
-    return cases + (baseline_mechanisms(s) if s.baselines else [])
+    return [synthetic.correct_mechanism(**params),
+            *synthetic.mutants(**params, reference_lengths=source.reference_lengths), unit_two_slots(s),
+            *(baseline_mechanisms(s) if s.baselines else [])]
 
 
 def unit_two_slots(s: SelfTestSettings):
@@ -218,6 +210,7 @@ def run_selftest(
 
     s = settings or SelfTestSettings()
     gen = generator if generator is not None else make_generator()
+    say = progress if progress is not None else (lambda message: None)
     start = time.perf_counter()
     config = WhiteBoxConfig(
         alphas=s.alphas, num_samples=s.num_samples, num_is_samples=s.num_is_samples, significance=s.significance
@@ -229,8 +222,7 @@ def run_selftest(
         t0 = time.perf_counter()
         per_source, verdicts = [], []
         for source, audited in zip(sources, (c[i] for c in cases)):
-            if progress is not None:
-                progress(f"{audited.name} on {source.name}")
+            say(f"{audited.name} on {source.name}")
             rep, rec = _audit_on_source(audited, source, config, s, gen)
             reports.append(rep)
             verdicts.append(rep.verdict)
@@ -245,14 +237,11 @@ def run_selftest(
     if s.baselines:
         entries += augpe_entries(s)
     if s.adapters:
-        if progress is not None:
-            progress("the adapter path: a DP logits processor in transformers' generate, audited by audit_generator")
+        say("the adapter path: a DP logits processor in transformers' generate, audited by audit_generator")
         entries += adapter_entries(s)
-    if progress is not None:
-        progress("coverage against exact enumeration")
+    say("coverage against exact enumeration")
     coverage = coverage_check(generator=gen, significance=s.significance)
-    if progress is not None:
-        progress("planted bugs, black-box (batched, 10^4 batches per mechanism and source)")
+    say("planted bugs, black-box (batched, 10^4 batches per mechanism and source)")
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     rows = blackbox_rows(s, seed=seed) + (augpe_blackbox_rows(s, seed=seed) if s.baselines else [])
     return SelfTestResult(tuple(entries), coverage, tuple(reports), time.perf_counter() - start, tuple(rows))
@@ -378,8 +367,6 @@ def selftest_markdown(result: SelfTestResult) -> str:
 def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) -> list:
     """Write report.json (the issue's list), report.md, and the per-audit reports and plots; like every
     audit report, owner-only and marked NOT PRIVATE (:func:`~invink_audit.audit.report.write_report`)."""
-    from pathlib import Path
-
     from invink_audit.audit.report import whitebox_markdown, write_report
     from invink_audit.not_private import write_not_private_json, write_not_private_text
 
@@ -391,8 +378,7 @@ def write_selftest(result: SelfTestResult, output_dir, *, plots: bool = True) ->
     written = [out / "report.json", out / "report.md"]
     if plots:
         for r in result.reports:
-            sub = out / f"{r.mechanism}-{r.source}"
-            written += write_report(r, sub, plots=True)
+            written += write_report(r, out / f"{r.mechanism}-{r.source}", plots=True)
     return written
 
 
@@ -403,7 +389,6 @@ def blackbox_rows(settings: SelfTestSettings | None = None, *, num_batches: int 
     verdict, bounds at that δ and on the curve, ceiling, GDP estimate and, on the stationary hardest-case source, the
     **true** ε (:func:`~invink_audit.audit.synthetic.exact_epsilon_stationary`; None elsewhere). Not part of
     :func:`run_selftest`'s pass criterion: a black box may miss a violation that is there."""
-    from accounting import composed_epsilon
     from invink_audit.audit.batched import LLR_SCORE, batched_canary_audit
     from invink_audit.audit.targets import SyntheticTarget
 
@@ -557,7 +542,6 @@ def adapter_entries(settings: SelfTestSettings | None = None) -> list[SelfTestEn
     """:data:`ADAPTER_ROWS` on the tiny model: the claim the processor states (per step the exponential mechanism's
     ε0 = 2C/(Bτ)-bounded range, Durfee & Rogers 2019; ρ = ε0²/8, Cesar & Rogers 2021, Lemma 3.2; T draws) or, for the
     last row, the same for T - 1 draws; each audited by :func:`~invink_audit.audit.audit_generator` (every neighbour)."""
-    from accounting import PrivacyClaim
     from invink_audit.audit.intercept import audit_generator
     from invink_audit.models import build_tiny_model
 

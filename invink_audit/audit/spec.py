@@ -14,9 +14,12 @@ import math
 import numbers
 import os
 import shutil
+import tempfile
+import time
 import tomllib
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Union
@@ -27,6 +30,7 @@ from accounting.limits import (
     COUNT_RANGE, EPSILON_RANGE, MAX_COUNT, RANGES, TEMPERATURE_RANGE, ParameterRange, check_nonnegative, check_order,
     check_positive,
 )
+from invink_audit.audit.stats import check_significance
 from invink_audit.audit.whitebox import WhiteBoxConfig
 from invink_audit.generation import ModelSpec, PromptSpec
 
@@ -93,8 +97,6 @@ def _top_k(key: str, value) -> int | None:
 
 
 def _significance(key: str, value) -> float:
-    from invink_audit.audit.stats import check_significance
-
     return check_significance(_by_type(key, value, float))
 
 
@@ -244,10 +246,6 @@ def _check_data(table) -> None:
     sources = [key for key in ("yelp", "path", "inline") if key in table_values(table, "[data]", fields)]
     if len(sources) > 1:
         raise ValueError(f"[data] give one of 'yelp', 'path' and 'inline'; got {sources}")
-
-
-def _check_canaries(table) -> None:
-    table_values(table, "[canaries]", {"secret": int, "repeat": int, "hardest_case": int, "custom": list[object]})
 
 
 def _whitebox_config(table, batch_size: int) -> WhiteBoxConfig:
@@ -492,11 +490,11 @@ def _sections(raw: dict) -> dict:
         return {**seed, "selftest": read_table(SelfTestSettings, section("selftest"), "[selftest]")}
     if kind == "augpe-histogram":
         return {**seed, "augpe": AugPEHistogramSpec.from_sections(*(section(s) for s in ("mechanism", "canary", "blackbox")))}
-    target = _built("[target]", TargetSpec, **table_values(section("target"), "[target]", fields_of(TargetSpec))) \
-        if kind == "black-box" else None
+    target = read_table(TargetSpec, section("target"), "[target]") if kind == "black-box" else None
     out = {**seed, "model": _model(section("model")), "prompt": _prompt(section("prompt"))}
     _check_data(section("data"))
-    _check_canaries(section("canaries"))
+    canaries = {"secret": int, "repeat": int, "hardest_case": int, "custom": list[object]}
+    table_values(section("canaries"), "[canaries]", canaries)  # checked here, read when the spec runs
     if kind == "white-box":
         out["audit"] = _whitebox_config(section("audit"), _mechanism_values(section("mechanism"))["batch_size"])
     else:
@@ -578,8 +576,6 @@ def _batch(spec: AuditSpec, batch_size: int) -> tuple[list[str | None], dict, in
 
 
 def _generator(spec: AuditSpec, seed: int | None, device="cpu"):
-    import warnings
-
     from invink_audit.mechanism import SeededGeneratorWarning, make_generator
 
     seed = seed if seed is not None else spec.seed
@@ -604,8 +600,6 @@ def _invink_model_dir(path) -> Iterator[str]:
     if path != "tiny":
         yield str(path)
         return
-    import tempfile
-
     from invink_audit.models import build_tiny_model
 
     folder = Path(tempfile.mkdtemp(prefix="invink-audit-tiny-"))
@@ -759,8 +753,6 @@ def _run_augpe_histogram(a: AugPEHistogramSpec, seed: int | None):
     """The batched canary audit of AugPE's histogram releases on the worst-case canary, the noise seeded by ``seed``
     and the coins by ``seed + 1`` (OS entropy for both when ``None``); the exact check of the same embeddings, the
     canary's exact true ε and the claim go into the report's notes, beside (not into) its black-box verdict."""
-    import time
-
     import numpy as np
 
     from invink_audit.audit.augpe import exact_histogram_check, histogram_canary_audit

@@ -131,20 +131,19 @@ def anderson_mean_bounds(
     eta = min(dkw_radius(n, significance), 1.0)
     srt = np.sort(logs)
     lw = _anderson_log_weights(n, eta)
-    # lower: sorted samples with weights lw (sum 1 - eta) plus mass eta at the lower end of the range
-    with np.errstate(invalid="ignore"):
-        lower_terms = np.where(np.isneginf(lw), -math.inf, srt + lw)
-    lower_terms = np.append(lower_terms, log_lower + math.log(eta) if eta > 0 else -math.inf)
+
+    def terms(weights: np.ndarray, end: float) -> np.ndarray:
+        """The sorted samples with log-weights ``weights`` (sum 1 − η) plus mass η at ``end`` of the range."""
+        with np.errstate(invalid="ignore"):
+            weighted = np.where(np.isneginf(weights), -math.inf, srt + weights)
+        return np.append(weighted, end + math.log(eta) if eta > 0 else -math.inf)
+
+    lower_terms = terms(lw, log_lower)
     lower = float(special.logsumexp(lower_terms)) if np.isfinite(lower_terms).any() else -math.inf
     if not math.isfinite(log_upper):
         return lower, math.inf
     # upper: mass eta at the upper end, bottom eta of the samples removed (mirror of the lower bound)
-    uw = lw[::-1]
-    with np.errstate(invalid="ignore"):
-        upper_terms = np.where(np.isneginf(uw), -math.inf, srt + uw)
-    upper_terms = np.append(upper_terms, log_upper + math.log(eta) if eta > 0 else -math.inf)
-    upper = float(special.logsumexp(upper_terms))
-    return lower, min(upper, log_upper)
+    return lower, min(float(special.logsumexp(terms(lw[::-1], log_upper))), log_upper)
 
 
 def empirical_bernstein_mean_bounds(
@@ -250,17 +249,12 @@ class RenyiEstimate:
             raise ValueError(f"estimator must be 'monte-carlo' or 'importance-sampling'; got {self.estimator!r}")
 
 
-def _renyi_estimate(
-    log_y: np.ndarray,
-    alpha: float,
-    significance: float,
-    *,
-    log_lower: float,
-    log_upper: float,
-    estimator: str,
-    claimed: float | None,
-) -> RenyiEstimate:
-    n = log_y.size
+def _renyi_estimate(samples: np.ndarray, alpha: float, significance: float, *, log_lower: float, upper: float,
+                    estimator: str, claimed: float | None) -> RenyiEstimate:
+    r"""The estimate from samples s whose :math:`e^{(\alpha-1)s}` has mean :math:`e^{(\alpha-1)D_\alpha}`, ``upper``
+    an a-priori bound on each (exceeded, the claim is false: only the lower bound stands)."""
+    log_y, n = (alpha - 1.0) * samples, samples.size
+    log_upper = math.inf if samples.max() > upper else (alpha - 1.0) * upper
     point = float(special.logsumexp(log_y) - math.log(n))
     lo, hi, method = log_mean_bounds(
         log_y, significance, log_lower=log_lower, log_upper=log_upper
@@ -301,14 +295,8 @@ def renyi_monte_carlo(
     a = _check_alpha(alpha)
     beta = check_significance(significance)
     arr = _as_samples("losses", losses, allow_posinf=True)
-    log_y = (a - 1.0) * arr
-    log_upper = (a - 1.0) * float(loss_upper)
-    if arr.max() > float(loss_upper):
-        log_upper = math.inf  # the a-priori range is exceeded (the claim is false): only the lower bound stands
-    return _renyi_estimate(
-        log_y, a, beta, log_lower=-math.inf, log_upper=log_upper, estimator="monte-carlo",
-        claimed=claimed,
-    )
+    return _renyi_estimate(arr, a, beta, log_lower=-math.inf, upper=float(loss_upper), estimator="monte-carlo",
+                           claimed=claimed)
 
 
 def renyi_importance_sampling(
@@ -338,14 +326,7 @@ def renyi_importance_sampling(
     s_up = float(sum_upper)
     if math.isnan(s_up) or s_up < 0:
         raise ValueError(f"sum_upper must be >= 0; got {sum_upper!r}")
-    log_y = (a - 1.0) * arr
-    log_upper = (a - 1.0) * s_up
-    if arr.max() > s_up:
-        log_upper = math.inf  # the a-priori range is violated: only the lower bound stands
-    return _renyi_estimate(
-        log_y, a, beta, log_lower=0.0, log_upper=log_upper, estimator="importance-sampling",
-        claimed=claimed,
-    )
+    return _renyi_estimate(arr, a, beta, log_lower=0.0, upper=s_up, estimator="importance-sampling", claimed=claimed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,11 +350,6 @@ class DeltaCurve:
     band_upper: tuple[float, ...]
     significance: float
     num_samples: int
-
-
-def _delta_terms(losses: np.ndarray, eps: float) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return np.clip(1.0 - np.exp(eps - losses), 0.0, 1.0)
 
 
 def delta_band(sorted_losses: np.ndarray, eps: float, eta: float) -> tuple[float, float]:
@@ -409,17 +385,14 @@ def hockey_stick_delta(losses, epsilons: Sequence[float], significance: float) -
     n = arr.size
     srt = np.sort(arr)
     eta = min(dkw_radius(n, beta), 1.0)
+    # Hoeffding at beta/4 per side and Maurer-Pontil at beta/4 per side: two-sided at beta
+    h, u = math.sqrt(math.log(4.0 / beta) / (2.0 * n)), math.log(8.0 / beta)
     est, plo, phi, blo, bhi = [], [], [], [], []
     for eps in eps_arr:
-        terms = _delta_terms(arr, float(eps))
+        with np.errstate(over="ignore"):
+            terms = np.clip(1.0 - np.exp(float(eps) - arr), 0.0, 1.0)
         mean = float(terms.mean())
-        # Hoeffding at beta/4 per side and Maurer-Pontil at beta/4 per side: two-sided at beta
-        h = math.sqrt(math.log(4.0 / beta) / (2.0 * n))
-        if n >= 2:
-            u = math.log(8.0 / beta)
-            eb = math.sqrt(2.0 * terms.var(ddof=1) * u / n) + 7.0 * u / (3.0 * (n - 1))
-        else:
-            eb = math.inf
+        eb = math.sqrt(2.0 * terms.var(ddof=1) * u / n) + 7.0 * u / (3.0 * (n - 1)) if n >= 2 else math.inf
         half = min(h, eb)
         est.append(mean)
         plo.append(max(0.0, mean - half))
@@ -489,12 +462,9 @@ def epsilon_lower_bound(
     tpr = clopper_pearson(true_positives, positives, beta)
     fpr = clopper_pearson(false_positives, negatives, beta)
     best = 0.0
-    num, den = tpr.lower - delta, fpr.upper
-    if num > 0 and den > 0:
-        best = max(best, math.log(num / den))
-    num, den = (1.0 - fpr.upper) - delta, 1.0 - tpr.lower
-    if num > 0 and den > 0:
-        best = max(best, math.log(num / den))
+    for num, den in ((tpr.lower - delta, fpr.upper), ((1.0 - fpr.upper) - delta, 1.0 - tpr.lower)):
+        if num > 0 and den > 0:
+            best = max(best, math.log(num / den))
     return best
 
 
@@ -526,12 +496,9 @@ def holm(p_values: Sequence[float], significance: float) -> list[bool]:
         raise ValueError(f"p_values must be in [0, 1]; got {p_values!r}")
     m = p.size
     order = np.argsort(p, kind="stable")
+    passed = p[order] <= beta / (m - np.arange(m))  # step down: reject until the first rank that does not pass
     reject = np.zeros(m, dtype=bool)
-    for rank, i in enumerate(order):
-        if p[i] <= beta / (m - rank):
-            reject[i] = True
-        else:
-            break
+    reject[order[: m if passed.all() else int(np.argmin(passed))]] = True
     return reject.tolist()
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from accounting.sensitivity import Clipping
 from invink_audit.audit.whitebox import (
     KIND_ACTUAL,
     KIND_NEIGHBOUR,
@@ -215,7 +217,6 @@ def mutants(*, clip_norm: float, temperature: float, top_k: int, batch_size: int
     """The four planted bugs (docs/auditing_notes.md, "Testing the auditor";
     :mod:`invink_audit.audit.planted`), each claiming what its (wrong) accountant would say; the data-dependent
     budget is computed from ``reference_lengths`` (a source's)."""
-    from accounting.sensitivity import Clipping
     from invink_audit.audit.planted import DataDependentBudget, PlantedBug, PrivateTopK
 
     correct = _config(clip_norm, temperature, top_k, batch_size)
@@ -481,11 +482,8 @@ def exact_epsilon_stationary(source: LogitSource, audited: AuditedMechanism, del
     out = mechanism.step(private, public, empty, empty, exact=True, neighbours=True)
     a, q = out.log_probs[0].double().numpy(), out.neighbours[0, neighbour].double().numpy()
     eos = source.eos_token
-    classes: dict[tuple[float, float], int] = {}
-    for v in range(a.size):
-        if v != eos and (np.isfinite(a[v]) or np.isfinite(q[v])):
-            key = (float(a[v]), float(q[v]))
-            classes[key] = classes.get(key, 0) + 1
+    classes = Counter((float(a[v]), float(q[v])) for v in range(a.size)
+                      if v != eos and (np.isfinite(a[v]) or np.isfinite(q[v])))
     keys = list(classes)
     la, lq, size = np.array([k[0] for k in keys]), np.array([k[1] for k in keys]), np.array([classes[k] for k in keys], float)
     outcomes_p, outcomes_q = [], []

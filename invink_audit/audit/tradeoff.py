@@ -118,8 +118,7 @@ class PrivacyProfile:
             mirror = np.where((1 - fpr_ub - d > 0) & (1 - tpr_lb > 0), np.log((1 - fpr_ub - d) / (1 - tpr_lb)), 0.0)
             lb = np.maximum(np.maximum(direct, mirror), 0.0)  # (pairs, δ')
             # the largest TPR the claim allows at FPR ≤ fpr_ub: the lowest of its lines (both directions)
-            allowed = np.minimum(np.exp(e) * fpr_ub + d, 1.0 - np.exp(-e) * (1.0 - fpr_ub - d))
-            allowed = np.clip(allowed, 0.0, 1.0)
+            allowed = np.clip(np.minimum(np.exp(e) * fpr_ub + d, 1.0 - np.exp(-e) * (1.0 - fpr_ub - d)), 0.0, 1.0)
         binding = np.argmin(allowed, axis=1)
         rows = np.arange(lb.shape[0])
         power = tpr_lb[:, 0] - allowed[rows, binding]

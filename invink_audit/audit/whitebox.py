@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from accounting import composed_delta
 from accounting.claims import RESOLVABLE_SHARE, PrivacyClaim, StepClaim
 from accounting.events import forwarded_property
 from accounting.limits import check_count, check_delta, check_order, check_positive
@@ -286,29 +288,18 @@ class SamplingPlan:
 
     @classmethod
     def build(cls, config: WhiteBoxConfig, batch_size: int) -> "SamplingPlan":
-        kinds, nbs, ais = [], [], []
-
-        def add(kind, nb, ai, count):
-            kinds.append(np.full(count, kind))
-            nbs.append(np.full(count, nb))
-            ais.append(np.full(count, ai))
-
+        """The plan's texts in order: R's, each audited R'_j's (reverse direction), then the mixtures' by
+        direction, neighbour and α."""
         audited = config.audited_neighbours(batch_size)
-        add(KIND_ACTUAL, -1, -1, config.num_samples)
+        groups = [(KIND_ACTUAL, -1, -1, config.num_samples)]  # (kind, neighbour, alpha index, texts)
         if Direction.REVERSE in config.directions:
-            for j in audited:
-                add(KIND_NEIGHBOUR, j, -1, config.num_samples)
+            groups += [(KIND_NEIGHBOUR, j, -1, config.num_samples) for j in audited]
         if config.num_is_samples:
-            for d in config.directions:
-                kind = KIND_MIXTURE_FORWARD if d is Direction.FORWARD else KIND_MIXTURE_REVERSE
-                for j in audited:
-                    for ai in range(len(config.alphas)):
-                        add(kind, j, ai, config.num_is_samples)
-        return cls(
-            np.concatenate(kinds).astype(np.int64),
-            np.concatenate(nbs).astype(np.int64),
-            np.concatenate(ais).astype(np.int64),
-        )
+            mixture = {Direction.FORWARD: KIND_MIXTURE_FORWARD, Direction.REVERSE: KIND_MIXTURE_REVERSE}
+            groups += [(mixture[d], j, ai, config.num_is_samples)
+                       for d in config.directions for j in audited for ai in range(len(config.alphas))]
+        kinds, nbs, ais, counts = (np.array(column, dtype=np.int64) for column in zip(*groups))
+        return cls(np.repeat(kinds, counts), np.repeat(nbs, counts), np.repeat(ais, counts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,13 +396,6 @@ def compact_support(
     return actual.gather(1, idx), neighbours.gather(2, idx.unsqueeze(1).expand(g, b, m)), idx
 
 
-def _step_delta_claims(epsilon0: float, epsilons: Sequence[float]) -> list[float]:
-    """One-step δ_BR(ε) of an ε0-BR mechanism, from the ``br-adaptive`` accountant with T = 1."""
-    from accounting import composed_delta
-
-    return [float(composed_delta(float(e), epsilon0, 1, "br-adaptive")) for e in epsilons]
-
-
 #: the exact per-step checks' failure kinds; "nonfinite": a released distribution holds NaN or +inf
 _FAILURE_KINDS = ("support", "range", "renyi", "delta", "nonfinite")
 
@@ -494,7 +478,9 @@ class WhiteBoxRecorder:
         self.step_epsilons, self.step_delta_claims = (0.0,), (1.0,)
         if math.isfinite(self.step.epsilon0):
             self.step_epsilons = tuple(f * self.step.epsilon0 for f in STEP_EPSILON_FRACTIONS)
-            self.step_delta_claims = tuple(_step_delta_claims(self.step.epsilon0, self.step_epsilons))
+            # one-step δ_BR(ε) of an ε0-BR mechanism: the br-adaptive accountant with T = 1
+            self.step_delta_claims = tuple(float(composed_delta(float(e), self.step.epsilon0, 1, "br-adaptive"))
+                                           for e in self.step_epsilons)
         self._renyi_claim_t = torch.tensor([self.step.renyi_bound(a) for a in config.alphas], dtype=_DTYPE, device=dev)
         self._renyi_scale_t = torch.where(self._renyi_claim_t.isfinite(), self._renyi_claim_t, 1.0)
         self._delta_claim_t = torch.tensor(self.step_delta_claims, dtype=_DTYPE, device=dev)
@@ -527,8 +513,6 @@ class WhiteBoxRecorder:
         ``neighbours`` (G, B, W): the step's outcome log-probabilities under R and every R'_j.
         ``check_actual``/``check_neighbours``: the distributions the per-step claim is about when they are not the
         outcome distributions (Amin et al.'s exponential mechanism given a private step)."""
-        import time
-
         if self._pending is not None:
             raise RuntimeError("record() must be called after each sampling_log_weights()")
         if (check_actual is None) != (check_neighbours is None):
@@ -617,8 +601,6 @@ class WhiteBoxRecorder:
         return torch.where(kind == KIND_MIXTURE_FORWARD, d_f, torch.where(kind == KIND_MIXTURE_REVERSE, d_r, torch.zeros_like(d_f)))
 
     def record(self, text_ids: torch.Tensor, tokens: torch.Tensor) -> None:
-        import time
-
         if self._pending is None:
             raise RuntimeError("record() called without a preceding sampling_log_weights()")
         start = time.perf_counter()
@@ -642,10 +624,7 @@ class WhiteBoxRecorder:
     def finish(self) -> RecordedAudit:
         if self._pending is not None:
             raise RuntimeError("finish() called between sampling_log_weights() and record()")
-        mixture = self.plan.kind >= KIND_MIXTURE_FORWARD
-        is_sums = self._is_sum.cpu().numpy().copy()
-        is_sums[~mixture] = np.nan
-
+        is_sums = np.where(self.plan.kind >= KIND_MIXTURE_FORWARD, self._is_sum.cpu().numpy(), np.nan)
         seen = int(self._pos_seen.sum().item())
 
         def worst(state):
