@@ -237,12 +237,8 @@ def _read_csv(path: Path, column: str) -> list[str]:
             f"{', '.join(str(p + 1) for p in positions)}); rename the duplicates so the column is unambiguous"
         )
     position = positions[0]
-    references = []
-    for _, row in records:
-        if not row:
-            continue  # a blank line is not a record (csv.DictReader skips it too)
-        references.append(row[position] if position < len(row) else "")
-    return references
+    # a blank line is not a record (csv.DictReader skips it too)
+    return [row[position] if position < len(row) else "" for _, row in records if row]
 
 
 def jsonl_records(path: Path, lines: str | Iterable[str], field: str, hint: str):
@@ -623,15 +619,12 @@ def _batch_group(
     group_labels = MappingProxyType(labels)
     available = len(positions) // batch_size
     count = available if num_texts_per_group is None else min(available, num_texts_per_group)
-    batches = []
-    for j in range(count):
-        slot = tuple(positions[j * batch_size : (j + 1) * batch_size])
-        batches.append(
-            LabelledBatch(
-                references=tuple(cleaned[p] for p in slot), labels=group_labels, group=group, index_in_group=j,
-                positions=slot,
-            )
-        )  # fmt: skip
+    slots = [tuple(positions[j * batch_size : (j + 1) * batch_size]) for j in range(count)]
+    batches = [
+        LabelledBatch(references=tuple(cleaned[p] for p in slot), labels=group_labels, group=group, index_in_group=j,
+                      positions=slot)
+        for j, slot in enumerate(slots)
+    ]  # fmt: skip
     summary = LabelGroup(
         labels=group_labels,
         num_references=len(positions),
@@ -806,12 +799,8 @@ def read_unit_references(
     name = column or "text"
     if privacy_unit.column == name or privacy_unit.column in (label_columns or ()):
         raise ValueError(f"the privacy unit column {privacy_unit.column!r} cannot also be the text or a label column")
-    labels = None
-    if label_columns is not None:
-        labels = read_labelled_references(source, column=name, label_columns=label_columns)
-        texts = labels.texts
-    else:
-        texts = tuple(read_references(source, column=name))
+    labels = None if label_columns is None else read_labelled_references(source, column=name, label_columns=label_columns)
+    texts = read_references(source, column=name) if labels is None else labels.texts
     units = unit_ordinals(read_references(source, column=privacy_unit.column), Path(source).name)
     return UnitReferences(tuple(texts), units, privacy_unit, labels)
 

@@ -278,11 +278,9 @@ class ProcessStats:
 class GenerationResult:
     """The texts of a run (sorted by batch), its guarantee (the mechanism's), and what was measured.
 
-    ``num_resumed`` texts were read back from an earlier run's output; ``tokens_generated`` and
-    ``seconds`` measure this call only (the slowest process, for a multi-process run). ``seeded`` runs
-    are reproducible and carry no privacy: their ``guarantee.void_reason`` says so. On rank 0 (or a
-    single process) ``texts`` holds the whole release; on another rank, only the texts it generated.
-    ``processes``: per-process figures, in rank order (rank 0 only; one entry for a single process).
+    ``num_resumed`` texts were read back from an earlier output; ``tokens_generated`` and ``seconds`` measure
+    this call only (the slowest process). ``seeded`` runs carry no privacy (``guarantee.void_reason``). On
+    rank 0 ``texts`` is the whole release, elsewhere that rank's texts; ``processes``: per-rank figures (rank 0).
     """
 
     texts: tuple[GeneratedText, ...]
@@ -346,13 +344,10 @@ def input_fingerprint(partition: Partition, labels: Sequence[Mapping[str, str]] 
 def _record(
     text: GeneratedText, guarantee: MechanismGuarantee, release_id: str, run: dict, template: PromptTemplate, *, model_dtype: dict
 ) -> dict:
-    """One output record. ``run`` is the release-wide settings (compared on resume, so the same for every
-    record: ``run["prompt"]`` is the release's template, before any batch's labels fill it); ``template``
-    is the prompt this text's batch was generated with, whose public fields are written as
-    ``prompt_fields`` (in a label-conditioned release, the batch's labels in place of the preset's values;
-    records written before this field existed lack it, and still resume). ``model_dtype``: the dtype the
-    generating process's model ran in and why (:meth:`~invink_audit.models.DtypeChoice.to_json`; outside
-    ``run``: a release may resume in another dtype, each record saying its own)."""
+    """One output record. ``run``: the release-wide settings (compared on resume; ``run["prompt"]`` is the
+    template before any batch's labels fill it); ``template``: this batch's prompt, its public fields written
+    as ``prompt_fields`` (older records lack them and still resume); ``model_dtype``: the dtype this process's
+    model ran in and why (outside ``run``: a release may resume in another dtype)."""
     return {
         "batch_index": text.batch_index,
         "text": text.text,
@@ -466,11 +461,8 @@ def _check_context(
     max_new_tokens: int,
     position: Callable[[int, int], int] | None = None,
 ) -> None:
-    """Refuse, before any decoding, prompts that do not fit the model's positions with T new tokens.
-
-    Names the reference's position in the input (``position(batch, slot)``; default ``batch·B + slot``),
-    never its text.
-    """
+    """Refuse, before any decoding, prompts that do not fit the model's positions with T new tokens; names
+    the reference's position in the input (``position(batch, slot)``; default ``batch·B + slot``), never its text."""
     positions = loaded.context_length
     if positions is None or not requests:
         return
@@ -569,10 +561,9 @@ def prepare_release(
     if ledger is not None:
         config.event(unit)  # a guarantee no ledger can compose (data-dependent) is refused now
     guarantee = config.unit_guarantee(unit)
-    if seed is not None:
-        guarantee = dataclasses.replace(guarantee, void_reason=SEEDED_VOID_REASON)
     fingerprint = input_fingerprint(partition, labels)
     if seed is not None:
+        guarantee = dataclasses.replace(guarantee, void_reason=SEEDED_VOID_REASON)
         warnings.warn(
             f"generating with a fixed seed ({seed}): the output is reproducible and carries no privacy guarantee",
             SeededGeneratorWarning,
@@ -781,14 +772,8 @@ def release_key(seed: int | None) -> int:
 
 @dataclasses.dataclass
 class _Release:
-    """One release, run by one or several processes (:mod:`invink_audit.distributed`).
-
-    Phases: rank 0 locks the output and reads its resume state; every process loads the model and
-    builds its engine (a failure anywhere stops all before the charge); rank 0 checks the settings and
-    every prompt, charges the ledger, writes the resume state and assigns whole batches; each process
-    generates its batches, claiming each in the shared journal before writing it to its own shard (or,
-    alone, to the output); rank 0 collects the results and merges the shards, ordered by batch index.
-    """
+    """One release, run by one or several processes (:mod:`invink_audit.distributed`); its phases (lock,
+    load, rank 0's checks and charge, generate and claim, merge): docs/design/release-protocol.md."""
 
     config: ReleaseConfig
     guarantee: MechanismGuarantee  # the config's, void for a seeded run
@@ -1046,9 +1031,8 @@ class _Release:
         self, model: str, admission: _Admission, texts, tokens: int, seconds: float, processes, *,
         dtype_choice: DtypeChoice | None = None,
     ) -> GenerationResult:  # fmt: skip
-        """The :class:`GenerationResult` of this release: ``texts`` by batch index, what this run generated
-        (``tokens`` in ``seconds``, per process, with the model's ``dtype_choice``), and what the release was
-        (mechanism, template, partition, labels)."""
+        """The :class:`GenerationResult` of this release: ``texts`` by batch index, what this run generated, and
+        what the release was."""
         return GenerationResult(
             texts=tuple(texts),
             guarantee=self.guarantee,
@@ -1078,11 +1062,9 @@ class _Release:
 class ExternalRelease:
     """A release whose batches an external executor generates (Ray Data: :mod:`invink_audit.ray_release`).
 
-    The driver keeps rank 0's part: :meth:`admit` locks the output, reads its resume state, loads the
-    model once to check every prompt and probe the engine, charges the ledger and writes the resume
-    state; workers generate with :meth:`worker_state` (the master key travels inside it, never to disk)
-    and release the texts with :func:`invink_audit.outputs.release_texts` (first claim wins); :meth:`finish`
-    merges their shards and reads the release back.
+    The driver keeps rank 0's part (:meth:`admit`: lock, resume state, prompt checks, the charge); workers
+    generate from :meth:`worker_state` and their batches' stream keys, releasing texts first-claim-wins
+    (:func:`generate_texts`); :meth:`finish` merges their shards and reads the release back.
     """
 
     def __init__(self, release: _Release) -> None:

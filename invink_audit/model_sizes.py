@@ -120,10 +120,8 @@ def _sizes(config: Mapping, where: str) -> dict[str, int]:
                         f"{where}: {name} is {shown}, not an integer >= {least}: "
                         "not a configuration a model can be built from"
                     )
-            if not given:
-                continue
-            largest = max(given)
-            sizes.setdefault(size, max(0, int(largest)))
+            if given:
+                sizes.setdefault(size, max(0, int(max(given))))
     return sizes
 
 
@@ -194,13 +192,8 @@ def cached_hub_config(repo_id: str) -> Path | None:
 
 def looks_like_path(model: str) -> bool:
     """Whether a model string can only be a local path (hub ids are ``name`` or ``owner/name``)."""
-    return (
-        model.startswith(("/", "./", "../", "~", "\\"))
-        or model in (".", "..")
-        or model.lower().endswith(".gguf")
-        or model.count("/") > 1
-        or "\\" in model
-    )
+    return (model.startswith(("/", "./", "../", "~", "\\")) or model in (".", "..") or model.lower().endswith(".gguf")
+            or model.count("/") > 1 or "\\" in model)
 
 
 def _gib(count: int) -> str:

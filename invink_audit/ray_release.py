@@ -51,8 +51,6 @@ class _Worker:
     """A Ray Data callable class: loads the model once per actor, generates the batches of each call."""
 
     def __init__(self, state: dict, key_holder) -> None:
-        import ray
-
         self.state, self.key_holder = state, key_holder
         self.loaded, self.engine = state["load"].build(state["mechanism"], state["load"].device)
         # one shard per actor life: a restarted actor writes a new one
