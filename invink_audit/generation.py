@@ -149,16 +149,13 @@ def _check_options(num_texts, num_texts_per_group, allow_all_null) -> None:
 class ReleaseConfig:
     """The public parameters of a release through :func:`generate`: one text per disjoint batch of
     ``mechanism.batch_size`` references (paper Corollary 11), from any :class:`~invink_audit.mechanisms.Mechanism`:
-    InvisibleInk (planned from ε by :meth:`~invink_audit.mechanisms.InvisibleInk.planned`, or with a given clip norm;
-    :func:`GenerationConfig` builds its config), the paper's baselines (Amin et al. 2024, AdaPMixED) or yours. Label
-    conditioning, resume, lock and journal, the ledger charge, torchrun and Ray are the same for every mechanism.
+    InvisibleInk (:func:`GenerationConfig`), the paper's baselines (Amin et al. 2024, AdaPMixED) or yours.
 
     ``max_new_tokens`` (T) and ``delta`` fix the release's guarantee (:meth:`guarantee`, the mechanism's). An
     a-priori guarantee is charged to a ledger (:meth:`event`); a data-dependent one (AdaPMixED's stop rule) is
     refused with a ledger: its spend is not a guarantee a ledger can compose. ``num_texts=None`` generates one text
-    per full batch; with labelled references give ``num_texts_per_group`` instead (default: every full batch of each
-    group). ``allow_all_null``: generate even when every reference to be used is empty (public-only texts that still
-    charge the ledger); refused by default.
+    per full batch; with labelled references give ``num_texts_per_group`` instead. ``allow_all_null``: generate
+    even when every reference to be used is empty (public-only texts that still charge the ledger).
 
     Valid ranges: ``max_new_tokens``, ``num_texts``, ``num_texts_per_group``: integers >= 1 (the last two also
     ``None``; ``num_texts`` at most the number of full batches); ``delta`` in (0, 1).
@@ -664,10 +661,9 @@ class ModelSpec:
     """Which model a release loads and how; every process (and every Ray actor) builds its engine from it.
     ``model``: a path or hub-cache name (default: :data:`~invink_audit.models.DEFAULT_GENERATOR`, Gemma-3-270M,
     prompted with the completion twin of a chat preset: :func:`~invink_audit.prompts.template_for_model`) or a
-    loaded model;
-    ``gguf_file``: a GGUF file inside a model directory; ``device`` / ``dtype``: see
-    :func:`~invink_audit.models.load_model` (ignored for a loaded model); ``max_batch_rows``: forward rows
-    per pass, an integer >= 1 (``None``: no limit). Checked without loading anything."""
+    loaded model; ``gguf_file``: a GGUF file inside a model directory; ``device`` / ``dtype``: see
+    :func:`~invink_audit.models.load_model`; ``max_batch_rows``: forward rows per pass, an integer >= 1 (``None``:
+    no limit). Checked without loading anything."""
 
     model: str | os.PathLike | LoadedModel | None = None
     gguf_file: str | None = None
@@ -973,12 +969,9 @@ class _Release:
                 releaser = _StepReleaser(journal, sink, self.hooks.on_text, self.hooks.on_tokens)
                 if self.hooks.on_start is not None:
                     self.hooks.on_start(len(requests))
-
-                def released(finished):
-                    text = _released(finished, self.labels)
-                    return text, _record(text, self.guarantee, admission.release_id, admission.run,
-                                         self.batch_template(text.batch_index), model_dtype=loaded.dtype_choice.to_json())
-
+                released = functools.partial(_released, labels=self.labels, guarantee=self.guarantee,
+                                             release_id=admission.release_id, run=admission.run,
+                                             template=self.batch_template, model_dtype=loaded.dtype_choice.to_json())
                 releaser.release(engine, requests, [admission.stream_keys[i] for i in mine], seed=self.seed,
                                  max_new_tokens=self.config.max_new_tokens, released=released)  # fmt: skip
             except Exception as err:  # noqa: BLE001 - reported to rank 0, re-raised below
@@ -1162,12 +1155,9 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
     template = functools.partial(template_for_batch, state["template"], state["labels"], state["label_fields"])
     requests = [encode_request(loaded.tokenizer, template(index), list(refs), key=index) for index, refs in items]
     journal = Journal(state["output"], state["release_id"], state["num_batches"])
-
-    def released(finished):
-        text = _released(finished, state["labels"])
-        return text, _record(text, state["guarantee"], state["release_id"], state["run"], template(text.batch_index),
-                             model_dtype=loaded.dtype_choice.to_json())
-
+    released = functools.partial(_released, labels=state["labels"], guarantee=state["guarantee"],
+                                 release_id=state["release_id"], run=state["run"], template=template,
+                                 model_dtype=loaded.dtype_choice.to_json())
     with RecordSink(shard, lock=True) as sink:
         releaser = _StepReleaser(journal, sink, None, None)
         releaser.release(engine, requests, [int(stream_keys[i]) for i in indices], seed=state["seed"],
@@ -1178,11 +1168,12 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
         yield index, False, 0
 
 
-def _released(text: GeneratedText, labels) -> GeneratedText:
-    """The engine's text as a release keeps it: its key the batch index, its batch's labels, and never a
-    data-dependent spend (a function of the references)."""
-    return dataclasses.replace(text, key=int(text.key), spend=None,
-                               labels=None if labels is None else dict(labels[int(text.key)]))
+def _released(finished: GeneratedText, *, labels, guarantee, release_id, run, template, model_dtype):
+    """The engine's text as a release keeps it (its key the batch index, its batch's labels, and never a
+    data-dependent spend: a function of the references) and its output record (``template(i)``: batch i's prompt)."""
+    text = dataclasses.replace(finished, key=int(finished.key), spend=None,
+                               labels=None if labels is None else dict(labels[int(finished.key)]))
+    return text, _record(text, guarantee, release_id, run, template(text.batch_index), model_dtype=model_dtype)
 
 
 def charge_release(ledger, event, num_batches: int, release_id: str, label: str, *, privacy_unit: str | None = None) -> None:
