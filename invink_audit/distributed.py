@@ -137,13 +137,10 @@ class Cluster:
     def agree(self, error: BaseException | None) -> None:
         """Every rank reports whether its part succeeded; if any failed, every rank raises the first
         failure (an error on one rank never leaves the others waiting)."""
-        if not self.distributed:
-            if error is not None:
-                raise error
-            return
-        reports = self.gather(None if error is None else RankFailure.of(self.rank, error))
-        first = next((r for r in reports if r is not None), None) if self.is_main else None
-        first = self.broadcast(first)
+        first = None
+        if self.distributed:
+            reports = self.gather(None if error is None else RankFailure.of(self.rank, error))
+            first = self.broadcast(next((r for r in reports if r is not None), None) if self.is_main else None)
         if error is not None:
             raise error
         if first is not None:
@@ -352,13 +349,11 @@ def current_cluster() -> Cluster:
 
 def shutdown() -> bool:
     """Destroy the process group :func:`current_cluster` initialised (a no-op otherwise, and the second
-    time); returns whether it did. Called by the CLI when a command ends and at interpreter exit. A
-    group the caller initialised is the caller's to destroy.
+    time); returns whether it did. A group the caller initialised is the caller's to destroy.
 
-    Destroying the group is not enough to exit cleanly: a rank of a complete release still aborted in
-    interpreter finalisation, in a native thread, with "terminate called without an active exception"
-    (pytorch/pytorch#190489; about 1 run in 10 of two CPU processes here, 0 in 44 when the process
-    ended with ``os._exit``). The CLI therefore ends a launched process with :func:`exit_process`."""
+    This is not enough to exit cleanly: a rank of a complete release still aborted in interpreter
+    finalisation with "terminate called without an active exception" (pytorch/pytorch#190489; about 1 run
+    in 10 of two CPU processes here, 0 in 44 with ``os._exit``), so the CLI ends with :func:`exit_process`."""
     global _CLUSTER, _OWNED
     if not _OWNED:
         return False

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
+import io
 import json
 import logging
 import os
@@ -110,11 +112,7 @@ def shard_path(output: Path, attempt: str, rank: int) -> Path:
 
 def shard_paths(output: Path) -> list[Path]:
     """Every shard next to ``output``, in name order."""
-    return sorted(output.parent.glob(f"{_glob_escape(output.name)}.shard-*.jsonl"))
-
-
-def _glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+    return sorted(output.parent.glob(f"{glob.escape(output.name)}.shard-*.jsonl"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,15 +131,8 @@ class _Lines:
 
 def _split_lines(data: bytes):
     """``(line_number, line, complete)`` for each ``\\n``-terminated line, then an unterminated tail."""
-    position, number = 0, 0
-    while position < len(data):
-        end = data.find(b"\n", position)
-        number += 1
-        if end < 0:
-            yield number, data[position:], False
-            return
-        yield number, data[position : end + 1], True
-        position = end + 1
+    for number, line in enumerate(io.BytesIO(data), start=1):  # split on b"\n" only
+        yield number, line, line.endswith(b"\n")
 
 
 def _repeats(err: DuplicateKeyError) -> str:
