@@ -37,7 +37,6 @@ __all__ = [
     "UNIT_SEPARATOR",
     "UnitReferences",
     "read_unit_references",
-    "unit_ordinals",
     "unit_partition",
     "unit_slots",
     "MAX_FIELD_CHARS",
@@ -511,8 +510,6 @@ def labelled_partition(
     """A label-conditioned release's batches as a :class:`Partition` (:func:`partition_by_labels`), each
     batch's labels, and each batch's reference positions in the input."""
     grouped = partition_by_labels(labelled.texts, labelled.labels, batch_size, num_texts_per_group=num_texts_per_group)
-    if not grouped.batches:
-        raise ValueError(f"no label group holds a full batch of {batch_size} references")
     partition = Partition(
         batches=tuple(b.references for b in grouped.batches), batch_size=batch_size,
         num_references=grouped.num_references, num_leftover=grouped.num_unused, num_skipped=0,
@@ -779,7 +776,7 @@ class UnitReferences:
             )
 
 
-def unit_ordinals(values: Sequence[str], where: str) -> tuple[int, ...]:
+def _unit_ordinals(values: Sequence[str], where: str) -> tuple[int, ...]:
     """Each value's ordinal by first appearance; an empty value is refused, naming its record, never a value."""
     seen: dict[str, int] = {}
     for i, value in enumerate(values):
@@ -801,7 +798,7 @@ def read_unit_references(
         raise ValueError(f"the privacy unit column {privacy_unit.column!r} cannot also be the text or a label column")
     labels = None if label_columns is None else read_labelled_references(source, column=name, label_columns=label_columns)
     texts = read_references(source, column=name) if labels is None else labels.texts
-    units = unit_ordinals(read_references(source, column=privacy_unit.column), Path(source).name)
+    units = _unit_ordinals(read_references(source, column=privacy_unit.column), Path(source).name)
     return UnitReferences(tuple(texts), units, privacy_unit, labels)
 
 
@@ -818,10 +815,8 @@ def _one_slot_per_unit(refs: UnitReferences) -> tuple[list[str], list[int]]:
     members, unit = _unit_members(refs.units), refs.privacy_unit
     if unit.rule is ContributionRule.FIRST:
         return [refs.texts[m[0]] for m in members], [m[0] for m in members]
-    texts = []
-    for positions in members:  # all null -> "": the unit's neighbour (every reference null) is a null slot
-        joined = UNIT_SEPARATOR.join(refs.texts[p] for p in positions if refs.texts[p])
-        texts.append(joined if unit.max_chars is None else joined[: unit.max_chars])
+    # all null -> "": the unit's neighbour (every reference null) is a null slot; max_chars None cuts nothing
+    texts = [UNIT_SEPARATOR.join(refs.texts[p] for p in m if refs.texts[p])[: unit.max_chars] for m in members]
     return texts, [m[0] for m in members]
 
 
