@@ -130,7 +130,6 @@ _RECORD_VERSION = 1
 SEEDED_VOID_REASON = "seeded: a fixed seed makes the texts reproducible, so they carry no privacy guarantee"
 
 
-
 # --------------------------------------------------------------------------------------------
 # configuration and results
 

@@ -165,30 +165,18 @@ class PromptTemplate:
     def as_json(self) -> dict:
         """The template as a JSON object (recorded with a release; the answer prefix, stop strings, examples
         and completion flag only when set, so records of older releases read and resume unchanged)."""
-        record = {"name": self.name, "system": self.system, "private": self.private, "public": self.public,
-                  "fields": dict(self.fields)}
-        if self.answer_prefix:
-            record["answer_prefix"] = self.answer_prefix
-        if self.stop:
-            record["stop"] = list(self.stop)
-        if self.examples:
-            record["examples"] = list(self.examples)
-        if self.completion:
-            record["completion"] = True
-        return record
+        optional = {"answer_prefix": self.answer_prefix, "stop": list(self.stop), "examples": list(self.examples),
+                    "completion": self.completion}
+        return {"name": self.name, "system": self.system, "private": self.private, "public": self.public,
+                "fields": dict(self.fields), **{key: value for key, value in optional.items() if value}}
 
     @classmethod
     def from_json(cls, record: Mapping) -> PromptTemplate:
-        """The inverse of :meth:`as_json`."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(record) - known
+        """The inverse of :meth:`as_json` (the constructor makes the recorded lists tuples)."""
+        unknown = set(record) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"a recorded prompt has unknown key(s) {sorted(unknown)}")
-        values = dict(record)
-        for key in ("stop", "examples"):
-            if key in values:
-                values[key] = tuple(values[key])
-        return cls(**values)
+        return cls(**record)
 
     def messages(self, reference: str | None) -> list[dict[str, str]]:
         """Chat messages (system, user) for one reference; a null reference gives the public messages."""
