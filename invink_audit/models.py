@@ -168,8 +168,7 @@ class BFloat16Probe:
         return self.max_total_variation <= self.bound  # False for NaN
 
     def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
-        return {k: (None if isinstance(v, float) and v != v else v) for k, v in out.items()}
+        return {k: (None if isinstance(v, float) and v != v else v) for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -285,10 +285,8 @@ class Journal:
                 won.append(ok)
                 if ok:
                     self._claimed.add(batch_index)
-                    line = {"batch_index": batch_index, "release_id": self.release_id}
-                    if record is not None:
-                        line["record"] = record
-                    lines.append(line)
+                    lines.append({"batch_index": batch_index, "release_id": self.release_id,
+                                  **({} if record is None else {"record": record})})
             if lines:
                 with _open(self.path, "ab") as handle:
                     _append_lines(handle, lines)

@@ -254,10 +254,9 @@ def _holder_from(record) -> _Holder | str:
     """The checked record, or why it is not one."""
     if not isinstance(record, dict):
         return "not a JSON object"
-    fields = {k: record.get(k) for k in ("host", "pid", "until", "boot", "pid_namespace", "token", "beat", "interval")}
-    fields = {k: v for k, v in fields.items() if v is not None}
     kinds = {"host": str, "pid": int, "until": (int, float), "boot": str, "pid_namespace": str, "token": str,
              "beat": int, "interval": (int, float)}
+    fields = {k: record[k] for k in kinds if record.get(k) is not None}
     for key, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, kinds[key]):
             return f"its {key!r} is {printable(value, _SHOWN_CHARS)}"

@@ -63,12 +63,8 @@ class _Worker:
 
         items = [(int(index), [None if r is None else str(r) for r in refs]) for index, refs in zip(batch["batch_index"], batch["references"])]
         keys = ray.get(self.key_holder.stream_keys.remote([index for index, _ in items]))
-        out = {"batch_index": [], "released": [], "num_tokens": []}
-        for index, released, tokens in generate_texts(self.state, self.loaded, self.engine, items, self.shard, keys):
-            out["batch_index"].append(index)
-            out["released"].append(released)
-            out["num_tokens"].append(tokens)
-        return out
+        rows = list(generate_texts(self.state, self.loaded, self.engine, items, self.shard, keys))
+        return {name: [row[i] for row in rows] for i, name in enumerate(("batch_index", "released", "num_tokens"))}
 
 
 @contextlib.contextmanager
