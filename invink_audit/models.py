@@ -647,15 +647,16 @@ def _version(distribution: str) -> str:
         return f"{distribution} unknown"
 
 
+# each packaged model's descriptive name (a LoadedModel's, as releases record it): prefix, then its package's version
+_DESCRIBED = {GEMMA3_MODEL: ("Gemma-3-270M base (Q4_K_M GGUF from ", _GEMMA3_DISTRIBUTION),
+              EMBEDDED_MODEL: ("SmolLM2-135M-Instruct (Q4_1 GGUF from ", _EMBEDDED_DISTRIBUTION)}
+
+
 def loadable_name(recorded: str) -> str:
     """What :func:`load_model` takes to load the model a release recorded as ``recorded`` (a
     :attr:`LoadedModel.name`): a packaged model's short name for its descriptive name (``"gemma3-270m"`` for
     ``"Gemma-3-270M base (Q4_K_M GGUF from …)"``), any other name (a path, a hub id) as it is."""
-    if recorded.startswith("Gemma-3-270M base (Q4_K_M GGUF from "):
-        return GEMMA3_MODEL
-    if recorded.startswith("SmolLM2-135M-Instruct (Q4_1 GGUF from "):
-        return EMBEDDED_MODEL
-    return recorded
+    return next((short for short, (prefix, _) in _DESCRIBED.items() if recorded.startswith(prefix)), recorded)
 
 
 def named_model_dir(name: str) -> Path:
@@ -752,13 +753,9 @@ def load_model(
     if model is None or key in EMBEDDED_ALIASES | _GEMMA3_ALIASES:
         if gguf_file is not None:
             raise ValueError(f"gguf_file must not be given with a named model ({model!r}); got {gguf_file!r}")
-        gemma = key in _GEMMA3_ALIASES
-        name = (
-            f"Gemma-3-270M base (Q4_K_M GGUF from {_version(_GEMMA3_DISTRIBUTION)})"
-            if gemma
-            else f"SmolLM2-135M-Instruct (Q4_1 GGUF from {_version(_EMBEDDED_DISTRIBUTION)})"
-        )
-        convert = functools.partial(named_model_dir, GEMMA3_MODEL if gemma else EMBEDDED_MODEL)
+        short = GEMMA3_MODEL if key in _GEMMA3_ALIASES else EMBEDDED_MODEL
+        prefix, distribution = _DESCRIBED[short]
+        name, convert = f"{prefix}{_version(distribution)})", functools.partial(named_model_dir, short)
     elif not isinstance(model, (str, os.PathLike)) or not str(model).strip():
         raise ValueError(f"model must be a non-empty path or hub id, or None for the default; got {model!r}")
     elif gguf_file is not None:
