@@ -288,13 +288,11 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """Disjoint batches of ``batch_size`` references, in input order.
-
-    ``batches[i]`` holds references ``i*B .. (i+1)*B - 1`` of the input. ``num_leftover`` references
-    did not fill a last batch; ``num_skipped`` full batches were beyond ``num_texts``. Both are unused.
-    A per-unit release's partition (:func:`unit_partition`) has ``units``: each slot's privacy-unit ordinal (its
-    slots after the unit's rule, ``num_references`` counting them), kept in memory for the auditor's neighbours
-    and never written.
+    """Disjoint batches of ``batch_size`` references, in input order: ``batches[i]`` holds references
+    ``i*B .. (i+1)*B - 1``; ``num_leftover`` references did not fill a last batch and ``num_skipped`` full
+    batches were beyond ``num_texts`` (both unused). A per-unit release's partition (:func:`unit_partition`) has
+    ``units``: each slot's privacy-unit ordinal (``num_references`` counting the slots after the unit's rule),
+    kept in memory for the auditor's neighbours and never written.
     """
 
     batches: tuple[tuple[str, ...], ...]
@@ -337,11 +335,9 @@ def _clean_reference(i: int, reference: str | None) -> str:
 def partition_references(
     references: Sequence[str | None], batch_size: int, *, num_texts: int | None = None
 ) -> Partition:
-    """Split ``references`` into consecutive disjoint batches of ``batch_size`` (paper Corollary 11).
-
-    ``num_texts``: use the first ``num_texts`` batches (one text each); ``None`` uses every full batch.
-    ``None`` references become ``""`` (null); nothing else is changed, dropped or reordered.
-    """
+    """Split ``references`` into consecutive disjoint batches of ``batch_size`` (paper Corollary 11): the first
+    ``num_texts`` (``None``: every full batch). ``None`` references become ``""`` (null); nothing else is changed,
+    dropped or reordered."""
     check_count("batch_size", batch_size)
     _check_references(references)
     cleaned = [_clean_reference(i, reference) for i, reference in enumerate(references)]

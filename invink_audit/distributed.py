@@ -2,9 +2,8 @@
 
 Each process takes whole batches (disjoint batches compose in parallel, paper Corollary 11,
 coro:parallel-batches); rank 0 validates, plans and charges the ledger once (:meth:`Cluster.lead`) and
-sends each process only its own batches' stream keys (:meth:`Cluster.scatter`). :class:`Cluster`,
-:func:`current_cluster`, :func:`assign_batches`, :func:`check_single_machine` (a launch across machines
-is refused unless ``INVINK_ALLOW_MULTI_MACHINE=1``), :func:`shutdown`, :func:`exit_process`.
+sends each process only its own batches' stream keys (:meth:`Cluster.scatter`). A launch across machines
+is refused unless ``INVINK_ALLOW_MULTI_MACHINE=1`` (:func:`check_single_machine`).
 
 Design: docs/guide/scaling-out.md (§"How a multi-process run goes", §"What travels over the process group").
 """
