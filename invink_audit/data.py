@@ -1,17 +1,12 @@
 r"""Reading references and the data-independent partition into batches.
 
-Parallel composition across texts (paper Corollary 11, coro:parallel-batches) needs the batches to be
-*disjoint* and chosen *independently of the data*: the partition here takes references in input order,
-``B`` at a time, and never drops, filters or reorders anything because of its content. An empty reference stays in
-its position as a null (it contributes exactly the public logits). References that do not fill a
-last batch, and batches beyond ``num_texts``, are unused and reported. So changing one reference
-changes exactly one batch (or none), which is what the accounting assumes; the reference package's
-``drop_empty=True`` shifts every later reference into another batch instead.
-
-Readers: a list of strings, a CSV file (one column), or a JSON Lines file (one field). A missing CSV
-cell or a JSON ``null`` reads as the empty string (a null reference). Files are read a line at a time
-(:func:`text_lines`), with quotes read strictly and every field bounded (:data:`MAX_FIELD_CHARS`): bad
-input is refused in one line naming the file and the line, in memory bounded by one line.
+Parallel composition across texts (paper Corollary 11, coro:parallel-batches) needs *disjoint* batches chosen
+*independently of the data*: references are taken in input order, ``B`` at a time, and never dropped, filtered or
+reordered because of their content (an empty one stays in its position as a null, contributing exactly the public
+logits), so changing one reference changes exactly one batch or none; unused references are reported (the
+reference package's ``drop_empty=True`` shifts every later reference into another batch instead). Files are read
+a line at a time, quotes strictly and every field bounded (:func:`text_lines`, :data:`MAX_FIELD_CHARS`): bad
+input is refused in one line naming the file and the line, never its text. Guide: docs/guide/generating.md.
 """
 
 from __future__ import annotations
@@ -471,11 +466,10 @@ def select_references(
     ``{"label1": "Business Category: Restaurants"}``), in file order: their texts (``column``), or with
     ``label_columns`` a :class:`LabelledReferences` of them.
 
-    The ``where`` columns are **public attributes of each record's slot**, as labels are
-    (:func:`partition_by_labels`): under replace-by-null a neighbour empties one record's text and keeps
-    its attributes, so the same records are selected from both. The text column itself is refused (a
-    null text would leave the selection: a partition that depends on a private text). Values are
-    compared exactly, as read (a missing CSV cell or JSON ``null`` is ``""``)."""
+    The ``where`` columns are **public attributes of each record's slot**, as labels are: a replace-by-null
+    neighbour keeps them, so the same records are selected from both; the text column itself is refused (a
+    partition would depend on a private text). Values are compared exactly, as read (a missing CSV cell or JSON
+    ``null`` is ``""``)."""
     if not isinstance(where, Mapping) or not where:
         raise ValueError("where must map at least one column to the value its records must have")
     name = column or "text"
@@ -635,20 +629,16 @@ def partition_by_labels(
     *,
     num_texts_per_group: int | None = None,
 ) -> LabelledPartition:
-    """Partition ``references`` into disjoint batches of ``batch_size`` *within each label group*.
+    """Partition ``references`` into disjoint batches of ``batch_size`` *within each label group* (records grouped
+    by the tuple of their label values, every mapping with the same columns): a group's batch ``j`` is its
+    references ``j·B .. (j+1)·B − 1`` in input order, its leftovers unused (reported per group), and only its
+    first ``num_texts_per_group`` batches used (``None``: every full batch). No text is read: an empty reference
+    stays in its slot as a null.
 
-    Records are grouped by the tuple of their label values (every mapping must have the same
-    columns); a group's batch ``j`` is its references ``j·B .. (j+1)·B − 1`` in input order, and the
-    references that do not fill a last batch of a group are unused (reported per group). Nothing is
-    read from any reference's text: which batch a record lands in depends on its position and the labels
-    of the records before it, never on a text, and an empty reference stays in its slot as a null.
-    ``num_texts_per_group``: use only each group's first batches (``None``: every full batch).
-
-    What this assumes: labels are *public* attributes of each slot. Under replace-by-null adjacency a
-    neighbouring dataset empties one record's text and keeps its label, so it changes exactly one batch
-    (or none) and the batches compose in parallel (paper Corollary 11). Changing a record's *label*
-    moves it to another group and shifts later records of two groups: that is not a neighbour this
-    guarantee covers.
+    What this assumes: labels are *public* attributes of each slot. A replace-by-null neighbour empties one
+    record's text and keeps its label, so it changes one batch (or none) and the batches compose in parallel
+    (paper Corollary 11); a change of a record's *label* is not a neighbour this guarantee covers
+    (docs/guide/generating.md, "Label conditioning").
     """
     _check_labelled_arguments(references, labels, batch_size, num_texts_per_group)
     cleaned, columns, members = _group_records(references, labels)
