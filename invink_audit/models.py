@@ -727,17 +727,15 @@ def load_model(
     dtype: str | torch.dtype | DtypeChoice | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer.
+    """Load a causal LM and its tokenizer (docs/guide/generating.md, "Models, device and dtype").
 
-    ``model``: ``None`` (or ``"smollm2-135m-instruct"``) for the embedded default; ``"gemma3-270m"``
-    for Gemma-3-270M (optional packages); a directory or hub id (with ``gguf_file=NAME`` for a GGUF file
-    inside it); or a path to a ``.gguf`` file. GGUF models are converted once and cached
-    (:func:`cache_dir`). An already loaded :class:`LoadedModel` is returned unchanged. ``device``: see
-    :func:`resolve_device`. ``dtype``: a dtype name, ``"auto"``/``None`` (bfloat16 on CUDA; on a CPU with
-    native bfloat16, bfloat16 when the :class:`BFloat16Probe` on this model passes, else float32), or a
-    :class:`DtypeChoice` to follow (another process's). The result's ``dtype_choice`` says which and why.
-    A configuration with a size no model has, or weights beyond this machine's memory, is refused in one
-    ``ValueError`` naming its file before anything is built (:mod:`invink_audit.model_sizes`).
+    ``model``: ``None`` (or ``"smollm2-135m-instruct"``) for the embedded default; ``"gemma3-270m"`` (optional
+    packages); a directory or hub id (``gguf_file=NAME``: a GGUF file inside it); or a ``.gguf`` path (GGUF models
+    are converted once and cached: :func:`cache_dir`); a :class:`LoadedModel` is returned unchanged. ``dtype``: a
+    dtype name, ``"auto"``/``None`` (bfloat16 on CUDA; on a CPU with native bfloat16, bfloat16 when the
+    :class:`BFloat16Probe` passes, else float32) or a :class:`DtypeChoice` to follow; the result's
+    ``dtype_choice`` says which and why. A configuration with a size no model has, or weights beyond this
+    machine's memory, is refused in one ``ValueError`` naming its file before anything is built.
     """
     if isinstance(model, LoadedModel):
         return model
