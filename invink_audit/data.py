@@ -782,7 +782,9 @@ def read_unit_references(
     name = column or "text"
     if privacy_unit.column == name or privacy_unit.column in (label_columns or ()):
         raise ValueError(f"the privacy unit column {privacy_unit.column!r} cannot also be the text or a label column")
-    labels = None if label_columns is None else read_labelled_references(source, column=name, label_columns=label_columns)
+    labels = None
+    if label_columns is not None:
+        labels = read_labelled_references(source, column=name, label_columns=label_columns)
     texts = read_references(source, column=name) if labels is None else labels.texts
     units = _unit_ordinals(read_references(source, column=privacy_unit.column), Path(source).name)
     return UnitReferences(tuple(texts), units, privacy_unit, labels)

@@ -135,8 +135,7 @@ SEEDED_VOID_REASON = "seeded: a fixed seed makes the texts reproducible, so they
 
 
 def _check_options(num_texts, num_texts_per_group, allow_all_null) -> None:
-    """The options of every release: ``num_texts``, ``num_texts_per_group`` (integers >= 1 or ``None``) and
-    ``allow_all_null`` (a bool)."""
+    """Check the options every release takes, whatever its mechanism."""
     for name, value in (("num_texts", num_texts), ("num_texts_per_group", num_texts_per_group)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
@@ -1023,8 +1022,7 @@ class _Release:
         self, model: str, admission: _Admission, texts, tokens: int, seconds: float, processes, *,
         dtype_choice: DtypeChoice | None = None,
     ) -> GenerationResult:  # fmt: skip
-        """The :class:`GenerationResult` of this release: ``texts`` by batch index, what this run generated, and
-        what the release was."""
+        """The :class:`GenerationResult` of this release: ``texts``, what this run generated, what the release was."""
         return GenerationResult(
             texts=tuple(texts),
             guarantee=self.guarantee,

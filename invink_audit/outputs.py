@@ -258,8 +258,7 @@ class Journal:
         self._claimed: set[int] = set()
 
     def claim(self, batch_index: int, record: dict | None = None) -> bool:
-        """Record ``batch_index`` as sampled, with its ``record``; ``False`` (nothing written) if some
-        process already did."""
+        """Record ``batch_index`` as sampled, with its ``record``; ``False`` (nothing written) if some process did."""
         return self.claim_many([(batch_index, record)])[0]
 
     def claim_many(self, entries) -> list[bool]:
