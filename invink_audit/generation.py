@@ -78,6 +78,7 @@ from invink_audit.outputs import (
 from invink_audit.model_sizes import looks_like_path
 from invink_audit.models import (
     DEFAULT_GENERATOR,
+    EMBEDDED_ALIASES,
     DtypeChoice,
     LoadedModel,
     follow_dtype,
@@ -407,8 +408,6 @@ def _check_output_path(output) -> Path | None:
 
 def _check_model_source(model, gguf_file, device, dtype) -> None:
     """Check the model argument, device and dtype without loading anything."""
-    from invink_audit.models import EMBEDDED_ALIASES
-
     if isinstance(model, LoadedModel):
         return
     resolve_dtype(dtype, resolve_device(device))

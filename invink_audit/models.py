@@ -102,8 +102,6 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "float64": torch.float64,
 }
-# canonical names (what records say): "float32", "bfloat16", ...
-_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _DTYPES.values()}
 
 #: The public text the bfloat16 probe reads: fixed sentences written for it, never a private reference.
 BFLOAT16_PROBE_TEXTS = (
@@ -125,7 +123,8 @@ BFLOAT16_MAX_TOTAL_VARIATION = 0.1
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    """The canonical name records say: ``"float32"``, ``"bfloat16"``, ..."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _is_float_dtype_name(name) -> bool:
