@@ -502,10 +502,9 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
     shard_files = [path for shard in shards for path in (shard, shard.with_name(shard.name + ".lock"))]
     for path in (output, state_file, journal_file, journal_lock, pending_path(output), *shard_files):
         refuse_symlink(path)  # bookkeeping files are this tool's own, never links (refused before the charge)
-    if state_file.exists():
-        clear_pending(output)
     if not state_file.exists():
         return _fresh_output_state(output, fingerprint, state_file, journal_file, shards)
+    clear_pending(output)
     state = read_state(output)
     old_run, old_fingerprint, release_id = state["run"], state["input_sha256"], state["release_id"]
     version = state.get("version", 1)
