@@ -232,14 +232,6 @@ def _parse_journal(data: bytes, path: Path, release_id: str, num_batches: int, f
     return _Lines(entries, keep, False)
 
 
-def _first_claims(entries) -> dict:
-    """Batch index → its first journal entry's record (``None`` for a bare claim): the first claim wins."""
-    first: dict = {}
-    for index, record in entries:
-        first.setdefault(index, record)
-    return first
-
-
 class Journal:
     """The shared sampled-batch journal of one release: :meth:`claim` is first-wins across processes.
 
@@ -490,7 +482,10 @@ def read_journal_claims(output: Path, release_id: str, num_batches: int) -> dict
         data = _read_no_follow(journal_file)
     except FileNotFoundError:
         return None
-    return _first_claims(_parse_journal(data, journal_file, release_id, num_batches).records)
+    first: dict = {}
+    for index, record in _parse_journal(data, journal_file, release_id, num_batches).records:
+        first.setdefault(index, record)  # the first claim wins
+    return first
 
 
 def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputState:
