@@ -153,15 +153,15 @@ def read_model_shape(
     hidden size not a multiple of the heads, a size beyond :data:`~invink_audit.model_sizes.SIZE_BOUNDS`,
     checked before a layer is built) are refused in one ``ValueError`` naming the file. Absent keys take the
     architecture's defaults, as in transformers: the shape planned for names every size it used."""
-    from invink_audit.models import EMBEDDED_MODEL, GEMMA3_MODEL, load_model, named_model_dir
+    from invink_audit.models import EMBEDDED_ALIASES, EMBEDDED_MODEL, GEMMA3_MODEL, load_model, named_model_dir
 
     resolved = _resolve_dtype(dtype, device)
     if model is not None and str(model).lower().endswith(".gguf"):
         loaded = load_model(model, device="cpu", dtype="float32")
         return dataclasses.replace(shape_of(loaded), dtype=resolved)
     key = None if model is None else str(model).lower()
-    if key is None or key in (EMBEDDED_MODEL, "embedded", "default", GEMMA3_MODEL, "gemma-3-270m"):
-        source = named_model_dir(GEMMA3_MODEL if key in (GEMMA3_MODEL, "gemma-3-270m") else EMBEDDED_MODEL)
+    if key is None or key in EMBEDDED_ALIASES or key in (GEMMA3_MODEL, "gemma-3-270m"):
+        source = named_model_dir(key or EMBEDDED_MODEL)
         name, where = str(model or EMBEDDED_MODEL), f"model {str(model or EMBEDDED_MODEL)!r}"
     else:
         if not str(model).strip():
