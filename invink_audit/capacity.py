@@ -150,20 +150,18 @@ def read_model_shape(
 
     A missing folder, a folder without ``config.json``, a ``config.json`` that is not a JSON object, and a
     configuration no model can be built from (an unknown ``model_type``, a size that is not an integer >= 1,
-    hidden size not a multiple of the heads, a size larger than any model's:
-    :data:`~invink_audit.model_sizes.SIZE_BOUNDS`, checked before a layer is built) are refused in one
-    ``ValueError`` naming the file. Keys that are
-    absent take the architecture's defaults, as in transformers (``save_pretrained`` omits the values equal to
-    them): the shape planned for names every size it used."""
-    from invink_audit.models import EMBEDDED_MODEL, GEMMA3_MODEL, load_model, named_model_dir
+    hidden size not a multiple of the heads, a size beyond :data:`~invink_audit.model_sizes.SIZE_BOUNDS`,
+    checked before a layer is built) are refused in one ``ValueError`` naming the file. Absent keys take the
+    architecture's defaults, as in transformers: the shape planned for names every size it used."""
+    from invink_audit.models import EMBEDDED_ALIASES, EMBEDDED_MODEL, GEMMA3_MODEL, load_model, named_model_dir
 
     resolved = _resolve_dtype(dtype, device)
     if model is not None and str(model).lower().endswith(".gguf"):
         loaded = load_model(model, device="cpu", dtype="float32")
         return dataclasses.replace(shape_of(loaded), dtype=resolved)
     key = None if model is None else str(model).lower()
-    if key is None or key in (EMBEDDED_MODEL, "embedded", "default", GEMMA3_MODEL, "gemma-3-270m"):
-        source = named_model_dir(GEMMA3_MODEL if key in (GEMMA3_MODEL, "gemma-3-270m") else EMBEDDED_MODEL)
+    if key is None or key in EMBEDDED_ALIASES or key in (GEMMA3_MODEL, "gemma-3-270m"):
+        source = named_model_dir(key or EMBEDDED_MODEL)
         name, where = str(model or EMBEDDED_MODEL), f"model {str(model or EMBEDDED_MODEL)!r}"
     else:
         if not str(model).strip():
@@ -211,8 +209,7 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
 def _checked_config_file(model: str) -> Path | None:
     """The ``config.json`` of the local model folder ``model``, checked to hold a JSON object
     (:func:`~invink_audit.model_sizes.read_config_file`); ``None`` for a string that names nothing local and
-    may be a hub id. A missing folder, a file, a missing or unreadable
-    ``config.json`` are refused in one line naming the path."""
+    may be a hub id. A missing folder, a file, a missing or unreadable ``config.json`` are refused."""
     path = Path(model).expanduser()
     if not path.exists():
         if looks_like_path(model):

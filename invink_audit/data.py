@@ -1,17 +1,12 @@
 r"""Reading references and the data-independent partition into batches.
 
-Parallel composition across texts (paper Corollary 11, coro:parallel-batches) needs the batches to be
-*disjoint* and chosen *independently of the data*: the partition here takes references in input order,
-``B`` at a time, and never drops, filters or reorders anything because of its content. An empty reference stays in
-its position as a null (it contributes exactly the public logits). References that do not fill a
-last batch, and batches beyond ``num_texts``, are unused and reported. So changing one reference
-changes exactly one batch (or none), which is what the accounting assumes; the reference package's
-``drop_empty=True`` shifts every later reference into another batch instead.
-
-Readers: a list of strings, a CSV file (one column), or a JSON Lines file (one field). A missing CSV
-cell or a JSON ``null`` reads as the empty string (a null reference). Files are read a line at a time
-(:func:`text_lines`), with quotes read strictly and every field bounded (:data:`MAX_FIELD_CHARS`): bad
-input is refused in one line naming the file and the line, in memory bounded by one line.
+Parallel composition across texts (paper Corollary 11, coro:parallel-batches) needs *disjoint* batches chosen
+*independently of the data*: references are taken in input order, ``B`` at a time, and never dropped, filtered or
+reordered because of their content (an empty one stays in its position as a null, contributing exactly the public
+logits), so changing one reference changes exactly one batch or none; unused references are reported (the
+reference package's ``drop_empty=True`` shifts every later reference into another batch instead). Files are read
+a line at a time, quotes strictly and every field bounded (:func:`text_lines`, :data:`MAX_FIELD_CHARS`): bad
+input is refused in one line naming the file and the line, never its text. Guide: docs/guide/generating.md.
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ __all__ = [
     "UNIT_SEPARATOR",
     "UnitReferences",
     "read_unit_references",
-    "unit_ordinals",
     "unit_partition",
     "unit_slots",
     "MAX_FIELD_CHARS",
@@ -237,12 +231,8 @@ def _read_csv(path: Path, column: str) -> list[str]:
             f"{', '.join(str(p + 1) for p in positions)}); rename the duplicates so the column is unambiguous"
         )
     position = positions[0]
-    references = []
-    for _, row in records:
-        if not row:
-            continue  # a blank line is not a record (csv.DictReader skips it too)
-        references.append(row[position] if position < len(row) else "")
-    return references
+    # a blank line is not a record (csv.DictReader skips it too)
+    return [row[position] if position < len(row) else "" for _, row in records if row]
 
 
 def jsonl_records(path: Path, lines: str | Iterable[str], field: str, hint: str):
@@ -293,13 +283,11 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """Disjoint batches of ``batch_size`` references, in input order.
-
-    ``batches[i]`` holds references ``i*B .. (i+1)*B - 1`` of the input. ``num_leftover`` references
-    did not fill a last batch; ``num_skipped`` full batches were beyond ``num_texts``. Both are unused.
-    A per-unit release's partition (:func:`unit_partition`) has ``units``: each slot's privacy-unit ordinal (its
-    slots after the unit's rule, ``num_references`` counting them), kept in memory for the auditor's neighbours
-    and never written.
+    """Disjoint batches of ``batch_size`` references, in input order: ``batches[i]`` holds references
+    ``i*B .. (i+1)*B - 1``; ``num_leftover`` references did not fill a last batch and ``num_skipped`` full
+    batches were beyond ``num_texts`` (both unused). A per-unit release's partition (:func:`unit_partition`) has
+    ``units``: each slot's privacy-unit ordinal (``num_references`` counting the slots after the unit's rule),
+    kept in memory for the auditor's neighbours and never written.
     """
 
     batches: tuple[tuple[str, ...], ...]
@@ -342,11 +330,9 @@ def _clean_reference(i: int, reference: str | None) -> str:
 def partition_references(
     references: Sequence[str | None], batch_size: int, *, num_texts: int | None = None
 ) -> Partition:
-    """Split ``references`` into consecutive disjoint batches of ``batch_size`` (paper Corollary 11).
-
-    ``num_texts``: use the first ``num_texts`` batches (one text each); ``None`` uses every full batch.
-    ``None`` references become ``""`` (null); nothing else is changed, dropped or reordered.
-    """
+    """Split ``references`` into consecutive disjoint batches of ``batch_size`` (paper Corollary 11): the first
+    ``num_texts`` (``None``: every full batch). ``None`` references become ``""`` (null); nothing else is changed,
+    dropped or reordered."""
     check_count("batch_size", batch_size)
     _check_references(references)
     cleaned = [_clean_reference(i, reference) for i, reference in enumerate(references)]
@@ -480,11 +466,10 @@ def select_references(
     ``{"label1": "Business Category: Restaurants"}``), in file order: their texts (``column``), or with
     ``label_columns`` a :class:`LabelledReferences` of them.
 
-    The ``where`` columns are **public attributes of each record's slot**, as labels are
-    (:func:`partition_by_labels`): under replace-by-null a neighbour empties one record's text and keeps
-    its attributes, so the same records are selected from both. The text column itself is refused (a
-    null text would leave the selection: a partition that depends on a private text). Values are
-    compared exactly, as read (a missing CSV cell or JSON ``null`` is ``""``)."""
+    The ``where`` columns are **public attributes of each record's slot**, as labels are: a replace-by-null
+    neighbour keeps them, so the same records are selected from both; the text column itself is refused (a
+    partition would depend on a private text). Values are compared exactly, as read (a missing CSV cell or JSON
+    ``null`` is ``""``)."""
     if not isinstance(where, Mapping) or not where:
         raise ValueError("where must map at least one column to the value its records must have")
     name = column or "text"
@@ -515,8 +500,6 @@ def labelled_partition(
     """A label-conditioned release's batches as a :class:`Partition` (:func:`partition_by_labels`), each
     batch's labels, and each batch's reference positions in the input."""
     grouped = partition_by_labels(labelled.texts, labelled.labels, batch_size, num_texts_per_group=num_texts_per_group)
-    if not grouped.batches:
-        raise ValueError(f"no label group holds a full batch of {batch_size} references")
     partition = Partition(
         batches=tuple(b.references for b in grouped.batches), batch_size=batch_size,
         num_references=grouped.num_references, num_leftover=grouped.num_unused, num_skipped=0,
@@ -623,15 +606,12 @@ def _batch_group(
     group_labels = MappingProxyType(labels)
     available = len(positions) // batch_size
     count = available if num_texts_per_group is None else min(available, num_texts_per_group)
-    batches = []
-    for j in range(count):
-        slot = tuple(positions[j * batch_size : (j + 1) * batch_size])
-        batches.append(
-            LabelledBatch(
-                references=tuple(cleaned[p] for p in slot), labels=group_labels, group=group, index_in_group=j,
-                positions=slot,
-            )
-        )  # fmt: skip
+    slots = [tuple(positions[j * batch_size : (j + 1) * batch_size]) for j in range(count)]
+    batches = [
+        LabelledBatch(references=tuple(cleaned[p] for p in slot), labels=group_labels, group=group, index_in_group=j,
+                      positions=slot)
+        for j, slot in enumerate(slots)
+    ]  # fmt: skip
     summary = LabelGroup(
         labels=group_labels,
         num_references=len(positions),
@@ -649,20 +629,16 @@ def partition_by_labels(
     *,
     num_texts_per_group: int | None = None,
 ) -> LabelledPartition:
-    """Partition ``references`` into disjoint batches of ``batch_size`` *within each label group*.
+    """Partition ``references`` into disjoint batches of ``batch_size`` *within each label group* (records grouped
+    by the tuple of their label values, every mapping with the same columns): a group's batch ``j`` is its
+    references ``j·B .. (j+1)·B − 1`` in input order, its leftovers unused (reported per group), and only its
+    first ``num_texts_per_group`` batches used (``None``: every full batch). No text is read: an empty reference
+    stays in its slot as a null.
 
-    Records are grouped by the tuple of their label values (every mapping must have the same
-    columns); a group's batch ``j`` is its references ``j·B .. (j+1)·B − 1`` in input order, and the
-    references that do not fill a last batch of a group are unused (reported per group). Nothing is
-    read from any reference's text: which batch a record lands in depends on its position and the labels
-    of the records before it, never on a text, and an empty reference stays in its slot as a null.
-    ``num_texts_per_group``: use only each group's first batches (``None``: every full batch).
-
-    What this assumes: labels are *public* attributes of each slot. Under replace-by-null adjacency a
-    neighbouring dataset empties one record's text and keeps its label, so it changes exactly one batch
-    (or none) and the batches compose in parallel (paper Corollary 11). Changing a record's *label*
-    moves it to another group and shifts later records of two groups: that is not a neighbour this
-    guarantee covers.
+    What this assumes: labels are *public* attributes of each slot. A replace-by-null neighbour empties one
+    record's text and keeps its label, so it changes one batch (or none) and the batches compose in parallel
+    (paper Corollary 11); a change of a record's *label* is not a neighbour this guarantee covers
+    (docs/guide/generating.md, "Label conditioning").
     """
     _check_labelled_arguments(references, labels, batch_size, num_texts_per_group)
     cleaned, columns, members = _group_records(references, labels)
@@ -786,7 +762,7 @@ class UnitReferences:
             )
 
 
-def unit_ordinals(values: Sequence[str], where: str) -> tuple[int, ...]:
+def _unit_ordinals(values: Sequence[str], where: str) -> tuple[int, ...]:
     """Each value's ordinal by first appearance; an empty value is refused, naming its record, never a value."""
     seen: dict[str, int] = {}
     for i, value in enumerate(values):
@@ -809,10 +785,8 @@ def read_unit_references(
     labels = None
     if label_columns is not None:
         labels = read_labelled_references(source, column=name, label_columns=label_columns)
-        texts = labels.texts
-    else:
-        texts = tuple(read_references(source, column=name))
-    units = unit_ordinals(read_references(source, column=privacy_unit.column), Path(source).name)
+    texts = read_references(source, column=name) if labels is None else labels.texts
+    units = _unit_ordinals(read_references(source, column=privacy_unit.column), Path(source).name)
     return UnitReferences(tuple(texts), units, privacy_unit, labels)
 
 
@@ -829,10 +803,8 @@ def _one_slot_per_unit(refs: UnitReferences) -> tuple[list[str], list[int]]:
     members, unit = _unit_members(refs.units), refs.privacy_unit
     if unit.rule is ContributionRule.FIRST:
         return [refs.texts[m[0]] for m in members], [m[0] for m in members]
-    texts = []
-    for positions in members:  # all null -> "": the unit's neighbour (every reference null) is a null slot
-        joined = UNIT_SEPARATOR.join(refs.texts[p] for p in positions if refs.texts[p])
-        texts.append(joined if unit.max_chars is None else joined[: unit.max_chars])
+    # all null -> "": the unit's neighbour (every reference null) is a null slot; max_chars None cuts nothing
+    texts = [UNIT_SEPARATOR.join(refs.texts[p] for p in m if refs.texts[p])[: unit.max_chars] for m in members]
     return texts, [m[0] for m in members]
 
 

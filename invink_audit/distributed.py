@@ -2,9 +2,8 @@
 
 Each process takes whole batches (disjoint batches compose in parallel, paper Corollary 11,
 coro:parallel-batches); rank 0 validates, plans and charges the ledger once (:meth:`Cluster.lead`) and
-sends each process only its own batches' stream keys (:meth:`Cluster.scatter`). :class:`Cluster`,
-:func:`current_cluster`, :func:`assign_batches`, :func:`check_single_machine` (a launch across machines
-is refused unless ``INVINK_ALLOW_MULTI_MACHINE=1``), :func:`shutdown`, :func:`exit_process`.
+sends each process only its own batches' stream keys (:meth:`Cluster.scatter`). A launch across machines
+is refused unless ``INVINK_ALLOW_MULTI_MACHINE=1`` (:func:`check_single_machine`).
 
 Design: docs/guide/scaling-out.md (§"How a multi-process run goes", §"What travels over the process group").
 """
@@ -137,13 +136,10 @@ class Cluster:
     def agree(self, error: BaseException | None) -> None:
         """Every rank reports whether its part succeeded; if any failed, every rank raises the first
         failure (an error on one rank never leaves the others waiting)."""
-        if not self.distributed:
-            if error is not None:
-                raise error
-            return
-        reports = self.gather(None if error is None else RankFailure.of(self.rank, error))
-        first = next((r for r in reports if r is not None), None) if self.is_main else None
-        first = self.broadcast(first)
+        first = None
+        if self.distributed:
+            reports = self.gather(None if error is None else RankFailure.of(self.rank, error))
+            first = self.broadcast(next((r for r in reports if r is not None), None) if self.is_main else None)
         if error is not None:
             raise error
         if first is not None:
@@ -352,13 +348,11 @@ def current_cluster() -> Cluster:
 
 def shutdown() -> bool:
     """Destroy the process group :func:`current_cluster` initialised (a no-op otherwise, and the second
-    time); returns whether it did. Called by the CLI when a command ends and at interpreter exit. A
-    group the caller initialised is the caller's to destroy.
+    time); returns whether it did. A group the caller initialised is the caller's to destroy.
 
-    Destroying the group is not enough to exit cleanly: a rank of a complete release still aborted in
-    interpreter finalisation, in a native thread, with "terminate called without an active exception"
-    (pytorch/pytorch#190489; about 1 run in 10 of two CPU processes here, 0 in 44 when the process
-    ended with ``os._exit``). The CLI therefore ends a launched process with :func:`exit_process`."""
+    This is not enough to exit cleanly: a rank of a complete release still aborted in interpreter
+    finalisation with "terminate called without an active exception" (pytorch/pytorch#190489; about 1 run
+    in 10 of two CPU processes here, 0 in 44 with ``os._exit``), so the CLI ends with :func:`exit_process`."""
     global _CLUSTER, _OWNED
     if not _OWNED:
         return False

@@ -78,6 +78,7 @@ from invink_audit.outputs import (
 from invink_audit.model_sizes import looks_like_path
 from invink_audit.models import (
     DEFAULT_GENERATOR,
+    EMBEDDED_ALIASES,
     DtypeChoice,
     LoadedModel,
     follow_dtype,
@@ -130,14 +131,12 @@ _RECORD_VERSION = 1
 SEEDED_VOID_REASON = "seeded: a fixed seed makes the texts reproducible, so they carry no privacy guarantee"
 
 
-
 # --------------------------------------------------------------------------------------------
 # configuration and results
 
 
 def _check_options(num_texts, num_texts_per_group, allow_all_null) -> None:
-    """The options of every release: ``num_texts``, ``num_texts_per_group`` (integers >= 1 or ``None``) and
-    ``allow_all_null`` (a bool)."""
+    """Check the options every release takes, whatever its mechanism."""
     for name, value in (("num_texts", num_texts), ("num_texts_per_group", num_texts_per_group)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
@@ -149,16 +148,13 @@ def _check_options(num_texts, num_texts_per_group, allow_all_null) -> None:
 class ReleaseConfig:
     """The public parameters of a release through :func:`generate`: one text per disjoint batch of
     ``mechanism.batch_size`` references (paper Corollary 11), from any :class:`~invink_audit.mechanisms.Mechanism`:
-    InvisibleInk (planned from ε by :meth:`~invink_audit.mechanisms.InvisibleInk.planned`, or with a given clip norm;
-    :func:`GenerationConfig` builds its config), the paper's baselines (Amin et al. 2024, AdaPMixED) or yours. Label
-    conditioning, resume, lock and journal, the ledger charge, torchrun and Ray are the same for every mechanism.
+    InvisibleInk (:func:`GenerationConfig`), the paper's baselines (Amin et al. 2024, AdaPMixED) or yours.
 
     ``max_new_tokens`` (T) and ``delta`` fix the release's guarantee (:meth:`guarantee`, the mechanism's). An
     a-priori guarantee is charged to a ledger (:meth:`event`); a data-dependent one (AdaPMixED's stop rule) is
     refused with a ledger: its spend is not a guarantee a ledger can compose. ``num_texts=None`` generates one text
-    per full batch; with labelled references give ``num_texts_per_group`` instead (default: every full batch of each
-    group). ``allow_all_null``: generate even when every reference to be used is empty (public-only texts that still
-    charge the ledger); refused by default.
+    per full batch; with labelled references give ``num_texts_per_group`` instead. ``allow_all_null``: generate
+    even when every reference to be used is empty (public-only texts that still charge the ledger).
 
     Valid ranges: ``max_new_tokens``, ``num_texts``, ``num_texts_per_group``: integers >= 1 (the last two also
     ``None``; ``num_texts`` at most the number of full batches); ``delta`` in (0, 1).
@@ -278,11 +274,9 @@ class ProcessStats:
 class GenerationResult:
     """The texts of a run (sorted by batch), its guarantee (the mechanism's), and what was measured.
 
-    ``num_resumed`` texts were read back from an earlier run's output; ``tokens_generated`` and
-    ``seconds`` measure this call only (the slowest process, for a multi-process run). ``seeded`` runs
-    are reproducible and carry no privacy: their ``guarantee.void_reason`` says so. On rank 0 (or a
-    single process) ``texts`` holds the whole release; on another rank, only the texts it generated.
-    ``processes``: per-process figures, in rank order (rank 0 only; one entry for a single process).
+    ``num_resumed`` texts were read back from an earlier output; ``tokens_generated`` and ``seconds`` measure
+    this call only (the slowest process). ``seeded`` runs carry no privacy (``guarantee.void_reason``). On
+    rank 0 ``texts`` is the whole release, elsewhere that rank's texts; ``processes``: per-rank figures (rank 0).
     """
 
     texts: tuple[GeneratedText, ...]
@@ -346,13 +340,10 @@ def input_fingerprint(partition: Partition, labels: Sequence[Mapping[str, str]] 
 def _record(
     text: GeneratedText, guarantee: MechanismGuarantee, release_id: str, run: dict, template: PromptTemplate, *, model_dtype: dict
 ) -> dict:
-    """One output record. ``run`` is the release-wide settings (compared on resume, so the same for every
-    record: ``run["prompt"]`` is the release's template, before any batch's labels fill it); ``template``
-    is the prompt this text's batch was generated with, whose public fields are written as
-    ``prompt_fields`` (in a label-conditioned release, the batch's labels in place of the preset's values;
-    records written before this field existed lack it, and still resume). ``model_dtype``: the dtype the
-    generating process's model ran in and why (:meth:`~invink_audit.models.DtypeChoice.to_json`; outside
-    ``run``: a release may resume in another dtype, each record saying its own)."""
+    """One output record. ``run``: the release-wide settings (compared on resume; ``run["prompt"]`` is the
+    template before any batch's labels fill it); ``template``: this batch's prompt, its public fields written
+    as ``prompt_fields`` (older records lack them and still resume); ``model_dtype``: the dtype this process's
+    model ran in and why (outside ``run``: a release may resume in another dtype)."""
     return {
         "batch_index": text.batch_index,
         "text": text.text,
@@ -417,8 +408,6 @@ def _check_output_path(output) -> Path | None:
 
 def _check_model_source(model, gguf_file, device, dtype) -> None:
     """Check the model argument, device and dtype without loading anything."""
-    from invink_audit.models import EMBEDDED_ALIASES
-
     if isinstance(model, LoadedModel):
         return
     resolve_dtype(dtype, resolve_device(device))
@@ -466,11 +455,8 @@ def _check_context(
     max_new_tokens: int,
     position: Callable[[int, int], int] | None = None,
 ) -> None:
-    """Refuse, before any decoding, prompts that do not fit the model's positions with T new tokens.
-
-    Names the reference's position in the input (``position(batch, slot)``; default ``batch·B + slot``),
-    never its text.
-    """
+    """Refuse, before any decoding, prompts that do not fit the model's positions with T new tokens; names
+    the reference's position in the input (``position(batch, slot)``; default ``batch·B + slot``), never its text."""
     positions = loaded.context_length
     if positions is None or not requests:
         return
@@ -520,17 +506,14 @@ def generate(
 
     ``references``: a list of strings (``""``/``None`` are nulls), a ``.csv`` / ``.jsonl`` path (field ``text``),
     a :class:`~invink_audit.data.ReferencesFile` (another column, ``label_columns``, a privacy unit) or
-    :class:`~invink_audit.data.LabelledReferences`. Labelled references are batched within their label group
-    (:func:`invink_audit.data.partition_by_labels`) and their labels, public attributes of each slot, fill the
-    prompt's fields (:func:`invink_audit.prompts.label_fields_for`). ``config``: :class:`ReleaseConfig`
-    (InvisibleInk's: :func:`GenerationConfig`). ``model``: a path or name, a loaded model or a :class:`ModelSpec`
-    (default :data:`~invink_audit.models.DEFAULT_GENERATOR`). ``prompt``: a preset name, a
-    :class:`~invink_audit.prompts.PromptTemplate` or a :class:`PromptSpec`; a preset's label-describing fields
-    left at their example values are refused (:func:`~invink_audit.prompts.defaulted_label_fields`). ``output``:
-    JSON Lines, written as texts finish and resumed when it exists. ``ledger``: an :class:`accounting.BudgetLedger`
-    or its path, charged once, after every check and before any decoding (a data-dependent guarantee is refused,
-    :meth:`ReleaseConfig.event`). ``seed``: ``None`` (OS entropy, the private default) or a fixed seed, which warns
-    and voids the guarantee (records write ``guarantee: null``). ``hooks``: :class:`GenerationHooks`.
+    :class:`~invink_audit.data.LabelledReferences` (batched within their label group; their labels, public
+    attributes of each slot, fill the prompt's fields). ``config``: :class:`ReleaseConfig` (InvisibleInk's:
+    :func:`GenerationConfig`). ``model``: a path or name, a loaded model or a :class:`ModelSpec` (default
+    :data:`~invink_audit.models.DEFAULT_GENERATOR`). ``prompt``: a preset name, a
+    :class:`~invink_audit.prompts.PromptTemplate` or a :class:`PromptSpec`. ``output``: JSON Lines, written as
+    texts finish and resumed when it exists. ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged
+    once, after every check and before any decoding. ``seed``: ``None`` (OS entropy, the private default) or a
+    fixed seed, which warns and voids the guarantee (:data:`SEEDED_VOID_REASON`). ``hooks``: :class:`GenerationHooks`.
 
     Anything invalid raises ``ValueError`` before the model is loaded (the context check: after loading, before
     the ledger is charged). Labels, prompts, the output's files and resuming: docs/guide/generating.md.
@@ -569,10 +552,9 @@ def prepare_release(
     if ledger is not None:
         config.event(unit)  # a guarantee no ledger can compose (data-dependent) is refused now
     guarantee = config.unit_guarantee(unit)
-    if seed is not None:
-        guarantee = dataclasses.replace(guarantee, void_reason=SEEDED_VOID_REASON)
     fingerprint = input_fingerprint(partition, labels)
     if seed is not None:
+        guarantee = dataclasses.replace(guarantee, void_reason=SEEDED_VOID_REASON)
         warnings.warn(
             f"generating with a fixed seed ({seed}): the output is reproducible and carries no privacy guarantee",
             SeededGeneratorWarning,
@@ -673,10 +655,9 @@ class ModelSpec:
     """Which model a release loads and how; every process (and every Ray actor) builds its engine from it.
     ``model``: a path or hub-cache name (default: :data:`~invink_audit.models.DEFAULT_GENERATOR`, Gemma-3-270M,
     prompted with the completion twin of a chat preset: :func:`~invink_audit.prompts.template_for_model`) or a
-    loaded model;
-    ``gguf_file``: a GGUF file inside a model directory; ``device`` / ``dtype``: see
-    :func:`~invink_audit.models.load_model` (ignored for a loaded model); ``max_batch_rows``: forward rows
-    per pass, an integer >= 1 (``None``: no limit). Checked without loading anything."""
+    loaded model; ``gguf_file``: a GGUF file inside a model directory; ``device`` / ``dtype``: see
+    :func:`~invink_audit.models.load_model`; ``max_batch_rows``: forward rows per pass, an integer >= 1 (``None``:
+    no limit). Checked without loading anything."""
 
     model: str | os.PathLike | LoadedModel | None = None
     gguf_file: str | None = None
@@ -781,14 +762,8 @@ def release_key(seed: int | None) -> int:
 
 @dataclasses.dataclass
 class _Release:
-    """One release, run by one or several processes (:mod:`invink_audit.distributed`).
-
-    Phases: rank 0 locks the output and reads its resume state; every process loads the model and
-    builds its engine (a failure anywhere stops all before the charge); rank 0 checks the settings and
-    every prompt, charges the ledger, writes the resume state and assigns whole batches; each process
-    generates its batches, claiming each in the shared journal before writing it to its own shard (or,
-    alone, to the output); rank 0 collects the results and merges the shards, ordered by batch index.
-    """
+    """One release, run by one or several processes (:mod:`invink_audit.distributed`); its phases (lock,
+    load, rank 0's checks and charge, generate and claim, merge): docs/design/release-protocol.md."""
 
     config: ReleaseConfig
     guarantee: MechanismGuarantee  # the config's, void for a seeded run
@@ -988,12 +963,9 @@ class _Release:
                 releaser = _StepReleaser(journal, sink, self.hooks.on_text, self.hooks.on_tokens)
                 if self.hooks.on_start is not None:
                     self.hooks.on_start(len(requests))
-
-                def released(finished):
-                    text = _released(finished, self.labels)
-                    return text, _record(text, self.guarantee, admission.release_id, admission.run,
-                                         self.batch_template(text.batch_index), model_dtype=loaded.dtype_choice.to_json())
-
+                released = functools.partial(_released, labels=self.labels, guarantee=self.guarantee,
+                                             release_id=admission.release_id, run=admission.run,
+                                             template=self.batch_template, model_dtype=loaded.dtype_choice.to_json())
                 releaser.release(engine, requests, [admission.stream_keys[i] for i in mine], seed=self.seed,
                                  max_new_tokens=self.config.max_new_tokens, released=released)  # fmt: skip
             except Exception as err:  # noqa: BLE001 - reported to rank 0, re-raised below
@@ -1046,9 +1018,7 @@ class _Release:
         self, model: str, admission: _Admission, texts, tokens: int, seconds: float, processes, *,
         dtype_choice: DtypeChoice | None = None,
     ) -> GenerationResult:  # fmt: skip
-        """The :class:`GenerationResult` of this release: ``texts`` by batch index, what this run generated
-        (``tokens`` in ``seconds``, per process, with the model's ``dtype_choice``), and what the release was
-        (mechanism, template, partition, labels)."""
+        """The :class:`GenerationResult` of this release: ``texts``, what this run generated, what the release was."""
         return GenerationResult(
             texts=tuple(texts),
             guarantee=self.guarantee,
@@ -1078,11 +1048,9 @@ class _Release:
 class ExternalRelease:
     """A release whose batches an external executor generates (Ray Data: :mod:`invink_audit.ray_release`).
 
-    The driver keeps rank 0's part: :meth:`admit` locks the output, reads its resume state, loads the
-    model once to check every prompt and probe the engine, charges the ledger and writes the resume
-    state; workers generate with :meth:`worker_state` (the master key travels inside it, never to disk)
-    and release the texts with :func:`invink_audit.outputs.release_texts` (first claim wins); :meth:`finish`
-    merges their shards and reads the release back.
+    The driver keeps rank 0's part (:meth:`admit`: lock, resume state, prompt checks, the charge); workers
+    generate from :meth:`worker_state` and their batches' stream keys, releasing texts first-claim-wins
+    (:func:`generate_texts`); :meth:`finish` merges their shards and reads the release back.
     """
 
     def __init__(self, release: _Release) -> None:
@@ -1180,12 +1148,9 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
     template = functools.partial(template_for_batch, state["template"], state["labels"], state["label_fields"])
     requests = [encode_request(loaded.tokenizer, template(index), list(refs), key=index) for index, refs in items]
     journal = Journal(state["output"], state["release_id"], state["num_batches"])
-
-    def released(finished):
-        text = _released(finished, state["labels"])
-        return text, _record(text, state["guarantee"], state["release_id"], state["run"], template(text.batch_index),
-                             model_dtype=loaded.dtype_choice.to_json())
-
+    released = functools.partial(_released, labels=state["labels"], guarantee=state["guarantee"],
+                                 release_id=state["release_id"], run=state["run"], template=template,
+                                 model_dtype=loaded.dtype_choice.to_json())
     with RecordSink(shard, lock=True) as sink:
         releaser = _StepReleaser(journal, sink, None, None)
         releaser.release(engine, requests, [int(stream_keys[i]) for i in indices], seed=state["seed"],
@@ -1196,11 +1161,12 @@ def generate_texts(state: dict, loaded: LoadedModel, engine: Engine, items, shar
         yield index, False, 0
 
 
-def _released(text: GeneratedText, labels) -> GeneratedText:
-    """The engine's text as a release keeps it: its key the batch index, its batch's labels, and never a
-    data-dependent spend (a function of the references)."""
-    return dataclasses.replace(text, key=int(text.key), spend=None,
-                               labels=None if labels is None else dict(labels[int(text.key)]))
+def _released(finished: GeneratedText, *, labels, guarantee, release_id, run, template, model_dtype):
+    """The engine's text as a release keeps it (its key the batch index, its batch's labels, and never a
+    data-dependent spend: a function of the references) and its output record (``template(i)``: batch i's prompt)."""
+    text = dataclasses.replace(finished, key=int(finished.key), spend=None,
+                               labels=None if labels is None else dict(labels[int(finished.key)]))
+    return text, _record(text, guarantee, release_id, run, template(text.batch_index), model_dtype=model_dtype)
 
 
 def charge_release(ledger, event, num_batches: int, release_id: str, label: str, *, privacy_unit: str | None = None) -> None:

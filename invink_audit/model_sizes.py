@@ -2,15 +2,11 @@
 
 A ``config.json`` is input like any other file: ``"num_hidden_layers": 1000000000000`` makes transformers
 build layer after layer (even on the ``meta`` device) until the machine runs out of memory, and a
-``hidden_size`` of ``10**9`` makes it allocate terabytes. :func:`estimated_parameters` reads the
-configuration as plain JSON (no transformers), refuses a size larger than any model has
-(:data:`SIZE_BOUNDS`) and estimates the parameter count; :func:`check_config_file` also refuses a model
-whose weights alone would need more than all of this machine's memory (:func:`machine_memory_bytes`),
-each in one ``ValueError`` naming the file. A size that is not an integer >= 1 (a bool, a float such as
-``4.5``, a string such as ``"32"``, ``-32``; ``null`` is left to the architecture's default, and an expert count
-may be 0: no experts) is refused the same way, before transformers builds anything (its own checks would end in
-a traceback). The file is read strictly: larger than :data:`MAX_CONFIG_BYTES`, or an object repeating a key
-(:func:`accounting.strict_json.loads_strict`), it is refused unread or unparsed.
+``hidden_size`` of ``10**9`` makes it allocate terabytes. :func:`check_config_file` reads it as plain JSON,
+strictly (:func:`read_config_file`), and refuses a size larger than any model has (:data:`SIZE_BOUNDS`), a size
+that is not an integer >= 1 (``null`` is left to the architecture's default; an expert count may be 0) and
+weights beyond all of this machine's memory (:func:`machine_memory_bytes`), each in one ``ValueError`` naming
+the file, before transformers builds anything (its own checks would end in a traceback).
 """
 
 from __future__ import annotations
@@ -120,10 +116,8 @@ def _sizes(config: Mapping, where: str) -> dict[str, int]:
                         f"{where}: {name} is {shown}, not an integer >= {least}: "
                         "not a configuration a model can be built from"
                     )
-            if not given:
-                continue
-            largest = max(given)
-            sizes.setdefault(size, max(0, int(largest)))
+            if given:
+                sizes.setdefault(size, max(0, int(max(given))))
     return sizes
 
 
@@ -194,13 +188,8 @@ def cached_hub_config(repo_id: str) -> Path | None:
 
 def looks_like_path(model: str) -> bool:
     """Whether a model string can only be a local path (hub ids are ``name`` or ``owner/name``)."""
-    return (
-        model.startswith(("/", "./", "../", "~", "\\"))
-        or model in (".", "..")
-        or model.lower().endswith(".gguf")
-        or model.count("/") > 1
-        or "\\" in model
-    )
+    return (model.startswith(("/", "./", "../", "~", "\\")) or model in (".", "..") or model.lower().endswith(".gguf")
+            or model.count("/") > 1 or "\\" in model)
 
 
 def _gib(count: int) -> str:

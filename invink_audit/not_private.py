@@ -49,16 +49,13 @@ OWNER_ONLY = 0o600
 
 
 def mark_not_private(record: Mapping, notice: str | None = None) -> dict:
-    """``record`` with the marker first: ``{"not_private": true, "privacy_notice": ..., **record}``.
-
-    The notice is ``notice``, else the record's own ``privacy_notice``, else :data:`NOT_PRIVATE_BANNER`;
-    it must start with ``NOT PRIVATE``. Idempotent; the input is not modified.
-    """
+    """``record`` with the marker first: ``{"not_private": true, "privacy_notice": ..., **record}``; the notice
+    is ``notice``, else the record's own, else :data:`NOT_PRIVATE_BANNER`, and must start with ``NOT PRIVATE``.
+    Idempotent; the input is not modified."""
     text = notice if notice is not None else record.get(PRIVACY_NOTICE_KEY, NOT_PRIVATE_BANNER)
     if not isinstance(text, str) or not text.startswith("NOT PRIVATE"):
         raise ValueError(f"a privacy notice must start with 'NOT PRIVATE'; got {text!r}")
-    rest = {k: v for k, v in record.items() if k not in (NOT_PRIVATE_KEY, PRIVACY_NOTICE_KEY)}
-    return {NOT_PRIVATE_KEY: True, PRIVACY_NOTICE_KEY: text, **rest}
+    return {NOT_PRIVATE_KEY: True, PRIVACY_NOTICE_KEY: text, **unmark(record)}
 
 
 def unmark(record: Mapping) -> dict:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
+import io
 import json
 import logging
 import os
@@ -67,8 +69,8 @@ def _file_lock(path, timeout: float):
 
 
 def _open(path: Path, mode: str, *, create: bool = False, file_mode: int = 0o600):
-    """``open(path, mode)`` without following a symbolic link at ``path`` (refused); ``create``: create a
-    missing file (with ``file_mode``) whatever ``mode`` says, never truncating an existing one."""
+    """``open(path, mode)`` without following a symbolic link (refused); ``create``: create a missing file
+    (with ``file_mode``), never truncating an existing one."""
     extra = os.O_CREAT if create else 0
     return open(path, mode, opener=lambda name, flags: open_no_follow(name, flags | extra, file_mode))
 
@@ -110,11 +112,7 @@ def shard_path(output: Path, attempt: str, rank: int) -> Path:
 
 def shard_paths(output: Path) -> list[Path]:
     """Every shard next to ``output``, in name order."""
-    return sorted(output.parent.glob(f"{_glob_escape(output.name)}.shard-*.jsonl"))
-
-
-def _glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+    return sorted(output.parent.glob(f"{glob.escape(output.name)}.shard-*.jsonl"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,15 +131,8 @@ class _Lines:
 
 def _split_lines(data: bytes):
     """``(line_number, line, complete)`` for each ``\\n``-terminated line, then an unterminated tail."""
-    position, number = 0, 0
-    while position < len(data):
-        end = data.find(b"\n", position)
-        number += 1
-        if end < 0:
-            yield number, data[position:], False
-            return
-        yield number, data[position : end + 1], True
-        position = end + 1
+    for number, line in enumerate(io.BytesIO(data), start=1):  # split on b"\n" only
+        yield number, line, line.endswith(b"\n")
 
 
 def _repeats(err: DuplicateKeyError) -> str:
@@ -180,12 +171,9 @@ def _read_records(path: Path) -> _Lines:
 
 
 def read_generation_output(path: str | os.PathLike) -> list[dict]:
-    """The text records of an output file.
-
-    A torn last line from an interrupted run is ignored; a last line that lacks only its newline but
-    parses as a record is kept. Records of seeded runs carry ``guarantee: None`` and a
-    ``guarantee_void_reason``; records written before that change carry the planned figures.
-    """
+    """The text records of an output file: a torn last line from an interrupted run is ignored; a last line
+    that lacks only its newline but parses as a record is kept. Seeded runs' records carry ``guarantee: None``
+    and a ``guarantee_void_reason``; records written before that change carry the planned figures."""
     return _read_records(Path(path)).records
 
 
@@ -244,22 +232,12 @@ def _parse_journal(data: bytes, path: Path, release_id: str, num_batches: int, f
     return _Lines(entries, keep, False)
 
 
-def _first_claims(entries) -> dict:
-    """Batch index → its first journal entry's record (``None`` for a bare claim): the first claim wins."""
-    first: dict = {}
-    for index, record in entries:
-        first.setdefault(index, record)
-    return first
-
-
 class Journal:
     """The shared sampled-batch journal of one release: :meth:`claim` is first-wins across processes.
 
-    Appends happen under a file lock, after reading what other processes appended since, through an
-    ``O_APPEND`` descriptor (a line is never written over another); a torn last line (its writer died
-    mid-append, before its claim returned) is cut off under the lock. Readers take the first line of a
-    batch as its claim. The file must exist (:func:`start_output` creates it); it is opened without
-    following a symbolic link, and appended to owner-only (0600).
+    Appends happen under a file lock, after reading what others appended since, through an ``O_APPEND``
+    descriptor; a torn last line (its writer died mid-append) is cut off under the lock. The file must exist
+    (:func:`start_output` creates it); it is opened without following a symbolic link, owner-only (0600).
     """
 
     def __init__(self, output: Path, release_id: str, num_batches: int) -> None:
@@ -272,8 +250,7 @@ class Journal:
         self._claimed: set[int] = set()
 
     def claim(self, batch_index: int, record: dict | None = None) -> bool:
-        """Record ``batch_index`` as sampled, with its ``record``; ``False`` (nothing written) if some
-        process already did."""
+        """Record ``batch_index`` as sampled, with its ``record``; ``False`` (nothing written) if some process did."""
         return self.claim_many([(batch_index, record)])[0]
 
     def claim_many(self, entries) -> list[bool]:
@@ -299,10 +276,8 @@ class Journal:
                 won.append(ok)
                 if ok:
                     self._claimed.add(batch_index)
-                    line = {"batch_index": batch_index, "release_id": self.release_id}
-                    if record is not None:
-                        line["record"] = record
-                    lines.append(line)
+                    lines.append({"batch_index": batch_index, "release_id": self.release_id,
+                                  **({} if record is None else {"record": record})})
             if lines:
                 with _open(self.path, "ab") as handle:
                     _append_lines(handle, lines)
@@ -316,13 +291,9 @@ class Journal:
 
 
 class RecordSink:
-    """Where one process appends its records: the output itself (one process) or its own shard.
-
-    A shard's lock is held while the sink is open, so that a later run refuses to start while a stray
-    process of this one may still write (:func:`inspect_output`). The file is opened without following a
-    symbolic link at ``path`` (refused); a new one gets the usual mode (``0o666`` less the umask), as the
-    merged output does.
-    """
+    """Where one process appends its records: the output itself (one process) or its own shard, whose lock
+    is held while the sink is open (a later run refuses to start while a stray process may still write). The
+    file is opened without following a symbolic link; a new one gets mode ``0o666`` less the umask."""
 
     def __init__(self, path: Path, *, keep: int | None = None, needs_newline: bool = False, lock: bool = False) -> None:
         self.path = path
@@ -391,12 +362,9 @@ def release_text(journal: Journal | None, sink: RecordSink | None, batch_index: 
 
 @dataclasses.dataclass(frozen=True)
 class OutputState:
-    """What :func:`inspect_output` found (nothing is written until the ledger charge succeeds).
-
-    ``records``: every finished record, from the output, its shards and the journal, one per batch, by
-    batch index. ``keep``/``needs_newline``: how a single process appends to the output (a torn last line
-    dropped). ``recovered``: records only the journal holds (to be merged into the output).
-    """
+    """What :func:`inspect_output` found (nothing is written until the ledger charge succeeds): ``records``,
+    one per batch by batch index, from the output, its shards and the journal; ``keep``/``needs_newline``: how
+    a single process appends to the output; ``recovered``: records only the journal holds."""
 
     release_id: str
     is_new: bool
@@ -475,7 +443,7 @@ def read_state(output: Path) -> dict:
     state_file = state_path(output)
     try:
         state = loads_strict(state_file.read_text(encoding="utf-8"))
-        run, release_id, _fingerprint = state["run"], state["release_id"], state["input_sha256"]
+        run, release_id, _ = state["run"], state["release_id"], state["input_sha256"]  # each key must be there
     except DuplicateKeyError as err:
         raise ValueError(f"resume state {str(state_file)!r} is corrupt: it {_repeats(err)}") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
@@ -514,7 +482,10 @@ def read_journal_claims(output: Path, release_id: str, num_batches: int) -> dict
         data = _read_no_follow(journal_file)
     except FileNotFoundError:
         return None
-    return _first_claims(_parse_journal(data, journal_file, release_id, num_batches).records)
+    first: dict = {}
+    for index, record in _parse_journal(data, journal_file, release_id, num_batches).records:
+        first.setdefault(index, record)  # the first claim wins
+    return first
 
 
 def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputState:
@@ -526,19 +497,16 @@ def inspect_output(output: Path, fingerprint: str, num_batches: int) -> OutputSt
     shard_files = [path for shard in shards for path in (shard, shard.with_name(shard.name + ".lock"))]
     for path in (output, state_file, journal_file, journal_lock, pending_path(output), *shard_files):
         refuse_symlink(path)  # bookkeeping files are this tool's own, never links (refused before the charge)
-    if state_file.exists():
-        clear_pending(output)
     if not state_file.exists():
         return _fresh_output_state(output, fingerprint, state_file, journal_file, shards)
+    clear_pending(output)
     state = read_state(output)
     old_run, old_fingerprint, release_id = state["run"], state["input_sha256"], state["release_id"]
     version = state.get("version", 1)
     if old_fingerprint != fingerprint:
         raise ValueError(f"{str(output)!r} was written from a different input; use a new --output file")
     _check_shards_idle(output, shards)
-    claims = None
-    if version == STATE_VERSION and journal_file.exists():
-        claims = _first_claims(_parse_journal(_read_no_follow(journal_file), journal_file, release_id, num_batches).records)
+    claims = read_journal_claims(output, release_id, num_batches) if version == STATE_VERSION else None
     records, main, recovered = _collect_records(output, release_id, num_batches, shards, claims)
     seen = {record["batch_index"] for record in records}
     _check_no_sampled_batch_lost(output, state_file, journal_file, version, num_batches, claims, seen)
@@ -665,14 +633,8 @@ def clear_pending(output: Path) -> None:
 
 def start_output(output: Path, state: OutputState, fingerprint: str, run: dict, release_id: str | None = None) -> None:
     """Create the journal (empty, owner-only, never through a link), then turn the pending file into the
-    state file: only after the ledger charge succeeded.
-
-    The pending file is rewritten with the state's contents and renamed over the state file, one atomic
-    rename, so the two never exist together: a stop before the rename leaves the pending file (the rerun
-    charges the same id, which the ledger records once) and an empty journal without state (harmless);
-    after it, the state file alone (a resume uses its id; a new release, with output, state and journal
-    deleted, gets a fresh id and is charged).
-    """
+    state file by one atomic rename, only after the ledger charge succeeded (what a stop before or after the
+    rename leaves: docs/design/release-protocol.md, "The files next to the output")."""
     fd = open_no_follow(journal_path(output), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         os.fsync(fd)
@@ -724,24 +686,16 @@ def write_records(path: Path, records, *, keep_mode: bool = True, allow_nan: boo
 
 def merge_shards(output: Path, release_id: str, num_batches: int) -> int:
     """Fold every idle shard and every record only the journal holds into ``output``, ordered by batch
-    index, atomically; then remove the merged shards. Returns the number of records in the output.
+    index, atomically (an output in finishing order is rewritten too: the line order never depends on the
+    schedule); then remove the merged shards. Returns the number of records in the output.
 
-    An output whose lines are in another order (a single process appends texts as they finish, and
-    the finishing order is not part of the release) is rewritten in batch order too, so the published
-    file's line order never depends on the schedule.
-
-    Call it holding the output lock. Each shard's lock is taken (without waiting) and held until the
-    shard is removed; a shard still locked by a live writer is left alone (its records are in the
-    journal, and the next merge takes it). A crash before the replace leaves the old files; after it,
-    shards whose records the output already holds (identical copies, merged again next time). Lock
-    files are never removed (removing one while held would let two processes hold "the" lock).
+    Call it holding the output lock. A shard still locked by a live writer is left for the next merge (its
+    records are in the journal); a crash after the replace leaves identical copies, merged again next time.
+    Lock files are never removed (removing one while held would let two processes hold "the" lock).
     """
     from filelock import Timeout
 
-    journal_file = journal_path(output)
-    claims = None
-    if journal_file.exists():
-        claims = _first_claims(_parse_journal(_read_no_follow(journal_file), journal_file, release_id, num_batches).records)
+    claims = read_journal_claims(output, release_id, num_batches)
     with contextlib.ExitStack() as held:
         shards = []
         for shard in shard_paths(output):

@@ -6,7 +6,6 @@ check can prove, and the holder record and its heartbeat: docs/guide/capacity.md
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -159,8 +158,7 @@ def _other_process(output: Path, timeout: float) -> str:
 
 def _remove(*paths: Path) -> None:
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        path.unlink(missing_ok=True)
 
 
 def _flock_failed(err: OSError) -> LockStep:
@@ -256,10 +254,9 @@ def _holder_from(record) -> _Holder | str:
     """The checked record, or why it is not one."""
     if not isinstance(record, dict):
         return "not a JSON object"
-    fields = {k: record.get(k) for k in ("host", "pid", "until", "boot", "pid_namespace", "token", "beat", "interval")}
-    fields = {k: v for k, v in fields.items() if v is not None}
     kinds = {"host": str, "pid": int, "until": (int, float), "boot": str, "pid_namespace": str, "token": str,
              "beat": int, "interval": (int, float)}
+    fields = {k: record[k] for k in kinds if record.get(k) is not None}
     for key, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, kinds[key]):
             return f"its {key!r} is {printable(value, _SHOWN_CHARS)}"
@@ -449,13 +446,8 @@ def probe_lock(directory: str | os.PathLike, *, wait: float | None = None) -> Lo
                 "excluded by a process of its own machine, which proves nothing about other machines; run the probe "
                 "on another machine"))
         return _probe_result(path, PASS, steps, f"excluded: the lock {holder.who} holds excludes this machine")
-    return _acquired(path, holder, steps, same, _default_wait(holder) if wait is None else wait)
-
-
-def _default_wait(holder: _Holder) -> float:
-    """How long a probe that acquired the lock waits for the holder's next beat: three beats and 2 s (a slow
-    shared filesystem)."""
-    return 3 * holder.interval + 2.0
+    # by default a probe that acquired the lock waits three beats and 2 s (a slow shared filesystem)
+    return _acquired(path, holder, steps, same, 3 * holder.interval + 2.0 if wait is None else wait)
 
 
 def _acquired(path: Path, holder: _Holder, steps: list[LockStep], same: bool, wait: float) -> LockCheck:

@@ -165,30 +165,18 @@ class PromptTemplate:
     def as_json(self) -> dict:
         """The template as a JSON object (recorded with a release; the answer prefix, stop strings, examples
         and completion flag only when set, so records of older releases read and resume unchanged)."""
-        record = {"name": self.name, "system": self.system, "private": self.private, "public": self.public,
-                  "fields": dict(self.fields)}
-        if self.answer_prefix:
-            record["answer_prefix"] = self.answer_prefix
-        if self.stop:
-            record["stop"] = list(self.stop)
-        if self.examples:
-            record["examples"] = list(self.examples)
-        if self.completion:
-            record["completion"] = True
-        return record
+        optional = {"answer_prefix": self.answer_prefix, "stop": list(self.stop), "examples": list(self.examples),
+                    "completion": self.completion}
+        return {"name": self.name, "system": self.system, "private": self.private, "public": self.public,
+                "fields": dict(self.fields), **{key: value for key, value in optional.items() if value}}
 
     @classmethod
     def from_json(cls, record: Mapping) -> PromptTemplate:
-        """The inverse of :meth:`as_json`."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(record) - known
+        """The inverse of :meth:`as_json` (the constructor makes the recorded lists tuples)."""
+        unknown = set(record) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"a recorded prompt has unknown key(s) {sorted(unknown)}")
-        values = dict(record)
-        for key in ("stop", "examples"):
-            if key in values:
-                values[key] = tuple(values[key])
-        return cls(**values)
+        return cls(**record)
 
     def messages(self, reference: str | None) -> list[dict[str, str]]:
         """Chat messages (system, user) for one reference; a null reference gives the public messages."""
@@ -390,27 +378,19 @@ PRESET_LABEL_FIELDS: Mapping[str, tuple[LabelField, ...]] = MappingProxyType(
 def defaulted_label_fields(
     template: PromptTemplate, given: Sequence[str] = (), filled: Sequence[str] = ()
 ) -> tuple[str, ...]:
-    """The fields of ``template`` that describe the data's labels (the preset's label rule fills them,
-    :data:`PRESET_LABEL_FIELDS`, e.g. Yelp's ``category`` and ``stars``) and still hold the preset's
-    example values, neither ``given`` explicitly nor ``filled`` by labels.
-
-    Such a template prompts every text as, say, a 4-star restaurant review whatever the references
-    are: :func:`invink_audit.generation.generate` refuses it. A template of another name (not a preset)
-    has no example values. A template holding the example values is counted as defaulted even when
-    they were set on purpose: give them as ``given`` (``prompt_fields``) to say so.
-    """
+    """The fields of ``template`` that describe the data's labels (:data:`PRESET_LABEL_FIELDS`, e.g. Yelp's
+    ``category`` and ``stars``) and still hold the preset's example values, neither ``given`` explicitly nor
+    ``filled`` by labels: such a template prompts every text as, say, a 4-star restaurant review whatever the
+    references are, and :func:`invink_audit.generation.generate` refuses it. Values set on purpose to the
+    examples count as defaulted unless ``given`` (``prompt_fields``)."""
     preset = _PRESETS.get(template.name.lower())
     if preset is None:
         return ()
     described = {rule.field for rule in PRESET_LABEL_FIELDS.get(preset.name, ())}
-    return tuple(
-        sorted(
-            name
-            for name in described
-            if name not in given and name not in filled and name in template.field_names
-            and template.fields.get(name) == preset.fields.get(name)
-        )
-    )
+    return tuple(sorted(
+        name for name in described if name not in given and name not in filled and name in template.field_names
+        and template.fields.get(name) == preset.fields.get(name)
+    ))
 
 
 def require_label_fields(template: PromptTemplate, given: Sequence[str] = (), filled: Sequence[str] = ()) -> None:
@@ -527,13 +507,10 @@ def refuse_private_strings(named: Sequence[tuple[str, str]], references: Sequenc
 def label_fields_for(
     template: PromptTemplate, label_columns: Sequence[str], fields: Mapping[str, str] | None = None
 ) -> tuple[LabelField, ...]:
-    """The :class:`LabelField` of each label column for ``template``.
-
-    ``fields`` maps a column to a template field explicitly (no prefix is removed then). Otherwise a
-    column takes the preset's rule (:data:`PRESET_LABEL_FIELDS`, by template name) or, failing that, the
-    field of the same name. A column that fills no field, or a field that is not the template's, is an
-    error: a label that does not reach the prompt would condition nothing.
-    """
+    """The :class:`LabelField` of each label column for ``template``: the field ``fields`` maps it to (no
+    prefix removed), else the preset's rule (:data:`PRESET_LABEL_FIELDS`), else the field of the same name. A
+    column that fills no field of the template is an error: a label that does not reach the prompt would
+    condition nothing."""
     if isinstance(label_columns, str) or not isinstance(label_columns, Sequence) or not label_columns:
         raise ValueError(f"label_columns must be a non-empty sequence of column names; got {label_columns!r}")
     explicit = dict(fields or {})
@@ -597,10 +574,9 @@ def template_for_batch(
 def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]], *, plain: bool = False) -> tuple[int, ...]:
     """Token ids of ``messages`` with the tokenizer's chat template and the generation prompt appended.
 
-    A tokenizer without a chat template is rejected: the prompts of the paper are chat prompts, and
-    silently inventing a format would change the model's behaviour without notice. ``plain=True`` is
-    that choice made explicitly, for base models: the messages' contents joined by blank lines, as a
-    text to continue (the tokenizer's own special tokens, e.g. BOS, included).
+    A tokenizer without a chat template is rejected (the paper's prompts are chat prompts; inventing a format
+    would change the model's behaviour unnoticed). ``plain=True`` makes that choice explicitly, for base
+    models: the contents joined by blank lines, as a text to continue (with the tokenizer's special tokens).
     """
     if plain:
         return _plain_ids(tokenizer, messages)
@@ -674,16 +650,11 @@ def reached_stop(tokenizer, token_ids: Sequence[int], stop: Sequence[str]) -> bo
 class TextRequest:
     """The encoded prompts for one text: the public prompt and one private prompt per reference.
 
-    ``private_ids[i] is None`` marks a null (empty) reference: its row *is* the public row (the engine
-    does not compute it separately), so its logits equal the public logits exactly. ``key`` is an
-    arbitrary label returned with the finished text (e.g. the batch index). ``stop``: the template's
-    public stop strings: the engine ends the text at the first token after which its decoded text
-    contains one.
-
-    ``private_prefix``: token ids that the template puts before every reference (computed from the
-    template alone, never from the data: :func:`template_prefix`). The engine computes their cache once
-    and copies it into every private row that starts with them (a row whose tokenisation differs at
-    the boundary is prefilled whole), so that shared part of the prompts is not recomputed per row.
+    ``private_ids[i] is None`` marks a null (empty) reference: its row *is* the public row, so its logits
+    equal the public logits exactly. ``key``: returned with the finished text (e.g. the batch index).
+    ``stop``: the template's public stop strings, ending the text at the first token after which it holds one.
+    ``private_prefix``: the token ids the template puts before every reference, from the template alone,
+    never the data (:func:`template_prefix`); the engine caches them once for every row that starts with them.
     """
 
     public_ids: tuple[int, ...]
@@ -727,9 +698,7 @@ def template_prefix(tokenizer, template: PromptTemplate, *, plain: bool = False)
     looked at), less its last token (a tokenizer may merge it with a reference's first characters)."""
     first = encode_prompt(tokenizer, template, "Zq", plain=plain)
     second = encode_prompt(tokenizer, template, "7 .", plain=plain)
-    count = 0
-    while count < min(len(first), len(second)) and first[count] == second[count]:
-        count += 1
+    count = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
     return first[: max(count - 1, 0)]
 
 

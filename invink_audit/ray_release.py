@@ -51,8 +51,6 @@ class _Worker:
     """A Ray Data callable class: loads the model once per actor, generates the batches of each call."""
 
     def __init__(self, state: dict, key_holder) -> None:
-        import ray
-
         self.state, self.key_holder = state, key_holder
         self.loaded, self.engine = state["load"].build(state["mechanism"], state["load"].device)
         # one shard per actor life: a restarted actor writes a new one
@@ -65,12 +63,8 @@ class _Worker:
 
         items = [(int(index), [None if r is None else str(r) for r in refs]) for index, refs in zip(batch["batch_index"], batch["references"])]
         keys = ray.get(self.key_holder.stream_keys.remote([index for index, _ in items]))
-        out = {"batch_index": [], "released": [], "num_tokens": []}
-        for index, released, tokens in generate_texts(self.state, self.loaded, self.engine, items, self.shard, keys):
-            out["batch_index"].append(index)
-            out["released"].append(released)
-            out["num_tokens"].append(tokens)
-        return out
+        rows = list(generate_texts(self.state, self.loaded, self.engine, items, self.shard, keys))
+        return {name: [row[i] for row in rows] for i, name in enumerate(("batch_index", "released", "num_tokens"))}
 
 
 @contextlib.contextmanager
@@ -131,15 +125,14 @@ def generate_on_ray(
     **options,
 ) -> GenerationResult:
     """:func:`~invink_audit.generation.generate` on a Ray cluster. When Ray is not initialised, ``ray.init()``
-    is called (``RAY_ADDRESS``: that cluster; else a local one in an owner-only temporary folder) and
-    ``ray.shutdown()`` when the call returns, the folder then removed; call ``ray.init()`` yourself to keep Ray.
+    is called (``RAY_ADDRESS``: that cluster; else a local one in an owner-only temporary folder, removed after
+    ``ray.shutdown()`` when the call returns); call ``ray.init()`` yourself to keep Ray.
 
     ``concurrency``: actors (each loads the model once); ``num_gpus`` / ``num_cpus``: per actor;
-    ``texts_per_call``: batches per actor call (texts the engine decodes together). ``options``: the
-    keyword arguments of :func:`~invink_audit.generation.generate` (``config`` its release parameters);
+    ``texts_per_call``: batches per actor call. ``options``: :func:`~invink_audit.generation.generate`'s;
     ``output`` is required (its journal keeps one text per batch under task retries), ``model`` must be a path
-    or name (or a :class:`~invink_audit.generation.ModelSpec` of one), and ``hooks.on_text`` is called on the driver once the pipeline has finished (``hooks.on_tokens``
-    is refused).
+    or name (or a ``ModelSpec`` of one), ``hooks.on_text`` is called on the driver once the pipeline has
+    finished, and ``hooks.on_tokens`` is refused.
     """
     for name, value in (("concurrency", concurrency), ("texts_per_call", texts_per_call)):
         check_count(name, value)
