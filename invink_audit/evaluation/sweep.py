@@ -301,7 +301,7 @@ class _SweepRun:
     def _input(self):
         """The references as ``generate`` takes them, and the column to read: the file, or with ``where``
         the selected records (read once)."""
-        from invink_audit.data import read_labelled_references, read_references, select_references
+        from invink_audit.data import ReferencesFile, select_references
 
         config = self.config
         if self._selected is None:
@@ -309,10 +309,8 @@ class _SweepRun:
             if config.where:
                 self._selected = select_references(self.references, config.where, column=config.column,
                                                    label_columns=columns)
-            elif columns:
-                self._selected = read_labelled_references(self.references, column=config.column, label_columns=columns)
             else:
-                self._selected = read_references(self.references, column=config.column)
+                self._selected = ReferencesFile(self.references, config.column, columns or None).read()
         return self._selected
 
     def _generate_reference_points(self, first: Mapping, directories: Mapping, generated: Mapping) -> None:
