@@ -283,10 +283,8 @@ def renyi_divergence(log_p: torch.Tensor, log_q: torch.Tensor, alpha: float) -> 
     (``-inf`` for zero).
     """
     alpha = check_order("alpha", alpha, allow_inf=True)
-    lp = log_p.to(torch.float64)
-    lq = log_q.to(torch.float64)
-    on_p = lp > -math.inf
-    on_q = lq > -math.inf
+    lp, lq = log_p.to(torch.float64), log_q.to(torch.float64)
+    on_p, on_q = lp > -math.inf, lq > -math.inf
     escapes = (on_p & ~on_q).any(dim=-1)
     both = on_p & on_q
     if math.isinf(alpha):
@@ -304,10 +302,8 @@ def log_ratio_span(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     A mechanism is ε-bounded-range iff this is <= ε for every pair of neighbours (Durfee &
     Rogers 2019, arXiv:1905.04273).
     """
-    lp = log_p.to(torch.float64)
-    lq = log_q.to(torch.float64)
-    on_p = lp > -math.inf
-    on_q = lq > -math.inf
+    lp, lq = log_p.to(torch.float64), log_q.to(torch.float64)
+    on_p, on_q = lp > -math.inf, lq > -math.inf
     differ = (on_p != on_q).any(dim=-1)
     loss = lp - lq
     both = on_p & on_q
