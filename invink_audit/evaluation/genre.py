@@ -64,8 +64,11 @@ _PREAMBLE_START = (
         r"(?:here|below|I'd|I would|I'll|I will|I can|let me|happy|glad|no problem)\b", _I
     ),
     # "Here's a mock review", "Here is another review" (not "Here's the thing")
-    re.compile(_LEAD + r"here(?:'s| is| are)\s+(?:a|an|another|one|some|my|your"
-               r"|the (?:review|text|example|requested|revised))\b", _I),
+    re.compile(
+        _LEAD + r"here(?:'s| is| are)\s+(?:a|an|another|one|some|my|your"
+        r"|the (?:review|text|example|requested|revised))\b",
+        _I,
+    ),
     # "Below is a review", "The following is ..."
     re.compile(_LEAD + r"(?:below is|the following is)\b", _I),
     # "I'd be happy to provide you with ...", "I'm glad to help"
@@ -84,7 +87,8 @@ _AI_SELF = re.compile(
     r"|\blanguage model\b|\bI(?:'m| am) here to (?:help|assist)\b"
     r"|\bI(?:'d| would| am|'m)? ?(?:be )?(?:more than )?(?:happy|glad) to (?:help|assist) (?:you|with)\b"
     r"|\b(?:I(?:'m| am)(?: very| so| truly)? sorry|I apologi[sz]e) for (?:any|the) (?:confusion|misunderstanding)\b"
-    r"|\bwhat you(?:'re| are) talking about\b)", _I
+    r"|\bwhat you(?:'re| are) talking about\b)",
+    _I,
 )
 
 _URL = re.compile(r"https?://|\bwww\.[\w-]+", _I)
@@ -119,21 +123,31 @@ _META = (
         r"(?:\w+\s+)?(?:review|text|business|restaurant|place|message|customer|company|name|summary)\b", _I
     ),
     # "Here is a review ...", "this review is ..." announcing itself mid-text
-    re.compile(r"\b(?:here(?:'s| is)|below is)\s+(?:a|an|another|my|the)\s+(?:\w+\s+)?"
-               r"(?:review|text|example|version|sample|snippet|draft|correction|rewrite)\b"
-               r"|\bhere(?:'s| is| are) the (?:list|response|text|paragraphs?|answer|results?|review|example)\b", _I),
-    re.compile(r"\bthe (?:provided|given|above|original|following|previous|requested) "
-               r"(?:text|review|example|prompt|message|instructions)\b", _I),
+    re.compile(
+        r"\b(?:here(?:'s| is)|below is)\s+(?:a|an|another|my|the)\s+(?:\w+\s+)?"
+        r"(?:review|text|example|version|sample|snippet|draft|correction|rewrite)\b"
+        r"|\bhere(?:'s| is| are) the (?:list|response|text|paragraphs?|answer|results?|review|example)\b",
+        _I,
+    ),
+    re.compile(
+        r"\bthe (?:provided|given|above|original|following|previous|requested) "
+        r"(?:text|review|example|prompt|message|instructions)\b",
+        _I,
+    ),
     re.compile(r"\b(?:one more|another|a) similar (?:review|text|message)\b", _I),
     # placeholders
-    re.compile(r"\[[^\]\n]{0,15}(?:name|restaurant|business|your|insert|company|place|city|location|date|address)"
-               r"[^\]\n]{0,15}\]|\[(?:type|category|item|dish|food|number|rating|stars?)\]", _I),
+    re.compile(
+        r"\[[^\]\n]{0,15}(?:name|restaurant|business|your|insert|company|place|city|location|date|address)"
+        r"[^\]\n]{0,15}\]|\[(?:type|category|item|dish|food|number|rating|stars?)\]",
+        _I,
+    ),
     # markdown headings and bold labels
     re.compile(r"^[ \t]*#{1,6}[ \t]+\S|\*\*[^\s*][^*\n]{0,40}[^\s*]\*\*", _M),
     # an assistant's sign-off
     re.compile(
         r"\bI hope (?:this|that|these|it) (?:helps|meets|is helpful|gives|fits)\b|\blet me know if\b"
-        r"|\bfeel free to (?:modify|adjust|customi[sz]e|edit|change|use|tweak|ask)\b|\bhappy to help\b(?=[^.!?]*$)", _I
+        r"|\bfeel free to (?:modify|adjust|customi[sz]e|edit|change|use|tweak|ask)\b|\bhappy to help\b(?=[^.!?]*$)",
+        _I,
     ),
 )
 
