@@ -36,26 +36,43 @@ def register(subparsers) -> None:
     add(p, "--clip-norm", default="0.5", help="clip norm C (sets the Top-k+ band 2C/B; default 0.5)")
     add(p, "--temperature", help="temperature tau (default 1.0)")
     p.add_argument("--repeats", default="3", help="alternating private/forward step repeats (>= 0; default 3)")
-    p.add_argument("--references", default=None, help="private texts to use (.csv or .jsonl; default: the shipped "
-                   "fictional demo references); the first G x B texts (after --where) are used in file order")
+    p.add_argument(
+        "--references",
+        default=None,
+        help="private texts to use (.csv or .jsonl; default: the shipped fictional demo references); the first "
+        "G x B texts (after --where) are used in file order",
+    )
     add(p, "--column", default=None, help="column/field of --references holding the text (default text)")
     add(p, "--where")
     _add_comparison_arguments(p)
     add(p, "--max-batch-rows", help="rows per decoding forward pass (default G x (B+1))")
-    p.add_argument("--full-length", action="store_true", help="every text draws T tokens, end-of-sequence not "
-                   "stopping it, in our runs and the reference's: equal work for the per-token comparison (stopping at "
-                   "end-of-sequence, two runs draw different numbers of tokens and share their prefill over them)")
-    p.add_argument("--compare-dtypes", action="store_true", help="run the whole workload in float32 and in bfloat16 "
-                   "side by side, alternating (float32, bfloat16, bfloat16, float32, ...), and say what --dtype auto "
-                   "chooses here and why; only the whole workload is run (--repeats, the one-at-a-time, floor and "
-                   "full-logits runs do not apply); with --reference, the reference package is timed in each of our "
-                   "dtypes")
+    p.add_argument(
+        "--full-length",
+        action="store_true",
+        help="every text draws T tokens, end-of-sequence not stopping it, in our runs and the reference's: equal "
+        "work for the per-token comparison (stopping at end-of-sequence, two runs draw different numbers of tokens "
+        "and share their prefill over them)",
+    )
+    p.add_argument(
+        "--compare-dtypes",
+        action="store_true",
+        help="run the whole workload in float32 and in bfloat16 side by side, alternating (float32, bfloat16, "
+        "bfloat16, float32, ...), and say what --dtype auto chooses here and why; only the whole workload is run "
+        "(--repeats, the one-at-a-time, floor and full-logits runs do not apply); with --reference, the reference "
+        "package is timed in each of our dtypes",
+    )
     p.add_argument("--rounds", default=None, help="with --compare-dtypes: workload runs per dtype (>= 1; default 2)")
-    p.add_argument("--reference", action="store_true", help="also time the reference `invink` package's decode "
-                   "loop on the same workload (must be importable)")
-    p.add_argument("--reference-config", default="shipped,matched", help="comma-separated configurations of the "
-                   "reference package to time: 'shipped' (its default dtype and device_map='auto') and 'matched' (our "
-                   "dtype and device) (default: shipped,matched)")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time the reference `invink` package's decode loop on the same workload (must be importable)",
+    )
+    p.add_argument(
+        "--reference-config",
+        default="shipped,matched",
+        help="comma-separated configurations of the reference package to time: 'shipped' (its default dtype "
+        "and device_map='auto') and 'matched' (our dtype and device) (default: shipped,matched)",
+    )
     add(p, "--json", help="print one JSON object")
 
 
@@ -63,10 +80,17 @@ def _add_comparison_arguments(p) -> None:
     """The runs measured beside the workload, each skipped or added by its flag."""
     p.add_argument("--no-one-at-a-time", action="store_true", help="skip the one-text-at-a-time run")
     p.add_argument("--no-floor", action="store_true", help="skip the bare unpadded forward (floor) run")
-    p.add_argument("--no-op-count", action="store_true", help="skip counting kernel-launching operations per "
-                   "decoding step (ours and a plain padded decode's; one more prefill of each)")
-    p.add_argument("--compare-full-logits", action="store_true",
-                   help="also run the workload with full private logits, to show what the Top-k+ columns save")
+    p.add_argument(
+        "--no-op-count",
+        action="store_true",
+        help="skip counting kernel-launching operations per decoding step (ours and a plain padded decode's; "
+        "one more prefill of each)",
+    )
+    p.add_argument(
+        "--compare-full-logits",
+        action="store_true",
+        help="also run the workload with full private logits, to show what the Top-k+ columns save",
+    )
 
 
 def _bench(args) -> int:

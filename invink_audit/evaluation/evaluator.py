@@ -324,14 +324,21 @@ def _result(synthetic: TextSet, real: TextSet, config: EvaluationConfig, mauve, 
     """The :class:`EvaluationResult` of :func:`evaluate`'s phases (``real``: the real texts sampled for MAUVE and
     perplexity), with the off-genre shares and its small-sample warnings."""
     result = EvaluationResult(
-        mauve=mauve["paper"], mauve_c5=mauve["library"], **ppl,
+        mauve=mauve["paper"],
+        mauve_c5=mauve["library"],
+        **ppl,
         generated_tokens=None if synthetic.num_tokens is None else wald_interval(synthetic.num_tokens, config.confidence),
-        eos_share=_eos_share(synthetic), tstr=tstr, num_synthetic=len(synthetic.texts), num_real=len(real.texts),
-        embedding_model=config.embedding_model, seconds=seconds, num_empty_synthetic=empty,
+        eos_share=_eos_share(synthetic),
+        tstr=tstr,
+        num_synthetic=len(synthetic.texts),
+        num_real=len(real.texts),
+        embedding_model=config.embedding_model,
+        seconds=seconds,
+        num_empty_synthetic=empty,
         embedding_dtype=getattr(embedder, "dtype", None),
         off_genre_synthetic=off_genre_share(synthetic.texts, config.confidence),
         off_genre_real=off_genre_share(real.texts, config.confidence),
-    )  # fmt: skip
+    )
     return dataclasses.replace(result, warnings=small_sample_warnings(result))
 
 
