@@ -66,8 +66,13 @@ class TextSet:
 
     def subset(self, indices: Sequence[int]) -> TextSet:
         pick = lambda values: None if values is None else tuple(values[i] for i in indices)  # noqa: E731
-        fields = ("texts", "labels", "num_tokens", "finish_reasons")
-        return dataclasses.replace(self, **{f: pick(getattr(self, f)) for f in fields})
+        return TextSet(
+            texts=pick(self.texts),
+            labels=pick(self.labels),
+            num_tokens=pick(self.num_tokens),
+            finish_reasons=pick(self.finish_reasons),
+            source=self.source,
+        )
 
 
 def _label_value(record: Mapping, column: str, where: str) -> str:
@@ -233,28 +238,30 @@ class EvaluationResult:
         if self.tstr is not None:
             gap = self.tstr.gap_closed
             out["tstr_gap_closed"] = None if gap is None else {**gap.to_json(), "note": self.tstr.gap_closed_note}
-        out |= {
-            "perplexity_synthetic": None if self.perplexity_synthetic is None else self.perplexity_synthetic.to_json(),
-            "perplexity_real": None if self.perplexity_real is None else self.perplexity_real.to_json(),
-            "length_synthetic_tokens": self.length_synthetic.to_json(),
-            "length_real_tokens": self.length_real.to_json(),
-            "generated_tokens": None if self.generated_tokens is None else self.generated_tokens.to_json(),
-            "eos_share": self.eos_share,
-            "tstr": None if self.tstr is None else self.tstr.to_json(),
-            "num_synthetic": self.num_synthetic,
-            "num_real": self.num_real,
-            "embedding_model": EMBEDDING_MODELS[self.embedding_model].hub_id,
-            "scorer": self.scorer,
-            "scorer_dtype": None if self.scorer_dtype is None else dict(self.scorer_dtype),
-            "embedding_dtype": self.embedding_dtype,
-            "ppl_unscored_synthetic": self.ppl_unscored_synthetic,
-            "ppl_truncated": self.ppl_truncated,
-            "num_empty_synthetic": self.num_empty_synthetic,
-            "warnings": list(self.warnings),
-            "off_genre_synthetic": None if self.off_genre_synthetic is None else self.off_genre_synthetic.to_json(),
-            "off_genre_real": None if self.off_genre_real is None else self.off_genre_real.to_json(),
-            "seconds": dict(self.seconds),
-        }
+        out.update(
+            {
+                "perplexity_synthetic": None if self.perplexity_synthetic is None else self.perplexity_synthetic.to_json(),
+                "perplexity_real": None if self.perplexity_real is None else self.perplexity_real.to_json(),
+                "length_synthetic_tokens": self.length_synthetic.to_json(),
+                "length_real_tokens": self.length_real.to_json(),
+                "generated_tokens": None if self.generated_tokens is None else self.generated_tokens.to_json(),
+                "eos_share": self.eos_share,
+                "tstr": None if self.tstr is None else self.tstr.to_json(),
+                "num_synthetic": self.num_synthetic,
+                "num_real": self.num_real,
+                "embedding_model": EMBEDDING_MODELS[self.embedding_model].hub_id,
+                "scorer": self.scorer,
+                "scorer_dtype": None if self.scorer_dtype is None else dict(self.scorer_dtype),
+                "embedding_dtype": self.embedding_dtype,
+                "ppl_unscored_synthetic": self.ppl_unscored_synthetic,
+                "ppl_truncated": self.ppl_truncated,
+                "num_empty_synthetic": self.num_empty_synthetic,
+                "warnings": list(self.warnings),
+                "off_genre_synthetic": None if self.off_genre_synthetic is None else self.off_genre_synthetic.to_json(),
+                "off_genre_real": None if self.off_genre_real is None else self.off_genre_real.to_json(),
+                "seconds": dict(self.seconds),
+            }
+        )
         return mark_not_private(out, EVALUATION_PRIVACY_NOTICE)
 
 
@@ -400,9 +407,16 @@ def _mauve(p_features: np.ndarray, q_features: np.ndarray, config: EvaluationCon
     """MAUVE in the paper's setting and the library's (paper App. D.4), each with its interval."""
     update = progress("MAUVE", 2 * (config.mauve_seeds + config.mauve_bootstrap))
     return {
-        key: mauve_interval(p_features, q_features, setting, num_seeds=config.mauve_seeds,
-                            num_bootstrap=config.mauve_bootstrap, confidence=config.confidence,
-                            rng=np.random.default_rng([config.seed, 1 if key == "paper" else 2]), progress=update)
+        key: mauve_interval(
+            p_features,
+            q_features,
+            setting,
+            num_seeds=config.mauve_seeds,
+            num_bootstrap=config.mauve_bootstrap,
+            confidence=config.confidence,
+            rng=np.random.default_rng([config.seed, 1 if key == "paper" else 2]),
+            progress=update,
+        )
         for key, setting in (("paper", PAPER_SETTING), ("library", LIBRARY_SETTING))
     }
 
@@ -451,9 +465,15 @@ def _tstr(synthetic: TextSet, real: TextSet, config: EvaluationConfig) -> TstrRe
         raise ValueError("TSTR needs at least 2 labelled real texts (one to train the ceiling, one to test)")
     test_idx, train_idx = sorted(order[:n_test].tolist()), sorted(order[n_test:].tolist())
     return train_on_synthetic_test_on_real(
-        synthetic.texts, synthetic.labels, [real.texts[i] for i in train_idx], [real.labels[i] for i in train_idx],
-        [real.texts[i] for i in test_idx], [real.labels[i] for i in test_idx], num_bootstrap=config.tstr_bootstrap,
-        confidence=config.confidence, rng=np.random.default_rng([config.seed, 5]),
+        synthetic.texts,
+        synthetic.labels,
+        [real.texts[i] for i in train_idx],
+        [real.labels[i] for i in train_idx],
+        [real.texts[i] for i in test_idx],
+        [real.labels[i] for i in test_idx],
+        num_bootstrap=config.tstr_bootstrap,
+        confidence=config.confidence,
+        rng=np.random.default_rng([config.seed, 5]),
     )
 
 

@@ -109,8 +109,14 @@ def mauve_score(p_features, q_features, setting: MauveSetting = PAPER_SETTING, *
         raise ValueError(f"p_features and q_features must have the same dimension; got {p.shape[1]} and {q.shape[1]}")
     buckets = setting.num_buckets(min(len(p), len(q)))
     with _captured_native_stderr(), _one_thread():
-        out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=buckets,
-                                  mauve_scaling_factor=float(setting.scaling_factor), seed=int(seed), verbose=False)
+        out = mauve.compute_mauve(
+            p_features=p,
+            q_features=q,
+            num_buckets=buckets,
+            mauve_scaling_factor=float(setting.scaling_factor),
+            seed=int(seed),
+            verbose=False,
+        )
     return float(out.mauve)
 
 
@@ -163,20 +169,29 @@ def mauve_interval(
     p = _check_features("p_features", p_features)
     q = _check_features("q_features", q_features)
     rng = rng if rng is not None else np.random.default_rng(20251)
-
-    def score(p_set: np.ndarray, q_set: np.ndarray, seed: int) -> float:
-        value = mauve_score(p_set, q_set, setting, seed=seed)
+    seed_scores = []
+    for seed in range(num_seeds):
+        seed_scores.append(mauve_score(p, q, setting, seed=seed))
         if progress is not None:
             progress(1)
-        return value
-
-    seed_scores = [score(p, q, seed) for seed in range(num_seeds)]
     estimate = float(np.mean(seed_scores))
-    resample = lambda x: x[rng.integers(0, len(x), size=len(x))]  # noqa: E731
-    replicates = [score(resample(p), resample(q), num_seeds + r) for r in range(num_bootstrap)]
+    replicates = []
+    for r in range(num_bootstrap):
+        p_star = p[rng.integers(0, len(p), size=len(p))]
+        q_star = q[rng.integers(0, len(q), size=len(q))]
+        replicates.append(mauve_score(p_star, q_star, setting, seed=num_seeds + r))
+        if progress is not None:
+            progress(1)
     if replicates:
         interval = percentile_interval(estimate, replicates, confidence, method="bootstrap over texts and k-means seeds")
     else:
         interval = Interval(estimate, min(seed_scores), max(seed_scores), confidence, "range over k-means seeds")
-    return MauveResult(setting, interval, tuple(seed_scores), tuple(replicates), setting.num_buckets(min(len(p), len(q))),
-                       num_synthetic=len(p), num_real=len(q))
+    return MauveResult(
+        setting=setting,
+        interval=interval,
+        seed_scores=tuple(seed_scores),
+        bootstrap_scores=tuple(replicates),
+        num_buckets=setting.num_buckets(min(len(p), len(q))),
+        num_synthetic=len(p),
+        num_real=len(q),
+    )

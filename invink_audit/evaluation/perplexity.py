@@ -177,8 +177,13 @@ def score_perplexity(
     if cache is not None and keep:
         cache.put_many(keep)
     rows = [values[k] for k in keys]
-    return PerplexityScores(tuple(None if r[1] == 0 else float(math.exp(r[0])) for r in rows),
-                            tuple(int(r[1]) for r in rows), int(sum(r[2] for r in rows)), max_tokens, str(loaded_model.name))
+    return PerplexityScores(
+        perplexities=tuple(None if r[1] == 0 else float(math.exp(r[0])) for r in rows),
+        num_tokens=tuple(int(r[1]) for r in rows),
+        truncated=int(sum(r[2] for r in rows)),
+        max_tokens=max_tokens,
+        scorer=str(loaded_model.name),
+    )
 
 
 def delta_ppl_interval(

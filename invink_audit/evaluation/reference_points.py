@@ -132,8 +132,15 @@ def generate_reference_points(
         private.append(encode_prompt(loaded.tokenizer, template, first))
     out = {}
     for kind, prompts, offset in (("floor", public, 0), ("ceiling", private, 1)):
-        sampled = _sample(loaded, prompts, max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
-                          seed=seed * 2 + offset, batch=generation_batch, stop=base.stop)
-        texts, num_tokens, reasons = zip(*sampled)
-        out[kind] = ReferenceTexts(kind, texts, tuple(labels), num_tokens, reasons)
+        sampled = _sample(
+            loaded, prompts, max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
+            seed=seed * 2 + offset, batch=generation_batch, stop=base.stop,
+        )
+        out[kind] = ReferenceTexts(
+            kind=kind,
+            texts=tuple(s[0] for s in sampled),
+            labels=tuple(labels),
+            num_tokens=tuple(s[1] for s in sampled),
+            finish_reasons=tuple(s[2] for s in sampled),
+        )
     return out

@@ -147,12 +147,26 @@ def train_on_synthetic_test_on_real(
 
     with threadpool_limits(limits=1):  # small fits: BLAS threads only spin-wait on a shared machine
         accuracy = accuracies(np.arange(len(synthetic_texts)), np.arange(n), np.arange(m))
-        resample = lambda size: rng.integers(0, size, size=size)  # noqa: E731
-        replicas = [accuracies(resample(len(synthetic_texts)), resample(n), resample(m)) for _ in range(num_bootstrap)]
+        replicas = [
+            accuracies(
+                rng.integers(0, len(synthetic_texts), size=len(synthetic_texts)),
+                rng.integers(0, n, size=n),
+                rng.integers(0, m, size=m),
+            )
+            for _ in range(num_bootstrap)
+        ]
     boot = {k: np.asarray([r[k] for r in replicas]) for k in accuracy}
     how = "bootstrap over training and test texts (classifiers retrained)"
     intervals = {k: percentile_interval(accuracy[k], boot[k], confidence, method=how) for k in accuracy}
     gap, note = _gap_closed(accuracy, boot, confidence, how)
-    return TstrResult(intervals["synthetic"], intervals["ceiling"], intervals["floor"], gap, note,
-                      num_train_synthetic=len(synthetic_texts), num_train_real=n, num_test=m,
-                      num_classes=len(set(real_test_labels) | set(synthetic_labels)))
+    return TstrResult(
+        accuracy_synthetic=intervals["synthetic"],
+        accuracy_ceiling=intervals["ceiling"],
+        accuracy_floor=intervals["floor"],
+        gap_closed=gap,
+        gap_closed_note=note,
+        num_train_synthetic=len(synthetic_texts),
+        num_train_real=n,
+        num_test=m,
+        num_classes=len(set(real_test_labels) | set(synthetic_labels)),
+    )
