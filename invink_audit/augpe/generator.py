@@ -171,9 +171,8 @@ class AugPEStats:
 @dataclasses.dataclass(frozen=True)
 class AugPEResult:
     """The released texts (the last iteration's selection), the a-priori ``guarantee`` (void when seeded or the paper's
-    convention: its ``void_reason`` says why), each iteration's released
-    noisy histogram (DP outputs: post-processing keeps them private), ``stats``, and the ``release_id`` (the one a
-    ledger was charged with, when one was)."""
+    convention: its ``void_reason`` says why), each iteration's released noisy histogram (DP outputs: post-processing
+    keeps them private), ``stats``, and the ``release_id`` (the one a ledger was charged with, when one was)."""
 
     texts: tuple[str, ...]
     guarantee: MechanismGuarantee
@@ -234,8 +233,8 @@ def augpe_generate(references, config: AugPEConfig, *, model=None, embedder="mpn
     ``seed``: a fixed seed makes the run reproducible and its guarantee void (:class:`SeededGeneratorWarning`).
     ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged once with the event's ρ
     (:class:`accounting.ZcdpEvent`, :func:`~invink_audit.generation.charge_release`) after every check and before
-    anything is generated or embedded; refused for the
-    paper's convention (no guarantee) and for add-or-remove (it does not compose with replace-by-null releases).
+    anything is generated or embedded; refused for the paper's convention (no guarantee) and for add-or-remove (it
+    does not compose with replace-by-null releases).
     ``progress``: ``progress(phase, done, total)`` (e.g. :func:`invink_audit.cli.phase_progress`'s), told when the
     references are embedded and after each batch of LLM generations (of :attr:`AugPEConfig.num_generations`).
     """

@@ -238,12 +238,11 @@ class Embedder:
         import torch
 
         self.spec = _spec(model)
-        batch_size = check_count("batch_size", batch_size)
+        self.batch_size = check_count("batch_size", batch_size)
         if dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16'; got {dtype!r}")
         check_count("max_seq_length", max_seq_length, minimum=2, allow_none=True)
         self.max_seq_length = max_seq_length or self.spec.max_seq_length
-        self.batch_size = batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = "float32" if dtype == "auto" else dtype
         self._dtype_checked = dtype != "auto"

@@ -312,21 +312,18 @@ def evaluate(
     n_real = min(len(real.texts), config.max_real or len(synthetic.texts))
     real_sample = real.subset(sorted(rng.choice(len(real.texts), size=n_real, replace=False).tolist()))
     seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    embedder = embedder or config.make_embedder()
-    p_features, q_features = _embed(synthetic, real_sample, config, embedder, progress)
-    seconds["embedding"] = time.perf_counter() - start
-    start = time.perf_counter()
-    mauve = _mauve(p_features, q_features, config, progress)
-    seconds["mauve"] = time.perf_counter() - start
-    start = time.perf_counter()
-    ppl = _perplexity(synthetic, real_sample, config, scorer_model, progress)
-    seconds["perplexity"] = time.perf_counter() - start
-    tstr = None
-    if synthetic.labels is not None:
+
+    def timed(phase: str, run: Callable):
         start = time.perf_counter()
-        tstr = _tstr(synthetic, real, config)
-        seconds["tstr"] = time.perf_counter() - start
+        out = run()
+        seconds[phase] = time.perf_counter() - start
+        return out
+
+    embedder = embedder or config.make_embedder()
+    p_features, q_features = timed("embedding", lambda: _embed(synthetic, real_sample, config, embedder, progress))
+    mauve = timed("mauve", lambda: _mauve(p_features, q_features, config, progress))
+    ppl = timed("perplexity", lambda: _perplexity(synthetic, real_sample, config, scorer_model, progress))
+    tstr = None if synthetic.labels is None else timed("tstr", lambda: _tstr(synthetic, real, config))
     return _result(synthetic, real_sample, config, mauve, ppl, tstr, seconds, empty, embedder)
 
 

@@ -490,24 +490,18 @@ def _smoothed_loss(log_probs, tokens, vocab_size: int):
 
 
 def _read(path, config: ProfileConfig, *, where: Mapping[str, str] | None = None, unit=None):
-    from invink_audit.data import read_labelled_references, read_references, select_references
+    from invink_audit.data import ReferencesFile, select_references, unit_slots
 
-    if unit is not None:  # the proxy references as the unit's rule makes its slots (a release's references)
-        from invink_audit.data import read_unit_references, unit_slots
-
-        refs = read_unit_references(path, unit, column=config.column,
-                                    label_columns=config.label_columns or None)  # fmt: skip
-        texts, positions = unit_slots(refs)
-        return texts, None if refs.labels is None else [dict(refs.labels.labels[p]) for p in positions]
     if where:
         records = select_references(path, where, column=config.column, label_columns=config.label_columns)
-        if config.label_columns:
-            return list(records.texts), [dict(m) for m in records.labels]
-        return list(records), None
+    else:
+        records = ReferencesFile(path, config.column, config.label_columns or None, unit).read()
+    if unit is not None:  # the proxy references as the unit's rule makes its slots (a release's references)
+        texts, positions = unit_slots(records)
+        return texts, None if records.labels is None else [dict(records.labels.labels[p]) for p in positions]
     if config.label_columns:
-        records = read_labelled_references(path, column=config.column, label_columns=config.label_columns)
         return list(records.texts), [dict(m) for m in records.labels]
-    return read_references(path, column=config.column), None
+    return list(records), None
 
 
 def _choose_texts(proxy, real, config: ProfileConfig, tokenizer, eos_ids) -> tuple[list[_Text], int]:

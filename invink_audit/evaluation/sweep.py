@@ -301,7 +301,7 @@ class _SweepRun:
     def _input(self):
         """The references as ``generate`` takes them, and the column to read: the file, or with ``where``
         the selected records (read once)."""
-        from invink_audit.data import read_labelled_references, read_references, select_references
+        from invink_audit.data import ReferencesFile, select_references
 
         config = self.config
         if self._selected is None:
@@ -309,10 +309,8 @@ class _SweepRun:
             if config.where:
                 self._selected = select_references(self.references, config.where, column=config.column,
                                                    label_columns=columns)
-            elif columns:
-                self._selected = read_labelled_references(self.references, column=config.column, label_columns=columns)
             else:
-                self._selected = read_references(self.references, column=config.column)
+                self._selected = ReferencesFile(self.references, config.column, columns or None).read()
         return self._selected
 
     def _generate_reference_points(self, first: Mapping, directories: Mapping, generated: Mapping) -> None:
@@ -408,11 +406,8 @@ def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: boo
     """The sweep table (Markdown): one row per point, reference points first; then which sampled differences
     are significant, the n that would separate the closest points, the small-sample warnings, and (``profile``:
     a :class:`~invink_audit.evaluation.profile.ProfileResult` on the same grid) the planning signal's ranking."""
-    budget = (
-        "References declared public/proxy: nothing was charged."
-        if public_proxy
-        else f"Every InvisibleInk row is a separate release charged to the ledger {ledger} (sequential composition)."
-    )
+    budget = ("References declared public/proxy: nothing was charged." if public_proxy else
+              f"Every InvisibleInk row is a separate release charged to the ledger {ledger} (sequential composition).")
     table = []
     for r in rows:
         p, g, e = r.params, r.guarantee or {}, r.evaluation
@@ -425,10 +420,7 @@ def sweep_markdown(rows: Sequence[SweepPoint], *, ledger=None, public_proxy: boo
             _cell(e.get("tstr_gap_closed"), 2), f"{r.seconds_generation:.0f}",
         ))
     lines = [
-        "# Sweep",
-        "",
-        "NOT PRIVATE: evaluations are computed from the real texts in the clear. " + budget,
-        "",
+        "# Sweep", "", "NOT PRIVATE: evaluations are computed from the real texts in the clear. " + budget, "",
         *md_table("point | ε (certified) | C | B | k | τ | T | fwd rows/text | tokens | MAUVE (paper) | MAUVE (c=5) | ΔPPL | "
                   "TSTR gap closed | gen s", table),
     ]
@@ -458,17 +450,13 @@ def _significance_lines(rows: Sequence[SweepPoint]) -> list[str]:
     pairs = [(a, b) for i, a in enumerate(private) for b in private[i + 1 :]]
     if not pairs:
         return []
-    separated = 0
-    closest = None
-    for a, b in pairs:
-        ma, mb = a.evaluation["mauve"], b.evaluation["mauve"]
-        separated += ma["lower"] > mb["upper"] or mb["lower"] > ma["upper"]
-        gap = abs(ma["estimate"] - mb["estimate"])
-        if closest is None or gap < closest[0]:
-            closest = (gap, a, b)
-    gap, a, b = closest
+    mauve = lambda r: r.evaluation["mauve"]  # noqa: E731
+    gap_of = lambda pair: abs(mauve(pair[0])["estimate"] - mauve(pair[1])["estimate"])  # noqa: E731
+    separated = sum(mauve(a)["lower"] > mauve(b)["upper"] or mauve(b)["lower"] > mauve(a)["upper"] for a, b in pairs)
+    a, b = min(pairs, key=gap_of)
+    gap = gap_of((a, b))
     n = min(a.evaluation["num_synthetic"], b.evaluation["num_synthetic"])
-    half = sum((x.evaluation["mauve"]["upper"] - x.evaluation["mauve"]["lower"]) / 2 for x in (a, b))
+    half = sum((mauve(x)["upper"] - mauve(x)["lower"]) / 2 for x in (a, b))
     need = "no number of texts (equal estimates)" if gap == 0 else f"about {math.ceil(n * (half / gap) ** 2)} texts per point"
     return ["", "## Which differences are significant", "",
             f"MAUVE (paper) separates {separated} of {len(pairs)} pairs of private points (intervals that do not overlap). "

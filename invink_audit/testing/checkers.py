@@ -99,10 +99,7 @@ def max_linf_change(
     *,
     adjacency: Adjacency = Adjacency.REPLACE_BY_NULL,
 ) -> SensitivityWitness:
-    """max over neighbours ``j`` of ‖f(R) − f(R'_j)‖∞, with ``f = aggregate_fn(private, public)``.
-
-    Each neighbour is built explicitly and ``aggregate_fn`` is re-run on it; differences in float64.
-    """
+    """max over neighbours ``j`` of ‖f(R) − f(R'_j)‖∞, with ``f = aggregate_fn(private, public)`` (module docstring)."""
     adjacency = Adjacency(adjacency)
     base = aggregate_fn(private_logits, public_logits).to(torch.float64)
     best = SensitivityWitness(-math.inf, -1, adjacency)
@@ -158,15 +155,8 @@ def check_linf_sensitivity(
 
     @given(batches, clip_norms)
     def run(batch, clip_norm):
-        assert_linf_sensitivity(
-            lambda p, q: aggregate_fn(p, q, clip_norm),
-            batch.private_logits,
-            batch.public_logits,
-            bound=sensitivity_fn(clip_norm, batch.batch_size),
-            adjacency=adjacency,
-            rtol=rtol,
-            atol=atol,
-        )
+        assert_linf_sensitivity(lambda p, q: aggregate_fn(p, q, clip_norm), batch.private_logits, batch.public_logits,
+                                bound=sensitivity_fn(clip_norm, batch.batch_size), adjacency=adjacency, rtol=rtol, atol=atol)
 
     _apply_settings(run, max_examples, shrink)()
 
@@ -190,12 +180,14 @@ def assert_linf_sensitivity_attained(
     clip_norms = clip_norms if clip_norms is not None else _s.clip_norms()
     best = {"ratio": -math.inf}
 
+    def change(batch, clip_norm) -> SensitivityWitness:
+        aggregate = lambda p, q: aggregate_fn(p, q, clip_norm)  # noqa: E731
+        return max_linf_change(aggregate, batch.private_logits, batch.public_logits, adjacency=adjacency)
+
     def attains(example) -> bool:
         batch, clip_norm = example
         bound = sensitivity_fn(clip_norm, batch.batch_size)
-        witness = max_linf_change(
-            lambda p, q: aggregate_fn(p, q, clip_norm), batch.private_logits, batch.public_logits, adjacency=adjacency
-        )
+        witness = change(batch, clip_norm)
         best["ratio"] = max(best["ratio"], witness.change / bound)
         return witness.change >= bound - tolerance
 
@@ -209,10 +201,7 @@ def assert_linf_sensitivity_attained(
             f"no input attains the claimed ℓ∞ sensitivity within {tolerance} under {Adjacency(adjacency).value} "
             f"adjacency; the largest change found was {best['ratio']:.6g} x the bound"
         ) from err
-    witness = max_linf_change(
-        lambda p, q: aggregate_fn(p, q, clip_norm), batch.private_logits, batch.public_logits, adjacency=adjacency
-    )
-    return batch, clip_norm, witness
+    return batch, clip_norm, change(batch, clip_norm)
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,10 +283,8 @@ def renyi_divergence(log_p: torch.Tensor, log_q: torch.Tensor, alpha: float) -> 
     (``-inf`` for zero).
     """
     alpha = check_order("alpha", alpha, allow_inf=True)
-    lp = log_p.to(torch.float64)
-    lq = log_q.to(torch.float64)
-    on_p = lp > -math.inf
-    on_q = lq > -math.inf
+    lp, lq = log_p.to(torch.float64), log_q.to(torch.float64)
+    on_p, on_q = lp > -math.inf, lq > -math.inf
     escapes = (on_p & ~on_q).any(dim=-1)
     both = on_p & on_q
     if math.isinf(alpha):
@@ -315,10 +302,8 @@ def log_ratio_span(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     A mechanism is ε-bounded-range iff this is <= ε for every pair of neighbours (Durfee &
     Rogers 2019, arXiv:1905.04273).
     """
-    lp = log_p.to(torch.float64)
-    lq = log_q.to(torch.float64)
-    on_p = lp > -math.inf
-    on_q = lq > -math.inf
+    lp, lq = log_p.to(torch.float64), log_q.to(torch.float64)
+    on_p, on_q = lp > -math.inf, lq > -math.inf
     differ = (on_p != on_q).any(dim=-1)
     loss = lp - lq
     both = on_p & on_q

@@ -32,10 +32,8 @@ def _rows(values) -> list[list[Fraction]]:
 def reference_aggregate(
     private_logits: Sequence[Sequence[float]], public_logits: Sequence[float], clip_norm: float
 ) -> list[Fraction]:
-    r"""Exact :math:`\phi_{pub} + \frac1B\sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})` for one step.
-
-    Paper Eq. (aggregated-logits).
-    """
+    r"""Exact :math:`\phi_{pub} + \frac1B\sum_i \mathrm{clip}_C(\phi_i - \phi_{pub})` for one step
+    (paper Eq. (aggregated-logits))."""
     pub = [Fraction(float(v)) for v in public_logits]
     rows = _rows(private_logits)
     c = Fraction(float(clip_norm))

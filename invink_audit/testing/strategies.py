@@ -176,11 +176,8 @@ def neighbour_pairs(draw, *, adjacency: Adjacency = Adjacency.REPLACE_BY_NULL, *
     """A :class:`NeighbourPair`: a :func:`logit_batches` draw and its neighbour at a drawn index."""
     batch = draw(logit_batches(**batch_kwargs))
     index = draw(st.integers(0, batch.batch_size - 1))
-    neighbour = LogitBatch(
-        neighbour_private_logits(batch.private_logits, batch.public_logits, index, adjacency=adjacency),
-        batch.public_logits,
-    )
-    return NeighbourPair(batch, neighbour, index, Adjacency(adjacency))
+    private = neighbour_private_logits(batch.private_logits, batch.public_logits, index, adjacency=adjacency)
+    return NeighbourPair(batch, LogitBatch(private, batch.public_logits), index, Adjacency(adjacency))
 
 
 def clip_norms(min_value: float = 1e-3, max_value: float = 20.0) -> st.SearchStrategy[float]:
@@ -212,12 +209,8 @@ def mechanism_configs(
     top_ks: st.SearchStrategy[int | None] = top_ks(),
 ) -> MechanismConfig:
     """A valid :class:`~invink_audit.mechanism.MechanismConfig` (difference clipping)."""
-    return MechanismConfig(
-        clip_norm=draw(clip_norms),
-        temperature=draw(temperatures),
-        top_k=draw(top_ks),
-        batch_size=draw(batch_sizes),
-    )
+    return MechanismConfig(clip_norm=draw(clip_norms), temperature=draw(temperatures), top_k=draw(top_ks),
+                           batch_size=draw(batch_sizes))
 
 
 def privacy_budgets(
@@ -254,11 +247,8 @@ def _tight_topk_batch(draw, batch_size, vocab_size, lead, clip_norm):
     public[y] = level - fraction * 2 * unit
     offset[y] = 2 * clip_norm
     rows = [public + offset] + [public.clone() for _ in range(batch_size - 1)]
-    private = torch.stack(rows, dim=-2)
-    shape = tuple(lead)
-    private = private.expand(*shape, batch_size, vocab_size).clone()
-    public = public.expand(*shape, vocab_size).clone()
-    return private, public, top_k
+    private = torch.stack(rows, dim=-2).expand(*lead, batch_size, vocab_size).clone()
+    return private, public.expand(*lead, vocab_size).clone(), top_k
 
 
 @st.composite
@@ -303,13 +293,7 @@ def topk_cases(
         ]
         batch = LogitBatch(torch.stack(rows, dim=-2).to(dtype), public.to(dtype))
     else:
-        batch = draw(
-            logit_batches(
-                batch_sizes=st.just(batch_size),
-                vocab_sizes=st.just(vocab_size),
-                leading_shapes=st.just(lead),
-                dtypes=st.just(dtype),
-            )
-        )
+        batch = draw(logit_batches(batch_sizes=st.just(batch_size), vocab_sizes=st.just(vocab_size),
+                                   leading_shapes=st.just(lead), dtypes=st.just(dtype)))
     top_k = draw(st.one_of(st.none(), st.integers(1, vocab_size), st.integers(1, max(1, vocab_size - 1))))
     return batch, clip_norm, top_k
