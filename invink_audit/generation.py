@@ -510,9 +510,11 @@ def generate(
     attributes of each slot, fill the prompt's fields). ``config``: :class:`ReleaseConfig` (InvisibleInk's:
     :func:`GenerationConfig`). ``model``: a path or name, a loaded model or a :class:`ModelSpec` (default
     :data:`~invink_audit.models.DEFAULT_GENERATOR`). ``prompt``: a preset name, a
-    :class:`~invink_audit.prompts.PromptTemplate` or a :class:`PromptSpec`. ``output``: JSON Lines, written as
-    texts finish and resumed when it exists. ``ledger``: an :class:`accounting.BudgetLedger` or its path, charged
-    once, after every check and before any decoding. ``seed``: ``None`` (OS entropy, the private default) or a
+    :class:`~invink_audit.prompts.PromptTemplate` or a :class:`PromptSpec`; a preset's label-describing fields
+    left at their example values are refused (:func:`~invink_audit.prompts.defaulted_label_fields`). ``output``:
+    JSON Lines, written as texts finish and resumed when it exists. ``ledger``: an :class:`accounting.BudgetLedger`
+    or its path, charged once, after every check and before any decoding (a data-dependent guarantee is refused,
+    :meth:`ReleaseConfig.event`). ``seed``: ``None`` (OS entropy, the private default) or a
     fixed seed, which warns and voids the guarantee (:data:`SEEDED_VOID_REASON`). ``hooks``: :class:`GenerationHooks`.
 
     Anything invalid raises ``ValueError`` before the model is loaded (the context check: after loading, before

@@ -364,7 +364,8 @@ def release_text(journal: Journal | None, sink: RecordSink | None, batch_index: 
 class OutputState:
     """What :func:`inspect_output` found (nothing is written until the ledger charge succeeds): ``records``,
     one per batch by batch index, from the output, its shards and the journal; ``keep``/``needs_newline``: how
-    a single process appends to the output; ``recovered``: records only the journal holds."""
+    a single process appends to the output (a torn last line dropped); ``recovered``: records only the journal
+    holds (to be merged into the output)."""
 
     release_id: str
     is_new: bool
@@ -689,8 +690,9 @@ def merge_shards(output: Path, release_id: str, num_batches: int) -> int:
     index, atomically (an output in finishing order is rewritten too: the line order never depends on the
     schedule); then remove the merged shards. Returns the number of records in the output.
 
-    Call it holding the output lock. A shard still locked by a live writer is left for the next merge (its
-    records are in the journal); a crash after the replace leaves identical copies, merged again next time.
+    Call it holding the output lock. Each shard's lock is taken (without waiting) and held until the shard is
+    removed; a shard still locked by a live writer is left for the next merge (its records are in the journal). A
+    crash before the replace leaves the old files; after it, identical copies, merged again next time.
     Lock files are never removed (removing one while held would let two processes hold "the" lock).
     """
     from filelock import Timeout

@@ -172,11 +172,11 @@ class PromptTemplate:
 
     @classmethod
     def from_json(cls, record: Mapping) -> PromptTemplate:
-        """The inverse of :meth:`as_json` (the constructor makes the recorded lists tuples)."""
+        """The inverse of :meth:`as_json` (a recorded list that is not a sequence is a ``TypeError``)."""
         unknown = set(record) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"a recorded prompt has unknown key(s) {sorted(unknown)}")
-        return cls(**record)
+        return cls(**{key: tuple(value) if key in ("stop", "examples") else value for key, value in record.items()})
 
     def messages(self, reference: str | None) -> list[dict[str, str]]:
         """Chat messages (system, user) for one reference; a null reference gives the public messages."""

@@ -178,3 +178,25 @@ def test_spec_mechanism_sections():
     for name in ("yelp_smollm2_amin", "yelp_smollm2_amin_paper", "yelp_smollm2_adapmixed"):
         spec = load_spec(root / f"{name}.toml")
         assert mechanism_from_section(spec.section("mechanism"), 7) is not None
+
+
+@pytest.mark.parametrize(
+    ("epsilon0", "max_new_tokens", "delta", "message"),
+    [(0.1, 20.5, 1e-6, "num_steps must be an integer"), (0.1, 20.0, 1e-6, "num_steps must be an integer"),
+     (True, 20, 1e-6, "epsilon0 must be a real number"), ("0.1", 20, 1e-6, "epsilon0 must be a real number"),
+     (0.1, 20, "1e-6", "delta must be a real number")],
+)
+def test_the_accountants_epsilons_refuse_what_the_accountant_refuses_even_after_a_cached_call(
+    epsilon0, max_new_tokens, delta, message
+):
+    """The report's per-accountant ε are cached by value: a value equal to a cached one (20.0 for 20, True for 1)
+    is still refused as :func:`accounting.composed_epsilon` refuses it, never answered from the cache."""
+    from accounting import composed_epsilon
+    from invink_audit.audit.analysis import accountant_epsilons
+
+    assert accountant_epsilons(0.1, 20, 1e-6, ["cks"]) == {"cks": composed_epsilon(1e-6, 0.1, 20, "cks")}
+    assert accountant_epsilons(1.0, 20, 1e-6, ["cks"]) == {"cks": composed_epsilon(1e-6, 1.0, 20, "cks")}
+    with pytest.raises(ValueError, match=message):
+        composed_epsilon(delta, epsilon0, max_new_tokens, "cks")
+    with pytest.raises(ValueError, match=message):
+        accountant_epsilons(epsilon0, max_new_tokens, delta, ["cks"])

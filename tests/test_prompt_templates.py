@@ -201,6 +201,9 @@ def test_the_paper_prompt_stays_available_and_unchanged():
     assert paper.answer_prefix == "" and paper.stop == () and not paper.completion
     assert get_preset("yelp").private == paper.private and get_preset("yelp").public == paper.public
     assert PromptTemplate.from_json(get_preset("yelp").as_json()) == get_preset("yelp")
+    # a recorded list that is not one is a TypeError, which a release's state reader reports as unreadable
+    with pytest.raises(TypeError):
+        PromptTemplate.from_json({**get_preset("yelp").as_json(), "stop": 5})
 
 
 def test_a_base_model_release_is_audited_with_its_completion_prompt(tmp_path):

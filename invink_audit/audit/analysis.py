@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from accounting import ACCOUNTANTS, composed_epsilon, rdp_to_epsilon, zcdp_to_epsilon
+from accounting.limits import check_count, check_delta, check_positive
 from invink_audit.audit import stats
 from invink_audit.audit.records import AccountantComparison, AuditTimings, DeltaEstimate, LossHistogram, ReportedClaim, SequenceEstimate, StepCheckSummary, WhiteBoxReport, WorstNeighbour, sampled_confirmations
 from invink_audit.audit.whitebox import (
@@ -61,9 +62,12 @@ def _composed_epsilon(epsilon0: float, max_new_tokens: int, delta: float, name: 
 
 
 def accountant_epsilons(epsilon0: float, max_new_tokens: int, delta: float, accountants) -> dict:
-    """ε(δ) of each named accountant of :mod:`accounting` for T tokens of an ε0-BR mechanism."""
+    """ε(δ) of each named accountant of :mod:`accounting` for T tokens of an ε0-BR mechanism (checked as
+    :func:`accounting.composed_epsilon` checks them, then cached on the checked values)."""
     names = tuple(accountants) if accountants is not None else ACCOUNTANTS
-    return {name: _composed_epsilon(float(epsilon0), int(max_new_tokens), float(delta), name) for name in names}
+    delta = check_delta("delta", delta)
+    epsilon0, max_new_tokens = check_positive("epsilon0", epsilon0), check_count("num_steps", max_new_tokens)
+    return {name: _composed_epsilon(epsilon0, max_new_tokens, delta, name) for name in names}
 
 
 def claim_epsilons(claim, delta: float, accountants=None) -> dict:
@@ -178,8 +182,9 @@ def _delta_tests(rec: RecordedAudit, losses_by_key: dict) -> tuple[list[stats.Te
                 details={"neighbour": j, "direction": d.value},
             )
         )
-        delta_rows += [DeltaEstimate(j, d.value, name, dl, eps, *row)  # row: δ̂ and the band's lower and upper ends
-                       for (name, dl, eps), *row in zip(points, curve.estimate, curve.band_lower, curve.band_upper)]
+        bands = zip(points, curve.estimate, curve.band_lower, curve.band_upper)
+        delta_rows += [DeltaEstimate(j, d.value, name, dl, eps, delta_estimate=estimate, band_lower=lower,
+                                     band_upper=upper) for (name, dl, eps), estimate, lower, upper in bands]
     return tests, delta_rows
 
 

@@ -667,7 +667,7 @@ def audit_release_file(
     """:func:`quick_audit` of a release from its output file (:class:`ReleaseFile`), in the dtype it ran in, with
     the model it names (``model``: the same model; another name and another fingerprint is a ``ValueError``).
     What was published is checked first (:mod:`invink_audit.audit.release_checks`; the findings, and the texts then
-    teacher-forced: docs/guide/auditing.md, "A finished output file"): a finding makes the verdict VIOLATION or
+    teacher-forced: docs/guide/auditing.md, "Auditing texts you just generated"): a finding makes the verdict VIOLATION or
     INCONCLUSIVE, and a release drawn with a fixed seed (``seeded-release``) is never a PASS. ``seed``: a fixed seed
     for the sampled audit (reproducible; default OS entropy). ``privacy_unit``: the unit column the release must
     protect (another, or none, is a ``ValueError``; a per-unit release is rebuilt with its unit's neighbours)."""

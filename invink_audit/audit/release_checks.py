@@ -272,8 +272,9 @@ def _same(a, b) -> bool:
 def _claim_problem(claimed, run: Mapping) -> tuple[str, str] | None:
     """``(kind, message)`` when the guarantee ``claimed`` is not the one the settings ``run`` certify."""
     if run.get("seeded"):
-        return None if claimed is None else ("edited-claim", "a seeded release (no guarantee: its noise is "
-                                             "reproducible) claims one")
+        if claimed is None:
+            return None
+        return "edited-claim", "a seeded release (no guarantee: its noise is reproducible) claims one"
     if claimed is None:
         return "weaker-claim", "claims no guarantee, but the release is not seeded"
     if not isinstance(claimed, Mapping):

@@ -251,8 +251,9 @@ class RenyiEstimate:
 
 def _renyi_estimate(samples: np.ndarray, alpha: float, significance: float, *, log_lower: float, upper: float,
                     estimator: str, claimed: float | None) -> RenyiEstimate:
-    r"""The estimate from samples s whose :math:`e^{(\alpha-1)s}` has mean :math:`e^{(\alpha-1)D_\alpha}`, ``upper``
-    an a-priori bound on each (exceeded, the claim is false: only the lower bound stands)."""
+    r"""The estimate from samples s whose :math:`e^{(\alpha-1)s}` has mean :math:`e^{(\alpha-1)D_\alpha}` (the
+    moment identity of :func:`renyi_monte_carlo` and :func:`renyi_importance_sampling`, docs/auditing_notes.md
+    §3–4), ``upper`` an a-priori bound on each (exceeded, the claim is false: only the lower bound stands)."""
     log_y, n = (alpha - 1.0) * samples, samples.size
     log_upper = math.inf if samples.max() > upper else (alpha - 1.0) * upper
     point = float(special.logsumexp(log_y) - math.log(n))

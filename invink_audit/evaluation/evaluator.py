@@ -316,10 +316,10 @@ def evaluate(
     def timed(phase: str, run: Callable):
         start = time.perf_counter()
         out = run()
-        seconds[phase] = time.perf_counter() - start
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
         return out
 
-    embedder = embedder or config.make_embedder()
+    embedder = timed("embedding", lambda: embedder or config.make_embedder())  # building it counts as embedding
     p_features, q_features = timed("embedding", lambda: _embed(synthetic, real_sample, config, embedder, progress))
     mauve = timed("mauve", lambda: _mauve(p_features, q_features, config, progress))
     ppl = timed("perplexity", lambda: _perplexity(synthetic, real_sample, config, scorer_model, progress))

@@ -450,13 +450,17 @@ def _significance_lines(rows: Sequence[SweepPoint]) -> list[str]:
     pairs = [(a, b) for i, a in enumerate(private) for b in private[i + 1 :]]
     if not pairs:
         return []
-    mauve = lambda r: r.evaluation["mauve"]  # noqa: E731
-    gap_of = lambda pair: abs(mauve(pair[0])["estimate"] - mauve(pair[1])["estimate"])  # noqa: E731
-    separated = sum(mauve(a)["lower"] > mauve(b)["upper"] or mauve(b)["lower"] > mauve(a)["upper"] for a, b in pairs)
-    a, b = min(pairs, key=gap_of)
-    gap = gap_of((a, b))
+    separated = 0
+    closest = None
+    for a, b in pairs:
+        ma, mb = a.evaluation["mauve"], b.evaluation["mauve"]
+        separated += ma["lower"] > mb["upper"] or mb["lower"] > ma["upper"]
+        gap = abs(ma["estimate"] - mb["estimate"])
+        if closest is None or gap < closest[0]:
+            closest = (gap, a, b)
+    gap, a, b = closest
     n = min(a.evaluation["num_synthetic"], b.evaluation["num_synthetic"])
-    half = sum((mauve(x)["upper"] - mauve(x)["lower"]) / 2 for x in (a, b))
+    half = sum((x.evaluation["mauve"]["upper"] - x.evaluation["mauve"]["lower"]) / 2 for x in (a, b))
     need = "no number of texts (equal estimates)" if gap == 0 else f"about {math.ceil(n * (half / gap) ** 2)} texts per point"
     return ["", "## Which differences are significant", "",
             f"MAUVE (paper) separates {separated} of {len(pairs)} pairs of private points (intervals that do not overlap). "

@@ -129,8 +129,9 @@ class MechanismGuarantee:
         """The guarantee as a release's records and summary write it (``void_reason`` only when void).
 
         InvisibleInk's (a bounded-range guarantee whose ``details`` name all of :data:`PLANNER_FIGURES`' parameters)
-        keeps the planner's figures, as its records have held them since their first version (``rho_token`` is
-        ``step_rho``, ``epsilon0`` ``step_epsilon0``); every other guarantee its own fields."""
+        keeps the planner's figures, as its records have held them since their first version: ε, δ,
+        ``rho_sequence``, ``rho_token`` (= ``step_rho``), ``epsilon0`` (= ``step_epsilon0``), the accountant, C, B, τ,
+        top-k and T. Every other guarantee: mechanism, kind, ε, δ, ``rho_sequence``, T, composition, description."""
         if self.composition == "bounded-range" and all(name in self.details for name in _PLANNER_DETAILS):
             figures = {**self.details, "epsilon": self.epsilon, "delta": self.delta, "rho_sequence": self.rho_sequence,
                        "rho_token": self.step_rho, "epsilon0": self.step_epsilon0, "max_new_tokens": self.max_new_tokens}

@@ -155,8 +155,15 @@ def check_linf_sensitivity(
 
     @given(batches, clip_norms)
     def run(batch, clip_norm):
-        assert_linf_sensitivity(lambda p, q: aggregate_fn(p, q, clip_norm), batch.private_logits, batch.public_logits,
-                                bound=sensitivity_fn(clip_norm, batch.batch_size), adjacency=adjacency, rtol=rtol, atol=atol)
+        assert_linf_sensitivity(
+            lambda p, q: aggregate_fn(p, q, clip_norm),
+            batch.private_logits,
+            batch.public_logits,
+            bound=sensitivity_fn(clip_norm, batch.batch_size),
+            adjacency=adjacency,
+            rtol=rtol,
+            atol=atol,
+        )
 
     _apply_settings(run, max_examples, shrink)()
 
@@ -181,8 +188,9 @@ def assert_linf_sensitivity_attained(
     best = {"ratio": -math.inf}
 
     def change(batch, clip_norm) -> SensitivityWitness:
-        aggregate = lambda p, q: aggregate_fn(p, q, clip_norm)  # noqa: E731
-        return max_linf_change(aggregate, batch.private_logits, batch.public_logits, adjacency=adjacency)
+        return max_linf_change(
+            lambda p, q: aggregate_fn(p, q, clip_norm), batch.private_logits, batch.public_logits, adjacency=adjacency
+        )
 
     def attains(example) -> bool:
         batch, clip_norm = example
