@@ -37,9 +37,11 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # every core runs tests (pytest-xdist), each worker on one torch thread: 2 workers of 1 thread take 5 minutes
-# on the 2-core machine where one process of 2 threads took 7.5 (docs: CHANGELOG.md)
+# on the 2-core machine where one process of 2 threads took 7.5 (docs: CHANGELOG.md). `--dist worksteal`: a worker
+# that runs out of tests takes some of another's queue, so no long test is left waiting behind another at the end
+# (on the idle 2-core machine, the same tree: 396-400 s with xdist's default `load`, 360 s with worksteal)
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist worksteal
 
 # the quick loop while developing (about a minute on an idle 2-core machine): accounting, the mechanism and
 # its property tests (hypothesis `dev` profile: at most 20 examples each, deterministic), prompts, data and
@@ -52,7 +54,7 @@ check: $(STAMP)
 	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -x -m "not slow" -p no:cacheprovider $(CHECK_TESTS)
 
 test-thorough: $(STAMP)
-	HYPOTHESIS_PROFILE=thorough OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto
+	HYPOTHESIS_PROFILE=thorough OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist worksteal
 
 # On a machine with CUDA (and a CUDA build of torch in $(PY)): the CUDA tests (the pool's CUDA graphs against eager
 # passes, public rows bitwise in both layouts, the oracle, one synchronisation per step), then the real-data benchmark
