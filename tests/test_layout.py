@@ -36,9 +36,9 @@ MAX_ADD_ARGUMENT = 110
 #: bench --full-length (+7), profile's two refusals (+5), the engine's per-device defaults in rows.py for the memory
 #: command (+4 net) and the bfloat16 CPU prefill speed-up in forward.py (+5) took it to 31,100; round 7's cuts with
 #: every feature kept (reuse, folding, inlining, dead code, docstrings pointing to the guides) to 30,603, and their
-#: review (checks before a cache, notes and loops restored) to 30,627.
+#: review (checks before a cache, notes and loops restored, lines over 120 columns rewrapped) to 30,629.
 #: Lower it as the library shrinks; raise it only with a feature, saying so in the changelog
-MAX_LIBRARY_LINES = 30_627
+MAX_LIBRARY_LINES = 30_629
 
 #: (importer prefix, forbidden target prefix): the layers, bottom up (accounting < the mechanism and the
 #: engine < generation < AugPE (which embeds with the

@@ -666,11 +666,12 @@ def audit_release_file(
 ) -> QuickAuditReport:
     """:func:`quick_audit` of a release from its output file (:class:`ReleaseFile`), in the dtype it ran in, with
     the model it names (``model``: the same model; another name and another fingerprint is a ``ValueError``).
-    What was published is checked first (:mod:`invink_audit.audit.release_checks`; the findings, and the texts then
-    teacher-forced: docs/guide/auditing.md, "Auditing texts you just generated"): a finding makes the verdict VIOLATION or
-    INCONCLUSIVE, and a release drawn with a fixed seed (``seeded-release``) is never a PASS. ``seed``: a fixed seed
-    for the sampled audit (reproducible; default OS entropy). ``privacy_unit``: the unit column the release must
-    protect (another, or none, is a ``ValueError``; a per-unit release is rebuilt with its unit's neighbours)."""
+    What was published is checked first (:mod:`invink_audit.audit.release_checks`; the findings, and the texts
+    then teacher-forced: docs/guide/auditing.md, "Auditing texts you just generated"): a finding makes the verdict
+    VIOLATION or INCONCLUSIVE, and a release drawn with a fixed seed (``seeded-release``) is never a PASS. ``seed``:
+    a fixed seed for the sampled audit (reproducible; default OS entropy). ``privacy_unit``: the unit column the
+    release must protect (another, or none, is a ``ValueError``; a per-unit release is rebuilt with its unit's
+    neighbours)."""
     from invink_audit.engine import ForcedTextMismatch
     from invink_audit.mechanism import make_generator
     from invink_audit.models import load_model, loadable_name, model_fingerprint

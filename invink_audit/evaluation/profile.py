@@ -173,8 +173,8 @@ class ProfileConfig:
         for mech, eps, b, tau in itertools.product(self.mechanisms, self.epsilons, self.batch_sizes, self.temperatures):
             if mech == "invisibleink":
                 units = 1 if self.privacy_unit is None else self.privacy_unit.unit_contributions
-                plan = plan_clip_norm(epsilon=eps, delta=self.delta, max_new_tokens=self.max_new_tokens,
-                                      batch_size=b, temperature=tau, accountant=self.accountant, unit_contributions=units)
+                plan = plan_clip_norm(epsilon=eps, delta=self.delta, max_new_tokens=self.max_new_tokens, batch_size=b,
+                                      temperature=tau, accountant=self.accountant, unit_contributions=units)
                 out += [GridPoint(plan.epsilon, b, k, plan.temperature, plan.clip_norm) for k in self.top_ks]
             elif mech == "adapmixed":
                 out.append(GridPoint(eps, b, None, tau, math.nan, mech))

@@ -99,7 +99,8 @@ def max_linf_change(
     *,
     adjacency: Adjacency = Adjacency.REPLACE_BY_NULL,
 ) -> SensitivityWitness:
-    """max over neighbours ``j`` of ‖f(R) − f(R'_j)‖∞, with ``f = aggregate_fn(private, public)`` (module docstring)."""
+    """max over neighbours ``j`` of ‖f(R) − f(R'_j)‖∞, with ``f = aggregate_fn(private, public)`` (the module
+    docstring)."""
     adjacency = Adjacency(adjacency)
     base = aggregate_fn(private_logits, public_logits).to(torch.float64)
     best = SensitivityWitness(-math.inf, -1, adjacency)
